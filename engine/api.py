@@ -1,0 +1,120 @@
+"""The engine's public vocabulary: request parameters, streamed events, results.
+
+These plain dataclasses cross the thread wall between the EngineWorker and its
+callers (the CLI, the app's bridge). They hold no MLX arrays, so the app can
+import this module without importing mlx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context: int = 64
+    seed: int | None = None
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int = 512
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_strings: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    prefill_chunk: int = 512
+    # Speculative decoding: "draft" (needs a mounted draft model) or "ngram".
+    speculative: Literal["draft", "ngram"] | None = None
+    ngram_size: int = 3
+    num_draft_tokens: int = 4
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the KV cache
+    generated_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    time_to_first_token: float = 0.0  # seconds
+    peak_memory_bytes: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    reasoning: str
+    token_ids: list[int]
+    token_logprobs: list[float] | None
+    finish_reason: FinishReason
+    stats: GenerationStats
+    error: str | None = None
+
+
+# ---- events streamed out of the worker -------------------------------------
+
+
+@dataclass
+class TokenEvent:
+    """New text. ``channel`` is "answer" or "reasoning" (thinking blocks)."""
+
+    request_id: int
+    text: str
+    channel: Literal["answer", "reasoning"]
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+@dataclass
+class ProgressEvent:
+    """Long work under way: loading weights, prefill, downloads."""
+
+    request_id: int
+    stage: str  # "load", "prefill", "download", "encode"
+    done: float
+    total: float
+    message: str = ""
+
+
+@dataclass
+class DoneEvent:
+    request_id: int
+    result: Any  # GenerationResult for generation, ModelInfo for loads, etc.
+
+
+@dataclass
+class ErrorEvent:
+    request_id: int
+    message: str  # one readable line
+    kind: str = "EngineError"
+
+
+@dataclass
+class MemoryEvent:
+    """Live memory figures, sent while generating and after loads."""
+
+    active_bytes: int
+    cache_bytes: int
+    peak_bytes: int
+    weights_bytes: int
+    kv_bytes: int
+    budget_bytes: int
+    total_bytes: int
+
+
+Event = TokenEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent
