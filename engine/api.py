@@ -118,3 +118,83 @@ class MemoryEvent:
 
 
 Event = TokenEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent
+
+
+# ---- model descriptions -----------------------------------------------------
+
+
+@dataclass
+class MemoryPlan:
+    """What a model needs, computed from file headers before any weight loads."""
+
+    weights_bytes: int
+    kv_bytes_per_token: int
+    budget_bytes: int
+    total_bytes: int  # the machine's memory
+
+    @property
+    def max_context(self) -> int:
+        spare = self.budget_bytes - self.weights_bytes
+        return max(0, spare // self.kv_bytes_per_token) if self.kv_bytes_per_token else 0
+
+    @property
+    def fits(self) -> bool:
+        return self.weights_bytes < self.budget_bytes
+
+
+@dataclass
+class ModelInfo:
+    path: str  # folder or .gguf file
+    name: str
+    family: str  # config's model_type
+    parameters: int
+    quantization: str  # "bf16", "4-bit g64", "Q8_0", ...
+    size_on_disk: int
+    context_length: int
+    plan: MemoryPlan | None = None
+    vision: bool = False
+    audio: bool = False
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- commands into the worker -------------------------------------------------
+
+
+@dataclass
+class LoadModel:
+    path: str
+    memory_budget: int | None = None
+
+
+@dataclass
+class UnloadModel:
+    pass
+
+
+@dataclass
+class InspectModel:
+    path: str
+
+
+@dataclass
+class Generate:
+    """Continue a conversation. ``session_id`` names the KV cache to reuse."""
+
+    session_id: str
+    messages: list[dict[str, Any]]
+    params: GenerationParams = field(default_factory=GenerationParams)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclass
+class Cancel:
+    target: int  # the request id to stop
+
+
+@dataclass
+class DropSession:
+    session_id: str
+
+
+Command = LoadModel | UnloadModel | InspectModel | Generate | Cancel | DropSession
