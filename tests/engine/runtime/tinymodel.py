@@ -10,7 +10,8 @@ import mlx.nn as nn
 class ConcatCache:
     """Keys/values grown by concatenation; trimmable, like a plain KV cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, trimmable: bool = True) -> None:
+        self.trimmable = trimmable
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
@@ -29,7 +30,7 @@ class ConcatCache:
         return [] if self.keys is None else [self.keys, self.values]
 
     def is_trimmable(self) -> bool:
-        return True
+        return self.trimmable
 
     def trim(self, n: int) -> int:
         n = min(n, self.offset)
@@ -41,8 +42,9 @@ class ConcatCache:
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, seed: int = 0) -> None:
+    def __init__(self, vocab: int = 64, dim: int = 32, seed: int = 0, trimmable: bool = True) -> None:
         super().__init__()
+        self.trimmable = trimmable
         mx.random.seed(seed)
         self.embed = nn.Embedding(vocab, dim)
         self.q = nn.Linear(dim, dim, bias=False)
@@ -53,7 +55,7 @@ class TinyLM(nn.Module):
         self.calls: list[int] = []  # tokens fed per call, to check what was prefilled
 
     def make_cache(self) -> list[ConcatCache]:
-        return [ConcatCache()]
+        return [ConcatCache(self.trimmable)]
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         self.calls.append(inputs.shape[1])
@@ -74,7 +76,7 @@ class ByteTokenizer:
 
     eos_token_ids = [0]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(ch) - 32 for ch in text]
 
     def decode(self, ids) -> str:
