@@ -240,15 +240,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    convert(
+    out = convert(
         args.source,
         args.output,
-        quantize=args.quantize,
-        bits=args.bits,
+        quantize_bits=args.bits if args.quantize else None,
         group_size=args.group_size,
         dtype=args.dtype,
     )
-    print(f"Wrote {args.output}")
+    print(f"wrote {out}")
     return 0
 
 
