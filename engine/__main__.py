@@ -282,6 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (| head): nothing left to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except MemoryError:
         return _fail("out of memory: try a smaller model or a lower --max-tokens")
     except OSError as e:
