@@ -2,7 +2,7 @@
 
 A model's chat template is untrusted Jinja that ships with the model, so it runs in
 Jinja's immutable sandbox. Everything the template can see is rebuilt from plain
-JSON-like values first, and the environment carries exactly the helpers that
+JSON-like values first, and the environment carries exactly the functions that
 transformers' ``apply_chat_template`` offers (``raise_exception``, ``strftime_now``, a
 ``tojson`` that does not HTML-escape, the ``{% generation %}`` block, loop controls),
 so a template renders here character for character as it does there.

@@ -36,7 +36,7 @@ class StreamingDetokenizer:
         if skip_special_tokens and tokenizer.byte_token_ids:
             self._hold_ids = self._hold_ids | tokenizer.special_token_ids
         self.token_ids: list[int] = []
-        self._start = 0  # window start: a settled token whose text is already out
+        self.window_start = 0  # window start: a settled token whose text is already out
         self._settled_text = ""  # decode(token_ids[_start:_end]), all of it emitted
         self._end = 0
         self.text = ""  # everything emitted so far
@@ -48,17 +48,20 @@ class StreamingDetokenizer:
         self.token_ids.append(int(token_id))
         if token_id in self._hold_ids:
             return ""  # the run of byte pieces decodes as a whole; wait for its end
-        window = self._decode(self.token_ids[self._start:])
+        window = self._decode(self.token_ids[self.window_start:])
         if window.endswith(_REPLACEMENT) or not window.startswith(self._settled_text):
             return ""
         new = window[len(self._settled_text):]
-        # Slide the window: it now starts where the previous step ended, provided that
-        # stretch decodes to some text. An empty head (a skipped special token, a lone
-        # space a decoder strips) would let the decoder treat the next token as the
-        # start of the text; keep the older head then.
-        head = self._decode(self.token_ids[self._end:])
-        if head and window.endswith(head):
-            self._start, self._settled_text = self._end, head
+        # Slide the window to start at the newest token, or failing that at the first
+        # token this step emitted. A head must decode to some text on its own and end
+        # the window's text: an empty head (a skipped special token, a lone space a
+        # decoder strips) would let the decoder treat the next token as the start of
+        # the text, and a head that starts inside a character decodes differently.
+        for start in dict.fromkeys((len(self.token_ids) - 1, self._end)):
+            head = self._decode(self.token_ids[start:])
+            if head and window.endswith(head):
+                self.window_start, self._settled_text = start, head
+                break
         else:
             self._settled_text = window
         self._end = len(self.token_ids)
@@ -67,13 +70,13 @@ class StreamingDetokenizer:
 
     def finalize(self) -> str:
         """The held-back text (incomplete characters included, as ``decode`` renders them)."""
-        window = self._decode(self.token_ids[self._start:])
+        window = self._decode(self.token_ids[self.window_start:])
         if window.startswith(self._settled_text):
             rest = window[len(self._settled_text):]
         else:  # the decoder rewrote settled text; fall back to a full decode once
             full = self._decode(self.token_ids)
             rest = full[len(self.text):]
-        self._start, self._end = len(self.token_ids), len(self.token_ids)
+        self.window_start, self._end = len(self.token_ids), len(self.token_ids)
         self._settled_text = ""
         self.text += rest
         return rest

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,7 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    @property
+    @cached_property
     def add_bos_token(self) -> bool:
         """Whether ``encode`` (with special tokens) starts with BOS."""
         bos = self.bos_token_id

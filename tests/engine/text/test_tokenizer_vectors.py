@@ -133,3 +133,33 @@ class TestStories260K:
         text = "Once upon a time, Lily saw a big red ball."
         assert a.encode(text) == b.encode(text)
         assert b.bos_token_id == 1 and b.eos_token_ids == {2}
+
+
+def test_gguf_byte_level_word_splits(shared_data):
+    """tokenizer.ggml.pre picks the word split: GPT-2 leaves digit runs to the merges, Llama 3
+    cuts them by three, Qwen2 into single digits."""
+    meta = gguf_metadata(shared_data / "tokenizers/gguf_vocab/ggml-vocab-gpt-2.gguf")
+    text = "Order 1234567 shipped, naïve 👋 test"
+    expected_digits = {"gpt-2": ["Ġ123", "45", "67"], "llama-bpe": ["Ġ", "123", "456", "7"],
+                       "qwen2": ["Ġ", "1", "2", "3", "4", "5", "6", "7"]}
+    for pre, digits in expected_digits.items():
+        tok = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": pre})
+        pieces = [tok.id_to_token(i) for i in tok.encode(text)]
+        assert pieces[1:1 + len(digits)] == digits and pieces[1 + len(digits)] == "Ġshipped"
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_gguf_refusals():
+    from engine.errors import UnsupportedModelError
+
+    base = {"tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b"]}
+    with pytest.raises(UnsupportedModelError, match="'bert' is not supported"):
+        Tokenizer.from_gguf({**base, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(UnsupportedModelError, match="pre-tokenizer 'mystery'"):
+        Tokenizer.from_gguf({**base, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"})
+    with pytest.raises(UnsupportedModelError, match="no tokenizer vocabulary"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(UnsupportedModelError, match="no scores"):
+        Tokenizer.from_gguf({**base, "tokenizer.ggml.model": "llama"})
+    tiny = Tokenizer.from_gguf({**base, "tokenizer.ggml.model": "gpt2"})
+    assert tiny.encode("ab") == [2] and tiny.bos_token_id is None and tiny.eos_token_ids == set()
