@@ -14,6 +14,7 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from engine.artifacts.gguf import read_gguf_header, unpermute_rope
 from engine.artifacts.loader import load_model
@@ -153,7 +154,7 @@ def make_gguf(path, quant: dict[str, int], arch: str = "llama"):
     Returns the float model holding exactly the values the file encodes.
     """
     model = build_model(CONFIG, seed=5)
-    params = {k: np.array(v) for k, v in __import__("mlx.utils").utils.tree_flatten(model.parameters())}
+    params = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     heads, kv_heads = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
     tensors, decoded = [], {}
     for hf_name, value in sorted(params.items()):

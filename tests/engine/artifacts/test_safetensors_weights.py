@@ -12,7 +12,7 @@ from engine.artifacts.loader import load_model
 from engine.artifacts.weights import find_weights, parameter_count, read_header, read_headers
 from engine.errors import ModelLoadError
 
-from tiny_checkpoints import TINY_LLAMA, WIDE_LLAMA
+from tiny_checkpoints import WIDE_LLAMA
 
 
 def test_headers_agree_with_the_safetensors_library(checkpoint):
@@ -101,4 +101,3 @@ def test_parameter_count_of_quantized_checkpoints_matches_the_float_one(checkpoi
     kv = 2 * (h // WIDE_LLAMA["num_attention_heads"])
     per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
     assert expected == 2 * v * h + h + n * per_layer
-    assert TINY_LLAMA["num_hidden_layers"] == n
