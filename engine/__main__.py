@@ -219,8 +219,8 @@ def cmd_template(args: argparse.Namespace) -> int:
 
     return int(
         run_template_command(
-            template=args.template,
-            messages=args.messages,
+            template_path=args.template,
+            messages_path=args.messages,
             add_generation_prompt=args.add_generation_prompt,
             bos_token=args.bos_token,
             eos_token=args.eos_token,

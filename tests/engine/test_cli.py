@@ -142,3 +142,20 @@ def test_bench_vs_mlx_lm():
     data = last_json(proc.stdout)
     assert data["mlx_lm"]["generated_tokens"] == 8
     assert data["ratio"]["generation"] > 0
+
+
+def test_template_command_prints_exactly_the_rendering(shared_data, tmp_path):
+    """`template` output is byte-for-byte the rendering (here checked against the
+    transformers golden for Qwen3), and a refusing template is one line on stderr."""
+    messages = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(messages))
+    qwen = shared_data / "chat_templates" / "llama.cpp" / "Qwen-Qwen3-0.6B.jinja"
+    proc = run("template", "--template", str(qwen), "--messages", str(path), "--add-generation-prompt")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    gemma = shared_data / "chat_templates" / "llama.cpp" / "google-gemma-2-2b-it.jinja"
+    err = _one_line_failure(run("template", "--template", str(gemma), "--messages", str(path)))
+    assert "System role not supported" in err
