@@ -324,6 +324,10 @@ def _base_weight(layer: nn.Module) -> mx.array:
     return layer.weight
 
 
+def _natural(path: str) -> list:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split(".")]
+
+
 def _short(path: str) -> str:
     return path.rsplit(".", 1)[-1]
 
@@ -408,7 +412,8 @@ def mount(model: nn.Module, adapter_dir: str | Path, name: str | None = None) ->
     if not parsed.deltas:
         raise AdapterError(f"{parsed.weights_file} holds no LoRA tensors; there is nothing to mount")
     # Check every target before changing anything, so a refused adapter leaves the model as it was.
-    bases = {path: _check_target(model, path, d, parsed, name) for path, d in parsed.deltas.items()}
+    paths = sorted(parsed.deltas, key=_natural)  # report the first mismatch in model order
+    bases = {path: _check_target(model, path, parsed.deltas[path], parsed, name) for path in paths}
     for path, delta in parsed.deltas.items():
         if parsed.kind == "dora":
             delta.dora_gain = _dora_gain(bases[path], delta)
@@ -424,7 +429,7 @@ def mount(model: nn.Module, adapter_dir: str | Path, name: str | None = None) ->
         format=parsed.format,
         kind=parsed.kind,
         rank=parsed.rank,
-        targets=sorted(parsed.deltas),
+        targets=paths,
         digest=_file_digest(parsed.weights_file),
         base_model=parsed.base_model,
     )
