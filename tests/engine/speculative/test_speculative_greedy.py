@@ -143,3 +143,37 @@ def test_vocabulary_check():
         check_draft_compatible(base, swapped)
     with pytest.raises(EngineError, match="same family"):
         check_draft_compatible(base, {**base, "<new>": 7, "t7": 51})
+
+
+FAMILY_CONFIGS = {
+    "llama": {},
+    "mistral": {"sliding_window": 64},
+    "qwen2": {"attention_bias": True},
+    "qwen3": {"head_dim": 8},
+    "phi3": {},
+    "gemma2": {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 64},
+    "gemma3_text": {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 64},
+}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILY_CONFIGS))
+def test_every_family_matches_plain_greedy(model_type):
+    import importlib
+
+    from engine.models import SUPPORTED
+
+    module = f"engine.models.{SUPPORTED[model_type]}"
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        pytest.skip(f"the {model_type} family is not in this checkout")
+    extra = {"model_type": model_type, "tie_word_embeddings": False, **FAMILY_CONFIGS[model_type]}
+    model = make_llama(20, **extra)
+    draft = make_llama(21, **extra)
+    want = plain_greedy(model, PROMPT, 24)
+    got, stats, _ = run(model, DraftModelDrafter(draft), n=24, num_draft_tokens=3)
+    assert got == want and stats.draft_tokens > 0
+    got, _, _ = run(model, DraftModelDrafter(model), n=24, num_draft_tokens=3)
+    assert got == want
