@@ -142,6 +142,9 @@ def _room_to_trim(c: Any, n_new: int) -> bool:
 def _vocab_of(x: Any) -> dict[str, int]:
     if isinstance(x, dict):
         return x
+    backend = getattr(x, "backend", None)  # engine.text's Tokenizer wraps a tokenizers.Tokenizer
+    if backend is not None and callable(getattr(backend, "get_vocab", None)):
+        return backend.get_vocab()
     for attr in ("get_vocab", "vocab"):
         found = getattr(x, attr, None)
         if callable(found):
