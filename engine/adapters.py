@@ -103,14 +103,14 @@ class LoRAHost(nn.Module):
 
 
 def _delta_output(base: nn.Module, d: _Delta, x: mx.array, y: mx.array, mult: float) -> mx.array:
-    low = (x @ d.a.astype(x.dtype)) @ d.b.astype(x.dtype)
+    low = (x @ d.a) @ d.b
     if d.b_bias is not None:
-        low = low + d.b_bias.astype(x.dtype)
+        low = low + d.b_bias
     lora = d.scale * low
     if d.dora_gain is None:
         return (mult * lora).astype(y.dtype)
     plain = y - base.bias if "bias" in base else y
-    gain = d.dora_gain.astype(x.dtype)
+    gain = d.dora_gain
     change = (gain - 1.0) * plain + gain * lora
     return (mult * change).astype(y.dtype)
 
@@ -361,6 +361,18 @@ def _check_target(model: nn.Module, path: str, delta: _Delta, parsed: _Parsed, n
     return base
 
 
+def _to_compute_dtype(d: _Delta, base: nn.Module) -> None:
+    """Store the adapter in the dtype the layer computes in, so no cast runs per token."""
+    dtype = (base.scales if isinstance(base, nn.QuantizedLinear) else base.weight).dtype
+    if not mx.issubdtype(dtype, mx.floating):
+        return
+    for attr in ("a", "b", "b_bias", "dora_gain"):
+        value = getattr(d, attr)
+        if value is not None:
+            setattr(d, attr, value.astype(dtype))
+    mx.eval([v for v in (d.a, d.b, d.b_bias, d.dora_gain) if v is not None])
+
+
 def _dora_gain(base: nn.Module, d: _Delta) -> mx.array:
     weight = _base_weight(base).astype(mx.float32)
     adapted = weight + d.scale * (d.b.astype(mx.float32).T @ d.a.astype(mx.float32).T)
@@ -417,7 +429,7 @@ def mount(model: nn.Module, adapter_dir: str | Path, name: str | None = None) ->
     for path, delta in parsed.deltas.items():
         if parsed.kind == "dora":
             delta.dora_gain = _dora_gain(bases[path], delta)
-            mx.eval(delta.dora_gain)
+        _to_compute_dtype(delta, bases[path])
         parent, key, layer = _resolve(model, path)  # type: ignore[misc]
         if not isinstance(layer, LoRAHost):
             layer = LoRAHost(layer)

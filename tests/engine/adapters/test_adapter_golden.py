@@ -140,3 +140,18 @@ def test_quantized_base_stays_quantized(tiny_llama, golden_dir):
     adapters.unmount(tiny_llama, "qv")
     adapters.unmount(tiny_llama, "dora")
     assert tiny_llama.model.layers[1].self_attn.q_proj is q_before
+
+
+def test_half_precision_model_keeps_its_dtype(tiny_llama, prompt, golden_logits, golden_dir):
+    from mlx.utils import tree_map
+
+    tiny_llama.update(tree_map(lambda a: a.astype(mx.bfloat16), tiny_llama.parameters()))
+    adapters.mount(tiny_llama, golden_dir / "mlxlm_dora_kg", name="dora")
+    adapters.mount(tiny_llama, golden_dir / "peft_qv", name="qv")
+    adapters.activate(tiny_llama, {"dora": 1.0, "qv": 1.0})
+    out = tiny_llama(prompt)
+    assert out.dtype == mx.bfloat16
+    got = np.array(out[0].astype(mx.float32))
+    want = np.array(golden_logits["dora_kg+qv"])
+    shift = np.abs(want - np.array(golden_logits["none"])).max()
+    assert np.abs(got - want).max() < 0.1 * shift  # bfloat16 rounding, far below the adapters' effect
