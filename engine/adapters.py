@@ -332,6 +332,22 @@ def _short(path: str) -> str:
     return path.rsplit(".", 1)[-1]
 
 
+def _model_path(model: nn.Module, path: str) -> str:
+    """The module path in this model: as written, or renamed the way the family renames checkpoint
+    weights (e.g. a multimodal wrapper's ``language_model.model.`` prefix)."""
+    if _resolve(model, path) is not None or not hasattr(model, "sanitize"):
+        return path
+    try:
+        renamed = list(model.sanitize({path + ".weight": mx.zeros((1, 1))}))
+    except Exception:  # a family's sanitize may expect real checkpoint shapes; keep the path as given
+        return path
+    if len(renamed) == 1 and renamed[0].endswith(".weight"):
+        candidate = renamed[0][: -len(".weight")]
+        if _resolve(model, candidate) is not None:
+            return candidate
+    return path
+
+
 def _check_target(model: nn.Module, path: str, delta: _Delta, parsed: _Parsed, name: str) -> nn.Module:
     found = _resolve(model, path)
     hint = f" ({parsed.base_model}?)" if parsed.base_model else ""
@@ -424,6 +440,7 @@ def mount(model: nn.Module, adapter_dir: str | Path, name: str | None = None) ->
     if not parsed.deltas:
         raise AdapterError(f"{parsed.weights_file} holds no LoRA tensors; there is nothing to mount")
     # Check every target before changing anything, so a refused adapter leaves the model as it was.
+    parsed.deltas = {_model_path(model, p): d for p, d in parsed.deltas.items()}
     paths = sorted(parsed.deltas, key=_natural)  # report the first mismatch in model order
     bases = {path: _check_target(model, path, parsed.deltas[path], parsed, name) for path in paths}
     for path, delta in parsed.deltas.items():

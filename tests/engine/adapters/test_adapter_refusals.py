@@ -132,3 +132,20 @@ def test_names_and_activation_errors(tiny_llama, golden_dir):
     x = mx.ones((1, 2, 64))
     q = tiny_llama.model.layers[0].self_attn.q_proj
     np.testing.assert_array_equal(np.array(q(x)), np.array(q.base(x)))  # failed calls left it inactive
+
+
+def test_wrapper_prefixes_are_renamed_like_checkpoint_weights(tmp_path):
+    """A Gemma 3 adapter trained on the multimodal checkpoint names language_model.model.layers...;
+    the family's own weight renaming finds the layer."""
+    family = get_family("gemma3_text")
+    args = family.ModelArgs.from_dict({"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64,
+                                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "head_dim": 8, "vocab_size": 64, "query_pre_attn_scalar": 8})
+    model = family.Model(args)
+    folder = write_mlxlm(tmp_path / "g3", {
+        "language_model.model.layers.1.self_attn.q_proj.lora_a": mx.ones((32, 4)),
+        "language_model.model.layers.1.self_attn.q_proj.lora_b": mx.ones((4, 32)),
+    })
+    info = adapters.mount(model, folder)
+    assert info.targets == ["model.layers.1.self_attn.q_proj"]
+    assert isinstance(model.model.layers[1].self_attn.q_proj, LoRAHost)
