@@ -1,0 +1,355 @@
+"""Speculative decoding with exact verification: a draft model or n-gram prompt lookup.
+
+A drafter proposes up to k tokens; the target model scores the pending token and all k drafts
+in one forward pass; the longest acceptable run of drafts is kept, plus one token from the
+target (the correction after a rejection, or a bonus token when every draft was accepted).
+
+* Greedy: a draft is accepted while it equals the target's argmax, so the output is the
+  target's own greedy output token for token.
+* Sampling: standard rejection sampling (Leviathan et al. 2023; Chen et al. 2023). Draft d with
+  draft probability q(d) is accepted with probability min(1, p(d) / q(d)); after a rejection the
+  token is drawn from normalise(max(0, p - q)). An n-gram draft is a point mass (q(d) = 1), so
+  it is accepted with probability p(d) and the residual is p with d removed. Either way every
+  emitted token is distributed exactly as the target's sampler would draw it.
+
+``p`` is the target's sampling distribution after the request's logits processors (repetition
+penalty) and filters (temperature, top-k, top-p, min-p), exactly as ``engine.sampling`` builds
+it. Rejected drafts are rewound with the caches' ``trim``. A cache that cannot trim (a sliding
+window that has wrapped) turns drafting off for the rest of the request: it continues as plain
+decoding, still exact.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from .api import GenerationStats, SamplingParams
+from .cache import make_prompt_cache, trim_prompt_cache
+from .errors import EngineError
+from .generate import prefill
+from .sampling import LogitsProcessor, filter_logits
+
+# How far back logits processors (repetition penalty) look; as in the plain decode loop.
+_HISTORY_WINDOW = 1024
+
+# pick(logits [V], context ids) -> (token, probabilities [V] or None when greedy)
+Pick = Callable[[mx.array, list[int]], tuple[int, mx.array | None]]
+
+
+class Drafter(Protocol):
+    max_draft: int
+
+    def propose(self, history: list[int], k: int, pick: Pick) -> tuple[list[int], mx.array | None]:
+        """Up to ``k`` tokens to follow ``history``, and the distribution each was drawn from
+        ([m, V], or None for point masses)."""
+
+    def rewind(self, valid: int) -> None:
+        """Only the first ``valid`` ids of the history are settled; forget anything after."""
+
+
+@dataclass
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last ``n`` ids in the prompt and
+    the text so far, and propose what followed it. Needs no model; shines when the answer
+    repeats its input (code edits, quoting, summaries with names)."""
+
+    n: int = 3
+    max_draft: int = 4
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_draft < 1:
+            raise EngineError(f"n-gram drafting needs n >= 1 and max_draft >= 1 (got {self.n}, {self.max_draft})")
+
+    def propose(self, history: list[int], k: int, pick: Pick) -> tuple[list[int], mx.array | None]:
+        n = self.n
+        if k <= 0 or len(history) <= n:
+            return [], None
+        tail = history[-n:]
+        first = tail[0]
+        # Scan backwards so the most recent match wins; it predicts the current phrasing best.
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start] == first and history[start : start + n] == tail:
+                follow = history[start + n : start + n + k]
+                return list(follow), None
+        return [], None
+
+    def rewind(self, valid: int) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A small model of the same vocabulary drafting for the target. Its cache always holds a
+    prefix of the history; whatever it has not seen yet is fed before drafting."""
+
+    def __init__(self, model: Any, cache: list | None = None, max_draft: int = 4, prefill_chunk: int = 512):
+        self.model = model
+        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.max_draft = max_draft
+        self.prefill_chunk = prefill_chunk
+        self.usable = True
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset if self.cache else 0
+
+    def _can_take(self, n_new: int) -> bool:
+        return all(_room_to_trim(c, n_new) for c in self.cache)
+
+    def propose(self, history: list[int], k: int, pick: Pick) -> tuple[list[int], mx.array | None]:
+        if k <= 0 or not self.usable:
+            return [], None
+        if self.offset >= len(history):  # cached more than is settled: step back one token
+            self.rewind(len(history) - 1)
+        if self.offset >= len(history) or not self._can_take(len(history) - self.offset + k):
+            self.usable = False  # a wrapped sliding window cannot be rewound
+            return [], None
+        pending = mx.array(history[self.offset :], dtype=mx.uint32)
+        prefill(self.model, pending[:-1], self.cache, chunk=self.prefill_chunk)
+        inputs = pending[-1:]
+        context = list(history)
+        tokens: list[int] = []
+        probs: list[mx.array] = []
+        for _ in range(k):
+            logits = self.model(inputs[None], cache=self.cache)[0, -1]
+            token, q = pick(logits, context)
+            tokens.append(token)
+            context.append(token)
+            if q is not None:
+                probs.append(q)
+            inputs = mx.array([token], dtype=mx.uint32)
+        return tokens, (mx.stack(probs) if probs else None)
+
+    def rewind(self, valid: int) -> None:
+        extra = self.offset - valid
+        if extra > 0 and trim_prompt_cache(self.cache, extra) != extra:
+            self.usable = False
+
+
+def _room_to_trim(c: Any, n_new: int) -> bool:
+    """Can this cache take ``n_new`` more tokens and still give them back?"""
+    if not c.is_trimmable():
+        return False
+    max_size = getattr(c, "max_size", None)
+    return max_size is None or c.offset + n_new < max_size
+
+
+def _vocab_of(x: Any) -> dict[str, int]:
+    if isinstance(x, dict):
+        return x
+    backend = getattr(x, "backend", None)  # engine.text's Tokenizer wraps a tokenizers.Tokenizer
+    if backend is not None and callable(getattr(backend, "get_vocab", None)):
+        return backend.get_vocab()
+    for attr in ("get_vocab", "vocab"):
+        found = getattr(x, attr, None)
+        if callable(found):
+            return found()
+        if isinstance(found, dict):
+            return found
+    raise EngineError(f"cannot read a vocabulary from {type(x).__name__}")
+
+
+def check_draft_compatible(target: Any, draft: Any) -> None:
+    """Refuse a draft model whose tokenizer numbers tokens differently from the target's.
+
+    ``target`` and ``draft`` are tokenizers (anything with ``get_vocab()``) or token -> id
+    dicts. Tokens that only one side has are fine when their ids lie past the other's
+    vocabulary (added special tokens); any id given two meanings is not.
+    """
+    t_vocab, d_vocab = _vocab_of(target), _vocab_of(draft)
+    t_by_id = {i: tok for tok, i in t_vocab.items()}
+    d_by_id = {i: tok for tok, i in d_vocab.items()}
+    clashes = [i for i in sorted(t_by_id.keys() & d_by_id.keys()) if t_by_id[i] != d_by_id[i]]
+    moved = [tok for tok in t_vocab.keys() & d_vocab.keys() if t_vocab[tok] != d_vocab[tok]]
+    if clashes or moved:
+        if clashes:
+            i = clashes[0]
+            example = f"id {i} is {t_by_id[i]!r} for the target but {d_by_id[i]!r} for the draft"
+        else:
+            tok = sorted(moved)[0]
+            example = f"{tok!r} is {t_vocab[tok]} for the target but {d_vocab[tok]} for the draft"
+        count = max(len(clashes), len(moved))
+        raise EngineError(
+            f"the draft model's vocabulary does not match the target's ({example}; {count} ids differ): "
+            "pick a draft model from the same family and tokenizer, or use n-gram drafting"
+        )
+
+
+def _fit(q: mx.array, vocab: int) -> mx.array:
+    """Draft distributions over the target's vocabulary size (embedding tables are often padded)."""
+    have = q.shape[-1]
+    if have == vocab:
+        return q
+    if have > vocab:
+        return q[..., :vocab]
+    return mx.concatenate([q, mx.zeros((*q.shape[:-1], vocab - have), q.dtype)], axis=-1)
+
+
+def speculative_step(
+    prompt: Sequence[int],
+    model: Any,
+    cache: Sequence[Any],
+    drafter: Drafter,
+    *,
+    max_tokens: int,
+    sampling: SamplingParams | None = None,
+    logits_processors: Sequence[LogitsProcessor] = (),
+    logprobs: bool = False,
+    num_draft_tokens: int | None = None,
+    stats: GenerationStats | None = None,
+    prefill_chunk: int = 512,
+    cancel: threading.Event | None = None,
+    history: Sequence[int] | None = None,
+) -> Iterator[tuple[int, float | None]]:
+    """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens, like
+    ``engine.generate.generate_step`` but drafting and verifying several tokens per pass.
+
+    ``prompt`` holds the ids not yet in ``cache`` (at least one); ``history`` is the whole
+    context they end (cached part included; default ``prompt``) for n-gram lookup and the
+    repetition penalty. The log-prob is the chosen token's under the target's raw
+    distribution. ``stats.draft_tokens`` / ``accepted_draft_tokens`` are updated as drafts are
+    verified. When the consumer stops early, the caches are left holding exactly the ids before
+    the last yielded token, as after plain decoding.
+    """
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise EngineError("nothing to generate from: the prompt has no tokens")
+    if max_tokens <= 0:
+        return
+    params = sampling or SamplingParams()
+    greedy = params.temperature <= 0
+    processors = list(logits_processors)
+    k_max = max(0, num_draft_tokens if num_draft_tokens is not None else drafter.max_draft)
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+    key = [mx.random.key(seed)]
+    context = list(history) if history is not None else list(ids)
+    if context[-len(ids) :] != ids:
+        context = context + ids
+
+    def next_key() -> mx.array:
+        key[0], sub = mx.random.split(key[0])
+        return sub
+
+    def process(logits: mx.array, ctx: list[int]) -> mx.array:
+        if not processors:
+            return logits
+        recent = mx.array(ctx[-_HISTORY_WINDOW:], dtype=mx.uint32)
+        out = logits[None]
+        for proc in processors:
+            out = proc(recent, out)
+        return out[0]
+
+    def distribution(processed: mx.array) -> mx.array:
+        return mx.softmax(filter_logits(processed.astype(mx.float32), params), axis=-1)
+
+    def pick(logits: mx.array, ctx: list[int]) -> tuple[int, mx.array | None]:
+        processed = process(logits, ctx)
+        if greedy:
+            return int(mx.argmax(processed).item()), None
+        q = distribution(processed)
+        return int(mx.random.categorical(mx.log(q), key=next_key()).item()), q
+
+    if not prefill(model, mx.array(ids[:-1], dtype=mx.uint32), cache, chunk=prefill_chunk, cancel=cancel):
+        return
+    pending = ids[-1:]  # ids whose keys/values the target has not computed yet
+    speculate = k_max > 0
+    produced = 0
+    while produced < max_tokens:
+        if cancel is not None and cancel.is_set():
+            return
+        k = min(k_max, max_tokens - produced - 1) if speculate else 0
+        if k > 0 and not all(_room_to_trim(c, len(pending) + k) for c in cache):
+            speculate, k = False, 0  # plain decoding from here on
+        drafts, q_rows = drafter.propose(context, k, pick) if k > 0 else ([], None)
+        drafts = drafts[:k]
+        m = len(drafts)
+        logits = model(mx.array([pending + drafts], dtype=mx.uint32), cache=cache)[0, -(m + 1) :]
+        if processors:  # each position sees the context up to its own draft
+            logits_p = mx.stack([process(logits[i], context + drafts[:i]) for i in range(m + 1)])
+        else:
+            logits_p = logits
+        accepted, last = _verify(logits_p, drafts, q_rows, greedy, distribution, next_key)
+        emitted = drafts[:accepted] + [last]
+        trim_prompt_cache(cache, m - accepted)  # drop the rejected drafts' keys/values
+        if stats is not None:
+            stats.draft_tokens += m
+            stats.accepted_draft_tokens += accepted
+        lps = _logprobs(logits, emitted) if logprobs else [None] * len(emitted)
+        base = len(context)
+        context.extend(emitted)
+        pending = [last]
+        drafter.rewind(len(context) - 1)
+        for j, (token, lp) in enumerate(zip(emitted, lps)):
+            try:
+                yield token, lp
+            except GeneratorExit:
+                # Keep "cache = every id before the last yielded one" when stopped mid-run.
+                unused = len(emitted) - 1 - j
+                trim_prompt_cache(cache, unused)
+                drafter.rewind(base + j)
+                raise
+            produced += 1
+            if produced >= max_tokens:
+                return
+
+
+def speculative_decode(
+    model: Any, cache: Sequence[Any], drafter: Drafter, prompt: Sequence[int], **options: Any
+) -> Iterator[tuple[int, float | None]]:
+    """``speculative_step`` with the model first; ``options`` as there (``max_tokens`` required)."""
+    return speculative_step(prompt, model, cache, drafter, **options)
+
+
+def _verify(
+    rows: mx.array,
+    drafts: list[int],
+    q_rows: mx.array | None,
+    greedy: bool,
+    distribution: Callable[[mx.array], mx.array],
+    next_key: Callable[[], mx.array],
+) -> tuple[int, int]:
+    """(how many drafts are accepted, the token the target adds after them)."""
+    m = len(drafts)
+    if greedy:
+        best = mx.argmax(rows, axis=-1).tolist()
+        accepted = 0
+        while accepted < m and drafts[accepted] == best[accepted]:
+            accepted += 1
+        return accepted, int(best[accepted])
+    p = distribution(rows)  # [m + 1, V]
+    vocab = p.shape[-1]
+    if m:
+        d = mx.array(drafts, dtype=mx.int32)
+        safe_d = mx.minimum(d, vocab - 1)
+        p_d = mx.where(d < vocab, mx.take_along_axis(p[:m], safe_d[:, None], axis=-1)[:, 0], 0.0)
+        q = _fit(q_rows, vocab) if q_rows is not None else None
+        q_d = mx.take_along_axis(q, safe_d[:, None], axis=-1)[:, 0] if q is not None else mx.ones((m,))
+        u = mx.random.uniform(shape=(m,), key=next_key())
+        ok = (u * q_d < p_d).tolist()  # u < p/q without dividing by zero
+        accepted = ok.index(False) if False in ok else m
+    else:
+        accepted = 0
+    if accepted == m:
+        target = p[m]
+    else:
+        if q_rows is not None:
+            residual = mx.maximum(p[accepted] - q[accepted], 0.0)
+        else:
+            residual = p[accepted] * (mx.arange(vocab) != drafts[accepted])
+        total = residual.sum()
+        # p == q (to rounding) cannot reject; if it did anyway, fall back to p itself.
+        target = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[accepted])
+    token = mx.random.categorical(mx.log(target), key=next_key())
+    return accepted, int(token.item())
+
+
+def _logprobs(logits: mx.array, emitted: list[int]) -> list[float]:
+    raw = logits[: len(emitted)].astype(mx.float32)
+    lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, mx.array(emitted, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    return [float(x) for x in chosen.tolist()]

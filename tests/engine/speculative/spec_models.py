@@ -1,0 +1,44 @@
+"""Tiny random Llamas for the speculative decoding tests, and a plain greedy reference loop."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from engine.cache import make_prompt_cache
+from engine.models import get_family
+
+
+def make_llama(seed: int, vocab: int = 96, hidden: int = 32, layers: int = 2, sharpen: float = 1.0, **extra):
+    family = get_family(extra.get("model_type", "llama"))
+    config = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": 2 * hidden,
+              "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": vocab, "max_position_embeddings": 512, **extra}
+    mx.random.seed(seed)
+    model = family.Model(family.ModelArgs.from_dict(config))
+    if sharpen != 1.0:  # spread the logits so distributions are peaked, not near-uniform
+        model.lm_head.weight = model.lm_head.weight * sharpen
+    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """One token per forward pass, argmax each time: the reference speculative greedy must match."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    out: list[int] = []
+    for _ in range(n):
+        token = int(mx.argmax(logits).item())
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return out
+
+
+def plain_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    logits = model(mx.array([prompt + tokens[:-1]]))[0, len(prompt) - 1 :].astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return [float(lp[i, t].item()) for i, t in enumerate(tokens)]
+
+
+
