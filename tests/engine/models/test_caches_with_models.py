@@ -16,9 +16,9 @@ from engine.cache import (
     trim_prompt_cache,
 )
 
-# Phi-3's LongRoPE switches frequencies by the length of each forward pass (as
-# transformers does), so chunked and whole prefills differ there by design.
-CHUNKABLE = [f for f in FAMILIES if f != "phi3"]
+# Phi-3's LongRoPE and "dynamic" RoPE pick frequencies from the length of each forward
+# pass (as transformers does), so chunked and whole prefills differ there by design.
+CHUNKABLE = [f for f in FAMILIES if f not in ("phi3", "llama_dynamic")]
 PROMPT = [(7 * i + 3) % 97 + 3 for i in range(40)]  # 40 tokens: windows of 8-10 wrap several times
 
 
