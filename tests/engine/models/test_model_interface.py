@@ -126,3 +126,18 @@ def test_kv_bytes_count_sliding_layers_by_their_window():
     llama, _ = load_golden("llama")
     assert kv_bytes_per_token(llama.args, 2) == 2 * 2 * 2 * 16 * 2
     assert kv_window_bytes(llama.args, 2) == 0
+
+
+def test_every_golden_runs_in_its_stored_bfloat16():
+    for name in ("qwen3_moe", "gemma2", "phi3"):
+        config = json.loads((GOLDEN / name / "config.json").read_text())
+        family = get_family(config["model_type"])
+        model = family.Model(family.ModelArgs.from_dict(config))
+        model.load_weights(list(model.sanitize(mx.load(str(GOLDEN / name / "model.safetensors"))).items()))
+        cache = model.make_cache()
+        model(mx.array([PROMPT[:20]]), cache=cache)
+        logits = model(mx.array([[PROMPT[20]]]), cache=cache)
+        assert logits.dtype == mx.bfloat16 and cache[0].keys.dtype == mx.bfloat16
+        reference, _ = load_golden(name)
+        float_logits = reference(mx.array([PROMPT[:21]]))[:, -1]
+        assert mx.abs(logits[:, 0].astype(mx.float32) - float_logits).max().item() < 0.25, name
