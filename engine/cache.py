@@ -299,7 +299,7 @@ def _mask_for(offset: int, n_keys: int, n_queries: int, window: int | None, keep
     return (k_pos <= q_pos) & in_window
 
 
-# -- whole-model helpers --------------------------------------------------------------
+# -- whole-model functions ------------------------------------------------------------
 
 
 def make_prompt_cache(model) -> list:

@@ -78,10 +78,10 @@ class ModelArgs(BaseModelArgs):
         return ["full_attention"] * n
 
     def layer_windows(self) -> list[int | None]:
-        kinds = layer_types({"layer_types": self.layer_types}, self.num_hidden_layers, self.default_layer_types())
-        if not self.sliding_window or (self.model_type != "mistral" and self.model_type.startswith("qwen")
-                                       and not self.use_sliding_window):
+        # Qwen's window only applies when use_sliding_window is on (transformers drops it otherwise).
+        if not self.sliding_window or (self.model_type.startswith("qwen") and not self.use_sliding_window):
             return [None] * self.num_hidden_layers
+        kinds = layer_types({"layer_types": self.layer_types}, self.num_hidden_layers, self.default_layer_types())
         return [self.sliding_window if k == "sliding_attention" else None for k in kinds]
 
 

@@ -30,7 +30,13 @@ class SwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        y = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        w = self.weight
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            # MLX's CPU gather_mm handles float32 only; other devices take any float type.
+            y = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2),
+                             rhs_indices=indices, sorted_indices=sorted_indices).astype(x.dtype)
+        else:
+            y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
             y = y + mx.expand_dims(self.bias[indices], -2)
         return y

@@ -59,9 +59,19 @@ VARIANTS: dict[str, tuple[dict, bool]] = {
              mlp_bias=True, head_dim=32),
         False,
     ),
+    "llama_dynamic": (
+        dict(model_type="llama", vocab_size=128, max_position_embeddings=16, rope_theta=10000.0,
+             rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        True,
+    ),
     "mistral": (dict(model_type="mistral", sliding_window=8, tie_word_embeddings=False, rope_theta=1e6), True),
     "qwen2": (dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6), True),
-    "qwen3": (dict(model_type="qwen3", tie_word_embeddings=False, head_dim=32, rope_theta=1e6), False),
+    "qwen3": (
+        dict(model_type="qwen3", tie_word_embeddings=False, head_dim=32,
+             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                              "rope_theta": 1e6}),
+        False,
+    ),
     "qwen3_moe": (
         dict(model_type="qwen3_moe", tie_word_embeddings=False, head_dim=16, num_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
