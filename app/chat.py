@@ -14,6 +14,7 @@ from typing import Any
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.qt import QObject, QTimer, Signal
 from app.store import HistoryStore, Message
+from app.tasks import spawn
 from app.ui.chat_view import ChatView
 from engine import api
 
@@ -212,24 +213,11 @@ class ChatController(QObject):
                                       reasoning=self._reasoning)
             self._saved_len = now
 
-    # qasync slots are attached by the main window; plain wrappers keep this module testable.
     def _edit_slot(self, message_id: int, text: str) -> None:
-        _spawn(self.edit(message_id, text))
+        spawn(self.edit(message_id, text))
 
     def _regenerate_slot(self, message_id: int) -> None:
-        _spawn(self.regenerate(message_id))
-
-
-_tasks: set = set()
-
-
-def _spawn(coro) -> None:
-    """Run a coroutine on the running loop, keeping a reference until it ends."""
-    import asyncio
-
-    task = asyncio.ensure_future(coro)
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
+        spawn(self.regenerate(message_id))
 
 
 def _title_from(text: str) -> str:

@@ -71,7 +71,7 @@ class ChatView(QScrollArea):
         for m in messages:
             if m.role == "system":
                 continue
-            w = self._add(m.id, m.role)
+            w = self._add(m.id, m.role, m.model)
             w.set_text(m.content, m.reasoning)
             w.set_stats(m.stats, m.status)
             w.set_versions(*versions.get(m.id, (1, 1)))
@@ -79,8 +79,8 @@ class ChatView(QScrollArea):
         self._follow = True
         self._scroll_to_bottom()
 
-    def _add(self, message_id: int, role: str) -> MessageWidget:
-        w = MessageWidget(message_id, role, self.dark)
+    def _add(self, message_id: int, role: str, name: str = "") -> MessageWidget:
+        w = MessageWidget(message_id, role, self.dark, name)
         w.edit_submitted.connect(self.edit_submitted)
         w.regenerate_requested.connect(self.regenerate_requested)
         w.version_requested.connect(self.version_requested)
@@ -90,7 +90,7 @@ class ChatView(QScrollArea):
         return w
 
     def add_message(self, message: Message, versions: tuple[int, int] = (1, 1)) -> MessageWidget:
-        w = self._add(message.id, message.role)
+        w = self._add(message.id, message.role, message.model)
         w.set_text(message.content, message.reasoning)
         w.set_versions(*versions)
         self._follow = True
@@ -126,6 +126,12 @@ class ChatView(QScrollArea):
         self._flush()
         self._timer.stop()
         self.streaming = None
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        # Keep lines readable on wide windows: the column is at most ~880 px wide.
+        side = max(28, (self.viewport().width() - 880) // 2)
+        self.column.setContentsMargins(side, 24, side, 24)
+        super().resizeEvent(event)
 
     # ---- scrolling: follow the bottom unless the user scrolled up ------------------------
 

@@ -13,15 +13,18 @@ from app.qt import (
     QFileDialog,
     QFrame,
     QHBoxLayout,
+    QIcon,
     QLabel,
     QPlainTextEdit,
     QPushButton,
+    QSize,
     Qt,
     QToolButton,
     QVBoxLayout,
     QWidget,
     Signal,
 )
+from app.resources import resource_path
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 AUDIO_EXT = {".wav", ".mp3", ".flac", ".ogg", ".m4a"}
@@ -70,10 +73,14 @@ class Composer(QFrame):
         layout.addWidget(self.chips)
         row = QHBoxLayout()
         row.setSpacing(8)
-        self.attach_button = QToolButton(text="+", objectName="attachButton")
+        self.attach_button = QToolButton(objectName="attachButton")
+        self.attach_button.setIcon(QIcon(str(resource_path("icons/attach.svg"))))
+        self.attach_button.setIconSize(QSize(18, 18))
         self.attach_button.setToolTip("Attach an image or audio clip")
         self.attach_button.clicked.connect(self._pick_files)
-        self.mic_button = QToolButton(text="🎤", objectName="micButton")
+        self.mic_button = QToolButton(objectName="micButton")
+        self.mic_button.setIcon(QIcon(str(resource_path("icons/mic.svg"))))
+        self.mic_button.setIconSize(QSize(18, 18))
         self.mic_button.setToolTip("Voice input needs an audio model")
         self.mic_button.setEnabled(False)
         self.edit = MessageEdit(objectName="messageEdit")
@@ -94,7 +101,7 @@ class Composer(QFrame):
     def set_busy(self, busy: bool) -> None:
         self.busy = busy
         self.send_button.setText("Stop" if busy else "Send")
-        self.send_button.setProperty("stop", busy)
+        self.send_button.setProperty("stop", "true" if busy else "false")
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)
 

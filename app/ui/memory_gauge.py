@@ -17,7 +17,9 @@ SEGMENTS = (  # (key, colour, label)
 def fmt_bytes(n: float) -> str:
     if n >= GB:
         return f"{n / GB:.1f} GB"
-    return f"{n / 1024**2:.0f} MB"
+    if n >= 1024**2:
+        return f"{n / 1024**2:.0f} MB"
+    return f"{n / 1024:.0f} KB"
 
 
 class _Bar(QWidget):
@@ -119,7 +121,7 @@ class MemoryGauge(QWidget):
             "budget: start a new chat or load a smaller model." if warn else ""
         )
         self.bar.warn = warn
-        self.label.setProperty("warn", warn)
+        self.label.setProperty("warn", "true" if warn else "false")
         self.label.style().unpolish(self.label)
         self.label.style().polish(self.label)
         self.update_figures({})

@@ -68,7 +68,7 @@ class MessageWidget(QFrame):
     regenerate_requested = Signal(int)
     version_requested = Signal(int, int)  # message id, +1 / -1
 
-    def __init__(self, message_id: int, role: str, dark: bool = False,
+    def __init__(self, message_id: int, role: str, dark: bool = False, name: str = "",
                  parent: QWidget | None = None):
         super().__init__(parent)
         self.message_id = message_id
@@ -82,7 +82,9 @@ class MessageWidget(QFrame):
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         outer.setSpacing(4)
-        self.role_label = QLabel("You" if role == "user" else "Assistant", objectName="roleLabel")
+        self.role_label = QLabel(
+            "You" if role == "user" else (name or "Assistant"), objectName="roleLabel"
+        )
         outer.addWidget(self.role_label)
 
         self.reasoning_toggle = QToolButton(objectName="reasoningToggle")
