@@ -177,7 +177,7 @@ def normalise_rope(cfg: dict[str, Any]) -> None:
             cfg["rope_local_base_freq"] = sliding["rope_theta"]
     else:
         _apply_rope_block(cfg, params)
-    del cfg["rope_parameters"]
+    # rope_parameters stays: a family that reads the new spelling per layer type sees it whole.
 
 
 def _apply_rope_block(cfg: dict[str, Any], block: dict[str, Any]) -> None:
