@@ -8,6 +8,7 @@ repaints the streaming message at most ~30 times a second.
 from __future__ import annotations
 
 from app.qt import (
+    emit,
     QFrame,
     QLabel,
     QScrollArea,
@@ -120,7 +121,7 @@ class ChatView(QScrollArea):
         if self._dirty and self.streaming is not None:
             self._dirty = False
             self.streaming.set_text(self._answer, self._reasoning)
-            self.repainted.emit()
+            emit(self.repainted)
 
     def stop_streaming(self) -> None:
         self._flush()

@@ -9,6 +9,7 @@ from app import tasks
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.chat import ChatController
 from app.qt import (
+    emit,
     QFrame,
     QHBoxLayout,
     QKeySequence,
@@ -228,7 +229,7 @@ class MainWindow(QMainWindow):
         except (EngineRequestError, EngineUnavailable) as exc:
             self.model_button.setText("Select a model  ▾")
             self.show_error(f"Could not load {name}: {exc}")
-            self.load_failed.emit(str(exc))
+            emit(self.load_failed, str(exc))
             return False
         finally:
             self.model_button.setEnabled(True)
@@ -245,7 +246,7 @@ class MainWindow(QMainWindow):
         self.gauge.set_plan(info.plan)
         self.composer.set_capabilities(info.vision, info.audio)
         self.notify(f"Loaded {info.name}.")
-        self.model_loaded.emit(info)
+        emit(self.model_loaded, info)
         return True
 
     def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:

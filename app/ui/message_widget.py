@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from app.qt import (
+    emit,
     QApplication,
     QFrame,
     QHBoxLayout,
@@ -112,8 +113,8 @@ class MessageWidget(QFrame):
         self.prev_button = QToolButton(text="‹", objectName="versionButton")
         self.next_button = QToolButton(text="›", objectName="versionButton")
         self.version_label = QLabel("", objectName="versionLabel")
-        self.prev_button.clicked.connect(lambda: self.version_requested.emit(self.message_id, -1))
-        self.next_button.clicked.connect(lambda: self.version_requested.emit(self.message_id, +1))
+        self.prev_button.clicked.connect(lambda: emit(self.version_requested, self.message_id, -1))
+        self.next_button.clicked.connect(lambda: emit(self.version_requested, self.message_id, +1))
         for w in (self.prev_button, self.version_label, self.next_button):
             footer.addWidget(w)
         self.stats_label = QLabel("", objectName="statsLabel")
@@ -128,7 +129,7 @@ class MessageWidget(QFrame):
         else:
             self.action_button = QToolButton(text="Regenerate", objectName="actionButton")
             self.action_button.clicked.connect(
-                lambda: self.regenerate_requested.emit(self.message_id)
+                lambda: emit(self.regenerate_requested, self.message_id)
             )
         footer.addWidget(self.action_button)
         outer.addLayout(footer)
@@ -226,7 +227,7 @@ class MessageWidget(QFrame):
         text = self.editor.toPlainText().strip() if self.editor else ""
         self.end_edit()
         if text:
-            self.edit_submitted.emit(self.message_id, text)
+            emit(self.edit_submitted, self.message_id, text)
 
     def end_edit(self) -> None:
         if self.editor is None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from app.qt import (
+    emit,
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
@@ -129,7 +130,7 @@ class SettingsPanel(QFrame):
 
     def _emit(self, *_args) -> None:
         if not self._loading:
-            self.changed.emit(self.system_edit.toPlainText(), self.values())
+            emit(self.changed, self.system_edit.toPlainText(), self.values())
 
     # ---- presets ---------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from app.qt import (
+    emit,
     QFileDialog,
     QFrame,
     QInputDialog,
@@ -76,7 +77,7 @@ class Sidebar(QFrame):
 
     def _selected(self, item: QListWidgetItem | None, _prev) -> None:
         if not self._quiet:
-            self.conversation_selected.emit(item.data(ID_ROLE) if item else None)
+            emit(self.conversation_selected, item.data(ID_ROLE) if item else None)
 
     def _menu(self, pos) -> None:
         item = self.list.itemAt(pos)
@@ -109,7 +110,7 @@ class Sidebar(QFrame):
             return
         self.store.delete_conversation(cid)
         self.reload()
-        self.conversation_deleted.emit(cid)
+        emit(self.conversation_deleted, cid)
 
     def export(self, cid: int, fmt: str, path: str | None = None) -> None:
         conv = self.store.conversation(cid)
@@ -128,6 +129,6 @@ class Sidebar(QFrame):
                     else json.dumps(self.store.export_json(cid), indent=2, ensure_ascii=False))
             Path(path).write_text(text, encoding="utf-8")
         except OSError as exc:
-            self.notice.emit(f"Could not export to {path}: {exc.strerror or exc}")
+            emit(self.notice, f"Could not export to {path}: {exc.strerror or exc}")
             return
-        self.notice.emit(f"Exported to {path}")
+        emit(self.notice, f"Exported to {path}")
