@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     bridge = EngineBridge()
     window = MainWindow(store, bridge, dark=dark)
     window.show()
+    window.composer.edit.setFocus()
 
     async def start_engine() -> None:
         await asyncio.sleep(0)  # let the window paint before the heavy import

@@ -105,6 +105,8 @@ class MessageWidget(QFrame):
         self.body.setContentsMargins(14, 10, 14, 10)
         self.body.setSpacing(8)
         outer.addWidget(self.bubble)
+        if role == "user":
+            self.role_label.setAlignment(Qt.AlignmentFlag.AlignRight)
 
         self.editor: QPlainTextEdit | None = None
         footer = QHBoxLayout()
@@ -157,6 +159,22 @@ class MessageWidget(QFrame):
             self.body.addWidget(self._make_block(block))
         self._rendered = blocks
         self.bubble.setVisible(bool(blocks))
+        if self.role == "user":
+            self._fit_user_bubble()
+
+    def _fit_user_bubble(self) -> None:
+        """Short questions sit in a compact bubble on the right, as in messaging apps;
+        long ones wrap across the column (a wrapped QLabel cannot size itself to fit)."""
+        metrics = self.fontMetrics()
+        widest = max((metrics.horizontalAdvance(line) for line in self.content.splitlines()),
+                     default=0)
+        compact = widest < 520
+        label = self.body.itemAt(0).widget() if self.body.count() else None
+        if isinstance(label, QLabel):
+            label.setWordWrap(not compact)
+        layout = self.layout()
+        layout.setAlignment(self.bubble, Qt.AlignmentFlag.AlignRight if compact
+                            else Qt.AlignmentFlag(0))
 
     def _make_block(self, block: Block) -> QWidget:
         if block.kind == "code":

@@ -21,6 +21,7 @@ from app.qt import (
     QSpinBox,
     QVBoxLayout,
     QWidget,
+    Qt,
     Signal,
 )
 from app.resources import resource_path
@@ -71,6 +72,7 @@ class SettingsPanel(QFrame):
         layout.addWidget(QLabel("Sampling", objectName="fieldTitle"))
         form = QFormLayout()
         form.setSpacing(6)
+        form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
         self.inputs: dict[str, QSpinBox | QDoubleSpinBox] = {}
         for key, (label, kind, lo, hi, step, _default) in FIELDS.items():
             box = QDoubleSpinBox() if kind is float else QSpinBox()

@@ -10,6 +10,7 @@ from app.qt import (
     QFileDialog,
     QFrame,
     QInputDialog,
+    QLabel,
     QLineEdit,
     QListWidget,
     QListWidgetItem,
@@ -39,6 +40,8 @@ class Sidebar(QFrame):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 14, 12, 12)
         layout.setSpacing(10)
+        brand = QLabel("MLX Desk", objectName="brand")
+        layout.addWidget(brand)
         self.new_button = QPushButton("+   New chat", objectName="newChatButton")
         self.new_button.setCursor(Qt.CursorShape.PointingHandCursor)
         self.new_button.clicked.connect(self.new_requested)
