@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     bridge = EngineBridge()
     window = MainWindow(store, bridge, dark=dark)
     window.show()
+    # Follow the system when it switches between light and dark while the app runs.
+    app.styleHints().colorSchemeChanged.connect(lambda _scheme: apply_theme(app))
     window.composer.edit.setFocus()
 
     async def start_engine() -> None:
