@@ -12,6 +12,10 @@ what the outside references compute on them into tests/golden/media/:
 - resample.npz          scipy.signal.resample_poly on jfk.wav and on a synthetic tone mix
 - gemma3_images.npz     transformers' Gemma3 image processor (PIL backend) on the photos
 - qwen2vl_images.npz    transformers' Qwen2-VL image processor (PIL backend) on the photos
+- whisper_tiny.npz      a tiny random WhisperForConditionalGeneration (weights drawn from
+                        a seeded generator, see synthetic_weight) run on jfk.wav's features:
+                        encoder output, and greedy decoding with its logits at every step
+- whisper_tiny.json     that model's config and parameter names/shapes
 - versions.json         library versions and the settings used
 
 Large arrays are stored as exact float32 summaries: totals, per-row and per-column means
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import wave
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +155,70 @@ def qwen2vl_goldens(image_dir: Path) -> dict:
     return out
 
 
+WHISPER_TINY = {
+    "vocab_size": 100, "num_mel_bins": 80, "d_model": 64,
+    "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
+    "decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128,
+    "max_source_positions": 1500, "max_target_positions": 64,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
+    "scale_embedding": False, "activation_function": "gelu", "tie_word_embeddings": True,
+}
+WHISPER_PROMPT = [1, 7, 11]
+WHISPER_STEPS = 24
+
+
+def synthetic_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Deterministic weights from the parameter name alone (the test draws the same ones):
+    scaled so activations stay O(1) and logits are well separated, unlike default init."""
+    noise = np.random.default_rng(zlib.crc32(name.encode())).standard_normal(shape)
+    if name.endswith("layer_norm.weight"):
+        return (1.0 + 0.1 * noise).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.05 * noise).astype(np.float32)
+    if "embed_positions" in name:  # strong positions keep greedy output from repeating
+        return (2.0 * noise).astype(np.float32)
+    if "embed_tokens" in name:
+        return (0.5 * noise).astype(np.float32)
+    return (noise / math.sqrt(math.prod(shape[1:]))).astype(np.float32)
+
+
+def whisper_tiny_goldens(audio_dir: Path) -> tuple[dict, dict]:
+    import torch
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(WhisperConfig(**WHISPER_TINY)).eval()
+    params = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(synthetic_weight(name, tuple(p.shape))))
+            params[name] = list(p.shape)
+    assert model.proj_out.weight.data_ptr() == model.model.decoder.embed_tokens.weight.data_ptr()
+    audio = read_pcm16_wav(audio_dir / "jfk.wav")
+    feats = WhisperFeatureExtractor(feature_size=80)(audio, sampling_rate=16000, return_tensors="pt").input_features
+    out: dict = {}
+    with torch.no_grad():
+        encoded = model.model.encoder(feats).last_hidden_state[0].numpy()
+        summarise("encoder", encoded, RESAMPLE_STRIDE, out)
+        out["encoder/position_means"] = encoded.astype(np.float64).mean(axis=1).astype(np.float32)
+        # Plain greedy decoding, each step recomputed from scratch (no cache, no
+        # Whisper-specific suppression): the reference for the engine's cached loop.
+        ids = list(WHISPER_PROMPT)
+        step_logits, margins = [], []
+        for _ in range(WHISPER_STEPS):
+            logits = model(input_features=feats, decoder_input_ids=torch.tensor([ids])).logits[0, -1].numpy()
+            top2 = np.sort(logits)[-2:]
+            margins.append(top2[1] - top2[0])
+            step_logits.append(logits)
+            ids.append(int(np.argmax(logits)))
+    out["greedy/ids"] = np.asarray(ids[len(WHISPER_PROMPT):], dtype=np.int64)
+    out["greedy/logits"] = np.stack(step_logits).astype(np.float32)
+    out["greedy/margins"] = np.asarray(margins, dtype=np.float32)
+    print(f"whisper tiny: greedy ids {out['greedy/ids'].tolist()}, smallest top-2 margin {min(margins):.4f}")
+    meta = {"config": WHISPER_TINY, "prompt": WHISPER_PROMPT, "steps": WHISPER_STEPS, "parameters": params}
+    return out, meta
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=HERE.parents[2] / "shared" / "data")
@@ -163,6 +233,9 @@ def main() -> None:
     np.savez_compressed(OUT / "resample.npz", **resample_goldens(args.data / "audio"))
     np.savez_compressed(OUT / "gemma3_images.npz", **gemma3_goldens(args.data / "images"))
     np.savez_compressed(OUT / "qwen2vl_images.npz", **qwen2vl_goldens(args.data / "images"))
+    whisper_arrays, whisper_meta = whisper_tiny_goldens(args.data / "audio")
+    np.savez_compressed(OUT / "whisper_tiny.npz", **whisper_arrays)
+    (OUT / "whisper_tiny.json").write_text(json.dumps(whisper_meta, indent=1) + "\n")
     meta = {
         "transformers": transformers.__version__,
         "torch": torch.__version__,
