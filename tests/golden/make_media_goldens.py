@@ -40,6 +40,7 @@ IMAGES = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"]
 MEL_FRAME_STRIDE = 5
 RESAMPLE_STRIDE = 13
 IMAGE_STRIDE = 1999
+ENCODER_STRIDE = 13
 
 # Image processor settings covered by the goldens (name -> constructor kwargs).
 GEMMA3_CASES = {
@@ -199,7 +200,7 @@ def whisper_tiny_goldens(audio_dir: Path) -> tuple[dict, dict]:
     out: dict = {}
     with torch.no_grad():
         encoded = model.model.encoder(feats).last_hidden_state[0].numpy()
-        summarise("encoder", encoded, RESAMPLE_STRIDE, out)
+        summarise("encoder", encoded, ENCODER_STRIDE, out)
         out["encoder/position_means"] = encoded.astype(np.float64).mean(axis=1).astype(np.float32)
         # Plain greedy decoding, each step recomputed from scratch (no cache, no
         # Whisper-specific suppression): the reference for the engine's cached loop.
@@ -215,7 +216,8 @@ def whisper_tiny_goldens(audio_dir: Path) -> tuple[dict, dict]:
     out["greedy/logits"] = np.stack(step_logits).astype(np.float32)
     out["greedy/margins"] = np.asarray(margins, dtype=np.float32)
     print(f"whisper tiny: greedy ids {out['greedy/ids'].tolist()}, smallest top-2 margin {min(margins):.4f}")
-    meta = {"config": WHISPER_TINY, "prompt": WHISPER_PROMPT, "steps": WHISPER_STEPS, "parameters": params}
+    meta = {"config": WHISPER_TINY, "prompt": WHISPER_PROMPT, "steps": WHISPER_STEPS,
+            "encoder_stride": ENCODER_STRIDE, "parameters": params}
     return out, meta
 
 

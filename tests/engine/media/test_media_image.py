@@ -158,8 +158,9 @@ def test_qwen2vl_processor_matches_transformers(shared_data, case):
         np.testing.assert_array_equal(out.image_grid_thw, gold[f"{prefix}/grid_thw"])
         assert out.pixel_values.dtype == np.float32
         _check_summary(gold, prefix, out.pixel_values)
-        np.testing.assert_allclose(out.pixel_values.astype(np.float64).mean(axis=1), gold[f"{prefix}/patch_means"], atol=1e-6)
-        np.testing.assert_allclose(out.pixel_values.astype(np.float64).mean(axis=0), gold[f"{prefix}/feature_means"], atol=1e-6)
+        pv64 = out.pixel_values.astype(np.float64)
+        np.testing.assert_allclose(pv64.mean(axis=1), gold[f"{prefix}/patch_means"], atol=1e-6)
+        np.testing.assert_allclose(pv64.mean(axis=0), gold[f"{prefix}/feature_means"], atol=1e-6)
 
 
 def test_qwen2vl_several_images_concatenate_in_order(shared_data):
