@@ -9,7 +9,6 @@ onto white, the way transformers' image processors flatten RGBA.
 from __future__ import annotations
 
 import io
-import warnings
 from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -70,16 +69,12 @@ def load_image(source: str | Path | bytes) -> Image.Image:
             "(pip install pillow-heif); or export it as JPEG or PNG."
         )
     try:
-        with warnings.catch_warnings():
-            # Pillow warns, then raises, on huge images; the raise is what we report.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
-                im.load()  # decode now, inside the try, so truncation surfaces here
-                upright = ImageOps.exif_transpose(im)
-                return _to_rgb(upright)
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()  # decode now, inside the try, so truncation surfaces here
+            return _to_rgb(ImageOps.exif_transpose(im))
     except UnidentifiedImageError:
         raise MediaError(f"{name} is not an image format that can be read (PNG, JPEG, WebP, GIF, ...).") from None
-    except Image.DecompressionBombError as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # warning if raised as error
         raise MediaError(f"Image {name} is too large to open safely: {e}") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise MediaError(f"Image {name} is corrupt or truncated: {e}") from None

@@ -203,3 +203,10 @@ def test_qwen2vl_config_keys():
     assert (proc.min_pixels, proc.max_pixels) == (3136, 12845056)
     sized = Qwen2VLImageProcessor.from_config({"size": {"shortest_edge": 100, "longest_edge": 200000}})
     assert (sized.min_pixels, sized.max_pixels) == (100, 200000)
+
+
+def test_oversized_images_are_refused(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 3x5=15 fine, 30x40=1200 > 2x limit
+    assert load_image(_png(np.zeros((3, 5, 3), dtype=np.uint8))).size == (5, 3)
+    with pytest.raises(MediaError, match="too large"):
+        load_image(_png(np.zeros((30, 40, 3), dtype=np.uint8)))
