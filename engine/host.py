@@ -275,14 +275,15 @@ class ModelHost:
         cancel: threading.Event | None = None,
     ) -> ModelInfo | None:
         """Load the draft model for speculative decoding (``None`` unloads it). It must number
-        tokens as the loaded model does, and fit in the budget beside it."""
+        tokens as the loaded model does, and fit in the budget beside it. A refused draft
+        model leaves the current one in place."""
         self._check_thread()
         from .artifacts.loader import load_model
         from .speculative import check_draft_compatible
 
         state = self._need()
-        self._set_draft(state, None)
         if path is None:
+            self._set_draft(state, None)
             return None
         plan = state.info.plan
         budget = max(1, plan.budget_bytes - plan.weights_bytes) if plan is not None else None
