@@ -192,7 +192,6 @@ class ModelHost:
             getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_ids", None)
         )
         info = self._describe(loaded, budget)
-        info = replace(info, adapters=[], active_adapters={}, draft_model=None)
         self._loaded = _Loaded(
             model=loaded.model,
             config=config,

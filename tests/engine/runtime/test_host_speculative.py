@@ -105,12 +105,13 @@ def test_speculative_under_an_adapter(host, tiny_draft_dir, tiny_adapter_dirs):
     host.load_draft(str(tiny_draft_dir))
     first = host.generate("chat", TURN1, DRAFT)
     host.set_active_adapters({"alpha": 1.0})
+    want = plain(host, turn2(first.text))
     for params in (DRAFT, NGRAM):
         host.drop_session("chat")
-        host.generate("chat", TURN1, DRAFT)  # fills the cache under the adapter
+        host.generate("chat", TURN1, replace(PLAIN, max_tokens=1))  # fills the cache under the adapter
         got = host.generate("chat", turn2(first.text), params)
         assert got.stats.cached_tokens > 0 and got.adapters == {"alpha": 1.0}
-        assert got.token_ids == plain(host, turn2(first.text))
+        assert got.token_ids == want
     host.set_active_adapters({})  # the draft's cache stays valid; the target's is rebuilt
     got = host.generate("chat", turn2(first.text), DRAFT)
     assert got.stats.cached_tokens == 0 and got.token_ids == plain(host, turn2(first.text))
@@ -123,6 +124,29 @@ def test_sampled_speculative_is_reproducible_with_a_seed(host, tiny_draft_dir):
     b = host.generate("b", TURN1, params)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
     check_stats(a.stats)
+
+
+def test_cancel_mid_draft_leaves_a_reusable_cache(host, tiny_draft_dir):
+    import threading
+
+    from engine.api import TokenEvent
+
+    host.load_draft(str(tiny_draft_dir))
+    cancel = threading.Event()
+    seen: list[int] = []
+
+    def on_event(event) -> None:
+        if isinstance(event, TokenEvent):
+            seen.extend(event.token_ids)
+            if len(seen) >= 5:
+                cancel.set()
+
+    stopped = host.generate("chat", TURN1, DRAFT, on_event, cancel)
+    assert stopped.finish_reason == "cancelled" and 5 <= len(stopped.token_ids) < 24
+    want = plain(host, TURN1)
+    assert stopped.token_ids == want[: len(stopped.token_ids)]
+    again = host.generate("chat", TURN1, DRAFT)  # the same turn again: reuses the prompt's KV
+    assert again.stats.cached_tokens > 0 and again.token_ids == want
 
 
 def test_bad_speculative_settings_are_refused_before_the_cache_is_touched(host):
