@@ -1,0 +1,211 @@
+"""EngineBridge: awaitable calls into the engine's worker thread, Qt signals out.
+
+The worker calls ``_on_worker_event`` on its own thread. That method only emits a
+signal; the queued connection moves the event onto the GUI thread, where futures
+are resolved and the public signals fire. Nothing here touches a widget.
+
+engine.worker (and with it mlx) is imported lazily, on ``start()``, so the window
+can appear before the heavy imports run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import asdict
+from typing import Any, Callable
+
+from app.qt import QObject, Qt, Signal
+from engine import api
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine could not be started (import failure, worker died)."""
+
+
+class EngineBridge(QObject):
+    token = Signal(int, str, str)  # request id, text, channel ("answer" | "reasoning")
+    progress = Signal(int, str, float, float, str)  # request id, stage, done, total, message
+    memory = Signal(dict)  # MemoryEvent fields
+    error = Signal(int, str)  # request id, one readable line
+    finished = Signal(int, object)  # request id, GenerationResult | ModelInfo | None
+    started = Signal(int, str)  # request id, kind ("generate", "load", "inspect", ...)
+    _event = Signal(object)  # worker thread -> GUI thread
+
+    def __init__(self, parent: QObject | None = None, worker_factory: Callable | None = None):
+        super().__init__(parent)
+        self._worker_factory = worker_factory
+        self._worker: Any = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._kinds: dict[int, str] = {}
+        self.active_generation: int | None = None
+        self.active_load: int | None = None
+        self.model_info: api.ModelInfo | None = None
+        self._event.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._worker is not None:
+            return
+        factory = self._worker_factory
+        if factory is None:
+            try:
+                from engine.worker import EngineWorker  # heavy: imports mlx
+            except Exception as exc:  # noqa: BLE001 - any import failure is shown to the user
+                raise EngineUnavailable(f"The engine could not start: {exc}") from exc
+            factory = EngineWorker
+        self._worker = factory(self._on_worker_event)
+        self._worker.start()
+
+    @property
+    def running(self) -> bool:
+        return self._worker is not None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._worker is None:
+            return
+        for rid in list(self._pending):
+            self._submit_quiet(api.Cancel(target=rid))
+        self._worker.shutdown(timeout)
+        self._worker = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable("The engine was shut down."))
+        self._pending.clear()
+
+    # ---- awaitable calls ------------------------------------------------------------
+
+    async def load_model(self, path: str, memory_budget: int | None = None) -> api.ModelInfo:
+        rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget), "load")
+        self.active_load = rid
+        try:
+            info = await fut
+        finally:
+            if self.active_load == rid:
+                self.active_load = None
+        self.model_info = info
+        return info
+
+    async def unload_model(self) -> None:
+        _, fut = self._request(api.UnloadModel(), "unload")
+        await fut
+        self.model_info = None
+
+    async def inspect(self, path: str) -> api.ModelInfo:
+        _, fut = self._request(api.InspectModel(path=path), "inspect")
+        return await fut
+
+    async def generate(
+        self,
+        conversation_id: int | str,
+        messages: list[dict[str, Any]],
+        params: api.GenerationParams | None = None,
+    ) -> api.GenerationResult:
+        """Stream a reply; tokens arrive on ``token``. Resolves with the final result."""
+        cmd = api.Generate(
+            session_id=str(conversation_id),
+            messages=messages,
+            params=params or api.GenerationParams(),
+        )
+        rid, fut = self._request(cmd, "generate")
+        self.active_generation = rid
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._submit_quiet(api.Cancel(target=rid))
+            raise
+        finally:
+            if self.active_generation == rid:
+                self.active_generation = None
+
+    def cancel(self, request_id: int | None = None) -> bool:
+        """Stop a request (default: the running generation, else the running load)."""
+        target = request_id or self.active_generation or self.active_load
+        if target is None or self._worker is None:
+            return False
+        self._submit_quiet(api.Cancel(target=target))
+        return True
+
+    def drop_session(self, conversation_id: int | str) -> None:
+        if self._worker is not None:
+            self._submit_quiet(api.DropSession(session_id=str(conversation_id)))
+
+    # ---- plumbing ------------------------------------------------------------------
+
+    def _request(self, command: Any, kind: str) -> tuple[int, asyncio.Future]:
+        if self._worker is None:
+            self.start()
+        fut = asyncio.get_running_loop().create_future()
+        rid = self._worker.submit(command)
+        self._pending[rid] = fut
+        self._kinds[rid] = kind
+        self.started.emit(rid, kind)
+        return rid, fut
+
+    def _submit_quiet(self, command: Any) -> None:
+        try:
+            self._worker.submit(command)
+        except Exception:  # noqa: BLE001 - a cancel to a dead worker has nothing to stop
+            pass
+
+    def _on_worker_event(self, event: Any) -> None:
+        """Runs on the worker thread: hand over to the GUI thread and return at once."""
+        self._event.emit(event)
+
+    def _dispatch(self, event: Any) -> None:
+        if isinstance(event, api.TokenEvent):
+            self.token.emit(event.request_id, event.text, event.channel)
+        elif isinstance(event, api.ProgressEvent):
+            self.progress.emit(
+                event.request_id, event.stage, float(event.done), float(event.total),
+                event.message,
+            )
+        elif isinstance(event, api.MemoryEvent):
+            self.memory.emit(asdict(event))
+        elif isinstance(event, api.DoneEvent):
+            self._kinds.pop(event.request_id, None)
+            fut = self._pending.pop(event.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(event.result)
+            self.finished.emit(event.request_id, event.result)
+        elif isinstance(event, api.ErrorEvent):
+            self._kinds.pop(event.request_id, None)
+            fut = self._pending.pop(event.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineRequestError(event.message, event.kind))
+            self.error.emit(event.request_id, event.message)
+
+
+class EngineRequestError(Exception):
+    """A request ended with the engine's ErrorEvent; ``str()`` is its readable line."""
+
+    def __init__(self, message: str, kind: str = "EngineError"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def run_in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
+    """Run blocking non-MLX work (hub search, downloads, disk scans) off the GUI thread."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def work() -> None:
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, fut, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, fut, value, None)
+
+    threading.Thread(target=work, daemon=True, name=f"mlx-desk-{fn.__name__}").start()
+    return fut
+
+
+def _settle(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)

@@ -1,0 +1,225 @@
+"""ChatController: one conversation's flow between the store, the bridge and the view.
+
+Order matters for crash safety: the user message is committed before the engine
+is asked for anything, the assistant message exists (status "streaming") before
+the first token, and its text is committed at least once a second while it grows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.qt import QObject, QTimer, Signal
+from app.store import HistoryStore, Message
+from app.tasks import spawn
+from app.ui.chat_view import ChatView
+from engine import api
+
+SAVE_INTERVAL_MS = 500
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+
+
+def build_params(settings: dict[str, Any], defaults: dict[str, Any]) -> api.GenerationParams:
+    """Conversation settings over the model's generation_config over engine defaults."""
+    merged = {**defaults, **{k: v for k, v in settings.items() if v is not None}}
+    sampling = api.SamplingParams(**{
+        k: merged[k] for k in SAMPLING_KEYS if k in merged and merged[k] not in ("", None)
+    })
+    params = api.GenerationParams(sampling=sampling)
+    if merged.get("max_tokens"):
+        params.max_tokens = int(merged["max_tokens"])
+    if merged.get("stop_strings"):
+        params.stop_strings = [s for s in merged["stop_strings"] if s]
+    if merged.get("ignore_eos"):
+        params.ignore_eos = True
+    return params
+
+
+class ChatController(QObject):
+    busy_changed = Signal(bool)
+    status = Signal(str)  # a readable line for the status bar
+    failed = Signal(str)  # a readable line worth a dialog
+    reply_finished = Signal(int, object)  # assistant message id, GenerationResult | None
+    conversations_changed = Signal()
+
+    def __init__(self, store: HistoryStore, bridge: EngineBridge, view: ChatView,
+                 parent: QObject | None = None):
+        super().__init__(parent)
+        self.store, self.bridge, self.view = store, bridge, view
+        self.conversation_id: int | None = None
+        self.reply_id: int | None = None  # the assistant message being streamed
+        self._answer = ""
+        self._reasoning = ""
+        self._saved_len = (0, 0)
+        self._save_timer = QTimer(self)
+        self._save_timer.setInterval(SAVE_INTERVAL_MS)
+        self._save_timer.timeout.connect(self._save_partial)
+        bridge.token.connect(self._on_token)
+        view.edit_submitted.connect(self._edit_slot)
+        view.regenerate_requested.connect(self._regenerate_slot)
+        view.version_requested.connect(self.switch_version)
+
+    @property
+    def busy(self) -> bool:
+        return self.reply_id is not None
+
+    # ---- showing a conversation ---------------------------------------------------------
+
+    def open(self, conversation_id: int | None) -> None:
+        self.conversation_id = conversation_id
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self.conversation_id is None:
+            self.view.show_thread([], {})
+            return
+        thread = self.store.thread(self.conversation_id)
+        self.view.show_thread(thread, self._versions(thread))
+
+    def _versions(self, thread: list[Message]) -> dict[int, tuple[int, int]]:
+        out = {}
+        for m in thread:
+            sibs = self.store.siblings(m.id)
+            out[m.id] = (sibs.index(m.id) + 1, len(sibs))
+        return out
+
+    def switch_version(self, message_id: int, delta: int) -> None:
+        if self.busy:
+            self.status.emit("Stop the reply before switching versions.")
+            return
+        sibs = self.store.siblings(message_id)
+        i = sibs.index(message_id) + delta
+        if 0 <= i < len(sibs):
+            self.store.show_version(sibs[i])
+            self.refresh()
+
+    # ---- the three ways a reply starts --------------------------------------------------
+
+    async def send(self, text: str, attachments: list[tuple[str, str]] | None = None) -> None:
+        text = text.strip()
+        if not text or self.busy:
+            return
+        if self.conversation_id is None:
+            self.conversation_id = self.store.create_conversation()
+        conv = self.store.conversation(self.conversation_id)
+        if not self.store.thread(conv.id):
+            self.store.rename_conversation(conv.id, _title_from(text))
+            self.conversations_changed.emit()
+        user_id = self.store.add_message(
+            conv.id, "user", text, conv.leaf_id, attachments=attachments
+        )
+        self.refresh()
+        await self._reply(user_id)
+
+    async def regenerate(self, assistant_id: int) -> None:
+        msg = self.store.message(assistant_id)
+        if msg is None or self.busy or msg.parent_id is None:
+            return
+        await self._reply(msg.parent_id)
+
+    async def edit(self, user_id: int, text: str) -> None:
+        """A new version of an earlier user message, then a fresh reply from there."""
+        msg = self.store.message(user_id)
+        if msg is None or self.busy:
+            return
+        new_id = self.store.add_message(msg.conversation_id, "user", text, msg.parent_id)
+        self.refresh()
+        await self._reply(new_id)
+
+    def stop(self) -> bool:
+        return self.busy and self.bridge.cancel()
+
+    # ---- streaming one reply -------------------------------------------------------------
+
+    async def _reply(self, parent_id: int) -> None:
+        conv = self.store.conversation(self.conversation_id)
+        info = self.bridge.model_info
+        if info is None:
+            self.failed.emit("Load a model first: click the model button at the top.")
+            return
+        history = [m for m in self.store.thread(conv.id)]
+        cut = next(i for i, m in enumerate(history) if m.id == parent_id)
+        messages = [{"role": m.role, "content": m.content} for m in history[: cut + 1]]
+        if conv.system_prompt.strip():
+            messages.insert(0, {"role": "system", "content": conv.system_prompt})
+        params = build_params(conv.settings, info.generation_defaults or {})
+
+        self.reply_id = self.store.add_message(
+            conv.id, "assistant", "", parent_id, status="streaming", model=info.name
+        )
+        self._answer = self._reasoning = ""
+        self._saved_len = (0, 0)
+        reply = self.store.message(self.reply_id)
+        sibs = self.store.siblings(self.reply_id)
+        self.view.start_streaming(reply, (len(sibs), len(sibs)))
+        self.view.set_busy(True)
+        self.busy_changed.emit(True)
+        self._save_timer.start()
+        started = time.monotonic()
+        result: api.GenerationResult | None = None
+        status = "error"
+        try:
+            result = await self.bridge.generate(conv.id, messages, params)
+            status = "cancelled" if result.finish_reason == "cancelled" else "complete"
+            if result.finish_reason == "error":
+                status = "error"
+                self.failed.emit(result.error or "The reply failed.")
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.failed.emit(str(exc))
+        finally:
+            self._save_timer.stop()
+            stats = asdict(result.stats) if result is not None else {}
+            if result is not None:
+                # The engine's final text wins over the sum of the pieces (stop strings trimmed).
+                self._answer, self._reasoning = result.text, result.reasoning
+            reply_id, self.reply_id = self.reply_id, None
+            self.store.update_message(
+                reply_id, content=self._answer, reasoning=self._reasoning,
+                status=status, stats=stats,
+            )
+            self.view.stop_streaming()
+            widget = self.view.widgets.get(reply_id)
+            if widget is not None:
+                widget.set_text(self._answer, self._reasoning)
+                widget.set_stats(stats, status)
+            self.view.set_busy(False)
+            self.busy_changed.emit(False)
+            if status == "complete" and stats:
+                self.status.emit(
+                    f"{stats.get('generated_tokens', 0)} tokens in "
+                    f"{time.monotonic() - started:.1f} s"
+                )
+            elif status == "cancelled":
+                self.status.emit("Stopped.")
+            self.reply_finished.emit(reply_id, result)
+
+    def _on_token(self, request_id: int, text: str, channel: str) -> None:
+        if self.reply_id is None or request_id != self.bridge.active_generation:
+            return
+        if channel == "reasoning":
+            self._reasoning += text
+        else:
+            self._answer += text
+        self.view.append(text, channel)
+
+    def _save_partial(self) -> None:
+        now = (len(self._answer), len(self._reasoning))
+        if self.reply_id is not None and now != self._saved_len:
+            self.store.update_message(self.reply_id, content=self._answer,
+                                      reasoning=self._reasoning)
+            self._saved_len = now
+
+    def _edit_slot(self, message_id: int, text: str) -> None:
+        spawn(self.edit(message_id, text))
+
+    def _regenerate_slot(self, message_id: int) -> None:
+        spawn(self.regenerate(message_id))
+
+
+def _title_from(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "New chat"
+    return line if len(line) <= 48 else line[:47].rstrip() + "…"

@@ -1,0 +1,279 @@
+"""The main window: sidebar | chat (model bar, messages, composer) | settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from app import tasks
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.chat import ChatController
+from app.qt import (
+    QFrame,
+    QHBoxLayout,
+    QKeySequence,
+    QLabel,
+    QMainWindow,
+    QProgressBar,
+    QPushButton,
+    QShortcut,
+    QSizePolicy,
+    QSplitter,
+    Qt,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+    Signal,
+)
+from app.store import HistoryStore
+from app.ui.chat_view import ChatView
+from app.ui.composer import Composer
+from app.ui.memory_gauge import MemoryGauge
+from app.ui.model_browser import ModelBrowser, fmt_params
+from app.ui.settings_panel import SettingsPanel
+from app.ui.sidebar import Sidebar
+
+
+class MainWindow(QMainWindow):
+    model_loaded = Signal(object)  # ModelInfo
+    load_failed = Signal(str)  # the readable reason
+
+    def __init__(self, store: HistoryStore, bridge: EngineBridge, dark: bool = False):
+        super().__init__()
+        self.setWindowTitle("MLX Desk")
+        self.resize(1280, 820)
+        self.store, self.bridge = store, bridge
+        self.screenshot_path = os.environ.get("MLXDESK_SCREENSHOT", "")
+
+        self.sidebar = Sidebar(store)
+        self.chat_view = ChatView()
+        self.chat_view.dark = dark
+        self.composer = Composer()
+        self.settings = SettingsPanel(store.data_dir)
+        self.settings.setVisible(False)
+        self.gauge = MemoryGauge()
+        self.chat = ChatController(store, bridge, self.chat_view, self)
+
+        center = QWidget(objectName="center")
+        cv = QVBoxLayout(center)
+        cv.setContentsMargins(0, 0, 0, 0)
+        cv.setSpacing(0)
+        cv.addWidget(self._top_bar())
+        cv.addWidget(self.chat_view, 1)
+        holder = QWidget()
+        hl = QHBoxLayout(holder)
+        hl.setContentsMargins(28, 8, 28, 18)
+        hl.addWidget(self.composer)
+        cv.addWidget(holder)
+
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.setHandleWidth(1)
+        split.setChildrenCollapsible(False)
+        split.addWidget(self.sidebar)
+        split.addWidget(center)
+        split.addWidget(self.settings)
+        split.setStretchFactor(1, 1)
+        split.setSizes([250, 800, 290])
+        self.sidebar.setMinimumWidth(200)
+        self.settings.setMinimumWidth(260)
+        self.setCentralWidget(split)
+        self.statusBar().addPermanentWidget(self.gauge)
+
+        # ---- wiring
+        self.sidebar.new_requested.connect(self.new_chat)
+        self.sidebar.conversation_selected.connect(self.open_conversation)
+        self.sidebar.conversation_deleted.connect(self._deleted)
+        self.sidebar.notice.connect(self.notify)
+        self.composer.send_requested.connect(
+            lambda text, att: tasks.spawn(self.chat.send(text, att))
+        )
+        self.composer.stop_requested.connect(self.stop)
+        self.composer.notice.connect(self.notify)
+        self.chat.busy_changed.connect(self.composer.set_busy)
+        self.chat.status.connect(self.notify)
+        self.chat.failed.connect(self.show_error)
+        self.chat.conversations_changed.connect(lambda: self.sidebar.reload(self.chat.conversation_id))
+        self.chat.reply_finished.connect(self._reply_finished)
+        self.chat_view.repainted.connect(self._maybe_screenshot)
+        self.settings.changed.connect(self._settings_changed)
+        bridge.memory.connect(self.gauge.update_figures)
+        bridge.progress.connect(self._progress)
+        tasks.set_reporter(self.notify)
+        QShortcut(QKeySequence.StandardKey.New, self, activated=self.new_chat)
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
+
+        recent = store.list_conversations()
+        self.sidebar.reload(recent[0].id if recent else None)
+        if recent:
+            self.open_conversation(recent[0].id)
+        else:
+            self.new_chat()
+        self.notify("Ready. Pick a model to start.")
+
+    def _top_bar(self) -> QWidget:
+        bar = QFrame(objectName="topBar")
+        row = QHBoxLayout(bar)
+        row.setContentsMargins(20, 10, 14, 10)
+        row.setSpacing(10)
+        self.model_button = QPushButton("Select a model  ▾", objectName="modelButton")
+        self.model_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.model_button.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
+        self.model_button.clicked.connect(self.open_model_browser)
+        self.model_meta = QLabel("", objectName="modelMeta")
+        self.load_bar = QProgressBar(objectName="loadProgress")
+        self.load_bar.setTextVisible(False)
+        self.load_bar.setFixedWidth(160)
+        self.load_bar.setVisible(False)
+        self.cancel_load = QToolButton(text="Cancel", objectName="actionButton")
+        self.cancel_load.setVisible(False)
+        self.cancel_load.clicked.connect(lambda: self.bridge.cancel(self.bridge.active_load))
+        self.error_banner = QLabel("", objectName="errorBanner")
+        self.error_banner.setWordWrap(True)
+        self.error_banner.setVisible(False)
+        self.error_banner.setStyleSheet("color: #e5484d; font-size: 12px;")
+        toggle = QToolButton(text="⚙  Settings", objectName="settingsToggle")
+        toggle.setCheckable(True)
+        toggle.toggled.connect(self.settings.setVisible)
+        self.settings_toggle = toggle
+        for w in (self.model_button, self.model_meta, self.load_bar, self.cancel_load):
+            row.addWidget(w)
+        row.addWidget(self.error_banner, 1)
+        row.addWidget(toggle)
+        return bar
+
+    # ---- messages to the user ------------------------------------------------------------
+
+    def notify(self, text: str) -> None:
+        self.statusBar().showMessage(text, 8000)
+
+    def show_error(self, text: str) -> None:
+        """A failure the user must see: banner in the top bar and the status bar."""
+        self.error_banner.setText(text)
+        self.error_banner.setToolTip(text)
+        self.error_banner.setVisible(True)
+        self.statusBar().showMessage(text, 15000)
+
+    # ---- conversations -----------------------------------------------------------------------
+
+    def new_chat(self) -> None:
+        if self.chat.busy:
+            self.notify("Stop the reply before starting a new chat.")
+            return
+        cur = self.chat.conversation_id
+        if cur is not None and not self.store.thread(cur):
+            cid = cur  # reuse an untouched chat instead of piling up empty ones
+        else:
+            cid = self.store.create_conversation()
+        self.sidebar.reload(cid)
+        self.open_conversation(cid)
+        self.composer.edit.setFocus()
+
+    def open_conversation(self, cid: int | None) -> None:
+        if cid is None or cid == self.chat.conversation_id and self.chat_view.widgets:
+            return
+        if self.chat.busy:
+            self.notify("Stop the reply before switching chats.")
+            self.sidebar.reload(self.chat.conversation_id)
+            return
+        conv = self.store.conversation(cid)
+        if conv is None:
+            return
+        self.chat.open(cid)
+        self.settings.load(conv.system_prompt, conv.settings)
+
+    def _deleted(self, cid: int) -> None:
+        self.bridge.drop_session(cid)
+        if cid == self.chat.conversation_id:
+            self.chat.conversation_id = None
+            recent = self.store.list_conversations()
+            if recent:
+                self.sidebar.reload(recent[0].id)
+                self.open_conversation(recent[0].id)
+            else:
+                self.new_chat()
+
+    def _settings_changed(self, system_prompt: str, settings: dict) -> None:
+        if self.chat.conversation_id is not None:
+            self.store.update_conversation(
+                self.chat.conversation_id, system_prompt=system_prompt, settings=settings
+            )
+
+    def stop(self) -> None:
+        if self.chat.stop():
+            self.notify("Stopping…")
+        elif self.bridge.active_load is not None:
+            self.bridge.cancel(self.bridge.active_load)
+
+    # ---- models --------------------------------------------------------------------------------
+
+    def open_model_browser(self) -> ModelBrowser:
+        browser = ModelBrowser(self.bridge, parent=self)
+        browser.load_requested.connect(lambda path: tasks.spawn(self.load_model(path)))
+        browser.notice.connect(self.notify)
+        browser.show()
+        tasks.spawn(browser.refresh())
+        return browser
+
+    async def load_model(self, path: str) -> bool:
+        name = Path(path).name
+        self.error_banner.setVisible(False)
+        self.model_button.setText(f"Loading {name}…")
+        self.model_button.setEnabled(False)
+        self.load_bar.setRange(0, 0)
+        self.load_bar.setVisible(True)
+        self.cancel_load.setVisible(True)
+        self.notify(f"Loading {name}…")
+        try:
+            info = await self.bridge.load_model(path)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.model_button.setText("Select a model  ▾")
+            self.show_error(f"Could not load {name}: {exc}")
+            self.load_failed.emit(str(exc))
+            return False
+        finally:
+            self.model_button.setEnabled(True)
+            self.load_bar.setVisible(False)
+            self.cancel_load.setVisible(False)
+        self.model_button.setText(f"{info.name}  ▾")
+        meta = [info.family, fmt_params(info.parameters), info.quantization,
+                f"{info.context_length:,} ctx"]
+        self.model_meta.setText("  ·  ".join(m for m in meta if m))
+        self.settings.set_model_defaults(info.generation_defaults or {})
+        conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id else None
+        if conv is not None:
+            self.settings.load(conv.system_prompt, conv.settings)
+        self.gauge.set_plan(info.plan)
+        self.composer.set_capabilities(info.vision, info.audio)
+        self.notify(f"Loaded {info.name}.")
+        self.model_loaded.emit(info)
+        return True
+
+    def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
+        if request_id == self.bridge.active_load and total > 0:
+            self.load_bar.setRange(0, 1000)
+            self.load_bar.setValue(int(1000 * done / total))
+            if message:
+                self.notify(message)
+
+    def _reply_finished(self, message_id: int, result) -> None:
+        if result is not None:
+            used = result.stats.prompt_tokens + result.stats.generated_tokens
+            params_max = self.settings.values(everything=True).get("max_tokens", 512)
+            warning = self.gauge.check_context(used + params_max)
+            if warning:
+                self.show_error(warning)
+        self._maybe_screenshot(final=True)
+
+    def _maybe_screenshot(self, final: bool = False) -> None:
+        """With MLXDESK_SCREENSHOT set, save the window once mid-reply (for the README)."""
+        if not self.screenshot_path:
+            return
+        streaming = self.chat_view.streaming
+        if final or (streaming is not None and len(streaming.content) >= 60):
+            self.grab().save(self.screenshot_path)
+            self.screenshot_path = ""
+
+    def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        self.chat.stop()
+        self.bridge.shutdown(5.0)
+        super().closeEvent(event)

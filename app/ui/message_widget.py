@@ -1,0 +1,239 @@
+"""One chat message: Markdown body, code blocks with copy, reasoning, stats, versions."""
+
+from __future__ import annotations
+
+from app.qt import (
+    QApplication,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSizePolicy,
+    Qt,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+    Signal,
+)
+from app.ui.markdown import Block, highlight_html, split_blocks
+
+
+def _label(text: str = "", name: str = "", rich: bool = False) -> QLabel:
+    label = QLabel(text)
+    if name:
+        label.setObjectName(name)
+    label.setWordWrap(True)
+    label.setTextInteractionFlags(
+        Qt.TextInteractionFlag.TextSelectableByMouse | Qt.TextInteractionFlag.LinksAccessibleByMouse
+    )
+    label.setOpenExternalLinks(True)
+    if rich:
+        label.setTextFormat(Qt.TextFormat.RichText)
+    label.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+    return label
+
+
+class CodeBlock(QFrame):
+    """A fenced code block: language, copy button, highlighted monospace text."""
+
+    def __init__(self, block: Block, dark: bool, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("codeBlock")
+        self.code = block.text
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        header = QWidget(objectName="codeHeader")
+        row = QHBoxLayout(header)
+        row.setContentsMargins(12, 4, 6, 4)
+        row.addWidget(QLabel(block.language or "code", objectName="codeLanguage"))
+        row.addStretch(1)
+        self.copy_button = QToolButton(text="Copy", objectName="copyButton")
+        self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.copy_button.clicked.connect(self.copy)
+        row.addWidget(self.copy_button)
+        layout.addWidget(header)
+        self.body = _label(highlight_html(block.text, block.language, dark), "codeText", rich=True)
+        self.body.setContentsMargins(12, 8, 12, 10)
+        layout.addWidget(self.body)
+
+    def copy(self) -> None:
+        QApplication.clipboard().setText(self.code)
+        self.copy_button.setText("Copied")
+
+
+class MessageWidget(QFrame):
+    edit_submitted = Signal(int, str)  # message id, new text
+    regenerate_requested = Signal(int)
+    version_requested = Signal(int, int)  # message id, +1 / -1
+
+    def __init__(self, message_id: int, role: str, dark: bool = False, name: str = "",
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.message_id = message_id
+        self.role = role
+        self.dark = dark
+        self.content = ""
+        self.reasoning = ""
+        self._rendered: list[Block] = []
+        self.setObjectName("userMessage" if role == "user" else "assistantMessage")
+
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.setSpacing(4)
+        self.role_label = QLabel(
+            "You" if role == "user" else (name or "Assistant"), objectName="roleLabel"
+        )
+        outer.addWidget(self.role_label)
+
+        self.reasoning_toggle = QToolButton(objectName="reasoningToggle")
+        self.reasoning_toggle.setCheckable(True)
+        self.reasoning_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.reasoning_toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.reasoning_toggle.setText("Thinking")
+        self.reasoning_toggle.toggled.connect(self._toggle_reasoning)
+        self.reasoning_label = _label("", "reasoningText")
+        self.reasoning_label.setVisible(False)
+        self.reasoning_toggle.setVisible(False)
+        outer.addWidget(self.reasoning_toggle)
+        outer.addWidget(self.reasoning_label)
+
+        self.bubble = QFrame(objectName="bubble")
+        self.body = QVBoxLayout(self.bubble)
+        self.body.setContentsMargins(14, 10, 14, 10)
+        self.body.setSpacing(8)
+        outer.addWidget(self.bubble)
+
+        self.editor: QPlainTextEdit | None = None
+        footer = QHBoxLayout()
+        footer.setContentsMargins(2, 0, 2, 0)
+        footer.setSpacing(4)
+        self.prev_button = QToolButton(text="‹", objectName="versionButton")
+        self.next_button = QToolButton(text="›", objectName="versionButton")
+        self.version_label = QLabel("", objectName="versionLabel")
+        self.prev_button.clicked.connect(lambda: self.version_requested.emit(self.message_id, -1))
+        self.next_button.clicked.connect(lambda: self.version_requested.emit(self.message_id, +1))
+        for w in (self.prev_button, self.version_label, self.next_button):
+            footer.addWidget(w)
+        self.stats_label = QLabel("", objectName="statsLabel")
+        footer.addWidget(self.stats_label)
+        footer.addStretch(1)
+        self.copy_button = QToolButton(text="Copy", objectName="actionButton")
+        self.copy_button.clicked.connect(lambda: QApplication.clipboard().setText(self.content))
+        footer.addWidget(self.copy_button)
+        if role == "user":
+            self.action_button = QToolButton(text="Edit", objectName="actionButton")
+            self.action_button.clicked.connect(self.start_edit)
+        else:
+            self.action_button = QToolButton(text="Regenerate", objectName="actionButton")
+            self.action_button.clicked.connect(
+                lambda: self.regenerate_requested.emit(self.message_id)
+            )
+        footer.addWidget(self.action_button)
+        outer.addLayout(footer)
+        self.set_versions(1, 1)
+
+    # ---- content --------------------------------------------------------------------
+
+    def set_text(self, content: str, reasoning: str = "") -> None:
+        """Re-render only the blocks that changed (the tail, while streaming)."""
+        self.content = content
+        if reasoning != self.reasoning:
+            self.reasoning = reasoning
+            self.reasoning_label.setText(reasoning)
+            self.reasoning_toggle.setVisible(bool(reasoning))
+        blocks = split_blocks(content) if self.role != "user" else [Block("prose", content)]
+        keep = 0
+        while (keep < len(blocks) and keep < len(self._rendered)
+               and blocks[keep] == self._rendered[keep]):
+            keep += 1
+        while self.body.count() > keep:
+            item = self.body.takeAt(keep)
+            if item.widget() is not None:
+                item.widget().deleteLater()
+        for block in blocks[keep:]:
+            self.body.addWidget(self._make_block(block))
+        self._rendered = blocks
+        self.bubble.setVisible(bool(blocks))
+
+    def _make_block(self, block: Block) -> QWidget:
+        if block.kind == "code":
+            return CodeBlock(block, self.dark)
+        label = _label(block.text, "prose")
+        # User text is shown as typed; replies are Markdown.
+        label.setTextFormat(
+            Qt.TextFormat.PlainText if self.role == "user" else Qt.TextFormat.MarkdownText
+        )
+        return label
+
+    def _toggle_reasoning(self, shown: bool) -> None:
+        self.reasoning_label.setVisible(shown)
+        self.reasoning_toggle.setArrowType(
+            Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow
+        )
+
+    def set_stats(self, stats: dict, status: str = "complete") -> None:
+        parts = []
+        if stats.get("generated_tokens"):
+            parts.append(f"{stats['generated_tokens']} tokens")
+        if stats.get("generation_tps"):
+            parts.append(f"{stats['generation_tps']:.1f} tok/s")
+        if stats.get("time_to_first_token"):
+            parts.append(f"TTFT {stats['time_to_first_token'] * 1000:.0f} ms")
+        if status in ("cancelled", "interrupted"):
+            parts.append("stopped")
+        elif status == "error":
+            parts.append("failed")
+        self.stats_label.setText("  ·  ".join(parts))
+
+    def set_versions(self, index: int, count: int) -> None:
+        """Show ‹ index/count › when a message has more than one version."""
+        many = count > 1
+        for w in (self.prev_button, self.version_label, self.next_button):
+            w.setVisible(many)
+        self.version_label.setText(f"{index}/{count}")
+        self.prev_button.setEnabled(index > 1)
+        self.next_button.setEnabled(index < count)
+
+    def set_busy(self, busy: bool) -> None:
+        self.action_button.setEnabled(not busy)
+
+    # ---- inline editing -----------------------------------------------------------------
+
+    def start_edit(self) -> None:
+        if self.editor is not None:
+            return
+        self.editor = QPlainTextEdit(self.content, objectName="editBox")
+        self.editor.setMinimumHeight(80)
+        buttons = QHBoxLayout()
+        buttons.addStretch(1)
+        cancel = QPushButton("Cancel")
+        send = QPushButton("Save && send", objectName="primaryButton")
+        buttons.addWidget(cancel)
+        buttons.addWidget(send)
+        self._edit_row = QWidget()
+        self._edit_row.setLayout(buttons)
+        self.body.addWidget(self.editor)
+        self.body.addWidget(self._edit_row)
+        for i in range(self.body.count() - 2):
+            self.body.itemAt(i).widget().setVisible(False)
+        cancel.clicked.connect(self.end_edit)
+        send.clicked.connect(self._submit_edit)
+        self.editor.setFocus()
+
+    def _submit_edit(self) -> None:
+        text = self.editor.toPlainText().strip() if self.editor else ""
+        self.end_edit()
+        if text:
+            self.edit_submitted.emit(self.message_id, text)
+
+    def end_edit(self) -> None:
+        if self.editor is None:
+            return
+        for w in (self.editor, self._edit_row):
+            self.body.removeWidget(w)
+            w.deleteLater()
+        self.editor = None
+        for i in range(self.body.count()):
+            self.body.itemAt(i).widget().setVisible(True)

@@ -1,0 +1,259 @@
+"""Model browser: models on disk (with fits badge), hub search, download, delete, load."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from app.bridge import EngineBridge, run_in_thread
+from app.qt import (
+    QAbstractItemView,
+    QDialog,
+    QFileDialog,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+    Signal,
+)
+from app.tasks import spawn
+from app.ui.memory_gauge import fmt_bytes
+
+COLUMNS = ["Model", "Family", "Params", "Quant", "Size", "Context", "Fits"]
+
+
+def fmt_params(n: int) -> str:
+    if not n:
+        return "—"
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def fits_badge(info: Any) -> str:
+    plan = getattr(info, "plan", None)
+    if plan is None:
+        return "?"
+    if not plan.fits:
+        return "✗ too big"
+    return f"✓ fits ({plan.max_context:,} tok)"
+
+
+def _hub():
+    from engine.artifacts import hub  # imported on demand: the catalogue is optional at start
+
+    return hub
+
+
+class ModelBrowser(QDialog):
+    load_requested = Signal(str)  # model path
+    notice = Signal(str)
+    _download_progress = Signal(float, float)  # from the download thread
+
+    def __init__(self, bridge: EngineBridge, extra_dirs: list[str] | None = None,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("modelBrowser")
+        self.setWindowTitle("Models")
+        self.resize(860, 520)
+        self.bridge = bridge
+        self.extra_dirs = list(extra_dirs or [])
+        self.local: list[tuple[str, Any]] = []  # (path, ModelInfo | error text)
+        self._cancel_download: threading.Event | None = None
+        layout = QVBoxLayout(self)
+        tabs = QTabWidget()
+        layout.addWidget(tabs)
+
+        # ---- on disk
+        local = QWidget()
+        lv = QVBoxLayout(local)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.verticalHeader().setVisible(False)
+        self.table.doubleClicked.connect(lambda _: self._load_selected())
+        lv.addWidget(self.table)
+        row = QHBoxLayout()
+        add = QPushButton("Add folder…")
+        add.clicked.connect(self._add_folder)
+        self.delete_button = QPushButton("Delete")
+        self.delete_button.clicked.connect(self._delete_selected)
+        self.load_button = QPushButton("Load", objectName="primaryButton")
+        self.load_button.clicked.connect(self._load_selected)
+        row.addWidget(add)
+        row.addWidget(self.delete_button)
+        row.addStretch(1)
+        row.addWidget(self.load_button)
+        lv.addLayout(row)
+        tabs.addTab(local, "On this computer")
+
+        # ---- hub
+        hub = QWidget()
+        hv = QVBoxLayout(hub)
+        srow = QHBoxLayout()
+        self.query = QLineEdit()
+        self.query.setPlaceholderText("Search Hugging Face (e.g. mlx-community qwen)")
+        self.query.returnPressed.connect(lambda: spawn(self.search()))
+        srow.addWidget(self.query, 1)
+        hv.addLayout(srow)
+        self.results = QTableWidget(0, 3)
+        self.results.setHorizontalHeaderLabels(["Repository", "Downloads", "Updated"])
+        self.results.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.results.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.results.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.results.verticalHeader().setVisible(False)
+        hv.addWidget(self.results)
+        drow = QHBoxLayout()
+        self.progress = QProgressBar()
+        self.progress.setVisible(False)
+        self.download_label = QLabel("")
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setVisible(False)
+        self.cancel_button.clicked.connect(self.cancel_download)
+        self.download_button = QPushButton("Download", objectName="primaryButton")
+        self.download_button.clicked.connect(self._download_selected)
+        drow.addWidget(self.download_label)
+        drow.addWidget(self.progress, 1)
+        drow.addWidget(self.cancel_button)
+        drow.addWidget(self.download_button)
+        hv.addLayout(drow)
+        tabs.addTab(hub, "Download")
+        self._download_progress.connect(self._show_progress)
+
+    # ---- local models ------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Scan the HF cache and added folders, then inspect each (memory plan, fits)."""
+        try:
+            found = await run_in_thread(_hub().scan_local_models, self.extra_dirs)
+        except Exception as exc:  # noqa: BLE001 - shown to the user
+            self.notice.emit(f"Could not list local models: {exc}")
+            found = []
+        paths = [str(getattr(m, "path", m)) for m in found]
+        self.local = []
+        for path in paths:
+            try:
+                self.local.append((path, await self.bridge.inspect(path)))
+            except Exception as exc:  # noqa: BLE001 - one bad folder must not hide the rest
+                self.local.append((path, str(exc)))
+        self._fill_local()
+
+    def _fill_local(self) -> None:
+        self.table.setRowCount(len(self.local))
+        for r, (path, info) in enumerate(self.local):
+            if isinstance(info, str):
+                cells = [path, "—", "—", "—", "—", "—", "can't read"]
+                tip = info
+            else:
+                cells = [info.name, info.family, fmt_params(info.parameters), info.quantization,
+                         fmt_bytes(info.size_on_disk), f"{info.context_length:,}", fits_badge(info)]
+                tip = path
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setToolTip(tip)
+                self.table.setItem(r, c, item)
+
+    def _selected_local(self) -> str | None:
+        row = self.table.currentRow()
+        return self.local[row][0] if 0 <= row < len(self.local) else None
+
+    def _load_selected(self) -> None:
+        path = self._selected_local()
+        if path:
+            self.load_requested.emit(path)
+            self.accept()
+
+    def _add_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Add a model folder")
+        if folder:
+            self.extra_dirs.append(folder)
+            spawn(self.refresh())
+
+    def _delete_selected(self) -> None:
+        row = self.table.currentRow()
+        if not 0 <= row < len(self.local):
+            return
+        path, info = self.local[row]
+        name = getattr(info, "name", path)
+        if QMessageBox.question(self, "Delete model", f"Delete {name} from disk?") != \
+                QMessageBox.StandardButton.Yes:
+            return
+        spawn(self.delete(name))
+
+    async def delete(self, repo_id: str) -> None:
+        try:
+            await run_in_thread(_hub().delete_local_model, repo_id)
+        except Exception as exc:  # noqa: BLE001 - shown to the user
+            self.notice.emit(f"Could not delete {repo_id}: {exc}")
+            return
+        self.notice.emit(f"Deleted {repo_id}")
+        await self.refresh()
+
+    # ---- hub -------------------------------------------------------------------------------
+
+    async def search(self) -> None:
+        query = self.query.text().strip()
+        try:
+            found = await run_in_thread(_hub().search_hub, query, 50)
+        except Exception as exc:  # noqa: BLE001 - shown to the user
+            self.notice.emit(f"Hub search failed: {exc}")
+            return
+        self.results.setRowCount(len(found))
+        for r, hit in enumerate(found):
+            repo = getattr(hit, "repo_id", None) or getattr(hit, "id", str(hit))
+            cells = [repo, str(getattr(hit, "downloads", "") or ""),
+                     str(getattr(hit, "last_modified", "") or "")[:10]]
+            for c, text in enumerate(cells):
+                self.results.setItem(r, c, QTableWidgetItem(text))
+
+    def _download_selected(self) -> None:
+        item = self.results.item(self.results.currentRow(), 0)
+        if item is not None:
+            spawn(self.download(item.text()))
+
+    async def download(self, repo_id: str) -> str | None:
+        """Download (resuming partial files); progress shows, Cancel stops it."""
+        self._cancel_download = cancel = threading.Event()
+        self.progress.setVisible(True)
+        self.progress.setValue(0)
+        self.cancel_button.setVisible(True)
+        self.download_button.setEnabled(False)
+        self.download_label.setText(repo_id)
+
+        def progress(done: float, total: float, *_: Any) -> None:  # download thread
+            self._download_progress.emit(float(done), float(total))
+
+        try:
+            path = await run_in_thread(_hub().download, repo_id, progress=progress, cancel=cancel)
+        except Exception as exc:  # noqa: BLE001 - shown to the user
+            self.notice.emit(
+                f"Download of {repo_id} stopped; run it again to resume." if cancel.is_set()
+                else f"Download of {repo_id} failed: {exc}"
+            )
+            return None
+        finally:
+            self.progress.setVisible(False)
+            self.cancel_button.setVisible(False)
+            self.download_button.setEnabled(True)
+            self.download_label.setText("")
+        self.notice.emit(f"Downloaded {repo_id}")
+        await self.refresh()
+        return str(path)
+
+    def cancel_download(self) -> None:
+        if self._cancel_download is not None:
+            self._cancel_download.set()
+
+    def _show_progress(self, done: float, total: float) -> None:
+        self.progress.setRange(0, 1000 if total else 0)
+        if total:
+            self.progress.setValue(int(1000 * done / total))
+            self.progress.setFormat(f"{fmt_bytes(done)} / {fmt_bytes(total)}")

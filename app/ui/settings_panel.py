@@ -1,0 +1,175 @@
+"""Per-conversation settings: system prompt, presets, sampling (model defaults shown)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from app.qt import (
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QFrame,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+    Signal,
+)
+from app.resources import resource_path
+
+# key: (label, kind, min, max, step, engine default)
+FIELDS: dict[str, tuple] = {
+    "temperature": ("Temperature", float, 0.0, 2.0, 0.05, 0.0),
+    "top_p": ("Top P", float, 0.0, 1.0, 0.05, 1.0),
+    "top_k": ("Top K", int, 0, 1000, 1, 0),
+    "min_p": ("Min P", float, 0.0, 1.0, 0.01, 0.0),
+    "repetition_penalty": ("Repeat penalty", float, 0.5, 2.0, 0.05, 1.0),
+    "max_tokens": ("Max tokens", int, 1, 131072, 64, 512),
+    "seed": ("Seed (-1 random)", int, -1, 2**31 - 1, 1, -1),
+}
+
+
+class SettingsPanel(QFrame):
+    changed = Signal(str, dict)  # system prompt, settings (only values the user set)
+
+    def __init__(self, data_dir: Path, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("settingsPanel")
+        self.user_presets_path = Path(data_dir) / "presets.json"
+        self.defaults: dict[str, Any] = {}
+        self._loading = False
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(14, 14, 14, 14)
+        layout.setSpacing(10)
+        layout.addWidget(QLabel("Chat settings", objectName="panelTitle"))
+
+        row = QHBoxLayout()
+        self.preset_box = QComboBox(objectName="presetBox")
+        self.preset_box.activated.connect(self._apply_preset)
+        save = QPushButton("Save…")
+        save.setToolTip("Save the system prompt and sampling settings as a preset")
+        save.clicked.connect(self._save_preset)
+        row.addWidget(self.preset_box, 1)
+        row.addWidget(save)
+        layout.addLayout(row)
+
+        layout.addWidget(QLabel("System prompt", objectName="fieldTitle"))
+        self.system_edit = QPlainTextEdit(objectName="systemPrompt")
+        self.system_edit.setPlaceholderText("You are a helpful assistant.")
+        self.system_edit.setFixedHeight(110)
+        self.system_edit.textChanged.connect(self._emit)
+        layout.addWidget(self.system_edit)
+
+        layout.addWidget(QLabel("Sampling", objectName="fieldTitle"))
+        form = QFormLayout()
+        form.setSpacing(6)
+        self.inputs: dict[str, QSpinBox | QDoubleSpinBox] = {}
+        for key, (label, kind, lo, hi, step, _default) in FIELDS.items():
+            box = QDoubleSpinBox() if kind is float else QSpinBox()
+            if kind is float:
+                box.setDecimals(2)
+            box.setRange(lo, hi)
+            box.setSingleStep(step)
+            box.valueChanged.connect(self._emit)
+            self.inputs[key] = box
+            form.addRow(label, box)
+        self.stop_edit = QLineEdit()
+        self.stop_edit.setPlaceholderText("comma-separated")
+        self.stop_edit.textChanged.connect(self._emit)
+        form.addRow("Stop strings", self.stop_edit)
+        layout.addLayout(form)
+        reset = QPushButton("Reset to model defaults")
+        reset.clicked.connect(lambda: self.load(self.system_edit.toPlainText(), {}))
+        layout.addWidget(reset)
+        layout.addStretch(1)
+        self.presets = self._read_presets()
+        self._fill_presets()
+
+    # ---- values ----------------------------------------------------------------------
+
+    def set_model_defaults(self, defaults: dict[str, Any]) -> None:
+        """The model's generation_config: shown whenever the conversation sets nothing."""
+        self.defaults = {k: v for k, v in (defaults or {}).items() if k in FIELDS}
+
+    def load(self, system_prompt: str, settings: dict[str, Any]) -> None:
+        self._loading = True
+        self.system_edit.setPlainText(system_prompt)
+        for key, box in self.inputs.items():
+            value = settings.get(key, self.defaults.get(key, FIELDS[key][5]))
+            box.setValue(-1 if value is None and key == "seed" else value)
+        self.stop_edit.setText(", ".join(settings.get("stop_strings", [])))
+        self._loading = False
+        if settings == {}:
+            self._emit()
+
+    def values(self, everything: bool = False) -> dict[str, Any]:
+        """What the user set; values equal to the model's defaults are left out so a
+        conversation follows the model it runs on (``everything`` keeps them)."""
+        out: dict[str, Any] = {}
+        for key, box in self.inputs.items():
+            value = box.value()
+            if key == "seed":
+                value = None if value < 0 else int(value)
+            else:
+                value = round(value, 4) if isinstance(value, float) else int(value)
+            default = self.defaults.get(key, FIELDS[key][5])
+            if everything or value != (None if key == "seed" and default == -1 else default):
+                out[key] = value
+        stops = [s.strip() for s in self.stop_edit.text().split(",") if s.strip()]
+        if stops:
+            out["stop_strings"] = stops
+        return out
+
+    def _emit(self, *_args) -> None:
+        if not self._loading:
+            self.changed.emit(self.system_edit.toPlainText(), self.values())
+
+    # ---- presets ---------------------------------------------------------------------
+
+    def _read_presets(self) -> list[dict[str, Any]]:
+        presets: list[dict[str, Any]] = []
+        for path in (resource_path("presets.json"), self.user_presets_path):
+            try:
+                presets += json.loads(Path(path).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+        return presets
+
+    def _fill_presets(self) -> None:
+        self.preset_box.clear()
+        self.preset_box.addItem("Preset…")
+        for p in self.presets:
+            self.preset_box.addItem(p.get("name", "Unnamed"))
+
+    def _apply_preset(self, index: int) -> None:
+        if index <= 0:
+            return
+        preset = dict(self.presets[index - 1])
+        preset.pop("name", None)
+        system = preset.pop("system_prompt", self.system_edit.toPlainText())
+        self.load(system, {**self.values(everything=True), **preset})
+        self._emit()
+
+    def _save_preset(self) -> None:
+        name, ok = QInputDialog.getText(self, "Save preset", "Preset name:")
+        if ok and name.strip():
+            self.save_preset(name.strip())
+
+    def save_preset(self, name: str) -> None:
+        preset = {"name": name, "system_prompt": self.system_edit.toPlainText(),
+                  **self.values(everything=True)}
+        try:
+            existing = json.loads(self.user_presets_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            existing = []
+        existing = [p for p in existing if p.get("name") != name] + [preset]
+        self.user_presets_path.write_text(json.dumps(existing, indent=2), encoding="utf-8")
+        self.presets = self._read_presets()
+        self._fill_presets()

@@ -1,0 +1,296 @@
+"""Command line: ``python -m engine {generate,template,inspect,bench,convert}``.
+
+The flags are a contract (DESIGN.md, "Engine CLI"). Every failure exits non-zero
+with one line on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import EngineError
+
+
+class CliError(EngineError):
+    """A command line that cannot be carried out as written."""
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, like 1,2,3 (got {text!r})") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError("--prompt-ids must not be negative")
+    return ids
+
+
+def _budget(text: str) -> int:
+    from .memory import parse_budget
+
+    try:
+        return parse_budget(text)
+    except EngineError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("--model", required=True, help="model folder, cached Hugging Face repo id, or .gguf file")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized as the tokenizer's settings say)")
+    src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids, fed as they are")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as one user message")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+    p.add_argument("--adapter", action="append", default=[], metavar="DIR")
+    spec = p.add_mutually_exclusive_group()
+    spec.add_argument("--draft-model", metavar="PATH")
+    spec.add_argument("--ngram", type=int, metavar="N")
+    p.add_argument("--image", action="append", default=[], metavar="FILE")
+    p.add_argument("--audio", action="append", default=[], metavar="FILE")
+
+
+def _add_template(sub: Any) -> None:
+    p = sub.add_parser("template", help="render a chat template")
+    p.add_argument("--template", required=True, help=".jinja, chat_template.json or tokenizer_config.json")
+    p.add_argument("--messages", required=True, help='JSON file: {"messages": [...], "tools": [...] | null}')
+    p.add_argument("--add-generation-prompt", action="store_true")
+    p.add_argument("--bos-token")
+    p.add_argument("--eos-token")
+
+
+def _add_inspect(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="config, family, quantization, memory plan")
+    p.add_argument("path")
+    p.add_argument("--memory-budget", type=_budget)
+
+
+def _add_convert(sub: Any) -> None:
+    p = sub.add_parser("convert", help="Hugging Face folder -> MLX folder, optionally quantized")
+    p.add_argument("source", help="Hugging Face model folder (or cached repo id)")
+    p.add_argument("output", help="folder to write")
+    p.add_argument("-q", "--quantize", action="store_true")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="MLX Desk engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_template(sub)
+    _add_inspect(sub)
+    from .bench import add_arguments
+
+    add_arguments(sub.add_parser("bench", help="speed on random weights of a real model shape"))
+    _add_convert(sub)
+    return parser
+
+
+# ---- generate ---------------------------------------------------------------------
+
+
+def _unsupported(args: argparse.Namespace) -> None:
+    """Refuse, before loading anything, the features this build cannot run yet."""
+    for given, flag in (
+        (args.adapter, "--adapter"),
+        (args.draft_model, "--draft-model"),
+        (args.ngram, "--ngram"),
+        (args.image, "--image"),
+        (args.audio, "--audio"),
+    ):
+        if given:
+            raise CliError(f"{flag} is not supported yet by this engine build; run without it.")
+
+
+def _params(args: argparse.Namespace) -> Any:
+    from .api import GenerationParams, SamplingParams
+    from .sampling import validate_sampling
+
+    if args.max_tokens < 1:
+        raise CliError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    sampling = SamplingParams(
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+    validate_sampling(sampling)
+    return GenerationParams(
+        max_tokens=args.max_tokens,
+        sampling=sampling,
+        stop_strings=list(args.stop),
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .api import TokenEvent
+    from .host import ModelHost
+
+    if args.system is not None and not args.chat:
+        raise CliError("--system needs --chat (it is a chat template message)")
+    if args.chat and args.prompt is None:
+        raise CliError("--chat needs --prompt TEXT (not --prompt-ids)")
+    _unsupported(args)
+    params = _params(args)
+    host = ModelHost()
+    host.load(args.model, budget=args.memory_budget)
+
+    def show(event: Any) -> None:
+        if not args.json and isinstance(event, TokenEvent):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+
+    cancel = threading.Event()
+    try:
+        if args.chat:
+            messages = []
+            if args.system is not None:
+                messages.append({"role": "system", "content": args.system})
+            messages.append({"role": "user", "content": args.prompt})
+            result = host.generate("", messages, params, show, cancel)
+        else:
+            ids = args.prompt_ids if args.prompt_ids is not None else host.encode_prompt(args.prompt)
+            if not ids:
+                raise CliError("The prompt has no tokens (this tokenizer adds no BOS): give some text or --prompt-ids.")
+            vocab = _vocab_size(host)
+            if vocab and max(ids) >= vocab:
+                raise CliError(f"--prompt-ids has id {max(ids)}, past the model's vocabulary of {vocab}")
+            result = host.generate_ids(ids, params, show, cancel)
+    except KeyboardInterrupt:
+        cancel.set()
+        raise
+    if args.json:
+        stats = result.stats
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "token_logprobs": result.token_logprobs,
+                    "prompt_tokens": stats.prompt_tokens,
+                    "generated_tokens": stats.generated_tokens,
+                    "finish_reason": result.finish_reason,
+                    "prompt_tps": stats.prompt_tps,
+                    "generation_tps": stats.generation_tps,
+                    "peak_memory_bytes": stats.peak_memory_bytes,
+                },
+                ensure_ascii=False,
+            )
+        )
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _vocab_size(host: Any) -> int:
+    args = getattr(host.model, "args", None)
+    return int(getattr(args, "vocab_size", 0) or 0)
+
+
+# ---- the other commands ----------------------------------------------------------------
+
+
+def cmd_template(args: argparse.Namespace) -> int:
+    from .text.cli_template import run_template_command
+
+    return int(
+        run_template_command(
+            template=args.template,
+            messages=args.messages,
+            add_generation_prompt=args.add_generation_prompt,
+            bos_token=args.bos_token,
+            eos_token=args.eos_token,
+        )
+        or 0
+    )
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .artifacts.inspect import format_inspect, inspect_model
+
+    kwargs = {"memory_budget": args.memory_budget} if args.memory_budget else {}
+    print(format_inspect(inspect_model(args.path, **kwargs)))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    convert(
+        args.source,
+        args.output,
+        quantize=args.quantize,
+        bits=args.bits,
+        group_size=args.group_size,
+        dtype=args.dtype,
+    )
+    print(f"Wrote {args.output}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "template": cmd_template,
+    "inspect": cmd_inspect,
+    "convert": cmd_convert,
+    "bench": cmd_bench,
+}
+
+
+def _fail(message: str) -> int:
+    sys.stdout.flush()
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except EngineError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        return _fail("out of memory: try a smaller model or a lower --max-tokens")
+    except OSError as e:
+        where = f": {e.filename}" if getattr(e, "filename", None) else ""
+        return _fail(f"{e.strerror or type(e).__name__}{where}")
+    except Exception as e:  # noqa: BLE001 - the contract: one line, never a traceback
+        return _fail(f"unexpected {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

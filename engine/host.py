@@ -1,0 +1,311 @@
+"""ModelHost: one loaded model with everything needed to talk to it.
+
+It holds the model, its tokenizer (from the folder's tokenizer files or the GGUF's own
+vocabulary), its chat template, the end-of-turn ids (the union of config, generation
+config and tokenizer), the generation defaults, the ModelInfo, and the chat sessions
+(one KV cache each). Every method runs on the thread that owns MLX.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .api import (
+    Event,
+    GenerationParams,
+    GenerationResult,
+    ModelInfo,
+    ProgressEvent,
+    SamplingParams,
+    TokenEvent,
+)
+from .errors import EngineError
+from .generate import Piece
+from .session import ChatSession
+
+LoadProgress = Callable[[float, float, str], None]
+EventSink = Callable[[Event], None]
+
+
+class NoModelLoaded(EngineError):
+    pass
+
+
+@dataclass
+class _Loaded:
+    model: Any
+    config: Any
+    path: str
+    tokenizer: Any
+    template: Any
+    eos_token_ids: list[int]
+    info: ModelInfo
+    raw: Any = None  # the loader's own record (adapters, towers, draft model hang off it)
+    sessions: dict[str, ChatSession] = field(default_factory=dict)
+
+
+def _union(*groups: Sequence[int] | None) -> list[int]:
+    out: list[int] = []
+    for group in groups:
+        for i in group or ():
+            if int(i) not in out:
+                out.append(int(i))
+    return out
+
+
+def _load_tokenizer(loaded: Any) -> Any:
+    from .text.tokenizer import Tokenizer
+
+    if getattr(loaded, "gguf_metadata", None):
+        return Tokenizer.from_gguf(loaded.gguf_metadata)
+    return Tokenizer.from_dir(loaded.path)
+
+
+def _load_template(tokenizer: Any) -> Any:
+    from .text.chat_template import ChatTemplate
+
+    source = getattr(tokenizer, "chat_template", None)
+    if not source:
+        return None
+    return ChatTemplate(source, special_tokens=getattr(tokenizer, "special_tokens", None))
+
+
+def _reasoning_factory(template: Any) -> Callable[[str], Any] | None:
+    """A function from the rendered prompt to a splitter of reasoning text, when the
+    template uses reasoning markers; None when the text layer has no marker support."""
+    try:
+        from .text.markers import ReasoningSplitter, detect_reasoning_markers
+    except ImportError:
+        return None
+
+    def make(prompt: str) -> Any:
+        markers = detect_reasoning_markers(template.source if template is not None else "", prompt)
+        if not markers:
+            return None
+        if isinstance(markers, ReasoningSplitter):
+            return markers
+        return ReasoningSplitter(*markers)
+
+    return make
+
+
+class ModelHost:
+    def __init__(self) -> None:
+        self._loaded: _Loaded | None = None
+        self._owner: threading.Thread | None = None
+
+    # ---- one thread touches MLX ------------------------------------------------
+
+    def _check_thread(self) -> None:
+        if __debug__:
+            me = threading.current_thread()
+            if self._owner is None:
+                self._owner = me
+            assert self._owner is me, "ModelHost used from two threads: all MLX work belongs to one"
+
+    # ---- loading ------------------------------------------------------------------
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded is not None
+
+    def _need(self) -> _Loaded:
+        if self._loaded is None:
+            raise NoModelLoaded("No model is loaded: load one first.")
+        return self._loaded
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._need().info
+
+    @property
+    def model(self) -> Any:
+        return self._need().model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._need().tokenizer
+
+    @property
+    def template(self) -> Any:
+        return self._need().template
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self._need().eos_token_ids
+
+    def load(
+        self,
+        path: str,
+        budget: int | None = None,
+        progress: LoadProgress | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ModelInfo:
+        """Load a model folder, HF repo id (already cached) or .gguf file, replacing any
+        loaded model. Refuses before allocating when it cannot fit ``budget``."""
+        self._check_thread()
+        from .artifacts.loader import load_model
+
+        self.unload()
+        kwargs: dict[str, Any] = {"memory_budget": budget}
+        if progress is not None:
+            kwargs["progress"] = progress
+        loaded = load_model(path, **kwargs)
+        if cancel is not None and cancel.is_set():
+            raise EngineError("Loading was cancelled.")
+        tokenizer = _load_tokenizer(loaded)
+        config = loaded.config
+        eos = _union(
+            getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_ids", None)
+        )
+        info = self._describe(loaded)
+        self._loaded = _Loaded(
+            model=loaded.model,
+            config=config,
+            path=str(loaded.path),
+            tokenizer=tokenizer,
+            template=_load_template(tokenizer),
+            eos_token_ids=eos,
+            info=info,
+            raw=loaded,
+        )
+        return info
+
+    @staticmethod
+    def _describe(loaded: Any) -> ModelInfo:
+        info = getattr(loaded, "info", None)
+        if isinstance(info, ModelInfo):
+            return info
+        from .artifacts.inspect import inspect_model
+
+        return inspect_model(str(loaded.path))
+
+    def unload(self) -> None:
+        self._check_thread()
+        if self._loaded is None:
+            return
+        self._loaded = None
+        import gc
+
+        import mlx.core as mx
+
+        gc.collect()
+        mx.clear_cache()
+
+    # ---- sessions -----------------------------------------------------------------
+
+    def session(self, session_id: str) -> ChatSession:
+        state = self._need()
+        chat = state.sessions.get(session_id)
+        if chat is None:
+            chat = ChatSession(
+                state.model,
+                state.tokenizer,
+                state.template,
+                eos_token_ids=state.eos_token_ids,
+                reasoning_factory=_reasoning_factory(state.template),
+            )
+            state.sessions[session_id] = chat
+        return chat
+
+    def drop_session(self, session_id: str) -> None:
+        if self._loaded is not None:
+            self._loaded.sessions.pop(session_id, None)
+
+    def kv_bytes(self) -> int:
+        if self._loaded is None:
+            return 0
+        total = 0
+        for chat in self._loaded.sessions.values():
+            for c in chat.cache or ():
+                total += int(getattr(c, "nbytes", 0) or 0)
+        return total
+
+    def default_params(self) -> GenerationParams:
+        """Generation settings from the model's generation_config.json, where it has them."""
+        defaults = self._need().info.generation_defaults or {}
+        sp = SamplingParams()
+        for key, attr in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                          ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty")):
+            if key in defaults and defaults[key] is not None:
+                setattr(sp, attr, type(getattr(sp, attr))(defaults[key]))
+        if defaults.get("do_sample") is False:
+            sp.temperature = 0.0
+        return GenerationParams(sampling=sp)
+
+    # ---- generation ---------------------------------------------------------------
+
+    def generate(
+        self,
+        session_id: str,
+        messages: list[Mapping[str, Any]],
+        params: GenerationParams,
+        on_event: EventSink | None = None,
+        cancel: threading.Event | None = None,
+        *,
+        request_id: int = 0,
+        tools: list[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> GenerationResult:
+        """Continue the conversation kept under ``session_id``; TokenEvent and
+        ProgressEvent go to ``on_event``; returns the result."""
+        self._check_thread()
+        chat = self.session(session_id)
+        stream = chat.stream(
+            messages,
+            params,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            cancel=cancel,
+            on_progress=_progress_sink(on_event, request_id),
+            **template_kwargs,
+        )
+        return _drain(stream, on_event, request_id)
+
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        on_event: EventSink | None = None,
+        cancel: threading.Event | None = None,
+        *,
+        request_id: int = 0,
+        session_id: str = "",
+    ) -> GenerationResult:
+        """Generate from token ids as they are (no template, nothing added)."""
+        self._check_thread()
+        chat = self.session(session_id)
+        stream = chat.stream_ids(
+            prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id)
+        )
+        return _drain(stream, on_event, request_id)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain prompt tokenized as the tokenizer's own settings say (BOS when it adds one)."""
+        return list(self._need().tokenizer.encode(text))
+
+    def chat_prompt_ids(self, messages: list[Mapping[str, Any]], **kw: Any) -> list[int]:
+        chat = self.session("")
+        return chat.encode_rendered(chat.render(messages, **kw))
+
+
+def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int, int], None] | None:
+    if on_event is None:
+        return None
+    return lambda done, total: on_event(ProgressEvent(request_id, "prefill", float(done), float(total)))
+
+
+def _drain(stream: Iterator[Piece | GenerationResult], on_event: EventSink | None, request_id: int) -> GenerationResult:
+    result: GenerationResult | None = None
+    for item in stream:
+        if isinstance(item, GenerationResult):
+            result = item
+        elif on_event is not None:
+            on_event(TokenEvent(request_id, item.text, item.channel, item.token_ids, item.stats))
+    if result is None:
+        raise EngineError("generation ended without a result")
+    return result

@@ -1,0 +1,153 @@
+"""Memory plans from file headers, budget checks, and live memory figures.
+
+A plan is made before any weight is loaded: weights from the safetensors/GGUF headers
+(quantized tensors are counted at their packed size), KV cache per token from the model
+family's shape. Loading refuses up front when the weights do not fit the budget, so a
+too-large model never half-allocates and takes the machine into swap.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from engine.api import MemoryPlan
+from engine.errors import OutOfMemoryBudget
+
+GB = 1e9
+
+
+def total_memory() -> int:
+    """The machine's memory in bytes (the device's, on Apple silicon)."""
+    info = _device_info()
+    size = info.get("memory_size")
+    if isinstance(size, int) and size > 0:
+        return size
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_budget() -> tuple[int, str]:
+    """The budget a load gets unless told otherwise, with a phrase saying where it comes from."""
+    info = _device_info()
+    recommended = info.get("max_recommended_working_set_size")
+    if isinstance(recommended, int) and recommended > 0:
+        return recommended, f"the device's recommended working set of {format_bytes(recommended)}"
+    total = total_memory()
+    return int(total * 0.75), f"75% of {format_bytes(total, digits=0)} RAM"
+
+
+def _device_info() -> dict[str, Any]:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return {}
+    for getter in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
+        if getter is None:
+            continue
+        try:
+            info = getter()
+        except Exception:  # a backend without the query raises; the next source answers
+            continue
+        if isinstance(info, dict):
+            return info
+    return {}
+
+
+def format_bytes(n: float, digits: int = 1) -> str:
+    if n >= GB:
+        return f"{n / GB:.{digits}f} GB"
+    if n >= 1e6:
+        return f"{n / 1e6:.{digits}f} MB"
+    if n >= 1e3:
+        return f"{n / 1e3:.{digits}f} KB"
+    return f"{int(n)} B"
+
+
+def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+    """KV cache bytes per token for a config, through its family's own formula."""
+    from engine import models
+
+    family = models.get_family(config.model_type)
+    args = family.ModelArgs.from_dict(config.raw)
+    return int(models.base.kv_bytes_per_token(args, dtype_bytes))
+
+
+def plan_memory(
+    config: Any,
+    headers: dict[str, Any] | None = None,
+    budget: int | None = None,
+    *,
+    weights_bytes: int | None = None,
+    dtype_bytes: int = 2,
+) -> MemoryPlan:
+    """What a model needs: ``headers`` (name -> TensorInfo) or ``weights_bytes`` for the weights.
+
+    ``dtype_bytes`` is the width of the activations and KV cache (2 for bf16/fp16 models,
+    4 for fp32 ones).
+    """
+    if weights_bytes is None:
+        weights_bytes = sum(info.nbytes for info in (headers or {}).values())
+    if budget is None:
+        budget, _ = default_budget()
+    return MemoryPlan(
+        weights_bytes=int(weights_bytes),
+        kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
+        budget_bytes=int(budget),
+        total_bytes=total_memory(),
+    )
+
+
+def check_fits(
+    plan: MemoryPlan,
+    *,
+    context_tokens: int = 0,
+    name: str = "This model",
+    budget_reason: str | None = None,
+) -> None:
+    """Raise OutOfMemoryBudget, with the numbers, when weights (+ a context) exceed the budget."""
+    kv = plan.kv_bytes_per_token * max(0, context_tokens)
+    need = plan.weights_bytes + kv
+    if need < plan.budget_bytes:
+        return
+    what = f"{format_bytes(plan.weights_bytes)} for its weights"
+    if kv:
+        what += f" and {format_bytes(kv)} for a {context_tokens:,}-token context"
+    budget = format_bytes(plan.budget_bytes)
+    if budget_reason:
+        budget += f" ({budget_reason})"
+    if kv and plan.weights_bytes < plan.budget_bytes:
+        advice = f"Use a context of at most {plan.max_context:,} tokens, or raise --memory-budget."
+    else:
+        advice = "Pick a smaller or more quantized model, or raise --memory-budget."
+    raise OutOfMemoryBudget(f"{name} needs {what}; the memory budget is {budget}. {advice}")
+
+
+def parse_budget(text: str) -> int:
+    """``--memory-budget`` values: bytes, or with a unit (``12GB``, ``800MB``, ``12g``)."""
+    s = text.strip().lower().replace(" ", "").removesuffix("b").removesuffix("i")
+    units = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+    scale = 1.0
+    if s and s[-1] in units:
+        scale = units[s[-1]]
+        s = s[:-1]
+    try:
+        value = float(s) * scale
+    except ValueError:
+        raise OutOfMemoryBudget(f"cannot read memory budget {text!r}; write it like 12GB or 800MB") from None
+    if value <= 0:
+        raise OutOfMemoryBudget(f"memory budget {text!r} must be positive")
+    return int(value)
+
+
+def live_memory() -> dict[str, int]:
+    """MLX's own figures: bytes in live arrays, in its buffer cache, and the peak so far."""
+    import mlx.core as mx
+
+    return {
+        "active": int(mx.get_active_memory()),
+        "cache": int(mx.get_cache_memory()),
+        "peak": int(mx.get_peak_memory()),
+    }

@@ -1,0 +1,395 @@
+"""Pieces every model family shares: config reading, RoPE variants, masks, attention.
+
+Weight names follow the Hugging Face checkpoints, so a family's module tree mirrors
+transformers' (``model.layers.N.self_attn.q_proj`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache, RotatingKVCache
+from ..errors import UnsupportedModelError
+
+# ---- configuration ------------------------------------------------------------------
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's settings, flattening a multimodal wrapper's ``text_config``.
+
+    Keys of ``text_config`` win over the wrapper's own; the wrapper's ``model_type`` is
+    kept as ``wrapper_model_type``.
+    """
+    inner = config.get("text_config")
+    if not isinstance(inner, dict):
+        return dict(config)
+    merged = {k: v for k, v in config.items() if k != "text_config"}
+    merged["wrapper_model_type"] = config.get("model_type")
+    merged.update(inner)
+    return merged
+
+
+def rope_settings(
+    config: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0
+) -> tuple[float, dict[str, Any] | None]:
+    """(base frequency, scaling dict or None) from either config spelling.
+
+    Older configs: ``rope_theta`` plus ``rope_scaling`` ({"type"|"rope_type": ...}).
+    Newer ones: ``rope_parameters`` = {"rope_type", "rope_theta", ...}, or one such dict
+    per layer type ({"full_attention": {...}, "sliding_attention": {...}}), chosen by
+    ``layer_type``. The scaling dict always carries "rope_type"; None means plain RoPE.
+    """
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    elif isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get("full_attention") or next(iter(params.values()))
+    if not isinstance(params, dict) or not params:
+        params = dict(config.get("rope_scaling") or {})
+    else:
+        params = dict(params)
+    theta = params.pop("rope_theta", None) or config.get("rope_theta") or default_theta
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type == "default" or (rope_type == "linear" and float(params.get("factor", 1.0)) == 1.0):
+        return float(theta), None
+    params["rope_type"] = rope_type
+    # Phi-3 keeps the pretraining length outside the RoPE dict; transformers prefers it.
+    if "original_max_position_embeddings" in config and rope_type in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings", config["original_max_position_embeddings"])
+    return float(theta), params
+
+
+def partial_rotary_factor(config: dict[str, Any]) -> float:
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"])
+    return float(config.get("partial_rotary_factor") or 1.0)
+
+
+@dataclass
+class BaseModelArgs:
+    """Shared loader: ``from_dict`` takes a config.json dict and ignores unknown keys."""
+
+    @classmethod
+    def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """Hook for families: turn the raw dict into field values (rope, defaults)."""
+        config = text_config(config)
+        theta, scaling = rope_settings(config, default_theta=cls._default_theta())
+        config["rope_theta"] = theta
+        config["rope_scaling"] = scaling
+        config["partial_rotary_factor"] = partial_rotary_factor(config)
+        return config
+
+    @classmethod
+    def _default_theta(cls) -> float:
+        for f in dataclasses.fields(cls):
+            if f.name == "rope_theta" and f.default is not dataclasses.MISSING:
+                return float(f.default)
+        return 10000.0
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]):
+        values = cls.normalise(dict(config))
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in values.items() if k in names})
+        except TypeError as exc:  # a required setting is missing
+            raise UnsupportedModelError(
+                f"config.json lacks a setting this model needs ({exc}); check that the file is complete."
+            ) from None
+
+
+def layer_types(config: dict[str, Any], n_layers: int, default: list[str]) -> list[str]:
+    """Per-layer "full_attention" / "sliding_attention", from ``layer_types`` when present."""
+    given = config.get("layer_types")
+    if isinstance(given, list) and len(given) >= n_layers:
+        return [str(t) for t in given[:n_layers]]
+    return default
+
+
+# ---- rotary position embeddings ------------------------------------------------------
+
+
+class RoPE(nn.Module):
+    """Rotary embedding over the first ``dims`` features (transformers' rotate-half layout).
+
+    ``freqs`` (optional) are per-pair wavelengths over 2*pi, i.e. 1 / inv_freq, which is
+    what ``mx.fast.rope`` takes. ``out_scale`` multiplies the rotated features, the way
+    transformers multiplies cos/sin by its "attention factor" (YaRN, LongRoPE).
+    """
+
+    def __init__(self, dims: int, base: float | None, scale: float = 1.0, freqs: mx.array | None = None,
+                 out_scale: float = 1.0):
+        super().__init__()
+        self.dims = dims
+        self.base = None if freqs is not None else base
+        self.scale = scale
+        self._freqs = freqs
+        self.out_scale = out_scale
+
+    def _rope(self, x: mx.array, offset: int, freqs: mx.array | None, base: float | None) -> mx.array:
+        y = mx.fast.rope(x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset, freqs=freqs)
+        if self.out_scale != 1.0:
+            if self.dims == x.shape[-1]:
+                y = y * self.out_scale
+            else:
+                y = mx.concatenate([y[..., : self.dims] * self.out_scale, y[..., self.dims :]], axis=-1)
+        return y
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return self._rope(x, offset, self._freqs, self.base)
+
+
+class DynamicNTKRoPE(RoPE):
+    """transformers' "dynamic" scaling: past the trained length the base grows with the length."""
+
+    def __init__(self, dims: int, base: float, factor: float, max_position_embeddings: int):
+        super().__init__(dims, base)
+        self.factor = factor
+        self.max_pos = max_position_embeddings
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        seq_len = offset + x.shape[-2]
+        base = self.base
+        if seq_len > self.max_pos:
+            grow = self.factor * seq_len / self.max_pos - (self.factor - 1)
+            base = base * grow ** (self.dims / (self.dims - 2))
+        return self._rope(x, offset, None, base)
+
+
+class LongRoPE(RoPE):
+    """Phi-3's LongRoPE ("longrope"/"su"): short factors up to the trained length, long beyond."""
+
+    def __init__(self, dims: int, base: float, short_factor, long_factor, original_max: int, out_scale: float):
+        exponents = mx.arange(0, dims, 2, dtype=mx.float32) / dims
+        wavelengths = base**exponents
+        super().__init__(dims, None, freqs=mx.array(short_factor, mx.float32) * wavelengths, out_scale=out_scale)
+        self._long = mx.array(long_factor, mx.float32) * wavelengths
+        self.original_max = original_max
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        # transformers picks one set for the whole forward pass from its last position.
+        long = offset + x.shape[-2] > self.original_max
+        return self._rope(x, offset, self._long if long else self._freqs, None)
+
+
+def _inv_freq(dims: int, base: float) -> mx.array:
+    return 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
+
+
+def make_rope(dims: int, base: float, scaling: dict[str, Any] | None, max_position_embeddings: int | None) -> RoPE:
+    """The RoPE variant a config asks for (linear, dynamic, llama3, yarn, longrope)."""
+    if scaling is None:
+        return RoPE(dims, base)
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor") or 1.0)
+    if kind == "linear":
+        return RoPE(dims, base, scale=1.0 / factor)
+    if kind == "dynamic":
+        return DynamicNTKRoPE(dims, base, factor, int(max_position_embeddings or 2048))
+    if kind == "llama3":
+        inv = _inv_freq(dims, base)
+        old_len = float(scaling["original_max_position_embeddings"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        wavelen = 2 * math.pi / inv
+        scaled = mx.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv = mx.where(medium, smoothed, scaled)
+        return RoPE(dims, None, freqs=1.0 / inv)
+    if kind == "yarn":
+        original = float(scaling["original_max_position_embeddings"])
+        if not scaling.get("factor"):
+            factor = float(max_position_embeddings) / original
+
+        def mscale(s: float, m: float = 1.0) -> float:
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            ms, ms_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attn = mscale(factor, ms) / mscale(factor, ms_all) if ms and ms_all else mscale(factor)
+        beta_fast = float(scaling.get("beta_fast") or 32)
+        beta_slow = float(scaling.get("beta_slow") or 1)
+
+        def correction_dim(rotations: float) -> float:
+            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dims - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - lo) / (hi - lo), 0, 1)
+        keep = 1 - ramp  # 1 where frequencies are left unscaled
+        pos = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        inv = (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep
+        return RoPE(dims, None, freqs=1.0 / inv, out_scale=float(attn))
+    if kind in ("longrope", "su"):
+        original = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+        if not scaling.get("factor"):
+            factor = float(max_position_embeddings) / original
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return LongRoPE(dims, base, scaling["short_factor"], scaling["long_factor"], original, float(attn))
+    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported; supported: linear, dynamic, llama3, yarn, longrope.")
+
+
+# ---- masks and attention -------------------------------------------------------------
+
+
+def attention_mask(n_queries: int, cache, window: int | None = None):
+    """Mask for a forward pass of ``n_queries`` tokens, computed before the cache update.
+
+    None when no mask is needed (one token), "causal" when the fast kernel's own
+    causal mask is right, else a boolean [queries, keys] array (sliding windows).
+    """
+    if cache is None:
+        return KVCache().make_mask(n_queries, window)
+    return cache.make_mask(n_queries, window)
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def softcapped_attention(q, k, v, scale: float, mask, softcap: float) -> mx.array:
+    """Attention with tanh soft-capping of the scores (Gemma 2), which the fast kernel lacks."""
+    b, n_heads, n_q, d = q.shape
+    n_kv = k.shape[1]
+    rep = n_heads // n_kv
+    q = (q * scale).reshape(b, n_kv, rep, n_q, d)
+    scores = q @ k[:, :, None].swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):
+        n_k = k.shape[2]
+        mask = mx.arange(n_k)[None, :] <= (mx.arange(n_q)[:, None] + n_k - n_q)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+    out = weights @ v[:, :, None]
+    return out.reshape(b, n_heads, n_q, -1)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads, as in Llama, Qwen2/3 and Mistral."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rope: RoPE,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        scale: float | None = None,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.q_proj = nn.Linear(hidden_size, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=o_bias)
+        if qk_norm_eps is not None:  # Qwen3: RMSNorm over each head before RoPE
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
+        self.rope = rope
+
+    def __call__(self, x: mx.array, mask, cache) -> mx.array:
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = sdpa(q, k, v, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for most families, GeGLU for Gemma."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation=nn.silu):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation = activation
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+
+
+def activation(name: str | None):
+    """The activation function a config names (hidden_act / hidden_activation)."""
+    name = (name or "silu").lower()
+    table = {
+        "silu": nn.silu,
+        "swish": nn.silu,
+        "gelu": nn.gelu,
+        "gelu_pytorch_tanh": nn.gelu_approx,
+        "gelu_new": nn.gelu_approx,
+        "gelu_fast": nn.gelu_approx,
+        "relu": nn.relu,
+    }
+    if name not in table:
+        raise UnsupportedModelError(f"Activation {name!r} is not supported; supported: {', '.join(sorted(table))}.")
+    return table[name]
+
+
+# ---- caches and memory -----------------------------------------------------------------
+
+
+def caches_for(windows: list[int | None]) -> list:
+    """One cache per layer: a rotating one where the layer attends over a sliding window."""
+    return [KVCache() if w is None else RotatingKVCache(max_size=w) for w in windows]
+
+
+def kv_bytes_per_token(args, dtype_bytes: int) -> int:
+    """KV bytes one more token costs, once every sliding window is full.
+
+    Assumption: a sliding-window layer holds at most its window, so past that it costs
+    nothing per token; its fixed cost is ``kv_window_bytes``. Full-attention layers
+    cost 2 (K and V) x kv heads x head dim x dtype bytes per token each.
+    """
+    per_layer = _per_layer_token_bytes(args, dtype_bytes)
+    return sum(per_layer for w in layer_windows(args) if w is None)
+
+
+def kv_window_bytes(args, dtype_bytes: int) -> int:
+    """The fixed KV bytes of the sliding-window layers when their windows are full."""
+    per_layer = _per_layer_token_bytes(args, dtype_bytes)
+    return sum(per_layer * w for w in layer_windows(args) if w is not None)
+
+
+def _per_layer_token_bytes(args, dtype_bytes: int) -> int:
+    n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    return 2 * n_kv * head_dim * dtype_bytes
+
+
+def layer_windows(args) -> list[int | None]:
+    """Each layer's sliding window (None = full attention), as the family defines it."""
+    windows = getattr(args, "layer_windows", None)
+    if callable(windows):
+        return windows()
+    return [None] * args.num_hidden_layers

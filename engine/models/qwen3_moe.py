@@ -1,0 +1,114 @@
+"""Qwen3-MoE: Qwen3 attention with sparse expert MLPs (softmax router, top-k experts).
+
+A layer is sparse unless listed in ``mlp_only_layers`` or off the ``decoder_sparse_step``
+rhythm. Experts are stacked at load time into ``mlp.switch_mlp`` (the layout MLX
+checkpoints use), so quantized MoE checkpoints load as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import llama
+from .base import activation
+from .switch import SwitchGLU
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    model_type: str = "qwen3_moe"
+    hidden_size: int = 2048
+    intermediate_size: int = 6144
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 4
+    vocab_size: int = 151936
+    max_position_embeddings: int = 32768
+    sliding_window: int | None = 4096
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    decoder_sparse_step: int = 1
+    norm_topk_prob: bool = False
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    qk_norm = True
+
+    @classmethod
+    def normalise(cls, config):
+        config = super().normalise(config)
+        # Newer transformers writes the expert count as num_local_experts.
+        if "num_experts" not in config and "num_local_experts" in config:
+            config["num_experts"] = config["num_local_experts"]
+        return config
+
+    def is_sparse(self, index: int) -> bool:
+        return (
+            index not in (self.mlp_only_layers or [])
+            and self.num_experts > 0
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(
+            args.hidden_size, args.moe_intermediate_size, args.num_experts, activation(args.hidden_act)
+        )
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        k = self.top_k
+        chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        weights = mx.take_along_axis(probs, chosen, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        y = self.switch_mlp(x, chosen)
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+class DecoderLayer(llama.DecoderLayer):
+    def __init__(self, args: ModelArgs, window: int | None, index: int):
+        self.index = index
+        super().__init__(args, window)
+
+    def make_mlp(self, args: ModelArgs) -> nn.Module:
+        if args.is_sparse(self.index):
+            return SparseMoeBlock(args)
+        return super().make_mlp(args)
+
+
+class MoeModel(llama.LlamaModel):
+    def make_layer(self, args: ModelArgs, index: int, window: int | None) -> nn.Module:
+        return DecoderLayer(args, window, index)
+
+
+class Model(llama.Model):
+    model_class = MoeModel
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = super().sanitize(weights)
+        for i in range(self.args.num_hidden_layers):
+            prefix = f"model.layers.{i}.mlp"
+            fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
+            if fused is not None:  # transformers' in-memory layout: [E, 2I, H] and [E, H, I]
+                half = fused.shape[1] // 2
+                weights[f"{prefix}.switch_mlp.gate_proj.weight"] = fused[:, :half]
+                weights[f"{prefix}.switch_mlp.up_proj.weight"] = fused[:, half:]
+                weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
+                continue
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for part in ("weight", "scales", "biases", "bias"):
+                    first = f"{prefix}.experts.0.{proj}.{part}"
+                    if first not in weights:
+                        continue
+                    stacked = [weights.pop(f"{prefix}.experts.{e}.{proj}.{part}") for e in range(self.args.num_experts)]
+                    weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack(stacked)
+        return weights

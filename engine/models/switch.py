@@ -1,0 +1,115 @@
+"""Expert layers for mixture-of-experts blocks: every expert's weights in one stacked array.
+
+``SwitchLinear`` holds [experts, out, in] and multiplies each token by the experts it
+was routed to with ``mx.gather_mm``; ``to_quantized`` makes it a
+``QuantizedSwitchLinear`` (``mx.gather_qmm``), so ``nn.quantize`` handles MoE models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Sorting tokens by expert pays off once there are enough of them (prefill), since each
+# expert's weights are then read once for a run of tokens.
+SORT_THRESHOLD = 64
+
+
+class SwitchLinear(nn.Module):
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False):
+        super().__init__()
+        limit = math.sqrt(1 / input_dims)
+        self.weight = mx.random.uniform(-limit, limit, (num_experts, output_dims, input_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        if "bias" in self:
+            y = y + mx.expand_dims(self.bias[indices], -2)
+        return y
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
+        return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False,
+                 group_size: int | None = None, bits: int | None = None, mode: str = "affine"):
+        super().__init__()
+        self.mode = mode
+        parts = mx.quantize(mx.zeros((num_experts, output_dims, input_dims)), group_size, bits, mode=mode)
+        self.weight, self.scales = parts[0], parts[1]
+        if len(parts) > 2:
+            self.biases = parts[2]
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
+        # The packed layout tells the group size and bits actually used (None picks defaults).
+        self.bits = self.weight.shape[-1] * 32 // input_dims
+        self.group_size = input_dims // self.scales.shape[-1]
+        self.freeze()
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = mx.gather_qmm(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
+        if "bias" in self:
+            y = y + mx.expand_dims(self.bias[indices], -2)
+        return y
+
+    @classmethod
+    def from_switch_linear(cls, layer: SwitchLinear, group_size, bits, mode):
+        n, out_dims, in_dims = layer.weight.shape
+        q = cls(in_dims, out_dims, n, "bias" in layer, group_size, bits, mode)
+        parts = mx.quantize(layer.weight, q.group_size, q.bits, mode=mode)
+        q.weight, q.scales = parts[0], parts[1]
+        if len(parts) > 2:
+            q.biases = parts[2]
+        if "bias" in layer:
+            q.bias = layer.bias
+        return q
+
+
+class SwitchGLU(nn.Module):
+    """Per-token gated MLPs of the chosen experts: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, dims: int, hidden_dims: int, num_experts: int, activation=nn.silu, bias: bool = False):
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden_dims, num_experts, bias)
+        self.up_proj = SwitchLinear(dims, hidden_dims, num_experts, bias)
+        self.down_proj = SwitchLinear(hidden_dims, dims, num_experts, bias)
+        self.activation = activation
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [..., dims], indices [..., k] -> [..., k, dims] (one output per chosen expert)."""
+        k = indices.shape[-1]
+        lead = indices.shape[:-1]
+        x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, dims]
+        do_sort = indices.size >= SORT_THRESHOLD
+        idx = indices
+        if do_sort:
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            inverse = mx.argsort(order)
+            x = x.reshape(-1, 1, x.shape[-1])[order // k]  # [n*k, 1, dims]
+            idx = flat[order]
+        h = self.activation(self.gate_proj(x, idx, do_sort)) * self.up_proj(x, idx, do_sort)
+        y = self.down_proj(h, idx, do_sort)
+        if do_sort:
+            y = y[inverse].reshape(*lead, k, 1, -1)
+        return y.squeeze(-2)

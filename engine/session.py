@@ -1,0 +1,187 @@
+"""ChatSession: a conversation's KV cache and the token ids it holds.
+
+Each request renders the whole conversation, tokenizes it, and compares the ids with
+those already in the cache. The longest common prefix is kept: the cache is trimmed
+back to it and only the rest is prefilled. A follow-up turn therefore costs only its
+new tokens, and editing an earlier message costs what follows the edit. A cache that
+cannot be trimmed far enough (a sliding window that has already rotated past the
+point) is rebuilt from scratch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from .api import GenerationParams, GenerationResult
+from .errors import EngineError
+from .generate import Piece, ProgressCallback, stream_generate
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def new_cache(model: Any) -> list[Any]:
+    if hasattr(model, "make_cache"):
+        return list(model.make_cache())
+    from .cache import make_prompt_cache
+
+    return list(make_prompt_cache(model))
+
+
+def cache_length(cache: Sequence[Any]) -> int:
+    """Tokens the cache has seen (its offset); 0 for an empty cache list."""
+    return int(cache[0].offset) if cache else 0
+
+
+def trim_cache(cache: Sequence[Any], n: int) -> bool:
+    """Drop the last ``n`` tokens from every layer; False when some layer cannot."""
+    if n == 0:
+        return True
+    if not all(c.is_trimmable() for c in cache):
+        return False
+    return all(c.trim(n) == n for c in cache)
+
+
+class ChatSession:
+    """Renders messages, reuses the cached prefix, generates, and remembers what the
+    cache now holds so the next turn can reuse it."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        template: Any = None,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        reasoning_factory: Callable[[str], Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template  # a ChatTemplate (render(messages, tools=, add_generation_prompt=))
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else None
+        self.reasoning_factory = reasoning_factory  # prompt text -> splitter or None
+        self.cache: list[Any] | None = None
+        self.ids: list[int] = []  # exactly the tokens held by self.cache
+
+    # ---- prompt -----------------------------------------------------------------
+
+    def render(
+        self,
+        messages: list[Mapping[str, Any]],
+        *,
+        tools: list[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        if self.template is None:
+            raise EngineError(
+                "This model has no chat template; send a plain prompt instead of messages, "
+                "or add a chat_template to its tokenizer_config.json."
+            )
+        return self.template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+
+    def encode_rendered(self, text: str) -> list[int]:
+        # The template writes every special token itself (BOS included), as transformers'
+        # apply_chat_template assumes: adding them again would double the BOS.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ---- cache ------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.cache = None
+        self.ids = []
+
+    def _reuse(self, prompt_ids: Sequence[int]) -> int:
+        """Bring the cache to the longest prefix it shares with ``prompt_ids`` (leaving
+        at least one token to feed, whose logits start generation); return its length."""
+        if self.cache is None:
+            self.cache, self.ids = new_cache(self.model), []
+        keep = min(common_prefix_length(self.ids, prompt_ids), len(prompt_ids) - 1)
+        if not trim_cache(self.cache, len(self.ids) - keep):
+            self.cache, self.ids, keep = new_cache(self.model), [], 0
+        self.ids = list(prompt_ids[:keep])
+        return keep
+
+    # ---- generation -------------------------------------------------------------
+
+    def stream_ids(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        *,
+        cancel: threading.Event | None = None,
+        on_progress: ProgressCallback | None = None,
+        reasoning: Any = None,
+    ) -> Iterator[Piece | GenerationResult]:
+        """Generate from a full prompt (all its ids, cached or not)."""
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise EngineError("The prompt is empty: give at least one token.")
+        keep = self._reuse(prompt_ids)
+        generated: list[int] = []
+        try:
+            for item in stream_generate(
+                self.model,
+                self.tokenizer,
+                prompt_ids[keep:],
+                self.cache,
+                params,
+                cancel=cancel,
+                on_progress=on_progress,
+                eos_token_ids=self.eos_token_ids,
+                reasoning=reasoning,
+                cached_tokens=keep,
+                context_ids=prompt_ids,
+            ):
+                if isinstance(item, GenerationResult):
+                    generated = item.token_ids
+                yield item
+        except Exception:
+            self.reset()  # a failed step may leave layers at different lengths
+            raise
+        finally:
+            # Whatever happened (done, cancelled, error), record what the cache holds.
+            if self.cache is None:
+                return
+            held = cache_length(self.cache)
+            known = prompt_ids + generated
+            if held <= len(known):
+                self.ids = known[:held]
+            else:  # cannot tell which tokens went in: start afresh next time
+                self.reset()
+
+    def stream(
+        self,
+        messages: list[Mapping[str, Any]],
+        params: GenerationParams,
+        *,
+        tools: list[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        cancel: threading.Event | None = None,
+        on_progress: ProgressCallback | None = None,
+        **template_kwargs: Any,
+    ) -> Iterator[Piece | GenerationResult]:
+        text = self.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        reasoning = self.reasoning_factory(text) if self.reasoning_factory else None
+        yield from self.stream_ids(
+            self.encode_rendered(text), params, cancel=cancel, on_progress=on_progress, reasoning=reasoning
+        )
+
+    def generate(self, messages: list[Mapping[str, Any]], params: GenerationParams, **kw: Any) -> GenerationResult:
+        result = None
+        for item in self.stream(messages, params, **kw):
+            if isinstance(item, GenerationResult):
+                result = item
+        assert result is not None
+        return result
