@@ -9,7 +9,8 @@ answers).
     python packaging/make_icon.py --out DIR
 
 Outputs: mlx-desk.png (1024), mlx-desk-<N>.png for the Linux hicolor sizes,
-mlx-desk.icns (macOS) and mlx-desk.ico (Windows, for completeness).
+mlx-desk.icns (macOS), mlx-desk.svg (the window icon the app sets) and
+mlx-desk.ico (Windows, for completeness).
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ INDIGO = (79, 70, 229)
 VIOLET = (124, 58, 237)
 TEAL = (20, 184, 166)
 WHITE = (255, 255, 255)
+GRADIENT = [(0.0, VIOLET), (0.45, INDIGO), (1.0, TEAL)]
+
+# Geometry on the 1024 canvas, shared by the bitmap and the SVG.
+BUBBLE = (262, 282, 762, 662)  # x0, y0, x1, y1
+BUBBLE_RADIUS = 120
+TAIL = [(330, 620), (300, 770), (460, 650)]
+SPARKS = [(452, 472, 126), (620, 386, 56), (626, 560, 36)]  # cx, cy, r
 
 
 def superellipse(cx: float, cy: float, half: float, n: float = 5.0, steps: int = 720) -> list[tuple[float, float]]:
@@ -97,7 +105,7 @@ def draw_icon() -> Image.Image:
     ImageDraw.Draw(shadow).polygon(superellipse(centre, centre + 12 * SS, half - 4 * SS), fill=90)
     shadow = shadow.filter(ImageFilter.GaussianBlur(18 * SS))
 
-    bg = diagonal_gradient(S, [(0.0, VIOLET), (0.45, INDIGO), (1.0, TEAL)])
+    bg = diagonal_gradient(S, GRADIENT)
     # A faint highlight fading out down the top half gives the tile some depth.
     gloss = Image.linear_gradient("L").resize((S, S)).point(lambda v: max(0, 40 - v * 40 // 140))
     bg = Image.composite(Image.new("RGB", (S, S), WHITE), bg, gloss)
@@ -109,9 +117,8 @@ def draw_icon() -> Image.Image:
     # The speech bubble: a rounded rectangle with a tail at its lower left.
     bubble = Image.new("L", (S, S), 0)
     d = ImageDraw.Draw(bubble)
-    bx0, by0, bx1, by1 = 262 * SS, 282 * SS, 762 * SS, 662 * SS
-    d.rounded_rectangle((bx0, by0, bx1, by1), radius=120 * SS, fill=255)
-    d.polygon([(330 * SS, 620 * SS), (300 * SS, 770 * SS), (460 * SS, 650 * SS)], fill=255)
+    d.rounded_rectangle([v * SS for v in BUBBLE], radius=BUBBLE_RADIUS * SS, fill=255)
+    d.polygon([(x * SS, y * SS) for x, y in TAIL], fill=255)
 
     # Bubble shadow, so the white shape lifts off the gradient.
     bshadow = bubble.filter(ImageFilter.GaussianBlur(14 * SS)).point(lambda v: v * 0.28)
@@ -122,13 +129,41 @@ def draw_icon() -> Image.Image:
     # Sparks inside the bubble, filled with the tile's own gradient.
     sparks = Image.new("L", (S, S), 0)
     sd = ImageDraw.Draw(sparks)
-    sd.polygon(spark(452 * SS, 472 * SS, 126 * SS), fill=255)
-    sd.polygon(spark(620 * SS, 386 * SS, 56 * SS), fill=255)
-    sd.polygon(spark(626 * SS, 560 * SS, 36 * SS), fill=255)
-    spark_fill = diagonal_gradient(S, [(0.0, VIOLET), (0.5, INDIGO), (1.0, TEAL)])
+    for cx, cy, r in SPARKS:
+        sd.polygon(spark(cx * SS, cy * SS, r * SS), fill=255)
+    spark_fill = diagonal_gradient(S, GRADIENT)
     icon.paste(spark_fill, (0, 0), sparks)
 
     return icon.resize((CANVAS, CANVAS), Image.Resampling.LANCZOS)
+
+
+def _path(points: list[tuple[float, float]]) -> str:
+    head, *rest = points
+    return f"M{head[0]:.1f} {head[1]:.1f}" + "".join(f"L{x:.1f} {y:.1f}" for x, y in rest) + "Z"
+
+
+def icon_svg() -> str:
+    """The same icon as an SVG (no drop shadows: Qt's SVG renderer has no filters)."""
+    stops = "".join(
+        f'<stop offset="{t}" stop-color="#{r:02x}{g:02x}{b:02x}"/>' for t, (r, g, b) in GRADIENT
+    )
+    x0, y0, x1, y1 = BUBBLE
+    sparks = "".join(
+        f'<path d="{_path(spark(cx, cy, r, steps=24))}" fill="url(#tile)"/>' for cx, cy, r in SPARKS
+    )
+    tile = _path(superellipse(CANVAS / 2, CANVAS / 2, TILE / 2, steps=160))
+    return (
+        '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 1024 1024">'
+        '<defs>'
+        f'<linearGradient id="tile" x1="0" y1="0" x2="1" y2="1">{stops}</linearGradient>'
+        '<linearGradient id="gloss" x1="0" y1="0" x2="0" y2="1">'
+        '<stop offset="0" stop-color="#fff" stop-opacity="0.16"/>'
+        '<stop offset="0.55" stop-color="#fff" stop-opacity="0"/></linearGradient>'
+        '</defs>'
+        f'<path d="{tile}" fill="url(#tile)"/><path d="{tile}" fill="url(#gloss)"/>'
+        f'<rect x="{x0}" y="{y0}" width="{x1 - x0}" height="{y1 - y0}" rx="{BUBBLE_RADIUS}" fill="#fff"/>'
+        f'<path d="{_path(TAIL)}" fill="#fff"/>{sparks}</svg>\n'
+    )
 
 
 def write_all(out: Path) -> list[Path]:
@@ -146,6 +181,9 @@ def write_all(out: Path) -> list[Path]:
     # Pillow's ICNS writer takes the images for each slot from append_images.
     master.save(icns, append_images=[master.resize((s, s), Image.Resampling.LANCZOS) for s in ICNS_SIZES])
     written.append(icns)
+    svg = out / "mlx-desk.svg"
+    svg.write_text(icon_svg(), encoding="utf-8")
+    written.append(svg)
     ico = out / "mlx-desk.ico"
     master.save(ico, sizes=[(s, s) for s in (16, 24, 32, 48, 64, 128, 256)])
     written.append(ico)
