@@ -6,7 +6,7 @@ This is what `make bundle` runs after installing the `bundle` extra; it installs
 nothing itself. It runs PyInstaller on packaging/mlx-desk.spec, then:
   - Linux: writes the .desktop entry, hicolor icons, a MIME type for .gguf and
     an install script into the bundle folder;
-  - macOS: checks that every libmlx.dylib has mlx.metallib beside it.
+  - macOS: makes sure every libmlx.dylib has mlx.metallib beside it.
 It prints the bundle's size and the build time.
 """
 
@@ -125,14 +125,25 @@ def finish_linux(bundle: Path) -> None:
     script.chmod(0o755)
 
 
-def check_macos(app: Path) -> None:
-    """libmlx finds its Metal kernels only in a mlx.metallib beside itself."""
+def place_metallib(app: Path) -> None:
+    """Make sure every libmlx.dylib in the .app has mlx.metallib beside it.
+
+    libmlx looks for its Metal kernels next to itself (dladdr), then in a
+    Resources folder there. PyInstaller files the metallib as data (under
+    Contents/Resources) and links it back into Contents/Frameworks; if the
+    analysis also put a second libmlx.dylib elsewhere, that copy would find no
+    kernels, so link the metallib beside it as well.
+    """
     libs = [p for p in app.rglob("libmlx.dylib") if not p.is_symlink()]
-    if not libs:
-        sys.exit(f"{app}: libmlx.dylib is missing from the bundle")
+    metallibs = [p for p in app.rglob("mlx.metallib") if p.is_file()]
+    if not libs or not metallibs:
+        sys.exit(f"{app}: libmlx.dylib or mlx.metallib is missing from the bundle")
+    source = metallibs[0].resolve()
     for lib in libs:
-        if not (lib.parent / "mlx.metallib").exists():
-            sys.exit(f"{lib}: no mlx.metallib beside it; MLX would fail to load its kernels")
+        beside = lib.parent / "mlx.metallib"
+        if not beside.exists():
+            beside.symlink_to(os.path.relpath(source, lib.parent))
+            print(f"linked {beside.relative_to(app)} -> {source.relative_to(app.resolve())}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     run_pyinstaller(args.dist.resolve(), args.work.resolve())
     if sys.platform == "darwin":
         result = args.dist / f"{APP_NAME}.app"
-        check_macos(result)
+        place_metallib(result)
     else:
         result = args.dist / EXE_NAME
         finish_linux(result)
