@@ -4,8 +4,8 @@
 
 This is what `make bundle` runs after installing the `bundle` extra; it installs
 nothing itself. It runs PyInstaller on packaging/mlx-desk.spec, then:
-  - Linux: writes the .desktop entry, hicolor icons, a MIME type for .gguf and
-    an install script into the bundle folder;
+  - Linux: strips libpython, writes the .desktop entry, hicolor icons, a MIME
+    type for .gguf and an install script into the bundle folder;
   - macOS: makes sure every libmlx.dylib has mlx.metallib beside it.
 It prints the bundle's size and the build time.
 """
@@ -105,8 +105,22 @@ def run_pyinstaller(dist: Path, work: Path) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
+def strip_libpython(bundle: Path) -> None:
+    """Drop debug symbols from libpython (~17 MiB on pyenv-built Pythons).
+
+    Only libpython: wheels' libraries were patched by auditwheel, and stripping
+    a patched ELF can break it, so PyInstaller's blanket strip stays off.
+    """
+    if shutil.which("strip") is None:
+        return
+    for lib in (bundle / "_internal").glob("libpython3*.so*"):
+        if lib.is_file() and not lib.is_symlink():
+            subprocess.run(["strip", "--strip-unneeded", str(lib)], check=True)
+
+
 def finish_linux(bundle: Path) -> None:
     """Desktop integration files, kept inside the relocatable bundle folder."""
+    strip_libpython(bundle)
     for size in HICOLOR_SIZES:
         dest = bundle / "share" / "icons" / "hicolor" / f"{size}x{size}" / "apps"
         dest.mkdir(parents=True, exist_ok=True)
