@@ -15,7 +15,7 @@ import threading
 from dataclasses import asdict
 from typing import Any, Callable
 
-from app.qt import QObject, Qt, Signal
+from app.qt import QObject, Qt, Signal, emit
 from engine import api
 
 
@@ -140,7 +140,7 @@ class EngineBridge(QObject):
         rid = self._worker.submit(command)
         self._pending[rid] = fut
         self._kinds[rid] = kind
-        self.started.emit(rid, kind)
+        emit(self.started, rid, kind)
         return rid, fut
 
     def _submit_quiet(self, command: Any) -> None:
@@ -151,30 +151,30 @@ class EngineBridge(QObject):
 
     def _on_worker_event(self, event: Any) -> None:
         """Runs on the worker thread: hand over to the GUI thread and return at once."""
-        self._event.emit(event)
+        emit(self._event, event)
 
     def _dispatch(self, event: Any) -> None:
         if isinstance(event, api.TokenEvent):
-            self.token.emit(event.request_id, event.text, event.channel)
+            emit(self.token, event.request_id, event.text, event.channel)
         elif isinstance(event, api.ProgressEvent):
-            self.progress.emit(
+            emit(self.progress, 
                 event.request_id, event.stage, float(event.done), float(event.total),
                 event.message,
             )
         elif isinstance(event, api.MemoryEvent):
-            self.memory.emit(asdict(event))
+            emit(self.memory, asdict(event))
         elif isinstance(event, api.DoneEvent):
             self._kinds.pop(event.request_id, None)
             fut = self._pending.pop(event.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(event.result)
-            self.finished.emit(event.request_id, event.result)
+            emit(self.finished, event.request_id, event.result)
         elif isinstance(event, api.ErrorEvent):
             self._kinds.pop(event.request_id, None)
             fut = self._pending.pop(event.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_exception(EngineRequestError(event.message, event.kind))
-            self.error.emit(event.request_id, event.message)
+            emit(self.error, event.request_id, event.message)
 
 
 class EngineRequestError(Exception):

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
-from app.qt import QObject, QTimer, Signal
+from app.qt import QObject, QTimer, Signal, emit
 from app.store import HistoryStore, Message
 from app.tasks import spawn
 from app.ui.chat_view import ChatView
@@ -89,7 +89,7 @@ class ChatController(QObject):
 
     def switch_version(self, message_id: int, delta: int) -> None:
         if self.busy:
-            self.status.emit("Stop the reply before switching versions.")
+            emit(self.status, "Stop the reply before switching versions.")
             return
         sibs = self.store.siblings(message_id)
         i = sibs.index(message_id) + delta
@@ -108,7 +108,7 @@ class ChatController(QObject):
         conv = self.store.conversation(self.conversation_id)
         if not self.store.thread(conv.id):
             self.store.rename_conversation(conv.id, _title_from(text))
-            self.conversations_changed.emit()
+            emit(self.conversations_changed)
         user_id = self.store.add_message(
             conv.id, "user", text, conv.leaf_id, attachments=attachments
         )
@@ -139,7 +139,7 @@ class ChatController(QObject):
         conv = self.store.conversation(self.conversation_id)
         info = self.bridge.model_info
         if info is None:
-            self.failed.emit("Load a model first: click the model button at the top.")
+            emit(self.failed, "Load a model first: click the model button at the top.")
             return
         history = [m for m in self.store.thread(conv.id)]
         cut = next(i for i, m in enumerate(history) if m.id == parent_id)
@@ -157,7 +157,7 @@ class ChatController(QObject):
         sibs = self.store.siblings(self.reply_id)
         self.view.start_streaming(reply, (len(sibs), len(sibs)))
         self.view.set_busy(True)
-        self.busy_changed.emit(True)
+        emit(self.busy_changed, True)
         self._save_timer.start()
         started = time.monotonic()
         result: api.GenerationResult | None = None
@@ -167,9 +167,9 @@ class ChatController(QObject):
             status = "cancelled" if result.finish_reason == "cancelled" else "complete"
             if result.finish_reason == "error":
                 status = "error"
-                self.failed.emit(result.error or "The reply failed.")
+                emit(self.failed, result.error or "The reply failed.")
         except (EngineRequestError, EngineUnavailable) as exc:
-            self.failed.emit(str(exc))
+            emit(self.failed, str(exc))
         finally:
             self._save_timer.stop()
             stats = asdict(result.stats) if result is not None else {}
@@ -187,15 +187,15 @@ class ChatController(QObject):
                 widget.set_text(self._answer, self._reasoning)
                 widget.set_stats(stats, status)
             self.view.set_busy(False)
-            self.busy_changed.emit(False)
+            emit(self.busy_changed, False)
             if status == "complete" and stats:
-                self.status.emit(
+                emit(self.status, 
                     f"{stats.get('generated_tokens', 0)} tokens in "
                     f"{time.monotonic() - started:.1f} s"
                 )
             elif status == "cancelled":
-                self.status.emit("Stopped.")
-            self.reply_finished.emit(reply_id, result)
+                emit(self.status, "Stopped.")
+            emit(self.reply_finished, reply_id, result)
 
     def _on_token(self, request_id: int, text: str, channel: str) -> None:
         if self.reply_id is None or request_id != self.bridge.active_generation:

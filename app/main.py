@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     bridge = EngineBridge()
     window = MainWindow(store, bridge, dark=dark)
     window.show()
+    # Follow the system when it switches between light and dark while the app runs.
+    app.styleHints().colorSchemeChanged.connect(lambda _scheme: apply_theme(app))
+    window.composer.edit.setFocus()
 
     async def start_engine() -> None:
         await asyncio.sleep(0)  # let the window paint before the heavy import

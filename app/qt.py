@@ -6,6 +6,9 @@ older PySide6, touches one file.
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 from PySide6 import QtCore, QtGui, QtWidgets
 from PySide6.QtCore import (
     QEvent,
@@ -72,5 +75,35 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+
+
+def _emit_drops_a_reference() -> bool:
+    """PySide6 6.12's SignalInstance.emit returns True without owning a reference, so
+    every Python-side emit takes one reference from the True singleton and a busy app
+    aborts ("bool_dealloc"). Probe once; ``emit`` below pays the reference back."""
+
+    class _Probe(QObject):
+        ping = Signal()
+
+    probe = _Probe()
+    before = sys.getrefcount(True)
+    for _ in range(16):
+        probe.ping.emit()
+    return before - sys.getrefcount(True) >= 16
+
+
+_EMIT_DROPS_REF = _emit_drops_a_reference()
+_incref = ctypes.pythonapi.Py_IncRef
+_incref.argtypes = [ctypes.py_object]
+_incref.restype = None
+
+
+def emit(signal, *args) -> None:
+    """``signal.emit(*args)``, safe from the reference bug above. Use it for every emit."""
+    result = signal.emit(*args)
+    if _EMIT_DROPS_REF and (result is True or result is False):
+        _incref(result)
+
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -240,15 +240,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    convert(
+    out = convert(
         args.source,
         args.output,
-        quantize=args.quantize,
-        bits=args.bits,
+        quantize_bits=args.bits if args.quantize else None,
         group_size=args.group_size,
         dtype=args.dtype,
     )
-    print(f"Wrote {args.output}")
+    print(f"wrote {out}")
     return 0
 
 
@@ -283,6 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (| head): nothing left to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except MemoryError:
         return _fail("out of memory: try a smaller model or a lower --max-tokens")
     except OSError as e:

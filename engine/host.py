@@ -31,7 +31,11 @@ EventSink = Callable[[Event], None]
 
 
 class NoModelLoaded(EngineError):
-    pass
+    """A request that needs a model arrived before any was loaded."""
+
+
+class LoadCancelled(EngineError):
+    """The load was cancelled by the caller."""
 
 
 @dataclass
@@ -61,7 +65,7 @@ def _load_tokenizer(loaded: Any) -> Any:
 
     if getattr(loaded, "gguf_metadata", None):
         return Tokenizer.from_gguf(loaded.gguf_metadata)
-    return Tokenizer.from_dir(loaded.path)
+    return Tokenizer.from_dir(getattr(loaded, "tokenizer_path", None) or loaded.path)
 
 
 def _load_template(tokenizer: Any) -> Any:
@@ -150,18 +154,23 @@ class ModelHost:
         from .artifacts.loader import load_model
 
         self.unload()
-        kwargs: dict[str, Any] = {"memory_budget": budget}
-        if progress is not None:
-            kwargs["progress"] = progress
-        loaded = load_model(path, **kwargs)
+
+        def on_progress(done: int, total: int) -> None:
+            # The loader lets an exception from here end the load cleanly.
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled("Loading was cancelled.")
+            if progress is not None:
+                progress(done, total, "loading weights")
+
+        loaded = load_model(path, memory_budget=budget, progress=on_progress)
         if cancel is not None and cancel.is_set():
-            raise EngineError("Loading was cancelled.")
+            raise LoadCancelled("Loading was cancelled.")
         tokenizer = _load_tokenizer(loaded)
         config = loaded.config
         eos = _union(
             getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_ids", None)
         )
-        info = self._describe(loaded)
+        info = self._describe(loaded, budget)
         self._loaded = _Loaded(
             model=loaded.model,
             config=config,
@@ -175,13 +184,12 @@ class ModelHost:
         return info
 
     @staticmethod
-    def _describe(loaded: Any) -> ModelInfo:
-        info = getattr(loaded, "info", None)
-        if isinstance(info, ModelInfo):
-            return info
+    def _describe(loaded: Any, budget: int | None) -> ModelInfo:
         from .artifacts.inspect import inspect_model
 
-        return inspect_model(str(loaded.path))
+        info = inspect_model(str(loaded.path), memory_budget=budget)
+        info.plan = getattr(loaded, "plan", None) or info.plan
+        return info
 
     def unload(self) -> None:
         self._check_thread()

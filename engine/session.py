@@ -17,6 +17,7 @@ from typing import Any
 from .api import GenerationParams, GenerationResult
 from .errors import EngineError
 from .generate import Piece, ProgressCallback, stream_generate
+from .sampling import validate_sampling
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -123,6 +124,7 @@ class ChatSession:
         reasoning: Any = None,
     ) -> Iterator[Piece | GenerationResult]:
         """Generate from a full prompt (all its ids, cached or not)."""
+        validate_sampling(params.sampling)  # before the cache is touched
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise EngineError("The prompt is empty: give at least one token.")
@@ -149,15 +151,15 @@ class ChatSession:
             self.reset()  # a failed step may leave layers at different lengths
             raise
         finally:
-            # Whatever happened (done, cancelled, error), record what the cache holds.
-            if self.cache is None:
-                return
-            held = cache_length(self.cache)
-            known = prompt_ids + generated
-            if held <= len(known):
-                self.ids = known[:held]
-            else:  # cannot tell which tokens went in: start afresh next time
-                self.reset()
+            # Whatever happened (done, cancelled, closed early), record what the cache
+            # holds; after an error the cache was dropped above.
+            if self.cache is not None:
+                held = cache_length(self.cache)
+                known = prompt_ids + generated
+                if held <= len(known):
+                    self.ids = known[:held]
+                else:  # cannot tell which tokens went in: start afresh next time
+                    self.reset()
 
     def stream(
         self,

@@ -24,12 +24,12 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# Training text: every printable ASCII character appears, so any typed test
+# Training text: every printable ASCII character (no control whitespace) appears, so any typed test
 # message tokenizes; the merges come from ordinary English words. The alphabet is
 # only what the corpus holds (not all 256 bytes), so a random model's output is
 # readable characters rather than stray bytes.
 CORPUS = [
-    string.printable,
+    string.printable.strip() + " \n",
     "the quick brown fox jumps over the lazy dog while the cat sleeps in the sun",
     "hello there how are you today I am fine thank you and you",
     "a model is a function that maps a prompt to a reply one token at a time",

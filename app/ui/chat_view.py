@@ -8,6 +8,7 @@ repaints the streaming message at most ~30 times a second.
 from __future__ import annotations
 
 from app.qt import (
+    emit,
     QFrame,
     QLabel,
     QScrollArea,
@@ -104,7 +105,7 @@ class ChatView(QScrollArea):
 
     def start_streaming(self, message: Message, versions: tuple[int, int] = (1, 1)) -> None:
         self.streaming = self.add_message(message, versions)
-        self.streaming.stats_label.setText("thinking…")
+        self.streaming.stats_label.setText("Reading the prompt…")
         self._answer, self._reasoning = message.content, message.reasoning
         self._dirty = False
         self._timer.start()
@@ -120,7 +121,8 @@ class ChatView(QScrollArea):
         if self._dirty and self.streaming is not None:
             self._dirty = False
             self.streaming.set_text(self._answer, self._reasoning)
-            self.repainted.emit()
+            self.streaming.stats_label.setText("Generating…")
+            emit(self.repainted)
 
     def stop_streaming(self) -> None:
         self._flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.qt import (
+    emit,
     QEvent,
     QFileDialog,
     QFrame,
@@ -44,10 +45,10 @@ class MessageEdit(QPlainTextEdit):
         if key in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
             mods & Qt.KeyboardModifier.ShiftModifier
         ):
-            self.submit.emit()
+            emit(self.submit)
             return
         if key == Qt.Key.Key_Escape:
-            self.escape.emit()
+            emit(self.escape)
             return
         super().keyPressEvent(event)
 
@@ -113,7 +114,7 @@ class Composer(QFrame):
 
     def _send_or_stop(self) -> None:
         if self.busy:
-            self.stop_requested.emit()
+            emit(self.stop_requested)
         else:
             self._submit()
 
@@ -124,7 +125,7 @@ class Composer(QFrame):
         self.edit.clear()
         attachments, self.attachments = self.attachments, []
         self._show_chips()
-        self.send_requested.emit(text, attachments)
+        emit(self.send_requested, text, attachments)
 
     # ---- attachments -------------------------------------------------------------------
 
@@ -132,9 +133,9 @@ class Composer(QFrame):
         for path in paths:
             kind = media_kind(path)
             if kind is None:
-                self.notice.emit(f"{Path(path).name}: not an image or audio file.")
+                emit(self.notice, f"{Path(path).name}: not an image or audio file.")
             elif not self.accepts[kind]:
-                self.notice.emit(f"{Path(path).name}: this needs a {'vision' if kind == 'image' else 'audio'} model.")
+                emit(self.notice, f"{Path(path).name}: this needs a {'vision' if kind == 'image' else 'audio'} model.")
             else:
                 self.attachments.append((kind, path))
         self._show_chips()

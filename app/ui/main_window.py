@@ -9,6 +9,7 @@ from app import tasks
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.chat import ChatController
 from app.qt import (
+    emit,
     QFrame,
     QHBoxLayout,
     QKeySequence,
@@ -43,7 +44,10 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("MLX Desk")
         self.resize(1280, 820)
         self.store, self.bridge = store, bridge
+        # Debug aid for docs and end-to-end tests: save the window mid-reply (each reply).
         self.screenshot_path = os.environ.get("MLXDESK_SCREENSHOT", "")
+        self.screenshot_chars = int(os.environ.get("MLXDESK_SCREENSHOT_CHARS", "60"))
+        self._shot_for: int | None = None
 
         self.sidebar = Sidebar(store)
         self.chat_view = ChatView()
@@ -101,6 +105,8 @@ class MainWindow(QMainWindow):
         tasks.set_reporter(self.notify)
         QShortcut(QKeySequence.StandardKey.New, self, activated=self.new_chat)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
+        QShortcut(QKeySequence.StandardKey.Quit, self, activated=self.close)
+        QShortcut(QKeySequence("Ctrl+,"), self, activated=self.settings_toggle.toggle)
 
         recent = store.list_conversations()
         self.sidebar.reload(recent[0].id if recent else None)
@@ -228,13 +234,14 @@ class MainWindow(QMainWindow):
         except (EngineRequestError, EngineUnavailable) as exc:
             self.model_button.setText("Select a model  ▾")
             self.show_error(f"Could not load {name}: {exc}")
-            self.load_failed.emit(str(exc))
+            emit(self.load_failed, str(exc))
             return False
         finally:
             self.model_button.setEnabled(True)
             self.load_bar.setVisible(False)
             self.cancel_load.setVisible(False)
         self.model_button.setText(f"{info.name}  ▾")
+        self.setWindowTitle(f"MLX Desk — {info.name}")
         meta = [info.family, fmt_params(info.parameters), info.quantization,
                 f"{info.context_length:,} ctx"]
         self.model_meta.setText("  ·  ".join(m for m in meta if m))
@@ -245,7 +252,7 @@ class MainWindow(QMainWindow):
         self.gauge.set_plan(info.plan)
         self.composer.set_capabilities(info.vision, info.audio)
         self.notify(f"Loaded {info.name}.")
-        self.model_loaded.emit(info)
+        emit(self.model_loaded, info)
         return True
 
     def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
@@ -265,13 +272,18 @@ class MainWindow(QMainWindow):
         self._maybe_screenshot(final=True)
 
     def _maybe_screenshot(self, final: bool = False) -> None:
-        """With MLXDESK_SCREENSHOT set, save the window once mid-reply (for the README)."""
+        """With MLXDESK_SCREENSHOT set, save the window once per reply, mid-stream."""
         if not self.screenshot_path:
             return
         streaming = self.chat_view.streaming
-        if final or (streaming is not None and len(streaming.content) >= 60):
+        reply = self.chat.reply_id
+        if reply is None or reply == self._shot_for:
+            if final and self._shot_for is None:  # a reply too short to catch mid-stream
+                self.grab().save(self.screenshot_path)
+            return
+        if streaming is not None and len(streaming.content) >= self.screenshot_chars:
             self.grab().save(self.screenshot_path)
-            self.screenshot_path = ""
+            self._shot_for = reply
 
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
         self.chat.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from app.qt import (
+    emit,
     QApplication,
     QFrame,
     QHBoxLayout,
@@ -104,6 +105,8 @@ class MessageWidget(QFrame):
         self.body.setContentsMargins(14, 10, 14, 10)
         self.body.setSpacing(8)
         outer.addWidget(self.bubble)
+        if role == "user":
+            self.role_label.setAlignment(Qt.AlignmentFlag.AlignRight)
 
         self.editor: QPlainTextEdit | None = None
         footer = QHBoxLayout()
@@ -112,8 +115,8 @@ class MessageWidget(QFrame):
         self.prev_button = QToolButton(text="‹", objectName="versionButton")
         self.next_button = QToolButton(text="›", objectName="versionButton")
         self.version_label = QLabel("", objectName="versionLabel")
-        self.prev_button.clicked.connect(lambda: self.version_requested.emit(self.message_id, -1))
-        self.next_button.clicked.connect(lambda: self.version_requested.emit(self.message_id, +1))
+        self.prev_button.clicked.connect(lambda: emit(self.version_requested, self.message_id, -1))
+        self.next_button.clicked.connect(lambda: emit(self.version_requested, self.message_id, +1))
         for w in (self.prev_button, self.version_label, self.next_button):
             footer.addWidget(w)
         self.stats_label = QLabel("", objectName="statsLabel")
@@ -128,7 +131,7 @@ class MessageWidget(QFrame):
         else:
             self.action_button = QToolButton(text="Regenerate", objectName="actionButton")
             self.action_button.clicked.connect(
-                lambda: self.regenerate_requested.emit(self.message_id)
+                lambda: emit(self.regenerate_requested, self.message_id)
             )
         footer.addWidget(self.action_button)
         outer.addLayout(footer)
@@ -156,6 +159,22 @@ class MessageWidget(QFrame):
             self.body.addWidget(self._make_block(block))
         self._rendered = blocks
         self.bubble.setVisible(bool(blocks))
+        if self.role == "user":
+            self._fit_user_bubble()
+
+    def _fit_user_bubble(self) -> None:
+        """Short questions sit in a compact bubble on the right, as in messaging apps;
+        long ones wrap across the column (a wrapped QLabel cannot size itself to fit)."""
+        metrics = self.fontMetrics()
+        widest = max((metrics.horizontalAdvance(line) for line in self.content.splitlines()),
+                     default=0)
+        compact = widest < 520
+        label = self.body.itemAt(0).widget() if self.body.count() else None
+        if isinstance(label, QLabel):
+            label.setWordWrap(not compact)
+        layout = self.layout()
+        layout.setAlignment(self.bubble, Qt.AlignmentFlag.AlignRight if compact
+                            else Qt.AlignmentFlag(0))
 
     def _make_block(self, block: Block) -> QWidget:
         if block.kind == "code":
@@ -226,7 +245,7 @@ class MessageWidget(QFrame):
         text = self.editor.toPlainText().strip() if self.editor else ""
         self.end_edit()
         if text:
-            self.edit_submitted.emit(self.message_id, text)
+            emit(self.edit_submitted, self.message_id, text)
 
     def end_edit(self) -> None:
         if self.editor is None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from app.bridge import EngineBridge, run_in_thread
 from app.qt import (
+    emit,
     QAbstractItemView,
     QDialog,
     QFileDialog,
@@ -54,6 +55,7 @@ def _hub():
 class ModelBrowser(QDialog):
     load_requested = Signal(str)  # model path
     notice = Signal(str)
+    refreshed = Signal()
     _download_progress = Signal(float, float)  # from the download thread
 
     def __init__(self, bridge: EngineBridge, extra_dirs: list[str] | None = None,
@@ -64,7 +66,7 @@ class ModelBrowser(QDialog):
         self.resize(860, 520)
         self.bridge = bridge
         self.extra_dirs = list(extra_dirs or [])
-        self.local: list[tuple[str, Any]] = []  # (path, ModelInfo | error text)
+        self.local: list[tuple[Any, Any]] = []  # (LocalModel, ModelInfo | None)
         self._cancel_download: threading.Event | None = None
         layout = QVBoxLayout(self)
         tabs = QTabWidget()
@@ -135,27 +137,28 @@ class ModelBrowser(QDialog):
         try:
             found = await run_in_thread(_hub().scan_local_models, self.extra_dirs)
         except Exception as exc:  # noqa: BLE001 - shown to the user
-            self.notice.emit(f"Could not list local models: {exc}")
+            emit(self.notice, f"Could not list local models: {exc}")
             found = []
-        paths = [str(getattr(m, "path", m)) for m in found]
-        self.local = []
-        for path in paths:
+        self.local = [(m, None) for m in found]
+        self._fill_local()  # headers are quick: show the list, then add the memory plans
+        for i, (model, _) in enumerate(self.local):
+            if model.error:
+                continue
             try:
-                self.local.append((path, await self.bridge.inspect(path)))
+                self.local[i] = (model, await self.bridge.inspect(str(model.path)))
             except Exception as exc:  # noqa: BLE001 - one bad folder must not hide the rest
-                self.local.append((path, str(exc)))
+                model.error = str(exc)
         self._fill_local()
+        emit(self.refreshed)
 
     def _fill_local(self) -> None:
         self.table.setRowCount(len(self.local))
-        for r, (path, info) in enumerate(self.local):
-            if isinstance(info, str):
-                cells = [path, "—", "—", "—", "—", "—", "can't read"]
-                tip = info
-            else:
-                cells = [info.name, info.family, fmt_params(info.parameters), info.quantization,
-                         fmt_bytes(info.size_on_disk), f"{info.context_length:,}", fits_badge(info)]
-                tip = path
+        for r, (m, info) in enumerate(self.local):
+            badge = "can't load" if m.error else fits_badge(info) if info else "…"
+            cells = [m.name, m.family or "—", fmt_params(m.parameters), m.quantization or "—",
+                     fmt_bytes(m.size_on_disk), f"{m.context_length:,}" if m.context_length
+                     else "—", badge]
+            tip = m.error or str(m.path)
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setToolTip(tip)
@@ -163,12 +166,12 @@ class ModelBrowser(QDialog):
 
     def _selected_local(self) -> str | None:
         row = self.table.currentRow()
-        return self.local[row][0] if 0 <= row < len(self.local) else None
+        return str(self.local[row][0].path) if 0 <= row < len(self.local) else None
 
     def _load_selected(self) -> None:
         path = self._selected_local()
         if path:
-            self.load_requested.emit(path)
+            emit(self.load_requested, path)
             self.accept()
 
     def _add_folder(self) -> None:
@@ -181,20 +184,22 @@ class ModelBrowser(QDialog):
         row = self.table.currentRow()
         if not 0 <= row < len(self.local):
             return
-        path, info = self.local[row]
-        name = getattr(info, "name", path)
-        if QMessageBox.question(self, "Delete model", f"Delete {name} from disk?") != \
+        model = self.local[row][0]
+        if not model.repo_id:
+            emit(self.notice, f"{model.name} is a folder you added: remove it with your file manager.")
+            return
+        if QMessageBox.question(self, "Delete model", f"Delete {model.repo_id} from disk?") != \
                 QMessageBox.StandardButton.Yes:
             return
-        spawn(self.delete(name))
+        spawn(self.delete(model.repo_id))
 
     async def delete(self, repo_id: str) -> None:
         try:
             await run_in_thread(_hub().delete_local_model, repo_id)
         except Exception as exc:  # noqa: BLE001 - shown to the user
-            self.notice.emit(f"Could not delete {repo_id}: {exc}")
+            emit(self.notice, f"Could not delete {repo_id}: {exc}")
             return
-        self.notice.emit(f"Deleted {repo_id}")
+        emit(self.notice, f"Deleted {repo_id}")
         await self.refresh()
 
     # ---- hub -------------------------------------------------------------------------------
@@ -204,7 +209,7 @@ class ModelBrowser(QDialog):
         try:
             found = await run_in_thread(_hub().search_hub, query, 50)
         except Exception as exc:  # noqa: BLE001 - shown to the user
-            self.notice.emit(f"Hub search failed: {exc}")
+            emit(self.notice, f"Hub search failed: {exc}")
             return
         self.results.setRowCount(len(found))
         for r, hit in enumerate(found):
@@ -229,12 +234,12 @@ class ModelBrowser(QDialog):
         self.download_label.setText(repo_id)
 
         def progress(done: float, total: float, *_: Any) -> None:  # download thread
-            self._download_progress.emit(float(done), float(total))
+            emit(self._download_progress, float(done), float(total))
 
         try:
             path = await run_in_thread(_hub().download, repo_id, progress=progress, cancel=cancel)
         except Exception as exc:  # noqa: BLE001 - shown to the user
-            self.notice.emit(
+            emit(self.notice, 
                 f"Download of {repo_id} stopped; run it again to resume." if cancel.is_set()
                 else f"Download of {repo_id} failed: {exc}"
             )
@@ -244,7 +249,7 @@ class ModelBrowser(QDialog):
             self.cancel_button.setVisible(False)
             self.download_button.setEnabled(True)
             self.download_label.setText("")
-        self.notice.emit(f"Downloaded {repo_id}")
+        emit(self.notice, f"Downloaded {repo_id}")
         await self.refresh()
         return str(path)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from app.qt import (
+    emit,
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
@@ -20,6 +21,7 @@ from app.qt import (
     QSpinBox,
     QVBoxLayout,
     QWidget,
+    Qt,
     Signal,
 )
 from app.resources import resource_path
@@ -70,6 +72,7 @@ class SettingsPanel(QFrame):
         layout.addWidget(QLabel("Sampling", objectName="fieldTitle"))
         form = QFormLayout()
         form.setSpacing(6)
+        form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
         self.inputs: dict[str, QSpinBox | QDoubleSpinBox] = {}
         for key, (label, kind, lo, hi, step, _default) in FIELDS.items():
             box = QDoubleSpinBox() if kind is float else QSpinBox()
@@ -129,7 +132,7 @@ class SettingsPanel(QFrame):
 
     def _emit(self, *_args) -> None:
         if not self._loading:
-            self.changed.emit(self.system_edit.toPlainText(), self.values())
+            emit(self.changed, self.system_edit.toPlainText(), self.values())
 
     # ---- presets ---------------------------------------------------------------------
 

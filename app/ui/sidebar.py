@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 from app.qt import (
+    emit,
     QFileDialog,
     QFrame,
     QInputDialog,
+    QLabel,
     QLineEdit,
     QListWidget,
     QListWidgetItem,
@@ -38,6 +40,8 @@ class Sidebar(QFrame):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 14, 12, 12)
         layout.setSpacing(10)
+        brand = QLabel("MLX Desk", objectName="brand")
+        layout.addWidget(brand)
         self.new_button = QPushButton("+   New chat", objectName="newChatButton")
         self.new_button.setCursor(Qt.CursorShape.PointingHandCursor)
         self.new_button.clicked.connect(self.new_requested)
@@ -76,7 +80,7 @@ class Sidebar(QFrame):
 
     def _selected(self, item: QListWidgetItem | None, _prev) -> None:
         if not self._quiet:
-            self.conversation_selected.emit(item.data(ID_ROLE) if item else None)
+            emit(self.conversation_selected, item.data(ID_ROLE) if item else None)
 
     def _menu(self, pos) -> None:
         item = self.list.itemAt(pos)
@@ -109,7 +113,7 @@ class Sidebar(QFrame):
             return
         self.store.delete_conversation(cid)
         self.reload()
-        self.conversation_deleted.emit(cid)
+        emit(self.conversation_deleted, cid)
 
     def export(self, cid: int, fmt: str, path: str | None = None) -> None:
         conv = self.store.conversation(cid)
@@ -128,6 +132,6 @@ class Sidebar(QFrame):
                     else json.dumps(self.store.export_json(cid), indent=2, ensure_ascii=False))
             Path(path).write_text(text, encoding="utf-8")
         except OSError as exc:
-            self.notice.emit(f"Could not export to {path}: {exc.strerror or exc}")
+            emit(self.notice, f"Could not export to {path}: {exc.strerror or exc}")
             return
-        self.notice.emit(f"Exported to {path}")
+        emit(self.notice, f"Exported to {path}")

@@ -30,7 +30,7 @@ def style_sheet(dark: bool) -> str:
     # Longest names first so "@accenthover" is not eaten by "@accent".
     for name in sorted(colours, key=len, reverse=True):
         qss = qss.replace("@" + name, colours[name])
-    return qss
+    return qss.replace("@icons", resource_path("icons").as_posix())
 
 
 def apply_theme(app: QApplication) -> bool:

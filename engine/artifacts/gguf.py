@@ -303,8 +303,5 @@ def load_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
             if bits != common:
                 block[module] = {"group_size": 32, "bits": bits}
         config["quantization"] = block
-    return config, weights, _plain(header.metadata)
-
-
-def _plain(metadata: dict[str, Any]) -> dict[str, Any]:
-    return dict(metadata)  # the header parser already yields ints, floats, str and lists
+    # Metadata as the header parser yields it: plain ints, floats, str, bool and lists.
+    return config, weights, dict(header.metadata)

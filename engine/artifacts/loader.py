@@ -213,7 +213,7 @@ def materialise(model: Any, progress: Progress | None) -> None:
     groups: dict[str, list[Any]] = {}
     for key, value in tree_flatten(model.parameters()):
         m = _LAYER.match(key)
-        groups.setdefault(m.group(1) if m else key.split(".")[0], []).append(value)
+        groups.setdefault(m.group(1) if m else key.rsplit(".", 1)[0], []).append(value)
     total = len(groups)
     if progress is not None:
         progress(0, total)

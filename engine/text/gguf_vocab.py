@@ -114,7 +114,14 @@ def _add_marked_tokens(tok: HFTokenizer, tokens: list[str], types: list[int]) ->
         tok.add_tokens(user)
 
 
-def _build_spm(tokens: list[str], scores: list[float], types: list[int], unk_id: int | None) -> HFTokenizer:
+def _build_spm(
+    tokens: list[str],
+    scores: list[float],
+    types: list[int],
+    unk_id: int | None,
+    add_space_prefix: bool,
+    remove_extra_whitespaces: bool,
+) -> HFTokenizer:
     unk = tokens[unk_id] if unk_id is not None else None
     model = models.BPE(
         vocab=_vocab_dict(tokens),
@@ -124,7 +131,13 @@ def _build_spm(tokens: list[str], scores: list[float], types: list[int], unk_id:
         byte_fallback=True,
     )
     tok = HFTokenizer(model)
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+    steps = []
+    if remove_extra_whitespaces:  # SentencePiece's option: trim, and squeeze runs of spaces
+        steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if add_space_prefix:
+        steps.append(normalizers.Prepend(_SPACE))
+    steps.append(normalizers.Replace(" ", _SPACE))
+    tok.normalizer = normalizers.Sequence(steps)
     tok.decoder = decoders.Sequence([
         decoders.Replace(_SPACE, " "),
         decoders.ByteFallback(),
@@ -183,7 +196,17 @@ def vocab_from_gguf(metadata: Mapping[str, Any]) -> GGUFVocab:
         scores = plain(metadata.get("tokenizer.ggml.scores"))
         if not isinstance(scores, list) or len(scores) != n:
             raise UnsupportedModelError("GGUF SentencePiece vocabulary has no scores for its pieces.")
-        tok = _build_spm(tokens, [float(s) for s in scores], types, unk)
+        # Both flags are absent from older files; these defaults are llama.cpp's.
+        space_prefix = plain(metadata.get("tokenizer.ggml.add_space_prefix"))
+        squeeze = plain(metadata.get("tokenizer.ggml.remove_extra_whitespaces"))
+        tok = _build_spm(
+            tokens,
+            [float(s) for s in scores],
+            types,
+            unk,
+            add_space_prefix=True if space_prefix is None else bool(space_prefix),
+            remove_extra_whitespaces=bool(squeeze),
+        )
         default_add_bos, byte_fallback = True, True
     elif kind == "gpt2":
         merges = plain(metadata.get("tokenizer.ggml.merges"))

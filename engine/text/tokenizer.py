@@ -65,6 +65,9 @@ class Tokenizer:
         self._special = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
         self._eos_ids = set(eos_token_ids)
         self.chat_template = chat_template
+        added = tokenizer.get_added_tokens_decoder()
+        self._added = {i: t.content for i, t in added.items()}
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
         # Byte-fallback pieces (<0xE4>) only become text together with their neighbours.
         self.byte_token_ids: frozenset[int] = frozenset()
         if byte_fallback:
@@ -223,7 +226,7 @@ class Tokenizer:
     @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids that ``decode(..., skip_special_tokens=True)`` leaves out."""
-        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
 
     @property
     def vocab_size(self) -> int:
@@ -244,13 +247,19 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if skip_special_tokens:
+            # Filter here: the library misses special tokens declared "normalized" (Llama 2's <s>).
+            special = self._special_ids
+            ids = [i for i in ids if i not in special]
+        return self._tok.decode(ids, skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
+        added = self._added.get(token_id)
+        return added if added is not None else self._tok.id_to_token(token_id)
 
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         """A fresh streaming decoder whose pieces join to ``decode(ids, skip_special_tokens)``."""

@@ -1,0 +1,66 @@
+"""The model browser over a Hugging Face cache laid out as the real one, and loading from it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import make_tiny_llama
+
+pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
+
+
+def make_hf_cache(root: Path, repo_id: str) -> Path:
+    """models--org--name/{blobs,refs/main,snapshots/<commit>/file -> ../../blobs/<sha>}."""
+    src = make_tiny_llama(root / "src")
+    repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    return root / "hub"
+
+
+def test_browser_lists_cached_model_with_fit_and_loads_it(
+    qtbot, make_window, run_async, tmp_path, monkeypatch
+):
+    hub = make_hf_cache(tmp_path / "hf", "tiny-org/tiny-llama-chat")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    broken = tmp_path / "extra" / "broken-model"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text('{"model_type": "llama"}')  # no weights
+
+    window = make_window()
+    browser = window.open_model_browser()
+    browser.extra_dirs = [str(tmp_path / "extra")]
+    with qtbot.wait_signal(browser.refreshed, timeout=30_000):
+        pass  # the refresh open_model_browser started ends; run a second with extra dirs
+    with qtbot.wait_signal(browser.refreshed, timeout=30_000):
+        from app.tasks import spawn
+
+        spawn(browser.refresh())
+    rows = {browser.table.item(r, 0).text(): [browser.table.item(r, c).text()
+                                               for c in range(browser.table.columnCount())]
+            for r in range(browser.table.rowCount())}
+    cached = rows["tiny-org/tiny-llama-chat"]
+    assert cached[1] == "llama"
+    assert cached[2].endswith("K")  # parameter count, e.g. "54K"
+    assert cached[5] == "2,048"
+    assert cached[6].startswith("✓ fits")
+    assert rows["broken-model"][6] == "can't load"
+
+    browser.table.selectRow(list(rows).index("tiny-org/tiny-llama-chat"))
+    with qtbot.wait_signal(window.model_loaded, timeout=60_000) as blocker:
+        browser.load_button.click()
+    assert blocker.args[0].family == "llama"
+    assert "tiny" in window.windowTitle()

@@ -1,0 +1,152 @@
+"""HistoryStore: the SQLite contract, versions, export, and crash safety under SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.store import DB_NAME, HistoryStore
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = HistoryStore(tmp_path)
+    yield s
+    s.close()
+
+
+def test_schema_contract_and_wal(store, tmp_path):
+    cid = store.create_conversation("First")
+    store.add_message(cid, "user", "hi", None)
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    cols = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
+    assert {"id", "conversation_id", "role", "content", "created_at"} <= cols
+    assert {"parent_id", "version", "reasoning", "stats", "model", "adapters"} <= cols
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"conversations", "messages", "attachments"} <= tables
+    db.close()
+
+
+def test_thread_versions_and_switching(store):
+    cid = store.create_conversation()
+    u1 = store.add_message(cid, "user", "q1", None)
+    a1 = store.add_message(cid, "assistant", "r1", u1)
+    u2 = store.add_message(cid, "user", "q2", a1)
+    a2 = store.add_message(cid, "assistant", "r2", u2)
+    assert [m.id for m in store.thread(cid)] == [u1, a1, u2, a2]
+
+    u1b = store.add_message(cid, "user", "q1 edited", None)  # an edit: sibling of u1
+    a1b = store.add_message(cid, "assistant", "r1b", u1b)
+    assert [m.content for m in store.thread(cid)] == ["q1 edited", "r1b"]
+    assert store.siblings(u1) == [u1, u1b]
+    assert store.message(u1b).version == 2
+
+    store.show_version(u1)  # back to the first version: its newest descendants return
+    assert [m.id for m in store.thread(cid)] == [u1, a1, u2, a2]
+    store.show_version(u1b)
+    assert [m.id for m in store.thread(cid)] == [u1b, a1b]
+
+
+def test_conversations_search_rename_delete(store):
+    a = store.create_conversation("Pasta recipes")
+    b = store.create_conversation("Rust lifetimes")
+    store.add_message(b, "user", "what is a borrow checker", None)
+    assert [c.id for c in store.list_conversations()] == [b, a]
+    assert [c.id for c in store.list_conversations("pasta")] == [a]
+    assert [c.id for c in store.list_conversations("borrow")] == [b]
+    store.rename_conversation(a, "Italian food")
+    assert store.conversation(a).title == "Italian food"
+    store.delete_conversation(b)
+    assert store.conversation(b) is None
+    assert store.thread(b) == []
+    with pytest.raises(ValueError):
+        store.update_conversation(a, nonsense=1)
+
+
+def test_attachments_and_export(store):
+    cid = store.create_conversation("Cat", system_prompt="Be kind.")
+    u = store.add_message(cid, "user", "what is this?", None,
+                          attachments=[("image", "/pics/cat.png")])
+    a = store.add_message(cid, "assistant", "", u, status="streaming")
+    store.update_message(a, content="A **cat**.", reasoning="fur, whiskers",
+                         status="complete", stats={"generated_tokens": 3})
+    assert store.attachments(u) == [("image", "/pics/cat.png")]
+    data = store.export_json(cid)
+    assert data["system_prompt"] == "Be kind."
+    assert data["messages"][1] == {
+        "role": "assistant", "content": "A **cat**.", "reasoning": "fur, whiskers",
+        "stats": {"generated_tokens": 3}, "created_at": data["messages"][1]["created_at"],
+    }
+    json.dumps(data)
+    md = store.export_markdown(cid)
+    assert md.startswith("# Cat")
+    assert "## User" in md and "A **cat**." in md and "> fur, whiskers" in md
+
+
+def test_interrupted_reply_is_marked_on_reopen(tmp_path):
+    s = HistoryStore(tmp_path)
+    cid = s.create_conversation()
+    u = s.add_message(cid, "user", "q", None)
+    a = s.add_message(cid, "assistant", "partial", u, status="streaming")
+    s.close()
+    s = HistoryStore(tmp_path)
+    assert s.message(a).status == "interrupted"
+    assert s.message(a).content == "partial"
+    s.close()
+
+
+def test_sigkill_mid_reply_leaves_readable_history(tmp_path, tiny_model):
+    """Kill the real app (window + engine) while it streams; the partial reply survives."""
+    data = tmp_path / "data"
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
+    driver = Path(__file__).with_name("kill_driver.py")
+    proc = subprocess.Popen([sys.executable, str(driver), str(data), str(tiny_model)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        partial = ""
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)  # polling another process's file: no Qt signal to wait on
+            if not (data / DB_NAME).exists():
+                continue
+            db = sqlite3.connect(f"file:{data / DB_NAME}?mode=ro", uri=True)
+            try:
+                row = db.execute(
+                    "SELECT content FROM messages WHERE role='assistant'"
+                ).fetchone()
+            except sqlite3.OperationalError:
+                row = None
+            db.close()
+            if row and len(row[0]) >= 40:
+                partial = row[0]
+                break
+        assert partial, f"the reply never reached the store: {proc.stdout.read1().decode()!r}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+
+    db = sqlite3.connect(data / DB_NAME)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    rows = db.execute("SELECT role, content FROM messages ORDER BY id").fetchall()
+    db.close()
+    assert rows[0] == ("user", "tell me a very long story")
+    assert rows[1][0] == "assistant"
+    assert rows[1][1].startswith(partial)  # at least what was there before the kill
+    s = HistoryStore(data)
+    reply = s.thread(s.list_conversations()[0].id)[-1]
+    assert reply.status == "interrupted" and reply.content == rows[1][1]
+    s.close()
