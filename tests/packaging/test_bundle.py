@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -56,6 +57,8 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return Path(prebuilt)
     if importlib.util.find_spec("PyInstaller") is None:
         pytest.skip("PyInstaller is not installed (it comes with the dev extra: pip install -e '.[dev]')")
+    if shutil.which("objdump") is None:
+        pytest.skip("PyInstaller needs objdump on Linux: apt-get install binutils")
     out = tmp_path_factory.mktemp("bundle")
     start = time.monotonic()
     proc = subprocess.run(
