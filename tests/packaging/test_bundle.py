@@ -1,4 +1,4 @@
-"""The Linux bundle: built once per test session, then run with no Python around it.
+"""The Linux bundle: built once per test run, then run with no Python around it.
 
 Building takes a few minutes on two cores, so the bundle is made once into a
 temporary folder (or taken from MLXDESK_BUNDLE_DIR when a bundle was built
