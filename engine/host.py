@@ -82,11 +82,12 @@ def _load_tokenizer(loaded: Any) -> Any:
 
 
 def _load_template(tokenizer: Any) -> Any:
-    from .text.chat_template import ChatTemplate
+    from .text.chat_template import ChatTemplate, PlainTextTemplate
 
     source = getattr(tokenizer, "chat_template", None)
     if not source:
-        return None
+        bos = tokenizer.bos_token if getattr(tokenizer, "add_bos_token", False) else None
+        return PlainTextTemplate(bos)
     return ChatTemplate(source, special_tokens=getattr(tokenizer, "special_tokens", None))
 
 

@@ -262,3 +262,36 @@ def load_template(path: str | Path) -> str:
     if not isinstance(data, Mapping) or "chat_template" not in data:
         raise TemplateError(f"{path} has no 'chat_template' entry; pass a .jinja file or a tokenizer_config.json.")
     return pick_template(data["chat_template"], str(path))
+
+
+class PlainTextTemplate:
+    """The prompt for a base model that ships no chat template (stories260K, raw
+    pretrained checkpoints): the conversation as one running document.
+
+    A base model only knows how to continue text, so role labels it was never
+    trained on would only derail it. User and system turns start new paragraphs;
+    an assistant turn was generated as a continuation, so it follows directly.
+    """
+
+    is_fallback = True
+    source = ""  # no Jinja source: nothing to detect reasoning markers in
+
+    def __init__(self, bos_token: str | None = None):
+        self.bos_token = bos_token or ""
+
+    def render(self, messages: list[Mapping[str, Any]], **_: Any) -> str:
+        text = ""
+        for message in messages:
+            content = _text_of(message.get("content"))
+            if text and message.get("role") != "assistant":
+                text += "\n\n"
+            text += content
+        return self.bos_token + text
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multimodal parts: only the text parts mean anything here
+        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    return "" if content is None else str(content)

@@ -161,3 +161,15 @@ def test_template_command_prints_exactly_the_rendering(shared_data, tmp_path):
     gemma = shared_data / "chat_templates" / "llama.cpp" / "google-gemma-2-2b-it.jinja"
     err = _one_line_failure(run("template", "--template", str(gemma), "--messages", str(path)))
     assert "System role not supported" in err
+
+
+def test_chat_on_a_base_model_continues_the_text(shared_data):
+    """stories260K ships no chat template: --chat falls back to the plain document,
+    which for one user message is exactly the plain prompt."""
+    gguf = str(shared_data / "tiny_llm" / "stories260K.gguf")
+    common = ("--prompt", "Once upon a time", "--max-tokens", "12", "--temp", "0", "--json")
+    chat = run("generate", "--model", gguf, "--chat", *common)
+    plain = run("generate", "--model", gguf, *common)
+    assert chat.returncode == 0, chat.stderr
+    assert last_json(chat.stdout)["token_ids"] == last_json(plain.stdout)["token_ids"]
+    assert last_json(chat.stdout)["text"].startswith(", there was")
