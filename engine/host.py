@@ -17,6 +17,7 @@ from .api import (
     Event,
     GenerationParams,
     GenerationResult,
+    MediaInput,
     ModelInfo,
     ProgressEvent,
     SamplingParams,
@@ -48,6 +49,7 @@ class _Loaded:
     eos_token_ids: list[int]
     info: ModelInfo
     raw: Any = None  # the loader's own record (adapters, towers, draft model hang off it)
+    towers: Any = None  # MediaTowers: which media the model takes; loads towers on first use
     sessions: dict[str, ChatSession] = field(default_factory=dict)
 
 
@@ -171,6 +173,10 @@ class ModelHost:
             getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_ids", None)
         )
         info = self._describe(loaded, budget)
+        towers = _make_towers(loaded)
+        # ModelInfo says what the engine can feed this model, not only what its config names.
+        info.vision = "image" in towers.kinds
+        info.audio = "audio" in towers.kinds
         self._loaded = _Loaded(
             model=loaded.model,
             config=config,
@@ -180,6 +186,7 @@ class ModelHost:
             eos_token_ids=eos,
             info=info,
             raw=loaded,
+            towers=towers,
         )
         return info
 
@@ -191,10 +198,27 @@ class ModelHost:
         info.plan = getattr(loaded, "plan", None) or info.plan
         return info
 
+    @property
+    def towers(self) -> Any:
+        """The loaded model's MediaTowers (what media it takes, the encoded-media cache)."""
+        return self._need().towers
+
+    @property
+    def tower_loaded(self) -> bool:
+        """Whether any image/audio tower's weights are in memory (never after text-only chats)."""
+        return self._loaded is not None and self._loaded.towers.loaded
+
+    def check_media(self, messages: Sequence[Mapping[str, Any]], media: Sequence[MediaInput] = ()) -> None:
+        """MediaError, before anything runs, when the request carries media the model cannot take."""
+        from .media.parts import media_kinds
+
+        self._need().towers.check(media_kinds(messages, media))
+
     def unload(self) -> None:
         self._check_thread()
         if self._loaded is None:
             return
+        self._loaded.towers.unload()
         self._loaded = None
         import gc
 
@@ -215,6 +239,7 @@ class ModelHost:
                 state.template,
                 eos_token_ids=state.eos_token_ids,
                 reasoning_factory=_reasoning_factory(state.template),
+                towers=state.towers if state.towers.kinds else None,
             )
             state.sessions[session_id] = chat
         return chat
@@ -257,11 +282,14 @@ class ModelHost:
         request_id: int = 0,
         tools: list[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        media: Sequence[MediaInput] = (),
         **template_kwargs: Any,
     ) -> GenerationResult:
         """Continue the conversation kept under ``session_id``; TokenEvent and
-        ProgressEvent go to ``on_event``; returns the result."""
+        ProgressEvent go to ``on_event``; returns the result. Messages may hold image and
+        audio parts (see ``engine.api.Generate``); ``media`` fills parts without a source."""
         self._check_thread()
+        self.check_media(messages, media)
         chat = self.session(session_id)
         stream = chat.stream(
             messages,
@@ -270,6 +298,7 @@ class ModelHost:
             add_generation_prompt=add_generation_prompt,
             cancel=cancel,
             on_progress=_progress_sink(on_event, request_id),
+            media=media,
             **template_kwargs,
         )
         return _drain(stream, on_event, request_id)
@@ -299,6 +328,19 @@ class ModelHost:
     def chat_prompt_ids(self, messages: list[Mapping[str, Any]], **kw: Any) -> list[int]:
         chat = self.session("")
         return chat.encode_rendered(chat.render(messages, **kw))
+
+
+def _make_towers(loaded: Any) -> Any:
+    from pathlib import Path
+
+    from .media.towers import MediaTowers, TowerSource
+
+    path = Path(loaded.path)
+    source = TowerSource(
+        name=getattr(loaded, "name", path.name), path=path, config=loaded.config,
+        model=loaded.model, dtype=getattr(loaded, "dtype", "float32"),
+    )
+    return MediaTowers(source)
 
 
 def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int, int], None] | None:
