@@ -51,20 +51,22 @@ class TowerSource:
         return find_weights(self.path)
 
 
-def load_tower_weights(source: TowerSource, prefixes: Sequence[str]) -> dict[str, Any]:
-    """The tensors under any of ``prefixes`` (first match stripped), read lazily from the
-    model's safetensors files; MediaError when there are none."""
+def load_tower_weights(source: TowerSource, renames: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The tensors whose names start with one of ``renames``' prefixes (first match
+    renamed to its replacement), read lazily from the model's safetensors files;
+    MediaError when there are none."""
     from engine.artifacts.weights import load_weights
 
     out: dict[str, Any] = {}
     for name, value in load_weights(source.weight_files()).items():
-        for prefix in prefixes:
-            if name.startswith(prefix):
-                out[name[len(prefix):]] = value
+        for old, new in renames:
+            if name.startswith(old):
+                out[new + name[len(old):]] = value
                 break
     if not out:
+        looked = ", ".join(old for old, _ in renames)
         raise MediaError(
-            f"{source.name} declares a media tower but its weights hold none (looked for {', '.join(prefixes)}); "
+            f"{source.name} declares a media tower but its weights hold none (looked for {looked}); "
             "download the full model, not a text-only conversion."
         )
     return out
