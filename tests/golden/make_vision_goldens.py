@@ -84,14 +84,16 @@ def tokenizer(specials: list[str]) -> Tokenizer:
     return tok
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int, scale: float = 2.0) -> None:
     torch.manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():
             if p.ndim == 1:  # norms and biases start at constants: make them matter
                 p.add_(0.1 * torch.randn_like(p))
+            elif not p.any():  # Gemma 3's projection starts at zero
+                p.normal_(0.0, 0.2)
             else:
-                p.mul_(2.0)
+                p.mul_(scale)
 
 
 def greedy(model, **inputs) -> tuple[list[int], list[float]]:
@@ -187,7 +189,7 @@ def qwen2_5_vl() -> dict:
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval().float()
     model.config._attn_implementation = "eager"
-    randomize(model, 3)
+    randomize(model, 3, scale=4.0)
     folder = OUT / "qwen2_5_vl"
     pixels_cfg = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 15, "patch_size": 14, "merge_size": 2,
                   "temporal_patch_size": 2}
