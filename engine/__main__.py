@@ -76,8 +76,8 @@ def _add_generate(sub: Any) -> None:
     spec.add_argument("--draft-model", metavar="PATH", help="speculative decoding with this draft model")
     spec.add_argument("--ngram", type=int, metavar="N", help="speculative decoding by N-gram prompt lookup")
     p.add_argument("--num-draft", type=int, metavar="N", help="drafts per verification pass (default 4)")
-    p.add_argument("--image", action="append", default=[], metavar="FILE")
-    p.add_argument("--audio", action="append", default=[], metavar="FILE")
+    p.add_argument("--image", action=_MediaFlag, default=[], metavar="FILE", help="image file (repeatable; needs --chat)")
+    p.add_argument("--audio", action=_MediaFlag, default=[], metavar="FILE", help="audio file (repeatable; needs --chat)")
 
 
 def _add_template(sub: Any) -> None:
@@ -119,16 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- generate ---------------------------------------------------------------------
-
-
-def _unsupported(args: argparse.Namespace) -> None:
-    """Refuse, before loading anything, the features this build cannot run yet."""
-    for given, flag in (
-        (args.image, "--image"),
-        (args.audio, "--audio"),
-    ):
-        if given:
-            raise CliError(f"{flag} is not supported yet by this engine build; run without it.")
 
 
 def _params(args: argparse.Namespace) -> Any:
@@ -193,8 +183,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--system needs --chat (it is a chat template message)")
     if args.chat and args.prompt is None:
         raise CliError("--chat needs --prompt TEXT (not --prompt-ids)")
-    _unsupported(args)
+    if (args.image or args.audio) and not args.chat:
+        raise CliError("--image and --audio need --chat (the chat template places the media)")
     params = _params(args)
+    media = _media(args)
     host = ModelHost()
     host.load(args.model, budget=args.memory_budget)
     _mount_adapters(host, args.adapter)
@@ -212,8 +204,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             messages = []
             if args.system is not None:
                 messages.append({"role": "system", "content": args.system})
-            messages.append({"role": "user", "content": args.prompt})
-            result = host.generate("", messages, params, show, cancel)
+            messages.append(user_message(args.prompt, media))
+            result = host.generate("", messages, params, show, cancel, media=media)
         else:
             ids = args.prompt_ids if args.prompt_ids is not None else host.encode_prompt(args.prompt)
             if not ids:
@@ -247,6 +239,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     return 0
+
+
+def _media(args: argparse.Namespace) -> list[Any]:
+    """--image/--audio files in the order given on the command line."""
+    from .api import MediaInput
+
+    return [MediaInput(kind, path) for kind, path in getattr(args, "media_order", None) or []]
+
+
+class _MediaFlag(argparse.Action):
+    """Appends like action="append" and also records (kind, file) in command-line order."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.append(values)
+        setattr(namespace, self.dest, items)
+        order = list(getattr(namespace, "media_order", None) or [])
+        order.append((self.dest, values))
+        namespace.media_order = order
+
+
+def user_message(text: str, media: list[Any]) -> dict[str, Any]:
+    from .media.parts import user_message as build
+
+    return build(text, media)
 
 
 def _vocab_size(host: Any) -> int:

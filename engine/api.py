@@ -193,15 +193,34 @@ class InspectModel:
     path: str
 
 
+@dataclass(frozen=True)
+class MediaInput:
+    """One attached image or audio clip: a file path or the file's encoded bytes.
+
+    Messages place media with content parts (``{"type": "image"}``); a part without
+    its own source takes the next attached input of its kind, in order.
+    """
+
+    kind: Literal["image", "audio"]
+    source: str | bytes
+
+
 @dataclass
 class Generate:
-    """Continue a conversation. ``session_id`` names the KV cache to reuse."""
+    """Continue a conversation. ``session_id`` names the KV cache to reuse.
+
+    A message's ``content`` is a string, or a list of parts as in transformers'
+    multimodal chat templates: ``{"type": "text", "text": ...}``,
+    ``{"type": "image", "image": PATH}`` (or bytes), ``{"type": "audio", "audio": PATH}``;
+    a media part without a source takes the next item of ``media`` of its kind.
+    """
 
     session_id: str
     messages: list[dict[str, Any]]
     params: GenerationParams = field(default_factory=GenerationParams)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    media: list[MediaInput] = field(default_factory=list)
 
 
 @dataclass

@@ -34,6 +34,48 @@ def _cache_arrays(cache: Sequence[Any]) -> list[Any]:
     return [c.state for c in cache]
 
 
+@dataclass
+class PromptInputs:
+    """What a multimodal prompt adds to the ids not yet in the cache.
+
+    ``embeddings`` (L, hidden) are the token embeddings with media features spliced in;
+    ``positions`` (3, L) are position ids for multimodal RoPE (Qwen2.5-VL), and decode
+    steps continue at cache offset + ``position_delta``; ``blocks`` are [start, end)
+    runs (one image each) whose tokens attend to each other both ways (Gemma 3), which
+    a prefill chunk therefore never splits. Offsets are into the fed ids.
+    """
+
+    embeddings: mx.array | None = None
+    positions: mx.array | None = None
+    position_delta: int = 0
+    blocks: list[tuple[int, int]] = field(default_factory=list)
+
+    def kwargs(self, start: int, end: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.embeddings is not None:
+            out["input_embeddings"] = self.embeddings[None, start:end]
+        if self.positions is not None:
+            out["position_ids"] = self.positions[:, None, start:end]
+        inside = [(max(s, start) - start, min(e, end) - start) for s, e in self.blocks if s < end and e > start]
+        if inside:
+            out["bidirectional"] = inside
+        return out
+
+    def decode_kwargs(self, cache: Sequence[Any]) -> dict[str, Any]:
+        if self.positions is None:
+            return {}
+        pos = int(cache[0].offset) + self.position_delta
+        return {"position_ids": mx.full((3, 1, 1), pos, dtype=mx.int32)}
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Move a chunk's end off the inside of a block: back to its start, or (when the
+        block begins the chunk) forward to its end."""
+        for s, e in self.blocks:
+            if s < end < e:
+                return s if s > start else e
+        return end
+
+
 def prefill(
     model: Any,
     prompt: mx.array,
@@ -42,6 +84,7 @@ def prefill(
     chunk: int,
     cancel: threading.Event | None = None,
     on_progress: ProgressCallback | None = None,
+    inputs: PromptInputs | None = None,
 ) -> bool:
     """Feed ``prompt`` (1-D ids) into ``cache`` in chunks. Only the cache is evaluated,
     never the logits of the chunk. Returns False when cancelled between chunks."""
@@ -51,10 +94,14 @@ def prefill(
     while done < total:
         if cancel is not None and cancel.is_set():
             return False
-        n = min(chunk, total - done)
-        model(prompt[None, done : done + n], cache=cache)
+        end = min(done + chunk, total)
+        kwargs: dict[str, Any] = {}
+        if inputs is not None:
+            end = min(inputs.chunk_end(done, end), total)
+            kwargs = inputs.kwargs(done, end)
+        model(prompt[None, done:end], cache=cache, **kwargs)
         mx.eval(_cache_arrays(cache))
-        done += n
+        done = end
         if on_progress is not None:
             on_progress(done, total)
     return True
@@ -73,13 +120,15 @@ def generate_step(
     cancel: threading.Event | None = None,
     on_progress: ProgressCallback | None = None,
     history: mx.array | None = None,
+    inputs: PromptInputs | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens.
 
     ``prompt`` holds the ids not yet in ``cache`` (at least one). The log-prob is the
     chosen token's under the model's own distribution, before any processor or
     temperature. Stops early (without raising) when ``cancel`` is set. ``history`` is
-    the context logits processors look back over (default: ``prompt``).
+    the context logits processors look back over (default: ``prompt``). ``inputs``
+    carries a multimodal prompt's embeddings and positions.
     """
     if prompt.size == 0:
         raise EngineError("nothing to generate from: the prompt has no tokens")
@@ -90,9 +139,11 @@ def generate_step(
     window = _HISTORY_WINDOW
     recent = (history if history is not None else prompt)[-window:] if processors else None
 
-    def step(tokens: mx.array, *, extend: bool) -> tuple[mx.array, mx.array | None]:
+    def step(tokens: mx.array, *, extend: bool, kwargs: dict[str, Any] | None = None) -> tuple[mx.array, mx.array | None]:
         nonlocal recent
-        logits = model(tokens[None], cache=cache)[:, -1, :]
+        if kwargs is None:
+            kwargs = inputs.decode_kwargs(cache) if inputs is not None else {}
+        logits = model(tokens[None], cache=cache, **kwargs)[:, -1, :]
         processed = logits
         if processors:
             if extend:
@@ -107,12 +158,13 @@ def generate_step(
         return y, mx.take_along_axis(lp, y[:, None], axis=-1)[0, 0]
 
     if not prefill(
-        model, prompt[:-1], cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress
+        model, prompt[:-1], cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
     ):
         return
     if cancel is not None and cancel.is_set():
         return
-    y, lp = step(prompt[-1:], extend=False)
+    last = int(prompt.size) - 1
+    y, lp = step(prompt[-1:], extend=False, kwargs=inputs.kwargs(last, last + 1) if inputs is not None else None)
     mx.async_eval([a for a in (y, lp) if a is not None])
     n = 0
     while True:
@@ -195,6 +247,7 @@ def stream_generate(
     cached_tokens: int = 0,
     context_ids: Sequence[int] | None = None,
     drafter: Any = None,
+    inputs: PromptInputs | None = None,
 ) -> Iterator[Piece | GenerationResult]:
     """Generate from ``prompt_ids`` (the ids not yet in ``cache``; ``cached_tokens`` more
     are already there). Yields ``Piece`` items as text forms; the last item is the
@@ -244,9 +297,12 @@ def stream_generate(
         cancel=cancel,
         on_progress=on_progress,
         history=mx.array(list(context_ids), dtype=mx.uint32) if context_ids else None,
+        inputs=inputs,
     )
-    # Speculative decoding stands in for the plain loop (a generator: never started, costs nothing).
-    if drafter is not None:
+    # Speculative decoding stands in for the plain loop (a generator: never started, costs
+    # nothing). Drafters see token ids only, so a prompt carrying image or audio features
+    # decodes plainly.
+    if drafter is not None and inputs is None:
         tokens = _speculative_tokens(
             prompt_ids, model, cache, drafter, params, processors, stats, cancel, on_progress, context_ids
         )

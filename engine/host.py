@@ -22,6 +22,7 @@ from .api import (
     Event,
     GenerationParams,
     GenerationResult,
+    MediaInput,
     ModelInfo,
     ProgressEvent,
     SamplingParams,
@@ -60,6 +61,7 @@ class _Loaded:
     eos_token_ids: list[int]
     info: ModelInfo
     raw: Any = None  # the loader's own record (adapters, towers, draft model hang off it)
+    towers: Any = None  # MediaTowers: which media the model takes; loads towers on first use
     sessions: dict[str, ChatSession] = field(default_factory=dict)
     draft: _Draft | None = None
 
@@ -193,6 +195,10 @@ class ModelHost:
             getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_ids", None)
         )
         info = self._describe(loaded, budget)
+        towers = _make_towers(loaded)
+        # ModelInfo says what the engine can feed this model, not only what its config names.
+        info.vision = "image" in towers.kinds
+        info.audio = "audio" in towers.kinds
         self._loaded = _Loaded(
             model=loaded.model,
             config=config,
@@ -202,6 +208,7 @@ class ModelHost:
             eos_token_ids=eos,
             info=info,
             raw=loaded,
+            towers=towers,
         )
         return info
 
@@ -213,11 +220,28 @@ class ModelHost:
         info.plan = getattr(loaded, "plan", None) or info.plan
         return info
 
+    @property
+    def towers(self) -> Any:
+        """The loaded model's MediaTowers (what media it takes, the encoded-media cache)."""
+        return self._need().towers
+
+    @property
+    def tower_loaded(self) -> bool:
+        """Whether any image/audio tower's weights are in memory (never after text-only chats)."""
+        return self._loaded is not None and self._loaded.towers.loaded
+
+    def check_media(self, messages: Sequence[Mapping[str, Any]], media: Sequence[MediaInput] = ()) -> None:
+        """MediaError, before anything runs, when the request carries media the model cannot take."""
+        from .media.parts import media_kinds
+
+        self._need().towers.check(media_kinds(messages, media))
+
     def unload(self) -> None:
         """Drop the model, with its sessions, adapters and draft model."""
         self._check_thread()
         if self._loaded is None:
             return
+        self._loaded.towers.unload()
         self._loaded = None
         import gc
 
@@ -326,6 +350,7 @@ class ModelHost:
                 state.template,
                 eos_token_ids=state.eos_token_ids,
                 reasoning_factory=_reasoning_factory(state.template),
+                towers=state.towers if state.towers.kinds else None,
             )
             chat.draft_model = state.draft.model if state.draft is not None else None
             state.sessions[session_id] = chat
@@ -376,11 +401,14 @@ class ModelHost:
         request_id: int = 0,
         tools: list[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        media: Sequence[MediaInput] = (),
         **template_kwargs: Any,
     ) -> GenerationResult:
         """Continue the conversation kept under ``session_id``; TokenEvent and
-        ProgressEvent go to ``on_event``; returns the result."""
+        ProgressEvent go to ``on_event``; returns the result. Messages may hold image and
+        audio parts (see ``engine.api.Generate``); ``media`` fills parts without a source."""
         self._check_thread()
+        self.check_media(messages, media)
         chat = self.session(session_id)
         stream = chat.stream(
             messages,
@@ -389,6 +417,7 @@ class ModelHost:
             add_generation_prompt=add_generation_prompt,
             cancel=cancel,
             on_progress=_progress_sink(on_event, request_id),
+            media=media,
             **template_kwargs,
         )
         return _drain(stream, on_event, request_id)
@@ -425,6 +454,19 @@ def _adapter_info(a: Any) -> AdapterInfo:
         name=a.name, path=a.path, format=a.format, kind=a.kind, rank=a.rank,
         targets=len(a.targets), base_model=a.base_model,
     )
+
+
+def _make_towers(loaded: Any) -> Any:
+    from pathlib import Path
+
+    from .media.towers import MediaTowers, TowerSource
+
+    path = Path(loaded.path)
+    source = TowerSource(
+        name=getattr(loaded, "name", path.name), path=path, config=loaded.config,
+        model=loaded.model, dtype=getattr(loaded, "dtype", "float32"),
+    )
+    return MediaTowers(source)
 
 
 def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int, int], None] | None:

@@ -13,18 +13,24 @@ never reused under another, so a change of adapters starts the cache afresh.
 
 With a draft model for speculative decoding, the session keeps the draft's cache too and
 reuses its prefix the same way (the draft model has no adapters, so only ids matter).
+
+Messages may carry images and audio (content parts). Their placeholder tokens are
+compared by per-token keys that name the media content, so two different photos never
+share a cached prefix although their ids agree; media already in the cached prefix is
+not encoded again, and new media is encoded (or found in the towers' cache) and spliced
+into the prompt's embeddings.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .adapters import active_adapters, active_signature
-from .api import GenerationParams, GenerationResult
-from .errors import EngineError
-from .generate import Piece, ProgressCallback, stream_generate
+from .api import GenerationParams, GenerationResult, MediaInput
+from .errors import EngineError, MediaError
+from .generate import Piece, PromptInputs, ProgressCallback, stream_generate
 from .sampling import validate_sampling
 from .speculative import make_drafter
 
@@ -71,12 +77,14 @@ class ChatSession:
         *,
         eos_token_ids: Sequence[int] | None = None,
         reasoning_factory: Callable[[str], Any] | None = None,
+        towers: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.template = template  # a ChatTemplate (render(messages, tools=, add_generation_prompt=))
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else None
         self.reasoning_factory = reasoning_factory  # prompt text -> splitter or None
+        self.towers = towers  # MediaTowers, or None for a text-only model
         self.cache: list[Any] | None = None
         self.ids: list[int] = []  # exactly the tokens held by self.cache
         self.signature = ""  # the active adapters self.cache was filled under
@@ -84,6 +92,7 @@ class ChatSession:
         self._draft_cache: list[Any] | None = None
         self._draft_ids: list[int] = []  # exactly the tokens held by self._draft_cache
         self._draft_owner: Any = None  # the draft model self._draft_cache belongs to
+        self.keys: list[Hashable] = []  # self.ids, media tokens keyed by their content
 
     # ---- prompt -----------------------------------------------------------------
 
@@ -119,17 +128,24 @@ class ChatSession:
         self.cache = None
         self.ids = []
         self._draft_cache, self._draft_ids, self._draft_owner = None, [], None
+        self.keys = []
 
-    def _reuse(self, prompt_ids: Sequence[int]) -> int:
-        """Bring the cache to the longest prefix it shares with ``prompt_ids`` (leaving
-        at least one token to feed, whose logits start generation); return its length."""
+    def _reuse(self, prompt_ids: Sequence[int], keys: Sequence[Hashable], spans: Sequence[Any] = ()) -> int:
+        """Bring the cache to the longest prefix it shares with ``keys`` (leaving at least
+        one token to feed, whose logits start generation, and never ending inside a media
+        item); return its length."""
         signature = active_signature(self.model)
         if self.cache is None or signature != self.signature:
-            self.cache, self.ids, self.signature = new_cache(self.model), [], signature
-        keep = min(common_prefix_length(self.ids, prompt_ids), len(prompt_ids) - 1)
+            self.cache, self.ids, self.keys, self.signature = new_cache(self.model), [], [], signature
+        held = self.keys if len(self.keys) == len(self.ids) else self.ids  # ids set from outside
+        keep = min(common_prefix_length(held, keys), len(keys) - 1)
+        for span in spans:
+            if span.start < keep < span.end:
+                keep = span.start
         if not trim_cache(self.cache, len(self.ids) - keep):
-            self.cache, self.ids, keep = new_cache(self.model), [], 0
+            self.cache, self.ids, self.keys, keep = new_cache(self.model), [], [], 0
         self.ids = list(prompt_ids[:keep])
+        self.keys = list(keys[:keep])
         return keep
 
     def _drafter(self, params: GenerationParams, prompt_ids: Sequence[int]) -> Any:
@@ -152,18 +168,60 @@ class ChatSession:
             draft_cache=self._draft_cache, prefill_chunk=params.prefill_chunk,
         )
 
-    def _record(self, known: list[int]) -> None:
+    def _record(self, known: list[int], known_keys: list[Hashable]) -> None:
         """After a request: note which of ``known`` (prompt + generated) the caches hold."""
         for cache_attr, ids_attr in (("cache", "ids"), ("_draft_cache", "_draft_ids")):
             cache = getattr(self, cache_attr)
             if cache is None:
                 continue
             held = cache_length(cache)
-            if held <= len(known):
-                setattr(self, ids_attr, known[:held])
-            else:  # cannot tell which tokens went in: start afresh next time
+            if held > len(known):  # cannot tell which tokens went in: start afresh next time
                 self.reset()
                 return
+            setattr(self, ids_attr, known[:held])
+            if cache_attr == "cache":
+                self.keys = known_keys[:held]
+
+    # ---- media --------------------------------------------------------------------
+
+    def media_prompt(self, text: str, items: Sequence[MediaInput]) -> Any:
+        """The rendered text with each media placeholder expanded, tokenized and located."""
+        from .media.prompt import expand_placeholders, locate_media
+
+        if self.towers is None:
+            raise MediaError("This model cannot take images or audio; pick a multimodal model.")
+        prepared = self.towers.prepare(items)
+        expanded = expand_placeholders(text, prepared, self.towers.placeholders())
+        return locate_media(self.encode_rendered(expanded), prepared, self.towers.token_ids())
+
+    def _prompt_inputs(self, media: Any, keep: int) -> PromptInputs:
+        """Embeddings (media features spliced in), positions and bidirectional blocks for
+        the ids from ``keep`` on. Media wholly inside the cached prefix is not encoded."""
+        import mlx.core as mx
+        import numpy as np
+
+        ids = media.ids
+        pending = [s for s in media.spans if s.end > keep]
+        embeddings = None
+        if pending:
+            text = self.model.embed(mx.array(ids[keep:], dtype=mx.uint32)[None])[0]
+            pieces, cursor = [], keep
+            for span in pending:
+                pieces.append(text[cursor - keep : span.start - keep])
+                pieces.append(self.towers.features(span.item).astype(text.dtype))
+                cursor = span.end
+            pieces.append(text[cursor - keep :])
+            embeddings = mx.concatenate(pieces, axis=0)
+        positions, delta = None, 0
+        rope_index = getattr(self.model, "rope_index", None)
+        if rope_index is not None and media.spans:
+            full = np.asarray(rope_index(ids, [(s.start, s.end, s.item.grid) for s in media.spans]))
+            delta = int(full.max()) + 1 - len(ids)
+            positions = mx.array(full[:, keep:], dtype=mx.int32)
+        blocks = []
+        if getattr(self.model, "bidirectional_media", False):
+            blocks = [(s.start - keep, s.end - keep) for s in pending]
+        return PromptInputs(embeddings=embeddings, positions=positions, position_delta=delta, blocks=blocks)
 
     # ---- generation -------------------------------------------------------------
 
@@ -175,15 +233,23 @@ class ChatSession:
         cancel: threading.Event | None = None,
         on_progress: ProgressCallback | None = None,
         reasoning: Any = None,
+        media: Any = None,
     ) -> Iterator[Piece | GenerationResult]:
-        """Generate from a full prompt (all its ids, cached or not)."""
+        """Generate from a full prompt (all its ids, cached or not); ``media`` is the
+        MediaPrompt when the prompt holds images or audio."""
         validate_sampling(params.sampling)  # before the cache is touched
-        prompt_ids = list(prompt_ids)
+        prompt_ids = list(media.ids if media is not None else prompt_ids)
         if not prompt_ids:
             raise EngineError("The prompt is empty: give at least one token.")
         drafter = self._drafter(params, prompt_ids)  # refuses before the cache is touched
-        keep = self._reuse(prompt_ids)
+        keys: list[Hashable] = list(media.keys) if media is not None else list(prompt_ids)
+        keep = self._reuse(prompt_ids, keys, media.spans if media is not None else ())
         generated: list[int] = []
+        try:
+            inputs = self._prompt_inputs(media, keep) if media is not None and media.spans else None
+        except Exception:
+            self.reset()  # the cache was trimmed for a prompt that will not run
+            raise
         try:
             for item in stream_generate(
                 self.model,
@@ -198,6 +264,7 @@ class ChatSession:
                 cached_tokens=keep,
                 context_ids=prompt_ids,
                 drafter=drafter,
+                inputs=inputs,
             ):
                 if isinstance(item, GenerationResult):
                     generated = item.token_ids
@@ -209,7 +276,7 @@ class ChatSession:
         finally:
             # Whatever happened (done, cancelled, closed early), record what the caches
             # hold; after an error they were dropped above.
-            self._record(prompt_ids + generated)
+            self._record(prompt_ids + generated, keys + list(generated))
 
     def stream(
         self,
@@ -220,14 +287,22 @@ class ChatSession:
         add_generation_prompt: bool = True,
         cancel: threading.Event | None = None,
         on_progress: ProgressCallback | None = None,
+        media: Sequence[MediaInput] = (),
         **template_kwargs: Any,
     ) -> Iterator[Piece | GenerationResult]:
+        from .media.parts import split_media
+
+        messages, items = split_media(messages, media)
+        if items and self.towers is not None:
+            self.towers.check(m.kind for m in items)  # refuse before rendering or touching the cache
         text = self.render(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
         reasoning = self.reasoning_factory(text) if self.reasoning_factory else None
+        prompt = self.media_prompt(text, items) if items else None
+        ids = prompt.ids if prompt is not None else self.encode_rendered(text)
         yield from self.stream_ids(
-            self.encode_rendered(text), params, cancel=cancel, on_progress=on_progress, reasoning=reasoning
+            ids, params, cancel=cancel, on_progress=on_progress, reasoning=reasoning, media=prompt
         )
 
     def generate(self, messages: list[Mapping[str, Any]], params: GenerationParams, **kw: Any) -> GenerationResult:

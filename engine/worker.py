@@ -224,6 +224,7 @@ class EngineWorker:
             request_id=rid,
             tools=command.tools,
             add_generation_prompt=command.add_generation_prompt,
+            media=command.media,
         )
         self._emit_memory()
         return result

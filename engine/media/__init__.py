@@ -2,5 +2,9 @@
 
 audio.py (load_audio, log_mel_spectrogram), resample.py, mel.py, image.py (load_image and
 the image processors from image_processors.py), cache.py (EncodedMediaCache), whisper.py
-(the MLX Whisper model; the only module here that imports mlx).
+(the MLX Whisper model).
+
+Multimodal prompts: parts.py (content parts of messages -> ordered MediaInput list),
+prompt.py (placeholder expansion, per-token media keys, the MediaEncoder protocol),
+towers.py (MediaTowers: which media a model takes, lazy tower loading, encoded cache).
 """

@@ -4,7 +4,12 @@ Local (sliding-window) layers use their own RoPE base (``rope_local_base_freq``,
 scaling); global layers use ``rope_theta`` with ``rope_scaling``. Handles both
 ``gemma3_text`` configs and the multimodal ``gemma3`` wrapper (settings under
 ``text_config``, weights under ``language_model.`` or ``model.language_model.``); the
-vision tower's weights are left to the media code.
+vision tower's weights are left to the media code (engine/media/gemma3_vision.py).
+
+With images, transformers lets the soft tokens of one image attend to each other in
+both directions during prefill (its token_type_ids overlay): full layers use
+causal OR same-image, sliding layers AND that with the window. ``bidirectional``
+carries those [start, end) runs for the tokens of one forward pass.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..cache import RotatingKVCache
 from . import gemma2
 from .base import RoPE, layer_types, make_rope, rope_settings, text_config
 
@@ -63,8 +69,43 @@ class DecoderLayer(gemma2.DecoderLayer):
     qk_norm = True
 
 
+def media_mask(cache: Any, n: int, window: int | None, blocks: list[tuple[int, int]]) -> mx.array:
+    """Boolean [n, keys] mask: causal (within ``window``) OR both tokens in one block."""
+    offset = int(cache.offset) if cache is not None else 0
+    if isinstance(cache, RotatingKVCache):
+        n_keys = min(offset, cache.max_size - 1) + n  # what its multi-token update returns
+        window = cache.max_size if window is None else min(window, cache.max_size)
+    else:
+        n_keys = offset + n
+    q = mx.arange(offset, offset + n)[:, None]
+    k = (mx.arange(n_keys) + offset + n - n_keys)[None, :]
+    allowed = k <= q
+    for start, end in blocks:
+        s, e = offset + start, offset + end
+        allowed = allowed | ((q >= s) & (q < e) & (k >= s) & (k < e))
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    return allowed
+
+
 class GemmaModel(gemma2.GemmaModel):
     layer_class = DecoderLayer
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
+                 bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
+        if not bidirectional:
+            return super().__call__(inputs, cache, input_embeddings)
+        h = self.embed(inputs) if input_embeddings is None else input_embeddings
+        if cache is None:
+            cache = [None] * len(self.layers)
+        n = h.shape[1]
+        masks: dict[int | None, Any] = {}
+        for layer, c in zip(self.layers, cache):
+            if layer.window not in masks:
+                masks[layer.window] = media_mask(c, n, layer.window, bidirectional)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, masks[layer.window], c)
+        return self.norm(h)
 
 
 # Multimodal checkpoints nest the language model under one of these prefixes.
@@ -76,6 +117,19 @@ _OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.
 
 class Model(gemma2.Model):
     model_class = GemmaModel
+    bidirectional_media = True  # the prompt builder passes each image's token run
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
+                 bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
+        h = self.model(inputs, cache, input_embeddings, bidirectional)
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         renamed: dict[str, mx.array] = {}

@@ -1,0 +1,145 @@
+"""Gemma 3's image path: SigLIP tower + multimodal projector, and the prompt it needs.
+
+The projector average-pools the tower's patch grid down to ``mm_tokens_per_image``
+tokens (16x16 for 256), applies Gemma's RMSNorm (scale 1 + w) and projects into the
+language model's width. In the prompt, the template's ``<start_of_image>`` becomes
+``\\n\\n<start_of_image>`` + that many ``<image_soft_token>`` + ``<end_of_image>\\n\\n``,
+as transformers' Gemma3Processor writes it; the language model then lets the soft
+tokens of one image attend to each other both ways (see engine/models/gemma3.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.api import MediaInput
+from engine.errors import MediaError
+from engine.media.cache import media_key
+from engine.media.image import Gemma3ImageProcessor, load_image
+from engine.media.prompt import PreparedMedia
+from engine.media.siglip import SiglipVisionConfig, SiglipVisionTransformer, sanitize
+from engine.media.towers import TowerSource, fill_tower, load_tower_weights
+
+BOI, SOFT, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+
+# Checkpoint spellings: the published checkpoints nest SigLIP as vision_tower.vision_model,
+# later transformers versions save it flat (vision_tower.*) or under model.
+_RENAMES = (
+    ("model.vision_tower.vision_model.", "vision_model."),
+    ("vision_tower.vision_model.", "vision_model."),
+    ("model.vision_tower.", "vision_model."),
+    ("vision_tower.", "vision_model."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+class MultiModalProjector(nn.Module):
+    def __init__(self, vision: SiglipVisionConfig, text_hidden: int, tokens_per_image: int):
+        super().__init__()
+        self.mm_input_projection_weight = mx.zeros((vision.hidden_size, text_hidden))
+        self.mm_soft_emb_norm = _GemmaRMSNorm(vision.hidden_size, vision.layer_norm_eps)
+        self.side = vision.patches_per_side
+        per_side = int(round(tokens_per_image**0.5))
+        if per_side * per_side != tokens_per_image or self.side % per_side:
+            raise MediaError(
+                f"mm_tokens_per_image={tokens_per_image} does not pool evenly from a {self.side}x{self.side} "
+                "patch grid; the model's config is inconsistent."
+            )
+        self.kernel = self.side // per_side
+
+    def __call__(self, x: mx.array) -> mx.array:
+        n, _, d = x.shape
+        s, k = self.side, self.kernel
+        pooled = x.reshape(n, s // k, k, s // k, k, d).mean(axis=(2, 4)).reshape(n, -1, d)
+        return (self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight).astype(x.dtype)
+
+
+class _GemmaRMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.fast.rms_norm(x.astype(mx.float32), 1.0 + self.weight.astype(mx.float32), self.eps)
+        return y.astype(x.dtype)
+
+
+class Gemma3Vision(nn.Module):
+    def __init__(self, vision: SiglipVisionConfig, text_hidden: int, tokens_per_image: int):
+        super().__init__()
+        self.vision_model = SiglipVisionTransformer(vision)
+        self.multi_modal_projector = MultiModalProjector(vision, text_hidden, tokens_per_image)
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        """pixel_values (N, 3, S, S) -> (N, mm_tokens_per_image, text hidden)."""
+        return self.multi_modal_projector(self.vision_model(pixels))
+
+
+def _read_preprocessor(source: TowerSource) -> dict[str, Any]:
+    path = source.path / "preprocessor_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
+    return data if isinstance(data, dict) else {}
+
+
+class Gemma3VisionEncoder:
+    kind = "image"
+    placeholder = BOI
+
+    def __init__(self, source: TowerSource):
+        raw = source.config.raw
+        self.source = source
+        self.vision_config = SiglipVisionConfig.from_dict(raw.get("vision_config") or {})
+        self.tokens = int(raw.get("mm_tokens_per_image") or 256)
+        self.token_id = int(raw.get("image_token_index", raw.get("image_token_id", 262144)))
+        self.text_hidden = int(source.config.text.get("hidden_size") or raw.get("hidden_size"))
+        pre = _read_preprocessor(source)
+        if not pre:
+            pre = {"size": {"height": self.vision_config.image_size, "width": self.vision_config.image_size}}
+        self.processor = Gemma3ImageProcessor.from_config(pre)
+        self.module: Gemma3Vision | None = None
+        self.calls = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self.module is not None
+
+    def prepare(self, item: MediaInput) -> PreparedMedia:
+        image = load_image(item.source)
+        pixels = self.processor([image])
+        settings = {**self.processor.settings(), "model": str(self.source.path), "tower": "gemma3"}
+        return PreparedMedia(
+            kind="image",
+            key=media_key(item.source, settings),
+            n_tokens=self.tokens,
+            text=f"\n\n{BOI}{SOFT * self.tokens}{EOI}\n\n",
+            data=pixels,
+        )
+
+    def load(self) -> Gemma3Vision:
+        if self.module is None:
+            module = Gemma3Vision(self.vision_config, self.text_hidden, self.tokens)
+            weights = load_tower_weights(self.source, _RENAMES)
+            weights = sanitize(weights, self.vision_config)
+            fill_tower(module, weights, self.source, "Gemma 3 vision tower")
+            self.module = module
+        return self.module
+
+    def encode(self, item: PreparedMedia) -> mx.array:
+        module = self.load()
+        self.calls += 1
+        return module(mx.array(item.data))[0]
+
+
+def make_encoder(source: TowerSource) -> Gemma3VisionEncoder:
+    return Gemma3VisionEncoder(source)

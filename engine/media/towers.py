@@ -1,0 +1,164 @@
+"""The media towers of one loaded model, found by model_type and loaded only when used.
+
+``MediaTowers`` knows at model load which kinds of media the model takes (from its
+config and this registry) without reading a byte of tower weights. The first request
+with an image builds the encoder and loads its weights from the model's own safetensors
+files; text-only chats never do. Encoded features are kept in an ``EncodedMediaCache``
+keyed by content hash, so a regenerated or continued chat does not encode again.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.api import MediaInput
+from engine.errors import MediaError
+from engine.media.cache import EncodedMediaCache
+from engine.media.prompt import MediaEncoder, PreparedMedia
+
+# model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder.
+TOWERS: dict[str, dict[str, str]] = {
+    "gemma3": {"image": "engine.media.gemma3_vision"},
+    "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl_vision"},
+}
+
+# What to suggest when a model cannot take a kind of media.
+SUGGESTIONS = {
+    "image": ("cannot read images", "pick a vision model such as Gemma 3 or Qwen2.5-VL"),
+    "audio": ("cannot listen to audio", "pick an audio model such as Qwen2-Audio or Voxtral, or transcribe it first"),
+}
+
+DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass
+class TowerSource:
+    """Where a tower's settings and weights come from: the loaded model's folder."""
+
+    name: str
+    path: Path  # the model folder
+    config: Any  # ModelConfig
+    model: Any  # the language model (its embeddings and dtype)
+    dtype: str  # activation dtype of the language model
+
+    def weight_files(self) -> list[Path]:
+        from engine.artifacts.weights import find_weights
+
+        return find_weights(self.path)
+
+
+def load_tower_weights(source: TowerSource, renames: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The tensors whose names start with one of ``renames``' prefixes (first match
+    renamed to its replacement), read lazily from the model's safetensors files;
+    MediaError when there are none."""
+    from engine.artifacts.weights import load_weights
+
+    out: dict[str, Any] = {}
+    for name, value in load_weights(source.weight_files()).items():
+        for old, new in renames:
+            if name.startswith(old):
+                out[new + name[len(old):]] = value
+                break
+    if not out:
+        looked = ", ".join(old for old, _ in renames)
+        raise MediaError(
+            f"{source.name} declares a media tower but its weights hold none (looked for {looked}); "
+            "download the full model, not a text-only conversion."
+        )
+    return out
+
+
+def fill_tower(module: Any, weights: dict[str, Any], source: TowerSource, what: str) -> None:
+    """Quantize like the checkpoint where it stores scales, load strictly, evaluate."""
+    import mlx.core as mx
+
+    from engine.artifacts.loader import quantize_like_checkpoint
+    from engine.errors import ModelLoadError
+
+    quantize_like_checkpoint(module, set(weights), source.config.quantization, name=source.name)
+    try:
+        module.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        text = " ".join(str(e).split())[:300]
+        raise ModelLoadError(f"{source.name}: the {what} weights do not match its config ({text}).") from None
+    mx.eval(module.parameters())
+    module.eval()
+
+
+def supported_kinds(config: Any) -> set[str]:
+    kinds = set(TOWERS.get(getattr(config, "model_type", ""), {}))
+    if not getattr(config, "vision", False):
+        kinds.discard("image")
+    if not getattr(config, "audio", False):
+        kinds.discard("audio")
+    return kinds
+
+
+class MediaTowers:
+    def __init__(self, source: TowerSource | None, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.source = source
+        self.kinds: frozenset[str] = frozenset(
+            supported_kinds(source.config) if source is not None and source.path.is_dir() else ()
+        )
+        self._encoders: dict[str, MediaEncoder] = {}
+        self.cache: EncodedMediaCache[Any] = EncodedMediaCache(cache_bytes)
+
+    @property
+    def name(self) -> str:
+        return self.source.name if self.source is not None else "this model"
+
+    def check(self, kinds: Iterable[str]) -> None:
+        """Refuse, before anything runs, media this model cannot take."""
+        for kind in sorted(set(kinds)):
+            if kind not in self.kinds:
+                what, advice = SUGGESTIONS.get(kind, (f"cannot take {kind}", "pick another model"))
+                raise MediaError(f"This model ({self.name}) {what}; {advice}.")
+
+    def encoder(self, kind: str) -> MediaEncoder:
+        self.check([kind])
+        enc = self._encoders.get(kind)
+        if enc is None:
+            module = importlib.import_module(TOWERS[self.source.config.model_type][kind])
+            enc = module.make_encoder(self.source)
+            self._encoders[kind] = enc
+        return enc
+
+    @property
+    def loaded(self) -> bool:
+        """Whether any tower's weights are in memory."""
+        return any(e.loaded for e in self._encoders.values())
+
+    @property
+    def encode_calls(self) -> int:
+        return sum(e.calls for e in self._encoders.values())
+
+    def prepare(self, items: Sequence[MediaInput]) -> list[PreparedMedia]:
+        self.check(m.kind for m in items)
+        return [self.encoder(m.kind).prepare(m) for m in items]
+
+    def placeholders(self) -> dict[str, str]:
+        return {k: e.placeholder for k, e in self._encoders.items()}
+
+    def token_ids(self) -> dict[str, int]:
+        return {k: e.token_id for k, e in self._encoders.items()}
+
+    def features(self, item: PreparedMedia) -> Any:
+        """The tower's output for one item (n_tokens, hidden), from the cache when seen before."""
+        return self.cache.get_or_compute(item.key, lambda: self._encode(item))
+
+    def _encode(self, item: PreparedMedia) -> Any:
+        import mlx.core as mx
+
+        out = self.encoder(item.kind).encode(item)
+        if out.shape[0] != item.n_tokens:
+            raise MediaError(f"The {item.kind} tower gave {out.shape[0]} features for {item.n_tokens} tokens.")
+        mx.eval(out)
+        return out
+
+    def unload(self) -> None:
+        self._encoders.clear()
+        self.cache.clear()

@@ -1,0 +1,174 @@
+"""Qwen2.5-VL's language model: Qwen2 with multimodal RoPE (mRoPE).
+
+Each token has three position ids (time, height, width). The rotary frequencies are
+split into ``mrope_section`` groups, each rotated by one of the three ids. Text tokens
+carry the same id three times, which is plain RoPE, so a text-only prompt runs exactly
+as Qwen2 does. An image's tokens take (start, start + row, start + column) and the text
+after it continues from start + max(rows, columns); ``rope_index`` computes this for a
+whole prompt (transformers' get_rope_index), and decode steps continue at the cache
+offset plus the prompt's delta. Weights: ``model.*`` or ``model.language_model.*``
+(transformers >= 4.52); the ``visual`` tower is left to engine/media.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from . import llama, qwen2
+from .base import Attention
+
+
+@dataclass
+class ModelArgs(qwen2.ModelArgs):
+    model_type: str = "qwen2_5_vl"
+    vocab_size: int = 152064
+    max_position_embeddings: int = 128000
+    rope_theta: float = 1_000_000.0
+    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+
+    @classmethod
+    def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
+        from .base import text_config
+
+        flat = text_config(config)
+        section = None
+        for block in (flat.get("rope_parameters"), flat.get("rope_scaling")):
+            if isinstance(block, dict) and block.get("mrope_section"):
+                section = [int(s) for s in block["mrope_section"]]
+        # mRoPE is handled here; what remains for the shared reader is plain RoPE.
+        for key in ("rope_parameters", "rope_scaling"):
+            block = flat.get(key)
+            if isinstance(block, dict) and (block.get("rope_type") or block.get("type")) in ("mrope", "default", None):
+                theta = block.get("rope_theta")
+                flat[key] = None
+                if theta is not None:
+                    flat["rope_theta"] = theta
+        config = super().normalise(flat)
+        if section is not None:
+            config["mrope_section"] = section
+        return config
+
+
+class MRoPEAttention(Attention):
+    """Qwen2 attention whose rotation takes explicit (3, 1, n) position ids when given."""
+
+    def __init__(self, *args: Any, mrope_section: Sequence[int], base: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        half = self.head_dim // 2
+        inv = 1.0 / (base ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
+        # For each frequency, which of the three position ids rotates it.
+        self._axis = mx.array(np.repeat(np.arange(3) % 3, mrope_section)[:half].astype(np.int32))
+        self._inv_freq = mx.array(inv)
+
+    def rotate(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x (b, heads, n, d); positions (3, b, n)."""
+        pos = positions.astype(mx.float32)  # (3, b, n)
+        chosen = mx.take(pos, self._axis, axis=0)  # (half, b, n)
+        angles = chosen.transpose(1, 2, 0) * self._inv_freq  # (b, n, half)
+        angles = mx.concatenate([angles, angles], axis=-1)[:, None]  # (b, 1, n, d)
+        cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return x * cos + rotated * sin
+
+    def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:
+        if position_ids is None:
+            return super().__call__(x, mask, cache)
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q, k = self.rotate(q, position_ids), self.rotate(k, position_ids)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class DecoderLayer(llama.DecoderLayer):
+    def __init__(self, args: ModelArgs, window: int | None):
+        super().__init__(args, window)
+        old = self.self_attn
+        self.self_attn = MRoPEAttention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, old.rope,
+            qkv_bias=True, o_bias=False, mrope_section=args.mrope_section, base=args.rope_theta,
+        )
+
+    def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, position_ids)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class QwenVLModel(llama.LlamaModel):
+    layer_class = DecoderLayer
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
+                 position_ids: mx.array | None = None) -> mx.array:
+        from .base import attention_mask
+
+        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+        if cache is None:
+            cache = [None] * len(self.layers)
+        n = h.shape[1]
+        masks: dict[int | None, Any] = {}
+        for layer, c in zip(self.layers, cache):
+            if layer.window not in masks:
+                masks[layer.window] = attention_mask(n, c, layer.window)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, masks[layer.window], c, position_ids)
+        return self.norm(h)
+
+
+_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.lm_head.", "lm_head."), ("language_model.", "model."))
+_TOWER = ("visual.", "model.visual.")
+
+
+class Model(llama.Model):
+    model_class = QwenVLModel
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
+                 position_ids: mx.array | None = None) -> mx.array:
+        h = self.model(inputs, cache, input_embeddings, position_ids)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        renamed: dict[str, mx.array] = {}
+        for key, value in weights.items():
+            if key.startswith(_TOWER):
+                continue
+            for old, new in _PREFIXES:
+                if key.startswith(old):
+                    key = new + key[len(old):]
+                    break
+            renamed[key] = value
+        return super().sanitize(renamed)
+
+    @staticmethod
+    def rope_index(ids: Sequence[int], media: Sequence[tuple[int, int, tuple[int, int, int] | None]]) -> np.ndarray:
+        """(3, len(ids)) position ids; ``media`` holds (start, end, (t, h, w) in LM tokens)."""
+        out = np.zeros((3, len(ids)), dtype=np.int64)
+        cursor = pos = 0
+        for start, end, grid in sorted(media, key=lambda m: m[0]):
+            out[:, cursor:start] = np.arange(start - cursor) + pos
+            pos += start - cursor
+            if grid is None:  # media without a spatial grid (audio): plain positions
+                out[:, start:end] = np.arange(end - start) + pos
+                pos += end - start
+            else:
+                t, h, w = grid
+                if t * h * w != end - start:
+                    raise ValueError(f"grid {grid} does not cover {end - start} tokens")
+                tt, hh, ww = np.meshgrid(np.zeros(t, dtype=np.int64), np.arange(h), np.arange(w), indexing="ij")
+                out[:, start:end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + pos
+                pos += max(h, w)
+            cursor = end
+        out[:, cursor:] = np.arange(len(ids) - cursor) + pos
+        return out
