@@ -1,0 +1,111 @@
+"""KV cache mechanics on hand-made keys whose value is their position."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from engine.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+from engine.errors import EngineError
+
+
+def tokens(start: int, stop: int) -> mx.array:
+    """Keys [1, 1, n, 1] holding their own positions."""
+    return mx.arange(start, stop, dtype=mx.float32).reshape(1, 1, -1, 1)
+
+
+def positions(keys: mx.array) -> list[int]:
+    return [int(x) for x in keys.reshape(-1).tolist()]
+
+
+def brute_force_mask(offset: int, key_positions: list[int], n_queries: int, window: int):
+    return [[(k <= q and q - k < window) for k in key_positions] for q in range(offset, offset + n_queries)]
+
+
+def test_plain_cache_grows_in_steps_and_trims():
+    c = KVCache(step=4)
+    for i in range(5):
+        k, _ = c.update_and_fetch(tokens(i, i + 1), tokens(i, i + 1))
+    assert positions(k) == [0, 1, 2, 3, 4]
+    assert c.keys.shape[2] == 8  # two steps of 4, not one buffer per token
+    assert c.nbytes == 2 * 8 * 4
+    assert c.make_mask(1) is None and c.make_mask(3) == "causal"
+    assert c.trim(2) == 2 and c.offset == 3
+    k, _ = c.update_and_fetch(tokens(10, 12), tokens(10, 12))
+    assert positions(k) == [0, 1, 2, 10, 11]
+    assert c.trim(99) == 5 and c.offset == 0
+
+
+def test_rotating_cache_keeps_exactly_the_window_when_decoding():
+    c = RotatingKVCache(max_size=5)
+    for i in range(12):
+        assert c.make_mask(1) is None
+        k, _ = c.update_and_fetch(tokens(i, i + 1), tokens(i, i + 1))
+        assert sorted(positions(k)) == list(range(max(0, i - 4), i + 1))
+    assert c.offset == 12 and c.keys.shape[2] == 5
+
+
+def test_rotating_cache_chunks_see_their_window():
+    window = 5
+    c = RotatingKVCache(max_size=window)
+    c.update_and_fetch(tokens(0, 3), tokens(0, 3))
+    mask = c.make_mask(6, window)
+    k, _ = c.update_and_fetch(tokens(3, 9), tokens(3, 9))
+    assert positions(k) == list(range(0, 9))
+    assert mask.tolist() == brute_force_mask(3, positions(k), 6, window)
+    # Wrap the ring buffer with single steps, then send a chunk again: time order returns.
+    for i in range(9, 12):
+        c.update_and_fetch(tokens(i, i + 1), tokens(i, i + 1))
+    mask = c.make_mask(3, window)
+    k, _ = c.update_and_fetch(tokens(12, 15), tokens(12, 15))
+    assert positions(k) == list(range(8, 15))
+    assert mask.tolist() == brute_force_mask(12, positions(k), 3, window)
+    k, _ = c.update_and_fetch(tokens(15, 16), tokens(15, 16))
+    assert sorted(positions(k)) == list(range(11, 16))
+
+
+def test_rotating_cache_keeps_its_first_tokens():
+    c = RotatingKVCache(max_size=6, keep=2)
+    for i in range(10):
+        k, _ = c.update_and_fetch(tokens(i, i + 1), tokens(i, i + 1))
+    assert sorted(positions(k)) == [0, 1, 6, 7, 8, 9]
+    assert positions(c.state[0]) == [0, 1, 6, 7, 8, 9]  # saved in time order
+
+
+def test_rotating_cache_trims_only_before_wrapping():
+    c = RotatingKVCache(max_size=8)
+    c.update_and_fetch(tokens(0, 5), tokens(0, 5))
+    c.update_and_fetch(tokens(5, 6), tokens(5, 6))
+    assert c.is_trimmable() and c.trim(2) == 2 and c.offset == 4
+    k, _ = c.update_and_fetch(tokens(20, 21), tokens(20, 21))
+    assert positions(k) == [0, 1, 2, 3, 20]
+    c.update_and_fetch(tokens(0, 10), tokens(0, 10))
+    assert not c.is_trimmable() and c.trim(1) == 0
+
+
+def test_save_load_round_trip_of_both_kinds(tmp_path):
+    plain, rotating, empty = KVCache(), RotatingKVCache(max_size=4), KVCache()
+    plain.update_and_fetch(tokens(0, 6), tokens(0, 6) * 2)
+    for i in range(7):
+        rotating.update_and_fetch(tokens(i, i + 1), tokens(i, i + 1))
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, [plain, rotating, empty], {"conversation": "42"})
+    (p, r, e), meta = load_prompt_cache(path)
+    assert meta == {"conversation": "42"}
+    assert positions(p.state[0]) == list(range(6)) and positions(p.state[1]) == [0, 2, 4, 6, 8, 10]
+    assert isinstance(r, RotatingKVCache) and r.max_size == 4 and r.offset == 7
+    assert positions(r.state[0]) == [3, 4, 5, 6]
+    assert e.offset == 0 and e.state == ()
+    k, _ = r.update_and_fetch(tokens(7, 8), tokens(7, 8))
+    assert sorted(positions(k)) == [4, 5, 6, 7]
+
+
+def test_unreadable_cache_file_is_a_readable_error(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(EngineError, match="Cannot read the prompt cache"):
+        load_prompt_cache(bad)
+    other = tmp_path / "other.safetensors"
+    mx.save_safetensors(str(other), {"x": mx.zeros((1,))})
+    with pytest.raises(EngineError, match="not a prompt cache"):
+        load_prompt_cache(other)
