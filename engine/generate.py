@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from .api import GenerationParams, GenerationResult, GenerationStats, FinishReason
 from .errors import EngineError
+from .fast_decode import compiled_decoder
 from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
 ProgressCallback = Callable[[int, int], None]
@@ -73,13 +74,16 @@ def generate_step(
     cancel: threading.Event | None = None,
     on_progress: ProgressCallback | None = None,
     history: mx.array | None = None,
+    compiled: bool = True,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens.
 
     ``prompt`` holds the ids not yet in ``cache`` (at least one). The log-prob is the
     chosen token's under the model's own distribution, before any processor or
     temperature. Stops early (without raising) when ``cancel`` is set. ``history`` is
-    the context logits processors look back over (default: ``prompt``).
+    the context logits processors look back over (default: ``prompt``). ``compiled``
+    lets decode steps run through the model's ``CompiledDecoder`` where it applies
+    (same results, less per-token overhead); False forces the plain forward pass.
     """
     if prompt.size == 0:
         raise EngineError("nothing to generate from: the prompt has no tokens")
@@ -90,9 +94,20 @@ def generate_step(
     window = _HISTORY_WINDOW
     recent = (history if history is not None else prompt)[-window:] if processors else None
 
+    decoder = compiled_decoder(model) if compiled else None
+    if decoder is not None and not decoder.prepare():
+        decoder = None
+
+    def forward(tokens: mx.array) -> mx.array:
+        if decoder is not None:
+            logits = decoder(tokens, cache)
+            if logits is not None:
+                return logits
+        return model(tokens[None], cache=cache)[:, -1, :]
+
     def step(tokens: mx.array, *, extend: bool) -> tuple[mx.array, mx.array | None]:
         nonlocal recent
-        logits = model(tokens[None], cache=cache)[:, -1, :]
+        logits = forward(tokens)
         processed = logits
         if processors:
             if extend:

@@ -1,0 +1,161 @@
+"""A decode step (one new token) with most of its work in compiled functions.
+
+Decoding is bound by per-step overhead, not by the device: building ~20 small ops per
+layer in Python and launching each as its own kernel. Here each layer boundary
+(the previous layer's output projection, residuals and feed-forward, then this
+layer's norm, q/k/v projections, RoPE and the KV-cache write) is one ``mx.compile``d
+function: Python makes one call where it made ~20, and elementwise ops fuse.
+
+Only the attention itself runs outside, on the cache's exact prefix: its key count
+grows every token, and the fast attention kernel takes no length argument (a padded
+buffer would need an array mask, which sends the GPU to a slower path).
+
+Results equal the plain forward pass: the same ops run in the same order on the same
+values; only elementwise ops are fused (same dtypes, no reassociation).
+
+A ``CompiledDecoder`` is tied to one model. Weights are captured when the functions
+are traced; ``prepare`` notices replaced weights (adapters fused, weights reloaded)
+and retraces. Traces are keyed by the cache buffers' shapes, so a buffer that grows
+(every ``step`` tokens) costs one retrace per layer, once per size.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .cache import KVCache, RotatingKVCache
+from .models.base import RoPE
+
+_CACHE_KINDS = (KVCache, RotatingKVCache)
+
+
+def _layer_ok(layer: Any) -> bool:
+    attn = getattr(layer, "self_attn", None)
+    return (
+        attn is not None
+        and all(hasattr(attn, name) for name in ("qkv", "attend", "out"))
+        and hasattr(layer, "finish")
+        and hasattr(layer, "input_layernorm")
+        # RoPE variants that pick settings from the position need it as a Python int.
+        and type(getattr(attn, "rope", None)) is RoPE
+    )
+
+
+class CompiledDecoder:
+    """``decoder(tokens, cache)`` -> logits [1, vocab] for one token, or None when this
+    model/cache combination needs the plain forward pass (the caller then uses it)."""
+
+    def __init__(self, model: Any):
+        # Weak: the model keeps its decoder, and the decoder must not keep the model
+        # (nor its weights, through traced closures) alive once the model is dropped.
+        self._model = weakref.ref(model)
+        self.supported = (
+            all(hasattr(model, name) for name in ("embed", "head", "layers"))
+            and len(model.layers) > 0
+            and all(_layer_ok(layer) for layer in model.layers)
+        )
+        self._weights: list[mx.array] = []
+        self._fns: list[Any] = []
+
+    # -- building -------------------------------------------------------------------
+
+    def prepare(self) -> bool:
+        """(Re)trace if the model's weights changed since the last trace; call once per
+        generation, not per token. Returns whether compiled decoding is available."""
+        if not self.supported:
+            return False
+        weights = [a for _, a in tree_flatten(self._model().parameters())]
+        if len(weights) != len(self._weights) or any(a is not b for a, b in zip(weights, self._weights)):
+            self._weights = weights
+            self._fns = self._build()
+        return True
+
+    def _build(self) -> list[Any]:
+        ref = self._model
+        n_layers = len(ref().layers)
+
+        def layer(i: int) -> Any:
+            return ref().layers[i]
+
+        def write(buf: mx.array, new: mx.array, slot: mx.array) -> mx.array:
+            return mx.slice_update(buf, new, slot, axes=(2,))
+
+        def start(i: int, h, kbuf, vbuf, pos, slot):
+            this = layer(i)
+            q, k, v = this.self_attn.qkv(this.input_layernorm(h), pos)
+            return h, q, write(kbuf, k, slot), write(vbuf, v, slot)
+
+        def end(i: int, h, attn):
+            prev = layer(i)
+            return prev.finish(h, prev.self_attn.out(attn))
+
+        def first(tokens, kbuf, vbuf, pos, slot):
+            return start(0, ref().embed(tokens), kbuf, vbuf, pos, slot)
+
+        def boundary(i: int):
+            def fn(h, attn, kbuf, vbuf, pos, slot):
+                return start(i, end(i - 1, h, attn), kbuf, vbuf, pos, slot)
+
+            return fn
+
+        def last(h, attn):
+            return ref().head(end(n_layers - 1, h, attn))[:, -1, :]
+
+        # Traced functions capture no model object, only (through the trace) its arrays.
+        return [mx.compile(first)] + [mx.compile(boundary(i)) for i in range(1, n_layers)] + [mx.compile(last)]
+
+    # -- one step -------------------------------------------------------------------
+
+    def usable(self, cache: Sequence[Any]) -> bool:
+        """Whether this cache state can take a compiled step (checked before any change)."""
+        if not self._fns or len(cache) != len(self._fns) - 1:
+            return False
+        offset = cache[0].offset
+        for layer, c in zip(self._model().layers, cache):
+            if type(c) not in _CACHE_KINDS or c.keys is None or c.offset != offset:
+                return False
+            if c.make_mask(1, getattr(layer, "window", None)) is not None:
+                return False
+        return True
+
+    def __call__(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
+        """Logits [1, vocab] after feeding ``tokens`` (shape [1]) through ``cache``."""
+        if not self.usable(cache):
+            return None
+        layers = self._model().layers
+        pos = mx.array(cache[0].offset, dtype=mx.int32)
+        slots: dict[int, mx.array] = {}
+        h: mx.array = tokens[None]
+        attn = None
+        for i, (layer, c) in enumerate(zip(layers, cache)):
+            slot, seen = c.reserve_one()
+            slot_arr = slots.get(slot)
+            if slot_arr is None:
+                slot_arr = slots[slot] = mx.array([slot], dtype=mx.int32)
+            if i == 0:
+                h, q, kbuf, vbuf = self._fns[0](h, c.keys, c.values, pos, slot_arr)
+            else:
+                h, q, kbuf, vbuf = self._fns[i](h, attn, c.keys, c.values, pos, slot_arr)
+            c.commit_one(kbuf, vbuf)
+            if seen < kbuf.shape[2]:
+                kbuf, vbuf = kbuf[..., :seen, :], vbuf[..., :seen, :]
+            attn = layer.self_attn.attend(q, kbuf, vbuf, None)
+        return self._fns[-1](h, attn)
+
+
+def compiled_decoder(model: Any) -> CompiledDecoder | None:
+    """The model's decoder (made once per model object and kept on it); None when the
+    model's layers do not offer the pieces a compiled step needs."""
+    decoder = getattr(model, "_compiled_decoder", None)
+    if decoder is None:
+        decoder = CompiledDecoder(model)
+        try:
+            object.__setattr__(model, "_compiled_decoder", decoder)
+        except AttributeError:
+            pass
+    return decoder if decoder.supported else None
