@@ -64,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, help="timed runs per loop; the best is kept")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
 
 
 def build_model(shape: str, bits: int, group_size: int, seed: int = 0) -> tuple[Any, dict[str, Any], set[str]]:
@@ -122,12 +123,17 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     return twin
 
 
-def _ours(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
+def _ours(model: Any, prompt: Any, max_tokens: int, compiled: bool | None = None) -> Iterator[int]:
     from .cache import make_prompt_cache
     from .generate import generate_step
 
-    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=max_tokens, prefill_chunk=2048):
+    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=max_tokens,
+                                  prefill_chunk=2048, compiled=compiled):
         yield token
+
+
+def _ours_plain(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
+    return _ours(model, prompt, max_tokens, compiled=False)
 
 
 def _theirs(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
@@ -190,7 +196,7 @@ def run_bench(args: argparse.Namespace) -> int:
     quant = f"{args.bits}-bit g{args.group_size}" if quantized else "bf16"
     print(f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "
           f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
-    ours = measure(_ours, model, prompt, args.generation_tokens, args.repeat)
+    ours = measure(_ours_plain if args.no_compile else _ours, model, prompt, args.generation_tokens, args.repeat)
     print(_row("engine", ours), flush=True)
     out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
                            "group_size": args.group_size, "device": str(mx.default_device()),

@@ -74,7 +74,7 @@ def generate_step(
     cancel: threading.Event | None = None,
     on_progress: ProgressCallback | None = None,
     history: mx.array | None = None,
-    compiled: bool = True,
+    compiled: bool | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens.
 
@@ -84,6 +84,8 @@ def generate_step(
     the context logits processors look back over (default: ``prompt``). ``compiled``
     lets decode steps run through the model's ``CompiledDecoder`` where it applies
     (same results, less per-token overhead); False forces the plain forward pass.
+    None (default) compiles on a GPU only: the CPU build turns each fused kernel
+    into C++ for a compiler, seconds per new kernel, for little gain there.
     """
     if prompt.size == 0:
         raise EngineError("nothing to generate from: the prompt has no tokens")
@@ -94,6 +96,8 @@ def generate_step(
     window = _HISTORY_WINDOW
     recent = (history if history is not None else prompt)[-window:] if processors else None
 
+    if compiled is None:
+        compiled = mx.default_device() == mx.gpu
     decoder = compiled_decoder(model) if compiled else None
     if decoder is not None and not decoder.prepare():
         decoder = None

@@ -43,6 +43,9 @@ def compiled_applies(name: str) -> bool:
 
 
 COMPILABLE = [f for f in FAMILIES if compiled_applies(f)]
+# One of each kind of layer (plain, QK-norm, experts, sliding window, soft-capping):
+# each new fused kernel costs the CPU build a C++ compile, so not every family.
+SAMPLED = [f for f in ("llama", "qwen3", "qwen3_moe", "mistral", "gemma2") if f in COMPILABLE]
 
 
 def test_most_families_take_the_compiled_step():
@@ -50,7 +53,7 @@ def test_most_families_take_the_compiled_step():
     assert {"llama", "llama3_rope", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"} <= set(COMPILABLE)
 
 
-@pytest.mark.parametrize("name", COMPILABLE)
+@pytest.mark.parametrize("name", SAMPLED)
 def test_compiled_decode_equals_plain_decode(name):
     model, _ = load_golden(name)
     ids_plain, lps_plain = decode(model, PROMPT, small_step_cache(model), 30, compiled=False)
@@ -62,7 +65,7 @@ def test_compiled_decode_equals_plain_decode(name):
     assert cache[0].offset == len(PROMPT) + 29
 
 
-@pytest.mark.parametrize("name", COMPILABLE)
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_one_compiled_step_matches_the_forward_pass(name):
     model, _ = load_golden(name)
     a, b = small_step_cache(model), small_step_cache(model)
@@ -78,7 +81,7 @@ def test_one_compiled_step_matches_the_forward_pass(name):
         assert [c.offset for c in a] == [c.offset for c in b]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_compiled_decode_after_trim(name):
     model, _ = load_golden(name)
     results = []
