@@ -3,10 +3,9 @@
 Decoding is bound by per-step overhead, not by the device: building ~20 small ops per
 layer in Python and launching each as its own kernel. Here each layer boundary
 (the previous layer's output projection, residuals and feed-forward, then this
-layer's norm, q/k/v projections, RoPE and the KV-cache write) is one ``mx.compile``d
-function: Python makes one call where it made ~20, and elementwise ops fuse.
+layer's norm, q/k/v projections and RoPE) is one ``mx.compile``d function: Python makes one call where it made ~20, and elementwise ops fuse.
 
-Only the attention itself runs outside, on the cache's exact prefix: its key count
+Only the cache write and the attention run outside, on the cache's exact prefix: its key count
 grows every token, and the fast attention kernel takes no length argument (a padded
 buffer would need an array mask, which sends the GPU to a slower path).
 
@@ -15,8 +14,8 @@ values; only elementwise ops are fused (same dtypes, no reassociation).
 
 A ``CompiledDecoder`` is tied to one model. Weights are captured when the functions
 are traced; ``prepare`` notices replaced weights (adapters fused, weights reloaded)
-and retraces. Traces are keyed by the cache buffers' shapes, so a buffer that grows
-(every ``step`` tokens) costs one retrace per layer, once per size.
+and retraces. Traced shapes do not change from token to token: each layer is traced
+once.
 """
 
 from __future__ import annotations
@@ -82,24 +81,21 @@ class CompiledDecoder:
         def layer(i: int) -> Any:
             return ref().layers[i]
 
-        def write(buf: mx.array, new: mx.array, slot: mx.array) -> mx.array:
-            return mx.slice_update(buf, new, slot, axes=(2,))
-
-        def start(i: int, h, kbuf, vbuf, pos, slot):
+        def start(i: int, h, pos):
             this = layer(i)
             q, k, v = this.self_attn.qkv(this.input_layernorm(h), pos)
-            return h, q, write(kbuf, k, slot), write(vbuf, v, slot)
+            return h, q, k, v
 
         def end(i: int, h, attn):
             prev = layer(i)
             return prev.finish(h, prev.self_attn.out(attn))
 
-        def first(tokens, kbuf, vbuf, pos, slot):
-            return start(0, ref().embed(tokens), kbuf, vbuf, pos, slot)
+        def first(tokens, pos):
+            return start(0, ref().embed(tokens), pos)
 
         def boundary(i: int):
-            def fn(h, attn, kbuf, vbuf, pos, slot):
-                return start(i, end(i - 1, h, attn), kbuf, vbuf, pos, slot)
+            def fn(h, attn, pos):
+                return start(i, end(i - 1, h, attn), pos)
 
             return fn
 
@@ -129,22 +125,17 @@ class CompiledDecoder:
             return None
         layers = self._model().layers
         pos = mx.array(cache[0].offset, dtype=mx.int32)
-        slots: dict[int, mx.array] = {}
         h: mx.array = tokens[None]
         attn = None
         for i, (layer, c) in enumerate(zip(layers, cache)):
-            slot, seen = c.reserve_one()
-            slot_arr = slots.get(slot)
-            if slot_arr is None:
-                slot_arr = slots[slot] = mx.array([slot], dtype=mx.int32)
             if i == 0:
-                h, q, kbuf, vbuf = self._fns[0](h, c.keys, c.values, pos, slot_arr)
+                h, q, k, v = self._fns[0](h, pos)
             else:
-                h, q, kbuf, vbuf = self._fns[i](h, attn, c.keys, c.values, pos, slot_arr)
-            c.commit_one(kbuf, vbuf)
-            if seen < kbuf.shape[2]:
-                kbuf, vbuf = kbuf[..., :seen, :], vbuf[..., :seen, :]
-            attn = layer.self_attn.attend(q, kbuf, vbuf, None)
+                h, q, k, v = self._fns[i](h, attn, pos)
+            # The cache write stays outside: a write at a traced position is a dynamic
+            # update, which cannot always reuse the buffer in place.
+            k, v = c.update_and_fetch(k, v)
+            attn = layer.self_attn.attend(q, k, v, None)
         return self._fns[-1](h, attn)
 
 
