@@ -47,18 +47,6 @@ class KVCache:
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
-    def reserve_one(self) -> tuple[int, int]:
-        """Make room for one more token (buffers must exist); return (the slot it will be
-        written to, how many leading slots the attention then sees)."""
-        if self.offset + 1 > self.keys.shape[2]:
-            self._grow(self.keys, self.values, self.offset + 1)
-        return self.offset, self.offset + 1
-
-    def commit_one(self, keys: mx.array, values: mx.array) -> None:
-        """Take the buffers with the token reserved by ``reserve_one`` written in."""
-        self.keys, self.values = keys, values
-        self.offset += 1
-
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         b, h, _, dk = keys.shape
         dv = values.shape[3]
