@@ -68,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .bench_speculative import add_speculative_arguments
 
     add_speculative_arguments(p)
+    p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
 
 
 def build_model(shape: str, bits: int, group_size: int, seed: int = 0) -> tuple[Any, dict[str, Any], set[str]]:
@@ -126,12 +127,17 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     return twin
 
 
-def _ours(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
+def _ours(model: Any, prompt: Any, max_tokens: int, compiled: bool | None = None) -> Iterator[int]:
     from .cache import make_prompt_cache
     from .generate import generate_step
 
-    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=max_tokens, prefill_chunk=2048):
+    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=max_tokens,
+                                  prefill_chunk=2048, compiled=compiled):
         yield token
+
+
+def _ours_plain(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
+    return _ours(model, prompt, max_tokens, compiled=False)
 
 
 def _theirs(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
@@ -203,7 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(out))
         return 0
-    ours = measure(_ours, model, prompt, args.generation_tokens, args.repeat)
+    ours = measure(_ours_plain if args.no_compile else _ours, model, prompt, args.generation_tokens, args.repeat)
     print(_row("engine", ours), flush=True)
     out["engine"] = asdict(ours)
     if args.vs == "mlx-lm":

@@ -182,28 +182,45 @@ class RotatingKVCache:
         return k, v
 
     def _update_one(self, keys: mx.array, values: mx.array):
-        if self.keys is None or (self._idx >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
-            # Still filling: grow the buffer by a step, never beyond max_size.
-            b, h, _, dk = keys.shape
-            dv = values.shape[3]
-            held = 0 if self.keys is None else self._idx
-            grow = min(self.step, self.max_size - held)
-            new_k = mx.zeros((b, h, held + grow, dk), keys.dtype)
-            new_v = mx.zeros((b, h, held + grow, dv), values.dtype)
-            if held:
-                new_k[..., :held, :] = self.keys[..., :held, :]
-                new_v[..., :held, :] = self.values[..., :held, :]
-            self.keys, self.values = new_k, new_v
+        if self.keys is None:
+            self._grow_by_step(keys, values)
+        slot, seen = self.reserve_one()
+        self.keys[..., slot : slot + 1, :] = keys
+        self.values[..., slot : slot + 1, :] = values
+        self.commit_one(self.keys, self.values)
+        if seen < self.keys.shape[2]:
+            return self.keys[..., :seen, :], self.values[..., :seen, :]
+        return self.keys, self.values
+
+    def _grow_by_step(self, keys: mx.array, values: mx.array) -> None:
+        """Still filling: grow the buffer by a step, never beyond max_size."""
+        b, h, _, dk = keys.shape
+        dv = values.shape[3]
+        held = 0 if self.keys is None else self._idx
+        grow = min(self.step, self.max_size - held)
+        new_k = mx.zeros((b, h, held + grow, dk), keys.dtype)
+        new_v = mx.zeros((b, h, held + grow, dv), values.dtype)
+        if held:
+            new_k[..., :held, :] = self.keys[..., :held, :]
+            new_v[..., :held, :] = self.values[..., :held, :]
+        self.keys, self.values = new_k, new_v
+
+    def reserve_one(self) -> tuple[int, int]:
+        """Make room for one more token (buffers must exist); return (the slot it will be
+        written to, how many leading slots the attention then sees)."""
+        if self._idx >= self.keys.shape[2] and self.keys.shape[2] < self.max_size:
+            self._grow_by_step(self.keys, self.values)
         if self._idx >= self.max_size:
             self._idx = self.keep  # wrap around, sparing the kept prefix
             self._ordered = False
-        self.keys[..., self._idx : self._idx + 1, :] = keys
-        self.values[..., self._idx : self._idx + 1, :] = values
+        slot = self._idx
+        return slot, (slot + 1 if self._ordered else self.keys.shape[2])
+
+    def commit_one(self, keys: mx.array, values: mx.array) -> None:
+        """Take the buffers with the token reserved by ``reserve_one`` written in."""
+        self.keys, self.values = keys, values
         self._idx += 1
         self.offset += 1
-        if self._ordered:
-            return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
-        return self.keys, self.values
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[2] == 1:

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from .api import GenerationParams, GenerationResult, GenerationStats, FinishReason
 from .errors import EngineError
+from .fast_decode import compiled_decoder
 from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
 ProgressCallback = Callable[[int, int], None]
@@ -121,6 +122,7 @@ def generate_step(
     on_progress: ProgressCallback | None = None,
     history: mx.array | None = None,
     inputs: PromptInputs | None = None,
+    compiled: bool | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens.
 
@@ -128,7 +130,11 @@ def generate_step(
     chosen token's under the model's own distribution, before any processor or
     temperature. Stops early (without raising) when ``cancel`` is set. ``history`` is
     the context logits processors look back over (default: ``prompt``). ``inputs``
-    carries a multimodal prompt's embeddings and positions.
+    carries a multimodal prompt's embeddings and positions. ``compiled``
+    lets decode steps run through the model's ``CompiledDecoder`` where it applies
+    (same results, less per-token overhead); False forces the plain forward pass.
+    None (default) compiles on a GPU only: the CPU build turns each fused kernel
+    into C++ for a compiler, seconds per new kernel, for little gain there.
     """
     if prompt.size == 0:
         raise EngineError("nothing to generate from: the prompt has no tokens")
@@ -139,11 +145,25 @@ def generate_step(
     window = _HISTORY_WINDOW
     recent = (history if history is not None else prompt)[-window:] if processors else None
 
+    if compiled is None:
+        compiled = mx.default_device() == mx.gpu
+    # Multimodal prompts decode with shifted positions the compiled step does not model.
+    decoder = compiled_decoder(model) if compiled and inputs is None else None
+    if decoder is not None and not decoder.prepare():
+        decoder = None
+
+    def forward(tokens: mx.array, kwargs: dict[str, Any]) -> mx.array:
+        if decoder is not None and not kwargs:
+            logits = decoder(tokens, cache)
+            if logits is not None:
+                return logits
+        return model(tokens[None], cache=cache, **kwargs)[:, -1, :]
+
     def step(tokens: mx.array, *, extend: bool, kwargs: dict[str, Any] | None = None) -> tuple[mx.array, mx.array | None]:
         nonlocal recent
         if kwargs is None:
             kwargs = inputs.decode_kwargs(cache) if inputs is not None else {}
-        logits = model(tokens[None], cache=cache, **kwargs)[:, -1, :]
+        logits = forward(tokens, kwargs)
         processed = logits
         if processors:
             if extend:

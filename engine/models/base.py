@@ -310,6 +310,17 @@ class Attention(nn.Module):
         self.rope = rope
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
+        q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.out(self.attend(q, k, v, mask))
+
+    # The pieces below let a compiled decode step run everything but the attention
+    # itself (whose key count changes every token) inside traced functions.
+
+    def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys (both rotated) and values, shaped [B, heads, L, head_dim].
+        ``offset`` (int or scalar array) is the position of the first token."""
         b, n, _ = x.shape
         q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
@@ -317,12 +328,15 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = sdpa(q, k, v, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        return sdpa(q, k, v, self.scale, mask)
+
+    def out(self, attn: mx.array) -> mx.array:
+        """The output projection of attention results shaped [B, heads, L, head_dim]."""
+        b, _, n, _ = attn.shape
+        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
 class GatedMLP(nn.Module):

@@ -97,6 +97,12 @@ class Attention(nn.Module):
         self.rope = rope
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
+        q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.out(self.attend(q, k, v, mask))
+
+    def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         b, n, _ = x.shape
         q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
@@ -104,15 +110,16 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         if self.softcap:
-            out = softcapped_attention(q, k, v, self.scale, mask, self.softcap)
-        else:
-            out = sdpa(q, k, v, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+            return softcapped_attention(q, k, v, self.scale, mask, self.softcap)
+        return sdpa(q, k, v, self.scale, mask)
+
+    def out(self, attn: mx.array) -> mx.array:
+        b, _, n, _ = attn.shape
+        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -130,7 +137,10 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps)
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
+
+    def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
+        h = x + self.post_attention_layernorm(attn_out)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -175,7 +185,13 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
-        h = self.model(inputs, cache, input_embeddings)
+        return self.logits(self.model(inputs, cache, input_embeddings))
+
+    def head(self, h: mx.array) -> mx.array:
+        """Logits from the last layer's output (final norm included)."""
+        return self.logits(self.model.norm(h))
+
+    def logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
         else:

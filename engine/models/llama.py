@@ -109,7 +109,11 @@ class DecoderLayer(nn.Module):
         return GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, activation(args.hidden_act))
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
+
+    def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
+        """Everything after attention: residual, feed-forward, residual."""
+        h = x + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -152,10 +156,17 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
-        h = self.model(inputs, cache, input_embeddings)
+        return self.logits(self.model(inputs, cache, input_embeddings))
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Logits from the final (already normalised) hidden states."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
+
+    def head(self, h: mx.array) -> mx.array:
+        """Logits from the last layer's output (final norm included)."""
+        return self.logits(self.model.norm(h))
 
     def embed(self, inputs: mx.array) -> mx.array:
         """Token embeddings exactly as ``__call__`` would use them (for splicing media in)."""

@@ -46,18 +46,25 @@ class Attention(nn.Module):
         self.rope = rope
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
+        q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.out(self.attend(q, k, v, mask))
+
+    def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         b, n, _ = x.shape
-        qkv = self.qkv_proj(x)
-        q, k, v = mx.split(qkv, [self.q_size, self.q_size + self.kv_size], axis=-1)
+        q, k, v = mx.split(self.qkv_proj(x), [self.q_size, self.q_size + self.kv_size], axis=-1)
         q = q.reshape(b, n, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         k = k.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = sdpa(q, k, v, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        return sdpa(q, k, v, self.scale, mask)
+
+    def out(self, attn: mx.array) -> mx.array:
+        b, _, n, _ = attn.shape
+        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
 class MLP(nn.Module):
@@ -84,7 +91,10 @@ class DecoderLayer(nn.Module):
         self.window = window
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
+
+    def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
+        h = x + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
