@@ -22,6 +22,7 @@ from PySide6.QtCore import (
     QUrl,
     Signal,
     Slot,
+    qInstallMessageHandler,
 )
 from PySide6.QtGui import (
     QAction,
@@ -104,6 +105,26 @@ def emit(signal, *args) -> None:
     result = signal.emit(*args)
     if _EMIT_DROPS_REF and (result is True or result is False):
         _incref(result)
+
+
+# Qt messages that say nothing to a user: the offscreen platform (smoke tests, CI) cannot
+# resize windows to their size hints, and says so for every window shown.
+_NOISE = ("This plugin does not support propagateSizeHints()",)
+
+
+def quiet_platform_noise() -> None:
+    """Drop the known-harmless platform messages above; print every other as Qt would."""
+    default = qInstallMessageHandler(None)
+
+    def handler(mode, context, message):
+        if message in _NOISE:
+            return
+        if default is not None:
+            default(mode, context, message)
+        else:
+            sys.stderr.write(message + "\n")
+
+    qInstallMessageHandler(handler)
 
 
 __all__ = [name for name in dir() if not name.startswith("_")]
