@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                 app.quit()
         elif args.model:
             await window.load_model(args.model)
+        else:
+            await window.offer_models_on_first_run()
 
     def fail(reason: str) -> None:
         print(f"smoke-test: failed: {' '.join(reason.split())}", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from app import tasks
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
 from app.chat import ChatController
 from app.qt import (
     emit,
@@ -53,6 +53,7 @@ class MainWindow(QMainWindow):
         self.screenshot_path = os.environ.get("MLXDESK_SCREENSHOT", "")
         self.screenshot_chars = int(os.environ.get("MLXDESK_SCREENSHOT_CHARS", "60"))
         self._shot_for: int | None = None
+        self.browser: ModelBrowser | None = None
 
         self.sidebar = Sidebar(store)
         self.chat_view = ChatView()
@@ -217,13 +218,31 @@ class MainWindow(QMainWindow):
 
     # ---- models --------------------------------------------------------------------------------
 
-    def open_model_browser(self) -> ModelBrowser:
+    def open_model_browser(self, first_run: bool = False) -> ModelBrowser:
         browser = ModelBrowser(self.bridge, parent=self)
         browser.load_requested.connect(lambda path: tasks.spawn(self.load_model(path)))
         browser.notice.connect(self.notify)
+        if first_run:
+            browser.show_recommended(first_run=True)
         browser.show()
         tasks.spawn(browser.refresh())
+        self.browser = browser
         return browser
+
+    async def offer_models_on_first_run(self) -> bool:
+        """With no model on disk, go straight to the browser's recommended downloads.
+        Returns whether the browser was opened."""
+        from engine.artifacts import hub  # the cache scan reads folders only: no mlx
+
+        try:
+            found = await run_in_thread(hub.scan_local_models, [])
+        except Exception:  # noqa: BLE001 - an unreadable cache counts as empty
+            found = []
+        if any(m.error is None for m in found):
+            return False
+        self.open_model_browser(first_run=True)
+        self.notify("No models yet: download a small one to start.")
+        return True
 
     async def load_model(self, path: str) -> bool:
         name = Path(path).name
