@@ -196,15 +196,23 @@ class ModelBrowser(QDialog):
     def _delete_selected(self) -> None:
         row = self.table.currentRow()
         if not 0 <= row < len(self.local):
+            emit(self.notice, "Select a model to delete.")
             return
         model = self.local[row][0]
         if not model.repo_id:
             emit(self.notice, f"{model.name} is a folder you added: remove it with your file manager.")
             return
-        if QMessageBox.question(self, "Delete model", f"Delete {model.repo_id} from disk?") != \
-                QMessageBox.StandardButton.Yes:
+        if self.bridge.model_info is not None and self.bridge.model_info.path == str(model.path):
+            emit(self.notice, f"{model.repo_id} is loaded: load another model before deleting it.")
             return
-        spawn(self.delete(model.repo_id))
+        box = QMessageBox(QMessageBox.Icon.Warning, "Delete model",
+                          f"Delete {model.repo_id} ({fmt_bytes(model.size_on_disk)}) from disk?",
+                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No, self)
+        box.setObjectName("confirmDelete")
+        box.setInformativeText("You can download it again later.")
+        box.setDefaultButton(QMessageBox.StandardButton.No)
+        if box.exec() == QMessageBox.StandardButton.Yes:
+            spawn(self.delete(model.repo_id))
 
     async def delete(self, repo_id: str) -> None:
         try:
