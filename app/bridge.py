@@ -41,6 +41,7 @@ class EngineBridge(QObject):
         self.active_generation: int | None = None
         self.active_load: int | None = None
         self.model_info: api.ModelInfo | None = None
+        self._loading: asyncio.Future | None = None  # the load under way, if any
         self._event.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
 
     # ---- lifecycle --------------------------------------------------------------
@@ -79,13 +80,30 @@ class EngineBridge(QObject):
     async def load_model(self, path: str, memory_budget: int | None = None) -> api.ModelInfo:
         rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget), "load")
         self.active_load = rid
+        self._loading = fut
         try:
             info = await fut
         finally:
             if self.active_load == rid:
                 self.active_load = None
+                self._loading = None
         self.model_info = info
         return info
+
+    @property
+    def loading(self) -> bool:
+        return self._loading is not None and not self._loading.done()
+
+    async def wait_for_load(self) -> api.ModelInfo | None:
+        """The model being loaded, once it is ready; the current one when nothing is
+        loading; None when the load fails or is cancelled."""
+        fut = self._loading
+        if fut is None:
+            return self.model_info
+        try:
+            return await asyncio.shield(fut)
+        except (EngineRequestError, EngineUnavailable):
+            return None
 
     async def unload_model(self) -> None:
         _, fut = self._request(api.UnloadModel(), "unload")

@@ -7,6 +7,7 @@ the first token, and its text is committed at least once a second while it grows
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import asdict
 from typing import Any
@@ -52,6 +53,7 @@ class ChatController(QObject):
         self.store, self.bridge, self.view = store, bridge, view
         self.conversation_id: int | None = None
         self.reply_id: int | None = None  # the assistant message being streamed
+        self._waiting: asyncio.Future | None = None  # a send waiting for the model to load
         self._answer = ""
         self._reasoning = ""
         self._saved_len = (0, 0)
@@ -65,7 +67,7 @@ class ChatController(QObject):
 
     @property
     def busy(self) -> bool:
-        return self.reply_id is not None
+        return self.reply_id is not None or self._waiting is not None
 
     # ---- showing a conversation ---------------------------------------------------------
 
@@ -131,13 +133,20 @@ class ChatController(QObject):
         await self._reply(new_id)
 
     def stop(self) -> bool:
-        return self.busy and self.bridge.cancel()
+        if self._waiting is not None:  # stop waiting; the load itself carries on
+            self._waiting.cancel()
+            return True
+        return self.reply_id is not None and self.bridge.cancel()
 
     # ---- streaming one reply -------------------------------------------------------------
 
     async def _reply(self, parent_id: int) -> None:
         conv = self.store.conversation(self.conversation_id)
         info = self.bridge.model_info
+        if self.bridge.loading:
+            info = await self._wait_for_model()
+            if info is None:
+                return
         if info is None:
             emit(self.failed, "Load a model first: click the model button at the top.")
             return
@@ -196,6 +205,26 @@ class ChatController(QObject):
             elif status == "cancelled":
                 emit(self.status, "Stopped.")
             emit(self.reply_finished, reply_id, result)
+
+    async def _wait_for_model(self) -> api.ModelInfo | None:
+        """A message sent while a model loads goes out once it has loaded."""
+        self._waiting = asyncio.ensure_future(self.bridge.wait_for_load())
+        self.view.set_busy(True)
+        emit(self.busy_changed, True)
+        emit(self.status, "Waiting for the model to finish loading…")
+        try:
+            info = await self._waiting
+        except asyncio.CancelledError:
+            emit(self.status, "Stopped waiting; the message is kept.")
+            return None
+        finally:
+            self._waiting = None
+            self.view.set_busy(False)
+            emit(self.busy_changed, False)
+        if info is None:
+            emit(self.failed, "The model did not load, so the message was not answered. "
+                              "Pick a model, then press Regenerate or send again.")
+        return info
 
     def _on_token(self, request_id: int, text: str, channel: str) -> None:
         if self.reply_id is None or request_id != self.bridge.active_generation:
