@@ -42,6 +42,7 @@ class EngineBridge(QObject):
         self.active_load: int | None = None
         self.model_info: api.ModelInfo | None = None
         self._loading: asyncio.Future | None = None  # the load under way, if any
+        self._live: tuple[int, api.GenerationStats] | None = None  # latest token's stats
         self._event.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
 
     # ---- lifecycle --------------------------------------------------------------
@@ -137,6 +138,12 @@ class EngineBridge(QObject):
             if self.active_generation == rid:
                 self.active_generation = None
 
+    def live_stats(self, request_id: int | None) -> api.GenerationStats | None:
+        """The stats that came with the latest token of ``request_id`` (None before one)."""
+        if self._live is not None and self._live[0] == request_id:
+            return self._live[1]
+        return None
+
     def cancel(self, request_id: int | None = None) -> bool:
         """Stop a request (default: the running generation, else the running load)."""
         target = request_id or self.active_generation or self.active_load
@@ -173,6 +180,7 @@ class EngineBridge(QObject):
 
     def _dispatch(self, event: Any) -> None:
         if isinstance(event, api.TokenEvent):
+            self._live = (event.request_id, event.stats)
             emit(self.token, event.request_id, event.text, event.channel)
         elif isinstance(event, api.ProgressEvent):
             emit(self.progress, 

@@ -64,6 +64,8 @@ class ChatController(QObject):
         view.edit_submitted.connect(self._edit_slot)
         view.regenerate_requested.connect(self._regenerate_slot)
         view.version_requested.connect(self.switch_version)
+        view.footer_source = self._live_footer
+        self._started = 0.0
 
     @property
     def busy(self) -> bool:
@@ -168,7 +170,7 @@ class ChatController(QObject):
         self.view.set_busy(True)
         emit(self.busy_changed, True)
         self._save_timer.start()
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         result: api.GenerationResult | None = None
         status = "error"
         try:
@@ -225,6 +227,18 @@ class ChatController(QObject):
             emit(self.failed, "The model did not load, so the message was not answered. "
                               "Pick a model, then press Regenerate or send again.")
         return info
+
+    def _live_footer(self) -> str:
+        """Tokens, speed and time so far, for the message being streamed."""
+        elapsed = time.monotonic() - self._started
+        stats = self.bridge.live_stats(self.bridge.active_generation)
+        if stats is None or not stats.generated_tokens:
+            return f"Reading the prompt…  {elapsed:.1f} s"
+        parts = [f"{stats.generated_tokens} tokens"]
+        if stats.generation_tps:
+            parts.append(f"{stats.generation_tps:.1f} tok/s")
+        parts.append(f"{elapsed:.1f} s")
+        return "  ·  ".join(parts)
 
     def _on_token(self, request_id: int, text: str, channel: str) -> None:
         if self.reply_id is None or request_id != self.bridge.active_generation:

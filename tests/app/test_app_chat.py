@@ -323,3 +323,26 @@ def test_stop_while_waiting_for_the_model_keeps_the_message(qtbot, make_window, 
     assert loading.result() is True
     thread = window.store.thread(window.chat.conversation_id)
     assert [m.content for m in thread] == ["never mind"]
+
+
+def test_live_footer_shows_tokens_speed_and_elapsed(qtbot, make_window, run_async, tiny_model):
+    import re
+
+    window = make_window()
+    _load(window, run_async, tiny_model)
+    _configure(window, max_tokens=80, ignore_eos=True)
+    footers: list[str] = []
+    window.chat_view.repainted.connect(
+        lambda: footers.append(window.chat_view.streaming.stats_label.text())
+    )
+    message_id, result = _type_and_send(qtbot, window, "count for me")
+    live = [re.fullmatch(r"(\d+) tokens  ·  ([\d.]+) tok/s  ·  ([\d.]+) s", f) for f in footers]
+    live = [m for m in live if m]
+    assert live, footers
+    counts = [int(m.group(1)) for m in live]
+    assert counts == sorted(counts) and counts[-1] <= result.stats.generated_tokens
+    assert all(float(m.group(2)) > 0 for m in live)
+    assert "Generating" not in " ".join(footers)
+    # Once done, the footer holds the final figures.
+    final = window.chat_view.widgets[message_id].stats_label.text()
+    assert final.startswith(f"{result.stats.generated_tokens} tokens") and "TTFT" in final
