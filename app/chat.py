@@ -91,6 +91,17 @@ class ChatController(QObject):
             out[m.id] = (sibs.index(m.id) + 1, len(sibs))
         return out
 
+    def context_tokens(self) -> int:
+        """Tokens the conversation's prompt holds now: the last reply's counted prompt and
+        output, plus an estimate (~4 characters a token) for anything written after it."""
+        if self.conversation_id is None:
+            return 0
+        total = 0
+        for m in self.store.thread(self.conversation_id):
+            counted = m.stats.get("prompt_tokens", 0) + m.stats.get("generated_tokens", 0)
+            total = counted if m.role == "assistant" and counted else total + len(m.content) // 4 + 4
+        return total
+
     def switch_version(self, message_id: int, delta: int) -> None:
         if self.busy:
             emit(self.status, "Stop the reply before switching versions.")

@@ -34,6 +34,7 @@ from PySide6.QtGui import (
     QKeySequence,
     QPainter,
     QPalette,
+    QPen,
     QPixmap,
     QShortcut,
     QTextCursor,

@@ -97,6 +97,7 @@ class MainWindow(QMainWindow):
         self.composer.send_requested.connect(
             lambda text, att: tasks.spawn(self.chat.send(text, att))
         )
+        self.composer.send_requested.connect(lambda text, _att: self.check_memory(len(text) // 4))
         self.composer.stop_requested.connect(self.stop)
         self.composer.notice.connect(self.notify)
         self.chat.busy_changed.connect(self.composer.set_busy)
@@ -192,6 +193,7 @@ class MainWindow(QMainWindow):
             return
         self.chat.open(cid)
         self.settings.load(conv.system_prompt, conv.settings)
+        self.check_memory()
 
     def _deleted(self, cid: int) -> None:
         self.bridge.drop_session(cid)
@@ -209,6 +211,7 @@ class MainWindow(QMainWindow):
             self.store.update_conversation(
                 self.chat.conversation_id, system_prompt=system_prompt, settings=settings
             )
+            self.check_memory()
 
     def stop(self) -> None:
         if self.chat.stop():
@@ -244,7 +247,7 @@ class MainWindow(QMainWindow):
         self.notify("No models yet: download a small one to start.")
         return True
 
-    async def load_model(self, path: str) -> bool:
+    async def load_model(self, path: str, memory_budget: int | None = None) -> bool:
         name = Path(path).name
         self.error_banner.setVisible(False)
         self.model_button.setText(f"Loading {name}…")
@@ -254,7 +257,7 @@ class MainWindow(QMainWindow):
         self.cancel_load.setVisible(True)
         self.notify(f"Loading {name}…")
         try:
-            info = await self.bridge.load_model(path)
+            info = await self.bridge.load_model(path, memory_budget)
         except (EngineRequestError, EngineUnavailable) as exc:
             self.model_button.setText("Select a model  ▾")
             self.show_error(f"Could not load {name}: {exc}")
@@ -274,6 +277,7 @@ class MainWindow(QMainWindow):
         if conv is not None:
             self.settings.load(conv.system_prompt, conv.settings)
         self.gauge.set_plan(info.plan)
+        self.check_memory()
         self.composer.set_capabilities(info.vision, info.audio)
         self.notify(f"Loaded {info.name}.")
         emit(self.model_loaded, info)
@@ -286,13 +290,21 @@ class MainWindow(QMainWindow):
             if message:
                 self.notify(message)
 
-    def _reply_finished(self, message_id: int, result) -> None:
-        if result is not None:
-            used = result.stats.prompt_tokens + result.stats.generated_tokens
-            params_max = self.settings.values(everything=True).get("max_tokens", 512)
-            warning = self.gauge.check_context(used + params_max)
-            if warning:
+    def check_memory(self, extra_tokens: int = 0) -> str:
+        """Project the next reply of this conversation against the memory budget; the gauge
+        turns amber or red, and the warning goes to the status bar (red: the banner too)."""
+        max_tokens = int(self.settings.values(everything=True).get("max_tokens", 512))
+        before = self.gauge.level
+        warning = self.gauge.check_context(self.chat.context_tokens() + extra_tokens, max_tokens)
+        if warning and (self.gauge.level != before or extra_tokens):
+            if self.gauge.level == "red":
                 self.show_error(warning)
+            else:
+                self.notify(warning)
+        return warning
+
+    def _reply_finished(self, message_id: int, result) -> None:
+        self.check_memory()
         self._maybe_screenshot(final=True)
 
     def _maybe_screenshot(self, final: bool = False) -> None:
