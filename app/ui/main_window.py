@@ -31,6 +31,7 @@ from app.qt import (
     QWidget,
     Signal,
 )
+from app.model_facts import has_chat_template
 from app.store import HistoryStore
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
@@ -140,6 +141,12 @@ class MainWindow(QMainWindow):
         self.cancel_load = QToolButton(text="Cancel", objectName="actionButton")
         self.cancel_load.setVisible(False)
         self.cancel_load.clicked.connect(lambda: self.bridge.cancel(self.bridge.active_load))
+        self.template_notice = QLabel("this model has no chat template: plain text continuation",
+                                      objectName="templateNotice")
+        self.template_notice.setToolTip(
+            "A base model: your messages are continued as plain text, not answered as a chat."
+        )
+        self.template_notice.setVisible(False)
         self.error_banner = QLabel("", objectName="errorBanner")
         self.error_banner.setWordWrap(True)
         self.error_banner.setVisible(False)
@@ -148,7 +155,8 @@ class MainWindow(QMainWindow):
         toggle.setCheckable(True)
         toggle.toggled.connect(self.settings.setVisible)
         self.settings_toggle = toggle
-        for w in (self.model_button, self.model_meta, self.load_bar, self.cancel_load):
+        for w in (self.model_button, self.model_meta, self.template_notice, self.load_bar,
+                  self.cancel_load):
             row.addWidget(w)
         row.addWidget(self.error_banner, 1)
         row.addWidget(toggle)
@@ -250,6 +258,7 @@ class MainWindow(QMainWindow):
     async def load_model(self, path: str, memory_budget: int | None = None) -> bool:
         name = Path(path).name
         self.error_banner.setVisible(False)
+        self.template_notice.setVisible(False)
         self.model_button.setText(f"Loading {name}…")
         self.model_button.setEnabled(False)
         self.load_bar.setRange(0, 0)
@@ -279,6 +288,8 @@ class MainWindow(QMainWindow):
         self.gauge.set_plan(info.plan)
         self.check_memory()
         self.composer.set_capabilities(info.vision, info.audio)
+        templated = await run_in_thread(has_chat_template, info)
+        self.template_notice.setVisible(not templated)
         self.notify(f"Loaded {info.name}.")
         emit(self.model_loaded, info)
         return True
