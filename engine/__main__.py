@@ -30,6 +30,17 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def _adapter(text: str) -> tuple[str, float]:
+    """``DIR`` or ``DIR:SCALE`` (the scale multiplies the adapter as trained; default 1)."""
+    folder, sep, scale = text.rpartition(":")
+    if sep and folder:
+        try:
+            return folder, float(scale)
+        except ValueError:
+            pass  # a colon that belongs to the path
+    return text, 1.0
+
+
 def _budget(text: str) -> int:
     from .memory import parse_budget
 
@@ -59,10 +70,12 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--logprobs", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
-    p.add_argument("--adapter", action="append", default=[], metavar="DIR")
+    p.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="DIR[:SCALE]",
+                   help="LoRA adapter folder (mlx-lm or PEFT), active with SCALE (default 1); repeatable")
     spec = p.add_mutually_exclusive_group()
-    spec.add_argument("--draft-model", metavar="PATH")
-    spec.add_argument("--ngram", type=int, metavar="N")
+    spec.add_argument("--draft-model", metavar="PATH", help="speculative decoding with this draft model")
+    spec.add_argument("--ngram", type=int, metavar="N", help="speculative decoding by N-gram prompt lookup")
+    p.add_argument("--num-draft", type=int, metavar="N", help="drafts per verification pass (default 4)")
     p.add_argument("--image", action="append", default=[], metavar="FILE")
     p.add_argument("--audio", action="append", default=[], metavar="FILE")
 
@@ -111,9 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _unsupported(args: argparse.Namespace) -> None:
     """Refuse, before loading anything, the features this build cannot run yet."""
     for given, flag in (
-        (args.adapter, "--adapter"),
-        (args.draft_model, "--draft-model"),
-        (args.ngram, "--ngram"),
         (args.image, "--image"),
         (args.audio, "--audio"),
     ):
@@ -136,13 +146,43 @@ def _params(args: argparse.Namespace) -> Any:
         seed=args.seed,
     )
     validate_sampling(sampling)
-    return GenerationParams(
+    params = GenerationParams(
         max_tokens=args.max_tokens,
         sampling=sampling,
         stop_strings=list(args.stop),
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
+    if args.ngram is not None:
+        if args.ngram < 1:
+            raise CliError(f"--ngram must be at least 1 (got {args.ngram})")
+        params.speculative, params.ngram_size = "ngram", args.ngram
+    elif args.draft_model is not None:
+        params.speculative = "draft"
+    if args.num_draft is not None:
+        if params.speculative is None:
+            raise CliError("--num-draft needs --draft-model or --ngram")
+        if args.num_draft < 1:
+            raise CliError(f"--num-draft must be at least 1 (got {args.num_draft})")
+        params.num_draft_tokens = args.num_draft
+    return params
+
+
+def _mount_adapters(host: Any, adapters: list[tuple[str, float]]) -> None:
+    """Mount every --adapter and make them all active with their scales."""
+    from pathlib import Path
+
+    scales: dict[str, float] = {}
+    for folder, scale in adapters:
+        base = Path(folder).expanduser().resolve().name or "adapter"
+        name, n = base, 1
+        while name in scales:  # two folders of one name (e.g. both "adapters")
+            n += 1
+            name = f"{base}-{n}"
+        host.mount_adapter(folder, name)
+        scales[name] = scale
+    if scales:
+        host.set_active_adapters(scales)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -157,6 +197,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)
     host = ModelHost()
     host.load(args.model, budget=args.memory_budget)
+    _mount_adapters(host, args.adapter)
+    if args.draft_model is not None:
+        host.load_draft(args.draft_model)
 
     def show(event: Any) -> None:
         if not args.json and isinstance(event, TokenEvent):
@@ -184,22 +227,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise
     if args.json:
         stats = result.stats
-        print(
-            json.dumps(
-                {
-                    "text": result.text,
-                    "token_ids": result.token_ids,
-                    "token_logprobs": result.token_logprobs,
-                    "prompt_tokens": stats.prompt_tokens,
-                    "generated_tokens": stats.generated_tokens,
-                    "finish_reason": result.finish_reason,
-                    "prompt_tps": stats.prompt_tps,
-                    "generation_tps": stats.generation_tps,
-                    "peak_memory_bytes": stats.peak_memory_bytes,
-                },
-                ensure_ascii=False,
-            )
-        )
+        out = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "token_logprobs": result.token_logprobs,
+            "prompt_tokens": stats.prompt_tokens,
+            "generated_tokens": stats.generated_tokens,
+            "finish_reason": result.finish_reason,
+            "prompt_tps": stats.prompt_tps,
+            "generation_tps": stats.generation_tps,
+            "peak_memory_bytes": stats.peak_memory_bytes,
+        }
+        if params.speculative is not None:
+            out["draft_tokens"] = stats.draft_tokens
+            out["accepted_draft_tokens"] = stats.accepted_draft_tokens
+            out["acceptance_rate"] = stats.acceptance_rate
+        print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()

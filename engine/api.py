@@ -32,10 +32,10 @@ class GenerationParams:
     ignore_eos: bool = False
     logprobs: bool = False
     prefill_chunk: int = 512
-    # Speculative decoding: "draft" (needs a mounted draft model) or "ngram".
+    # Speculative decoding: "draft" (needs a loaded draft model) or "ngram" (prompt lookup).
     speculative: Literal["draft", "ngram"] | None = None
-    ngram_size: int = 3
-    num_draft_tokens: int = 4
+    ngram_size: int = 3  # ids matched by n-gram lookup
+    num_draft_tokens: int = 4  # drafts verified per forward pass
 
 
 @dataclass
@@ -64,6 +64,7 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: GenerationStats
     error: str | None = None
+    adapters: dict[str, float] = field(default_factory=dict)  # active adapters -> scale
 
 
 # ---- events streamed out of the worker -------------------------------------
@@ -143,6 +144,19 @@ class MemoryPlan:
 
 
 @dataclass
+class AdapterInfo:
+    """A LoRA/DoRA adapter mounted on the loaded model."""
+
+    name: str
+    path: str
+    format: str  # "mlx-lm" or "peft"
+    kind: str  # "lora" or "dora"
+    rank: int
+    targets: int  # how many layers it changes
+    base_model: str | None = None  # the model it says it was trained on, if it says
+
+
+@dataclass
 class ModelInfo:
     path: str  # folder or .gguf file
     name: str
@@ -155,6 +169,9 @@ class ModelInfo:
     vision: bool = False
     audio: bool = False
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order
+    active_adapters: dict[str, float] = field(default_factory=dict)  # name -> scale
+    draft_model: str | None = None  # path of the draft model for speculative decoding
 
 
 # ---- commands into the worker -------------------------------------------------
@@ -197,4 +214,43 @@ class DropSession:
     session_id: str
 
 
-Command = LoadModel | UnloadModel | InspectModel | Generate | Cancel | DropSession
+@dataclass
+class GetModelInfo:
+    """Done with the loaded model's ModelInfo as it is now (adapters, draft), or None."""
+
+
+@dataclass
+class MountAdapter:
+    """Mount an adapter folder on the loaded model, inactive. Done with its AdapterInfo."""
+
+    path: str
+    name: str | None = None  # default: the folder's name
+
+
+@dataclass
+class SetActiveAdapters:
+    """Make exactly these mounted adapters active (name -> scale; {} = none). Done with
+    the ModelInfo as it is now."""
+
+    scales: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class UnmountAdapter:
+    """Done with the ModelInfo as it is now."""
+
+    name: str
+
+
+@dataclass
+class LoadDraftModel:
+    """Load the draft model for speculative decoding (None unloads it). Done with the
+    draft's ModelInfo, or None."""
+
+    path: str | None
+
+
+Command = (
+    LoadModel | UnloadModel | InspectModel | Generate | Cancel | DropSession | GetModelInfo
+    | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel
+)

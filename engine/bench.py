@@ -5,6 +5,7 @@ quantized with ``nn.quantize`` like a published MLX checkpoint, then our decode 
 runs on it after a warm-up. ``--vs mlx-lm`` loads the very same weights into mlx-lm's
 model class for that ``model_type`` and times mlx-lm's own ``generate_step`` in the
 same process, so the ratio compares loops and model code, nothing else.
+``--speculative`` times plain next to speculative decoding instead (engine/bench_speculative.py).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, help="timed runs per loop; the best is kept")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    from .bench_speculative import add_speculative_arguments
+
+    add_speculative_arguments(p)
 
 
 def build_model(shape: str, bits: int, group_size: int, seed: int = 0) -> tuple[Any, dict[str, Any], set[str]]:
@@ -190,11 +194,18 @@ def run_bench(args: argparse.Namespace) -> int:
     quant = f"{args.bits}-bit g{args.group_size}" if quantized else "bf16"
     print(f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "
           f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
+    out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
+                           "group_size": args.group_size, "device": str(mx.default_device())}
+    if args.speculative:
+        from .bench_speculative import run_speculative
+
+        out.update(run_speculative(args, model, config, quantized, prompt))
+        if args.json:
+            print(json.dumps(out))
+        return 0
     ours = measure(_ours, model, prompt, args.generation_tokens, args.repeat)
     print(_row("engine", ours), flush=True)
-    out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
-                           "group_size": args.group_size, "device": str(mx.default_device()),
-                           "engine": asdict(ours)}
+    out["engine"] = asdict(ours)
     if args.vs == "mlx-lm":
         twin = mlx_lm_twin(model, config, quantized)
         theirs = measure(_theirs, twin, prompt, args.generation_tokens, args.repeat)

@@ -194,12 +194,15 @@ def stream_generate(
     reasoning: Any = None,
     cached_tokens: int = 0,
     context_ids: Sequence[int] | None = None,
+    drafter: Any = None,
 ) -> Iterator[Piece | GenerationResult]:
     """Generate from ``prompt_ids`` (the ids not yet in ``cache``; ``cached_tokens`` more
     are already there). Yields ``Piece`` items as text forms; the last item is the
     ``GenerationResult``. ``tokenizer`` may be None (ids only, no text). ``reasoning`` is
     an optional splitter with ``feed(text) -> [(channel, text)]`` and ``flush()``.
-    ``context_ids`` is the whole prompt (cached part included) for the repetition penalty."""
+    ``context_ids`` is the whole prompt (cached part included) for the repetition penalty.
+    ``drafter`` (an ``engine.speculative`` drafter) turns on speculative decoding; without one,
+    ``params.speculative == "ngram"`` builds an n-gram drafter here."""
     cancel = cancel or threading.Event()
     sp = params.sampling
     sampler = make_sampler(sp)
@@ -226,6 +229,8 @@ def stream_generate(
                 collected.add(channel, part)
                 yield Piece(part, channel, token_ids, stats)
 
+    if drafter is None and params.speculative is not None:
+        drafter = _drafter_for(params)
     prompt = mx.array(list(prompt_ids), dtype=mx.uint32)
     tokens = generate_step(
         prompt,
@@ -240,6 +245,11 @@ def stream_generate(
         on_progress=on_progress,
         history=mx.array(list(context_ids), dtype=mx.uint32) if context_ids else None,
     )
+    # Speculative decoding stands in for the plain loop (a generator: never started, costs nothing).
+    if drafter is not None:
+        tokens = _speculative_tokens(
+            prompt_ids, model, cache, drafter, params, processors, stats, cancel, on_progress, context_ids
+        )
     by_stop_string = False
     for token, lp in tokens:
         now = time.perf_counter()
@@ -292,6 +302,48 @@ def stream_generate(
         token_logprobs=lps,
         finish_reason=finish,
         stats=stats,
+    )
+
+
+def _drafter_for(params: GenerationParams) -> Any:
+    from .speculative import make_drafter
+
+    return make_drafter(
+        params.speculative, ngram_size=params.ngram_size, num_draft_tokens=params.num_draft_tokens,
+        prefill_chunk=params.prefill_chunk,
+    )
+
+
+def _speculative_tokens(
+    prompt_ids: Sequence[int],
+    model: Any,
+    cache: Sequence[Any],
+    drafter: Any,
+    params: GenerationParams,
+    processors: Sequence[LogitsProcessor],
+    stats: GenerationStats,
+    cancel: threading.Event | None,
+    on_progress: ProgressCallback | None,
+    context_ids: Sequence[int] | None,
+) -> Iterator[tuple[int, float | None]]:
+    """The speculative counterpart of ``generate_step``: same yields, drafts counted in ``stats``."""
+    from .speculative import speculative_step
+
+    return speculative_step(
+        list(prompt_ids),
+        model,
+        cache,
+        drafter,
+        max_tokens=params.max_tokens,
+        sampling=params.sampling,
+        logits_processors=processors,
+        logprobs=params.logprobs,
+        num_draft_tokens=params.num_draft_tokens,
+        stats=stats,
+        prefill_chunk=params.prefill_chunk,
+        cancel=cancel,
+        history=list(context_ids) if context_ids else None,
+        on_progress=on_progress,
     )
 
 

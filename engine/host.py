@@ -2,18 +2,23 @@
 
 It holds the model, its tokenizer (from the folder's tokenizer files or the GGUF's own
 vocabulary), its chat template, the end-of-turn ids (the union of config, generation
-config and tokenizer), the generation defaults, the ModelInfo, and the chat sessions
-(one KV cache each). Every method runs on the thread that owns MLX.
+config and tokenizer), the generation defaults, the ModelInfo, the chat sessions
+(one KV cache each), the LoRA adapters mounted on the model, and an optional draft model
+for speculative decoding. Every method runs on the thread that owns MLX.
+
+Adapters stay mounted across generations and go with the model when it is unloaded; so
+does the draft model, which was checked against this model's vocabulary.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .api import (
+    AdapterInfo,
     Event,
     GenerationParams,
     GenerationResult,
@@ -22,7 +27,7 @@ from .api import (
     SamplingParams,
     TokenEvent,
 )
-from .errors import EngineError
+from .errors import EngineError, OutOfMemoryBudget
 from .generate import Piece
 from .session import ChatSession
 
@@ -39,6 +44,13 @@ class LoadCancelled(EngineError):
 
 
 @dataclass
+class _Draft:
+    model: Any
+    tokenizer: Any
+    info: ModelInfo
+
+
+@dataclass
 class _Loaded:
     model: Any
     config: Any
@@ -49,6 +61,7 @@ class _Loaded:
     info: ModelInfo
     raw: Any = None  # the loader's own record (adapters, towers, draft model hang off it)
     sessions: dict[str, ChatSession] = field(default_factory=dict)
+    draft: _Draft | None = None
 
 
 def _union(*groups: Sequence[int] | None) -> list[int]:
@@ -123,7 +136,15 @@ class ModelHost:
 
     @property
     def info(self) -> ModelInfo:
-        return self._need().info
+        """The loaded model's description, with its adapters and draft model as they are now
+        (a fresh copy: safe to hand to another thread)."""
+        state = self._need()
+        return replace(
+            state.info,
+            adapters=self.adapters(),
+            active_adapters=self.active_adapters(),
+            draft_model=state.draft.info.path if state.draft is not None else None,
+        )
 
     @property
     def model(self) -> Any:
@@ -171,6 +192,7 @@ class ModelHost:
             getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_ids", None)
         )
         info = self._describe(loaded, budget)
+        info = replace(info, adapters=[], active_adapters={}, draft_model=None)
         self._loaded = _Loaded(
             model=loaded.model,
             config=config,
@@ -192,6 +214,7 @@ class ModelHost:
         return info
 
     def unload(self) -> None:
+        """Drop the model, with its sessions, adapters and draft model."""
         self._check_thread()
         if self._loaded is None:
             return
@@ -202,6 +225,94 @@ class ModelHost:
 
         gc.collect()
         mx.clear_cache()
+
+    # ---- adapters -----------------------------------------------------------------
+
+    def mount_adapter(self, path: str, name: str | None = None) -> AdapterInfo:
+        """Mount an mlx-lm or PEFT adapter folder on the loaded model (inactive until
+        ``set_active_adapters``); refused with what does not match."""
+        from . import adapters
+
+        self._check_thread()
+        return _adapter_info(adapters.mount(self.model, path, name))
+
+    def set_active_adapters(self, scales: Mapping[str, float]) -> None:
+        """Make exactly these mounted adapters active, each with its scale (1.0 = as trained).
+        Sessions notice the change through the adapters' signature and do not reuse KV
+        computed under the previous set."""
+        from . import adapters
+
+        self._check_thread()
+        adapters.activate(self.model, dict(scales))
+
+    def unmount_adapter(self, name: str) -> None:
+        from . import adapters
+
+        self._check_thread()
+        adapters.unmount(self.model, name)
+
+    def adapters(self) -> list[AdapterInfo]:
+        from . import adapters
+
+        return [_adapter_info(a) for a in adapters.mounted(self.model)]
+
+    def active_adapters(self) -> dict[str, float]:
+        from . import adapters
+
+        return adapters.active_adapters(self.model)
+
+    # ---- draft model ----------------------------------------------------------------
+
+    @property
+    def draft_model(self) -> Any:
+        draft = self._need().draft
+        return draft.model if draft is not None else None
+
+    def load_draft(
+        self,
+        path: str | None,
+        progress: LoadProgress | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ModelInfo | None:
+        """Load the draft model for speculative decoding (``None`` unloads it). It must number
+        tokens as the loaded model does, and fit in the budget beside it. A refused draft
+        model leaves the current one in place."""
+        self._check_thread()
+        from .artifacts.loader import load_model
+        from .speculative import check_draft_compatible
+
+        state = self._need()
+        if path is None:
+            self._set_draft(state, None)
+            return None
+        plan = state.info.plan
+        budget = max(1, plan.budget_bytes - plan.weights_bytes) if plan is not None else None
+
+        def on_progress(done: int, total: int) -> None:
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled("Loading the draft model was cancelled.")
+            if progress is not None:
+                progress(done, total, "loading the draft model")
+
+        try:
+            loaded = load_model(path, memory_budget=budget, progress=on_progress)
+        except OutOfMemoryBudget as e:
+            raise OutOfMemoryBudget(f"The draft model does not fit beside the loaded model: {e}") from None
+        tokenizer = _load_tokenizer(loaded)
+        check_draft_compatible(state.tokenizer, tokenizer)
+        info = self._describe(loaded, budget)
+        self._set_draft(state, _Draft(loaded.model, tokenizer, info))
+        return info
+
+    @staticmethod
+    def _set_draft(state: _Loaded, draft: _Draft | None) -> None:
+        state.draft = draft
+        for chat in state.sessions.values():
+            chat.draft_model = draft.model if draft is not None else None
+        if draft is None:
+            import mlx.core as mx
+
+            mx.clear_cache()
 
     # ---- sessions -----------------------------------------------------------------
 
@@ -216,6 +327,7 @@ class ModelHost:
                 eos_token_ids=state.eos_token_ids,
                 reasoning_factory=_reasoning_factory(state.template),
             )
+            chat.draft_model = state.draft.model if state.draft is not None else None
             state.sessions[session_id] = chat
         return chat
 
@@ -228,9 +340,16 @@ class ModelHost:
             return 0
         total = 0
         for chat in self._loaded.sessions.values():
-            for c in chat.cache or ():
+            for c in [*(chat.cache or ()), *(chat.draft_cache or ())]:
                 total += int(getattr(c, "nbytes", 0) or 0)
         return total
+
+    def weights_bytes(self) -> int:
+        """Weights in memory: the model's and the draft model's."""
+        if self._loaded is None:
+            return 0
+        infos = [self._loaded.info] + ([self._loaded.draft.info] if self._loaded.draft else [])
+        return sum(i.plan.weights_bytes for i in infos if i.plan is not None)
 
     def default_params(self) -> GenerationParams:
         """Generation settings from the model's generation_config.json, where it has them."""
@@ -299,6 +418,13 @@ class ModelHost:
     def chat_prompt_ids(self, messages: list[Mapping[str, Any]], **kw: Any) -> list[int]:
         chat = self.session("")
         return chat.encode_rendered(chat.render(messages, **kw))
+
+
+def _adapter_info(a: Any) -> AdapterInfo:
+    return AdapterInfo(
+        name=a.name, path=a.path, format=a.format, kind=a.kind, rank=a.rank,
+        targets=len(a.targets), base_model=a.base_model,
+    )
 
 
 def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int, int], None] | None:

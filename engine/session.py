@@ -6,6 +6,13 @@ back to it and only the rest is prefilled. A follow-up turn therefore costs only
 new tokens, and editing an earlier message costs what follows the edit. A cache that
 cannot be trimmed far enough (a sliding window that has already rotated past the
 point) is rebuilt from scratch.
+
+The cache also remembers which adapters were active when it was filled
+(``adapters.active_signature``): keys and values computed under one adapter set are
+never reused under another, so a change of adapters starts the cache afresh.
+
+With a draft model for speculative decoding, the session keeps the draft's cache too and
+reuses its prefix the same way (the draft model has no adapters, so only ids matter).
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .adapters import active_adapters, active_signature
 from .api import GenerationParams, GenerationResult
 from .errors import EngineError
 from .generate import Piece, ProgressCallback, stream_generate
 from .sampling import validate_sampling
+from .speculative import make_drafter
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -70,6 +79,11 @@ class ChatSession:
         self.reasoning_factory = reasoning_factory  # prompt text -> splitter or None
         self.cache: list[Any] | None = None
         self.ids: list[int] = []  # exactly the tokens held by self.cache
+        self.signature = ""  # the active adapters self.cache was filled under
+        self.draft_model: Any = None  # set by the host when a draft model is loaded
+        self._draft_cache: list[Any] | None = None
+        self._draft_ids: list[int] = []  # exactly the tokens held by self._draft_cache
+        self._draft_owner: Any = None  # the draft model self._draft_cache belongs to
 
     # ---- prompt -----------------------------------------------------------------
 
@@ -97,20 +111,59 @@ class ChatSession:
 
     # ---- cache ------------------------------------------------------------------
 
+    @property
+    def draft_cache(self) -> list[Any] | None:
+        return self._draft_cache
+
     def reset(self) -> None:
         self.cache = None
         self.ids = []
+        self._draft_cache, self._draft_ids, self._draft_owner = None, [], None
 
     def _reuse(self, prompt_ids: Sequence[int]) -> int:
         """Bring the cache to the longest prefix it shares with ``prompt_ids`` (leaving
         at least one token to feed, whose logits start generation); return its length."""
-        if self.cache is None:
-            self.cache, self.ids = new_cache(self.model), []
+        signature = active_signature(self.model)
+        if self.cache is None or signature != self.signature:
+            self.cache, self.ids, self.signature = new_cache(self.model), [], signature
         keep = min(common_prefix_length(self.ids, prompt_ids), len(prompt_ids) - 1)
         if not trim_cache(self.cache, len(self.ids) - keep):
             self.cache, self.ids, keep = new_cache(self.model), [], 0
         self.ids = list(prompt_ids[:keep])
         return keep
+
+    def _drafter(self, params: GenerationParams, prompt_ids: Sequence[int]) -> Any:
+        """The request's drafter; for a draft model, its cache trimmed to the prefix it
+        shares with ``prompt_ids`` (the drafter feeds the rest itself)."""
+        if params.speculative != "draft" or self.draft_model is None:
+            return make_drafter(
+                params.speculative, ngram_size=params.ngram_size,
+                num_draft_tokens=params.num_draft_tokens, prefill_chunk=params.prefill_chunk,
+            )
+        if self._draft_cache is None or self._draft_owner is not self.draft_model:
+            self._draft_cache, self._draft_ids = new_cache(self.draft_model), []
+            self._draft_owner = self.draft_model
+        keep = min(common_prefix_length(self._draft_ids, prompt_ids), len(prompt_ids) - 1)
+        if not trim_cache(self._draft_cache, len(self._draft_ids) - keep):
+            self._draft_cache, keep = new_cache(self.draft_model), 0
+        self._draft_ids = list(prompt_ids[:keep])
+        return make_drafter(
+            "draft", num_draft_tokens=params.num_draft_tokens, draft_model=self.draft_model,
+            draft_cache=self._draft_cache, prefill_chunk=params.prefill_chunk,
+        )
+
+    def _record(self, known: list[int]) -> None:
+        """After a request: note which of ``known`` (prompt + generated) the caches hold."""
+        for cache_attr, ids_attr in (("cache", "ids"), ("_draft_cache", "_draft_ids")):
+            cache = getattr(self, cache_attr)
+            if cache is None:
+                continue
+            held = cache_length(cache)
+            if held <= len(known):
+                setattr(self, ids_attr, known[:held])
+            else:  # cannot tell which tokens went in: start afresh next time
+                self.reset()
+                return
 
     # ---- generation -------------------------------------------------------------
 
@@ -128,6 +181,7 @@ class ChatSession:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise EngineError("The prompt is empty: give at least one token.")
+        drafter = self._drafter(params, prompt_ids)  # refuses before the cache is touched
         keep = self._reuse(prompt_ids)
         generated: list[int] = []
         try:
@@ -143,23 +197,19 @@ class ChatSession:
                 reasoning=reasoning,
                 cached_tokens=keep,
                 context_ids=prompt_ids,
+                drafter=drafter,
             ):
                 if isinstance(item, GenerationResult):
                     generated = item.token_ids
+                    item.adapters = active_adapters(self.model)
                 yield item
         except Exception:
             self.reset()  # a failed step may leave layers at different lengths
             raise
         finally:
-            # Whatever happened (done, cancelled, closed early), record what the cache
-            # holds; after an error the cache was dropped above.
-            if self.cache is not None:
-                held = cache_length(self.cache)
-                known = prompt_ids + generated
-                if held <= len(known):
-                    self.ids = known[:held]
-                else:  # cannot tell which tokens went in: start afresh next time
-                    self.reset()
+            # Whatever happened (done, cancelled, closed early), record what the caches
+            # hold; after an error they were dropped above.
+            self._record(prompt_ids + generated)
 
     def stream(
         self,

@@ -32,7 +32,7 @@ import mlx.core as mx
 from .api import GenerationStats, SamplingParams
 from .cache import make_prompt_cache, trim_prompt_cache
 from .errors import EngineError
-from .generate import prefill
+from .generate import ProgressCallback, prefill
 from .sampling import LogitsProcessor, filter_logits
 
 # How far back logits processors (repetition penalty) look; as in the plain decode loop.
@@ -131,6 +131,34 @@ class DraftModelDrafter:
             self.usable = False
 
 
+def make_drafter(
+    mode: str | None,
+    *,
+    ngram_size: int = 3,
+    num_draft_tokens: int = 4,
+    draft_model: Any = None,
+    draft_cache: list | None = None,
+    prefill_chunk: int = 512,
+) -> Drafter | None:
+    """The drafter a request asks for (``GenerationParams.speculative``), or None for plain
+    decoding. "draft" needs ``draft_model``; ``draft_cache`` may hold a prefix of the request's
+    context already (prefix reuse), or be None for a fresh one."""
+    if mode is None:
+        return None
+    if num_draft_tokens < 1:
+        raise EngineError(f"the number of draft tokens must be at least 1 (got {num_draft_tokens})")
+    if mode == "ngram":
+        return NgramDrafter(ngram_size, num_draft_tokens)
+    if mode == "draft":
+        if draft_model is None:
+            raise EngineError(
+                "speculative decoding with a draft model needs one loaded: load a draft model first, "
+                "or use n-gram drafting"
+            )
+        return DraftModelDrafter(draft_model, draft_cache, num_draft_tokens, prefill_chunk)
+    raise EngineError(f"unknown speculative mode {mode!r}; use 'draft', 'ngram' or none")
+
+
 def _room_to_trim(c: Any, n_new: int) -> bool:
     """Can this cache take ``n_new`` more tokens and still give them back?"""
     if not c.is_trimmable():
@@ -205,6 +233,7 @@ def speculative_step(
     prefill_chunk: int = 512,
     cancel: threading.Event | None = None,
     history: Sequence[int] | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens, like
     ``engine.generate.generate_step`` but drafting and verifying several tokens per pass.
@@ -214,7 +243,8 @@ def speculative_step(
     repetition penalty. The log-prob is the chosen token's under the target's raw
     distribution. ``stats.draft_tokens`` / ``accepted_draft_tokens`` are updated as drafts are
     verified. When the consumer stops early, the caches are left holding exactly the ids before
-    the last yielded token, as after plain decoding.
+    the last yielded token, as after plain decoding. ``on_progress(done, total)`` follows the
+    prefill, as in ``generate_step``.
     """
     ids = [int(t) for t in prompt]
     if not ids:
@@ -254,7 +284,8 @@ def speculative_step(
         q = distribution(processed)
         return int(mx.random.categorical(mx.log(q), key=next_key()).item()), q
 
-    if not prefill(model, mx.array(ids[:-1], dtype=mx.uint32), cache, chunk=prefill_chunk, cancel=cancel):
+    prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
+    if not prefill(model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress):
         return
     pending = ids[-1:]  # ids whose keys/values the target has not computed yet
     speculate = k_max > 0

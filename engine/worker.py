@@ -26,12 +26,17 @@ from .api import (
     ErrorEvent,
     Event,
     Generate,
+    GetModelInfo,
     InspectModel,
+    LoadDraftModel,
     LoadModel,
     MemoryEvent,
+    MountAdapter,
     ProgressEvent,
+    SetActiveAdapters,
     TokenEvent,
     UnloadModel,
+    UnmountAdapter,
 )
 from .errors import EngineError
 from .host import ModelHost
@@ -177,6 +182,26 @@ class EngineWorker:
             return None
         if isinstance(command, Generate):
             return self._generate(rid, command, cancel)
+        if isinstance(command, GetModelInfo):
+            return host.info if host.loaded else None
+        if isinstance(command, MountAdapter):
+            return host.mount_adapter(command.path, command.name)
+        if isinstance(command, SetActiveAdapters):
+            host.set_active_adapters(command.scales)
+            return host.info
+        if isinstance(command, UnmountAdapter):
+            host.unmount_adapter(command.name)
+            return host.info
+        if isinstance(command, LoadDraftModel):
+            info = host.load_draft(
+                command.path,
+                progress=lambda done, total, message="": self._emit(
+                    ProgressEvent(rid, "load", float(done), float(total), message)
+                ),
+                cancel=cancel,
+            )
+            self._emit_memory()
+            return info
         raise EngineError(f"Unknown command {type(command).__name__}.")
 
     def _generate(self, rid: int, command: Generate, cancel: threading.Event) -> Any:
@@ -207,9 +232,7 @@ class EngineWorker:
         from .memory import live_memory, total_memory
 
         live = live_memory()
-        weights = 0
-        if self._host.loaded and self._host.info.plan is not None:
-            weights = self._host.info.plan.weights_bytes
+        weights = self._host.weights_bytes()
         self._emit(
             MemoryEvent(
                 active_bytes=live["active"],

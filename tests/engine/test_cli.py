@@ -106,8 +106,10 @@ def test_chat_wraps_in_template_and_seed_reproduces(model_dir):
     "args,needle",
     [
         (["--model", "{missing}", "--prompt", "x"], ""),
-        (["--model", "{model}", "--prompt", "x", "--adapter", "/tmp/a"], "not supported yet"),
-        (["--model", "{model}", "--prompt", "x", "--ngram", "3"], "not supported yet"),
+        (["--model", "{model}", "--prompt", "x", "--adapter", "{missing}"], "does not exist"),
+        (["--model", "{model}", "--prompt", "x", "--ngram", "0"], "--ngram must be at least 1"),
+        (["--model", "{model}", "--prompt", "x", "--num-draft", "3"], "needs --draft-model or --ngram"),
+        (["--model", "{model}", "--prompt", "x", "--draft-model", "{missing}"], ""),
         (["--model", "{model}", "--prompt", "x", "--image", "a.png"], "not supported yet"),
         (["--model", "{model}", "--prompt", "x", "--top-p", "0"], "top-p"),
         (["--model", "{model}", "--prompt-ids", "1,99999"], "vocabulary"),

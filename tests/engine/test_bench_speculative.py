@@ -1,0 +1,41 @@
+"""``python -m engine bench --speculative`` on the tiny shape, run as a subprocess."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_cli import last_json, run
+
+BENCH = ["bench", "--shape", "tiny", "--bits", "4", "-p", "24", "-g", "12", "--num-draft", "3", "--json"]
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft", "self"])
+def test_plain_next_to_speculative(mode):
+    proc = run(*BENCH, "--speculative", mode)
+    assert proc.returncode == 0, proc.stderr
+    spec = last_json(proc.stdout)["speculative"]
+    assert spec["mode"] == mode and spec["num_draft"] == 3
+    assert spec["plain"]["generated_tokens"] == spec["engine"]["generated_tokens"] == 12
+    assert spec["engine"]["generation_tps"] > 0 and spec["speedup"] > 0
+    assert 0 <= spec["accepted_draft_tokens"] <= spec["draft_tokens"] > 0
+    assert isinstance(spec["identical_to_plain"], bool)
+    assert spec["note"] in proc.stdout and "speed-up" in proc.stdout
+    if mode == "ngram":
+        assert "random passage repeated" in spec["note"]
+    if mode == "self":
+        assert spec["acceptance_rate"] > 0.5  # the model agrees with itself (up to bf16 near-ties)
+
+
+def test_vs_mlx_lm_speculative_with_the_same_draft():
+    pytest.importorskip("mlx_lm")
+    proc = run(*BENCH, "--speculative", "draft", "--vs", "mlx-lm")
+    assert proc.returncode == 0, proc.stderr
+    data = last_json(proc.stdout)
+    assert data["mlx_lm"]["generated_tokens"] == data["mlx_lm_speculative"]["generated_tokens"] == 12
+    assert 0 <= data["mlx_lm_speculative"]["tokens_from_draft"] <= 12 and data["ratio_speculative"] > 0
+
+
+def test_bad_draft_layers_is_one_line():
+    proc = run("bench", "--shape", "tiny", "-p", "8", "-g", "4", "--speculative", "draft", "--draft-layers", "2")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "error: --draft-layers must be between 1 and 1 for this shape (got 2)"
