@@ -111,6 +111,38 @@ class EngineBridge(QObject):
         await fut
         self.model_info = None
 
+    # ---- adapters and the draft model (the worker answers with the ModelInfo as it is now)
+
+    async def mount_adapter(self, path: str, name: str | None = None) -> api.AdapterInfo:
+        """Mount an adapter folder on the loaded model, inactive."""
+        _, fut = self._request(api.MountAdapter(path=path, name=name), "adapter")
+        adapter = await fut
+        await self.refresh_model_info()
+        return adapter
+
+    async def set_active_adapters(self, scales: dict[str, float]) -> api.ModelInfo:
+        """Make exactly these mounted adapters active (name -> scale)."""
+        _, fut = self._request(api.SetActiveAdapters(scales=dict(scales)), "adapter")
+        self.model_info = await fut
+        return self.model_info
+
+    async def unmount_adapter(self, name: str) -> api.ModelInfo:
+        _, fut = self._request(api.UnmountAdapter(name=name), "adapter")
+        self.model_info = await fut
+        return self.model_info
+
+    async def load_draft_model(self, path: str | None) -> api.ModelInfo | None:
+        """Load the draft model for speculative decoding (None unloads it)."""
+        _, fut = self._request(api.LoadDraftModel(path=path), "draft")
+        draft = await fut
+        await self.refresh_model_info()
+        return draft
+
+    async def refresh_model_info(self) -> api.ModelInfo | None:
+        _, fut = self._request(api.GetModelInfo(), "info")
+        self.model_info = await fut
+        return self.model_info
+
     async def inspect(self, path: str) -> api.ModelInfo:
         _, fut = self._request(api.InspectModel(path=path), "inspect")
         return await fut

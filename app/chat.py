@@ -37,6 +37,8 @@ def build_params(settings: dict[str, Any], defaults: dict[str, Any]) -> api.Gene
         params.stop_strings = [s for s in merged["stop_strings"] if s]
     if merged.get("ignore_eos"):
         params.ignore_eos = True
+    if merged.get("speculative") in ("ngram", "draft"):
+        params.speculative = merged["speculative"]
     return params
 
 
@@ -54,6 +56,7 @@ class ChatController(QObject):
         self.conversation_id: int | None = None
         self.reply_id: int | None = None  # the assistant message being streamed
         self._waiting: asyncio.Future | None = None  # a send waiting for the model to load
+        self.plain_tps: dict[str, float] = {}  # model path -> last plain decoding speed
         self._answer = ""
         self._reasoning = ""
         self._saved_len = (0, 0)
@@ -169,9 +172,20 @@ class ChatController(QObject):
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
         params = build_params(conv.settings, info.generation_defaults or {})
+        if params.speculative == "draft" and not getattr(info, "draft_model", None):
+            emit(self.status, "No draft model is loaded, so this reply decodes without one: "
+                              "choose one under Settings → Speculative decoding.")
+            params.speculative = None
+        try:
+            adapters = await self.apply_adapter_choice(conv.adapters)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            emit(self.failed, f"Could not switch adapters: {exc}")
+            return
+        info = self.bridge.model_info or info
 
         self.reply_id = self.store.add_message(
-            conv.id, "assistant", "", parent_id, status="streaming", model=info.name
+            conv.id, "assistant", "", parent_id, status="streaming", model=info.name,
+            adapters=adapters,
         )
         self._answer = self._reasoning = ""
         self._saved_len = (0, 0)
@@ -198,16 +212,18 @@ class ChatController(QObject):
             if result is not None:
                 # The engine's final text wins over the sum of the pieces (stop strings trimmed).
                 self._answer, self._reasoning = result.text, result.reasoning
+                adapters = dict(getattr(result, "adapters", adapters))
+                self._note_speed(info.path, params.speculative, status, stats)
             reply_id, self.reply_id = self.reply_id, None
             self.store.update_message(
                 reply_id, content=self._answer, reasoning=self._reasoning,
-                status=status, stats=stats,
+                status=status, stats=stats, adapters=adapters,
             )
             self.view.stop_streaming()
             widget = self.view.widgets.get(reply_id)
             if widget is not None:
                 widget.set_text(self._answer, self._reasoning)
-                widget.set_stats(stats, status)
+                widget.set_stats(stats, status, adapters)
             self.view.set_busy(False)
             emit(self.busy_changed, False)
             if status == "complete" and stats:
@@ -218,6 +234,29 @@ class ChatController(QObject):
             elif status == "cancelled":
                 emit(self.status, "Stopped.")
             emit(self.reply_finished, reply_id, result)
+
+    async def apply_adapter_choice(self, chosen: dict[str, float]) -> dict[str, float]:
+        """Make the conversation's adapter choice the worker's active set (only adapters
+        mounted on this model count). Returns the set the reply will run under."""
+        info = self.bridge.model_info
+        mounted = {a.name for a in getattr(info, "adapters", None) or []}
+        wanted = {name: scale for name, scale in chosen.items() if name in mounted}
+        if mounted and wanted != dict(getattr(info, "active_adapters", None) or {}):
+            info = await self.bridge.set_active_adapters(wanted)
+        return wanted
+
+    def _note_speed(self, model_path: str, speculative: str | None, status: str,
+                    stats: dict[str, Any]) -> None:
+        """Plain replies set the model's baseline speed; speculative ones are compared to it."""
+        tps = stats.get("generation_tps") or 0.0
+        if status != "complete" or not tps or stats.get("generated_tokens", 0) < 2:
+            return
+        if speculative is None:
+            self.plain_tps[model_path] = tps
+        elif self.plain_tps.get(model_path):
+            stats["speedup"] = round(tps / self.plain_tps[model_path], 3)
+        if speculative is not None:
+            stats["speculative"] = speculative
 
     async def _wait_for_model(self) -> api.ModelInfo | None:
         """A message sent while a model loads goes out once it has loaded."""

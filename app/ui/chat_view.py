@@ -78,7 +78,7 @@ class ChatView(QScrollArea):
                 continue
             w = self._add(m.id, m.role, m.model)
             w.set_text(m.content, m.reasoning)
-            w.set_stats(m.stats, m.status)
+            w.set_stats(m.stats, m.status, m.adapters)
             w.set_versions(*versions.get(m.id, (1, 1)))
         self.empty_label.setVisible(not self.widgets)
         self._follow = True

@@ -13,6 +13,7 @@ from app.qt import (
     emit,
     QApplication,
     QEvent,
+    QFileDialog,
     QObject,
     QTimer,
     QFrame,
@@ -35,6 +36,7 @@ from app.model_facts import has_chat_template
 from app.store import HistoryStore
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
+from app.ui.adapters_menu import AdaptersMenu
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
 from app.ui.settings_panel import SettingsPanel
@@ -89,6 +91,9 @@ class MainWindow(QMainWindow):
         self.settings.setMinimumWidth(260)
         self.setCentralWidget(split)
         self.statusBar().addPermanentWidget(self.gauge)
+        self.adapters_menu = AdaptersMenu(self)
+        self.menuBar().addMenu(self.adapters_menu)
+        self.adapters_menu.set_adapters([], {}, model_loaded=False)
 
         # ---- wiring
         self.sidebar.new_requested.connect(self.new_chat)
@@ -108,6 +113,12 @@ class MainWindow(QMainWindow):
         self.chat.reply_finished.connect(self._reply_finished)
         self.chat_view.repainted.connect(self._maybe_screenshot)
         self.settings.changed.connect(self._settings_changed)
+        self.settings.draft_requested.connect(self._pick_draft)
+        self.settings.draft_cleared.connect(lambda: tasks.spawn(self.set_draft_model(None)))
+        self.adapters_menu.changed.connect(lambda scales: tasks.spawn(self.choose_adapters(scales)))
+        self.adapters_menu.mount_requested.connect(self._pick_adapter)
+        self.adapters_menu.unmount_requested.connect(
+            lambda name: tasks.spawn(self.unmount_adapter(name)))
         bridge.memory.connect(self.gauge.update_figures)
         bridge.progress.connect(self._progress)
         tasks.set_reporter(self.notify)
@@ -202,6 +213,8 @@ class MainWindow(QMainWindow):
         self.chat.open(cid)
         self.settings.load(conv.system_prompt, conv.settings)
         self.check_memory()
+        if self.bridge.model_info is not None:
+            tasks.spawn(self.apply_adapters())
 
     def _deleted(self, cid: int) -> None:
         self.bridge.drop_session(cid)
@@ -287,11 +300,97 @@ class MainWindow(QMainWindow):
             self.settings.load(conv.system_prompt, conv.settings)
         self.gauge.set_plan(info.plan)
         self.check_memory()
+        self.settings.set_draft(None)
+        await self.apply_adapters()
         self.composer.set_capabilities(info.vision, info.audio)
         templated = await run_in_thread(has_chat_template, info)
         self.template_notice.setVisible(not templated)
         self.notify(f"Loaded {info.name}.")
         emit(self.model_loaded, info)
+        return True
+
+    # ---- adapters and the draft model -----------------------------------------------------
+
+    def _show_adapters(self) -> None:
+        info = self.bridge.model_info
+        conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id \
+            else None
+        mounted = list(getattr(info, "adapters", None) or [])
+        chosen = conv.adapters if conv is not None else {}
+        self.adapters_menu.set_adapters(mounted, chosen, model_loaded=info is not None)
+
+    async def apply_adapters(self) -> None:
+        """Re-apply the open conversation's adapter choice to the loaded model."""
+        conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id \
+            else None
+        if conv is not None and self.bridge.model_info is not None and not self.chat.busy:
+            try:
+                await self.chat.apply_adapter_choice(conv.adapters)
+            except (EngineRequestError, EngineUnavailable) as exc:
+                self.show_error(f"Could not switch adapters: {exc}")
+        self._show_adapters()
+
+    async def choose_adapters(self, scales: dict[str, float]) -> None:
+        """The Adapters menu changed: remember it for this conversation, apply it now."""
+        if self.chat.conversation_id is None:
+            return
+        self.store.update_conversation(self.chat.conversation_id, adapters=dict(scales))
+        if self.chat.busy:
+            self.notify("The adapters change from the next reply on.")
+            return
+        await self.apply_adapters()
+        from app.ui.adapters_menu import fmt_adapters
+
+        self.notify(f"Adapters: {fmt_adapters(scales)}" if scales else "Adapters off.")
+
+    def _pick_adapter(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Mount an adapter folder")
+        if folder:
+            tasks.spawn(self.mount_adapter(folder))
+
+    async def mount_adapter(self, path: str, name: str | None = None) -> bool:
+        if self.bridge.model_info is None:
+            self.show_error("Load a model before mounting an adapter.")
+            return False
+        try:
+            adapter = await self.bridge.mount_adapter(path, name)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"Could not mount {Path(path).name}: {exc}")
+            return False
+        self._show_adapters()
+        self.notify(f"Mounted {adapter.name} ({adapter.kind}, rank {adapter.rank}, "
+                    f"{adapter.targets} layers): tick it in the Adapters menu to use it.")
+        return True
+
+    async def unmount_adapter(self, name: str) -> None:
+        if self.chat.busy:
+            self.notify("Stop the reply before unmounting an adapter.")
+            return
+        try:
+            await self.bridge.unmount_adapter(name)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"Could not unmount {name}: {exc}")
+            return
+        self._show_adapters()
+        self.notify(f"Unmounted {name}.")
+
+    def _pick_draft(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Choose a draft model folder")
+        if folder:
+            tasks.spawn(self.set_draft_model(folder))
+
+    async def set_draft_model(self, path: str | None) -> bool:
+        """Load (or, with None, unload) the draft model for speculative decoding."""
+        if self.bridge.model_info is None:
+            self.show_error("Load a model before choosing a draft model.")
+            return False
+        try:
+            draft = await self.bridge.load_draft_model(path)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"Could not use {Path(path).name} as the draft model: {exc}")
+            return False
+        self.settings.set_draft(draft.name if draft is not None else None)
+        self.notify(f"Draft model: {draft.name}" if draft is not None else "Draft model unloaded.")
         return True
 
     def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
