@@ -22,6 +22,7 @@ from PySide6.QtCore import (
     QUrl,
     Signal,
     Slot,
+    qFormatLogMessage,
     qInstallMessageHandler,
 )
 from PySide6.QtGui import (
@@ -123,8 +124,9 @@ def quiet_platform_noise() -> None:
             return
         if default is not None:
             default(mode, context, message)
-        else:
-            sys.stderr.write(message + "\n")
+        else:  # Qt's own handler: honour QT_MESSAGE_PATTERN as it would
+            sys.stderr.write(qFormatLogMessage(mode, context, message) + "\n")
+            sys.stderr.flush()
 
     qInstallMessageHandler(handler)
 

@@ -91,9 +91,7 @@ class MainWindow(QMainWindow):
         self.settings.setMinimumWidth(260)
         self.setCentralWidget(split)
         self.statusBar().addPermanentWidget(self.gauge)
-        self.adapters_menu = AdaptersMenu(self)
-        self.menuBar().addMenu(self.adapters_menu)
-        self.adapters_menu.set_adapters([], {}, model_loaded=False)
+        self._menus()
 
         # ---- wiring
         self.sidebar.new_requested.connect(self.new_chat)
@@ -122,10 +120,7 @@ class MainWindow(QMainWindow):
         bridge.memory.connect(self.gauge.update_figures)
         bridge.progress.connect(self._progress)
         tasks.set_reporter(self.notify)
-        QShortcut(QKeySequence.StandardKey.New, self, activated=self.new_chat)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
-        QShortcut(QKeySequence.StandardKey.Quit, self, activated=self.close)
-        QShortcut(QKeySequence("Ctrl+,"), self, activated=self.settings_toggle.toggle)
 
         recent = store.list_conversations()
         self.sidebar.reload(recent[0].id if recent else None)
@@ -134,6 +129,22 @@ class MainWindow(QMainWindow):
         else:
             self.new_chat()
         self.notify("Ready. Pick a model to start.")
+
+    def _menus(self) -> None:
+        bar = self.menuBar()
+        chat = bar.addMenu("&Chat")
+        chat.addAction("New chat", QKeySequence.StandardKey.New, self.new_chat)
+        chat.addAction("Stop reply (Esc)", self.stop)
+        chat.addSeparator()
+        chat.addAction("Settings", QKeySequence("Ctrl+,"), self.settings_toggle.toggle)
+        chat.addSeparator()
+        chat.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
+        model = bar.addMenu("&Model")
+        model.addAction("Models…", QKeySequence("Ctrl+L"), self.open_model_browser)
+        model.addAction("Draft model for speculative decoding…", self._pick_draft)
+        self.adapters_menu = AdaptersMenu(self)
+        bar.addMenu(self.adapters_menu)
+        self.adapters_menu.set_adapters([], {}, model_loaded=False)
 
     def _top_bar(self) -> QWidget:
         bar = QFrame(objectName="topBar")
@@ -290,6 +301,8 @@ class MainWindow(QMainWindow):
             self.load_bar.setVisible(False)
             self.cancel_load.setVisible(False)
         self.model_button.setText(f"{info.name}  ▾")
+        self.chat_view.empty_label.setText(
+            f"{info.name} is ready: say hello.\nEnter sends · Shift+Enter adds a line · Esc stops")
         self.setWindowTitle(f"MLX Desk — {info.name}")
         meta = [info.family, fmt_params(info.parameters), info.quantization,
                 f"{info.context_length:,} ctx"]

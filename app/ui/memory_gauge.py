@@ -49,11 +49,11 @@ class _Bar(QWidget):
         self.peak = 0.0
         self.projected = 0.0
         self.level = "ok"
-        self.setFixedHeight(14)
-        self.setMinimumWidth(220)
+        self.setFixedHeight(16)
+        self.setMinimumWidth(240)
 
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt override
-        return QSize(260, 14)
+        return QSize(280, 16)
 
     def paintEvent(self, _event) -> None:  # noqa: N802 - Qt override
         p = QPainter(self)
@@ -74,7 +74,8 @@ class _Bar(QWidget):
                 w = min(w, inner.right() - x)
                 if w > 0:
                     p.setBrush(QColor(warn) if warn and key == "kv" else QColor(colour))
-                    p.drawRoundedRect(QRectF(x, inner.top(), max(w, 2.0), inner.height()), 3, 3)
+                    # A sliver stays visible even when a small model is a speck of the budget.
+                    p.drawRoundedRect(QRectF(x, inner.top(), max(w, 3.0), inner.height()), 3, 3)
                     x += w
             text = self.palette().text().color()
             if self.peak:
@@ -138,7 +139,8 @@ class MemoryGauge(QWidget):
                           "other": max(0, active - weights - kv), "cache": cache}
         used = max(active, weights + kv)
         if budget:
-            self.label.setText(f"{fmt_bytes(used)} of {fmt_bytes(budget)}")
+            self.label.setText(f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)}  ·  "
+                               f"{fmt_bytes(used)} of {fmt_bytes(budget)}")
         else:
             self.label.setText(f"no model  ·  {fmt_bytes(total)} machine" if total else "no model")
         lines = [

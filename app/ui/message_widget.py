@@ -103,7 +103,11 @@ class MessageWidget(QFrame):
 
         self.bubble = QFrame(objectName="bubble")
         self.body = QVBoxLayout(self.bubble)
-        self.body.setContentsMargins(14, 10, 14, 10)
+        # A user's words sit in a bubble; a reply is plain text aligned with its name and footer.
+        if role == "user":
+            self.body.setContentsMargins(14, 10, 14, 10)
+        else:
+            self.body.setContentsMargins(0, 0, 0, 0)
         self.body.setSpacing(8)
         outer.addWidget(self.bubble)
         if role == "user":

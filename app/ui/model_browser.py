@@ -18,6 +18,7 @@ from app.qt import (
     QMessageBox,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QTableWidget,
     QTableWidgetItem,
     QTabWidget,
@@ -133,6 +134,7 @@ class ModelBrowser(QDialog):
         self.cancel_button.clicked.connect(self.cancel_download)
         self.download_button = QPushButton("Download", objectName="primaryButton")
         self.download_button.clicked.connect(self._download_selected)
+        self.download_button.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
         drow.addWidget(self.download_label)
         drow.addWidget(self.progress, 1)
         drow.addWidget(self.cancel_button)
