@@ -41,6 +41,8 @@ class EngineBridge(QObject):
         self.active_generation: int | None = None
         self.active_load: int | None = None
         self.model_info: api.ModelInfo | None = None
+        self._loading: asyncio.Future | None = None  # the load under way, if any
+        self._live: tuple[int, api.GenerationStats] | None = None  # latest token's stats
         self._event.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
 
     # ---- lifecycle --------------------------------------------------------------
@@ -79,18 +81,67 @@ class EngineBridge(QObject):
     async def load_model(self, path: str, memory_budget: int | None = None) -> api.ModelInfo:
         rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget), "load")
         self.active_load = rid
+        self._loading = fut
         try:
             info = await fut
         finally:
             if self.active_load == rid:
                 self.active_load = None
+                self._loading = None
         self.model_info = info
         return info
+
+    @property
+    def loading(self) -> bool:
+        return self._loading is not None and not self._loading.done()
+
+    async def wait_for_load(self) -> api.ModelInfo | None:
+        """The model being loaded, once it is ready; the current one when nothing is
+        loading; None when the load fails or is cancelled."""
+        fut = self._loading
+        if fut is None:
+            return self.model_info
+        try:
+            return await asyncio.shield(fut)
+        except (EngineRequestError, EngineUnavailable):
+            return None
 
     async def unload_model(self) -> None:
         _, fut = self._request(api.UnloadModel(), "unload")
         await fut
         self.model_info = None
+
+    # ---- adapters and the draft model (the worker answers with the ModelInfo as it is now)
+
+    async def mount_adapter(self, path: str, name: str | None = None) -> api.AdapterInfo:
+        """Mount an adapter folder on the loaded model, inactive."""
+        _, fut = self._request(api.MountAdapter(path=path, name=name), "adapter")
+        adapter = await fut
+        await self.refresh_model_info()
+        return adapter
+
+    async def set_active_adapters(self, scales: dict[str, float]) -> api.ModelInfo:
+        """Make exactly these mounted adapters active (name -> scale)."""
+        _, fut = self._request(api.SetActiveAdapters(scales=dict(scales)), "adapter")
+        self.model_info = await fut
+        return self.model_info
+
+    async def unmount_adapter(self, name: str) -> api.ModelInfo:
+        _, fut = self._request(api.UnmountAdapter(name=name), "adapter")
+        self.model_info = await fut
+        return self.model_info
+
+    async def load_draft_model(self, path: str | None) -> api.ModelInfo | None:
+        """Load the draft model for speculative decoding (None unloads it)."""
+        _, fut = self._request(api.LoadDraftModel(path=path), "draft")
+        draft = await fut
+        await self.refresh_model_info()
+        return draft
+
+    async def refresh_model_info(self) -> api.ModelInfo | None:
+        _, fut = self._request(api.GetModelInfo(), "info")
+        self.model_info = await fut
+        return self.model_info
 
     async def inspect(self, path: str) -> api.ModelInfo:
         _, fut = self._request(api.InspectModel(path=path), "inspect")
@@ -118,6 +169,12 @@ class EngineBridge(QObject):
         finally:
             if self.active_generation == rid:
                 self.active_generation = None
+
+    def live_stats(self, request_id: int | None) -> api.GenerationStats | None:
+        """The stats that came with the latest token of ``request_id`` (None before one)."""
+        if self._live is not None and self._live[0] == request_id:
+            return self._live[1]
+        return None
 
     def cancel(self, request_id: int | None = None) -> bool:
         """Stop a request (default: the running generation, else the running load)."""
@@ -155,6 +212,7 @@ class EngineBridge(QObject):
 
     def _dispatch(self, event: Any) -> None:
         if isinstance(event, api.TokenEvent):
+            self._live = (event.request_id, event.stats)
             emit(self.token, event.request_id, event.text, event.channel)
         elif isinstance(event, api.ProgressEvent):
             emit(self.progress, 

@@ -7,6 +7,7 @@ the first token, and its text is committed at least once a second while it grows
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import asdict
 from typing import Any
@@ -36,6 +37,8 @@ def build_params(settings: dict[str, Any], defaults: dict[str, Any]) -> api.Gene
         params.stop_strings = [s for s in merged["stop_strings"] if s]
     if merged.get("ignore_eos"):
         params.ignore_eos = True
+    if merged.get("speculative") in ("ngram", "draft"):
+        params.speculative = merged["speculative"]
     return params
 
 
@@ -52,6 +55,8 @@ class ChatController(QObject):
         self.store, self.bridge, self.view = store, bridge, view
         self.conversation_id: int | None = None
         self.reply_id: int | None = None  # the assistant message being streamed
+        self._waiting: asyncio.Future | None = None  # a send waiting for the model to load
+        self.plain_tps: dict[str, float] = {}  # model path -> last plain decoding speed
         self._answer = ""
         self._reasoning = ""
         self._saved_len = (0, 0)
@@ -62,10 +67,12 @@ class ChatController(QObject):
         view.edit_submitted.connect(self._edit_slot)
         view.regenerate_requested.connect(self._regenerate_slot)
         view.version_requested.connect(self.switch_version)
+        view.footer_source = self._live_footer
+        self._started = 0.0
 
     @property
     def busy(self) -> bool:
-        return self.reply_id is not None
+        return self.reply_id is not None or self._waiting is not None
 
     # ---- showing a conversation ---------------------------------------------------------
 
@@ -86,6 +93,17 @@ class ChatController(QObject):
             sibs = self.store.siblings(m.id)
             out[m.id] = (sibs.index(m.id) + 1, len(sibs))
         return out
+
+    def context_tokens(self) -> int:
+        """Tokens the conversation's prompt holds now: the last reply's counted prompt and
+        output, plus an estimate (~4 characters a token) for anything written after it."""
+        if self.conversation_id is None:
+            return 0
+        total = 0
+        for m in self.store.thread(self.conversation_id):
+            counted = m.stats.get("prompt_tokens", 0) + m.stats.get("generated_tokens", 0)
+            total = counted if m.role == "assistant" and counted else total + len(m.content) // 4 + 4
+        return total
 
     def switch_version(self, message_id: int, delta: int) -> None:
         if self.busy:
@@ -131,13 +149,20 @@ class ChatController(QObject):
         await self._reply(new_id)
 
     def stop(self) -> bool:
-        return self.busy and self.bridge.cancel()
+        if self._waiting is not None:  # stop waiting; the load itself carries on
+            self._waiting.cancel()
+            return True
+        return self.reply_id is not None and self.bridge.cancel()
 
     # ---- streaming one reply -------------------------------------------------------------
 
     async def _reply(self, parent_id: int) -> None:
         conv = self.store.conversation(self.conversation_id)
         info = self.bridge.model_info
+        if self.bridge.loading:
+            info = await self._wait_for_model()
+            if info is None:
+                return
         if info is None:
             emit(self.failed, "Load a model first: click the model button at the top.")
             return
@@ -147,9 +172,20 @@ class ChatController(QObject):
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
         params = build_params(conv.settings, info.generation_defaults or {})
+        if params.speculative == "draft" and not getattr(info, "draft_model", None):
+            emit(self.status, "No draft model is loaded, so this reply decodes without one: "
+                              "choose one under Settings → Speculative decoding.")
+            params.speculative = None
+        try:
+            adapters = await self.apply_adapter_choice(conv.adapters)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            emit(self.failed, f"Could not switch adapters: {exc}")
+            return
+        info = self.bridge.model_info or info
 
         self.reply_id = self.store.add_message(
-            conv.id, "assistant", "", parent_id, status="streaming", model=info.name
+            conv.id, "assistant", "", parent_id, status="streaming", model=info.name,
+            adapters=adapters,
         )
         self._answer = self._reasoning = ""
         self._saved_len = (0, 0)
@@ -159,7 +195,7 @@ class ChatController(QObject):
         self.view.set_busy(True)
         emit(self.busy_changed, True)
         self._save_timer.start()
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         result: api.GenerationResult | None = None
         status = "error"
         try:
@@ -176,16 +212,18 @@ class ChatController(QObject):
             if result is not None:
                 # The engine's final text wins over the sum of the pieces (stop strings trimmed).
                 self._answer, self._reasoning = result.text, result.reasoning
+                adapters = dict(getattr(result, "adapters", adapters))
+                self._note_speed(info.path, params.speculative, status, stats)
             reply_id, self.reply_id = self.reply_id, None
             self.store.update_message(
                 reply_id, content=self._answer, reasoning=self._reasoning,
-                status=status, stats=stats,
+                status=status, stats=stats, adapters=adapters,
             )
             self.view.stop_streaming()
             widget = self.view.widgets.get(reply_id)
             if widget is not None:
                 widget.set_text(self._answer, self._reasoning)
-                widget.set_stats(stats, status)
+                widget.set_stats(stats, status, adapters)
             self.view.set_busy(False)
             emit(self.busy_changed, False)
             if status == "complete" and stats:
@@ -196,6 +234,61 @@ class ChatController(QObject):
             elif status == "cancelled":
                 emit(self.status, "Stopped.")
             emit(self.reply_finished, reply_id, result)
+
+    async def apply_adapter_choice(self, chosen: dict[str, float]) -> dict[str, float]:
+        """Make the conversation's adapter choice the worker's active set (only adapters
+        mounted on this model count). Returns the set the reply will run under."""
+        info = self.bridge.model_info
+        mounted = {a.name for a in getattr(info, "adapters", None) or []}
+        wanted = {name: scale for name, scale in chosen.items() if name in mounted}
+        if mounted and wanted != dict(getattr(info, "active_adapters", None) or {}):
+            info = await self.bridge.set_active_adapters(wanted)
+        return wanted
+
+    def _note_speed(self, model_path: str, speculative: str | None, status: str,
+                    stats: dict[str, Any]) -> None:
+        """Plain replies set the model's baseline speed; speculative ones are compared to it."""
+        tps = stats.get("generation_tps") or 0.0
+        if status != "complete" or not tps or stats.get("generated_tokens", 0) < 2:
+            return
+        if speculative is None:
+            self.plain_tps[model_path] = tps
+        elif self.plain_tps.get(model_path):
+            stats["speedup"] = round(tps / self.plain_tps[model_path], 3)
+        if speculative is not None:
+            stats["speculative"] = speculative
+
+    async def _wait_for_model(self) -> api.ModelInfo | None:
+        """A message sent while a model loads goes out once it has loaded."""
+        self._waiting = asyncio.ensure_future(self.bridge.wait_for_load())
+        self.view.set_busy(True)
+        emit(self.busy_changed, True)
+        emit(self.status, "Waiting for the model to finish loading…")
+        try:
+            info = await self._waiting
+        except asyncio.CancelledError:
+            emit(self.status, "Stopped waiting; the message is kept.")
+            return None
+        finally:
+            self._waiting = None
+            self.view.set_busy(False)
+            emit(self.busy_changed, False)
+        if info is None:
+            emit(self.failed, "The model did not load, so the message was not answered. "
+                              "Pick a model, then press Regenerate or send again.")
+        return info
+
+    def _live_footer(self) -> str:
+        """Tokens, speed and time so far, for the message being streamed."""
+        elapsed = time.monotonic() - self._started
+        stats = self.bridge.live_stats(self.bridge.active_generation)
+        if stats is None or not stats.generated_tokens:
+            return f"Reading the prompt…  {elapsed:.1f} s"
+        parts = [f"{stats.generated_tokens} tokens"]
+        if stats.generation_tps:
+            parts.append(f"{stats.generation_tps:.1f} tok/s")
+        parts.append(f"{elapsed:.1f} s")
+        return "  ·  ".join(parts)
 
     def _on_token(self, request_id: int, text: str, channel: str) -> None:
         if self.reply_id is None or request_id != self.bridge.active_generation:

@@ -22,6 +22,8 @@ from PySide6.QtCore import (
     QUrl,
     Signal,
     Slot,
+    qFormatLogMessage,
+    qInstallMessageHandler,
 )
 from PySide6.QtGui import (
     QAction,
@@ -33,6 +35,7 @@ from PySide6.QtGui import (
     QKeySequence,
     QPainter,
     QPalette,
+    QPen,
     QPixmap,
     QShortcut,
     QTextCursor,
@@ -74,6 +77,7 @@ from PySide6.QtWidgets import (
     QToolButton,
     QVBoxLayout,
     QWidget,
+    QWidgetAction,
 )
 
 
@@ -104,6 +108,27 @@ def emit(signal, *args) -> None:
     result = signal.emit(*args)
     if _EMIT_DROPS_REF and (result is True or result is False):
         _incref(result)
+
+
+# Qt messages that say nothing to a user: the offscreen platform (smoke tests, CI) cannot
+# resize windows to their size hints, and says so for every window shown.
+_NOISE = ("This plugin does not support propagateSizeHints()",)
+
+
+def quiet_platform_noise() -> None:
+    """Drop the known-harmless platform messages above; print every other as Qt would."""
+    default = qInstallMessageHandler(None)
+
+    def handler(mode, context, message):
+        if message in _NOISE:
+            return
+        if default is not None:
+            default(mode, context, message)
+        else:  # Qt's own handler: honour QT_MESSAGE_PATTERN as it would
+            sys.stderr.write(qFormatLogMessage(mode, context, message) + "\n")
+            sys.stderr.flush()
+
+    qInstallMessageHandler(handler)
 
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,17 +1,25 @@
-"""Where the app's icons, style sheets and presets live (``resources/`` at the top)."""
+"""Where the app's icons, style sheets and presets live: ``app/resources/``.
+
+The folder sits inside the ``app`` package, so a source checkout and an installed
+wheel (package data) find it beside this file. A PyInstaller bundle unpacks data
+under ``sys._MEIPASS``; the spec may put it at ``resources/`` or ``app/resources/``.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+_HERE = Path(__file__).resolve().parent / "resources"
+
 
 def resource_dir() -> Path:
-    # A frozen bundle unpacks data beside the executable; a checkout keeps it at the top.
     base = getattr(sys, "_MEIPASS", None)
     if base:
-        return Path(base) / "resources"
-    return Path(__file__).resolve().parents[1] / "resources"
+        for candidate in (Path(base) / "resources", Path(base) / "app" / "resources"):
+            if candidate.is_dir():
+                return candidate
+    return _HERE
 
 
 def resource_path(name: str) -> Path:

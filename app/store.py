@@ -28,6 +28,7 @@ CREATE TABLE IF NOT EXISTS conversations (
     system_prompt TEXT NOT NULL DEFAULT '',
     settings TEXT NOT NULL DEFAULT '{}',
     model TEXT NOT NULL DEFAULT '',
+    adapters TEXT NOT NULL DEFAULT '{}',
     leaf_id INTEGER,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
@@ -70,6 +71,7 @@ class Conversation:
     leaf_id: int | None
     created_at: float
     updated_at: float
+    adapters: dict[str, float] = field(default_factory=dict)  # chosen adapters -> scale
 
 
 @dataclass
@@ -84,7 +86,7 @@ class Message:
     status: str = "complete"  # complete | streaming | cancelled | error
     stats: dict[str, Any] = field(default_factory=dict)
     model: str = ""
-    adapters: list[str] = field(default_factory=list)
+    adapters: dict[str, float] = field(default_factory=dict)  # active when it was written
     created_at: float = 0.0
     updated_at: float = 0.0
 
@@ -103,8 +105,15 @@ class HistoryStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        self._migrate()
         # A reply that was streaming when the app died is whatever was saved last.
         self._write("UPDATE messages SET status='interrupted' WHERE status='streaming'")
+
+    def _migrate(self) -> None:
+        """Bring a history written by an earlier version up to this schema."""
+        cols = {r["name"] for r in self._db.execute("PRAGMA table_info(conversations)")}
+        if "adapters" not in cols:
+            self._write("ALTER TABLE conversations ADD COLUMN adapters TEXT NOT NULL DEFAULT '{}'")
 
     def close(self) -> None:
         self._db.close()
@@ -150,12 +159,13 @@ class HistoryStore:
         return [_conversation(r) for r in rows]
 
     def update_conversation(self, conversation_id: int, **fields: Any) -> None:
-        allowed = {"title", "system_prompt", "settings", "model", "leaf_id"}
+        allowed = {"title", "system_prompt", "settings", "model", "leaf_id", "adapters"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown conversation fields: {sorted(unknown)}")
-        if "settings" in fields:
-            fields["settings"] = json.dumps(fields["settings"])
+        for key in ("settings", "adapters"):
+            if key in fields:
+                fields[key] = json.dumps(fields[key])
         fields["updated_at"] = time.time()
         cols = ", ".join(f"{k}=?" for k in fields)
         self._write(
@@ -179,7 +189,7 @@ class HistoryStore:
         *,
         status: str = "complete",
         model: str = "",
-        adapters: list[str] | None = None,
+        adapters: dict[str, float] | None = None,
         attachments: list[tuple[str, str]] | None = None,
     ) -> int:
         """Append a message after ``parent_id`` and make it the conversation's leaf."""
@@ -195,7 +205,7 @@ class HistoryStore:
                 " status, model, adapters, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conversation_id, parent_id, version, role, content, status, model,
-                 json.dumps(adapters or []), now, now),
+                 json.dumps(adapters or {}), now, now),
             )
             message_id = int(cur.lastrowid)
             for kind, path in attachments or []:
@@ -218,8 +228,11 @@ class HistoryStore:
         reasoning: str | None = None,
         status: str | None = None,
         stats: dict | None = None,
+        adapters: dict[str, float] | None = None,
     ) -> None:
         fields: dict[str, Any] = {"updated_at": time.time()}
+        if adapters is not None:
+            fields["adapters"] = json.dumps(adapters)
         if content is not None:
             fields["content"] = content
         if reasoning is not None:
@@ -303,6 +316,7 @@ class HistoryStore:
                     **({"reasoning": m.reasoning} if m.reasoning else {}),
                     **({"stats": m.stats} if m.stats else {}),
                     **({"model": m.model} if m.model else {}),
+                    **({"adapters": m.adapters} if m.adapters else {}),
                     "created_at": m.created_at,
                 }
                 for m in self.thread(conversation_id)
@@ -328,6 +342,7 @@ def _conversation(row: sqlite3.Row) -> Conversation:
         id=row["id"], title=row["title"], system_prompt=row["system_prompt"],
         settings=json.loads(row["settings"] or "{}"), model=row["model"],
         leaf_id=row["leaf_id"], created_at=row["created_at"], updated_at=row["updated_at"],
+        adapters=_scales(row["adapters"]),
     )
 
 
@@ -337,6 +352,14 @@ def _message(row: sqlite3.Row) -> Message:
         version=row["version"], role=row["role"], content=row["content"],
         reasoning=row["reasoning"], status=row["status"],
         stats=json.loads(row["stats"] or "{}"), model=row["model"],
-        adapters=json.loads(row["adapters"] or "[]"),
+        adapters=_scales(row["adapters"]),
         created_at=row["created_at"], updated_at=row["updated_at"],
     )
+
+
+def _scales(text: str | None) -> dict[str, float]:
+    """Adapters as name -> scale; an older row's plain list of names means scale 1."""
+    value = json.loads(text or "{}")
+    if isinstance(value, list):
+        return {str(name): 1.0 for name in value}
+    return {str(k): float(v) for k, v in value.items()}

@@ -129,3 +129,35 @@ def make_tiny_llama(
         })
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+def make_tiny_adapter(
+    folder: Path,
+    *,
+    seed: int = 1,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    rank: int = 4,
+    scale: float = 4.0,
+) -> Path:
+    """An mlx-lm LoRA adapter folder (adapter_config.json + adapters.safetensors) for
+    ``make_tiny_llama``'s model: random low-rank updates on q_proj and v_proj of every
+    layer, strong enough to change what the model generates."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"fine_tune_type": "lora", "num_layers": layers,
+              "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0,
+                                  "keys": ["self_attn.q_proj", "self_attn.v_proj"]}}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    tensors = {}
+    for i in range(layers):
+        for proj, out in (("q_proj", heads * head_dim), ("v_proj", kv_heads * head_dim)):
+            p = f"model.layers.{i}.self_attn.{proj}."
+            tensors[p + "lora_a"] = (rng.standard_normal((hidden, rank)) * 0.5).astype(np.float32)
+            tensors[p + "lora_b"] = (rng.standard_normal((rank, out)) * 0.5).astype(np.float32)
+    save_file(tensors, str(folder / "adapters.safetensors"))
+    return folder

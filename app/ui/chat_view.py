@@ -7,6 +7,8 @@ repaints the streaming message at most ~30 times a second.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from app.qt import (
     emit,
     QFrame,
@@ -51,6 +53,8 @@ class ChatView(QScrollArea):
         self.setWidget(inner)
         self.widgets: dict[int, MessageWidget] = {}
         self.streaming: MessageWidget | None = None
+        # Called at each repaint while streaming: the live footer (tokens, tok/s, elapsed).
+        self.footer_source: Callable[[], str] | None = None
         self._answer = ""
         self._reasoning = ""
         self._dirty = False
@@ -74,7 +78,7 @@ class ChatView(QScrollArea):
                 continue
             w = self._add(m.id, m.role, m.model)
             w.set_text(m.content, m.reasoning)
-            w.set_stats(m.stats, m.status)
+            w.set_stats(m.stats, m.status, m.adapters)
             w.set_versions(*versions.get(m.id, (1, 1)))
         self.empty_label.setVisible(not self.widgets)
         self._follow = True
@@ -118,10 +122,15 @@ class ChatView(QScrollArea):
         self._dirty = True
 
     def _flush(self) -> None:
-        if self._dirty and self.streaming is not None:
+        if self.streaming is None:
+            return
+        if self.footer_source is not None:
+            footer = self.footer_source()
+            if footer != self.streaming.stats_label.text():
+                self.streaming.stats_label.setText(footer)
+        if self._dirty:
             self._dirty = False
             self.streaming.set_text(self._answer, self._reasoning)
-            self.streaming.stats_label.setText("Generating…")
             emit(self.repainted)
 
     def stop_streaming(self) -> None:

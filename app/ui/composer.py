@@ -28,6 +28,7 @@ from app.qt import (
 from app.resources import resource_path
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
+MIN_EDIT_HEIGHT = 48
 AUDIO_EXT = {".wav", ".mp3", ".flac", ".ogg", ".m4a"}
 
 
@@ -66,14 +67,14 @@ class Composer(QFrame):
         self.accepts = {"image": False, "audio": False}
         self.busy = False
 
+        # The text runs the full width; the buttons sit in a row under it, so the text
+        # starts at the box's edge instead of after the attach button.
         layout = QVBoxLayout(self)
-        layout.setContentsMargins(14, 10, 10, 10)
-        layout.setSpacing(6)
+        layout.setContentsMargins(12, 10, 10, 8)
+        layout.setSpacing(4)
         self.chips = QLabel("", objectName="attachmentChips")
         self.chips.setVisible(False)
         layout.addWidget(self.chips)
-        row = QHBoxLayout()
-        row.setSpacing(8)
         self.attach_button = QToolButton(objectName="attachButton")
         self.attach_button.setIcon(QIcon(str(resource_path("icons/attach.svg"))))
         self.attach_button.setIconSize(QSize(18, 18))
@@ -85,18 +86,22 @@ class Composer(QFrame):
         self.mic_button.setToolTip("Voice input needs an audio model")
         self.mic_button.setEnabled(False)
         self.edit = MessageEdit(objectName="messageEdit")
-        self.edit.setPlaceholderText("Send a message…")
-        self.edit.setFixedHeight(64)
+        self.edit.setPlaceholderText("Send a message…  (Enter sends, Shift+Enter adds a line)")
+        self.edit.setFixedHeight(MIN_EDIT_HEIGHT)
+        self.edit.document().setDocumentMargin(2)
         self.edit.submit.connect(self._submit)
         self.edit.escape.connect(self.stop_requested)
         self.edit.installEventFilter(self)
         self.send_button = QPushButton("Send", objectName="sendButton")
         self.send_button.setCursor(Qt.CursorShape.PointingHandCursor)
         self.send_button.clicked.connect(self._send_or_stop)
-        row.addWidget(self.attach_button, 0, Qt.AlignmentFlag.AlignBottom)
-        row.addWidget(self.edit, 1)
-        row.addWidget(self.mic_button, 0, Qt.AlignmentFlag.AlignBottom)
-        row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
+        layout.addWidget(self.edit)
+        row = QHBoxLayout()
+        row.setSpacing(4)
+        row.addWidget(self.attach_button)
+        row.addWidget(self.mic_button)
+        row.addStretch(1)
+        row.addWidget(self.send_button)
         layout.addLayout(row)
 
     def set_busy(self, busy: bool) -> None:
@@ -162,5 +167,5 @@ class Composer(QFrame):
         # Grow the box with its text, up to a limit.
         if obj is self.edit and event.type() == QEvent.Type.KeyRelease:
             lines = self.edit.document().blockCount()
-            self.edit.setFixedHeight(min(200, max(64, 22 * lines + 20)))
+            self.edit.setFixedHeight(min(200, max(MIN_EDIT_HEIGHT, 22 * lines + 12)))
         return False

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 from app import tasks
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
 from app.chat import ChatController
 from app.qt import (
     emit,
+    QApplication,
+    QEvent,
+    QFileDialog,
+    QObject,
+    QTimer,
     QFrame,
     QHBoxLayout,
     QKeySequence,
@@ -26,9 +32,11 @@ from app.qt import (
     QWidget,
     Signal,
 )
+from app.model_facts import has_chat_template
 from app.store import HistoryStore
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
+from app.ui.adapters_menu import AdaptersMenu
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
 from app.ui.settings_panel import SettingsPanel
@@ -48,6 +56,7 @@ class MainWindow(QMainWindow):
         self.screenshot_path = os.environ.get("MLXDESK_SCREENSHOT", "")
         self.screenshot_chars = int(os.environ.get("MLXDESK_SCREENSHOT_CHARS", "60"))
         self._shot_for: int | None = None
+        self.browser: ModelBrowser | None = None
 
         self.sidebar = Sidebar(store)
         self.chat_view = ChatView()
@@ -82,6 +91,7 @@ class MainWindow(QMainWindow):
         self.settings.setMinimumWidth(260)
         self.setCentralWidget(split)
         self.statusBar().addPermanentWidget(self.gauge)
+        self._menus()
 
         # ---- wiring
         self.sidebar.new_requested.connect(self.new_chat)
@@ -91,6 +101,7 @@ class MainWindow(QMainWindow):
         self.composer.send_requested.connect(
             lambda text, att: tasks.spawn(self.chat.send(text, att))
         )
+        self.composer.send_requested.connect(lambda text, _att: self.check_memory(len(text) // 4))
         self.composer.stop_requested.connect(self.stop)
         self.composer.notice.connect(self.notify)
         self.chat.busy_changed.connect(self.composer.set_busy)
@@ -100,13 +111,16 @@ class MainWindow(QMainWindow):
         self.chat.reply_finished.connect(self._reply_finished)
         self.chat_view.repainted.connect(self._maybe_screenshot)
         self.settings.changed.connect(self._settings_changed)
+        self.settings.draft_requested.connect(self._pick_draft)
+        self.settings.draft_cleared.connect(lambda: tasks.spawn(self.set_draft_model(None)))
+        self.adapters_menu.changed.connect(lambda scales: tasks.spawn(self.choose_adapters(scales)))
+        self.adapters_menu.mount_requested.connect(self._pick_adapter)
+        self.adapters_menu.unmount_requested.connect(
+            lambda name: tasks.spawn(self.unmount_adapter(name)))
         bridge.memory.connect(self.gauge.update_figures)
         bridge.progress.connect(self._progress)
         tasks.set_reporter(self.notify)
-        QShortcut(QKeySequence.StandardKey.New, self, activated=self.new_chat)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
-        QShortcut(QKeySequence.StandardKey.Quit, self, activated=self.close)
-        QShortcut(QKeySequence("Ctrl+,"), self, activated=self.settings_toggle.toggle)
 
         recent = store.list_conversations()
         self.sidebar.reload(recent[0].id if recent else None)
@@ -115,6 +129,22 @@ class MainWindow(QMainWindow):
         else:
             self.new_chat()
         self.notify("Ready. Pick a model to start.")
+
+    def _menus(self) -> None:
+        bar = self.menuBar()
+        chat = bar.addMenu("&Chat")
+        chat.addAction("New chat", QKeySequence.StandardKey.New, self.new_chat)
+        chat.addAction("Stop reply (Esc)", self.stop)
+        chat.addSeparator()
+        chat.addAction("Settings", QKeySequence("Ctrl+,"), self.settings_toggle.toggle)
+        chat.addSeparator()
+        chat.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
+        model = bar.addMenu("&Model")
+        model.addAction("Models…", QKeySequence("Ctrl+L"), self.open_model_browser)
+        model.addAction("Draft model for speculative decoding…", self._pick_draft)
+        self.adapters_menu = AdaptersMenu(self)
+        bar.addMenu(self.adapters_menu)
+        self.adapters_menu.set_adapters([], {}, model_loaded=False)
 
     def _top_bar(self) -> QWidget:
         bar = QFrame(objectName="topBar")
@@ -133,6 +163,12 @@ class MainWindow(QMainWindow):
         self.cancel_load = QToolButton(text="Cancel", objectName="actionButton")
         self.cancel_load.setVisible(False)
         self.cancel_load.clicked.connect(lambda: self.bridge.cancel(self.bridge.active_load))
+        self.template_notice = QLabel("this model has no chat template: plain text continuation",
+                                      objectName="templateNotice")
+        self.template_notice.setToolTip(
+            "A base model: your messages are continued as plain text, not answered as a chat."
+        )
+        self.template_notice.setVisible(False)
         self.error_banner = QLabel("", objectName="errorBanner")
         self.error_banner.setWordWrap(True)
         self.error_banner.setVisible(False)
@@ -141,7 +177,8 @@ class MainWindow(QMainWindow):
         toggle.setCheckable(True)
         toggle.toggled.connect(self.settings.setVisible)
         self.settings_toggle = toggle
-        for w in (self.model_button, self.model_meta, self.load_bar, self.cancel_load):
+        for w in (self.model_button, self.model_meta, self.template_notice, self.load_bar,
+                  self.cancel_load):
             row.addWidget(w)
         row.addWidget(self.error_banner, 1)
         row.addWidget(toggle)
@@ -186,6 +223,9 @@ class MainWindow(QMainWindow):
             return
         self.chat.open(cid)
         self.settings.load(conv.system_prompt, conv.settings)
+        self.check_memory()
+        if self.bridge.model_info is not None:
+            tasks.spawn(self.apply_adapters())
 
     def _deleted(self, cid: int) -> None:
         self.bridge.drop_session(cid)
@@ -203,6 +243,7 @@ class MainWindow(QMainWindow):
             self.store.update_conversation(
                 self.chat.conversation_id, system_prompt=system_prompt, settings=settings
             )
+            self.check_memory()
 
     def stop(self) -> None:
         if self.chat.stop():
@@ -212,17 +253,36 @@ class MainWindow(QMainWindow):
 
     # ---- models --------------------------------------------------------------------------------
 
-    def open_model_browser(self) -> ModelBrowser:
+    def open_model_browser(self, first_run: bool = False) -> ModelBrowser:
         browser = ModelBrowser(self.bridge, parent=self)
         browser.load_requested.connect(lambda path: tasks.spawn(self.load_model(path)))
         browser.notice.connect(self.notify)
+        if first_run:
+            browser.show_recommended(first_run=True)
         browser.show()
         tasks.spawn(browser.refresh())
+        self.browser = browser
         return browser
 
-    async def load_model(self, path: str) -> bool:
+    async def offer_models_on_first_run(self) -> bool:
+        """With no model on disk, go straight to the browser's recommended downloads.
+        Returns whether the browser was opened."""
+        from engine.artifacts import hub  # the cache scan reads folders only: no mlx
+
+        try:
+            found = await run_in_thread(hub.scan_local_models, [])
+        except Exception:  # noqa: BLE001 - an unreadable cache counts as empty
+            found = []
+        if any(m.error is None for m in found):
+            return False
+        self.open_model_browser(first_run=True)
+        self.notify("No models yet: download a small one to start.")
+        return True
+
+    async def load_model(self, path: str, memory_budget: int | None = None) -> bool:
         name = Path(path).name
         self.error_banner.setVisible(False)
+        self.template_notice.setVisible(False)
         self.model_button.setText(f"Loading {name}…")
         self.model_button.setEnabled(False)
         self.load_bar.setRange(0, 0)
@@ -230,7 +290,7 @@ class MainWindow(QMainWindow):
         self.cancel_load.setVisible(True)
         self.notify(f"Loading {name}…")
         try:
-            info = await self.bridge.load_model(path)
+            info = await self.bridge.load_model(path, memory_budget)
         except (EngineRequestError, EngineUnavailable) as exc:
             self.model_button.setText("Select a model  ▾")
             self.show_error(f"Could not load {name}: {exc}")
@@ -241,6 +301,8 @@ class MainWindow(QMainWindow):
             self.load_bar.setVisible(False)
             self.cancel_load.setVisible(False)
         self.model_button.setText(f"{info.name}  ▾")
+        self.chat_view.empty_label.setText(
+            f"{info.name} is ready: say hello.\nEnter sends · Shift+Enter adds a line · Esc stops")
         self.setWindowTitle(f"MLX Desk — {info.name}")
         meta = [info.family, fmt_params(info.parameters), info.quantization,
                 f"{info.context_length:,} ctx"]
@@ -250,9 +312,98 @@ class MainWindow(QMainWindow):
         if conv is not None:
             self.settings.load(conv.system_prompt, conv.settings)
         self.gauge.set_plan(info.plan)
+        self.check_memory()
+        self.settings.set_draft(None)
+        await self.apply_adapters()
         self.composer.set_capabilities(info.vision, info.audio)
+        templated = await run_in_thread(has_chat_template, info)
+        self.template_notice.setVisible(not templated)
         self.notify(f"Loaded {info.name}.")
         emit(self.model_loaded, info)
+        return True
+
+    # ---- adapters and the draft model -----------------------------------------------------
+
+    def _show_adapters(self) -> None:
+        info = self.bridge.model_info
+        conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id \
+            else None
+        mounted = list(getattr(info, "adapters", None) or [])
+        chosen = conv.adapters if conv is not None else {}
+        self.adapters_menu.set_adapters(mounted, chosen, model_loaded=info is not None)
+
+    async def apply_adapters(self) -> None:
+        """Re-apply the open conversation's adapter choice to the loaded model."""
+        conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id \
+            else None
+        if conv is not None and self.bridge.model_info is not None and not self.chat.busy:
+            try:
+                await self.chat.apply_adapter_choice(conv.adapters)
+            except (EngineRequestError, EngineUnavailable) as exc:
+                self.show_error(f"Could not switch adapters: {exc}")
+        self._show_adapters()
+
+    async def choose_adapters(self, scales: dict[str, float]) -> None:
+        """The Adapters menu changed: remember it for this conversation, apply it now."""
+        if self.chat.conversation_id is None:
+            return
+        self.store.update_conversation(self.chat.conversation_id, adapters=dict(scales))
+        if self.chat.busy:
+            self.notify("The adapters change from the next reply on.")
+            return
+        await self.apply_adapters()
+        from app.ui.adapters_menu import fmt_adapters
+
+        self.notify(f"Adapters: {fmt_adapters(scales)}" if scales else "Adapters off.")
+
+    def _pick_adapter(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Mount an adapter folder")
+        if folder:
+            tasks.spawn(self.mount_adapter(folder))
+
+    async def mount_adapter(self, path: str, name: str | None = None) -> bool:
+        if self.bridge.model_info is None:
+            self.show_error("Load a model before mounting an adapter.")
+            return False
+        try:
+            adapter = await self.bridge.mount_adapter(path, name)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"Could not mount {Path(path).name}: {exc}")
+            return False
+        self._show_adapters()
+        self.notify(f"Mounted {adapter.name} ({adapter.kind}, rank {adapter.rank}, "
+                    f"{adapter.targets} layers): tick it in the Adapters menu to use it.")
+        return True
+
+    async def unmount_adapter(self, name: str) -> None:
+        if self.chat.busy:
+            self.notify("Stop the reply before unmounting an adapter.")
+            return
+        try:
+            await self.bridge.unmount_adapter(name)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"Could not unmount {name}: {exc}")
+            return
+        self._show_adapters()
+        self.notify(f"Unmounted {name}.")
+
+    def _pick_draft(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Choose a draft model folder")
+        if folder:
+            tasks.spawn(self.set_draft_model(folder))
+
+    async def set_draft_model(self, path: str | None) -> bool:
+        """Load (or, with None, unload) the draft model for speculative decoding."""
+        if self.bridge.model_info is None:
+            self.show_error("Load a model before choosing a draft model.")
+            return False
+        try:
+            draft = await self.bridge.load_draft_model(path)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"Could not use {Path(path).name} as the draft model: {exc}")
+            return False
+        self.settings.set_draft(draft.name if draft is not None else None)
+        self.notify(f"Draft model: {draft.name}" if draft is not None else "Draft model unloaded.")
         return True
 
     def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
@@ -262,13 +413,21 @@ class MainWindow(QMainWindow):
             if message:
                 self.notify(message)
 
-    def _reply_finished(self, message_id: int, result) -> None:
-        if result is not None:
-            used = result.stats.prompt_tokens + result.stats.generated_tokens
-            params_max = self.settings.values(everything=True).get("max_tokens", 512)
-            warning = self.gauge.check_context(used + params_max)
-            if warning:
+    def check_memory(self, extra_tokens: int = 0) -> str:
+        """Project the next reply of this conversation against the memory budget; the gauge
+        turns amber or red, and the warning goes to the status bar (red: the banner too)."""
+        max_tokens = int(self.settings.values(everything=True).get("max_tokens", 512))
+        before = self.gauge.level
+        warning = self.gauge.check_context(self.chat.context_tokens() + extra_tokens, max_tokens)
+        if warning and (self.gauge.level != before or extra_tokens):
+            if self.gauge.level == "red":
                 self.show_error(warning)
+            else:
+                self.notify(warning)
+        return warning
+
+    def _reply_finished(self, message_id: int, result) -> None:
+        self.check_memory()
         self._maybe_screenshot(final=True)
 
     def _maybe_screenshot(self, final: bool = False) -> None:
@@ -289,3 +448,27 @@ class MainWindow(QMainWindow):
         self.chat.stop()
         self.bridge.shutdown(5.0)
         super().closeEvent(event)
+
+
+class _FirstPaint(QObject):
+    """Resolves a future when a widget of ``window`` first paints (the window is up)."""
+
+    def __init__(self, window: QWidget, future: asyncio.Future):
+        super().__init__(window)
+        self.window, self.future = window, future
+
+    def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt override
+        if (event.type() == QEvent.Type.Paint and isinstance(obj, QWidget)
+                and obj.window() is self.window and not self.future.done()):
+            # Resolve after this paint has finished and been flushed to the screen.
+            QTimer.singleShot(0, lambda: self.future.done() or self.future.set_result(None))
+            QApplication.instance().removeEventFilter(self)
+        return False
+
+
+def first_paint(window: QWidget) -> asyncio.Future:
+    """A future that is done once ``window`` has been painted for the first time.
+    Call before ``show()``, with the asyncio loop (qasync) installed."""
+    future = asyncio.get_event_loop().create_future()
+    QApplication.instance().installEventFilter(_FirstPaint(window, future))
+    return future

@@ -1,8 +1,17 @@
-"""Always-visible memory gauge: weights | KV cache | other active | MLX cache, vs budget."""
+"""Always-visible memory gauge: weights | KV cache | other active | MLX cache, vs budget.
+
+Fed by the bridge's ``memory`` signal (MemoryEvent figures, live while generating)
+and by the loaded model's memory plan (weights, KV bytes per token, budget). It
+also projects the next reply: weights + KV per token × (context + max tokens). When
+that nears the budget the gauge turns amber, when it passes it red, and
+``check_context`` returns a warning for the status bar.
+"""
 
 from __future__ import annotations
 
-from app.qt import QColor, QHBoxLayout, QLabel, QPainter, QRectF, QSize, Qt, QWidget
+import os
+
+from app.qt import QColor, QHBoxLayout, QLabel, QPainter, QPen, QRectF, QSize, Qt, QWidget
 
 GB = 1024**3
 
@@ -12,6 +21,8 @@ SEGMENTS = (  # (key, colour, label)
     ("other", "#2bb5a0", "other active"),
     ("cache", "#9aa3b2", "MLX cache"),
 )
+LEVEL_COLOURS = {"ok": "", "amber": "#f5a524", "red": "#e5484d"}
+AMBER_AT = 0.85  # of the budget, for the projected need of the next reply
 
 
 def fmt_bytes(n: float) -> str:
@@ -22,38 +33,60 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 1024:.0f} KB"
 
 
+def machine_memory() -> int:
+    """Physical memory, known before the engine starts (0 where the OS will not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 class _Bar(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.parts: dict[str, float] = {}
         self.budget = 0.0
         self.peak = 0.0
-        self.warn = False
-        self.setFixedHeight(10)
-        self.setMinimumWidth(160)
+        self.projected = 0.0
+        self.level = "ok"
+        self.setFixedHeight(16)
+        self.setMinimumWidth(240)
 
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt override
-        return QSize(200, 10)
+        return QSize(280, 16)
 
     def paintEvent(self, _event) -> None:  # noqa: N802 - Qt override
         p = QPainter(self)
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
         r = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
-        p.setPen(Qt.PenStyle.NoPen)
-        p.setBrush(self.palette().mid().color().lighter(130))
-        p.drawRoundedRect(r, 4, 4)
+        warn = LEVEL_COLOURS[self.level]
+        track = self.palette().mid().color()
+        track.setAlpha(70)
+        p.setPen(QPen(QColor(warn), 1.5) if warn else Qt.PenStyle.NoPen)
+        p.setBrush(track)
+        p.drawRoundedRect(r, 5, 5)
         if self.budget > 0:
-            x = r.left()
+            inner = r.adjusted(1.5, 1.5, -1.5, -1.5)
+            x = inner.left()
+            p.setPen(Qt.PenStyle.NoPen)
             for key, colour, _ in SEGMENTS:
-                w = r.width() * min(1.0, self.parts.get(key, 0) / self.budget)
-                w = min(w, r.right() - x)
+                w = inner.width() * min(1.0, self.parts.get(key, 0) / self.budget)
+                w = min(w, inner.right() - x)
                 if w > 0:
-                    p.setBrush(QColor("#e5484d") if self.warn and key == "kv" else QColor(colour))
-                    p.drawRect(QRectF(x, r.top(), w, r.height()))
+                    p.setBrush(QColor(warn) if warn and key == "kv" else QColor(colour))
+                    # A sliver stays visible even when a small model is a speck of the budget.
+                    p.drawRoundedRect(QRectF(x, inner.top(), max(w, 3.0), inner.height()), 3, 3)
                     x += w
+            text = self.palette().text().color()
             if self.peak:
-                px = r.left() + r.width() * min(1.0, self.peak / self.budget)
-                p.setPen(self.palette().text().color())
+                px = inner.left() + inner.width() * min(1.0, self.peak / self.budget)
+                p.setPen(QPen(text, 1.5))
+                p.drawLine(int(px), int(r.top()), int(px), int(r.bottom()))
+            if self.projected:
+                # Where the next reply would take memory: a dashed tick.
+                px = inner.left() + inner.width() * min(1.0, self.projected / self.budget)
+                pen = QPen(QColor(warn) if warn else text, 1.5, Qt.PenStyle.DotLine)
+                p.setPen(pen)
                 p.drawLine(int(px), int(r.top()), int(px), int(r.bottom()))
         p.end()
 
@@ -65,16 +98,21 @@ class MemoryGauge(QWidget):
         super().__init__(parent)
         self.setObjectName("memoryGauge")
         layout = QHBoxLayout(self)
-        layout.setContentsMargins(8, 0, 8, 0)
+        layout.setContentsMargins(8, 2, 8, 2)
         layout.setSpacing(8)
         layout.addWidget(QLabel("Memory", objectName="gaugeTitle"))
         self.bar = _Bar()
         layout.addWidget(self.bar)
-        self.label = QLabel("no model loaded", objectName="gaugeText")
+        self.label = QLabel("", objectName="gaugeText")
         layout.addWidget(self.label)
-        self.figures: dict[str, int] = {}
+        total = machine_memory()
+        self.figures: dict[str, int] = {"total_bytes": total} if total else {}
         self.kv_per_token = 0
+        self.context_tokens = 0
+        self.max_tokens = 0
+        self.level = "ok"
         self.warning = ""
+        self.update_figures({})
 
     def set_plan(self, plan) -> None:
         """Take weights, KV bytes per token, budget and machine total from a MemoryPlan."""
@@ -82,46 +120,71 @@ class MemoryGauge(QWidget):
             return
         self.kv_per_token = plan.kv_bytes_per_token
         self.update_figures({
-            **self.figures, "weights_bytes": plan.weights_bytes,
+            "weights_bytes": plan.weights_bytes,
             "budget_bytes": plan.budget_bytes, "total_bytes": plan.total_bytes,
         })
 
     def update_figures(self, figures: dict) -> None:
-        self.figures = {**self.figures, **figures}
+        # A zero from a MemoryEvent sent before a load must not erase the plan's figures.
+        self.figures = {**self.figures, **{k: v for k, v in figures.items()
+                                           if v or k in ("kv_bytes", "active_bytes")}}
         f = self.figures
         active, weights, kv = f.get("active_bytes", 0), f.get("weights_bytes", 0), f.get("kv_bytes", 0)
-        budget = f.get("budget_bytes") or f.get("total_bytes") or 0
+        cache, peak, total = f.get("cache_bytes", 0), f.get("peak_bytes", 0), f.get("total_bytes", 0)
+        budget = f.get("budget_bytes") or 0
         self.bar.budget = budget
-        self.bar.peak = f.get("peak_bytes", 0)
-        self.bar.parts = {
-            "weights": weights, "kv": kv,
-            "other": max(0, active - weights - kv), "cache": f.get("cache_bytes", 0),
-        }
+        self.bar.peak = peak
+        self.bar.projected = self.projected_need() if self.kv_per_token else 0
+        self.bar.parts = {"weights": weights, "kv": kv,
+                          "other": max(0, active - weights - kv), "cache": cache}
         used = max(active, weights + kv)
-        self.label.setText(f"{fmt_bytes(used)} / {fmt_bytes(budget)}" if budget else "—")
-        self.setToolTip("\n".join([
-            f"MLX active: {fmt_bytes(active)}",
-            f"MLX cache: {fmt_bytes(f.get('cache_bytes', 0))}",
-            f"Peak: {fmt_bytes(f.get('peak_bytes', 0))}",
-            f"Weights: {fmt_bytes(weights)}",
-            f"KV cache: {fmt_bytes(kv)}",
-            f"Budget: {fmt_bytes(budget)}",
-            f"Machine: {fmt_bytes(f.get('total_bytes', 0))}",
-        ] + ([self.warning] if self.warning else [])))
+        if budget:
+            self.label.setText(f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)}  ·  "
+                               f"{fmt_bytes(used)} of {fmt_bytes(budget)}")
+        else:
+            self.label.setText(f"no model  ·  {fmt_bytes(total)} machine" if total else "no model")
+        lines = [
+            f"MLX active: {fmt_bytes(active)}  (weights {fmt_bytes(weights)}, "
+            f"KV cache {fmt_bytes(kv)}, other {fmt_bytes(max(0, active - weights - kv))})",
+            f"MLX cache: {fmt_bytes(cache)}",
+            f"Peak: {fmt_bytes(peak)}",
+            f"Budget: {fmt_bytes(budget)}" if budget else "Budget: set when a model loads",
+            f"Machine: {fmt_bytes(total)}",
+        ]
+        if self.kv_per_token:
+            lines.append(f"KV per token: {fmt_bytes(self.kv_per_token)}; next reply "
+                         f"({self.context_tokens:,} + {self.max_tokens:,} tokens) needs about "
+                         f"{fmt_bytes(self.projected_need())}")
+        if self.warning:
+            lines.append(self.warning)
+        self.setToolTip("\n".join(lines))
         self.bar.update()
 
-    def check_context(self, context_tokens: int) -> str:
-        """Warn when a conversation of this many tokens would overflow the budget."""
+    def projected_need(self) -> int:
         f = self.figures
-        budget = f.get("budget_bytes", 0)
-        need = f.get("weights_bytes", 0) + self.kv_per_token * context_tokens
-        warn = bool(budget and self.kv_per_token and need > 0.9 * budget)
-        self.warning = (
-            f"This conversation needs about {fmt_bytes(need)}, near the {fmt_bytes(budget)} "
-            "budget: start a new chat or load a smaller model." if warn else ""
-        )
-        self.bar.warn = warn
-        self.label.setProperty("warn", "true" if warn else "false")
+        return f.get("weights_bytes", 0) + self.kv_per_token * (self.context_tokens + self.max_tokens)
+
+    def check_context(self, context_tokens: int, max_tokens: int = 0) -> str:
+        """Project the next reply (``context_tokens`` so far plus up to ``max_tokens``) against
+        the budget. Sets the level ("ok", "amber", "red"); returns a warning line or ""."""
+        self.context_tokens, self.max_tokens = max(0, context_tokens), max(0, max_tokens)
+        budget = self.figures.get("budget_bytes", 0)
+        need = self.projected_need()
+        level = "ok"
+        if budget and self.kv_per_token:
+            level = "red" if need > budget else "amber" if need > AMBER_AT * budget else "ok"
+        self.level = self.bar.level = level
+        tokens = self.context_tokens + self.max_tokens
+        if level == "red":
+            self.warning = (f"The next reply may not fit in memory: {tokens:,} tokens need about "
+                            f"{fmt_bytes(need)}, over the {fmt_bytes(budget)} budget. Start a new "
+                            "chat, lower Max tokens or load a smaller model.")
+        elif level == "amber":
+            self.warning = (f"This conversation is nearing the memory budget: {tokens:,} tokens "
+                            f"need about {fmt_bytes(need)} of {fmt_bytes(budget)}.")
+        else:
+            self.warning = ""
+        self.label.setProperty("level", level)
         self.label.style().unpolish(self.label)
         self.label.style().polish(self.label)
         self.update_figures({})

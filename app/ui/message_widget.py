@@ -77,6 +77,7 @@ class MessageWidget(QFrame):
         self.dark = dark
         self.content = ""
         self.reasoning = ""
+        self.adapters: dict[str, float] = {}
         self._rendered: list[Block] = []
         self.setObjectName("userMessage" if role == "user" else "assistantMessage")
 
@@ -102,7 +103,11 @@ class MessageWidget(QFrame):
 
         self.bubble = QFrame(objectName="bubble")
         self.body = QVBoxLayout(self.bubble)
-        self.body.setContentsMargins(14, 10, 14, 10)
+        # A user's words sit in a bubble; a reply is plain text aligned with its name and footer.
+        if role == "user":
+            self.body.setContentsMargins(14, 10, 14, 10)
+        else:
+            self.body.setContentsMargins(0, 0, 0, 0)
         self.body.setSpacing(8)
         outer.addWidget(self.bubble)
         if role == "user":
@@ -192,19 +197,43 @@ class MessageWidget(QFrame):
             Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow
         )
 
-    def set_stats(self, stats: dict, status: str = "complete") -> None:
-        parts = []
+    def set_stats(self, stats: dict, status: str = "complete",
+                  adapters: dict[str, float] | None = None) -> None:
+        parts, details = [], []
         if stats.get("generated_tokens"):
             parts.append(f"{stats['generated_tokens']} tokens")
         if stats.get("generation_tps"):
             parts.append(f"{stats['generation_tps']:.1f} tok/s")
         if stats.get("time_to_first_token"):
             parts.append(f"TTFT {stats['time_to_first_token'] * 1000:.0f} ms")
+        if stats.get("draft_tokens"):
+            rate = stats.get("accepted_draft_tokens", 0) / stats["draft_tokens"]
+            parts.append(f"accepted {rate:.0%}")
+            if stats.get("speedup"):
+                parts.append(f"×{stats['speedup']:.2f} speed")
+            method = {"ngram": "n-gram lookup", "draft": "a draft model"}.get(
+                stats.get("speculative", ""), "speculative decoding")
+            details.append(
+                f"Speculative decoding with {method}: {stats.get('accepted_draft_tokens', 0)} of "
+                f"{stats['draft_tokens']} drafted tokens accepted ({rate:.0%})"
+                + (f", {stats['speedup']:.2f}× the plain decoding speed" if stats.get("speedup")
+                   else "; speed-up shows once a plain reply of this model has been timed")
+            )
+        if adapters:
+            from app.ui.adapters_menu import fmt_adapters
+
+            parts.append(f"adapters: {fmt_adapters(adapters)}")
+            details.append(f"Written with adapters {fmt_adapters(adapters)}")
+        if stats.get("cached_tokens"):
+            details.append(f"{stats['cached_tokens']} of {stats.get('prompt_tokens', 0)} prompt "
+                           "tokens reused from the cache")
         if status in ("cancelled", "interrupted"):
             parts.append("stopped")
         elif status == "error":
             parts.append("failed")
+        self.adapters = dict(adapters or {})
         self.stats_label.setText("  ·  ".join(parts))
+        self.stats_label.setToolTip("\n".join(details))
 
     def set_versions(self, index: int, count: int) -> None:
         """Show ‹ index/count › when a message has more than one version."""

@@ -18,6 +18,7 @@ from app.qt import (
     QMessageBox,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QTableWidget,
     QTableWidgetItem,
     QTabWidget,
@@ -26,6 +27,7 @@ from app.qt import (
     Signal,
 )
 from app.tasks import spawn
+from app.recommended import recommended_models
 from app.ui.memory_gauge import fmt_bytes
 
 COLUMNS = ["Model", "Family", "Params", "Quant", "Size", "Context", "Fits"]
@@ -56,6 +58,8 @@ class ModelBrowser(QDialog):
     load_requested = Signal(str)  # model path
     notice = Signal(str)
     refreshed = Signal()
+    searched = Signal(int)  # number of hub results shown
+    downloaded = Signal(str)  # repo id, once its files are all in the cache
     _download_progress = Signal(float, float)  # from the download thread
 
     def __init__(self, bridge: EngineBridge, extra_dirs: list[str] | None = None,
@@ -68,6 +72,8 @@ class ModelBrowser(QDialog):
         self.extra_dirs = list(extra_dirs or [])
         self.local: list[tuple[Any, Any]] = []  # (LocalModel, ModelInfo | None)
         self._cancel_download: threading.Event | None = None
+        # The Hub to talk to; None means huggingface_hub's default (HF_ENDPOINT or the real one).
+        self.endpoint: str | None = None
         layout = QVBoxLayout(self)
         tabs = QTabWidget()
         layout.addWidget(tabs)
@@ -106,12 +112,18 @@ class ModelBrowser(QDialog):
         self.query.returnPressed.connect(lambda: spawn(self.search()))
         srow.addWidget(self.query, 1)
         hv.addLayout(srow)
+        self.results_title = QLabel("", objectName="fieldTitle")
+        hv.addWidget(self.results_title)
         self.results = QTableWidget(0, 3)
-        self.results.setHorizontalHeaderLabels(["Repository", "Downloads", "Updated"])
-        self.results.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.results.setHorizontalHeaderLabels(["Repository", "Size", "About"])
+        header = self.results.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
         self.results.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.results.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.results.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.results.verticalHeader().setVisible(False)
+        self.results.doubleClicked.connect(lambda _: self._download_selected())
         hv.addWidget(self.results)
         drow = QHBoxLayout()
         self.progress = QProgressBar()
@@ -122,13 +134,16 @@ class ModelBrowser(QDialog):
         self.cancel_button.clicked.connect(self.cancel_download)
         self.download_button = QPushButton("Download", objectName="primaryButton")
         self.download_button.clicked.connect(self._download_selected)
+        self.download_button.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
         drow.addWidget(self.download_label)
         drow.addWidget(self.progress, 1)
         drow.addWidget(self.cancel_button)
         drow.addWidget(self.download_button)
         hv.addLayout(drow)
         tabs.addTab(hub, "Download")
+        self.tabs = tabs
         self._download_progress.connect(self._show_progress)
+        self.show_recommended()
 
     # ---- local models ------------------------------------------------------------------
 
@@ -183,15 +198,23 @@ class ModelBrowser(QDialog):
     def _delete_selected(self) -> None:
         row = self.table.currentRow()
         if not 0 <= row < len(self.local):
+            emit(self.notice, "Select a model to delete.")
             return
         model = self.local[row][0]
         if not model.repo_id:
             emit(self.notice, f"{model.name} is a folder you added: remove it with your file manager.")
             return
-        if QMessageBox.question(self, "Delete model", f"Delete {model.repo_id} from disk?") != \
-                QMessageBox.StandardButton.Yes:
+        if self.bridge.model_info is not None and self.bridge.model_info.path == str(model.path):
+            emit(self.notice, f"{model.repo_id} is loaded: load another model before deleting it.")
             return
-        spawn(self.delete(model.repo_id))
+        box = QMessageBox(QMessageBox.Icon.Warning, "Delete model",
+                          f"Delete {model.repo_id} ({fmt_bytes(model.size_on_disk)}) from disk?",
+                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No, self)
+        box.setObjectName("confirmDelete")
+        box.setInformativeText("You can download it again later.")
+        box.setDefaultButton(QMessageBox.StandardButton.No)
+        if box.exec() == QMessageBox.StandardButton.Yes:
+            spawn(self.delete(model.repo_id))
 
     async def delete(self, repo_id: str) -> None:
         try:
@@ -204,20 +227,45 @@ class ModelBrowser(QDialog):
 
     # ---- hub -------------------------------------------------------------------------------
 
+    def show_recommended(self, first_run: bool = False) -> None:
+        """Offer the small models a new user should start with (default first, selected)."""
+        picks = recommended_models()
+        self.results_title.setText(
+            "No models on this computer yet. Download a small one to start:" if first_run
+            else "Recommended to start with:"
+        )
+        self._fill_results([(m.repo_id, f"≈ {fmt_bytes(m.approx_size_bytes)}"
+                             if m.approx_size_bytes else "—", m.why) for m in picks])
+        if first_run:
+            self.tabs.setCurrentIndex(1)
+        self.results.selectRow(0)
+
+    def _fill_results(self, rows: list[tuple[str, str, str]]) -> None:
+        self.results.setRowCount(len(rows))
+        for r, cells in enumerate(rows):
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setToolTip(text)
+                self.results.setItem(r, c, item)
+
     async def search(self) -> None:
         query = self.query.text().strip()
+        if not query:
+            self.show_recommended()
+            return
         try:
-            found = await run_in_thread(_hub().search_hub, query, 50)
+            found = await run_in_thread(_hub().search_hub, query, 50, endpoint=self.endpoint)
         except Exception as exc:  # noqa: BLE001 - shown to the user
             emit(self.notice, f"Hub search failed: {exc}")
             return
-        self.results.setRowCount(len(found))
-        for r, hit in enumerate(found):
-            repo = getattr(hit, "repo_id", None) or getattr(hit, "id", str(hit))
-            cells = [repo, str(getattr(hit, "downloads", "") or ""),
-                     str(getattr(hit, "last_modified", "") or "")[:10]]
-            for c, text in enumerate(cells):
-                self.results.setItem(r, c, QTableWidgetItem(text))
+        self.results_title.setText(f"{len(found)} models on the Hub match “{query}”:")
+        self._fill_results([
+            (hit.repo_id, "—", "  ·  ".join(
+                part for part in (hit.library or "", f"{hit.downloads:,} downloads",
+                                  (hit.last_modified or "")[:10]) if part))
+            for hit in found
+        ])
+        emit(self.searched, len(found))
 
     def _download_selected(self) -> None:
         item = self.results.item(self.results.currentRow(), 0)
@@ -237,7 +285,8 @@ class ModelBrowser(QDialog):
             emit(self._download_progress, float(done), float(total))
 
         try:
-            path = await run_in_thread(_hub().download, repo_id, progress=progress, cancel=cancel)
+            path = await run_in_thread(_hub().download, repo_id, progress=progress, cancel=cancel,
+                                       endpoint=self.endpoint)
         except Exception as exc:  # noqa: BLE001 - shown to the user
             emit(self.notice, 
                 f"Download of {repo_id} stopped; run it again to resume." if cancel.is_set()
@@ -251,6 +300,11 @@ class ModelBrowser(QDialog):
             self.download_label.setText("")
         emit(self.notice, f"Downloaded {repo_id}")
         await self.refresh()
+        self.tabs.setCurrentIndex(0)
+        for row, (model, _) in enumerate(self.local):
+            if model.repo_id == repo_id:
+                self.table.selectRow(row)
+        emit(self.downloaded, repo_id)
         return str(path)
 
     def cancel_download(self) -> None:

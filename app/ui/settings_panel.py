@@ -38,8 +38,13 @@ FIELDS: dict[str, tuple] = {
 }
 
 
+SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft"))
+
+
 class SettingsPanel(QFrame):
     changed = Signal(str, dict)  # system prompt, settings (only values the user set)
+    draft_requested = Signal()  # "Choose…": pick a draft model folder
+    draft_cleared = Signal()
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
@@ -88,6 +93,33 @@ class SettingsPanel(QFrame):
         self.stop_edit.textChanged.connect(self._emit)
         form.addRow("Stop strings", self.stop_edit)
         layout.addLayout(form)
+
+        layout.addWidget(QLabel("Speculative decoding", objectName="fieldTitle"))
+        self.speculative_box = QComboBox(objectName="speculativeBox")
+        for label, _ in SPECULATIVE:
+            self.speculative_box.addItem(label)
+        self.speculative_box.setToolTip(
+            "Guess several tokens ahead and check them in one pass: same output, often faster.\n"
+            "N-gram lookup reuses text from the conversation; a draft model is a small model\n"
+            "with the same vocabulary."
+        )
+        self.speculative_box.currentIndexChanged.connect(self._emit)
+        layout.addWidget(self.speculative_box)
+        drow = QHBoxLayout()
+        self.draft_label = QLabel("No draft model", objectName="draftLabel")
+        self.draft_label.setWordWrap(True)
+        pick = QPushButton("Choose…", objectName="draftPick")
+        pick.setToolTip("Pick the draft model's folder (or .gguf file)")
+        pick.clicked.connect(self.draft_requested)
+        self.draft_clear = QPushButton("✕", objectName="draftClear")
+        self.draft_clear.setToolTip("Unload the draft model")
+        self.draft_clear.clicked.connect(self.draft_cleared)
+        self.draft_clear.setVisible(False)
+        drow.addWidget(self.draft_label, 1)
+        drow.addWidget(pick)
+        drow.addWidget(self.draft_clear)
+        layout.addLayout(drow)
+
         reset = QPushButton("Reset to model defaults")
         reset.clicked.connect(lambda: self.load(self.system_edit.toPlainText(), {}))
         layout.addWidget(reset)
@@ -108,6 +140,9 @@ class SettingsPanel(QFrame):
             value = settings.get(key, self.defaults.get(key, FIELDS[key][5]))
             box.setValue(-1 if value is None and key == "seed" else value)
         self.stop_edit.setText(", ".join(settings.get("stop_strings", [])))
+        modes = [mode for _, mode in SPECULATIVE]
+        spec = settings.get("speculative")
+        self.speculative_box.setCurrentIndex(modes.index(spec) if spec in modes else 0)
         self._loading = False
         if settings == {}:
             self._emit()
@@ -128,7 +163,15 @@ class SettingsPanel(QFrame):
         stops = [s.strip() for s in self.stop_edit.text().split(",") if s.strip()]
         if stops:
             out["stop_strings"] = stops
+        spec = SPECULATIVE[max(0, self.speculative_box.currentIndex())][1]
+        if spec:
+            out["speculative"] = spec
         return out
+
+    def set_draft(self, name: str | None) -> None:
+        """Show which draft model is loaded (None: none)."""
+        self.draft_label.setText(f"Draft: {name}" if name else "No draft model")
+        self.draft_clear.setVisible(bool(name))
 
     def _emit(self, *_args) -> None:
         if not self._loading:

@@ -244,3 +244,105 @@ def test_export(qtbot, make_window, run_async, tiny_model, tmp_path, fmt):
     rows = db.execute("SELECT id, conversation_id, role, content, created_at FROM messages").fetchall()
     db.close()
     assert [r[2] for r in rows] == ["user", "assistant"]
+
+
+def _hold_the_worker(qtbot, window):
+    """Keep the worker busy with a long generation (on a session no chat shows), so a
+    load queued behind it stays "loading" until the returned function stops it."""
+    from app.tasks import spawn
+    from engine import api
+
+    started: list[int] = []
+    window.bridge.token.connect(lambda rid, *_: started.append(rid))
+    hold = spawn(window.bridge.generate(
+        "hold", [{"role": "user", "content": "go on"}],
+        api.GenerationParams(max_tokens=100_000, ignore_eos=True),
+    ))
+    qtbot.waitUntil(lambda: bool(started), timeout=30_000)
+    rid = started[0]
+
+    def release():
+        window.bridge.cancel(rid)
+        qtbot.waitUntil(hold.done, timeout=30_000)
+
+    return release
+
+
+def test_send_while_the_model_loads_waits_for_it(qtbot, make_window, run_async, tiny_model,
+                                                 tmp_path):
+    import shutil
+
+    from app.tasks import spawn
+
+    window = make_window()
+    _load(window, run_async, tiny_model)
+    other = shutil.copytree(tiny_model, tmp_path / "tiny-llama-next")
+    release = _hold_the_worker(qtbot, window)
+    loading = spawn(window.load_model(str(other)))
+    qtbot.waitUntil(lambda: window.bridge.loading, timeout=10_000)
+    _configure(window)
+    failures: list[str] = []
+    window.chat.failed.connect(failures.append)
+    statuses: list[str] = []
+    window.chat.status.connect(statuses.append)
+    window.composer.edit.setPlainText("are you there yet?")
+    window.composer.send_button.click()
+    qtbot.waitUntil(lambda: window.chat.busy, timeout=10_000)
+    assert window.composer.send_button.text() == "Stop"
+    assert any("Waiting for the model" in s for s in statuses)
+    assert window.bridge.loading  # still queued behind the held generation
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000) as blocker:
+        release()
+    _, result = blocker.args
+    assert loading.done() and loading.result() is True
+    assert failures == []
+    assert result.finish_reason in ("stop", "length") and result.stats.generated_tokens >= 1
+    thread = window.store.thread(window.chat.conversation_id)
+    assert [(m.role, m.status) for m in thread] == [("user", "complete"), ("assistant", "complete")]
+    assert thread[1].model == "tiny-llama-next"  # answered by the model that was loading
+
+
+def test_stop_while_waiting_for_the_model_keeps_the_message(qtbot, make_window, run_async,
+                                                             tiny_model):
+    from app.tasks import spawn
+
+    window = make_window()
+    _load(window, run_async, tiny_model)
+    release = _hold_the_worker(qtbot, window)
+    loading = spawn(window.load_model(str(tiny_model)))
+    qtbot.waitUntil(lambda: window.bridge.loading, timeout=10_000)
+    window.composer.edit.setPlainText("never mind")
+    window.composer.send_button.click()
+    qtbot.waitUntil(lambda: window.chat.busy, timeout=10_000)
+    with qtbot.wait_signal(window.chat.busy_changed, timeout=10_000) as blocker:
+        qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    assert blocker.args == [False]
+    assert window.bridge.loading  # Esc stopped the wait, not the load
+    release()
+    qtbot.waitUntil(loading.done, timeout=60_000)
+    assert loading.result() is True
+    thread = window.store.thread(window.chat.conversation_id)
+    assert [m.content for m in thread] == ["never mind"]
+
+
+def test_live_footer_shows_tokens_speed_and_elapsed(qtbot, make_window, run_async, tiny_model):
+    import re
+
+    window = make_window()
+    _load(window, run_async, tiny_model)
+    _configure(window, max_tokens=80, ignore_eos=True)
+    footers: list[str] = []
+    window.chat_view.repainted.connect(
+        lambda: footers.append(window.chat_view.streaming.stats_label.text())
+    )
+    message_id, result = _type_and_send(qtbot, window, "count for me")
+    live = [re.fullmatch(r"(\d+) tokens  ·  ([\d.]+) tok/s  ·  ([\d.]+) s", f) for f in footers]
+    live = [m for m in live if m]
+    assert live, footers
+    counts = [int(m.group(1)) for m in live]
+    assert counts == sorted(counts) and counts[-1] <= result.stats.generated_tokens
+    assert all(float(m.group(2)) > 0 for m in live)
+    assert "Generating" not in " ".join(footers)
+    # Once done, the footer holds the final figures.
+    final = window.chat_view.widgets[message_id].stats_label.text()
+    assert final.startswith(f"{result.stats.generated_tokens} tokens") and "TTFT" in final

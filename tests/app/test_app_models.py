@@ -64,3 +64,94 @@ def test_browser_lists_cached_model_with_fit_and_loads_it(
         browser.load_button.click()
     assert blocker.args[0].family == "llama"
     assert "tiny" in window.windowTitle()
+
+
+def test_first_run_without_models_offers_recommended_downloads(
+    qtbot, make_window, run_async, tmp_path, monkeypatch
+):
+    from app.recommended import BUILT_IN, recommended_models
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    window = make_window()
+    assert run_async(window.offer_models_on_first_run()) is True
+    browser = window.browser
+    qtbot.waitUntil(browser.isVisible)
+    assert browser.tabs.currentIndex() == 1  # the Download tab
+    assert "No models on this computer yet" in browser.results_title.text()
+    shown = [browser.results.item(r, 0).text() for r in range(browser.results.rowCount())]
+    picks = recommended_models()
+    assert shown == [m.repo_id for m in picks]
+    assert browser.results.currentRow() == 0  # the default is selected: one click to download
+    assert browser.results.item(0, 1).text().startswith("≈ ")  # an approximate size
+    with qtbot.wait_signal(browser.refreshed, timeout=30_000):
+        pass
+    browser.close()
+
+    # Without a recommended_models.json the built-in short list is offered.
+    import app.recommended
+
+    monkeypatch.setattr(app.recommended, "resource_path", lambda name: tmp_path / "none" / name)
+    assert [m.repo_id for m in recommended_models()] == [m.repo_id for m in BUILT_IN]
+    assert BUILT_IN[0].repo_id == "mlx-community/Qwen3-0.6B-4bit"
+
+
+def test_first_run_with_a_cached_model_stays_in_the_chat(
+    qtbot, make_window, run_async, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_CACHE", str(make_hf_cache(tmp_path / "hf", "org/tiny")))
+    window = make_window()
+    assert run_async(window.offer_models_on_first_run()) is False
+    assert window.browser is None
+
+
+def test_recommended_list_file_puts_its_default_first(tmp_path, monkeypatch):
+    import json
+
+    import app.recommended
+
+    (tmp_path / "recommended_models.json").write_text(json.dumps({
+        "default": "org/b",
+        "models": [{"repo_id": "org/a", "approx_size_bytes": 1_000_000, "why": "small"},
+                   {"repo_id": "org/b", "approx_size_bytes": 2_000_000}],
+    }))
+    monkeypatch.setattr(app.recommended, "resource_path", lambda name: tmp_path / name)
+    picks = app.recommended.recommended_models()
+    assert [(m.repo_id, m.approx_size_bytes, m.why) for m in picks] == [
+        ("org/b", 2_000_000, ""), ("org/a", 1_000_000, "small")]
+
+
+def test_base_model_without_chat_template_shows_a_notice(qtbot, make_window, run_async,
+                                                          shared_data, tiny_model):
+    """stories260K (../shared/data/tiny_llm) is a base model: no chat template."""
+    window = make_window()
+    assert run_async(window.load_model(str(tiny_model)))
+    assert not window.template_notice.isVisible()
+    assert run_async(window.load_model(str(shared_data / "tiny_llm" / "stories260K.gguf")))
+    assert window.template_notice.isVisible()
+    assert window.template_notice.text() == ("this model has no chat template: "
+                                             "plain text continuation")
+    assert run_async(window.load_model(str(tiny_model)))
+    assert not window.template_notice.isVisible()
+
+
+def test_chat_template_found_in_each_place_a_folder_keeps_it(tmp_path, tiny_model):
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from app.model_facts import has_chat_template
+
+    folder = shutil.copytree(tiny_model, tmp_path / "m")
+    info = SimpleNamespace(path=str(folder))
+    assert has_chat_template(info)  # tokenizer_config.json's chat_template
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not has_chat_template(info)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert has_chat_template(info)
+    (folder / "chat_template.json").unlink()
+    (folder / "chat_template.jinja").write_text(template)
+    assert has_chat_template(info)
+    assert has_chat_template(SimpleNamespace(path=str(tmp_path / "x"), chat_template="{{ x }}"))
+    assert not has_chat_template(SimpleNamespace(path=str(folder), chat_template=""))

@@ -150,3 +150,39 @@ def test_sigkill_mid_reply_leaves_readable_history(tmp_path, tiny_model):
     reply = s.thread(s.list_conversations()[0].id)[-1]
     assert reply.status == "interrupted" and reply.content == rows[1][1]
     s.close()
+
+
+def test_adapters_per_conversation_and_per_reply_and_older_histories(tmp_path):
+    import sqlite3
+
+    from app.store import HistoryStore
+
+    store = HistoryStore(tmp_path / "d")
+    cid = store.create_conversation()
+    store.update_conversation(cid, adapters={"alpha": 0.5})
+    user = store.add_message(cid, "user", "hi", None)
+    reply = store.add_message(cid, "assistant", "", user, adapters={"alpha": 0.5})
+    store.update_message(reply, content="yo", adapters={"alpha": 0.5, "beta": 1.0})
+    assert store.conversation(cid).adapters == {"alpha": 0.5}
+    assert store.message(reply).adapters == {"alpha": 0.5, "beta": 1.0}
+    assert store.export_json(cid)["messages"][1]["adapters"] == {"alpha": 0.5, "beta": 1.0}
+    store.close()
+
+    # A history from before the conversations.adapters column: migrated on open.
+    old = tmp_path / "old"
+    old.mkdir()
+    db = sqlite3.connect(old / "history.sqlite3")
+    db.executescript(
+        "CREATE TABLE conversations (id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL"
+        " DEFAULT 'New chat', system_prompt TEXT NOT NULL DEFAULT '', settings TEXT NOT NULL"
+        " DEFAULT '{}', model TEXT NOT NULL DEFAULT '', leaf_id INTEGER, created_at REAL NOT NULL,"
+        " updated_at REAL NOT NULL);"
+        "INSERT INTO conversations (title, created_at, updated_at) VALUES ('old chat', 1, 1);"
+    )
+    db.close()
+    store = HistoryStore(old)
+    [conv] = store.list_conversations()
+    assert conv.title == "old chat" and conv.adapters == {}
+    store.update_conversation(conv.id, adapters={"gamma": 2.0})
+    assert store.conversation(conv.id).adapters == {"gamma": 2.0}
+    store.close()

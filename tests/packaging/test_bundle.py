@@ -94,9 +94,9 @@ def test_bundle_carries_what_the_app_loads(bundle: Path) -> None:
         "PySide6/Qt/plugins/imageformats/libqjpeg.so",
         "PySide6/Qt/plugins/imageformats/libqwebp.so",
         "PySide6/Qt/plugins/iconengines/libqsvgicon.so",
-        "resources/icons/mlx-desk.svg",
-        "resources/style.qss",
-        "resources/recommended_models.json",
+        "app/resources/icons/mlx-desk.svg",
+        "app/resources/style.qss",
+        "app/resources/recommended_models.json",
     ]
     missing = [p for p in must_have if not (internal / p).exists()]
     assert not missing, f"missing from the bundle: {missing}"
