@@ -168,6 +168,7 @@ class ModelInfo:
     plan: MemoryPlan | None = None
     vision: bool = False
     audio: bool = False
+    chat_template: bool = True  # False: a base model, prompted as plain running text
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order
     active_adapters: dict[str, float] = field(default_factory=dict)  # name -> scale

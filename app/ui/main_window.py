@@ -32,7 +32,6 @@ from app.qt import (
     QWidget,
     Signal,
 )
-from app.model_facts import has_chat_template
 from app.store import HistoryStore
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
@@ -316,8 +315,7 @@ class MainWindow(QMainWindow):
         self.settings.set_draft(None)
         await self.apply_adapters()
         self.composer.set_capabilities(info.vision, info.audio)
-        templated = await run_in_thread(has_chat_template, info)
-        self.template_notice.setVisible(not templated)
+        self.template_notice.setVisible(not info.chat_template)
         self.notify(f"Loaded {info.name}.")
         emit(self.model_loaded, info)
         return True

@@ -133,25 +133,3 @@ def test_base_model_without_chat_template_shows_a_notice(qtbot, make_window, run
     assert run_async(window.load_model(str(tiny_model)))
     assert not window.template_notice.isVisible()
 
-
-def test_chat_template_found_in_each_place_a_folder_keeps_it(tmp_path, tiny_model):
-    import json
-    import shutil
-    from types import SimpleNamespace
-
-    from app.model_facts import has_chat_template
-
-    folder = shutil.copytree(tiny_model, tmp_path / "m")
-    info = SimpleNamespace(path=str(folder))
-    assert has_chat_template(info)  # tokenizer_config.json's chat_template
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    template = config.pop("chat_template")
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    assert not has_chat_template(info)
-    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
-    assert has_chat_template(info)
-    (folder / "chat_template.json").unlink()
-    (folder / "chat_template.jinja").write_text(template)
-    assert has_chat_template(info)
-    assert has_chat_template(SimpleNamespace(path=str(tmp_path / "x"), chat_template="{{ x }}"))
-    assert not has_chat_template(SimpleNamespace(path=str(folder), chat_template=""))
