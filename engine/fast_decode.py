@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from .adapters import active_signature
 from .cache import KVCache, RotatingKVCache
 from .models.base import RoPE
+from .models.fused import stack_projections
 
 _CACHE_KINDS = (KVCache, RotatingKVCache)
 
@@ -67,7 +68,8 @@ class CompiledDecoder:
 
     def prepare(self) -> bool:
         """(Re)trace if the model's weights changed since the last trace; call once per
-        generation, not per token. Returns whether compiled decoding is available."""
+        generation, not per token. Before tracing, q/k/v and gate/up are stacked into
+        one matmul each (``models.fused``). Returns whether compiled decoding is available."""
         if not self.supported:
             return False
         model = self._model()
@@ -76,6 +78,10 @@ class CompiledDecoder:
         signature = active_signature(model)
         changed = len(weights) != len(self._weights) or any(a is not b for a, b in zip(weights, self._weights))
         if changed or signature != self._signature:
+            # Drop the old traces first: they hold the arrays that stacking replaces.
+            self._fns, self._weights = [], []
+            if stack_projections(model):
+                weights = [a for _, a in tree_flatten(model.parameters())]
             self._weights, self._signature = weights, signature
             self._fns = self._build()
         return True

@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache, RotatingKVCache
 from ..errors import UnsupportedModelError
+from .fused import project, stacked_output
 
 # ---- configuration ------------------------------------------------------------------
 
@@ -281,8 +282,41 @@ def softcapped_attention(q, k, v, scale: float, mask, softcap: float) -> mx.arra
     return out.reshape(b, n_heads, n_q, -1)
 
 
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def rotated_qkv(attn: nn.Module, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+    """Queries, keys (both rotated) and values [B, heads, L, head_dim] of an attention
+    module with ``q_proj``/``k_proj``/``v_proj``, ``n_heads``, ``n_kv_heads``, ``head_dim``,
+    ``rope`` and, when ``qk_norm``, ``q_norm``/``k_norm``."""
+    b, n, _ = x.shape
+    nq, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    y = stacked_output(attn, QKV, x)
+    if y is None:
+        q = attn.q_proj(x).reshape(b, n, nq, d)
+        k = attn.k_proj(x).reshape(b, n, nkv, d)
+        v = attn.v_proj(x).reshape(b, n, nkv, d).transpose(0, 2, 1, 3)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        return attn.rope(q, offset), attn.rope(k, offset), v
+    heads = y.reshape(b, n, nq + 2 * nkv, d)
+    if attn.qk_norm:
+        q, k, v = mx.split(heads, [nq, nq + nkv], axis=2)
+        q, k = attn.q_norm(q).transpose(0, 2, 1, 3), attn.k_norm(k).transpose(0, 2, 1, 3)
+        return attn.rope(q, offset), attn.rope(k, offset), v.transpose(0, 2, 1, 3)
+    # Without per-head norms, queries and keys rotate together: one kernel, and each
+    # head's rotation depends only on its own values and the positions.
+    heads = heads.transpose(0, 2, 1, 3)
+    qk = attn.rope(heads[:, : nq + nkv], offset)
+    return qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :]
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, as in Llama, Qwen2/3 and Mistral."""
+
+    stacked_projections = (QKV,)
 
     def __init__(
         self,
@@ -321,14 +355,7 @@ class Attention(nn.Module):
     def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys (both rotated) and values, shaped [B, heads, L, head_dim].
         ``offset`` (int or scalar array) is the position of the first token."""
-        b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        return self.rope(q, offset), self.rope(k, offset), v
+        return rotated_qkv(self, x, offset)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         return sdpa(q, k, v, self.scale, mask)
@@ -342,6 +369,8 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU for most families, GeGLU for Gemma."""
 
+    stacked_projections = (GATE_UP,)
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation=nn.silu):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
@@ -350,7 +379,8 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, GATE_UP, x)
+        return self.down_proj(self.activation(gate) * up)
 
 
 def activation(name: str | None):

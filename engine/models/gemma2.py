@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import (
+    QKV,
     BaseModelArgs,
     GatedMLP,
     RoPE,
@@ -23,6 +24,7 @@ from .base import (
     caches_for,
     layer_types,
     make_rope,
+    rotated_qkv,
     sdpa,
     softcapped_attention,
 )
@@ -79,6 +81,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    stacked_projections = (QKV,)
+
     def __init__(self, args: ModelArgs, rope: RoPE, qk_norm: bool = False):
         super().__init__()
         h, d = args.hidden_size, args.head_dim
@@ -103,14 +107,7 @@ class Attention(nn.Module):
         return self.out(self.attend(q, k, v, mask))
 
     def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
-        b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        return self.rope(q, offset), self.rope(k, offset), v
+        return rotated_qkv(self, x, offset)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         if self.softcap:
