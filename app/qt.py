@@ -42,6 +42,7 @@ from PySide6.QtGui import (
     QImageReader,
     QKeySequence,
     QPainter,
+    QPainterPath,
     QPalette,
     QPen,
     QPixmap,

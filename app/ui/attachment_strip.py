@@ -19,7 +19,10 @@ from app.qt import (
     QImage,
     QImageReader,
     QLabel,
+    QPainter,
+    QPainterPath,
     QPixmap,
+    QRectF,
     QScrollArea,
     QSize,
     Qt,
@@ -78,8 +81,9 @@ def _read_with_pillow(path: str | Path) -> QImage:
     return image
 
 
-def thumbnail(path: str | Path, size: int, ratio: float = 1.0) -> QPixmap:
-    """A square-cropped thumbnail (``size`` logical px) for crisp display at ``ratio``."""
+def thumbnail(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8) -> QPixmap:
+    """A square-cropped thumbnail with rounded corners (``size`` logical px), crisp at
+    the screen's pixel ``ratio``."""
     px = max(1, round(size * ratio))
     image = read_image(path, fit=px, cover=True)
     if image.isNull():
@@ -88,7 +92,16 @@ def thumbnail(path: str | Path, size: int, ratio: float = 1.0) -> QPixmap:
         image = image.scaled(px, px, Qt.AspectRatioMode.KeepAspectRatioByExpanding,
                              Qt.TransformationMode.SmoothTransformation)
     x, y = (image.width() - px) // 2, (image.height() - px) // 2
-    pixmap = QPixmap.fromImage(image.copy(x, y, px, px))
+    square = image.copy(x, y, px, px)
+    pixmap = QPixmap(px, px)
+    pixmap.fill(Qt.GlobalColor.transparent)
+    painter = QPainter(pixmap)
+    painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+    clip = QPainterPath()
+    clip.addRoundedRect(QRectF(0, 0, px, px), radius * ratio, radius * ratio)
+    painter.setClipPath(clip)
+    painter.drawImage(0, 0, square)
+    painter.end()
     pixmap.setDevicePixelRatio(ratio)
     return pixmap
 
@@ -112,7 +125,8 @@ class _Item(QFrame):
         self.picture = QLabel(objectName="attachmentThumb")
         self.picture.setAlignment(Qt.AlignmentFlag.AlignCenter)
         if kind == "image":
-            pixmap = thumbnail(path, size, _ratio(parent) if parent else 1.0)
+            pixmap = thumbnail(path, size, _ratio(parent) if parent else 1.0,
+                               radius=10 if size > THUMB else 8)
             if pixmap.isNull():
                 self.picture.setText("?")
             else:
