@@ -44,11 +44,13 @@ from app.ui.sidebar import Sidebar
 
 
 WHISPER_KEY = "whisper_model"  # preference: the Whisper folder that transcribes audio
+WHISPER_ENV = "MLX_DESK_WHISPER"  # the engine's fallback, honoured here too
 
 
 class MainWindow(QMainWindow):
     model_loaded = Signal(object)  # ModelInfo
     load_failed = Signal(str)  # the readable reason
+    transcription_finished = Signal(str)  # the transcript put in the box ("" when none)
 
     def __init__(self, store: HistoryStore, bridge: EngineBridge, dark: bool = False):
         super().__init__()
@@ -432,8 +434,16 @@ class MainWindow(QMainWindow):
     async def transcribe(self, path: str) -> str | None:
         """Audio for a model that cannot listen: the Whisper model turns it into text in
         the composer, for the user to check before sending. Returns the text."""
+        text = None
+        try:
+            text = await self._transcribe(path)
+        finally:
+            emit(self.transcription_finished, text or "")
+        return text
+
+    async def _transcribe(self, path: str) -> str | None:
         name = Path(path).name
-        whisper = self.store.preference(WHISPER_KEY)
+        whisper = self.store.preference(WHISPER_KEY) or os.environ.get(WHISPER_ENV) or None
         if not whisper:
             self.show_error(NO_WHISPER)
             self.settings_toggle.setChecked(True)
@@ -450,6 +460,9 @@ class MainWindow(QMainWindow):
             return None
         finally:
             self.composer.end_transcribing()
+        if getattr(transcript, "finish_reason", "stop") == "cancelled":
+            self.notify(f"Stopped transcribing {name}.")
+            return None
         text = (getattr(transcript, "text", "") or "").strip()
         if not text:
             self.notify(f"No speech was found in {name}.")

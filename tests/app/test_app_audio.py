@@ -167,21 +167,44 @@ def test_recording_meter_then_audio_goes_to_transcription(qtbot, make_window, tm
     assert composer.attachments == []  # a text model gets the words, not the audio
 
 
-def test_transcription_with_a_chosen_whisper_model(qtbot, make_window, run_async, tmp_path):
+def test_dropped_audio_is_transcribed_into_the_message_box(qtbot, make_window, run_async,
+                                                           tiny_model, tmp_path, monkeypatch,
+                                                           shared_data):
+    """A text model, a Whisper model chosen in Settings: the transcript lands in the box,
+    editable, with progress shown while the engine works."""
+    monkeypatch.delenv("MLX_DESK_WHISPER", raising=False)
     window = make_window()
-    whisper = tmp_path / "whisper-tiny"
-    whisper.mkdir()
+    assert run_async(window.load_model(str(tiny_model)))
+    if hasattr(api, "Transcribe"):
+        from tests.engine.media.audio_checkpoints import write_whisper_folder
+
+        whisper = write_whisper_folder(tmp_path / "whisper-tiny-random")
+    else:
+        whisper = tmp_path / "whisper-tiny-random"
+        whisper.mkdir()
     window.set_whisper_model(str(whisper))
     assert window.store.preference("whisper_model") == str(whisper)
-    assert window.settings.whisper_label.text() == "Whisper: whisper-tiny"
-    clip = tmp_path / "voice.wav"
-    write_wav(clip, sine(200, 0.5, TARGET_RATE))
-    if hasattr(api, "Transcribe"):
-        pytest.skip("the engine transcribes: covered with a tiny Whisper checkpoint")
-    assert run_async(window.transcribe(str(clip))) is None
-    assert window.error_banner.text().startswith("Could not transcribe voice.wav: This engine "
-                                                 "cannot transcribe audio yet")
+    assert window.settings.whisper_label.text() == "Whisper: whisper-tiny-random"
+
+    window.composer.edit.setPlainText("Here is what I said:")
+    window.composer.edit.moveCursor(window.composer.edit.textCursor().MoveOperation.End)
+    seen: list[bool] = []
+    window.bridge.progress.connect(lambda *a: seen.append(window.composer.transcribe_row.isVisible()))
+    from tests.app.test_app_images import drop, url_mime
+
+    clip = shared_data / "audio" / "jfk.wav"
+    with qtbot.wait_signal(window.transcription_finished, timeout=120_000):
+        drop(window.composer, url_mime(clip))
     assert not window.composer.transcribe_row.isVisible()
+    assert window.composer.attachments == []  # the words go, not the audio
+    if not hasattr(api, "Transcribe"):  # an engine from before speech-to-text
+        assert window.error_banner.text().startswith(
+            "Could not transcribe jfk.wav: This engine cannot transcribe audio yet")
+        return
+    text = window.composer.edit.toPlainText()
+    assert text.startswith("Here is what I said: ") and len(text) > len("Here is what I said: ")
+    assert seen and all(seen)  # progress arrived while the transcription row showed
+    assert "Transcribed jfk.wav" in window.statusBar().currentMessage()
 
 
 def test_an_audio_model_takes_the_clip_as_an_attachment(qtbot, make_window, tmp_path):
