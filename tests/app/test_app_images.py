@@ -181,6 +181,16 @@ def test_drop_image_data_paste_and_remove(qtbot, make_window, run_async, vision_
     assert composer.attachments[2] == ("image", str(second))
     assert len(composer.strip.items) == 3
 
+    # Ctrl/Cmd+V of a copied picture (a screenshot); the same picture again is not doubled.
+    QApplication.clipboard().setImage(QImage(str(second)))
+    qtbot.keyClick(composer.edit, Qt.Key.Key_V, Qt.KeyboardModifier.ControlModifier)
+    assert len(composer.attachments) == 4
+    pasted = Path(composer.attachments[3][1])
+    assert pasted.parent == Path(kept).parent and pasted != Path(kept)
+    qtbot.keyClick(composer.edit, Qt.Key.Key_V, Qt.KeyboardModifier.ControlModifier)
+    assert len(composer.attachments) == 4 and composer.edit.toPlainText() == ""
+    composer.remove_attachment(3)
+
     # × removes one before sending.
     qtbot.mouseClick(composer.strip.items[1].close_button, Qt.MouseButton.LeftButton)
     assert [p for _, p in composer.attachments] == [kept, str(second)]
