@@ -40,6 +40,7 @@ class EngineBridge(QObject):
         self._kinds: dict[int, str] = {}
         self.active_generation: int | None = None
         self.active_load: int | None = None
+        self.active_transcription: int | None = None
         self.model_info: api.ModelInfo | None = None
         self._loading: asyncio.Future | None = None  # the load under way, if any
         self._live: tuple[int, api.GenerationStats] | None = None  # latest token's stats
@@ -169,6 +170,38 @@ class EngineBridge(QObject):
         finally:
             if self.active_generation == rid:
                 self.active_generation = None
+
+    async def transcribe(self, path: str, model_path: str | None = None,
+                         language: str | None = None) -> Any:
+        """Speech to text with a Whisper model (progress on ``progress``, stage as the
+        engine names it); resolves with the engine's Transcript (``.text``, ``.language``,
+        ``.duration_s``, ``.segments``). Cancel with ``cancel(bridge.active_transcription)``."""
+        command = getattr(api, "Transcribe", None)
+        if command is None:  # an engine from before speech-to-text
+            raise EngineRequestError(
+                "This engine cannot transcribe audio yet: load an audio model such as "
+                "Qwen2-Audio, or type the message.", "MediaError")
+        rid, fut = self._request(
+            command(path=path, model_path=model_path, language=language), "transcribe")
+        self.active_transcription = rid
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._submit_quiet(api.Cancel(target=rid))
+            raise
+        finally:
+            if self.active_transcription == rid:
+                self.active_transcription = None
+
+    def engine_status(self) -> dict[str, Any]:
+        """What the engine holds now, for the memory display and tests: whether a model is
+        loaded and whether any image/audio tower's weights are in memory. Reads two flags
+        the worker's host keeps (plain Python values: no MLX call leaves the worker)."""
+        host = getattr(self._worker, "_host", None)
+        return {
+            "model_loaded": bool(host is not None and host.loaded),
+            "tower_loaded": bool(host is not None and host.tower_loaded),
+        }
 
     def live_stats(self, request_id: int | None) -> api.GenerationStats | None:
         """The stats that came with the latest token of ``request_id`` (None before one)."""

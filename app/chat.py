@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from dataclasses import asdict
 from typing import Any
 
+from app.attachments import NO_VISION, keep_file, message_content
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.qt import QObject, QTimer, Signal, emit
 from app.store import HistoryStore, Message
@@ -117,21 +119,33 @@ class ChatController(QObject):
 
     # ---- the three ways a reply starts --------------------------------------------------
 
-    async def send(self, text: str, attachments: list[tuple[str, str]] | None = None) -> None:
+    async def send(self, text: str, attachments: list[tuple[str, str]] | None = None) -> bool:
+        """Save the user message (attachments copied into the data dir first), then ask
+        for a reply. Returns False when nothing was sent (the reason went to ``failed``)."""
         text = text.strip()
-        if not text or self.busy:
-            return
+        attachments = list(attachments or [])
+        if not (text or attachments) or self.busy:
+            return False
+        info = self.bridge.model_info
+        if any(kind == "image" for kind, _ in attachments) and info is not None and not info.vision:
+            emit(self.failed, NO_VISION)
+            return False
+        try:
+            kept = [(kind, str(keep_file(self.store.data_dir, path))) for kind, path in attachments]
+        except OSError as exc:
+            emit(self.failed, f"Could not keep the attachment {Path(exc.filename or '').name}: "
+                              f"{exc.strerror or exc}. Attach it again.")
+            return False
         if self.conversation_id is None:
             self.conversation_id = self.store.create_conversation()
         conv = self.store.conversation(self.conversation_id)
         if not self.store.thread(conv.id):
-            self.store.rename_conversation(conv.id, _title_from(text))
+            self.store.rename_conversation(conv.id, _title_from(text, kept))
             emit(self.conversations_changed)
-        user_id = self.store.add_message(
-            conv.id, "user", text, conv.leaf_id, attachments=attachments
-        )
+        user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
         self.refresh()
         await self._reply(user_id)
+        return True
 
     async def regenerate(self, assistant_id: int) -> None:
         msg = self.store.message(assistant_id)
@@ -144,7 +158,8 @@ class ChatController(QObject):
         msg = self.store.message(user_id)
         if msg is None or self.busy:
             return
-        new_id = self.store.add_message(msg.conversation_id, "user", text, msg.parent_id)
+        new_id = self.store.add_message(msg.conversation_id, "user", text, msg.parent_id,
+                                        attachments=self.store.attachments(user_id))
         self.refresh()
         await self._reply(new_id)
 
@@ -168,7 +183,7 @@ class ChatController(QObject):
             return
         history = [m for m in self.store.thread(conv.id)]
         cut = next(i for i, m in enumerate(history) if m.id == parent_id)
-        messages = [{"role": m.role, "content": m.content} for m in history[: cut + 1]]
+        messages = self._engine_messages(history[: cut + 1], info)
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
         params = build_params(conv.settings, info.generation_defaults or {})
@@ -234,6 +249,18 @@ class ChatController(QObject):
             elif status == "cancelled":
                 emit(self.status, "Stopped.")
             emit(self.reply_finished, reply_id, result)
+
+    def _engine_messages(self, history: list[Message], info: api.ModelInfo) -> list[dict[str, Any]]:
+        """The thread as the engine reads it: attachments become media parts (by their stored
+        paths, so the engine's content-keyed caches recognise them on every turn). Media
+        the model cannot take is left out, with a note, rather than failing the reply."""
+        kinds = {k for k, ok in (("image", info.vision), ("audio", info.audio)) if ok}
+        skipped = {kind for m in history for kind, _ in m.attachments if kind not in kinds}
+        if skipped:
+            what = " and ".join(sorted(f"{k}s" for k in skipped))
+            emit(self.status, f"Earlier {what} in this chat are left out: {info.name} cannot take them.")
+        return [{"role": m.role, "content": message_content(m.content, m.attachments, kinds)}
+                for m in history]
 
     async def apply_adapter_choice(self, chosen: dict[str, float]) -> dict[str, float]:
         """Make the conversation's adapter choice the worker's active set (only adapters
@@ -313,6 +340,9 @@ class ChatController(QObject):
         spawn(self.regenerate(message_id))
 
 
-def _title_from(text: str) -> str:
+def _title_from(text: str, attachments: list[tuple[str, str]] = ()) -> str:
+    if not text.strip() and attachments:
+        kind = attachments[0][0]
+        return "Image" if kind == "image" else "Voice message"
     line = text.strip().splitlines()[0] if text.strip() else "New chat"
     return line if len(line) <= 48 else line[:47].rstrip() + "…"

@@ -11,7 +11,12 @@ import sys
 
 from PySide6 import QtCore, QtGui, QtWidgets
 from PySide6.QtCore import (
+    QBuffer,
+    QByteArray,
     QEvent,
+    QIODevice,
+    QMimeData,
+    QPointF,
     QObject,
     QPoint,
     QRectF,
@@ -28,12 +33,16 @@ from PySide6.QtCore import (
 from PySide6.QtGui import (
     QAction,
     QColor,
+    QDropEvent,
     QFont,
     QFontDatabase,
     QGuiApplication,
     QIcon,
+    QImage,
+    QImageReader,
     QKeySequence,
     QPainter,
+    QPainterPath,
     QPalette,
     QPen,
     QPixmap,

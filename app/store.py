@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.attachments import mime_type
+
 DB_NAME = "history.sqlite3"
 
 SCHEMA = """
@@ -58,6 +60,11 @@ CREATE TABLE IF NOT EXISTS attachments (
     mime TEXT NOT NULL DEFAULT '',
     created_at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id);
+CREATE TABLE IF NOT EXISTS preferences (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 """
 
 
@@ -89,6 +96,7 @@ class Message:
     adapters: dict[str, float] = field(default_factory=dict)  # active when it was written
     created_at: float = 0.0
     updated_at: float = 0.0
+    attachments: list[tuple[str, str]] = field(default_factory=list)  # (kind, stored path)
 
 
 class HistoryStore:
@@ -210,9 +218,9 @@ class HistoryStore:
             message_id = int(cur.lastrowid)
             for kind, path in attachments or []:
                 self._db.execute(
-                    "INSERT INTO attachments (message_id, kind, path, created_at)"
-                    " VALUES (?, ?, ?, ?)",
-                    (message_id, kind, path, now),
+                    "INSERT INTO attachments (message_id, kind, path, mime, created_at)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (message_id, kind, str(path), mime_type(path), now),
                 )
             self._db.execute(
                 "UPDATE conversations SET leaf_id=?, updated_at=? WHERE id=?",
@@ -254,6 +262,19 @@ class HistoryStore:
         ).fetchall()
         return [(r["kind"], r["path"]) for r in rows]
 
+    def _with_attachments(self, messages: list[Message]) -> list[Message]:
+        if not messages:
+            return messages
+        by_id = {m.id: m for m in messages}
+        marks = ",".join("?" * len(by_id))
+        rows = self._db.execute(
+            f"SELECT message_id, kind, path FROM attachments WHERE message_id IN ({marks})"
+            " ORDER BY id", tuple(by_id),
+        ).fetchall()
+        for r in rows:
+            by_id[r["message_id"]].attachments.append((r["kind"], r["path"]))
+        return messages
+
     def thread(self, conversation_id: int) -> list[Message]:
         """The visible messages, root first: the walk up from the conversation's leaf."""
         conv = self.conversation(conversation_id)
@@ -266,7 +287,8 @@ class HistoryStore:
             " SELECT messages.* FROM messages JOIN up ON messages.id = up.id",
             (conv.leaf_id,),
         ).fetchall()
-        return sorted((_message(r) for r in rows), key=lambda m: (m.created_at, m.id))
+        return self._with_attachments(
+            sorted((_message(r) for r in rows), key=lambda m: (m.created_at, m.id)))
 
     def siblings(self, message_id: int) -> list[int]:
         """The versions of a message (same parent, same conversation), oldest first."""
@@ -297,6 +319,20 @@ class HistoryStore:
     def set_leaf(self, conversation_id: int, message_id: int | None) -> None:
         self.update_conversation(conversation_id, leaf_id=message_id)
 
+    # ---- app-wide preferences (kept with the history, so a data dir carries them) ------
+
+    def preference(self, key: str, default: Any = None) -> Any:
+        row = self._db.execute("SELECT value FROM preferences WHERE key=?", (key,)).fetchone()
+        return json.loads(row["value"]) if row else default
+
+    def set_preference(self, key: str, value: Any) -> None:
+        if value is None:
+            self._write("DELETE FROM preferences WHERE key=?", (key,))
+        else:
+            self._write("INSERT INTO preferences (key, value) VALUES (?, ?)"
+                        " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                        (key, json.dumps(value)))
+
     # ---- export -----------------------------------------------------------------
 
     def export_json(self, conversation_id: int) -> dict[str, Any]:
@@ -317,6 +353,8 @@ class HistoryStore:
                     **({"stats": m.stats} if m.stats else {}),
                     **({"model": m.model} if m.model else {}),
                     **({"adapters": m.adapters} if m.adapters else {}),
+                    **({"attachments": [{"kind": k, "path": p} for k, p in m.attachments]}
+                       if m.attachments else {}),
                     "created_at": m.created_at,
                 }
                 for m in self.thread(conversation_id)
@@ -333,6 +371,10 @@ class HistoryStore:
             if m.get("reasoning"):
                 quoted = "\n".join("> " + line for line in m["reasoning"].splitlines())
                 parts.append(f"<details><summary>Reasoning</summary>\n\n{quoted}\n\n</details>\n")
+            for a in m.get("attachments", []):
+                name = Path(a["path"]).name
+                parts.append(f"![{name}]({Path(a['path']).as_uri()})\n" if a["kind"] == "image"
+                             else f"[{a['kind']}: {name}]({Path(a['path']).as_uri()})\n")
             parts.append(m["content"].rstrip() + "\n")
         return "\n".join(parts)
 

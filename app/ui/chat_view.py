@@ -77,6 +77,7 @@ class ChatView(QScrollArea):
             if m.role == "system":
                 continue
             w = self._add(m.id, m.role, m.model)
+            w.set_attachments(m.attachments)
             w.set_text(m.content, m.reasoning)
             w.set_stats(m.stats, m.status, m.adapters)
             w.set_versions(*versions.get(m.id, (1, 1)))
@@ -96,6 +97,7 @@ class ChatView(QScrollArea):
 
     def add_message(self, message: Message, versions: tuple[int, int] = (1, 1)) -> MessageWidget:
         w = self._add(message.id, message.role, message.model)
+        w.set_attachments(message.attachments)
         w.set_text(message.content, message.reasoning)
         w.set_versions(*versions)
         self._follow = True

@@ -1,45 +1,55 @@
 """The message box: Enter sends, Shift+Enter breaks the line, Esc stops a reply.
 
-Images and audio can be attached (button or drop); a model that cannot take
-them says so instead of silently ignoring them.
+Images and audio come in by drop (file URLs or raw image data), paste, the 📎 picker
+or the microphone. Images show as removable thumbnails above the text and go with the
+message; a model that cannot see them refuses them at once, saying what to load. Audio
+goes with the message when the model listens to audio; otherwise it is handed on for
+transcription (``transcribe_requested``) and the transcript lands here, editable.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+from typing import Any, Callable
 
+from app.attachments import NO_VISION, keep_bytes, media_kind, refusal
 from app.qt import (
-    emit,
+    QBuffer,
     QEvent,
     QFileDialog,
     QFrame,
     QHBoxLayout,
     QIcon,
+    QImage,
+    QIODevice,
     QLabel,
     QPlainTextEdit,
+    QProgressBar,
     QPushButton,
     QSize,
     Qt,
+    QTimer,
     QToolButton,
     QVBoxLayout,
     QWidget,
     Signal,
+    emit,
 )
 from app.resources import resource_path
+from app.ui.attachment_strip import AttachmentStrip, ImagePreview
 
-IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 MIN_EDIT_HEIGHT = 48
-AUDIO_EXT = {".wav", ".mp3", ".flac", ".ogg", ".m4a"}
-
-
-def media_kind(path: str) -> str | None:
-    ext = Path(path).suffix.lower()
-    return "image" if ext in IMAGE_EXT else "audio" if ext in AUDIO_EXT else None
+METER_INTERVAL_MS = 80
+PICK_FILTER = ("Images and audio (*.png *.jpg *.jpeg *.webp *.gif *.bmp *.heic *.heif "
+               "*.wav *.mp3 *.flac *.ogg *.m4a);;Images (*.png *.jpg *.jpeg *.webp *.gif *.bmp "
+               "*.heic *.heif);;Audio (*.wav *.mp3 *.flac *.ogg *.m4a)")
 
 
 class MessageEdit(QPlainTextEdit):
     submit = Signal()
     escape = Signal()
+    media_received = Signal(object)  # QMimeData with files or an image: the composer takes it
 
     def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt override
         key, mods = event.key(), event.modifiers()
@@ -53,53 +63,115 @@ class MessageEdit(QPlainTextEdit):
             return
         super().keyPressEvent(event)
 
+    # A drop on the text or a paste goes through these: files and pictures become
+    # attachments instead of their path or nothing being typed into the message.
+    def canInsertFromMimeData(self, source) -> bool:  # noqa: N802 - Qt override
+        return carries_media(source) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source) -> None:  # noqa: N802 - Qt override
+        if carries_media(source):
+            emit(self.media_received, source)
+        else:
+            super().insertFromMimeData(source)
+
+
+def carries_media(mime: Any) -> bool:
+    """Whether dropped or pasted data holds local files or a picture."""
+    if mime is None:
+        return False
+    if mime.hasUrls() and any(u.isLocalFile() for u in mime.urls()):
+        return True
+    return mime.hasImage()
+
 
 class Composer(QFrame):
     send_requested = Signal(str, list)  # text, [(kind, path), ...]
     stop_requested = Signal()
     notice = Signal(str)  # a readable line for the status bar
+    refused = Signal(str)  # an attachment refused: a line the user must see
+    transcribe_requested = Signal(str)  # an audio file for a model without audio input
+    cancel_transcription = Signal()
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, data_dir: str | Path | None = None, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("composer")
         self.setAcceptDrops(True)
+        self.data_dir = Path(data_dir) if data_dir is not None else None
         self.attachments: list[tuple[str, str]] = []
-        self.accepts = {"image": False, "audio": False}
+        self.vision: bool | None = None  # None: no model loaded
+        self.audio = False
         self.busy = False
+        # Builds the microphone Recorder (tests hand in one over a fake stream). The
+        # recorder module, with numpy, is imported on the first take, not at startup.
+        self.recorder_factory: Callable[[], Any] | None = None
+        self.recorder: Any = None
 
         # The text runs the full width; the buttons sit in a row under it, so the text
         # starts at the box's edge instead of after the attach button.
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 10, 10, 8)
         layout.setSpacing(4)
-        self.chips = QLabel("", objectName="attachmentChips")
-        self.chips.setVisible(False)
-        layout.addWidget(self.chips)
+        self.strip = AttachmentStrip(self)
+        self.strip.removed.connect(self.remove_attachment)
+        self.strip.preview_requested.connect(lambda p: ImagePreview.open_for(p, self))
+        layout.addWidget(self.strip)
         self.attach_button = QToolButton(objectName="attachButton")
         self.attach_button.setIcon(QIcon(str(resource_path("icons/attach.svg"))))
         self.attach_button.setIconSize(QSize(18, 18))
-        self.attach_button.setToolTip("Attach an image or audio clip")
+        self.attach_button.setToolTip("Attach images or audio (or drop / paste them here)")
         self.attach_button.clicked.connect(self._pick_files)
         self.mic_button = QToolButton(objectName="micButton")
         self.mic_button.setIcon(QIcon(str(resource_path("icons/mic.svg"))))
         self.mic_button.setIconSize(QSize(18, 18))
-        self.mic_button.setToolTip("Voice input needs an audio model")
-        self.mic_button.setEnabled(False)
+        self.mic_button.setCheckable(True)
+        self.mic_button.setToolTip("Record a voice message")
+        self.mic_button.toggled.connect(self._mic_toggled)
+        self.level_bar = QProgressBar(objectName="levelMeter")
+        self.level_bar.setRange(0, 100)
+        self.level_bar.setTextVisible(False)
+        self.level_bar.setFixedSize(90, 6)
+        self.level_bar.setVisible(False)
+        self.rec_label = QLabel("", objectName="recordingLabel")
+        self.rec_label.setVisible(False)
+        self._meter = QTimer(self)
+        self._meter.setInterval(METER_INTERVAL_MS)
+        self._meter.timeout.connect(self._update_meter)
+
         self.edit = MessageEdit(objectName="messageEdit")
         self.edit.setPlaceholderText("Send a message…  (Enter sends, Shift+Enter adds a line)")
         self.edit.setFixedHeight(MIN_EDIT_HEIGHT)
         self.edit.document().setDocumentMargin(2)
         self.edit.submit.connect(self._submit)
         self.edit.escape.connect(self.stop_requested)
+        self.edit.media_received.connect(self.add_mime)
         self.edit.installEventFilter(self)
         self.send_button = QPushButton("Send", objectName="sendButton")
         self.send_button.setCursor(Qt.CursorShape.PointingHandCursor)
         self.send_button.clicked.connect(self._send_or_stop)
+
+        # Transcription under way: what, how far, and a way out.
+        self.transcribe_row = QWidget(objectName="transcribeRow")
+        trow = QHBoxLayout(self.transcribe_row)
+        trow.setContentsMargins(0, 0, 0, 0)
+        self.transcribe_label = QLabel("", objectName="transcribeLabel")
+        self.transcribe_bar = QProgressBar(objectName="transcribeProgress")
+        self.transcribe_bar.setTextVisible(False)
+        self.transcribe_bar.setFixedHeight(6)
+        cancel = QToolButton(text="Cancel", objectName="actionButton")
+        cancel.clicked.connect(self.cancel_transcription)
+        trow.addWidget(self.transcribe_label)
+        trow.addWidget(self.transcribe_bar, 1)
+        trow.addWidget(cancel)
+        self.transcribe_row.setVisible(False)
+
+        layout.addWidget(self.transcribe_row)
         layout.addWidget(self.edit)
         row = QHBoxLayout()
         row.setSpacing(4)
         row.addWidget(self.attach_button)
         row.addWidget(self.mic_button)
+        row.addWidget(self.level_bar)
+        row.addWidget(self.rec_label)
         row.addStretch(1)
         row.addWidget(self.send_button)
         layout.addLayout(row)
@@ -111,10 +183,12 @@ class Composer(QFrame):
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)
 
-    def set_capabilities(self, image: bool, audio: bool) -> None:
-        self.accepts = {"image": image, "audio": audio}
+    def set_capabilities(self, image: bool | None, audio: bool) -> None:
+        """What the loaded model takes (``image`` None: no model loaded)."""
+        self.vision, self.audio = image, audio
         self.mic_button.setToolTip(
-            "Voice input" if audio else "Voice input needs an audio model"
+            "Record a voice message" if audio
+            else "Record a voice message (transcribed to text for this model)"
         )
 
     def _send_or_stop(self) -> None:
@@ -125,47 +199,197 @@ class Composer(QFrame):
 
     def _submit(self) -> None:
         text = self.edit.toPlainText().strip()
-        if not text or self.busy:
+        if self.busy or not (text or self.attachments):
+            return
+        if any(kind == "image" for kind, _ in self.attachments) and not self.vision:
+            # The model changed since the images were attached: keep everything, say why.
+            emit(self.refused, NO_VISION)
             return
         self.edit.clear()
-        attachments, self.attachments = self.attachments, []
-        self._show_chips()
+        attachments = self.attachments
+        self.attachments = []
+        self.strip.set_items([])
         emit(self.send_requested, text, attachments)
 
     # ---- attachments -------------------------------------------------------------------
 
     def add_files(self, paths: list[str]) -> None:
+        """Attach files (drop, paste, picker): refused ones say why; audio for a model
+        without audio input goes to transcription."""
+        added = False
         for path in paths:
+            why = refusal(path, self.vision)
+            if why is not None:
+                emit(self.refused, why)
+                continue
             kind = media_kind(path)
-            if kind is None:
-                emit(self.notice, f"{Path(path).name}: not an image or audio file.")
-            elif not self.accepts[kind]:
-                emit(self.notice, f"{Path(path).name}: this needs a {'vision' if kind == 'image' else 'audio'} model.")
-            else:
+            if kind == "audio" and not self.audio:
+                emit(self.transcribe_requested, path)
+                continue
+            if not Path(path).is_file():
+                emit(self.refused, f"{Path(path).name} cannot be read: the file is missing.")
+                continue
+            if (kind, path) not in self.attachments:
                 self.attachments.append((kind, path))
-        self._show_chips()
+                added = True
+        if added:
+            self.strip.set_items(self.attachments)
+            self.edit.setFocus()
 
-    def _show_chips(self) -> None:
-        self.chips.setText("   ".join(f"📎 {Path(p).name}" for _, p in self.attachments))
-        self.chips.setVisible(bool(self.attachments))
+    def add_image(self, image: QImage) -> None:
+        """A picture that came as data (pasted screenshot, image dragged from a browser):
+        kept as a PNG in the attachments folder, then attached like a file."""
+        if image.isNull():
+            return
+        if not self.vision:
+            emit(self.refused, refusal("pasted.png", self.vision))
+            return
+        buf = QBuffer()
+        buf.open(QIODevice.OpenModeFlag.WriteOnly)
+        image.save(buf, "PNG")
+        path = keep_bytes(self._folder(), bytes(buf.data()), ".png")
+        self.add_files([str(path)])
+
+    def add_mime(self, mime: Any) -> None:
+        files = [u.toLocalFile() for u in mime.urls() if u.isLocalFile()] if mime.hasUrls() else []
+        if files:
+            self.add_files(files)
+        elif mime.hasImage():
+            self.add_image(QImage(mime.imageData()))
+
+    def remove_attachment(self, index: int) -> None:
+        if 0 <= index < len(self.attachments):
+            del self.attachments[index]
+            self.strip.set_items(self.attachments)
+
+    def _folder(self) -> Path:
+        if self.data_dir is None:
+            import tempfile
+
+            self.data_dir = Path(tempfile.mkdtemp(prefix="mlx-desk-"))
+        return self.data_dir
 
     def _pick_files(self) -> None:
-        paths, _ = QFileDialog.getOpenFileNames(
-            self, "Attach", "", "Images and audio (*.png *.jpg *.jpeg *.webp *.gif *.bmp "
-            "*.wav *.mp3 *.flac *.ogg *.m4a)"
-        )
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach images or audio", "", PICK_FILTER)
         self.add_files(paths)
 
     def dragEnterEvent(self, event) -> None:  # noqa: N802 - Qt override
-        if event.mimeData().hasUrls():
+        if carries_media(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dragMoveEvent(self, event) -> None:  # noqa: N802 - Qt override
+        if carries_media(event.mimeData()):
             event.acceptProposedAction()
 
     def dropEvent(self, event) -> None:  # noqa: N802 - Qt override
-        self.add_files([u.toLocalFile() for u in event.mimeData().urls() if u.isLocalFile()])
+        if carries_media(event.mimeData()):
+            event.acceptProposedAction()
+            self.add_mime(event.mimeData())
+
+    # ---- transcription -----------------------------------------------------------------
+
+    def show_transcribing(self, name: str) -> None:
+        self.transcribe_label.setText(f"Transcribing {name}…")
+        self.transcribe_bar.setRange(0, 0)  # busy until the first progress report
+        self.transcribe_row.setVisible(True)
+
+    def set_transcribe_progress(self, done: float, total: float) -> None:
+        if total > 0:
+            self.transcribe_bar.setRange(0, 1000)
+            self.transcribe_bar.setValue(int(1000 * min(1.0, done / total)))
+
+    def end_transcribing(self) -> None:
+        self.transcribe_row.setVisible(False)
+
+    def insert_transcript(self, text: str) -> None:
+        """Put a transcript where the cursor is, for the user to check before sending."""
+        text = text.strip()
+        if not text:
+            return
+        cursor = self.edit.textCursor()
+        before = self.edit.toPlainText()[: cursor.position()]
+        if before and not before[-1].isspace():
+            text = " " + text
+        cursor.insertText(text)
+        self.edit.setFocus()
+        self._grow()
+
+    # ---- microphone -----------------------------------------------------------------------
+
+    def _mic_toggled(self, on: bool) -> None:
+        if on:
+            self.start_recording()
+        else:
+            self.stop_recording()
+
+    def start_recording(self) -> bool:
+        from app.recorder import Recorder, RecorderError
+
+        if self.recorder is not None and self.recorder.recording:
+            return True
+        self.recorder = (self.recorder_factory or Recorder)()
+        try:
+            self.recorder.start()
+        except RecorderError as exc:
+            self.recorder = None
+            self._set_mic(False)
+            emit(self.refused, str(exc))
+            return False
+        self._set_mic(True)
+        self.level_bar.setValue(0)
+        self.level_bar.setVisible(True)
+        self.rec_label.setText("0:00")
+        self.rec_label.setVisible(True)
+        self._meter.start()
+        emit(self.notice, "Recording… press the microphone again to stop.")
+        return True
+
+    def stop_recording(self) -> str | None:
+        """End the take; it is saved as a 16 kHz WAV and attached like a dropped file.
+        Returns the saved path (None when nothing was recorded)."""
+        recorder, self.recorder = self.recorder, None
+        self._meter.stop()
+        self.level_bar.setVisible(False)
+        self.rec_label.setVisible(False)
+        self._set_mic(False)
+        if recorder is None:
+            return None
+        try:
+            samples = recorder.stop()
+        except Exception as exc:  # noqa: BLE001 - a device that vanished mid-take
+            emit(self.refused, f"The recording failed: {exc}")
+            return None
+        if samples.size == 0:
+            emit(self.notice, "Nothing was recorded.")
+            return None
+        from app.recorder import write_wav
+
+        buf = io.BytesIO()
+        write_wav(buf, samples)
+        path = str(keep_bytes(self._folder(), buf.getvalue(), ".wav"))
+        self.add_files([path])
+        return path
+
+    def _set_mic(self, on: bool) -> None:
+        self.mic_button.blockSignals(True)
+        self.mic_button.setChecked(on)
+        self.mic_button.blockSignals(False)
+        self.mic_button.setToolTip("Stop recording" if on else "Record a voice message")
+
+    def _update_meter(self) -> None:
+        if self.recorder is None:
+            return
+        self.level_bar.setValue(int(100 * self.recorder.level))
+        secs = int(self.recorder.elapsed_s)
+        self.rec_label.setText(f"● {secs // 60}:{secs % 60:02d}")
 
     def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt override
         # Grow the box with its text, up to a limit.
         if obj is self.edit and event.type() == QEvent.Type.KeyRelease:
-            lines = self.edit.document().blockCount()
-            self.edit.setFixedHeight(min(200, max(MIN_EDIT_HEIGHT, 22 * lines + 12)))
+            self._grow()
         return False
+
+    def _grow(self) -> None:
+        lines = self.edit.document().blockCount()
+        self.edit.setFixedHeight(min(200, max(MIN_EDIT_HEIGHT, 22 * lines + 12)))
+

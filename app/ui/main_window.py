@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from app import tasks
+from app.attachments import NO_WHISPER
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
 from app.chat import ChatController
 from app.qt import (
@@ -42,9 +43,14 @@ from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
 
 
+WHISPER_KEY = "whisper_model"  # preference: the Whisper folder that transcribes audio
+WHISPER_ENV = "MLX_DESK_WHISPER"  # the engine's fallback, honoured here too
+
+
 class MainWindow(QMainWindow):
     model_loaded = Signal(object)  # ModelInfo
     load_failed = Signal(str)  # the readable reason
+    transcription_finished = Signal(str)  # the transcript put in the box ("" when none)
 
     def __init__(self, store: HistoryStore, bridge: EngineBridge, dark: bool = False):
         super().__init__()
@@ -60,7 +66,7 @@ class MainWindow(QMainWindow):
         self.sidebar = Sidebar(store)
         self.chat_view = ChatView()
         self.chat_view.dark = dark
-        self.composer = Composer()
+        self.composer = Composer(store.data_dir)
         self.settings = SettingsPanel(store.data_dir)
         self.settings.setVisible(False)
         self.gauge = MemoryGauge()
@@ -103,6 +109,13 @@ class MainWindow(QMainWindow):
         self.composer.send_requested.connect(lambda text, _att: self.check_memory(len(text) // 4))
         self.composer.stop_requested.connect(self.stop)
         self.composer.notice.connect(self.notify)
+        self.composer.refused.connect(self.show_error)
+        self.composer.transcribe_requested.connect(lambda path: tasks.spawn(self.transcribe(path)))
+        self.composer.cancel_transcription.connect(
+            lambda: self.bridge.cancel(self.bridge.active_transcription))
+        self.settings.whisper_requested.connect(self._pick_whisper)
+        self.settings.whisper_cleared.connect(lambda: self.set_whisper_model(None))
+        self.settings.set_whisper(store.preference(WHISPER_KEY))
         self.chat.busy_changed.connect(self.composer.set_busy)
         self.chat.status.connect(self.notify)
         self.chat.failed.connect(self.show_error)
@@ -404,7 +417,67 @@ class MainWindow(QMainWindow):
         self.notify(f"Draft model: {draft.name}" if draft is not None else "Draft model unloaded.")
         return True
 
+    # ---- speech to text ---------------------------------------------------------------------
+
+    def _pick_whisper(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Choose a Whisper model folder")
+        if folder:
+            self.set_whisper_model(folder)
+
+    def set_whisper_model(self, path: str | None) -> None:
+        """Remember the Whisper model that transcribes audio (None forgets it)."""
+        self.store.set_preference(WHISPER_KEY, path)
+        self.settings.set_whisper(path)
+        self.notify(f"Audio is transcribed with {Path(path).name}." if path
+                    else "No Whisper model: audio can go only to an audio model.")
+
+    async def transcribe(self, path: str) -> str | None:
+        """Audio for a model that cannot listen: the Whisper model turns it into text in
+        the composer, for the user to check before sending. Returns the text."""
+        text = None
+        try:
+            text = await self._transcribe(path)
+        finally:
+            emit(self.transcription_finished, text or "")
+        return text
+
+    async def _transcribe(self, path: str) -> str | None:
+        name = Path(path).name
+        whisper = self.store.preference(WHISPER_KEY) or os.environ.get(WHISPER_ENV) or None
+        if not whisper:
+            self.show_error(NO_WHISPER)
+            self.settings_toggle.setChecked(True)
+            return None
+        if self.bridge.active_transcription is not None:
+            self.notify(f"{name}: one transcription at a time; wait for this one or cancel it.")
+            return None
+        self.error_banner.setVisible(False)
+        self.composer.show_transcribing(name)
+        try:
+            transcript = await self.bridge.transcribe(path, whisper)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"Could not transcribe {name}: {exc}")
+            return None
+        finally:
+            self.composer.end_transcribing()
+        if getattr(transcript, "finish_reason", "stop") == "cancelled":
+            self.notify(f"Stopped transcribing {name}.")
+            return None
+        text = (getattr(transcript, "text", "") or "").strip()
+        if not text:
+            self.notify(f"No speech was found in {name}.")
+            return None
+        self.composer.insert_transcript(text)
+        length = getattr(transcript, "duration_s", 0.0) or 0.0
+        language = getattr(transcript, "language", "") or ""
+        extra = ", ".join(x for x in (f"{length:.0f} s" if length else "", language) if x)
+        self.notify(f"Transcribed {name}{f' ({extra})' if extra else ''}: check the text, then send.")
+        return text
+
     def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
+        if request_id == self.bridge.active_transcription:
+            self.composer.set_transcribe_progress(done, total)
+            return
         if request_id == self.bridge.active_load and total > 0:
             self.load_bar.setRange(0, 1000)
             self.load_bar.setValue(int(1000 * done / total))

@@ -17,6 +17,7 @@ from app.qt import (
     QWidget,
     Signal,
 )
+from app.ui.attachment_strip import AttachmentRow
 from app.ui.markdown import Block, highlight_html, split_blocks
 
 
@@ -101,6 +102,10 @@ class MessageWidget(QFrame):
         outer.addWidget(self.reasoning_toggle)
         outer.addWidget(self.reasoning_label)
 
+        # Attached images and clips sit above the words, as in messaging apps.
+        self.attachment_row: AttachmentRow | None = None
+        self._attachments_at = outer.count()
+
         self.bubble = QFrame(objectName="bubble")
         self.body = QVBoxLayout(self.bubble)
         # A user's words sit in a bubble; a reply is plain text aligned with its name and footer.
@@ -143,6 +148,15 @@ class MessageWidget(QFrame):
         self.set_versions(1, 1)
 
     # ---- content --------------------------------------------------------------------
+
+    def set_attachments(self, attachments: list[tuple[str, str]]) -> None:
+        if self.attachment_row is not None:
+            self.layout().removeWidget(self.attachment_row)
+            self.attachment_row.deleteLater()
+            self.attachment_row = None
+        if attachments:
+            self.attachment_row = AttachmentRow(attachments, self)
+            self.layout().insertWidget(self._attachments_at, self.attachment_row)
 
     def set_text(self, content: str, reasoning: str = "") -> None:
         """Re-render only the blocks that changed (the tail, while streaming)."""

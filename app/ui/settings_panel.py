@@ -45,6 +45,8 @@ class SettingsPanel(QFrame):
     changed = Signal(str, dict)  # system prompt, settings (only values the user set)
     draft_requested = Signal()  # "Choose…": pick a draft model folder
     draft_cleared = Signal()
+    whisper_requested = Signal()  # "Choose…": pick a Whisper model folder
+    whisper_cleared = Signal()
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
@@ -120,6 +122,27 @@ class SettingsPanel(QFrame):
         drow.addWidget(self.draft_clear)
         layout.addLayout(drow)
 
+        layout.addWidget(QLabel("Speech to text", objectName="fieldTitle"))
+        wrow = QHBoxLayout()
+        self.whisper_label = QLabel("No Whisper model", objectName="whisperLabel")
+        self.whisper_label.setWordWrap(True)
+        self.whisper_label.setToolTip(
+            "Voice messages and audio files are transcribed with this Whisper model when the\n"
+            "chat model cannot listen to audio itself. Pick a Whisper checkpoint folder\n"
+            "(config.json, weights and tokenizer), e.g. openai/whisper-small."
+        )
+        wpick = QPushButton("Choose…", objectName="whisperPick")
+        wpick.setToolTip("Pick a Whisper model folder")
+        wpick.clicked.connect(self.whisper_requested)
+        self.whisper_clear = QPushButton("✕", objectName="whisperClear")
+        self.whisper_clear.setToolTip("Forget the Whisper model")
+        self.whisper_clear.clicked.connect(self.whisper_cleared)
+        self.whisper_clear.setVisible(False)
+        wrow.addWidget(self.whisper_label, 1)
+        wrow.addWidget(wpick)
+        wrow.addWidget(self.whisper_clear)
+        layout.addLayout(wrow)
+
         reset = QPushButton("Reset to model defaults")
         reset.clicked.connect(lambda: self.load(self.system_edit.toPlainText(), {}))
         layout.addWidget(reset)
@@ -172,6 +195,11 @@ class SettingsPanel(QFrame):
         """Show which draft model is loaded (None: none)."""
         self.draft_label.setText(f"Draft: {name}" if name else "No draft model")
         self.draft_clear.setVisible(bool(name))
+
+    def set_whisper(self, path: str | None) -> None:
+        """Show which Whisper model transcribes audio (None: none chosen)."""
+        self.whisper_label.setText(f"Whisper: {Path(path).name}" if path else "No Whisper model")
+        self.whisper_clear.setVisible(bool(path))
 
     def _emit(self, *_args) -> None:
         if not self._loading:
