@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -174,9 +174,32 @@ def _best(runs: list[Timing]) -> Timing:
     return max(runs, key=lambda t: t.generation_tps + t.prompt_tps * 1e-6)
 
 
-def measure(loop: Callable[[Any, Any, int], Iterator[int]], model: Any, prompt: Any, gen: int, repeat: int) -> Timing:
-    time_loop(loop, model, prompt, min(gen, 4))  # warm-up: kernels for these shapes
-    return _best([time_loop(loop, model, prompt, gen) for _ in range(max(1, repeat))])
+Loop = Callable[[Any, Any, int], Iterator[int]]
+
+
+def measure_interleaved(loops: Sequence[tuple[Loop, Any]], prompt: Any, gen: int,
+                        repeat: int) -> list[tuple[Timing, list[Timing]]]:
+    """Time each ``(loop, model)`` ``repeat`` times, interleaved: every repeat runs all of
+    them, in reverse order every other time (A B, B A, ...), so clock and thermal drift
+    fall on all alike instead of on whichever ran last. Returns (best, every run) per loop."""
+    for loop, model in loops:
+        time_loop(loop, model, prompt, min(gen, 4))  # warm-up: kernels for these shapes
+    runs: list[list[Timing]] = [[] for _ in loops]
+    order = list(range(len(loops)))
+    for r in range(max(1, repeat)):
+        for i in order if r % 2 == 0 else order[::-1]:
+            loop, model = loops[i]
+            runs[i].append(time_loop(loop, model, prompt, gen))
+    return [(_best(each), each) for each in runs]
+
+
+def measure(loop: Loop, model: Any, prompt: Any, gen: int, repeat: int) -> Timing:
+    return measure_interleaved([(loop, model)], prompt, gen, repeat)[0][0]
+
+
+def with_runs(best: Timing, runs: list[Timing]) -> dict[str, Any]:
+    """The best run's figures for ``--json``, with every run's under ``runs``."""
+    return {**asdict(best), "runs": [asdict(t) for t in runs]}
 
 
 def _row(name: str, t: Timing) -> str:
@@ -209,19 +232,22 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(out))
         return 0
-    ours = measure(_ours_plain if args.no_compile else _ours, model, prompt, args.generation_tokens, args.repeat)
-    print(_row("engine", ours), flush=True)
-    out["engine"] = asdict(ours)
+    loops: list[tuple[Loop, Any]] = [(_ours_plain if args.no_compile else _ours, model)]
     if args.vs == "mlx-lm":
-        twin = mlx_lm_twin(model, config, quantized)
-        theirs = measure(_theirs, twin, prompt, args.generation_tokens, args.repeat)
+        loops.append((_theirs, mlx_lm_twin(model, config, quantized)))
+    timed = measure_interleaved(loops, prompt, args.generation_tokens, args.repeat)
+    ours = timed[0][0]
+    print(_row("engine", ours), flush=True)
+    out["engine"] = with_runs(*timed[0])
+    if args.vs == "mlx-lm":
+        theirs = timed[1][0]
         print(_row("mlx-lm", theirs), flush=True)
         ratio = {
             "prompt": ours.prompt_tps / max(theirs.prompt_tps, 1e-9),
             "generation": ours.generation_tps / max(theirs.generation_tps, 1e-9),
         }
         print(f"ratio    prompt {ratio['prompt']:.2f}x   generation {ratio['generation']:.2f}x (engine / mlx-lm)")
-        out["mlx_lm"] = asdict(theirs)
+        out["mlx_lm"] = with_runs(*timed[1])
         out["ratio"] = ratio
     if args.json:
         print(json.dumps(out))

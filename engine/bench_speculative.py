@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
-from .bench import Timing, mlx_lm_twin, measure
+from .bench import Timing, measure_interleaved, mlx_lm_twin, with_runs
 
 NOTES = {
     "self": "self: the model drafts for itself; greedy drafts are all accepted (the upper bound)",
@@ -180,9 +180,18 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
     plain_ids: list[int] = []
     spec_ids: list[int] = []
     stats: list[Any] = []
-    plain = measure(_recording(_ours_plain, plain_ids), model, prompt, gen, repeat)
+    loops = [(_recording(_ours_plain, plain_ids), model),
+             (_recording(_ours_speculative(make_drafter, k, stats), spec_ids), model)]
+    from_draft: list[int] = [0]
+    if args.vs == "mlx-lm":  # every loop runs in each repeat, in alternating order
+        twin = mlx_lm_twin(model, config, quantized)
+        loops.append((_theirs_plain, twin))
+        if draft is not None:
+            draft_twin = twin if draft is model else mlx_lm_twin(draft, draft_config, draft_quantized)
+            loops.append((_theirs_speculative(draft_twin, k, from_draft), twin))
+    timed = measure_interleaved(loops, prompt, gen, repeat)
+    plain, spec = timed[0][0], timed[1][0]
     print(_row("engine", plain), flush=True)
-    spec = measure(_recording(_ours_speculative(make_drafter, k, stats), spec_ids), model, prompt, gen, repeat)
     print(_row(f"engine+{mode}", spec), flush=True)
     s = stats[0]
     same = spec_ids == plain_ids
@@ -191,7 +200,7 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
           f"tokens identical to plain greedy: {'yes' if same else 'no'}", flush=True)
     out: dict[str, Any] = {
         "speculative": {
-            "mode": mode, "num_draft": k, "note": note, "plain": asdict(plain), "engine": asdict(spec),
+            "mode": mode, "num_draft": k, "note": note, "plain": with_runs(*timed[0]), "engine": with_runs(*timed[1]),
             "draft_tokens": s.draft_tokens, "accepted_draft_tokens": s.accepted_draft_tokens,
             "acceptance_rate": s.acceptance_rate, "identical_to_plain": same,
             "speedup": spec.generation_tps / max(plain.generation_tps, 1e-9),
@@ -199,21 +208,18 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
     }
     if args.vs != "mlx-lm":
         return out
-    twin = mlx_lm_twin(model, config, quantized)
-    theirs = measure(_theirs_plain, twin, prompt, gen, repeat)
+    theirs = timed[2][0]
     print(_row("mlx-lm", theirs), flush=True)
-    out["mlx_lm"] = asdict(theirs)
+    out["mlx_lm"] = with_runs(*timed[2])
     if draft is None:
         print(f"{'':<16} mlx-lm has no n-gram drafting: its plain loop only", flush=True)
         return out
-    draft_twin = twin if draft is model else mlx_lm_twin(draft, draft_config, draft_quantized)
-    from_draft: list[int] = [0]
-    theirs_spec = measure(_theirs_speculative(draft_twin, k, from_draft), twin, prompt, gen, repeat)
+    theirs_spec = timed[3][0]
     print(_row(f"mlx-lm+{mode}", theirs_spec), flush=True)
     ratio = spec.generation_tps / max(theirs_spec.generation_tps, 1e-9)
     print(f"{'':<16} {from_draft[0]}/{theirs_spec.generated_tokens} tokens from drafts, speed-up "
           f"{theirs_spec.generation_tps / max(theirs.generation_tps, 1e-9):.2f}x; "
           f"engine+{mode} / mlx-lm+{mode}: {ratio:.2f}x", flush=True)
-    out["mlx_lm_speculative"] = {**asdict(theirs_spec), "tokens_from_draft": from_draft[0]}
+    out["mlx_lm_speculative"] = {**with_runs(*timed[3]), "tokens_from_draft": from_draft[0]}
     out["ratio_speculative"] = ratio
     return out

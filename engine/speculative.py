@@ -32,22 +32,24 @@ import mlx.core as mx
 from .api import GenerationStats, SamplingParams
 from .cache import make_prompt_cache, trim_prompt_cache
 from .errors import EngineError
+from .fast_decode import compiled_decoder
 from .generate import ProgressCallback, prefill
 from .sampling import LogitsProcessor, filter_logits
 
 # How far back logits processors (repetition penalty) look; as in the plain decode loop.
 _HISTORY_WINDOW = 1024
 
-# pick(logits [V], context ids) -> (token, probabilities [V] or None when greedy)
-Pick = Callable[[mx.array, list[int]], tuple[int, mx.array | None]]
+# pick(logits [V], recent context ids [n]) -> (token [1] uint32, probabilities [V] or None when
+# greedy). Lazy: nothing is evaluated, so a drafter can queue all its steps before one sync.
+Pick = Callable[[mx.array, mx.array], tuple[mx.array, mx.array | None]]
 
 
 class Drafter(Protocol):
     max_draft: int
 
-    def propose(self, history: list[int], k: int, pick: Pick) -> tuple[list[int], mx.array | None]:
-        """Up to ``k`` tokens to follow ``history``, and the distribution each was drawn from
-        ([m, V], or None for point masses)."""
+    def propose(self, history: list[int], k: int, pick: Pick) -> tuple[list[int] | mx.array, mx.array | None]:
+        """Up to ``k`` tokens to follow ``history`` (host ids, or a lazy uint32 array of exactly
+        ``k``), and the distribution each was drawn from ([m, V], or None for point masses)."""
 
     def rewind(self, valid: int) -> None:
         """Only the first ``valid`` ids of the history are settled; forget anything after."""
@@ -66,7 +68,7 @@ class NgramDrafter:
         if self.n < 1 or self.max_draft < 1:
             raise EngineError(f"n-gram drafting needs n >= 1 and max_draft >= 1 (got {self.n}, {self.max_draft})")
 
-    def propose(self, history: list[int], k: int, pick: Pick) -> tuple[list[int], mx.array | None]:
+    def propose(self, history: list[int], k: int, pick: Pick | None) -> tuple[list[int], mx.array | None]:
         n = self.n
         if k <= 0 or len(history) <= n:
             return [], None
@@ -83,16 +85,29 @@ class NgramDrafter:
         pass
 
 
+# Ids the draft model has not seen beyond this many are fed by chunked prefill (evaluated);
+# fewer (the usual one or two per round) join the lazy drafting graph.
+_LAZY_FEED = 8
+
+
 class DraftModelDrafter:
     """A small model of the same vocabulary drafting for the target. Its cache always holds a
-    prefix of the history; whatever it has not seen yet is fed before drafting."""
+    prefix of the history; whatever it has not seen yet is fed before drafting.
 
-    def __init__(self, model: Any, cache: list | None = None, max_draft: int = 4, prefill_chunk: int = 512):
+    Drafting never waits for the device: the k steps are built lazily (each queued with
+    ``async_eval`` so the device starts while Python builds the next), and the target's
+    verification reads them back in its one sync. One-token steps go through the model's
+    ``CompiledDecoder`` where it applies (``compiled``: None = on a GPU only)."""
+
+    def __init__(self, model: Any, cache: list | None = None, max_draft: int = 4, prefill_chunk: int = 512,
+                 compiled: bool | None = None):
         self.model = model
         self.cache = cache if cache is not None else make_prompt_cache(model)
         self.max_draft = max_draft
         self.prefill_chunk = prefill_chunk
         self.usable = True
+        self.compiled = compiled
+        self._decoder: Any = False  # False: not looked up yet
 
     @property
     def offset(self) -> int:
@@ -101,7 +116,17 @@ class DraftModelDrafter:
     def _can_take(self, n_new: int) -> bool:
         return all(_room_to_trim(c, n_new) for c in self.cache)
 
-    def propose(self, history: list[int], k: int, pick: Pick) -> tuple[list[int], mx.array | None]:
+    def _step(self, token: mx.array) -> mx.array:
+        """Lazy logits [V] after feeding one id (shape [1])."""
+        if self._decoder is False:
+            self._decoder = _decoder_for(self.model, self.compiled)
+        if self._decoder is not None:
+            logits = self._decoder(token, self.cache)
+            if logits is not None:
+                return logits[0]
+        return self.model(token[None], cache=self.cache)[0, -1]
+
+    def propose(self, history: list[int], k: int, pick: Pick) -> tuple[mx.array | list[int], mx.array | None]:
         if k <= 0 or not self.usable:
             return [], None
         if self.offset >= len(history):  # cached more than is settled: step back one token
@@ -109,26 +134,38 @@ class DraftModelDrafter:
         if self.offset >= len(history) or not self._can_take(len(history) - self.offset + k):
             self.usable = False  # a wrapped sliding window cannot be rewound
             return [], None
-        pending = mx.array(history[self.offset :], dtype=mx.uint32)
-        prefill(self.model, pending[:-1], self.cache, chunk=self.prefill_chunk)
-        inputs = pending[-1:]
-        context = list(history)
-        tokens: list[int] = []
+        unseen = history[self.offset :]
+        if len(unseen) - 1 > _LAZY_FEED:
+            prefill(self.model, mx.array(unseen[:-1], dtype=mx.uint32), self.cache, chunk=self.prefill_chunk)
+        else:
+            for t in unseen[:-1]:  # usually the last accepted draft; its logits are not needed
+                self._step(mx.array([t], dtype=mx.uint32))
+        token = mx.array(unseen[-1:], dtype=mx.uint32)
+        recent = mx.array(history[-_HISTORY_WINDOW:], dtype=mx.uint32)
+        tokens: list[mx.array] = []
         probs: list[mx.array] = []
-        for _ in range(k):
-            logits = self.model(inputs[None], cache=self.cache)[0, -1]
-            token, q = pick(logits, context)
+        for i in range(k):
+            token, q = pick(self._step(token), recent)
+            mx.async_eval(token)
             tokens.append(token)
-            context.append(token)
             if q is not None:
                 probs.append(q)
-            inputs = mx.array([token], dtype=mx.uint32)
-        return tokens, (mx.stack(probs) if probs else None)
+            if i + 1 < k:
+                recent = mx.concatenate([recent, token])[-_HISTORY_WINDOW:]
+        return mx.concatenate(tokens), (mx.stack(probs) if probs else None)
 
     def rewind(self, valid: int) -> None:
         extra = self.offset - valid
         if extra > 0 and trim_prompt_cache(self.cache, extra) != extra:
             self.usable = False
+
+
+def _decoder_for(model: Any, compiled: bool | None) -> Any:
+    """The model's compiled one-token step, prepared, or None (plain forward passes)."""
+    if compiled is None:
+        compiled = mx.default_device() == mx.gpu
+    decoder = compiled_decoder(model) if compiled else None
+    return decoder if decoder is not None and decoder.prepare() else None
 
 
 def make_drafter(
@@ -234,6 +271,7 @@ def speculative_step(
     cancel: threading.Event | None = None,
     history: Sequence[int] | None = None,
     on_progress: ProgressCallback | None = None,
+    compiled: bool | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens, like
     ``engine.generate.generate_step`` but drafting and verifying several tokens per pass.
@@ -244,7 +282,11 @@ def speculative_step(
     distribution. ``stats.draft_tokens`` / ``accepted_draft_tokens`` are updated as drafts are
     verified. When the consumer stops early, the caches are left holding exactly the ids before
     the last yielded token, as after plain decoding. ``on_progress(done, total)`` follows the
-    prefill, as in ``generate_step``.
+    prefill, as in ``generate_step``. ``compiled`` as there: one-token target steps (and a
+    draft model's steps) use the compiled decoder; None = on a GPU only.
+
+    Each round (draft, verify, accept) waits for the device once: drafting, verification and
+    acceptance are one lazy graph, and a single array of results comes back to the host.
     """
     ids = [int(t) for t in prompt]
     if not ids:
@@ -260,15 +302,17 @@ def speculative_step(
     context = list(history) if history is not None else list(ids)
     if context[-len(ids) :] != ids:
         context = context + ids
+    if isinstance(drafter, DraftModelDrafter) and drafter.compiled is None:
+        drafter.compiled = compiled
+    decoder = _decoder_for(model, compiled)
 
     def next_key() -> mx.array:
         key[0], sub = mx.random.split(key[0])
         return sub
 
-    def process(logits: mx.array, ctx: list[int]) -> mx.array:
+    def process(logits: mx.array, recent: mx.array) -> mx.array:
         if not processors:
             return logits
-        recent = mx.array(ctx[-_HISTORY_WINDOW:], dtype=mx.uint32)
         out = logits[None]
         for proc in processors:
             out = proc(recent, out)
@@ -277,12 +321,21 @@ def speculative_step(
     def distribution(processed: mx.array) -> mx.array:
         return mx.softmax(filter_logits(processed.astype(mx.float32), params), axis=-1)
 
-    def pick(logits: mx.array, ctx: list[int]) -> tuple[int, mx.array | None]:
-        processed = process(logits, ctx)
+    def pick(logits: mx.array, recent: mx.array) -> tuple[mx.array, mx.array | None]:
+        processed = process(logits, recent)
         if greedy:
-            return int(mx.argmax(processed).item()), None
+            return mx.argmax(processed, axis=-1, keepdims=True).astype(mx.uint32), None
         q = distribution(processed)
-        return int(mx.random.categorical(mx.log(q), key=next_key()).item()), q
+        token = mx.random.categorical(mx.log(q), key=next_key())
+        return token.reshape(1).astype(mx.uint32), q
+
+    def forward(fed: mx.array, n: int) -> mx.array:
+        """Lazy logits [n, V] for the last ``n`` of the fed ids."""
+        if n == 1 and decoder is not None:
+            out = decoder(fed, cache)
+            if out is not None:
+                return out
+        return model(fed[None], cache=cache)[0, -n:]
 
     prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
     if not prefill(model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress):
@@ -296,21 +349,37 @@ def speculative_step(
         k = min(k_max, max_tokens - produced - 1) if speculate else 0
         if k > 0 and not all(_room_to_trim(c, len(pending) + k) for c in cache):
             speculate, k = False, 0  # plain decoding from here on
-        drafts, q_rows = drafter.propose(context, k, pick) if k > 0 else ([], None)
-        drafts = drafts[:k]
-        m = len(drafts)
-        logits = model(mx.array([pending + drafts], dtype=mx.uint32), cache=cache)[0, -(m + 1) :]
+        proposed, q_rows = drafter.propose(context, k, pick) if k > 0 else ([], None)
+        on_host = isinstance(proposed, list)
+        drafts = mx.array(proposed[:k], dtype=mx.uint32) if on_host else proposed[:k]
+        m = int(drafts.shape[0])
+        fed = mx.concatenate([mx.array(pending, dtype=mx.uint32), drafts]) if m else mx.array(pending, dtype=mx.uint32)
+        logits = forward(fed, m + 1)
         if processors:  # each position sees the context up to its own draft
-            logits_p = mx.stack([process(logits[i], context + drafts[:i]) for i in range(m + 1)])
+            recent = mx.array(context[-_HISTORY_WINDOW:], dtype=mx.uint32)
+            rows = [process(logits[0], recent)]
+            rows += [process(logits[i], mx.concatenate([recent, drafts[:i]])[-_HISTORY_WINDOW:]) for i in range(1, m + 1)]
+            logits_p = mx.stack(rows)
         else:
             logits_p = logits
-        accepted, last = _verify(logits_p, drafts, q_rows, greedy, distribution, next_key)
-        emitted = drafts[:accepted] + [last]
+        accepted_a, last_a = _verify(logits_p, drafts, q_rows, greedy, distribution, next_key)
+        # One read per round: [accepted, last, drafts..., log-probs...] as float32 (token ids
+        # below 2**24 are exact there).
+        parts = [accepted_a.reshape(1), last_a.reshape(1)]
+        if not on_host:
+            parts.append(drafts)
+        if logprobs:
+            parts.append(_logprobs(logits, drafts, accepted_a, last_a))
+        values = mx.concatenate([a.astype(mx.float32) for a in parts]).tolist()
+        accepted, last = int(values[0]), int(values[1])
+        draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
+        emitted = draft_ids[:accepted] + [last]
         trim_prompt_cache(cache, m - accepted)  # drop the rejected drafts' keys/values
         if stats is not None:
             stats.draft_tokens += m
             stats.accepted_draft_tokens += accepted
-        lps = _logprobs(logits, emitted) if logprobs else [None] * len(emitted)
+        lp_start = 2 + (0 if on_host else m)
+        lps: list[float | None] = list(values[lp_start : lp_start + len(emitted)]) if logprobs else [None] * len(emitted)
         base = len(context)
         context.extend(emitted)
         pending = [last]
@@ -336,51 +405,58 @@ def speculative_decode(
     return speculative_step(prompt, model, cache, drafter, **options)
 
 
+def _first_rejection(ok: mx.array) -> mx.array:
+    """How many leading entries of the boolean vector are true (on the device)."""
+    return mx.cumprod(ok.astype(mx.int32)).sum()
+
+
 def _verify(
     rows: mx.array,
-    drafts: list[int],
+    drafts: mx.array,
     q_rows: mx.array | None,
     greedy: bool,
     distribution: Callable[[mx.array], mx.array],
     next_key: Callable[[], mx.array],
-) -> tuple[int, int]:
-    """(how many drafts are accepted, the token the target adds after them)."""
-    m = len(drafts)
+) -> tuple[mx.array, mx.array]:
+    """Lazy (how many drafts are accepted, the token the target adds after them)."""
+    m = int(drafts.shape[0])
     if greedy:
-        best = mx.argmax(rows, axis=-1).tolist()
-        accepted = 0
-        while accepted < m and drafts[accepted] == best[accepted]:
-            accepted += 1
-        return accepted, int(best[accepted])
+        best = mx.argmax(rows, axis=-1)
+        if not m:
+            return mx.array(0, dtype=mx.int32), best[0]
+        accepted = _first_rejection(best[:m] == drafts)
+        return accepted, mx.take(best, accepted)
     p = distribution(rows)  # [m + 1, V]
     vocab = p.shape[-1]
-    if m:
-        d = mx.array(drafts, dtype=mx.int32)
-        safe_d = mx.minimum(d, vocab - 1)
-        p_d = mx.where(d < vocab, mx.take_along_axis(p[:m], safe_d[:, None], axis=-1)[:, 0], 0.0)
-        q = _fit(q_rows, vocab) if q_rows is not None else None
-        q_d = mx.take_along_axis(q, safe_d[:, None], axis=-1)[:, 0] if q is not None else mx.ones((m,))
-        u = mx.random.uniform(shape=(m,), key=next_key())
-        ok = (u * q_d < p_d).tolist()  # u < p/q without dividing by zero
-        accepted = ok.index(False) if False in ok else m
+    if not m:
+        return mx.array(0, dtype=mx.int32), mx.random.categorical(mx.log(p[0]), key=next_key())
+    d = drafts.astype(mx.int32)
+    safe_d = mx.minimum(d, vocab - 1)
+    p_d = mx.where(d < vocab, mx.take_along_axis(p[:m], safe_d[:, None], axis=-1)[:, 0], 0.0)
+    q = _fit(q_rows, vocab) if q_rows is not None else None
+    q_d = mx.take_along_axis(q, safe_d[:, None], axis=-1)[:, 0] if q is not None else mx.ones((m,))
+    u = mx.random.uniform(shape=(m,), key=next_key())
+    accepted = _first_rejection(u * q_d < p_d)  # u < p/q without dividing by zero
+    # The row after the accepted run; when every draft is accepted it is p[m] itself.
+    j = mx.minimum(accepted, m - 1)
+    p_j = mx.take(p, j, axis=0)
+    if q is not None:
+        residual = mx.maximum(p_j - mx.take(q, j, axis=0), 0.0)
     else:
-        accepted = 0
-    if accepted == m:
-        target = p[m]
-    else:
-        if q_rows is not None:
-            residual = mx.maximum(p[accepted] - q[accepted], 0.0)
-        else:
-            residual = p[accepted] * (mx.arange(vocab) != drafts[accepted])
-        total = residual.sum()
-        # p == q (to rounding) cannot reject; if it did anyway, fall back to p itself.
-        target = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[accepted])
-    token = mx.random.categorical(mx.log(target), key=next_key())
-    return accepted, int(token.item())
+        residual = p_j * (mx.arange(vocab) != mx.take(d, j))
+    total = residual.sum()
+    # p == q (to rounding) cannot reject; if it did anyway, fall back to p itself.
+    after_rejection = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_j)
+    target = mx.where(accepted == m, p[m], after_rejection)
+    return accepted, mx.random.categorical(mx.log(target), key=next_key())
 
 
-def _logprobs(logits: mx.array, emitted: list[int]) -> list[float]:
-    raw = logits[: len(emitted)].astype(mx.float32)
+def _logprobs(logits: mx.array, drafts: mx.array, accepted: mx.array, last: mx.array) -> mx.array:
+    """Lazy log-probs [m + 1] of the emitted tokens (drafts up to ``accepted``, then ``last``)
+    under the raw logits; entries past ``accepted`` are unused."""
+    raw = logits.astype(mx.float32)
     lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(lp, mx.array(emitted, dtype=mx.int32)[:, None], axis=-1)[:, 0]
-    return [float(x) for x in chosen.tolist()]
+    m = int(drafts.shape[0])
+    padded = mx.concatenate([drafts.astype(mx.int32), mx.zeros((1,), mx.int32)])
+    chosen = mx.where(mx.arange(m + 1) < accepted, padded, last.astype(mx.int32))
+    return mx.take_along_axis(lp, chosen[:, None], axis=-1)[:, 0]

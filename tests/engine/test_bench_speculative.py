@@ -39,3 +39,14 @@ def test_bad_draft_layers_is_one_line():
     proc = run("bench", "--shape", "tiny", "-p", "8", "-g", "4", "--speculative", "draft", "--draft-layers", "2")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "error: --draft-layers must be between 1 and 1 for this shape (got 2)"
+
+
+def test_repeats_are_interleaved_and_each_run_is_reported():
+    pytest.importorskip("mlx_lm")
+    proc = run(*BENCH, "--speculative", "self", "--vs", "mlx-lm", "--repeat", "2")
+    assert proc.returncode == 0, proc.stderr
+    data = last_json(proc.stdout)
+    spec = data["speculative"]
+    for entry in (spec["plain"], spec["engine"], data["mlx_lm"], data["mlx_lm_speculative"]):
+        assert len(entry["runs"]) == 2
+        assert entry["generation_tps"] == max(r["generation_tps"] for r in entry["runs"])

@@ -145,6 +145,7 @@ def test_bench_vs_mlx_lm():
     data = last_json(proc.stdout)
     assert data["mlx_lm"]["generated_tokens"] == 8
     assert data["ratio"]["generation"] > 0
+    assert len(data["engine"]["runs"]) == len(data["mlx_lm"]["runs"]) == 1
 
 
 def test_template_command_prints_exactly_the_rendering(shared_data, tmp_path):
