@@ -16,12 +16,13 @@ from typing import Any
 from app.attachments import NO_VISION, keep_file, message_content
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.qt import QObject, QTimer, Signal, emit
-from app.store import HistoryStore, Message
+from app.store import HistoryStore, Message, StoreError
 from app.tasks import spawn
 from app.ui.chat_view import ChatView
 from engine import api
 
 SAVE_INTERVAL_MS = 500
+RETRY_SAVE_MS = 5000  # a final save that failed (full disk) is tried again this often
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 
@@ -65,6 +66,11 @@ class ChatController(QObject):
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
         self._save_timer.timeout.connect(self._save_partial)
+        # Replies whose final save failed: message id -> the fields still to write.
+        self._unsaved: dict[int, dict[str, Any]] = {}
+        self._retry_timer = QTimer(self)
+        self._retry_timer.setInterval(RETRY_SAVE_MS)
+        self._retry_timer.timeout.connect(self._retry_saves)
         bridge.token.connect(self._on_token)
         view.edit_submitted.connect(self._edit_slot)
         view.regenerate_requested.connect(self._regenerate_slot)
@@ -136,13 +142,17 @@ class ChatController(QObject):
             emit(self.failed, f"Could not keep the attachment {Path(exc.filename or '').name}: "
                               f"{exc.strerror or exc}. Attach it again.")
             return False
-        if self.conversation_id is None:
-            self.conversation_id = self.store.create_conversation()
-        conv = self.store.conversation(self.conversation_id)
-        if not self.store.thread(conv.id):
-            self.store.rename_conversation(conv.id, _title_from(text, kept))
-            emit(self.conversations_changed)
-        user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
+        try:
+            if self.conversation_id is None:
+                self.conversation_id = self.store.create_conversation()
+            conv = self.store.conversation(self.conversation_id)
+            if not self.store.thread(conv.id):
+                self.store.rename_conversation(conv.id, _title_from(text, kept))
+                emit(self.conversations_changed)
+            user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
+        except StoreError as exc:  # the message is not sent unsaved; the composer keeps it
+            emit(self.failed, f"{exc} Your message was not sent; it is still in the box.")
+            return False
         self.refresh()
         await self._reply(user_id)
         return True
@@ -198,10 +208,14 @@ class ChatController(QObject):
             return
         info = self.bridge.model_info or info
 
-        self.reply_id = self.store.add_message(
-            conv.id, "assistant", "", parent_id, status="streaming", model=info.name,
-            adapters=adapters,
-        )
+        try:
+            self.reply_id = self.store.add_message(
+                conv.id, "assistant", "", parent_id, status="streaming", model=info.name,
+                adapters=adapters,
+            )
+        except StoreError as exc:
+            emit(self.failed, f"{exc} No reply was asked for.")
+            return
         self._answer = self._reasoning = ""
         self._saved_len = (0, 0)
         reply = self.store.message(self.reply_id)
@@ -230,10 +244,8 @@ class ChatController(QObject):
                 adapters = dict(getattr(result, "adapters", adapters))
                 self._note_speed(info.path, params.speculative, status, stats)
             reply_id, self.reply_id = self.reply_id, None
-            self.store.update_message(
-                reply_id, content=self._answer, reasoning=self._reasoning,
-                status=status, stats=stats, adapters=adapters,
-            )
+            self._save(reply_id, content=self._answer, reasoning=self._reasoning,
+                       status=status, stats=stats, adapters=adapters)
             self.view.stop_streaming()
             widget = self.view.widgets.get(reply_id)
             if widget is not None:
@@ -329,9 +341,35 @@ class ChatController(QObject):
     def _save_partial(self) -> None:
         now = (len(self._answer), len(self._reasoning))
         if self.reply_id is not None and now != self._saved_len:
-            self.store.update_message(self.reply_id, content=self._answer,
-                                      reasoning=self._reasoning)
+            try:
+                self.store.update_message(self.reply_id, content=self._answer,
+                                          reasoning=self._reasoning)
+            except StoreError as exc:  # tried again on the next tick; the reply streams on
+                emit(self.status, str(exc))
+                return
             self._saved_len = now
+
+    def _save(self, message_id: int, **fields: Any) -> None:
+        """A reply's final save; when it cannot land (full disk) the reply stays on screen
+        and the save is tried again every few seconds until it does."""
+        try:
+            self.store.update_message(message_id, **fields)
+        except StoreError as exc:
+            self._unsaved[message_id] = fields
+            self._retry_timer.start()
+            emit(self.failed, f"{exc} The reply stays on screen and is saved as soon as it can be.")
+        else:
+            self._unsaved.pop(message_id, None)
+
+    def _retry_saves(self) -> None:
+        for message_id, fields in list(self._unsaved.items()):
+            try:
+                self.store.update_message(message_id, **fields)
+            except StoreError:
+                return
+            del self._unsaved[message_id]
+            emit(self.status, "The chat history is saved again.")
+        self._retry_timer.stop()
 
     def _edit_slot(self, message_id: int, text: str) -> None:
         spawn(self.edit(message_id, text))

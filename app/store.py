@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,22 @@ class Message:
     attachments: list[tuple[str, str]] = field(default_factory=list)  # (kind, stored path)
 
 
+class StoreError(Exception):
+    """A write the history could not take (full disk, read-only or failing drive); the
+    transaction was rolled back, so what was saved before is intact."""
+
+
+def _write_failure(exc: sqlite3.Error) -> StoreError:
+    text = str(exc).lower()
+    if "full" in text:
+        why = "the disk is full. Free some space"
+    elif "readonly" in text or "read-only" in text:
+        why = "the data folder is read-only. Make it writable"
+    else:
+        why = f"the drive reported an error ({exc}). Check the disk"
+    return StoreError(f"Could not save to the chat history: {why}; nothing saved before is lost.")
+
+
 class HistoryStore:
     """All reads and writes of the chat history. One connection, GUI thread only."""
 
@@ -126,10 +144,19 @@ class HistoryStore:
     def close(self) -> None:
         self._db.close()
 
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN ... COMMIT, or ROLLBACK and a StoreError when the write cannot land."""
+        try:
+            with self._db:
+                self._db.execute("BEGIN")
+                yield self._db
+        except (sqlite3.OperationalError, sqlite3.DatabaseError) as exc:
+            raise _write_failure(exc) from exc
+
     def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        with self._db:  # BEGIN ... COMMIT (or ROLLBACK on error)
-            self._db.execute("BEGIN")
-            return self._db.execute(sql, args)
+        with self._transaction() as db:
+            return db.execute(sql, args)
 
     # ---- conversations ------------------------------------------------------
 
@@ -202,8 +229,7 @@ class HistoryStore:
     ) -> int:
         """Append a message after ``parent_id`` and make it the conversation's leaf."""
         now = time.time()
-        with self._db:
-            self._db.execute("BEGIN")
+        with self._transaction():
             (version,) = self._db.execute(
                 "SELECT COUNT(*) + 1 FROM messages WHERE conversation_id=? AND parent_id IS ?",
                 (conversation_id, parent_id),

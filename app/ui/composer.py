@@ -211,6 +211,13 @@ class Composer(QFrame):
         self.strip.set_items([])
         emit(self.send_requested, text, attachments)
 
+    def restore(self, text: str, attachments: list[tuple[str, str]]) -> None:
+        """Put back a message that was not sent, unless something new was typed since."""
+        if not self.edit.toPlainText().strip():
+            self.edit.setPlainText(text)
+        self.attachments = list(attachments) + [a for a in self.attachments if a not in attachments]
+        self.strip.set_items(self.attachments)
+
     # ---- attachments -------------------------------------------------------------------
 
     def add_files(self, paths: list[str]) -> None:

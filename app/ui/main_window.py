@@ -103,9 +103,7 @@ class MainWindow(QMainWindow):
         self.sidebar.conversation_selected.connect(self.open_conversation)
         self.sidebar.conversation_deleted.connect(self._deleted)
         self.sidebar.notice.connect(self.notify)
-        self.composer.send_requested.connect(
-            lambda text, att: tasks.spawn(self.chat.send(text, att))
-        )
+        self.composer.send_requested.connect(lambda text, att: tasks.spawn(self._send(text, att)))
         self.composer.send_requested.connect(lambda text, _att: self.check_memory(len(text) // 4))
         self.composer.stop_requested.connect(self.stop)
         self.composer.notice.connect(self.notify)
@@ -256,6 +254,10 @@ class MainWindow(QMainWindow):
                 self.chat.conversation_id, system_prompt=system_prompt, settings=settings
             )
             self.check_memory()
+
+    async def _send(self, text: str, attachments: list[tuple[str, str]]) -> None:
+        if not await self.chat.send(text, attachments):  # refused: the reason is already shown
+            self.composer.restore(text, attachments)
 
     def stop(self) -> None:
         if self.chat.stop():
