@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {generate,template,inspect,bench,convert}``.
+"""Command line: ``python -m engine {generate,template,inspect,transcribe,bench,convert}``.
 
 The flags are a contract (DESIGN.md, "Engine CLI"). Every failure exits non-zero
 with one line on stderr and no traceback.
@@ -64,7 +64,21 @@ def _add_generate(sub: Any) -> None:
     spec.add_argument("--draft-model", metavar="PATH")
     spec.add_argument("--ngram", type=int, metavar="N")
     p.add_argument("--image", action="append", default=[], metavar="FILE")
-    p.add_argument("--audio", action="append", default=[], metavar="FILE")
+    p.add_argument("--audio", action="append", default=[], metavar="FILE",
+                   help="audio for the prompt: heard natively by audio models (Qwen2-Audio, with --chat); "
+                        "for any other model transcribed first with --whisper")
+    p.add_argument("--whisper", metavar="PATH",
+                   help="Whisper model folder or cached repo id (e.g. openai/whisper-tiny) that transcribes "
+                        "--audio for models without audio input (default: $MLX_DESK_WHISPER)")
+
+
+def _add_transcribe(sub: Any) -> None:
+    p = sub.add_parser("transcribe", help="speech to text with a Whisper model")
+    p.add_argument("file", help="audio file (WAV; MP3, FLAC, OGG, M4A with ffmpeg)")
+    p.add_argument("--whisper", metavar="PATH",
+                   help="Whisper model folder or cached repo id, e.g. openai/whisper-tiny (default: $MLX_DESK_WHISPER)")
+    p.add_argument("--language", help="language code such as en or de (default: detected)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def _add_template(sub: Any) -> None:
@@ -98,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_template(sub)
     _add_inspect(sub)
+    _add_transcribe(sub)
     from .bench import add_arguments
 
     add_arguments(sub.add_parser("bench", help="speed on random weights of a real model shape"))
@@ -115,7 +130,6 @@ def _unsupported(args: argparse.Namespace) -> None:
         (args.draft_model, "--draft-model"),
         (args.ngram, "--ngram"),
         (args.image, "--image"),
-        (args.audio, "--audio"),
     ):
         if given:
             raise CliError(f"{flag} is not supported yet by this engine build; run without it.")
@@ -154,9 +168,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat and args.prompt is None:
         raise CliError("--chat needs --prompt TEXT (not --prompt-ids)")
     _unsupported(args)
+    if args.audio and args.prompt is None:
+        raise CliError("--audio needs --prompt TEXT (not --prompt-ids)")
     params = _params(args)
     host = ModelHost()
     host.load(args.model, budget=args.memory_budget)
+    audio_parts: list[dict[str, Any]] = []
+    if args.audio:
+        prompt, audio_parts = _audio_prompt(args, host)
+        args.prompt = prompt
 
     def show(event: Any) -> None:
         if not args.json and isinstance(event, TokenEvent):
@@ -169,7 +189,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             messages = []
             if args.system is not None:
                 messages.append({"role": "system", "content": args.system})
-            messages.append({"role": "user", "content": args.prompt})
+            if audio_parts:
+                content: Any = [*audio_parts, {"type": "text", "text": args.prompt}]
+            else:
+                content = args.prompt
+            messages.append({"role": "user", "content": content})
             result = host.generate("", messages, params, show, cancel)
         else:
             ids = args.prompt_ids if args.prompt_ids is not None else host.encode_prompt(args.prompt)
@@ -206,6 +230,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audio_prompt(args: argparse.Namespace, host: Any) -> tuple[str, list[dict[str, Any]]]:
+    """(prompt text, audio parts for the user message).
+
+    A model that hears audio gets the files as audio parts (its chat template places
+    them). Any other model gets each file's transcript, from the Whisper model given
+    by --whisper or $MLX_DESK_WHISPER, as text before the prompt."""
+    import os
+
+    from .media.audio import load_audio
+    from .media.transcribe import WHISPER_ENV, NoWhisperModel, no_whisper_message
+
+    if host.info.audio:
+        if not args.chat:
+            raise CliError("--audio with an audio model needs --chat: its chat template places the audio")
+        for path in args.audio:
+            load_audio(path)  # refuse an undecodable file before any work
+        return args.prompt, [{"type": "audio", "path": str(path)} for path in args.audio]
+    whisper = args.whisper or os.environ.get(WHISPER_ENV)
+    if not whisper:
+        raise NoWhisperModel(no_whisper_message(f"{host.info.name} cannot take audio"))
+    transcriber = host.transcriber(whisper)
+    texts = [transcriber.transcribe(path).text for path in args.audio]
+    return "\n\n".join([*texts, args.prompt]), []
+
+
 def _vocab_size(host: Any) -> int:
     args = getattr(host.model, "args", None)
     return int(getattr(args, "vocab_size", 0) or 0)
@@ -237,6 +286,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from .media.transcribe import WHISPER_ENV, NoWhisperModel, Transcriber, no_whisper_message
+
+    whisper = args.whisper or os.environ.get(WHISPER_ENV)
+    if not whisper:
+        raise NoWhisperModel(no_whisper_message("transcribe needs a Whisper model"))
+    from .media.audio import load_audio
+    from .media.mel import WHISPER_SAMPLE_RATE
+
+    samples = load_audio(args.file, WHISPER_SAMPLE_RATE)  # an unreadable file fails before any load
+    transcriber = Transcriber.load(whisper)
+    if transcriber.settings.sample_rate != WHISPER_SAMPLE_RATE:
+        samples = load_audio(args.file, transcriber.settings.sample_rate)
+    result = transcriber.transcribe(samples, language=args.language)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), ensure_ascii=False))
+    else:
+        print(result.text)
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
@@ -261,6 +334,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "template": cmd_template,
     "inspect": cmd_inspect,
+    "transcribe": cmd_transcribe,
     "convert": cmd_convert,
     "bench": cmd_bench,
 }
