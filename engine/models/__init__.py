@@ -21,6 +21,7 @@ SUPPORTED: dict[str, str] = {
     "mistral": "llama",
     "phi3": "phi3",
     "qwen2": "qwen2",
+    "qwen2_audio": "qwen2_audio",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
 }

@@ -79,3 +79,44 @@ def write_whisper_folder(folder: Path, meta: dict | None = None, *, generation_c
         {"feature_size": meta["config"]["num_mel_bins"], "sampling_rate": 16000, "n_fft": 400,
          "hop_length": 160, "chunk_length": 30}))
     return folder
+
+
+# ---- Qwen2-Audio -----------------------------------------------------------------
+
+
+def qwen_tokenizer(meta: dict) -> Tokenizer:
+    """The golden script's word-level vocabulary, specials (with <|AUDIO|>) at the end."""
+    vocab = {w: i for i, w in enumerate(meta["words"])}
+    for w in ["\n", ":", *[str(d) for d in range(10)], "Audio", "user", "assistant", "system", "[UNK]"]:
+        vocab[w] = len(vocab)
+    for i in range(len(vocab), meta["vocab_size"] - len(meta["specials"])):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in meta["specials"]])
+    return tok
+
+
+def hub_name(name: str) -> str:
+    """transformers 5's parameter names -> the names Qwen2-Audio checkpoints on the Hub use."""
+    for old, new in (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                     ("model.audio_tower.", "audio_tower."),
+                     ("model.multi_modal_projector.", "multi_modal_projector.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def write_qwen2_audio_folder(folder: Path, meta: dict | None = None, *, hub_names: bool = True) -> Path:
+    meta = meta or load_meta("qwen2_audio_tiny")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(meta["config"]))
+    weights = {(hub_name(n) if hub_names else n): synthetic_weight(n, tuple(shape))
+               for n, shape in meta["parameters"].items()}
+    save_file(weights, str(folder / "model.safetensors"))
+    qwen_tokenizer(meta).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": meta["chat_template"],
+        "add_bos_token": False}))
+    return folder
