@@ -118,8 +118,12 @@ class Qwen2AudioTower(nn.Module):
         """16 kHz mono samples -> (log-mel features (n_mels, 3000), real frames)."""
         if samples.shape[0] == 0:
             raise MediaError("The audio clip is empty.")
+        frames = feature_frames(samples.shape[0], self.frames)
+        if audio_token_count(frames) < 1:
+            raise MediaError(f"The audio clip is too short ({samples.shape[0] / WHISPER_SAMPLE_RATE:.3f} s); "
+                             "record at least a twentieth of a second.")
         feats = log_mel_spectrogram(samples, n_mels=self.config.num_mel_bins, chunk_seconds=CHUNK_SECONDS)
-        return feats, feature_frames(samples.shape[0], self.frames)
+        return feats, frames
 
     def __call__(self, features: mx.array | np.ndarray, frames: int) -> mx.array:
         """Projected audio embeddings for one clip: (audio_token_count(frames), text hidden)."""
