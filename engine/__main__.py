@@ -233,21 +233,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _audio_prompt(args: argparse.Namespace, host: Any) -> tuple[str, list[dict[str, Any]]]:
     """(prompt text, audio parts for the user message).
 
-    A model that hears audio gets the files as audio parts (its chat template places
-    them). Any other model gets each file's transcript, from the Whisper model given
-    by --whisper or $MLX_DESK_WHISPER, as text before the prompt."""
+    Each file's transcript, from the Whisper model given by --whisper or
+    $MLX_DESK_WHISPER, goes before the prompt as text. (Models that hear audio will get
+    the files as audio parts once prefill can splice them in.)"""
     import os
 
-    from .media.audio import load_audio
     from .media.transcribe import WHISPER_ENV, NoWhisperModel, no_whisper_message
 
-    if host.info.audio:
-        if not args.chat:
-            raise CliError("--audio with an audio model needs --chat: its chat template places the audio")
-        for path in args.audio:
-            load_audio(path)  # refuse an undecodable file before any work
-        return args.prompt, [{"type": "audio", "path": str(path)} for path in args.audio]
     whisper = args.whisper or os.environ.get(WHISPER_ENV)
+    if host.info.audio and not whisper:
+        # The tower and its goldens are in (engine.media.qwen2_audio_tower); splicing its
+        # output into prefill arrives with the shared multimodal prompt code.
+        raise CliError(
+            f"Audio input straight into {host.info.name} is not wired into generation yet; "
+            "pass --whisper PATH to transcribe the audio instead."
+        )
     if not whisper:
         raise NoWhisperModel(no_whisper_message(f"{host.info.name} cannot take audio"))
     transcriber = host.transcriber(whisper)

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.media.audio_checkpoints import load_arrays, load_meta, write_whisper_folder
+from tests.engine.media.audio_checkpoints import (
+    load_arrays,
+    load_meta,
+    write_qwen2_audio_folder,
+    write_whisper_folder,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 META = load_meta("whisper_asr")
@@ -82,3 +87,16 @@ def test_generate_with_audio_on_a_text_model_uses_the_transcript(llm_dir, whispe
     assert a["token_ids"] == b["token_ids"]
     assert "--prompt TEXT" in one_line_failure(
         run("generate", "--model", str(llm_dir), "--prompt-ids", "1,2", "--audio", jfk, "--whisper", str(whisper_dir)))
+
+
+def test_generate_on_qwen2_audio(tmp_path, whisper_dir, shared_data):
+    """The audio model loads and chats; audio reaches it as a transcript for now."""
+    folder = write_qwen2_audio_folder(tmp_path / "tiny-qwen2-audio")
+    jfk = str(shared_data / "audio" / "jfk.wav")
+    err = one_line_failure(run("generate", "--model", str(folder), "--prompt", "what is said", "--chat",
+                               "--audio", jfk))
+    assert "--whisper" in err
+    proc = run("generate", "--model", str(folder), "--prompt", "what is said", "--chat", "--audio", jfk,
+               "--whisper", str(whisper_dir), "--max-tokens", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["generated_tokens"] == 3
