@@ -93,6 +93,8 @@ def _read_wav(path: Path) -> DecodedAudio:
         raise MediaError(f"Audio file {path.name} is not a readable WAV file: {e}.") from None
     except EOFError:
         raise MediaError(f"Audio file {path.name} is truncated: its WAV header is incomplete.") from None
+    except (RuntimeError, ValueError, OverflowError):  # ``wave`` trips over chunk sizes past the end
+        raise MediaError(f"Audio file {path.name} is not a readable WAV file: a chunk runs past its end.") from None
 
 
 def _pcm_to_float(raw: bytes, width: int, channels: int) -> np.ndarray:
