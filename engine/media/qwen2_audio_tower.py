@@ -72,6 +72,19 @@ def audio_token_count(frames: int) -> int:
     return (after_conv - 2) // 2 + 1
 
 
+def clip_features(samples: np.ndarray, cfg: AudioEncoderConfig) -> tuple[np.ndarray, int]:
+    """16 kHz mono samples -> (log-mel features (n_mels, 3000), real frames). Needs no
+    weights, so a prompt can be laid out before the tower is loaded."""
+    if samples.shape[0] == 0:
+        raise MediaError("The audio clip is empty.")
+    frames = feature_frames(samples.shape[0], 2 * cfg.max_source_positions)
+    if audio_token_count(frames) < 1:
+        raise MediaError(f"The audio clip is too short ({samples.shape[0] / WHISPER_SAMPLE_RATE:.3f} s); "
+                         "record at least a twentieth of a second.")
+    feats = log_mel_spectrogram(samples, n_mels=cfg.num_mel_bins, chunk_seconds=CHUNK_SECONDS)
+    return feats, frames
+
+
 class AudioEncoder(WhisperEncoder):
     """Whisper's encoder with a key-padding mask and average pooling before the final norm."""
 
@@ -116,14 +129,7 @@ class Qwen2AudioTower(nn.Module):
 
     def features(self, samples: np.ndarray) -> tuple[np.ndarray, int]:
         """16 kHz mono samples -> (log-mel features (n_mels, 3000), real frames)."""
-        if samples.shape[0] == 0:
-            raise MediaError("The audio clip is empty.")
-        frames = feature_frames(samples.shape[0], self.frames)
-        if audio_token_count(frames) < 1:
-            raise MediaError(f"The audio clip is too short ({samples.shape[0] / WHISPER_SAMPLE_RATE:.3f} s); "
-                             "record at least a twentieth of a second.")
-        feats = log_mel_spectrogram(samples, n_mels=self.config.num_mel_bins, chunk_seconds=CHUNK_SECONDS)
-        return feats, frames
+        return clip_features(samples, self.config)
 
     def __call__(self, features: mx.array | np.ndarray, frames: int) -> mx.array:
         """Projected audio embeddings for one clip: (audio_token_count(frames), text hidden)."""
@@ -189,3 +195,72 @@ class Qwen2AudioTower(nn.Module):
             picked = {n: w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w for n, w in picked.items()}
         tower.load_hf_weights(picked)
         return tower
+
+
+# ---- the shared media plumbing (engine.media.towers) --------------------------------
+
+AUDIO_PAD = "<|AUDIO|>"
+
+
+class Qwen2AudioEncoder:
+    """The MediaEncoder for Qwen2-Audio clips.
+
+    The chat template writes ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per clip; as
+    transformers' Qwen2AudioProcessor does, the lone ``<|AUDIO|>`` becomes one per
+    projected position of real audio. Features are computed here without weights; the
+    tower loads on the first ``encode``.
+    """
+
+    kind = "audio"
+    placeholder = AUDIO_PAD
+
+    def __init__(self, source: Any) -> None:
+        raw = source.config.raw
+        self.source = source
+        self.config = AudioEncoderConfig.from_dict(raw.get("audio_config"))
+        self.token_id = int(raw.get("audio_token_index", raw.get("audio_token_id", 151646)))
+        self.text_hidden = int(source.config.text.get("hidden_size") or raw.get("hidden_size"))
+        self.module: Qwen2AudioTower | None = None
+        self.calls = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self.module is not None
+
+    def prepare(self, item: Any) -> Any:
+        from engine.media.audio import load_audio_source
+        from engine.media.cache import media_key
+        from engine.media.prompt import PreparedMedia
+
+        feats, frames = clip_features(load_audio_source(item.source, WHISPER_SAMPLE_RATE), self.config)
+        n = audio_token_count(frames)
+        settings = {"model": str(self.source.path), "tower": "qwen2_audio", "mels": self.config.num_mel_bins,
+                    "rate": WHISPER_SAMPLE_RATE, "seconds": CHUNK_SECONDS}
+        return PreparedMedia(kind="audio", key=media_key(item.source, settings), n_tokens=n,
+                             text=AUDIO_PAD * n, data=(feats, frames))
+
+    def load(self) -> Qwen2AudioTower:
+        if self.module is None:
+            from engine.artifacts.weights import load_weights
+            from engine.media.towers import fill_tower
+
+            module = Qwen2AudioTower(self.config, self.text_hidden)
+            weights = module.sanitize(load_weights(self.source.weight_files()))
+            if not weights:
+                raise MediaError(
+                    f"{self.source.name} is an audio model but its weights hold no audio_tower; "
+                    "download the full Qwen2-Audio checkpoint, not a text-only conversion."
+                )
+            fill_tower(module, weights, self.source, "Qwen2-Audio audio tower")
+            self.module = module
+        return self.module
+
+    def encode(self, item: Any) -> mx.array:
+        module = self.load()
+        self.calls += 1
+        feats, frames = item.data
+        return module(feats, frames)
+
+
+def make_encoder(source: Any) -> Qwen2AudioEncoder:
+    return Qwen2AudioEncoder(source)
