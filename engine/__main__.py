@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {generate,template,inspect,bench,convert}``.
+"""Command line: ``python -m engine {generate,template,inspect,transcribe,bench,convert}``.
 
 The flags are a contract (DESIGN.md, "Engine CLI"). Every failure exits non-zero
 with one line on stderr and no traceback.
@@ -77,7 +77,21 @@ def _add_generate(sub: Any) -> None:
     spec.add_argument("--ngram", type=int, metavar="N", help="speculative decoding by N-gram prompt lookup")
     p.add_argument("--num-draft", type=int, metavar="N", help="drafts per verification pass (default 4)")
     p.add_argument("--image", action=_MediaFlag, default=[], metavar="FILE", help="image file (repeatable; needs --chat)")
-    p.add_argument("--audio", action=_MediaFlag, default=[], metavar="FILE", help="audio file (repeatable; needs --chat)")
+    p.add_argument("--audio", action=_MediaFlag, default=[], metavar="FILE",
+                   help="audio file (repeatable; needs --chat): heard by audio models such as Qwen2-Audio, "
+                        "transcribed first with --whisper for any other model")
+    p.add_argument("--whisper", metavar="PATH",
+                   help="Whisper model folder or cached repo id (e.g. openai/whisper-tiny) that transcribes "
+                        "--audio for models without audio input (default: $MLX_DESK_WHISPER)")
+
+
+def _add_transcribe(sub: Any) -> None:
+    p = sub.add_parser("transcribe", help="speech to text with a Whisper model")
+    p.add_argument("file", help="audio file (WAV; MP3, FLAC, OGG, M4A with ffmpeg)")
+    p.add_argument("--whisper", metavar="PATH",
+                   help="Whisper model folder or cached repo id, e.g. openai/whisper-tiny (default: $MLX_DESK_WHISPER)")
+    p.add_argument("--language", help="language code such as en or de (default: detected)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def _add_template(sub: Any) -> None:
@@ -111,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_template(sub)
     _add_inspect(sub)
+    _add_transcribe(sub)
     from .bench import add_arguments
 
     add_arguments(sub.add_parser("bench", help="speed on random weights of a real model shape"))
@@ -183,6 +198,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--system needs --chat (it is a chat template message)")
     if args.chat and args.prompt is None:
         raise CliError("--chat needs --prompt TEXT (not --prompt-ids)")
+    if args.audio and args.prompt is None:
+        raise CliError("--audio needs --prompt TEXT (not --prompt-ids)")
     if (args.image or args.audio) and not args.chat:
         raise CliError("--image and --audio need --chat (the chat template places the media)")
     params = _params(args)
@@ -192,6 +209,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _mount_adapters(host, args.adapter)
     if args.draft_model is not None:
         host.load_draft(args.draft_model)
+    if args.audio:
+        args.prompt, media = _audio_prompt(args, host, media)
 
     def show(event: Any) -> None:
         if not args.json and isinstance(event, TokenEvent):
@@ -266,6 +285,27 @@ def user_message(text: str, media: list[Any]) -> dict[str, Any]:
     return build(text, media)
 
 
+def _audio_prompt(args: argparse.Namespace, host: Any, media: list[Any]) -> tuple[str, list[Any]]:
+    """(prompt text, media for the user message) once --audio is settled.
+
+    A model that hears audio (Qwen2-Audio) gets the clips themselves as audio parts. For
+    any other model each clip is transcribed by the Whisper model from --whisper or
+    $MLX_DESK_WHISPER, and the transcripts go before the prompt as text; without one the
+    command stops and says what to pass."""
+    import os
+
+    from .media.transcribe import WHISPER_ENV, NoWhisperModel, no_whisper_message
+
+    if host.info.audio:
+        return args.prompt, media
+    whisper = args.whisper or os.environ.get(WHISPER_ENV)
+    if not whisper:
+        raise NoWhisperModel(no_whisper_message(f"{host.info.name} cannot take audio"))
+    transcriber = host.transcriber(whisper)
+    texts = [transcriber.transcribe(m.source).text for m in media if m.kind == "audio"]
+    return "\n\n".join([*texts, args.prompt]), [m for m in media if m.kind != "audio"]
+
+
 def _vocab_size(host: Any) -> int:
     args = getattr(host.model, "args", None)
     return int(getattr(args, "vocab_size", 0) or 0)
@@ -297,6 +337,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from .media.transcribe import WHISPER_ENV, NoWhisperModel, Transcriber, no_whisper_message
+
+    whisper = args.whisper or os.environ.get(WHISPER_ENV)
+    if not whisper:
+        raise NoWhisperModel(no_whisper_message("transcribe needs a Whisper model"))
+    from .media.audio import load_audio
+    from .media.mel import WHISPER_SAMPLE_RATE
+
+    samples = load_audio(args.file, WHISPER_SAMPLE_RATE)  # an unreadable file fails before any load
+    transcriber = Transcriber.load(whisper)
+    if transcriber.settings.sample_rate != WHISPER_SAMPLE_RATE:
+        samples = load_audio(args.file, transcriber.settings.sample_rate)
+    result = transcriber.transcribe(samples, language=args.language)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), ensure_ascii=False))
+    else:
+        print(result.text)
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
@@ -321,6 +385,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "template": cmd_template,
     "inspect": cmd_inspect,
+    "transcribe": cmd_transcribe,
     "convert": cmd_convert,
     "bench": cmd_bench,
 }

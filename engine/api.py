@@ -67,6 +67,28 @@ class GenerationResult:
     adapters: dict[str, float] = field(default_factory=dict)  # active adapters -> scale
 
 
+@dataclass
+class TranscriptSegment:
+    """One 30 s window of a transcription (Whisper reads audio in such windows)."""
+
+    start_s: float
+    end_s: float
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Transcript:
+    """What a Whisper model heard in an audio file; ``language`` is a code like "en"."""
+
+    text: str
+    language: str | None
+    duration_s: float
+    segments: list[TranscriptSegment] = field(default_factory=list)
+    finish_reason: Literal["stop", "cancelled"] = "stop"
+    model: str = ""  # the Whisper model's name
+
+
 # ---- events streamed out of the worker -------------------------------------
 
 
@@ -86,7 +108,7 @@ class ProgressEvent:
     """Long work under way: loading weights, prefill, downloads."""
 
     request_id: int
-    stage: str  # "load", "prefill", "download", "encode"
+    stage: str  # "load", "prefill", "download", "encode", "transcribe"
     done: float
     total: float
     message: str = ""
@@ -225,6 +247,21 @@ class Generate:
 
 
 @dataclass
+class Transcribe:
+    """Transcribe an audio file with a Whisper model folder (or cached repo id).
+
+    ``model_path`` None means the worker's default (its ``whisper_path``, else the
+    MLX_DESK_WHISPER environment variable). ``language`` is a code like "en"; None
+    detects it. Ends with DoneEvent(result=Transcript); ProgressEvent(stage="transcribe")
+    after each 30 s window; cancellable (the transcript so far, finish_reason "cancelled").
+    """
+
+    path: str
+    model_path: str | None = None
+    language: str | None = None
+
+
+@dataclass
 class Cancel:
     target: int  # the request id to stop
 
@@ -271,6 +308,6 @@ class LoadDraftModel:
 
 
 Command = (
-    LoadModel | UnloadModel | InspectModel | Generate | Cancel | DropSession | GetModelInfo
+    LoadModel | UnloadModel | InspectModel | Generate | Transcribe | Cancel | DropSession | GetModelInfo
     | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel
 )

@@ -116,6 +116,7 @@ class ModelHost:
     def __init__(self) -> None:
         self._loaded: _Loaded | None = None
         self._owner: threading.Thread | None = None
+        self._transcriber: Any = None  # the last Whisper used, kept for the next request
 
     # ---- one thread touches MLX ------------------------------------------------
 
@@ -338,6 +339,26 @@ class ModelHost:
             import mlx.core as mx
 
             mx.clear_cache()
+    # ---- transcription --------------------------------------------------------------
+
+    def transcriber(self, path: str, progress: LoadProgress | None = None) -> Any:
+        """The Whisper Transcriber for ``path``, loaded once and kept (one at a time)."""
+        self._check_thread()
+        from .artifacts.hub import resolve_model_path
+        from .media.transcribe import Transcriber
+
+        folder = str(resolve_model_path(path))
+        if self._transcriber is None or self._transcriber.path != folder:
+            self._transcriber = None
+            if progress is not None:
+                progress(0, 1, "loading the Whisper model")
+            self._transcriber = Transcriber.load(folder)
+            if progress is not None:
+                progress(1, 1, "loading the Whisper model")
+        return self._transcriber
+
+    def drop_transcriber(self) -> None:
+        self._transcriber = None
 
     # ---- sessions -----------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from .api import (
     ProgressEvent,
     SetActiveAdapters,
     TokenEvent,
+    Transcribe,
     UnloadModel,
     UnmountAdapter,
 )
@@ -56,9 +57,17 @@ def one_line(exc: BaseException) -> str:
 
 
 class EngineWorker:
-    def __init__(self, on_event: Callable[[Event], None], host: ModelHost | None = None) -> None:
+    def __init__(
+        self,
+        on_event: Callable[[Event], None],
+        host: ModelHost | None = None,
+        *,
+        whisper_path: str | None = None,
+    ) -> None:
         self._on_event = on_event
         self._host = host or ModelHost()
+        # The Whisper model Transcribe uses when the command names none.
+        self.whisper_path = whisper_path
         self._queue: queue.Queue[Any] = queue.Queue()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -202,6 +211,8 @@ class EngineWorker:
             )
             self._emit_memory()
             return info
+        if isinstance(command, Transcribe):
+            return self._transcribe(rid, command, cancel)
         raise EngineError(f"Unknown command {type(command).__name__}.")
 
     def _generate(self, rid: int, command: Generate, cancel: threading.Event) -> Any:
@@ -225,6 +236,37 @@ class EngineWorker:
             tools=command.tools,
             add_generation_prompt=command.add_generation_prompt,
             media=command.media,
+        )
+        self._emit_memory()
+        return result
+
+    def _transcribe(self, rid: int, command: Transcribe, cancel: threading.Event) -> Any:
+        import os
+
+        from .media.audio import load_audio
+        from .media.mel import WHISPER_SAMPLE_RATE
+        from .media.transcribe import WHISPER_ENV, NoWhisperModel, no_whisper_message
+
+        model_path = command.model_path or self.whisper_path or os.environ.get(WHISPER_ENV)
+        if not model_path:
+            raise NoWhisperModel(no_whisper_message("No Whisper model is set for transcription"))
+        # Decode first: an unreadable file is refused before any model loads.
+        samples = load_audio(command.path, WHISPER_SAMPLE_RATE)
+        transcriber = self._host.transcriber(
+            model_path,
+            progress=lambda done, total, message="": self._emit(
+                ProgressEvent(rid, "load", float(done), float(total), message)
+            ),
+        )
+        if transcriber.settings.sample_rate != WHISPER_SAMPLE_RATE:
+            samples = load_audio(command.path, transcriber.settings.sample_rate)
+        result = transcriber.transcribe(
+            samples,
+            language=command.language,
+            cancel=cancel,
+            on_window=lambda done, total: self._emit(
+                ProgressEvent(rid, "transcribe", float(done), float(total), f"window {done} of {total}")
+            ),
         )
         self._emit_memory()
         return result

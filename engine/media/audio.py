@@ -78,6 +78,19 @@ def load_audio(path: str | Path, sample_rate: int = 16000) -> np.ndarray:
     return _decode_with_ffmpeg(path, kind, sample_rate)
 
 
+def load_audio_source(source: str | Path | bytes, sample_rate: int = 16000) -> np.ndarray:
+    """``load_audio`` for a path or a file's encoded bytes (a recording held in memory)."""
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        return load_audio(source, sample_rate)
+    import tempfile
+
+    # The decoders (ffmpeg among them) read files; the format is sniffed from the bytes.
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "clip"
+        path.write_bytes(bytes(source))
+        return load_audio(path, sample_rate)
+
+
 # ---- WAV --------------------------------------------------------------------------
 
 
@@ -93,6 +106,8 @@ def _read_wav(path: Path) -> DecodedAudio:
         raise MediaError(f"Audio file {path.name} is not a readable WAV file: {e}.") from None
     except EOFError:
         raise MediaError(f"Audio file {path.name} is truncated: its WAV header is incomplete.") from None
+    except (RuntimeError, ValueError, OverflowError):  # ``wave`` trips over chunk sizes past the end
+        raise MediaError(f"Audio file {path.name} is not a readable WAV file: a chunk runs past its end.") from None
 
 
 def _pcm_to_float(raw: bytes, width: int, channels: int) -> np.ndarray:

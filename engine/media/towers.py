@@ -24,12 +24,13 @@ from engine.media.prompt import MediaEncoder, PreparedMedia
 TOWERS: dict[str, dict[str, str]] = {
     "gemma3": {"image": "engine.media.gemma3_vision"},
     "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl_vision"},
+    "qwen2_audio": {"audio": "engine.media.qwen2_audio_tower"},
 }
 
 # What to suggest when a model cannot take a kind of media.
 SUGGESTIONS = {
     "image": ("cannot read images", "pick a vision model such as Gemma 3 or Qwen2.5-VL"),
-    "audio": ("cannot listen to audio", "pick an audio model such as Qwen2-Audio or Voxtral, or transcribe it first"),
+    "audio": ("cannot hear audio", "transcribe it first or pick an audio model such as Qwen2-Audio"),
 }
 
 DEFAULT_CACHE_BYTES = 512 * 1024 * 1024

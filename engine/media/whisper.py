@@ -95,8 +95,9 @@ class EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(ffn, dims)
         self.final_layer_norm = nn.LayerNorm(dims, eps=_LAYER_NORM_EPS)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        x = x + self.self_attn(self.self_attn_layer_norm(x))
+    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+        """``mask``: additive, broadcast over heads and queries (padding keys at -inf)."""
+        x = x + self.self_attn(self.self_attn_layer_norm(x), mask=mask)
         return x + self.fc2(nn.gelu(self.fc1(self.final_layer_norm(x))))
 
 

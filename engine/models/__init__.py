@@ -22,6 +22,7 @@ SUPPORTED: dict[str, str] = {
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen2_5_vl": "qwen2_5_vl",
+    "qwen2_audio": "qwen2_audio",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
 }

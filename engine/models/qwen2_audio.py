@@ -1,0 +1,61 @@
+"""Qwen2-Audio: a Qwen2 language model that hears through a Whisper-style audio tower.
+
+This module is the language-model side (``text_config`` -> Qwen2); the checkpoint's
+``language_model.*`` weights load with the model, the ``audio_tower.*`` and
+``multi_modal_projector.*`` ones are left for ``engine.media.qwen2_audio_tower``, which
+loads them on the first audio request. ``audio_token_index`` is the <|AUDIO|>
+placeholder whose embeddings the projected audio replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from . import qwen2
+
+# Hub checkpoints nest the LM under language_model.; transformers 5 saves model.language_model.
+_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+             ("model.language_model.", "model."), ("language_model.", ""))
+_TOWERS = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
+
+
+@dataclass
+class ModelArgs(qwen2.ModelArgs):
+    audio_token_index: int = 151646
+    audio_config: dict[str, Any] | None = None
+
+    @classmethod
+    def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
+        inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        merged = super().normalise(config)
+        # Qwen2Config does not tie embeddings unless its own settings say so.
+        merged["tie_word_embeddings"] = bool(inner.get("tie_word_embeddings", False))
+        merged["audio_token_index"] = config.get("audio_token_index", config.get("audio_token_id", 151646))
+        merged["audio_config"] = config.get("audio_config") or {}
+        merged["model_type"] = "qwen2"
+        return merged
+
+
+class Model(qwen2.Model):
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        renamed: dict[str, mx.array] = {}
+        for key, value in weights.items():
+            if key.startswith(_TOWERS):
+                continue
+            for old, new in _PREFIXES:
+                if key.startswith(old):
+                    key = new + key[len(old):]
+                    break
+            renamed[key] = value
+        return super().sanitize(renamed)
+
+    def load_audio_tower(self, folder: Any) -> Any:
+        """The audio tower and projector, read from the model folder (called once, lazily)."""
+        from engine.media.qwen2_audio_tower import Qwen2AudioTower
+
+        dtype = self.model.embed_tokens.weight.dtype
+        return Qwen2AudioTower.from_folder(folder, self.args.audio_config, self.args.hidden_size, dtype)
+

@@ -1,0 +1,328 @@
+"""Make the reference outputs for transcription and the Qwen2-Audio family.
+
+Run with an environment that has transformers and torch (never needed by the tests):
+
+    python tests/golden/make_audio_goldens.py [--data ../shared/data]
+
+Writes into tests/golden/media/:
+
+- whisper_asr.json / .npz  a tiny random WhisperForConditionalGeneration with a
+  multilingual generation config (language and task tokens, <|notimestamps|>,
+  suppress_tokens, begin_suppress_tokens), and transformers' ``model.generate`` greedy
+  ids on ../shared/data/audio/jfk.wav: with language detection, with a given language,
+  and window by window on a 33 s clip (jfk.wav three times), the way the engine cuts
+  long audio into 30 s windows.
+- qwen2_audio_tiny.json / .npz  a tiny random Qwen2AudioForConditionalGeneration (128
+  mels as the real one), the real processor's features and placeholder expansion for a
+  chat prompt with the first 4 s of jfk.wav, the projected audio features, and greedy
+  ids with their log-probabilities.
+
+Weights come from ``synthetic_weight`` (a seeded generator keyed by parameter name) so
+the tests rebuild the same checkpoints without storing them. This script deliberately
+does not import the engine: the references stay independent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import wave
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "media"
+STRIDE = 7
+
+# ---- a tiny multilingual Whisper -------------------------------------------------
+
+# Token layout: ordinary tokens, then Whisper's special tokens in their usual order.
+WHISPER_SPECIALS = ["<|startoftranscript|>", "<|en|>", "<|de|>", "<|fr|>", "<|translate|>",
+                    "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+N_ORDINARY = 100
+N_TIMESTAMPS = 18
+WHISPER_ASR = {
+    "model_type": "whisper",
+    "vocab_size": N_ORDINARY + len(WHISPER_SPECIALS) + N_TIMESTAMPS,
+    "num_mel_bins": 80, "d_model": 64,
+    "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
+    "decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128,
+    "max_source_positions": 1500, "max_target_positions": 64,
+    "scale_embedding": False, "activation_function": "gelu", "tie_word_embeddings": True,
+}
+MAX_NEW_TOKENS = 40
+SPACE_ID = 3  # the ordinary token begin_suppress_tokens holds besides <|endoftext|>
+
+
+def synthetic_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Deterministic weights from the parameter name alone, scaled so activations stay O(1)
+    and greedy choices are well separated."""
+    noise = np.random.default_rng(zlib.crc32(name.encode())).standard_normal(shape)
+    if name.endswith(("layer_norm.weight", "norm.weight", "layernorm.weight")):
+        return (1.0 + 0.1 * noise).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.05 * noise).astype(np.float32)
+    if "embed_positions" in name:
+        return (2.0 * noise).astype(np.float32)
+    if "embed_tokens" in name:
+        return (0.5 * noise).astype(np.float32)
+    return (noise / math.sqrt(math.prod(shape[1:]))).astype(np.float32)
+
+
+def fill(model, torch) -> dict[str, list[int]]:
+    shapes = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(synthetic_weight(name, tuple(p.shape))))
+            shapes[name] = list(p.shape)
+    return shapes
+
+
+def read_pcm16_wav(path: Path) -> np.ndarray:
+    with wave.open(str(path)) as w:
+        assert w.getsampwidth() == 2 and w.getnchannels() == 1 and w.getframerate() == 16000
+        return np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+
+
+def whisper_generation_config(eot: int) -> dict:
+    first = N_ORDINARY
+    ids = {tok: first + i for i, tok in enumerate(WHISPER_SPECIALS)}
+    return {
+        "decoder_start_token_id": ids["<|startoftranscript|>"],
+        "eos_token_id": eot, "pad_token_id": eot, "bos_token_id": eot,
+        "lang_to_id": {"<|en|>": ids["<|en|>"], "<|de|>": ids["<|de|>"], "<|fr|>": ids["<|fr|>"]},
+        "task_to_id": {"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
+        "no_timestamps_token_id": ids["<|notimestamps|>"],
+        "is_multilingual": True,
+        "max_length": WHISPER_ASR["max_target_positions"],
+        "begin_suppress_tokens": [SPACE_ID, eot],
+        # Filled in below with tokens plain greedy decoding would otherwise pick.
+        "suppress_tokens": [],
+    }
+
+
+def whisper_asr_goldens(audio_dir: Path) -> tuple[dict, dict]:
+    import torch
+    from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    fe = WhisperFeatureExtractor(feature_size=80)
+    jfk = read_pcm16_wav(audio_dir / "jfk.wav")
+
+    def feats(samples: np.ndarray):
+        return fe(samples, sampling_rate=16000, return_tensors="pt").input_features
+
+    def build(eot: int, suppress: list[int]):
+        cfg = {**WHISPER_ASR, "eos_token_id": eot, "pad_token_id": eot, "bos_token_id": eot,
+               "decoder_start_token_id": N_ORDINARY}
+        model = WhisperForConditionalGeneration(WhisperConfig(**cfg)).eval()
+        shapes = fill(model, torch)
+        gen = whisper_generation_config(eot)
+        gen["suppress_tokens"] = suppress
+        model.generation_config = GenerationConfig(**gen)
+        return model, gen, shapes
+
+    def run(model, features, language):
+        with torch.no_grad():
+            out = model.generate(features, language=language, task="transcribe", return_timestamps=False,
+                                 do_sample=False, num_beams=1, max_new_tokens=MAX_NEW_TOKENS,
+                                 return_dict_in_generate=True)
+        return out.sequences[0].tolist()  # the forced prompt, then what was generated
+
+    # Pass 1 (eot out of reach, no suppression): find what plain greedy decoding picks.
+    model, _, _ = build(eot=N_ORDINARY - 1, suppress=[])
+    plain = run(model, feats(jfk), None)
+    prompt_len = 4
+    # Suppress two tokens plain greedy decoding picks, so suppression visibly matters;
+    # of the first few candidate pairs, the one whose decoding repeats itself least.
+    distinct = [t for t in dict.fromkeys(plain[prompt_len:]) if t != SPACE_ID]
+    best = None
+    for pair in [(a, b) for i, a in enumerate(distinct[:4]) for b in distinct[i + 1 : 5]]:
+        model, _, _ = build(eot=N_ORDINARY - 1, suppress=sorted(pair))
+        ids = run(model, feats(jfk), None)[prompt_len:]
+        variety = len(set(ids[:12]))
+        if best is None or variety > best[0]:
+            best = (variety, sorted(pair), ids)
+    _, suppress, steered = best
+    # <|endoftext|> sits on a token greedy decoding reaches after a few steps, so stopping
+    # is exercised (it is begin-suppressed, so it must not be the first one either).
+    k = next(i for i in range(6, len(steered)) if steered[i] not in steered[:i] and steered[i] not in suppress)
+    eot = steered[k]
+
+    model, gen, shapes = build(eot=eot, suppress=suppress)
+    out: dict = {}
+    detected = run(model, feats(jfk), None)
+    lang_id = detected[1]
+    lang = next(k for k, v in gen["lang_to_id"].items() if v == lang_id)
+    other = "fr" if lang != "<|fr|>" else "en"
+    given = run(model, feats(jfk), other)
+    out["detect/ids"] = np.asarray(detected, dtype=np.int64)
+    out["given/ids"] = np.asarray(given, dtype=np.int64)
+    # Long audio: 33 s cut into 30 s windows; the language is detected on the first window
+    # and kept for the rest.
+    long = np.concatenate([jfk, jfk, jfk])
+    windows = [long[i : i + 480000] for i in range(0, long.shape[0], 480000)]
+    for w, samples in enumerate(windows):
+        out[f"long/window{w}"] = np.asarray(run(model, feats(samples), lang), dtype=np.int64)
+    print(f"whisper asr: eot {eot}, suppress {suppress}, detected {detected}, given {other}: {given}")
+    meta = {"config": {**WHISPER_ASR, "eos_token_id": eot, "decoder_start_token_id": N_ORDINARY},
+            "generation_config": gen, "specials": WHISPER_SPECIALS, "n_ordinary": N_ORDINARY,
+            "n_timestamps": N_TIMESTAMPS, "max_new_tokens": MAX_NEW_TOKENS, "parameters": shapes,
+            "long_windows": len(windows), "detected_language": lang.strip("<|>"), "given_language": other}
+    return out, meta
+
+
+# ---- a tiny Qwen2-Audio ---------------------------------------------------------
+
+AUDIO_TOKEN = "<|AUDIO|>"
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", AUDIO_TOKEN, "<|audio_eos|>"]
+QWEN_VOCAB = 160
+QWEN2_AUDIO = {
+    "model_type": "qwen2_audio",
+    "audio_token_index": None,  # set from the tokenizer
+    "audio_config": {
+        "model_type": "qwen2_audio_encoder", "num_mel_bins": 128, "d_model": 48,
+        "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 96,
+        "max_source_positions": 1500, "activation_function": "gelu", "scale_embedding": False,
+    },
+    "text_config": {
+        "model_type": "qwen2", "vocab_size": QWEN_VOCAB, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "hidden_act": "silu", "sliding_window": None, "use_sliding_window": False,
+    },
+}
+QWEN_AUDIO_SECONDS = 4.0
+QWEN_STEPS = 12
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'audio' %}Audio {{ loop.index }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_WORDS = ["what", "is", "said", "in", "this", "clip", "?", "the", "a", "speech", "ask", "not"]
+
+
+def qwen_tokenizer():
+    """A word-level tokenizer over a small vocabulary (the test builds the same one)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(QWEN_WORDS)}
+    vocab["\n"] = len(vocab)
+    vocab[":"] = len(vocab)
+    for d in range(10):
+        vocab[str(d)] = len(vocab)
+    vocab["Audio"] = len(vocab)
+    vocab["user"] = len(vocab)
+    vocab["assistant"] = len(vocab)
+    vocab["system"] = len(vocab)
+    vocab["[UNK]"] = len(vocab)
+    n = len(vocab)
+    for i in range(n, QWEN_VOCAB - len(QWEN_SPECIALS)):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Punctuation()])
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    return tok
+
+
+def qwen2_audio_goldens(audio_dir: Path, tmp: Path) -> tuple[dict, dict]:
+    import torch
+    from transformers import (PreTrainedTokenizerFast, Qwen2AudioConfig, Qwen2AudioForConditionalGeneration,
+                              Qwen2AudioProcessor, WhisperFeatureExtractor)
+
+    tok = qwen_tokenizer()
+    tok_dir = tmp / "qwen_tok"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(tok_dir / "tokenizer.json"))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"),
+                                     eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf_tok.chat_template = QWEN_TEMPLATE
+    audio_id = tok.token_to_id(AUDIO_TOKEN)
+    cfg = json.loads(json.dumps(QWEN2_AUDIO))
+    cfg["audio_token_index"] = audio_id
+    config = Qwen2AudioConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = Qwen2AudioForConditionalGeneration(config).eval()
+    shapes = fill(model, torch)
+
+    fe = WhisperFeatureExtractor(feature_size=128)
+    processor = Qwen2AudioProcessor(feature_extractor=fe, tokenizer=hf_tok, chat_template=QWEN_TEMPLATE)
+    audio = read_pcm16_wav(audio_dir / "jfk.wav")[: int(QWEN_AUDIO_SECONDS * 16000)]
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "what is said in this clip ?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, audio=[audio], sampling_rate=16000, return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist()
+    n_audio = ids.count(audio_id)
+    out: dict = {}
+    feats = inputs["input_features"][0].numpy()
+    mask = inputs["feature_attention_mask"][0].numpy()
+    out["features/frames"] = feats[:, ::STRIDE].astype(np.float32)
+    out["features/mask"] = mask.astype(np.int64)
+    out["prompt/ids"] = np.asarray(ids, dtype=np.int64)
+    with torch.no_grad():
+        # The tower and projector as Qwen2AudioModel.forward runs them: padded frames
+        # (past the feature mask, after the stride-2 convolution) are masked as keys.
+        from transformers.masking_utils import create_bidirectional_mask
+
+        tower = model.model.audio_tower
+        conv_len, out_len = tower._get_feat_extract_output_lengths(inputs["feature_attention_mask"].sum(-1))
+        keep = (torch.arange(1500)[None, :] < conv_len[:, None]).long()
+        mask = create_bidirectional_mask(config=tower.config, inputs_embeds=torch.zeros(1, 1500, 1),
+                                         attention_mask=keep)
+        hidden = tower(inputs["input_features"], attention_mask=mask).last_hidden_state
+        projected = model.model.multi_modal_projector(hidden)[0, : int(out_len[0])].numpy()
+        assert projected.shape[0] == n_audio, (projected.shape, n_audio)
+        out["projected"] = projected.astype(np.float32)
+        gen = model.generate(**inputs, max_new_tokens=QWEN_STEPS, do_sample=False, num_beams=1,
+                             output_scores=True, return_dict_in_generate=True, eos_token_id=None)
+        new = gen.sequences[0, len(ids):].tolist()
+        logprobs, margins = [], []
+        for step, scores in enumerate(gen.scores):
+            lp = torch.log_softmax(scores[0].float(), -1)
+            logprobs.append(float(lp[new[step]]))
+            top2 = torch.topk(scores[0], 2).values
+            margins.append(float(top2[0] - top2[1]))
+        full_logits = model(**inputs).logits[0, -1].numpy()
+    out["greedy/ids"] = np.asarray(new, dtype=np.int64)
+    out["greedy/logprobs"] = np.asarray(logprobs, dtype=np.float32)
+    out["greedy/margins"] = np.asarray(margins, dtype=np.float32)
+    out["prompt/last_logits"] = full_logits.astype(np.float32)
+    print(f"qwen2-audio: {n_audio} audio tokens, prompt {len(ids)} ids, greedy {new}, "
+          f"smallest margin {min(margins):.4f}")
+    meta = {"config": cfg, "parameters": shapes, "specials": QWEN_SPECIALS, "words": QWEN_WORDS,
+            "vocab_size": QWEN_VOCAB, "chat_template": QWEN_TEMPLATE, "messages": messages,
+            "audio_seconds": QWEN_AUDIO_SECONDS, "steps": QWEN_STEPS, "stride": STRIDE,
+            "prompt_text": text, "audio_tokens": n_audio}
+    return out, meta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=HERE.parents[2] / "shared" / "data")
+    args = parser.parse_args()
+    import tempfile
+
+    import torch
+    import transformers
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    arrays, meta = whisper_asr_goldens(args.data / "audio")
+    np.savez_compressed(OUT / "whisper_asr.npz", **arrays)
+    meta["versions"] = {"transformers": transformers.__version__, "torch": torch.__version__}
+    (OUT / "whisper_asr.json").write_text(json.dumps(meta, indent=1) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        arrays, meta = qwen2_audio_goldens(args.data / "audio", Path(tmp))
+    np.savez_compressed(OUT / "qwen2_audio_tiny.npz", **arrays)
+    meta["versions"] = {"transformers": transformers.__version__, "torch": torch.__version__}
+    (OUT / "qwen2_audio_tiny.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
