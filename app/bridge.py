@@ -161,15 +161,7 @@ class EngineBridge(QObject):
             params=params or api.GenerationParams(),
         )
         rid, fut = self._request(cmd, "generate")
-        self.active_generation = rid
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self._submit_quiet(api.Cancel(target=rid))
-            raise
-        finally:
-            if self.active_generation == rid:
-                self.active_generation = None
+        return await self._while_active(rid, fut, "active_generation")
 
     async def transcribe(self, path: str, model_path: str | None = None,
                          language: str | None = None) -> Any:
@@ -183,15 +175,20 @@ class EngineBridge(QObject):
                 "Qwen2-Audio, or type the message.", "MediaError")
         rid, fut = self._request(
             command(path=path, model_path=model_path, language=language), "transcribe")
-        self.active_transcription = rid
+        return await self._while_active(rid, fut, "active_transcription")
+
+    async def _while_active(self, rid: int, fut: asyncio.Future, attr: str) -> Any:
+        """Await a cancellable request, with its id in ``attr`` meanwhile; cancelling the
+        awaiting task cancels the request in the engine too."""
+        setattr(self, attr, rid)
         try:
             return await fut
         except asyncio.CancelledError:
             self._submit_quiet(api.Cancel(target=rid))
             raise
         finally:
-            if self.active_transcription == rid:
-                self.active_transcription = None
+            if getattr(self, attr) == rid:
+                setattr(self, attr, None)
 
     def engine_status(self) -> dict[str, Any]:
         """What the engine holds now, for the memory display and tests: whether a model is

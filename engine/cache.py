@@ -27,7 +27,25 @@ from .errors import EngineError
 DEFAULT_STEP = 256
 
 
-class KVCache:
+class _Buffers:
+    """What both caches share about their key and value buffers."""
+
+    keys: mx.array | None
+    values: mx.array | None
+    offset: int
+
+    def empty(self) -> bool:
+        return self.keys is None or self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (their full capacity, which is what is allocated)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class KVCache(_Buffers):
     """A growing cache of keys and values, shaped [B, n_kv_heads, tokens, head_dim]."""
 
     def __init__(self, step: int = DEFAULT_STEP):
@@ -65,9 +83,6 @@ class KVCache:
         """How many tokens the attention sees (equals ``offset`` for this cache)."""
         return self.offset
 
-    def empty(self) -> bool:
-        return self.keys is None or self.offset == 0
-
     def is_trimmable(self) -> bool:
         return True
 
@@ -76,13 +91,6 @@ class KVCache:
         n = max(0, min(self.offset, n))
         self.offset -= n
         return n
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers (their full capacity, which is what is allocated)."""
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
 
     # -- save / load ---------------------------------------------------------------
 
@@ -116,7 +124,7 @@ class KVCache:
         return _mask_for(self.offset, self.offset + n_queries, n_queries, window)
 
 
-class RotatingKVCache:
+class RotatingKVCache(_Buffers):
     """Keeps the last ``max_size`` tokens (plus the first ``keep``) for sliding-window layers.
 
     Decode steps write into a fixed ring buffer. A multi-token update returns the
@@ -143,9 +151,6 @@ class RotatingKVCache:
     def size(self) -> int:
         """How many tokens are held (what the attention sees after the next fetch)."""
         return min(self.offset, self.max_size)
-
-    def empty(self) -> bool:
-        return self.keys is None or self.offset == 0
 
     def _in_time_order(self, a: mx.array) -> mx.array:
         """The held tokens, oldest first."""
@@ -248,12 +253,6 @@ class RotatingKVCache:
         self.offset -= n
         self._idx -= n
         return n
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
 
     # -- save / load ---------------------------------------------------------------
 

@@ -139,14 +139,7 @@ def _blobs_size(folder: Path) -> int:
     blobs = folder / "blobs"
     if blobs.is_dir():
         return sum(p.stat().st_size for p in blobs.iterdir() if p.is_file() and not p.name.endswith(".incomplete"))
-    seen: set[Path] = set()
-    total = 0
-    for p in folder.rglob("*"):
-        real = p.resolve()
-        if real.is_file() and real not in seen:
-            seen.add(real)
-            total += real.stat().st_size
-    return total
+    return _folder_size(folder)
 
 
 def scan_local_models(extra_dirs: tuple[str | Path, ...] | list[str | Path] = (), cache_dir: Path | None = None) -> list[LocalModel]:
@@ -229,6 +222,7 @@ def describe_quantization(config: Any, headers: dict[str, Any]) -> str:
 
 
 def _folder_size(path: Path) -> int:
+    """Bytes of every file below ``path``, each real file once (links resolved)."""
     seen: set[Path] = set()
     total = 0
     for p in path.rglob("*"):

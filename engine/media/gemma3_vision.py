@@ -10,7 +10,6 @@ tokens of one image attend to each other both ways (see engine/models/gemma3.py)
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import mlx.core as mx
@@ -22,7 +21,7 @@ from engine.media.cache import media_key
 from engine.media.image import Gemma3ImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
 from engine.media.siglip import SiglipVisionConfig, SiglipVisionTransformer, sanitize
-from engine.media.towers import TowerSource, fill_tower, load_tower_weights
+from engine.media.towers import LazyTowerEncoder, TowerSource, read_preprocessor
 
 BOI, SOFT, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 
@@ -81,20 +80,11 @@ class Gemma3Vision(nn.Module):
         return self.multi_modal_projector(self.vision_model(pixels))
 
 
-def _read_preprocessor(source: TowerSource) -> dict[str, Any]:
-    path = source.path / "preprocessor_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
-    return data if isinstance(data, dict) else {}
-
-
-class Gemma3VisionEncoder:
+class Gemma3VisionEncoder(LazyTowerEncoder):
     kind = "image"
     placeholder = BOI
+    renames = _RENAMES
+    what = "Gemma 3 vision tower"
 
     def __init__(self, source: TowerSource):
         raw = source.config.raw
@@ -103,16 +93,12 @@ class Gemma3VisionEncoder:
         self.tokens = int(raw.get("mm_tokens_per_image") or 256)
         self.token_id = int(raw.get("image_token_index", raw.get("image_token_id", 262144)))
         self.text_hidden = int(source.config.text.get("hidden_size") or raw.get("hidden_size"))
-        pre = _read_preprocessor(source)
+        pre = read_preprocessor(source)
         if not pre:
             pre = {"size": {"height": self.vision_config.image_size, "width": self.vision_config.image_size}}
         self.processor = Gemma3ImageProcessor.from_config(pre)
         self.module: Gemma3Vision | None = None
         self.calls = 0
-
-    @property
-    def loaded(self) -> bool:
-        return self.module is not None
 
     def prepare(self, item: MediaInput) -> PreparedMedia:
         image = load_image(item.source)
@@ -126,18 +112,13 @@ class Gemma3VisionEncoder:
             data=pixels,
         )
 
-    def load(self) -> Gemma3Vision:
-        if self.module is None:
-            module = Gemma3Vision(self.vision_config, self.text_hidden, self.tokens)
-            weights = load_tower_weights(self.source, _RENAMES)
-            weights = sanitize(weights, self.vision_config)
-            fill_tower(module, weights, self.source, "Gemma 3 vision tower")
-            self.module = module
-        return self.module
+    def build(self) -> Gemma3Vision:
+        return Gemma3Vision(self.vision_config, self.text_hidden, self.tokens)
 
-    def encode(self, item: PreparedMedia) -> mx.array:
-        module = self.load()
-        self.calls += 1
+    def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+        return sanitize(weights, self.vision_config)
+
+    def run(self, module: Gemma3Vision, item: PreparedMedia) -> mx.array:
         return module(mx.array(item.data))[0]
 
 

@@ -12,7 +12,6 @@ transformers does. Weights: ``visual.*`` or ``model.visual.*``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +20,10 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.api import MediaInput
-from engine.errors import MediaError
 from engine.media.cache import media_key
 from engine.media.image import Qwen2VLImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
-from engine.media.towers import TowerSource, fill_tower, load_tower_weights
+from engine.media.towers import LazyTowerEncoder, TowerSource, read_preprocessor
 from engine.models.base import activation
 
 PAD = "<|image_pad|>"
@@ -239,32 +237,24 @@ def sanitize(weights: dict[str, mx.array], cfg: VisionConfig) -> dict[str, mx.ar
     return out
 
 
-class QwenVisionEncoder:
+class QwenVisionEncoder(LazyTowerEncoder):
     kind = "image"
     placeholder = PAD
+    renames = _RENAMES
+    what = "Qwen2.5-VL vision tower"
 
     def __init__(self, source: TowerSource):
         raw = source.config.raw
         self.source = source
         self.config = VisionConfig.from_dict(raw.get("vision_config") or {})
         self.token_id = int(raw.get("image_token_id", source.config.text.get("image_token_id", 151655)))
-        pre: dict[str, Any] = {}
-        path = source.path / "preprocessor_config.json"
-        if path.is_file():
-            try:
-                pre = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
+        pre = read_preprocessor(source)
         pre.setdefault("patch_size", self.config.patch_size)
         pre.setdefault("merge_size", self.config.spatial_merge_size)
         pre.setdefault("temporal_patch_size", self.config.temporal_patch_size)
         self.processor = Qwen2VLImageProcessor.from_config(pre)
         self.module: VisionTransformer | None = None
         self.calls = 0
-
-    @property
-    def loaded(self) -> bool:
-        return self.module is not None
 
     def prepare(self, item: MediaInput) -> PreparedMedia:
         image = load_image(item.source)
@@ -282,17 +272,13 @@ class QwenVisionEncoder:
             grid=(t, h // m, w // m),
         )
 
-    def load(self) -> VisionTransformer:
-        if self.module is None:
-            module = VisionTransformer(self.config)
-            weights = sanitize(load_tower_weights(self.source, _RENAMES), self.config)
-            fill_tower(module, weights, self.source, "Qwen2.5-VL vision tower")
-            self.module = module
-        return self.module
+    def build(self) -> VisionTransformer:
+        return VisionTransformer(self.config)
 
-    def encode(self, item: PreparedMedia) -> mx.array:
-        module = self.load()
-        self.calls += 1
+    def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+        return sanitize(weights, self.config)
+
+    def run(self, module: VisionTransformer, item: PreparedMedia) -> mx.array:
         pixels, grid = item.data
         return module(mx.array(pixels), grid)
 

@@ -90,6 +90,60 @@ def fill_tower(module: Any, weights: dict[str, Any], source: TowerSource, what: 
     module.eval()
 
 
+def read_preprocessor(source: TowerSource) -> dict[str, Any]:
+    """The model's preprocessor_config.json as a dict ({} when absent); MediaError when unreadable."""
+    import json
+
+    path = source.path / "preprocessor_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
+    return data if isinstance(data, dict) else {}
+
+
+class LazyTowerEncoder:
+    """What every tower encoder shares: its module is built and its weights read on the
+    first ``encode`` (or ``load``), and encodes are counted. Subclasses set ``source``,
+    ``renames`` and ``what``, and provide ``build``, ``sanitize`` and ``run``."""
+
+    renames: Sequence[tuple[str, str]] = ()
+    what = "media tower"  # for load errors: "the <what> weights do not match ..."
+    module: Any = None
+    calls = 0
+    source: TowerSource
+
+    def build(self) -> Any:
+        """The tower module, with its parameters not yet loaded."""
+        raise NotImplementedError
+
+    def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+        return weights
+
+    def run(self, module: Any, item: PreparedMedia) -> Any:
+        """The tower's output for one prepared item."""
+        raise NotImplementedError
+
+    @property
+    def loaded(self) -> bool:
+        return self.module is not None
+
+    def load(self) -> Any:
+        if self.module is None:
+            module = self.build()
+            weights = self.sanitize(load_tower_weights(self.source, self.renames))
+            fill_tower(module, weights, self.source, self.what)
+            self.module = module
+        return self.module
+
+    def encode(self, item: PreparedMedia) -> Any:
+        module = self.load()
+        self.calls += 1
+        return self.run(module, item)
+
+
 def supported_kinds(config: Any) -> set[str]:
     kinds = set(TOWERS.get(getattr(config, "model_type", ""), {}))
     if not getattr(config, "vision", False):

@@ -313,10 +313,38 @@ def rotated_qkv(attn: nn.Module, x: mx.array, offset) -> tuple[mx.array, mx.arra
     return qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :]
 
 
-class Attention(nn.Module):
-    """Multi-head attention with grouped KV heads, as in Llama, Qwen2/3 and Mistral."""
+class AttentionSteps(nn.Module):
+    """Attention split into steps, so a compiled decode step can run everything but the
+    attention itself (whose key count changes every token) inside traced functions.
+
+    Subclasses provide ``qkv``, ``o_proj`` and ``scale``; ``attend`` may be replaced.
+    """
+
+    def __call__(self, x: mx.array, mask, cache) -> mx.array:
+        q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.out(self.attend(q, k, v, mask))
+
+    def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys (both rotated) and values, shaped [B, heads, L, head_dim].
+        ``offset`` (int or scalar array) is the position of the first token."""
+        raise NotImplementedError
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        return sdpa(q, k, v, self.scale, mask)
+
+    def out(self, attn: mx.array) -> mx.array:
+        """The output projection of attention results shaped [B, heads, L, head_dim]."""
+        b, _, n, _ = attn.shape
+        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class Attention(AttentionSteps):
+    """Multi-head attention with grouped KV heads, as in Llama, Qwen2/3, Mistral and Gemma."""
 
     stacked_projections = (QKV,)
+    norm_class = nn.RMSNorm  # of the per-head query/key norms
 
     def __init__(
         self,
@@ -337,33 +365,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden_size, bias=o_bias)
-        if qk_norm_eps is not None:  # Qwen3: RMSNorm over each head before RoPE
-            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
-            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        if qk_norm_eps is not None:  # Qwen3, Gemma 3: RMSNorm over each head before RoPE
+            self.q_norm = self.norm_class(head_dim, eps=qk_norm_eps)
+            self.k_norm = self.norm_class(head_dim, eps=qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
         self.rope = rope
 
-    def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        return self.out(self.attend(q, k, v, mask))
-
-    # The pieces below let a compiled decode step run everything but the attention
-    # itself (whose key count changes every token) inside traced functions.
-
     def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
-        """Queries, keys (both rotated) and values, shaped [B, heads, L, head_dim].
-        ``offset`` (int or scalar array) is the position of the first token."""
         return rotated_qkv(self, x, offset)
-
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
-        return sdpa(q, k, v, self.scale, mask)
-
-    def out(self, attn: mx.array) -> mx.array:
-        """The output projection of attention results shaped [B, heads, L, head_dim]."""
-        b, _, n, _ = attn.shape
-        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
 class GatedMLP(nn.Module):
@@ -437,3 +446,120 @@ def layer_windows(args) -> list[int | None]:
     if callable(windows):
         return windows()
     return [None] * args.num_hidden_layers
+
+
+# ---- the decoder stack and the causal LM around it ----------------------------------------
+
+
+def strip_prefixes(weights: dict[str, mx.array], prefixes: tuple[tuple[str, str], ...],
+                   drop: tuple[str, ...]) -> dict[str, mx.array]:
+    """Multimodal checkpoints nest the language model: rename its weights by the first
+    matching (old, new) prefix, and leave out the towers' weights (names starting ``drop``)."""
+    renamed: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if key.startswith(drop):
+            continue
+        for old, new in prefixes:
+            if key.startswith(old):
+                key = new + key[len(old):]
+                break
+        renamed[key] = value
+    return renamed
+
+
+class DecoderStack(nn.Module):
+    """Token embeddings, the decoder layers (each with a ``window``: None or its sliding
+    window), and the final norm. Families build the layers (``make_layers``)."""
+
+    norm_class = nn.RMSNorm
+
+    def __init__(self, args):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = self.make_layers(args)
+        self.norm = self.norm_class(args.hidden_size, eps=args.rms_norm_eps)
+
+    def make_layers(self, args) -> list:
+        raise NotImplementedError
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token embeddings exactly as ``__call__`` uses them (for splicing media in)."""
+        return self.embed_tokens(inputs)
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
+        return self.run(inputs, cache, input_embeddings)
+
+    def run(self, inputs: mx.array, cache, input_embeddings: mx.array | None, make_mask=attention_mask,
+            **layer_kwargs) -> mx.array:
+        """The forward pass; ``make_mask(n_queries, cache, window)`` gives each window's
+        mask, and ``layer_kwargs`` go to every layer."""
+        h = self.embed(inputs) if input_embeddings is None else input_embeddings
+        if cache is None:
+            cache = [None] * len(self.layers)
+        n = h.shape[1]
+        masks: dict[int | None, Any] = {}
+        for layer, c in zip(self.layers, cache):
+            if layer.window not in masks:  # one mask per window size, before any update
+                masks[layer.window] = make_mask(n, c, layer.window)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, masks[layer.window], c, **layer_kwargs)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """A ``DecoderStack`` (``model_class``) under ``model.`` with an ``lm_head``, or the
+    embedding matrix when ``tie_word_embeddings``: the interface every family exposes."""
+
+    model_class: type[DecoderStack]
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = self.model_class(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
+        return self.logits(self.model(inputs, cache, input_embeddings))
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """tanh soft-capping of the final logits (Gemma 2), None for none."""
+        return None
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Logits from the final (already normalised) hidden states."""
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        cap = self.logit_softcap
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def head(self, h: mx.array) -> mx.array:
+        """Logits from the last layer's output (final norm included)."""
+        return self.logits(self.model.norm(h))
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token embeddings exactly as ``__call__`` would use them (for splicing media in)."""
+        return self.model.embed(inputs)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
+
+    def make_cache(self) -> list:
+        return caches_for([layer.window for layer in self.layers])
+
+    @property
+    def layers(self) -> list:
+        return self.model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.embed_tokens

@@ -14,18 +14,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import base
 from .base import (
-    QKV,
     BaseModelArgs,
+    CausalLM,
+    DecoderStack,
     GatedMLP,
     RoPE,
     activation,
-    attention_mask,
-    caches_for,
     layer_types,
     make_rope,
-    rotated_qkv,
-    sdpa,
     softcapped_attention,
 )
 
@@ -80,43 +78,22 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-class Attention(nn.Module):
-    stacked_projections = (QKV,)
+class Attention(base.Attention):
+    norm_class = RMSNorm
 
     def __init__(self, args: ModelArgs, rope: RoPE, qk_norm: bool = False):
-        super().__init__()
-        h, d = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, d
-        self.scale = float(args.query_pre_attn_scalar) ** -0.5
-        self.softcap = args.attn_logit_softcapping
         bias = args.attention_bias
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
-        self.qk_norm = qk_norm
-        if qk_norm:  # Gemma 3
-            self.q_norm = RMSNorm(d, args.rms_norm_eps)
-            self.k_norm = RMSNorm(d, args.rms_norm_eps)
-        self.rope = rope
-
-    def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        return self.out(self.attend(q, k, v, mask))
-
-    def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
-        return rotated_qkv(self, x, offset)
+        super().__init__(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, rope,
+            qkv_bias=bias, o_bias=bias, qk_norm_eps=args.rms_norm_eps if qk_norm else None,  # qk norms: Gemma 3
+            scale=float(args.query_pre_attn_scalar) ** -0.5,
+        )
+        self.softcap = args.attn_logit_softcapping
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         if self.softcap:
             return softcapped_attention(q, k, v, self.scale, mask, self.softcap)
-        return sdpa(q, k, v, self.scale, mask)
-
-    def out(self, attn: mx.array) -> mx.array:
-        b, _, n, _ = attn.shape
-        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return super().attend(q, k, v, mask)
 
 
 class DecoderLayer(nn.Module):
@@ -141,80 +118,27 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(DecoderStack):
     layer_class = DecoderLayer
+    norm_class = RMSNorm
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
+        super().__init__(args)
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [self.layer_class(args, kind) for kind in args.kinds()]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def make_layers(self, args: ModelArgs) -> list:
+        return [self.layer_class(args, kind) for kind in args.kinds()]
 
     def embed(self, inputs: mx.array) -> mx.array:
+        """Token embeddings scaled by sqrt(hidden), as ``__call__`` uses them."""
         h = self.embed_tokens(inputs)
         # transformers rounds the scale to the activation dtype first; so do we.
         return h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
-        h = self.embed(inputs) if input_embeddings is None else input_embeddings
-        if cache is None:
-            cache = [None] * len(self.layers)
-        n = h.shape[1]
-        masks: dict[int | None, Any] = {}
-        for layer, c in zip(self.layers, cache):
-            if layer.window not in masks:
-                masks[layer.window] = attention_mask(n, c, layer.window)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, masks[layer.window], c)
-        return self.norm(h)
 
-
-class Model(nn.Module):
+class Model(CausalLM):
     model_class = GemmaModel
 
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = self.model_class(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
-        return self.logits(self.model(inputs, cache, input_embeddings))
-
-    def head(self, h: mx.array) -> mx.array:
-        """Logits from the last layer's output (final norm included)."""
-        return self.logits(self.model.norm(h))
-
-    def logits(self, h: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
-        cap = self.args.final_logit_softcapping
-        if cap:
-            logits = mx.tanh(logits / cap) * cap
-        return logits
-
-    def embed(self, inputs: mx.array) -> mx.array:
-        """Token embeddings as ``__call__`` uses them (already scaled by sqrt(hidden))."""
-        return self.model.embed(inputs)
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
-
-    def make_cache(self) -> list:
-        return caches_for([layer.window for layer in self.layers])
-
     @property
-    def layers(self) -> list:
-        return self.model.layers
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.model.embed_tokens
+    def logit_softcap(self) -> float | None:
+        return self.args.final_logit_softcapping

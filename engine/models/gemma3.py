@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..cache import RotatingKVCache
 from . import gemma2
-from .base import RoPE, layer_types, make_rope, rope_settings, text_config
+from .base import RoPE, layer_types, make_rope, rope_settings, strip_prefixes, text_config
 
 
 @dataclass
@@ -94,18 +94,9 @@ class GemmaModel(gemma2.GemmaModel):
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
                  bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
         if not bidirectional:
-            return super().__call__(inputs, cache, input_embeddings)
-        h = self.embed(inputs) if input_embeddings is None else input_embeddings
-        if cache is None:
-            cache = [None] * len(self.layers)
-        n = h.shape[1]
-        masks: dict[int | None, Any] = {}
-        for layer, c in zip(self.layers, cache):
-            if layer.window not in masks:
-                masks[layer.window] = media_mask(c, n, layer.window, bidirectional)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, masks[layer.window], c)
-        return self.norm(h)
+            return self.run(inputs, cache, input_embeddings)
+        return self.run(inputs, cache, input_embeddings,
+                        make_mask=lambda n, c, window: media_mask(c, n, window, bidirectional))
 
 
 # Multimodal checkpoints nest the language model under one of these prefixes.
@@ -121,24 +112,7 @@ class Model(gemma2.Model):
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
                  bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
-        h = self.model(inputs, cache, input_embeddings, bidirectional)
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
-        cap = self.args.final_logit_softcapping
-        if cap:
-            logits = mx.tanh(logits / cap) * cap
-        return logits
+        return self.logits(self.model(inputs, cache, input_embeddings, bidirectional))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        renamed: dict[str, mx.array] = {}
-        for key, value in weights.items():
-            if key.startswith(_OTHER_TOWERS):
-                continue
-            for old, new in _PREFIXES:
-                if key.startswith(old):
-                    key = new + key[len(old):]
-                    break
-            renamed[key] = value
-        return super().sanitize(renamed)
+        return super().sanitize(strip_prefixes(weights, _PREFIXES, _OTHER_TOWERS))

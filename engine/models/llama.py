@@ -16,10 +16,11 @@ import mlx.nn as nn
 from .base import (
     Attention,
     BaseModelArgs,
+    CausalLM,
+    DecoderStack,
     GatedMLP,
+    RoPE,
     activation,
-    attention_mask,
-    caches_for,
     layer_types,
     make_rope,
 )
@@ -90,7 +91,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         rotary_dims = int(args.head_dim * args.partial_rotary_factor)
         rope = make_rope(rotary_dims, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        self.self_attn = Attention(
+        self.self_attn = self.make_attention(args, rope)
+        self.mlp = self.make_mlp(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.window = window
+
+    def make_attention(self, args: ModelArgs, rope: RoPE) -> nn.Module:
+        return Attention(
             args.hidden_size,
             args.num_attention_heads,
             args.num_key_value_heads,
@@ -100,10 +108,6 @@ class DecoderLayer(nn.Module):
             o_bias=args.o_bias,
             qk_norm_eps=args.rms_norm_eps if args.qk_norm else None,
         )
-        self.mlp = self.make_mlp(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.window = window
 
     def make_mlp(self, args: ModelArgs) -> nn.Module:
         return GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, activation(args.hidden_act))
@@ -117,74 +121,16 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     layer_class = DecoderLayer
 
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+    def make_layers(self, args: ModelArgs) -> list:
         windows = args.layer_windows()
-        self.layers = [self.make_layer(args, i, windows[i]) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        return [self.make_layer(args, i, windows[i]) for i in range(args.num_hidden_layers)]
 
     def make_layer(self, args: ModelArgs, index: int, window: int | None) -> nn.Module:
         return self.layer_class(args, window)
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        if cache is None:
-            cache = [None] * len(self.layers)
-        n = h.shape[1]
-        masks: dict[int | None, Any] = {}
-        for layer, c in zip(self.layers, cache):
-            if layer.window not in masks:  # one mask per window size, before any update
-                masks[layer.window] = attention_mask(n, c, layer.window)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, masks[layer.window], c)
-        return self.norm(h)
 
-
-class Model(nn.Module):
+class Model(CausalLM):
     model_class = LlamaModel
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = self.model_class(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
-        return self.logits(self.model(inputs, cache, input_embeddings))
-
-    def logits(self, h: mx.array) -> mx.array:
-        """Logits from the final (already normalised) hidden states."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def head(self, h: mx.array) -> mx.array:
-        """Logits from the last layer's output (final norm included)."""
-        return self.logits(self.model.norm(h))
-
-    def embed(self, inputs: mx.array) -> mx.array:
-        """Token embeddings exactly as ``__call__`` would use them (for splicing media in)."""
-        return self.model.embed_tokens(inputs)
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
-
-    def make_cache(self) -> list:
-        return caches_for([layer.window for layer in self.layers])
-
-    @property
-    def layers(self) -> list:
-        return self.model.layers
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.model.embed_tokens

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import llama
-from .base import RoPE, activation, make_rope, sdpa
+from .base import AttentionSteps, RoPE, activation
 
 
 @dataclass
@@ -34,7 +34,7 @@ class ModelArgs(llama.ModelArgs):
         return [self.sliding_window] * self.num_hidden_layers
 
 
-class Attention(nn.Module):
+class Attention(AttentionSteps):
     def __init__(self, args: ModelArgs, rope: RoPE):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
@@ -45,12 +45,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.rope = rope
 
-    def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        return self.out(self.attend(q, k, v, mask))
-
     def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         b, n, _ = x.shape
         q, k, v = mx.split(self.qkv_proj(x), [self.q_size, self.q_size + self.kv_size], axis=-1)
@@ -58,13 +52,6 @@ class Attention(nn.Module):
         k = k.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = v.reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         return self.rope(q, offset), self.rope(k, offset), v
-
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
-        return sdpa(q, k, v, self.scale, mask)
-
-    def out(self, attn: mx.array) -> mx.array:
-        b, _, n, _ = attn.shape
-        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
 class MLP(nn.Module):
@@ -79,23 +66,12 @@ class MLP(nn.Module):
         return self.down_proj(self.activation(gate) * up)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, window: int | None):
-        super().__init__()
-        rotary_dims = int(args.head_dim * args.partial_rotary_factor)
-        rope = make_rope(rotary_dims, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        self.self_attn = Attention(args, rope)
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.window = window
+class DecoderLayer(llama.DecoderLayer):
+    def make_attention(self, args: ModelArgs, rope: RoPE) -> nn.Module:
+        return Attention(args, rope)
 
-    def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
-
-    def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
-        h = x + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def make_mlp(self, args: ModelArgs) -> nn.Module:
+        return MLP(args)
 
 
 class Phi3Model(llama.LlamaModel):

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from . import llama, qwen2
-from .base import Attention
+from .base import Attention, RoPE, strip_prefixes, text_config
 
 
 @dataclass
@@ -33,8 +34,6 @@ class ModelArgs(qwen2.ModelArgs):
 
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
-        from .base import text_config
-
         flat = text_config(config)
         section = None
         for block in (flat.get("rope_parameters"), flat.get("rope_scaling")):
@@ -86,22 +85,18 @@ class MRoPEAttention(Attention):
         q, k = self.rotate(q, position_ids), self.rotate(k, position_ids)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return self.out(self.attend(q, k, v, mask))
 
 
 class DecoderLayer(llama.DecoderLayer):
-    def __init__(self, args: ModelArgs, window: int | None):
-        super().__init__(args, window)
-        old = self.self_attn
-        self.self_attn = MRoPEAttention(
-            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, old.rope,
+    def make_attention(self, args: ModelArgs, rope: RoPE) -> nn.Module:
+        return MRoPEAttention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, rope,
             qkv_bias=True, o_bias=False, mrope_section=args.mrope_section, base=args.rope_theta,
         )
 
     def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache, position_ids)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache, position_ids))
 
 
 class QwenVLModel(llama.LlamaModel):
@@ -109,19 +104,7 @@ class QwenVLModel(llama.LlamaModel):
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
                  position_ids: mx.array | None = None) -> mx.array:
-        from .base import attention_mask
-
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        if cache is None:
-            cache = [None] * len(self.layers)
-        n = h.shape[1]
-        masks: dict[int | None, Any] = {}
-        for layer, c in zip(self.layers, cache):
-            if layer.window not in masks:
-                masks[layer.window] = attention_mask(n, c, layer.window)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, masks[layer.window], c, position_ids)
-        return self.norm(h)
+        return self.run(inputs, cache, input_embeddings, position_ids=position_ids)
 
 
 _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -134,22 +117,10 @@ class Model(llama.Model):
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
                  position_ids: mx.array | None = None) -> mx.array:
-        h = self.model(inputs, cache, input_embeddings, position_ids)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return self.logits(self.model(inputs, cache, input_embeddings, position_ids))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        renamed: dict[str, mx.array] = {}
-        for key, value in weights.items():
-            if key.startswith(_TOWER):
-                continue
-            for old, new in _PREFIXES:
-                if key.startswith(old):
-                    key = new + key[len(old):]
-                    break
-            renamed[key] = value
-        return super().sanitize(renamed)
+        return super().sanitize(strip_prefixes(weights, _PREFIXES, _TOWER))
 
     @staticmethod
     def rope_index(ids: Sequence[int], media: Sequence[tuple[int, int, tuple[int, int, int] | None]]) -> np.ndarray:
