@@ -106,7 +106,8 @@ def to_mlxlm(peft_dir: Path, out_dir: Path, cfg: LoraConfig, kind: str, scale: f
         else:
             raise SystemExit(f"unexpected PEFT key {key}")
     out_dir.mkdir(parents=True)
-    save_file(converted, out_dir / "adapters.safetensors")
+    # Stored under another name; the tests lay it out as mlx-lm's adapters.safetensors.
+    save_file(converted, out_dir / "weights.safetensors")
     config = {
         "fine_tune_type": kind,
         "num_layers": 2,

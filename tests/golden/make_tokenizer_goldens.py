@@ -19,7 +19,7 @@ from pathlib import Path
 
 import sentencepiece
 
-OUT = Path(__file__).resolve().parent / "tokenizers" / "stories260K_sentencepiece.json"
+OUT = Path(__file__).resolve().parent / "tokenizers" / "tok512_sentencepiece.json"
 
 EXTRA_TEXTS = [
     "",

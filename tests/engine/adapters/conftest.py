@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,5 +40,11 @@ def prompt() -> mx.array:
 
 
 @pytest.fixture(scope="session")
-def golden_dir() -> Path:
-    return GOLDEN
+def golden_dir(tmp_path_factory) -> Path:
+    """The golden adapters laid out as their tools write them. The mlx-lm copies are kept
+    as weights.safetensors in the repository and take mlx-lm's file name here."""
+    out = tmp_path_factory.mktemp("adapters") / "golden"
+    shutil.copytree(GOLDEN, out)
+    for weights in out.glob("mlxlm_*/weights.safetensors"):
+        weights.rename(weights.with_name("adapters.safetensors"))
+    return out

@@ -96,7 +96,7 @@ def stories_metadata(shared_data):
 
 @pytest.fixture(scope="module")
 def stories_golden():
-    return json.loads((GOLDEN / "stories260K_sentencepiece.json").read_text(encoding="utf-8"))
+    return json.loads((GOLDEN / "tok512_sentencepiece.json").read_text(encoding="utf-8"))
 
 
 class TestStories260K:
