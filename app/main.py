@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.resources import resource_path
     from app.store import HistoryStore
     from app.tasks import spawn
+    from app.ui.file_open import install_file_open
     from app.ui.main_window import MainWindow, first_paint
     from app.ui.theme import apply_theme
 
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop(loop)
     bridge = EngineBridge()
     window = MainWindow(store, bridge, dark=dark)
+    install_file_open(window)  # files dropped on the Dock icon or opened with the app
     shown = first_paint(window)
     window.show()
     # Follow the system when it switches between light and dark while the app runs.

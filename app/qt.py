@@ -34,6 +34,7 @@ from PySide6.QtGui import (
     QAction,
     QColor,
     QDropEvent,
+    QFileOpenEvent,
     QFont,
     QFontDatabase,
     QGuiApplication,
