@@ -8,28 +8,15 @@ in the layout a Hugging Face download has.
 from __future__ import annotations
 
 import json
-import math
-import zlib
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from golden.synthetic_weights import synthetic_weight
+
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "media"
-
-
-def synthetic_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    noise = np.random.default_rng(zlib.crc32(name.encode())).standard_normal(shape)
-    if name.endswith(("layer_norm.weight", "norm.weight", "layernorm.weight")):
-        return (1.0 + 0.1 * noise).astype(np.float32)
-    if name.endswith(".bias"):
-        return (0.05 * noise).astype(np.float32)
-    if "embed_positions" in name:
-        return (2.0 * noise).astype(np.float32)
-    if "embed_tokens" in name:
-        return (0.5 * noise).astype(np.float32)
-    return (noise / math.sqrt(math.prod(shape[1:]))).astype(np.float32)
 
 
 def load_meta(name: str) -> dict:

@@ -10,8 +10,6 @@ parameter name, repeated below), runs it on the log-mel features of
 from __future__ import annotations
 
 import json
-import math
-import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,23 +19,10 @@ import pytest
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.media.audio import load_audio, log_mel_spectrogram
 from engine.media.whisper import Whisper, WhisperConfig
+from golden.synthetic_weights import synthetic_weight
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "media"
 META = json.loads((GOLDEN / "whisper_tiny.json").read_text())
-
-
-def synthetic_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The same deterministic weights the golden script put into the transformers model."""
-    noise = np.random.default_rng(zlib.crc32(name.encode())).standard_normal(shape)
-    if name.endswith("layer_norm.weight"):
-        return (1.0 + 0.1 * noise).astype(np.float32)
-    if name.endswith(".bias"):
-        return (0.05 * noise).astype(np.float32)
-    if "embed_positions" in name:
-        return (2.0 * noise).astype(np.float32)
-    if "embed_tokens" in name:
-        return (0.5 * noise).astype(np.float32)
-    return (noise / math.sqrt(math.prod(shape[1:]))).astype(np.float32)
 
 
 def hf_weights() -> dict[str, np.ndarray]:
