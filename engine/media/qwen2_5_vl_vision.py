@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.api import MediaInput
+from engine.config_fields import from_known_keys
 from engine.media.cache import media_key
 from engine.media.image import Qwen2VLImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
@@ -56,8 +57,7 @@ class VisionConfig:
             config["rope_theta"] = params["rope_theta"]
         if "fullatt_block_indexes" in config:
             config["fullatt_block_indexes"] = tuple(int(i) for i in config["fullatt_block_indexes"])
-        names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in config.items() if k in names})
+        return from_known_keys(cls, config)
 
 
 class RMSNorm(nn.Module):

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine.config_fields import from_known_keys
 from engine.errors import MediaError, ModelLoadError
 from engine.media.mel import WHISPER_SAMPLE_RATE, log_mel_spectrogram
 from engine.media.whisper import WhisperConfig, WhisperEncoder
@@ -49,16 +50,11 @@ class AudioEncoderConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | None) -> AudioEncoderConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in (config or {}).items() if k in known})
+        return from_known_keys(cls, config)
 
     def whisper(self) -> WhisperConfig:
-        return WhisperConfig.from_dict({
-            "num_mel_bins": self.num_mel_bins, "d_model": self.d_model, "encoder_layers": self.encoder_layers,
-            "encoder_attention_heads": self.encoder_attention_heads, "encoder_ffn_dim": self.encoder_ffn_dim,
-            "max_source_positions": self.max_source_positions, "activation_function": self.activation_function,
-            "decoder_layers": 0, "vocab_size": 1,
-        })
+        # The same encoder as Whisper's, with no decoder behind it.
+        return WhisperConfig.from_dict({**dataclasses.asdict(self), "decoder_layers": 0, "vocab_size": 1})
 
 
 def feature_frames(n_samples: int, max_frames: int = CHUNK_SECONDS * WHISPER_SAMPLE_RATE // HOP_LENGTH) -> int:

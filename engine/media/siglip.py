@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.config_fields import from_known_keys
 from engine.models.base import activation
 
 
@@ -31,8 +32,7 @@ class SiglipVisionConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SiglipVisionConfig:
-        names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in config.items() if k in names})
+        return from_known_keys(cls, config)
 
     @property
     def patches_per_side(self) -> int:

@@ -9,7 +9,6 @@ from the encoder output once.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine.config_fields import from_known_keys
 from engine.errors import ModelLoadError, UnsupportedModelError
 
 _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Whisper uses
@@ -44,8 +44,7 @@ class WhisperConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> WhisperConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        cfg = cls(**{k: v for k, v in config.items() if k in known})
+        cfg = from_known_keys(cls, config)
         if cfg.activation_function not in ("gelu",):
             raise UnsupportedModelError(
                 f"Whisper activation {cfg.activation_function!r} is not supported (only 'gelu')."

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache, RotatingKVCache
+from ..config_fields import from_known_keys
 from ..errors import UnsupportedModelError
 from .fused import project, stacked_output
 
@@ -98,9 +99,8 @@ class BaseModelArgs:
     @classmethod
     def from_dict(cls, config: dict[str, Any]):
         values = cls.normalise(dict(config))
-        names = {f.name for f in dataclasses.fields(cls)}
         try:
-            return cls(**{k: v for k, v in values.items() if k in names})
+            return from_known_keys(cls, values)
         except TypeError as exc:  # a required setting is missing
             raise UnsupportedModelError(
                 f"config.json lacks a setting this model needs ({exc}); check that the file is complete."
