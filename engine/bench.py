@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -62,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--prompt-tokens", type=int, default=512)
     p.add_argument("-g", "--generation-tokens", type=int, default=128)
     p.add_argument("--vs", choices=["mlx-lm"], help="also time mlx-lm on the same weights")
-    p.add_argument("--repeat", type=int, default=1, help="timed runs per loop; the best is kept")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per loop, interleaved; each figure is reported at its best and as a median")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     from .bench_speculative import add_speculative_arguments
@@ -171,7 +172,21 @@ def time_loop(loop: Callable[[Any, Any, int], Iterator[int]], model: Any, prompt
 
 
 def _best(runs: list[Timing]) -> Timing:
-    return max(runs, key=lambda t: t.generation_tps + t.prompt_tps * 1e-6)
+    """Each figure at its best over the runs: on a shared machine noise only ever slows
+    a run down, and prefill and decode are disturbed in different runs."""
+    return Timing(
+        prompt_tokens=runs[0].prompt_tokens,
+        generated_tokens=max(t.generated_tokens for t in runs),
+        prompt_tps=max(t.prompt_tps for t in runs),
+        generation_tps=max(t.generation_tps for t in runs),
+        ttft_s=min(t.ttft_s for t in runs),
+        peak_memory_bytes=max(t.peak_memory_bytes for t in runs),
+    )
+
+
+def _median(runs: list[Timing]) -> dict[str, float]:
+    return {"prompt_tps": statistics.median(t.prompt_tps for t in runs),
+            "generation_tps": statistics.median(t.generation_tps for t in runs)}
 
 
 Loop = Callable[[Any, Any, int], Iterator[int]]
@@ -198,8 +213,8 @@ def measure(loop: Loop, model: Any, prompt: Any, gen: int, repeat: int) -> Timin
 
 
 def with_runs(best: Timing, runs: list[Timing]) -> dict[str, Any]:
-    """The best run's figures for ``--json``, with every run's under ``runs``."""
-    return {**asdict(best), "runs": [asdict(t) for t in runs]}
+    """The best figures for ``--json``, the medians under ``median``, every run under ``runs``."""
+    return {**asdict(best), "median": _median(runs), "runs": [asdict(t) for t in runs]}
 
 
 def _row(name: str, t: Timing) -> str:
@@ -249,6 +264,11 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"ratio    prompt {ratio['prompt']:.2f}x   generation {ratio['generation']:.2f}x (engine / mlx-lm)")
         out["mlx_lm"] = with_runs(*timed[1])
         out["ratio"] = ratio
+        if args.repeat > 1:
+            mine, peer = _median(timed[0][1]), _median(timed[1][1])
+            out["ratio_of_medians"] = {k: mine[k] / max(peer[k], 1e-9) for k in mine}
+            print(f"medians  prompt {out['ratio_of_medians']['prompt_tps']:.2f}x   "
+                  f"generation {out['ratio_of_medians']['generation_tps']:.2f}x (of {args.repeat} runs each)")
     if args.json:
         print(json.dumps(out))
     return 0

@@ -116,15 +116,15 @@ class DraftModelDrafter:
     def _can_take(self, n_new: int) -> bool:
         return all(_room_to_trim(c, n_new) for c in self.cache)
 
-    def _step(self, token: mx.array) -> mx.array:
-        """Lazy logits [V] after feeding one id (shape [1])."""
+    def _step(self, tokens: mx.array) -> mx.array:
+        """Lazy logits [V] after the last of ``tokens`` (shape [n], n small)."""
         if self._decoder is False:
             self._decoder = _decoder_for(self.model, self.compiled)
         if self._decoder is not None:
-            logits = self._decoder(token, self.cache)
+            logits = self._decoder(tokens, self.cache)
             if logits is not None:
-                return logits[0]
-        return self.model(token[None], cache=self.cache)[0, -1]
+                return logits[-1]
+        return self.model(tokens[None], cache=self.cache)[0, -1]
 
     def propose(self, history: list[int], k: int, pick: Pick) -> tuple[mx.array | list[int], mx.array | None]:
         if k <= 0 or not self.usable:
@@ -135,23 +135,23 @@ class DraftModelDrafter:
             self.usable = False  # a wrapped sliding window cannot be rewound
             return [], None
         unseen = history[self.offset :]
-        if len(unseen) - 1 > _LAZY_FEED:
+        if len(unseen) > _LAZY_FEED:
             prefill(self.model, mx.array(unseen[:-1], dtype=mx.uint32), self.cache, chunk=self.prefill_chunk)
-        else:
-            for t in unseen[:-1]:  # usually the last accepted draft; its logits are not needed
-                self._step(mx.array([t], dtype=mx.uint32))
-        token = mx.array(unseen[-1:], dtype=mx.uint32)
+            unseen = unseen[-1:]
+        # Usually the last accepted draft and the target's token: one pass feeds both.
+        logits = self._step(mx.array(unseen, dtype=mx.uint32))
         recent = mx.array(history[-_HISTORY_WINDOW:], dtype=mx.uint32)
         tokens: list[mx.array] = []
         probs: list[mx.array] = []
         for i in range(k):
-            token, q = pick(self._step(token), recent)
+            token, q = pick(logits, recent)
             mx.async_eval(token)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
             if i + 1 < k:
                 recent = mx.concatenate([recent, token])[-_HISTORY_WINDOW:]
+                logits = self._step(token)
         return mx.concatenate(tokens), (mx.stack(probs) if probs else None)
 
     def rewind(self, valid: int) -> None:
@@ -331,8 +331,8 @@ def speculative_step(
 
     def forward(fed: mx.array, n: int) -> mx.array:
         """Lazy logits [n, V] for the last ``n`` of the fed ids."""
-        if n == 1 and decoder is not None:
-            out = decoder(fed, cache)
+        if decoder is not None and n == fed.shape[0]:
+            out = decoder(fed, cache)  # a one-token step, or the drafts' verification
             if out is not None:
                 return out
         return model(fed[None], cache=cache)[0, -n:]

@@ -148,6 +148,22 @@ def test_bench_vs_mlx_lm():
     assert len(data["engine"]["runs"]) == len(data["mlx_lm"]["runs"]) == 1
 
 
+def test_bench_repeats_report_each_figure_at_its_best_and_median():
+    pytest.importorskip("mlx_lm")
+    proc = run("bench", "--shape", "tiny", "--bits", "4", "-p", "16", "-g", "4", "--vs", "mlx-lm", "--repeat", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = last_json(proc.stdout)
+    for side in ("engine", "mlx_lm"):
+        runs = data[side]["runs"]
+        assert len(runs) == 3
+        assert data[side]["prompt_tps"] == max(r["prompt_tps"] for r in runs)
+        assert data[side]["generation_tps"] == max(r["generation_tps"] for r in runs)
+        assert data[side]["ttft_s"] == min(r["ttft_s"] for r in runs)
+        assert data[side]["median"]["generation_tps"] == sorted(r["generation_tps"] for r in runs)[1]
+    medians = data["ratio_of_medians"]
+    assert medians["prompt_tps"] == data["engine"]["median"]["prompt_tps"] / data["mlx_lm"]["median"]["prompt_tps"]
+
+
 def test_template_command_prints_exactly_the_rendering(shared_data, tmp_path):
     """`template` output is byte-for-byte the rendering (here checked against the
     transformers golden for Qwen3), and a refusing template is one line on stderr."""

@@ -81,6 +81,34 @@ def test_one_compiled_step_matches_the_forward_pass(name):
         assert [c.offset for c in a] == [c.offset for c in b]
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_a_few_tokens_at_once_match_the_forward_pass(name):
+    """Speculative verification feeds several tokens per step: rows for each of them, and
+    the cache left as the plain pass leaves it."""
+    model, _ = load_golden(name)
+    windows = [layer.window for layer in model.layers if getattr(layer, "window", None)]
+    a, b = small_step_cache(model), small_step_cache(model)
+    model(mx.array([PROMPT[:3]]), cache=a)
+    model(mx.array([PROMPT[:3]]), cache=b)
+    decoder = compiled_decoder(model)
+    assert decoder is not None and decoder.prepare()
+    compared = 0
+    for tokens in ([5, 9, 11], [2], [40, 41, 7, 8, 30], [12, 13], [6]):
+        ids = mx.array(tokens, dtype=mx.uint32)
+        fast = decoder(ids, a)
+        plain = model(ids[None], cache=b)[0]
+        if fast is None:
+            # Past a sliding window several queries need a boolean mask: the plain pass's job.
+            assert len(tokens) > 1 and any(a[0].offset + len(tokens) > w for w in windows)
+            model(ids[None], cache=a)
+            continue
+        compared += 1
+        assert fast.shape == plain.shape == (len(tokens), plain.shape[-1])
+        assert mx.allclose(fast, plain, atol=1e-5, rtol=0).item()
+        assert [c.offset for c in a] == [c.offset for c in b]
+    assert compared >= (5 if not windows else 3)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_compiled_decode_after_trim(name):
     model, _ = load_golden(name)
@@ -105,6 +133,38 @@ def test_replaced_weights_are_picked_up():
     ids_fast, lps_fast = decode(model, PROMPT, small_step_cache(model), 8, compiled=True)
     assert ids_fast == ids_plain
     assert max(abs(a - b) for a, b in zip(lps_fast, lps_plain)) <= 1e-5
+
+
+@pytest.mark.parametrize("change", ["new array", "new module"])
+def test_an_added_array_or_replaced_module_is_picked_up(change):
+    """Not only replaced arrays: a new array or a swapped module changes the step too."""
+    model, _ = load_golden("llama")
+    decode(model, PROMPT, small_step_cache(model), 3, compiled=True)
+    layer = model.layers[1]
+    if change == "new array":
+        layer.mlp.down_proj.bias = mx.ones((layer.mlp.down_proj.weight.shape[0],))
+    else:
+        layer.post_attention_layernorm = type(layer.post_attention_layernorm)(layer.post_attention_layernorm.weight.size)
+    ids_plain, lps_plain = decode(model, PROMPT, small_step_cache(model), 8, compiled=False)
+    ids_fast, lps_fast = decode(model, PROMPT, small_step_cache(model), 8, compiled=True)
+    assert ids_fast == ids_plain
+    assert max(abs(a - b) for a, b in zip(lps_fast, lps_plain)) <= 1e-5
+
+
+def test_a_prepared_decoder_does_not_keep_its_model_alive():
+    """Unloading a model must free its weights at once, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    model, _ = load_golden("llama")
+    decode(model, PROMPT, small_step_cache(model), 3, compiled=True)
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_unsupported_cases_fall_back():
