@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from app.qt import QObject, Qt, Signal, emit
 from engine import api
@@ -79,17 +79,30 @@ class EngineBridge(QObject):
 
     # ---- awaitable calls ------------------------------------------------------------
 
-    async def load_model(self, path: str, memory_budget: int | None = None) -> api.ModelInfo:
+    async def load_model(self, path: str, memory_budget: int | None = None,
+                         prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
+                         ) -> api.ModelInfo:
+        """Load a model. ``prepare(info)`` runs once it has loaded (re-mounting adapters, say);
+        until it is done the load still counts as under way, so ``wait_for_load`` waits too."""
         rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget), "load")
         self.active_load = rid
-        self._loading = fut
+        ready = asyncio.get_running_loop().create_future()
+        self._loading = ready
+        info = None
         try:
             info = await fut
+            self.model_info = info
+            if self.active_load == rid:
+                self.active_load = None
+            if prepare is not None:
+                await prepare(info)
         finally:
             if self.active_load == rid:
                 self.active_load = None
+            if self._loading is ready:
                 self._loading = None
-        self.model_info = info
+            if not ready.done():  # None: the load failed (a waiting message is not answered)
+                ready.set_result(info)
         return info
 
     @property
@@ -102,10 +115,7 @@ class EngineBridge(QObject):
         fut = self._loading
         if fut is None:
             return self.model_info
-        try:
-            return await asyncio.shield(fut)
-        except (EngineRequestError, EngineUnavailable):
-            return None
+        return await asyncio.shield(fut)
 
     async def unload_model(self) -> None:
         _, fut = self._request(api.UnloadModel(), "unload")

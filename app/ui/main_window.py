@@ -37,6 +37,7 @@ from app.store import HistoryStore
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.adapters_menu import AdaptersMenu
+from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
 from app.ui.settings_panel import SettingsPanel
@@ -70,6 +71,7 @@ class MainWindow(QMainWindow):
         self.settings = SettingsPanel(store.data_dir)
         self.settings.setVisible(False)
         self.gauge = MemoryGauge()
+        self.load_setup = LoadSetup(store, bridge, self.settings, self.gauge, self)
         self.chat = ChatController(store, bridge, self.chat_view, self)
 
         center = QWidget(objectName="center")
@@ -114,6 +116,7 @@ class MainWindow(QMainWindow):
         self.settings.whisper_requested.connect(self._pick_whisper)
         self.settings.whisper_cleared.connect(lambda: self.set_whisper_model(None))
         self.settings.set_whisper(store.preference(WHISPER_KEY))
+        self.load_setup.notice.connect(self.notify)
         self.chat.busy_changed.connect(self.composer.set_busy)
         self.chat.status.connect(self.notify)
         self.chat.failed.connect(self.show_error)
@@ -269,6 +272,7 @@ class MainWindow(QMainWindow):
 
     def open_model_browser(self, first_run: bool = False) -> ModelBrowser:
         browser = ModelBrowser(self.bridge, parent=self)
+        browser.budget = self.load_setup.budget_for_load()
         browser.load_requested.connect(lambda path: tasks.spawn(self.load_model(path)))
         browser.notice.connect(self.notify)
         if first_run:
@@ -294,7 +298,11 @@ class MainWindow(QMainWindow):
         return True
 
     async def load_model(self, path: str, memory_budget: int | None = None) -> bool:
+        """Load a model under ``memory_budget`` (default: the one chosen in Settings), then
+        mount again the adapters it had and apply the open chat's choice."""
         name = Path(path).name
+        if memory_budget is None:
+            memory_budget = self.load_setup.budget_for_load()
         self.error_banner.setVisible(False)
         self.template_notice.setVisible(False)
         self.model_button.setText(f"Loading {name}…")
@@ -304,16 +312,20 @@ class MainWindow(QMainWindow):
         self.cancel_load.setVisible(True)
         self.notify(f"Loading {name}…")
         try:
-            info = await self.bridge.load_model(path, memory_budget)
+            info = await self.bridge.load_model(path, memory_budget, prepare=self.load_setup.remount)
         except (EngineRequestError, EngineUnavailable) as exc:
-            self.model_button.setText("Select a model  ▾")
-            self.show_error(f"Could not load {name}: {exc}")
-            emit(self.load_failed, str(exc))
+            reason = str(exc)
+            if getattr(exc, "kind", "") == "OutOfMemoryBudget":
+                reason = await self.load_setup.refusal(path, memory_budget, reason)
+            await self._after_failed_load()
+            self.show_error(f"Could not load {name}: {reason}")
+            emit(self.load_failed, reason)
             return False
         finally:
             self.model_button.setEnabled(True)
             self.load_bar.setVisible(False)
             self.cancel_load.setVisible(False)
+        self.load_setup.loaded(info, memory_budget)
         self.model_button.setText(f"{info.name}  ▾")
         self.chat_view.empty_label.setText(
             f"{info.name} is ready: say hello.\nEnter sends · Shift+Enter adds a line · Esc stops")
@@ -331,9 +343,30 @@ class MainWindow(QMainWindow):
         await self.apply_adapters()
         self.composer.set_capabilities(info.vision, info.audio)
         self.template_notice.setVisible(not info.chat_template)
-        self.notify(f"Loaded {info.name}.")
+        mounted = [a.name for a in (self.bridge.model_info or info).adapters]
+        self.notify(f"Loaded {info.name}" + (f" with its adapters {', '.join(mounted)}."
+                                             if mounted else "."))
+        if self.load_setup.skipped:
+            self.show_error(self.load_setup.skipped)
         emit(self.model_loaded, info)
         return True
+
+    async def _after_failed_load(self) -> None:
+        """A failed load may have replaced the model that was there: show what the engine
+        holds now."""
+        try:
+            info = await self.bridge.refresh_model_info()
+        except (EngineRequestError, EngineUnavailable):
+            info = self.bridge.model_info = None
+        if info is not None:
+            self.model_button.setText(f"{info.name}  ▾")
+            return
+        self.model_button.setText("Select a model  ▾")
+        self.model_meta.setText("")
+        self.setWindowTitle("MLX Desk")
+        self.gauge.clear_model()
+        self.settings.set_draft(None)
+        self._show_adapters()
 
     # ---- adapters and the draft model -----------------------------------------------------
 
@@ -383,6 +416,7 @@ class MainWindow(QMainWindow):
         except (EngineRequestError, EngineUnavailable) as exc:
             self.show_error(f"Could not mount {Path(path).name}: {exc}")
             return False
+        self.load_setup.remember(adapter)
         self._show_adapters()
         self.notify(f"Mounted {adapter.name} ({adapter.kind}, rank {adapter.rank}, "
                     f"{adapter.targets} layers): tick it in the Adapters menu to use it.")
@@ -397,6 +431,7 @@ class MainWindow(QMainWindow):
         except (EngineRequestError, EngineUnavailable) as exc:
             self.show_error(f"Could not unmount {name}: {exc}")
             return
+        self.load_setup.forget(name)
         self._show_adapters()
         self.notify(f"Unmounted {name}.")
 

@@ -112,6 +112,7 @@ class MemoryGauge(QWidget):
         self.max_tokens = 0
         self.level = "ok"
         self.warning = ""
+        self.next_budget = 0  # the budget Settings gives the next load
         self.update_figures({})
 
     def set_plan(self, plan) -> None:
@@ -123,6 +124,18 @@ class MemoryGauge(QWidget):
             "weights_bytes": plan.weights_bytes,
             "budget_bytes": plan.budget_bytes, "total_bytes": plan.total_bytes,
         })
+
+    def set_next_budget(self, budget: int) -> None:
+        """The budget chosen in Settings: shown while no model is loaded, and in the tooltip
+        when the loaded model runs under another one."""
+        self.next_budget = int(budget or 0)
+        self.update_figures({})
+
+    def clear_model(self) -> None:
+        """No model is loaded any more: drop its figures, keep the machine's."""
+        self.kv_per_token = 0
+        self.figures = {k: v for k, v in self.figures.items() if k == "total_bytes"}
+        self.check_context(0, 0)
 
     def update_figures(self, figures: dict) -> None:
         # A zero from a MemoryEvent sent before a load must not erase the plan's figures.
@@ -142,15 +155,24 @@ class MemoryGauge(QWidget):
             self.label.setText(f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)}  ·  "
                                f"{fmt_bytes(used)} of {fmt_bytes(budget)}")
         else:
-            self.label.setText(f"no model  ·  {fmt_bytes(total)} machine" if total else "no model")
+            parts = ["no model"]
+            if self.next_budget:
+                parts.append(f"budget {fmt_bytes(self.next_budget)}")
+            if total:
+                parts.append(f"{fmt_bytes(total)} machine")
+            self.label.setText("  ·  ".join(parts))
         lines = [
             f"MLX active: {fmt_bytes(active)}  (weights {fmt_bytes(weights)}, "
             f"KV cache {fmt_bytes(kv)}, other {fmt_bytes(max(0, active - weights - kv))})",
             f"MLX cache: {fmt_bytes(cache)}",
             f"Peak: {fmt_bytes(peak)}",
-            f"Budget: {fmt_bytes(budget)}" if budget else "Budget: set when a model loads",
+            f"Budget: {fmt_bytes(budget)}" if budget else
+            f"Budget: {fmt_bytes(self.next_budget)} when a model loads" if self.next_budget else
+            "Budget: set when a model loads",
             f"Machine: {fmt_bytes(total)}",
         ]
+        if budget and self.next_budget and self.next_budget != budget:
+            lines.append(f"Next load: {fmt_bytes(self.next_budget)} (chosen in Settings)")
         if self.kv_per_token:
             lines.append(f"KV per token: {fmt_bytes(self.kv_per_token)}; next reply "
                          f"({self.context_tokens:,} + {self.max_tokens:,} tokens) needs about "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any
 
 from app.bridge import EngineBridge, run_in_thread
@@ -39,10 +40,14 @@ def fmt_params(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
-def fits_badge(info: Any) -> str:
+def fits_badge(info: Any, budget: int | None = None) -> str:
+    """Whether the model fits the memory budget (``budget``: the one chosen in Settings;
+    None: the engine's automatic one, which its plan was made under)."""
     plan = getattr(info, "plan", None)
     if plan is None:
         return "?"
+    if budget:
+        plan = replace(plan, budget_bytes=budget)
     if not plan.fits:
         return "✗ too big"
     return f"✓ fits ({plan.max_context:,} tok)"
@@ -71,6 +76,7 @@ class ModelBrowser(QDialog):
         self.bridge = bridge
         self.extra_dirs = list(extra_dirs or [])
         self.local: list[tuple[Any, Any]] = []  # (LocalModel, ModelInfo | None)
+        self.budget: int | None = None  # the memory budget "fits" is judged by (None: automatic)
         self._cancel_download: threading.Event | None = None
         # The Hub to talk to; None means huggingface_hub's default (HF_ENDPOINT or the real one).
         self.endpoint: str | None = None
@@ -169,7 +175,7 @@ class ModelBrowser(QDialog):
     def _fill_local(self) -> None:
         self.table.setRowCount(len(self.local))
         for r, (m, info) in enumerate(self.local):
-            badge = "can't load" if m.error else fits_badge(info) if info else "…"
+            badge = "can't load" if m.error else fits_badge(info, self.budget) if info else "…"
             cells = [m.name, m.family or "—", fmt_params(m.parameters), m.quantization or "—",
                      fmt_bytes(m.size_on_disk), f"{m.context_length:,}" if m.context_length
                      else "—", badge]

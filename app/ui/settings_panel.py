@@ -25,6 +25,7 @@ from app.qt import (
     Signal,
 )
 from app.resources import resource_path
+from app.ui.memory_gauge import GB, fmt_bytes
 
 # key: (label, kind, min, max, step, engine default)
 FIELDS: dict[str, tuple] = {
@@ -38,6 +39,8 @@ FIELDS: dict[str, tuple] = {
 }
 
 
+MIN_BUDGET_GB = 0.01  # the spin box's floor; the ceiling is the machine's memory
+
 SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft"))
 
 
@@ -47,6 +50,7 @@ class SettingsPanel(QFrame):
     draft_cleared = Signal()
     whisper_requested = Signal()  # "Choose…": pick a Whisper model folder
     whisper_cleared = Signal()
+    memory_budget_changed = Signal(object)  # bytes, or None for automatic
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
@@ -122,6 +126,8 @@ class SettingsPanel(QFrame):
         drow.addWidget(self.draft_clear)
         layout.addLayout(drow)
 
+        self._budget_section(layout)
+
         layout.addWidget(QLabel("Speech to text", objectName="fieldTitle"))
         wrow = QHBoxLayout()
         self.whisper_label = QLabel("No Whisper model", objectName="whisperLabel")
@@ -149,6 +155,31 @@ class SettingsPanel(QFrame):
         layout.addStretch(1)
         self.presets = self._read_presets()
         self._fill_presets()
+
+    def _budget_section(self, layout: QVBoxLayout) -> None:
+        """App-wide, not per chat: how much memory a model may take when it loads."""
+        layout.addWidget(QLabel("Memory budget", objectName="fieldTitle"))
+        row = QHBoxLayout()
+        self.budget_mode = QComboBox(objectName="budgetMode")
+        self.budget_mode.addItems(["Automatic", "Custom"])
+        self.budget_mode.setToolTip(
+            "How much memory a model may take when it loads. Automatic is what the device\n"
+            "recommends (else 75% of its memory); a model that needs more is refused up front."
+        )
+        self.budget_value = QDoubleSpinBox(objectName="budgetValue")
+        self.budget_value.setDecimals(2)
+        self.budget_value.setSuffix(" GB")
+        self.budget_value.setStepType(QDoubleSpinBox.StepType.AdaptiveDecimalStepType)
+        self.budget_value.setKeyboardTracking(False)  # typed values count once, on Enter
+        row.addWidget(self.budget_mode, 1)
+        row.addWidget(self.budget_value)
+        layout.addLayout(row)
+        self.budget_note = QLabel("", objectName="budgetNote")
+        self.budget_note.setWordWrap(True)
+        layout.addWidget(self.budget_note)
+        self._budget_quiet = False
+        self.budget_mode.currentIndexChanged.connect(self._budget_mode_changed)
+        self.budget_value.valueChanged.connect(self._budget_edited)
 
     # ---- values ----------------------------------------------------------------------
 
@@ -200,6 +231,37 @@ class SettingsPanel(QFrame):
         """Show which Whisper model transcribes audio (None: none chosen)."""
         self.whisper_label.setText(f"Whisper: {Path(path).name}" if path else "No Whisper model")
         self.whisper_clear.setVisible(bool(path))
+
+    def show_memory_budget(self, setting: Any, note: str = "") -> None:
+        """Show a BudgetSetting (custom or automatic, bounded by the machine) without
+        emitting a change."""
+        self._budget_quiet = True
+        total_gb = setting.total / GB if setting.total else 4096.0
+        self.budget_mode.setItemText(0, f"Automatic ({fmt_bytes(setting.automatic)})")
+        self.budget_value.setRange(MIN_BUDGET_GB, max(MIN_BUDGET_GB, round(total_gb, 2)))
+        self.budget_value.setToolTip(f"At most this machine's {fmt_bytes(setting.total)}"
+                                     if setting.total else "")
+        self.budget_mode.setCurrentIndex(0 if setting.custom is None else 1)
+        self.budget_value.setValue((setting.effective or 0) / GB)
+        self.budget_value.setEnabled(setting.custom is not None)
+        self._budget_quiet = False
+        self.budget_note.setText(note)
+        self.budget_note.setVisible(bool(note))
+
+    def memory_budget(self) -> int | None:
+        """The chosen budget in bytes; None: automatic."""
+        if self.budget_mode.currentIndex() == 0:
+            return None
+        return int(round(self.budget_value.value() * GB))
+
+    def _budget_mode_changed(self, index: int) -> None:
+        self.budget_value.setEnabled(index == 1)
+        if not self._budget_quiet:
+            emit(self.memory_budget_changed, self.memory_budget())
+
+    def _budget_edited(self, _value: float) -> None:
+        if not self._budget_quiet and self.budget_mode.currentIndex() == 1:
+            emit(self.memory_budget_changed, self.memory_budget())
 
     def _emit(self, *_args) -> None:
         if not self._loading:

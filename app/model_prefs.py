@@ -1,0 +1,111 @@
+"""What the app remembers about loading models, kept in the history's preferences so a
+data folder carries it: the memory budget and, per model, the adapter folders mounted on it.
+
+No widgets here: the main window reads and writes these, the settings panel only shows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from app.store import HistoryStore
+from app.ui.memory_gauge import fmt_bytes, machine_memory
+
+BUDGET_KEY = "memory_budget"  # bytes; absent: automatic (the engine's default)
+AUTO_BUDGET_KEY = "memory_budget_auto"  # the engine's default, as the last automatic load reported
+MACHINE_KEY = "machine_memory"  # bytes, as the engine last reported them
+ADAPTERS_KEY = "mounted_adapters"  # model path -> [{"path": folder, "name": name}, ...]
+AUTO_SHARE = 0.75  # the engine's default where the device recommends nothing
+
+
+# ---- the memory budget ----------------------------------------------------------------
+
+
+@dataclass
+class BudgetSetting:
+    """The user's choice (None: automatic) and the figures the control is drawn against."""
+
+    custom: int | None
+    automatic: int  # what automatic means on this machine (bytes)
+    total: int  # the machine's memory (bytes); the highest custom value allowed
+
+    @property
+    def effective(self) -> int:
+        return self.custom if self.custom is not None else self.automatic
+
+    def describe(self) -> str:
+        return (f"{fmt_bytes(self.custom)} (set in Settings)" if self.custom is not None
+                else f"{fmt_bytes(self.automatic)} (automatic)")
+
+
+def budget_setting(store: HistoryStore, total: int = 0) -> BudgetSetting:
+    """The remembered budget. ``total`` is the machine's memory as the engine reported it;
+    without it the operating system's figure is used."""
+    total = total or int(store.preference(MACHINE_KEY, 0) or 0) or machine_memory()
+    automatic = int(store.preference(AUTO_BUDGET_KEY, 0) or 0) or int(total * AUTO_SHARE)
+    custom = store.preference(BUDGET_KEY)
+    custom = min(int(custom), total) if isinstance(custom, (int, float)) and custom > 0 else None
+    return BudgetSetting(custom=custom, automatic=automatic, total=total)
+
+
+def set_budget(store: HistoryStore, custom: int | None) -> None:
+    store.set_preference(BUDGET_KEY, int(custom) if custom else None)
+
+
+def note_loaded_plan(store: HistoryStore, plan: Any, automatic: bool) -> None:
+    """Learn the machine's memory, and the engine's automatic budget from a load that used it
+    (on Apple silicon it is the device's recommended working set, not a fixed share)."""
+    if plan is None:
+        return
+    if plan.total_bytes and plan.total_bytes != store.preference(MACHINE_KEY):
+        store.set_preference(MACHINE_KEY, int(plan.total_bytes))
+    if automatic and plan.budget_bytes != store.preference(AUTO_BUDGET_KEY):
+        store.set_preference(AUTO_BUDGET_KEY, int(plan.budget_bytes))
+
+
+def refusal_message(name: str, need: int, budget: BudgetSetting) -> str:
+    """Why a model was refused for memory, and the way out: a higher budget in Settings when
+    one within the machine's memory would take it, else a smaller model."""
+    head = f"{name} needs {fmt_bytes(need)} for its weights; the memory budget is {budget.describe()}."
+    if budget.total and need >= budget.total:
+        return (f"{name} needs {fmt_bytes(need)} for its weights, more than this machine's "
+                f"{fmt_bytes(budget.total)} of memory: pick a smaller or more quantized model.")
+    if budget.total:
+        return (f"{head} Raise the memory budget in Settings (up to {fmt_bytes(budget.total)} "
+                "on this machine) to load it, or pick a smaller or more quantized model.")
+    return f"{head} Raise the memory budget in Settings, or pick a smaller or more quantized model."
+
+
+# ---- adapters remembered per model -----------------------------------------------------------
+
+
+def remembered_adapters(store: HistoryStore, model_path: str) -> list[dict[str, str]]:
+    """The adapter folders mounted on this model, in mount order: [{"path", "name"}]."""
+    table = store.preference(ADAPTERS_KEY, {}) or {}
+    entries = table.get(model_path, []) if isinstance(table, dict) else []
+    return [{"path": str(e["path"]), "name": str(e["name"])} for e in entries
+            if isinstance(e, dict) and e.get("path") and e.get("name")]
+
+
+def remember_adapter(store: HistoryStore, model_path: str, adapter_path: str, name: str) -> None:
+    entries = [e for e in remembered_adapters(store, model_path) if e["name"] != name]
+    _write(store, model_path, entries + [{"path": adapter_path, "name": name}])
+
+
+def forget_adapters(store: HistoryStore, model_path: str, names: set[str]) -> None:
+    entries = remembered_adapters(store, model_path)
+    kept = [e for e in entries if e["name"] not in names]
+    if kept != entries:
+        _write(store, model_path, kept)
+
+
+def _write(store: HistoryStore, model_path: str, entries: list[dict[str, str]]) -> None:
+    table = store.preference(ADAPTERS_KEY, {}) or {}
+    if not isinstance(table, dict):
+        table = {}
+    if entries:
+        table[model_path] = entries
+    else:
+        table.pop(model_path, None)
+    store.set_preference(ADAPTERS_KEY, table or None)

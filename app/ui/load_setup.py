@@ -1,0 +1,131 @@
+"""What every model load brings along: the memory budget chosen in Settings, and the adapter
+folders that were mounted on that model before (re-mounted once it has loaded).
+
+The main window calls ``budget_for_load`` before a load, hands ``remount`` to the bridge as
+the load's preparation (so a message waiting for the model waits for its adapters too), and
+``loaded`` / ``refusal`` after it. Everything that talks to the engine goes through the bridge.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from app import model_prefs
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.qt import QObject, Signal, emit
+from app.store import HistoryStore
+from app.ui.memory_gauge import MemoryGauge, fmt_bytes
+from app.ui.settings_panel import SettingsPanel
+
+
+class LoadSetup(QObject):
+    notice = Signal(str)  # a line for the status bar
+
+    def __init__(self, store: HistoryStore, bridge: EngineBridge, settings: SettingsPanel,
+                 gauge: MemoryGauge, parent: QObject | None = None):
+        super().__init__(parent)
+        self.store, self.bridge, self.settings, self.gauge = store, bridge, settings, gauge
+        self.skipped = ""  # the last remount's notice about adapters it had to forget
+        settings.memory_budget_changed.connect(self.set_budget)
+        self._show_budget()
+
+    # ---- the memory budget ----------------------------------------------------------------
+
+    def setting(self) -> model_prefs.BudgetSetting:
+        return model_prefs.budget_setting(self.store, self.gauge.figures.get("total_bytes", 0))
+
+    def budget_for_load(self) -> int | None:
+        """What LoadModel carries: the custom budget, or None for the engine's automatic one."""
+        return self.setting().custom
+
+    def set_budget(self, custom: int | None) -> None:
+        """The Settings control changed: remember it. A loaded model keeps the budget it was
+        loaded under; the new one applies from the next load, and the status bar says so
+        (and whether the loaded model would still fit it)."""
+        model_prefs.set_budget(self.store, custom)
+        self._show_budget()
+        setting = self.setting()
+        line = f"Memory budget: {fmt_bytes(setting.effective)}"
+        line += "." if custom is not None else " (automatic)."
+        info = self.bridge.model_info
+        plan = getattr(info, "plan", None)
+        if plan is not None and plan.budget_bytes != setting.effective:
+            line += (f" {info.name} keeps its {fmt_bytes(plan.budget_bytes)} until it is loaded "
+                     "again; the new budget applies from the next load.")
+            if plan.weights_bytes >= setting.effective:
+                line += (f" {info.name} needs {fmt_bytes(plan.weights_bytes)} for its weights, "
+                         "so it would not load under the new budget.")
+        emit(self.notice, line)
+
+    def loaded(self, info: Any, budget: int | None) -> None:
+        """A load succeeded under ``budget`` (None: automatic): learn the machine's figures."""
+        model_prefs.note_loaded_plan(self.store, info.plan, automatic=budget is None)
+        self._show_budget()
+
+    def _show_budget(self) -> None:
+        setting = self.setting()
+        plan = getattr(self.bridge.model_info, "plan", None)
+        note = ""
+        if plan is not None and plan.budget_bytes != setting.effective:
+            note = (f"The loaded model runs under {fmt_bytes(plan.budget_bytes)}; "
+                    f"{fmt_bytes(setting.effective)} applies from the next load.")
+        self.settings.show_memory_budget(setting, note)
+        self.gauge.set_next_budget(setting.effective)
+
+    async def refusal(self, path: str, budget: int | None, engine_reason: str) -> str:
+        """The line shown when a load is refused for memory: what the model needs against the
+        budget, and whether raising the budget in Settings would let it load."""
+        try:
+            info = await self.bridge.inspect(path)  # headers only: quick, loads nothing
+        except (EngineRequestError, EngineUnavailable):
+            return engine_reason
+        plan = info.plan
+        if plan is None:
+            return engine_reason
+        setting = self.setting()
+        setting.custom = budget
+        setting.total = plan.total_bytes or setting.total
+        if budget is None:
+            setting.automatic = plan.budget_bytes  # inspect plans under the automatic budget
+        return model_prefs.refusal_message(info.name, plan.weights_bytes, setting)
+
+    # ---- adapters remembered per model --------------------------------------------------------
+
+    def remember(self, adapter: Any) -> None:
+        info = self.bridge.model_info
+        if info is not None:
+            model_prefs.remember_adapter(self.store, info.path, adapter.path, adapter.name)
+
+    def forget(self, name: str) -> None:
+        info = self.bridge.model_info
+        if info is not None:
+            model_prefs.forget_adapters(self.store, info.path, {name})
+
+    async def remount(self, info: Any) -> None:
+        """Mount again the adapter folders remembered for this model, in their old order. A
+        folder that is gone or no longer fits is skipped and forgotten; ``skipped`` holds one
+        line naming them all (empty when none)."""
+        self.skipped = ""
+        skipped: list[str] = []
+        gone: set[str] = set()
+        for entry in model_prefs.remembered_adapters(self.store, info.path):
+            if self.bridge.active_load is not None:
+                return  # another load is queued: these adapters belong to the model it replaces
+            name, folder = entry["name"], entry["path"]
+            if not Path(folder).is_dir():
+                skipped.append(f"{name} (its folder {folder} is gone)")
+                gone.add(name)
+                continue
+            try:
+                await self.bridge.mount_adapter(folder, name)
+            except EngineRequestError as exc:
+                skipped.append(f"{name} ({exc})")
+                gone.add(name)
+            except EngineUnavailable:
+                return  # the engine is gone: nothing more can be mounted, nothing to forget
+        if skipped:
+            model_prefs.forget_adapters(self.store, info.path, gone)
+            self.skipped = (f"Skipped {len(skipped)} adapter{'s' if len(skipped) > 1 else ''} "
+                            f"mounted on {info.name} before, and forgot "
+                            f"{'them' if len(skipped) > 1 else 'it'}: " + "; ".join(skipped))
