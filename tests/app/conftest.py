@@ -68,3 +68,28 @@ def make_window(qtbot, aloop, tmp_path):
     for window, store in made:
         window.close()
         store.close()
+
+
+@pytest.fixture
+def hold_worker(qtbot):
+    """Keep a window's worker busy with a long generation (on a session no chat shows), so a
+    load queued behind it stays "loading" until the returned function stops it."""
+    from app.tasks import spawn
+    from engine import api
+
+    def hold(window):
+        started: list[int] = []
+        window.bridge.token.connect(lambda rid, *_: started.append(rid))
+        task = spawn(window.bridge.generate(
+            "hold", [{"role": "user", "content": "go on"}],
+            api.GenerationParams(max_tokens=100_000, ignore_eos=True),
+        ))
+        qtbot.waitUntil(lambda: bool(started), timeout=30_000)
+
+        def release():
+            window.bridge.cancel(started[0])
+            qtbot.waitUntil(task.done, timeout=30_000)
+
+        return release
+
+    return hold

@@ -246,30 +246,8 @@ def test_export(qtbot, make_window, run_async, tiny_model, tmp_path, fmt):
     assert [r[2] for r in rows] == ["user", "assistant"]
 
 
-def _hold_the_worker(qtbot, window):
-    """Keep the worker busy with a long generation (on a session no chat shows), so a
-    load queued behind it stays "loading" until the returned function stops it."""
-    from app.tasks import spawn
-    from engine import api
-
-    started: list[int] = []
-    window.bridge.token.connect(lambda rid, *_: started.append(rid))
-    hold = spawn(window.bridge.generate(
-        "hold", [{"role": "user", "content": "go on"}],
-        api.GenerationParams(max_tokens=100_000, ignore_eos=True),
-    ))
-    qtbot.waitUntil(lambda: bool(started), timeout=30_000)
-    rid = started[0]
-
-    def release():
-        window.bridge.cancel(rid)
-        qtbot.waitUntil(hold.done, timeout=30_000)
-
-    return release
-
-
 def test_send_while_the_model_loads_waits_for_it(qtbot, make_window, run_async, tiny_model,
-                                                 tmp_path):
+                                                 tmp_path, hold_worker):
     import shutil
 
     from app.tasks import spawn
@@ -277,7 +255,7 @@ def test_send_while_the_model_loads_waits_for_it(qtbot, make_window, run_async, 
     window = make_window()
     _load(window, run_async, tiny_model)
     other = shutil.copytree(tiny_model, tmp_path / "tiny-llama-next")
-    release = _hold_the_worker(qtbot, window)
+    release = hold_worker(window)
     loading = spawn(window.load_model(str(other)))
     qtbot.waitUntil(lambda: window.bridge.loading, timeout=10_000)
     _configure(window)
@@ -303,12 +281,12 @@ def test_send_while_the_model_loads_waits_for_it(qtbot, make_window, run_async, 
 
 
 def test_stop_while_waiting_for_the_model_keeps_the_message(qtbot, make_window, run_async,
-                                                             tiny_model):
+                                                             tiny_model, hold_worker):
     from app.tasks import spawn
 
     window = make_window()
     _load(window, run_async, tiny_model)
-    release = _hold_the_worker(qtbot, window)
+    release = hold_worker(window)
     loading = spawn(window.load_model(str(tiny_model)))
     qtbot.waitUntil(lambda: window.bridge.loading, timeout=10_000)
     window.composer.edit.setPlainText("never mind")
