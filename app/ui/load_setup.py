@@ -14,7 +14,7 @@ from typing import Any
 from app import model_prefs
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.qt import QObject, Signal, emit
-from app.store import HistoryStore
+from app.store import HistoryStore, StoreError
 from app.ui.memory_gauge import MemoryGauge, fmt_bytes
 from app.ui.settings_panel import SettingsPanel
 
@@ -30,6 +30,16 @@ class LoadSetup(QObject):
         settings.memory_budget_changed.connect(self.set_budget)
         self._show_budget()
 
+    def _save(self, write: Any, *args: Any, **kwargs: Any) -> bool:
+        """A preference write; one the history cannot take (full disk) is said, not raised:
+        the load or the mount it belongs to has already happened."""
+        try:
+            write(*args, **kwargs)
+        except StoreError as exc:
+            emit(self.notice, f"{exc} This setting is not remembered.")
+            return False
+        return True
+
     # ---- the memory budget ----------------------------------------------------------------
 
     def setting(self) -> model_prefs.BudgetSetting:
@@ -43,7 +53,9 @@ class LoadSetup(QObject):
         """The Settings control changed: remember it. A loaded model keeps the budget it was
         loaded under; the new one applies from the next load, and the status bar says so
         (and whether the loaded model would still fit it)."""
-        model_prefs.set_budget(self.store, custom)
+        if not self._save(model_prefs.set_budget, self.store, custom):
+            self._show_budget()  # the control goes back to what is remembered
+            return
         self._show_budget()
         setting = self.setting()
         line = f"Memory budget: {fmt_bytes(setting.effective)}"
@@ -60,17 +72,17 @@ class LoadSetup(QObject):
 
     def loaded(self, info: Any, budget: int | None) -> None:
         """A load succeeded under ``budget`` (None: automatic): learn the machine's figures."""
-        model_prefs.note_loaded_plan(self.store, info.plan, automatic=budget is None)
+        self._save(model_prefs.note_loaded_plan, self.store, info.plan, automatic=budget is None)
         self._show_budget()
 
     def _show_budget(self) -> None:
         setting = self.setting()
         plan = getattr(self.bridge.model_info, "plan", None)
-        note = ""
+        note = f"This machine has {fmt_bytes(setting.total)}." if setting.total else ""
         if plan is not None and plan.budget_bytes != setting.effective:
-            note = (f"The loaded model runs under {fmt_bytes(plan.budget_bytes)}; "
-                    f"{fmt_bytes(setting.effective)} applies from the next load.")
-        self.settings.show_memory_budget(setting, note)
+            note += (f" The loaded model runs under {fmt_bytes(plan.budget_bytes)}; "
+                     f"{fmt_bytes(setting.effective)} applies from the next load.")
+        self.settings.show_memory_budget(setting, note.strip())
         self.gauge.set_next_budget(setting.effective)
 
     async def refusal(self, path: str, budget: int | None, engine_reason: str) -> str:
@@ -95,12 +107,13 @@ class LoadSetup(QObject):
     def remember(self, adapter: Any) -> None:
         info = self.bridge.model_info
         if info is not None:
-            model_prefs.remember_adapter(self.store, info.path, adapter.path, adapter.name)
+            self._save(model_prefs.remember_adapter, self.store, info.path, adapter.path,
+                       adapter.name)
 
     def forget(self, name: str) -> None:
         info = self.bridge.model_info
         if info is not None:
-            model_prefs.forget_adapters(self.store, info.path, {name})
+            self._save(model_prefs.forget_adapters, self.store, info.path, {name})
 
     async def remount(self, info: Any) -> None:
         """Mount again the adapter folders remembered for this model, in their old order. A
@@ -125,7 +138,7 @@ class LoadSetup(QObject):
             except EngineUnavailable:
                 return  # the engine is gone: nothing more can be mounted, nothing to forget
         if skipped:
-            model_prefs.forget_adapters(self.store, info.path, gone)
+            self._save(model_prefs.forget_adapters, self.store, info.path, gone)
             self.skipped = (f"Skipped {len(skipped)} adapter{'s' if len(skipped) > 1 else ''} "
                             f"mounted on {info.name} before, and forgot "
                             f"{'them' if len(skipped) > 1 else 'it'}: " + "; ".join(skipped))

@@ -163,8 +163,9 @@ class SettingsPanel(QFrame):
         self.budget_mode = QComboBox(objectName="budgetMode")
         self.budget_mode.addItems(["Automatic", "Custom"])
         self.budget_mode.setToolTip(
-            "How much memory a model may take when it loads. Automatic is what the device\n"
-            "recommends (else 75% of its memory); a model that needs more is refused up front."
+            "How much memory a model may take, for every chat. Automatic is what the device\n"
+            "recommends (else 75% of its memory); a model that needs more is refused when it\n"
+            "loads. A change applies from the next model load."
         )
         self.budget_value = QDoubleSpinBox(objectName="budgetValue")
         self.budget_value.setDecimals(2)

@@ -90,7 +90,8 @@ def test_budget_persists_reaches_the_load_and_explains_a_refusal(
     assert again.settings.budget_value.value() == pytest.approx(2.0)
     assert run_async(again.load_model(str(wide_model)))
     assert again.bridge.model_info.plan.budget_bytes == 2 * GB
-    assert again.settings.budget_note.isHidden()
+    assert "applies from the next load" not in again.settings.budget_note.text()
+    assert again.settings.budget_note.text() == f"This machine has {fmt_bytes(machine)}."
 
     # Back to automatic: the engine's own default, which the control then names.
     _choose(again, None)
@@ -112,3 +113,15 @@ def test_refusal_message_suggests_settings_only_when_the_machine_has_room():
     assert "Raise" not in too_big and "Settings" not in too_big
     assert "more than this machine's 16.0 GB" in too_big
     assert "pick a smaller or more quantized model" in too_big
+
+
+def test_a_budget_the_history_cannot_save_is_said_and_not_shown_as_kept(qtbot, make_window):
+    window = make_window()
+    window.settings_toggle.setChecked(True)
+    messages: list[str] = []
+    window.statusBar().messageChanged.connect(messages.append)
+    window.store._db.execute("PRAGMA query_only=ON")  # every write fails, as on a read-only drive
+    _choose(window, 3.0)
+    assert any("read-only" in m and "not remembered" in m for m in messages)
+    assert window.settings.budget_mode.currentIndex() == 0  # back to what is remembered
+    window.store._db.execute("PRAGMA query_only=OFF")
