@@ -366,6 +366,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("MLX Desk")
         self.gauge.clear_model()
         self.settings.set_draft(None)
+        self.composer.set_capabilities(None, False)
         self._show_adapters()
 
     # ---- adapters and the draft model -----------------------------------------------------
