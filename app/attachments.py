@@ -14,8 +14,14 @@ from pathlib import Path
 from typing import Any
 
 ATTACHMENTS_DIR = "attachments"
-IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
-HEIF_EXT = {".heic", ".heif"}  # only where Pillow has the pillow-heif plug-in
+IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp",
+             # Phone and camera photos: Qt cannot read these, Pillow (with pillow-heif) can.
+             ".heic", ".heif", ".hif", ".avif"}
+# Formats that only Pillow decodes: checked by decoding when attached, and thumbnailed
+# from the decoded image (the file itself is kept as it is).
+PILLOW_ONLY_EXT = {".heic", ".heif", ".hif", ".avif"}
+# Pasted or dragged image data in these formats is kept byte for byte.
+ENCODED_IMAGE_MIME = {"image/heic": ".heic", "image/heif": ".heif", "image/avif": ".avif"}
 AUDIO_EXT = {".wav", ".mp3", ".flac", ".ogg", ".m4a"}
 
 VISION_MODELS = "a vision model such as Gemma 3 or Qwen2.5-VL"
@@ -25,22 +31,14 @@ NO_WHISPER = ("To turn speech into text, pick a Whisper model folder under "
               "Settings → Speech to text (or load an audio model such as Qwen2-Audio).")
 
 _EXTRA_MIME = {".webp": "image/webp", ".heic": "image/heic", ".heif": "image/heif",
+               ".hif": "image/heif", ".avif": "image/avif",
                ".m4a": "audio/mp4", ".flac": "audio/flac", ".ogg": "audio/ogg"}
-
-
-def heif_readable() -> bool:
-    """Whether Pillow can open HEIC/HEIF here (the pillow-heif plug-in is installed)."""
-    try:
-        import pillow_heif  # type: ignore[import-not-found]  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing or built for another Pillow
-        return False
-    return True
 
 
 def media_kind(path: str | Path) -> str | None:
     """"image", "audio" or None, from the file name."""
     ext = Path(path).suffix.lower()
-    if ext in IMAGE_EXT or ext in HEIF_EXT:
+    if ext in IMAGE_EXT:
         return "image"
     return "audio" if ext in AUDIO_EXT else None
 
@@ -54,11 +52,9 @@ def refusal(path: str | Path, vision: bool | None) -> str | None:
     name = Path(path).name
     kind = media_kind(path)
     if kind is None:
-        return f"{name} is not an image or audio file (PNG, JPEG, WebP, WAV, MP3, FLAC, OGG, M4A)."
+        return (f"{name} is not an image or audio file "
+                "(PNG, JPEG, WebP, HEIC, AVIF, WAV, MP3, FLAC, OGG, M4A).")
     if kind == "image":
-        if Path(path).suffix.lower() in HEIF_EXT and not heif_readable():
-            return (f"{name} is HEIC, which needs the pillow-heif package "
-                    "(pip install pillow-heif); or export it as JPEG.")
         if vision is None:
             return NO_MODEL_FOR_IMAGES
         if not vision:

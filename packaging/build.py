@@ -40,7 +40,7 @@ Icon={icon}
 Terminal=false
 Categories=Utility;Development;Science;ArtificialIntelligence;
 Keywords=LLM;AI;chat;MLX;model;
-MimeType=application/x-gguf;image/png;image/jpeg;image/webp;image/gif;image/bmp;audio/wav;audio/x-wav;audio/mpeg;audio/flac;audio/ogg;audio/mp4;
+MimeType=application/x-gguf;image/png;image/jpeg;image/webp;image/gif;image/bmp;image/heic;image/heif;image/avif;audio/wav;audio/x-wav;audio/mpeg;audio/flac;audio/ogg;audio/mp4;
 StartupNotify=true
 StartupWMClass=mlx-desk
 """

@@ -3,12 +3,12 @@
 ``AttachmentStrip`` sits above the composer's text box (each item has a × to remove it
 before sending); ``AttachmentRow`` shows a sent message's attachments in its bubble,
 where clicking an image opens ``ImagePreview``. Images are read by Qt (PNG, JPEG, WebP,
-GIF, BMP), with Pillow as the fallback for what Qt lacks (HEIC via pillow-heif).
+GIF, BMP), with Pillow as the fallback for what Qt lacks (HEIC/HEIF via pillow-heif, AVIF),
+through the engine's own opener so a photo is turned upright exactly as the model sees it.
 """
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from app.qt import (
@@ -49,9 +49,9 @@ def read_image(path: str | Path, fit: int | None = None, cover: bool = False) ->
         size = reader.size()  # the box is square, so the EXIF rotation does not matter
         if size.isValid() and _side(size.width(), size.height(), cover) > fit:
             reader.setScaledSize(size.scaled(QSize(fit, fit), mode))
-    image = reader.read()
+    image = reader.read() if reader.canRead() else QImage()
     if image.isNull():
-        image = _read_with_pillow(path)
+        image = _read_with_pillow(path, fit, cover)
     if fit and not image.isNull() and _side(image.width(), image.height(), cover) > fit:
         image = image.scaled(fit, fit, mode, Qt.TransformationMode.SmoothTransformation)
     return image
@@ -61,24 +61,49 @@ def _side(width: int, height: int, cover: bool) -> int:
     return min(width, height) if cover else max(width, height)
 
 
-def _read_with_pillow(path: str | Path) -> QImage:
+def _read_with_pillow(path: str | Path, fit: int | None = None, cover: bool = False) -> QImage:
+    """Decode with Pillow (no Qt plug-in for HEIC/AVIF); alpha is kept for the picture.
+    With ``fit``, a HEIC's embedded thumbnail is decoded instead when it is big enough."""
     try:
-        from PIL import Image, ImageOps
+        from PIL import Image
 
-        from app.attachments import heif_readable
+        from engine.media.image import enable_heif, upright  # Pillow only: no mlx
 
-        if heif_readable():
-            import pillow_heif  # type: ignore[import-not-found]
-
-            pillow_heif.register_heif_opener()
+        enable_heif()
         with Image.open(path) as im:
-            buf = io.BytesIO()
-            ImageOps.exif_transpose(im).convert("RGB").save(buf, format="PNG")
+            if fit:
+                w, h = im.size
+                scale = fit / max(1, _side(w, h, cover))
+                if scale < 1:
+                    im.draft(None, (max(1, round(w * scale)), max(1, round(h * scale))))
+            im = upright(im)
+            has_alpha = "A" in im.getbands() or im.info.get("transparency") is not None
+            im = im.convert("RGBA" if has_alpha else "RGB")
     except Exception:  # noqa: BLE001 - unreadable: the caller shows a placeholder
         return QImage()
-    image = QImage()
-    image.loadFromData(buf.getvalue(), "PNG")
-    return image
+    fmt = QImage.Format.Format_RGBA8888 if im.mode == "RGBA" else QImage.Format.Format_RGB888
+    data = im.tobytes()
+    return QImage(data, im.width, im.height, len(im.mode) * im.width, fmt).copy()  # owns its pixels
+
+
+def image_problem(path: str | Path) -> str | None:
+    """Why the image at ``path`` cannot be sent, in one line (None: nothing found).
+
+    Formats only Pillow reads (HEIC, HEIF, AVIF) are decoded here, through the engine's
+    opener, so a damaged photo is refused when attached, with the engine's own words,
+    not after the message was sent. Formats Qt reads are left to their thumbnail."""
+    from app.attachments import PILLOW_ONLY_EXT
+
+    if Path(path).suffix.lower() not in PILLOW_ONLY_EXT and QImageReader(str(path)).canRead():
+        return None
+    from engine.errors import MediaError
+    from engine.media.image import load_image
+
+    try:
+        load_image(path)
+    except MediaError as exc:
+        return str(exc)
+    return None
 
 
 def thumbnail(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8) -> QPixmap:

@@ -13,7 +13,15 @@ import io
 from pathlib import Path
 from typing import Any, Callable
 
-from app.attachments import NO_VISION, keep_bytes, media_kind, refusal
+from app.attachments import (
+    AUDIO_EXT,
+    ENCODED_IMAGE_MIME,
+    IMAGE_EXT,
+    NO_VISION,
+    keep_bytes,
+    media_kind,
+    refusal,
+)
 from app.qt import (
     QBuffer,
     QEvent,
@@ -37,13 +45,20 @@ from app.qt import (
     emit,
 )
 from app.resources import resource_path
-from app.ui.attachment_strip import AttachmentStrip, ImagePreview
+from app.ui.attachment_strip import AttachmentStrip, ImagePreview, image_problem
 
 MIN_EDIT_HEIGHT = 48
 METER_INTERVAL_MS = 80
-PICK_FILTER = ("Images and audio (*.png *.jpg *.jpeg *.webp *.gif *.bmp *.heic *.heif "
-               "*.wav *.mp3 *.flac *.ogg *.m4a);;Images (*.png *.jpg *.jpeg *.webp *.gif *.bmp "
-               "*.heic *.heif);;Audio (*.wav *.mp3 *.flac *.ogg *.m4a)")
+
+
+def _patterns(exts: set[str]) -> str:
+    # Both cases: file dialogs match case-sensitively on Linux, and phones and cameras
+    # name their photos IMG_0001.HEIC, DSC_0001.JPG.
+    return " ".join(f"*{e} *{e.upper()}" for e in sorted(exts))
+
+
+PICK_FILTER = (f"Images and audio ({_patterns(IMAGE_EXT)} {_patterns(AUDIO_EXT)});;"
+               f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)})")
 
 
 class MessageEdit(QPlainTextEdit):
@@ -81,7 +96,13 @@ def carries_media(mime: Any) -> bool:
         return False
     if mime.hasUrls() and any(u.isLocalFile() for u in mime.urls()):
         return True
-    return mime.hasImage()
+    return mime.hasImage() or _encoded_image(mime) is not None
+
+
+def _encoded_image(mime: Any) -> str | None:
+    """The MIME type of a HEIC/HEIF/AVIF picture carried as data (Qt cannot decode
+    those into an image; their bytes are kept as they are)."""
+    return next((f for f in mime.formats() if f.lower() in ENCODED_IMAGE_MIME), None)
 
 
 class Composer(QFrame):
@@ -236,6 +257,9 @@ class Composer(QFrame):
             if not Path(path).is_file():
                 emit(self.refused, f"{Path(path).name} cannot be read: the file is missing.")
                 continue
+            if kind == "image" and (why := image_problem(path)) is not None:
+                emit(self.refused, why)  # a damaged photo: said now, not after sending
+                continue
             if (kind, path) not in self.attachments:
                 self.attachments.append((kind, path))
                 added = True
@@ -257,10 +281,22 @@ class Composer(QFrame):
         path = keep_bytes(self._folder(), bytes(buf.data()), ".png")
         self.add_files([str(path)])
 
+    def add_encoded(self, data: bytes, ext: str) -> None:
+        """A picture that came as encoded bytes Qt cannot decode (HEIC/HEIF/AVIF):
+        kept byte for byte in the attachments folder, then attached like a file."""
+        if not data:
+            return
+        if not self.vision:
+            emit(self.refused, refusal(f"pasted{ext}", self.vision))
+            return
+        self.add_files([str(keep_bytes(self._folder(), data, ext))])
+
     def add_mime(self, mime: Any) -> None:
         files = [u.toLocalFile() for u in mime.urls() if u.isLocalFile()] if mime.hasUrls() else []
         if files:
             self.add_files(files)
+        elif (fmt := _encoded_image(mime)) is not None:  # the original bytes beat a re-encode
+            self.add_encoded(bytes(mime.data(fmt)), ENCODED_IMAGE_MIME[fmt.lower()])
         elif mime.hasImage():
             self.add_image(QImage(mime.imageData()))
 

@@ -51,8 +51,8 @@ def test_refusals_name_what_to_do():
     assert refusal("x.png", None) == NO_MODEL_FOR_IMAGES
     assert refusal("x.wav", False) is None  # audio goes to transcription instead
     assert "not an image or audio file" in refusal("x.pdf", True)
-    heic = refusal("IMG_0001.HEIC", True)
-    assert heic is None or "pillow-heif" in heic
+    assert refusal("IMG_0001.HEIC", True) is None  # HEIC is read by pillow-heif, a dependency
+    assert refusal("IMG_0001.HEIC", False) == NO_VISION
 
 
 def test_store_rows_preferences_and_exports(tmp_path):

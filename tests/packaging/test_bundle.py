@@ -104,6 +104,10 @@ def test_bundle_carries_what_the_app_loads(bundle: Path) -> None:
     assert list(internal.glob("tokenizers/tokenizers*.so")), "the tokenizers native module is missing"
     # libmlx finds its BLAS/LAPACK through a RUNPATH relative to itself.
     assert any((internal / "mlx_cpu.libs").glob("libblas*")) or any((internal / "mlx/lib").glob("libblas*"))
+    # HEIC photos: pillow-heif is imported lazily, and its extension sits beside its package.
+    assert list(internal.glob("_pillow_heif.*.so")), "pillow-heif's extension module is missing"
+    assert list(internal.glob("**/libheif*.so*")) and list(internal.glob("**/libde265*.so*")), \
+        "libheif or its HEVC decoder is missing"
 
 
 def test_bundle_is_lean(bundle: Path) -> None:
@@ -113,7 +117,7 @@ def test_bundle_is_lean(bundle: Path) -> None:
 
         pyz = CArchiveReader(str(bundle / "mlx-desk")).open_embedded_archive("PYZ.pyz")
         from_archive = {name.split(".")[0] for name in pyz.toc}
-        assert "engine" in from_archive and "app" in from_archive
+        assert {"engine", "app", "pillow_heif"} <= from_archive
     on_disk = {p.name for p in (bundle / "_internal").iterdir()}
     assert not FORBIDDEN_PACKAGES & (from_archive | on_disk)
     # Only the Qt platform plugins a desktop or a headless run can use.
@@ -129,7 +133,7 @@ def test_desktop_entry(bundle: Path) -> None:
     d = entry["Desktop Entry"]
     assert d["Type"] == "Application" and d["Name"] == "MLX Desk"
     assert d["Exec"].split()[0] == "mlx-desk" and (bundle / "mlx-desk").is_file()
-    assert "application/x-gguf" in d["MimeType"].split(";")
+    assert {"application/x-gguf", "image/jpeg", "image/heic", "image/heif"} <= set(d["MimeType"].split(";"))
     for size in (16, 32, 48, 128, 256, 512):
         assert (bundle / f"share/icons/hicolor/{size}x{size}/apps/{d['Icon']}.png").is_file()
     assert (bundle / "share/mime/packages/mlx-desk.xml").is_file()
