@@ -40,6 +40,8 @@ def default_data_dir() -> Path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mlx-desk", description="Chat with local models on MLX.")
+    p.add_argument("files", nargs="*", type=Path, metavar="FILE",
+                   help="files to open: a model folder or .gguf loads, images and audio are attached")
     p.add_argument("--model", help="model folder, .gguf file or Hugging Face repo id to load")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="where history.sqlite3 and presets live (default: the app-data folder)")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.resources import resource_path
     from app.store import HistoryStore
     from app.tasks import spawn
-    from app.ui.file_open import install_file_open
+    from app.ui.file_open import install_file_open, open_paths
     from app.ui.main_window import MainWindow, first_paint
     from app.ui.theme import apply_theme
 
@@ -126,10 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                 fail(str(exc))
             else:
                 app.quit()
-        elif args.model:
-            await window.load_model(args.model)
         else:
-            await window.offer_models_on_first_run()
+            await open_paths(window, args.files, model=args.model)
 
     def fail(reason: str) -> None:
         print(f"smoke-test: failed: {' '.join(reason.split())}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """Files handed to the app by the system: dropped on the Dock icon, "Open With", or
 double-clicked. macOS delivers them as QFileOpenEvents to the application (the bundle's
-Info.plist declares the document types); a model file loads, media goes to the composer.
+Info.plist declares the document types); Linux desktops pass them on the command line
+(the .desktop entry's %F). A model file loads, media goes to the composer.
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ class FileOpenHandler(QObject):
         else:
             self.window.composer.add_files([str(path)])
         return True
+
+
+async def open_paths(window, paths: list[Path], model: str | None = None) -> None:
+    """Files named at launch: the model (``model``, else the last model file among them)
+    loads first, so media it can take is attached rather than refused; with no model at
+    all the first-run offer of models appears."""
+    files = [p for p in paths if not is_model(p)]
+    model = model or next((str(p) for p in reversed(paths) if is_model(p)), None)
+    if model:
+        await window.load_model(model)
+    else:
+        await window.offer_models_on_first_run()
+    if files:
+        window.composer.add_files([str(p) for p in files])
 
 
 def install_file_open(window) -> FileOpenHandler:

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from app.qt import QApplication, QFileOpenEvent
-from app.ui.file_open import install_file_open
+from app import tasks
+from app.main import parse_args
+from app.ui.file_open import install_file_open, open_paths
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints", "does not support raise")  # offscreen noise
 
@@ -38,3 +40,18 @@ def test_opened_model_loads_and_opened_image_is_attached(qtbot, make_window, tmp
         assert window.composer.attachments == [("image", str(photo))]
     finally:
         QApplication.instance().removeEventFilter(handler)
+
+
+def test_files_named_at_launch_load_the_model_first_then_attach(qtbot, make_window, tmp_path, shared_data):
+    """Linux's "Open With" runs `mlx-desk FILE...` (the .desktop entry's %F): the model
+    among them loads before the photo is attached, so a vision model takes it."""
+    model = shutil.copytree(VISION_MODEL, tmp_path / "tiny-gemma3")
+    photo = shared_data / "images" / "coffee.png"
+    args = parse_args([str(photo), str(model)])
+    assert args.files == [photo, model] and args.model is None
+    window = make_window()
+    done = tasks.spawn(open_paths(window, args.files, model=args.model))
+    qtbot.wait_until(done.done, timeout=60_000)
+    assert done.exception() is None
+    assert window.bridge.model_info.path == str(model)
+    assert window.composer.attachments == [("image", str(photo))]
