@@ -95,7 +95,7 @@ class MainWindow(QMainWindow):
         split.setStretchFactor(1, 1)
         split.setSizes([250, 800, 290])
         self.sidebar.setMinimumWidth(200)
-        self.settings.setMinimumWidth(260)
+        self.settings.setMinimumWidth(300)
         self.setCentralWidget(split)
         self.statusBar().addPermanentWidget(self.gauge)
         self._menus()

@@ -238,7 +238,6 @@ class SettingsPanel(QFrame):
         emitting a change."""
         self._budget_quiet = True
         total_gb = setting.total / GB if setting.total else 4096.0
-        self.budget_mode.setItemText(0, f"Automatic ({fmt_bytes(setting.automatic)})")
         self.budget_value.setRange(MIN_BUDGET_GB, max(MIN_BUDGET_GB, round(total_gb, 2)))
         self.budget_value.setToolTip(f"At most this machine's {fmt_bytes(setting.total)}"
                                      if setting.total else "")
