@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -343,14 +343,33 @@ def speculative_step(
     pending = ids[-1:]  # ids whose keys/values the target has not computed yet
     speculate = k_max > 0
     produced = 0
+    carried: tuple[list[int], None] | None = None  # drafts a plain run's lookup found
     while produced < max_tokens:
         if cancel is not None and cancel.is_set():
             return
         k = min(k_max, max_tokens - produced - 1) if speculate else 0
         if k > 0 and not all(_room_to_trim(c, len(pending) + k) for c in cache):
             speculate, k = False, 0  # plain decoding from here on
-        proposed, q_rows = drafter.propose(context, k, pick) if k > 0 else ([], None)
+        if carried is not None and k > 0:
+            proposed, q_rows = carried
+        else:
+            proposed, q_rows = drafter.propose(context, k, pick) if k > 0 else ([], None)
+        carried = None
         on_host = isinstance(proposed, list)
+        if k > 0 and on_host and not proposed:
+            # Nothing to verify: decode plainly, a step ahead, until a lookup finds drafts.
+            def lookup(n_left: int) -> tuple[list[int], None] | None:
+                k_next = min(k_max, n_left - 1)
+                found = drafter.propose(context, k_next, pick) if k_next > 0 else ([], None)
+                return found if found[0] else None
+
+            carried, n = yield from _lookahead_run(
+                context, forward, pick, logprobs, cache, lookup, max_tokens - produced, cancel,
+                processed=bool(processors),
+            )
+            produced += n
+            pending = context[-1:]
+            continue
         drafts = mx.array(proposed[:k], dtype=mx.uint32) if on_host else proposed[:k]
         m = int(drafts.shape[0])
         fed = mx.concatenate([mx.array(pending, dtype=mx.uint32), drafts]) if m else mx.array(pending, dtype=mx.uint32)
@@ -396,6 +415,67 @@ def speculative_step(
             produced += 1
             if produced >= max_tokens:
                 return
+
+
+def _lookahead_run(
+    context: list[int],
+    forward: Callable[[mx.array, int], mx.array],
+    pick: Pick,
+    logprobs: bool,
+    cache: Sequence[Any],
+    lookup: Callable[[int], tuple[list[int], None] | None],
+    budget: int,
+    cancel: threading.Event | None,
+    *,
+    processed: bool,
+) -> Generator[tuple[int, float | None], None, tuple[tuple[list[int], None] | None, int]]:
+    """Plain decoding for as long as a host drafter (n-gram lookup) finds nothing to draft.
+
+    As in the plain loop, step n+1 is queued before token n is read, so a lookup that keeps
+    missing costs no extra wait on the device. After each token the lookup runs again; when
+    it finds drafts, the queued step is trimmed off (the verification round feeds that token
+    with its drafts) and the drafts are returned for it, with how many tokens were yielded.
+    Leaves the caches holding every id before the last yielded one (``context[-1]``), as a
+    verification round would. Tokens are appended to ``context``."""
+    n = 0
+
+    def step(token: mx.array, unread: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+        """Lazy (next token, its log-prob) after ``token``; ``unread`` is ``token`` when it is
+        not in ``context`` yet, for the logits processors' view of the history."""
+        logits = forward(token, 1)[0]
+        recent = None
+        if processed:
+            recent = mx.array(context[-_HISTORY_WINDOW:], dtype=mx.uint32)
+            if unread is not None:
+                recent = mx.concatenate([recent, unread])[-_HISTORY_WINDOW:]
+        y, _ = pick(logits, recent)
+        lp = None
+        if logprobs:
+            raw = logits.astype(mx.float32)
+            lp = (raw - mx.logsumexp(raw, axis=-1, keepdims=True))[y[0]]
+        mx.async_eval([a for a in (y, lp) if a is not None])
+        return y, lp
+
+    y, lp = step(mx.array(context[-1:], dtype=mx.uint32))
+    while True:
+        ahead = n + 1 < budget and all(_room_to_trim(c, 1) for c in cache)
+        queued = step(y, unread=y) if ahead else None  # feeds y to the caches
+        token = int(y.item())
+        context.append(token)
+        try:
+            yield token, (float(lp.item()) if lp is not None else None)
+        except GeneratorExit:
+            if queued is not None:
+                trim_prompt_cache(cache, 1)
+            raise
+        n += 1
+        stop = queued is None or (cancel is not None and cancel.is_set())
+        found = None if stop else lookup(budget - n)
+        if stop or found is not None:
+            if queued is not None:
+                trim_prompt_cache(cache, 1)
+            return found, n
+        y, lp = queued
 
 
 def speculative_decode(

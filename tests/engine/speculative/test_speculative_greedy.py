@@ -72,15 +72,17 @@ def test_ngram_lookup_finds_latest_match():
     assert d.propose([4, 4, 1, 2], 3, None)[0] == []
 
 
-def test_logprobs_match_plain(target, other):
-    got = list(speculative_decode(target, make_prompt_cache(target), DraftModelDrafter(other), PROMPT,
-                                  max_tokens=12, logprobs=True))
+@pytest.mark.parametrize("drafting", ["draft model", "n-gram"])
+def test_logprobs_match_plain(target, other, drafting):
+    drafter = DraftModelDrafter(other) if drafting == "draft model" else NgramDrafter(n=1, max_draft=3)
+    got = list(speculative_decode(target, make_prompt_cache(target), drafter, PROMPT, max_tokens=12, logprobs=True))
     tokens = [t for t, _ in got]
     assert tokens == plain_greedy(target, PROMPT, 12)
     np.testing.assert_allclose([lp for _, lp in got], plain_logprobs(target, PROMPT, tokens), atol=1e-4)
 
 
-def test_repetition_penalty_path_matches_plain_processed_greedy(target, other):
+@pytest.mark.parametrize("drafting", ["draft model", "n-gram"])
+def test_repetition_penalty_path_matches_plain_processed_greedy(target, other, drafting):
     params = SamplingParams(repetition_penalty=1.5, repetition_context=16)
     procs = make_logits_processors(params)
     # Reference: one token at a time with the same processor.
@@ -94,7 +96,9 @@ def test_repetition_penalty_path_matches_plain_processed_greedy(target, other):
         want.append(token)
         ctx.append(token)
         logits = target(mx.array([[token]]), cache=cache)[0, -1]
-    got, stats, _ = run(target, DraftModelDrafter(other), n=20, sampling=params, logits_processors=procs)
+    # n-gram lookup of 1 id finds drafts now and then, and decodes plainly in between.
+    drafter = DraftModelDrafter(other) if drafting == "draft model" else NgramDrafter(n=1, max_draft=3)
+    got, stats, _ = run(target, drafter, n=20, sampling=params, logits_processors=procs)
     assert got == want and stats.draft_tokens > 0
 
 
@@ -132,6 +136,20 @@ def test_sliding_window_falls_back_to_plain_decoding():
     assert got == want
     assert type(cache[0]).__name__ == "RotatingKVCache"
     assert 0 < stats.draft_tokens < 30  # drafted while the window had room, then stopped
+    # n-gram lookup decodes a step ahead between matches: it stops that at the window too.
+    got, _, _ = run(model, NgramDrafter(n=1, max_draft=3), n=30)
+    assert got == want
+
+
+def test_early_stop_between_ngram_matches_leaves_cache_like_plain_decoding(target):
+    cache = make_prompt_cache(target)
+    gen = speculative_step(PROMPT, target, cache, NgramDrafter(n=6), max_tokens=30)  # never matches here
+    taken = [next(gen)[0] for _ in range(5)]
+    gen.close()
+    assert cache[0].offset == len(PROMPT) + len(taken) - 1
+    rest = [t for t, _ in speculative_step([taken[-1]], target, cache, NgramDrafter(2), max_tokens=10,
+                                           history=PROMPT + taken)]
+    assert taken + rest == plain_greedy(target, PROMPT, 15)
 
 
 def test_vocabulary_check():
