@@ -146,19 +146,71 @@ Event = TokenEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent
 # ---- model descriptions -----------------------------------------------------
 
 
+UNLIMITED_CONTEXT = 2**63 - 1  # MemoryPlan.max_context when the KV cache stops growing in time
+
+
+@dataclass
+class KVWindow:
+    """Sliding-window layers that share one window: their KV cache stops growing at ``tokens``."""
+
+    tokens: int  # the window
+    layers: int  # how many layers use it
+    bytes_per_token: int  # all those layers together, until the window is full
+
+    @property
+    def max_bytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+
 @dataclass
 class MemoryPlan:
-    """What a model needs, computed from file headers before any weight loads."""
+    """What a model needs, computed from file headers before any weight loads.
+
+    KV cache: every full-attention layer costs ``kv_bytes_per_token`` for every token of
+    the context; a sliding-window layer costs the same per token until its window is
+    full and then no more (``kv_windows``, at most ``kv_window_bytes`` together).
+    """
 
     weights_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # the full-attention layers (sliding-window ones: kv_windows)
     budget_bytes: int
     total_bytes: int  # the machine's memory
+    kv_windows: list[KVWindow] = field(default_factory=list)
+
+    @property
+    def kv_window_bytes(self) -> int:
+        """What the sliding-window layers hold at most, reached once the context passes the window."""
+        return sum(w.max_bytes for w in self.kv_windows)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """The KV cache of a ``tokens``-long context, all layers."""
+        tokens = max(0, tokens)
+        return self.kv_bytes_per_token * tokens + sum(w.bytes_per_token * min(tokens, w.tokens)
+                                                      for w in self.kv_windows)
 
     @property
     def max_context(self) -> int:
+        """The longest context whose KV cache fits beside the weights in the budget;
+        ``UNLIMITED_CONTEXT`` when the cache stops growing (all layers windowed) and fits."""
         spare = self.budget_bytes - self.weights_bytes
-        return max(0, spare // self.kv_bytes_per_token) if self.kv_bytes_per_token else 0
+        if spare < 0:
+            return 0
+        # kv_bytes grows piecewise linearly and more slowly as each window fills.
+        tokens, used = 0, 0
+        slope = self.kv_bytes_per_token + sum(w.bytes_per_token for w in self.kv_windows)
+        for window in sorted(self.kv_windows, key=lambda w: w.tokens):
+            if window.tokens > tokens and slope:
+                if used + slope * (window.tokens - tokens) > spare:
+                    return tokens + (spare - used) // slope
+                used += slope * (window.tokens - tokens)
+                tokens = window.tokens
+            slope -= window.bytes_per_token
+        return tokens + (spare - used) // slope if slope else UNLIMITED_CONTEXT
+
+    @property
+    def kv_limits_context(self) -> bool:
+        """Whether the budget, rather than nothing at all, bounds the context."""
+        return self.max_context != UNLIMITED_CONTEXT
 
     @property
     def fits(self) -> bool:

@@ -1,9 +1,11 @@
 """Memory plans from file headers, budget checks, and live memory figures.
 
 A plan is made before any weight is loaded: weights from the safetensors/GGUF headers
-(quantized tensors are counted at their packed size), KV cache per token from the model
-family's shape. Loading refuses up front when the weights do not fit the budget, so a
-too-large model never half-allocates and takes the machine into swap.
+(quantized tensors are counted at their packed size), KV cache from the model family's
+shape: per token for full-attention layers, up to a fixed maximum for sliding-window
+layers (their rotating caches hold at most the window). Loading refuses up front when
+the weights do not fit the budget, so a too-large model never half-allocates and takes
+the machine into swap.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from engine.api import MemoryPlan
+from engine.api import KVWindow, MemoryPlan
 from engine.errors import OutOfMemoryBudget
 
 GB = 1e9
@@ -66,13 +68,25 @@ def format_bytes(n: float, digits: int = 1) -> str:
     return f"{int(n)} B"
 
 
-def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
-    """KV cache bytes per token for a config, through its family's own formula."""
+def _family_args(config: Any) -> Any:
     from engine import models
 
-    family = models.get_family(config.model_type)
-    args = family.ModelArgs.from_dict(config.raw)
-    return int(models.base.kv_bytes_per_token(args, dtype_bytes))
+    return models.get_family(config.model_type).ModelArgs.from_dict(config.raw)
+
+
+def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+    """KV cache bytes per token of a config's full-attention layers, by its family's formula."""
+    from engine.models import base
+
+    return int(base.kv_bytes_per_token(_family_args(config), dtype_bytes))
+
+
+def kv_windows(config: Any, dtype_bytes: int) -> list[KVWindow]:
+    """A config's sliding-window layers, grouped by window, with their KV bytes."""
+    from engine.models import base
+
+    return [KVWindow(tokens=w, layers=n, bytes_per_token=b)
+            for w, n, b in base.kv_window_groups(_family_args(config), dtype_bytes)]
 
 
 def plan_memory(
@@ -97,6 +111,7 @@ def plan_memory(
         kv_bytes_per_token=kv_bytes_per_token(config, dtype_bytes),
         budget_bytes=int(budget),
         total_bytes=total_memory(),
+        kv_windows=kv_windows(config, dtype_bytes),
     )
 
 
@@ -108,7 +123,7 @@ def check_fits(
     budget_reason: str | None = None,
 ) -> None:
     """Raise OutOfMemoryBudget, with the numbers, when weights (+ a context) exceed the budget."""
-    kv = plan.kv_bytes_per_token * max(0, context_tokens)
+    kv = plan.kv_bytes(context_tokens)
     need = plan.weights_bytes + kv
     if need < plan.budget_bytes:
         return
@@ -118,7 +133,7 @@ def check_fits(
     budget = format_bytes(plan.budget_bytes)
     if budget_reason:
         budget += f" ({budget_reason})"
-    if kv and plan.weights_bytes < plan.budget_bytes:
+    if kv and plan.weights_bytes < plan.budget_bytes and plan.kv_limits_context:
         advice = f"Use a context of at most {plan.max_context:,} tokens, or raise --memory-budget."
     else:
         advice = "Pick a smaller or more quantized model, or raise --memory-budget."

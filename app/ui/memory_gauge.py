@@ -2,7 +2,9 @@
 
 Fed by the bridge's ``memory`` signal (MemoryEvent figures, live while generating)
 and by the loaded model's memory plan (weights, KV bytes per token, budget). It
-also projects the next reply: weights + KV per token × (context + max tokens). When
+also projects the next reply: weights + the plan's KV cache for context + max tokens
+(full-attention layers grow with every token, sliding-window layers stop at their
+window). When
 that nears the budget the gauge turns amber, when it passes it red, and
 ``check_context`` returns a warning for the status bar.
 """
@@ -107,6 +109,7 @@ class MemoryGauge(QWidget):
         layout.addWidget(self.label)
         total = machine_memory()
         self.figures: dict[str, int] = {"total_bytes": total} if total else {}
+        self.plan = None  # the loaded model's MemoryPlan
         self.kv_per_token = 0
         self.context_tokens = 0
         self.max_tokens = 0
@@ -116,9 +119,10 @@ class MemoryGauge(QWidget):
         self.update_figures({})
 
     def set_plan(self, plan) -> None:
-        """Take weights, KV bytes per token, budget and machine total from a MemoryPlan."""
+        """Take weights, the KV cache's growth, budget and machine total from a MemoryPlan."""
         if plan is None:
             return
+        self.plan = plan
         self.kv_per_token = plan.kv_bytes_per_token
         self.update_figures({
             "weights_bytes": plan.weights_bytes,
@@ -133,6 +137,7 @@ class MemoryGauge(QWidget):
 
     def clear_model(self) -> None:
         """No model is loaded any more: drop its figures, keep the machine's."""
+        self.plan = None
         self.kv_per_token = 0
         self.figures = {k: v for k, v in self.figures.items() if k == "total_bytes"}
         self.check_context(0, 0)
@@ -147,7 +152,7 @@ class MemoryGauge(QWidget):
         budget = f.get("budget_bytes") or 0
         self.bar.budget = budget
         self.bar.peak = peak
-        self.bar.projected = self.projected_need() if self.kv_per_token else 0
+        self.bar.projected = self.projected_need() if self.plan is not None else 0
         self.bar.parts = {"weights": weights, "kv": kv,
                           "other": max(0, active - weights - kv), "cache": cache}
         used = max(active, weights + kv)
@@ -173,18 +178,23 @@ class MemoryGauge(QWidget):
         ]
         if budget and self.next_budget and self.next_budget != budget:
             lines.append(f"Next load: {fmt_bytes(self.next_budget)} (chosen in Settings)")
-        if self.kv_per_token:
-            lines.append(f"KV per token: {fmt_bytes(self.kv_per_token)}; next reply "
-                         f"({self.context_tokens:,} + {self.max_tokens:,} tokens) needs about "
-                         f"{fmt_bytes(self.projected_need())}")
+        if self.plan is not None:
+            windows = getattr(self.plan, "kv_window_bytes", 0)
+            growth = f"KV per token: {fmt_bytes(self.kv_per_token)}"
+            if windows:
+                growth += f" (sliding windows: {fmt_bytes(windows)} at most)"
+            lines.append(f"{growth}; next reply ({self.context_tokens:,} + {self.max_tokens:,} tokens) "
+                         f"needs about {fmt_bytes(self.projected_need())}")
         if self.warning:
             lines.append(self.warning)
         self.setToolTip("\n".join(lines))
         self.bar.update()
 
     def projected_need(self) -> int:
-        f = self.figures
-        return f.get("weights_bytes", 0) + self.kv_per_token * (self.context_tokens + self.max_tokens)
+        """Weights plus the KV cache of the context and the whole next reply."""
+        tokens = self.context_tokens + self.max_tokens
+        kv = self.plan.kv_bytes(tokens) if self.plan is not None else 0
+        return self.figures.get("weights_bytes", 0) + kv
 
     def check_context(self, context_tokens: int, max_tokens: int = 0) -> str:
         """Project the next reply (``context_tokens`` so far plus up to ``max_tokens``) against
@@ -193,7 +203,7 @@ class MemoryGauge(QWidget):
         budget = self.figures.get("budget_bytes", 0)
         need = self.projected_need()
         level = "ok"
-        if budget and self.kv_per_token:
+        if budget and self.plan is not None:
             level = "red" if need > budget else "amber" if need > AMBER_AT * budget else "ok"
         self.level = self.bar.level = level
         tokens = self.context_tokens + self.max_tokens

@@ -50,6 +50,9 @@ def fits_badge(info: Any, budget: int | None = None) -> str:
         plan = replace(plan, budget_bytes=budget)
     if not plan.fits:
         return "✗ too big"
+    if not plan.kv_limits_context:  # every layer keeps a fixed window: any context fits
+        context = getattr(info, "context_length", 0)
+        return f"✓ fits ({context:,} tok)" if context else "✓ fits (any length)"
     return f"✓ fits ({plan.max_context:,} tok)"
 
 

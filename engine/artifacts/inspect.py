@@ -62,10 +62,15 @@ def format_inspect(info: ModelInfo) -> str:
             "memory plan",
             f"  weights       {format_bytes(plan.weights_bytes)}",
             f"  KV per token  {format_bytes(plan.kv_bytes_per_token)}",
-            f"  budget        {format_bytes(plan.budget_bytes)} of {format_bytes(plan.total_bytes)}",
         ]
+        # Sliding-window layers: their share of the cache stops growing at the window.
+        lines += [f"  KV window     {w.layers} {'layer keeps' if w.layers == 1 else 'layers keep'} at most "
+                  f"{w.tokens:,} tokens: {format_bytes(w.max_bytes)} at most" for w in plan.kv_windows]
+        lines.append(f"  budget        {format_bytes(plan.budget_bytes)} of {format_bytes(plan.total_bytes)}")
         if not plan.fits:
             lines.append("  fits          no: the weights alone exceed the budget")
+        elif not plan.kv_limits_context and not info.context_length:
+            lines.append("  max context   any length (every layer keeps a fixed window)")
         else:
             usable = min(plan.max_context, info.context_length) if info.context_length else plan.max_context
             full = info.context_length and plan.max_context >= info.context_length

@@ -434,6 +434,16 @@ def kv_window_bytes(args, dtype_bytes: int) -> int:
     return sum(per_layer * w for w in layer_windows(args) if w is not None)
 
 
+def kv_window_groups(args, dtype_bytes: int) -> list[tuple[int, int, int]]:
+    """(window, layers, bytes per token of those layers) for each sliding window, smallest first."""
+    per_layer = _per_layer_token_bytes(args, dtype_bytes)
+    counts: dict[int, int] = {}
+    for w in layer_windows(args):
+        if w is not None:
+            counts[w] = counts.get(w, 0) + 1
+    return [(w, n, n * per_layer) for w, n in sorted(counts.items())]
+
+
 def _per_layer_token_bytes(args, dtype_bytes: int) -> int:
     n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads

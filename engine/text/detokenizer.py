@@ -9,11 +9,17 @@ decoder does to the start of a string it does to both, and the difference is exa
 
 Text is held back while it may still change: while it ends in an incomplete character
 (U+FFFD) or while a run of byte-fallback pieces is still open.
+
+When the tokenizer cleans up tokenization spaces, the windows decode without it and the
+raw text passes through ``StreamingCleanup``, which also holds back a tail that later
+text may still clean (a trailing space may be dropped before a ".").
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from engine.text.cleanup import StreamingCleanup
 
 if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer
@@ -39,12 +45,30 @@ class StreamingDetokenizer:
         self.window_start = 0  # window start: a settled token whose text is already out
         self._settled_text = ""  # decode(token_ids[_start:_end]), all of it emitted
         self._end = 0
+        self._raw_text = ""  # the same, before the cleanup
         self.text = ""  # everything emitted so far
+        self._cleanup = StreamingCleanup() if tokenizer.clean_up_tokenization_spaces else None
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        # Raw text: the cleanup runs on the joined stream, not on each window.
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
+        new = self._add_raw(token_id)
+        if self._cleanup is not None:
+            new = self._cleanup.push(new)
+        self.text += new
+        return new
+
+    def finalize(self) -> str:
+        """The held-back text (incomplete characters included, as ``decode`` renders them)."""
+        rest = self._finalize_raw()
+        if self._cleanup is not None:
+            rest = self._cleanup.push(rest) + self._cleanup.flush()
+        self.text += rest
+        return rest
+
+    def _add_raw(self, token_id: int) -> str:
         self.token_ids.append(int(token_id))
         if token_id in self._hold_ids:
             return ""  # the run of byte pieces decodes as a whole; wait for its end
@@ -65,18 +89,17 @@ class StreamingDetokenizer:
         else:
             self._settled_text = window
         self._end = len(self.token_ids)
-        self.text += new
+        self._raw_text += new
         return new
 
-    def finalize(self) -> str:
-        """The held-back text (incomplete characters included, as ``decode`` renders them)."""
+    def _finalize_raw(self) -> str:
         window = self._decode(self.token_ids[self.window_start:])
         if window.startswith(self._settled_text):
             rest = window[len(self._settled_text):]
         else:  # the decoder rewrote settled text; fall back to a full decode once
             full = self._decode(self.token_ids)
-            rest = full[len(self.text):]
+            rest = full[len(self._raw_text):]
         self.window_start, self._end = len(self.token_ids), len(self.token_ids)
         self._settled_text = ""
-        self.text += rest
+        self._raw_text += rest
         return rest

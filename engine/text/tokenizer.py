@@ -6,6 +6,11 @@ A model folder brings ``tokenizer.json`` and, beside it, ``tokenizer_config.json
 own vocabulary as metadata (see ``gguf_vocab``). Either way the result answers the same
 questions: encode, decode, which ids end a turn, which template renders a chat.
 
+``clean_up_tokenization_spaces`` follows transformers 5: off unless tokenizer_config.json
+turns it on, and even then skipped for BPE models (transformers decided it corrupts their
+text) unless ``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output``
+is set too. transformers never turns it on for a tokenizer read from GGUF.
+
 End-of-turn ids from config.json and generation_config.json are not read here; the
 model host unions them with ``eos_token_ids``.
 """
@@ -25,6 +30,7 @@ from tokenizers import processors
 
 from engine.errors import ModelLoadError, TemplateError
 from engine.text.chat_template import pick_template
+from engine.text.cleanup import clean_up_tokenization
 from engine.text.detokenizer import StreamingDetokenizer
 from engine.text.gguf_vocab import vocab_from_gguf
 
@@ -61,8 +67,10 @@ class Tokenizer:
         eos_token_ids: Iterable[int] = (),
         chat_template: str | None = None,
         byte_fallback: bool = False,
+        clean_up_tokenization_spaces: bool = False,
     ):
         self._tok = tokenizer
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
         self._special = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
         self._eos_ids = set(eos_token_ids)
         self.chat_template = chat_template
@@ -118,6 +126,7 @@ class Tokenizer:
             eos_token_ids=eos_ids,
             chat_template=cls._find_template(path, config),
             byte_fallback=byte_fallback,
+            clean_up_tokenization_spaces=cls._cleans_up_spaces(hf, config),
         )
 
     @classmethod
@@ -137,6 +146,15 @@ class Tokenizer:
             chat_template=vocab.chat_template,
             byte_fallback=vocab.byte_fallback,
         )
+
+    @staticmethod
+    def _cleans_up_spaces(hf: HFTokenizer, config: Mapping[str, Any]) -> bool:
+        """Whether transformers' ``decode`` would clean up spaces for this folder."""
+        if not config.get("clean_up_tokenization_spaces", False):
+            return False
+        if type(hf.model).__name__ == "BPE":
+            return bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+        return True
 
     @staticmethod
     def _add_missing_tokens(hf: HFTokenizer, decoder: Mapping[str, Any]) -> None:
@@ -247,13 +265,19 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    def decode(
+        self, ids: Iterable[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+    ) -> str:
+        """Text of ``ids``; ``clean_up_tokenization_spaces=None`` follows the tokenizer's setting."""
         ids = list(ids)
         if skip_special_tokens:
             # Filter here: the library misses special tokens declared "normalized" (Llama 2's <s>).
             special = self._special_ids
             ids = [i for i in ids if i not in special]
-        return self._tok.decode(ids, skip_special_tokens=False)
+        text = self._tok.decode(ids, skip_special_tokens=False)
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        return clean_up_tokenization(text) if clean_up_tokenization_spaces else text
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

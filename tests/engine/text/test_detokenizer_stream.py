@@ -1,8 +1,16 @@
-"""The streaming detokenizer: its pieces always join to exactly the full decode."""
+"""The streaming detokenizer: its pieces always join to exactly the full decode.
+
+The ``*-cleanup`` tokenizers decode with clean_up_tokenization_spaces applied (GPT-2 and
+Llama 2 with transformers' override for BPE, and the small Unigram vocabulary in
+tests/golden/tokenizers), so the cleanup's hold-back is held to the same invariant.
+"""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -17,18 +25,38 @@ MULTILINGUAL = [
     "Emoji: 👋🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️‍🔥 and math ∑∫√∞ ≠ ≤.",
     "Кириллица и ελληνικά, עברית وعربي, हिन्दी.",
     "def f(x):\n    return {'a': [1, 2, 3]}  # code",
+    "I do n't know , it 's fine . Is it ? Yes ! The ' quoted ' one ,  ' ve  . we 're , I 'm ",
 ]
+
+GOLDEN_TOKENIZERS = Path(__file__).resolve().parents[2] / "golden" / "tokenizers"
+CLEANUP_ON = {"clean_up_tokenization_spaces": True,
+              "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}
+
+
+def with_cleanup(tokenizer_json: Path, folder: Path, config: dict) -> Tokenizer:
+    folder.mkdir()
+    shutil.copy(tokenizer_json, folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **CLEANUP_ON}), encoding="utf-8")
+    tok = Tokenizer.from_dir(folder)
+    assert tok.clean_up_tokenization_spaces
+    return tok
 
 
 @pytest.fixture(scope="module")
-def tokenizers(shared_data):
+def tokenizers(shared_data, tmp_path_factory):
     found = {name: Tokenizer.from_dir(shared_data / "tokenizers" / name) for name in ("gpt2", "llama2", "falcon")}
     meta = mx.load(str(shared_data / "tiny_llm/stories260K.gguf"), return_metadata=True)[1]
     found["stories260K-gguf"] = Tokenizer.from_gguf(meta)
+    tmp = tmp_path_factory.mktemp("cleanup")
+    for name in ("gpt2", "llama2"):
+        config = json.loads((shared_data / "tokenizers" / name / "tokenizer_config.json").read_text(encoding="utf-8"))
+        found[f"{name}-cleanup"] = with_cleanup(shared_data / "tokenizers" / name / "tokenizer.json", tmp / name, config)
+    found["unigram-cleanup"] = with_cleanup(GOLDEN_TOKENIZERS / "cleanup_unigram" / "tokenizer.json", tmp / "unigram",
+                                            {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
     return found
 
 
-NAMES = ["gpt2", "llama2", "falcon", "stories260K-gguf"]
+NAMES = ["gpt2", "llama2", "falcon", "stories260K-gguf", "gpt2-cleanup", "llama2-cleanup", "unigram-cleanup"]
 
 
 def stream(tok: Tokenizer, ids: list[int], skip: bool) -> tuple[list[str], str]:
@@ -55,6 +83,7 @@ def test_random_ids_stream_to_the_full_decode(tokenizers, name):
     rng = random.Random(1234)
     tricky = sorted(tok.byte_token_ids) + sorted(tok.special_token_ids)
     tricky += tok.encode(" \n  ▁ 👋 é 你", add_special_tokens=False)
+    tricky += tok.encode(" . , ? ! ' n't 's 've 're 'm  n ' v", add_special_tokens=False)
     for _ in range(150):
         ids = [rng.choice(tricky) if rng.random() < 0.5 else rng.randrange(tok.vocab_size)
                for _ in range(rng.randint(0, 30))]
