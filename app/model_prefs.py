@@ -77,6 +77,13 @@ def refusal_message(name: str, need: int, budget: BudgetSetting) -> str:
     return f"{head} Raise the memory budget in Settings, or pick a smaller or more quantized model."
 
 
+def draft_refusal_message(name: str, need: int, loaded: str, loaded_need: int, budget: int) -> str:
+    """Why a draft model was refused: it must fit in the budget beside the loaded model."""
+    return (f"{name} needs {fmt_bytes(need)} beside the {fmt_bytes(loaded_need)} {loaded} takes, "
+            f"over the {fmt_bytes(budget)} memory budget {loaded} loaded under. Pick a smaller "
+            f"draft model, or raise the memory budget in Settings and load {loaded} again.")
+
+
 # ---- adapters remembered per model -----------------------------------------------------------
 
 

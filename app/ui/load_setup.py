@@ -102,6 +102,18 @@ class LoadSetup(QObject):
             setting.automatic = plan.budget_bytes  # inspect plans under the automatic budget
         return model_prefs.refusal_message(info.name, plan.weights_bytes, setting)
 
+    async def draft_refusal(self, path: str, engine_reason: str) -> str:
+        """The line shown when a draft model does not fit beside the loaded one."""
+        loaded = self.bridge.model_info
+        try:
+            info = await self.bridge.inspect(path)
+        except (EngineRequestError, EngineUnavailable):
+            return engine_reason
+        if info.plan is None or loaded is None or loaded.plan is None:
+            return engine_reason
+        return model_prefs.draft_refusal_message(info.name, info.plan.weights_bytes, loaded.name,
+                                                 loaded.plan.weights_bytes, loaded.plan.budget_bytes)
+
     # ---- adapters remembered per model --------------------------------------------------------
 
     def remember(self, adapter: Any) -> None:

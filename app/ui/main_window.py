@@ -449,7 +449,10 @@ class MainWindow(QMainWindow):
         try:
             draft = await self.bridge.load_draft_model(path)
         except (EngineRequestError, EngineUnavailable) as exc:
-            self.show_error(f"Could not use {Path(path).name} as the draft model: {exc}")
+            reason = str(exc)
+            if getattr(exc, "kind", "") == "OutOfMemoryBudget":
+                reason = await self.load_setup.draft_refusal(path, reason)
+            self.show_error(f"Could not use {Path(path).name} as the draft model: {reason}")
             return False
         self.settings.set_draft(draft.name if draft is not None else None)
         self.notify(f"Draft model: {draft.name}" if draft is not None else "Draft model unloaded.")

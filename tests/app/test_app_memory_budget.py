@@ -125,3 +125,16 @@ def test_a_budget_the_history_cannot_save_is_said_and_not_shown_as_kept(qtbot, m
     assert any("read-only" in m and "not remembered" in m for m in messages)
     assert window.settings.budget_mode.currentIndex() == 0  # back to what is remembered
     window.store._db.execute("PRAGMA query_only=OFF")
+
+
+def test_a_draft_model_that_does_not_fit_says_how_to_make_room(qtbot, make_window, run_async, tiny_model,
+                                                               wide_model, tmp_path):
+    window = make_window(tmp_path / "data")
+    _choose(window, 0.02)  # room for the tiny model, not for the ~25 MB one beside it
+    assert run_async(window.load_model(str(tiny_model)))
+    assert run_async(window.set_draft_model(str(wide_model))) is False
+    text = window.error_banner.text()
+    assert f"{wide_model.name} needs" in text and "beside the" in text
+    assert f"raise the memory budget in Settings and load {tiny_model.name} again" in text
+    assert "--memory-budget" not in text
+    assert window.settings.draft_label.text() == "No draft model"
