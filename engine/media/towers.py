@@ -25,6 +25,7 @@ TOWERS: dict[str, dict[str, str]] = {
     "gemma3": {"image": "engine.media.gemma3_vision"},
     "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl_vision"},
     "qwen2_audio": {"audio": "engine.media.qwen2_audio_tower"},
+    "voxtral": {"audio": "engine.media.voxtral_tower"},
 }
 
 # What to suggest when a model cannot take a kind of media.

@@ -25,6 +25,7 @@ SUPPORTED: dict[str, str] = {
     "qwen2_audio": "qwen2_audio",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "voxtral": "voxtral",
 }
 
 

@@ -89,6 +89,11 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
+        if not tok_file.is_file() and (path / "tekken.json").is_file():
+            raise ModelLoadError(
+                f"{path.name} holds only Mistral's tekken.json tokenizer, which MLX Desk cannot read yet; "
+                "download a conversion of this model that includes tokenizer.json."
+            )
         if not tok_file.is_file():
             raise ModelLoadError(
                 f"No tokenizer.json in {path}. The engine needs the fast-tokenizer file; "
