@@ -42,6 +42,8 @@ def build_params(settings: dict[str, Any], defaults: dict[str, Any]) -> api.Gene
         params.ignore_eos = True
     if merged.get("speculative") in ("ngram", "draft"):
         params.speculative = merged["speculative"]
+    if isinstance(merged.get("pan_and_scan"), bool):  # unset: the model's own setting
+        params.pan_and_scan = merged["pan_and_scan"]
     return params
 
 

@@ -36,6 +36,9 @@ class GenerationParams:
     speculative: Literal["draft", "ngram"] | None = None
     ngram_size: int = 3  # ids matched by n-gram lookup
     num_draft_tokens: int = 4  # drafts verified per forward pass
+    # Gemma 3 vision: also show wide or tall images as square crops ("pan and scan").
+    # None follows the model's processor config; attachments may say otherwise one by one.
+    pan_and_scan: bool | None = None
 
 
 @dataclass
@@ -247,6 +250,9 @@ class ModelInfo:
     adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order
     active_adapters: dict[str, float] = field(default_factory=dict)  # name -> scale
     draft_model: str | None = None  # path of the draft model for speculative decoding
+    # Whether images are pan-and-scanned by default (GenerationParams.pan_and_scan);
+    # None when the model cannot do it.
+    pan_and_scan: bool | None = None
 
 
 # ---- commands into the worker -------------------------------------------------
@@ -278,6 +284,9 @@ class MediaInput:
 
     kind: Literal["image", "audio"]
     source: str | bytes
+    # Images, Gemma 3: crop a wide or tall image into extra squares; None: the request's
+    # GenerationParams.pan_and_scan, else the model's processor config. Others ignore it.
+    pan_and_scan: bool | None = None
 
 
 @dataclass

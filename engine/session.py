@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from .adapters import active_adapters, active_signature
@@ -293,6 +294,9 @@ class ChatSession:
         from .media.parts import split_media
 
         messages, items = split_media(messages, media)
+        if params.pan_and_scan is not None:
+            items = [m if m.pan_and_scan is not None else replace(m, pan_and_scan=params.pan_and_scan)
+                     for m in items]
         if items and self.towers is not None:
             self.towers.check(m.kind for m in items)  # refuse before rendering or touching the cache
         text = self.render(

@@ -334,6 +334,7 @@ class MainWindow(QMainWindow):
                 f"{info.context_length:,} ctx"]
         self.model_meta.setText("  ·  ".join(m for m in meta if m))
         self.settings.set_model_defaults(info.generation_defaults or {})
+        self.settings.set_pan_and_scan_default(getattr(info, "pan_and_scan", None))
         conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id else None
         if conv is not None:
             self.settings.load(conv.system_prompt, conv.settings)
@@ -366,6 +367,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("MLX Desk")
         self.gauge.clear_model()
         self.settings.set_draft(None)
+        self.settings.set_pan_and_scan_default(None)
         self.composer.set_capabilities(None, False)
         self._show_adapters()
 

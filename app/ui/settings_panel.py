@@ -8,6 +8,7 @@ from typing import Any
 
 from app.qt import (
     emit,
+    QCheckBox,
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
@@ -126,6 +127,19 @@ class SettingsPanel(QFrame):
         drow.addWidget(self.draft_clear)
         layout.addLayout(drow)
 
+        self.images_title = QLabel("Images", objectName="fieldTitle")
+        layout.addWidget(self.images_title)
+        self.pan_and_scan_box = QCheckBox("Split wide images", objectName="panAndScan")
+        self.pan_and_scan_box.setToolTip(
+            "Show a wide or tall picture (a receipt, a screenshot, a panorama) as the whole\n"
+            "plus a few square crops, so small details stay readable. Each crop costs as many\n"
+            "prompt tokens as another image. Starts as the model's own setting."
+        )
+        self.pan_and_scan_box.toggled.connect(self._emit)
+        layout.addWidget(self.pan_and_scan_box)
+        self.pan_and_scan_default: bool | None = None
+        self._show_pan_and_scan()
+
         self._budget_section(layout)
 
         layout.addWidget(QLabel("Speech to text", objectName="fieldTitle"))
@@ -188,6 +202,17 @@ class SettingsPanel(QFrame):
         """The model's generation_config: shown whenever the conversation sets nothing."""
         self.defaults = {k: v for k, v in (defaults or {}).items() if k in FIELDS}
 
+    def set_pan_and_scan_default(self, default: bool | None) -> None:
+        """The loaded model's pan-and-scan setting; None hides the toggle (no model, or
+        one whose images cannot be split)."""
+        self.pan_and_scan_default = default
+        self._show_pan_and_scan()
+
+    def _show_pan_and_scan(self) -> None:
+        shown = self.pan_and_scan_default is not None
+        self.images_title.setVisible(shown)
+        self.pan_and_scan_box.setVisible(shown)
+
     def load(self, system_prompt: str, settings: dict[str, Any]) -> None:
         self._loading = True
         self.system_edit.setPlainText(system_prompt)
@@ -198,6 +223,8 @@ class SettingsPanel(QFrame):
         modes = [mode for _, mode in SPECULATIVE]
         spec = settings.get("speculative")
         self.speculative_box.setCurrentIndex(modes.index(spec) if spec in modes else 0)
+        split = settings.get("pan_and_scan")
+        self.pan_and_scan_box.setChecked(bool(self.pan_and_scan_default if split is None else split))
         self._loading = False
         if settings == {}:
             self._emit()
@@ -221,6 +248,10 @@ class SettingsPanel(QFrame):
         spec = SPECULATIVE[max(0, self.speculative_box.currentIndex())][1]
         if spec:
             out["speculative"] = spec
+        if self.pan_and_scan_default is not None:
+            split = self.pan_and_scan_box.isChecked()
+            if everything or split != self.pan_and_scan_default:
+                out["pan_and_scan"] = split
         return out
 
     def set_draft(self, name: str | None) -> None:

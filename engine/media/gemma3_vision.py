@@ -6,10 +6,16 @@ language model's width. In the prompt, the template's ``<start_of_image>`` becom
 ``\\n\\n<start_of_image>`` + that many ``<image_soft_token>`` + ``<end_of_image>\\n\\n``,
 as transformers' Gemma3Processor writes it; the language model then lets the soft
 tokens of one image attend to each other both ways (see engine/models/gemma3.py).
+
+Pan-and-scan (``do_pan_and_scan`` in the model's processor config, or per request) shows a
+wide or tall image as the whole plus up to a few crops, each its own run of soft tokens,
+with the processor's sentence around them. Each view is encoded and cached on its own,
+keyed by the image bytes and its crop box, so two crops never share an encoding.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -21,9 +27,19 @@ from engine.media.cache import media_key
 from engine.media.image import Gemma3ImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
 from engine.media.siglip import SiglipVisionConfig, SiglipVisionTransformer, sanitize
-from engine.media.towers import LazyTowerEncoder, TowerSource, read_preprocessor
+from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_preprocessor
 
 BOI, SOFT, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+# The words transformers' Gemma3Processor writes around the views of a pan-and-scanned image.
+ORIGINAL_INTRO = "Here is the original image "
+CROPS_INTRO = " and here are some crops to help you see better "
+
+
+def pan_and_scan_text(image_sequence: str, crops: int) -> str:
+    """What replaces the template's image placeholder for an image shown with ``crops`` crops."""
+    if not crops:
+        return image_sequence
+    return ORIGINAL_INTRO + image_sequence + CROPS_INTRO + " ".join([image_sequence] * crops)
 
 # Checkpoint spellings: the published checkpoints nest SigLIP as vision_tower.vision_model,
 # later transformers versions save it flat (vision_tower.*) or under model.
@@ -93,23 +109,42 @@ class Gemma3VisionEncoder(LazyTowerEncoder):
         self.tokens = int(raw.get("mm_tokens_per_image") or 256)
         self.token_id = int(raw.get("image_token_index", raw.get("image_token_id", 262144)))
         self.text_hidden = int(source.config.text.get("hidden_size") or raw.get("hidden_size"))
-        pre = read_preprocessor(source)
+        pre = read_image_preprocessor(source)
         if not pre:
             pre = {"size": {"height": self.vision_config.image_size, "width": self.vision_config.image_size}}
         self.processor = Gemma3ImageProcessor.from_config(pre)
         self.module: Gemma3Vision | None = None
         self.calls = 0
 
+    @property
+    def pan_and_scan(self) -> bool:
+        """Whether images are pan-and-scanned when a request does not say."""
+        return self.processor.pan_and_scan
+
     def prepare(self, item: MediaInput) -> PreparedMedia:
         image = load_image(item.source)
-        pixels = self.processor([image])
-        settings = {**self.processor.settings(), "model": str(self.source.path), "tower": "gemma3"}
+        processor = self.processor
+        if item.pan_and_scan is not None and item.pan_and_scan != processor.pan_and_scan:
+            processor = replace(processor, pan_and_scan=item.pan_and_scan)
+        boxes: list[tuple[int, int, int, int] | None] = [None, *processor.crop_boxes(image.width, image.height)]
+        settings = {**processor.settings(), "model": str(self.source.path), "tower": "gemma3"}
+        whole = media_key(item.source, settings)
+        sequence = f"\n\n{BOI}{SOFT * self.tokens}{EOI}\n\n"
+        views = []
+        for box in boxes:
+            pixels = processor([image if box is None else image.crop(box)])
+            # The whole image keys the same with or without crops: its pixels are the same.
+            key = whole if box is None else media_key(whole.encode(), {"crop": list(box)})
+            views.append(PreparedMedia(kind="image", key=key, n_tokens=self.tokens, text=sequence, data=pixels))
+        if len(views) == 1:
+            return views[0]
         return PreparedMedia(
             kind="image",
-            key=media_key(item.source, settings),
-            n_tokens=self.tokens,
-            text=f"\n\n{BOI}{SOFT * self.tokens}{EOI}\n\n",
-            data=pixels,
+            key=media_key(whole.encode(), {"crops": [list(b) for b in boxes[1:]]}),
+            n_tokens=self.tokens * len(views),
+            text=pan_and_scan_text(sequence, len(views) - 1),
+            data=None,
+            views=views,
         )
 
     def build(self) -> Gemma3Vision:

@@ -41,11 +41,53 @@ def _check_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
+def pan_and_scan_boxes(
+    width: int, height: int, min_crop_size: int = 256, max_num_crops: int = 4, min_ratio: float = 1.2
+) -> list[tuple[int, int, int, int]]:
+    """Gemma 3's pan-and-scan crops of a ``width`` x ``height`` image, as Pillow boxes
+    (left, top, right, bottom), row by row; empty when the image is not elongated enough
+    or the crops would come out smaller than ``min_crop_size`` on a side.
+
+    The rule is transformers': the long side is cut into about as many equal squares as
+    the aspect ratio says (half rounds up), never fewer than 2 nor more than
+    ``max_num_crops``, and not so many that a crop's long side drops below the minimum.
+    The last crop keeps only what lies inside the image (it is not padded).
+    """
+    if width >= height:
+        if width / height < min_ratio:
+            return []
+        across = min(int(math.floor(width / height + 0.5)), int(math.floor(width / min_crop_size)))
+        across, down = min(max_num_crops, max(2, across)), 1
+    else:
+        if height / width < min_ratio:
+            return []
+        down = min(int(math.floor(height / width + 0.5)), int(math.floor(height / min_crop_size)))
+        across, down = 1, min(max_num_crops, max(2, down))
+    crop_w, crop_h = int(math.ceil(width / across)), int(math.ceil(height / down))
+    if min(crop_w, crop_h) < min_crop_size:
+        return []
+    return [
+        (x, y, min(x + crop_w, width), min(y + crop_h, height))
+        for y in range(0, crop_h * down, crop_h)
+        for x in range(0, crop_w * across, crop_w)
+    ]
+
+
+def _setting(config: Mapping[str, Any], key: str, default: Any) -> Any:
+    """A config value; null (how published Gemma 3 configs spell "the processor's default")
+    counts as absent."""
+    value = config.get(key)
+    return default if value is None else value
+
+
 @dataclass(frozen=True)
 class Gemma3ImageProcessor:
     """SigLIP preprocessing as Gemma 3 configures it: a square resize, then (x/255 - 0.5) / 0.5.
 
     Published Gemma 3 checkpoints ask for bilinear resampling (``resample: 2``) at 896 px.
+    With ``pan_and_scan`` a wide or tall image is shown as the whole plus a few square-ish
+    crops (see ``pan_and_scan_boxes``), each resized like a separate image; the
+    ``pan_and_scan_*`` defaults are those of transformers' Gemma3Processor.
     """
 
     size: int = 896
@@ -53,26 +95,49 @@ class Gemma3ImageProcessor:
     rescale_factor: float = 1 / 255
     image_mean: tuple[float, ...] = SIGLIP_MEAN
     image_std: tuple[float, ...] = SIGLIP_STD
+    pan_and_scan: bool = False
+    pan_and_scan_min_crop_size: int = 256
+    pan_and_scan_max_num_crops: int = 4
+    pan_and_scan_min_ratio_to_activate: float = 1.2
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Gemma3ImageProcessor:
         """From a preprocessor_config.json dict (unknown keys are ignored)."""
-        if config.get("do_pan_and_scan"):
-            raise MediaError("Gemma 3 pan-and-scan cropping is not supported; turn do_pan_and_scan off.")
         size = config.get("size") or {}
-        return cls(
+        out = cls(
             size=int(size.get("height", cls.size)) if isinstance(size, Mapping) else int(size),
             resample=int(config.get("resample", cls.resample)),
             rescale_factor=float(config.get("rescale_factor", cls.rescale_factor)),
             image_mean=tuple(config.get("image_mean", cls.image_mean)),
             image_std=tuple(config.get("image_std", cls.image_std)),
+            pan_and_scan=bool(config.get("do_pan_and_scan")),
+            pan_and_scan_min_crop_size=int(_setting(config, "pan_and_scan_min_crop_size", 256)),
+            pan_and_scan_max_num_crops=int(_setting(config, "pan_and_scan_max_num_crops", 4)),
+            pan_and_scan_min_ratio_to_activate=float(_setting(config, "pan_and_scan_min_ratio_to_activate", 1.2)),
         )
+        if out.pan_and_scan_min_crop_size < 1 or out.pan_and_scan_max_num_crops < 2:
+            raise MediaError(
+                "preprocessor_config.json asks for pan-and-scan crops of under 1 px or fewer than 2 crops; "
+                "fix pan_and_scan_min_crop_size / pan_and_scan_max_num_crops or turn do_pan_and_scan off."
+            )
+        return out
 
     def settings(self) -> dict[str, Any]:
-        return {"processor": "gemma3", **asdict(self)}
+        """What changes the pixels of one (whole or cropped) image; the crop box is named apart."""
+        return {
+            "processor": "gemma3", "size": self.size, "resample": self.resample,
+            "rescale_factor": self.rescale_factor, "image_mean": self.image_mean, "image_std": self.image_std,
+        }
+
+    def crop_boxes(self, width: int, height: int) -> list[tuple[int, int, int, int]]:
+        """The pan-and-scan crops of an image this size (empty when pan_and_scan is off)."""
+        if not self.pan_and_scan:
+            return []
+        return pan_and_scan_boxes(width, height, self.pan_and_scan_min_crop_size,
+                                  self.pan_and_scan_max_num_crops, self.pan_and_scan_min_ratio_to_activate)
 
     def __call__(self, images: Sequence[Image.Image]) -> np.ndarray:
-        """Images -> pixel_values, float32 (N, 3, size, size)."""
+        """Images -> pixel_values, float32 (N, 3, size, size); no cropping here (see crop_boxes)."""
         if not images:
             raise ValueError("Gemma3ImageProcessor needs at least one image")
         out = []

@@ -4,13 +4,15 @@ Messages follow transformers' multimodal chat format: ``content`` is a string or
 of parts, ``{"type": "text", "text": ...}``, ``{"type": "image"}``, ``{"type": "audio"}``.
 A media part may carry its own source (``"image": PATH``, ``"path"``, ``"url"`` with a
 ``file://`` address, or the encoded bytes); one without takes the next attached
-``MediaInput`` of its kind. The templates only need the part's type, so the messages
+``MediaInput`` of its kind. An image part may say ``"pan_and_scan": true/false``
+(Gemma 3's crops of wide or tall images) for that image alone. The templates only need the part's type, so the messages
 handed on keep ``{"type": kind}`` and the text parts. No MLX here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +92,13 @@ def split_media(
                         f"A message has more {kind} parts than {kind}s attached ({len(queues[kind])}); "
                         f"attach one {kind} per part, or give the part its file."
                     )
-                ordered.append(queues[kind][used[kind]])
+                item = queues[kind][used[kind]]
                 used[kind] += 1
             else:
-                ordered.append(MediaInput(kind, source))  # type: ignore[arg-type]
+                item = MediaInput(kind, source)  # type: ignore[arg-type]
+            if isinstance(part.get("pan_and_scan"), bool):  # the part's own word wins
+                item = replace(item, pan_and_scan=part["pan_and_scan"])
+            ordered.append(item)
             parts.append({"type": kind})
         out.append({**message, "content": parts})
     for kind in MEDIA_KINDS:

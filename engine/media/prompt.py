@@ -27,6 +27,14 @@ class PreparedMedia:
     text: str  # what replaces the template's placeholder
     data: Any  # processor output the tower reads
     grid: tuple[int, int, int] | None = None  # (t, h, w) in LM tokens, for 3-D positions
+    # Several runs of soft tokens in ``text``, each encoded on its own (Gemma 3's
+    # pan-and-scan: the whole image, then its crops); empty when the item is one run.
+    views: list[PreparedMedia] = field(default_factory=list)
+
+    def runs(self) -> list[PreparedMedia]:
+        """The runs of soft tokens this item puts in the prompt, in order, each with its own
+        key and tower input."""
+        return self.views or [self]
 
 
 class MediaEncoder(Protocol):
@@ -78,11 +86,12 @@ def expand_placeholders(text: str, items: list[PreparedMedia], placeholders: dic
 
 
 def locate_media(ids: list[int], items: list[PreparedMedia], token_ids: dict[str, int]) -> MediaPrompt:
-    """Find each item's run of soft tokens (in order) and build the per-token keys."""
+    """Find each item's runs of soft tokens (in order) and build the per-token keys; a
+    span covers one run."""
     keys: list[Hashable] = list(ids)
     spans: list[MediaSpan] = []
     cursor = 0
-    for item in items:
+    for item in (run for each in items for run in each.runs()):
         tid = token_ids[item.kind]
         try:
             start = ids.index(tid, cursor)

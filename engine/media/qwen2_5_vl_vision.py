@@ -24,7 +24,7 @@ from engine.config_fields import from_known_keys
 from engine.media.cache import media_key
 from engine.media.image import Qwen2VLImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
-from engine.media.towers import LazyTowerEncoder, TowerSource, read_preprocessor
+from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_preprocessor
 from engine.models.base import activation
 
 PAD = "<|image_pad|>"
@@ -248,7 +248,7 @@ class QwenVisionEncoder(LazyTowerEncoder):
         self.source = source
         self.config = VisionConfig.from_dict(raw.get("vision_config") or {})
         self.token_id = int(raw.get("image_token_id", source.config.text.get("image_token_id", 151655)))
-        pre = read_preprocessor(source)
+        pre = read_image_preprocessor(source)
         pre.setdefault("patch_size", self.config.patch_size)
         pre.setdefault("merge_size", self.config.spatial_merge_size)
         pre.setdefault("temporal_patch_size", self.config.temporal_patch_size)

@@ -105,6 +105,24 @@ def read_preprocessor(source: TowerSource) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def read_image_preprocessor(source: TowerSource) -> dict[str, Any]:
+    """The image processor's settings as transformers finds them: processor_config.json's
+    nested ``image_processor`` when it has one, else preprocessor_config.json ({} when
+    neither); MediaError when unreadable."""
+    import json
+
+    path = source.path / "processor_config.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
+        nested = data.get("image_processor") if isinstance(data, dict) else None
+        if isinstance(nested, dict):
+            return nested
+    return read_preprocessor(source)
+
+
 class LazyTowerEncoder:
     """What every tower encoder shares: its module is built and its weights read on the
     first ``encode`` (or ``load``), and encodes are counted. Subclasses set ``source``,
@@ -195,6 +213,17 @@ class MediaTowers:
     def prepare(self, items: Sequence[MediaInput]) -> list[PreparedMedia]:
         self.check(m.kind for m in items)
         return [self.encoder(m.kind).prepare(m) for m in items]
+
+    def pan_and_scan(self) -> bool | None:
+        """Whether this model's images are pan-and-scanned by default; None when its image
+        tower cannot crop (or its processor config is unreadable: images will say why)."""
+        if "image" not in self.kinds:
+            return None
+        try:
+            default = getattr(self.encoder("image"), "pan_and_scan", None)
+        except MediaError:
+            return None
+        return default if isinstance(default, bool) else None
 
     def placeholders(self) -> dict[str, str]:
         return {k: e.placeholder for k, e in self._encoders.items()}

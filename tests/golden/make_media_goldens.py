@@ -12,6 +12,14 @@ what the outside references compute on them into tests/golden/media/:
 - resample.npz          scipy.signal.resample_poly on jfk.wav and on a synthetic tone mix
 - gemma3_images.npz     transformers' Gemma3 image processor (PIL backend) on the photos
 - qwen2vl_images.npz    transformers' Qwen2-VL image processor (PIL backend) on the photos
+- gemma3_pan_and_scan.npz / .json
+                        transformers' Gemma3Processor with do_pan_and_scan on (PIL backend,
+                        the tiny vision model's 32 px size) for a wide and a tall picture made
+                        from the photos (see pan_and_scan_pictures) and for chelsea.png, whose
+                        crops would fall below the minimum crop size: every view's pixels, the
+                        number of crops of each photo, the expanded prompt text and ids; and
+                        the tiny Gemma 3 model of tests/golden/vision/gemma3 run greedily on
+                        the wide and tall prompts (ids and each chosen token's log-probability)
 - whisper_tiny.npz      a tiny random WhisperForConditionalGeneration (weights drawn from
                         a seeded generator, see synthetic_weight) run on jfk.wav's features:
                         encoder output, and greedy decoding with its logits at every step
@@ -206,6 +214,83 @@ def whisper_tiny_goldens(audio_dir: Path) -> tuple[dict, dict]:
     return out, meta
 
 
+VISION_GEMMA3 = HERE / "vision" / "gemma3"
+PAS_SIZE = 32  # the tiny vision model's image size keeps the pixel goldens small
+PAS_QUESTION = "What is in this picture?"
+PAS_NEW_TOKENS = 10
+
+
+def pan_and_scan_pictures(image_dir: Path) -> dict:
+    """Pictures elongated enough to be cropped, built from the photos by pasting crops of
+    them onto a plain canvas (the tests rebuild them the same way and check the pixel hash)."""
+    from PIL import Image
+
+    def rgb(name):
+        with Image.open(image_dir / name) as im:
+            return im.convert("RGB")
+
+    wide = Image.new("RGB", (1003, 300), (40, 90, 160))  # 3.3:1 -> 3 crops, the last one narrower
+    wide.paste(rgb("chelsea.png"), (0, 0))
+    wide.paste(rgb("coffee.png").crop((0, 50, 552, 350)), (451, 0))
+    tall = Image.new("RGB", (300, 1100), (200, 180, 40))  # 1:3.7 -> 4 crops
+    tall.paste(rgb("astronaut.png").crop((100, 0, 400, 512)), (0, 0))
+    tall.paste(rgb("rocket.jpg").crop((170, 0, 470, 427)), (0, 512))
+    # 1.5:1 but its two crops would be 226 px wide, under the 256 px minimum: no crops.
+    return {"wide": wide, "tall": tall, "below": rgb("chelsea.png")}
+
+
+def gemma3_pan_and_scan_goldens(image_dir: Path) -> tuple[dict, dict]:
+    import hashlib
+
+    import torch
+    import transformers
+    from PIL import Image
+
+    specials = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(VISION_GEMMA3, extra_special_tokens=specials)
+    model_config = json.loads((VISION_GEMMA3 / "config.json").read_text())
+    image_proc = transformers.Gemma3ImageProcessorPil(size={"height": PAS_SIZE, "width": PAS_SIZE}, resample=2)
+    proc = transformers.Gemma3Processor(image_processor=image_proc, tokenizer=tok,
+                                        image_seq_length=model_config["mm_tokens_per_image"])
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(VISION_GEMMA3, dtype=torch.float32).eval()
+    model.config._attn_implementation = "eager"
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PAS_QUESTION}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    arrays: dict = {}
+    meta: dict = {"size": PAS_SIZE, "messages": messages, "template_text": text, "defaults": {
+        k: v for k, v in proc.images_kwargs.items() if k.startswith("pan_and_scan")}, "cases": {}, "num_crops": {}}
+    for name in IMAGES:  # how many crops each photo gets with the processor's defaults
+        with Image.open(image_dir / name) as im:
+            res = image_proc(im.convert("RGB"), do_pan_and_scan=True, pan_and_scan_min_crop_size=256,
+                             pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2,
+                             return_tensors="np")
+        meta["num_crops"][name] = int(res["num_crops"][0])
+    for case, picture in pan_and_scan_pictures(image_dir).items():
+        out = proc(images=[picture], text=[text], do_pan_and_scan=True, return_tensors="pt")
+        pixels = out["pixel_values"]
+        arrays[f"{case}/pixel_values"] = pixels.numpy().astype(np.float32)
+        ids = out["input_ids"]
+        entry = {"picture_size": list(picture.size),
+                 "picture_sha256": hashlib.sha256(picture.tobytes()).hexdigest(),
+                 "num_crops": int(out["num_crops"][0]) if "num_crops" in out else pixels.shape[0] - 1,
+                 "prompt_ids": ids[0].tolist(),
+                 "prompt_text": tok.decode(ids[0], skip_special_tokens=False)}
+        if entry["num_crops"]:
+            with torch.no_grad():
+                gen = model.generate(input_ids=ids, attention_mask=out["attention_mask"], pixel_values=pixels,
+                                     token_type_ids=out["token_type_ids"], max_new_tokens=PAS_NEW_TOKENS,
+                                     do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                     pad_token_id=0)
+            new = gen.sequences[0, ids.shape[1]:].tolist()
+            entry["token_ids"] = new
+            entry["token_logprobs"] = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(gen.logits, new)]
+        meta["cases"][case] = entry
+        print(f"pan-and-scan {case}: {picture.size}, {entry['num_crops']} crops, "
+              f"{len(entry['prompt_ids'])} prompt ids, greedy {entry.get('token_ids')}")
+    return arrays, meta
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=HERE.parents[2] / "shared" / "data")
@@ -220,6 +305,9 @@ def main() -> None:
     np.savez_compressed(OUT / "resample.npz", **resample_goldens(args.data / "audio"))
     np.savez_compressed(OUT / "gemma3_images.npz", **gemma3_goldens(args.data / "images"))
     np.savez_compressed(OUT / "qwen2vl_images.npz", **qwen2vl_goldens(args.data / "images"))
+    pas_arrays, pas_meta = gemma3_pan_and_scan_goldens(args.data / "images")
+    np.savez_compressed(OUT / "gemma3_pan_and_scan.npz", **pas_arrays)
+    (OUT / "gemma3_pan_and_scan.json").write_text(json.dumps(pas_meta, indent=1) + "\n")
     whisper_arrays, whisper_meta = whisper_tiny_goldens(args.data / "audio")
     np.savez_compressed(OUT / "whisper_tiny.npz", **whisper_arrays)
     (OUT / "whisper_tiny.json").write_text(json.dumps(whisper_meta, indent=1) + "\n")

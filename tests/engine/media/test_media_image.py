@@ -129,8 +129,11 @@ def test_gemma3_batch_and_config():
     np.testing.assert_allclose(pv[0, :, 5, 5], [1.0, -1.0, 128 / 255 * 2 - 1], atol=1e-6)
     np.testing.assert_allclose(pv[1], -1.0)
     assert proc.settings()["size"] == 32
+    # Published configs write null for "the processor's default".
+    pas = Gemma3ImageProcessor.from_config({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": None})
+    assert pas.pan_and_scan and pas.pan_and_scan_min_crop_size == 256
     with pytest.raises(MediaError, match="pan-and-scan"):
-        Gemma3ImageProcessor.from_config({"do_pan_and_scan": True})
+        Gemma3ImageProcessor.from_config({"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 1})
 
 
 # ---- Qwen2-VL --------------------------------------------------------------------
