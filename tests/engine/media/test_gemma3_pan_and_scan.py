@@ -195,3 +195,23 @@ def test_prefix_reuse_stops_at_the_first_view_that_differs(host, files, tmp_path
     assert common_prefix_length(a.keys, b.keys) == a.spans[0].start
     span_keys = [{a.keys[j][0] for j in range(s.start, s.end)} for s in a.spans]
     assert all(len(k) == 1 for k in span_keys) and len(set.union(*span_keys)) == len(a.spans)
+
+
+def test_the_cli_flag_turns_it_on(files):
+    """`generate --pan-and-scan`: the wide picture's crops join the prompt."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+
+    def prompt_tokens(*flags: str) -> int:
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine", "generate", "--model", str(GEMMA), "--chat", "--prompt", "What is it?",
+             "--image", files["wide"], "--max-tokens", "1", "--temp", "0", "--json", *flags],
+            cwd=root, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])["prompt_tokens"]
+
+    plain, split = prompt_tokens(), prompt_tokens("--pan-and-scan")
+    assert split > plain and prompt_tokens("--no-pan-and-scan") == plain
