@@ -87,6 +87,10 @@ def _load_template(tokenizer: Any) -> Any:
     from .text.chat_template import ChatTemplate, PlainTextTemplate
 
     source = getattr(tokenizer, "chat_template", None)
+    if not source and getattr(tokenizer, "mistral_format", None):
+        from .text.mistral_format import MistralFormat
+
+        return MistralFormat(tokenizer.mistral_format, tokenizer.bos_token or "<s>", tokenizer.eos_token or "</s>")
     if not source:
         bos = tokenizer.bos_token if getattr(tokenizer, "add_bos_token", False) else None
         return PlainTextTemplate(bos)
@@ -200,7 +204,7 @@ class ModelHost:
         # ModelInfo says what the engine can feed this model, not only what its config names.
         info.vision = "image" in towers.kinds
         info.audio = "audio" in towers.kinds
-        info.chat_template = bool(getattr(tokenizer, "chat_template", None))
+        info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
         self._loaded = _Loaded(
             model=loaded.model,
             config=config,
