@@ -21,6 +21,7 @@ from engine.errors import ModelLoadError
 COPIED_FILES = (
     "generation_config.json",
     "tokenizer.json",
+    "tekken.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "added_tokens.json",

@@ -87,6 +87,10 @@ def _load_template(tokenizer: Any) -> Any:
     from .text.chat_template import ChatTemplate, PlainTextTemplate
 
     source = getattr(tokenizer, "chat_template", None)
+    if not source and getattr(tokenizer, "mistral_format", None):
+        from .text.mistral_format import MistralFormat
+
+        return MistralFormat(tokenizer.mistral_format, tokenizer.bos_token or "<s>", tokenizer.eos_token or "</s>")
     if not source:
         bos = tokenizer.bos_token if getattr(tokenizer, "add_bos_token", False) else None
         return PlainTextTemplate(bos)
@@ -201,7 +205,7 @@ class ModelHost:
         info.vision = "image" in towers.kinds
         info.audio = "audio" in towers.kinds
         info.pan_and_scan = towers.pan_and_scan()
-        info.chat_template = bool(getattr(tokenizer, "chat_template", None))
+        info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
         self._loaded = _Loaded(
             model=loaded.model,
             config=config,

@@ -21,6 +21,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from functools import cached_property
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,12 @@ class Tokenizer:
         self._special = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
         self._eos_ids = set(eos_token_ids)
         self.chat_template = chat_template
+        # The instruct format ("v3", "v7", ...) of a tekken.json folder: the chat renders in
+        # Mistral's own layout when no Jinja template comes with it.
+        self.mistral_format: str | None = None
+        # tekken decodes the text between special tokens run by run, so bytes of one
+        # character split by a skipped special token do not join.
+        self.split_runs_at_special = False
         added = tokenizer.get_added_tokens_decoder()
         self._added = {i: t.content for i, t in added.items()}
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
@@ -90,10 +97,7 @@ class Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file() and (path / "tekken.json").is_file():
-            raise ModelLoadError(
-                f"{path.name} holds only Mistral's tekken.json tokenizer, which MLX Desk cannot read yet; "
-                "download a conversion of this model that includes tokenizer.json."
-            )
+            return cls.from_tekken(path / "tekken.json")
         if not tok_file.is_file():
             raise ModelLoadError(
                 f"No tokenizer.json in {path}. The engine needs the fast-tokenizer file; "
@@ -133,6 +137,30 @@ class Tokenizer:
             byte_fallback=byte_fallback,
             clean_up_tokenization_spaces=cls._cleans_up_spaces(hf, config),
         )
+
+    @classmethod
+    def from_tekken(cls, tekken_file: str | Path) -> Tokenizer:
+        """A Mistral folder's tekken.json; the chat renders in Mistral's instruct format
+        unless the folder brings its own Jinja template."""
+        from engine.text.tekken import read_tekken
+
+        tekken_file = Path(tekken_file)
+        vocab = read_tekken(tekken_file)
+        hf = vocab.tokenizer
+        special = vocab.special_names
+        cls._set_post_processor(hf, special, True, False)  # mistral-common starts every text with BOS
+        eos = hf.token_to_id(special["eos_token"]) if "eos_token" in special else None
+        folder = tekken_file.parent
+        config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+        tok = cls(
+            hf,
+            special_tokens=special,
+            eos_token_ids=[eos] if eos is not None else [],
+            chat_template=cls._find_template(folder, config),
+        )
+        tok.mistral_format = vocab.version
+        tok.split_runs_at_special = True
+        return tok
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -267,19 +295,31 @@ class Tokenizer:
 
     # ---- encode / decode ----------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """Ids of ``text``; ``split_special_tokens`` encodes text spelt like a special token
+        (``[INST]``) as ordinary text, as mistral-common and tiktoken do."""
+        if not split_special_tokens:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self._tok.encode_special_tokens = False
 
     def decode(
         self, ids: Iterable[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
     ) -> str:
         """Text of ``ids``; ``clean_up_tokenization_spaces=None`` follows the tokenizer's setting."""
         ids = list(ids)
-        if skip_special_tokens:
-            # Filter here: the library misses special tokens declared "normalized" (Llama 2's <s>).
-            special = self._special_ids
-            ids = [i for i in ids if i not in special]
-        text = self._tok.decode(ids, skip_special_tokens=False)
+        special = self._special_ids
+        if skip_special_tokens and self.split_runs_at_special:
+            runs = (list(g) for is_special, g in groupby(ids, special.__contains__) if not is_special)
+            text = "".join(self._tok.decode(run, skip_special_tokens=False) for run in runs)
+        else:
+            if skip_special_tokens:
+                # Filter here: the library misses special tokens declared "normalized" (Llama 2's <s>).
+                ids = [i for i in ids if i not in special]
+            text = self._tok.decode(ids, skip_special_tokens=False)
         if clean_up_tokenization_spaces is None:
             clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
         return clean_up_tokenization(text) if clean_up_tokenization_spaces else text

@@ -168,3 +168,40 @@ def test_tower_weights_stay_out_of_the_language_model(host):
 
     names = [n for n, _ in tree_flatten(host._need().model.parameters())]
     assert names and not [n for n in names if "audio" in n or "projector" in n or "conv" in n]
+
+
+TEKKEN = GOLDEN / "tekken"
+
+
+@pytest.fixture(scope="module")
+def tekken_folder(tmp_path_factory) -> Path:
+    """The tiny Voxtral as Mistral publishes it: tekken.json (Voxtral's 36 special tokens
+    and the byte tokens, cut to the model's 160 ids), no tokenizer.json, no template."""
+    folder = tmp_path_factory.mktemp("voxtral_tekken")
+    for item in FOLDER.iterdir():
+        if item.name not in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(item, folder / item.name)
+    shutil.copy(TEKKEN / "voxtral_tekken.json", folder / "tekken.json")
+    return folder
+
+
+def test_a_tekken_only_folder_chats_with_audio_in_mistral_commons_layout(tekken_folder, shared_data, gold):
+    vectors = json.loads((TEKKEN / "vectors.json").read_text(encoding="utf-8"))
+    reference = vectors["chats"]["voxtral/v7/audio"]["ids"]  # mistral-common's encode_chat_completion
+    h = ModelHost()
+    h.load(str(tekken_folder))
+    assert h.info.chat_template and h.info.audio and h.tokenizer.vocab_size == 160
+    chat = h.session("tekken")
+    clip = MediaInput("audio", str(shared_data / "audio/jfk.wav"))
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": QUESTION}]}]
+    prompt = chat.media_prompt(chat.render(messages), [clip])
+    assert prompt.ids == reference
+    assert [(s.start, s.end - s.start) for s in prompt.spans] == [(3, 375)]
+    # The same audio layout as the Jinja template path of the tokenizer.json folder; only the
+    # text's ids differ (words there, bytes here).
+    template_ids = gold["prompt/ids"].tolist()
+    assert prompt.ids[:378] == template_ids[:378] and prompt.ids[-1] == template_ids[-1] == 4
+    assert h.tokenizer.decode(prompt.ids[378:-1]) == QUESTION
+    result = h.generate("a", ask(str(shared_data / "audio/jfk.wav")), PARAMS)
+    assert result.stats.prompt_tokens == len(reference) and len(result.token_ids) == META["steps"]
+    assert h.tower_loaded and h.towers.encode_calls == 1
