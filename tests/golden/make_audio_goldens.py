@@ -10,8 +10,15 @@ Writes into tests/golden/media/:
   multilingual generation config (language and task tokens, <|notimestamps|>,
   suppress_tokens, begin_suppress_tokens), and transformers' ``model.generate`` greedy
   ids on ../shared/data/audio/jfk.wav: with language detection, with a given language,
-  and window by window on a 33 s clip (jfk.wav three times), the way the engine cuts
-  long audio into 30 s windows.
+  and on a 33 s clip (jfk.wav three times) through long-form ``generate`` (timestamps on,
+  whole-clip features, sequential windows).
+- whisper_longform.json / .npz  a second tiny random Whisper laid out like the real ones
+  (<|endoftext|> first among the specials, 1501 timestamp tokens, max_initial_timestamp_index
+  50) and transformers' long-form output on 72 s (jfk.wav and 1 s of silence, six times):
+  segments with their tokens and start/end times, and every window's seek; once with the
+  default length limit, once with 36 new tokens per window, so windows end mid-segment and
+  the next starts at a timestamp rather than 30 s on (the script asserts it). Also the short
+  clip with return_timestamps=True.
 - qwen2_audio_tiny.json / .npz  a tiny random Qwen2AudioForConditionalGeneration (128
   mels as the real one), the real processor's features and placeholder expansion for a
   chat prompt with the first 4 s of jfk.wav, the projected audio features, and greedy
