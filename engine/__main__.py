@@ -94,6 +94,8 @@ def _add_transcribe(sub: Any) -> None:
     p.add_argument("--whisper", metavar="PATH",
                    help="Whisper model folder or cached repo id, e.g. openai/whisper-tiny (default: $MLX_DESK_WHISPER)")
     p.add_argument("--language", help="language code such as en or de (default: detected)")
+    p.add_argument("--timestamps", action="store_true",
+                   help="print one '[mm:ss.ss -> mm:ss.ss] text' line per segment (always timed over 30 s)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -357,12 +359,24 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     transcriber = Transcriber.load(whisper)
     if transcriber.settings.sample_rate != WHISPER_SAMPLE_RATE:
         samples = load_audio(args.file, transcriber.settings.sample_rate)
-    result = transcriber.transcribe(samples, language=args.language)
+    result = transcriber.transcribe(samples, language=args.language, timestamps=args.timestamps)
     if args.json:
         print(json.dumps(dataclasses.asdict(result), ensure_ascii=False))
+    elif args.timestamps:
+        for seg in result.segments:
+            print(f"[{_clock(seg.start_s)} -> {_clock(seg.end_s)}] {seg.text}")
     else:
         print(result.text)
     return 0
+
+
+def _clock(seconds: float) -> str:
+    """00:01.20, or 1:02:03.40 past an hour."""
+    centis = round(max(0.0, seconds) * 100)  # round once, so 59.999 reads 01:00.00
+    hours, rest = divmod(centis, 360000)
+    minutes, centis = divmod(rest, 6000)
+    clock = f"{minutes:02d}:{centis // 100:02d}.{centis % 100:02d}"
+    return f"{hours}:{clock}" if hours else clock
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -72,7 +72,11 @@ class GenerationResult:
 
 @dataclass
 class TranscriptSegment:
-    """One 30 s window of a transcription (Whisper reads audio in such windows)."""
+    """A stretch of a transcription, times in seconds from the start of the audio.
+
+    Decoded with timestamps (audio over 30 s, or when asked), a segment is what Whisper
+    put between two timestamp tokens, and ``token_ids`` include those timestamp tokens;
+    otherwise the one segment spans the whole clip."""
 
     start_s: float
     end_s: float
@@ -314,7 +318,7 @@ class Transcribe:
     ``model_path`` None means the worker's default (its ``whisper_path``, else the
     MLX_DESK_WHISPER environment variable). ``language`` is a code like "en"; None
     detects it. Ends with DoneEvent(result=Transcript); ProgressEvent(stage="transcribe")
-    after each 30 s window; cancellable (the transcript so far, finish_reason "cancelled").
+    after each 30 s window (audio over 30 s comes in timed segments); cancellable (the transcript so far, finish_reason "cancelled").
     """
 
     path: str

@@ -2,16 +2,19 @@
 
 A checkpoint is a Hugging Face Whisper folder (config.json, model.safetensors,
 tokenizer.json, generation_config.json, preprocessor_config.json), e.g. openai/whisper-tiny.
-Audio is read in 30 s windows (Whisper's receptive field), each decoded greedily after
-the forced prompt <|startoftranscript|> <|lang|> <|transcribe|> <|notimestamps|>, with
-the generation config's ``suppress_tokens`` masked at every step and
-``begin_suppress_tokens`` at the first one, exactly as transformers' ``generate`` does
-without timestamps. The language is given, or detected once on the first window (the
-most likely language token after <|startoftranscript|>) and kept for the rest.
+Decoding is greedy, with the generation config's ``suppress_tokens`` masked at every step
+and ``begin_suppress_tokens`` at the first one, as transformers' ``generate`` does. The
+language is given, or detected once on the first 30 s (the most likely language token
+after <|startoftranscript|>) and kept for the rest.
 
-Windows are cut at fixed 30 s boundaries, so a word spoken across a boundary may be
-split; there is no temperature fallback or timestamp-guided seeking as in long-form
-Whisper. That keeps the result identical to the reference and is fine for voice notes.
+Audio up to 30 s (Whisper's receptive field) is one window decoded after
+<|startoftranscript|> <|lang|> <|transcribe|> <|notimestamps|>, unless timestamps are asked
+for. Longer audio is decoded the way transformers' long-form ``generate`` does it: mel
+features of the whole clip, a 30 s window at a time, with timestamp tokens (see
+timestamps.py); each window's pairs of timestamps close segments, and the next window
+starts at the last closed segment's end rather than 30 s on, so words are not cut in half.
+There is no temperature fallback and no conditioning on the previous window's text
+(transformers' defaults).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from engine.api import Transcript, TranscriptSegment
 from engine.errors import EngineError, ModelLoadError, UnsupportedModelError
 from engine.media.audio import load_audio
 from engine.media.mel import log_mel_spectrogram
+from engine.media.timestamps import INPUT_STRIDE, TimestampRules, split_window
 
 WHISPER_ENV = "MLX_DESK_WHISPER"
 _LANGUAGE_TOKEN = re.compile(r"^<\|([a-z]{2,3}(?:_[a-z]+)?)\|>$")
@@ -63,6 +67,7 @@ class WhisperSettings:
     suppress_tokens: list[int] = field(default_factory=list)
     begin_suppress_tokens: list[int] = field(default_factory=list)
     max_length: int = 448
+    max_initial_timestamp_index: int | None = None  # the first timestamp is at most this many steps in
     n_mels: int = 80
     sample_rate: int = 16000
     n_fft: int = 400
@@ -129,6 +134,7 @@ def read_settings(folder: Path, config: Mapping[str, Any], tokenizer: Any) -> Wh
         suppress_tokens=[int(t) for t in gen.get("suppress_tokens") or []],
         begin_suppress_tokens=[int(t) for t in gen.get("begin_suppress_tokens") or []],
         max_length=int(gen.get("max_length") or config.get("max_target_positions") or 448),
+        max_initial_timestamp_index=_first_int(gen.get("max_initial_timestamp_index")),
         n_mels=int(pre.get("feature_size") or config.get("num_mel_bins") or 80),
         sample_rate=int(pre.get("sampling_rate") or 16000),
         n_fft=int(pre.get("n_fft") or 400),
@@ -234,37 +240,59 @@ class Transcriber:
         best = ids[int(mx.argmax(logits[mx.array(ids)]).item())]
         return next(code for code, tid in self.settings.lang_to_id.items() if tid == best)
 
-    def prompt_ids(self, language: str | None) -> list[int]:
-        """<|startoftranscript|> [<|lang|> <|transcribe|>] <|notimestamps|>."""
+    def prompt_ids(self, language: str | None, timestamps: bool = False) -> list[int]:
+        """<|startoftranscript|> [<|lang|> <|transcribe|>] [<|notimestamps|> unless ``timestamps``]."""
         s = self.settings
         prompt = [s.start_id]
         if s.multilingual and language is not None:
             prompt.append(self._language_id(language))
             if s.transcribe_id is not None:
                 prompt.append(s.transcribe_id)
-        if s.no_timestamps_id is not None:
+        if s.no_timestamps_id is not None and not timestamps:
             prompt.append(s.no_timestamps_id)
         return prompt
 
+    def timestamp_rules(self) -> TimestampRules:
+        s = self.settings
+        if s.no_timestamps_id is None or s.no_timestamps_id + 1 >= self.model.config.vocab_size:
+            raise EngineError(
+                f"{self.name} has no timestamp tokens (no <|notimestamps|> followed by <|0.00|>), so it cannot "
+                "give times or transcribe audio over 30 s; use a Whisper checkpoint with timestamps."
+            )
+        return TimestampRules(s.no_timestamps_id + 1, s.no_timestamps_id, s.eos_id, s.max_initial_timestamp_index)
+
     # ---- decoding ---------------------------------------------------------------
 
-    def features(self, samples: np.ndarray) -> np.ndarray:
+    @property
+    def window_frames(self) -> int:
+        """Mel frames in one window: what the encoder's positions cover (3000 for 30 s)."""
+        return INPUT_STRIDE * self.model.config.max_source_positions
+
+    def features(self, samples: np.ndarray, whole: bool = False) -> np.ndarray:
+        """Log-mel features of one 30 s window (cut or padded), or with ``whole`` of the
+        entire clip (long-form: its own length, normalised over all of it)."""
         s = self.settings
         return log_mel_spectrogram(samples, n_mels=s.n_mels, n_fft=s.n_fft, hop_length=s.hop_length,
-                                   sample_rate=s.sample_rate, chunk_seconds=s.chunk_seconds)
+                                   sample_rate=s.sample_rate, chunk_seconds=None if whole else s.chunk_seconds)
 
-    def encode(self, samples: np.ndarray) -> Any:
+    def encode_features(self, features: np.ndarray) -> Any:
         import mlx.core as mx
 
         dtype = self.model.encoder.conv1.weight.dtype
-        return self.model.encode(mx.array(self.features(samples)).astype(dtype))
+        return self.model.encode(mx.array(features).astype(dtype))
+
+    def encode(self, samples: np.ndarray) -> Any:
+        return self.encode_features(self.features(samples))
 
     def decode(self, encoded: Any, prompt: list[int], max_new_tokens: int | None = None,
-               cancel: threading.Event | None = None) -> list[int]:
-        """Greedy ids after ``prompt`` (the end-of-text token not included)."""
+               cancel: threading.Event | None = None, rules: TimestampRules | None = None) -> list[int]:
+        """Greedy ids after ``prompt`` (the end-of-text token not included); ``rules`` (after
+        suppression, as the reference orders them) when decoding with timestamps."""
         import mlx.core as mx
 
-        limit = min(self.settings.max_length, self.model.config.max_target_positions) - len(prompt)
+        # With timestamps the caller applies the generation config's max_length (its rule differs).
+        limit = (self.model.config.max_target_positions if rules is not None
+                 else min(self.settings.max_length, self.model.config.max_target_positions)) - len(prompt)
         steps = limit if max_new_tokens is None else min(max_new_tokens, limit)
         cache = self.model.make_cache()
         ids = mx.array([prompt], dtype=mx.int32)
@@ -274,7 +302,10 @@ class Transcriber:
                 break
             logits = self.model.logits(ids, encoded, cache)[0, -1].astype(mx.float32)
             logits = logits + (self._begin_suppress if step == 0 else self._suppress)
-            next_id = int(mx.argmax(logits).item())
+            if rules is None:
+                next_id = int(mx.argmax(logits).item())
+            else:
+                next_id = int(np.argmax(rules.apply(out, np.array(logits))))
             if next_id == self.settings.eos_id:
                 break
             out.append(next_id)
@@ -290,40 +321,30 @@ class Transcriber:
         *,
         language: str | None = None,
         max_new_tokens: int | None = None,
+        timestamps: bool = False,
         on_window: WindowProgress | None = None,
         cancel: threading.Event | None = None,
     ) -> Transcript:
         """Transcribe a file (decoded and resampled to the model's rate) or mono samples at
-        that rate. ``on_window(done, total)`` follows each window; a set ``cancel`` ends the
-        work early with the windows finished so far (finish_reason "cancelled")."""
+        that rate. Audio over 30 s, or any audio with ``timestamps``, is decoded with
+        timestamp tokens into timed segments; otherwise one segment spans the clip.
+        ``on_window(done, total)`` follows each window (for long audio ``total`` is an
+        estimate until the end); a set ``cancel`` ends the work early with the windows
+        finished so far (finish_reason "cancelled")."""
         s = self.settings
         if language is not None:
             self._language_id(language)  # refuse an unknown language before any work
         samples = load_audio(audio, s.sample_rate) if isinstance(audio, (str, Path)) else np.asarray(audio, np.float32)
         if samples.ndim != 1:
             raise EngineError(f"transcribe takes mono samples, got an array of shape {samples.shape}")
-        window = s.chunk_seconds * s.sample_rate
-        starts = list(range(0, max(1, samples.shape[0]), window))
-        segments: list[TranscriptSegment] = []
-        detected = None if language is None else language
-        cancelled = False
-        for n, start in enumerate(starts):
-            if cancel is not None and cancel.is_set():
-                cancelled = True
-                break
-            chunk = samples[start : start + window]
-            encoded = self.encode(chunk)
-            if detected is None and s.multilingual and s.lang_to_id:
-                detected = self.detect_language(encoded)
-            ids = self.decode(encoded, self.prompt_ids(detected), max_new_tokens, cancel)
-            if cancel is not None and cancel.is_set():
-                cancelled = True
-            segments.append(TranscriptSegment(start / s.sample_rate, (start + chunk.shape[0]) / s.sample_rate,
-                                              self.text_of(ids), ids))
-            if on_window is not None:
-                on_window(n + 1, len(starts))
-            if cancelled:
-                break
+        long_form = samples.shape[0] // s.hop_length > self.window_frames
+        if long_form or timestamps:
+            rules = self.timestamp_rules()  # refuse a checkpoint without timestamps before any work
+            features = self.features(samples, whole=long_form)
+            segments, detected, cancelled = self._decode_windows(features, rules, language, max_new_tokens,
+                                                                 on_window, cancel)
+        else:
+            segments, detected, cancelled = self._decode_one(samples, language, max_new_tokens, on_window, cancel)
         text = " ".join(seg.text for seg in segments if seg.text)
         return Transcript(
             text=text,
@@ -333,3 +354,61 @@ class Transcriber:
             finish_reason="cancelled" if cancelled else "stop",
             model=self.name,
         )
+
+    def _language_for(self, encoded: Any, language: str | None) -> str | None:
+        s = self.settings
+        if language is None and s.multilingual and s.lang_to_id:
+            return self.detect_language(encoded)
+        return language
+
+    def _decode_one(self, samples: np.ndarray, language: str | None, max_new_tokens: int | None,
+                    on_window: WindowProgress | None,
+                    cancel: threading.Event | None) -> tuple[list[TranscriptSegment], str | None, bool]:
+        """Up to 30 s without timestamps: one window, one segment over the clip."""
+        if cancel is not None and cancel.is_set():
+            return [], language, True
+        encoded = self.encode(samples)
+        language = self._language_for(encoded, language)
+        ids = self.decode(encoded, self.prompt_ids(language), max_new_tokens, cancel)
+        segment = TranscriptSegment(0.0, samples.shape[0] / self.settings.sample_rate, self.text_of(ids), ids)
+        if on_window is not None:
+            on_window(1, 1)
+        return [segment], language, cancel is not None and cancel.is_set()
+
+    def _decode_windows(self, features: np.ndarray, rules: TimestampRules, language: str | None,
+                        max_new_tokens: int | None, on_window: WindowProgress | None,
+                        cancel: threading.Event | None) -> tuple[list[TranscriptSegment], str | None, bool]:
+        """Sequential long-form decoding over ``features`` (n_mels, frames): each window is
+        the next 30 s from ``seek`` (zero-padded features past the end), and ``seek`` moves to
+        where the window's last closed segment ended."""
+        s = self.settings
+        total, width = features.shape[1], self.window_frames
+        seek, done = 0, 0
+        max_length = s.max_length
+        segments: list[TranscriptSegment] = []
+        while seek < total:
+            if cancel is not None and cancel.is_set():
+                return segments, language, True
+            frames = min(total - seek, width)
+            window = np.zeros((features.shape[0], width), dtype=np.float32)
+            window[:, :frames] = features[:, seek : seek + frames]
+            encoded = self.encode_features(window)
+            language = self._language_for(encoded, language)
+            prompt = self.prompt_ids(language, timestamps=True)
+            if max_new_tokens is None:
+                # The reference lets max_length grow by the prompt's length at every window
+                # (up to the decoder's positions); with real checkpoints it is the cap at once.
+                max_length = min(max_length + len(prompt), self.model.config.max_target_positions)
+                steps = max_length - len(prompt)
+            else:
+                steps = max_new_tokens
+            ids = self.decode(encoded, prompt, steps, cancel, rules)
+            if cancel is not None and cancel.is_set():
+                return segments, language, True
+            pieces, advance = split_window(ids, rules.timestamp_begin, seek, frames)
+            segments += [TranscriptSegment(p.start_s, p.end_s, self.text_of(p.token_ids), p.token_ids) for p in pieces]
+            seek += advance if advance > 0 else frames  # the rules make advance >= 2; never stall
+            done += 1
+            if on_window is not None:
+                on_window(done, done + -(-max(0, total - seek) // width))
+        return segments, language, False

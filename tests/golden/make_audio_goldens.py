@@ -10,8 +10,15 @@ Writes into tests/golden/media/:
   multilingual generation config (language and task tokens, <|notimestamps|>,
   suppress_tokens, begin_suppress_tokens), and transformers' ``model.generate`` greedy
   ids on ../shared/data/audio/jfk.wav: with language detection, with a given language,
-  and window by window on a 33 s clip (jfk.wav three times), the way the engine cuts
-  long audio into 30 s windows.
+  and on a 33 s clip (jfk.wav three times) through long-form ``generate`` (timestamps on,
+  whole-clip features, sequential windows).
+- whisper_longform.json / .npz  a second tiny random Whisper laid out like the real ones
+  (<|endoftext|> first among the specials, 1501 timestamp tokens, max_initial_timestamp_index
+  50) and transformers' long-form output on 72 s (jfk.wav and 1 s of silence, six times):
+  segments with their tokens and start/end times, and every window's seek; once with the
+  default length limit, once with 36 new tokens per window, so windows end mid-segment and
+  the next starts at a timestamp rather than 30 s on (the script asserts it). Also the short
+  clip with return_timestamps=True.
 - qwen2_audio_tiny.json / .npz  a tiny random Qwen2AudioForConditionalGeneration (128
   mels as the real one), the real processor's features and placeholder expansion for a
   chat prompt with the first 4 s of jfk.wav, the projected audio features, and greedy
@@ -145,17 +152,123 @@ def whisper_asr_goldens(audio_dir: Path) -> tuple[dict, dict]:
     given = run(model, feats(jfk), other)
     out["detect/ids"] = np.asarray(detected, dtype=np.int64)
     out["given/ids"] = np.asarray(given, dtype=np.int64)
-    # Long audio: 33 s cut into 30 s windows; the language is detected on the first window
-    # and kept for the rest.
+    # Long audio: 33 s (jfk.wav three times) through transformers' sequential long-form
+    # decoding. With only 18 timestamp tokens this model never closes a segment, so each
+    # window is one segment and the next starts 30 s on.
     long = np.concatenate([jfk, jfk, jfk])
-    windows = [long[i : i + 480000] for i in range(0, long.shape[0], 480000)]
-    for w, samples in enumerate(windows):
-        out[f"long/window{w}"] = np.asarray(run(model, feats(samples), lang), dtype=np.int64)
+    windows = longform(model, long, language=None, max_new_tokens=MAX_NEW_TOKENS)
+    out.update(segment_arrays("long", windows))
     print(f"whisper asr: eot {eot}, suppress {suppress}, detected {detected}, given {other}: {given}")
     meta = {"config": {**WHISPER_ASR, "eos_token_id": eot, "decoder_start_token_id": N_ORDINARY},
             "generation_config": gen, "specials": WHISPER_SPECIALS, "n_ordinary": N_ORDINARY,
             "n_timestamps": N_TIMESTAMPS, "max_new_tokens": MAX_NEW_TOKENS, "parameters": shapes,
-            "long_windows": len(windows), "detected_language": lang.strip("<|>"), "given_language": other}
+            "long_windows": len(windows["seeks"]), "detected_language": lang.strip("<|>"), "given_language": other}
+    return out, meta
+
+
+# ---- long-form decoding (audio over 30 s, timestamps) ----------------------------
+
+
+def longform(model, samples: np.ndarray, *, language, max_new_tokens=None, short: bool = False) -> dict:
+    """transformers' Whisper ``generate`` with timestamps, as its docs run long audio: features
+    of the whole clip (truncation=False, padding="longest"), or, with ``short``, the usual
+    30 s padded features with ``return_timestamps=True``. Returns the segments (tokens with
+    their timestamp tokens, start and end in seconds), the output ids and every window's seek."""
+    import torch
+    from transformers import WhisperFeatureExtractor
+
+    fe = WhisperFeatureExtractor(feature_size=model.config.num_mel_bins)
+    if short:
+        inputs = fe(samples, sampling_rate=16000, return_tensors="pt")
+    else:
+        inputs = fe(samples, sampling_rate=16000, return_tensors="pt", truncation=False, padding="longest",
+                    return_attention_mask=True)
+    seeks: list[int] = []
+    with torch.no_grad():
+        out = model.generate(inputs.input_features, attention_mask=inputs.get("attention_mask"), language=language,
+                             task="transcribe", return_timestamps=True, return_segments=True, do_sample=False,
+                             num_beams=1, max_new_tokens=max_new_tokens,
+                             monitor_progress=lambda p: seeks.append(int(p[0, 0])))
+    # The language generate detects: the first 30 s of the features, as it does.
+    language_id = int(model.detect_language(input_features=inputs.input_features[:, :, :3000])[0])
+    segments = [{"tokens": s["tokens"].tolist(), "start": float(s["start"]), "end": float(s["end"])}
+                for s in out["segments"][0]]
+    return {"segments": segments, "sequence": out["sequences"][0].tolist(), "seeks": seeks,
+            "language_id": language_id, "frames": int(inputs.input_features.shape[-1])}
+
+
+def segment_arrays(prefix: str, run: dict) -> dict[str, np.ndarray]:
+    segs = run["segments"]
+    return {
+        f"{prefix}/sequence": np.asarray(run["sequence"], dtype=np.int64),
+        f"{prefix}/tokens": np.asarray([t for s in segs for t in s["tokens"]], dtype=np.int64),
+        f"{prefix}/bounds": np.cumsum([0] + [len(s["tokens"]) for s in segs]).astype(np.int64),
+        f"{prefix}/times": np.asarray([[s["start"], s["end"]] for s in segs], dtype=np.float64).reshape(-1, 2),
+        f"{prefix}/seeks": np.asarray(run["seeks"], dtype=np.int64),
+    }
+
+
+# A second tiny Whisper laid out like the real ones: <|endoftext|> is the first special
+# token, and all 1501 timestamps <|0.00|> .. <|30.00|> follow <|notimestamps|>, so its
+# timestamps can close segments anywhere in a window.
+LONGFORM_SPECIALS = ["<|endoftext|>", *WHISPER_SPECIALS]
+LONGFORM_TIMESTAMPS = 1501
+WHISPER_LONGFORM = {**WHISPER_ASR, "vocab_size": N_ORDINARY + len(LONGFORM_SPECIALS) + LONGFORM_TIMESTAMPS}
+LONGFORM_CAP = 36  # new tokens per window in the capped run: windows end before <|30.00|>
+LONGFORM_REPEATS, LONGFORM_GAP_S = 6, 1.0  # jfk.wav and 1 s of silence, six times: 72 s
+
+
+def longform_audio(jfk: np.ndarray) -> np.ndarray:
+    gap = np.zeros(int(LONGFORM_GAP_S * 16000), dtype=np.float32)
+    return np.concatenate([jfk, gap] * LONGFORM_REPEATS)
+
+
+def whisper_longform_goldens(audio_dir: Path) -> tuple[dict, dict]:
+    import torch
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    ids = {tok: N_ORDINARY + i for i, tok in enumerate(LONGFORM_SPECIALS)}
+    eot = ids["<|endoftext|>"]
+    cfg = {**WHISPER_LONGFORM, "eos_token_id": eot, "decoder_start_token_id": ids["<|startoftranscript|>"]}
+    model = WhisperForConditionalGeneration(WhisperConfig(**cfg, pad_token_id=eot, bos_token_id=eot)).eval()
+    shapes = fill(model, torch)
+    gen = {
+        "decoder_start_token_id": ids["<|startoftranscript|>"],
+        "eos_token_id": eot, "pad_token_id": eot, "bos_token_id": eot,
+        "lang_to_id": {k: ids[k] for k in ("<|en|>", "<|de|>", "<|fr|>")},
+        "task_to_id": {"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
+        "no_timestamps_token_id": ids["<|notimestamps|>"],
+        "is_multilingual": True,
+        "max_length": cfg["max_target_positions"],
+        "max_initial_timestamp_index": 50,  # as the real checkpoints: the first timestamp is at most 1.00 s
+        "begin_suppress_tokens": [SPACE_ID, eot],
+        "suppress_tokens": [ids[t] for t in ("<|startoftranscript|>", "<|translate|>", "<|transcribe|>",
+                                             "<|startoflm|>", "<|startofprev|>", "<|nospeech|>")],
+    }
+    model.generation_config = GenerationConfig(**gen)
+    jfk = read_pcm16_wav(audio_dir / "jfk.wav")
+    audio = longform_audio(jfk)
+    runs = {
+        "long": longform(model, audio, language=None),
+        "capped": longform(model, audio, language=None, max_new_tokens=LONGFORM_CAP),
+        "short": longform(model, jfk, language=None, short=True),
+    }
+    out: dict = {}
+    for name, run in runs.items():
+        out.update(segment_arrays(name, run))
+        print(f"whisper longform {name}: {run['frames']} frames, seeks {run['seeks']}, "
+              f"{len(run['segments'])} segments {[(s['start'], s['end']) for s in run['segments']]}")
+    timestamp_begin = ids["<|notimestamps|>"] + 1
+    # The golden must exercise the timestamp rules, not only fixed 30 s windows: some window
+    # starts where a timestamp closed the previous one, and segments end inside windows.
+    assert any(s % 3000 for s in runs["capped"]["seeks"]), runs["capped"]["seeks"]
+    assert all(any(t >= timestamp_begin for t in s["tokens"]) for r in runs.values() for s in r["segments"])
+    assert len(runs["long"]["segments"]) > len(runs["long"]["seeks"])
+    meta = {"config": cfg, "generation_config": gen, "specials": LONGFORM_SPECIALS, "n_ordinary": N_ORDINARY,
+            "n_timestamps": LONGFORM_TIMESTAMPS, "parameters": shapes, "capped_max_new_tokens": LONGFORM_CAP,
+            "repeats": LONGFORM_REPEATS, "gap_s": LONGFORM_GAP_S, "frames": runs["long"]["frames"],
+            "detected_language": {name: next(k.strip("<|>") for k, v in gen["lang_to_id"].items()
+                                             if v == run["language_id"]) for name, run in runs.items()}}
     return out, meta
 
 
@@ -291,6 +404,8 @@ def qwen2_audio_goldens(audio_dir: Path, tmp: Path) -> tuple[dict, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=HERE.parents[2] / "shared" / "data")
+    parser.add_argument("--only", choices=["whisper_asr", "whisper_longform", "qwen2_audio_tiny"],
+                        help="remake one reference instead of all")
     args = parser.parse_args()
     import tempfile
 
@@ -298,15 +413,21 @@ def main() -> None:
     import transformers
 
     OUT.mkdir(parents=True, exist_ok=True)
-    arrays, meta = whisper_asr_goldens(args.data / "audio")
-    np.savez_compressed(OUT / "whisper_asr.npz", **arrays)
-    meta["versions"] = {"transformers": transformers.__version__, "torch": torch.__version__}
-    (OUT / "whisper_asr.json").write_text(json.dumps(meta, indent=1) + "\n")
-    with tempfile.TemporaryDirectory() as tmp:
-        arrays, meta = qwen2_audio_goldens(args.data / "audio", Path(tmp))
-    np.savez_compressed(OUT / "qwen2_audio_tiny.npz", **arrays)
-    meta["versions"] = {"transformers": transformers.__version__, "torch": torch.__version__}
-    (OUT / "qwen2_audio_tiny.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+    def write(name: str, made: tuple[dict, dict]) -> None:
+        arrays, meta = made
+        np.savez_compressed(OUT / f"{name}.npz", **arrays)
+        meta["versions"] = {"transformers": transformers.__version__, "torch": torch.__version__}
+        (OUT / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+    audio = args.data / "audio"
+    if args.only in (None, "whisper_asr"):
+        write("whisper_asr", whisper_asr_goldens(audio))
+    if args.only in (None, "whisper_longform"):
+        write("whisper_longform", whisper_longform_goldens(audio))
+    if args.only in (None, "qwen2_audio_tiny"):
+        with tempfile.TemporaryDirectory() as tmp:
+            write("qwen2_audio_tiny", qwen2_audio_goldens(audio, Path(tmp)))
 
 
 if __name__ == "__main__":

@@ -98,3 +98,19 @@ def test_generate_on_qwen2_audio_hears_the_clip_without_whisper(tmp_path, shared
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["generated_tokens"] == 3 and out["prompt_tokens"] > 275  # 11 s of audio: 275 <|AUDIO|> tokens
+
+
+def test_transcribe_timestamps_prints_one_timed_line_per_segment(tmp_path, shared_data):
+    """``--timestamps`` on the short clip: transformers' segments (return_timestamps=True),
+    one ``[mm:ss.ss -> mm:ss.ss] text`` line each."""
+    meta = load_meta("whisper_longform")
+    gold = load_arrays("whisper_longform")
+    folder = write_whisper_folder(tmp_path / "whisper-longform-random", meta)
+    proc = run("transcribe", "--whisper", str(folder), "--timestamps", str(shared_data / "audio" / "jfk.wav"))
+    assert proc.returncode == 0, proc.stderr
+    bounds, tokens = gold["short/bounds"], gold["short/tokens"].tolist()
+    expected = []
+    for i, (start, end) in enumerate(gold["short/times"].tolist()):
+        words = " ".join(f"w{t}" for t in tokens[bounds[i] : bounds[i + 1]] if t < meta["n_ordinary"])
+        expected.append(f"[{int(start // 60):02d}:{start % 60:05.2f} -> {int(end // 60):02d}:{end % 60:05.2f}] {words}")
+    assert proc.stdout.splitlines() == expected

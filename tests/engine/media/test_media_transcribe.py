@@ -3,7 +3,7 @@
 tests/golden/make_audio_goldens.py builds a tiny random multilingual Whisper (languages
 en/de/fr, suppress_tokens, begin_suppress_tokens, <|endoftext|> placed where greedy
 decoding reaches it) and stores transformers' greedy ids on ../shared/data/audio/jfk.wav:
-with language detection, with a given language, and for a 33 s clip window by window.
+with language detection, with a given language, and long-form on a 33 s clip.
 """
 
 from __future__ import annotations
@@ -84,17 +84,19 @@ def test_given_language_forces_its_token(transcriber, jfk, gold):
     assert result.segments[0].token_ids == expected
 
 
-def test_long_audio_goes_in_30_second_windows(transcriber, jfk, gold):
-    eot = META["config"]["eos_token_id"]
+def test_long_audio_goes_through_long_form_decoding(transcriber, jfk, gold):
+    """33 s: whole-clip features, timestamped windows. This checkpoint's 18 timestamps never
+    close a segment, so each window is one segment and the next starts 30 s on."""
     long = np.concatenate([jfk, jfk, jfk])
     seen = []
     result = transcriber.transcribe(long, max_new_tokens=META["max_new_tokens"],
                                     on_window=lambda done, total: seen.append((done, total)))
     assert seen == [(1, 2), (2, 2)]
-    assert len(result.segments) == META["long_windows"] == 2
-    assert [(s.start_s, s.end_s) for s in result.segments] == [(0.0, 30.0), (30.0, 33.0)]
+    bounds, tokens = gold["long/bounds"], gold["long/tokens"].tolist()
+    assert len(result.segments) == META["long_windows"] == len(bounds) - 1 == 2
+    assert [(s.start_s, s.end_s) for s in result.segments] == [tuple(t) for t in gold["long/times"].tolist()]
     for w, seg in enumerate(result.segments):
-        assert seg.token_ids == _expected(gold[f"long/window{w}"], eot)[1], f"window {w}"
+        assert seg.token_ids == tokens[bounds[w] : bounds[w + 1]], f"window {w}"
     assert result.text == " ".join(s.text for s in result.segments if s.text)
 
 
