@@ -147,8 +147,9 @@ def generate_step(
 
     if compiled is None:
         compiled = mx.default_device() == mx.gpu
-    # Multimodal prompts decode with shifted positions the compiled step does not model.
-    decoder = compiled_decoder(model) if compiled and inputs is None else None
+    # Multimodal RoPE (Qwen2.5-VL) decodes at shifted positions the compiled step does not
+    # model; media that only adds embeddings (Gemma 3, audio models) decodes as text does.
+    decoder = compiled_decoder(model) if compiled and (inputs is None or inputs.positions is None) else None
     if decoder is not None and not decoder.prepare():
         decoder = None
 

@@ -76,3 +76,34 @@ def test_text_only_positions_are_plain_rope():
     positions = mx.broadcast_to(mx.arange(7)[None, None], (3, 1, 7))
     np.testing.assert_allclose(np.array(host.model(ids, position_ids=positions)), np.array(host.model(ids)),
                                atol=1e-4, rtol=0)
+
+
+def test_compiled_decode_after_an_image_matches_transformers(loaded, shared_data, monkeypatch):
+    """The compiled decode step (a GPU's default) serves the replies to image prompts too,
+    except where multimodal RoPE shifts the positions (Qwen2.5-VL), which decode plainly."""
+    import engine.generate as generate
+    from engine.fast_decode import CompiledDecoder
+
+    name, host = loaded
+    exp = expected(name)
+    plain_step = generate.generate_step
+    monkeypatch.setattr(generate, "generate_step", lambda *a, **k: plain_step(*a, **{**k, "compiled": True}))
+    steps = []
+    real_call = CompiledDecoder.__call__
+
+    def counted(self, tokens, cache):
+        out = real_call(self, tokens, cache)
+        steps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CompiledDecoder, "__call__", counted)
+    path = str(shared_data / "images" / exp["image"])
+    messages = [{"role": "user", "content": [{"type": "image", "image": path}, exp["messages"][0]["content"][1]]}]
+    params = GenerationParams(max_tokens=len(exp["token_ids"]), logprobs=True, ignore_eos=True)
+    result = host.generate("compiled", messages, params)
+    assert result.token_ids == exp["token_ids"]
+    np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=2e-3, rtol=0)
+    if name == "qwen2_5_vl":
+        assert steps == []
+    else:
+        assert sum(steps) == len(exp["token_ids"]) - 1  # every step after the prompt's last token
