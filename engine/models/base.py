@@ -461,6 +461,12 @@ def layer_windows(args) -> list[int | None]:
 # ---- the decoder stack and the causal LM around it ----------------------------------------
 
 
+# Multimodal checkpoints nest the language model under one of these prefixes (the Hub's
+# language_model.*, transformers 5's model.language_model.* in memory).
+NESTED_LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                      ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
+
+
 def strip_prefixes(weights: dict[str, mx.array], prefixes: tuple[tuple[str, str], ...],
                    drop: tuple[str, ...]) -> dict[str, mx.array]:
     """Multimodal checkpoints nest the language model: rename its weights by the first

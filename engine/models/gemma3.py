@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..cache import RotatingKVCache
 from . import gemma2
-from .base import RoPE, layer_types, make_rope, rope_settings, strip_prefixes, text_config
+from .base import NESTED_LM_PREFIXES, RoPE, layer_types, make_rope, rope_settings, strip_prefixes, text_config
 
 
 @dataclass
@@ -99,9 +99,6 @@ class GemmaModel(gemma2.GemmaModel):
                         make_mask=lambda n, c, window: media_mask(c, n, window, bidirectional))
 
 
-# Multimodal checkpoints nest the language model under one of these prefixes.
-_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-             ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
 _OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                  "audio_tower.", "model.audio_tower.")
 
@@ -115,4 +112,4 @@ class Model(gemma2.Model):
         return self.logits(self.model(inputs, cache, input_embeddings, bidirectional))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return super().sanitize(strip_prefixes(weights, _PREFIXES, _OTHER_TOWERS))
+        return super().sanitize(strip_prefixes(weights, NESTED_LM_PREFIXES, _OTHER_TOWERS))

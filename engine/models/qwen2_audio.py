@@ -15,10 +15,9 @@ from typing import Any
 import mlx.core as mx
 
 from . import qwen2
+from .base import NESTED_LM_PREFIXES, strip_prefixes
 
 # Hub checkpoints nest the LM under language_model.; transformers 5 saves model.language_model.
-_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-             ("model.language_model.", "model."), ("language_model.", ""))
 _TOWERS = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
 
 
@@ -41,16 +40,7 @@ class ModelArgs(qwen2.ModelArgs):
 
 class Model(qwen2.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        renamed: dict[str, mx.array] = {}
-        for key, value in weights.items():
-            if key.startswith(_TOWERS):
-                continue
-            for old, new in _PREFIXES:
-                if key.startswith(old):
-                    key = new + key[len(old):]
-                    break
-            renamed[key] = value
-        return super().sanitize(renamed)
+        return super().sanitize(strip_prefixes(weights, NESTED_LM_PREFIXES, _TOWERS))
 
     def load_audio_tower(self, folder: Any) -> Any:
         """The audio tower and projector, read from the model folder (called once, lazily)."""

@@ -16,10 +16,8 @@ from typing import Any
 import mlx.core as mx
 
 from . import llama
+from .base import NESTED_LM_PREFIXES, strip_prefixes
 
-# Hub checkpoints nest the LM under language_model.; transformers 5 keeps model.language_model. in memory.
-_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-             ("model.language_model.", "model."), ("language_model.", ""))
 _TOWERS = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
 
 # VoxtralConfig fills a partial text_config with Voxtral-Mini-3B's settings before
@@ -55,13 +53,4 @@ class ModelArgs(llama.ModelArgs):
 
 class Model(llama.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        renamed: dict[str, mx.array] = {}
-        for key, value in weights.items():
-            if key.startswith(_TOWERS):
-                continue
-            for old, new in _PREFIXES:
-                if key.startswith(old):
-                    key = new + key[len(old):]
-                    break
-            renamed[key] = value
-        return super().sanitize(renamed)
+        return super().sanitize(strip_prefixes(weights, NESTED_LM_PREFIXES, _TOWERS))
