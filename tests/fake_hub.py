@@ -1,12 +1,16 @@
 """A local HTTP server on 127.0.0.1 that answers as the Hugging Face Hub does.
 
 It serves the endpoints huggingface_hub calls: ``/api/models/{repo}/revision/{rev}``
-for the file list, HEAD and GET ``/{repo}/resolve/{rev}/{file}`` with X-Repo-Commit,
-ETag and Content-Length, and ``/api/models`` for search. Tests of the engine's
+for the file list (sizes, git blob ids, LFS sha256 for weights), HEAD and GET
+``/{repo}/resolve/{rev}/{file}`` with X-Repo-Commit, ETag and Content-Length (LFS files
+also X-Linked-Etag / X-Linked-Size, as the Hub sends), and ``/api/models`` for search.
+GET honours ``Range: bytes=N-`` with 206 and Content-Range. Tests of the engine's
 downloads and of the app's model browser share it; no network is used.
 
 ``hold(name)`` makes the server wait before sending that file's bytes until the
 returned event is set, so a test can act (cancel) while a download is under way.
+``ranges`` records the start of every Range request per file; ``ignore_range`` makes
+the server answer 200 with the whole file, as some proxies do.
 """
 
 from __future__ import annotations
@@ -19,6 +23,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
 COMMIT = "c0ffee" + "0" * 34
+LFS_SUFFIXES = (".safetensors", ".gguf", ".bin")  # stored in Git LFS on the Hub
+
+
+def git_blob_id(data: bytes) -> str:
+    """The git object id of a file: the ETag the Hub sends for files kept in git."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def is_lfs(name: str) -> bool:
+    return name.endswith(LFS_SUFFIXES)
 
 
 class FakeHub:
@@ -26,6 +40,9 @@ class FakeHub:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.gets: Counter[str] = Counter()
         self.refuse_search = False
+        self.commit = COMMIT
+        self.ranges: dict[str, list[int]] = {}
+        self.ignore_range = False
         self.held: dict[str, threading.Event] = {}
         handler = self._handler()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -80,9 +97,13 @@ class FakeHub:
                 self.wfile.write(raw)
 
             def listing(self, repo, files):
-                siblings = [{"rfilename": n, "size": len(b), "blobId": hashlib.sha1(b).hexdigest()}
-                            for n, b in files.items()]
-                self.send_json({"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
+                siblings = []
+                for n, b in files.items():
+                    entry = {"rfilename": n, "size": len(b), "blobId": git_blob_id(b)}
+                    if is_lfs(n):
+                        entry["lfs"] = {"sha256": hashlib.sha256(b).hexdigest(), "size": len(b), "pointerSize": 134}
+                    siblings.append(entry)
+                self.send_json({"id": repo, "modelId": repo, "sha": hub.commit, "private": False,
                                 "downloads": 0, "likes": 0, "tags": ["mlx"], "siblings": siblings})
 
             def search(self, query):
@@ -94,18 +115,33 @@ class FakeHub:
                 self.send_json(rows if library in ("mlx", "") else [])
 
             def file(self, repo, name, data, body):
-                self.send_response(200)
-                self.send_header("X-Repo-Commit", COMMIT)
-                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
-                self.send_header("Content-Length", str(len(data)))
+                start = 0
+                asked = self.headers.get("Range") if body else None
+                if asked:
+                    hub.ranges.setdefault(name, []).append(int(asked.split("=")[1].split("-")[0]))
+                    if not hub.ignore_range:
+                        start = int(asked.split("=")[1].split("-")[0])
+                        if start >= len(data):
+                            return self.missing("RangeNotSatisfiable", status=416)
+                self.send_response(206 if start else 200)
+                self.send_header("X-Repo-Commit", hub.commit)
+                if is_lfs(name):  # the Hub's ETag names the pointer; the linked one the content
+                    self.send_header("ETag", '"' + git_blob_id(b"pointer " + name.encode()) + '"')
+                    self.send_header("X-Linked-Etag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                    self.send_header("X-Linked-Size", str(len(data)))
+                else:
+                    self.send_header("ETag", '"' + git_blob_id(data) + '"')
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.send_header("Content-Length", str(len(data) - start))
                 self.end_headers()
                 if body:
                     hub.gets[name] += 1
                     if name in hub.held:
                         hub.held[name].wait(30)
                     try:
-                        for start in range(0, len(data), 1 << 20):
-                            self.wfile.write(data[start : start + (1 << 20)])
+                        for at in range(start, len(data), 1 << 20):
+                            self.wfile.write(data[at : at + (1 << 20)])
                     except (BrokenPipeError, ConnectionResetError):
                         pass  # the client cancelled
 

@@ -285,7 +285,8 @@ class ModelBrowser(QDialog):
         """Download (resuming partial files); progress shows, Cancel stops it."""
         self._cancel_download = cancel = threading.Event()
         self.progress.setVisible(True)
-        self.progress.setValue(0)
+        # Busy until the first figure: a resumed download starts past zero, not at it.
+        self.progress.setRange(0, 0)
         self.cancel_button.setVisible(True)
         self.download_button.setEnabled(False)
         self.download_label.setText(repo_id)

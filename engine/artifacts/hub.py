@@ -2,9 +2,9 @@
 
 The local cache is read directly (``models--org--name/{refs,blobs,snapshots}``), which
 is cheap and works offline; only search and download talk to the Hub, through
-huggingface_hub. Downloads go one file at a time with ``hf_hub_download`` so a cancel
-lands between files or between chunks of one, and files already complete are not
-fetched again when a cancelled download is restarted.
+huggingface_hub. Downloads go one file at a time (hub_resume.py) so a cancel lands
+between files or between chunks of one; a restarted download skips the files already
+complete and continues a stopped one from its last byte.
 """
 
 from __future__ import annotations
@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.artifacts.hub_resume import (
+    ChecksumMismatch,
+    DiskFull,
+    discard_stale_partials,
+    fetch_blob,
+    listed_etag,
+    partial_path,
+)
 from engine.errors import EngineError, ModelLoadError
 
 # What a model download fetches by default: weights, configs, tokenizer, templates.
@@ -293,9 +301,10 @@ def download(
 ) -> Path:
     """Fetch a repo's model files into the HF cache; returns the snapshot folder.
 
-    ``progress(done_bytes, total_bytes)`` follows the whole download; setting ``cancel``
-    stops it between chunks with DownloadCancelled. Files already in the cache count as
-    done at once, so a restarted download continues where it stopped.
+    ``progress(done_bytes, total_bytes)`` follows the whole download and never goes
+    back; setting ``cancel`` stops it between chunks with DownloadCancelled. A restarted
+    download counts the files already in the cache and the bytes kept of a stopped
+    file as done at once, and asks the server only for the rest.
     """
     from huggingface_hub import HfApi, hf_hub_download
 
@@ -309,45 +318,55 @@ def download(
     files = [s for s in info.siblings or [] if any(fnmatch.fnmatch(s.rfilename, p) for p in patterns)]
     if not files:
         raise HubError(f"{repo_id} has no files matching {', '.join(patterns)}")
+    folder = repo_folder(repo_id, cache)
+    blobs = folder / "blobs"
+    # Partial files of blobs this revision no longer has (changed upstream) cannot be resumed.
+    discard_stale_partials(blobs, {e for e in map(listed_etag, info.siblings or []) if e})
     total = sum(s.size or 0 for s in files)
-    state = {"done": 0}
+    on_disk: dict[str, int] = {}  # bytes of each file already here, complete or partial
+    for sibling in files:
+        etag = listed_etag(sibling)
+        partial = partial_path(blobs, etag) if etag else None
+        if _cached_file(repo_id, sibling.rfilename, info.sha, cache) is not None:
+            on_disk[sibling.rfilename] = sibling.size or 0
+        elif partial is not None and partial.is_file():
+            on_disk[sibling.rfilename] = min(partial.stat().st_size, sibling.size or 0)
     lock = threading.Lock()
+    shown = [0]
 
-    def report(n: int) -> None:
+    def report(name: str, n: int, *, stop: bool = True) -> None:
+        if stop and cancel.is_set():
+            raise DownloadCancelled("cancelled")
         with lock:
-            state["done"] += n
-            done = state["done"]
+            on_disk[name] = n
+            # Never backwards: a partial the server would not continue (200 instead of 206)
+            # or that turned out bad is fetched again under a bar that waits for it.
+            shown[0] = done = max(shown[0], sum(on_disk.values()))
         if progress is not None:
             progress(done, total)
 
-    bar = _progress_bar_class(report, cancel)
     if progress is not None:
-        progress(0, total)
+        progress(sum(on_disk.values()), total)
+        shown[0] = sum(on_disk.values())
     for sibling in files:
+        name = sibling.rfilename
         if cancel.is_set():
             raise DownloadCancelled(f"download of {repo_id} cancelled; start it again to continue")
-        already = _cached_file(repo_id, sibling.rfilename, info.sha, cache)
+        if _cached_file(repo_id, name, info.sha, cache) is not None:
+            continue
         try:
-            if already is not None:
-                local = already
-            else:
-                local = Path(
-                    hf_hub_download(
-                        repo_id,
-                        sibling.rfilename,
-                        revision=revision,
-                        cache_dir=str(cache),
-                        endpoint=endpoint,
-                        token=token,
-                        tqdm_class=bar,
-                    )
-                )
+            fetch_blob(repo_id, name, folder=folder, revision=info.sha or revision, endpoint=endpoint,
+                       token=token, position=lambda n, name=name: report(name, n))
+            # The blob is in place: the library links the snapshot and writes the ref itself.
+            hf_hub_download(repo_id, name, revision=revision, cache_dir=str(cache), endpoint=endpoint,
+                            token=token, tqdm_class=_silent_bar())
         except DownloadCancelled:
             raise DownloadCancelled(f"download of {repo_id} cancelled; start it again to continue") from None
+        except (DiskFull, ChecksumMismatch) as e:
+            raise HubError(f"downloading {name} of {repo_id} failed: {e}") from None
         except Exception as e:
-            raise HubError(f"downloading {sibling.rfilename} of {repo_id} failed: {_short(e)}") from None
-        if already is not None:
-            report(sibling.size or local.stat().st_size)
+            raise HubError(f"downloading {name} of {repo_id} failed: {_short(e)}") from None
+        report(name, sibling.size or 0, stop=False)  # a cancel now is seen before the next file
     snap = snapshot_path(repo_id, cache, info.sha or revision)
     if snap is None:
         raise HubError(f"{repo_id} downloaded, but its snapshot is missing from {cache}")
@@ -361,24 +380,16 @@ def _cached_file(repo_id: str, filename: str, commit: str | None, cache: Path) -
     return pointer if pointer.exists() else None
 
 
-def _progress_bar_class(report: Callable[[int], None], cancel: threading.Event) -> type:
-    """A tqdm stand-in for huggingface_hub: counts bytes, raises when cancelled, draws nothing."""
+def _silent_bar() -> type:
     from huggingface_hub.utils import tqdm as hf_tqdm
 
-    class _Bar(hf_tqdm):  # type: ignore[misc, valid-type]
+    class _Silent(hf_tqdm):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["disable"] = True
             kwargs.pop("name", None)
             super().__init__(*args, **kwargs)
 
-        def update(self, n: float | None = 1) -> bool | None:
-            if cancel.is_set():
-                raise DownloadCancelled("cancelled")
-            if n:
-                report(int(n))
-            return None
-
-    return _Bar
+    return _Silent
 
 
 def _short(error: BaseException) -> str:

@@ -84,6 +84,8 @@ def test_search_download_cancel_resume_then_delete(qtbot, make_window, hub, tmp_
         expected = 2 if name == "model.safetensors" else 1
         assert hub.gets[name] == expected, (name, dict(hub.gets))
     assert values[-1] == 1000 and values == sorted(values)  # from the resumed point up to done
+    shown = [v for v in values if v >= 0]  # -1: Qt's busy bar before the first figure
+    assert shown[0] == int(1000 * before_weights / total)  # not back to zero
 
     # The download shows up on the local tab, selected, with its memory badge.
     assert browser.tabs.currentIndex() == 0
