@@ -178,7 +178,6 @@ class Composer(QFrame):
         self.edit.document().setDocumentMargin(2)
         self.edit.submit.connect(self._submit)
         self.edit.escape.connect(self.stop_requested)
-        self.edit.escape.connect(self._cancel_waiting_send)
         self.edit.media_received.connect(self.add_mime)
         self.edit.installEventFilter(self)
         self.send_button = QPushButton("Send", objectName="sendButton")
@@ -322,10 +321,13 @@ class Composer(QFrame):
             self.send_waiting = False
             self._submit()
 
-    def _cancel_waiting_send(self) -> None:
-        if self.send_waiting:
-            self.send_waiting = False
-            emit(self.notice, "Not sent: the message stays here until you send it again.")
+    def cancel_waiting_send(self) -> bool:
+        """Esc while a message waits for its images' check: it stays here, unsent."""
+        if not self.send_waiting:
+            return False
+        self.send_waiting = False
+        emit(self.notice, "Not sent: the message stays here until you send it again.")
+        return True
 
     def add_image(self, image: QImage) -> None:
         """A picture that came as data (pasted screenshot, image dragged from a browser):
