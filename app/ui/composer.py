@@ -57,7 +57,7 @@ from app.ui.images import ImageCheck, check_image, in_background
 
 MIN_EDIT_HEIGHT = 48
 METER_INTERVAL_MS = 80
-WAITING_FOR_CHECK = ("Checking the attached image… the message goes as soon as it is "
+WAITING_FOR_CHECK = ("Checking the attached images… the message goes as soon as they are "
                      "verified (Esc cancels).")
 
 

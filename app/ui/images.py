@@ -80,6 +80,11 @@ def _read_with_pillow(path: str | Path, fit: int | None = None, cover: bool = Fa
             im = im.convert("RGBA" if has_alpha else "RGB")
     except Exception:  # noqa: BLE001 - unreadable: the caller shows a placeholder
         return QImage()
+    return _to_qimage(im)
+
+
+def _to_qimage(im) -> QImage:
+    """An RGB or RGBA Pillow image as a QImage that owns its pixels."""
     fmt = QImage.Format.Format_RGBA8888 if im.mode == "RGBA" else QImage.Format.Format_RGB888
     data = im.tobytes()
     return QImage(data, im.width, im.height, len(im.mode) * im.width, fmt).copy()  # owns its pixels
@@ -92,15 +97,27 @@ def image_problem(path: str | Path) -> str | None:
     truncated JPEG or PNG (whose header alone reads fine) is refused when attached, with
     the words the engine would use, not after the message was sent. Slow for a large
     photo: call it off the GUI thread (``check_image`` does)."""
+    return _decode(path)[0]
+
+
+def _decode(path: str | Path, keep_fit: int | None = None):
+    """(problem, None) or (None, the decoded picture: shrunk to cover ``keep_fit`` px
+    when given, else None)."""
     from engine.errors import MediaError
     from engine.media.image import load_image
 
     with _decoders:
         try:
-            load_image(path)
+            im = load_image(path)
         except MediaError as exc:
-            return str(exc)
-    return None
+            return str(exc), None
+        if not keep_fit:
+            return None, None
+        scale = keep_fit / max(1, min(im.size))
+        if scale < 1:  # to the thumbnail's size while the full bitmap is at hand
+            im = im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))),
+                           reducing_gap=3.0)
+        return None, _to_qimage(im)
 
 
 def thumbnail_image(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8) -> QImage:
@@ -110,6 +127,10 @@ def thumbnail_image(path: str | Path, size: int, ratio: float = 1.0, radius: int
     px = max(1, round(size * ratio))
     with _decoders:
         image = read_image(path, fit=px, cover=True)
+    return _rounded_square(image, px, ratio, radius)
+
+
+def _rounded_square(image: QImage, px: int, ratio: float, radius: int) -> QImage:
     if image.isNull():
         return QImage()
     if min(image.width(), image.height()) < px:  # a small picture: blow it up to the square
@@ -143,9 +164,23 @@ class ImageCheck:
 def check_image(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8) -> ImageCheck:
     """Decode the image in full (the engine's check), then make its thumbnail; the
     thumbnail is skipped for a damaged file, which Qt's decoders would only complain
-    about. Slow: run it with ``in_background``."""
-    problem = image_problem(path)
-    thumb = QImage() if problem is not None else thumbnail_image(path, size, ratio, radius)
+    about. A format only Pillow reads (HEIC, AVIF) is thumbnailed from the checked
+    bitmap instead of being decoded twice. Slow: run it with ``in_background``."""
+    from app.attachments import PILLOW_ONLY_EXT
+
+    px = max(1, round(size * ratio))
+    reuse = Path(path).suffix.lower() in PILLOW_ONLY_EXT
+    try:
+        problem, decoded = _decode(path, keep_fit=px if reuse else None)
+    except Exception as exc:  # noqa: BLE001 - never leave an attachment "checking" for ever
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        problem, decoded = f"{Path(path).name} could not be checked ({why}).", None
+    if problem is not None:
+        thumb = QImage()
+    elif decoded is not None:
+        thumb = _rounded_square(decoded, px, ratio, radius)
+    else:
+        thumb = thumbnail_image(path, size, ratio, radius)
     return ImageCheck(str(path), problem, thumb)
 
 

@@ -229,3 +229,44 @@ def test_removed_during_the_check_stays_removed(qtbot, make_window, run_async, v
     _idle(qtbot)
     assert composer.attachments == [("image", str(good))] and len(composer.strip.items) == 1
     assert composer.checking == []
+
+
+def test_a_message_put_back_is_checked_again(qtbot, make_window, run_async, vision_model, desktop):
+    """A send the window refused hands the message back: its pictures return to the strip,
+    each checked and thumbnailed again in the background."""
+    window = make_window()
+    _load(window, run_async, vision_model)
+    composer = window.composer
+    photo = _noise_picture(desktop / "back.png")
+    composer.restore("again", [("image", str(photo))])
+    assert composer.checking == [str(photo)] and composer.strip.thumbnail_pending(str(photo))
+    shown(qtbot, composer.strip.items[0].item.picture)
+    assert composer.checking == [] and composer.edit.toPlainText() == "again"
+
+
+def test_the_check_never_brings_in_mlx(desktop):
+    """The check runs in the app's process on the engine's opener, which is Pillow only."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    photo = _noise_picture(desktop / "p.jpg")
+    heic = desktop / "p.heic"
+    engine_image.enable_heif()
+    Image.open(photo).save(heic, format="HEIF")
+    script = f"""
+import sys
+from app.qt import QApplication
+app = QApplication([])
+from app.ui.images import check_image
+for path in ({str(photo)!r}, {str(heic)!r}):
+    result = check_image(path, 64)
+    assert result.problem is None and not result.thumb.isNull(), result
+print(",".join(m for m in sys.modules if m == "mlx" or m.startswith("mlx.")))
+"""
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ""
