@@ -89,6 +89,7 @@ from PySide6.QtWidgets import (
     QWidget,
     QWidgetAction,
 )
+from shiboken6 import isValid  # whether a Qt object still exists (work that ends late checks it)
 
 
 

@@ -2,9 +2,8 @@
 
 ``AttachmentStrip`` sits above the composer's text box (each item has a × to remove it
 before sending); ``AttachmentRow`` shows a sent message's attachments in its bubble,
-where clicking an image opens ``ImagePreview``. Images are read by Qt (PNG, JPEG, WebP,
-GIF, BMP), with Pillow as the fallback for what Qt lacks (HEIC/HEIF via pillow-heif, AVIF),
-through the engine's own opener so a photo is turned upright exactly as the model sees it.
+where clicking an image opens ``ImagePreview``. Pictures are decoded off the GUI thread
+(app.ui.images): an image's slot shows a spinner until its thumbnail is ready.
 """
 
 from __future__ import annotations
@@ -17,132 +16,45 @@ from app.qt import (
     QFrame,
     QHBoxLayout,
     QImage,
-    QImageReader,
     QLabel,
-    QPainter,
-    QPainterPath,
     QPixmap,
-    QRectF,
     QScrollArea,
-    QSize,
     Qt,
+    QTimer,
     QToolButton,
     QVBoxLayout,
     QWidget,
     Signal,
     emit,
 )
+from app.ui.images import in_background, read_image, thumbnail_image
 
 THUMB = 64  # composer strip
 BUBBLE_THUMB = 120  # sent messages
-
-
-def read_image(path: str | Path, fit: int | None = None, cover: bool = False) -> QImage:
-    """The image upright (EXIF), scaled down to fit in (or, with ``cover``, to cover) a
-    ``fit`` px square when given; a null QImage when neither Qt nor Pillow can read it.
-    Qt decodes at the reduced size, so a phone photo's thumbnail stays cheap."""
-    mode = (Qt.AspectRatioMode.KeepAspectRatioByExpanding if cover
-            else Qt.AspectRatioMode.KeepAspectRatio)
-    reader = QImageReader(str(path))
-    reader.setAutoTransform(True)
-    if fit and reader.canRead():
-        size = reader.size()  # the box is square, so the EXIF rotation does not matter
-        if size.isValid() and _side(size.width(), size.height(), cover) > fit:
-            reader.setScaledSize(size.scaled(QSize(fit, fit), mode))
-    image = reader.read() if reader.canRead() else QImage()
-    if image.isNull():
-        image = _read_with_pillow(path, fit, cover)
-    if fit and not image.isNull() and _side(image.width(), image.height(), cover) > fit:
-        image = image.scaled(fit, fit, mode, Qt.TransformationMode.SmoothTransformation)
-    return image
-
-
-def _side(width: int, height: int, cover: bool) -> int:
-    return min(width, height) if cover else max(width, height)
-
-
-def _read_with_pillow(path: str | Path, fit: int | None = None, cover: bool = False) -> QImage:
-    """Decode with Pillow (no Qt plug-in for HEIC/AVIF); alpha is kept for the picture.
-    With ``fit``, a HEIC's embedded thumbnail is decoded instead when it is big enough."""
-    try:
-        from PIL import Image
-
-        from engine.media.image import enable_heif, upright  # Pillow only: no mlx
-
-        enable_heif()
-        with Image.open(path) as im:
-            if fit:
-                w, h = im.size
-                scale = fit / max(1, _side(w, h, cover))
-                if scale < 1:
-                    im.draft(None, (max(1, round(w * scale)), max(1, round(h * scale))))
-            im = upright(im)
-            has_alpha = "A" in im.getbands() or im.info.get("transparency") is not None
-            im = im.convert("RGBA" if has_alpha else "RGB")
-    except Exception:  # noqa: BLE001 - unreadable: the caller shows a placeholder
-        return QImage()
-    fmt = QImage.Format.Format_RGBA8888 if im.mode == "RGBA" else QImage.Format.Format_RGB888
-    data = im.tobytes()
-    return QImage(data, im.width, im.height, len(im.mode) * im.width, fmt).copy()  # owns its pixels
-
-
-def image_problem(path: str | Path) -> str | None:
-    """Why the image at ``path`` cannot be sent, in one line (None: nothing found).
-
-    Formats only Pillow reads (HEIC, HEIF, AVIF) are decoded here, through the engine's
-    opener, so a damaged photo is refused when attached, with the engine's own words,
-    not after the message was sent. Formats Qt reads are left to their thumbnail."""
-    from app.attachments import PILLOW_ONLY_EXT
-
-    if Path(path).suffix.lower() not in PILLOW_ONLY_EXT and QImageReader(str(path)).canRead():
-        return None
-    from engine.errors import MediaError
-    from engine.media.image import load_image
-
-    try:
-        load_image(path)
-    except MediaError as exc:
-        return str(exc)
-    return None
-
-
-def thumbnail(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8) -> QPixmap:
-    """A square-cropped thumbnail with rounded corners (``size`` logical px), crisp at
-    the screen's pixel ``ratio``."""
-    px = max(1, round(size * ratio))
-    image = read_image(path, fit=px, cover=True)
-    if image.isNull():
-        return QPixmap()
-    if min(image.width(), image.height()) < px:  # a small picture: blow it up to the square
-        image = image.scaled(px, px, Qt.AspectRatioMode.KeepAspectRatioByExpanding,
-                             Qt.TransformationMode.SmoothTransformation)
-    x, y = (image.width() - px) // 2, (image.height() - px) // 2
-    square = image.copy(x, y, px, px)
-    pixmap = QPixmap(px, px)
-    pixmap.fill(Qt.GlobalColor.transparent)
-    painter = QPainter(pixmap)
-    painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-    clip = QPainterPath()
-    clip.addRoundedRect(QRectF(0, 0, px, px), radius * ratio, radius * ratio)
-    painter.setClipPath(clip)
-    painter.drawImage(0, 0, square)
-    painter.end()
-    pixmap.setDevicePixelRatio(ratio)
-    return pixmap
 
 
 def _ratio(widget: QWidget) -> float:
     return widget.devicePixelRatioF() if widget is not None else 1.0
 
 
+SPINNER = "◐◓◑◒"
+SPIN_MS = 150
+
+
 class _Item(QFrame):
-    """One attachment: an image thumbnail, or an audio chip with the file's name."""
+    """One attachment: an image thumbnail, or an audio chip with the file's name.
+
+    An image starts as a spinner; ``set_thumbnail`` puts the picture in. With ``load``
+    the item reads its own thumbnail in the background (a sent message's bubble);
+    without, whoever attached it delivers one (the composer, after checking the file)."""
 
     clicked = Signal()
 
-    def __init__(self, kind: str, path: str, size: int, parent: QWidget | None = None):
+    def __init__(self, kind: str, path: str, size: int, parent: QWidget | None = None,
+                 load: bool = True):
         super().__init__(parent)
-        self.kind, self.path = kind, path
+        self.kind, self.path, self.size = kind, path, size
+        self.pending = False
         self.setObjectName("attachmentItem")
         self.setToolTip(Path(path).name)
         layout = QHBoxLayout(self)
@@ -150,19 +62,43 @@ class _Item(QFrame):
         self.picture = QLabel(objectName="attachmentThumb")
         self.picture.setAlignment(Qt.AlignmentFlag.AlignCenter)
         if kind == "image":
-            pixmap = thumbnail(path, size, _ratio(parent) if parent else 1.0,
-                               radius=10 if size > THUMB else 8)
-            if pixmap.isNull():
-                self.picture.setText("?")
-            else:
-                self.picture.setPixmap(pixmap)
             self.picture.setFixedSize(size, size)
             self.setCursor(Qt.CursorShape.PointingHandCursor)
+            self._spin = QTimer(self)
+            self._spin.setInterval(SPIN_MS)
+            self._spin.timeout.connect(self._turn)
+            self._frame = 0
+            self.pending = True
+            self.picture.setText(SPINNER[0])
+            self._spin.start()
+            if load:
+                in_background(self, thumbnail_image, path, size, self.ratio(), self.radius,
+                              then=self.set_thumbnail)
         else:
             self.picture.setObjectName("audioChip")
             self.picture.setText(f"♪  {_short(Path(path).name)}")
             self.picture.setFixedHeight(min(size, 36))
         layout.addWidget(self.picture)
+
+    @property
+    def radius(self) -> int:
+        return 10 if self.size > THUMB else 8
+
+    def ratio(self) -> float:
+        return _ratio(self.parentWidget())
+
+    def set_thumbnail(self, image: QImage) -> None:
+        """The picture is ready (a null image: unreadable, shown as "?")."""
+        self.pending = False
+        self._spin.stop()
+        if image.isNull():
+            self.picture.setText("?")
+        else:
+            self.picture.setPixmap(QPixmap.fromImage(image))
+
+    def _turn(self) -> None:
+        self._frame = (self._frame + 1) % len(SPINNER)
+        self.picture.setText(SPINNER[self._frame])
 
     def mouseReleaseEvent(self, event) -> None:  # noqa: N802 - Qt override
         if event.button() == Qt.MouseButton.LeftButton and self.rect().contains(event.position().toPoint()):
@@ -175,7 +111,9 @@ def _short(name: str, limit: int = 28) -> str:
 
 
 class AttachmentStrip(QWidget):
-    """The composer's pending attachments; × removes one (``removed`` gives its index)."""
+    """The composer's pending attachments; × removes one (``removed`` gives its index).
+    Image thumbnails come from the composer (``set_thumbnail``) once it has checked them;
+    an item stays, with its picture, while the list around it changes."""
 
     removed = Signal(int)
     preview_requested = Signal(str)
@@ -191,31 +129,46 @@ class AttachmentStrip(QWidget):
         self.setVisible(False)
 
     def set_items(self, attachments: list[tuple[str, str]]) -> None:
-        for w in self.items:
-            self.row.removeWidget(w)
-            w.deleteLater()
+        kept = {(h.item.kind, h.item.path): h for h in self.items}
         self.items = []
-        for i, (kind, path) in enumerate(attachments):
-            holder = QWidget(self)
-            holder.setObjectName("attachmentHolder")
-            item = _Item(kind, path, THUMB, holder)
-            item.clicked.connect(lambda p=path, k=kind: k == "image" and emit(self.preview_requested, p))
-            close = QToolButton(holder, objectName="removeAttachment", text="×")
-            close.setToolTip(f"Remove {Path(path).name}")
-            close.setCursor(Qt.CursorShape.PointingHandCursor)
-            close.setFixedSize(20, 20)
-            close.clicked.connect(lambda _=False, index=i: emit(self.removed, index))
-            lay = QHBoxLayout(holder)
-            lay.setContentsMargins(0, 6, 6, 0)  # room for the × over the top-right corner
-            lay.addWidget(item)
-            holder.adjustSize()
-            close.move(holder.sizeHint().width() - 20, 0)
-            close.raise_()
-            holder.close_button = close
-            holder.item = item
-            self.row.insertWidget(i, holder)
+        for kind, path in attachments:
+            holder = kept.pop((kind, path), None) or self._holder(kind, path)
+            self.row.removeWidget(holder)
+            self.row.insertWidget(len(self.items), holder)
             self.items.append(holder)
+        for holder in kept.values():
+            self.row.removeWidget(holder)
+            holder.deleteLater()
         self.setVisible(bool(attachments))
+
+    def set_thumbnail(self, path: str, image: QImage) -> None:
+        for holder in self.items:
+            if holder.item.kind == "image" and holder.item.path == path:
+                holder.item.set_thumbnail(image)
+
+    def thumbnail_pending(self, path: str) -> bool:
+        return any(h.item.path == path and h.item.pending for h in self.items)
+
+    def _holder(self, kind: str, path: str) -> QWidget:
+        holder = QWidget(self)
+        holder.setObjectName("attachmentHolder")
+        item = _Item(kind, path, THUMB, holder, load=False)
+        item.clicked.connect(lambda p=path, k=kind: k == "image" and emit(self.preview_requested, p))
+        close = QToolButton(holder, objectName="removeAttachment", text="×")
+        close.setToolTip(f"Remove {Path(path).name}")
+        close.setCursor(Qt.CursorShape.PointingHandCursor)
+        close.setFixedSize(20, 20)
+        close.clicked.connect(lambda _=False, h=holder: h in self.items
+                              and emit(self.removed, self.items.index(h)))
+        lay = QHBoxLayout(holder)
+        lay.setContentsMargins(0, 6, 6, 0)  # room for the × over the top-right corner
+        lay.addWidget(item)
+        holder.adjustSize()
+        close.move(holder.sizeHint().width() - 20, 0)
+        close.raise_()
+        holder.close_button = close
+        holder.item = item
+        return holder
 
 
 class AttachmentRow(QWidget):
@@ -238,22 +191,19 @@ class AttachmentRow(QWidget):
 
 
 class ImagePreview(QDialog):
-    """The image at up to 80% of the screen, closed with Esc or a click."""
+    """The image at up to 80% of the screen, closed with Esc or a click. It opens at
+    once, saying "Loading…" while the picture is decoded in the background."""
 
     def __init__(self, path: str, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("imagePreview")
         self.setWindowTitle(Path(path).name)
+        self.path = path
         screen = (parent.screen() if parent is not None else QApplication.primaryScreen())
         area = screen.availableGeometry() if screen is not None else None
         fit = int(min(area.width(), area.height()) * 0.8) if area is not None else 900
-        image = read_image(path, fit=fit)
-        self.label = QLabel(objectName="previewImage")
+        self.label = QLabel("Loading…", objectName="previewImage")
         self.label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        if image.isNull():
-            self.label.setText(f"{Path(path).name} cannot be shown (the file is missing or unreadable).")
-        else:
-            self.label.setPixmap(QPixmap.fromImage(image))
         scroll = QScrollArea()
         scroll.setWidget(self.label)
         scroll.setWidgetResizable(True)
@@ -261,8 +211,15 @@ class ImagePreview(QDialog):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)
         layout.addWidget(scroll)
-        if not image.isNull():
-            self.resize(image.width() + 20, image.height() + 20)
+        self.resize(320, 240)
+        in_background(self, read_image, path, fit, then=self._show)
+
+    def _show(self, image: QImage) -> None:
+        if image.isNull():
+            self.label.setText(f"{Path(self.path).name} cannot be shown (the file is missing or unreadable).")
+            return
+        self.label.setPixmap(QPixmap.fromImage(image))
+        self.resize(image.width() + 20, image.height() + 20)
 
     def mouseReleaseEvent(self, event) -> None:  # noqa: N802 - Qt override
         self.accept()

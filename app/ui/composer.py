@@ -5,6 +5,13 @@ or the microphone. Images show as removable thumbnails above the text and go wit
 message; a model that cannot see them refuses them at once, saying what to load. Audio
 goes with the message when the model listens to audio; otherwise it is handed on for
 transcription (``transcribe_requested``) and the transcript lands here, editable.
+
+An image is attached at once and checked in the background: decoded in full by the
+engine's opener, then thumbnailed. A damaged one is taken off again with the engine's
+reason. Sending while a check runs waits for it: the text stays in the box and the
+message goes by itself when the check passes (Esc cancels the wait); a failed check
+keeps the message here with the reason shown, since a question about a picture makes
+little sense without it.
 """
 
 from __future__ import annotations
@@ -45,10 +52,13 @@ from app.qt import (
     emit,
 )
 from app.resources import resource_path
-from app.ui.attachment_strip import AttachmentStrip, ImagePreview, image_problem
+from app.ui.attachment_strip import THUMB, AttachmentStrip, ImagePreview
+from app.ui.images import ImageCheck, check_image, in_background
 
 MIN_EDIT_HEIGHT = 48
 METER_INTERVAL_MS = 80
+WAITING_FOR_CHECK = ("Checking the attached images… the message goes as soon as they are "
+                     "verified (Esc cancels).")
 
 
 def _patterns(exts: set[str]) -> str:
@@ -122,6 +132,10 @@ class Composer(QFrame):
         self.vision: bool | None = None  # None: no model loaded
         self.audio = False
         self.busy = False
+        # Images being checked, by path, each with the token of its latest check: a
+        # result whose token is no longer here (removed, or attached again) is dropped.
+        self._checks: dict[str, object] = {}
+        self.send_waiting = False  # Send was pressed while a check ran: send when it ends
         # Builds the microphone Recorder (tests hand in one over a fake stream). The
         # recorder module, with numpy, is imported on the first take, not at startup.
         self.recorder_factory: Callable[[], Any] | None = None
@@ -226,6 +240,12 @@ class Composer(QFrame):
             # The model changed since the images were attached: keep everything, say why.
             emit(self.refused, NO_VISION)
             return
+        if self._checks:  # sent by itself once the images are verified (see the docstring)
+            if not self.send_waiting:
+                self.send_waiting = True
+                emit(self.notice, WAITING_FOR_CHECK)
+            return
+        self.send_waiting = False
         self.edit.clear()
         attachments = self.attachments
         self.attachments = []
@@ -238,13 +258,17 @@ class Composer(QFrame):
             self.edit.setPlainText(text)
         self.attachments = list(attachments) + [a for a in self.attachments if a not in attachments]
         self.strip.set_items(self.attachments)
+        for kind, path in attachments:  # back in the strip: checked and thumbnailed again
+            if kind == "image" and path not in self._checks and self.strip.thumbnail_pending(path):
+                self._check(path)
 
     # ---- attachments -------------------------------------------------------------------
 
     def add_files(self, paths: list[str]) -> None:
         """Attach files (drop, paste, picker): refused ones say why; audio for a model
-        without audio input goes to transcription."""
-        added = False
+        without audio input goes to transcription. Images are attached at once and
+        checked in the background (a damaged one is taken off again, with the reason)."""
+        added: list[tuple[str, str]] = []
         for path in paths:
             why = refusal(path, self.vision)
             if why is not None:
@@ -257,15 +281,53 @@ class Composer(QFrame):
             if not Path(path).is_file():
                 emit(self.refused, f"{Path(path).name} cannot be read: the file is missing.")
                 continue
-            if kind == "image" and (why := image_problem(path)) is not None:
-                emit(self.refused, why)  # a damaged photo: said now, not after sending
-                continue
             if (kind, path) not in self.attachments:
                 self.attachments.append((kind, path))
-                added = True
+                added.append((kind, path))
         if added:
             self.strip.set_items(self.attachments)
+            for kind, path in added:
+                if kind == "image":
+                    self._check(path)
             self.edit.setFocus()
+
+    @property
+    def checking(self) -> list[str]:
+        """The attached images whose check has not come back yet."""
+        return list(self._checks)
+
+    def _check(self, path: str) -> None:
+        token = object()
+        self._checks[path] = token
+        in_background(self, check_image, path, THUMB, self.devicePixelRatioF(),
+                      then=lambda result: self._checked(result, token))
+
+    def _checked(self, result: ImageCheck, token: object) -> None:
+        if self._checks.get(result.path) is not token:
+            return  # removed while it was checked (or attached again: a newer check owns it)
+        del self._checks[result.path]
+        if result.problem is not None:
+            # A damaged photo: taken off, and a message waiting for it stays here.
+            self.attachments = [a for a in self.attachments if a != ("image", result.path)]
+            self.strip.set_items(self.attachments)
+            self.send_waiting = False
+            emit(self.refused, result.problem)
+            return
+        self.strip.set_thumbnail(result.path, result.thumb)
+        self._send_if_ready()
+
+    def _send_if_ready(self) -> None:
+        if self.send_waiting and not self._checks:
+            self.send_waiting = False
+            self._submit()
+
+    def cancel_waiting_send(self) -> bool:
+        """Esc while a message waits for its images' check: it stays here, unsent."""
+        if not self.send_waiting:
+            return False
+        self.send_waiting = False
+        emit(self.notice, "Not sent: the message stays here until you send it again.")
+        return True
 
     def add_image(self, image: QImage) -> None:
         """A picture that came as data (pasted screenshot, image dragged from a browser):
@@ -302,8 +364,10 @@ class Composer(QFrame):
 
     def remove_attachment(self, index: int) -> None:
         if 0 <= index < len(self.attachments):
-            del self.attachments[index]
+            _, path = self.attachments.pop(index)
+            self._checks.pop(path, None)  # a check still running is ignored when it ends
             self.strip.set_items(self.attachments)
+            self._send_if_ready()
 
     def _folder(self) -> Path:
         if self.data_dir is None:

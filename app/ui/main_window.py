@@ -263,6 +263,8 @@ class MainWindow(QMainWindow):
             self.composer.restore(text, attachments)
 
     def stop(self) -> None:
+        if self.composer.cancel_waiting_send():  # Esc first takes back a send still waiting
+            return
         if self.chat.stop():
             self.notify("Stopping…")
         elif self.bridge.active_load is not None:

@@ -17,11 +17,11 @@ from PIL import Image
 
 from app.attachments import media_kind, mime_type, refusal
 from app.qt import QApplication, QFileOpenEvent, QImage, QMimeData, Qt
-from app.ui.attachment_strip import image_problem, read_image
+from app.ui.images import image_problem, read_image
 from app.ui.composer import PICK_FILTER
 from app.ui.file_open import install_file_open
 from engine.media.image import enable_heif
-from tests.app.test_app_images import GEMMA, SEND, drop, url_mime
+from tests.app.test_app_images import GEMMA, SEND, drop, open_preview, shown, url_mime
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints", "does not support raise")  # offscreen noise
 
@@ -106,8 +106,7 @@ def test_dropped_heic_is_thumbnailed_sent_and_kept(qtbot, make_window, run_async
     event = drop(window.composer, url_mime(heic))
     assert event.isAccepted()
     assert window.composer.attachments == [("image", str(heic))]
-    strip_thumb = window.composer.strip.items[0].item.picture.pixmap()
-    _assert_upright(strip_thumb.toImage())
+    _assert_upright(shown(qtbot, window.composer.strip.items[0].item.picture))
 
     window.composer.edit.setPlainText("What is in this photo?")
     with qtbot.wait_signal(window.chat.reply_finished, timeout=120_000) as blocker:
@@ -128,11 +127,8 @@ def test_dropped_heic_is_thumbnailed_sent_and_kept(qtbot, make_window, run_async
     assert mime == "image/heic"
     row = window.chat_view.widgets[user.id].attachment_row
     assert row is not None and len(row.items) == 1
-    _assert_upright(row.items[0].picture.pixmap().toImage())
-    qtbot.mouseClick(row.items[0], Qt.MouseButton.LeftButton)
-    previews = [w for w in QApplication.topLevelWidgets()
-                if w.objectName() == "imagePreview" and w.isVisible()]
-    assert previews
+    _assert_upright(shown(qtbot, row.items[0].picture))
+    previews = open_preview(qtbot, row.items[0])
     _assert_upright(previews[0].label.pixmap().toImage())
     for p in previews:
         p.close()
@@ -159,4 +155,4 @@ def test_heic_opened_by_the_system_or_pasted_as_data(qtbot, make_window, run_asy
     kind, pasted = window.composer.attachments[1]
     assert kind == "image" and pasted.endswith(".heic")
     assert Path(pasted).read_bytes() == heic.read_bytes()
-    _assert_upright(window.composer.strip.items[1].item.picture.pixmap().toImage())
+    _assert_upright(shown(qtbot, window.composer.strip.items[1].item.picture))

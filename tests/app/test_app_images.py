@@ -80,6 +80,22 @@ def url_mime(*paths: Path) -> QMimeData:
     return mime
 
 
+def shown(qtbot, label) -> QImage:
+    """The picture a thumbnail or preview label shows, once its background decode is in."""
+    qtbot.waitUntil(lambda: not label.pixmap().isNull(), timeout=30_000)
+    return label.pixmap().toImage()
+
+
+def open_preview(qtbot, item):
+    """Click a sent thumbnail; the preview that opens, with its picture decoded."""
+    qtbot.mouseClick(item, Qt.MouseButton.LeftButton)
+    previews = [w for w in QApplication.topLevelWidgets()
+                if w.objectName() == "imagePreview" and w.isVisible()]
+    assert previews
+    shown(qtbot, previews[0].label)
+    return previews
+
+
 def _load(window, run_async, path: Path) -> None:
     assert run_async(window.load_model(str(path)))
     window.store.update_conversation(window.chat.conversation_id, settings=SEND)
@@ -96,7 +112,9 @@ def test_drop_send_and_find_it_after_a_restart(qtbot, make_window, run_async, vi
     assert event.isAccepted()
     assert window.composer.attachments == [("image", str(photo))]
     holder = window.composer.strip.items[0]
-    assert window.composer.strip.isVisible() and not holder.item.picture.pixmap().isNull()
+    assert window.composer.strip.isVisible()
+    assert not shown(qtbot, holder.item.picture).isNull()  # checked and thumbnailed
+    assert window.composer.checking == []
 
     window.composer.edit.setPlainText("What is in this picture?")
     with qtbot.wait_signal(window.chat.reply_finished, timeout=120_000) as blocker:
@@ -114,7 +132,7 @@ def test_drop_send_and_find_it_after_a_restart(qtbot, make_window, run_async, vi
     user = window.store.thread(conv)[0]
     assert user.attachments == [("image", str(stored))]
     bubble = window.chat_view.widgets[user.id].attachment_row
-    assert bubble is not None and not bubble.items[0].picture.pixmap().isNull()
+    assert bubble is not None and not shown(qtbot, bubble.items[0].picture).isNull()
     assert window.store.message(reply_id).content == result.text
     window.close()
     window.store.close()
@@ -126,18 +144,14 @@ def test_drop_send_and_find_it_after_a_restart(qtbot, make_window, run_async, vi
     assert user.attachments == [("image", str(stored))]
     row = again.chat_view.widgets[user.id].attachment_row
     assert row is not None and len(row.items) == 1
-    assert not row.items[0].picture.pixmap().isNull()
+    assert not shown(qtbot, row.items[0].picture).isNull()
     with sqlite3.connect(data / "history.sqlite3") as db:
         kind, path, mime = db.execute(
             "SELECT kind, path, mime FROM attachments WHERE message_id=?", (user.id,)).fetchone()
     assert (kind, path, mime) == ("image", str(stored), "image/png")
 
     # Clicking the thumbnail opens the larger preview.
-    qtbot.mouseClick(row.items[0], Qt.MouseButton.LeftButton)
-    previews = [w for w in QApplication.topLevelWidgets()
-                if w.objectName() == "imagePreview" and w.isVisible()]
-    assert previews and not previews[0].label.pixmap().isNull()
-    for p in previews:
+    for p in open_preview(qtbot, row.items[0]):
         p.close()
 
     # An edited question keeps its picture, and the reply still sees it.
