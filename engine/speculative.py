@@ -373,8 +373,9 @@ def speculative_step(
     def forward(fed: mx.array, n: int) -> mx.array:
         """Lazy logits [n, V] for the last ``n`` of the fed ids."""
         if head_row[0] is not None:
-            embeddings = mx.concatenate([head_row[0], model.embed(fed[None, 1:])[0]]) if fed.shape[0] > 1 else head_row[0]
-            head_row[0] = None
+            embeddings, head_row[0] = head_row[0], None
+            if fed.shape[0] > 1:  # the drafts after it are text
+                embeddings = mx.concatenate([embeddings, model.embed(fed[None, 1:])[0]])
             return model(fed[None], cache=cache, input_embeddings=embeddings[None])[0, -n:]
         if decoder is not None and n == fed.shape[0]:
             out = decoder(fed, cache)  # a one-token step, or the drafts' verification
