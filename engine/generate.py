@@ -321,11 +321,14 @@ def stream_generate(
         inputs=inputs,
     )
     # Speculative decoding stands in for the plain loop (a generator: never started, costs
-    # nothing). Drafters see token ids only, so a prompt carrying image or audio features
-    # decodes plainly.
-    if drafter is not None and inputs is None:
+    # nothing). Media that only replaces prompt embeddings (Gemma 3 images, audio) goes into
+    # the target's prefill; drafters work on the ids, placeholders included. Multimodal RoPE
+    # (Qwen2.5-VL: inputs.positions) decodes plainly: its replies continue at positions
+    # shifted by the media, which verification passes and draft models know nothing of.
+    if drafter is not None and (inputs is None or inputs.positions is None):
         tokens = _speculative_tokens(
-            prompt_ids, model, cache, drafter, params, processors, stats, cancel, on_progress, context_ids
+            prompt_ids, model, cache, drafter, params, processors, stats, cancel, on_progress, context_ids,
+            inputs,
         )
     by_stop_string = False
     for token, lp in tokens:
@@ -402,6 +405,7 @@ def _speculative_tokens(
     cancel: threading.Event | None,
     on_progress: ProgressCallback | None,
     context_ids: Sequence[int] | None,
+    inputs: PromptInputs | None,
 ) -> Iterator[tuple[int, float | None]]:
     """The speculative counterpart of ``generate_step``: same yields, drafts counted in ``stats``."""
     from .speculative import speculative_step
@@ -421,6 +425,7 @@ def _speculative_tokens(
         cancel=cancel,
         history=list(context_ids) if context_ids else None,
         on_progress=on_progress,
+        inputs=inputs,
     )
 
 

@@ -12,7 +12,8 @@ The cache also remembers which adapters were active when it was filled
 never reused under another, so a change of adapters starts the cache afresh.
 
 With a draft model for speculative decoding, the session keeps the draft's cache too and
-reuses its prefix the same way (the draft model has no adapters, so only ids matter).
+reuses its prefix the same way (the draft model has no adapters, so only ids matter; it
+reads media placeholders as ids and never the media, so two photos share its prefix).
 
 Messages may carry images and audio (content parts). Their placeholder tokens are
 compared by per-token keys that name the media content, so two different photos never

@@ -33,7 +33,7 @@ from .api import GenerationStats, SamplingParams
 from .cache import make_prompt_cache, trim_prompt_cache
 from .errors import EngineError
 from .fast_decode import compiled_decoder
-from .generate import ProgressCallback, prefill
+from .generate import ProgressCallback, PromptInputs, prefill
 from .sampling import LogitsProcessor, filter_logits
 
 # How far back logits processors (repetition penalty) look; as in the plain decode loop.
@@ -97,7 +97,15 @@ class DraftModelDrafter:
     Drafting never waits for the device: the k steps are built lazily (each queued with
     ``async_eval`` so the device starts while Python builds the next), and the target's
     verification reads them back in its one sync. One-token steps go through the model's
-    ``CompiledDecoder`` where it applies (``compiled``: None = on a GPU only)."""
+    ``CompiledDecoder`` where it applies (``compiled``: None = on a GPU only).
+
+    The draft model reads token ids only. For a prompt with images or audio it reads the
+    placeholder ids where the target reads media features, as mlx-lm's drafters do: it cannot
+    see the media, but its cache stays aligned one to one with the history (prefix reuse by
+    ids, rewinds by count), and what follows the media is ordinary text it can predict. An id
+    past its embedding table (a multimodal target's media token, or a special token only the
+    target has; Gemma 3's image token is one past Gemma 3 1B's table) is fed as id 0: it
+    means nothing to the draft either way, and looking it up would read outside the table."""
 
     def __init__(self, model: Any, cache: list | None = None, max_draft: int = 4, prefill_chunk: int = 512,
                  compiled: bool | None = None):
@@ -108,6 +116,12 @@ class DraftModelDrafter:
         self.usable = True
         self.compiled = compiled
         self._decoder: Any = False  # False: not looked up yet
+        self.rows = _embedding_rows(model)
+
+    def _known(self, ids: list[int]) -> list[int]:
+        """``ids`` with those past the draft's embedding table replaced by 0."""
+        rows = self.rows
+        return ids if rows is None else [t if t < rows else 0 for t in ids]
 
     @property
     def offset(self) -> int:
@@ -134,13 +148,13 @@ class DraftModelDrafter:
         if self.offset >= len(history) or not self._can_take(len(history) - self.offset + k):
             self.usable = False  # a wrapped sliding window cannot be rewound
             return [], None
-        unseen = history[self.offset :]
+        unseen = self._known(history[self.offset :])
         if len(unseen) > _LAZY_FEED:
             prefill(self.model, mx.array(unseen[:-1], dtype=mx.uint32), self.cache, chunk=self.prefill_chunk)
             unseen = unseen[-1:]
         # Usually the last accepted draft and the target's token: one pass feeds both.
         logits = self._step(mx.array(unseen, dtype=mx.uint32))
-        recent = mx.array(history[-_HISTORY_WINDOW:], dtype=mx.uint32)
+        recent = mx.array(self._known(history[-_HISTORY_WINDOW:]), dtype=mx.uint32)
         tokens: list[mx.array] = []
         probs: list[mx.array] = []
         for i in range(k):
@@ -158,6 +172,17 @@ class DraftModelDrafter:
         extra = self.offset - valid
         if extra > 0 and trim_prompt_cache(self.cache, extra) != extra:
             self.usable = False
+
+
+def _embedding_rows(model: Any) -> int | None:
+    """How many ids the model's embedding table holds (None: cannot tell)."""
+    table = getattr(model, "embed_tokens", None)
+    rows = getattr(table, "num_embeddings", None)  # a quantized table
+    if rows is None and getattr(table, "weight", None) is not None:
+        rows = table.weight.shape[0]
+    if rows is None:
+        rows = getattr(getattr(model, "args", None), "vocab_size", None)
+    return int(rows) if rows is not None else None
 
 
 def _decoder_for(model: Any, compiled: bool | None) -> Any:
@@ -272,6 +297,7 @@ def speculative_step(
     history: Sequence[int] | None = None,
     on_progress: ProgressCallback | None = None,
     compiled: bool | None = None,
+    inputs: PromptInputs | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens, like
     ``engine.generate.generate_step`` but drafting and verifying several tokens per pass.
@@ -285,12 +311,23 @@ def speculative_step(
     prefill, as in ``generate_step``. ``compiled`` as there: one-token target steps (and a
     draft model's steps) use the compiled decoder; None = on a GPU only.
 
+    ``inputs`` carries a prompt's media (embeddings with image or audio features spliced in,
+    Gemma 3's bidirectional image blocks), offsets into ``prompt``: the prefill and the first
+    pass, which feeds the prompt's last id, use them; every later pass is text. Multimodal
+    RoPE (``inputs.positions``) is refused: its decode positions are shifted, and verification
+    passes do not model that shift.
+
     Each round (draft, verify, accept) waits for the device once: drafting, verification and
     acceptance are one lazy graph, and a single array of results comes back to the host.
     """
     ids = [int(t) for t in prompt]
     if not ids:
         raise EngineError("nothing to generate from: the prompt has no tokens")
+    if inputs is not None and inputs.positions is not None:
+        raise EngineError(
+            "speculative decoding cannot follow multimodal RoPE positions (Qwen2.5-VL images): "
+            "decode this prompt without a drafter"
+        )
     if max_tokens <= 0:
         return
     params = sampling or SamplingParams()
@@ -329,8 +366,17 @@ def speculative_step(
         token = mx.random.categorical(mx.log(q), key=next_key())
         return token.reshape(1).astype(mx.uint32), q
 
+    # The prompt's last id is fed by the first pass (a verification or a plain step); its
+    # embedding may be part of a media run, so that pass takes embeddings, not ids.
+    head_row = [inputs.embeddings[-1:] if inputs is not None and inputs.embeddings is not None else None]
+
     def forward(fed: mx.array, n: int) -> mx.array:
         """Lazy logits [n, V] for the last ``n`` of the fed ids."""
+        if head_row[0] is not None:
+            embeddings, head_row[0] = head_row[0], None
+            if fed.shape[0] > 1:  # the drafts after it are text
+                embeddings = mx.concatenate([embeddings, model.embed(fed[None, 1:])[0]])
+            return model(fed[None], cache=cache, input_embeddings=embeddings[None])[0, -n:]
         if decoder is not None and n == fed.shape[0]:
             out = decoder(fed, cache)  # a one-token step, or the drafts' verification
             if out is not None:
@@ -338,7 +384,8 @@ def speculative_step(
         return model(fed[None], cache=cache)[0, -n:]
 
     prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
-    if not prefill(model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress):
+    if not prefill(model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress,
+                   inputs=inputs):
         return
     pending = ids[-1:]  # ids whose keys/values the target has not computed yet
     speculate = k_max > 0
