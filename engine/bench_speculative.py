@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from typing import Any
 
 from .bench import Timing, measure_interleaved, mlx_lm_twin, with_runs
@@ -156,7 +155,7 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
     import mlx.core as mx
 
     from .errors import EngineError
-    from .speculative import DraftModelDrafter, NgramDrafter
+    from .drafters import DraftModelDrafter, NgramDrafter
 
     mode, k, gen, repeat = args.speculative, args.num_draft, args.generation_tokens, args.repeat
     if k < 1 or args.ngram_size < 1:

@@ -28,7 +28,7 @@ from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sam
 ProgressCallback = Callable[[int, int], None]
 
 # How far back logits processors (repetition penalty) may look.
-_HISTORY_WINDOW = 1024
+HISTORY_WINDOW = 1024
 
 
 def _cache_arrays(cache: Sequence[Any]) -> list[Any]:
@@ -142,7 +142,7 @@ def generate_step(
         return
     sample = sampler or (lambda x: mx.argmax(x, axis=-1))
     processors = list(logits_processors)
-    window = _HISTORY_WINDOW
+    window = HISTORY_WINDOW
     recent = (history if history is not None else prompt)[-window:] if processors else None
 
     if compiled is None:
@@ -386,7 +386,7 @@ def stream_generate(
 
 
 def _drafter_for(params: GenerationParams) -> Any:
-    from .speculative import make_drafter
+    from .drafters import make_drafter
 
     return make_drafter(
         params.speculative, ngram_size=params.ngram_size, num_draft_tokens=params.num_draft_tokens,

@@ -310,7 +310,7 @@ class ModelHost:
         model leaves the current one in place."""
         self._check_thread()
         from .artifacts.loader import load_model
-        from .speculative import check_draft_compatible
+        from .drafters import check_draft_compatible
 
         state = self._need()
         if path is None:

@@ -34,7 +34,7 @@ from .api import GenerationParams, GenerationResult, MediaInput
 from .errors import EngineError, MediaError
 from .generate import Piece, PromptInputs, ProgressCallback, stream_generate
 from .sampling import validate_sampling
-from .speculative import make_drafter
+from .drafters import make_drafter
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -12,7 +12,8 @@ from engine import adapters
 from engine.api import GenerationStats
 from engine.cache import make_prompt_cache
 from engine.models import get_family
-from engine.speculative import DraftModelDrafter, speculative_step
+from engine.drafters import DraftModelDrafter
+from engine.speculative import speculative_step
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "adapters"
 

@@ -10,15 +10,9 @@ from spec_models import make_llama, plain_greedy, plain_logprobs
 from engine.api import GenerationStats, SamplingParams
 from engine.cache import make_prompt_cache, trim_prompt_cache
 from engine.errors import EngineError
-from engine.generate import prefill
 from engine.sampling import make_logits_processors
-from engine.speculative import (
-    DraftModelDrafter,
-    NgramDrafter,
-    check_draft_compatible,
-    speculative_decode,
-    speculative_step,
-)
+from engine.drafters import DraftModelDrafter, NgramDrafter, check_draft_compatible
+from engine.speculative import speculative_decode, speculative_step
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
 N = 40

@@ -193,7 +193,8 @@ def test_a_prompt_ending_inside_the_audio_run_feeds_its_last_feature(voxtral, sh
     from engine.api import MediaInput
     from engine.cache import make_prompt_cache
     from engine.generate import generate_step
-    from engine.speculative import DraftModelDrafter, NgramDrafter, speculative_step
+    from engine.drafters import DraftModelDrafter, NgramDrafter
+    from engine.speculative import speculative_step
 
     chat = voxtral.session("cut")
     template = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "hi"}]}]

@@ -24,7 +24,8 @@ from engine.cache import make_prompt_cache, trim_prompt_cache
 from engine.generate import PromptInputs, prefill
 from engine.host import ModelHost
 from engine.sampling import filter_logits
-from engine.speculative import DraftModelDrafter, speculative_step
+from engine.drafters import DraftModelDrafter
+from engine.speculative import speculative_step
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 SAMPLES = 1200

@@ -20,7 +20,8 @@ from engine.api import GenerationStats, SamplingParams
 from engine.cache import make_prompt_cache, trim_prompt_cache
 from engine.generate import prefill
 from engine.sampling import filter_logits
-from engine.speculative import DraftModelDrafter, NgramDrafter, speculative_step
+from engine.drafters import DraftModelDrafter, NgramDrafter
+from engine.speculative import speculative_step
 
 VOCAB = 8
 SAMPLES = 1200

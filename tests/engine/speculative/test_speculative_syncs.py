@@ -10,7 +10,8 @@ from spec_models import make_llama, plain_greedy
 
 from engine.api import GenerationStats, SamplingParams
 from engine.cache import make_prompt_cache
-from engine.speculative import DraftModelDrafter, NgramDrafter, speculative_step
+from engine.drafters import DraftModelDrafter, NgramDrafter
+from engine.speculative import speculative_step
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
 
