@@ -69,6 +69,7 @@ class _Item(QFrame):
             self._spin.timeout.connect(self._turn)
             self._frame = 0
             self.pending = True
+            self.picture.setProperty("pending", True)  # a grey tile (style.qss) until the picture comes
             self.picture.setText(SPINNER[0])
             self._spin.start()
             if load:
@@ -91,6 +92,9 @@ class _Item(QFrame):
         """The picture is ready (a null image: unreadable, shown as "?")."""
         self.pending = False
         self._spin.stop()
+        self.picture.setProperty("pending", False)
+        self.picture.style().unpolish(self.picture)
+        self.picture.style().polish(self.picture)
         if image.isNull():
             self.picture.setText("?")
         else:
