@@ -14,7 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from app.attachments import NO_VISION, keep_file, message_content
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
 from app.qt import QObject, QTimer, Signal, emit
 from app.store import HistoryStore, Message, StoreError
 from app.tasks import spawn
@@ -61,6 +61,7 @@ class ChatController(QObject):
         self.conversation_id: int | None = None
         self.reply_id: int | None = None  # the assistant message being streamed
         self._waiting: asyncio.Future | None = None  # a send waiting for the model to load
+        self._keeping = False  # a send copying its attachments into the data folder
         self.plain_tps: dict[str, float] = {}  # model path -> last plain decoding speed
         self._answer = ""
         self._reasoning = ""
@@ -82,7 +83,7 @@ class ChatController(QObject):
 
     @property
     def busy(self) -> bool:
-        return self.reply_id is not None or self._waiting is not None
+        return self.reply_id is not None or self._waiting is not None or self._keeping
 
     # ---- showing a conversation ---------------------------------------------------------
 
@@ -138,12 +139,19 @@ class ChatController(QObject):
         if any(kind == "image" for kind, _ in attachments) and info is not None and not info.vision:
             emit(self.failed, NO_VISION)
             return False
+        def keep_all() -> list[tuple[str, str]]:
+            return [(kind, str(keep_file(self.store.data_dir, path))) for kind, path in attachments]
+
+        # Hashing and copying a large recording or photo would stall the window.
+        self._keeping = True
         try:
-            kept = [(kind, str(keep_file(self.store.data_dir, path))) for kind, path in attachments]
+            kept = await run_in_thread(keep_all) if attachments else []
         except OSError as exc:
             emit(self.failed, f"Could not keep the attachment {Path(exc.filename or '').name}: "
                               f"{exc.strerror or exc}. Attach it again.")
             return False
+        finally:
+            self._keeping = False
         try:
             if self.conversation_id is None:
                 self.conversation_id = self.store.create_conversation()

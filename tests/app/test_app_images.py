@@ -102,7 +102,15 @@ def _load(window, run_async, path: Path) -> None:
 
 
 def test_drop_send_and_find_it_after_a_restart(qtbot, make_window, run_async, vision_model,
-                                               photo, tmp_path):
+                                               photo, tmp_path, monkeypatch):
+    import threading
+
+    import app.chat
+
+    copied_in = []  # the threads that hashed and copied the attachment
+    real_keep = app.chat.keep_file
+    monkeypatch.setattr(app.chat, "keep_file",
+                        lambda *a: copied_in.append(threading.current_thread()) or real_keep(*a))
     data = tmp_path / "data"
     window = make_window(data)
     _load(window, run_async, vision_model)
@@ -123,6 +131,7 @@ def test_drop_send_and_find_it_after_a_restart(qtbot, make_window, run_async, vi
     assert result.finish_reason in ("stop", "length") and result.stats.generated_tokens >= 1
     assert window.bridge.engine_status()["tower_loaded"]  # the image really went in
     assert not window.composer.attachments and not window.composer.strip.isVisible()
+    assert copied_in and threading.main_thread() not in copied_in  # never on the GUI thread
 
     # Kept by content hash inside the data dir, recorded with the user message.
     digest = hashlib.sha256(photo.read_bytes()).hexdigest()
