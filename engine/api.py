@@ -39,6 +39,10 @@ class GenerationParams:
     # Gemma 3 vision: also show wide or tall images as square crops ("pan and scan").
     # None follows the model's processor config; attachments may say otherwise one by one.
     pan_and_scan: bool | None = None
+    # The chat template's reasoning switch (ModelInfo.reasoning_control): True/False for an
+    # on/off switch, "low"/"medium"/"high" for an effort. None leaves the variable undefined,
+    # so the template's own default applies; a model whose template has no switch ignores it.
+    reasoning: bool | str | None = None
 
 
 @dataclass
@@ -237,6 +241,25 @@ class AdapterInfo:
     base_model: str | None = None  # the model it says it was trained on, if it says
 
 
+@dataclass(frozen=True)
+class ReasoningControl:
+    """A variable the chat template reads to turn reasoning on or off or to set its effort.
+
+    ``choices`` are the values it takes: ``(False, True)`` for a switch
+    (``enable_thinking``, ``thinking``), ``("low", "medium", "high")`` for
+    ``reasoning_effort``. ``default`` is the choice the template renders exactly like when
+    the variable is left undefined; None when no choice does (or the probe failed).
+    """
+
+    variable: str
+    choices: tuple[bool | str, ...]
+    default: bool | str | None = None
+
+    @property
+    def is_switch(self) -> bool:
+        return self.choices == (False, True)
+
+
 @dataclass
 class ModelInfo:
     path: str  # folder or .gguf file
@@ -257,6 +280,8 @@ class ModelInfo:
     # Whether images are pan-and-scanned by default (GenerationParams.pan_and_scan);
     # None when the model cannot do it.
     pan_and_scan: bool | None = None
+    # The chat template's reasoning switch (GenerationParams.reasoning); None: it has none.
+    reasoning_control: ReasoningControl | None = None
 
 
 # ---- commands into the worker -------------------------------------------------

@@ -111,9 +111,19 @@ def _reasoning_factory(template: Any) -> Callable[[str], Any] | None:
             return None
         if isinstance(markers, ReasoningSplitter):
             return markers
+        if hasattr(markers, "splitter"):  # ReasoningMarkers
+            return markers.splitter()
         return ReasoningSplitter(*markers)
 
     return make
+
+
+def _reasoning_control(template: Any) -> Any:
+    """The template's reasoning switch (ModelInfo.reasoning_control), None without one."""
+    from .text.chat_template import ChatTemplate
+    from .text.reasoning_switch import find_reasoning_control
+
+    return find_reasoning_control(template) if isinstance(template, ChatTemplate) else None
 
 
 class ModelHost:
@@ -206,12 +216,14 @@ class ModelHost:
         info.audio = "audio" in towers.kinds
         info.pan_and_scan = towers.pan_and_scan()
         info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
+        template = _load_template(tokenizer)
+        info.reasoning_control = _reasoning_control(template)
         self._loaded = _Loaded(
             model=loaded.model,
             config=config,
             path=str(loaded.path),
             tokenizer=tokenizer,
-            template=_load_template(tokenizer),
+            template=template,
             eos_token_ids=eos,
             info=info,
             raw=loaded,
@@ -377,6 +389,7 @@ class ModelHost:
                 state.template,
                 eos_token_ids=state.eos_token_ids,
                 reasoning_factory=_reasoning_factory(state.template),
+                reasoning_control=state.info.reasoning_control,
                 towers=state.towers if state.towers.kinds else None,
             )
             chat.draft_model = state.draft.model if state.draft is not None else None

@@ -30,10 +30,11 @@ from dataclasses import replace
 from typing import Any
 
 from .adapters import active_adapters, active_signature
-from .api import GenerationParams, GenerationResult, MediaInput
+from .api import GenerationParams, GenerationResult, MediaInput, ReasoningControl
 from .errors import EngineError, MediaError
 from .generate import Piece, PromptInputs, ProgressCallback, stream_generate
 from .sampling import validate_sampling
+from .text.reasoning_switch import reasoning_variables
 from .drafters import make_drafter
 
 
@@ -79,6 +80,7 @@ class ChatSession:
         *,
         eos_token_ids: Sequence[int] | None = None,
         reasoning_factory: Callable[[str], Any] | None = None,
+        reasoning_control: ReasoningControl | None = None,
         towers: Any = None,
     ) -> None:
         self.model = model
@@ -86,6 +88,10 @@ class ChatSession:
         self.template = template  # a ChatTemplate (render(messages, tools=, add_generation_prompt=))
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else None
         self.reasoning_factory = reasoning_factory  # prompt text -> splitter or None
+        # The template's reasoning switch: GenerationParams.reasoning sets it per request.
+        # The prompt is rendered afresh every request and the cache is keyed on ids, so a
+        # switch changes the rendered ids and the cache keeps only what still agrees.
+        self.reasoning_control = reasoning_control
         self.towers = towers  # MediaTowers, or None for a text-only model
         self.cache: list[Any] | None = None
         self.ids: list[int] = []  # exactly the tokens held by self.cache
@@ -300,6 +306,7 @@ class ChatSession:
                      for m in items]
         if items and self.towers is not None:
             self.towers.check(m.kind for m in items)  # refuse before rendering or touching the cache
+        template_kwargs = {**reasoning_variables(self.reasoning_control, params.reasoning), **template_kwargs}
         text = self.render(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
         )

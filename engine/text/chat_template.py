@@ -112,7 +112,8 @@ class _SafeNamespace(jinja2.utils.Namespace):
             )
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """The sandboxed environment chat templates compile in (also used to analyse them)."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -129,7 +130,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
 @lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
     try:
-        return _environment().from_string(source)
+        return template_environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(
             f"The chat template has a syntax error at line {exc.lineno}: {_one_line(exc.message or exc)}. "
