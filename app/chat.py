@@ -27,8 +27,12 @@ RETRY_SAVE_MS = 5000  # a final save that failed (full disk) is tried again this
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 
 
-def build_params(settings: dict[str, Any], defaults: dict[str, Any]) -> api.GenerationParams:
-    """Conversation settings over the model's generation_config over engine defaults."""
+def build_params(
+    settings: dict[str, Any], defaults: dict[str, Any], reasoning_control: Any = None
+) -> api.GenerationParams:
+    """Conversation settings over the model's generation_config over engine defaults.
+    The chat's reasoning choice goes only to a model whose template switch takes it (a
+    chat may have been set up under another model)."""
     merged = {**defaults, **{k: v for k, v in settings.items() if v is not None}}
     sampling = api.SamplingParams(**{
         k: merged[k] for k in SAMPLING_KEYS if k in merged and merged[k] not in ("", None)
@@ -44,7 +48,16 @@ def build_params(settings: dict[str, Any], defaults: dict[str, Any]) -> api.Gene
         params.speculative = merged["speculative"]
     if isinstance(merged.get("pan_and_scan"), bool):  # unset: the model's own setting
         params.pan_and_scan = merged["pan_and_scan"]
+    if accepts_reasoning(reasoning_control, settings.get("reasoning")):
+        params.reasoning = settings["reasoning"]
     return params
+
+
+def accepts_reasoning(control: Any, choice: Any) -> bool:
+    """Whether the template switch ``control`` (ModelInfo.reasoning_control) takes ``choice``."""
+    if control is None or choice is None:
+        return False
+    return any(choice == c and type(choice) is type(c) for c in control.choices)
 
 
 class ChatController(QObject):
@@ -206,7 +219,8 @@ class ChatController(QObject):
         messages = self._engine_messages(history[: cut + 1], info)
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
-        params = build_params(conv.settings, info.generation_defaults or {})
+        params = build_params(conv.settings, info.generation_defaults or {},
+                              getattr(info, "reasoning_control", None))
         if params.speculative == "draft" and not getattr(info, "draft_model", None):
             emit(self.status, "No draft model is loaded, so this reply decodes without one: "
                               "choose one under Settings → Speculative decoding.")

@@ -337,6 +337,7 @@ class MainWindow(QMainWindow):
         self.model_meta.setText("  ·  ".join(m for m in meta if m))
         self.settings.set_model_defaults(info.generation_defaults or {})
         self.settings.set_pan_and_scan_default(getattr(info, "pan_and_scan", None))
+        self.settings.set_reasoning_control(getattr(info, "reasoning_control", None))
         conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id else None
         if conv is not None:
             self.settings.load(conv.system_prompt, conv.settings)
@@ -370,6 +371,7 @@ class MainWindow(QMainWindow):
         self.gauge.clear_model()
         self.settings.set_draft(None)
         self.settings.set_pan_and_scan_default(None)
+        self.settings.set_reasoning_control(None)
         self.composer.set_capabilities(None, False)
         self._show_adapters()
 

@@ -25,6 +25,7 @@ from app.qt import (
     Qt,
     Signal,
 )
+from app.chat import accepts_reasoning
 from app.resources import resource_path
 from app.ui.memory_gauge import GB, fmt_bytes
 
@@ -43,6 +44,8 @@ FIELDS: dict[str, tuple] = {
 MIN_BUDGET_GB = 0.01  # the spin box's floor; the ceiling is the machine's memory
 
 SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft"))
+
+EFFORTS = ("low", "medium", "high")
 
 
 class SettingsPanel(QFrame):
@@ -127,6 +130,8 @@ class SettingsPanel(QFrame):
         drow.addWidget(self.draft_clear)
         layout.addLayout(drow)
 
+        self._reasoning_section(layout)
+
         self.images_title = QLabel("Images", objectName="fieldTitle")
         layout.addWidget(self.images_title)
         self.pan_and_scan_box = QCheckBox("Split wide images", objectName="panAndScan")
@@ -169,6 +174,29 @@ class SettingsPanel(QFrame):
         layout.addStretch(1)
         self.presets = self._read_presets()
         self._fill_presets()
+
+    def _reasoning_section(self, layout: QVBoxLayout) -> None:
+        """Per chat, for models whose chat template has a reasoning switch: on/off, or an effort."""
+        self.reasoning_title = QLabel("Thinking", objectName="fieldTitle")
+        layout.addWidget(self.reasoning_title)
+        self.thinking_box = QCheckBox("Think before answering", objectName="thinkingBox")
+        self.thinking_box.setToolTip(
+            "Let the model reason first; its thinking shows in a collapsible block above the\n"
+            "answer. Off answers sooner. Starts as the model's own setting; applies from the\n"
+            "next reply.")
+        self.thinking_box.toggled.connect(self._reasoning_edited)
+        layout.addWidget(self.thinking_box)
+        self.effort_box = QComboBox(objectName="effortBox")
+        for effort in EFFORTS:
+            self.effort_box.addItem(effort.capitalize(), effort)
+        self.effort_box.setToolTip(
+            "How much the model reasons before answering. Starts as the model's own setting;\n"
+            "applies from the next reply.")
+        self.effort_box.currentIndexChanged.connect(self._reasoning_edited)
+        layout.addWidget(self.effort_box)
+        self.reasoning_control: Any = None  # the loaded model's ReasoningControl
+        self.reasoning_choice: bool | str | None = None  # None: the template's default
+        self._show_reasoning()
 
     def _budget_section(self, layout: QVBoxLayout) -> None:
         """App-wide, not per chat: how much memory a model may take when it loads."""
@@ -213,6 +241,38 @@ class SettingsPanel(QFrame):
         self.images_title.setVisible(shown)
         self.pan_and_scan_box.setVisible(shown)
 
+    def set_reasoning_control(self, control: Any) -> None:
+        """The loaded model's template switch (ModelInfo.reasoning_control); None hides
+        the Thinking control (no model, or a template without a switch)."""
+        self.reasoning_control = control
+        if not accepts_reasoning(control, self.reasoning_choice):
+            self.reasoning_choice = None
+        self._show_reasoning()
+
+    def _show_reasoning(self) -> None:
+        control = self.reasoning_control
+        self.reasoning_title.setVisible(control is not None)
+        self.thinking_box.setVisible(control is not None and control.is_switch)
+        self.effort_box.setVisible(control is not None and not control.is_switch)
+        if control is None:
+            return
+        shown = self.reasoning_choice if self.reasoning_choice is not None else control.default
+        was, self._loading = self._loading, True
+        if control.is_switch:
+            self.thinking_box.setChecked(bool(shown))
+        else:
+            self.effort_box.setCurrentIndex(EFFORTS.index(shown) if shown in EFFORTS else 1)
+        self._loading = was
+
+    def _reasoning_edited(self, *_args) -> None:
+        if self._loading or self.reasoning_control is None:
+            return
+        control = self.reasoning_control
+        choice = self.thinking_box.isChecked() if control.is_switch else self.effort_box.currentData()
+        # The template's own default is left undefined, as the model ships it.
+        self.reasoning_choice = None if choice == control.default else choice
+        self._emit()
+
     def load(self, system_prompt: str, settings: dict[str, Any]) -> None:
         self._loading = True
         self.system_edit.setPlainText(system_prompt)
@@ -225,6 +285,9 @@ class SettingsPanel(QFrame):
         self.speculative_box.setCurrentIndex(modes.index(spec) if spec in modes else 0)
         split = settings.get("pan_and_scan")
         self.pan_and_scan_box.setChecked(bool(self.pan_and_scan_default if split is None else split))
+        choice = settings.get("reasoning")
+        self.reasoning_choice = choice if accepts_reasoning(self.reasoning_control, choice) else None
+        self._show_reasoning()
         self._loading = False
         if settings == {}:
             self._emit()
@@ -252,6 +315,8 @@ class SettingsPanel(QFrame):
             split = self.pan_and_scan_box.isChecked()
             if everything or split != self.pan_and_scan_default:
                 out["pan_and_scan"] = split
+        if self.reasoning_choice is not None:
+            out["reasoning"] = self.reasoning_choice
         return out
 
     def set_draft(self, name: str | None) -> None:
