@@ -77,6 +77,9 @@ def _add_generate(sub: Any) -> None:
     spec.add_argument("--ngram", type=int, metavar="N", help="speculative decoding by N-gram prompt lookup")
     p.add_argument("--num-draft", type=int, metavar="N", help="drafts per verification pass (default 4)")
     p.add_argument("--image", action=_MediaFlag, default=[], metavar="FILE", help="image file (repeatable; needs --chat)")
+    p.add_argument("--thinking", choices=["on", "off", "low", "medium", "high"],
+                   help="the chat template's reasoning switch: on/off (Qwen3, DeepSeek, SmolLM3) or an "
+                        "effort (gpt-oss); default: the template's own")
     p.add_argument("--pan-and-scan", action=argparse.BooleanOptionalAction, default=None,
                    help="Gemma 3: also show the model square crops of wide or tall images "
                         "(default: what the model folder says, usually off)")
@@ -163,6 +166,7 @@ def _params(args: argparse.Namespace) -> Any:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
         pan_and_scan=args.pan_and_scan,
+        reasoning={"on": True, "off": False}.get(args.thinking, args.thinking),
     )
     if args.ngram is not None:
         if args.ngram < 1:

@@ -151,3 +151,29 @@ def test_the_choice_reaches_the_prompt_and_the_cache_keeps_only_what_agrees(qwen
     assert again_on.stats.prompt_tokens == on.stats.prompt_tokens
     with pytest.raises(TemplateError):
         host.generate("s", messages, GenerationParams(max_tokens=1, reasoning="high"))
+
+
+def test_the_cli_takes_the_switch(qwen3_host):
+    """`generate --chat --thinking off` renders Qwen3's empty think block; a choice the
+    template cannot take is one line and a non-zero exit."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    folder = qwen3_host.info.path
+
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "engine", "generate", "--model", folder, "--chat", "--prompt", "hello there",
+             "--max-tokens", "1", "--temp", "0", "--json", *flags],
+            cwd=root, capture_output=True, text=True, timeout=120,
+        )
+
+    def prompt_tokens(*flags: str) -> int:
+        proc = run(*flags)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])["prompt_tokens"]
+
+    assert prompt_tokens("--thinking", "off") > prompt_tokens("--thinking", "on") == prompt_tokens()
+    refused = run("--thinking", "high")
+    assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1
