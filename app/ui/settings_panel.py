@@ -115,20 +115,9 @@ class SettingsPanel(QFrame):
         )
         self.speculative_box.currentIndexChanged.connect(self._emit)
         layout.addWidget(self.speculative_box)
-        drow = QHBoxLayout()
-        self.draft_label = QLabel("No draft model", objectName="draftLabel")
-        self.draft_label.setWordWrap(True)
-        pick = QPushButton("Choose…", objectName="draftPick")
-        pick.setToolTip("Pick the draft model's folder (or .gguf file)")
-        pick.clicked.connect(self.draft_requested)
-        self.draft_clear = QPushButton("✕", objectName="draftClear")
-        self.draft_clear.setToolTip("Unload the draft model")
-        self.draft_clear.clicked.connect(self.draft_cleared)
-        self.draft_clear.setVisible(False)
-        drow.addWidget(self.draft_label, 1)
-        drow.addWidget(pick)
-        drow.addWidget(self.draft_clear)
-        layout.addLayout(drow)
+        self.draft_label, self.draft_clear = self._picker_row(
+            layout, "No draft model", "draft", "Pick the draft model's folder (or .gguf file)",
+            "Unload the draft model", self.draft_requested, self.draft_cleared)
 
         self._reasoning_section(layout)
 
@@ -148,25 +137,14 @@ class SettingsPanel(QFrame):
         self._budget_section(layout)
 
         layout.addWidget(QLabel("Speech to text", objectName="fieldTitle"))
-        wrow = QHBoxLayout()
-        self.whisper_label = QLabel("No Whisper model", objectName="whisperLabel")
-        self.whisper_label.setWordWrap(True)
+        self.whisper_label, self.whisper_clear = self._picker_row(
+            layout, "No Whisper model", "whisper", "Pick a Whisper model folder", "Forget the Whisper model",
+            self.whisper_requested, self.whisper_cleared)
         self.whisper_label.setToolTip(
             "Voice messages and audio files are transcribed with this Whisper model when the\n"
             "chat model cannot listen to audio itself. Pick a Whisper checkpoint folder\n"
             "(config.json, weights and tokenizer), e.g. openai/whisper-small."
         )
-        wpick = QPushButton("Choose…", objectName="whisperPick")
-        wpick.setToolTip("Pick a Whisper model folder")
-        wpick.clicked.connect(self.whisper_requested)
-        self.whisper_clear = QPushButton("✕", objectName="whisperClear")
-        self.whisper_clear.setToolTip("Forget the Whisper model")
-        self.whisper_clear.clicked.connect(self.whisper_cleared)
-        self.whisper_clear.setVisible(False)
-        wrow.addWidget(self.whisper_label, 1)
-        wrow.addWidget(wpick)
-        wrow.addWidget(self.whisper_clear)
-        layout.addLayout(wrow)
 
         reset = QPushButton("Reset to model defaults")
         reset.clicked.connect(lambda: self.load(self.system_edit.toPlainText(), {}))
@@ -197,6 +175,26 @@ class SettingsPanel(QFrame):
         self.reasoning_control: Any = None  # the loaded model's ReasoningControl
         self.reasoning_choice: bool | str | None = None  # None: the template's default
         self._show_reasoning()
+
+    @staticmethod
+    def _picker_row(layout: QVBoxLayout, empty: str, name: str, pick_tip: str, clear_tip: str,
+                    requested: Any, cleared: Any) -> tuple[QLabel, QPushButton]:
+        """A row naming a chosen model folder, with Choose… and ✕ (shown once one is chosen)."""
+        row = QHBoxLayout()
+        label = QLabel(empty, objectName=f"{name}Label")
+        label.setWordWrap(True)
+        pick = QPushButton("Choose…", objectName=f"{name}Pick")
+        pick.setToolTip(pick_tip)
+        pick.clicked.connect(requested)
+        clear = QPushButton("✕", objectName=f"{name}Clear")
+        clear.setToolTip(clear_tip)
+        clear.clicked.connect(cleared)
+        clear.setVisible(False)
+        row.addWidget(label, 1)
+        row.addWidget(pick)
+        row.addWidget(clear)
+        layout.addLayout(row)
+        return label, clear
 
     def _budget_section(self, layout: QVBoxLayout) -> None:
         """App-wide, not per chat: how much memory a model may take when it loads."""
