@@ -13,6 +13,7 @@ import numpy as np
 
 WHISPER_SAMPLE_RATE = 16000
 WHISPER_CHUNK_SECONDS = 30
+WHISPER_HOP_LENGTH = 160  # samples per feature frame (10 ms)
 
 # Slaney's mel scale: linear up to 1 kHz (3 mels per 200 Hz), logarithmic above.
 _F_SP = 200.0 / 3.0
@@ -59,7 +60,7 @@ def _hann_periodic(n: int) -> np.ndarray:
     return 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(n) / n)
 
 
-def power_spectrogram(audio: np.ndarray, n_fft: int = 400, hop_length: int = 160) -> np.ndarray:
+def power_spectrogram(audio: np.ndarray, n_fft: int = 400, hop_length: int = WHISPER_HOP_LENGTH) -> np.ndarray:
     """|STFT|^2 of a centred, reflect-padded signal, shape (n_fft // 2 + 1, frames)."""
     x = np.asarray(audio, dtype=np.float64)
     if x.shape[0] <= n_fft // 2:
@@ -75,7 +76,7 @@ def log_mel_spectrogram(
     audio: np.ndarray,
     n_mels: int = 80,
     n_fft: int = 400,
-    hop_length: int = 160,
+    hop_length: int = WHISPER_HOP_LENGTH,
     sample_rate: int = WHISPER_SAMPLE_RATE,
     chunk_seconds: float | None = WHISPER_CHUNK_SECONDS,
 ) -> np.ndarray:

@@ -26,13 +26,9 @@ import numpy as np
 
 from engine.config_fields import from_known_keys
 from engine.errors import MediaError, ModelLoadError
-from engine.media.mel import WHISPER_SAMPLE_RATE, log_mel_spectrogram
-from engine.media.whisper import WhisperConfig, WhisperEncoder
+from engine.media.mel import WHISPER_CHUNK_SECONDS, WHISPER_HOP_LENGTH, WHISPER_SAMPLE_RATE, log_mel_spectrogram
+from engine.media.whisper import AUDIO_TOWER_RENAMES, WhisperConfig, WhisperEncoder, conv_kernel
 
-HOP_LENGTH = 160
-CHUNK_SECONDS = 30
-_PREFIXES = (("model.audio_tower.", "encoder."), ("audio_tower.", "encoder."),
-             ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."))
 
 
 @dataclass
@@ -57,9 +53,12 @@ class AudioEncoderConfig:
         return WhisperConfig.from_dict({**dataclasses.asdict(self), "decoder_layers": 0, "vocab_size": 1})
 
 
-def feature_frames(n_samples: int, max_frames: int = CHUNK_SECONDS * WHISPER_SAMPLE_RATE // HOP_LENGTH) -> int:
+_CHUNK_FRAMES = WHISPER_CHUNK_SECONDS * WHISPER_SAMPLE_RATE // WHISPER_HOP_LENGTH
+
+
+def feature_frames(n_samples: int, max_frames: int = _CHUNK_FRAMES) -> int:
     """Frames holding real audio (the processor's feature_attention_mask sum)."""
-    return min(max_frames, -(-n_samples // HOP_LENGTH))
+    return min(max_frames, -(-n_samples // WHISPER_HOP_LENGTH))
 
 
 def audio_token_count(frames: int) -> int:
@@ -77,7 +76,7 @@ def clip_features(samples: np.ndarray, cfg: AudioEncoderConfig) -> tuple[np.ndar
     if audio_token_count(frames) < 1:
         raise MediaError(f"The audio clip is too short ({samples.shape[0] / WHISPER_SAMPLE_RATE:.3f} s); "
                          "record at least a twentieth of a second.")
-    feats = log_mel_spectrogram(samples, n_mels=cfg.num_mel_bins, chunk_seconds=CHUNK_SECONDS)
+    feats = log_mel_spectrogram(samples, n_mels=cfg.num_mel_bins, chunk_seconds=WHISPER_CHUNK_SECONDS)
     return feats, frames
 
 
@@ -145,25 +144,19 @@ class Qwen2AudioTower(nn.Module):
 
     @staticmethod
     def tower_weight_names(names: Any) -> list[str]:
-        return [n for n in names if n.startswith(tuple(p for p, _ in _PREFIXES))]
+        return [n for n in names if n.startswith(tuple(p for p, _ in AUDIO_TOWER_RENAMES))]
 
     def sanitize(self, weights: Mapping[str, Any]) -> dict[str, mx.array]:
         out: dict[str, mx.array] = {}
         d, mels = self.config.d_model, self.config.num_mel_bins
         for name, value in weights.items():
-            for old, new in _PREFIXES:
+            for old, new in AUDIO_TOWER_RENAMES:
                 if name.startswith(old):
                     name = new + name[len(old):]
                     break
             else:
                 continue
-            w = mx.array(value)
-            if name in ("encoder.conv1.weight", "encoder.conv2.weight"):
-                c_in = mels if name == "encoder.conv1.weight" else d
-                if w.shape != (d, c_in, 3):
-                    raise ModelLoadError(f"{name} has shape {tuple(w.shape)}, expected {(d, c_in, 3)}")
-                w = w.transpose(0, 2, 1)  # MLX convolutions are channels-last
-            out[name] = w
+            out[name] = mx.array(conv_kernel(name, value, d, mels))
         return out
 
     def load_hf_weights(self, weights: Mapping[str, Any]) -> None:
@@ -231,7 +224,7 @@ class Qwen2AudioEncoder:
         feats, frames = clip_features(load_audio_source(item.source, WHISPER_SAMPLE_RATE), self.config)
         n = audio_token_count(frames)
         settings = {"model": str(self.source.path), "tower": "qwen2_audio", "mels": self.config.num_mel_bins,
-                    "rate": WHISPER_SAMPLE_RATE, "seconds": CHUNK_SECONDS}
+                    "rate": WHISPER_SAMPLE_RATE, "seconds": WHISPER_CHUNK_SECONDS}
         return PreparedMedia(kind="audio", key=media_key(item.source, settings), n_tokens=n,
                              text=AUDIO_PAD * n, data=(feats, frames))
 

@@ -26,19 +26,15 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.config_fields import from_known_keys
-from engine.errors import MediaError, ModelLoadError, UnsupportedModelError
-from engine.media.mel import WHISPER_SAMPLE_RATE, log_mel_spectrogram
+from engine.errors import MediaError, UnsupportedModelError
+from engine.media.mel import WHISPER_CHUNK_SECONDS, WHISPER_SAMPLE_RATE, log_mel_spectrogram
 from engine.media.towers import LazyTowerEncoder, TowerSource
-from engine.media.whisper import WhisperConfig, WhisperEncoder
+from engine.media.whisper import AUDIO_TOWER_RENAMES, WhisperConfig, WhisperEncoder, conv_kernel
 
-HOP_LENGTH = 160
-CHUNK_SECONDS = 30
-CHUNK_SAMPLES = CHUNK_SECONDS * WHISPER_SAMPLE_RATE
+CHUNK_SAMPLES = WHISPER_CHUNK_SECONDS * WHISPER_SAMPLE_RATE
 # Voxtral's stated limit for audio understanding; longer clips would not fit its context.
 MAX_SECONDS = 40 * 60
 AUDIO_PAD = "[AUDIO]"
-_RENAMES = (("model.audio_tower.", "encoder."), ("audio_tower.", "encoder."),
-            ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."))
 # transformers' VoxtralEncoderConfig maps Whisper's names onto these.
 _ALIASES = {"d_model": "hidden_size", "encoder_layers": "num_hidden_layers",
             "encoder_attention_heads": "num_attention_heads", "encoder_ffn_dim": "intermediate_size"}
@@ -153,18 +149,7 @@ class VoxtralTower(nn.Module):
 def sanitize_tower(weights: Mapping[str, Any], cfg: VoxtralEncoderConfig) -> dict[str, Any]:
     """Names already renamed to encoder./projector.; conv kernels to MLX's channels-last
     layout unless a conversion stored them that way already."""
-    out: dict[str, Any] = {}
-    d = cfg.hidden_size
-    for name, value in weights.items():
-        if name in ("encoder.conv1.weight", "encoder.conv2.weight"):
-            c_in = cfg.num_mel_bins if name == "encoder.conv1.weight" else d
-            shape = tuple(value.shape)
-            if shape == (d, c_in, 3):
-                value = mx.array(value).transpose(0, 2, 1)
-            elif shape != (d, 3, c_in):
-                raise ModelLoadError(f"{name} has shape {shape}, expected {(d, c_in, 3)}; check audio_config.")
-        out[name] = value
-    return out
+    return {name: conv_kernel(name, value, cfg.hidden_size, cfg.num_mel_bins) for name, value in weights.items()}
 
 
 # ---- the shared media plumbing (engine.media.towers) --------------------------------
@@ -180,7 +165,7 @@ class VoxtralEncoder(LazyTowerEncoder):
 
     kind = "audio"
     placeholder = AUDIO_PAD
-    renames = _RENAMES
+    renames = AUDIO_TOWER_RENAMES
     what = "Voxtral audio tower"
 
     def __init__(self, source: TowerSource) -> None:
@@ -200,7 +185,7 @@ class VoxtralEncoder(LazyTowerEncoder):
         feats = clip_features(load_audio_source(item.source, WHISPER_SAMPLE_RATE), self.config)
         n = feats.shape[0] * self.config.tokens_per_chunk
         settings = {"model": str(self.source.path), "tower": "voxtral", "mels": self.config.num_mel_bins,
-                    "rate": WHISPER_SAMPLE_RATE, "seconds": CHUNK_SECONDS}
+                    "rate": WHISPER_SAMPLE_RATE, "seconds": WHISPER_CHUNK_SECONDS}
         return PreparedMedia(kind="audio", key=media_key(item.source, settings), n_tokens=n,
                              text=AUDIO_PAD * n, data=feats)
 

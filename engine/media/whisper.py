@@ -23,6 +23,28 @@ from engine.errors import ModelLoadError, UnsupportedModelError
 _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Whisper uses
 
 
+_CONV_KERNELS = ("encoder.conv1.weight", "encoder.conv2.weight")
+# Audio-language checkpoints (Qwen2-Audio, Voxtral) name their Whisper-style tower and its
+# projector so; first match wins.
+AUDIO_TOWER_RENAMES = (("model.audio_tower.", "encoder."), ("audio_tower.", "encoder."),
+                       ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."))
+
+
+def conv_kernel(name: str, value: Any, d_model: int, n_mels: int) -> Any:
+    """A Whisper-style encoder's conv kernel (Hugging Face layout [out, in, 3]) in MLX's
+    channels-last layout; one a conversion already stored channels-last passes as it is.
+    Every other tensor passes unchanged. Serves Whisper, Qwen2-Audio and Voxtral."""
+    if name not in _CONV_KERNELS:
+        return value
+    c_in = n_mels if name == _CONV_KERNELS[0] else d_model
+    shape = tuple(value.shape)
+    if shape == (d_model, c_in, 3):
+        return mx.array(value).transpose(0, 2, 1)
+    if shape != (d_model, 3, c_in):
+        raise ModelLoadError(f"{name} has shape {shape}, expected {(d_model, c_in, 3)}; check the model's config.")
+    return value
+
+
 @dataclass
 class WhisperConfig:
     vocab_size: int = 51865
@@ -247,13 +269,7 @@ class Whisper(nn.Module):
             name = name.removeprefix("model.")
             if name == "proj_out.weight" and cfg.tie_word_embeddings:
                 continue  # tied to decoder.embed_tokens
-            w = mx.array(value)
-            if name in ("encoder.conv1.weight", "encoder.conv2.weight"):
-                c_in = cfg.num_mel_bins if name == "encoder.conv1.weight" else cfg.d_model
-                if w.shape != (cfg.d_model, c_in, 3):
-                    raise ModelLoadError(f"{name} has shape {tuple(w.shape)}, expected {(cfg.d_model, c_in, 3)}")
-                w = w.transpose(0, 2, 1)
-            out[name] = w
+            out[name] = mx.array(conv_kernel(name, value, cfg.d_model, cfg.num_mel_bins))
         return out
 
     def load_hf_weights(self, weights: Mapping[str, Any]) -> None:
