@@ -97,23 +97,16 @@ def _load_template(tokenizer: Any) -> Any:
     return ChatTemplate(source, special_tokens=getattr(tokenizer, "special_tokens", None))
 
 
-def _reasoning_factory(template: Any) -> Callable[[str], Any] | None:
-    """A function from the rendered prompt to a splitter of reasoning text, when the
-    template uses reasoning markers; None when the text layer has no marker support."""
-    try:
-        from .text.markers import ReasoningSplitter, detect_reasoning_markers
-    except ImportError:
-        return None
+def _reasoning_factory(template: Any) -> Callable[[str], Any]:
+    """A function from the rendered prompt to a splitter of reasoning text (None when the
+    template uses no reasoning markers)."""
+    from .text.markers import detect_reasoning_markers
+
+    source = getattr(template, "source", None) or ""
 
     def make(prompt: str) -> Any:
-        markers = detect_reasoning_markers(template.source if template is not None else "", prompt)
-        if not markers:
-            return None
-        if isinstance(markers, ReasoningSplitter):
-            return markers
-        if hasattr(markers, "splitter"):  # ReasoningMarkers
-            return markers.splitter()
-        return ReasoningSplitter(*markers)
+        markers = detect_reasoning_markers(source, prompt)
+        return markers.splitter() if markers is not None else None
 
     return make
 
