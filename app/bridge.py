@@ -4,7 +4,7 @@ The worker calls ``_on_worker_event`` on its own thread. That method only emits 
 signal; the queued connection moves the event onto the GUI thread, where futures
 are resolved and the public signals fire. Nothing here touches a widget.
 
-engine.worker (and with it mlx) is imported lazily, on ``start()``, so the window
+engine.runtime.worker (and with it mlx) is imported lazily, on ``start()``, so the window
 can appear before the heavy imports run.
 """
 
@@ -54,7 +54,7 @@ class EngineBridge(QObject):
         factory = self._worker_factory
         if factory is None:
             try:
-                from engine.worker import EngineWorker  # heavy: imports mlx
+                from engine.runtime.worker import EngineWorker  # heavy: imports mlx
             except Exception as exc:  # noqa: BLE001 - any import failure is shown to the user
                 raise EngineUnavailable(f"The engine could not start: {exc}") from exc
             factory = EngineWorker
@@ -202,13 +202,10 @@ class EngineBridge(QObject):
 
     def engine_status(self) -> dict[str, Any]:
         """What the engine holds now, for the memory display and tests: whether a model is
-        loaded and whether any image/audio tower's weights are in memory. Reads two flags
-        the worker's host keeps (plain Python values: no MLX call leaves the worker)."""
-        host = getattr(self._worker, "_host", None)
-        return {
-            "model_loaded": bool(host is not None and host.loaded),
-            "tower_loaded": bool(host is not None and host.tower_loaded),
-        }
+        loaded and whether any image/audio tower's weights are in memory, as the worker
+        published them (a frozen snapshot) when it finished its last command."""
+        status = self._worker.status if self._worker is not None else api.EngineStatus()
+        return {"model_loaded": status.model_loaded, "tower_loaded": status.tower_loaded}
 
     def live_stats(self, request_id: int | None) -> api.GenerationStats | None:
         """The stats that came with the latest token of ``request_id`` (None before one)."""

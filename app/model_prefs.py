@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.store import HistoryStore
-from app.ui.memory_gauge import fmt_bytes, machine_memory
+from app.memory_units import fmt_bytes, machine_memory
 
 BUDGET_KEY = "memory_budget"  # bytes; absent: automatic (the engine's default)
 AUTO_BUDGET_KEY = "memory_budget_auto"  # the engine's default, as the last automatic load reported

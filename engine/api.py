@@ -45,8 +45,11 @@ class GenerationParams:
     reasoning: bool | str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationStats:
+    """A reply's figures at one moment. Frozen: every event carries its own snapshot, so the
+    GUI thread never reads numbers the worker is still writing."""
+
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the KV cache
     generated_tokens: int = 0
@@ -149,6 +152,14 @@ class MemoryEvent:
     kv_bytes: int
     budget_bytes: int
     total_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What the engine holds, published by the worker after each command it finishes."""
+
+    model_loaded: bool = False
+    tower_loaded: bool = False  # an image or audio tower's weights are in memory
 
 
 Event = TokenEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent

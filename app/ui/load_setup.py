@@ -15,7 +15,8 @@ from app import model_prefs
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.qt import QObject, Signal, emit
 from app.store import HistoryStore, StoreError
-from app.ui.memory_gauge import MemoryGauge, fmt_bytes
+from app.memory_units import fmt_bytes
+from app.ui.memory_gauge import MemoryGauge
 from app.ui.settings_panel import SettingsPanel
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from app import tasks
 from app.attachments import NO_WHISPER
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
-from app.chat import ChatController
+from app.controllers.chat import ChatController
 from app.qt import (
     emit,
     QApplication,

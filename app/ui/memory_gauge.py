@@ -11,11 +11,10 @@ that nears the budget the gauge turns amber, when it passes it red, and
 
 from __future__ import annotations
 
-import os
 
+from app.memory_units import GB, fmt_bytes, machine_memory
 from app.qt import QColor, QHBoxLayout, QLabel, QPainter, QPen, QRectF, QSize, Qt, QWidget
 
-GB = 1024**3
 
 SEGMENTS = (  # (key, colour, label)
     ("weights", "#4f7cff", "weights"),
@@ -25,22 +24,6 @@ SEGMENTS = (  # (key, colour, label)
 )
 LEVEL_COLOURS = {"ok": "", "amber": "#f5a524", "red": "#e5484d"}
 AMBER_AT = 0.85  # of the budget, for the projected need of the next reply
-
-
-def fmt_bytes(n: float) -> str:
-    if n >= GB:
-        return f"{n / GB:.1f} GB"
-    if n >= 1024**2:
-        return f"{n / 1024**2:.0f} MB"
-    return f"{n / 1024:.0f} KB"
-
-
-def machine_memory() -> int:
-    """Physical memory, known before the engine starts (0 where the OS will not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 class _Bar(QWidget):

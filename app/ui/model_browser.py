@@ -29,7 +29,7 @@ from app.qt import (
 )
 from app.tasks import spawn
 from app.recommended import recommended_models
-from app.ui.memory_gauge import fmt_bytes
+from app.memory_units import fmt_bytes
 
 COLUMNS = ["Model", "Family", "Params", "Quant", "Size", "Context", "Fits"]
 

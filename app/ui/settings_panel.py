@@ -25,9 +25,9 @@ from app.qt import (
     Qt,
     Signal,
 )
-from app.chat import accepts_reasoning
+from app.controllers.chat import accepts_reasoning
 from app.resources import resource_path
-from app.ui.memory_gauge import GB, fmt_bytes
+from app.memory_units import GB, fmt_bytes
 
 # key: (label, kind, min, max, step, engine default)
 FIELDS: dict[str, tuple] = {

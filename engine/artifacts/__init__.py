@@ -1,4 +1,3 @@
-"""Reading model artifacts: config (ModelConfig), safetensors weights and headers, GGUF
-import, the Hugging Face cache and Hub, the loader that turns them into a model, and
-``inspect``. Modules import mlx only inside the functions that need it, so listing and
-inspecting models stays cheap."""
+"""Reading model artifacts: config (ModelConfig; every config spelling is settled here),
+safetensors weights and headers, GGUF import, the Hugging Face cache and Hub. Modules
+import mlx only inside the functions that need it, so listing models stays cheap."""

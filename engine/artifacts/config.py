@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.artifacts.config_spellings import normalise_rope, text_config_or_none
 from engine.errors import ModelLoadError
 
 # generation_config.json keys that become default sampling settings.
@@ -131,8 +132,8 @@ def config_from_dict(
         raise ModelLoadError(f"{where} has no model_type, so the model family is unknown; re-download the model")
 
     normalise_rope(raw)
-    text = raw.get("text_config")
-    if isinstance(text, dict):
+    text = text_config_or_none(raw)
+    if text is not None:
         normalise_rope(text)
     else:
         text = raw
@@ -156,43 +157,6 @@ def config_from_dict(
         torch_dtype=_declared_dtype(raw, text),
         path=path,
     )
-
-
-def normalise_rope(cfg: dict[str, Any]) -> None:
-    """Rewrite ``rope_parameters`` (transformers >= 5) into ``rope_theta`` + ``rope_scaling``.
-
-    A flat block ``{"rope_type", "rope_theta", ...}`` applies to every layer. A block keyed
-    by layer type (Gemma 3: ``full_attention`` / ``sliding_attention``) gives the global
-    layers' values as usual and the sliding layers' base as ``rope_local_base_freq``, the
-    older spelling of that model's config.
-    """
-    params = cfg.get("rope_parameters")
-    if not isinstance(params, dict):
-        return
-    if "full_attention" in params or "sliding_attention" in params:
-        full = params.get("full_attention") or {}
-        sliding = params.get("sliding_attention") or {}
-        _apply_rope_block(cfg, full)
-        if "rope_theta" in sliding:
-            cfg["rope_local_base_freq"] = sliding["rope_theta"]
-    else:
-        _apply_rope_block(cfg, params)
-    # rope_parameters stays: a family that reads the new spelling per layer type sees it whole.
-
-
-def _apply_rope_block(cfg: dict[str, Any], block: dict[str, Any]) -> None:
-    block = dict(block)
-    if "rope_theta" in block:
-        cfg["rope_theta"] = block.pop("rope_theta")
-    if "partial_rotary_factor" in block:
-        cfg.setdefault("partial_rotary_factor", block.pop("partial_rotary_factor"))
-    rope_type = block.get("rope_type", block.get("type", "default"))
-    if rope_type == "default" and len(set(block) - {"rope_type", "type"}) == 0:
-        cfg.setdefault("rope_scaling", None)
-        return
-    block.setdefault("rope_type", rope_type)
-    block.setdefault("type", rope_type)  # some readers still look for the old key
-    cfg["rope_scaling"] = block
 
 
 def _quantization(raw: dict[str, Any]) -> tuple[QuantizationSpec | None, str | None]:

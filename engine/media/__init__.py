@@ -1,10 +1,13 @@
 """Media for multimodal chats: decoding, preprocessing, caching and the towers.
 
-audio.py (load_audio, log_mel_spectrogram), resample.py, mel.py, image.py (load_image and
-the image processors from image_processors.py), cache.py (EncodedMediaCache), whisper.py
-(the MLX Whisper model).
+Shared pieces: audio.py (load_audio, log_mel_spectrogram), resample.py, mel.py, image.py
+(load_image and the image processors from image_processors.py), encoded_cache.py
+(EncodedMediaCache), siglip.py (the SigLIP vision transformer).
 
 Multimodal prompts: parts.py (content parts of messages -> ordered MediaInput list),
 prompt.py (placeholder expansion, per-token media keys, the MediaEncoder protocol),
 towers.py (MediaTowers: which media a model takes, lazy tower loading, encoded cache).
+
+One folder per multimodal family holds its tower and processor: gemma3/, qwen2_5_vl/,
+qwen2_audio/, voxtral/, and whisper/ (the Whisper model and transcription).
 """

@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.config_fields import from_known_keys
+from engine.artifacts.config_fields import from_known_keys
 from engine.models.base import activation
 
 

@@ -17,15 +17,15 @@ from typing import Any
 
 from engine.api import MediaInput
 from engine.errors import MediaError
-from engine.media.cache import EncodedMediaCache
+from engine.media.encoded_cache import EncodedMediaCache
 from engine.media.prompt import MediaEncoder, PreparedMedia
 
 # model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder.
 TOWERS: dict[str, dict[str, str]] = {
-    "gemma3": {"image": "engine.media.gemma3_vision"},
-    "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl_vision"},
-    "qwen2_audio": {"audio": "engine.media.qwen2_audio_tower"},
-    "voxtral": {"audio": "engine.media.voxtral_tower"},
+    "gemma3": {"image": "engine.media.gemma3.vision"},
+    "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl.vision"},
+    "qwen2_audio": {"audio": "engine.media.qwen2_audio.tower"},
+    "voxtral": {"audio": "engine.media.voxtral.tower"},
 }
 
 # What to suggest when a model cannot take a kind of media.
@@ -78,7 +78,7 @@ def fill_tower(module: Any, weights: dict[str, Any], source: TowerSource, what: 
     """Quantize like the checkpoint where it stores scales, load strictly, evaluate."""
     import mlx.core as mx
 
-    from engine.artifacts.loader import quantize_like_checkpoint
+    from engine.models.checkpoint import quantize_like_checkpoint
     from engine.errors import ModelLoadError
 
     quantize_like_checkpoint(module, set(weights), source.config.quantization, name=source.name)

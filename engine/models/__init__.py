@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ..errors import UnsupportedModelError
+from engine.errors import UnsupportedModelError
 
 # model_type -> module in this package
 SUPPORTED: dict[str, str] = {

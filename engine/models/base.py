@@ -14,65 +14,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache, RotatingKVCache
-from ..config_fields import from_known_keys
-from ..errors import UnsupportedModelError
-from .fused import project, stacked_output
+from engine.models.kv_cache import KVCache, RotatingKVCache
+from engine.artifacts.config_fields import from_known_keys
+from engine.errors import UnsupportedModelError
+from engine.artifacts.config_spellings import partial_rotary_factor, rope_settings, text_config  # noqa: F401  (families read them from here)
+from engine.models.stacked import project, stacked_output
 
 # ---- configuration ------------------------------------------------------------------
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's settings, flattening a multimodal wrapper's ``text_config``.
-
-    Keys of ``text_config`` win over the wrapper's own; the wrapper's ``model_type`` is
-    kept as ``wrapper_model_type``.
-    """
-    inner = config.get("text_config")
-    if not isinstance(inner, dict):
-        return dict(config)
-    merged = {k: v for k, v in config.items() if k != "text_config"}
-    merged["wrapper_model_type"] = config.get("model_type")
-    merged.update(inner)
-    return merged
-
-
-def rope_settings(
-    config: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0
-) -> tuple[float, dict[str, Any] | None]:
-    """(base frequency, scaling dict or None) from either config spelling.
-
-    Older configs: ``rope_theta`` plus ``rope_scaling`` ({"type"|"rope_type": ...}).
-    Newer ones: ``rope_parameters`` = {"rope_type", "rope_theta", ...}, or one such dict
-    per layer type ({"full_attention": {...}, "sliding_attention": {...}}), chosen by
-    ``layer_type``. The scaling dict always carries "rope_type"; None means plain RoPE.
-    """
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and layer_type is not None and isinstance(params.get(layer_type), dict):
-        params = params[layer_type]
-    elif isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        params = params.get("full_attention") or next(iter(params.values()))
-    if not isinstance(params, dict) or not params:
-        params = dict(config.get("rope_scaling") or {})
-    else:
-        params = dict(params)
-    theta = params.pop("rope_theta", None) or config.get("rope_theta") or default_theta
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    if rope_type == "default" or (rope_type == "linear" and float(params.get("factor", 1.0)) == 1.0):
-        return float(theta), None
-    params["rope_type"] = rope_type
-    # Phi-3 keeps the pretraining length outside the RoPE dict; transformers prefers it.
-    if "original_max_position_embeddings" in config and rope_type in ("llama3", "yarn", "longrope"):
-        params.setdefault("original_max_position_embeddings", config["original_max_position_embeddings"])
-    return float(theta), params
-
-
-def partial_rotary_factor(config: dict[str, Any]) -> float:
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and "partial_rotary_factor" in params:
-        return float(params["partial_rotary_factor"])
-    return float(config.get("partial_rotary_factor") or 1.0)
 
 
 @dataclass

@@ -14,8 +14,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import base
-from .base import (
+from engine.models import base
+from engine.models.base import (
     BaseModelArgs,
     CausalLM,
     DecoderStack,

@@ -4,7 +4,7 @@ Local (sliding-window) layers use their own RoPE base (``rope_local_base_freq``,
 scaling); global layers use ``rope_theta`` with ``rope_scaling``. Handles both
 ``gemma3_text`` configs and the multimodal ``gemma3`` wrapper (settings under
 ``text_config``, weights under ``language_model.`` or ``model.language_model.``); the
-vision tower's weights are left to the media code (engine/media/gemma3_vision.py).
+vision tower's weights are left to the media code (engine/media/gemma3/vision.py).
 
 With images, transformers lets the soft tokens of one image attend to each other in
 both directions during prefill (its token_type_ids overlay): full layers use
@@ -19,9 +19,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cache import RotatingKVCache
-from . import gemma2
-from .base import NESTED_LM_PREFIXES, RoPE, layer_types, make_rope, rope_settings, strip_prefixes, text_config
+from engine.models.kv_cache import RotatingKVCache
+from engine.models import gemma2
+from engine.models.base import NESTED_LM_PREFIXES, RoPE, layer_types, make_rope, rope_settings, strip_prefixes, text_config
 
 
 @dataclass

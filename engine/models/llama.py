@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import (
+from engine.models.base import (
     Attention,
     BaseModelArgs,
     CausalLM,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama
-from .base import AttentionSteps, RoPE, activation
+from engine.models import llama
+from engine.models.base import AttentionSteps, RoPE, activation
 
 
 @dataclass

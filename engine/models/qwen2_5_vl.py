@@ -20,8 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import llama, qwen2
-from .base import Attention, RoPE, strip_prefixes, text_config
+from engine.models import llama, qwen2
+from engine.artifacts.config_spellings import mrope_section
+from engine.models.base import Attention, RoPE, strip_prefixes, text_config
 
 
 @dataclass
@@ -35,10 +36,7 @@ class ModelArgs(qwen2.ModelArgs):
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
         flat = text_config(config)
-        section = None
-        for block in (flat.get("rope_parameters"), flat.get("rope_scaling")):
-            if isinstance(block, dict) and block.get("mrope_section"):
-                section = [int(s) for s in block["mrope_section"]]
+        section = mrope_section(flat)
         # mRoPE is handled here; what remains for the shared reader is plain RoPE.
         for key in ("rope_parameters", "rope_scaling"):
             block = flat.get(key)

@@ -2,7 +2,7 @@
 
 This module is the language-model side (``text_config`` -> Qwen2); the checkpoint's
 ``language_model.*`` weights load with the model, the ``audio_tower.*`` and
-``multi_modal_projector.*`` ones are left for ``engine.media.qwen2_audio_tower``, which
+``multi_modal_projector.*`` ones are left for ``engine.media.qwen2_audio.tower``, which
 loads them on the first audio request. ``audio_token_index`` is the <|AUDIO|>
 placeholder whose embeddings the projected audio replaces.
 """
@@ -14,8 +14,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import qwen2
-from .base import NESTED_LM_PREFIXES, strip_prefixes
+from engine.models import qwen2
+from engine.artifacts.config_spellings import text_config_or_none
+from engine.models.base import NESTED_LM_PREFIXES, strip_prefixes
 
 # Hub checkpoints nest the LM under language_model.; transformers 5 saves model.language_model.
 _TOWERS = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
@@ -28,7 +29,7 @@ class ModelArgs(qwen2.ModelArgs):
 
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
-        inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        inner = text_config_or_none(config) or {}
         merged = super().normalise(config)
         # Qwen2Config does not tie embeddings unless its own settings say so.
         merged["tie_word_embeddings"] = bool(inner.get("tie_word_embeddings", False))
@@ -41,11 +42,3 @@ class ModelArgs(qwen2.ModelArgs):
 class Model(qwen2.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return super().sanitize(strip_prefixes(weights, NESTED_LM_PREFIXES, _TOWERS))
-
-    def load_audio_tower(self, folder: Any) -> Any:
-        """The audio tower and projector, read from the model folder (called once, lazily)."""
-        from engine.media.qwen2_audio_tower import Qwen2AudioTower
-
-        dtype = self.model.embed_tokens.weight.dtype
-        return Qwen2AudioTower.from_folder(folder, self.args.audio_config, self.args.hidden_size, dtype)
-

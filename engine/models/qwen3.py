@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import llama
+from engine.models import llama
 
 
 @dataclass

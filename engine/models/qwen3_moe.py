@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama
-from .base import activation
-from .switch import SwitchGLU
+from engine.models import llama
+from engine.models.base import activation
+from engine.models.switch import SwitchGLU
 
 
 @dataclass

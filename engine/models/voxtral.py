@@ -3,7 +3,7 @@ Whisper-style encoder.
 
 This module is the language-model side (``text_config`` -> Llama); the checkpoint's
 ``language_model.*`` weights load with the model, the ``audio_tower.*`` and
-``multi_modal_projector.*`` ones are left for ``engine.media.voxtral_tower``, which loads
+``multi_modal_projector.*`` ones are left for ``engine.media.voxtral.tower``, which loads
 them on the first audio request. ``audio_token_id`` is the [AUDIO] placeholder whose
 embeddings the projected audio replaces.
 """
@@ -15,8 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import llama
-from .base import NESTED_LM_PREFIXES, strip_prefixes
+from engine.models import llama
+from engine.artifacts.config_spellings import text_config_or_none
+from engine.models.base import NESTED_LM_PREFIXES, strip_prefixes
 
 _TOWERS = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
 
@@ -37,7 +38,7 @@ class ModelArgs(llama.ModelArgs):
 
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
-        inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        inner = text_config_or_none(config) or {}
         # A text_config in transformers 5's spelling carries its base in rope_parameters.
         defaults = dict(TEXT_DEFAULTS)
         if "rope_parameters" in inner:

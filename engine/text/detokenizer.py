@@ -17,12 +17,19 @@ text may still clean (a trailing space may be dropped before a ".").
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.text.cleanup import StreamingCleanup
 
-if TYPE_CHECKING:
-    from engine.text.tokenizer import Tokenizer
+
+class DecodingVocabulary(Protocol):
+    """What the detokenizer needs of a tokenizer (engine.text.tokenizer.Tokenizer has it)."""
+
+    byte_token_ids: frozenset[int]
+    special_token_ids: frozenset[int]
+    clean_up_tokenization_spaces: bool
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...) -> str: ...
 
 _REPLACEMENT = "\ufffd"
 
@@ -33,7 +40,7 @@ class StreamingDetokenizer:
     Invariant: ``"".join(pieces) + finalize() == tokenizer.decode(ids, skip_special_tokens)``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: DecodingVocabulary, skip_special_tokens: bool = False):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         # Tokens after which text may still change: byte-fallback pieces decode as a run,

@@ -105,11 +105,11 @@ def test_drop_send_and_find_it_after_a_restart(qtbot, make_window, run_async, vi
                                                photo, tmp_path, monkeypatch):
     import threading
 
-    import app.chat
+    import app.controllers.chat
 
     copied_in = []  # the threads that hashed and copied the attachment
-    real_keep = app.chat.keep_file
-    monkeypatch.setattr(app.chat, "keep_file",
+    real_keep = app.controllers.chat.keep_file
+    monkeypatch.setattr(app.controllers.chat, "keep_file",
                         lambda *a: copied_in.append(threading.current_thread()) or real_keep(*a))
     data = tmp_path / "data"
     window = make_window(data)

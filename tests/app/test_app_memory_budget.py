@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app import model_prefs
-from app.ui.memory_gauge import GB, fmt_bytes
+from app.memory_units import GB, fmt_bytes
 from tests.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.chat import build_params
+from app.controllers.chat import build_params
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 

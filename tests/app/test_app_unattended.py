@@ -88,7 +88,7 @@ app = QApplication([])
 window = MainWindow(HistoryStore({str(tmp_path / 'd')!r}), EngineBridge())
 window.show()
 app.processEvents()
-heavy = ["mlx", "engine.worker", "huggingface_hub", "pygments", "numpy"]
+heavy = ["mlx", "engine.runtime.worker", "huggingface_hub", "pygments", "numpy"]
 print(",".join(m for m in heavy if m in sys.modules))
 """
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(ROOT)}

@@ -43,7 +43,7 @@ def generate(folders, *extra: str) -> dict:
 def in_process(folders, scales: dict[str, float]) -> list[int]:
     """The same request through ModelHost in this process: the reference for the CLI."""
     from engine.api import GenerationParams
-    from engine.host import ModelHost
+    from engine.runtime.host import ModelHost
 
     host = ModelHost()
     host.load(str(folders["model"]))

@@ -7,8 +7,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine import adapters
-from engine.adapters import LoRAHost
+from engine.models import lora as adapters
+from engine.models.lora import LoRAHost
 
 # golden case -> {adapter: multiplier}; PEFT order for "dora_kg+qv" put DoRA first (see the script)
 CASES = {

@@ -10,8 +10,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine import adapters
-from engine.adapters import LoRAHost
+from engine.models import lora as adapters
+from engine.models.lora import LoRAHost
 from engine.errors import AdapterError, EngineError
 from engine.models import get_family
 

@@ -8,9 +8,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine.artifacts.loader import load_model
+from engine.runtime.loading import load_model
 from engine.artifacts.weights import find_weights
-from engine.convert import convert
+from engine.cli.convert import convert
 from engine.errors import ModelLoadError
 
 from tiny_checkpoints import PROMPT, WIDE_LLAMA

@@ -17,7 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from engine.artifacts.gguf import read_gguf_header, unpermute_rope
-from engine.artifacts.loader import load_model
+from engine.runtime.loading import load_model
 from engine.errors import ModelLoadError, UnsupportedModelError
 
 from tiny_checkpoints import build_model

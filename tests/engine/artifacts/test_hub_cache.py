@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from engine.artifacts.hub import delete_local_model, resolve_model_path, scan_local_models
-from engine.artifacts.loader import load_model
+from engine.runtime.loading import load_model
 from engine.errors import ModelLoadError
 
 from tiny_checkpoints import PROMPT, TINY_LLAMA, write_checkpoint

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from engine.artifacts.hub import DownloadCancelled, HubError, download, scan_local_models, search_hub
-from engine.artifacts.loader import load_model
+from engine.runtime.loading import load_model
 
 from tests.fake_hub import COMMIT, FakeHub
 from tiny_checkpoints import PROMPT, write_checkpoint

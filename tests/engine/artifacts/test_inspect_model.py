@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.artifacts.inspect import format_inspect, inspect_model
+from engine.runtime.model_info import format_inspect, inspect_model
 
 from tiny_checkpoints import WIDE_LLAMA
 

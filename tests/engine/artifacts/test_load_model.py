@@ -7,7 +7,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from engine.artifacts.loader import load_model
+from engine.runtime.loading import load_model
 from engine.errors import ModelLoadError, OutOfMemoryBudget
 
 from tiny_checkpoints import PROMPT, TINY_LLAMA, WIDE_LLAMA

@@ -10,7 +10,7 @@ from engine.api import MemoryPlan
 from engine.artifacts.config import read_config
 from engine.artifacts.weights import find_weights, read_headers
 from engine.errors import OutOfMemoryBudget
-from engine.memory import check_fits, default_budget, live_memory, parse_budget, plan_memory, total_memory
+from engine.runtime.memory import check_fits, default_budget, live_memory, parse_budget, plan_memory, total_memory
 
 from tiny_checkpoints import WIDE_LLAMA
 

@@ -19,10 +19,10 @@ import pytest
 from engine import models
 from engine.api import UNLIMITED_CONTEXT, KVWindow, MemoryPlan
 from engine.artifacts.config import config_from_dict
-from engine.artifacts.inspect import format_inspect, inspect_model
-from engine.cache import DEFAULT_STEP, KVCache, RotatingKVCache, make_prompt_cache
+from engine.runtime.model_info import format_inspect, inspect_model
+from engine.models.kv_cache import DEFAULT_STEP, KVCache, RotatingKVCache, make_prompt_cache
 from engine.errors import OutOfMemoryBudget
-from engine.memory import check_fits, plan_memory
+from engine.runtime.memory import check_fits, plan_memory
 
 from tiny_checkpoints import write_checkpoint
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from engine.artifacts.config import read_config
-from engine.artifacts.loader import load_model
+from engine.runtime.loading import load_model
 from engine.errors import ModelLoadError, UnsupportedModelError
 
 from tiny_checkpoints import TINY_LLAMA

@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from engine.artifacts.config import read_config
-from engine.artifacts.loader import load_model
+from engine.runtime.loading import load_model
 from engine.artifacts.weights import find_weights, parameter_count, read_header, read_headers
 from engine.errors import ModelLoadError
 

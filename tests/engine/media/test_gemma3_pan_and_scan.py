@@ -18,10 +18,10 @@ import pytest
 from PIL import Image
 
 from engine.api import GenerationParams, MediaInput
-from engine.host import ModelHost
+from engine.runtime.host import ModelHost
 from engine.media.image_processors import pan_and_scan_boxes
 from engine.media.prompt import expand_placeholders
-from engine.session import common_prefix_length
+from engine.runtime.session import common_prefix_length
 
 ROOT = Path(__file__).resolve().parents[3]
 GEMMA = ROOT / "tests" / "golden" / "vision" / "gemma3"

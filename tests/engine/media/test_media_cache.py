@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from engine.media.cache import EncodedMediaCache, media_key, nbytes_of
+from engine.media.encoded_cache import EncodedMediaCache, media_key, nbytes_of
 from engine.media.image import Gemma3ImageProcessor, load_image
 
 

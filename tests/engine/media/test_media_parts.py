@@ -6,7 +6,7 @@ import pytest
 
 from engine.api import MediaInput
 from engine.errors import MediaError
-from engine.generate import PromptInputs
+from engine.decode.prefill import PromptInputs
 from engine.media.parts import media_kinds, split_media, user_message
 from engine.media.prompt import PreparedMedia, expand_placeholders, locate_media
 

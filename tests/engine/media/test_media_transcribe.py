@@ -17,7 +17,7 @@ import pytest
 
 from engine.errors import EngineError, MediaError, ModelLoadError, UnsupportedModelError
 from engine.media.audio import load_audio
-from engine.media.transcribe import Transcriber
+from engine.media.whisper.transcribe import Transcriber
 from tests.engine.media.audio_checkpoints import load_arrays, load_meta, write_whisper_folder
 
 META = load_meta("whisper_asr")

@@ -18,7 +18,7 @@ import pytest
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.media.audio import load_audio, log_mel_spectrogram
-from engine.media.whisper import Whisper, WhisperConfig
+from engine.media.whisper.model import Whisper, WhisperConfig
 from golden.synthetic_weights import synthetic_weight
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "media"

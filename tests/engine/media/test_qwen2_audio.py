@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.artifacts.inspect import inspect_model
-from engine.artifacts.loader import load_model
+from engine.runtime.model_info import inspect_model
+from engine.runtime.loading import load_model
 from engine.media.audio import load_audio
-from engine.media.qwen2_audio_tower import audio_token_count, feature_frames
+from engine.media.qwen2_audio.tower import audio_token_count, feature_frames, tower_for
 from engine.text.chat_template import ChatTemplate
 from engine.text.tokenizer import Tokenizer
 from tests.engine.media.audio_checkpoints import load_arrays, load_meta, write_qwen2_audio_folder
@@ -44,7 +44,7 @@ def loaded(folder):
 
 @pytest.fixture(scope="module")
 def tower(loaded, folder):
-    return loaded.model.load_audio_tower(folder)
+    return tower_for(loaded.model, folder)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_both_weight_spellings_load_and_the_config_says_audio(tmp_path, clip, go
     """transformers 5 saves model.language_model.* / model.audio_tower.*; the Hub has the older names."""
     folder = write_qwen2_audio_folder(tmp_path / "v5", hub_names=False)
     loaded = load_model(folder)
-    projected = np.array(loaded.model.load_audio_tower(folder).embed_audio(clip))
+    projected = np.array(tower_for(loaded.model, folder).embed_audio(clip))
     np.testing.assert_allclose(projected, gold["projected"], atol=1e-4, rtol=0)
     info = inspect_model(folder)
     assert info.family == "qwen2_audio" and info.audio and not info.vision

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from engine.api import DoneEvent, ErrorEvent, Generate, GenerationParams, LoadModel, MediaInput
-from engine.host import ModelHost
-from engine.worker import EngineWorker
+from engine.runtime.host import ModelHost
+from engine.runtime.worker import EngineWorker
 from tests.engine.media.audio_checkpoints import load_arrays, load_meta, write_qwen2_audio_folder
 
 ROOT = Path(__file__).resolve().parents[3]

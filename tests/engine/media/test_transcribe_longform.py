@@ -14,8 +14,8 @@ import pytest
 
 from engine.errors import EngineError
 from engine.media.audio import load_audio
-from engine.media.timestamps import TimestampRules, split_window
-from engine.media.transcribe import Transcriber
+from engine.media.whisper.timestamps import TimestampRules, split_window
+from engine.media.whisper.transcribe import Transcriber
 from tests.engine.media.audio_checkpoints import load_arrays, load_meta, write_whisper_folder
 
 META = load_meta("whisper_longform")

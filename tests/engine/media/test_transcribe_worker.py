@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from engine.api import Cancel, DoneEvent, ErrorEvent, ProgressEvent, Transcribe, Transcript
-from engine.media.transcribe import WHISPER_ENV
-from engine.worker import EngineWorker
+from engine.media.whisper.transcribe import WHISPER_ENV
+from engine.runtime.worker import EngineWorker
 from tests.engine.media.audio_checkpoints import load_arrays, load_meta, write_whisper_folder
 
 META = load_meta("whisper_asr")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine.api import GenerationParams, MediaInput
-from engine.host import ModelHost
+from engine.runtime.host import ModelHost
 from engine.media.parts import split_media
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "vision"
@@ -81,8 +81,8 @@ def test_text_only_positions_are_plain_rope():
 def test_compiled_decode_after_an_image_matches_transformers(loaded, shared_data, monkeypatch):
     """The compiled decode step (a GPU's default) serves the replies to image prompts too,
     except where multimodal RoPE shifts the positions (Qwen2.5-VL), which decode plainly."""
-    import engine.generate as generate
-    from engine.fast_decode import CompiledDecoder
+    import engine.decode.loop as generate
+    from engine.decode.compiled_step import CompiledDecoder
 
     name, host = loaded
     exp = expected(name)

@@ -14,8 +14,8 @@ import pytest
 
 from engine.api import DoneEvent, ErrorEvent, Generate, GenerationParams, GenerationResult, LoadModel, MediaInput
 from engine.errors import MediaError
-from engine.host import ModelHost
-from engine.worker import EngineWorker
+from engine.runtime.host import ModelHost
+from engine.runtime.worker import EngineWorker
 
 ROOT = Path(__file__).resolve().parents[3]
 GEMMA = ROOT / "tests" / "golden" / "vision" / "gemma3"

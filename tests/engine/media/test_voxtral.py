@@ -20,11 +20,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine.api import GenerationParams, MediaInput
-from engine.artifacts.inspect import inspect_model
+from engine.runtime.model_info import inspect_model
 from engine.errors import MediaError
-from engine.host import ModelHost
+from engine.runtime.host import ModelHost
 from engine.media.audio import load_audio
-from engine.media.voxtral_tower import VoxtralEncoderConfig, clip_features
+from engine.media.voxtral.tower import VoxtralEncoderConfig, clip_features
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 FOLDER = GOLDEN / "voxtral_tiny"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+from engine.models.kv_cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 from engine.errors import EngineError
 
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from model_goldens import FAMILIES, load_golden
 
-from engine.cache import (
+from engine.models.kv_cache import (
     KVCache,
     RotatingKVCache,
     can_trim_prompt_cache,

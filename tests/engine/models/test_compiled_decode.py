@@ -10,9 +10,9 @@ import mlx.core as mx
 import pytest
 from model_goldens import FAMILIES, load_golden
 
-from engine.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
-from engine.fast_decode import compiled_decoder
-from engine.generate import generate_step
+from engine.models.kv_cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
+from engine.decode.compiled_step import compiled_decoder
+from engine.decode.loop import generate_step
 from engine.models.base import RoPE
 
 PROMPT = [(7 * i + 3) % 97 + 3 for i in range(13)]
@@ -182,7 +182,7 @@ def test_switching_adapters_retraces_the_compiled_step(tmp_path):
     compiled decoder must follow, token for token with the plain path."""
     import json
 
-    from engine.adapters import activate, deactivate, mount
+    from engine.models.lora import activate, deactivate, mount
 
     model, _ = load_golden("llama")
     weights, key = {}, mx.random.key(3)

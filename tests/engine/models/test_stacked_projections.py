@@ -17,13 +17,13 @@ import pytest
 from mlx.utils import tree_flatten
 from model_goldens import load_golden
 
-from engine.adapters import activate, deactivate, mount, unmount
-from engine.bench import SHAPES
-from engine.cache import make_prompt_cache
-from engine.generate import generate_step
+from engine.models.lora import activate, deactivate, mount, unmount
+from engine.cli.bench import SHAPES
+from engine.models.kv_cache import make_prompt_cache
+from engine.decode.loop import generate_step
 from engine.models import get_family
 from engine.models.base import GATE_UP, QKV
-from engine.models.fused import MAX_STACKED_ROWS, stack_projections, stacked_output
+from engine.models.stacked import MAX_STACKED_ROWS, stack_projections, stacked_output
 
 PROMPT = [(5 * i + 11) % 89 + 3 for i in range(11)]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.api import GenerationParams, GenerationResult, SamplingParams
-from engine.generate import Piece, StopStrings, generate, generate_step, stream_generate
+from engine.decode.loop import Piece, StopStrings, generate, generate_step, stream_generate
 
 from .tinymodel import ByteTokenizer, TinyLM
 

@@ -6,7 +6,7 @@ import pytest
 
 from engine.api import GenerationParams
 from engine.errors import AdapterError
-from engine.host import ModelHost
+from engine.runtime.host import ModelHost
 
 TURN1 = [{"role": "user", "content": "hello how are you"}]
 PARAMS = GenerationParams(max_tokens=10, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 
 from engine.api import GenerationParams, SamplingParams
 from engine.errors import EngineError
-from engine.host import ModelHost
+from engine.runtime.host import ModelHost
 
 TURN1 = [{"role": "user", "content": "hello how are you"}]
 PLAIN = GenerationParams(max_tokens=24, ignore_eos=True)

@@ -10,7 +10,7 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.errors import EngineError
-from engine.sampling import filter_logits, make_logits_processors, make_sampler
+from engine.decode.sampling import filter_logits, make_logits_processors, make_sampler
 
 PROBS = [0.05, 0.4, 0.1, 0.25, 0.2]  # sorted: 1 (.4), 3 (.25), 4 (.2), 2 (.1), 0 (.05)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import GenerationParams
-from engine.session import ChatSession, common_prefix_length
+from engine.runtime.session import ChatSession, common_prefix_length
 from engine.text.chat_template import ChatTemplate
 
 from .tinymodel import ByteTokenizer, TinyLM

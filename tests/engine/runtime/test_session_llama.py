@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from engine.api import GenerationParams
-from engine.host import ModelHost
+from engine.runtime.host import ModelHost
 
 PARAMS = GenerationParams(max_tokens=8, ignore_eos=True, logprobs=True)
 
@@ -62,8 +62,8 @@ def test_edit_trims_and_matches_fresh(host):
 
 
 def test_rotating_cache_past_its_window_is_rebuilt(host):
-    from engine.cache import RotatingKVCache
-    from engine.session import ChatSession
+    from engine.models.kv_cache import RotatingKVCache
+    from engine.runtime.session import ChatSession
 
     model = host.model
     chat = ChatSession(model, host.tokenizer, host.template, eos_token_ids=host.eos_token_ids)

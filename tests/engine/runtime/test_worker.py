@@ -24,7 +24,7 @@ from engine.api import (
     TokenEvent,
     UnloadModel,
 )
-from engine.worker import EngineWorker
+from engine.runtime.worker import EngineWorker
 
 HELLO = [{"role": "user", "content": "hello how are you"}]
 

@@ -21,7 +21,7 @@ from engine.api import (
     UnloadModel,
     UnmountAdapter,
 )
-from engine.worker import EngineWorker
+from engine.runtime.worker import EngineWorker
 
 from .test_worker import HELLO, Events
 from .tiny_folder import make_tiny_adapter, make_tiny_model_folder

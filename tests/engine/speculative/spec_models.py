@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from engine.cache import make_prompt_cache
+from engine.models.kv_cache import make_prompt_cache
 from engine.models import get_family
 
 

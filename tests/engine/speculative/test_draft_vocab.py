@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.errors import EngineError
-from engine.drafters import check_draft_compatible
+from engine.decode.drafters import check_draft_compatible
 
 
 def load(shared_data, name: str) -> Tokenizer:

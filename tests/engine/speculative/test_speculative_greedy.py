@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 from spec_models import make_llama, plain_greedy, plain_logprobs
 
-from engine.api import GenerationStats, SamplingParams
-from engine.cache import make_prompt_cache, trim_prompt_cache
+from engine.decode.stats import StatsCounter
+from engine.api import SamplingParams
+from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
 from engine.errors import EngineError
-from engine.sampling import make_logits_processors
-from engine.drafters import DraftModelDrafter, NgramDrafter, check_draft_compatible
-from engine.speculative import speculative_decode, speculative_step
+from engine.decode.sampling import make_logits_processors
+from engine.decode.drafters import DraftModelDrafter, NgramDrafter, check_draft_compatible
+from engine.decode.speculative import speculative_decode, speculative_step
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
 N = 40
@@ -29,7 +30,7 @@ def other():
 
 
 def run(model, drafter, prompt=PROMPT, n=N, **kw):
-    stats = GenerationStats()
+    stats = StatsCounter()
     cache = kw.pop("cache", None) or make_prompt_cache(model)
     out = [t for t, _ in speculative_step(prompt, model, cache, drafter, max_tokens=n, stats=stats, **kw)]
     return out, stats, cache

@@ -18,7 +18,7 @@ import pytest
 from spec_models import make_llama
 
 from engine.api import GenerationParams
-from engine.host import ModelHost
+from engine.runtime.host import ModelHost
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 GEMMA = GOLDEN / "vision" / "gemma3"
@@ -191,10 +191,10 @@ def test_a_prompt_ending_inside_the_audio_run_feeds_its_last_feature(voxtral, sh
     import mlx.core as mx
 
     from engine.api import MediaInput
-    from engine.cache import make_prompt_cache
-    from engine.generate import generate_step
-    from engine.drafters import DraftModelDrafter, NgramDrafter
-    from engine.speculative import speculative_step
+    from engine.models.kv_cache import make_prompt_cache
+    from engine.decode.loop import generate_step
+    from engine.decode.drafters import DraftModelDrafter, NgramDrafter
+    from engine.decode.speculative import speculative_step
 
     chat = voxtral.session("cut")
     template = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "hi"}]}]

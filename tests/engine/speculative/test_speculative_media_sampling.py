@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 from test_speculative_sampling import check
 
-from engine.api import GenerationStats, MediaInput, SamplingParams
-from engine.cache import make_prompt_cache, trim_prompt_cache
-from engine.generate import PromptInputs, prefill
-from engine.host import ModelHost
-from engine.sampling import filter_logits
-from engine.drafters import DraftModelDrafter
-from engine.speculative import speculative_step
+from engine.decode.stats import StatsCounter
+from engine.api import MediaInput, SamplingParams
+from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
+from engine.decode.prefill import PromptInputs, prefill
+from engine.runtime.host import ModelHost
+from engine.decode.sampling import filter_logits
+from engine.decode.drafters import DraftModelDrafter
+from engine.decode.speculative import speculative_step
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 SAMPLES = 1200
@@ -67,7 +68,7 @@ def test_image_prompt_sampling_keeps_target_distribution(tmp_path, shared_data):
     prefill(model, mx.array(ids[:-1]), cache, chunk=64, inputs=PromptInputs(embeddings=emb[:-1], blocks=blocks))
     drafter = DraftModelDrafter(model)
     counts = np.zeros((vocab, vocab))
-    stats = GenerationStats()
+    stats = StatsCounter()
     for i in range(SAMPLES):
         run = SamplingParams(temperature=PARAMS.temperature, top_k=PARAMS.top_k, seed=1000 + i)
         out = [t for t, _ in speculative_step(ids[-1:], model, cache, drafter, max_tokens=2, sampling=run,

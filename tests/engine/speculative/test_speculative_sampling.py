@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from spec_models import make_llama
 
-from engine.api import GenerationStats, SamplingParams
-from engine.cache import make_prompt_cache, trim_prompt_cache
-from engine.generate import prefill
-from engine.sampling import filter_logits
-from engine.drafters import DraftModelDrafter, NgramDrafter
-from engine.speculative import speculative_step
+from engine.decode.stats import StatsCounter
+from engine.api import SamplingParams
+from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
+from engine.decode.prefill import prefill
+from engine.decode.sampling import filter_logits
+from engine.decode.drafters import DraftModelDrafter, NgramDrafter
+from engine.decode.speculative import speculative_step
 
 VOCAB = 8
 SAMPLES = 1200
@@ -53,7 +54,7 @@ def sample_pairs(model, drafter, prompt, params, k):
     cache = make_prompt_cache(model)
     prefill(model, mx.array(prompt[:-1]), cache, chunk=64)
     counts = np.zeros((VOCAB, VOCAB))
-    stats = GenerationStats()
+    stats = StatsCounter()
     for i in range(SAMPLES):
         run_params = SamplingParams(**{**params.__dict__, "seed": 1000 + i})
         out = [t for t, _ in speculative_step(prompt[-1:], model, cache, drafter, max_tokens=2,

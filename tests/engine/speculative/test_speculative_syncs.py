@@ -8,10 +8,11 @@ import mlx.core as mx
 import pytest
 from spec_models import make_llama, plain_greedy
 
-from engine.api import GenerationStats, SamplingParams
-from engine.cache import make_prompt_cache
-from engine.drafters import DraftModelDrafter, NgramDrafter
-from engine.speculative import speculative_step
+from engine.decode.stats import StatsCounter
+from engine.api import SamplingParams
+from engine.models.kv_cache import make_prompt_cache
+from engine.decode.drafters import DraftModelDrafter, NgramDrafter
+from engine.decode.speculative import speculative_step
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
 
@@ -46,7 +47,7 @@ def host_reads(monkeypatch):
 
 
 def decode(model, drafter, n, **kw):
-    stats = GenerationStats()
+    stats = StatsCounter()
     out = [t for t, _ in speculative_step(PROMPT, model, make_prompt_cache(model), drafter, max_tokens=n,
                                           stats=stats, **kw)]
     return out, stats
@@ -111,7 +112,7 @@ def test_ngram_misses_decode_a_step_ahead(target, monkeypatch):
         return real_item(a)
 
     monkeypatch.setattr(mx.array, "item", item)
-    stats = GenerationStats()
+    stats = StatsCounter()
     got = [t for t, _ in speculative_step(PROMPT, target, cache, NgramDrafter(n=8, max_draft=4), max_tokens=12,
                                           stats=stats)]
     assert got == want and stats.draft_tokens == 0

@@ -118,7 +118,7 @@ def test_a_choice_of_the_wrong_kind_is_refused_in_one_line():
 @pytest.fixture(scope="module")
 def qwen3_host(tmp_path_factory, shared_data):
     """A tiny llama whose tokenizer_config carries the real Qwen3 template."""
-    from engine.host import ModelHost
+    from engine.runtime.host import ModelHost
     from tests.tiny_models import make_tiny_llama
 
     folder = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-qwen3-template")

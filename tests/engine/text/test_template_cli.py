@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.text.cli_template import run_template_command
+from engine.cli.template_command import run_template_command
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

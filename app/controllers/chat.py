@@ -1,0 +1,427 @@
+"""ChatController: one conversation's flow between the store, the bridge and the view.
+
+Order matters for crash safety: the user message is committed before the engine
+is asked for anything, the assistant message exists (status "streaming") before
+the first token, and its text is committed at least once a second while it grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from dataclasses import asdict
+from typing import Any, Callable, Protocol
+
+from app.attachments import NO_VISION, keep_file, message_content
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
+from app.qt import QObject, QTimer, Signal, emit
+from app.store import HistoryStore, Message, StoreError
+from app.tasks import spawn
+from engine import api
+
+
+
+class TranscriptView(Protocol):
+    """What the controller drives of the chat transcript (app.ui.chat_view.ChatView)."""
+
+    edit_submitted: Any  # Signal(message id, new text)
+    regenerate_requested: Any  # Signal(message id)
+    version_requested: Any  # Signal(message id, version)
+    footer_source: Callable[[], str] | None
+    widgets: dict[int, Any]
+
+    def show_thread(self, messages: list[Message], versions: dict[int, tuple[int, int]]) -> None: ...
+    def start_streaming(self, message: Message, versions: tuple[int, int] = (1, 1)) -> None: ...
+    def append(self, text: str, channel: str) -> None: ...
+    def stop_streaming(self) -> None: ...
+    def set_busy(self, busy: bool) -> None: ...
+
+
+SAVE_INTERVAL_MS = 500
+RETRY_SAVE_MS = 5000  # a final save that failed (full disk) is tried again this often
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+
+
+def build_params(
+    settings: dict[str, Any], defaults: dict[str, Any], reasoning_control: Any = None
+) -> api.GenerationParams:
+    """Conversation settings over the model's generation_config over engine defaults.
+    The chat's reasoning choice goes only to a model whose template switch takes it (a
+    chat may have been set up under another model)."""
+    merged = {**defaults, **{k: v for k, v in settings.items() if v is not None}}
+    sampling = api.SamplingParams(**{
+        k: merged[k] for k in SAMPLING_KEYS if k in merged and merged[k] not in ("", None)
+    })
+    params = api.GenerationParams(sampling=sampling)
+    if merged.get("max_tokens"):
+        params.max_tokens = int(merged["max_tokens"])
+    if merged.get("stop_strings"):
+        params.stop_strings = [s for s in merged["stop_strings"] if s]
+    if merged.get("ignore_eos"):
+        params.ignore_eos = True
+    if merged.get("speculative") in ("ngram", "draft"):
+        params.speculative = merged["speculative"]
+    if isinstance(merged.get("pan_and_scan"), bool):  # unset: the model's own setting
+        params.pan_and_scan = merged["pan_and_scan"]
+    if accepts_reasoning(reasoning_control, settings.get("reasoning")):
+        params.reasoning = settings["reasoning"]
+    return params
+
+
+def accepts_reasoning(control: Any, choice: Any) -> bool:
+    """Whether the template switch ``control`` (ModelInfo.reasoning_control) takes ``choice``."""
+    if control is None or choice is None:
+        return False
+    return any(choice == c and type(choice) is type(c) for c in control.choices)
+
+
+class ChatController(QObject):
+    busy_changed = Signal(bool)
+    status = Signal(str)  # a readable line for the status bar
+    failed = Signal(str)  # a readable line worth a dialog
+    reply_finished = Signal(int, object)  # assistant message id, GenerationResult | None
+    conversations_changed = Signal()
+
+    def __init__(self, store: HistoryStore, bridge: EngineBridge, view: TranscriptView,
+                 parent: QObject | None = None):
+        super().__init__(parent)
+        self.store, self.bridge, self.view = store, bridge, view
+        self.conversation_id: int | None = None
+        self.reply_id: int | None = None  # the assistant message being streamed
+        self._waiting: asyncio.Future | None = None  # a send waiting for the model to load
+        self._keeping = False  # a send copying its attachments into the data folder
+        self.plain_tps: dict[str, float] = {}  # model path -> last plain decoding speed
+        self._answer = ""
+        self._reasoning = ""
+        self._saved_len = (0, 0)
+        self._save_timer = QTimer(self)
+        self._save_timer.setInterval(SAVE_INTERVAL_MS)
+        self._save_timer.timeout.connect(self._save_partial)
+        # Replies whose final save failed: message id -> the fields still to write.
+        self._unsaved: dict[int, dict[str, Any]] = {}
+        self._retry_timer = QTimer(self)
+        self._retry_timer.setInterval(RETRY_SAVE_MS)
+        self._retry_timer.timeout.connect(self._retry_saves)
+        bridge.token.connect(self._on_token)
+        view.edit_submitted.connect(self._edit_slot)
+        view.regenerate_requested.connect(self._regenerate_slot)
+        view.version_requested.connect(self.switch_version)
+        view.footer_source = self._live_footer
+        self._started = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.reply_id is not None or self._waiting is not None or self._keeping
+
+    # ---- showing a conversation ---------------------------------------------------------
+
+    def open(self, conversation_id: int | None) -> None:
+        self.conversation_id = conversation_id
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self.conversation_id is None:
+            self.view.show_thread([], {})
+            return
+        thread = self.store.thread(self.conversation_id)
+        self.view.show_thread(thread, self._versions(thread))
+
+    def _versions(self, thread: list[Message]) -> dict[int, tuple[int, int]]:
+        out = {}
+        for m in thread:
+            sibs = self.store.siblings(m.id)
+            out[m.id] = (sibs.index(m.id) + 1, len(sibs))
+        return out
+
+    def context_tokens(self) -> int:
+        """Tokens the conversation's prompt holds now: the last reply's counted prompt and
+        output, plus an estimate (~4 characters a token) for anything written after it."""
+        if self.conversation_id is None:
+            return 0
+        total = 0
+        for m in self.store.thread(self.conversation_id):
+            counted = m.stats.get("prompt_tokens", 0) + m.stats.get("generated_tokens", 0)
+            total = counted if m.role == "assistant" and counted else total + len(m.content) // 4 + 4
+        return total
+
+    def switch_version(self, message_id: int, delta: int) -> None:
+        if self.busy:
+            emit(self.status, "Stop the reply before switching versions.")
+            return
+        sibs = self.store.siblings(message_id)
+        i = sibs.index(message_id) + delta
+        if 0 <= i < len(sibs):
+            self.store.show_version(sibs[i])
+            self.refresh()
+
+    # ---- the three ways a reply starts --------------------------------------------------
+
+    async def send(self, text: str, attachments: list[tuple[str, str]] | None = None) -> bool:
+        """Save the user message (attachments copied into the data dir first), then ask
+        for a reply. Returns False when nothing was sent (the reason went to ``failed``)."""
+        text = text.strip()
+        attachments = list(attachments or [])
+        if not (text or attachments) or self.busy:
+            return False
+        info = self.bridge.model_info
+        if any(kind == "image" for kind, _ in attachments) and info is not None and not info.vision:
+            emit(self.failed, NO_VISION)
+            return False
+        def keep_all() -> list[tuple[str, str]]:
+            return [(kind, str(keep_file(self.store.data_dir, path))) for kind, path in attachments]
+
+        # Hashing and copying a large recording or photo would stall the window.
+        self._keeping = True
+        try:
+            kept = await run_in_thread(keep_all) if attachments else []
+        except OSError as exc:
+            emit(self.failed, f"Could not keep the attachment {Path(exc.filename or '').name}: "
+                              f"{exc.strerror or exc}. Attach it again.")
+            return False
+        finally:
+            self._keeping = False
+        try:
+            if self.conversation_id is None:
+                self.conversation_id = self.store.create_conversation()
+            conv = self.store.conversation(self.conversation_id)
+            if not self.store.thread(conv.id):
+                self.store.rename_conversation(conv.id, _title_from(text, kept))
+                emit(self.conversations_changed)
+            user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
+        except StoreError as exc:  # the message is not sent unsaved; the composer keeps it
+            emit(self.failed, f"{exc} Your message was not sent; it is still in the box.")
+            return False
+        self.refresh()
+        await self._reply(user_id)
+        return True
+
+    async def regenerate(self, assistant_id: int) -> None:
+        msg = self.store.message(assistant_id)
+        if msg is None or self.busy or msg.parent_id is None:
+            return
+        await self._reply(msg.parent_id)
+
+    async def edit(self, user_id: int, text: str) -> None:
+        """A new version of an earlier user message, then a fresh reply from there."""
+        msg = self.store.message(user_id)
+        if msg is None or self.busy:
+            return
+        new_id = self.store.add_message(msg.conversation_id, "user", text, msg.parent_id,
+                                        attachments=self.store.attachments(user_id))
+        self.refresh()
+        await self._reply(new_id)
+
+    def stop(self) -> bool:
+        if self._waiting is not None:  # stop waiting; the load itself carries on
+            self._waiting.cancel()
+            return True
+        return self.reply_id is not None and self.bridge.cancel()
+
+    # ---- streaming one reply -------------------------------------------------------------
+
+    async def _reply(self, parent_id: int) -> None:
+        conv = self.store.conversation(self.conversation_id)
+        info = self.bridge.model_info
+        if self.bridge.loading:
+            info = await self._wait_for_model()
+            if info is None:
+                return
+        if info is None:
+            emit(self.failed, "Load a model first: click the model button at the top.")
+            return
+        history = [m for m in self.store.thread(conv.id)]
+        cut = next(i for i, m in enumerate(history) if m.id == parent_id)
+        messages = self._engine_messages(history[: cut + 1], info)
+        if conv.system_prompt.strip():
+            messages.insert(0, {"role": "system", "content": conv.system_prompt})
+        params = build_params(conv.settings, info.generation_defaults or {},
+                              getattr(info, "reasoning_control", None))
+        if params.speculative == "draft" and not getattr(info, "draft_model", None):
+            emit(self.status, "No draft model is loaded, so this reply decodes without one: "
+                              "choose one under Settings → Speculative decoding.")
+            params.speculative = None
+        try:
+            adapters = await self.apply_adapter_choice(conv.adapters)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            emit(self.failed, f"Could not switch adapters: {exc}")
+            return
+        info = self.bridge.model_info or info
+
+        try:
+            self.reply_id = self.store.add_message(
+                conv.id, "assistant", "", parent_id, status="streaming", model=info.name,
+                adapters=adapters,
+            )
+        except StoreError as exc:
+            emit(self.failed, f"{exc} No reply was asked for.")
+            return
+        self._answer = self._reasoning = ""
+        self._saved_len = (0, 0)
+        reply = self.store.message(self.reply_id)
+        sibs = self.store.siblings(self.reply_id)
+        self.view.start_streaming(reply, (len(sibs), len(sibs)))
+        self.view.set_busy(True)
+        emit(self.busy_changed, True)
+        self._save_timer.start()
+        started = self._started = time.monotonic()
+        result: api.GenerationResult | None = None
+        status = "error"
+        try:
+            result = await self.bridge.generate(conv.id, messages, params)
+            status = "cancelled" if result.finish_reason == "cancelled" else "complete"
+            if result.finish_reason == "error":
+                status = "error"
+                emit(self.failed, result.error or "The reply failed.")
+        except (EngineRequestError, EngineUnavailable) as exc:
+            emit(self.failed, str(exc))
+        finally:
+            self._save_timer.stop()
+            stats = asdict(result.stats) if result is not None else {}
+            if result is not None:
+                # The engine's final text wins over the sum of the pieces (stop strings trimmed).
+                self._answer, self._reasoning = result.text, result.reasoning
+                adapters = dict(getattr(result, "adapters", adapters))
+                self._note_speed(info.path, params.speculative, status, stats)
+            reply_id, self.reply_id = self.reply_id, None
+            self._save(reply_id, content=self._answer, reasoning=self._reasoning,
+                       status=status, stats=stats, adapters=adapters)
+            self.view.stop_streaming()
+            widget = self.view.widgets.get(reply_id)
+            if widget is not None:
+                widget.set_text(self._answer, self._reasoning)
+                widget.set_stats(stats, status, adapters)
+            self.view.set_busy(False)
+            emit(self.busy_changed, False)
+            if status == "complete" and stats:
+                emit(self.status, 
+                    f"{stats.get('generated_tokens', 0)} tokens in "
+                    f"{time.monotonic() - started:.1f} s"
+                )
+            elif status == "cancelled":
+                emit(self.status, "Stopped.")
+            emit(self.reply_finished, reply_id, result)
+
+    def _engine_messages(self, history: list[Message], info: api.ModelInfo) -> list[dict[str, Any]]:
+        """The thread as the engine reads it: attachments become media parts (by their stored
+        paths, so the engine's content-keyed caches recognise them on every turn). Media
+        the model cannot take is left out, with a note, rather than failing the reply."""
+        kinds = {k for k, ok in (("image", info.vision), ("audio", info.audio)) if ok}
+        skipped = {kind for m in history for kind, _ in m.attachments if kind not in kinds}
+        if skipped:
+            what = " and ".join(sorted(f"{k}s" for k in skipped))
+            emit(self.status, f"Earlier {what} in this chat are left out: {info.name} cannot take them.")
+        return [{"role": m.role, "content": message_content(m.content, m.attachments, kinds)}
+                for m in history]
+
+    async def apply_adapter_choice(self, chosen: dict[str, float]) -> dict[str, float]:
+        """Make the conversation's adapter choice the worker's active set (only adapters
+        mounted on this model count). Returns the set the reply will run under."""
+        info = self.bridge.model_info
+        mounted = {a.name for a in getattr(info, "adapters", None) or []}
+        wanted = {name: scale for name, scale in chosen.items() if name in mounted}
+        if mounted and wanted != dict(getattr(info, "active_adapters", None) or {}):
+            info = await self.bridge.set_active_adapters(wanted)
+        return wanted
+
+    def _note_speed(self, model_path: str, speculative: str | None, status: str,
+                    stats: dict[str, Any]) -> None:
+        """Plain replies set the model's baseline speed; speculative ones are compared to it."""
+        tps = stats.get("generation_tps") or 0.0
+        if status != "complete" or not tps or stats.get("generated_tokens", 0) < 2:
+            return
+        if speculative is None:
+            self.plain_tps[model_path] = tps
+        elif self.plain_tps.get(model_path):
+            stats["speedup"] = round(tps / self.plain_tps[model_path], 3)
+        if speculative is not None:
+            stats["speculative"] = speculative
+
+    async def _wait_for_model(self) -> api.ModelInfo | None:
+        """A message sent while a model loads goes out once it has loaded."""
+        self._waiting = asyncio.ensure_future(self.bridge.wait_for_load())
+        self.view.set_busy(True)
+        emit(self.busy_changed, True)
+        emit(self.status, "Waiting for the model to finish loading…")
+        try:
+            info = await self._waiting
+        except asyncio.CancelledError:
+            emit(self.status, "Stopped waiting; the message is kept.")
+            return None
+        finally:
+            self._waiting = None
+            self.view.set_busy(False)
+            emit(self.busy_changed, False)
+        if info is None:
+            emit(self.failed, "The model did not load, so the message was not answered. "
+                              "Pick a model, then press Regenerate or send again.")
+        return info
+
+    def _live_footer(self) -> str:
+        """Tokens, speed and time so far, for the message being streamed."""
+        elapsed = time.monotonic() - self._started
+        stats = self.bridge.live_stats(self.bridge.active_generation)
+        if stats is None or not stats.generated_tokens:
+            return f"Reading the prompt…  {elapsed:.1f} s"
+        parts = [f"{stats.generated_tokens} tokens"]
+        if stats.generation_tps:
+            parts.append(f"{stats.generation_tps:.1f} tok/s")
+        parts.append(f"{elapsed:.1f} s")
+        return "  ·  ".join(parts)
+
+    def _on_token(self, request_id: int, text: str, channel: str) -> None:
+        if self.reply_id is None or request_id != self.bridge.active_generation:
+            return
+        if channel == "reasoning":
+            self._reasoning += text
+        else:
+            self._answer += text
+        self.view.append(text, channel)
+
+    def _save_partial(self) -> None:
+        now = (len(self._answer), len(self._reasoning))
+        if self.reply_id is not None and now != self._saved_len:
+            try:
+                self.store.update_message(self.reply_id, content=self._answer,
+                                          reasoning=self._reasoning)
+            except StoreError as exc:  # tried again on the next tick; the reply streams on
+                emit(self.status, str(exc))
+                return
+            self._saved_len = now
+
+    def _save(self, message_id: int, **fields: Any) -> None:
+        """A reply's final save; when it cannot land (full disk) the reply stays on screen
+        and the save is tried again every few seconds until it does."""
+        try:
+            self.store.update_message(message_id, **fields)
+        except StoreError as exc:
+            self._unsaved[message_id] = fields
+            self._retry_timer.start()
+            emit(self.failed, f"{exc} The reply stays on screen and is saved as soon as it can be.")
+        else:
+            self._unsaved.pop(message_id, None)
+
+    def _retry_saves(self) -> None:
+        for message_id, fields in list(self._unsaved.items()):
+            try:
+                self.store.update_message(message_id, **fields)
+            except StoreError:
+                return
+            del self._unsaved[message_id]
+            emit(self.status, "The chat history is saved again.")
+        self._retry_timer.stop()
+
+    def _edit_slot(self, message_id: int, text: str) -> None:
+        spawn(self.edit(message_id, text))
+
+    def _regenerate_slot(self, message_id: int) -> None:
+        spawn(self.regenerate(message_id))
+
+
+def _title_from(text: str, attachments: list[tuple[str, str]] = ()) -> str:
+    if not text.strip() and attachments:
+        kind = attachments[0][0]
+        return "Image" if kind == "image" else "Voice message"
+    line = text.strip().splitlines()[0] if text.strip() else "New chat"
+    return line if len(line) <= 48 else line[:47].rstrip() + "…"

@@ -1,0 +1,271 @@
+"""``python -m engine bench``: speed on random weights of a real model's shape.
+
+The model is built from the architecture's real config (no download), cast to bf16 and
+quantized with ``nn.quantize`` like a published MLX checkpoint, then our decode loop
+runs on it after a warm-up. ``--vs mlx-lm`` loads the very same weights into mlx-lm's
+model class for that ``model_type`` and times mlx-lm's own ``generate_step`` in the
+same process, so the ratio compares loops and model code, nothing else.
+``--speculative`` times plain next to speculative decoding instead (engine/cli/bench_speculative.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.errors import EngineError
+
+# Published configs of the architectures (the parts that shape compute and memory).
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, vocab_size=256, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    "llama3-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass
+class Timing:
+    prompt_tokens: int
+    generated_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    ttft_s: float
+    peak_memory_bytes: int
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
+    p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("-p", "--prompt-tokens", type=int, default=512)
+    p.add_argument("-g", "--generation-tokens", type=int, default=128)
+    p.add_argument("--vs", choices=["mlx-lm"], help="also time mlx-lm on the same weights")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per loop, interleaved; each figure is reported at its best and as a median")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
+
+
+def build_model(shape: str, bits: int, group_size: int, seed: int = 0) -> tuple[Any, dict[str, Any], set[str]]:
+    """Random weights of ``shape``; returns (model, config, paths of quantized modules)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engine.models import get_family
+
+    config = dict(SHAPES[shape])
+    family = get_family(config["model_type"])
+    mx.random.seed(seed)
+    model = family.Model(family.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    quantized: set[str] = set()
+    if bits in (2, 3, 4, 5, 6, 8):
+        def pick(path: str, module: Any) -> bool:
+            ok = hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
+            if ok:
+                quantized.add(path)
+            return ok
+
+        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=pick)
+        config["quantization"] = {"group_size": group_size, "bits": bits}
+    elif bits != 16:
+        raise EngineError(f"--bits must be 2-6, 8 (quantized) or 16 (bf16), not {bits}")
+    # Materialise layer by layer so float32 random init never exists for the whole model.
+    for layer in getattr(model, "layers", []):
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model, config, quantized
+
+
+def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
+    """mlx-lm's model for the same ``model_type``, holding exactly ``model``'s weights."""
+    try:
+        import importlib
+
+        mlx_lm_models = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    except ImportError:
+        raise EngineError("--vs mlx-lm needs mlx-lm: pip install 'mlx-desk[bench]' (or mlx-lm)") from None
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    twin = mlx_lm_models.Model(mlx_lm_models.ModelArgs.from_dict(config))
+    twin.set_dtype(mx.bfloat16)
+    if quantized:
+        q = config["quantization"]
+        nn.quantize(twin, group_size=q["group_size"], bits=q["bits"], class_predicate=lambda p, m: p in quantized)
+    try:
+        twin.load_weights(list(tree_flatten(model.parameters())), strict=True)
+    except ValueError as e:
+        raise EngineError(f"mlx-lm's {config['model_type']} does not take our weights: {e}") from None
+    mx.eval(twin.parameters())
+    return twin
+
+
+def _ours(model: Any, prompt: Any, max_tokens: int, compiled: bool | None = None) -> Iterator[int]:
+    from engine.models.kv_cache import make_prompt_cache
+    from engine.decode.loop import generate_step
+
+    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=max_tokens,
+                                  prefill_chunk=2048, compiled=compiled):
+        yield token
+
+
+def _ours_plain(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
+    return _ours(model, prompt, max_tokens, compiled=False)
+
+
+def _theirs(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
+    from mlx_lm.generate import generate_step
+
+    for token, _ in generate_step(prompt, model, max_tokens=max_tokens, prefill_step_size=2048):
+        yield int(token)
+
+
+def time_loop(loop: Callable[[Any, Any, int], Iterator[int]], model: Any, prompt: Any, gen: int) -> Timing:
+    import mlx.core as mx
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first = start
+    n = 0
+    for _ in loop(model, prompt, gen):
+        if n == 0:
+            first = time.perf_counter()
+        n += 1
+    end = time.perf_counter()
+    return Timing(
+        prompt_tokens=int(prompt.size),
+        generated_tokens=n,
+        prompt_tps=prompt.size / max(first - start, 1e-9),
+        generation_tps=(n - 1) / max(end - first, 1e-9) if n > 1 else 0.0,
+        ttft_s=first - start,
+        peak_memory_bytes=int(mx.get_peak_memory()),
+    )
+
+
+def _best(runs: list[Timing]) -> Timing:
+    """Each figure at its best over the runs: on a shared machine noise only ever slows
+    a run down, and prefill and decode are disturbed in different runs."""
+    return Timing(
+        prompt_tokens=runs[0].prompt_tokens,
+        generated_tokens=max(t.generated_tokens for t in runs),
+        prompt_tps=max(t.prompt_tps for t in runs),
+        generation_tps=max(t.generation_tps for t in runs),
+        ttft_s=min(t.ttft_s for t in runs),
+        peak_memory_bytes=max(t.peak_memory_bytes for t in runs),
+    )
+
+
+def _median(runs: list[Timing]) -> dict[str, float]:
+    return {"prompt_tps": statistics.median(t.prompt_tps for t in runs),
+            "generation_tps": statistics.median(t.generation_tps for t in runs)}
+
+
+Loop = Callable[[Any, Any, int], Iterator[int]]
+
+
+def measure_interleaved(loops: Sequence[tuple[Loop, Any]], prompt: Any, gen: int,
+                        repeat: int) -> list[tuple[Timing, list[Timing]]]:
+    """Time each ``(loop, model)`` ``repeat`` times, interleaved: every repeat runs all of
+    them, in reverse order every other time (A B, B A, ...), so clock and thermal drift
+    fall on all alike instead of on whichever ran last. Returns (best, every run) per loop."""
+    for loop, model in loops:
+        time_loop(loop, model, prompt, min(gen, 4))  # warm-up: kernels for these shapes
+    runs: list[list[Timing]] = [[] for _ in loops]
+    order = list(range(len(loops)))
+    for r in range(max(1, repeat)):
+        for i in order if r % 2 == 0 else order[::-1]:
+            loop, model = loops[i]
+            runs[i].append(time_loop(loop, model, prompt, gen))
+    return [(_best(each), each) for each in runs]
+
+
+def measure(loop: Loop, model: Any, prompt: Any, gen: int, repeat: int) -> Timing:
+    return measure_interleaved([(loop, model)], prompt, gen, repeat)[0][0]
+
+
+def with_runs(best: Timing, runs: list[Timing]) -> dict[str, Any]:
+    """The best figures for ``--json``, the medians under ``median``, every run under ``runs``."""
+    return {**asdict(best), "median": _median(runs), "runs": [asdict(t) for t in runs]}
+
+
+def _row(name: str, t: Timing) -> str:
+    return (f"{name:<8} prompt {t.prompt_tps:10.1f} tok/s   generation {t.generation_tps:8.1f} tok/s   "
+            f"ttft {t.ttft_s * 1000:8.1f} ms   peak {t.peak_memory_bytes / 1e9:6.2f} GB")
+
+
+def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any]] | None = None) -> int:
+    """Time the shape; with ``--speculative``, ``speculative`` (bench_speculative's runner,
+    which builds on this module) times plain next to speculative decoding instead."""
+    import mlx.core as mx
+
+    if args.prompt_tokens < 1 or args.generation_tokens < 2:
+        raise EngineError("bench needs -p >= 1 and -g >= 2")
+    if args.vs == "mlx-lm":
+        import importlib.util
+
+        if importlib.util.find_spec("mlx_lm") is None:
+            raise EngineError("--vs mlx-lm needs mlx-lm installed: pip install 'mlx-desk[bench]' (or mlx-lm)")
+    model, config, quantized = build_model(args.shape, args.bits, args.group_size, args.seed)
+    prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=mx.random.key(args.seed)).astype(mx.uint32)
+    mx.eval(prompt)
+    quant = f"{args.bits}-bit g{args.group_size}" if quantized else "bf16"
+    print(f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "
+          f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
+    out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
+                           "group_size": args.group_size, "device": str(mx.default_device())}
+    if args.speculative and speculative is not None:
+        out.update(speculative(args, model, config, quantized, prompt))
+        if args.json:
+            print(json.dumps(out))
+        return 0
+    loops: list[tuple[Loop, Any]] = [(_ours_plain if args.no_compile else _ours, model)]
+    if args.vs == "mlx-lm":
+        loops.append((_theirs, mlx_lm_twin(model, config, quantized)))
+    timed = measure_interleaved(loops, prompt, args.generation_tokens, args.repeat)
+    ours = timed[0][0]
+    print(_row("engine", ours), flush=True)
+    out["engine"] = with_runs(*timed[0])
+    if args.vs == "mlx-lm":
+        theirs = timed[1][0]
+        print(_row("mlx-lm", theirs), flush=True)
+        ratio = {
+            "prompt": ours.prompt_tps / max(theirs.prompt_tps, 1e-9),
+            "generation": ours.generation_tps / max(theirs.generation_tps, 1e-9),
+        }
+        print(f"ratio    prompt {ratio['prompt']:.2f}x   generation {ratio['generation']:.2f}x (engine / mlx-lm)")
+        out["mlx_lm"] = with_runs(*timed[1])
+        out["ratio"] = ratio
+        if args.repeat > 1:
+            mine, peer = _median(timed[0][1]), _median(timed[1][1])
+            out["ratio_of_medians"] = {k: mine[k] / max(peer[k], 1e-9) for k in mine}
+            print(f"medians  prompt {out['ratio_of_medians']['prompt_tps']:.2f}x   "
+                  f"generation {out['ratio_of_medians']['generation_tps']:.2f}x (of {args.repeat} runs each)")
+    if args.json:
+        print(json.dumps(out))
+    return 0

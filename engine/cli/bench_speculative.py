@@ -1,0 +1,224 @@
+"""``python -m engine bench --speculative {ngram,draft,self}``: plain next to speculative decoding.
+
+Random weights make drafts a poor guess, so each mode says what its numbers mean:
+
+* ``self``: the model drafts for itself. Every greedy draft is accepted, so this is the upper
+  bound of acceptance; the speed shows what verification in batches buys against the cost of
+  drafting with a model as large as the target.
+* ``draft``: the first ``--draft-layers`` layers of the same random model (sharing its
+  embeddings, norm and head) draft for the whole model: a small model of the same vocabulary.
+* ``ngram``: prompt lookup. The prompt is a random passage repeated, so lookup finds matches;
+  whether they are accepted depends on the random model repeating it, which it seldom does.
+
+``--vs mlx-lm`` times mlx-lm's ``speculative_generate_step`` with the same draft model (mlx-lm
+has no n-gram drafting; only its plain loop runs then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from engine.cli.bench import Timing, measure_interleaved, mlx_lm_twin, with_runs
+
+NOTES = {
+    "self": "self: the model drafts for itself; greedy drafts are all accepted (the upper bound)",
+    "draft": "draft: the first {layers} layers of the same random model draft for all {total}",
+    "ngram": ("ngram: the prompt is a {passage}-token random passage repeated, so lookup finds matches; "
+              "random weights seldom repeat it, so few drafts are accepted"),
+}
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=["ngram", "draft", "self"],
+                   help="also time speculative decoding: n-gram lookup, a draft model, or the model itself")
+    p.add_argument("--num-draft", type=int, default=4, help="drafts verified per pass (default 4)")
+    p.add_argument("--ngram-size", type=int, default=3, help="ids matched by n-gram lookup (default 3)")
+    p.add_argument("--draft-layers", type=int, help="layers of the draft model (default 2, 1 for a 2-layer shape)")
+
+
+def repeated_passage_prompt(vocab: int, length: int, seed: int) -> tuple[Any, int]:
+    """A random passage repeated to ``length`` ids, and the passage's length."""
+    import mlx.core as mx
+
+    passage = max(4, min(64, length // 4))
+    ids = mx.random.randint(0, vocab, (passage,), key=mx.random.key(seed + 1)).astype(mx.uint32)
+    reps = -(-length // passage)
+    return mx.tile(ids, (reps,))[:length], passage
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def slice_model(
+    model: Any, config: dict[str, Any], quantized: set[str], layers: int | None
+) -> tuple[Any, dict, set[str]]:
+    """The first ``layers`` layers of ``model`` with its embeddings, norm and head: a draft model
+    that shares the target's weight arrays (no copies)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from engine.errors import EngineError
+    from engine.models import get_family
+
+    total = int(config["num_hidden_layers"])
+    layers = layers if layers is not None else min(2, total - 1)
+    if not 1 <= layers < total:
+        raise EngineError(f"--draft-layers must be between 1 and {total - 1} for this shape (got {layers})")
+    draft_config = {k: v for k, v in config.items() if k != "quantization"}
+    draft_config["num_hidden_layers"] = layers
+    family = get_family(config["model_type"])
+    draft = family.Model(family.ModelArgs.from_dict(draft_config))
+    draft.set_dtype(mx.bfloat16)
+
+    def kept(path: str) -> bool:
+        m = _LAYER.search(path)
+        return m is None or int(m.group(1)) < layers
+
+    draft_quantized = {p for p in quantized if kept(p + ".")}
+    if quantized:
+        q = config["quantization"]
+        nn.quantize(draft, group_size=q["group_size"], bits=q["bits"], class_predicate=lambda p, m: p in draft_quantized)
+        draft_config["quantization"] = dict(q)
+    weights = [(k, v) for k, v in tree_flatten(model.parameters()) if kept(k)]
+    draft.load_weights(weights, strict=True)
+    mx.eval(draft.parameters())
+    return draft, draft_config, draft_quantized
+
+
+def _recording(loop: Callable[[Any, Any, int], Iterator[int]], sink: list[int]) -> Callable[[Any, Any, int], Iterator[int]]:
+    def run(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+        sink.clear()
+        for token in loop(model, prompt, gen):
+            sink.append(token)
+            yield token
+
+    return run
+
+
+def _ours_plain(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+    from engine.models.kv_cache import make_prompt_cache
+    from engine.decode.loop import generate_step
+
+    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=gen, prefill_chunk=2048):
+        yield token
+
+
+def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out: list[Any]):
+    def run(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+        from engine.decode.stats import StatsCounter
+        from engine.models.kv_cache import make_prompt_cache
+        from engine.decode.speculative import speculative_step
+
+        stats = StatsCounter()
+        stats_out[:] = [stats]
+        for token, _ in speculative_step(prompt.tolist(), model, make_prompt_cache(model), make_drafter(),
+                                         max_tokens=gen, num_draft_tokens=num_draft, stats=stats,
+                                         prefill_chunk=2048):
+            yield token
+
+    return run
+
+
+def _theirs_plain(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+    from mlx_lm.generate import generate_step
+
+    for token, _ in generate_step(prompt, model, max_tokens=gen, prefill_step_size=2048):
+        yield int(token)
+
+
+def _theirs_speculative(draft: Any, num_draft: int, from_draft: list[int]):
+    def run(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+        from mlx_lm.generate import speculative_generate_step
+
+        from_draft[:] = [0]
+        for token, _, drafted in speculative_generate_step(prompt, model, draft, num_draft_tokens=num_draft,
+                                                            max_tokens=gen, prefill_step_size=2048):
+            from_draft[0] += int(bool(drafted))
+            yield int(token)
+
+    return run
+
+
+def _row(name: str, t: Timing) -> str:
+    return (f"{name:<16} prompt {t.prompt_tps:10.1f} tok/s   generation {t.generation_tps:8.1f} tok/s   "
+            f"ttft {t.ttft_s * 1000:8.1f} ms   peak {t.peak_memory_bytes / 1e9:6.2f} GB")
+
+
+def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any], quantized: set[str],
+                    prompt: Any) -> dict[str, Any]:
+    """Time plain and speculative decoding (and mlx-lm's, with ``--vs mlx-lm``); print the table
+    and return the figures for ``--json``."""
+    import mlx.core as mx
+
+    from engine.errors import EngineError
+    from engine.decode.drafters import DraftModelDrafter, NgramDrafter
+
+    mode, k, gen, repeat = args.speculative, args.num_draft, args.generation_tokens, args.repeat
+    if k < 1 or args.ngram_size < 1:
+        raise EngineError("--num-draft and --ngram-size must be at least 1")
+    note = NOTES[mode]
+    draft = draft_config = None
+    if mode == "ngram":
+        prompt, passage = repeated_passage_prompt(config["vocab_size"], int(prompt.size), args.seed)
+        mx.eval(prompt)
+        note = note.format(passage=passage)
+        make_drafter = lambda: NgramDrafter(args.ngram_size, k)  # noqa: E731
+    elif mode == "draft":
+        draft, draft_config, draft_quantized = slice_model(model, config, quantized, args.draft_layers)
+        note = note.format(layers=draft_config["num_hidden_layers"], total=config["num_hidden_layers"])
+        make_drafter = lambda: DraftModelDrafter(draft, None, k, 2048)  # noqa: E731
+    else:
+        draft = model
+        make_drafter = lambda: DraftModelDrafter(model, None, k, 2048)  # noqa: E731
+    print(note, flush=True)
+
+    plain_ids: list[int] = []
+    spec_ids: list[int] = []
+    stats: list[Any] = []
+    loops = [(_recording(_ours_plain, plain_ids), model),
+             (_recording(_ours_speculative(make_drafter, k, stats), spec_ids), model)]
+    from_draft: list[int] = [0]
+    if args.vs == "mlx-lm":  # every loop runs in each repeat, in alternating order
+        twin = mlx_lm_twin(model, config, quantized)
+        loops.append((_theirs_plain, twin))
+        if draft is not None:
+            draft_twin = twin if draft is model else mlx_lm_twin(draft, draft_config, draft_quantized)
+            loops.append((_theirs_speculative(draft_twin, k, from_draft), twin))
+    timed = measure_interleaved(loops, prompt, gen, repeat)
+    plain, spec = timed[0][0], timed[1][0]
+    print(_row("engine", plain), flush=True)
+    print(_row(f"engine+{mode}", spec), flush=True)
+    s = stats[0]
+    same = spec_ids == plain_ids
+    print(f"{'':<16} {s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted ({s.acceptance_rate:.0%}), "
+          f"speed-up {spec.generation_tps / max(plain.generation_tps, 1e-9):.2f}x, "
+          f"tokens identical to plain greedy: {'yes' if same else 'no'}", flush=True)
+    out: dict[str, Any] = {
+        "speculative": {
+            "mode": mode, "num_draft": k, "note": note, "plain": with_runs(*timed[0]), "engine": with_runs(*timed[1]),
+            "draft_tokens": s.draft_tokens, "accepted_draft_tokens": s.accepted_draft_tokens,
+            "acceptance_rate": s.acceptance_rate, "identical_to_plain": same,
+            "speedup": spec.generation_tps / max(plain.generation_tps, 1e-9),
+        }
+    }
+    if args.vs != "mlx-lm":
+        return out
+    theirs = timed[2][0]
+    print(_row("mlx-lm", theirs), flush=True)
+    out["mlx_lm"] = with_runs(*timed[2])
+    if draft is None:
+        print(f"{'':<16} mlx-lm has no n-gram drafting: its plain loop only", flush=True)
+        return out
+    theirs_spec = timed[3][0]
+    print(_row(f"mlx-lm+{mode}", theirs_spec), flush=True)
+    ratio = spec.generation_tps / max(theirs_spec.generation_tps, 1e-9)
+    print(f"{'':<16} {from_draft[0]}/{theirs_spec.generated_tokens} tokens from drafts, speed-up "
+          f"{theirs_spec.generation_tps / max(theirs.generation_tps, 1e-9):.2f}x; "
+          f"engine+{mode} / mlx-lm+{mode}: {ratio:.2f}x", flush=True)
+    out["mlx_lm_speculative"] = {**with_runs(*timed[3]), "tokens_from_draft": from_draft[0]}
+    out["ratio_speculative"] = ratio
+    return out

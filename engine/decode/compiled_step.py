@@ -1,0 +1,203 @@
+"""Decode steps (one new token, or the few a speculative round verifies) with most of
+their work in compiled functions.
+
+Decoding is bound by per-step overhead, not by the device: building ~20 small ops per
+layer in Python and launching each as its own kernel. Here each layer boundary (the
+previous layer's output projection, residuals and feed-forward, then this layer's norm,
+q/k/v projections and RoPE) is one ``mx.compile``d function: Python makes one call where
+it made ~20, and elementwise ops fuse.
+
+Only the cache write and the attention run outside, on the cache's exact prefix: its key count
+grows every token, and the fast attention kernel takes no length argument (a padded
+buffer would need an array mask, which sends the GPU to a slower path).
+
+Results equal the plain forward pass: the same ops run in the same order on the same
+values; only elementwise ops are fused (same dtypes, no reassociation).
+
+A ``CompiledDecoder`` is tied to one model. Weights are captured when the functions
+are traced; ``prepare`` notices replaced weights (adapters fused, weights reloaded)
+and retraces. Traced shapes do not change from token to token: each layer is traced
+once per number of new tokens.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from engine.models.lora import active_signature
+from engine.models.kv_cache import KVCache, RotatingKVCache
+from engine.models.base import RoPE
+from engine.models.stacked import MAX_STACKED_ROWS, stack_projections
+
+_CACHE_KINDS = (KVCache, RotatingKVCache)
+
+
+def _layer_ok(layer: Any) -> bool:
+    attn = getattr(layer, "self_attn", None)
+    return (
+        attn is not None
+        and all(hasattr(attn, name) for name in ("qkv", "attend", "out"))
+        and hasattr(layer, "finish")
+        and hasattr(layer, "input_layernorm")
+        # RoPE variants that pick settings from the position need it as a Python int.
+        and type(getattr(attn, "rope", None)) is RoPE
+    )
+
+
+class CompiledDecoder:
+    """``decoder(tokens, cache)`` -> logits [n, vocab] for n new tokens (one per decode
+    step, a few to verify drafts), or None when this model/cache combination needs the
+    plain forward pass (the caller then uses it). Each n is traced once, on first use."""
+
+    def __init__(self, model: Any):
+        # Weak: the model keeps its decoder, and the decoder must not keep the model
+        # (nor its weights, through traced closures) alive once the model is dropped.
+        self._model = weakref.ref(model)
+        self.supported = (
+            all(hasattr(model, name) for name in ("embed", "head", "layers"))
+            and len(model.layers) > 0
+            and all(_layer_ok(layer) for layer in model.layers)
+        )
+        self._links: list[tuple[Any, Any, Any]] = []  # what the traces were built from
+        self._signature = ""
+        self._fns: list[Any] = []
+
+    # -- building -------------------------------------------------------------------
+
+    def prepare(self) -> bool:
+        """(Re)trace if the model's weights changed since the last trace; call once per
+        generation, not per token. Before tracing, q/k/v and gate/up are stacked into
+        one matmul each (``models.fused``). Returns whether compiled decoding is available."""
+        if not self.supported:
+            return False
+        model = self._model()
+        # Switching adapters changes what a layer computes without replacing any array.
+        signature = active_signature(model)
+        if signature != self._signature or not _links_hold(model, self._links):
+            # Drop the old traces first: they hold the arrays that stacking replaces.
+            self._fns, self._links = [], []
+            stack_projections(model)
+            self._links, self._signature = _links(model), signature
+            self._fns = self._build()
+        return True
+
+    def _build(self) -> list[Any]:
+        ref = self._model
+        n_layers = len(ref().layers)
+
+        def layer(i: int) -> Any:
+            return ref().layers[i]
+
+        def start(i: int, h, pos):
+            this = layer(i)
+            q, k, v = this.self_attn.qkv(this.input_layernorm(h), pos)
+            return h, q, k, v
+
+        def end(i: int, h, attn):
+            prev = layer(i)
+            return prev.finish(h, prev.self_attn.out(attn))
+
+        def first(tokens, pos):
+            return start(0, ref().embed(tokens), pos)
+
+        def boundary(i: int):
+            def fn(h, attn, pos):
+                return start(i, end(i - 1, h, attn), pos)
+
+            return fn
+
+        def last(h, attn):
+            return ref().head(end(n_layers - 1, h, attn))[0]
+
+        # Traced functions capture no model object, only (through the trace) its arrays.
+        return [mx.compile(first)] + [mx.compile(boundary(i)) for i in range(1, n_layers)] + [mx.compile(last)]
+
+    # -- one step -------------------------------------------------------------------
+
+    def masks(self, cache: Sequence[Any], n: int) -> list[Any] | None:
+        """Each layer's attention mask for ``n`` new tokens, or None when this cache state
+        cannot take a compiled step (checked before any change)."""
+        if not self._fns or len(cache) != len(self._fns) - 1 or not 0 < n <= MAX_STACKED_ROWS:
+            return None
+        offset = cache[0].offset
+        masks = []
+        for layer, c in zip(self._model().layers, cache):
+            if type(c) not in _CACHE_KINDS or c.keys is None or c.offset != offset:
+                return None
+            mask = c.make_mask(n, getattr(layer, "window", None))
+            if mask is not None and not isinstance(mask, str):
+                return None  # a boolean window mask: the plain pass builds it
+            masks.append(mask)
+        return masks
+
+    def __call__(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
+        """Logits [n, vocab] after feeding ``tokens`` (shape [n], a decode step or a
+        speculative verification) through ``cache``."""
+        masks = self.masks(cache, int(tokens.shape[0]))
+        if masks is None:
+            return None
+        layers = self._model().layers
+        pos = mx.array(cache[0].offset, dtype=mx.int32)
+        h: mx.array = tokens[None]
+        attn = None
+        for i, (layer, c, mask) in enumerate(zip(layers, cache, masks)):
+            if i == 0:
+                h, q, k, v = self._fns[0](h, pos)
+            else:
+                h, q, k, v = self._fns[i](h, attn, pos)
+            # The cache write stays outside: a write at a traced position is a dynamic
+            # update, which cannot always reuse the buffer in place.
+            k, v = c.update_and_fetch(k, v)
+            attn = layer.self_attn.attend(q, k, v, mask)
+        return self._fns[-1](h, attn)
+
+
+def _links(model: Any) -> list[tuple[Any, Any, Any]]:
+    """Every (container, key, value) link from ``model`` down to its arrays, and each
+    container's length (key None), walking its modules, lists and dicts. The model itself
+    is written as None: the decoder lives on the model and must not hold it."""
+    links: list[tuple[Any, Any, Any]] = []
+    todo = [model]
+    while todo:
+        node = todo.pop()
+        held = None if node is model else node
+        links.append((held, None, len(node)))
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, (mx.array, dict, list)):
+                links.append((held, key, value))
+                if not isinstance(value, mx.array):
+                    todo.append(value)
+    return links
+
+
+def _links_hold(model: Any, links: list[tuple[Any, Any, Any]]) -> bool:
+    """Whether nothing in ``model`` was replaced, added or removed since ``_links``: one
+    lookup per link, where flattening the parameters cost about 3 ms on an 8B model,
+    paid before every first token."""
+    if not links:
+        return False
+    for node, key, value in links:
+        node = model if node is None else node
+        if key is None:
+            if len(node) != value:
+                return False
+        elif node[key] is not value:
+            return False
+    return True
+
+
+def compiled_decoder(model: Any) -> CompiledDecoder | None:
+    """The model's decoder (made once per model object and kept on it); None when the
+    model's layers do not offer the pieces a compiled step needs."""
+    decoder = getattr(model, "_compiled_decoder", None)
+    if decoder is None:
+        decoder = CompiledDecoder(model)
+        try:
+            object.__setattr__(model, "_compiled_decoder", decoder)
+        except AttributeError:
+            pass
+    return decoder if decoder.supported else None

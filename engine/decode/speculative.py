@@ -1,0 +1,356 @@
+"""Speculative decoding with exact verification: a draft model or n-gram prompt lookup.
+
+A drafter proposes up to k tokens; the target model scores the pending token and all k drafts
+in one forward pass; the longest acceptable run of drafts is kept, plus one token from the
+target (the correction after a rejection, or a bonus token when every draft was accepted).
+
+* Greedy: a draft is accepted while it equals the target's argmax, so the output is the
+  target's own greedy output token for token.
+* Sampling: standard rejection sampling (Leviathan et al. 2023; Chen et al. 2023). Draft d with
+  draft probability q(d) is accepted with probability min(1, p(d) / q(d)); after a rejection the
+  token is drawn from normalise(max(0, p - q)). An n-gram draft is a point mass (q(d) = 1), so
+  it is accepted with probability p(d) and the residual is p with d removed. Either way every
+  emitted token is distributed exactly as the target's sampler would draw it.
+
+``p`` is the target's sampling distribution after the request's logits processors (repetition
+penalty) and filters (temperature, top-k, top-p, min-p), exactly as ``engine.decode.sampling`` builds
+it. Rejected drafts are rewound with the caches' ``trim``. A cache that cannot trim (a sliding
+window that has wrapped) turns drafting off for the rest of the request: it continues as plain
+decoding, still exact. The drafters themselves are in ``engine.decode.drafters``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from engine.api import SamplingParams
+from engine.models.kv_cache import trim_prompt_cache
+from engine.decode.drafters import DraftModelDrafter, Drafter, Pick, decoder_for, room_to_trim
+from engine.errors import EngineError
+from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
+from engine.decode.stats import StatsCounter
+from engine.decode.sampling import LogitsProcessor, filter_logits
+
+
+def _fit(q: mx.array, vocab: int) -> mx.array:
+    """Draft distributions over the target's vocabulary size (embedding tables are often padded)."""
+    have = q.shape[-1]
+    if have == vocab:
+        return q
+    if have > vocab:
+        return q[..., :vocab]
+    return mx.concatenate([q, mx.zeros((*q.shape[:-1], vocab - have), q.dtype)], axis=-1)
+
+
+def speculative_step(
+    prompt: Sequence[int],
+    model: Any,
+    cache: Sequence[Any],
+    drafter: Drafter,
+    *,
+    max_tokens: int,
+    sampling: SamplingParams | None = None,
+    logits_processors: Sequence[LogitsProcessor] = (),
+    logprobs: bool = False,
+    num_draft_tokens: int | None = None,
+    stats: StatsCounter | None = None,
+    prefill_chunk: int = 512,
+    cancel: threading.Event | None = None,
+    history: Sequence[int] | None = None,
+    on_progress: ProgressCallback | None = None,
+    compiled: bool | None = None,
+    inputs: PromptInputs | None = None,
+) -> Iterator[tuple[int, float | None]]:
+    """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens, like
+    ``engine.decode.loop.generate_step`` but drafting and verifying several tokens per pass.
+
+    ``prompt`` holds the ids not yet in ``cache`` (at least one); ``history`` is the whole
+    context they end (cached part included; default ``prompt``) for n-gram lookup and the
+    repetition penalty. The log-prob is the chosen token's under the target's raw
+    distribution. ``stats.draft_tokens`` / ``accepted_draft_tokens`` are updated as drafts are
+    verified. When the consumer stops early, the caches are left holding exactly the ids before
+    the last yielded token, as after plain decoding. ``on_progress(done, total)`` follows the
+    prefill, as in ``generate_step``. ``compiled`` as there: one-token target steps (and a
+    draft model's steps) use the compiled decoder; None = on a GPU only.
+
+    ``inputs`` carries a prompt's media (embeddings with image or audio features spliced in,
+    Gemma 3's bidirectional image blocks), offsets into ``prompt``: the prefill and the first
+    pass, which feeds the prompt's last id, use them; every later pass is text. Multimodal
+    RoPE (``inputs.positions``) is refused: its decode positions are shifted, and verification
+    passes do not model that shift.
+
+    Each round (draft, verify, accept) waits for the device once: drafting, verification and
+    acceptance are one lazy graph, and a single array of results comes back to the host.
+    """
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise EngineError("nothing to generate from: the prompt has no tokens")
+    if inputs is not None and inputs.positions is not None:
+        raise EngineError(
+            "speculative decoding cannot follow multimodal RoPE positions (Qwen2.5-VL images): "
+            "decode this prompt without a drafter"
+        )
+    if max_tokens <= 0:
+        return
+    params = sampling or SamplingParams()
+    greedy = params.temperature <= 0
+    processors = list(logits_processors)
+    k_max = max(0, num_draft_tokens if num_draft_tokens is not None else drafter.max_draft)
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+    key = [mx.random.key(seed)]
+    context = list(history) if history is not None else list(ids)
+    if context[-len(ids) :] != ids:
+        context = context + ids
+    if isinstance(drafter, DraftModelDrafter) and drafter.compiled is None:
+        drafter.compiled = compiled
+    decoder = decoder_for(model, compiled)
+
+    def next_key() -> mx.array:
+        key[0], sub = mx.random.split(key[0])
+        return sub
+
+    def process(logits: mx.array, recent: mx.array) -> mx.array:
+        if not processors:
+            return logits
+        out = logits[None]
+        for proc in processors:
+            out = proc(recent, out)
+        return out[0]
+
+    def distribution(processed: mx.array) -> mx.array:
+        return mx.softmax(filter_logits(processed.astype(mx.float32), params), axis=-1)
+
+    def pick(logits: mx.array, recent: mx.array) -> tuple[mx.array, mx.array | None]:
+        processed = process(logits, recent)
+        if greedy:
+            return mx.argmax(processed, axis=-1, keepdims=True).astype(mx.uint32), None
+        q = distribution(processed)
+        token = mx.random.categorical(mx.log(q), key=next_key())
+        return token.reshape(1).astype(mx.uint32), q
+
+    # The prompt's last id is fed by the first pass (a verification or a plain step); its
+    # embedding may be part of a media run, so that pass takes embeddings, not ids.
+    head_row = [inputs.embeddings[-1:] if inputs is not None and inputs.embeddings is not None else None]
+
+    def forward(fed: mx.array, n: int) -> mx.array:
+        """Lazy logits [n, V] for the last ``n`` of the fed ids."""
+        if head_row[0] is not None:
+            embeddings, head_row[0] = head_row[0], None
+            if fed.shape[0] > 1:  # the drafts after it are text
+                embeddings = mx.concatenate([embeddings, model.embed(fed[None, 1:])[0]])
+            return model(fed[None], cache=cache, input_embeddings=embeddings[None])[0, -n:]
+        if decoder is not None and n == fed.shape[0]:
+            out = decoder(fed, cache)  # a one-token step, or the drafts' verification
+            if out is not None:
+                return out
+        return model(fed[None], cache=cache)[0, -n:]
+
+    prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
+    if not prefill(model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress,
+                   inputs=inputs):
+        return
+    pending = ids[-1:]  # ids whose keys/values the target has not computed yet
+    speculate = k_max > 0
+    produced = 0
+    carried: tuple[list[int], None] | None = None  # drafts a plain run's lookup found
+    while produced < max_tokens:
+        if cancel is not None and cancel.is_set():
+            return
+        k = min(k_max, max_tokens - produced - 1) if speculate else 0
+        if k > 0 and not all(room_to_trim(c, len(pending) + k) for c in cache):
+            speculate, k = False, 0  # plain decoding from here on
+        if carried is not None and k > 0:
+            proposed, q_rows = carried
+        else:
+            proposed, q_rows = drafter.propose(context, k, pick) if k > 0 else ([], None)
+        carried = None
+        on_host = isinstance(proposed, list)
+        if k > 0 and on_host and not proposed:
+            # Nothing to verify: decode plainly, a step ahead, until a lookup finds drafts.
+            def lookup(n_left: int) -> tuple[list[int], None] | None:
+                k_next = min(k_max, n_left - 1)
+                found = drafter.propose(context, k_next, pick) if k_next > 0 else ([], None)
+                return found if found[0] else None
+
+            carried, n = yield from _lookahead_run(
+                context, forward, pick, logprobs, cache, lookup, max_tokens - produced, cancel,
+                processed=bool(processors),
+            )
+            produced += n
+            pending = context[-1:]
+            continue
+        drafts = mx.array(proposed[:k], dtype=mx.uint32) if on_host else proposed[:k]
+        m = int(drafts.shape[0])
+        fed = mx.concatenate([mx.array(pending, dtype=mx.uint32), drafts]) if m else mx.array(pending, dtype=mx.uint32)
+        logits = forward(fed, m + 1)
+        if processors:  # each position sees the context up to its own draft
+            recent = mx.array(context[-HISTORY_WINDOW:], dtype=mx.uint32)
+            rows = [process(logits[0], recent)]
+            rows += [process(logits[i], mx.concatenate([recent, drafts[:i]])[-HISTORY_WINDOW:]) for i in range(1, m + 1)]
+            logits_p = mx.stack(rows)
+        else:
+            logits_p = logits
+        accepted_a, last_a = _verify(logits_p, drafts, q_rows, greedy, distribution, next_key)
+        # One read per round: [accepted, last, drafts..., log-probs...] as float32 (token ids
+        # below 2**24 are exact there).
+        parts = [accepted_a.reshape(1), last_a.reshape(1)]
+        if not on_host:
+            parts.append(drafts)
+        if logprobs:
+            parts.append(_logprobs(logits, drafts, accepted_a, last_a))
+        values = mx.concatenate([a.astype(mx.float32) for a in parts]).tolist()
+        accepted, last = int(values[0]), int(values[1])
+        draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
+        emitted = draft_ids[:accepted] + [last]
+        trim_prompt_cache(cache, m - accepted)  # drop the rejected drafts' keys/values
+        if stats is not None:
+            stats.draft_tokens += m
+            stats.accepted_draft_tokens += accepted
+        lp_start = 2 + (0 if on_host else m)
+        lps: list[float | None] = list(values[lp_start : lp_start + len(emitted)]) if logprobs else [None] * len(emitted)
+        base = len(context)
+        context.extend(emitted)
+        pending = [last]
+        drafter.rewind(len(context) - 1)
+        for j, (token, lp) in enumerate(zip(emitted, lps)):
+            try:
+                yield token, lp
+            except GeneratorExit:
+                # Keep "cache = every id before the last yielded one" when stopped mid-run.
+                unused = len(emitted) - 1 - j
+                trim_prompt_cache(cache, unused)
+                drafter.rewind(base + j)
+                raise
+            produced += 1
+            if produced >= max_tokens:
+                return
+
+
+def _lookahead_run(
+    context: list[int],
+    forward: Callable[[mx.array, int], mx.array],
+    pick: Pick,
+    logprobs: bool,
+    cache: Sequence[Any],
+    lookup: Callable[[int], tuple[list[int], None] | None],
+    budget: int,
+    cancel: threading.Event | None,
+    *,
+    processed: bool,
+) -> Generator[tuple[int, float | None], None, tuple[tuple[list[int], None] | None, int]]:
+    """Plain decoding for as long as a host drafter (n-gram lookup) finds nothing to draft.
+
+    As in the plain loop, step n+1 is queued before token n is read, so a lookup that keeps
+    missing costs no extra wait on the device. After each token the lookup runs again; when
+    it finds drafts, the queued step is trimmed off (the verification round feeds that token
+    with its drafts) and the drafts are returned for it, with how many tokens were yielded.
+    Leaves the caches holding every id before the last yielded one (``context[-1]``), as a
+    verification round would. Tokens are appended to ``context``."""
+    n = 0
+
+    def step(token: mx.array, unread: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+        """Lazy (next token, its log-prob) after ``token``; ``unread`` is ``token`` when it is
+        not in ``context`` yet, for the logits processors' view of the history."""
+        logits = forward(token, 1)[0]
+        recent = None
+        if processed:
+            recent = mx.array(context[-HISTORY_WINDOW:], dtype=mx.uint32)
+            if unread is not None:
+                recent = mx.concatenate([recent, unread])[-HISTORY_WINDOW:]
+        y, _ = pick(logits, recent)
+        lp = None
+        if logprobs:
+            raw = logits.astype(mx.float32)
+            lp = (raw - mx.logsumexp(raw, axis=-1, keepdims=True))[y[0]]
+        mx.async_eval([a for a in (y, lp) if a is not None])
+        return y, lp
+
+    y, lp = step(mx.array(context[-1:], dtype=mx.uint32))
+    while True:
+        ahead = n + 1 < budget and all(room_to_trim(c, 1) for c in cache)
+        queued = step(y, unread=y) if ahead else None  # feeds y to the caches
+        token = int(y.item())
+        context.append(token)
+        try:
+            yield token, (float(lp.item()) if lp is not None else None)
+        except GeneratorExit:
+            if queued is not None:
+                trim_prompt_cache(cache, 1)
+            raise
+        n += 1
+        stop = queued is None or (cancel is not None and cancel.is_set())
+        found = None if stop else lookup(budget - n)
+        if stop or found is not None:
+            if queued is not None:
+                trim_prompt_cache(cache, 1)
+            return found, n
+        y, lp = queued
+
+
+def speculative_decode(
+    model: Any, cache: Sequence[Any], drafter: Drafter, prompt: Sequence[int], **options: Any
+) -> Iterator[tuple[int, float | None]]:
+    """``speculative_step`` with the model first; ``options`` as there (``max_tokens`` required)."""
+    return speculative_step(prompt, model, cache, drafter, **options)
+
+
+def _first_rejection(ok: mx.array) -> mx.array:
+    """How many leading entries of the boolean vector are true (on the device)."""
+    return mx.cumprod(ok.astype(mx.int32)).sum()
+
+
+def _verify(
+    rows: mx.array,
+    drafts: mx.array,
+    q_rows: mx.array | None,
+    greedy: bool,
+    distribution: Callable[[mx.array], mx.array],
+    next_key: Callable[[], mx.array],
+) -> tuple[mx.array, mx.array]:
+    """Lazy (how many drafts are accepted, the token the target adds after them)."""
+    m = int(drafts.shape[0])
+    if greedy:
+        best = mx.argmax(rows, axis=-1)
+        if not m:
+            return mx.array(0, dtype=mx.int32), best[0]
+        accepted = _first_rejection(best[:m] == drafts)
+        return accepted, mx.take(best, accepted)
+    p = distribution(rows)  # [m + 1, V]
+    vocab = p.shape[-1]
+    if not m:
+        return mx.array(0, dtype=mx.int32), mx.random.categorical(mx.log(p[0]), key=next_key())
+    d = drafts.astype(mx.int32)
+    safe_d = mx.minimum(d, vocab - 1)
+    p_d = mx.where(d < vocab, mx.take_along_axis(p[:m], safe_d[:, None], axis=-1)[:, 0], 0.0)
+    q = _fit(q_rows, vocab) if q_rows is not None else None
+    q_d = mx.take_along_axis(q, safe_d[:, None], axis=-1)[:, 0] if q is not None else mx.ones((m,))
+    u = mx.random.uniform(shape=(m,), key=next_key())
+    accepted = _first_rejection(u * q_d < p_d)  # u < p/q without dividing by zero
+    # The row after the accepted run; when every draft is accepted it is p[m] itself.
+    j = mx.minimum(accepted, m - 1)
+    p_j = mx.take(p, j, axis=0)
+    if q is not None:
+        residual = mx.maximum(p_j - mx.take(q, j, axis=0), 0.0)
+    else:
+        residual = p_j * (mx.arange(vocab) != mx.take(d, j))
+    total = residual.sum()
+    # p == q (to rounding) cannot reject; if it did anyway, fall back to p itself.
+    after_rejection = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_j)
+    target = mx.where(accepted == m, p[m], after_rejection)
+    return accepted, mx.random.categorical(mx.log(target), key=next_key())
+
+
+def _logprobs(logits: mx.array, drafts: mx.array, accepted: mx.array, last: mx.array) -> mx.array:
+    """Lazy log-probs [m + 1] of the emitted tokens (drafts up to ``accepted``, then ``last``)
+    under the raw logits; entries past ``accepted`` are unused."""
+    raw = logits.astype(mx.float32)
+    lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    m = int(drafts.shape[0])
+    padded = mx.concatenate([drafts.astype(mx.int32), mx.zeros((1,), mx.int32)])
+    chosen = mx.where(mx.arange(m + 1) < accepted, padded, last.astype(mx.int32))
+    return mx.take_along_axis(lp, chosen[:, None], axis=-1)[:, 0]

@@ -1,0 +1,1 @@
+"""Qwen2-Audio's audio tower (a Whisper encoder) and projector."""

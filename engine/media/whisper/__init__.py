@@ -1,0 +1,1 @@
+"""Whisper: the MLX model, long-form transcription and its timestamp rules."""

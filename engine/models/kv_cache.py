@@ -1,0 +1,392 @@
+"""Key/value caches for attention, passed to the model explicitly.
+
+Two kinds:
+
+* ``KVCache`` keeps every token. Its buffers grow in steps of ``step`` tokens so a
+  decode step writes into preallocated memory instead of concatenating.
+* ``RotatingKVCache(max_size, keep=0)`` keeps at most ``max_size`` tokens, for
+  sliding-window attention layers: once full, a new token overwrites the oldest one
+  (the first ``keep`` tokens are never overwritten).
+
+Both can be trimmed (drop the last n tokens), which gives prefix reuse across chat
+turns and speculative rewind with one mechanism, and both save to / load from a
+safetensors file (no pickle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from engine.errors import EngineError
+
+# Grow buffers this many tokens at a time: a decode step then only writes a slice.
+DEFAULT_STEP = 256
+
+
+class _Buffers:
+    """What both caches share about their key and value buffers."""
+
+    keys: mx.array | None
+    values: mx.array | None
+    offset: int
+
+    def empty(self) -> bool:
+        return self.keys is None or self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (their full capacity, which is what is allocated)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class KVCache(_Buffers):
+    """A growing cache of keys and values, shaped [B, n_kv_heads, tokens, head_dim]."""
+
+    def __init__(self, step: int = DEFAULT_STEP):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.step = step
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append keys/values for the new tokens; return all cached keys/values."""
+        prev = self.offset
+        n = keys.shape[2]
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            self._grow(keys, values, prev + n)
+        self.offset = prev + n
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        b, h, _, dk = keys.shape
+        dv = values.shape[3]
+        capacity = ((needed + self.step - 1) // self.step) * self.step
+        new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
+        new_v = mx.zeros((b, h, capacity, dv), values.dtype)
+        if self.keys is not None and self.offset > 0:
+            new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
+            new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
+        self.keys, self.values = new_k, new_v
+
+    # -- size and trimming ---------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """How many tokens the attention sees (equals ``offset`` for this cache)."""
+        return self.offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens; return how many were dropped."""
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        return n
+
+    # -- save / load ---------------------------------------------------------------
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
+        if self.keys is None or self.offset == 0:
+            return ()
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    @state.setter
+    def state(self, value) -> None:
+        if not value:
+            self.keys = self.values = None
+            self.offset = 0
+            return
+        self.keys, self.values = value
+        self.offset = self.keys.shape[2]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {"offset": str(self.offset), "step": str(self.step)}
+
+    @meta_state.setter
+    def meta_state(self, value: dict[str, str]) -> None:
+        self.step = int(value.get("step", DEFAULT_STEP))
+        if "offset" in value:
+            self.offset = int(value["offset"])
+
+    def make_mask(self, n_queries: int, window: int | None = None):
+        """The attention mask for ``n_queries`` new tokens (call before the update)."""
+        return _mask_for(self.offset, self.offset + n_queries, n_queries, window)
+
+
+class RotatingKVCache(_Buffers):
+    """Keeps the last ``max_size`` tokens (plus the first ``keep``) for sliding-window layers.
+
+    Decode steps write into a fixed ring buffer. A multi-token update returns the
+    tokens in time order (the last ``max_size - 1`` old ones and all new ones), so a
+    prefill chunk longer than the window still sees exactly its window per query;
+    ``make_mask`` gives the matching mask.
+    """
+
+    def __init__(self, max_size: int, keep: int = 0, step: int = DEFAULT_STEP):
+        if max_size <= 0 or keep < 0 or keep >= max_size:
+            raise EngineError(
+                f"A rotating cache needs 0 <= keep < max_size (got keep={keep}, max_size={max_size})."
+            )
+        self.max_size = max_size
+        self.keep = keep
+        self.step = step
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0  # tokens seen in total
+        self._idx = 0  # next write position in the buffer
+        self._ordered = True  # buffer[:size] is in time order
+
+    @property
+    def size(self) -> int:
+        """How many tokens are held (what the attention sees after the next fetch)."""
+        return min(self.offset, self.max_size)
+
+    def _in_time_order(self, a: mx.array) -> mx.array:
+        """The held tokens, oldest first."""
+        if self._ordered or self._idx == self.keep:
+            return a[..., : self.size, :] if self._ordered else a
+        return mx.concatenate(
+            [a[..., : self.keep, :], a[..., self._idx :, :], a[..., self.keep : self._idx, :]],
+            axis=2,
+        )
+
+    def _update_many(self, keys: mx.array, values: mx.array):
+        if self.keys is None:
+            k, v = keys, values
+        else:
+            old_k = self._in_time_order(self.keys)
+            old_v = self._in_time_order(self.values)
+            # Queries of this chunk look back at most max_size - 1 tokens before themselves.
+            drop = old_k.shape[2] - (self.max_size - 1)
+            if drop > 0:
+                old_k = mx.concatenate([old_k[..., : self.keep, :], old_k[..., self.keep + drop :, :]], 2)
+                old_v = mx.concatenate([old_v[..., : self.keep, :], old_v[..., self.keep + drop :, :]], 2)
+            k = mx.concatenate([old_k, keys], axis=2)
+            v = mx.concatenate([old_v, values], axis=2)
+        self.offset += keys.shape[2]
+        # Keep what future tokens may need: the first `keep` and the last max_size - keep.
+        excess = k.shape[2] - self.max_size
+        if excess > 0:
+            self.keys = mx.concatenate([k[..., : self.keep, :], k[..., self.keep + excess :, :]], 2)
+            self.values = mx.concatenate([v[..., : self.keep, :], v[..., self.keep + excess :, :]], 2)
+        else:
+            self.keys, self.values = k, v
+        self._ordered = True
+        self._idx = self.keys.shape[2]
+        return k, v
+
+    def _update_one(self, keys: mx.array, values: mx.array):
+        if self.keys is None:
+            self._grow_by_step(keys, values)
+        slot, seen = self.reserve_one()
+        self.keys[..., slot : slot + 1, :] = keys
+        self.values[..., slot : slot + 1, :] = values
+        self.commit_one(self.keys, self.values)
+        if seen < self.keys.shape[2]:
+            return self.keys[..., :seen, :], self.values[..., :seen, :]
+        return self.keys, self.values
+
+    def _grow_by_step(self, keys: mx.array, values: mx.array) -> None:
+        """Still filling: grow the buffer by a step, never beyond max_size."""
+        b, h, _, dk = keys.shape
+        dv = values.shape[3]
+        held = 0 if self.keys is None else self._idx
+        grow = min(self.step, self.max_size - held)
+        new_k = mx.zeros((b, h, held + grow, dk), keys.dtype)
+        new_v = mx.zeros((b, h, held + grow, dv), values.dtype)
+        if held:
+            new_k[..., :held, :] = self.keys[..., :held, :]
+            new_v[..., :held, :] = self.values[..., :held, :]
+        self.keys, self.values = new_k, new_v
+
+    def reserve_one(self) -> tuple[int, int]:
+        """Make room for one more token (buffers must exist); return (the slot it will be
+        written to, how many leading slots the attention then sees)."""
+        if self._idx >= self.keys.shape[2] and self.keys.shape[2] < self.max_size:
+            self._grow_by_step(self.keys, self.values)
+        if self._idx >= self.max_size:
+            self._idx = self.keep  # wrap around, sparing the kept prefix
+            self._ordered = False
+        slot = self._idx
+        return slot, (slot + 1 if self._ordered else self.keys.shape[2])
+
+    def commit_one(self, keys: mx.array, values: mx.array) -> None:
+        """Take the buffers with the token reserved by ``reserve_one`` written in."""
+        self.keys, self.values = keys, values
+        self._idx += 1
+        self.offset += 1
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[2] == 1:
+            return self._update_one(keys, values)
+        return self._update_many(keys, values)
+
+    def make_mask(self, n_queries: int, window: int | None = None):
+        """The attention mask for ``n_queries`` new tokens (call before the update)."""
+        window = self.max_size if window is None else min(window, self.max_size)
+        if n_queries == 1:
+            return None  # the buffer holds exactly the window
+        held_before = min(self.offset, self.max_size - 1)
+        return _mask_for(self.offset, held_before + n_queries, n_queries, window, self.keep)
+
+    # -- trimming ------------------------------------------------------------------
+
+    def is_trimmable(self) -> bool:
+        # Once tokens have been overwritten they cannot be brought back.
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            return 0
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    # -- save / load ---------------------------------------------------------------
+
+    @property
+    def state(self):
+        if self.keys is None or self.offset == 0:
+            return ()
+        return self._in_time_order(self.keys), self._in_time_order(self.values)
+
+    @state.setter
+    def state(self, value) -> None:
+        if not value:
+            self.keys = self.values = None
+            self.offset = self._idx = 0
+            self._ordered = True
+            return
+        self.keys, self.values = value
+        self._idx = self.keys.shape[2]
+        self._ordered = True
+        self.offset = max(self.offset, self._idx)
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {
+            "offset": str(self.offset),
+            "max_size": str(self.max_size),
+            "keep": str(self.keep),
+            "step": str(self.step),
+        }
+
+    @meta_state.setter
+    def meta_state(self, value: dict[str, str]) -> None:
+        self.max_size = int(value["max_size"])
+        self.keep = int(value.get("keep", 0))
+        self.step = int(value.get("step", DEFAULT_STEP))
+        self.offset = int(value["offset"])
+
+
+def _mask_for(offset: int, n_keys: int, n_queries: int, window: int | None, keep: int = 0):
+    """Mask for queries at positions offset..offset+n_queries-1 over ``n_keys`` keys.
+
+    Keys are in time order and end at the last query. Returns None (no mask
+    needed), the string "causal" (the fast kernel's own causal mask), or a boolean
+    array [n_queries, n_keys] where True means "may attend".
+    """
+    if n_queries == 1 and (window is None or n_keys <= window):
+        return None
+    if window is None or offset + n_queries <= window:
+        return "causal"
+    q_pos = mx.arange(offset, offset + n_queries)[:, None]
+    first = offset + n_queries - n_keys  # position of the oldest key after the kept ones
+    index = mx.arange(n_keys)
+    k_pos = index + first
+    if keep:
+        k_pos = mx.where(index < keep, index, k_pos)
+    k_pos = k_pos[None, :]
+    in_window = q_pos - k_pos < window
+    if keep:
+        in_window = in_window | (index[None, :] < keep)  # kept tokens stay visible
+    return (k_pos <= q_pos) & in_window
+
+
+# -- whole-model functions ------------------------------------------------------------
+
+
+def make_prompt_cache(model) -> list:
+    """One cache per layer, of the kind each layer needs."""
+    if hasattr(model, "make_cache"):
+        return list(model.make_cache())
+    return [KVCache() for _ in model.layers]
+
+
+def cache_length(cache: Sequence[Any]) -> int:
+    """Tokens the cache has seen (its offset); 0 for an empty cache list."""
+    return int(cache[0].offset) if cache else 0
+
+
+def can_trim_prompt_cache(cache: list) -> bool:
+    return all(c.is_trimmable() for c in cache)
+
+
+def trim_prompt_cache(cache: list, n: int) -> int:
+    """Drop the last ``n`` tokens of every layer; return how many every layer dropped (0
+    when some layer cannot trim). Trimming 0 always succeeds, so ``== n`` means done."""
+    if n == 0:
+        return 0
+    if not cache or not can_trim_prompt_cache(cache):
+        return 0
+    return min(c.trim(n) for c in cache)
+
+
+_KINDS = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+_FORMAT = "mlx-desk-prompt-cache/1"
+
+
+def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | None = None) -> None:
+    """Write the cache (keys, values and each layer's settings) to a safetensors file."""
+    arrays: dict[str, mx.array] = {}
+    layers: list[dict[str, Any]] = []
+    for i, c in enumerate(cache):
+        state = c.state
+        if state:
+            arrays[f"{i}.keys"], arrays[f"{i}.values"] = state
+        layers.append({"kind": type(c).__name__, "meta": c.meta_state})
+    header = {"format": _FORMAT, "layers": json.dumps(layers)}
+    for key, value in (metadata or {}).items():
+        header[f"user.{key}"] = str(value)
+    path = str(path)
+    if not path.endswith(".safetensors"):
+        raise EngineError(f"A prompt cache file must end in .safetensors (got {path}).")
+    mx.save_safetensors(path, arrays, header)
+
+
+def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
+    """Read a file written by ``save_prompt_cache``; return (cache, metadata)."""
+    try:
+        arrays, header = mx.load(str(path), return_metadata=True)
+    except Exception as exc:  # mlx raises plain RuntimeError/ValueError on bad files
+        raise EngineError(f"Cannot read the prompt cache {path}: {exc}. Delete it to start afresh.") from exc
+    if header.get("format") != _FORMAT:
+        raise EngineError(f"{path} is not a prompt cache written by this program; delete it.")
+    cache = []
+    for i, layer in enumerate(json.loads(header["layers"])):
+        kind = _KINDS.get(layer["kind"])
+        if kind is None:
+            raise EngineError(f"{path} holds an unknown cache kind {layer['kind']!r}; delete it.")
+        meta = layer["meta"]
+        c = kind(int(meta["max_size"])) if kind is RotatingKVCache else kind()
+        c.meta_state = meta
+        if f"{i}.keys" in arrays:
+            c.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
+            c.meta_state = meta  # restore offset (may exceed what a rotating cache holds)
+        cache.append(c)
+    metadata = {k[len("user.") :]: v for k, v in header.items() if k.startswith("user.")}
+    return cache, metadata

@@ -1,0 +1,219 @@
+"""Loading a model: folder, cached Hugging Face repo, or GGUF file -> a ready nn.Module.
+
+Order matters: config and file headers are read and the memory plan is checked first,
+so a model that cannot fit (or is truncated, or of an unknown family) is refused before
+a byte of weights is read. Then the family's module tree is built, quantized exactly
+as the checkpoint was, filled with ``load_weights(strict=True)``, and evaluated layer by
+layer so a progress bar can follow and a cancel can land between layers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from engine.api import MemoryPlan
+from engine.artifacts import gguf as gguf_io
+from engine.artifacts.config import ModelConfig, QuantizationSpec, config_from_dict, read_config
+from engine.artifacts.hub import model_name, resolve_model_path
+from engine.artifacts.weights import (
+    FLOAT_DTYPES,
+    check_index,
+    find_weights,
+    load_weights,
+    read_headers,
+    weights_bytes,
+)
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.models.checkpoint import MX_DTYPE_NAMES, one_line, cast_floats, fill_weights, quantize_like_checkpoint
+
+Progress = Callable[[int, int], None]
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
+_LAYER = re.compile(r"^(.*?layers\.\d+)\.")
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # the family's nn.Module, weights evaluated
+    config: ModelConfig
+    path: Path  # the folder or .gguf file actually read
+    name: str  # what to call it in messages and the UI
+    weights_bytes: int
+    plan: MemoryPlan
+    dtype: str  # activation dtype: "bfloat16", "float16" or "float32"
+    gguf_metadata: dict[str, Any] | None = None  # tokenizer and more, for GGUF files
+    tokenizer_path: Path | None = None  # folder with tokenizer.json & co. (None for GGUF)
+
+
+@dataclass
+class _Source:
+    """What is known about a model before its weights load."""
+
+    path: Path
+    name: str
+    config: ModelConfig
+    weights_bytes: int
+    dtype: str
+    files: list[Path]
+    weight_names: set[str]
+    gguf: bool
+
+
+def load_model(
+    path_or_repo: str | Path,
+    *,
+    memory_budget: int | None = None,
+    dtype: str | None = None,
+    progress: Progress | None = None,
+    context_tokens: int = 0,
+) -> LoadedModel:
+    """Load a model, refusing before any weight is read when it does not fit the budget.
+
+    ``dtype`` casts floating weights ("bfloat16", "float16", "float32"); by default they
+    stay as stored. ``progress(done, total)`` is called as layers are materialised; it
+    may raise to cancel the load, and the exception propagates unchanged.
+    """
+    from engine import models
+    from engine.runtime.memory import check_fits, default_budget, plan_memory
+
+    if dtype is not None and dtype not in DTYPE_BYTES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
+    source = inspect_source(path_or_repo, dtype=dtype)
+    config = source.config
+    if config.foreign_quantization:
+        raise UnsupportedModelError(
+            f"{source.name} is quantized with {config.foreign_quantization}, which MLX cannot run; "
+            "use an MLX-quantized or unquantized version of the model"
+        )
+    family = models.get_family(config.model_type)
+    args = family.ModelArgs.from_dict(config.raw)
+
+    if memory_budget is None:
+        budget, reason = default_budget()
+    else:
+        budget, reason = int(memory_budget), "set by --memory-budget"
+    plan = plan_memory(config, budget=budget, weights_bytes=source.weights_bytes, dtype_bytes=DTYPE_BYTES[source.dtype])
+    check_fits(plan, context_tokens=context_tokens, name=source.name, budget_reason=reason)
+
+    gguf_metadata = None
+    if source.gguf:
+        config_dict, weights, gguf_metadata = gguf_io.load_gguf(source.path)
+        config = config_from_dict(config_dict, path=source.path)
+    else:
+        weights = load_weights(source.files)
+
+    model = family.Model(args)
+    try:
+        weights = model.sanitize(weights)
+        quantize_like_checkpoint(model, set(weights), config.quantization, name=source.name)
+        if dtype is not None:
+            weights = cast_floats(weights, dtype)
+        fill_weights(model, weights, name=source.name)
+        del weights
+        materialise(model, progress)
+    except BaseException:
+        _release()
+        raise
+    model.eval()
+    return LoadedModel(
+        model=model,
+        config=config,
+        path=source.path,
+        name=source.name,
+        weights_bytes=source.weights_bytes,
+        plan=plan,
+        dtype=source.dtype,
+        gguf_metadata=gguf_metadata,
+        tokenizer_path=None if source.gguf else source.path,
+    )
+
+
+def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _Source:
+    """Config, weight files and sizes of a model, from headers only."""
+    path = resolve_model_path(path_or_repo)
+    name = model_name(path)
+    if path.is_file():
+        header = gguf_io.read_gguf_header(path)
+        config = config_from_dict(gguf_io.gguf_config(header), path=path)
+        gguf_io.check_readable(header)
+        stored = _gguf_float_dtype(header)
+        target = MX_DTYPE_NAMES.get(dtype or "", dtype) or stored
+        size = sum(_gguf_loaded_bytes(t, target) for t in header.tensors.values())
+        names = {n for n in header.tensors}
+        return _Source(path, name, config, size, target, [path], names, gguf=True)
+
+    config = read_config(path)
+    files = find_weights(path)
+    headers = read_headers(files)
+    check_index(path, headers)
+    stored = _stored_float_dtype(headers)
+    target = MX_DTYPE_NAMES.get(dtype or "", dtype) or stored
+    size = weights_bytes(headers, DTYPE_BYTES[target] if dtype else None)
+    return _Source(path, name, config, size, target, files, set(headers), gguf=False)
+
+
+def materialise(model: Any, progress: Progress | None) -> None:
+    """Evaluate the parameters one layer at a time, reporting progress between layers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    groups: dict[str, list[Any]] = {}
+    for key, value in tree_flatten(model.parameters()):
+        m = _LAYER.match(key)
+        groups.setdefault(m.group(1) if m else key.rsplit(".", 1)[0], []).append(value)
+    total = len(groups)
+    if progress is not None:
+        progress(0, total)
+    for done, arrays in enumerate(groups.values(), start=1):
+        try:
+            mx.eval(arrays)
+        except Exception as e:  # a file that changed or vanished since its header was read
+            raise ModelLoadError(f"reading weights failed: {one_line(e)}; download the model again") from None
+        if progress is not None:
+            progress(done, total)
+
+
+def _release() -> None:
+    try:
+        import mlx.core as mx
+
+        mx.clear_cache()
+    except Exception:  # nothing to free is fine
+        pass
+
+
+def _stored_float_dtype(headers: dict[str, Any]) -> str:
+    """The dtype activations will run in: that of the (unquantized) embedding, or the
+    most common float dtype (quantized checkpoints: their scales')."""
+    for name, info in headers.items():
+        if name.endswith("embed_tokens.weight") and info.dtype in FLOAT_DTYPES:
+            return _HF_TO_MX[info.dtype]
+    counts: dict[str, int] = {}
+    for info in headers.values():
+        if info.dtype in FLOAT_DTYPES:
+            counts[info.dtype] = counts.get(info.dtype, 0) + info.nbytes
+    if not counts:
+        return "bfloat16"
+    return _HF_TO_MX[max(counts, key=counts.__getitem__)]
+
+
+_HF_TO_MX = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float32"}
+
+
+def _gguf_float_dtype(header: gguf_io.GGUFHeader) -> str:
+    embed = header.tensors.get("token_embd.weight")
+    kind = embed.type_name if embed else "F32"
+    return {"F16": "float16", "BF16": "bfloat16"}.get(kind, "float32" if kind == "F32" else "float16")
+
+
+def _gguf_loaded_bytes(tensor: gguf_io.GGUFTensor, dtype: str) -> int:
+    """Bytes a GGUF tensor takes once MLX holds it (quantized ones as packed + scales + biases)."""
+    n = tensor.numel
+    if tensor.type_name in ("Q4_0", "Q4_1"):
+        return n // 2 + n // 32 * 4
+    if tensor.type_name == "Q8_0":
+        return n + n // 32 * 4
+    return n * DTYPE_BYTES[dtype] if tensor.type_name in ("F32", "F16", "BF16") else tensor.nbytes

@@ -1,0 +1,88 @@
+"""``inspect``: what a model is and what it needs, from its files' headers alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.api import ModelInfo
+from engine.artifacts.hub import describe, resolve_model_path
+from engine.runtime.loading import DTYPE_BYTES, inspect_source
+from engine.runtime.memory import default_budget, format_bytes, plan_memory
+
+
+def inspect_model(path: str | Path, *, memory_budget: int | None = None) -> ModelInfo:
+    """Describe a model folder, cached repo id or .gguf file without loading weights."""
+    resolved = resolve_model_path(path)
+    source = inspect_source(resolved)
+    entry = describe(resolved, source="gguf" if resolved.is_file() else "folder")
+    if entry.error:
+        from engine.errors import ModelLoadError
+
+        raise ModelLoadError(entry.error)
+    budget = memory_budget if memory_budget is not None else default_budget()[0]
+    plan = plan_memory(
+        source.config, budget=budget, weights_bytes=source.weights_bytes, dtype_bytes=DTYPE_BYTES[source.dtype]
+    )
+    config = source.config
+    return ModelInfo(
+        path=str(resolved),
+        name=source.name,
+        family=config.model_type,
+        parameters=entry.parameters,
+        quantization=entry.quantization,
+        size_on_disk=entry.size_on_disk,
+        context_length=config.context_length,
+        plan=plan,
+        vision=config.vision,
+        audio=config.audio,
+        generation_defaults=dict(config.generation_defaults),
+    )
+
+
+def format_inspect(info: ModelInfo) -> str:
+    """A human-readable report of ``inspect_model``'s answer."""
+    lines = [
+        f"model         {info.name}",
+        f"path          {info.path}",
+        f"family        {info.family}",
+        f"parameters    {_count(info.parameters)}",
+        f"quantization  {info.quantization}",
+        f"size on disk  {format_bytes(info.size_on_disk)}",
+        f"context       {info.context_length:,} tokens",
+    ]
+    extras = [name for name, on in (("vision", info.vision), ("audio", info.audio)) if on]
+    if extras:
+        lines.append(f"inputs        text, {', '.join(extras)}")
+    if info.generation_defaults:
+        defaults = ", ".join(f"{k}={v}" for k, v in sorted(info.generation_defaults.items()))
+        lines.append(f"defaults      {defaults}")
+    plan = info.plan
+    if plan is not None:
+        lines += [
+            "memory plan",
+            f"  weights       {format_bytes(plan.weights_bytes)}",
+            f"  KV per token  {format_bytes(plan.kv_bytes_per_token)}",
+        ]
+        # Sliding-window layers: their share of the cache stops growing at the window.
+        lines += [f"  KV window     {w.layers} {'layer keeps' if w.layers == 1 else 'layers keep'} at most "
+                  f"{w.tokens:,} tokens: {format_bytes(w.max_bytes)} at most" for w in plan.kv_windows]
+        lines.append(f"  budget        {format_bytes(plan.budget_bytes)} of {format_bytes(plan.total_bytes)}")
+        if not plan.fits:
+            lines.append("  fits          no: the weights alone exceed the budget")
+        elif not plan.kv_limits_context and not info.context_length:
+            lines.append("  max context   any length (every layer keeps a fixed window)")
+        else:
+            usable = min(plan.max_context, info.context_length) if info.context_length else plan.max_context
+            full = info.context_length and plan.max_context >= info.context_length
+            note = " (the model's full context)" if full else ""
+            lines.append(f"  max context   {usable:,} tokens{note}")
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit} ({n:,})"
+    return f"{n:,}"
+
+

@@ -1,0 +1,302 @@
+"""ChatSession: a conversation's KV cache and the token ids it holds.
+
+Each request renders the whole conversation, tokenizes it, and compares the ids with
+those already in the cache. The longest common prefix is kept: the cache is trimmed
+back to it and only the rest is prefilled. A follow-up turn therefore costs only its
+new tokens, and editing an earlier message costs what follows the edit. A cache that
+cannot be trimmed far enough (a sliding window that has already rotated past the
+point) is rebuilt from scratch.
+
+The cache also remembers which adapters were active when it was filled
+(``adapters.active_signature``): keys and values computed under one adapter set are
+never reused under another, so a change of adapters starts the cache afresh.
+
+With a draft model for speculative decoding, the session keeps the draft's cache too and
+reuses its prefix the same way (the draft model has no adapters, so only ids matter; it
+reads media placeholders as ids and never the media, so two photos share its prefix).
+
+Messages may carry images and audio (content parts). Their placeholder tokens are
+compared by per-token keys that name the media content, so two different photos never
+share a cached prefix although their ids agree; media already in the cached prefix is
+not encoded again, and new media is encoded (or found in the towers' cache) and spliced
+into the prompt's embeddings.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from engine.models.lora import active_adapters, active_signature
+from engine.api import GenerationParams, GenerationResult, MediaInput, ReasoningControl
+from engine.errors import EngineError, MediaError
+from engine.decode.loop import Piece, stream_generate
+from engine.decode.prefill import ProgressCallback, PromptInputs
+from engine.decode.sampling import validate_sampling
+from engine.text.reasoning_switch import reasoning_variables
+from engine.decode.drafters import drafter_for
+from engine.models.kv_cache import cache_length, make_prompt_cache, trim_prompt_cache
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChatSession:
+    """Renders messages, reuses the cached prefix, generates, and remembers what the
+    cache now holds so the next turn can reuse it."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        template: Any = None,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        reasoning_factory: Callable[[str], Any] | None = None,
+        reasoning_control: ReasoningControl | None = None,
+        towers: Any = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template  # a ChatTemplate (render(messages, tools=, add_generation_prompt=))
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else None
+        self.reasoning_factory = reasoning_factory  # prompt text -> splitter or None
+        # The template's reasoning switch: GenerationParams.reasoning sets it per request.
+        # The prompt is rendered afresh every request and the cache is keyed on ids, so a
+        # switch changes the rendered ids and the cache keeps only what still agrees.
+        self.reasoning_control = reasoning_control
+        self.towers = towers  # MediaTowers, or None for a text-only model
+        self.cache: list[Any] | None = None
+        self.ids: list[int] = []  # exactly the tokens held by self.cache
+        self.signature = ""  # the active adapters self.cache was filled under
+        self.draft_model: Any = None  # set by the host when a draft model is loaded
+        self._draft_cache: list[Any] | None = None
+        self._draft_ids: list[int] = []  # exactly the tokens held by self._draft_cache
+        self._draft_owner: Any = None  # the draft model self._draft_cache belongs to
+        self.token_keys: list[Hashable] = []  # one per cached token: its id, or for a media token the media's content key
+
+    # ---- prompt -----------------------------------------------------------------
+
+    def render(
+        self,
+        messages: list[Mapping[str, Any]],
+        *,
+        tools: list[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        if self.template is None:
+            raise EngineError(
+                "This model has no chat template; send a plain prompt instead of messages, "
+                "or add a chat_template to its tokenizer_config.json."
+            )
+        return self.template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+
+    def encode_rendered(self, text: str) -> list[int]:
+        # The template writes every special token itself (BOS included), as transformers'
+        # apply_chat_template assumes: adding them again would double the BOS.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ---- cache ------------------------------------------------------------------
+
+    @property
+    def draft_cache(self) -> list[Any] | None:
+        return self._draft_cache
+
+    def reset(self) -> None:
+        self.cache = None
+        self.ids = []
+        self._draft_cache, self._draft_ids, self._draft_owner = None, [], None
+        self.token_keys = []
+
+    def _reuse(self, prompt_ids: Sequence[int], keys: Sequence[Hashable], spans: Sequence[Any] = ()) -> int:
+        """Bring the cache to the longest prefix it shares with ``keys`` (leaving at least
+        one token to feed, whose logits start generation, and never ending inside a media
+        item); return its length."""
+        signature = active_signature(self.model)
+        if self.cache is None or signature != self.signature:
+            self.cache, self.ids, self.token_keys, self.signature = make_prompt_cache(self.model), [], [], signature
+        held = self.token_keys if len(self.token_keys) == len(self.ids) else self.ids  # ids set from outside
+        keep = min(common_prefix_length(held, keys), len(keys) - 1)
+        for span in spans:
+            if span.start < keep < span.end:
+                keep = span.start
+        drop = len(self.ids) - keep
+        if trim_prompt_cache(self.cache, drop) != drop:
+            self.cache, self.ids, self.token_keys, keep = make_prompt_cache(self.model), [], [], 0
+        self.ids = list(prompt_ids[:keep])
+        self.token_keys = list(keys[:keep])
+        return keep
+
+    def _drafter(self, params: GenerationParams, prompt_ids: Sequence[int]) -> Any:
+        """The request's drafter; for a draft model, its cache trimmed to the prefix it
+        shares with ``prompt_ids`` (the drafter feeds the rest itself)."""
+        if params.speculative != "draft" or self.draft_model is None:
+            return drafter_for(params)
+        if self._draft_cache is None or self._draft_owner is not self.draft_model:
+            self._draft_cache, self._draft_ids = make_prompt_cache(self.draft_model), []
+            self._draft_owner = self.draft_model
+        keep = min(common_prefix_length(self._draft_ids, prompt_ids), len(prompt_ids) - 1)
+        drop = len(self._draft_ids) - keep
+        if trim_prompt_cache(self._draft_cache, drop) != drop:
+            self._draft_cache, keep = make_prompt_cache(self.draft_model), 0
+        self._draft_ids = list(prompt_ids[:keep])
+        return drafter_for(params, draft_model=self.draft_model, draft_cache=self._draft_cache)
+
+    def _record(self, known: list[int], known_keys: list[Hashable]) -> None:
+        """After a request: note which of ``known`` (prompt + generated) the caches hold."""
+        for cache_attr, ids_attr in (("cache", "ids"), ("_draft_cache", "_draft_ids")):
+            cache = getattr(self, cache_attr)
+            if cache is None:
+                continue
+            held = cache_length(cache)
+            if held > len(known):  # cannot tell which tokens went in: start afresh next time
+                self.reset()
+                return
+            setattr(self, ids_attr, known[:held])
+            if cache_attr == "cache":
+                self.token_keys = known_keys[:held]
+
+    # ---- media --------------------------------------------------------------------
+
+    def media_prompt(self, text: str, items: Sequence[MediaInput]) -> Any:
+        """The rendered text with each media placeholder expanded, tokenized and located."""
+        from engine.media.prompt import expand_placeholders, locate_media
+
+        if self.towers is None:
+            raise MediaError("This model cannot take images or audio; pick a multimodal model.")
+        prepared = self.towers.prepare(items)
+        expanded = expand_placeholders(text, prepared, self.towers.placeholders())
+        return locate_media(self.encode_rendered(expanded), prepared, self.towers.token_ids())
+
+    def _prompt_inputs(self, media: Any, keep: int) -> PromptInputs:
+        """Embeddings (media features spliced in), positions and bidirectional blocks for
+        the ids from ``keep`` on. Media wholly inside the cached prefix is not encoded."""
+        import mlx.core as mx
+        import numpy as np
+
+        ids = media.ids
+        pending = [s for s in media.spans if s.end > keep]
+        embeddings = None
+        if pending:
+            text = self.model.embed(mx.array(ids[keep:], dtype=mx.uint32)[None])[0]
+            pieces, cursor = [], keep
+            for span in pending:
+                pieces.append(text[cursor - keep : span.start - keep])
+                pieces.append(self.towers.features(span.item).astype(text.dtype))
+                cursor = span.end
+            pieces.append(text[cursor - keep :])
+            embeddings = mx.concatenate(pieces, axis=0)
+        positions, delta = None, 0
+        rope_index = getattr(self.model, "rope_index", None)
+        if rope_index is not None and media.spans:
+            full = np.asarray(rope_index(ids, [(s.start, s.end, s.item.grid) for s in media.spans]))
+            delta = int(full.max()) + 1 - len(ids)
+            positions = mx.array(full[:, keep:], dtype=mx.int32)
+        blocks = []
+        if getattr(self.model, "bidirectional_media", False):
+            blocks = [(s.start - keep, s.end - keep) for s in pending]
+        return PromptInputs(embeddings=embeddings, positions=positions, position_delta=delta, blocks=blocks)
+
+    # ---- generation -------------------------------------------------------------
+
+    def stream_ids(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        *,
+        cancel: threading.Event | None = None,
+        on_progress: ProgressCallback | None = None,
+        reasoning: Any = None,
+        media: Any = None,
+    ) -> Iterator[Piece | GenerationResult]:
+        """Generate from a full prompt (all its ids, cached or not); ``media`` is the
+        MediaPrompt when the prompt holds images or audio."""
+        validate_sampling(params.sampling)  # before the cache is touched
+        prompt_ids = list(media.ids if media is not None else prompt_ids)
+        if not prompt_ids:
+            raise EngineError("The prompt is empty: give at least one token.")
+        drafter = self._drafter(params, prompt_ids)  # refuses before the cache is touched
+        keys: list[Hashable] = list(media.keys) if media is not None else list(prompt_ids)
+        keep = self._reuse(prompt_ids, keys, media.spans if media is not None else ())
+        generated: list[int] = []
+        try:
+            inputs = self._prompt_inputs(media, keep) if media is not None and media.spans else None
+        except Exception:
+            self.reset()  # the cache was trimmed for a prompt that will not run
+            raise
+        try:
+            for item in stream_generate(
+                self.model,
+                self.tokenizer,
+                prompt_ids[keep:],
+                self.cache,
+                params,
+                cancel=cancel,
+                on_progress=on_progress,
+                eos_token_ids=self.eos_token_ids,
+                reasoning=reasoning,
+                cached_tokens=keep,
+                context_ids=prompt_ids,
+                drafter=drafter,
+                inputs=inputs,
+            ):
+                if isinstance(item, GenerationResult):
+                    generated = item.token_ids
+                    item.adapters = active_adapters(self.model)
+                yield item
+        except Exception:
+            self.reset()  # a failed step may leave layers at different lengths
+            raise
+        finally:
+            # Whatever happened (done, cancelled, closed early), record what the caches
+            # hold; after an error they were dropped above.
+            self._record(prompt_ids + generated, keys + list(generated))
+
+    def stream(
+        self,
+        messages: list[Mapping[str, Any]],
+        params: GenerationParams,
+        *,
+        tools: list[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        cancel: threading.Event | None = None,
+        on_progress: ProgressCallback | None = None,
+        media: Sequence[MediaInput] = (),
+        **template_kwargs: Any,
+    ) -> Iterator[Piece | GenerationResult]:
+        from engine.media.parts import split_media
+
+        messages, items = split_media(messages, media)
+        if params.pan_and_scan is not None:
+            items = [m if m.pan_and_scan is not None else replace(m, pan_and_scan=params.pan_and_scan)
+                     for m in items]
+        if items and self.towers is not None:
+            self.towers.check(m.kind for m in items)  # refuse before rendering or touching the cache
+        template_kwargs = {**reasoning_variables(self.reasoning_control, params.reasoning), **template_kwargs}
+        text = self.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        reasoning = self.reasoning_factory(text) if self.reasoning_factory else None
+        prompt = self.media_prompt(text, items) if items else None
+        ids = prompt.ids if prompt is not None else self.encode_rendered(text)
+        yield from self.stream_ids(
+            ids, params, cancel=cancel, on_progress=on_progress, reasoning=reasoning, media=prompt
+        )
+
+    def generate(self, messages: list[Mapping[str, Any]], params: GenerationParams, **kw: Any) -> GenerationResult:
+        result = None
+        for item in self.stream(messages, params, **kw):
+            if isinstance(item, GenerationResult):
+                result = item
+        assert result is not None
+        return result

@@ -1,0 +1,303 @@
+"""EngineWorker: the one thread that owns MLX. Commands in, events out.
+
+Callers on any thread ``submit`` commands and get a request id back at once; events
+for that id come back through the ``on_event`` callback (called on the worker thread,
+so it must be thread-safe: the app's bridge re-emits them as Qt signals). A Cancel is
+handled out of band: it sets the target's cancel flag immediately, without queueing
+behind the generation it is meant to stop. An exception ends its request with an
+ErrorEvent and the worker carries on; should the loop itself die, every waiting
+request is told.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.api import (
+    EngineStatus,
+    Cancel,
+    Command,
+    DoneEvent,
+    DropSession,
+    ErrorEvent,
+    Event,
+    Generate,
+    GetModelInfo,
+    InspectModel,
+    LoadDraftModel,
+    LoadModel,
+    MemoryEvent,
+    MountAdapter,
+    ProgressEvent,
+    SetActiveAdapters,
+    TokenEvent,
+    Transcribe,
+    UnloadModel,
+    UnmountAdapter,
+)
+from engine.errors import EngineError
+from engine.runtime.host import ModelHost
+
+MEMORY_INTERVAL_S = 0.5
+_STOP = object()
+
+
+def one_line(exc: BaseException) -> str:
+    """A readable single line for any exception."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, EngineError):
+        return text or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        on_event: Callable[[Event], None],
+        host: ModelHost | None = None,
+        *,
+        whisper_path: str | None = None,
+    ) -> None:
+        self._on_event = on_event
+        self._host = host or ModelHost()
+        # The Whisper model Transcribe uses when the command names none.
+        self.whisper_path = whisper_path
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._cancels: dict[int, threading.Event] = {}
+        self._thread: threading.Thread | None = None
+        self._dead: str | None = None
+        self._budget = 0
+        self._status = EngineStatus()
+
+    # ---- caller side (any thread) -------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: Command) -> int:
+        """Queue ``command``; returns its request id. Thread-safe."""
+        with self._lock:
+            rid = next(self._ids)
+            if isinstance(command, Cancel):
+                target = self._cancels.get(command.target)
+                if target is not None:
+                    target.set()
+            else:
+                self._cancels[rid] = threading.Event()
+        if isinstance(command, Cancel):
+            self._emit(DoneEvent(rid, None))
+            return rid
+        if self._dead is not None:
+            self._finish_error(rid, f"The engine stopped earlier ({self._dead}); restart the app.")
+            return rid
+        self._queue.put((rid, command))
+        return rid
+
+    def shutdown(self, timeout: float | None = 5.0) -> bool:
+        """Cancel everything, stop the thread; True when it ended within ``timeout``."""
+        with self._lock:
+            for ev in self._cancels.values():
+                ev.set()
+        self._queue.put(_STOP)
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def status(self) -> EngineStatus:
+        """The frozen status the worker thread published last (one reference read: safe
+        from any thread)."""
+        return self._status
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    # ---- worker side ----------------------------------------------------------------
+
+    def _emit(self, event: Event) -> None:
+        try:
+            self._on_event(event)
+        except Exception:  # a broken listener must not take the engine down
+            pass
+
+    def _finish_error(self, rid: int, message: str, kind: str = "EngineError") -> None:
+        with self._lock:
+            self._cancels.pop(rid, None)
+        self._emit(ErrorEvent(rid, message, kind))
+
+    def _run(self) -> None:
+        rid = 0
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _STOP:
+                    return
+                rid, command = item
+                with self._lock:
+                    cancel = self._cancels.get(rid) or threading.Event()
+                try:
+                    result = self._handle(rid, command, cancel)
+                except Exception as exc:  # noqa: BLE001 - every failure ends only its request
+                    kind = type(exc).__name__ if isinstance(exc, EngineError) else "InternalError"
+                    self._publish_status()
+                    self._finish_error(rid, one_line(exc), kind)
+                    continue
+                self._publish_status()
+                with self._lock:
+                    self._cancels.pop(rid, None)
+                self._emit(DoneEvent(rid, result))
+                rid = 0
+        except BaseException as exc:  # the loop itself died: nobody waits forever
+            self._dead = one_line(exc)
+            if rid:
+                self._finish_error(rid, f"The engine stopped: {self._dead}", "Fatal")
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP:
+                    self._finish_error(item[0], f"The engine stopped: {self._dead}", "Fatal")
+            raise
+
+    def _publish_status(self) -> None:
+        host = self._host
+        self._status = EngineStatus(model_loaded=bool(host.loaded), tower_loaded=bool(host.tower_loaded))
+
+    def _handle(self, rid: int, command: Command, cancel: threading.Event) -> Any:
+        host = self._host
+        if isinstance(command, LoadModel):
+            info = host.load(
+                command.path,
+                budget=command.memory_budget,
+                progress=lambda done, total, message="": self._emit(
+                    ProgressEvent(rid, "load", float(done), float(total), message)
+                ),
+                cancel=cancel,
+            )
+            self._budget = info.plan.budget_bytes if info.plan is not None else 0
+            self._emit_memory()
+            return info
+        if isinstance(command, UnloadModel):
+            host.unload()
+            self._emit_memory()
+            return None
+        if isinstance(command, InspectModel):
+            from engine.runtime.model_info import inspect_model
+
+            return inspect_model(command.path)
+        if isinstance(command, DropSession):
+            host.drop_session(command.session_id)
+            return None
+        if isinstance(command, Generate):
+            return self._generate(rid, command, cancel)
+        if isinstance(command, GetModelInfo):
+            return host.info if host.loaded else None
+        if isinstance(command, MountAdapter):
+            return host.mount_adapter(command.path, command.name)
+        if isinstance(command, SetActiveAdapters):
+            host.set_active_adapters(command.scales)
+            return host.info
+        if isinstance(command, UnmountAdapter):
+            host.unmount_adapter(command.name)
+            return host.info
+        if isinstance(command, LoadDraftModel):
+            info = host.load_draft(
+                command.path,
+                progress=lambda done, total, message="": self._emit(
+                    ProgressEvent(rid, "load", float(done), float(total), message)
+                ),
+                cancel=cancel,
+            )
+            self._emit_memory()
+            return info
+        if isinstance(command, Transcribe):
+            return self._transcribe(rid, command, cancel)
+        raise EngineError(f"Unknown command {type(command).__name__}.")
+
+    def _generate(self, rid: int, command: Generate, cancel: threading.Event) -> Any:
+        last = [time.monotonic()]
+
+        def on_event(event: Event) -> None:
+            self._emit(event)
+            if isinstance(event, TokenEvent | ProgressEvent):
+                now = time.monotonic()
+                if now - last[0] >= MEMORY_INTERVAL_S:
+                    last[0] = now
+                    self._emit_memory()
+
+        result = self._host.generate(
+            command.session_id,
+            command.messages,
+            command.params,
+            on_event,
+            cancel,
+            request_id=rid,
+            tools=command.tools,
+            add_generation_prompt=command.add_generation_prompt,
+            media=command.media,
+        )
+        self._emit_memory()
+        return result
+
+    def _transcribe(self, rid: int, command: Transcribe, cancel: threading.Event) -> Any:
+        import os
+
+        from engine.media.audio import load_audio
+        from engine.media.mel import WHISPER_SAMPLE_RATE
+        from engine.media.whisper.transcribe import WHISPER_ENV, NoWhisperModel, no_whisper_message
+
+        model_path = command.model_path or self.whisper_path or os.environ.get(WHISPER_ENV)
+        if not model_path:
+            raise NoWhisperModel(no_whisper_message("No Whisper model is set for transcription"))
+        # Decode first: an unreadable file is refused before any model loads.
+        samples = load_audio(command.path, WHISPER_SAMPLE_RATE)
+        transcriber = self._host.transcriber(
+            model_path,
+            progress=lambda done, total, message="": self._emit(
+                ProgressEvent(rid, "load", float(done), float(total), message)
+            ),
+        )
+        if transcriber.settings.sample_rate != WHISPER_SAMPLE_RATE:
+            samples = load_audio(command.path, transcriber.settings.sample_rate)
+        result = transcriber.transcribe(
+            samples,
+            language=command.language,
+            cancel=cancel,
+            on_window=lambda done, total: self._emit(
+                ProgressEvent(rid, "transcribe", float(done), float(total), f"window {done} of {total}")
+            ),
+        )
+        self._emit_memory()
+        return result
+
+    def _emit_memory(self) -> None:
+        from engine.runtime.memory import live_memory, total_memory
+
+        live = live_memory()
+        weights = self._host.weights_bytes()
+        self._emit(
+            MemoryEvent(
+                active_bytes=live["active"],
+                cache_bytes=live["cache"],
+                peak_bytes=live["peak"],
+                weights_bytes=weights,
+                kv_bytes=self._host.kv_bytes(),
+                budget_bytes=self._budget,
+                total_bytes=total_memory(),
+            )
+        )
