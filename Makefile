@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bundle clean
+.PHONY: run test lint bench bundle clean
 
 # The venv is (re)built when missing or when pyproject.toml changed.
 $(STAMP): pyproject.toml
@@ -17,6 +17,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest $(PYTEST_ARGS)
+
+# The house rules a machine can check: ruff (lint + format), the import-linter contracts
+# in .importlinter (layers, walls, no cycles), and types at the thread wall.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check engine app tests packaging
+	$(VENV)/bin/ruff format --check engine app tests packaging
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy engine/api.py engine/errors.py app/bridge.py
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "packaging" / "mlx-desk.spec"
-ICONS = ROOT / "app" / "resources" / "icons"
+ICONS = ROOT / "resources" / "icons"
 EXE_NAME = "mlx-desk"
 APP_NAME = "MLX Desk"
 HICOLOR_SIZES = (16, 24, 32, 48, 64, 128, 256, 512)

@@ -5,7 +5,7 @@ a superellipse tile (the macOS app-icon shape) with a diagonal indigo-to-teal
 gradient, a white speech bubble, and a spark inside the bubble (a model that
 answers).
 
-    python packaging/make_icon.py            # writes app/resources/icons/
+    python packaging/make_icon.py            # writes resources/icons/
     python packaging/make_icon.py --out DIR
 
 Outputs: mlx-desk.png (1024), mlx-desk-<N>.png for the Linux hicolor sizes,
@@ -22,7 +22,7 @@ from pathlib import Path
 from PIL import Image, ImageChops, ImageDraw, ImageFilter
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "app" / "resources" / "icons"
+DEFAULT_OUT = ROOT / "resources" / "icons"
 
 CANVAS = 1024
 # Supersampling factor: shapes are drawn large, then reduced with a good filter,

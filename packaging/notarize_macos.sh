@@ -4,9 +4,9 @@
 #   packaging/notarize_macos.sh [APP]
 #
 # Credentials come from the environment, one of:
-#   MLXDESK_NOTARY_PROFILE  a keychain profile made once with
+#   MLX_DESK_NOTARY_PROFILE  a keychain profile made once with
 #                           `xcrun notarytool store-credentials PROFILE`
-#   MLXDESK_APPLE_ID, MLXDESK_TEAM_ID, MLXDESK_APP_PASSWORD
+#   MLX_DESK_APPLE_ID, MLX_DESK_TEAM_ID, MLX_DESK_APP_PASSWORD
 #                           an Apple ID, its team and an app-specific password
 set -eu
 
@@ -15,12 +15,12 @@ app="${1:-dist/MLX Desk.app}"
 codesign --verify --deep --strict "$app" || {
     echo "notarize_macos.sh: $app is not signed; run packaging/sign_macos.sh first" >&2; exit 1; }
 
-if [ -n "${MLXDESK_NOTARY_PROFILE:-}" ]; then
-    set -- --keychain-profile "$MLXDESK_NOTARY_PROFILE"
+if [ -n "${MLX_DESK_NOTARY_PROFILE:-}" ]; then
+    set -- --keychain-profile "$MLX_DESK_NOTARY_PROFILE"
 else
-    set -- --apple-id "${MLXDESK_APPLE_ID:?set MLXDESK_NOTARY_PROFILE or MLXDESK_APPLE_ID}" \
-           --team-id "${MLXDESK_TEAM_ID:?set MLXDESK_TEAM_ID}" \
-           --password "${MLXDESK_APP_PASSWORD:?set MLXDESK_APP_PASSWORD (an app-specific password)}"
+    set -- --apple-id "${MLX_DESK_APPLE_ID:?set MLX_DESK_NOTARY_PROFILE or MLX_DESK_APPLE_ID}" \
+           --team-id "${MLX_DESK_TEAM_ID:?set MLX_DESK_TEAM_ID}" \
+           --password "${MLX_DESK_APP_PASSWORD:?set MLX_DESK_APP_PASSWORD (an app-specific password)}"
 fi
 
 # notarytool takes a zip, a dmg or a pkg; ditto keeps the bundle's symlinks and metadata.

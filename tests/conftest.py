@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def shared_data_dir() -> Path | None:
     """The real test data beside the checkout (``../shared/data``), if present."""
-    env = os.environ.get("MLXDESK_SHARED_DATA")
+    env = os.environ.get("MLX_DESK_SHARED_DATA")
     path = Path(env) if env else ROOT.parent / "shared" / "data"
     return path if path.is_dir() else None
 

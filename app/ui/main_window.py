@@ -59,8 +59,8 @@ class MainWindow(QMainWindow):
         self.resize(1280, 820)
         self.store, self.bridge = store, bridge
         # Debug aid for docs and end-to-end tests: save the window mid-reply (each reply).
-        self.screenshot_path = os.environ.get("MLXDESK_SCREENSHOT", "")
-        self.screenshot_chars = int(os.environ.get("MLXDESK_SCREENSHOT_CHARS", "60"))
+        self.screenshot_path = os.environ.get("MLX_DESK_SCREENSHOT", "")
+        self.screenshot_chars = int(os.environ.get("MLX_DESK_SCREENSHOT_CHARS", "60"))
         self._shot_for: int | None = None
         self.browser: ModelBrowser | None = None
 
@@ -549,7 +549,7 @@ class MainWindow(QMainWindow):
         self._maybe_screenshot(final=True)
 
     def _maybe_screenshot(self, final: bool = False) -> None:
-        """With MLXDESK_SCREENSHOT set, save the window once per reply, mid-stream."""
+        """With MLX_DESK_SCREENSHOT set, save the window once per reply, mid-stream."""
         if not self.screenshot_path:
             return
         streaming = self.chat_view.streaming

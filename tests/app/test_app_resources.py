@@ -19,35 +19,39 @@ PROBE = ("from app.resources import resource_dir, resource_path; import sys; "
 def test_source_checkout_finds_resources():
     from app.resources import resource_dir, resource_path
 
-    assert resource_dir() == ROOT / "app" / "resources"
+    assert resource_dir() == ROOT / "resources"
     assert all(resource_path(n).is_file() for n in NEEDED)
 
 
 def test_installed_package_carries_resources(tmp_path):
-    """What pip installs is what setuptools' build_py lays out, package data included."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "app", src / "app", ignore=shutil.ignore_patterns("__pycache__"))
-    build = subprocess.run(
-        [sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py",
-         "--build-lib", str(tmp_path / "lib")],
-        cwd=src, capture_output=True, text=True, timeout=120,
+    """What pip installs from the wheel: the resources as data files under the prefix,
+    found through the installed distribution's file list."""
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "wheel"), str(ROOT)],
+        capture_output=True, text=True, timeout=300,
     )
-    assert build.returncode == 0, build.stderr
+    assert built.returncode == 0, built.stderr
+    wheel = next((tmp_path / "wheel").glob("*.whl"))
+    prefix = tmp_path / "prefix"
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert installed.returncode == 0, installed.stderr
+    site = next(prefix.glob("lib/python*/site-packages"))
     probe = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True,
-                           text=True, env={**os.environ, "PYTHONPATH": str(tmp_path / "lib")})
+                           text=True, env={**os.environ, "PYTHONPATH": str(site)})
     assert probe.returncode == 0, probe.stdout + probe.stderr
-    assert Path(probe.stdout.strip()) == tmp_path / "lib" / "app" / "resources"
+    assert Path(probe.stdout.strip()) == prefix / "share" / "mlx-desk" / "resources"
 
 
 def test_frozen_bundle_finds_resources(tmp_path, monkeypatch):
     from app import resources
 
-    for layout in ("resources", "app/resources"):
+    for layout in ("resources",):
         bundle = tmp_path / layout.replace("/", "_")
-        shutil.copytree(ROOT / "app" / "resources", bundle / layout)
+        shutil.copytree(ROOT / "resources", bundle / layout)
         monkeypatch.setattr(sys, "_MEIPASS", str(bundle), raising=False)
         assert resources.resource_dir() == bundle / layout
         assert all(resources.resource_path(n).is_file() for n in NEEDED)

@@ -73,7 +73,7 @@ def test_type_a_message_and_find_the_reply_in_history(xdisplay, tmp_path):
     data = tmp_path / "data"
     shot = tmp_path / "window.png"
     env = {**os.environ, "DISPLAY": xdisplay, "QT_QPA_PLATFORM": "xcb",
-           "MLXDESK_SCREENSHOT": str(shot), "PYTHONPATH": str(ROOT)}
+           "MLX_DESK_SCREENSHOT": str(shot), "PYTHONPATH": str(ROOT)}
     app = subprocess.Popen(
         [sys.executable, "-m", "app.main", "--data-dir", str(data), "--model", str(model)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

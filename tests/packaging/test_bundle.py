@@ -1,7 +1,7 @@
 """The Linux bundle: built once per test run, then run with no Python around it.
 
 Building takes a few minutes on two cores, so the bundle is made once into a
-temporary folder (or taken from MLXDESK_BUNDLE_DIR when a bundle was built
+temporary folder (or taken from MLX_DESK_BUNDLE_DIR when a bundle was built
 already). The bundle runs with a scrubbed environment: no virtualenv on PATH,
 no PYTHONPATH/PYTHONHOME, a working directory outside the checkout.
 """
@@ -52,7 +52,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    prebuilt = os.environ.get("MLXDESK_BUNDLE_DIR")
+    prebuilt = os.environ.get("MLX_DESK_BUNDLE_DIR")
     if prebuilt:
         return Path(prebuilt)
     if importlib.util.find_spec("PyInstaller") is None:
@@ -94,9 +94,9 @@ def test_bundle_carries_what_the_app_loads(bundle: Path) -> None:
         "PySide6/Qt/plugins/imageformats/libqjpeg.so",
         "PySide6/Qt/plugins/imageformats/libqwebp.so",
         "PySide6/Qt/plugins/iconengines/libqsvgicon.so",
-        "app/resources/icons/mlx-desk.svg",
-        "app/resources/style.qss",
-        "app/resources/recommended_models.json",
+        "resources/icons/mlx-desk.svg",
+        "resources/style.qss",
+        "resources/recommended_models.json",
     ]
     missing = [p for p in must_have if not (internal / p).exists()]
     assert not missing, f"missing from the bundle: {missing}"
