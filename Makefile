@@ -1,15 +1,23 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# MLX's backend on Linux: CUDA where an NVIDIA GPU answers, else the CPU build
+# (make run MLX_BACKEND=cpu|cuda|cuda12 to choose). macOS always uses Metal.
+MLX_BACKEND ?= $(shell if [ "$$(uname)" = Linux ]; then \
+	if nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi; fi)
+comma  := ,
+EXTRAS := dev$(if $(MLX_BACKEND),$(comma)$(MLX_BACKEND))
+STAMP  := $(VENV)/.installed-$(or $(MLX_BACKEND),metal)
 
 .PHONY: run test lint bench bundle clean
 
-# The venv is (re)built when missing or when pyproject.toml changed.
+# The venv is (re)built when missing, when pyproject.toml changed, or for another backend.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(if $(MLX_BACKEND),$(PY) -m pip uninstall -q -y mlx-cpu mlx-cuda-12 mlx-cuda-13 >/dev/null 2>&1 || true)
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	rm -f $(VENV)/.installed*
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -56,7 +56,10 @@ class EngineBridge(QObject):
             try:
                 from engine.runtime.worker import EngineWorker  # heavy: imports mlx
             except Exception as exc:  # noqa: BLE001 - any import failure is shown to the user
-                raise EngineUnavailable(f"The engine could not start: {exc}") from exc
+                from engine.errors import backend_hint
+
+                reason = backend_hint(exc) or str(exc)
+                raise EngineUnavailable(f"The engine could not start: {reason}") from exc
             factory = EngineWorker
         self._worker = factory(self._on_worker_event)
         self._worker.start()

@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke_test is not None and not args.model:
         print("smoke-test: failed: --smoke-test needs --model", file=sys.stderr)
         return 1
+    from app.display_check import display_problem
+
+    problem = display_problem()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
     import qasync
 
     from app.bridge import EngineBridge, EngineUnavailable

@@ -31,3 +31,17 @@ class MediaError(EngineError):
 
 class AdapterError(EngineError):
     """A LoRA adapter does not fit the loaded model."""
+
+
+def backend_hint(exc: BaseException) -> str | None:
+    """A readable line for an import failure of MLX itself, or None for any other error.
+
+    On Linux MLX's compute library comes from a separate package (mlx-cpu or mlx-cuda);
+    without one, ``import mlx.core`` fails with a loader message that names no fix."""
+    text = str(exc)
+    if isinstance(exc, ImportError) and ("libmlx" in text or "mlx.core" in text or getattr(exc, "name", "") == "mlx"):
+        return (
+            "MLX is installed without a compute backend: pip install 'mlx-desk[cpu]', "
+            "or 'mlx-desk[cuda]' on a machine with an NVIDIA GPU"
+        )
+    return None

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from engine.errors import EngineError
+from engine.errors import EngineError, backend_hint
 
 
 class CliError(EngineError):
@@ -440,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except MemoryError:
         return _fail("out of memory: try a smaller model or a lower --max-tokens")
+    except ImportError as e:
+        return _fail(backend_hint(e) or f"a module the engine needs is missing: {e}")
     except OSError as e:
         where = f": {e.filename}" if getattr(e, "filename", None) else ""
         return _fail(f"{e.strerror or type(e).__name__}{where}")

@@ -110,23 +110,29 @@ def test_no_input_device_gives_a_clear_message(qtbot, make_window, monkeypatch):
         assert window.error_banner.text() == blocker.args[0]
         return blocker.args[0]
 
-    import sounddevice
-
     try:
-        sounddevice.query_devices(kind="input")
-        has_input = True
-    except sounddevice.PortAudioError:
-        has_input = False
-    if not has_input:
-        assert press_mic().startswith("No microphone found")
+        import sounddevice  # loads PortAudio: an OSError where the library is missing
+    except OSError:
+        sounddevice = None
+        assert "PortAudio library" in press_mic()  # the real case this test is named after
+    if sounddevice is not None:
+        try:
+            sounddevice.query_devices(kind="input")
+            has_input = True
+        except sounddevice.PortAudioError:
+            has_input = False
+        if not has_input:
+            assert press_mic().startswith("No microphone found")
+
+    class PortAudioError(Exception):
+        pass
 
     class NoInput:  # PortAudio's answer on a machine without an input device
-        PortAudioError = sounddevice.PortAudioError
-
         @staticmethod
         def query_devices(kind=None):
-            raise sounddevice.PortAudioError("Error querying device -1")
+            raise NoInput.PortAudioError("Error querying device -1")
 
+    NoInput.PortAudioError = sounddevice.PortAudioError if sounddevice is not None else PortAudioError
     monkeypatch.setitem(sys.modules, "sounddevice", NoInput)
     assert press_mic().startswith("No microphone found: connect one")
 

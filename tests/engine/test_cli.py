@@ -191,3 +191,13 @@ def test_chat_on_a_base_model_continues_the_text(shared_data):
     assert chat.returncode == 0, chat.stderr
     assert last_json(chat.stdout)["token_ids"] == last_json(plain.stdout)["token_ids"]
     assert last_json(chat.stdout)["text"].startswith(", there was")
+
+
+def test_mlx_without_a_backend_is_one_line_naming_the_extra():
+    """Linux's mlx wheel without mlx-cpu/mlx-cuda: the loader's message names no fix; ours does."""
+    from engine.errors import backend_hint
+
+    line = backend_hint(ImportError("libmlx.so: cannot open shared object file: No such file or directory"))
+    assert line is not None and "mlx-desk[cpu]" in line and "mlx-desk[cuda]" in line
+    assert backend_hint(ImportError("No module named 'tokenizers'")) is None
+    assert backend_hint(ValueError("libmlx")) is None
