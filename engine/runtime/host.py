@@ -1,10 +1,10 @@
-"""ModelHost: one loaded model with everything needed to talk to it.
+"""ModelHost: one loaded model and the services each request uses.
 
-It holds the model, its tokenizer (from the folder's tokenizer files or the GGUF's own
-vocabulary), its chat template, the end-of-turn ids (the union of config, generation
-config and tokenizer), the generation defaults, the ModelInfo, the chat sessions
-(one KV cache each), the LoRA adapters mounted on the model, and an optional draft model
-for speculative decoding. Every method runs on the thread that owns MLX.
+Loading is assembly.py's (model, tokenizer, template, end ids, ModelInfo, towers); the
+host keeps what it assembled and serves requests with it: the chat sessions (one KV
+cache each), generation, the LoRA adapters mounted on the model, an optional draft model
+for speculative decoding, and the Whisper model for transcription. Every method runs on
+the thread that owns MLX.
 
 Adapters stay mounted across generations and go with the model when it is unloaded; so
 does the draft model, which was checked against this model's vocabulary.
@@ -27,20 +27,16 @@ from engine.api import (
     ProgressEvent,
     TokenEvent,
 )
-from engine.errors import EngineError, OutOfMemoryBudget
+from engine.errors import EngineError
 from engine.decode.loop import Piece
+from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
 from engine.runtime.session import ChatSession
 
-LoadProgress = Callable[[float, float, str], None]
 EventSink = Callable[[Event], None]
 
 
 class NoModelLoaded(EngineError):
     """A request that needs a model arrived before any was loaded."""
-
-
-class LoadCancelled(EngineError):
-    """The load was cancelled by the caller."""
 
 
 @dataclass
@@ -62,59 +58,6 @@ class _Loaded:
     towers: Any = None  # MediaTowers: which media the model takes; loads towers on first use
     sessions: dict[str, ChatSession] = field(default_factory=dict)
     draft: _Draft | None = None
-
-
-def _union(*groups: Sequence[int] | None) -> list[int]:
-    out: list[int] = []
-    for group in groups:
-        for i in group or ():
-            if int(i) not in out:
-                out.append(int(i))
-    return out
-
-
-def _load_tokenizer(loaded: Any) -> Any:
-    from engine.text.tokenizer import Tokenizer
-
-    if getattr(loaded, "gguf_metadata", None):
-        return Tokenizer.from_gguf(loaded.gguf_metadata)
-    return Tokenizer.from_dir(getattr(loaded, "tokenizer_path", None) or loaded.path)
-
-
-def _load_template(tokenizer: Any) -> Any:
-    from engine.text.chat_template import ChatTemplate, PlainTextTemplate
-
-    source = getattr(tokenizer, "chat_template", None)
-    if not source and getattr(tokenizer, "mistral_format", None):
-        from engine.text.mistral_format import MistralFormat
-
-        return MistralFormat(tokenizer.mistral_format, tokenizer.bos_token or "<s>", tokenizer.eos_token or "</s>")
-    if not source:
-        bos = tokenizer.bos_token if getattr(tokenizer, "add_bos_token", False) else None
-        return PlainTextTemplate(bos)
-    return ChatTemplate(source, special_tokens=getattr(tokenizer, "special_tokens", None))
-
-
-def _reasoning_factory(template: Any) -> Callable[[str], Any]:
-    """A function from the rendered prompt to a splitter of reasoning text (None when the
-    template uses no reasoning markers)."""
-    from engine.text.markers import detect_reasoning_markers
-
-    source = getattr(template, "source", None) or ""
-
-    def make(prompt: str) -> Any:
-        markers = detect_reasoning_markers(source, prompt)
-        return markers.splitter() if markers is not None else None
-
-    return make
-
-
-def _reasoning_control(template: Any) -> Any:
-    """The template's reasoning switch (ModelInfo.reasoning_control), None without one."""
-    from engine.text.chat_template import ChatTemplate
-    from engine.text.reasoning_switch import find_reasoning_control
-
-    return find_reasoning_control(template) if isinstance(template, ChatTemplate) else None
 
 
 class ModelHost:
@@ -181,53 +124,13 @@ class ModelHost:
         """Load a model folder, HF repo id (already cached) or .gguf file, replacing any
         loaded model. Refuses before allocating when it cannot fit ``budget``."""
         self._check_thread()
-        from engine.runtime.loading import load_model
-
         self.unload()
-
-        def on_progress(done: int, total: int) -> None:
-            # The loader lets an exception from here end the load cleanly.
-            if cancel is not None and cancel.is_set():
-                raise LoadCancelled("Loading was cancelled.")
-            if progress is not None:
-                progress(done, total, "loading weights")
-
-        loaded = load_model(path, memory_budget=budget, progress=on_progress)
-        if cancel is not None and cancel.is_set():
-            raise LoadCancelled("Loading was cancelled.")
-        tokenizer = _load_tokenizer(loaded)
-        config = loaded.config
-        eos = _union(
-            getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_ids", None)
-        )
-        info = self._describe(loaded, budget)
-        towers = _make_towers(loaded)
-        # ModelInfo says what the engine can feed this model, not only what its config names.
-        info.vision = "image" in towers.kinds
-        info.audio = "audio" in towers.kinds
-        info.pan_and_scan = towers.pan_and_scan()
-        info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
-        template = _load_template(tokenizer)
-        info.reasoning_control = _reasoning_control(template)
+        parts = assemble(path, budget, progress, cancel)
         self._loaded = _Loaded(
-            model=loaded.model,
-            config=config,
-            path=str(loaded.path),
-            tokenizer=tokenizer,
-            template=template,
-            eos_token_ids=eos,
-            info=info,
-            towers=towers,
+            model=parts.model, config=parts.config, path=parts.path, tokenizer=parts.tokenizer,
+            template=parts.template, eos_token_ids=parts.eos_token_ids, info=parts.info, towers=parts.towers,
         )
-        return info
-
-    @staticmethod
-    def _describe(loaded: Any, budget: int | None) -> ModelInfo:
-        from engine.runtime.model_info import inspect_model
-
-        info = inspect_model(str(loaded.path), memory_budget=budget)
-        info.plan = getattr(loaded, "plan", None) or info.plan
-        return info
+        return parts.info
 
     @property
     def towers(self) -> Any:
@@ -306,7 +209,6 @@ class ModelHost:
         tokens as the loaded model does, and fit in the budget beside it. A refused draft
         model leaves the current one in place."""
         self._check_thread()
-        from engine.runtime.loading import load_model
         from engine.decode.drafters import check_draft_compatible
 
         state = self._need()
@@ -316,20 +218,9 @@ class ModelHost:
         plan = state.info.plan
         budget = max(1, plan.budget_bytes - plan.weights_bytes) if plan is not None else None
 
-        def on_progress(done: int, total: int) -> None:
-            if cancel is not None and cancel.is_set():
-                raise LoadCancelled("Loading the draft model was cancelled.")
-            if progress is not None:
-                progress(done, total, "loading the draft model")
-
-        try:
-            loaded = load_model(path, memory_budget=budget, progress=on_progress)
-        except OutOfMemoryBudget as e:
-            raise OutOfMemoryBudget(f"The draft model does not fit beside the loaded model: {e}") from None
-        tokenizer = _load_tokenizer(loaded)
+        model, tokenizer, info = assemble_draft(path, budget, progress, cancel)
         check_draft_compatible(state.tokenizer, tokenizer)
-        info = self._describe(loaded, budget)
-        self._set_draft(state, _Draft(loaded.model, tokenizer, info))
+        self._set_draft(state, _Draft(model, tokenizer, info))
         return info
 
     @staticmethod
@@ -370,7 +261,7 @@ class ModelHost:
                 state.tokenizer,
                 state.template,
                 eos_token_ids=state.eos_token_ids,
-                reasoning_factory=_reasoning_factory(state.template),
+                reasoning_factory=reasoning_factory(state.template),
                 reasoning_control=state.info.reasoning_control,
                 towers=state.towers if state.towers.kinds else None,
             )
@@ -464,19 +355,6 @@ def _adapter_info(a: Any) -> AdapterInfo:
         name=a.name, path=a.path, format=a.format, kind=a.kind, rank=a.rank,
         targets=len(a.targets), base_model=a.base_model,
     )
-
-
-def _make_towers(loaded: Any) -> Any:
-    from pathlib import Path
-
-    from engine.media.towers import MediaTowers, TowerSource
-
-    path = Path(loaded.path)
-    source = TowerSource(
-        name=getattr(loaded, "name", path.name), path=path, config=loaded.config,
-        model=loaded.model, dtype=getattr(loaded, "dtype", "float32"),
-    )
-    return MediaTowers(source)
 
 
 def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int, int], None] | None:

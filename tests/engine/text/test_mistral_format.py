@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import TemplateError
-from engine.runtime.host import _load_template
+from engine.runtime.assembly import load_template as _load_template
 from engine.text.chat_template import ChatTemplate
 from engine.text.mistral_format import MistralFormat
 from engine.text.tokenizer import Tokenizer
