@@ -22,11 +22,6 @@ from app.qt import (
 )
 
 
-def fmt_adapters(scales: dict[str, float]) -> str:
-    """``alpha ×1.0, beta ×0.5`` (empty for none)."""
-    return ", ".join(f"{name} ×{scale:g}" for name, scale in scales.items())
-
-
 class AdapterRow(QWidget):
     """One mounted adapter: a check box (active or not) and its scale."""
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 from app import tasks
-from app.attachments import NO_WHISPER
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
+from app.bridge import EngineBridge, run_in_thread
+from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
+from app.controllers.models import ModelController
+from app.controllers.transcription import WHISPER_KEY, TranscriptionController
 from app.qt import (
-    emit,
     QApplication,
     QEvent,
     QFileDialog,
@@ -44,8 +44,6 @@ from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
 
 
-WHISPER_KEY = "whisper_model"  # preference: the Whisper folder that transcribes audio
-WHISPER_ENV = "MLX_DESK_WHISPER"  # the engine's fallback, honoured here too
 
 
 class MainWindow(QMainWindow):
@@ -73,6 +71,9 @@ class MainWindow(QMainWindow):
         self.gauge = MemoryGauge()
         self.load_setup = LoadSetup(store, bridge, self.settings, self.gauge, self)
         self.chat = ChatController(store, bridge, self.chat_view, self)
+        self.adapter_control = AdapterController(store, bridge, self.chat, self.load_setup, self)
+        self.models = ModelController(bridge, self.load_setup, self.adapter_control, self)
+        self.transcription = TranscriptionController(store, bridge, self)
 
         center = QWidget(objectName="center")
         cv = QVBoxLayout(center)
@@ -111,11 +112,28 @@ class MainWindow(QMainWindow):
         self.composer.notice.connect(self.notify)
         self.composer.refused.connect(self.show_error)
         self.composer.transcribe_requested.connect(lambda path: tasks.spawn(self.transcribe(path)))
-        self.composer.cancel_transcription.connect(
-            lambda: self.bridge.cancel(self.bridge.active_transcription))
+        self.composer.cancel_transcription.connect(self.transcription.cancel)
         self.settings.whisper_requested.connect(self._pick_whisper)
         self.settings.whisper_cleared.connect(lambda: self.set_whisper_model(None))
         self.settings.set_whisper(store.preference(WHISPER_KEY))
+        for controller in (self.models, self.adapter_control, self.transcription):
+            controller.status.connect(self.notify)
+            controller.failed.connect(self.show_error)
+        self.models.loading.connect(self._show_loading)
+        self.models.load_ended.connect(self._show_load_ended)
+        self.models.loaded.connect(self._show_model)
+        self.models.now_holding.connect(self._show_held_model)
+        self.models.load_failed.connect(self.load_failed)
+        self.models.ready.connect(self.model_loaded)
+        self.adapter_control.shown.connect(
+            lambda mounted, chosen, loaded: self.adapters_menu.set_adapters(mounted, chosen, model_loaded=loaded))
+        self.adapter_control.draft_changed.connect(self.settings.set_draft)
+        self.transcription.whisper_changed.connect(self.settings.set_whisper)
+        self.transcription.whisper_needed.connect(lambda: self.settings_toggle.setChecked(True))
+        self.transcription.started.connect(self._show_transcribing)
+        self.transcription.ended.connect(self.composer.end_transcribing)
+        self.transcription.transcribed.connect(self.composer.insert_transcript)
+        self.transcription.finished.connect(self.transcription_finished)
         self.load_setup.notice.connect(self.notify)
         self.chat.busy_changed.connect(self.composer.set_busy)
         self.chat.status.connect(self.notify)
@@ -300,11 +318,9 @@ class MainWindow(QMainWindow):
         return True
 
     async def load_model(self, path: str, memory_budget: int | None = None) -> bool:
-        """Load a model under ``memory_budget`` (default: the one chosen in Settings), then
-        mount again the adapters it had and apply the open chat's choice."""
-        name = Path(path).name
-        if memory_budget is None:
-            memory_budget = self.load_setup.budget_for_load()
+        return await self.models.load(path, memory_budget)
+
+    def _show_loading(self, name: str) -> None:
         self.error_banner.setVisible(False)
         self.template_notice.setVisible(False)
         self.model_button.setText(f"Loading {name}…")
@@ -312,22 +328,13 @@ class MainWindow(QMainWindow):
         self.load_bar.setRange(0, 0)
         self.load_bar.setVisible(True)
         self.cancel_load.setVisible(True)
-        self.notify(f"Loading {name}…")
-        try:
-            info = await self.bridge.load_model(path, memory_budget, prepare=self.load_setup.remount)
-        except (EngineRequestError, EngineUnavailable) as exc:
-            reason = str(exc)
-            if getattr(exc, "kind", "") == "OutOfMemoryBudget":
-                reason = await self.load_setup.refusal(path, memory_budget, reason)
-            await self._after_failed_load()
-            self.show_error(f"Could not load {name}: {reason}")
-            emit(self.load_failed, reason)
-            return False
-        finally:
-            self.model_button.setEnabled(True)
-            self.load_bar.setVisible(False)
-            self.cancel_load.setVisible(False)
-        self.load_setup.loaded(info, memory_budget)
+
+    def _show_load_ended(self) -> None:
+        self.model_button.setEnabled(True)
+        self.load_bar.setVisible(False)
+        self.cancel_load.setVisible(False)
+
+    def _show_model(self, info) -> None:
         self.model_button.setText(f"{info.name}  ▾")
         self.chat_view.empty_label.setText(
             f"{info.name} is ready: say hello.\nEnter sends · Shift+Enter adds a line · Esc stops")
@@ -344,24 +351,11 @@ class MainWindow(QMainWindow):
         self.gauge.set_plan(info.plan)
         self.check_memory()
         self.settings.set_draft(None)
-        await self.apply_adapters()
         self.composer.set_capabilities(info.vision, info.audio)
         self.template_notice.setVisible(not info.chat_template)
-        mounted = [a.name for a in (self.bridge.model_info or info).adapters]
-        self.notify(f"Loaded {info.name}" + (f" with its adapters {', '.join(mounted)}."
-                                             if mounted else "."))
-        if self.load_setup.skipped:
-            self.show_error(self.load_setup.skipped)
-        emit(self.model_loaded, info)
-        return True
 
-    async def _after_failed_load(self) -> None:
-        """A failed load may have replaced the model that was there: show what the engine
-        holds now."""
-        try:
-            info = await self.bridge.refresh_model_info()
-        except (EngineRequestError, EngineUnavailable):
-            info = self.bridge.model_info = None
+    def _show_held_model(self, info) -> None:
+        """After a failed load: what the engine holds now."""
         if info is not None:
             self.model_button.setText(f"{info.name}  ▾")
             return
@@ -373,41 +367,14 @@ class MainWindow(QMainWindow):
         self.settings.set_pan_and_scan_default(None)
         self.settings.set_reasoning_control(None)
         self.composer.set_capabilities(None, False)
-        self._show_adapters()
 
     # ---- adapters and the draft model -----------------------------------------------------
 
-    def _show_adapters(self) -> None:
-        info = self.bridge.model_info
-        conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id \
-            else None
-        mounted = list(getattr(info, "adapters", None) or [])
-        chosen = conv.adapters if conv is not None else {}
-        self.adapters_menu.set_adapters(mounted, chosen, model_loaded=info is not None)
-
     async def apply_adapters(self) -> None:
-        """Re-apply the open conversation's adapter choice to the loaded model."""
-        conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id \
-            else None
-        if conv is not None and self.bridge.model_info is not None and not self.chat.busy:
-            try:
-                await self.chat.apply_adapter_choice(conv.adapters)
-            except (EngineRequestError, EngineUnavailable) as exc:
-                self.show_error(f"Could not switch adapters: {exc}")
-        self._show_adapters()
+        await self.adapter_control.apply()
 
     async def choose_adapters(self, scales: dict[str, float]) -> None:
-        """The Adapters menu changed: remember it for this conversation, apply it now."""
-        if self.chat.conversation_id is None:
-            return
-        self.store.update_conversation(self.chat.conversation_id, adapters=dict(scales))
-        if self.chat.busy:
-            self.notify("The adapters change from the next reply on.")
-            return
-        await self.apply_adapters()
-        from app.ui.adapters_menu import fmt_adapters
-
-        self.notify(f"Adapters: {fmt_adapters(scales)}" if scales else "Adapters off.")
+        await self.adapter_control.choose(scales)
 
     def _pick_adapter(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Mount an adapter folder")
@@ -415,32 +382,10 @@ class MainWindow(QMainWindow):
             tasks.spawn(self.mount_adapter(folder))
 
     async def mount_adapter(self, path: str, name: str | None = None) -> bool:
-        if self.bridge.model_info is None:
-            self.show_error("Load a model before mounting an adapter.")
-            return False
-        try:
-            adapter = await self.bridge.mount_adapter(path, name)
-        except (EngineRequestError, EngineUnavailable) as exc:
-            self.show_error(f"Could not mount {Path(path).name}: {exc}")
-            return False
-        self.load_setup.remember(adapter)
-        self._show_adapters()
-        self.notify(f"Mounted {adapter.name} ({adapter.kind}, rank {adapter.rank}, "
-                    f"{adapter.targets} layers): tick it in the Adapters menu to use it.")
-        return True
+        return await self.adapter_control.mount(path, name)
 
     async def unmount_adapter(self, name: str) -> None:
-        if self.chat.busy:
-            self.notify("Stop the reply before unmounting an adapter.")
-            return
-        try:
-            await self.bridge.unmount_adapter(name)
-        except (EngineRequestError, EngineUnavailable) as exc:
-            self.show_error(f"Could not unmount {name}: {exc}")
-            return
-        self.load_setup.forget(name)
-        self._show_adapters()
-        self.notify(f"Unmounted {name}.")
+        await self.adapter_control.unmount(name)
 
     def _pick_draft(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Choose a draft model folder")
@@ -448,21 +393,7 @@ class MainWindow(QMainWindow):
             tasks.spawn(self.set_draft_model(folder))
 
     async def set_draft_model(self, path: str | None) -> bool:
-        """Load (or, with None, unload) the draft model for speculative decoding."""
-        if self.bridge.model_info is None:
-            self.show_error("Load a model before choosing a draft model.")
-            return False
-        try:
-            draft = await self.bridge.load_draft_model(path)
-        except (EngineRequestError, EngineUnavailable) as exc:
-            reason = str(exc)
-            if getattr(exc, "kind", "") == "OutOfMemoryBudget":
-                reason = await self.load_setup.draft_refusal(path, reason)
-            self.show_error(f"Could not use {Path(path).name} as the draft model: {reason}")
-            return False
-        self.settings.set_draft(draft.name if draft is not None else None)
-        self.notify(f"Draft model: {draft.name}" if draft is not None else "Draft model unloaded.")
-        return True
+        return await self.adapter_control.set_draft_model(path)
 
     # ---- speech to text ---------------------------------------------------------------------
 
@@ -472,54 +403,14 @@ class MainWindow(QMainWindow):
             self.set_whisper_model(folder)
 
     def set_whisper_model(self, path: str | None) -> None:
-        """Remember the Whisper model that transcribes audio (None forgets it)."""
-        self.store.set_preference(WHISPER_KEY, path)
-        self.settings.set_whisper(path)
-        self.notify(f"Audio is transcribed with {Path(path).name}." if path
-                    else "No Whisper model: audio can go only to an audio model.")
+        self.transcription.set_whisper_model(path)
 
     async def transcribe(self, path: str) -> str | None:
-        """Audio for a model that cannot listen: the Whisper model turns it into text in
-        the composer, for the user to check before sending. Returns the text."""
-        text = None
-        try:
-            text = await self._transcribe(path)
-        finally:
-            emit(self.transcription_finished, text or "")
-        return text
+        return await self.transcription.transcribe(path)
 
-    async def _transcribe(self, path: str) -> str | None:
-        name = Path(path).name
-        whisper = self.store.preference(WHISPER_KEY) or os.environ.get(WHISPER_ENV) or None
-        if not whisper:
-            self.show_error(NO_WHISPER)
-            self.settings_toggle.setChecked(True)
-            return None
-        if self.bridge.active_transcription is not None:
-            self.notify(f"{name}: one transcription at a time; wait for this one or cancel it.")
-            return None
+    def _show_transcribing(self, name: str) -> None:
         self.error_banner.setVisible(False)
         self.composer.show_transcribing(name)
-        try:
-            transcript = await self.bridge.transcribe(path, whisper)
-        except (EngineRequestError, EngineUnavailable) as exc:
-            self.show_error(f"Could not transcribe {name}: {exc}")
-            return None
-        finally:
-            self.composer.end_transcribing()
-        if getattr(transcript, "finish_reason", "stop") == "cancelled":
-            self.notify(f"Stopped transcribing {name}.")
-            return None
-        text = (getattr(transcript, "text", "") or "").strip()
-        if not text:
-            self.notify(f"No speech was found in {name}.")
-            return None
-        self.composer.insert_transcript(text)
-        length = getattr(transcript, "duration_s", 0.0) or 0.0
-        language = getattr(transcript, "language", "") or ""
-        extra = ", ".join(x for x in (f"{length:.0f} s" if length else "", language) if x)
-        self.notify(f"Transcribed {name}{f' ({extra})' if extra else ''}: check the text, then send.")
-        return text
 
     def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
         if request_id == self.bridge.active_transcription:

@@ -12,7 +12,7 @@ that nears the budget the gauge turns amber, when it passes it red, and
 from __future__ import annotations
 
 
-from app.memory_units import GB, fmt_bytes, machine_memory
+from app.memory_units import fmt_bytes, machine_memory
 from app.qt import QColor, QHBoxLayout, QLabel, QPainter, QPen, QRectF, QSize, Qt, QWidget
 
 

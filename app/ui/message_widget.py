@@ -234,7 +234,7 @@ class MessageWidget(QFrame):
                    else "; speed-up shows once a plain reply of this model has been timed")
             )
         if adapters:
-            from app.ui.adapters_menu import fmt_adapters
+            from app.controllers.adapters import fmt_adapters
 
             parts.append(f"adapters: {fmt_adapters(adapters)}")
             details.append(f"Written with adapters {fmt_adapters(adapters)}")
