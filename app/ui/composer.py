@@ -340,8 +340,7 @@ class Composer(QFrame):
         buf = QBuffer()
         buf.open(QIODevice.OpenModeFlag.WriteOnly)
         image.save(buf, "PNG")
-        path = keep_bytes(self._folder(), bytes(buf.data()), ".png")
-        self.add_files([str(path)])
+        self._keep_then_attach(bytes(buf.data()), ".png")
 
     def add_encoded(self, data: bytes, ext: str) -> None:
         """A picture that came as encoded bytes Qt cannot decode (HEIC/HEIF/AVIF):
@@ -351,7 +350,12 @@ class Composer(QFrame):
         if not self.vision:
             emit(self.refused, refusal(f"pasted{ext}", self.vision))
             return
-        self.add_files([str(keep_bytes(self._folder(), data, ext))])
+        self._keep_then_attach(data, ext)
+
+    def _keep_then_attach(self, data: bytes, ext: str) -> None:
+        """Write pasted or recorded bytes into the attachments folder off the GUI thread (a
+        large picture or a long take must not stall typing), then attach the kept file."""
+        in_background(self, keep_bytes, self._folder(), data, ext, then=lambda path: self.add_files([str(path)]))
 
     def add_mime(self, mime: Any) -> None:
         files = [u.toLocalFile() for u in mime.urls() if u.isLocalFile()] if mime.hasUrls() else []
@@ -451,31 +455,29 @@ class Composer(QFrame):
         emit(self.notice, "Recording… press the microphone again to stop.")
         return True
 
-    def stop_recording(self) -> str | None:
-        """End the take; it is saved as a 16 kHz WAV and attached like a dropped file.
-        Returns the saved path (None when nothing was recorded)."""
+    def stop_recording(self) -> None:
+        """End the take; it is saved as a 16 kHz WAV (off the GUI thread) and then attached
+        like a dropped file."""
         recorder, self.recorder = self.recorder, None
         self._meter.stop()
         self.level_bar.setVisible(False)
         self.rec_label.setVisible(False)
         self._set_mic(False)
         if recorder is None:
-            return None
+            return
         try:
             samples = recorder.stop()
         except Exception as exc:  # noqa: BLE001 - a device that vanished mid-take
             emit(self.refused, f"The recording failed: {exc}")
-            return None
+            return
         if samples.size == 0:
             emit(self.notice, "Nothing was recorded.")
-            return None
+            return
         from app.recorder import write_wav
 
         buf = io.BytesIO()
         write_wav(buf, samples)
-        path = str(keep_bytes(self._folder(), buf.getvalue(), ".wav"))
-        self.add_files([path])
-        return path
+        self._keep_then_attach(buf.getvalue(), ".wav")
 
     def _set_mic(self, on: bool) -> None:
         self.mic_button.blockSignals(True)

@@ -151,6 +151,7 @@ def test_heic_opened_by_the_system_or_pasted_as_data(qtbot, make_window, run_asy
     QApplication.clipboard().setMimeData(mime)
     window.composer.edit.setFocus()
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_V, Qt.KeyboardModifier.ControlModifier)
+    qtbot.waitUntil(lambda: len(window.composer.attachments) == 2, timeout=5_000)  # kept off the GUI thread
     assert len(window.composer.attachments) == 2 and window.composer.edit.toPlainText() == ""
     kind, pasted = window.composer.attachments[1]
     assert kind == "image" and pasted.endswith(".heic")

@@ -184,6 +184,7 @@ def test_drop_image_data_paste_and_remove(qtbot, make_window, run_async, vision_
     mime = QMimeData()
     mime.setImageData(QImage(str(photo)))
     drop(composer, mime)
+    qtbot.waitUntil(lambda: len(composer.attachments) == 1, timeout=5_000)  # kept off the GUI thread
     assert len(composer.attachments) == 1
     kind, kept = composer.attachments[0]
     assert kind == "image" and Path(kept).parent == (window.store.data_dir / "attachments").resolve()
@@ -207,10 +208,12 @@ def test_drop_image_data_paste_and_remove(qtbot, make_window, run_async, vision_
     # Ctrl/Cmd+V of a copied picture (a screenshot); the same picture again is not doubled.
     QApplication.clipboard().setImage(QImage(str(second)))
     qtbot.keyClick(composer.edit, Qt.Key.Key_V, Qt.KeyboardModifier.ControlModifier)
+    qtbot.waitUntil(lambda: len(composer.attachments) == 4, timeout=5_000)  # kept off the GUI thread
     assert len(composer.attachments) == 4
     pasted = Path(composer.attachments[3][1])
     assert pasted.parent == Path(kept).parent and pasted != Path(kept)
     qtbot.keyClick(composer.edit, Qt.Key.Key_V, Qt.KeyboardModifier.ControlModifier)
+    qtbot.wait(300)  # time for a second copy to be kept and attached, were it doubled
     assert len(composer.attachments) == 4 and composer.edit.toPlainText() == ""
     composer.remove_attachment(3)
 
