@@ -32,17 +32,17 @@ class EngineBridge(QObject):
     started = Signal(int, str)  # request id, kind ("generate", "load", "inspect", ...)
     _event = Signal(object)  # worker thread -> GUI thread
 
-    def __init__(self, parent: QObject | None = None, worker_factory: Callable | None = None):
+    def __init__(self, parent: QObject | None = None, worker_factory: Callable[..., Any] | None = None):
         super().__init__(parent)
         self._worker_factory = worker_factory
         self._worker: Any = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, asyncio.Future[Any]] = {}
         self._kinds: dict[int, str] = {}
         self.active_generation: int | None = None
         self.active_load: int | None = None
         self.active_transcription: int | None = None
         self.model_info: api.ModelInfo | None = None
-        self._loading: asyncio.Future | None = None  # the load under way, if any
+        self._loading: asyncio.Future[Any] | None = None  # the load under way, if any
         self._live: tuple[int, api.GenerationStats] | None = None  # latest token's stats
         self._event.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
 
@@ -91,7 +91,7 @@ class EngineBridge(QObject):
         self.active_load = rid
         ready = asyncio.get_running_loop().create_future()
         self._loading = ready
-        info = None
+        info: api.ModelInfo | None = None
         try:
             info = await fut
             self.model_info = info
@@ -106,6 +106,7 @@ class EngineBridge(QObject):
                 self._loading = None
             if not ready.done():  # None: the load failed (a waiting message is not answered)
                 ready.set_result(info)
+        assert info is not None  # a failed load raised above
         return info
 
     @property
@@ -130,36 +131,40 @@ class EngineBridge(QObject):
     async def mount_adapter(self, path: str, name: str | None = None) -> api.AdapterInfo:
         """Mount an adapter folder on the loaded model, inactive."""
         _, fut = self._request(api.MountAdapter(path=path, name=name), "adapter")
-        adapter = await fut
+        adapter: api.AdapterInfo = await fut
         await self.refresh_model_info()
         return adapter
 
     async def set_active_adapters(self, scales: dict[str, float]) -> api.ModelInfo:
         """Make exactly these mounted adapters active (name -> scale)."""
         _, fut = self._request(api.SetActiveAdapters(scales=dict(scales)), "adapter")
-        self.model_info = await fut
-        return self.model_info
+        info: api.ModelInfo = await fut
+        self.model_info = info
+        return info
 
     async def unmount_adapter(self, name: str) -> api.ModelInfo:
         _, fut = self._request(api.UnmountAdapter(name=name), "adapter")
-        self.model_info = await fut
-        return self.model_info
+        info: api.ModelInfo = await fut
+        self.model_info = info
+        return info
 
     async def load_draft_model(self, path: str | None) -> api.ModelInfo | None:
         """Load the draft model for speculative decoding (None unloads it)."""
         _, fut = self._request(api.LoadDraftModel(path=path), "draft")
-        draft = await fut
+        draft: api.ModelInfo | None = await fut
         await self.refresh_model_info()
         return draft
 
     async def refresh_model_info(self) -> api.ModelInfo | None:
         _, fut = self._request(api.GetModelInfo(), "info")
-        self.model_info = await fut
-        return self.model_info
+        info: api.ModelInfo | None = await fut
+        self.model_info = info
+        return info
 
     async def inspect(self, path: str) -> api.ModelInfo:
         _, fut = self._request(api.InspectModel(path=path), "inspect")
-        return await fut
+        info: api.ModelInfo = await fut
+        return info
 
     async def generate(
         self,
@@ -174,7 +179,8 @@ class EngineBridge(QObject):
             params=params or api.GenerationParams(),
         )
         rid, fut = self._request(cmd, "generate")
-        return await self._while_active(rid, fut, "active_generation")
+        result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
+        return result
 
     async def transcribe(self, path: str, model_path: str | None = None,
                          language: str | None = None) -> Any:
@@ -190,7 +196,7 @@ class EngineBridge(QObject):
             command(path=path, model_path=model_path, language=language), "transcribe")
         return await self._while_active(rid, fut, "active_transcription")
 
-    async def _while_active(self, rid: int, fut: asyncio.Future, attr: str) -> Any:
+    async def _while_active(self, rid: int, fut: asyncio.Future[Any], attr: str) -> Any:
         """Await a cancellable request, with its id in ``attr`` meanwhile; cancelling the
         awaiting task cancels the request in the engine too."""
         setattr(self, attr, rid)
@@ -230,7 +236,7 @@ class EngineBridge(QObject):
 
     # ---- plumbing ------------------------------------------------------------------
 
-    def _request(self, command: Any, kind: str) -> tuple[int, asyncio.Future]:
+    def _request(self, command: Any, kind: str) -> tuple[int, asyncio.Future[Any]]:
         if self._worker is None:
             self.start()
         fut = asyncio.get_running_loop().create_future()
@@ -283,7 +289,7 @@ class EngineRequestError(Exception):
         self.kind = kind
 
 
-def run_in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
+def run_in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
     """Run blocking non-MLX work (hub search, downloads, disk scans) off the GUI thread."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
@@ -300,7 +306,7 @@ def run_in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.
     return fut
 
 
-def _settle(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+def _settle(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
     if fut.done():
         return
     if exc is not None:
