@@ -70,6 +70,9 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--logprobs", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+    p.add_argument("--cache-file", metavar="FILE.safetensors",
+                   help="reuse the KV cache saved in FILE when the prompt starts with its tokens "
+                        "(same model, adapters and template); save the new cache there")
     p.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="DIR[:SCALE]",
                    help="LoRA adapter folder (mlx-lm or PEFT), active with SCALE (default 1); repeatable")
     spec = p.add_mutually_exclusive_group()
@@ -230,6 +233,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(event.text)
             sys.stdout.flush()
 
+    if args.cache_file is not None:
+        _check_cache_file(args.cache_file)
+        host.restore_session("", args.cache_file)
     cancel = threading.Event()
     try:
         if args.chat:
@@ -249,6 +255,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         cancel.set()
         raise
+    if args.cache_file is not None:
+        host.save_session("", args.cache_file)
     if args.json:
         stats = result.stats
         out = {
@@ -262,6 +270,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "generation_tps": stats.generation_tps,
             "peak_memory_bytes": stats.peak_memory_bytes,
         }
+        if args.cache_file is not None:
+            out["cached_tokens"] = stats.cached_tokens
         if params.speculative is not None:
             out["draft_tokens"] = stats.draft_tokens
             out["accepted_draft_tokens"] = stats.accepted_draft_tokens
@@ -271,6 +281,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     return 0
+
+
+def _check_cache_file(path: str) -> None:
+    """Refuse a --cache-file that can never be written, before the prompt runs."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.suffix != ".safetensors":
+        raise CliError(f"--cache-file must end in .safetensors (got {path})")
+    if target.is_dir():
+        raise CliError(f"--cache-file {path} is a folder; give a file name")
+    if not target.parent.exists():
+        raise CliError(f"--cache-file: the folder {target.parent} does not exist")
 
 
 def _media(args: argparse.Namespace) -> list[Any]:

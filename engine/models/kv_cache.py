@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -346,30 +347,57 @@ def trim_prompt_cache(cache: list, n: int) -> int:
     return min(c.trim(n) for c in cache)
 
 
-_KINDS = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
-_FORMAT = "mlx-desk-prompt-cache/1"
+# Every cache class a prompt cache file may hold, by class name. A cache kind defined
+# elsewhere (recurrent state, latent attention, quantized KV) registers itself here; it
+# offers ``state`` (a tuple of arrays, empty when it holds nothing), ``meta_state`` (a dict
+# of strings) and either a ``from_meta(meta)`` classmethod or a no-argument constructor.
+CACHE_KINDS: dict[str, type] = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+_FORMAT = "mlx-desk-prompt-cache/2"
+
+
+def register_cache_kind(cls: type) -> type:
+    """Class decorator: let ``save_prompt_cache``/``load_prompt_cache`` handle ``cls``."""
+    CACHE_KINDS[cls.__name__] = cls
+    return cls
+
+
+def _empty_like(kind: type, meta: dict[str, str]) -> Any:
+    if hasattr(kind, "from_meta"):
+        return kind.from_meta(meta)
+    if kind is RotatingKVCache:
+        return kind(int(meta["max_size"]))
+    return kind()
 
 
 def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | None = None) -> None:
-    """Write the cache (keys, values and each layer's settings) to a safetensors file."""
+    """Write the cache (each layer's arrays and settings) to a safetensors file, atomically:
+    a temporary file is written beside it and renamed over it, so a crash or a full disk
+    never leaves a half-written cache under the real name."""
     arrays: dict[str, mx.array] = {}
     layers: list[dict[str, Any]] = []
     for i, c in enumerate(cache):
-        state = c.state
-        if state:
-            arrays[f"{i}.keys"], arrays[f"{i}.values"] = state
-        layers.append({"kind": type(c).__name__, "meta": c.meta_state})
+        state = tuple(c.state or ())
+        for j, a in enumerate(state):
+            arrays[f"{i}.{j}"] = a
+        layers.append({"kind": type(c).__name__, "meta": c.meta_state, "arrays": len(state)})
     header = {"format": _FORMAT, "layers": json.dumps(layers)}
     for key, value in (metadata or {}).items():
         header[f"user.{key}"] = str(value)
-    path = str(path)
-    if not path.endswith(".safetensors"):
+    path = Path(path)
+    if path.suffix != ".safetensors":
         raise EngineError(f"A prompt cache file must end in .safetensors (got {path}).")
-    mx.save_safetensors(path, arrays, header)
+    partial = path.with_name(f".{path.stem}.partial.safetensors")
+    try:
+        mx.save_safetensors(str(partial), arrays, header)
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
-    """Read a file written by ``save_prompt_cache``; return (cache, metadata)."""
+    """Read a file written by ``save_prompt_cache``; return (cache, metadata). A damaged,
+    truncated or foreign file raises EngineError."""
     try:
         arrays, header = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # mlx raises plain RuntimeError/ValueError on bad files
@@ -377,16 +405,20 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
     if header.get("format") != _FORMAT:
         raise EngineError(f"{path} is not a prompt cache written by this program; delete it.")
     cache = []
-    for i, layer in enumerate(json.loads(header["layers"])):
-        kind = _KINDS.get(layer["kind"])
-        if kind is None:
-            raise EngineError(f"{path} holds an unknown cache kind {layer['kind']!r}; delete it.")
-        meta = layer["meta"]
-        c = kind(int(meta["max_size"])) if kind is RotatingKVCache else kind()
-        c.meta_state = meta
-        if f"{i}.keys" in arrays:
-            c.state = (arrays[f"{i}.keys"], arrays[f"{i}.values"])
-            c.meta_state = meta  # restore offset (may exceed what a rotating cache holds)
-        cache.append(c)
+    try:
+        for i, layer in enumerate(json.loads(header["layers"])):
+            kind = CACHE_KINDS.get(layer["kind"])
+            if kind is None:
+                raise EngineError(f"{path} holds an unknown cache kind {layer['kind']!r}; delete it.")
+            meta = layer["meta"]
+            c = _empty_like(kind, meta)
+            c.meta_state = meta
+            state = tuple(arrays[f"{i}.{j}"] for j in range(int(layer["arrays"])))
+            if state:
+                c.state = state
+                c.meta_state = meta  # restore offset (may exceed what a rotating cache holds)
+            cache.append(c)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise EngineError(f"The prompt cache {path} is damaged ({exc}); delete it.") from None
     metadata = {k[len("user.") :]: v for k, v in header.items() if k.startswith("user.")}
     return cache, metadata

@@ -58,6 +58,7 @@ class _Loaded:
     towers: Any = None  # MediaTowers: which media the model takes; loads towers on first use
     sessions: dict[str, ChatSession] = field(default_factory=dict)
     draft: _Draft | None = None
+    weights_digest: str | None = None  # saved_cache.weights_fingerprint, taken on first use
 
 
 class ModelHost:
@@ -272,6 +273,32 @@ class ModelHost:
     def drop_session(self, session_id: str) -> None:
         if self._loaded is not None:
             self._loaded.sessions.pop(session_id, None)
+
+    # ---- saved caches -----------------------------------------------------------------
+
+    def session_identity(self) -> dict[str, str]:
+        """What a saved cache of the loaded model is valid for (saved_cache.session_identity)."""
+        from engine.runtime.saved_cache import session_identity, weights_fingerprint
+
+        state = self._need()
+        if state.weights_digest is None:
+            state.weights_digest = weights_fingerprint(state.path)
+        return session_identity(state.path, state.weights_digest, state.model, state.template)
+
+    def restore_session(self, session_id: str, path: str) -> tuple[int, str]:
+        """Use the cache saved in ``path`` for ``session_id`` when it fits the loaded model,
+        adapters and template: (tokens restored, why not when 0)."""
+        from engine.runtime.saved_cache import restore_session
+
+        self._check_thread()
+        return restore_session(path, self.session(session_id), self.session_identity())
+
+    def save_session(self, session_id: str, path: str) -> int:
+        """Save ``session_id``'s cache to ``path`` (atomically); returns the bytes written."""
+        from engine.runtime.saved_cache import save_session
+
+        self._check_thread()
+        return save_session(path, self.session(session_id), self.session_identity())
 
     def kv_bytes(self) -> int:
         if self._loaded is None:
