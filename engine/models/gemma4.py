@@ -394,9 +394,9 @@ class Model(CausalLM):
         first_shared = self.args.first_shared
         out: dict[str, mx.array] = {}
         for key, value in weights.items():
-            if key.startswith("model.layers.") and any(part in key for part in _KV_WEIGHTS):
-                if int(key.split(".")[2]) >= first_shared:
-                    continue  # a shared layer's own K/V weights, which it never uses
+            shared = key.startswith("model.layers.") and int(key.split(".")[2]) >= first_shared
+            if shared and any(part in key for part in _KV_WEIGHTS):
+                continue  # a shared layer's own K/V weights, which it never uses
             if key.endswith(".experts.gate_up_proj"):  # transformers: [experts, 2 * inner, hidden]
                 base = key.removesuffix(".gate_up_proj") + ".switch_glu"
                 half = value.shape[1] // 2
