@@ -173,3 +173,25 @@ def test_registered_model_types():
 
     assert get_family("gemma4") is gemma4 and get_family("gemma4_text") is gemma4
     assert Path(gemma4.__file__).name == "gemma4.py"
+
+
+def test_thinking_switch_and_markers_of_the_real_template(shared_data):
+    from engine.text.chat_template import ChatTemplate
+    from engine.text.markers import detect_reasoning_markers
+    from engine.text.reasoning_switch import find_reasoning_control
+
+    source = (shared_data / "chat_templates" / "llama.cpp-2026" / "google-gemma-4-31B-it.jinja").read_text()
+    template = ChatTemplate(source)
+    control = find_reasoning_control(template)
+    assert control is not None and (control.variable, control.default) == ("enable_thinking", False)
+    hello = [{"role": "user", "content": "Hi"}]
+    off = template.render(hello, add_generation_prompt=True)
+    on = template.render(hello, add_generation_prompt=True, enable_thinking=True)
+    assert off.endswith("<|channel>thought\n<channel|>")  # thinking off: an empty thought block
+    assert "<|think|>" in on and on.endswith("<|turn>model\n")
+    markers = detect_reasoning_markers(source, on)
+    assert markers is not None and not markers.starts_in_reasoning
+    splitter = markers.splitter()
+    pieces = [*splitter.feed("<|channel>thou"), *splitter.feed("ght\nLet me see.<chan"), *splitter.feed("nel|>Hello!")]
+    pieces += splitter.flush()
+    assert pieces == [("reasoning", "Let me see."), ("answer", "Hello!")]
