@@ -195,3 +195,48 @@ def test_thinking_switch_and_markers_of_the_real_template(shared_data):
     pieces = [*splitter.feed("<|channel>thou"), *splitter.feed("ght\nLet me see.<chan"), *splitter.feed("nel|>Hello!")]
     pieces += splitter.flush()
     assert pieces == [("reasoning", "Let me see."), ("answer", "Hello!")]
+
+
+def test_bench_shape_is_the_published_26b_a4b():
+    """Built lazily (nothing is allocated): 25.2B parameters, 3.8B active per token."""
+    from mlx.utils import tree_flatten
+
+    from engine.bench import SHAPES
+
+    config = SHAPES["gemma4-26b-a4b"]
+    model = gemma4.Model(gemma4.ModelArgs.from_dict(config))
+    sizes = dict((k, v.size) for k, v in tree_flatten(model.parameters()))
+    total = sum(sizes.values())
+    experts = sum(n for k, n in sizes.items() if ".experts." in k)
+    active = total - experts + experts * config["top_k_experts"] / config["num_experts"]
+    assert round(total / 1e9, 1) == 25.2 and round(active / 1e9, 1) == 3.8
+
+
+def test_bench_tiny_shape_agrees_with_mlx_lm_on_the_same_weights():
+    """The bench's twin is mlx-lm's own gemma4_text holding our weights: same logits."""
+    pytest.importorskip("mlx_lm")
+    from engine.bench import build_model, mlx_lm_twin
+
+    model, config, quantized = build_model("gemma4-tiny", 16, 64)
+    twin = mlx_lm_twin(model, config, quantized)
+    model.set_dtype(mx.float32)
+    twin.set_dtype(mx.float32)
+    prompt = mx.array([[(11 * i + 5) % 500 + 3 for i in range(20)]])  # longer than the window of 8
+    ours_cache, their_cache = model.make_cache(), twin.make_cache()
+    ours, theirs = model(prompt, cache=ours_cache), twin(prompt, cache=their_cache)
+    for token in (7, 99, 300):
+        ours = mx.concatenate([ours, model(mx.array([[token]]), cache=ours_cache)], axis=1)
+        theirs = mx.concatenate([theirs, twin(mx.array([[token]]), cache=their_cache)], axis=1)
+    assert mx.allclose(ours, theirs, atol=1e-4).item()
+
+
+def test_bench_runs_the_gemma4_shape(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "engine", "bench", "--shape", "gemma4-tiny", "--bits", "4",
+                           "-p", "16", "-g", "4", "--json"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["shape"] == "gemma4-tiny" and result["engine"]["generated_tokens"] == 4
