@@ -161,8 +161,9 @@ def config_from_dict(
         bos_token_id=bos,
         generation_defaults=_generation_defaults(generation),
         context_length=_context_length(text, raw),
-        vision="vision_config" in raw,
-        audio="audio_config" in raw,
+        # Gemma 4 writes "audio_config": null on the models without an audio tower.
+        vision=raw.get("vision_config") is not None,
+        audio=raw.get("audio_config") is not None,
         torch_dtype=_declared_dtype(raw, text),
         path=path,
     )

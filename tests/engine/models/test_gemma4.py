@@ -240,3 +240,13 @@ def test_bench_runs_the_gemma4_shape(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["shape"] == "gemma4-tiny" and result["engine"]["generated_tokens"] == 4
+
+
+def test_inspect_reports_the_towers_the_config_really_has():
+    from engine.artifacts.inspect import format_inspect, inspect_model
+
+    info = inspect_model(GOLDEN / "gemma4_moe", memory_budget=10**9)
+    assert config_of("gemma4_moe")["audio_config"] is None  # written as null: no audio tower
+    assert info.family == "gemma4" and info.vision and not info.audio
+    report = format_inspect(info)
+    assert "KV per token  256 B" in report and "1 layer keeps at most 8 tokens" in report
