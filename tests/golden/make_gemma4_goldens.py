@@ -107,13 +107,21 @@ MOE = dict(
     },
 )
 
+# The dense layout with the switches mlx-lm 0.32 does not read left at their defaults
+# (it has no attention bias and always uses tanh-GELU), for its converted layout.
+E2B = dict(DENSE, attention_bias=False, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+           final_logit_softcapping=30.0)
+
 # name -> (text settings, published spelling?)
 VARIANTS: dict[str, tuple[dict, bool]] = {
     "gemma4_text_ple": (DENSE, False),
     "gemma4_ple_published": (DENSE, True),
+    "gemma4_e2b_published": (E2B, True),
     "gemma4_moe": (MOE, True),
     "gemma4_text_moe": (MOE, False),
 }
+# Converted with mlx-lm (4-bit) into tests/golden/gemma4_mlx/<name>_mlx_q4.
+MLX_SOURCES = ("gemma4_moe", "gemma4_e2b_published")
 
 # A tiny vision tower in the multimodal checkpoints, whose weights the language model must skip.
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -302,6 +310,7 @@ if __name__ == "__main__":
     names = sys.argv[1:] or [*VARIANTS, "mlx"]
     for n in names:
         if n == "mlx":
-            make_mlx()
+            for source in MLX_SOURCES:
+                make_mlx(source)
         else:
             make(n)

@@ -19,7 +19,7 @@ from engine.errors import UnsupportedModelError
 from engine.memory import plan_memory
 from engine.models import gemma4
 
-MLX_GOLDEN = GOLDEN.parent / "gemma4_mlx" / "gemma4_moe_mlx_q4"
+MLX_GOLDEN = GOLDEN.parent / "gemma4_mlx" / "gemma4_moe_mlx_q4"  # and its siblings
 
 
 def config_of(name: str) -> dict:
@@ -148,14 +148,19 @@ def test_proportional_rope_rotates_the_leading_pairs_of_each_half():
     assert not mx.allclose(y[..., [0, 1, 4, 5]], x[..., [0, 1, 4, 5]]).item()
 
 
-@pytest.mark.skipif(not MLX_GOLDEN.is_dir(), reason="MLX golden missing")
-def test_mlx_lm_layout_matches_mlx_lm():
+@pytest.mark.parametrize("name", ["gemma4_moe_mlx_q4", "gemma4_e2b_published_mlx_q4"])
+def test_mlx_lm_layout_matches_mlx_lm(name):
     """mlx-lm's own 4-bit convert (router kept at 8 bits by its predicate), loaded by the
     engine's loader, gives mlx-lm's own greedy ids and log-probs (both in float32)."""
-    expected = json.loads((MLX_GOLDEN / "expected.json").read_text())
-    loaded = load_model(MLX_GOLDEN, dtype="float32")
-    model = loaded.model
-    assert model.layers[0].router.proj.bits == 8 and model.layers[0].experts.switch_glu.up_proj.bits == 4
+    folder = MLX_GOLDEN.parent / name
+    expected = json.loads((folder / "expected.json").read_text())
+    model = load_model(folder, dtype="float32").model
+    first = model.layers[0]
+    assert first.self_attn.q_proj.bits == 4 and first.mlp.gate_proj.bits == 4
+    if first.moe:
+        assert first.router.proj.bits == 8 and first.experts.switch_glu.up_proj.bits == 4
+    else:
+        assert len(model.make_cache()) == 3 and first.per_layer_input_gate.bits == 4
     ids, logprobs = greedy(model, expected["prompt_ids"], len(expected["greedy_ids"]))
     assert ids == expected["greedy_ids"]
     assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"])) < 2e-3
