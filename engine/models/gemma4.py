@@ -33,6 +33,7 @@ import mlx.nn as nn
 from ..errors import EngineError, UnsupportedModelError
 from .base import (
     NESTED_LM_PREFIXES,
+    QKV,
     BaseModelArgs,
     CausalLM,
     DecoderStack,
@@ -46,6 +47,7 @@ from .base import (
     strip_prefixes,
     text_config,
 )
+from .fused import project
 from .switch import SwitchGLU
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -150,7 +152,8 @@ class ModelArgs(BaseModelArgs):
         """(head size, KV heads) of layer ``index``."""
         if self.per_layer_config is not None:  # transformers 5's spelling: the table is the whole truth
             own = self.per_layer_config.get(str(index)) or self.per_layer_config.get(index) or {}
-            return int(own.get("head_dim", self.head_dim)), int(own.get("num_key_value_heads", self.num_key_value_heads))
+            head_dim = own.get("head_dim", self.head_dim)
+            return int(head_dim), int(own.get("num_key_value_heads", self.num_key_value_heads))
         if self.layer_types[index] != FULL:
             return self.head_dim, self.num_key_value_heads
         kv = self.num_global_key_value_heads if self.attention_k_eq_v and self.num_global_key_value_heads else None
@@ -188,7 +191,13 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    """Queries always; keys and values only on layers that own them (``owns_kv``)."""
+    """Queries always; keys and values only on layers that own them (``owns_kv``).
+
+    Split into ``qkv`` / ``attend`` / ``out`` like base.AttentionSteps, so the compiled
+    decode step can run a layer that owns its keys and values.
+    """
+
+    stacked_projections = (QKV,)  # one matmul where all three exist (not with keys as values)
 
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
@@ -209,26 +218,47 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, hidden, bias=bias)
         self.rope = args.rope_for(kind, d)
 
+    def _heads(self, y: mx.array, n_heads: int) -> mx.array:
+        return y.reshape(*y.shape[:2], n_heads, self.head_dim)
+
+    def queries(self, q: mx.array, offset) -> mx.array:
+        q = self.q_norm(self._heads(q, self.n_heads))
+        return self.rope(q.transpose(0, 2, 1, 3), offset)
+
+    def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys (both normed and rotated) and values (normed) [B, heads, L, head_dim]."""
+        if self.k_is_v:
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = k
+        else:
+            q, k, v = project(self, QKV, x)
+        k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
+        v = mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+        return self.queries(q, offset), k, v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        return sdpa(q, k, v, 1.0, mask)
+
+    def out(self, attn: mx.array) -> mx.array:
+        b, _, n, _ = attn.shape
+        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
     def __call__(self, x: mx.array, mask, cache, offset: int, shared: tuple[mx.array, mx.array] | None):
         """(output, (keys, values) attended over) for ``x`` [B, L, hidden]."""
-        b, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim))
-        q = self.rope(q.transpose(0, 2, 1, 3), offset)
         if shared is not None:
-            k, v = shared
+            q, (k, v) = self.queries(self.q_proj(x), offset), shared
         else:
-            k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
-            v = k if self.k_is_v else self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
-            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
-            v = mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+            q, k, v = self.qkv(x, offset)
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)
-        out = sdpa(q, k, v, 1.0, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1)), (k, v)
+        return self.out(self.attend(q, k, v, mask)), (k, v)
 
 
 class Router(nn.Module):
-    """Softmax over all experts, the top k renormalised, then scaled per expert."""
+    """transformers: softmax over all experts, the top k renormalised, then scaled per
+    expert. The same weights come from a softmax over the top k logits alone (the shared
+    normaliser cancels), which skips a softmax over every expert."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -241,10 +271,9 @@ class Router(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         x = mx.fast.rms_norm(x, None, self.eps) * self.scale * self.root
-        probs = mx.softmax(self.proj(x).astype(mx.float32), axis=-1)
-        chosen = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        weights = mx.take_along_axis(probs, chosen, axis=-1)
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+        logits = self.proj(x).astype(mx.float32)
+        chosen = mx.argpartition(-logits, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        weights = mx.softmax(mx.take_along_axis(logits, chosen, axis=-1), axis=-1)
         return chosen, weights * self.per_expert_scale[chosen].astype(mx.float32)
 
 
@@ -292,6 +321,10 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, mask, cache, offset: int, shared, per_layer_input: mx.array | None):
         attn, kv = self.self_attn(self.input_layernorm(x), mask, cache, offset, shared)
+        return self.after_attention(x, attn, per_layer_input), kv
+
+    def after_attention(self, x: mx.array, attn: mx.array, per_layer_input: mx.array | None) -> mx.array:
+        """Residual, feed-forward (and experts), per-layer input, layer scale."""
         h = x + self.post_attention_layernorm(attn)
         out = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:  # the router and experts read the block's input, not the MLP's
@@ -302,7 +335,16 @@ class DecoderLayer(nn.Module):
         if self.per_layer:
             gated = self.act(self.per_layer_input_gate(h)) * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return h * self.layer_scalar, kv
+        return h * self.layer_scalar
+
+
+class SelfContainedLayer(DecoderLayer):
+    """A layer that needs nothing beyond its input and its own cache (the model has no
+    per-layer inputs and no shared keys and values, as in the 26B and 31B models): with
+    ``finish`` the compiled decode step (engine/fast_decode.py) can run it."""
+
+    def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
+        return self.after_attention(x, attn_out, None)
 
 
 class Gemma4Model(DecoderStack):
@@ -316,7 +358,8 @@ class Gemma4Model(DecoderStack):
             self.per_layer_projection_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
 
     def make_layers(self, args: ModelArgs) -> list:
-        return [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        plain = not args.hidden_size_per_layer_input and not args.num_kv_shared_layers
+        return [(SelfContainedLayer if plain else DecoderLayer)(args, i) for i in range(args.num_hidden_layers)]
 
     def embed(self, inputs: mx.array) -> mx.array:
         """Token embeddings scaled by sqrt(hidden) (the scale rounded to their dtype, as transformers does)."""

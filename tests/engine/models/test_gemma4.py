@@ -166,11 +166,36 @@ def test_mlx_lm_layout_matches_mlx_lm(name):
     assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"])) < 2e-3
 
 
-def test_compiled_decode_leaves_gemma4_to_the_plain_pass():
+def test_compiled_decode_only_for_self_contained_layers():
+    """Per-layer inputs and shared keys need the plain pass; the 26B layout takes the
+    compiled step, and gives the plain pass's tokens and log-probs."""
     from engine.fast_decode import CompiledDecoder
+    from engine.generate import generate_step
 
-    model, _ = load_golden("gemma4_text_ple")
-    assert not CompiledDecoder(model).supported
+    for name in ("gemma4_text_ple", "gemma4_ple_published"):
+        assert not CompiledDecoder(load_golden(name)[0]).supported
+    model, expected = load_golden("gemma4_moe")
+    assert CompiledDecoder(model).supported
+    prompt = mx.array(expected["prompt_ids"], dtype=mx.uint32)
+    runs = {}
+    for compiled in (False, True):
+        cache = model.make_cache()
+        runs[compiled] = list(generate_step(prompt, model, cache, max_tokens=16, logprobs=True, compiled=compiled))
+    assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]]
+    assert max(abs(a[1] - b[1]) for a, b in zip(runs[True], runs[False])) <= 1e-5
+    assert [t for t, _ in runs[True]][:12] == expected["greedy_ids"]
+    # The compiled step itself runs (rather than falling back) and equals the forward pass.
+    from engine.fast_decode import compiled_decoder
+
+    a, b = model.make_cache(), model.make_cache()
+    model(prompt[None], cache=a)
+    model(prompt[None], cache=b)
+    decoder = compiled_decoder(model)
+    assert decoder is not None and decoder.prepare()
+    for token in (5, 9, 11):
+        fast = decoder(mx.array([token], dtype=mx.uint32), a)
+        assert fast is not None
+        assert mx.allclose(fast, model(mx.array([[token]]), cache=b)[:, -1, :], atol=1e-5, rtol=0).item()
 
 
 def test_registered_model_types():
@@ -197,8 +222,8 @@ def test_thinking_switch_and_markers_of_the_real_template(shared_data):
     markers = detect_reasoning_markers(source, on)
     assert markers is not None and not markers.starts_in_reasoning
     splitter = markers.splitter()
-    pieces = [*splitter.feed("<|channel>thou"), *splitter.feed("ght\nLet me see.<chan"), *splitter.feed("nel|>Hello!")]
-    pieces += splitter.flush()
+    pieces = [piece for text in ("<|channel>thou", "ght\nLet me see.<chan", "nel|>Hello!")
+              for piece in splitter.feed(text)] + splitter.flush()
     assert pieces == [("reasoning", "Let me see."), ("answer", "Hello!")]
 
 
