@@ -48,6 +48,7 @@ from .base import (
     text_config,
 )
 from .fused import project
+from .gemma3 import media_mask
 from .switch import SwitchGLU
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -91,6 +92,7 @@ class ModelArgs(BaseModelArgs):
     top_k_experts: int | None = None
     moe_intermediate_size: int | None = None
     pad_token_id: int = 0
+    use_bidirectional_attention: str | None = None  # "vision": image tokens see each other (sliding layers)
     # Media placeholder ids (from the multimodal wrapper): their per-layer embedding is the pad token's.
     media_token_ids: list[int] = field(default_factory=list)
 
@@ -383,7 +385,11 @@ class Gemma4Model(DecoderStack):
         return (p + per_token) * (2.0**-0.5)
 
     def __call__(self, inputs: mx.array | None, cache=None, input_embeddings: mx.array | None = None,
-                 per_layer_inputs: mx.array | None = None) -> mx.array:
+                 per_layer_inputs: mx.array | None = None,
+                 bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
+        """``bidirectional``: [start, end) runs of one image each, whose tokens attend to each
+        other both ways on the sliding layers (transformers' "vision" mode; global layers
+        stay causal)."""
         args = self.args
         h = self.embed(inputs) if input_embeddings is None else input_embeddings
         per_layer: list[Any] = [None] * len(self.layers)
@@ -401,7 +407,10 @@ class Gemma4Model(DecoderStack):
         masks: dict[int | None, Any] = {}
         for layer, c in zip(self.layers, cache):  # owners come first, so each window's mask sees a cache
             if layer.window not in masks:
-                masks[layer.window] = attention_mask(n, c, layer.window)
+                if bidirectional and layer.window is not None:
+                    masks[layer.window] = media_mask(c, n, layer.window, bidirectional)
+                else:
+                    masks[layer.window] = attention_mask(n, c, layer.window)
         kvs: dict[int, tuple[mx.array, mx.array]] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             source = args.kv_source(i)
@@ -421,8 +430,14 @@ class Model(CausalLM):
     model_class = Gemma4Model
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
-                 per_layer_inputs: mx.array | None = None) -> mx.array:
-        return self.logits(self.model(inputs, cache, input_embeddings, per_layer_inputs))
+                 per_layer_inputs: mx.array | None = None,
+                 bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
+        return self.logits(self.model(inputs, cache, input_embeddings, per_layer_inputs, bidirectional))
+
+    @property
+    def bidirectional_media(self) -> bool:
+        """Whether the prompt builder should pass each image's token run (see Gemma 3)."""
+        return self.args.use_bidirectional_attention == "vision"
 
     @property
     def logit_softcap(self) -> float | None:

@@ -280,3 +280,21 @@ def test_inspect_reports_the_towers_the_config_really_has():
     assert info.family == "gemma4" and info.vision and not info.audio
     report = format_inspect(info)
     assert "KV per token  256 B" in report and "1 layer keeps at most 8 tokens" in report
+
+
+def test_image_blocks_attend_both_ways_on_sliding_layers_only():
+    """transformers' "vision" mode: inside an image's token run the sliding layers look
+    both ways; global layers stay causal. (A hook for the vision tower, not yet refereed.)"""
+    model, expected = load_golden("gemma4_moe")
+    assert not model.bidirectional_media
+    model.args.use_bidirectional_attention = "vision"
+    assert model.bidirectional_media
+    ids = mx.array([expected["prompt_ids"][:12]])
+    plain = model(ids)
+    blocks = model(ids, bidirectional=[(3, 9)])
+    assert mx.allclose(plain[:, :3], blocks[:, :3], atol=1e-6).item()  # before the image: unchanged
+    assert not mx.allclose(plain[:, 3:8], blocks[:, 3:8], atol=1e-3).item()  # inside: sees the rest
+    # With only global layers there is nothing to change.
+    for layer in model.layers:
+        layer.window = None
+    assert mx.allclose(model(ids), model(ids, bidirectional=[(3, 9)]), atol=1e-6).item()
