@@ -298,3 +298,22 @@ def test_image_blocks_attend_both_ways_on_sliding_layers_only():
     for layer in model.layers:
         layer.window = None
     assert mx.allclose(model(ids), model(ids, bidirectional=[(3, 9)]), atol=1e-6).item()
+
+
+def test_missing_experts_and_bad_moe_config_are_one_line(tmp_path):
+    import shutil
+
+    from engine.errors import ModelLoadError
+
+    folder = tmp_path / "no_experts"
+    shutil.copytree(GOLDEN / "gemma4_moe", folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        {k: v for k, v in weights.items() if ".experts." not in k}, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as err:
+        load_model(folder)
+    assert "\n" not in str(err.value) and "experts" in str(err.value)
+    config = config_of("gemma4_moe")
+    del config["text_config"]["num_experts"]
+    with pytest.raises(UnsupportedModelError, match="enable_moe_block needs num_experts"):
+        gemma4.ModelArgs.from_dict(config)
