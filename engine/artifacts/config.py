@@ -39,7 +39,7 @@ class QuantizationSpec:
 
     def params_for(self, module_path: str) -> dict[str, Any] | None:
         """The to_quantized() arguments for one module, or None when it is left as is."""
-        override = self.overrides.get(module_path, True)
+        override = next((self.overrides[p] for p in _spellings(module_path) if p in self.overrides), True)
         if override is False:
             return None
         params = {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
@@ -80,6 +80,16 @@ class ModelConfig:
     @property
     def name(self) -> str:
         return self.path.name if self.path is not None else self.model_type
+
+
+def _spellings(module_path: str) -> list[str]:
+    """A module's path, then the paths mlx-lm writes for it in a multimodal wrapper
+    (``language_model.model.layers.0...`` for the engine's ``model.layers.0...``), where
+    a converted wrapper's per-layer overrides are keyed."""
+    if module_path.startswith("model."):
+        rest = module_path[len("model."):]
+        return [module_path, f"language_model.model.{rest}", f"model.language_model.{rest}"]
+    return [module_path, f"language_model.{module_path}"]
 
 
 def read_json(path: Path) -> Any:
@@ -152,8 +162,9 @@ def config_from_dict(
         bos_token_id=bos,
         generation_defaults=_generation_defaults(generation),
         context_length=_context_length(text, raw),
-        vision="vision_config" in raw,
-        audio="audio_config" in raw,
+        # Gemma 4 writes "audio_config": null on the models without an audio tower.
+        vision=raw.get("vision_config") is not None,
+        audio=raw.get("audio_config") is not None,
         torch_dtype=_declared_dtype(raw, text),
         path=path,
     )

@@ -43,6 +43,29 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
     ),
+    # google/gemma-4-26B-A4B's text model (its config.json's text_config): 128 experts, 8
+    # routed per token beside a dense MLP; global layers (every 6th) with keys as values.
+    "gemma4-26b-a4b": dict(
+        model_type="gemma4_text", hidden_size=2816, num_hidden_layers=30, num_attention_heads=16,
+        num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
+        intermediate_size=2112, moe_intermediate_size=704, num_experts=128, top_k_experts=8,
+        enable_moe_block=True, attention_k_eq_v=True, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+        use_double_wide_mlp=False, vocab_size=262144, sliding_window=1024, final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,  # spelled out, as published
+        rope_parameters={
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+}
+# The same architecture at toy size, to check the shape's code path on a CPU.
+SHAPES["gemma4-tiny"] = {
+    **SHAPES["gemma4-26b-a4b"], "hidden_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "num_global_key_value_heads": 1, "head_dim": 32, "global_head_dim": 64,
+    "intermediate_size": 128, "moe_intermediate_size": 64, "num_experts": 8, "top_k_experts": 2,
+    "vocab_size": 512, "sliding_window": 8, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
 }
 
 

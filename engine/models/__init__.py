@@ -17,6 +17,8 @@ SUPPORTED: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
+    "gemma4": "gemma4",
+    "gemma4_text": "gemma4",
     "llama": "llama",
     "mistral": "llama",
     "phi3": "phi3",

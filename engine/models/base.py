@@ -372,24 +372,33 @@ def kv_bytes_per_token(args, dtype_bytes: int) -> int:
     nothing per token; its fixed cost is ``kv_window_bytes``. Full-attention layers
     cost 2 (K and V) x kv heads x head dim x dtype bytes per token each.
     """
-    per_layer = _per_layer_token_bytes(args, dtype_bytes)
-    return sum(per_layer for w in layer_windows(args) if w is None)
+    return sum(b for w, b in _cache_layers(args, dtype_bytes) if w is None)
 
 
 def kv_window_bytes(args, dtype_bytes: int) -> int:
     """The fixed KV bytes of the sliding-window layers when their windows are full."""
-    per_layer = _per_layer_token_bytes(args, dtype_bytes)
-    return sum(per_layer * w for w in layer_windows(args) if w is not None)
+    return sum(b * w for w, b in _cache_layers(args, dtype_bytes) if w is not None)
 
 
 def kv_window_groups(args, dtype_bytes: int) -> list[tuple[int, int, int]]:
     """(window, layers, bytes per token of those layers) for each sliding window, smallest first."""
-    per_layer = _per_layer_token_bytes(args, dtype_bytes)
-    counts: dict[int, int] = {}
-    for w in layer_windows(args):
+    groups: dict[int, tuple[int, int]] = {}
+    for w, b in _cache_layers(args, dtype_bytes):
         if w is not None:
-            counts[w] = counts.get(w, 0) + 1
-    return [(w, n, n * per_layer) for w, n in sorted(counts.items())]
+            n, total = groups.get(w, (0, 0))
+            groups[w] = (n + 1, total + b)
+    return [(w, n, total) for w, (n, total) in sorted(groups.items())]
+
+
+def _cache_layers(args, dtype_bytes: int) -> list[tuple[int | None, int]]:
+    """(window, KV bytes per token) of each layer that holds a cache. Families whose layers
+    differ in shape, or share caches, say so with ``args.kv_cache_layers()`` ->
+    [(window, kv heads, head dim)]; otherwise every layer has the config's one shape."""
+    custom = getattr(args, "kv_cache_layers", None)
+    if callable(custom):
+        return [(w, 2 * n_kv * head_dim * dtype_bytes) for w, n_kv, head_dim in custom()]
+    per_layer = _per_layer_token_bytes(args, dtype_bytes)
+    return [(w, per_layer) for w in layer_windows(args)]
 
 
 def _per_layer_token_bytes(args, dtype_bytes: int) -> int:
