@@ -30,8 +30,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import EngineError, UnsupportedModelError
-from .base import (
+from engine.errors import EngineError, UnsupportedModelError
+from engine.models.base import (
     NESTED_LM_PREFIXES,
     QKV,
     BaseModelArgs,
@@ -47,9 +47,9 @@ from .base import (
     strip_prefixes,
     text_config,
 )
-from .fused import project
-from .gemma3 import media_mask
-from .switch import SwitchGLU
+from engine.models.stacked import project
+from engine.models.gemma3 import media_mask
+from engine.models.switch import SwitchGLU
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -343,7 +343,7 @@ class DecoderLayer(nn.Module):
 class SelfContainedLayer(DecoderLayer):
     """A layer that needs nothing beyond its input and its own cache (the model has no
     per-layer inputs and no shared keys and values, as in the 26B and 31B models): with
-    ``finish`` the compiled decode step (engine/fast_decode.py) can run it."""
+    ``finish`` the compiled decode step (engine/decode/compiled_step.py) can run it."""
 
     def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
         return self.after_attention(x, attn_out, None)

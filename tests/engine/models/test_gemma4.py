@@ -13,10 +13,10 @@ from model_goldens import GOLDEN, load_golden
 from test_families import greedy
 
 from engine.artifacts.config import read_config
-from engine.artifacts.loader import load_model
-from engine.cache import KVCache, RotatingKVCache
+from engine.runtime.loading import load_model
+from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.errors import UnsupportedModelError
-from engine.memory import plan_memory
+from engine.runtime.memory import plan_memory
 from engine.models import gemma4
 
 MLX_GOLDEN = GOLDEN.parent / "gemma4_mlx" / "gemma4_moe_mlx_q4"  # and its siblings
@@ -169,8 +169,8 @@ def test_mlx_lm_layout_matches_mlx_lm(name):
 def test_compiled_decode_only_for_self_contained_layers():
     """Per-layer inputs and shared keys need the plain pass; the 26B layout takes the
     compiled step, and gives the plain pass's tokens and log-probs."""
-    from engine.fast_decode import CompiledDecoder
-    from engine.generate import generate_step
+    from engine.decode.compiled_step import CompiledDecoder
+    from engine.decode.loop import generate_step
 
     for name in ("gemma4_text_ple", "gemma4_ple_published"):
         assert not CompiledDecoder(load_golden(name)[0]).supported
@@ -185,7 +185,7 @@ def test_compiled_decode_only_for_self_contained_layers():
     assert max(abs(a[1] - b[1]) for a, b in zip(runs[True], runs[False])) <= 1e-5
     assert [t for t, _ in runs[True]][:12] == expected["greedy_ids"]
     # The compiled step itself runs (rather than falling back) and equals the forward pass.
-    from engine.fast_decode import compiled_decoder
+    from engine.decode.compiled_step import compiled_decoder
 
     a, b = model.make_cache(), model.make_cache()
     model(prompt[None], cache=a)
@@ -231,7 +231,7 @@ def test_bench_shape_is_the_published_26b_a4b():
     """Built lazily (nothing is allocated): 25.2B parameters, 3.8B active per token."""
     from mlx.utils import tree_flatten
 
-    from engine.bench import SHAPES
+    from engine.cli.bench import SHAPES
 
     config = SHAPES["gemma4-26b-a4b"]
     model = gemma4.Model(gemma4.ModelArgs.from_dict(config))
@@ -245,7 +245,7 @@ def test_bench_shape_is_the_published_26b_a4b():
 def test_bench_tiny_shape_agrees_with_mlx_lm_on_the_same_weights():
     """The bench's twin is mlx-lm's own gemma4_text holding our weights: same logits."""
     pytest.importorskip("mlx_lm")
-    from engine.bench import build_model, mlx_lm_twin
+    from engine.cli.bench import build_model, mlx_lm_twin
 
     model, config, quantized = build_model("gemma4-tiny", 16, 64)
     twin = mlx_lm_twin(model, config, quantized)
@@ -273,7 +273,7 @@ def test_bench_runs_the_gemma4_shape(tmp_path):
 
 
 def test_inspect_reports_the_towers_the_config_really_has():
-    from engine.artifacts.inspect import format_inspect, inspect_model
+    from engine.runtime.model_info import format_inspect, inspect_model
 
     info = inspect_model(GOLDEN / "gemma4_moe", memory_budget=10**9)
     assert config_of("gemma4_moe")["audio_config"] is None  # written as null: no audio tower
