@@ -25,7 +25,7 @@ _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length",
 
 @dataclass
 class QuantizationSpec:
-    """MLX affine quantization as mlx-lm writes it into config.json.
+    """MLX quantization (affine, mxfp4, mxfp8, nvfp4) as mlx-lm writes it into config.json.
 
     ``overrides`` maps a module path (``model.layers.0.mlp.down_proj``) to its own
     ``{"bits", "group_size", "mode"}`` or to ``False`` when that module stays unquantized.
@@ -37,14 +37,17 @@ class QuantizationSpec:
     overrides: dict[str, dict[str, Any] | bool] = field(default_factory=dict)
 
     def params_for(self, module_path: str) -> dict[str, Any] | None:
-        """The to_quantized() arguments for one module, or None when it is left as is."""
+        """The to_quantized() arguments for one module, or None when it is left as is.
+
+        A module's own entry replaces the default whole (what it leaves out takes
+        ``to_quantized``'s defaults: affine, that mode's bits and group size), as in mlx-lm.
+        """
+        from engine.artifacts.mlx_quant import module_params
+
         override = self.overrides.get(module_path, True)
         if override is False:
             return None
-        params = {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
-        if isinstance(override, dict):
-            params.update({k: override[k] for k in ("bits", "group_size", "mode") if k in override})
-        return params
+        return module_params(override, {"bits": self.bits, "group_size": self.group_size, "mode": self.mode})
 
     def describe(self) -> str:
         text = f"{self.bits}-bit g{self.group_size}"

@@ -9,7 +9,9 @@ layer so a progress bar can follow and a cancel can land between layers.
 
 from __future__ import annotations
 
+import inspect
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -18,8 +20,10 @@ from engine.api import MemoryPlan
 from engine.artifacts import gguf as gguf_io
 from engine.artifacts.config import ModelConfig, QuantizationSpec, config_from_dict, read_config
 from engine.artifacts.hub import model_name, resolve_model_path
+from engine.artifacts.mlx_quant import check_params, check_spec, stored_params
 from engine.artifacts.weights import (
     FLOAT_DTYPES,
+    INDEX_NAME,
     check_index,
     find_weights,
     load_weights,
@@ -107,8 +111,9 @@ def load_model(
 
     model = family.Model(args)
     try:
-        weights = model.sanitize(weights)
-        quantize_like_checkpoint(model, set(weights), config.quantization, name=source.name)
+        weights = _sanitize(model, weights, source)
+        quantize_like_checkpoint(model, weights, config.quantization, name=source.name)
+        _check_complete(model, weights, source)
         if dtype is not None:
             weights = cast_floats(weights, dtype)
         fill_weights(model, weights, name=source.name)
@@ -146,6 +151,8 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
         return _Source(path, name, config, size, target, [path], names, gguf=True)
 
     config = read_config(path)
+    if config.quantization is not None:
+        check_spec(config.quantization, where=name)
     files = find_weights(path)
     headers = read_headers(files)
     check_index(path, headers)
@@ -156,32 +163,71 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
 
 
 def quantize_like_checkpoint(
-    model: Any, weight_names: set[str], spec: QuantizationSpec | None, *, name: str = "the model"
+    model: Any, weights: Mapping[str, Any] | set[str], spec: QuantizationSpec | None, *, name: str = "the model"
 ) -> None:
     """Swap in quantized layers exactly where the checkpoint stores ``<module>.scales``.
 
-    The file decides which modules are quantized (as mlx-lm does); the config block
-    gives their bits and group size, per-layer overrides included.
+    The file decides which modules are quantized, and how, as in mlx-lm: a module the
+    config's block names gets that entry (mixed recipes, a router kept at 8 bits); any
+    other gets the mode, bits and group size its stored arrays were packed with (the
+    top-level default where only names are known). A mode or size MLX cannot run is
+    refused in one line naming what it can.
     """
     import mlx.nn as nn
 
-    quantized = {n[: -len(".scales")] for n in weight_names if n.endswith(".scales")}
+    quantized = {n[: -len(".scales")] for n in weights if n.endswith(".scales")}
     if not quantized:
         return
     if spec is None:
         raise ModelLoadError(
             f"{name} stores quantized weights but its config.json has no quantization block; re-download the model"
         )
+    arrays = weights if isinstance(weights, Mapping) else {}
+    default = {"bits": spec.bits, "group_size": spec.group_size, "mode": spec.mode}
 
     def predicate(path: str, module: Any) -> bool | dict[str, Any]:
         if path not in quantized or not hasattr(module, "to_quantized"):
             return False
-        return spec.params_for(path) or {"bits": spec.bits, "group_size": spec.group_size, "mode": spec.mode}
+        if path not in spec.overrides and f"{path}.weight" in arrays:
+            params = stored_params(module.weight.shape[-1], arrays[f"{path}.weight"], arrays[f"{path}.scales"])
+            params["global_scale"] = f"{path}.global_scale" in arrays
+        else:
+            params = spec.params_for(path) or default
+        check_params(params, where=f"{name} ({path})")
+        # Only stacked experts hold nvfp4's per-expert scale; other layers do not take the flag.
+        if params.pop("global_scale", False) and "global_scale" in inspect.signature(module.to_quantized).parameters:
+            params["global_scale"] = True
+        return params
 
     try:
         nn.quantize(model, class_predicate=predicate)
     except ValueError as e:
         raise ModelLoadError(f"{name}: cannot set up its quantization ({_one_line(e)})") from None
+
+
+def _sanitize(model: Any, weights: dict[str, Any], source: _Source) -> dict[str, Any]:
+    """The family's ``sanitize``; a tensor it needs that the files lack (one expert of a MoE
+    layer, say) is named in one line rather than surfacing as a KeyError."""
+    try:
+        return model.sanitize(weights)
+    except KeyError as e:
+        raise ModelLoadError(f"{source.name} lacks {e.args[0]}{_where_missing(source)}") from None
+
+
+def _check_complete(model: Any, weights: dict[str, Any], source: _Source) -> None:
+    """Name the first tensor the model needs and no file holds (an unlisted expert shard)."""
+    from mlx.utils import tree_flatten
+
+    missing = sorted({k for k, _ in tree_flatten(model.parameters())} - set(weights))
+    if missing:
+        more = f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{source.name} lacks {missing[0]}{more}{_where_missing(source)}")
+
+
+def _where_missing(source: _Source) -> str:
+    if not source.gguf and (source.path / INDEX_NAME).is_file():
+        return f"; no shard listed in {INDEX_NAME} holds it: download the model (with its index) again"
+    return "; the weight files are incomplete: download the model again"
 
 
 def cast_floats(weights: dict[str, Any], dtype: str) -> dict[str, Any]:
