@@ -15,6 +15,9 @@ import mlx.nn as nn
 # Sorting tokens by expert pays off once there are enough of them (prefill), since each
 # expert's weights are then read once for a run of tokens.
 SORT_THRESHOLD = 64
+# nvfp4's per-tensor scale maps amax onto the largest value an e4m3 group scale (448) times
+# an e2m1 weight (6) can hold.
+NVFP4_RANGE = 448.0 * 6.0
 
 
 class SwitchLinear(nn.Module):
@@ -76,6 +79,8 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        global_scale = self.get("global_scale")
+        on_cpu = global_scale is not None and mx.default_device() == mx.cpu
         y = mx.gather_qmm(
             x,
             self["weight"],
@@ -86,9 +91,14 @@ class QuantizedSwitchLinear(nn.Module):
             group_size=self.group_size,
             bits=self.bits,
             mode=self.mode,
-            global_scale=self.get("global_scale"),
+            global_scale=None if on_cpu else global_scale,
             sorted_indices=sorted_indices,
         )
+        if on_cpu:
+            # MLX's CPU kernels take no global scale. It multiplies each expert's weights by
+            # its scale / (448 * 6) (the largest e4m3 group scale times the largest e2m1
+            # value), so it can multiply each expert's output instead.
+            y = y * mx.expand_dims(global_scale[indices] / NVFP4_RANGE, (-2, -1)).astype(y.dtype)
         if "bias" in self:
             y = y + mx.expand_dims(self.bias[indices], -2)
         return y
