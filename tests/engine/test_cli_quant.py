@@ -1,4 +1,5 @@
-"""Bad quantized MoE folders, through ``python -m engine generate``: one line, non-zero exit.
+"""Quantization through the CLI: bad quantized MoE folders given to ``python -m engine
+generate`` (one line, non-zero exit), and ``bench --mode`` for each floating-point mode.
 
 The folders start from mlx-lm's own conversion of the tiny qwen3_moe checkpoint
 (tests/golden/quant/), split into two shards with the stacked experts in the second,
@@ -107,3 +108,16 @@ def test_bits_mlx_cannot_run(sharded):
     (sharded / "config.json").write_text(json.dumps(config))
     err = one_line_failure(generate(sharded))
     assert "7 bits with group size 48" in err and "affine (1-6 or 8 bits, group 32, 64, 128)" in err, err
+
+
+@pytest.mark.parametrize(("mode", "bits", "group_size"), [("mxfp4", 4, 32), ("mxfp8", 8, 32), ("nvfp4", 4, 16)])
+def test_bench_quantizes_in_each_floating_point_mode(mode, bits, group_size):
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "bench", "--shape", "tiny", "--mode", mode, "-p", "8", "-g", "2", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (data["mode"], data["bits"], data["group_size"]) == (mode, bits, group_size)
+    assert data["engine"]["generated_tokens"] == 2
+    assert f"({mode} {bits}-bit g{group_size}, random weights)" in proc.stdout
