@@ -205,6 +205,10 @@ def _quantization(raw: dict[str, Any]) -> tuple[QuantizationSpec | None, str | N
     if not isinstance(block, dict):
         return None, None
     method = block.get("quant_method")
+    if method == "mxfp4" and "bits" not in block:
+        # gpt-oss's own checkpoints: experts in MXFP4 blocks, which MLX runs as mode mxfp4
+        # once the family's sanitize has laid them out (mlx-lm reads this block the same way).
+        return QuantizationSpec(bits=4, group_size=32, mode="mxfp4"), None
     if method is not None and method != "mlx":
         return None, str(method)
     if "bits" not in block or "group_size" not in block:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 from model_goldens import greedy
 
+from engine.artifacts.config import config_from_dict
 from engine.artifacts.inspect import format_inspect, inspect_model
 from engine.artifacts.loader import load_model
 from engine.cache import make_prompt_cache
@@ -95,3 +96,21 @@ def test_nvfp4_experts_with_a_global_scale_per_expert():
         assert mx.allclose(y, expected, atol=1e-4, rtol=1e-4).item()
     ids, _ = greedy(model, [5, 6, 7, 8], 4)  # the whole model runs on this machine
     assert len(ids) == 4
+
+
+def test_config_spellings_of_the_modes():
+    """``quantization`` or ``quantization_config``; gpt-oss's own ``quant_method: mxfp4``
+    block (no bits) is mxfp4 4-bit g32, as mlx-lm reads it; other methods stay foreign."""
+    base = {"model_type": "qwen3"}
+    spec = config_from_dict({**base, "quantization_config": {"group_size": 16, "bits": 4, "mode": "nvfp4"}})
+    assert spec.quantization.describe() == "nvfp4 4-bit g16"
+    gpt_oss = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+    spec = config_from_dict({**base, "quantization_config": gpt_oss})
+    assert (spec.quantization.mode, spec.quantization.bits, spec.quantization.group_size) == ("mxfp4", 4, 32)
+    assert spec.quantization.overrides == {} and spec.foreign_quantization is None
+    assert config_from_dict({**base, "quantization_config": {"quant_method": "awq"}}).foreign_quantization == "awq"
+    # a module's own entry replaces the default whole: no mode there means affine
+    block = {"group_size": 32, "bits": 4, "mode": "mxfp4", "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}}
+    spec = config_from_dict({**base, "quantization": block}).quantization
+    assert spec.params_for("model.layers.0.mlp.gate") == {"bits": 8, "group_size": 64, "mode": "affine"}
+    assert spec.params_for("model.layers.0.mlp.up_proj") == {"bits": 4, "group_size": 32, "mode": "mxfp4"}
