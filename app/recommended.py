@@ -1,8 +1,10 @@
 """Models offered on first launch, when nothing is on disk yet.
 
 Read from ``recommended_models.json`` in the app's resources when it is there
-(``{"default": repo, "models": [{"repo_id", "approx_size_bytes", "why", ...}]}``),
-else a short built-in list of small chat models the engine runs.
+(``{"default": repo, "default_by_memory": {"16": repo, ...}, "models": [{"repo_id",
+"approx_size_bytes", "min_memory_gb", "why", ...}]}``), else a short built-in list of
+small chat models the engine runs. Given the machine's memory, picks that need more are
+left out and the default is the one chosen for the largest memory size the machine has.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from dataclasses import dataclass
 
 from app.resources import resource_path
 
+GB = 1024**3  # a Mac's "16 GB" is 16 GiB
+
 
 @dataclass(frozen=True)
 class Recommended:
     repo_id: str
     approx_size_bytes: int
     why: str = ""
+    min_memory_bytes: int = 0  # the smallest machine it runs comfortably on
 
 
 BUILT_IN = (
@@ -30,14 +35,24 @@ BUILT_IN = (
 )
 
 
-def recommended_models() -> list[Recommended]:
-    """The list to offer, default first. A missing or unreadable file gives the built-in list."""
+def recommended_models(memory_bytes: int = 0) -> list[Recommended]:
+    """The list to offer, default first; with ``memory_bytes`` (the machine's memory) only
+    the picks that fit it, unless none does. A missing or unreadable file gives the
+    built-in list."""
     try:
         data = json.loads(resource_path("recommended_models.json").read_text(encoding="utf-8"))
-        found = [Recommended(str(m["repo_id"]), int(m.get("approx_size_bytes") or 0),
-                             str(m.get("why", ""))) for m in data["models"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        found = [Recommended(str(m["repo_id"]), int(m.get("approx_size_bytes") or 0), str(m.get("why", "")),
+                             int(float(m.get("min_memory_gb") or 0) * GB)) for m in data["models"]]
+        by_memory = {int(float(k) * GB): str(v) for k, v in (data.get("default_by_memory") or {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return list(BUILT_IN)
     default = data.get("default")
+    if memory_bytes:
+        # The OS may report a little under the 16 GiB a "16 GB" Mac has: allow 5%.
+        fits = [m for m in found if m.min_memory_bytes <= memory_bytes * 1.05]
+        found = fits or found
+        tiers = [size for size in by_memory if size <= memory_bytes * 1.05]
+        if tiers:
+            default = by_memory[max(tiers)]
     found.sort(key=lambda m: m.repo_id != default)  # stable: the default first, order kept
     return found or list(BUILT_IN)

@@ -29,7 +29,7 @@ from app.qt import (
 )
 from app.tasks import spawn
 from app.recommended import recommended_models
-from app.memory_units import fmt_bytes
+from app.memory_units import fmt_bytes, machine_memory
 
 COLUMNS = ["Model", "Family", "Params", "Quant", "Size", "Context", "Fits"]
 
@@ -238,7 +238,7 @@ class ModelBrowser(QDialog):
 
     def show_recommended(self, first_run: bool = False) -> None:
         """Offer the small models a new user should start with (default first, selected)."""
-        picks = recommended_models()
+        picks = recommended_models(machine_memory())
         self.results_title.setText(
             "No models on this computer yet. Download a small one to start:" if first_run
             else "Recommended to start with:"

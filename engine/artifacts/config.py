@@ -26,7 +26,7 @@ _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length",
 
 @dataclass
 class QuantizationSpec:
-    """MLX affine quantization as mlx-lm writes it into config.json.
+    """MLX quantization (affine, mxfp4, mxfp8, nvfp4) as mlx-lm writes it into config.json.
 
     ``overrides`` maps a module path (``model.layers.0.mlp.down_proj``) to its own
     ``{"bits", "group_size", "mode"}`` or to ``False`` when that module stays unquantized.
@@ -38,14 +38,17 @@ class QuantizationSpec:
     overrides: dict[str, dict[str, Any] | bool] = field(default_factory=dict)
 
     def params_for(self, module_path: str) -> dict[str, Any] | None:
-        """The to_quantized() arguments for one module, or None when it is left as is."""
+        """The to_quantized() arguments for one module, or None when it is left as is.
+
+        A module's own entry replaces the default whole (what it leaves out takes
+        ``to_quantized``'s defaults: affine, that mode's bits and group size), as in mlx-lm.
+        """
+        from engine.artifacts.mlx_quant import module_params
+
         override = next((self.overrides[p] for p in _spellings(module_path) if p in self.overrides), True)
         if override is False:
             return None
-        params = {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
-        if isinstance(override, dict):
-            params.update({k: override[k] for k in ("bits", "group_size", "mode") if k in override})
-        return params
+        return module_params(override, {"bits": self.bits, "group_size": self.group_size, "mode": self.mode})
 
     def describe(self) -> str:
         text = f"{self.bits}-bit g{self.group_size}"
@@ -177,6 +180,10 @@ def _quantization(raw: dict[str, Any]) -> tuple[QuantizationSpec | None, str | N
     if not isinstance(block, dict):
         return None, None
     method = block.get("quant_method")
+    if method == "mxfp4" and "bits" not in block:
+        # gpt-oss's own checkpoints: experts in MXFP4 blocks, which MLX runs as mode mxfp4
+        # once the family's sanitize has laid them out (mlx-lm reads this block the same way).
+        return QuantizationSpec(bits=4, group_size=32, mode="mxfp4"), None
     if method is not None and method != "mlx":
         return None, str(method)
     if "bits" not in block or "group_size" not in block:

@@ -192,13 +192,13 @@ def parameter_count(headers: dict[str, TensorInfo], quantization: Any = None) ->
     A quantized ``x.weight`` packs several values per uint32 word; its ``x.scales`` hold
     one value per group, so columns = groups * group_size, the group size coming from
     the config's quantization block (per-layer overrides included). Scales and biases
-    of quantized weights are not parameters.
+    of quantized weights (and nvfp4's per-expert global scales) are not parameters.
     """
     total = 0
     for name, info in headers.items():
         base, _, leaf = name.rpartition(".")
         packed = headers.get(base + ".weight")
-        if leaf in ("scales", "biases") and packed is not None and packed.dtype == "U32":
+        if leaf in ("scales", "biases", "global_scale") and packed is not None and packed.dtype == "U32":
             continue
         scales = headers.get(base + ".scales")
         if leaf == "weight" and info.dtype == "U32" and scales is not None and scales.shape:

@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine",
+                   help="quantization mode; mxfp4, mxfp8 and nvfp4 set their own bits and group size")
     p.add_argument("-p", "--prompt-tokens", type=int, default=512)
     p.add_argument("-g", "--generation-tokens", type=int, default=128)
     p.add_argument("--vs", choices=["mlx-lm"], help="also time mlx-lm on the same weights")
@@ -92,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
 
 
-def build_model(shape: str, bits: int, group_size: int, seed: int = 0) -> tuple[Any, dict[str, Any], set[str]]:
+def build_model(shape: str, bits: int, group_size: int, seed: int = 0,
+                mode: str = "affine") -> tuple[Any, dict[str, Any], set[str]]:
     """Random weights of ``shape``; returns (model, config, paths of quantized modules)."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -112,8 +115,8 @@ def build_model(shape: str, bits: int, group_size: int, seed: int = 0) -> tuple[
                 quantized.add(path)
             return ok
 
-        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=pick)
-        config["quantization"] = {"group_size": group_size, "bits": bits}
+        nn.quantize(model, group_size=group_size, bits=bits, mode=mode, class_predicate=pick)
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": mode}
     elif bits != 16:
         raise EngineError(f"--bits must be 2-6, 8 (quantized) or 16 (bf16), not {bits}")
     # Materialise layer by layer so float32 random init never exists for the whole model.
@@ -139,7 +142,8 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     twin.set_dtype(mx.bfloat16)
     if quantized:
         q = config["quantization"]
-        nn.quantize(twin, group_size=q["group_size"], bits=q["bits"], class_predicate=lambda p, m: p in quantized)
+        nn.quantize(twin, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
+                    class_predicate=lambda p, m: p in quantized)
     try:
         twin.load_weights(list(tree_flatten(model.parameters())), strict=True)
     except ValueError as e:
@@ -254,14 +258,19 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
 
         if importlib.util.find_spec("mlx_lm") is None:
             raise EngineError("--vs mlx-lm needs mlx-lm installed: pip install 'mlx-desk[bench]' (or mlx-lm)")
-    model, config, quantized = build_model(args.shape, args.bits, args.group_size, args.seed)
+    if args.mode != "affine":  # each floating-point mode has one (bits, group size)
+        from engine.artifacts.mlx_quant import MODES
+
+        args.bits, args.group_size = MODES[args.mode].default
+    model, config, quantized = build_model(args.shape, args.bits, args.group_size, args.seed, args.mode)
     prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=mx.random.key(args.seed)).astype(mx.uint32)
     mx.eval(prompt)
     quant = f"{args.bits}-bit g{args.group_size}" if quantized else "bf16"
+    quant = f"{args.mode} {quant}" if quantized and args.mode != "affine" else quant
     print(f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "
           f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
     out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
-                           "group_size": args.group_size, "device": str(mx.default_device())}
+                           "group_size": args.group_size, "mode": args.mode, "device": str(mx.default_device())}
     if args.speculative and speculative is not None:
         out.update(speculative(args, model, config, quantized, prompt))
         if args.json:

@@ -15,6 +15,9 @@ import mlx.nn as nn
 # Sorting tokens by expert pays off once there are enough of them (prefill), since each
 # expert's weights are then read once for a run of tokens.
 SORT_THRESHOLD = 64
+# nvfp4's per-tensor scale maps amax onto the largest value an e4m3 group scale (448) times
+# an e2m1 weight (6) can hold.
+NVFP4_RANGE = 448.0 * 6.0
 
 
 class SwitchLinear(nn.Module):
@@ -41,19 +44,33 @@ class SwitchLinear(nn.Module):
             y = y + mx.expand_dims(self.bias[indices], -2)
         return y
 
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
-        return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode)
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
+                     global_scale: bool = False, **_):
+        return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode, global_scale)
+
+
+def _quantize_experts(w: mx.array, group_size, bits, mode: str) -> list[mx.array]:
+    """nvfp4 with one float32 scale per expert (mlx-lm's ``global_scale`` layout): each
+    expert's e4m3 group scales are then relative to its largest weight."""
+    if mode != "nvfp4":
+        raise ValueError(f"a per-expert global scale needs nvfp4, not {mode}")
+    gs = mx.max(mx.abs(w), axis=(-2, -1)).astype(mx.float32)
+    parts = [mx.quantize(w[e], group_size, bits, mode=mode, global_scale=gs[e]) for e in range(w.shape[0])]
+    return [mx.stack([p[0] for p in parts]), mx.stack([p[1] for p in parts]), gs]
 
 
 class QuantizedSwitchLinear(nn.Module):
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False,
-                 group_size: int | None = None, bits: int | None = None, mode: str = "affine"):
+                 group_size: int | None = None, bits: int | None = None, mode: str = "affine",
+                 global_scale: bool = False):
         super().__init__()
         self.mode = mode
         parts = mx.quantize(mx.zeros((num_experts, output_dims, input_dims)), group_size, bits, mode=mode)
         self.weight, self.scales = parts[0], parts[1]
         if len(parts) > 2:
             self.biases = parts[2]
+        if global_scale:
+            self.global_scale = mx.ones((num_experts,), dtype=mx.float32)
         if bias:
             self.bias = mx.zeros((num_experts, output_dims))
         # The packed layout tells the group size and bits actually used (None picks defaults).
@@ -62,6 +79,8 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        global_scale = self.get("global_scale")
+        on_cpu = global_scale is not None and mx.default_device() == mx.cpu
         y = mx.gather_qmm(
             x,
             self["weight"],
@@ -72,20 +91,29 @@ class QuantizedSwitchLinear(nn.Module):
             group_size=self.group_size,
             bits=self.bits,
             mode=self.mode,
+            global_scale=None if on_cpu else global_scale,
             sorted_indices=sorted_indices,
         )
+        if on_cpu:
+            # MLX's CPU kernels take no global scale. It multiplies each expert's weights by
+            # its scale / (448 * 6) (the largest e4m3 group scale times the largest e2m1
+            # value), so it can multiply each expert's output instead.
+            y = y * mx.expand_dims(global_scale[indices] / NVFP4_RANGE, (-2, -1)).astype(y.dtype)
         if "bias" in self:
             y = y + mx.expand_dims(self.bias[indices], -2)
         return y
 
     @classmethod
-    def from_switch_linear(cls, layer: SwitchLinear, group_size, bits, mode):
+    def from_switch_linear(cls, layer: SwitchLinear, group_size, bits, mode, global_scale: bool = False):
         n, out_dims, in_dims = layer.weight.shape
-        q = cls(in_dims, out_dims, n, "bias" in layer, group_size, bits, mode)
-        parts = mx.quantize(layer.weight, q.group_size, q.bits, mode=mode)
-        q.weight, q.scales = parts[0], parts[1]
-        if len(parts) > 2:
-            q.biases = parts[2]
+        q = cls(in_dims, out_dims, n, "bias" in layer, group_size, bits, mode, global_scale)
+        if global_scale:
+            q.weight, q.scales, q.global_scale = _quantize_experts(layer.weight, q.group_size, q.bits, mode)
+        else:
+            parts = mx.quantize(layer.weight, q.group_size, q.bits, mode=mode)
+            q.weight, q.scales = parts[0], parts[1]
+            if len(parts) > 2:
+                q.biases = parts[2]
         if "bias" in layer:
             q.bias = layer.bias
         return q

@@ -16,10 +16,12 @@ from typing import Any, Callable
 
 from engine.api import MemoryPlan
 from engine.artifacts import gguf as gguf_io
-from engine.artifacts.config import ModelConfig, QuantizationSpec, config_from_dict, read_config
+from engine.artifacts.config import ModelConfig, config_from_dict, read_config
 from engine.artifacts.hub import model_name, resolve_model_path
+from engine.artifacts.mlx_quant import check_spec
 from engine.artifacts.weights import (
     FLOAT_DTYPES,
+    INDEX_NAME,
     check_index,
     find_weights,
     load_weights,
@@ -107,8 +109,9 @@ def load_model(
 
     model = family.Model(args)
     try:
-        weights = model.sanitize(weights)
-        quantize_like_checkpoint(model, set(weights), config.quantization, name=source.name)
+        weights = _sanitize(model, weights, source)
+        quantize_like_checkpoint(model, weights, config.quantization, name=source.name)
+        _check_complete(model, weights, source)
         if dtype is not None:
             weights = cast_floats(weights, dtype)
         fill_weights(model, weights, name=source.name)
@@ -146,6 +149,8 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
         return _Source(path, name, config, size, target, [path], names, gguf=True)
 
     config = read_config(path)
+    if config.quantization is not None:
+        check_spec(config.quantization, where=name)
     files = find_weights(path)
     headers = read_headers(files)
     check_index(path, headers)
@@ -153,6 +158,31 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
     target = MX_DTYPE_NAMES.get(dtype or "", dtype) or stored
     size = weights_bytes(headers, DTYPE_BYTES[target] if dtype else None)
     return _Source(path, name, config, size, target, files, set(headers), gguf=False)
+
+
+def _sanitize(model: Any, weights: dict[str, Any], source: _Source) -> dict[str, Any]:
+    """The family's ``sanitize``; a tensor it needs that the files lack (one expert of a MoE
+    layer, say) is named in one line rather than surfacing as a KeyError."""
+    try:
+        return model.sanitize(weights)
+    except KeyError as e:
+        raise ModelLoadError(f"{source.name} lacks {e.args[0]}{_where_missing(source)}") from None
+
+
+def _check_complete(model: Any, weights: dict[str, Any], source: _Source) -> None:
+    """Name the first tensor the model needs and no file holds (an unlisted expert shard)."""
+    from mlx.utils import tree_flatten
+
+    missing = sorted({k for k, _ in tree_flatten(model.parameters())} - set(weights))
+    if missing:
+        more = f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{source.name} lacks {missing[0]}{more}{_where_missing(source)}")
+
+
+def _where_missing(source: _Source) -> str:
+    if not source.gguf and (source.path / INDEX_NAME).is_file():
+        return f"; no shard listed in {INDEX_NAME} holds it: download the model (with its index) again"
+    return "; the weight files are incomplete: download the model again"
 
 
 def materialise(model: Any, progress: Progress | None) -> None:

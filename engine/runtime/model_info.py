@@ -46,7 +46,7 @@ def format_inspect(info: ModelInfo) -> str:
         f"path          {info.path}",
         f"family        {info.family}",
         f"parameters    {_count(info.parameters)}",
-        f"quantization  {info.quantization}",
+        f"quantization  {info.quantization}{_bits_per_weight(info)}",
         f"size on disk  {format_bytes(info.size_on_disk)}",
         f"context       {info.context_length:,} tokens",
     ]
@@ -77,6 +77,14 @@ def format_inspect(info: ModelInfo) -> str:
             note = " (the model's full context)" if full else ""
             lines.append(f"  max context   {usable:,} tokens{note}")
     return "\n".join(lines)
+
+
+def _bits_per_weight(info: ModelInfo) -> str:
+    """Stored bits per parameter, scales and biases included (mlx-lm's figure: affine 4-bit
+    g64 is 4.5, mxfp4 4.25, nvfp4 4.5, plus whatever layers stay in bf16)."""
+    if info.plan is None or not info.parameters:
+        return ""
+    return f" ({8 * info.plan.weights_bytes / info.parameters:.2f} bits per weight)"
 
 
 def _count(n: int) -> str:

@@ -79,7 +79,9 @@ def test_first_run_without_models_offers_recommended_downloads(
     assert browser.tabs.currentIndex() == 1  # the Download tab
     assert "No models on this computer yet" in browser.results_title.text()
     shown = [browser.results.item(r, 0).text() for r in range(browser.results.rowCount())]
-    picks = recommended_models()
+    from app.ui.memory_gauge import machine_memory
+
+    picks = recommended_models(machine_memory())  # what fits this machine, its default first
     assert shown == [m.repo_id for m in picks]
     assert browser.results.currentRow() == 0  # the default is selected: one click to download
     assert browser.results.item(0, 1).text().startswith("≈ ")  # an approximate size

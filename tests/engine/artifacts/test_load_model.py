@@ -76,10 +76,18 @@ def test_quantized_weights_without_a_config_block(checkpoint):
         load_model(ckpt.path)
 
 
-def test_wrong_group_size_in_config_is_a_readable_error(checkpoint):
+def test_stored_arrays_decide_where_the_top_level_default_disagrees(checkpoint):
+    """As mlx-lm's loader: a module the block does not name takes the packing its stored
+    arrays show (a wrong top-level group size loads right); a module the block names
+    wrongly does not load, in one readable line."""
     ckpt = checkpoint(config=WIDE_LLAMA, bits=4, group_size=64)
     config = json.loads((ckpt.path / "config.json").read_text())
     config["quantization"]["group_size"] = 32
+    (ckpt.path / "config.json").write_text(json.dumps(config))
+    loaded = load_model(ckpt.path)
+    assert loaded.model.model.layers[0].self_attn.q_proj.group_size == 64
+    assert mx.array_equal(loaded.model(PROMPT), ckpt.logits()).item()
+    config["quantization"]["model.layers.0.self_attn.q_proj"] = {"bits": 4, "group_size": 32}
     (ckpt.path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as err:
         load_model(ckpt.path)

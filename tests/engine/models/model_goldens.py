@@ -23,3 +23,17 @@ def load_golden(name: str):
     mx.eval(model.parameters())
     expected = json.loads((folder / "expected.json").read_text())
     return model, expected
+
+
+def greedy(model, prompt: list[int], n: int):
+    """Prefill, then decode one token at a time through the model's own caches."""
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache=cache)[:, -1]
+    ids, logprobs = [], []
+    for _ in range(n):
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = int(mx.argmax(lp, axis=-1).item())
+        ids.append(token)
+        logprobs.append(float(lp[0, token].item()))
+        logits = model(mx.array([[token]]), cache=cache)[:, -1]
+    return ids, logprobs

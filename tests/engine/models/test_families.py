@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from model_goldens import FAMILIES, load_golden
+from model_goldens import FAMILIES, greedy, load_golden
 
 TOLERANCE = 2e-3
-
-
-def greedy(model, prompt: list[int], n: int):
-    """Prefill, then decode one token at a time through the model's own caches."""
-    cache = model.make_cache()
-    logits = model(mx.array([prompt]), cache=cache)[:, -1]
-    ids, logprobs = [], []
-    for _ in range(n):
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = int(mx.argmax(lp, axis=-1).item())
-        ids.append(token)
-        logprobs.append(float(lp[0, token].item()))
-        logits = model(mx.array([[token]]), cache=cache)[:, -1]
-    return ids, logprobs
 
 
 def test_every_family_has_a_golden():
