@@ -43,7 +43,11 @@ class QuantizationSpec:
             return None
         params = {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
         if isinstance(override, dict):
-            params.update({k: override[k] for k in ("bits", "group_size", "mode") if k in override})
+            # MLX reads a per-layer dict on its own: a mode it does not name is affine
+            # (mlx-lm writes {"bits": 8, "group_size": 64} for gpt-oss's routers in mxfp4 models).
+            params = {"mode": "affine", **{k: override[k] for k in ("bits", "group_size", "mode") if k in override}}
+            params.setdefault("bits", self.bits)
+            params.setdefault("group_size", self.group_size)
         return params
 
     def describe(self) -> str:
@@ -202,6 +206,10 @@ def _quantization(raw: dict[str, Any]) -> tuple[QuantizationSpec | None, str | N
     if not isinstance(block, dict):
         return None, None
     method = block.get("quant_method")
+    if method == "mxfp4" and "bits" not in block:
+        # OpenAI's release format (gpt-oss): e2m1 values with an e8m0 scale per 32, which
+        # is MLX's own mxfp4 mode; the files say which modules hold it.
+        return QuantizationSpec(bits=4, group_size=32, mode="mxfp4"), None
     if method is not None and method != "mlx":
         return None, str(method)
     if "bits" not in block or "group_size" not in block:
