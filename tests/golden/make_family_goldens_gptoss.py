@@ -41,7 +41,7 @@ LAYOUTS = Path(__file__).resolve().parent / "gpt_oss_layouts"
 
 GPT_OSS = {
     "model_type": "gpt_oss", "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
-    "num_experts_per_tok": 2, "sliding_window": 6, "tie_word_embeddings": True, "swiglu_alpha": 1.3, "swiglu_limit": 0.6,
+    "num_experts_per_tok": 2, "sliding_window": 8, "tie_word_embeddings": True, "swiglu_alpha": 1.3, "swiglu_limit": 0.6,
     "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": True,
                      "original_max_position_embeddings": 16, "rope_theta": 5e4},
@@ -54,7 +54,7 @@ MINISTRAL = {"model_type": "ministral3", "head_dim": 16, "sliding_window": 8, "t
                  "rope_parameters": MINISTRAL_ROPE}
 
 SMOLLM3 = {"model_type": "smollm3", "num_hidden_layers": 4, "tie_word_embeddings": False, "attention_bias": True,
-               "mlp_bias": True, "use_sliding_window": True, "sliding_window": 6, "no_rope_layers": [1, 0, 0, 1],
+               "mlp_bias": True, "use_sliding_window": True, "sliding_window": 8, "no_rope_layers": [1, 0, 0, 1],
                "rope_parameters": {"rope_type": "default", "rope_theta": 3e4}}
 
 
