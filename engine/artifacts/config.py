@@ -23,6 +23,10 @@ _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
 
 
+# The quantization modes MLX's quantized matmuls take.
+QUANTIZATION_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+
+
 @dataclass
 class QuantizationSpec:
     """MLX affine quantization as mlx-lm writes it into config.json.
@@ -49,6 +53,11 @@ class QuantizationSpec:
             params.setdefault("bits", self.bits)
             params.setdefault("group_size", self.group_size)
         return params
+
+    def unknown_modes(self) -> list[str]:
+        """Modes named here (globally or per layer) that MLX cannot run."""
+        modes = [self.mode] + [v["mode"] for v in self.overrides.values() if isinstance(v, dict) and "mode" in v]
+        return sorted({str(m) for m in modes} - set(QUANTIZATION_MODES))
 
     def describe(self) -> str:
         text = f"{self.bits}-bit g{self.group_size}"

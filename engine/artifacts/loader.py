@@ -16,7 +16,13 @@ from typing import Any, Callable
 
 from engine.api import MemoryPlan
 from engine.artifacts import gguf as gguf_io
-from engine.artifacts.config import ModelConfig, QuantizationSpec, config_from_dict, read_config
+from engine.artifacts.config import (
+    QUANTIZATION_MODES,
+    ModelConfig,
+    QuantizationSpec,
+    config_from_dict,
+    read_config,
+)
 from engine.artifacts.hub import model_name, resolve_model_path
 from engine.artifacts.weights import (
     FLOAT_DTYPES,
@@ -87,6 +93,11 @@ def load_model(
         raise UnsupportedModelError(
             f"{source.name} is quantized with {config.foreign_quantization}, which MLX cannot run; "
             "use an MLX-quantized or unquantized version of the model"
+        )
+    if config.quantization is not None and (unknown := config.quantization.unknown_modes()):
+        raise UnsupportedModelError(
+            f"{source.name} uses quantization mode '{unknown[0]}', which MLX Desk cannot run; "
+            f"it runs {', '.join(QUANTIZATION_MODES)}: use a model quantized in one of those"
         )
     family = models.get_family(config.model_type)
     args = family.ModelArgs.from_dict(config.raw)

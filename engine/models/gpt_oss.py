@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from ..errors import ModelLoadError
 from . import base, llama
 from .switch import SwitchGLU
 
@@ -138,6 +139,8 @@ class Model(llama.Model):
                 continue
             prefix = f"{head}.experts"
             if leaf in ("gate_up_proj_blocks", "down_proj_blocks"):
+                if key.replace("_blocks", "_scales") not in weights:
+                    raise ModelLoadError(f"the checkpoint has {key} but not its scales; download it again")
                 # [E, out, in/32, 16] bytes -> [E, out, in/8] words: MLX's mxfp4 packing.
                 value = value.view(mx.uint32).flatten(-2)
                 leaf = leaf.replace("_blocks", ".weight")
