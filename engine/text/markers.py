@@ -22,14 +22,20 @@ class ReasoningMarkers:
     drop: tuple[str, ...] = field(default=())
 
     def splitter(self) -> ReasoningSplitter:
+        if self.open_tag == HARMONY_OPEN:  # channels, not a tag pair: commentary, tool calls...
+            from .harmony import HarmonySplitter
+
+            return HarmonySplitter(self.starts_in_reasoning)  # type: ignore[return-value]
         return ReasoningSplitter(self.open_tag, self.close_tag, self.starts_in_reasoning, drop=self.drop)
 
+
+HARMONY_OPEN = "<|channel|>analysis<|message|>"
 
 # Known marker styles, most specific first: (signature in the template, open, close,
 # sentinels to drop).
 _STYLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     # gpt-oss "harmony": analysis channel = reasoning, final channel = answer.
-    ("<|channel|>", "<|channel|>analysis<|message|>", "<|end|>",
+    ("<|channel|>", HARMONY_OPEN, "<|end|>",
      ("<|start|>assistant", "<|channel|>final<|message|>")),
     ("<|channel>", "<|channel>thought", "<channel|>", ()),  # Gemma 4
     ("<seed:think>", "<seed:think>", "</seed:think>", ()),  # ByteDance Seed-OSS
