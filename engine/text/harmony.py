@@ -13,7 +13,7 @@ Same interface as ``markers.ReasoningSplitter``: ``feed(piece) -> [(channel, tex
 
 from __future__ import annotations
 
-from .markers import Channel
+from .markers import Channel, add_piece
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 CLOSERS = ("<|end|>", "<|return|>", "<|call|>")
@@ -71,12 +71,7 @@ class HarmonySplitter:
         self.channel = "reasoning" if name in REASONING_CHANNELS else "answer"
 
     def _emit(self, out: list[tuple[Channel, str]], text: str) -> None:
-        if not text:
-            return
-        if out and out[-1][0] == self.channel:
-            out[-1] = (self.channel, out[-1][1] + text)
-        else:
-            out.append((self.channel, text))
+        add_piece(out, self.channel, text)
 
 
 def _prefix_tail(text: str, tokens: tuple[str, ...]) -> int:

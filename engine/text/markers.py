@@ -124,9 +124,14 @@ class ReasoningSplitter:
         if self._after_tag:
             text = text.lstrip("\n")
             self._after_tag = not text
-        if not text:
-            return
-        if out and out[-1][0] == self.channel:
-            out[-1] = (self.channel, out[-1][1] + text)
-        else:
-            out.append((self.channel, text))
+        add_piece(out, self.channel, text)
+
+
+def add_piece(out: list[tuple[Channel, str]], channel: Channel, text: str) -> None:
+    """Append ``text`` to ``out``, joining it to the last pair when that is the same channel."""
+    if not text:
+        return
+    if out and out[-1][0] == channel:
+        out[-1] = (channel, out[-1][1] + text)
+    else:
+        out.append((channel, text))

@@ -35,7 +35,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_model_goldens import COMMON, OUT, PROMPT_LEN, build, reference
+from make_model_goldens import COMMON, OUT, build, find_seed, reference
 
 LAYOUTS = Path(__file__).resolve().parent / "gpt_oss_layouts"
 
@@ -106,16 +106,11 @@ VARIANTS = {
 }
 
 
-def _search(name: str, make_model, vocab: int):
-    for seed in range(100):
-        model = make_model(seed)
-        gen = torch.Generator().manual_seed(1000 + seed)
-        prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()
-        generated, logprobs, margins = reference(model, prompt)
-        if min(margins) > 5e-3 and len(set(generated)) >= 5:
-            _check_cache_consistency(model, prompt, generated)
-            return model, seed, prompt, generated, logprobs, margins
-    raise SystemExit(f"{name}: no seed gave clear greedy margins")
+def _search(name: str, make_model):
+    found = find_seed(name, make_model)
+    model, _, prompt, generated = found[:4]
+    _check_cache_consistency(model, prompt, generated)
+    return found
 
 
 def _check_cache_consistency(model, prompt, generated) -> None:
@@ -158,8 +153,7 @@ def _expected(seed, prompt, generated, logprobs, margins, spelling: str) -> dict
 def make(name: str) -> None:
     overrides, rewrite = VARIANTS[name]
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    model, seed, prompt, generated, logprobs, margins = _search(
-        name, lambda s: build(name, overrides, s), overrides.get("vocab_size", COMMON["vocab_size"]))
+    model, seed, prompt, generated, logprobs, margins = _search(name, lambda s: build(name, overrides, s))
     with tempfile.TemporaryDirectory() as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         config = json.loads((Path(tmp) / "config.json").read_text())
@@ -199,7 +193,7 @@ def make_mistral3() -> None:
         m.config._attn_implementation = "eager"
         return m.eval()
 
-    model, seed, prompt, generated, logprobs, margins = _search("mistral3", make_model, COMMON["vocab_size"])
+    model, seed, prompt, generated, logprobs, margins = _search("mistral3", make_model)
     with tempfile.TemporaryDirectory() as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         config = json.loads((Path(tmp) / "config.json").read_text())
@@ -248,7 +242,7 @@ def make_layouts() -> None:
                     p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
         return model
 
-    model, seed, prompt, generated, logprobs, margins = _search("gpt_oss_mxfp4", make_model, COMMON["vocab_size"])
+    model, seed, prompt, generated, logprobs, margins = _search("gpt_oss_mxfp4", make_model)
     hf = LAYOUTS / "hf_mxfp4"
     with tempfile.TemporaryDirectory() as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)

@@ -9,7 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from model_goldens import FAMILIES, GOLDEN, load_golden
-from test_compiled_decode import PROMPT, decode, small_step_cache
+from test_compiled_decode import (
+    test_compiled_decode_equals_plain_decode as compiled_equals_plain,
+)
 
 from engine.artifacts.config import read_config
 from engine.artifacts.inspect import inspect_model
@@ -29,12 +31,7 @@ def test_every_new_family_has_goldens_in_both_spellings():
 @pytest.mark.parametrize("name", ["gpt_oss", "ministral3", "smollm3"])
 def test_compiled_decode_equals_plain_decode(name):
     """Sinks, the position-scaled queries and NoPE layers all take the compiled step."""
-    model, _ = load_golden(name)
-    ids_plain, lps_plain = decode(model, PROMPT, small_step_cache(model), 24, compiled=False)
-    cache = small_step_cache(model)
-    ids_fast, lps_fast = decode(model, PROMPT, cache, 24, compiled=True)
-    assert ids_fast == ids_plain
-    assert max(abs(a - b) for a, b in zip(lps_fast, lps_plain)) <= 1e-5
+    compiled_equals_plain(name)
 
 
 def _args(name: str, edit=None):
