@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYOUTS = ROOT / "tests" / "golden" / "gpt_oss_layouts"
+LAYOUTS = ROOT / "tests" / "golden" / "mlx_layouts"
 
 
 def generate(folder: Path) -> subprocess.CompletedProcess:
@@ -29,7 +29,7 @@ def one_line_failure(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_unknown_quantization_mode_is_refused_naming_the_known_ones(tmp_path):
-    folder = shutil.copytree(LAYOUTS / "mlx_q_mxfp4", tmp_path / "odd-mode")
+    folder = shutil.copytree(LAYOUTS / "gpt_oss_mlx_q_mxfp4", tmp_path / "odd-mode")
     config = json.loads((folder / "config.json").read_text())
     for key in ("quantization", "quantization_config"):
         config[key]["mode"] = "fp3x"
@@ -39,7 +39,7 @@ def test_unknown_quantization_mode_is_refused_naming_the_known_ones(tmp_path):
 
 
 def test_unknown_mode_of_one_layer_is_refused_too(tmp_path):
-    folder = shutil.copytree(LAYOUTS / "mlx_q_mxfp4", tmp_path / "odd-layer")
+    folder = shutil.copytree(LAYOUTS / "gpt_oss_mlx_q_mxfp4", tmp_path / "odd-layer")
     config = json.loads((folder / "config.json").read_text())
     config["quantization"]["model.layers.1.mlp.router"]["mode"] = "int3"
     (folder / "config.json").write_text(json.dumps(config))
@@ -47,7 +47,7 @@ def test_unknown_mode_of_one_layer_is_refused_too(tmp_path):
 
 
 def test_experts_missing_from_the_index_and_shard(tmp_path):
-    folder = shutil.copytree(LAYOUTS / "mlx_mxfp4", tmp_path / "no-experts")
+    folder = shutil.copytree(LAYOUTS / "gpt_oss_mlx_mxfp4", tmp_path / "no-experts")
     weights = mx.load(str(folder / "model.safetensors"))
     kept = {k: v for k, v in weights.items() if ".layers.1.mlp.experts." not in k}
     mx.save_safetensors(str(folder / "model.safetensors"), kept, metadata={"format": "mlx"})
@@ -60,7 +60,7 @@ def test_experts_missing_from_the_index_and_shard(tmp_path):
 
 def test_release_experts_missing_their_scales(tmp_path):
     """OpenAI's layout with an index that lost the MXFP4 scales of one layer."""
-    folder = shutil.copytree(LAYOUTS / "hf_mxfp4", tmp_path / "no-scales")
+    folder = shutil.copytree(LAYOUTS / "gpt_oss_hf_mxfp4", tmp_path / "no-scales")
     weights = mx.load(str(folder / "model.safetensors"))
     kept = {k: v for k, v in weights.items() if not k.endswith("layers.0.mlp.experts.down_proj_scales")}
     mx.save_safetensors(str(folder / "model.safetensors"), kept, metadata={"format": "pt"})

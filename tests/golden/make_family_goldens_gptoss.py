@@ -7,11 +7,11 @@ float32, each family in both config spellings: what transformers 5 writes and wh
 published repos carry. Every setting with a default gets another value; sliding windows
 are shorter than the prompt.
 
-gpt-oss also gets tests/golden/gpt_oss_layouts/:
-- ``hf_mxfp4``: OpenAI's release layout, experts as MXFP4 ``*_blocks``/``*_scales``
+gpt-oss also gets tests/golden/mlx_layouts/:
+- ``gpt_oss_hf_mxfp4``: OpenAI's release layout, experts as MXFP4 ``*_blocks``/``*_scales``
   (quantized here); its reference is transformers on the dequantized weights, which
   transformers' own MXFP4 loader must reproduce (checked);
-- ``mlx_*``: that folder through mlx-lm's ``convert`` (as is; dequantized; re-quantized
+- ``gpt_oss_mlx_*``: that folder through mlx-lm's ``convert`` (as is; dequantized; re-quantized
   with ``--q-mode mxfp4`` and affine 4-bit g32), each with mlx-lm's own greedy ids and
   log-probs in float32 as the reference.
 mlx-lm hard-codes the SwiGLU alpha/limit and reads only the published spelling, so that
@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_model_goldens import COMMON, OUT, build, find_seed, reference
 
-LAYOUTS = Path(__file__).resolve().parent / "gpt_oss_layouts"
+LAYOUTS = Path(__file__).resolve().parent / "mlx_layouts"
 
 GPT_OSS = {
     "model_type": "gpt_oss", "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
@@ -243,7 +243,7 @@ def make_layouts() -> None:
         return model
 
     model, seed, prompt, generated, logprobs, margins = _search("gpt_oss_mxfp4", make_model)
-    hf = LAYOUTS / "hf_mxfp4"
+    hf = LAYOUTS / "gpt_oss_hf_mxfp4"
     with tempfile.TemporaryDirectory() as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         config = _published_gpt_oss(json.loads((Path(tmp) / "config.json").read_text()))
@@ -265,12 +265,17 @@ def make_layouts() -> None:
     _check_transformers_mxfp4(hf, prompt, generated, logprobs)
 
     # mlx-lm's conversions, each judged by mlx-lm's own greedy on the folder it wrote.
-    runs = {
-        "mlx_mxfp4": (hf, []),
-        "mlx_bf16": (hf, ["--dequantize"]),
-        "mlx_q_mxfp4": ("mlx_bf16", ["-q", "--q-mode", "mxfp4"]),
-        "mlx_q4": ("mlx_bf16", ["-q", "--q-bits", "4", "--q-group-size", "32"]),
-    }
+    convert_all(hf, prompt, len(generated), {
+        "gpt_oss_mlx_mxfp4": (hf, []),
+        "gpt_oss_mlx_bf16": (hf, ["--dequantize"]),
+        "gpt_oss_mlx_q_mxfp4": ("gpt_oss_mlx_bf16", ["-q", "--q-mode", "mxfp4"]),
+        "gpt_oss_mlx_q4": ("gpt_oss_mlx_bf16", ["-q", "--q-bits", "4", "--q-group-size", "32"]),
+    })
+
+
+def convert_all(hf: Path, prompt: list[int], n: int, runs: dict[str, tuple[Path | str, list[str]]]) -> None:
+    """``mlx_lm convert`` each (source, flags) into LAYOUTS/<name>, with mlx-lm's own greedy
+    ids and log-probs on the result in expected.json."""
     for name, (source, flags) in runs.items():
         src = source if isinstance(source, Path) else LAYOUTS / source
         out = LAYOUTS / name
@@ -278,14 +283,42 @@ def make_layouts() -> None:
             shutil.rmtree(out)
         subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(src), "--mlx-path", str(out),
                         *flags], check=True, capture_output=True)
-        ids, lps, margin = mlx_lm_greedy(out, prompt, len(generated))
+        ids, lps, margin = mlx_lm_greedy(out, prompt, n)
+        assert margin > 1e-3, f"{name}: mlx-lm's greedy has a near-tie ({margin})"
         data = {"mlx_lm_version": _mlx_lm_version(), "convert_flags": flags, "source": src.name,
                 "prompt_ids": prompt, "greedy_ids": ids, "logprobs": lps, "min_top2_margin": margin}
         (out / "expected.json").write_text(json.dumps(data, indent=2) + "\n")
-        for junk in ("README.md",):
-            (out / junk).unlink(missing_ok=True)
+        (out / "README.md").unlink(missing_ok=True)
         size = sum(p.stat().st_size for p in out.iterdir())
         print(f"{name}: {size // 1024} KB, mlx-lm greedy {ids}")
+
+
+# Ministral 3 and SmolLM3 in the spellings mlx-lm reads (rope_parameters for ministral3;
+# rope_theta and the no_rope_layers list for smollm3, whose sliding window mlx-lm lacks).
+MLX_FAMILIES = {
+    "ministral3": ({**MINISTRAL, "sliding_window": None}, None,
+                   {"q4": ["-q", "--q-bits", "4", "--q-group-size", "32"],
+                    "q8": ["-q", "--q-bits", "8", "--q-group-size", "64"]}),
+    "smollm3": ({**SMOLLM3, "use_sliding_window": False, "sliding_window": None}, _legacy_rope,
+                {"q4": ["-q", "--q-bits", "4", "--q-group-size", "64"], "nvfp4": ["-q", "--q-mode", "nvfp4"],
+                 "mxfp8": ["-q", "--q-mode", "mxfp8"]}),
+}
+# Not Ministral 3 in the float modes: their embeddings dequantize to bf16, and mlx-lm then
+# multiplies the position scale in float32 where transformers (and this engine) cast it to
+# the queries' dtype, a 2e-3 log-prob difference that says nothing about loading.
+
+
+def make_mlx_family(name: str) -> None:
+    settings, rewrite, modes = MLX_FAMILIES[name]
+    model, _, prompt, generated, _, _ = _search(name, lambda s: build(name, settings, s))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        config_file = Path(tmp) / "config.json"
+        config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps(rewrite(config) if rewrite else config))
+        _write_tokenizer(Path(tmp))
+        convert_all(Path(tmp), prompt, len(generated),
+                    {f"{name}_mlx_{mode}": (Path(tmp), flags) for mode, flags in modes.items()})
 
 
 def _mlx_lm_version() -> str:
@@ -303,7 +336,9 @@ def mlx_lm_greedy(folder: Path, prompt: list[int], n: int):
     model, _ = load_model(folder)
     model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
                           model.parameters()))
-    cache = model.make_cache()
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
     logits = model(mx.array([prompt]), cache=cache)[:, -1]
     ids, lps, margin = [], [], math.inf
     for _ in range(n):
@@ -341,11 +376,13 @@ def _write_tokenizer(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or [*VARIANTS, "mistral3", "layouts"]
+    names = sys.argv[1:] or [*VARIANTS, "mistral3", "layouts", *(f"mlx_{f}" for f in MLX_FAMILIES)]
     for n in names:
         if n == "mistral3":
             make_mistral3()
         elif n == "layouts":
             make_layouts()
+        elif n.startswith("mlx_"):
+            make_mlx_family(n.removeprefix("mlx_"))
         else:
             make(n)

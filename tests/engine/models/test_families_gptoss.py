@@ -18,7 +18,7 @@ from engine.artifacts.inspect import inspect_model
 from engine.memory import plan_memory
 from engine.models import get_family
 
-LAYOUTS = GOLDEN.parent / "gpt_oss_layouts"
+LAYOUTS = GOLDEN.parent / "mlx_layouts"
 NEW = ("gpt_oss", "gpt_oss_published", "ministral3", "mistral3_ministral", "smollm3", "smollm3_interval")
 
 
@@ -89,20 +89,20 @@ def test_gpt_oss_memory_plan_counts_full_layers_per_token_and_windows_once():
 
 def test_gpt_oss_inspect_counts_every_expert():
     """All experts are resident: weights and parameters count each of them, in every layout."""
-    infos = {n: inspect_model(LAYOUTS / n, memory_budget=10**9) for n in ("hf_mxfp4", "mlx_mxfp4", "mlx_bf16")}
+    infos = {n: inspect_model(LAYOUTS / n, memory_budget=10**9) for n in ("gpt_oss_hf_mxfp4", "gpt_oss_mlx_mxfp4", "gpt_oss_mlx_bf16")}
     assert len({i.parameters for i in infos.values()}) == 1
     args = _args("gpt_oss")
     dense_experts = 3 * args.hidden_size * 64 * 4  # gate, up, down of 4 experts (intermediate 64)
-    assert infos["mlx_bf16"].parameters > 2 * dense_experts
+    assert infos["gpt_oss_mlx_bf16"].parameters > 2 * dense_experts
     for name, info in infos.items():
         on_disk = sum(f.stat().st_size for f in (LAYOUTS / name).glob("*.safetensors"))
         assert 0.95 * on_disk < info.plan.weights_bytes <= on_disk, name
     # MXFP4 experts take about a quarter of their bf16 bytes.
-    assert infos["hf_mxfp4"].plan.weights_bytes < 0.65 * infos["mlx_bf16"].plan.weights_bytes
+    assert infos["gpt_oss_hf_mxfp4"].plan.weights_bytes < 0.65 * infos["gpt_oss_mlx_bf16"].plan.weights_bytes
 
 
 def test_release_config_reads_as_mxfp4():
-    config = read_config(LAYOUTS / "hf_mxfp4")
+    config = read_config(LAYOUTS / "gpt_oss_hf_mxfp4")
     assert config.foreign_quantization is None
     assert (config.quantization.mode, config.quantization.bits, config.quantization.group_size) == ("mxfp4", 4, 32)
-    assert Path(LAYOUTS / "hf_mxfp4" / "model.safetensors").is_file()
+    assert Path(LAYOUTS / "gpt_oss_hf_mxfp4" / "model.safetensors").is_file()

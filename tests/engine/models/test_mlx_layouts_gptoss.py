@@ -1,10 +1,11 @@
-"""gpt-oss in every layout it ships in, loaded the way the app loads models.
+"""gpt-oss, Ministral 3 and SmolLM3 in the layouts they ship in, loaded the way the app
+loads models (tests/golden/mlx_layouts, made by tests/golden/make_family_goldens_gptoss.py).
 
-tests/golden/gpt_oss_layouts (made by tests/golden/make_family_goldens_gptoss.py):
-``hf_mxfp4`` is OpenAI's release layout (MXFP4 expert blocks/scales), judged by
-transformers; the ``mlx_*`` folders are mlx-lm's ``convert`` output of it (as is,
-dequantized, re-quantized to mxfp4 and to affine 4-bit), each judged by mlx-lm's own
-greedy ids and log-probs on that folder. All in float32.
+``gpt_oss_hf_mxfp4`` is OpenAI's release layout (MXFP4 expert blocks/scales), judged by
+transformers. Every ``*_mlx_*`` folder is mlx-lm's ``convert`` output (gpt-oss: of that
+release as is, dequantized, re-quantized to mxfp4 and to affine 4-bit; Ministral 3: affine
+4 and 8 bits; SmolLM3: affine 4-bit, nvfp4 and mxfp8), judged by mlx-lm's own greedy ids and
+log-probs on that folder. All in float32.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from test_families import greedy
 
 from engine.artifacts.loader import load_model
 
-LAYOUTS = Path(__file__).resolve().parents[2] / "golden" / "gpt_oss_layouts"
+LAYOUTS = Path(__file__).resolve().parents[2] / "golden" / "mlx_layouts"
 NAMES = sorted(p.name for p in LAYOUTS.iterdir() if (p / "expected.json").is_file())
 TOLERANCE = 2e-3
 
 
 def test_every_layout_is_there():
-    assert {"hf_mxfp4", "mlx_mxfp4", "mlx_bf16", "mlx_q_mxfp4", "mlx_q4"} <= set(NAMES)
+    assert {"gpt_oss_hf_mxfp4", "gpt_oss_mlx_mxfp4", "gpt_oss_mlx_bf16", "gpt_oss_mlx_q_mxfp4", "gpt_oss_mlx_q4",
+            "ministral3_mlx_q4", "ministral3_mlx_q8", "smollm3_mlx_q4", "smollm3_mlx_nvfp4", "smollm3_mlx_mxfp8"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -40,7 +42,7 @@ def test_greedy_matches_the_referee(name):
 
 def test_release_experts_run_as_mxfp4():
     """OpenAI's blocks/scales are not dequantized: they feed MLX's mxfp4 matmul as they are."""
-    model = load_model(LAYOUTS / "hf_mxfp4").model
+    model = load_model(LAYOUTS / "gpt_oss_hf_mxfp4").model
     experts = model.layers[0].mlp.experts
     assert experts.gate_proj.mode == "mxfp4" and experts.gate_proj.weight.dtype == mx.uint32
     assert experts.down_proj.scales.dtype == mx.uint8
@@ -49,5 +51,5 @@ def test_release_experts_run_as_mxfp4():
 
 def test_mixed_mode_router_is_affine():
     """mlx-lm's mxfp4 models keep gpt-oss's routers at affine 8 bits, g64."""
-    router = load_model(LAYOUTS / "mlx_q_mxfp4").model.layers[1].mlp.router
+    router = load_model(LAYOUTS / "gpt_oss_mlx_q_mxfp4").model.layers[1].mlp.router
     assert (router.mode, router.bits, router.group_size) == ("affine", 8, 64)
