@@ -141,8 +141,9 @@ class Model(llama.Model):
             if leaf in ("gate_up_proj_blocks", "down_proj_blocks"):
                 if key.replace("_blocks", "_scales") not in weights:
                     raise ModelLoadError(f"the checkpoint has {key} but not its scales; download it again")
-                # [E, out, in/32, 16] bytes -> [E, out, in/8] words: MLX's mxfp4 packing.
-                value = value.view(mx.uint32).flatten(-2)
+                # [E, out, in/32, 16] (or [E, out, in/2]) bytes -> [E, out, in/8] words:
+                # MLX's mxfp4 packing, low nibble first, as OpenAI packs them.
+                value = value.reshape(*value.shape[:2], -1).view(mx.uint32)
                 leaf = leaf.replace("_blocks", ".weight")
             elif leaf in ("gate_up_proj_scales", "down_proj_scales"):
                 leaf = leaf.replace("_scales", ".scales")
