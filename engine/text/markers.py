@@ -39,6 +39,7 @@ _STYLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      ("<|start|>assistant", "<|channel|>final<|message|>")),
     ("<|channel>", "<|channel>thought", "<channel|>", ()),  # Gemma 4
     ("<seed:think>", "<seed:think>", "</seed:think>", ()),  # ByteDance Seed-OSS
+    ("[THINK]", "[THINK]", "[/THINK]", ()),  # Ministral 3 Reasoning, Magistral
     ("<think>", "<think>", "</think>", ()),  # Qwen3, QwQ, DeepSeek-R1, SmolLM3, GLM, MiniMax, ...
 )
 

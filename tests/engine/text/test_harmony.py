@@ -130,3 +130,4 @@ def test_ids_streamed_through_a_real_detokenizer_split_the_same(shared_data, tmp
         out += splitter.feed(detok.add(token))
     out += splitter.feed(detok.finalize()) + splitter.flush()
     assert merge(out) == EXPECTED
+
