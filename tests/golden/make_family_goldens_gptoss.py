@@ -41,7 +41,8 @@ LAYOUTS = Path(__file__).resolve().parent / "mlx_layouts"
 
 GPT_OSS = {
     "model_type": "gpt_oss", "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
-    "num_experts_per_tok": 2, "sliding_window": 8, "tie_word_embeddings": True, "swiglu_alpha": 1.3, "swiglu_limit": 0.6,
+    "num_experts_per_tok": 2, "sliding_window": 8, "tie_word_embeddings": True, "swiglu_alpha": 1.3,
+    "swiglu_limit": 0.6,
     "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": True,
                      "original_max_position_embeddings": 16, "rope_theta": 5e4},
@@ -174,7 +175,8 @@ def make_mistral3() -> None:
 
     text = {**COMMON, **MINISTRAL, "rope_parameters": {**MINISTRAL_ROPE, "llama_4_scaling_beta": 0.5}}
     text.pop("model_type")
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16,
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "head_dim": 16,
                   "image_size": 28, "patch_size": 14}
 
     def make_model(seed):

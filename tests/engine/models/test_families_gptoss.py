@@ -89,7 +89,8 @@ def test_gpt_oss_memory_plan_counts_full_layers_per_token_and_windows_once():
 
 def test_gpt_oss_inspect_counts_every_expert():
     """All experts are resident: weights and parameters count each of them, in every layout."""
-    infos = {n: inspect_model(LAYOUTS / n, memory_budget=10**9) for n in ("gpt_oss_hf_mxfp4", "gpt_oss_mlx_mxfp4", "gpt_oss_mlx_bf16")}
+    names = ("gpt_oss_hf_mxfp4", "gpt_oss_mlx_mxfp4", "gpt_oss_mlx_bf16")
+    infos = {n: inspect_model(LAYOUTS / n, memory_budget=10**9) for n in names}
     assert len({i.parameters for i in infos.values()}) == 1
     args = _args("gpt_oss")
     dense_experts = 3 * args.hidden_size * 64 * 4  # gate, up, down of 4 experts (intermediate 64)

@@ -26,7 +26,8 @@ HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|con
 # the final answer.
 REPLY = ("<|channel|>analysis<|message|>User wants weather. Need tool.<|end|>"
          "<|start|>assistant<|channel|>commentary<|message|>Checking the forecast.<|end|>"
-         '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>'
+         '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+         '{"city":"Oslo"}<|call|>'
          "<|start|>assistant<|channel|>analysis<|message|>It is 4°C.<|end|>"
          "<|start|>assistant<|channel|>final<|message|>It's 4 °C in Oslo <|and|> windy.<|return|>")
 EXPECTED = [
