@@ -196,6 +196,11 @@ def parameter_count(headers: dict[str, TensorInfo], quantization: Any = None) ->
     """
     total = 0
     for name, info in headers.items():
+        if name.endswith("_blocks") and info.dtype == "U8":  # OpenAI's MXFP4: two values a byte
+            total += info.numel * 2
+            continue
+        if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" in headers:
+            continue
         base, _, leaf = name.rpartition(".")
         packed = headers.get(base + ".weight")
         if leaf in ("scales", "biases", "global_scale") and packed is not None and packed.dtype == "U32":

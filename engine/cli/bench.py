@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +44,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
     ),
+    # OpenAI's gpt-oss-20b: 32 experts (4 active), sinks, sliding/full layers, YaRN.
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
+        num_experts_per_tok=4, vocab_size=201088, rms_norm_eps=1e-5, sliding_window=128,
+        rope_theta=150000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+        swiglu_limit=7.0, attention_bias=True,
+        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                          original_max_position_embeddings=4096),
+    ),
     # google/gemma-4-26B-A4B's text model (its config.json's text_config): 128 experts, 8
     # routed per token beside a dense MLP; global layers (every 6th) with keys as values.
     "gemma4-26b-a4b": dict(
@@ -67,6 +78,19 @@ SHAPES["gemma4-tiny"] = {
     "intermediate_size": 128, "moe_intermediate_size": 64, "num_experts": 8, "top_k_experts": 2,
     "vocab_size": 512, "sliding_window": 8, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
 }
+# The same structure at a size the CPU build runs in seconds (checks, not speed).
+SHAPES["tiny-gpt-oss"] = {**SHAPES["gpt-oss-20b"], "hidden_size": 64, "num_hidden_layers": 4,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                          "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+                          "vocab_size": 256, "sliding_window": 8}
+
+# Modules a shape quantizes its own way whatever --bits says, as its published
+# checkpoints do: gpt-oss ships its experts in MXFP4 (the rest follows --bits; 16 keeps
+# it bf16, as the release has it).
+FIXED_QUANTIZATION: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt-oss-20b": (r"\.mlp\.experts\.(gate|up|down)_proj$", {"group_size": 32, "bits": 4, "mode": "mxfp4"}),
+}
+FIXED_QUANTIZATION["tiny-gpt-oss"] = FIXED_QUANTIZATION["gpt-oss-20b"]
 
 
 @dataclass
@@ -108,17 +132,28 @@ def build_model(shape: str, bits: int, group_size: int, seed: int = 0,
     model = family.Model(family.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
     quantized: set[str] = set()
-    if bits in (2, 3, 4, 5, 6, 8):
-        def pick(path: str, module: Any) -> bool:
-            ok = hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
-            if ok:
-                quantized.add(path)
-            return ok
-
-        nn.quantize(model, group_size=group_size, bits=bits, mode=mode, class_predicate=pick)
-        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": mode}
-    elif bits != 16:
+    if bits not in (2, 3, 4, 5, 6, 8, 16):
         raise EngineError(f"--bits must be 2-6, 8 (quantized) or 16 (bf16), not {bits}")
+    pattern, fixed = FIXED_QUANTIZATION.get(shape, (None, {}))
+    overrides: dict[str, dict[str, Any]] = {}
+
+    def pick(path: str, module: Any) -> bool | dict[str, Any]:
+        if not hasattr(module, "to_quantized"):
+            return False
+        if pattern is not None and re.search(pattern, path):
+            overrides[path] = dict(fixed)
+            quantized.add(path)
+            return dict(fixed)
+        ok = bits != 16 and module.weight.shape[-1] % group_size == 0
+        if ok:
+            quantized.add(path)
+        return ok
+
+    nn.quantize(model, group_size=group_size, bits=bits, mode=mode, class_predicate=pick)
+    if quantized:
+        # mlx-lm's spelling: global settings plus one entry per module quantized otherwise.
+        base = {"group_size": group_size, "bits": bits, "mode": mode} if bits != 16 else dict(fixed)
+        config["quantization"] = {**base, **overrides}
     # Materialise layer by layer so float32 random init never exists for the whole model.
     for layer in getattr(model, "layers", []):
         mx.eval(layer.parameters())
@@ -143,7 +178,7 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     if quantized:
         q = config["quantization"]
         nn.quantize(twin, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
-                    class_predicate=lambda p, m: p in quantized)
+                    class_predicate=lambda p, m: p in quantized and q.get(p, True))
     try:
         twin.load_weights(list(tree_flatten(model.parameters())), strict=True)
     except ValueError as e:
@@ -265,8 +300,10 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
     model, config, quantized = build_model(args.shape, args.bits, args.group_size, args.seed, args.mode)
     prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=mx.random.key(args.seed)).astype(mx.uint32)
     mx.eval(prompt)
-    quant = f"{args.bits}-bit g{args.group_size}" if quantized else "bf16"
-    quant = f"{args.mode} {quant}" if quantized and args.mode != "affine" else quant
+    quant = f"{args.bits}-bit g{args.group_size}" if args.bits != 16 else "bf16"
+    quant = f"{args.mode} {quant}" if quantized and args.mode != "affine" and args.bits != 16 else quant
+    if args.shape in FIXED_QUANTIZATION:
+        quant += f", {FIXED_QUANTIZATION[args.shape][1]['mode']} experts"
     print(f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "
           f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
     out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,

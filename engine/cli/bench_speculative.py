@@ -82,7 +82,7 @@ def slice_model(
     if quantized:
         q = config["quantization"]
         nn.quantize(draft, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
-                    class_predicate=lambda p, m: p in draft_quantized)
+                    class_predicate=lambda p, m: p in draft_quantized and q.get(p, True))
         draft_config["quantization"] = dict(q)
     weights = [(k, v) for k, v in tree_flatten(model.parameters()) if kept(k)]
     draft.load_weights(weights, strict=True)

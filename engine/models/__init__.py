@@ -19,14 +19,18 @@ SUPPORTED: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
+    "gpt_oss": "gpt_oss",
     "llama": "llama",
+    "ministral3": "ministral3",
     "mistral": "llama",
+    "mistral3": "ministral3",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen2_audio": "qwen2_audio",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "smollm3": "smollm3",
     "voxtral": "voxtral",
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 # Sorting tokens by expert pays off once there are enough of them (prefill), since each
 # expert's weights are then read once for a run of tokens.
@@ -142,8 +142,12 @@ class SwitchGLU(nn.Module):
             inverse = mx.argsort(order)
             x = x.reshape(-1, 1, x.shape[-1])[order // k]  # [n*k, 1, dims]
             idx = flat[order]
-        h = self.activation(self.gate_proj(x, idx, do_sort)) * self.up_proj(x, idx, do_sort)
+        h = self.combine(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
         y = self.down_proj(h, idx, do_sort)
         if do_sort:
             y = y[inverse].reshape(*lead, k, 1, -1)
         return y.squeeze(-2)
+
+    def combine(self, gate: mx.array, up: mx.array) -> mx.array:
+        """The gated hidden activations; families with another gating override this."""
+        return self.activation(gate) * up

@@ -8,9 +8,9 @@ holds back only the few characters that could still become a tag.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-Channel = Literal["reasoning", "answer"]
+from engine.text.channels import Channel, add_piece
+
 
 
 @dataclass(frozen=True)
@@ -22,17 +22,24 @@ class ReasoningMarkers:
     drop: tuple[str, ...] = field(default=())
 
     def splitter(self) -> ReasoningSplitter:
+        if self.open_tag == HARMONY_OPEN:  # channels, not a tag pair: commentary, tool calls...
+            from engine.text.harmony import HarmonySplitter
+
+            return HarmonySplitter(self.starts_in_reasoning)  # type: ignore[return-value]
         return ReasoningSplitter(self.open_tag, self.close_tag, self.starts_in_reasoning, drop=self.drop)
 
+
+HARMONY_OPEN = "<|channel|>analysis<|message|>"
 
 # Known marker styles, most specific first: (signature in the template, open, close,
 # sentinels to drop).
 _STYLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     # gpt-oss "harmony": analysis channel = reasoning, final channel = answer.
-    ("<|channel|>", "<|channel|>analysis<|message|>", "<|end|>",
+    ("<|channel|>", HARMONY_OPEN, "<|end|>",
      ("<|start|>assistant", "<|channel|>final<|message|>")),
     ("<|channel>", "<|channel>thought", "<channel|>", ()),  # Gemma 4
     ("<seed:think>", "<seed:think>", "</seed:think>", ()),  # ByteDance Seed-OSS
+    ("[THINK]", "[THINK]", "[/THINK]", ()),  # Ministral 3 Reasoning, Magistral
     ("<think>", "<think>", "</think>", ()),  # Qwen3, QwQ, DeepSeek-R1, SmolLM3, GLM, MiniMax, ...
 )
 
@@ -118,9 +125,4 @@ class ReasoningSplitter:
         if self._after_tag:
             text = text.lstrip("\n")
             self._after_tag = not text
-        if not text:
-            return
-        if out and out[-1][0] == self.channel:
-            out[-1] = (self.channel, out[-1][1] + text)
-        else:
-            out.append((self.channel, text))
+        add_piece(out, self.channel, text)

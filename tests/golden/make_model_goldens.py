@@ -152,20 +152,25 @@ def reference(model, prompt: list[int]):
     return generated, logprobs, margins
 
 
-def make(name: str) -> None:
-    overrides, legacy_rope = VARIANTS[name]
+def find_seed(name: str, make_model):
+    """(model, seed, prompt, greedy ids, log-probs, top-2 margins) for the first seed whose
+    ``make_model(seed)`` decodes clearly."""
     for seed in range(100):
-        model = build(name, overrides, seed)
+        model = make_model(seed)
         gen = torch.Generator().manual_seed(1000 + seed)
-        vocab = model.config.vocab_size
+        vocab = model.config.get_text_config().vocab_size
         prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()
         generated, logprobs, margins = reference(model, prompt)
         # Refuse near-ties (a 1e-5 difference in float32 could flip such a greedy pick) and
         # continuations stuck on one token (they would exercise little).
         if min(margins) > 5e-3 and len(set(generated)) >= 5:
-            break
-    else:
-        raise SystemExit(f"{name}: no seed gave clear greedy margins")
+            return model, seed, prompt, generated, logprobs, margins
+    raise SystemExit(f"{name}: no seed gave clear greedy margins")
+
+
+def make(name: str) -> None:
+    overrides, legacy_rope = VARIANTS[name]
+    model, seed, prompt, generated, logprobs, margins = find_seed(name, lambda s: build(name, overrides, s))
 
     folder = OUT / name
     if folder.exists():

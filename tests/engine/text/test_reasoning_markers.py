@@ -122,3 +122,13 @@ def test_detects_other_styles(templates, rel, open_tag):
 def test_no_markers_for_plain_chat_models(templates, rel):
     source, prompt = templates(rel)
     assert detect_reasoning_markers(source, prompt) is None
+
+
+def test_ministral3_reasoning_marks_think_blocks(templates):
+    """Ministral 3 Reasoning writes [THINK]...[/THINK]; its default system prompt shows the
+    pair as an example, which must not leave the reply starting in reasoning."""
+    source, prompt = templates("llama.cpp-2026/mistralai-Ministral-3-14B-Reasoning-2512.jinja")
+    assert "[THINK]" in prompt
+    markers = detect_reasoning_markers(source, prompt)
+    assert markers == ReasoningMarkers("[THINK]", "[/THINK]", False)
+    assert run(markers.splitter(), ["[THINK]Add them.[/THI", "NK]4."]) == [("reasoning", "Add them."), ("answer", "4.")]
