@@ -337,6 +337,13 @@ def trim_prompt_cache(cache: list, n: int) -> int:
 
 
 _KINDS = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+
+
+def register_cache_kind(kind: type) -> type:
+    """Let ``load_prompt_cache`` rebuild a cache class defined elsewhere (a class decorator)."""
+    _KINDS[kind.__name__] = kind
+    return kind
+
 _FORMAT = "mlx-desk-prompt-cache/1"
 
 

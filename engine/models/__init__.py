@@ -14,9 +14,14 @@ from ..errors import UnsupportedModelError
 
 # model_type -> module in this package
 SUPPORTED: dict[str, str] = {
+    "deepseek_v3": "deepseek_v3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
+    "glm4_moe": "glm4_moe",
+    "glm4_moe_lite": "glm4_moe_lite",
+    "glm_moe_dsa": "glm_moe_dsa",
+    "kimi_k2": "deepseek_v3",
     "llama": "llama",
     "mistral": "llama",
     "phi3": "phi3",
