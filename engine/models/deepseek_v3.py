@@ -77,11 +77,9 @@ class ModelArgs(BaseModelArgs):
 
 
 class DecoderLayer(nn.Module):
-    attention_class = MLAttention
-
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
-        self.self_attn = self.attention_class(args)
+        self.self_attn = self.make_attention(args, index)
         if args.is_sparse(index):
             self.mlp = RoutedMoE(args)
         else:
@@ -89,6 +87,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.window = None
+
+    def make_attention(self, args: ModelArgs, index: int) -> nn.Module:
+        return MLAttention(args)
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
