@@ -1,0 +1,164 @@
+"""Latent-attention and sigmoid-routed MoE families (DeepSeek V3 / Kimi K2 / Moonlight,
+GLM-4.5 MoE, GLM-4.7 Flash, GLM-5): what the transformers goldens alone do not show.
+
+The greedy ids and log-probs against transformers are checked for every golden folder
+by test_families.py; here: the latent cache (what it holds, the absorbed decode against
+the expanded prefill, trim, save/load), the DSA indexer really selecting, MTP layers left
+out, group-limited routing, memory figures, and loading through the engine's loader.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from model_goldens import FAMILIES, GOLDEN, load_golden
+
+from engine.artifacts.config import config_from_dict
+from engine.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
+from engine.memory import kv_bytes_per_token
+from engine.models import get_family
+from engine.models.mla_cache import MLALatentCache
+from engine.models.routed_moe import GroupLimitedRouter
+
+MLA_GOLDENS = ["deepseek_v3", "moonlight", "kimi_k2", "glm4_moe_lite", "glm4_moe_lite_published", "glm_moe_dsa",
+               "glm_moe_dsa_published"]
+ALL_GOLDENS = [*MLA_GOLDENS, "glm4_moe", "glm4_moe_published"]
+
+
+def last_logits(model, tokens: list[int], cache) -> mx.array:
+    return model(mx.array([tokens]), cache=cache)[0, -1]
+
+
+def test_every_family_has_goldens_in_both_spellings():
+    for name in ALL_GOLDENS:
+        assert name in FAMILIES, name
+    spellings = {json.loads((GOLDEN / n / "expected.json").read_text())["rope_spelling"] for n in ALL_GOLDENS}
+    assert spellings == {"rope_parameters", "rope_theta+rope_scaling"}
+    assert json.loads((GOLDEN / "kimi_k2" / "config.json").read_text())["model_type"] == "kimi_k2"
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
+def test_cache_holds_only_latents_and_rope_keys(name):
+    model, expected = load_golden(name)
+    args = model.args
+    cache = model.make_cache()
+    prompt = expected["prompt_ids"]
+    last_logits(model, prompt, cache)
+    for i, c in enumerate(cache):
+        assert isinstance(c, MLALatentCache)
+        latent, rope_keys = c.state
+        assert latent.shape == (1, 1, len(prompt), args.kv_lora_rank)
+        indexer = getattr(args, "has_indexer", lambda _: False)(i)
+        width = args.qk_rope_head_dim + (args.index_head_dim if indexer else 0)
+        assert rope_keys.shape == (1, 1, len(prompt), width)
+
+
+@pytest.mark.parametrize("name", MLA_GOLDENS)
+def test_absorbed_decode_equals_expanded_prefill(name):
+    """Token by token (the latent-space form) gives the logits of one long prefill (the
+    expanded form), and a prefill in two chunks the same again."""
+    model, expected = load_golden(name)
+    prompt = expected["prompt_ids"] + expected["greedy_ids"][:6]
+    whole = last_logits(model, prompt, model.make_cache())
+    cache = model.make_cache()
+    for t in prompt:
+        stepwise = last_logits(model, [t], cache)
+    cache = model.make_cache()
+    last_logits(model, prompt[:12], cache)
+    chunked = last_logits(model, prompt[12:], cache)
+    assert mx.abs(whole - stepwise).max().item() < 1e-4
+    assert mx.abs(whole - chunked).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["kimi_k2", "glm_moe_dsa"])
+def test_trim_rewinds_and_save_load_round_trips(name, tmp_path):
+    model, expected = load_golden(name)
+    prompt, more = expected["prompt_ids"], expected["greedy_ids"][:4]
+    cache = model.make_cache()
+    last_logits(model, prompt, cache)
+    first = last_logits(model, more, cache)
+    assert trim_prompt_cache(cache, len(more)) == len(more)
+    assert cache[0].offset == len(prompt)
+    again = last_logits(model, more, cache)
+    assert mx.allclose(first, again, atol=1e-5).item()
+
+    trim_prompt_cache(cache, len(more))
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(path, cache)
+    loaded, _ = load_prompt_cache(path)
+    assert all(isinstance(c, MLALatentCache) for c in loaded)
+    assert mx.allclose(first, last_logits(model, more, loaded), atol=1e-5).item()
+
+
+def test_dsa_indexer_really_selects():
+    """The prompt is longer than index_topk: lifting the limit changes the answer."""
+    model, expected = load_golden("glm_moe_dsa")
+    prompt = expected["prompt_ids"]
+    assert len(prompt) > model.args.index_topk
+    sparse = last_logits(model, prompt, model.make_cache())
+    for layer in model.layers:
+        if "indexer" in layer.self_attn:
+            layer.self_attn.indexer.topk = 10**6
+    dense = last_logits(model, prompt, model.make_cache())
+    assert mx.abs(sparse - dense).max().item() > 1e-2
+
+
+def test_shared_indexer_pattern_from_the_published_spelling():
+    config = json.loads((GOLDEN / "glm_moe_dsa_published" / "config.json").read_text())
+    assert "indexer_types" not in config
+    args = get_family("glm_moe_dsa").ModelArgs.from_dict(config)
+    assert args.indexer_types == ["full", "full", "shared", "full"]
+    model, _ = load_golden("glm_moe_dsa_published")
+    assert ["indexer" in layer.self_attn for layer in model.layers] == [True, True, False, True]
+
+
+@pytest.mark.parametrize("name", ["moonlight", "kimi_k2", "glm4_moe_published", "glm_moe_dsa_published"])
+def test_mtp_layers_are_left_out(name):
+    folder = GOLDEN / name
+    n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    stored = mx.load(str(folder / "model.safetensors"))
+    assert any(k.startswith(f"model.layers.{n_layers}.") for k in stored)
+    model, _ = load_golden(name)  # strict load: nothing left over, nothing missing
+    assert len(model.layers) == n_layers
+    assert not any(k.startswith(f"model.layers.{n_layers}.") for k in model.sanitize(dict(stored)))
+
+
+def test_group_limited_routing_keeps_to_the_best_groups():
+    class Args:
+        n_routed_experts, hidden_size, num_experts_per_tok = 8, 4, 2
+        n_group, topk_group, norm_topk_prob, routed_scaling_factor = 4, 1, True, 2.0
+
+    router = GroupLimitedRouter(Args)
+    router.weight = mx.zeros((8, 4))
+    # Group 2 (experts 4, 5) has the best pair once the correction bias is added, though
+    # expert 0 alone scores highest: only group 2's experts may be chosen.
+    router.e_score_correction_bias = mx.array([0.9, -0.9, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0])
+    chosen, weights = router(mx.ones((1, 4)))
+    assert sorted(chosen[0].tolist()) == [4, 5]
+    # Weights come from the unbiased sigmoid (0.5 each), renormalised and scaled.
+    assert mx.allclose(weights, mx.array([[1.0, 1.0]])).item()
+
+
+def test_memory_plan_counts_latents_per_token():
+    deepseek = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                "num_attention_heads": 128, "num_key_value_heads": 128}
+    assert kv_bytes_per_token(config_from_dict(deepseek), 2) == 61 * (512 + 64) * 2
+    glm5 = {"model_type": "glm_moe_dsa", "num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+            "index_head_dim": 128, "indexer_types": ["full", "shared", "shared", "full"]}
+    assert kv_bytes_per_token(config_from_dict(glm5), 2) == (4 * 576 + 2 * 128) * 2
+    glm45 = {"model_type": "glm4_moe", "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
+             "head_dim": 128, "hidden_size": 4096}
+    assert kv_bytes_per_token(config_from_dict(glm45), 2) == 46 * 2 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("name", ["kimi_k2", "glm4_moe_published"])
+def test_loads_through_the_engine_loader(name):
+    from engine.artifacts.loader import load_model
+
+    loaded = load_model(GOLDEN / name, dtype="float32", memory_budget=10**9)
+    expected = json.loads((GOLDEN / name / "expected.json").read_text())
+    cache = loaded.model.make_cache()
+    logits = last_logits(loaded.model, expected["prompt_ids"], cache)
+    assert int(mx.argmax(logits).item()) == expected["greedy_ids"][0]
