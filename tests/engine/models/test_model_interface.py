@@ -21,7 +21,8 @@ def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError) as err:
         get_family("xyz")
     assert str(err.value) == (
-        "Unsupported architecture 'xyz'. MLX Desk runs: gemma2, gemma3, gemma3_text, llama, mistral, "
+        "Unsupported architecture 'xyz'. MLX Desk runs: deepseek_v3, gemma2, gemma3, gemma3_text, glm4_moe, "
+        "glm4_moe_lite, glm_moe_dsa, kimi_k2, llama, mistral, "
         "phi3, qwen2, qwen2_5_vl, qwen2_audio, qwen3, qwen3_moe, voxtral."
     )
     for model_type in SUPPORTED:
