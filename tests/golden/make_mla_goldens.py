@@ -111,6 +111,15 @@ VARIANTS: dict[str, tuple[dict, object, int]] = {
              rope_parameters={"rope_type": "default", "rope_theta": 8000.0}),
         None, 0,
     ),
+    # An indexer in every layer, as GLM-5's first release and mlx-lm have it; rope_parameters
+    # is that repo's own spelling.
+    "glm_moe_dsa_every_layer": (
+        dict(model_type="glm_moe_dsa", **MLA, q_lora_rank=32, n_routed_experts=6, n_shared_experts=1,
+             num_experts_per_tok=2, routed_scaling_factor=2.5, first_k_dense_replace=1, index_topk=8,
+             index_head_dim=32, index_n_heads=8, indexer_types=["full", "full", "full"],
+             rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        None, 0,
+    ),
     # The published spelling: the full/shared pattern from index_topk_freq (F F S F here).
     "glm_moe_dsa_published": (
         dict(model_type="glm_moe_dsa", **{**MLA, "num_hidden_layers": 4}, q_lora_rank=24, n_routed_experts=6,

@@ -23,7 +23,7 @@ from engine.models.mla_cache import MLALatentCache
 from engine.models.routed_moe import GroupLimitedRouter
 
 MLA_GOLDENS = ["deepseek_v3", "moonlight", "kimi_k2", "glm4_moe_lite", "glm4_moe_lite_published", "glm_moe_dsa",
-               "glm_moe_dsa_published"]
+               "glm_moe_dsa_published", "glm_moe_dsa_every_layer"]
 ALL_GOLDENS = [*MLA_GOLDENS, "glm4_moe", "glm4_moe_published"]
 
 
@@ -162,3 +162,27 @@ def test_loads_through_the_engine_loader(name):
     cache = loaded.model.make_cache()
     logits = last_logits(loaded.model, expected["prompt_ids"], cache)
     assert int(mx.argmax(logits).item()) == expected["greedy_ids"][0]
+
+
+MLX_LAYOUTS = GOLDEN.parent / "mlx_layouts"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in MLX_LAYOUTS.iterdir() if (p / "expected.json").is_file()))
+def test_mlx_lm_layout_matches_mlx_lm(name):
+    """mlx-lm's 4-bit conversion (split kv_b_proj, stacked experts, quantized layers where
+    the file says) loads as it is and decodes as mlx-lm does."""
+    from engine.artifacts.loader import load_model
+
+    loaded = load_model(MLX_LAYOUTS / name, memory_budget=10**9)
+    expected = json.loads((MLX_LAYOUTS / name / "expected.json").read_text())
+    model = loaded.model
+    cache = model.make_cache()
+    logits = last_logits(model, expected["prompt_ids"], cache)
+    ids, logprobs = [], []
+    for _ in expected["greedy_ids"]:
+        lp = logits - mx.logsumexp(logits)
+        ids.append(int(mx.argmax(lp).item()))
+        logprobs.append(float(lp[ids[-1]].item()))
+        logits = last_logits(model, [ids[-1]], cache)
+    assert ids == expected["greedy_ids"]
+    assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"])) < 2e-3
