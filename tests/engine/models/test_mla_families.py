@@ -186,3 +186,22 @@ def test_mlx_lm_layout_matches_mlx_lm(name):
         logits = last_logits(model, [ids[-1]], cache)
     assert ids == expected["greedy_ids"]
     assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"])) < 2e-3
+
+
+def test_bench_mla_shape_builds_and_matches_mlx_lm():
+    """The bench's MLA shape (Moonlight's layout at tiny scale) runs, and mlx-lm's
+    deepseek_v3 takes its weights as they are and computes the same logits."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache as mlx_lm_cache
+
+    from engine.bench import SHAPES, build_model, mlx_lm_twin
+
+    assert SHAPES["moonlight-16b-a3b"]["model_type"] == "deepseek_v3"
+    model, config, quantized = build_model("tiny-mla", 4, 32)
+    twin = mlx_lm_twin(model, config, quantized)
+    ours, theirs = model.make_cache(), mlx_lm_cache(twin)
+    prompt = mx.array([[(7 * i + 3) % 250 for i in range(12)]])
+    assert mx.array_equal(model(prompt, cache=ours), twin(prompt, cache=theirs)).item()
+    for token in (5, 17, 101):
+        step = mx.array([[token]])
+        assert mx.array_equal(model(step, cache=ours), twin(step, cache=theirs)).item()
