@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import BaseModelArgs, CausalLM, DecoderStack, GatedMLP, activation
-from .mla import MLAttention, latent_caches, split_kv_b
+from .mla import LatentAttention, latent_caches, split_kv_b
 from .mla_cache import latent_bytes_per_token
 from .routed_moe import RoutedMoE, drop_nextn_layers, stack_experts
 
@@ -89,10 +89,14 @@ class DecoderLayer(nn.Module):
         self.window = None
 
     def make_attention(self, args: ModelArgs, index: int) -> nn.Module:
-        return MLAttention(args)
+        return LatentAttention(args)
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return self.finish(x, self.self_attn(self.input_layernorm(x), mask, cache))
+
+    def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
+        """Everything after attention: residual, feed-forward, residual."""
+        h = x + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -128,7 +128,7 @@ class SparseAttention(MLAttention):
             chosen = None if few else self.indexer.select(x, q_resid, offset, index_keys, keep)
         if chosen is not None:
             keep = chosen if keep is None else keep & chosen
-        return self.attend(q_nope, q_pe, latent, k_pe, keep), chosen
+        return self.attend_all(q_nope, q_pe, latent, k_pe, keep), chosen
 
 
 class DecoderLayer(deepseek_v3.DecoderLayer):

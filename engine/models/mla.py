@@ -134,7 +134,7 @@ class MLAttention(nn.Module):
         latent, k_pe = self.latents(x, offset)
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
-        return self.attend(q_nope, q_pe, latent, k_pe, causal_keep(mask, x.shape[1], latent.shape[2]))
+        return self.attend_all(q_nope, q_pe, latent, k_pe, causal_keep(mask, x.shape[1], latent.shape[2]))
 
     def queries(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array | None]:
         """No-RoPE and rotated query parts [B, heads, L, dims], and the query latent
@@ -158,22 +158,54 @@ class MLAttention(nn.Module):
         k_pe = self.rope(k_pe.reshape(b, 1, n, self.rope_dims), offset)
         return latent, k_pe
 
-    def attend(self, q_nope, q_pe, latent, k_pe, keep) -> mx.array:
+    def rope_scores(self, q_pe, k_pe, keep) -> mx.array:
+        """The RoPE part of the scores [B, heads, L, keys], scaled, with -inf-like values
+        where ``keep`` says no: the fused attention's additive mask."""
+        scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
+        if keep is not None:
+            scores = mx.where(keep, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        return scores
+
+    def latent_attention(self, q_latent, q_pe, latent, k_pe, keep) -> mx.array:
+        """The absorbed form: queries already in the latent space [B, heads, L, kv_lora_rank]
+        attend over the latents as one shared key/value head; the result stays there."""
+        return mx.fast.scaled_dot_product_attention(q_latent, latent, latent, scale=self.scale,
+                                                    mask=self.rope_scores(q_pe, k_pe, keep))
+
+    def output(self, heads: mx.array) -> mx.array:
+        """The output projection of per-head values [B, heads, L, v_head_dim]."""
+        b, _, n, _ = heads.shape
+        return self.o_proj(heads.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+    def attend_all(self, q_nope, q_pe, latent, k_pe, keep) -> mx.array:
         """Attention over all cached tokens, ``keep`` [..., queries, keys] saying which
         each query may see (None: all), then the output projection."""
-        b, _, n, _ = q_nope.shape
-        pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B, heads, L, keys]
-        if keep is not None:
-            pe_scores = mx.where(keep, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
-        if n <= ABSORB_MAX_QUERIES:
-            q = self.embed_q(q_nope)  # [B, heads, L, kv_lora_rank]
-            out = mx.fast.scaled_dot_product_attention(q, latent, latent, scale=self.scale, mask=pe_scores)
-            out = self.unembed_out(out)
-        else:
-            k = self.embed_q(latent, transpose=False)  # [B, heads, keys, nope]
-            v = self.unembed_out(latent)  # [B, heads, keys, v]
-            out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=pe_scores)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        if q_nope.shape[2] <= ABSORB_MAX_QUERIES:
+            return self.output(self.unembed_out(self.latent_attention(self.embed_q(q_nope), q_pe, latent, k_pe, keep)))
+        k = self.embed_q(latent, transpose=False)  # [B, heads, keys, nope]
+        v = self.unembed_out(latent)  # [B, heads, keys, v]
+        out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale,
+                                                   mask=self.rope_scores(q_pe, k_pe, keep))
+        return self.output(out)
+
+
+class LatentAttention(MLAttention):
+    """MLA cut into the compiled decode step's pieces (``engine/fast_decode.py``): ``qkv``
+    (queries moved into the latent space, with their rotated part appended; the new
+    latents; the new rope keys), ``attend`` over what the cache returns, and ``out``.
+    (DSA layers do not take this path: their attention also depends on other layers.)"""
+
+    def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        q_nope, q_pe, _ = self.queries(x, offset)
+        latent, k_pe = self.latents(x, offset)
+        return mx.concatenate([self.embed_q(q_nope), q_pe], axis=-1), latent, k_pe
+
+    def attend(self, q: mx.array, latent: mx.array, k_pe: mx.array, mask) -> mx.array:
+        keep = causal_keep(mask, q.shape[2], latent.shape[2])
+        return self.latent_attention(q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :], latent, k_pe, keep)
+
+    def out(self, attn: mx.array) -> mx.array:
+        return self.output(self.unembed_out(attn))
 
 
 def split_kv_b(weights: dict[str, mx.array], prefix: str, args: Any) -> None:
