@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import UnsupportedModelError
 from .base import BaseModelArgs, CausalLM, DecoderStack, GatedMLP, activation
 from .mla import LatentAttention, latent_caches, split_kv_b
 from .mla_cache import latent_bytes_per_token
@@ -62,6 +63,13 @@ class ModelArgs(BaseModelArgs):
             config["n_routed_experts"] = config["num_local_experts"]
         if "num_nextn_predict_layers" not in config and "num_mtp_layers" in config:
             config["num_nextn_predict_layers"] = config["num_mtp_layers"]
+        # DeepSeek V2's softmax / greedy routing under this model_type would run silently wrong.
+        scoring, method = config.get("scoring_func", "sigmoid"), config.get("topk_method", "noaux_tc")
+        if scoring != "sigmoid" or method != "noaux_tc":
+            raise UnsupportedModelError(
+                f"{config.get('model_type')} with scoring_func={scoring!r}, topk_method={method!r} is not supported; "
+                "MLX Desk runs DeepSeek V3's sigmoid routing (scoring_func 'sigmoid', topk_method 'noaux_tc')"
+            )
         return config
 
     def is_sparse(self, index: int) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import ModelLoadError
 from .base import GatedMLP, activation
 from .switch import SwitchGLU
 
@@ -90,10 +91,16 @@ def stack_experts(weights: dict[str, mx.array], prefix: str, n_experts: int) -> 
         return
     for proj in ("gate_proj", "up_proj", "down_proj"):
         for part in ("weight", "scales", "biases"):
-            if f"{prefix}.experts.0.{proj}.{part}" not in weights:
+            names = [f"{prefix}.experts.{e}.{proj}.{part}" for e in range(n_experts)]
+            if names[0] not in weights:
                 continue
-            stacked = [weights.pop(f"{prefix}.experts.{e}.{proj}.{part}") for e in range(n_experts)]
-            weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack(stacked)
+            missing = [e for e, name in enumerate(names) if name not in weights]
+            if missing:
+                raise ModelLoadError(
+                    f"the checkpoint lacks {len(missing)} of the {n_experts} experts' {proj}.{part} in {prefix} "
+                    f"(first: expert {missing[0]}); the download is incomplete or its index is wrong"
+                )
+            weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack([weights.pop(name) for name in names])
 
 
 def drop_nextn_layers(weights: dict[str, mx.array], n_layers: int) -> dict[str, mx.array]:

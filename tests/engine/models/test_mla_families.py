@@ -229,3 +229,25 @@ def test_compiled_decode_step_equals_the_plain_one(name):
     assert max(abs(a - b) for a, b in zip(plain[1], fast[1])) < 1e-5
     dsa, _ = load_golden("glm_moe_dsa")
     assert compiled_decoder(dsa) is None
+
+
+def test_missing_experts_are_one_clear_error(tmp_path):
+    from engine.artifacts.loader import load_model
+    from engine.errors import ModelLoadError
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text((GOLDEN / "moonlight" / "config.json").read_text())
+    weights = mx.load(str(GOLDEN / "moonlight" / "model.safetensors"))
+    del weights["model.layers.2.mlp.experts.4.up_proj.weight"]
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    with pytest.raises(ModelLoadError, match="lacks 1 of the 6 experts' up_proj.weight in model.layers.2.mlp"):
+        load_model(folder, memory_budget=10**9)
+
+
+def test_other_routing_is_refused_in_one_line():
+    from engine.errors import UnsupportedModelError
+
+    config = json.loads((GOLDEN / "moonlight" / "config.json").read_text())
+    with pytest.raises(UnsupportedModelError, match="scoring_func='softmax'"):
+        get_family("deepseek_v3").ModelArgs.from_dict({**config, "scoring_func": "softmax"})
