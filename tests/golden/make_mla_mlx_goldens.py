@@ -2,7 +2,8 @@
 greedy output on it: the reference for loading what mlx-community publishes.
 
 For each published-spelling golden made by make_mla_goldens.py (mlx-lm reads only the
-repos' spelling), mlx-lm's converter writes a 4-bit (group 32) copy; mlx-lm then loads that
+repos' spelling), mlx-lm's converter writes a 4-bit (group 32) copy, for two of them also one in a
+float mode (mxfp4, nvfp4); mlx-lm then loads that
 folder and decodes greedily in float32, recording ids and log-probs. The converter needs a
 tokenizer to load a folder; the GPT-2 one from the shared data stands in (the tiny models
 ignore it) and is left out of the stored folder.
@@ -34,13 +35,16 @@ BITS, GROUP = 4, 32
 _load_tokenizer = mlx_lm.utils.load_tokenizer
 mlx_lm.utils.load_tokenizer = lambda _path, *args, **kwargs: _load_tokenizer(TOKENIZER.resolve(), *args, **kwargs)
 
-# golden name (a published-spelling folder of make_mla_goldens.py) -> family it stands for
+# output folder -> (make_mla_goldens.py folder, family it stands for, quantization mode)
 NAMES = {
-    "kimi_k2": "deepseek_v3 (as kimi_k2)",
-    "moonlight": "deepseek_v3",
-    "glm4_moe_published": "glm4_moe",
-    "glm4_moe_lite_published": "glm4_moe_lite",
-    "glm_moe_dsa_every_layer": "glm_moe_dsa",
+    "kimi_k2": ("kimi_k2", "deepseek_v3 (as kimi_k2)", "affine"),
+    "moonlight": ("moonlight", "deepseek_v3", "affine"),
+    "glm4_moe_published": ("glm4_moe_published", "glm4_moe", "affine"),
+    "glm4_moe_lite_published": ("glm4_moe_lite_published", "glm4_moe_lite", "affine"),
+    "glm_moe_dsa_every_layer": ("glm_moe_dsa_every_layer", "glm_moe_dsa", "affine"),
+    # The float modes (their bits and group size are the mode's own).
+    "kimi_k2_mxfp4": ("kimi_k2", "deepseek_v3 (as kimi_k2)", "mxfp4"),
+    "glm4_moe_lite_nvfp4": ("glm4_moe_lite_published", "glm4_moe_lite", "nvfp4"),
 }
 
 
@@ -58,7 +62,8 @@ def greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
 
 
 def make(name: str) -> None:
-    source = SOURCE / name
+    golden, family, mode = NAMES[name]
+    source = SOURCE / golden
     expected = json.loads((source / "expected.json").read_text())
     folder = OUT / name
     if folder.exists():
@@ -76,7 +81,8 @@ def make(name: str) -> None:
         for key, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"), ("moe_layer_freq", 1)):
             config.setdefault(key, value)  # DeepSeek-style keys the repos carry and mlx-lm requires
         (hf / "config.json").write_text(json.dumps(config))
-        convert(str(hf), str(folder), quantize=True, q_bits=BITS, q_group_size=GROUP, dtype="float32")
+        bits, group = (BITS, GROUP) if mode == "affine" else (None, None)
+        convert(str(hf), str(folder), quantize=True, q_bits=bits, q_group_size=group, q_mode=mode, dtype="float32")
     for f in folder.iterdir():  # keep the weights and config only
         if f.name not in ("config.json", "model.safetensors", "model.safetensors.index.json"):
             f.unlink()
@@ -85,8 +91,8 @@ def make(name: str) -> None:
     ids, logprobs = greedy(model, expected["prompt_ids"], len(expected["greedy_ids"]))
     record = {
         "mlx_lm_version": mlx_lm.__version__,
-        "family": NAMES[name],
-        "quantization": {"bits": BITS, "group_size": GROUP},
+        "family": family,
+        "quantization": json.loads((folder / "config.json").read_text())["quantization"],
         "prompt_ids": expected["prompt_ids"],
         "greedy_ids": ids,
         "logprobs": logprobs,
