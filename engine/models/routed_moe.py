@@ -38,22 +38,27 @@ class GroupLimitedRouter(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(chosen experts [..., k], their weights [..., k] in float32)."""
-        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T
-        scores = mx.sigmoid(logits)
-        choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        if 1 < self.n_group and self.topk_group < self.n_group:
-            grouped = mx.unflatten(choice, -1, (self.n_group, -1))
-            group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [..., groups]
-            dropped = mx.argpartition(group_scores, kth=self.n_group - self.topk_group - 1, axis=-1)
-            dropped = dropped[..., : self.n_group - self.topk_group]
-            grouped = mx.put_along_axis(grouped, dropped[..., None], mx.array(-mx.inf, mx.float32), axis=-2)
-            choice = mx.flatten(grouped, -2, -1)
-        k = self.top_k
-        chosen = mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k]
-        weights = mx.take_along_axis(scores, chosen, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return chosen, weights * self.scaling
+        return _route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                      self.norm_topk_prob, self.scaling)
+
+
+@mx.compile
+def _route(x, weight, bias, k: int, n_group: int, topk_group: int, norm: bool, scaling: float):
+    # One fused function (a dozen small ops), traced once per shape and setting.
+    logits = x.astype(mx.float32) @ weight.astype(mx.float32).T
+    scores = mx.sigmoid(logits)
+    choice = scores + bias.astype(mx.float32)
+    if 1 < n_group and topk_group < n_group:
+        grouped = mx.unflatten(choice, -1, (n_group, -1))
+        group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [..., groups]
+        dropped = mx.argpartition(group_scores, kth=n_group - topk_group - 1, axis=-1)[..., : n_group - topk_group]
+        grouped = mx.put_along_axis(grouped, dropped[..., None], mx.array(-mx.inf, mx.float32), axis=-2)
+        choice = mx.flatten(grouped, -2, -1)
+    chosen = mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k]
+    weights = mx.take_along_axis(scores, chosen, axis=-1)
+    if norm:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return chosen, weights * scaling
 
 
 class RoutedMoE(nn.Module):
