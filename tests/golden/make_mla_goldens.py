@@ -92,7 +92,7 @@ VARIANTS: dict[str, tuple[dict, object, int]] = {
     "glm4_moe_lite": (
         dict(model_type="glm4_moe_lite", **MLA, q_lora_rank=24, n_routed_experts=8, n_shared_experts=1,
              num_experts_per_tok=3, n_group=2, topk_group=1, routed_scaling_factor=1.8,
-             mlp_layer_types=["dense", "sparse", "sparse"],
+             mlp_layer_types=["dense", "sparse", "sparse"], rope_interleave=False,
              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
         None, 0,
     ),
