@@ -99,7 +99,8 @@ def make(name: str) -> None:
         "transformers_greedy_ids": expected["greedy_ids"],
     }
     (folder / "expected.json").write_text(json.dumps(record, indent=2) + "\n")
-    quantized = sorted({k.rsplit(".", 2)[-2] for k in mx.load(str(folder / "model.safetensors")) if k.endswith(".scales")})
+    stored = mx.load(str(folder / "model.safetensors"))
+    quantized = sorted({k.rsplit(".", 2)[-2] for k in stored if k.endswith(".scales")})
     size = sum(p.stat().st_size for p in folder.iterdir())
     print(f"{name}: {size // 1024} KB, quantized {quantized}, greedy {ids}")
 
