@@ -39,6 +39,25 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         tie_word_embeddings=True,
     ),
+    # Multi-head latent attention + routed experts (a deepseek_v3 model), from
+    # moonshotai/Moonlight-16B-A3B's config: 27 layers (1 dense), 64 experts top-6 + 2 shared.
+    "moonlight-16b-a3b": dict(
+        model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, intermediate_size=11264, moe_intermediate_size=1408, vocab_size=163840,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+        routed_scaling_factor=2.446, first_k_dense_replace=1, moe_layer_freq=1, norm_topk_prob=True,
+        topk_method="noaux_tc", scoring_func="sigmoid", rms_norm_eps=1e-5, rope_theta=50000.0,
+        max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
+    "tiny-mla": dict(
+        model_type="deepseek_v3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=64, vocab_size=256,
+        kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        routed_scaling_factor=2.0, first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=50000.0,
+        max_position_embeddings=2048, tie_word_embeddings=False,
+    ),
     "llama3-8b": dict(
         model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5,

@@ -126,7 +126,7 @@ class CompiledDecoder:
         offset = cache[0].offset
         masks = []
         for layer, c in zip(self._model().layers, cache):
-            if type(c) not in _CACHE_KINDS or c.keys is None or c.offset != offset:
+            if not isinstance(c, _CACHE_KINDS) or c.keys is None or c.offset != offset:
                 return None
             mask = c.make_mask(n, getattr(layer, "window", None))
             if mask is not None and not isinstance(mask, str):

@@ -14,12 +14,17 @@ from engine.errors import UnsupportedModelError
 
 # model_type -> module in this package
 SUPPORTED: dict[str, str] = {
+    "deepseek_v3": "deepseek_v3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
     "gpt_oss": "gpt_oss",
+    "glm4_moe": "glm4_moe",
+    "glm4_moe_lite": "glm4_moe_lite",
+    "glm_moe_dsa": "glm_moe_dsa",
+    "kimi_k2": "deepseek_v3",
     "llama": "llama",
     "ministral3": "ministral3",
     "mistral": "llama",

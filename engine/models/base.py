@@ -72,7 +72,10 @@ class RoPE(nn.Module):
     ``freqs`` (optional) are per-pair wavelengths over 2*pi, i.e. 1 / inv_freq, which is
     what ``mx.fast.rope`` takes. ``out_scale`` multiplies the rotated features, the way
     transformers multiplies cos/sin by its "attention factor" (YaRN, LongRoPE).
+    ``traditional`` rotates adjacent pairs instead (DeepSeek's interleaved layout).
     """
+
+    traditional = False
 
     def __init__(self, dims: int, base: float | None, scale: float = 1.0, freqs: mx.array | None = None,
                  out_scale: float = 1.0):
@@ -84,7 +87,7 @@ class RoPE(nn.Module):
         self.out_scale = out_scale
 
     def _rope(self, x: mx.array, offset: int, freqs: mx.array | None, base: float | None) -> mx.array:
-        y = mx.fast.rope(x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset, freqs=freqs)
+        y = mx.fast.rope(x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset, freqs=freqs)
         if self.out_scale != 1.0:
             if self.dims == x.shape[-1]:
                 y = y * self.out_scale
@@ -370,8 +373,12 @@ def kv_bytes_per_token(args, dtype_bytes: int) -> int:
 
     Assumption: a sliding-window layer holds at most its window, so past that it costs
     nothing per token; its fixed cost is ``kv_window_bytes``. Full-attention layers
-    cost 2 (K and V) x kv heads x head dim x dtype bytes per token each.
+    cost 2 (K and V) x kv heads x head dim x dtype bytes per token each, unless the
+    family's args say otherwise (``kv_bytes_per_token(dtype_bytes)``: latent caches).
     """
+    own = getattr(args, "kv_bytes_per_token", None)
+    if callable(own):  # a family whose cache is not keys and values per head (MLA's latent)
+        return own(dtype_bytes)
     return sum(b for w, b in _cache_layers(args, dtype_bytes) if w is None)
 
 

@@ -32,6 +32,7 @@ TEMPLATES = {
     "llama.cpp/deepseek-ai-DeepSeek-V3.1.jinja": ("thinking", [False, True]),
     "llama.cpp-2026/deepseek-ai-DeepSeek-V3.2.jinja": ("thinking", [False, True]),
     "llama.cpp-2026/HuggingFaceTB-SmolLM3-3B.jinja": ("enable_thinking", [False, True]),
+    "llama.cpp-2026/GLM-4.6.jinja": ("enable_thinking", [False, True]),
     "mistral.rs/smollm3.jinja": ("enable_thinking", [False, True]),
     "llama.cpp/openai-gpt-oss-120b.jinja": ("reasoning_effort", ["low", "medium", "high"]),
 }
@@ -52,7 +53,9 @@ CONVERSATIONS = {
 
 
 def render(source: str, messages: list, variables: dict) -> dict:
-    conversation = ctu._normalize_chat_messages(messages)
+    # transformers 5.23 renamed its message normaliser.
+    normalise = getattr(ctu, "_normalize_chat_messages", None) or ctu._alias_reasoning_fields
+    conversation = normalise(messages)
     try:
         rendered, _ = ctu.render_jinja_template(
             conversations=[conversation], chat_template=source, add_generation_prompt=True,

@@ -32,6 +32,7 @@ DEFAULTS = {
     "llama.cpp/deepseek-ai-DeepSeek-V3.1.jinja": False,
     "llama.cpp-2026/deepseek-ai-DeepSeek-V3.2.jinja": False,
     "llama.cpp-2026/HuggingFaceTB-SmolLM3-3B.jinja": True,
+    "llama.cpp-2026/GLM-4.6.jinja": True,
     "mistral.rs/smollm3.jinja": True,
     "llama.cpp/openai-gpt-oss-120b.jinja": "medium",
 }
@@ -41,6 +42,7 @@ WITHOUT_SWITCH = [
     "chujiezheng/llama-3-instruct.jinja",
     "llama.cpp/Qwen-Qwen2.5-7B-Instruct.jinja",
     "llama.cpp/Mistral-Small-3.2-24B-Instruct-2506.jinja",
+    "llama.cpp-2026/Kimi-K2-Instruct.jinja",
 ]
 
 
