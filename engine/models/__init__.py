@@ -25,6 +25,8 @@ SUPPORTED: dict[str, str] = {
     "qwen2_audio": "qwen2_audio",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl_moe",
     "voxtral": "voxtral",
 }
 
