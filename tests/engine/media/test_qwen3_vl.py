@@ -185,3 +185,53 @@ def test_bad_videos_get_one_line_each(shared_data, clip, tmp_path):
         with pytest.raises(MediaError, match=message) as info:
             probe(path)
         assert "\n" not in str(info.value), path
+
+
+@pytest.fixture(scope="module")
+def float32_folder(tmp_path_factory) -> Path:
+    """The qwen3_vl golden with its weights stored in float32, for the CLI (which computes
+    in the checkpoint's dtype)."""
+    import shutil
+
+    import mlx.core as mx
+
+    folder = tmp_path_factory.mktemp("f32") / "qwen3_vl"
+    shutil.copytree(GOLDEN / "qwen3_vl", folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"), {k: v.astype(mx.float32) for k, v in weights.items()},
+                        metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    return subprocess.run([sys.executable, "-m", "engine", "generate", *args], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_video_then_image_puts_images_first_and_matches_transformers(float32_folder, shared_data, clip):
+    """--video given before --image: the message still holds the image, then the video."""
+    exp = expected("qwen3_vl")["both"]
+    proc = _cli("--model", str(float32_folder), "--chat", "--prompt", "Describe both.", "--video", str(clip),
+                "--image", str(shared_data / "images" / "chelsea.png"), "--max-tokens", "10", "--ignore-eos",
+                "--logprobs", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["prompt_tokens"] == len(exp["prompt_ids"])
+    assert out["token_ids"] == exp["token_ids"]
+    np.testing.assert_allclose(out["token_logprobs"], exp["token_logprobs"], atol=1e-3, rtol=0)
+
+
+def test_cli_video_on_a_model_without_video_is_one_line(clip):
+    proc = _cli("--model", str(GOLDEN.parent / "vision" / "qwen2_5_vl"), "--chat", "--prompt", "hi",
+                "--video", str(clip), "--max-tokens", "2")
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "cannot watch video" in err and "qwen3_vl" in err
