@@ -235,3 +235,46 @@ def test_cli_video_on_a_model_without_video_is_one_line(clip):
     err = proc.stderr.strip()
     assert "\n" not in err and "Traceback" not in err
     assert "cannot watch video" in err and "qwen3_vl" in err
+
+
+@pytest.mark.parametrize("case", ["image", "video"])
+def test_compiled_and_speculative_decoding_after_media_match_transformers(loaded, shared_data, clip, case,
+                                                                          monkeypatch):
+    """Interleaved mRoPE continues text at shifted positions: the compiled decode step and
+    n-gram verification passes follow that shift, and greedy output stays transformers'."""
+    import engine.generate as generate
+    from engine.fast_decode import CompiledDecoder
+
+    name, host = loaded
+    exp = expected(name)[case]
+    plain_step = generate.generate_step
+    monkeypatch.setattr(generate, "generate_step", lambda *a, **k: plain_step(*a, **{**k, "compiled": True}))
+    steps = []
+    real_call = CompiledDecoder.__call__
+
+    def counted(self, tokens, cache, *shift):
+        out = real_call(self, tokens, cache, *shift)
+        steps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CompiledDecoder, "__call__", counted)
+    n = len(exp["token_ids"])
+    params = GenerationParams(max_tokens=n, logprobs=True, ignore_eos=True)
+    result = host.generate(f"compiled-{case}", exp["messages"], params, media=media_for(case, shared_data, clip))
+    assert result.token_ids == exp["token_ids"]
+    np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=1e-3, rtol=0)
+    assert sum(steps) == n - 1  # every step after the prompt's last token ran compiled
+
+    import engine.speculative as speculative
+
+    plain_spec = speculative.speculative_step
+    spec = GenerationParams(max_tokens=n, logprobs=True, ignore_eos=True, speculative="ngram", ngram_size=1)
+    for compiled in (False, True):
+        steps.clear()
+        monkeypatch.setattr(speculative, "speculative_step",
+                            lambda *a, c=compiled, **k: plain_spec(*a, **{**k, "compiled": c}))
+        result = host.generate(f"spec-{case}-{compiled}", exp["messages"], spec, media=media_for(case, shared_data, clip))
+        assert result.token_ids == exp["token_ids"]
+        np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=1e-3, rtol=0)
+        assert result.stats.draft_tokens > 0
+        assert any(steps) == compiled  # verification passes ran compiled when asked
