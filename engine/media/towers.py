@@ -27,6 +27,7 @@ _QWEN3_VL = {"image": "engine.media.qwen3_vl.encoders",
 TOWERS: dict[str, dict[str, str]] = {
     "gemma3": {"image": "engine.media.gemma3_vision"},
     "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl_vision"},
+    "mistral3": {"image": "engine.media.pixtral.tower"},
     "qwen3_vl": _QWEN3_VL,
     "qwen3_vl_moe": _QWEN3_VL,
     "qwen2_audio": {"audio": "engine.media.qwen2_audio_tower"},

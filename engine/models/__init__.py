@@ -19,6 +19,7 @@ SUPPORTED: dict[str, str] = {
     "gemma3_text": "gemma3",
     "llama": "llama",
     "mistral": "llama",
+    "mistral3": "mistral3",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen2_5_vl": "qwen2_5_vl",
