@@ -272,6 +272,7 @@ class ModelInfo:
     plan: MemoryPlan | None = None
     vision: bool = False
     audio: bool = False
+    video: bool = False  # takes video parts (Qwen3-VL)
     chat_template: bool = True  # False: a base model, prompted as plain running text
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order

@@ -56,7 +56,6 @@ class VideoPatches:
     grid: tuple[int, int, int]  # (temporal groups, height, width) in patches
     timestamps: list[float]  # seconds, one per temporal group
     indices: list[int]  # the sampled frame numbers
-    limited: bool  # fewer frames were sampled than fps asked for (max_frames)
 
 
 @dataclass(frozen=True)
@@ -159,5 +158,8 @@ class VideoProcessor:
         x = x.reshape(groups, t, c, gh // m, m, p, gw // m, m, p)
         x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (groups, gh/m, gw/m, m, m, C, T, p, p)
         patches = np.ascontiguousarray(x).reshape(groups * gh * gw, c * t * p * p)
-        return VideoPatches(patches, (groups, gh, gw), self.timestamps(indices, fps), [int(i) for i in indices],
-                            limited=False)
+        return VideoPatches(patches, (groups, gh, gw), self.timestamps(indices, fps), [int(i) for i in indices])
+
+    def limited(self, total: int, fps: float) -> bool:
+        """Whether a clip this long gets fewer frames than ``fps`` asks for (``max_frames``)."""
+        return self.wanted(total, fps) > self.max_frames
