@@ -22,7 +22,7 @@ def test_unknown_architecture_names_the_supported_ones():
         get_family("xyz")
     assert str(err.value) == (
         "Unsupported architecture 'xyz'. MLX Desk runs: gemma2, gemma3, gemma3_text, llama, mistral, "
-        "phi3, qwen2, qwen2_5_vl, qwen2_audio, qwen3, qwen3_moe, voxtral."
+        "mistral3, phi3, qwen2, qwen2_5_vl, qwen2_audio, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, voxtral."
     )
     for model_type in SUPPORTED:
         family = get_family(model_type)
