@@ -12,7 +12,8 @@ decoder layers (the k-th feature after layer k). The engine passes them inside t
 input embeddings: an image's rows are ``hidden * (1 + k)`` wide (the embedding, then each
 DeepStack feature) and text rows carry zeros there, so adding them leaves text exact.
 
-Weights: ``model.language_model.*`` (transformers 5) or ``model.*``; ``lm_head``.
+Weights: ``model.language_model.*`` (transformers 5), ``language_model.model.*`` (mlx-vlm) or
+``model.*``; ``lm_head``.
 """
 
 from __future__ import annotations
@@ -80,5 +81,12 @@ class Qwen3VLModel(qwen2_5_vl.QwenVLModel):
         return self.run(inputs, cache, embeddings, position_ids=position_ids, deepstack=deepstack)
 
 
+# The tower's weights, left for engine/media/qwen3_vl (mlx-vlm names it vision_tower).
+_TOWER = ("visual.", "model.visual.", "vision_tower.")
+
+
 class Model(qwen2_5_vl.Model):
     model_class = Qwen3VLModel
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return super().sanitize({k: v for k, v in weights.items() if not k.startswith(_TOWER)})

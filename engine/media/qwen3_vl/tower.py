@@ -11,7 +11,7 @@ to the outputs of ``deepstack_visual_indexes`` blocks, normalising after the joi
 
 The output of one image or frame group is ``(tokens, out_hidden * (1 + k))``: the merged
 features, then the k DeepStack features, side by side (engine/models/qwen3_vl.py splits
-them). Weights: ``visual.*`` or ``model.visual.*``.
+them). Weights: ``visual.*``, ``model.visual.*`` or (mlx-vlm) ``vision_tower.*``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from engine.config_fields import from_known_keys
 from engine.media.qwen2_5_vl_vision import Attention, _segment_mask, vision_positions
 from engine.models.base import activation
 
-RENAMES = (("visual.", ""), ("model.visual.", ""))
+# transformers: (model.)visual.*; mlx-vlm conversions (mlx-community): vision_tower.*
+RENAMES = (("visual.", ""), ("model.visual.", ""), ("vision_tower.", ""))
 
 
 @dataclass

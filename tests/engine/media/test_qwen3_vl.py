@@ -278,3 +278,49 @@ def test_compiled_and_speculative_decoding_after_media_match_transformers(loaded
         np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=1e-3, rtol=0)
         assert result.stats.draft_tokens > 0
         assert any(steps) == compiled  # verification passes ran compiled when asked
+
+
+@pytest.fixture(scope="module")
+def published_folder(tmp_path_factory) -> Path:
+    """The qwen3_vl golden in the other spellings it meets in the wild: the published
+    repos' config (mRoPE in ``rope_scaling`` beside ``rope_theta``) and processor files
+    (preprocessor_config.json + video_preprocessor_config.json), and mlx-vlm's weight
+    names and layout (``language_model.*``, ``vision_tower.*``, a channels-last patch kernel)."""
+    import shutil
+
+    import mlx.core as mx
+
+    folder = tmp_path_factory.mktemp("published") / "qwen3_vl"
+    shutil.copytree(GOLDEN / "qwen3_vl", folder)
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"]
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = rope
+    (folder / "config.json").write_text(json.dumps(config))
+    processor = json.loads((folder / "processor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor["image_processor"]))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(processor["video_processor"]))
+    (folder / "processor_config.json").unlink()
+    renamed = {}
+    for name, value in mx.load(str(folder / "model.safetensors")).items():
+        if name == "model.visual.patch_embed.proj.weight":
+            value = value.transpose(0, 2, 3, 4, 1)
+        for old, new in (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                         ("model.visual.", "vision_tower.")):
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        renamed[name] = value
+    mx.save_safetensors(str(folder / "model.safetensors"), renamed, metadata={"format": "mlx"})
+    return folder
+
+
+def test_published_config_and_mlx_vlm_weight_names_give_the_same_video_reply(published_folder, clip):
+    exp = expected("qwen3_vl")["video"]
+    host = load_float32(published_folder)
+    params = GenerationParams(max_tokens=len(exp["token_ids"]), logprobs=True, ignore_eos=True)
+    result = host.generate("published", exp["messages"], params, media=[MediaInput("video", str(clip))])
+    assert result.stats.prompt_tokens == len(exp["prompt_ids"])
+    assert result.token_ids == exp["token_ids"]
+    np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=1e-3, rtol=0)
