@@ -345,7 +345,7 @@ class MainWindow(QMainWindow):
         self.check_memory()
         self.settings.set_draft(None)
         await self.apply_adapters()
-        self.composer.set_capabilities(info.vision, info.audio)
+        self.composer.set_capabilities(info.vision, info.audio, info.video)
         self.template_notice.setVisible(not info.chat_template)
         mounted = [a.name for a in (self.bridge.model_info or info).adapters]
         self.notify(f"Loaded {info.name}" + (f" with its adapters {', '.join(mounted)}."

@@ -133,3 +133,10 @@ def read_frames(source: str | Path | bytes, indices: Sequence[int]) -> np.ndarra
     if not frames:
         raise MediaError(f"Video {name} has no frames that can be decoded.")
     return np.stack(frames)
+
+
+def poster(source: str | Path | bytes) -> tuple[np.ndarray, VideoInfo]:
+    """The first frame (uint8 (H, W, 3) RGB) and the clip's facts, for a thumbnail; the
+    same one-line MediaErrors as ``probe`` (a clip too long to sample is refused here too)."""
+    info = probe(source)
+    return read_frames(source, [0])[0], info
