@@ -7,4 +7,7 @@ the image processors from image_processors.py), cache.py (EncodedMediaCache), wh
 Multimodal prompts: parts.py (content parts of messages -> ordered MediaInput list),
 prompt.py (placeholder expansion, per-token media keys, the MediaEncoder protocol),
 towers.py (MediaTowers: which media a model takes, lazy tower loading, encoded cache).
+
+Per-family folders hold a tower with its processor: qwen3_vl/ (Qwen3-VL images and video:
+PyAV decoding, frame sampling, DeepStack tower), pixtral/ (Mistral 3 images).
 """

@@ -19,7 +19,7 @@ from tests.app.test_app_images import GEMMA, _load, drop, shown, url_mime
 
 pytest.importorskip("av")
 
-from tests.engine.media.clips import make_clip  # noqa: E402
+from tests.engine.media.clips import make_clip
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 QWEN3_VL = Path(__file__).resolve().parents[1] / "golden" / "qwen3_vl" / "qwen3_vl"
@@ -56,7 +56,7 @@ def test_drop_a_video_send_it_and_find_it_after_a_restart(qtbot, make_window, ru
     window.composer.edit.setPlainText("What happens in this video?")
     with qtbot.wait_signal(window.chat.reply_finished, timeout=120_000) as blocker:
         window.composer.send_button.click()
-    reply_id, result = blocker.args
+    _, result = blocker.args
     assert result.finish_reason in ("stop", "length") and result.stats.generated_tokens >= 1
     assert window.bridge.engine_status()["tower_loaded"]  # the frames really went in
     assert result.stats.prompt_tokens > 100  # 3 frame pairs of soft tokens and their timestamps

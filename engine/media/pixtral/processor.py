@@ -15,7 +15,12 @@ import numpy as np
 from PIL import Image
 
 from engine.errors import MediaError
-from engine.media.image_processors import CLIP_MEAN, CLIP_STD, _check_rgb, _rescale_normalize
+from engine.media.image_processors import (
+    CLIP_MEAN,
+    CLIP_STD,
+    _check_rgb,
+    _rescale_normalize,
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class PixtralImageProcessor:
             raise MediaError(f"Image has no pixels ({width}x{height}).")
         ratio = max(height / self.longest_edge, width / self.longest_edge)
         if ratio > 1:
-            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+            height, width = math.floor(height / ratio), math.floor(width / ratio)
         b = self.block
         return ((height - 1) // b + 1) * b, ((width - 1) // b + 1) * b
 
