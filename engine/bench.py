@@ -57,7 +57,9 @@ class Timing:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
+    from .bench_media import MEDIA_SHAPES, add_media_arguments
+
+    p.add_argument("--shape", choices=sorted(SHAPES) + sorted(MEDIA_SHAPES), default="qwen3-4b")
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("-p", "--prompt-tokens", type=int, default=512)
@@ -70,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_speculative_arguments(p)
     p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
+    add_media_arguments(p)
 
 
 def build_model(shape: str, bits: int, group_size: int, seed: int = 0) -> tuple[Any, dict[str, Any], set[str]]:
@@ -225,6 +228,10 @@ def _row(name: str, t: Timing) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
+    if getattr(args, "media", None) or args.shape not in SHAPES:
+        from .bench_media import run_media_bench
+
+        return run_media_bench(args)
     if args.prompt_tokens < 1 or args.generation_tokens < 2:
         raise EngineError("bench needs -p >= 1 and -g >= 2")
     if args.vs == "mlx-lm":

@@ -324,3 +324,18 @@ def test_published_config_and_mlx_vlm_weight_names_give_the_same_video_reply(pub
     assert result.stats.prompt_tokens == len(exp["prompt_ids"])
     assert result.token_ids == exp["token_ids"]
     np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=1e-3, rtol=0)
+
+
+def test_media_bench_runs_on_a_tiny_shape():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-m", "engine", "bench", "--shape", "qwen3-vl-tiny", "--media", "video",
+                           "--media-seconds", "2", "--media-size", "128x96", "--bits", "16", "--json"],
+                          cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])["engine"]
+    assert out["runs"] == 2  # 4 frames (min_frames), two per temporal patch
+    parts = out["preprocess_s"] + out["tower_s"] + out["prefill_s"]
+    assert out["ttft_s"] == pytest.approx(parts, rel=1e-6)
