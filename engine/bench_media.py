@@ -144,7 +144,7 @@ def run_media_bench(args: Any) -> int:
     return 0
 
 
-def _time_once(kind, source, model, tower, make_prompt_cache, PromptInputs, generate_step) -> dict[str, Any]:  # noqa: N803
+def _time_once(kind, source, model, tower, make_prompt_cache, PromptInputs, generate_step) -> dict[str, Any]:
     import mlx.core as mx
     import numpy as np
 
