@@ -1,4 +1,4 @@
-"""Attached images and audio: what counts as one, where it is kept, how the engine sees it.
+"""Attached images, audio and video: what counts as one, where it is kept, how the engine sees it.
 
 A sent attachment is copied into ``<data dir>/attachments/<sha256>.<ext>``: named by
 its content, so the same photo attached twice is stored once, and the history never
@@ -23,42 +23,56 @@ PILLOW_ONLY_EXT = {".heic", ".heif", ".hif", ".avif"}
 # Pasted or dragged image data in these formats is kept byte for byte.
 ENCODED_IMAGE_MIME = {"image/heic": ".heic", "image/heif": ".heif", "image/avif": ".avif"}
 AUDIO_EXT = {".wav", ".mp3", ".flac", ".ogg", ".m4a"}
+VIDEO_EXT = {".mp4", ".mov", ".m4v", ".webm", ".mkv"}
 
 VISION_MODELS = "a vision model such as Gemma 3 or Qwen2.5-VL"
 NO_VISION = f"This model can't see images — load {VISION_MODELS}."
 NO_MODEL_FOR_IMAGES = f"Load {VISION_MODELS} to attach images."
+# The families whose engine towers watch video (engine.media.towers.TOWERS).
+VIDEO_MODELS = "a video model: Qwen3-VL or Qwen3-VL-MoE (qwen3_vl, qwen3_vl_moe)"
+NO_VIDEO = f"This model can't watch video — load {VIDEO_MODELS}."
+NO_MODEL_FOR_VIDEO = f"Load {VIDEO_MODELS} to attach video."
 NO_WHISPER = ("To turn speech into text, pick a Whisper model folder under "
               "Settings → Speech to text (or load an audio model such as Qwen2-Audio).")
 
 _EXTRA_MIME = {".webp": "image/webp", ".heic": "image/heic", ".heif": "image/heif",
                ".hif": "image/heif", ".avif": "image/avif",
-               ".m4a": "audio/mp4", ".flac": "audio/flac", ".ogg": "audio/ogg"}
+               ".m4a": "audio/mp4", ".flac": "audio/flac", ".ogg": "audio/ogg",
+               ".mkv": "video/x-matroska", ".m4v": "video/x-m4v", ".webm": "video/webm"}
 
 
 def media_kind(path: str | Path) -> str | None:
-    """"image", "audio" or None, from the file name."""
+    """"image", "audio", "video" or None, from the file name."""
     ext = Path(path).suffix.lower()
     if ext in IMAGE_EXT:
         return "image"
+    if ext in VIDEO_EXT:
+        return "video"
     return "audio" if ext in AUDIO_EXT else None
 
 
-def refusal(path: str | Path, vision: bool | None) -> str | None:
+def refusal(path: str | Path, vision: bool | None, video: bool | None = None) -> str | None:
     """Why ``path`` cannot be attached as it is, in one line (None: it can).
 
-    ``vision`` is whether the loaded model sees images (None: no model loaded).
-    Audio is never refused here: it goes as audio or through transcription.
+    ``vision`` is whether the loaded model sees images (None: no model loaded), ``video``
+    whether it watches video (None: no model loaded, or not said). Audio is never refused
+    here: it goes as audio or through transcription.
     """
     name = Path(path).name
     kind = media_kind(path)
     if kind is None:
-        return (f"{name} is not an image or audio file "
-                "(PNG, JPEG, WebP, HEIC, AVIF, WAV, MP3, FLAC, OGG, M4A).")
+        return (f"{name} is not an image, audio or video file "
+                "(PNG, JPEG, WebP, HEIC, AVIF, WAV, MP3, FLAC, OGG, M4A, MP4, MOV, M4V, WebM, MKV).")
     if kind == "image":
         if vision is None:
             return NO_MODEL_FOR_IMAGES
         if not vision:
             return NO_VISION
+    if kind == "video":
+        if vision is None or video is None:
+            return NO_MODEL_FOR_VIDEO
+        if not video:
+            return NO_VIDEO
     return None
 
 

@@ -33,6 +33,7 @@ from PySide6.QtCore import (
 from PySide6.QtGui import (
     QAction,
     QColor,
+    QDesktopServices,
     QDropEvent,
     QFileOpenEvent,
     QFont,

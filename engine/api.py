@@ -283,6 +283,7 @@ class ModelInfo:
     plan: MemoryPlan | None = None
     vision: bool = False
     audio: bool = False
+    video: bool = False  # takes video parts (Qwen3-VL)
     chat_template: bool = True  # False: a base model, prompted as plain running text
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order
@@ -316,13 +317,13 @@ class InspectModel:
 
 @dataclass(frozen=True)
 class MediaInput:
-    """One attached image or audio clip: a file path or the file's encoded bytes.
+    """One attached image, audio clip or video: a file path or the file's encoded bytes.
 
     Messages place media with content parts (``{"type": "image"}``); a part without
     its own source takes the next attached input of its kind, in order.
     """
 
-    kind: Literal["image", "audio"]
+    kind: Literal["image", "audio", "video"]
     source: str | bytes
     # Images, Gemma 3: crop a wide or tall image into extra squares; None: the request's
     # GenerationParams.pan_and_scan, else the model's processor config. Others ignore it.

@@ -13,7 +13,7 @@ from pathlib import Path
 from dataclasses import asdict
 from typing import Any, Callable, Protocol
 
-from app.attachments import NO_VISION, keep_file, message_content
+from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
 from app.qt import QObject, QTimer, Signal, emit
 from app.store import HistoryStore, Message, StoreError
@@ -169,6 +169,9 @@ class ChatController(QObject):
         if any(kind == "image" for kind, _ in attachments) and info is not None and not info.vision:
             emit(self.failed, NO_VISION)
             return False
+        if any(kind == "video" for kind, _ in attachments) and info is not None and not info.video:
+            emit(self.failed, NO_VIDEO)
+            return False
         def keep_all() -> list[tuple[str, str]]:
             return [(kind, str(keep_file(self.store.data_dir, path))) for kind, path in attachments]
 
@@ -307,10 +310,10 @@ class ChatController(QObject):
         """The thread as the engine reads it: attachments become media parts (by their stored
         paths, so the engine's content-keyed caches recognise them on every turn). Media
         the model cannot take is left out, with a note, rather than failing the reply."""
-        kinds = {k for k, ok in (("image", info.vision), ("audio", info.audio)) if ok}
+        kinds = {k for k, ok in (("image", info.vision), ("audio", info.audio), ("video", info.video)) if ok}
         skipped = {kind for m in history for kind, _ in m.attachments if kind not in kinds}
         if skipped:
-            what = " and ".join(sorted(f"{k}s" for k in skipped))
+            what = " and ".join(sorted("audio" if k == "audio" else f"{k}s" for k in skipped))
             emit(self.status, f"Earlier {what} in this chat are left out: {info.name} cannot take them.")
         return [{"role": m.role, "content": message_content(m.content, m.attachments, kinds)}
                 for m in history]

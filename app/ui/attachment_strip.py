@@ -1,8 +1,9 @@
-"""Thumbnails of attached images and chips of audio clips.
+"""Thumbnails of attached images, posters of videos (with their duration) and chips of
+audio clips.
 
 ``AttachmentStrip`` sits above the composer's text box (each item has a × to remove it
 before sending); ``AttachmentRow`` shows a sent message's attachments in its bubble,
-where clicking an image opens ``ImagePreview``. Pictures are decoded off the GUI thread
+where clicking an image opens ``ImagePreview`` and clicking a video plays it. Pictures are decoded off the GUI thread
 (app.ui.images): an image's slot shows a spinner until its thumbnail is ready.
 """
 
@@ -28,6 +29,7 @@ from app.qt import (
     emit,
 )
 from app.ui.images import in_background, read_image, thumbnail_image
+from app.ui.video import VideoCheck, check_video, duration_text, play
 
 THUMB = 64  # composer strip
 BUBBLE_THUMB = 120  # sent messages
@@ -42,11 +44,13 @@ SPIN_MS = 150
 
 
 class _Item(QFrame):
-    """One attachment: an image thumbnail, or an audio chip with the file's name.
+    """One attachment: an image thumbnail, a video's poster frame with its duration, or an
+    audio chip with the file's name.
 
-    An image starts as a spinner; ``set_thumbnail`` puts the picture in. With ``load``
-    the item reads its own thumbnail in the background (a sent message's bubble);
-    without, whoever attached it delivers one (the composer, after checking the file)."""
+    A picture starts as a spinner; ``set_thumbnail`` puts it in (``set_caption`` a video's
+    duration). With ``load`` the item reads its own thumbnail in the background (a sent
+    message's bubble); without, whoever attached it delivers one (the composer, after
+    checking the file)."""
 
     clicked = Signal()
 
@@ -61,7 +65,11 @@ class _Item(QFrame):
         layout.setContentsMargins(0, 0, 0, 0)
         self.picture = QLabel(objectName="attachmentThumb")
         self.picture.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        if kind == "image":
+        self.caption: QLabel | None = None
+        if kind == "video":  # the duration over the poster's lower edge
+            self.caption = QLabel("▶", self.picture, objectName="videoDuration")
+            self.caption.setGeometry(4, size - 18, size - 8, 16)
+        if kind in ("image", "video"):
             self.picture.setFixedSize(size, size)
             self.setCursor(Qt.CursorShape.PointingHandCursor)
             self._spin = QTimer(self)
@@ -72,9 +80,12 @@ class _Item(QFrame):
             self.picture.setProperty("pending", True)  # a grey tile (style.qss) until the picture comes
             self.picture.setText(SPINNER[0])
             self._spin.start()
-            if load:
+            if load and kind == "image":
                 in_background(self, thumbnail_image, path, size, self.ratio(), self.radius,
                               then=self.set_thumbnail)
+            elif load:
+                in_background(self, check_video, path, size, self.ratio(), self.radius,
+                              then=self.set_video)
         else:
             self.picture.setObjectName("audioChip")
             self.picture.setText(f"♪  {_short(Path(path).name)}")
@@ -100,6 +111,16 @@ class _Item(QFrame):
         else:
             self.picture.setPixmap(QPixmap.fromImage(image))
 
+    def set_caption(self, text: str) -> None:
+        if self.caption is not None:
+            self.caption.setText(text)
+            self.caption.raise_()
+
+    def set_video(self, check: VideoCheck) -> None:
+        self.set_thumbnail(check.thumb)
+        if check.problem is None:
+            self.set_caption(f"▶ {duration_text(check.seconds)}")
+
     def _turn(self) -> None:
         self._frame = (self._frame + 1) % len(SPINNER)
         self.picture.setText(SPINNER[self._frame])
@@ -121,6 +142,7 @@ class AttachmentStrip(QWidget):
 
     removed = Signal(int)
     preview_requested = Signal(str)
+    play_requested = Signal(str)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -145,10 +167,12 @@ class AttachmentStrip(QWidget):
             holder.deleteLater()
         self.setVisible(bool(attachments))
 
-    def set_thumbnail(self, path: str, image: QImage) -> None:
+    def set_thumbnail(self, path: str, image: QImage, caption: str | None = None) -> None:
         for holder in self.items:
-            if holder.item.kind == "image" and holder.item.path == path:
+            if holder.item.kind in ("image", "video") and holder.item.path == path:
                 holder.item.set_thumbnail(image)
+                if caption is not None:
+                    holder.item.set_caption(caption)
 
     def thumbnail_pending(self, path: str) -> bool:
         return any(h.item.path == path and h.item.pending for h in self.items)
@@ -158,6 +182,7 @@ class AttachmentStrip(QWidget):
         holder.setObjectName("attachmentHolder")
         item = _Item(kind, path, THUMB, holder, load=False)
         item.clicked.connect(lambda p=path, k=kind: k == "image" and emit(self.preview_requested, p))
+        item.clicked.connect(lambda p=path, k=kind: k == "video" and emit(self.play_requested, p))
         close = QToolButton(holder, objectName="removeAttachment", text="×")
         close.setToolTip(f"Remove {Path(path).name}")
         close.setCursor(Qt.CursorShape.PointingHandCursor)
@@ -190,6 +215,8 @@ class AttachmentRow(QWidget):
             item = _Item(kind, path, BUBBLE_THUMB, self)
             if kind == "image":
                 item.clicked.connect(lambda p=path: ImagePreview.open_for(p, self))
+            elif kind == "video":
+                item.clicked.connect(lambda p=path: play(p, self))
             row.addWidget(item)
             self.items.append(item)
 

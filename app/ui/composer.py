@@ -1,8 +1,11 @@
 """The message box: Enter sends, Shift+Enter breaks the line, Esc stops a reply.
 
-Images and audio come in by drop (file URLs or raw image data), paste, the 📎 picker
-or the microphone. Images show as removable thumbnails above the text and go with the
-message; a model that cannot see them refuses them at once, saying what to load. Audio
+Images, audio and video come in by drop (file URLs or raw image data), paste, the 📎
+picker or the microphone. Images show as removable thumbnails above the text and go with
+the message; a model that cannot see them refuses them at once, saying what to load.
+Videos show their first frame and duration (a note says when the model will see only
+part of a long one), play on click, and are refused at the drop by a model that cannot
+watch video, naming the families that can. Audio
 goes with the message when the model listens to audio; otherwise it is handed on for
 transcription (``transcribe_requested``) and the transcript lands here, editable.
 
@@ -24,7 +27,9 @@ from app.attachments import (
     AUDIO_EXT,
     ENCODED_IMAGE_MIME,
     IMAGE_EXT,
+    NO_VIDEO,
     NO_VISION,
+    VIDEO_EXT,
     keep_bytes,
     media_kind,
     refusal,
@@ -54,6 +59,7 @@ from app.qt import (
 from app.resources import resource_path
 from app.ui.attachment_strip import THUMB, AttachmentStrip, ImagePreview
 from app.ui.images import ImageCheck, check_image, in_background
+from app.ui.video import VideoCheck, check_video, duration_text, play
 
 MIN_EDIT_HEIGHT = 48
 METER_INTERVAL_MS = 80
@@ -67,8 +73,8 @@ def _patterns(exts: set[str]) -> str:
     return " ".join(f"*{e} *{e.upper()}" for e in sorted(exts))
 
 
-PICK_FILTER = (f"Images and audio ({_patterns(IMAGE_EXT)} {_patterns(AUDIO_EXT)});;"
-               f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)})")
+PICK_FILTER = (f"Images, audio and video ({_patterns(IMAGE_EXT)} {_patterns(AUDIO_EXT)} {_patterns(VIDEO_EXT)});;"
+               f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)});;Video ({_patterns(VIDEO_EXT)})")
 
 
 class MessageEdit(QPlainTextEdit):
@@ -131,6 +137,7 @@ class Composer(QFrame):
         self.attachments: list[tuple[str, str]] = []
         self.vision: bool | None = None  # None: no model loaded
         self.audio = False
+        self.video = False
         self.busy = False
         # Images being checked, by path, each with the token of its latest check: a
         # result whose token is no longer here (removed, or attached again) is dropped.
@@ -149,11 +156,12 @@ class Composer(QFrame):
         self.strip = AttachmentStrip(self)
         self.strip.removed.connect(self.remove_attachment)
         self.strip.preview_requested.connect(lambda p: ImagePreview.open_for(p, self))
+        self.strip.play_requested.connect(lambda p: play(p, self))
         layout.addWidget(self.strip)
         self.attach_button = QToolButton(objectName="attachButton")
         self.attach_button.setIcon(QIcon(str(resource_path("icons/attach.svg"))))
         self.attach_button.setIconSize(QSize(18, 18))
-        self.attach_button.setToolTip("Attach images or audio (or drop / paste them here)")
+        self.attach_button.setToolTip("Attach images, audio or video (or drop / paste them here)")
         self.attach_button.clicked.connect(self._pick_files)
         self.mic_button = QToolButton(objectName="micButton")
         self.mic_button.setIcon(QIcon(str(resource_path("icons/mic.svg"))))
@@ -218,9 +226,9 @@ class Composer(QFrame):
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)
 
-    def set_capabilities(self, image: bool | None, audio: bool) -> None:
+    def set_capabilities(self, image: bool | None, audio: bool, video: bool = False) -> None:
         """What the loaded model takes (``image`` None: no model loaded)."""
-        self.vision, self.audio = image, audio
+        self.vision, self.audio, self.video = image, audio, video
         self.mic_button.setToolTip(
             "Record a voice message" if audio
             else "Record a voice message (transcribed to text for this model)"
@@ -239,6 +247,9 @@ class Composer(QFrame):
         if any(kind == "image" for kind, _ in self.attachments) and not self.vision:
             # The model changed since the images were attached: keep everything, say why.
             emit(self.refused, NO_VISION)
+            return
+        if any(kind == "video" for kind, _ in self.attachments) and not self.video:
+            emit(self.refused, NO_VIDEO)
             return
         if self._checks:  # sent by itself once the images are verified (see the docstring)
             if not self.send_waiting:
@@ -259,7 +270,7 @@ class Composer(QFrame):
         self.attachments = list(attachments) + [a for a in self.attachments if a not in attachments]
         self.strip.set_items(self.attachments)
         for kind, path in attachments:  # back in the strip: checked and thumbnailed again
-            if kind == "image" and path not in self._checks and self.strip.thumbnail_pending(path):
+            if kind in ("image", "video") and path not in self._checks and self.strip.thumbnail_pending(path):
                 self._check(path)
 
     # ---- attachments -------------------------------------------------------------------
@@ -270,7 +281,7 @@ class Composer(QFrame):
         checked in the background (a damaged one is taken off again, with the reason)."""
         added: list[tuple[str, str]] = []
         for path in paths:
-            why = refusal(path, self.vision)
+            why = refusal(path, self.vision, self.video if self.vision is not None else None)
             if why is not None:
                 emit(self.refused, why)
                 continue
@@ -287,7 +298,7 @@ class Composer(QFrame):
         if added:
             self.strip.set_items(self.attachments)
             for kind, path in added:
-                if kind == "image":
+                if kind in ("image", "video"):
                     self._check(path)
             self.edit.setFocus()
 
@@ -299,21 +310,27 @@ class Composer(QFrame):
     def _check(self, path: str) -> None:
         token = object()
         self._checks[path] = token
-        in_background(self, check_image, path, THUMB, self.devicePixelRatioF(),
+        check = check_video if media_kind(path) == "video" else check_image
+        in_background(self, check, path, THUMB, self.devicePixelRatioF(),
                       then=lambda result: self._checked(result, token))
 
-    def _checked(self, result: ImageCheck, token: object) -> None:
+    def _checked(self, result: ImageCheck | VideoCheck, token: object) -> None:
         if self._checks.get(result.path) is not token:
             return  # removed while it was checked (or attached again: a newer check owns it)
         del self._checks[result.path]
         if result.problem is not None:
-            # A damaged photo: taken off, and a message waiting for it stays here.
-            self.attachments = [a for a in self.attachments if a != ("image", result.path)]
+            # A damaged photo or clip: taken off, and a message waiting for it stays here.
+            self.attachments = [a for a in self.attachments if a[1] != result.path]
             self.strip.set_items(self.attachments)
             self.send_waiting = False
             emit(self.refused, result.problem)
             return
-        self.strip.set_thumbnail(result.path, result.thumb)
+        if isinstance(result, VideoCheck):
+            self.strip.set_thumbnail(result.path, result.thumb, f"▶ {duration_text(result.seconds)}")
+            if result.note:
+                emit(self.notice, result.note)
+        else:
+            self.strip.set_thumbnail(result.path, result.thumb)
         self._send_if_ready()
 
     def _send_if_ready(self) -> None:
@@ -381,7 +398,7 @@ class Composer(QFrame):
         return self.data_dir
 
     def _pick_files(self) -> None:
-        paths, _ = QFileDialog.getOpenFileNames(self, "Attach images or audio", "", PICK_FILTER)
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach images, audio or video", "", PICK_FILTER)
         self.add_files(paths)
 
     def dragEnterEvent(self, event) -> None:  # noqa: N802 - Qt override

@@ -351,7 +351,7 @@ class MainWindow(QMainWindow):
         self.gauge.set_plan(info.plan)
         self.check_memory()
         self.settings.set_draft(None)
-        self.composer.set_capabilities(info.vision, info.audio)
+        self.composer.set_capabilities(info.vision, info.audio, info.video)
         self.template_notice.setVisible(not info.chat_template)
 
     def _show_held_model(self, info) -> None:

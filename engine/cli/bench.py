@@ -123,7 +123,9 @@ class Timing:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
+    from engine.cli.bench_media import MEDIA_SHAPES, add_media_arguments
+
+    p.add_argument("--shape", choices=sorted(SHAPES) + sorted(MEDIA_SHAPES), default="qwen3-4b")
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine",
@@ -135,6 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
+    add_media_arguments(p)
 
 
 def build_model(shape: str, bits: int, group_size: int, seed: int = 0,
@@ -305,6 +308,10 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
     which builds on this module) times plain next to speculative decoding instead."""
     import mlx.core as mx
 
+    if getattr(args, "media", None) or args.shape not in SHAPES:
+        from engine.cli.bench_media import run_media_bench
+
+        return run_media_bench(args)
     if args.prompt_tokens < 1 or args.generation_tokens < 2:
         raise EngineError("bench needs -p >= 1 and -g >= 2")
     if args.vs == "mlx-lm":

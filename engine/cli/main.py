@@ -89,6 +89,9 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--audio", action=_MediaFlag, default=[], metavar="FILE",
                    help="audio file (repeatable; needs --chat): heard by audio models such as Qwen2-Audio, "
                         "transcribed first with --whisper for any other model")
+    p.add_argument("--video", action=_MediaFlag, default=[], metavar="FILE",
+                   help="video file (repeatable; needs --chat): watched by video models such as Qwen3-VL "
+                        "(frames sampled as the model's processor does)")
     p.add_argument("--whisper", metavar="PATH",
                    help="Whisper model folder or cached repo id (e.g. openai/whisper-tiny) that transcribes "
                         "--audio for models without audio input (default: $MLX_DESK_WHISPER)")
@@ -216,8 +219,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--chat needs --prompt TEXT (not --prompt-ids)")
     if args.audio and args.prompt is None:
         raise CliError("--audio needs --prompt TEXT (not --prompt-ids)")
-    if (args.image or args.audio) and not args.chat:
-        raise CliError("--image and --audio need --chat (the chat template places the media)")
+    if (args.image or args.audio or args.video) and not args.chat:
+        raise CliError("--image, --audio and --video need --chat (the chat template places the media)")
     params = _params(args)
     media = _media(args)
     host = ModelHost()
@@ -297,10 +300,12 @@ def _check_cache_file(path: str) -> None:
 
 
 def _media(args: argparse.Namespace) -> list[Any]:
-    """--image/--audio files in the order given on the command line."""
+    """--image/--audio/--video files: images, then audio, then video, each kind in the
+    order given on the command line (DESIGN.md's order of a user message's parts)."""
     from engine.api import MediaInput
 
-    return [MediaInput(kind, path) for kind, path in getattr(args, "media_order", None) or []]
+    order = getattr(args, "media_order", None) or []
+    return [MediaInput(kind, path) for kind in ("image", "audio", "video") for k, path in order if k == kind]
 
 
 class _MediaFlag(argparse.Action):

@@ -134,14 +134,18 @@ class CompiledDecoder:
             masks.append(mask)
         return masks
 
-    def __call__(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
+    def __call__(self, tokens: mx.array, cache: Sequence[Any], shift: int = 0) -> mx.array | None:
         """Logits [n, vocab] after feeding ``tokens`` (shape [n], a decode step or a
-        speculative verification) through ``cache``."""
+        speculative verification) through ``cache``.
+
+        ``shift`` moves the positions off the cache offset: after an image, multimodal
+        RoPE (Qwen2.5-VL, Qwen3-VL) continues text at offset + the prompt's delta, with
+        the three position ids equal, which is plain RoPE at that position."""
         masks = self.masks(cache, int(tokens.shape[0]))
         if masks is None:
             return None
         layers = self._model().layers
-        pos = mx.array(cache[0].offset, dtype=mx.int32)
+        pos = mx.array(cache[0].offset + shift, dtype=mx.int32)
         h: mx.array = tokens[None]
         attn = None
         for i, (layer, c, mask) in enumerate(zip(layers, cache, masks)):

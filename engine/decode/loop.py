@@ -24,7 +24,7 @@ from engine.api import GenerationParams, GenerationResult, GenerationStats, Fini
 from engine.errors import EngineError
 from engine.decode.compiled_step import compiled_decoder
 from engine.decode.drafters import drafter_for
-from engine.decode.speculative import speculative_step
+from engine.decode import speculative
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
 from engine.decode.stats import StatsCounter
 from engine.decode.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
@@ -69,23 +69,24 @@ def generate_step(
 
     if compiled is None:
         compiled = mx.default_device() == mx.gpu
-    # Multimodal RoPE (Qwen2.5-VL) decodes at shifted positions the compiled step does not
-    # model; media that only adds embeddings (Gemma 3, audio models) decodes as text does.
-    decoder = compiled_decoder(model) if compiled and (inputs is None or inputs.positions is None) else None
+    # Multimodal RoPE (Qwen2.5-VL, Qwen3-VL) decodes text at the cache offset shifted by
+    # the prompt's delta; media that only adds embeddings (Gemma 3, audio) decodes as text.
+    shift = inputs.position_delta if inputs is not None and inputs.positions is not None else 0
+    decoder = compiled_decoder(model) if compiled else None
     if decoder is not None and not decoder.prepare():
         decoder = None
 
-    def forward(tokens: mx.array, kwargs: dict[str, Any]) -> mx.array:
+    def forward(tokens: mx.array, kwargs: dict[str, Any] | None) -> mx.array:
         if decoder is not None and not kwargs:
-            logits = decoder(tokens, cache)
+            logits = decoder(tokens, cache, shift)
             if logits is not None:
                 return logits
+        if kwargs is None:
+            kwargs = inputs.decode_kwargs(cache) if inputs is not None else {}
         return model(tokens[None], cache=cache, **kwargs)[:, -1, :]
 
     def step(tokens: mx.array, *, extend: bool, kwargs: dict[str, Any] | None = None) -> tuple[mx.array, mx.array | None]:
         nonlocal recent
-        if kwargs is None:
-            kwargs = inputs.decode_kwargs(cache) if inputs is not None else {}
         logits = forward(tokens, kwargs)
         processed = logits
         if processors:
@@ -244,10 +245,9 @@ def stream_generate(
     )
     # Speculative decoding stands in for the plain loop (a generator: never started, costs
     # nothing). Media that only replaces prompt embeddings (Gemma 3 images, audio) goes into
-    # the target's prefill; drafters work on the ids, placeholders included. Multimodal RoPE
-    # (Qwen2.5-VL: inputs.positions) decodes plainly: its replies continue at positions
-    # shifted by the media, which verification passes and draft models know nothing of.
-    if drafter is not None and (inputs is None or inputs.positions is None):
+    # the target's prefill; drafters work on the ids, placeholders included. After multimodal
+    # RoPE (Qwen2.5-VL, Qwen3-VL) verification passes take the shifted positions.
+    if drafter is not None:
         tokens = _speculative_tokens(
             prompt_ids, model, cache, drafter, params, processors, stats, cancel, on_progress, context_ids,
             inputs,
@@ -321,7 +321,7 @@ def _speculative_tokens(
     inputs: PromptInputs | None,
 ) -> Iterator[tuple[int, float | None]]:
     """The speculative counterpart of ``generate_step``: same yields, drafts counted in ``stats``."""
-    return speculative_step(
+    return speculative.speculative_step(
         list(prompt_ids),
         model,
         cache,

@@ -80,9 +80,10 @@ def speculative_step(
 
     ``inputs`` carries a prompt's media (embeddings with image or audio features spliced in,
     Gemma 3's bidirectional image blocks), offsets into ``prompt``: the prefill and the first
-    pass, which feeds the prompt's last id, use them; every later pass is text. Multimodal
-    RoPE (``inputs.positions``) is refused: its decode positions are shifted, and verification
-    passes do not model that shift.
+    pass, which feeds the prompt's last id, use them; every later pass is text. After
+    multimodal RoPE (``inputs.positions``) every pass after the prefill is text at the cache
+    offset shifted by the prompt's delta (the prompt ends in text, whose three position ids
+    are equal): verification passes take those positions, the compiled step the shift.
 
     Each round (draft, verify, accept) waits for the device once: drafting, verification and
     acceptance are one lazy graph, and a single array of results comes back to the host.
@@ -90,11 +91,6 @@ def speculative_step(
     ids = [int(t) for t in prompt]
     if not ids:
         raise EngineError("nothing to generate from: the prompt has no tokens")
-    if inputs is not None and inputs.positions is not None:
-        raise EngineError(
-            "speculative decoding cannot follow multimodal RoPE positions (Qwen2.5-VL images): "
-            "decode this prompt without a drafter"
-        )
     if max_tokens <= 0:
         return
     params = sampling or SamplingParams()
@@ -136,19 +132,29 @@ def speculative_step(
     # The prompt's last id is fed by the first pass (a verification or a plain step); its
     # embedding may be part of a media run, so that pass takes embeddings, not ids.
     head_row = [inputs.embeddings[-1:] if inputs is not None and inputs.embeddings is not None else None]
+    shift = inputs.position_delta if inputs is not None and inputs.positions is not None else None
+
+    def positions(n: int) -> dict[str, mx.array]:
+        """Multimodal RoPE's position ids for ``n`` text tokens fed at the cache offset."""
+        if shift is None:
+            return {}
+        start = int(cache[0].offset) + shift
+        return {"position_ids": mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32)[None, None], (3, 1, n))}
 
     def forward(fed: mx.array, n: int) -> mx.array:
         """Lazy logits [n, V] for the last ``n`` of the fed ids."""
         if head_row[0] is not None:
             embeddings, head_row[0] = head_row[0], None
-            if fed.shape[0] > 1:  # the drafts after it are text
-                embeddings = mx.concatenate([embeddings, model.embed(fed[None, 1:])[0]])
-            return model(fed[None], cache=cache, input_embeddings=embeddings[None])[0, -n:]
+            if fed.shape[0] > 1:  # the drafts after it are text (zeros where media rows are wider)
+                drafts = model.embed(fed[None, 1:])[0]
+                drafts = mx.pad(drafts, [(0, 0), (0, embeddings.shape[-1] - drafts.shape[-1])])
+                embeddings = mx.concatenate([embeddings, drafts])
+            return model(fed[None], cache=cache, input_embeddings=embeddings[None], **positions(fed.shape[0]))[0, -n:]
         if decoder is not None and n == fed.shape[0]:
-            out = decoder(fed, cache)  # a one-token step, or the drafts' verification
+            out = decoder(fed, cache, shift or 0)  # a one-token step, or the drafts' verification
             if out is not None:
                 return out
-        return model(fed[None], cache=cache)[0, -n:]
+        return model(fed[None], cache=cache, **positions(fed.shape[0]))[0, -n:]
 
     prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
     if not prefill(model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress,

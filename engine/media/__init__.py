@@ -9,5 +9,6 @@ prompt.py (placeholder expansion, per-token media keys, the MediaEncoder protoco
 towers.py (MediaTowers: which media a model takes, lazy tower loading, encoded cache).
 
 One folder per multimodal family holds its tower and processor: gemma3/, qwen2_5_vl/,
-qwen2_audio/, voxtral/, and whisper/ (the Whisper model and transcription).
+qwen2_audio/, voxtral/, whisper/ (the Whisper model and transcription), qwen3_vl/ (Qwen3-VL
+images and video: PyAV decoding, frame sampling, DeepStack tower), pixtral/ (Mistral 3 images).
 """

@@ -1,7 +1,8 @@
 """Media parts of chat messages: where each image or audio clip sits, and what it is.
 
 Messages follow transformers' multimodal chat format: ``content`` is a string or a list
-of parts, ``{"type": "text", "text": ...}``, ``{"type": "image"}``, ``{"type": "audio"}``.
+of parts, ``{"type": "text", "text": ...}``, ``{"type": "image"}``, ``{"type": "audio"}``,
+``{"type": "video"}``.
 A media part may carry its own source (``"image": PATH``, ``"path"``, ``"url"`` with a
 ``file://`` address, or the encoded bytes); one without takes the next attached
 ``MediaInput`` of its kind. An image part may say ``"pan_and_scan": true/false``
@@ -19,17 +20,19 @@ from typing import Any
 from engine.api import MediaInput
 from engine.errors import MediaError
 
-MEDIA_KINDS = ("image", "audio")
+MEDIA_KINDS = ("image", "audio", "video")
 # Keys a part may hold its source under, per kind (transformers' spellings included).
 _SOURCE_KEYS = {
     "image": ("image", "path", "url", "image_url"),
     "audio": ("audio", "path", "url", "audio_url"),
+    "video": ("video", "path", "url", "video_url"),
 }
-_ALIASES = {"image_url": "image", "input_image": "image", "input_audio": "audio", "audio_url": "audio"}
+_ALIASES = {"image_url": "image", "input_image": "image", "input_audio": "audio", "audio_url": "audio",
+            "video_url": "video", "input_video": "video"}
 
 
 def part_kind(part: Any) -> str | None:
-    """"image" / "audio" for a media part, None for text and anything else."""
+    """"image" / "audio" / "video" for a media part, None for text and anything else."""
     if not isinstance(part, Mapping):
         return None
     kind = _ALIASES.get(str(part.get("type")), part.get("type"))
@@ -70,7 +73,7 @@ def split_media(
     queues: dict[str, list[MediaInput]] = {k: [m for m in media if m.kind == k] for k in MEDIA_KINDS}
     for item in media:
         if item.kind not in MEDIA_KINDS:
-            raise MediaError(f"Unknown media kind {item.kind!r}; attach images or audio.")
+            raise MediaError(f"Unknown media kind {item.kind!r}; attach images, audio or video.")
     used = {k: 0 for k in MEDIA_KINDS}
     ordered: list[MediaInput] = []
     out: list[dict[str, Any]] = []

@@ -20,10 +20,16 @@ from engine.errors import MediaError
 from engine.media.encoded_cache import EncodedMediaCache
 from engine.media.prompt import MediaEncoder, PreparedMedia
 
-# model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder.
+# model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder
+# ("module:function" names another factory in it).
+_QWEN3_VL = {"image": "engine.media.qwen3_vl.encoders",
+             "video": "engine.media.qwen3_vl.encoders:make_video_encoder"}
 TOWERS: dict[str, dict[str, str]] = {
     "gemma3": {"image": "engine.media.gemma3.vision"},
     "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl.vision"},
+    "mistral3": {"image": "engine.media.pixtral.tower"},
+    "qwen3_vl": _QWEN3_VL,
+    "qwen3_vl_moe": _QWEN3_VL,
     "qwen2_audio": {"audio": "engine.media.qwen2_audio.tower"},
     "voxtral": {"audio": "engine.media.voxtral.tower"},
 }
@@ -32,6 +38,7 @@ TOWERS: dict[str, dict[str, str]] = {
 SUGGESTIONS = {
     "image": ("cannot read images", "pick a vision model such as Gemma 3 or Qwen2.5-VL"),
     "audio": ("cannot hear audio", "transcribe it first or pick an audio model such as Qwen2-Audio"),
+    "video": ("cannot watch video", "pick a model of a family that can: {families}"),
 }
 
 DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
@@ -163,10 +170,16 @@ class LazyTowerEncoder:
         return self.run(module, item)
 
 
+def families_for(kind: str) -> list[str]:
+    """The model_types whose towers take ``kind``, for refusals that say where to go."""
+    return sorted(t for t, kinds in TOWERS.items() if kind in kinds)
+
+
 def supported_kinds(config: Any) -> set[str]:
     kinds = set(TOWERS.get(getattr(config, "model_type", ""), {}))
     if not getattr(config, "vision", False):
         kinds.discard("image")
+        kinds.discard("video")
     if not getattr(config, "audio", False):
         kinds.discard("audio")
     return kinds
@@ -190,14 +203,15 @@ class MediaTowers:
         for kind in sorted(set(kinds)):
             if kind not in self.kinds:
                 what, advice = SUGGESTIONS.get(kind, (f"cannot take {kind}", "pick another model"))
+                advice = advice.format(families=", ".join(families_for(kind)))
                 raise MediaError(f"This model ({self.name}) {what}; {advice}.")
 
     def encoder(self, kind: str) -> MediaEncoder:
         self.check([kind])
         enc = self._encoders.get(kind)
         if enc is None:
-            module = importlib.import_module(TOWERS[self.source.config.model_type][kind])
-            enc = module.make_encoder(self.source)
+            name, _, factory = TOWERS[self.source.config.model_type][kind].partition(":")
+            enc = getattr(importlib.import_module(name), factory or "make_encoder")(self.source)
             self._encoders[kind] = enc
         return enc
 

@@ -28,7 +28,7 @@ SUPPORTED: dict[str, str] = {
     "llama": "llama",
     "ministral3": "ministral3",
     "mistral": "llama",
-    "mistral3": "ministral3",
+    "mistral3": "mistral3",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen2_5_vl": "qwen2_5_vl",
@@ -36,6 +36,8 @@ SUPPORTED: dict[str, str] = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "smollm3": "smollm3",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl_moe",
     "voxtral": "voxtral",
 }
 

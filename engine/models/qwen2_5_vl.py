@@ -35,31 +35,56 @@ class ModelArgs(qwen2.ModelArgs):
 
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
-        flat = text_config(config)
-        section = mrope_section(flat)
-        # mRoPE is handled here; what remains for the shared reader is plain RoPE.
-        for key in ("rope_parameters", "rope_scaling"):
-            block = flat.get(key)
-            if isinstance(block, dict) and (block.get("rope_type") or block.get("type")) in ("mrope", "default", None):
-                theta = block.get("rope_theta")
-                flat[key] = None
-                if theta is not None:
-                    flat["rope_theta"] = theta
+        flat, section = split_mrope(config)
         config = super().normalise(flat)
         if section is not None:
             config["mrope_section"] = section
         return config
 
 
-class MRoPEAttention(Attention):
-    """Qwen2 attention whose rotation takes explicit (3, 1, n) position ids when given."""
+def split_mrope(config: dict[str, Any]) -> tuple[dict[str, Any], list[int] | None]:
+    """(the flattened text config with mRoPE taken out of its RoPE block, mrope_section or
+    None): mRoPE is handled by the attention here; what remains for the shared reader is
+    plain RoPE."""
+    flat = text_config(config)
+    section = None
+    for block in (flat.get("rope_parameters"), flat.get("rope_scaling")):
+        if isinstance(block, dict) and block.get("mrope_section"):
+            section = [int(s) for s in block["mrope_section"]]
+    for key in ("rope_parameters", "rope_scaling"):
+        block = flat.get(key)
+        if isinstance(block, dict) and (block.get("rope_type") or block.get("type")) in ("mrope", "default", None):
+            theta = block.get("rope_theta")
+            flat[key] = None
+            if theta is not None:
+                flat["rope_theta"] = theta
+    return flat, section
 
-    def __init__(self, *args: Any, mrope_section: Sequence[int], base: float, **kwargs: Any):
+
+def mrope_axes(section: Sequence[int], half: int, interleaved: bool) -> np.ndarray:
+    """For each of the ``half`` rotary frequencies, which position id (0 time, 1 height,
+    2 width) rotates it. Qwen2.5-VL gives each id a contiguous block of ``section``
+    frequencies; Qwen3-VL interleaves them (t, h, w, t, h, w, ...), the height ids taking
+    frequencies 1, 4, ... below 3 * section[1], the width ids 2, 5, ... below 3 * section[2]."""
+    if not interleaved:
+        return np.repeat(np.arange(3) % 3, section)[:half].astype(np.int32)
+    axes = np.zeros(half, dtype=np.int32)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes
+
+
+class MRoPEAttention(Attention):
+    """Qwen2 (Qwen3: with per-head norms) attention whose rotation takes explicit
+    (3, 1, n) position ids when given."""
+
+    def __init__(self, *args: Any, mrope_section: Sequence[int], base: float, interleaved: bool = False,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         half = self.head_dim // 2
         inv = 1.0 / (base ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
         # For each frequency, which of the three position ids rotates it.
-        self._axis = mx.array(np.repeat(np.arange(3) % 3, mrope_section)[:half].astype(np.int32))
+        self._axis = mx.array(mrope_axes(mrope_section, half, interleaved))
         self._inv_freq = mx.array(inv)
 
     def rotate(self, x: mx.array, positions: mx.array) -> mx.array:
@@ -77,9 +102,12 @@ class MRoPEAttention(Attention):
         if position_ids is None:
             return super().__call__(x, mask, cache)
         b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = self.q_proj(x).reshape(b, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, n, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         q, k = self.rotate(q, position_ids), self.rotate(k, position_ids)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
@@ -87,10 +115,13 @@ class MRoPEAttention(Attention):
 
 
 class DecoderLayer(llama.DecoderLayer):
+    interleaved = False  # Qwen3-VL's layout of the mRoPE frequencies
+
     def make_attention(self, args: ModelArgs, rope: RoPE) -> nn.Module:
         return MRoPEAttention(
             args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, rope,
-            qkv_bias=True, o_bias=False, mrope_section=args.mrope_section, base=args.rope_theta,
+            qkv_bias=args.qkv_bias, o_bias=args.o_bias, qk_norm_eps=args.rms_norm_eps if args.qk_norm else None,
+            mrope_section=args.mrope_section, base=args.rope_theta, interleaved=self.interleaved,
         )
 
     def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:

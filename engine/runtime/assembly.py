@@ -66,6 +66,7 @@ def assemble(
     # ModelInfo says what the engine can feed this model, not only what its config names.
     info.vision = "image" in towers.kinds
     info.audio = "audio" in towers.kinds
+    info.video = "video" in towers.kinds
     info.pan_and_scan = towers.pan_and_scan()
     info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
     template = load_template(tokenizer)

@@ -195,6 +195,9 @@ class ChatSession:
                 pieces.append(self.towers.features(span.item).astype(text.dtype))
                 cursor = span.end
             pieces.append(text[cursor - keep :])
+            # Qwen3-VL's features carry DeepStack rows beside the embedding: text rows get zeros there.
+            width = max(p.shape[-1] for p in pieces)
+            pieces = [p if p.shape[-1] == width else mx.pad(p, [(0, 0), (0, width - p.shape[-1])]) for p in pieces]
             embeddings = mx.concatenate(pieces, axis=0)
         positions, delta = None, 0
         rope_index = getattr(self.model, "rope_index", None)

@@ -7,6 +7,8 @@ import hashlib
 
 from app.attachments import (
     NO_MODEL_FOR_IMAGES,
+    NO_MODEL_FOR_VIDEO,
+    NO_VIDEO,
     NO_VISION,
     keep_bytes,
     keep_file,
@@ -50,7 +52,11 @@ def test_refusals_name_what_to_do():
     assert refusal("x.png", False) == NO_VISION
     assert refusal("x.png", None) == NO_MODEL_FOR_IMAGES
     assert refusal("x.wav", False) is None  # audio goes to transcription instead
-    assert "not an image or audio file" in refusal("x.pdf", True)
+    assert "not an image, audio or video file" in refusal("x.pdf", True)
+    assert media_kind("clip.MOV") == "video" and media_kind("x.webm") == "video"
+    assert refusal("clip.mp4", True, True) is None
+    assert refusal("clip.mp4", True, False) == NO_VIDEO and "qwen3_vl" in NO_VIDEO
+    assert refusal("clip.mp4", None) == NO_MODEL_FOR_VIDEO
     assert refusal("IMG_0001.HEIC", True) is None  # HEIC is read by pillow-heif, a dependency
     assert refusal("IMG_0001.HEIC", False) == NO_VISION
 

@@ -227,7 +227,7 @@ def test_drop_image_data_paste_and_remove(qtbot, make_window, run_async, vision_
     notes.write_text("hello")
     with qtbot.wait_signal(composer.refused) as blocker:
         drop(composer, url_mime(notes))
-    assert "not an image or audio file" in blocker.args[0]
+    assert "not an image, audio or video file" in blocker.args[0]
     assert len(composer.attachments) == 2
 
 

@@ -170,8 +170,8 @@ def test_voxtral_with_another_tiny_draft_model(voxtral, voxtral_gold, shared_dat
     assert result.stats.draft_tokens > 0
 
 
-def test_qwen2_5_vl_images_decode_plainly_and_match_transformers(photo):
-    """Multimodal RoPE shifts the reply's positions; a drafter is set aside for such prompts."""
+def test_qwen2_5_vl_images_draft_and_match_transformers(photo):
+    """Multimodal RoPE shifts the reply's positions; verification passes follow the shift."""
     folder = GOLDEN / "vision" / "qwen2_5_vl"
     exp = json.loads((folder / "expected.json").read_text())
     host = ModelHost()
@@ -181,7 +181,7 @@ def test_qwen2_5_vl_images_decode_plainly_and_match_transformers(photo):
         result = host.generate(mode, ask("image", photo),
                                GenerationParams(max_tokens=len(exp["token_ids"]), ignore_eos=True, speculative=mode))
         assert result.token_ids == exp["token_ids"]
-        assert result.stats.draft_tokens == 0
+        assert result.stats.draft_tokens > 0
 
 
 @pytest.mark.parametrize("drafting", ["ngram", "draft"])
