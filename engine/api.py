@@ -43,6 +43,12 @@ class GenerationParams:
     # on/off switch, "low"/"medium"/"high" for an effort. None leaves the variable undefined,
     # so the template's own default applies; a model whose template has no switch ignores it.
     reasoning: bool | str | None = None
+    # With logprobs: also the log-probabilities of this many most likely tokens per step.
+    top_logprobs: int = 0
+    # Grammar-constrained decoding (engine.constrained): {"type": "json_object"},
+    # {"type": "json_schema", "schema": {...}}, {"type": "regex", "pattern": "..."}
+    # or {"type": "lark", "grammar": "..."}; the output always matches it.
+    constraint: dict[str, Any] | None = None
 
 
 @dataclass
@@ -72,6 +78,8 @@ class GenerationResult:
     stats: GenerationStats
     error: str | None = None
     adapters: dict[str, float] = field(default_factory=dict)  # active adapters -> scale
+    # With GenerationParams.top_logprobs: per generated token, the most likely (id, logprob).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -337,6 +345,16 @@ class Generate:
 
 
 @dataclass
+class Complete:
+    """Continue plain text (no chat template): ``prompt`` is text, tokenized as the
+    tokenizer's own settings say, or token ids fed as they are."""
+
+    session_id: str
+    prompt: str | list[int]
+    params: GenerationParams = field(default_factory=GenerationParams)
+
+
+@dataclass
 class Transcribe:
     """Transcribe an audio file with a Whisper model folder (or cached repo id).
 
@@ -398,6 +416,6 @@ class LoadDraftModel:
 
 
 Command = (
-    LoadModel | UnloadModel | InspectModel | Generate | Transcribe | Cancel | DropSession | GetModelInfo
+    LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Cancel | DropSession | GetModelInfo
     | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel
 )

@@ -123,6 +123,8 @@ def generate_step(
     history: mx.array | None = None,
     inputs: PromptInputs | None = None,
     compiled: bool | None = None,
+    top_logprobs: int = 0,
+    top_sink: list[tuple[mx.array, mx.array]] | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens.
 
@@ -135,6 +137,8 @@ def generate_step(
     (same results, less per-token overhead); False forces the plain forward pass.
     None (default) compiles on a GPU only: the CPU build turns each fused kernel
     into C++ for a compiler, seconds per new kernel, for little gain there.
+    With ``logprobs`` and ``top_logprobs`` > 0, each step also appends the ids and
+    log-probs of its ``top_logprobs`` most likely tokens to ``top_sink``, in step order.
     """
     if prompt.size == 0:
         raise EngineError("nothing to generate from: the prompt has no tokens")
@@ -176,6 +180,10 @@ def generate_step(
             return y, None
         raw = logits.astype(mx.float32)
         lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+        if top_logprobs > 0 and top_sink is not None:
+            k = min(top_logprobs, lp.shape[-1])
+            top = mx.argpartition(-lp[0], kth=k - 1)[:k]
+            top_sink.append((top, lp[0][top]))
         return y, mx.take_along_axis(lp, y[:, None], axis=-1)[0, 0]
 
     if not prefill(
@@ -284,6 +292,12 @@ def stream_generate(
     if eos_token_ids is None:
         eos_token_ids = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
     eos = set() if params.ignore_eos else set(int(i) for i in eos_token_ids)
+    if params.constraint is not None:
+        from .constrained import make_constraint_processor
+
+        # Last, so it masks what the other processors left: the output always matches.
+        processors.append(make_constraint_processor(params.constraint, tokenizer, sorted(eos)))
+    tops: list[tuple[mx.array, mx.array]] | None = [] if params.logprobs and params.top_logprobs > 0 else None
     detok = tokenizer.detokenizer() if tokenizer is not None else None
     stops = StopStrings(params.stop_strings)
     collected = _Collector()
@@ -291,6 +305,7 @@ def stream_generate(
     stats = GenerationStats(prompt_tokens=len(prompt_ids) + cached_tokens, cached_tokens=cached_tokens)
     ids: list[int] = []
     lps: list[float] | None = [] if params.logprobs else None
+    top_rows: list[list[tuple[int, float]]] = []
     finish: FinishReason = "length"
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -319,6 +334,8 @@ def stream_generate(
         on_progress=on_progress,
         history=mx.array(list(context_ids), dtype=mx.uint32) if context_ids else None,
         inputs=inputs,
+        top_logprobs=params.top_logprobs,
+        top_sink=tops,
     )
     # Speculative decoding stands in for the plain loop (a generator: never started, costs
     # nothing). Media that only replaces prompt embeddings (Gemma 3 images, audio) goes into
@@ -340,6 +357,9 @@ def stream_generate(
         ids.append(token)
         if lps is not None and lp is not None:
             lps.append(lp)
+        if tops is not None and len(tops) >= len(ids):  # the plain loop fills it, drafting does not
+            top_ids, top_lps = tops[len(ids) - 1]
+            top_rows.append(list(zip(top_ids.tolist(), top_lps.tolist(), strict=True)))
         stats.generated_tokens = len(ids)
         if len(ids) > 1:
             stats.generation_tps = (len(ids) - 1) / max(now - first_at, 1e-9)
@@ -382,6 +402,7 @@ def stream_generate(
         token_logprobs=lps,
         finish_reason=finish,
         stats=stats,
+        top_logprobs=top_rows if tops is not None else None,
     )
 
 
