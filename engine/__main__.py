@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {generate,template,inspect,transcribe,bench,convert}``.
+"""Command line: ``python -m engine {generate,template,inspect,transcribe,bench,convert,serve}``.
 
 The flags are a contract (DESIGN.md, "Engine CLI"). Every failure exits non-zero
 with one line on stderr and no traceback.
@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(sub.add_parser("bench", help="speed on random weights of a real model shape"))
     _add_convert(sub)
+    from .serve.server import add_arguments as add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
     return parser
 
 
@@ -403,6 +406,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.server import run_command
+
+    return run_command(args)
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "template": cmd_template,
@@ -410,6 +419,7 @@ COMMANDS = {
     "transcribe": cmd_transcribe,
     "convert": cmd_convert,
     "bench": cmd_bench,
+    "serve": cmd_serve,
 }
 
 
