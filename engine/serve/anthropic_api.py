@@ -7,7 +7,19 @@ import json
 from typing import Any
 
 from ..api import Generate, GenerationResult, TokenEvent
-from .common import SESSION, Reply, check_body, check_model, decode_base64, field, generation_params, new_id, run
+from .common import (
+    SESSION,
+    Reply,
+    check_body,
+    check_model,
+    constraint,
+    decode_base64,
+    field,
+    generation_params,
+    new_id,
+    reasoning,
+    run,
+)
 from .http import ApiError, Handler
 
 
@@ -119,6 +131,15 @@ def messages(handler: Handler, body: Any) -> None:
     model = check_model(body, backend)
     field(body, "max_tokens", int, required=True)
     params = generation_params(body, backend, max_tokens_keys=("max_tokens",), stop_key="stop_sequences")
+    output = field(body, "output_config", dict) or {}
+    if isinstance(output.get("format"), dict):
+        params.constraint = constraint(output["format"], "output_config.format")
+    effort = output.get("effort") if isinstance(output.get("effort"), str) else None
+    params.reasoning = reasoning(backend, {"xhigh": "high", "max": "high"}.get(effort or "", effort))
+    thinking = field(body, "thinking", dict)
+    if thinking is not None and backend.info.reasoning_control is not None:
+        if backend.info.reasoning_control.is_switch:
+            params.reasoning = thinking.get("type") != "disabled"
     tools = _tools(body)
     msgs = chat_messages(body, backend.tool_format)
     stream = field(body, "stream", bool, False)

@@ -97,6 +97,37 @@ def generation_params(body: Mapping[str, Any], backend: Any, *, max_tokens_keys:
     return params
 
 
+def constraint(fmt: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """A structured-output request as GenerationParams.constraint: json_object,
+    json_schema (``schema``) or, beyond OpenAI's API, regex (``pattern``)."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise ApiError(400, f"A json_schema {key} needs its schema (an object).", param=key)
+        return {"type": "json_schema", "schema": fmt["schema"]}
+    if kind == "regex":
+        if not isinstance(fmt.get("pattern"), str):
+            raise ApiError(400, f"A regex {key} needs a 'pattern' string.", param=key)
+        return {"type": "regex", "pattern": fmt["pattern"]}
+    raise ApiError(400, f"Unknown {key} type {kind!r}: use json_object, json_schema or regex.", param=key)
+
+
+def reasoning(backend: Any, effort: str | None) -> bool | str | None:
+    """A request's reasoning effort as the template's switch: an effort for templates that
+    take one (gpt-oss), on/off for the others ("none" and "minimal" turn it off)."""
+    control = backend.info.reasoning_control if backend.info is not None else None
+    if effort is None or control is None:
+        return None
+    if control.is_switch:
+        return effort not in ("none", "minimal")
+    if effort in control.choices:
+        return effort
+    raise ApiError(400, f"This model's reasoning effort is one of {', '.join(map(str, control.choices))}.",
+                   param="reasoning_effort")
+
+
 def decode_data_url(url: str, what: str) -> bytes:
     """The bytes of a ``data:...;base64,...`` URL; the server never fetches web addresses."""
     if not url.startswith("data:"):

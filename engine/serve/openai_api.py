@@ -10,6 +10,8 @@ from typing import Any
 from ..api import Complete, Generate, GenerationParams, GenerationResult, TokenEvent
 from .common import (
     SESSION,
+    constraint,
+    reasoning,
     Reply,
     check_body,
     check_model,
@@ -52,26 +54,12 @@ def _logprob_settings(body: Mapping[str, Any], params: GenerationParams, *, lega
 
 def _response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
     fmt = field(body, "response_format", dict)
-    if fmt is None:
+    if fmt is None or fmt.get("type") == "text":
         return None
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
+    if fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise ApiError(400, "response_format json_schema needs json_schema.schema (an object).",
-                           param="response_format")
-        return {"type": "json_schema", "schema": schema}
-    if kind == "regex":  # an extension: {"type": "regex", "pattern": "..."}
-        if not isinstance(fmt.get("pattern"), str):
-            raise ApiError(400, "response_format regex needs a 'pattern' string.", param="response_format")
-        return {"type": "regex", "pattern": fmt["pattern"]}
-    raise ApiError(400, f"Unknown response_format type {kind!r}: use text, json_object, json_schema or regex.",
-                   param="response_format")
+        fmt = {"type": "json_schema", "schema": spec.get("schema") if isinstance(spec, dict) else None}
+    return constraint(fmt, "response_format")
 
 
 def _content(content: Any, role: str) -> Any:
@@ -207,6 +195,7 @@ def chat_completions(handler: Handler, body: Any) -> None:
                                stop_key="stop")
     _logprob_settings(body, params, legacy=False)
     params.constraint = _response_format(body)
+    params.reasoning = reasoning(backend, field(body, "reasoning_effort", str))
     tools = _tools(body)
     messages = chat_messages(body.get("messages"), backend.tool_format)
     stream = field(body, "stream", bool, False)

@@ -1,0 +1,75 @@
+"""The server while its model loads (503), and images for a vision model."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine.serve.backend import Backend
+from engine.serve.server import make_server
+
+from .conftest import start_server
+
+VISION = Path(__file__).resolve().parents[2] / "golden" / "vision" / "qwen2_5_vl"
+
+
+def test_everything_answers_503_until_the_model_is_in():
+    backend = Backend()  # never told to load: stays "loading"
+    server = make_server(backend, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/health")
+        with e.value:
+            assert e.value.code == 503 and "loading" in json.loads(e.value.read())["error"]["message"]
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 503
+    finally:
+        server.shutdown()
+        server.server_close()
+        backend.shutdown()
+
+
+def _png_data_url() -> str:
+    from PIL import Image
+
+    image = Image.new("RGB", (40, 28))
+    for x in range(40):
+        for y in range(28):
+            image.putpixel((x, y), (x * 6, y * 9, 128))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_an_image_part_reaches_a_vision_model(tmp_path):
+    srv = start_server(VISION, tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        url = _png_data_url()
+
+        def ask(parts):
+            return client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
+                {"role": "user", "content": parts}])
+
+        with_image = ask([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}])
+        text_only = ask([{"type": "text", "text": "What?"}])
+        # The image's placeholder tokens and features are in the prompt.
+        assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="data: URL"):
+            ask([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}])
+    finally:
+        srv.stop()
