@@ -103,10 +103,9 @@ def make_constraint_processor(constraint: Mapping[str, Any], tokenizer: Any, eos
     started = [False]
 
     def process(tokens: mx.array, logits: mx.array) -> mx.array:
-        if started[0]:
-            # Waits for the token just sampled: the next mask depends on it.
-            if not matcher.consume_token(int(tokens[-1].item())):
-                raise EngineError(f"constrained decoding lost track of the grammar: {matcher.get_error()}")
+        # Waits for the token just sampled: the next mask depends on it.
+        if started[0] and not matcher.consume_token(int(tokens[-1].item())):
+            raise EngineError(f"constrained decoding lost track of the grammar: {matcher.get_error()}")
         started[0] = True
         words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
         allowed = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)

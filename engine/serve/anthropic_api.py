@@ -137,9 +137,9 @@ def messages(handler: Handler, body: Any) -> None:
     effort = output.get("effort") if isinstance(output.get("effort"), str) else None
     params.reasoning = reasoning(backend, {"xhigh": "high", "max": "high"}.get(effort or "", effort))
     thinking = field(body, "thinking", dict)
-    if thinking is not None and backend.info.reasoning_control is not None:
-        if backend.info.reasoning_control.is_switch:
-            params.reasoning = thinking.get("type") != "disabled"
+    control = backend.info.reasoning_control
+    if thinking is not None and control is not None and control.is_switch:
+        params.reasoning = thinking.get("type") != "disabled"
     tools = _tools(body)
     msgs = chat_messages(body, backend.tool_format)
     stream = field(body, "stream", bool, False)

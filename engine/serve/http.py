@@ -11,6 +11,7 @@ while bound to loopback the Host header must name loopback (no DNS rebinding).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import select
@@ -89,22 +90,22 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "mlx-desk"
     sys_version = ""
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request comes from _dispatch instead
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         self._dispatch("GET")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._dispatch("POST")
 
-    def do_OPTIONS(self) -> None:  # noqa: N802 - no CORS preflight is ever granted
+    def do_OPTIONS(self) -> None:
         self._dispatch("OPTIONS")
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def do_PUT(self) -> None:
         self._dispatch("PUT")
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         self._dispatch("DELETE")
 
     # ---- dispatch -------------------------------------------------------------------
@@ -146,10 +147,8 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         entry = {"method": method, "path": path, "status": self.status, "client": self.client_address[0],
                  "seconds": time.monotonic() - start}
-        try:
+        with contextlib.suppress(Exception):  # a broken log must not break requests
             self.server.on_request(entry)
-        except Exception:  # noqa: BLE001 - a broken log must not break requests
-            pass
 
     def _check_host(self) -> None:
         if not self.server.loopback:

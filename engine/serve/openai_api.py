@@ -10,17 +10,17 @@ from typing import Any
 from ..api import Complete, Generate, GenerationParams, GenerationResult, TokenEvent
 from .common import (
     SESSION,
-    constraint,
-    reasoning,
     Reply,
     check_body,
     check_model,
+    constraint,
     decode_base64,
     decode_data_url,
     field,
     generation_params,
     new_id,
     now,
+    reasoning,
     run,
 )
 from .http import ApiError, Handler

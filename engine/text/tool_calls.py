@@ -77,9 +77,9 @@ def _named(obj: Any, *arg_keys: str) -> Parsed | None:
 
 # ---- bodies, one parser per family ------------------------------------------------
 
-_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.S)
-_ARG_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+_ARG_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 def _parse_tag_body(body: str) -> Parsed | None:
@@ -137,7 +137,7 @@ def _parse_harmony(body: str) -> Parsed | None:
     return [(name, value)]
 
 
-_DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.S)
+_DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
 
 
 def _parse_deepseek(body: str) -> Parsed | None:
@@ -157,7 +157,7 @@ def _parse_deepseek(body: str) -> Parsed | None:
 
 _KIMI_CALL = re.compile(
     r"<\|tool_call_begin\|>\s*(?:functions\.)?([^<\s]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*?)"
-    r"(?:<\|tool_call_end\|>|$)", re.S,
+    r"(?:<\|tool_call_end\|>|$)", re.DOTALL,
 )
 
 
@@ -171,9 +171,9 @@ def _parse_kimi(body: str) -> Parsed | None:
     return out or None
 
 
-_DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]+)">(.*?)</｜DSML｜invoke>', re.S)
+_DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]+)">(.*?)</｜DSML｜invoke>', re.DOTALL)
 _DSML_PARAMETER = re.compile(
-    r'<｜DSML｜parameter name="([^"]+)" string="(true|false)">(.*?)</｜DSML｜parameter>', re.S
+    r'<｜DSML｜parameter name="([^"]+)" string="(true|false)">(.*?)</｜DSML｜parameter>', re.DOTALL
 )
 
 

@@ -40,7 +40,8 @@ def _regex(pattern):
 
 def test_openai_tool_calls_whole_and_streamed_and_back_in(qwen_server):
     client = openai.OpenAI(base_url=qwen_server.v1, api_key="none", max_retries=0, timeout=120)
-    kw = dict(model="tiny-qwen", messages=ASK, tools=TOOLS, max_tokens=150, temperature=0, extra_body=_regex(CALL))
+    kw = {"model": "tiny-qwen", "messages": ASK, "tools": TOOLS, "max_tokens": 150, "temperature": 0,
+          "extra_body": _regex(CALL)}
     whole = client.chat.completions.create(**kw)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
@@ -80,8 +81,8 @@ def test_anthropic_tool_use_whole_and_streamed(qwen_server):
     client = anthropic.Anthropic(base_url=qwen_server.base, api_key="none", max_retries=0, timeout=120)
     tools = [{"name": "get_weather", "description": "Weather in a city",
               "input_schema": TOOLS[0]["function"]["parameters"]}]
-    kw = dict(model="tiny-qwen", max_tokens=150, messages=ASK, tools=tools,
-              extra_body={"temperature": 0, "output_config": {"format": {"type": "regex", "pattern": CALL}}})
+    kw = {"model": "tiny-qwen", "max_tokens": 150, "messages": ASK, "tools": tools,
+          "extra_body": {"temperature": 0, "output_config": {"format": {"type": "regex", "pattern": CALL}}}}
     whole = client.messages.create(**kw)
     assert whole.stop_reason == "tool_use"
     (use,) = [b for b in whole.content if b.type == "tool_use"]

@@ -9,7 +9,12 @@ import json
 import pytest
 
 from engine.text.chat_template import ChatTemplate
-from engine.text.tool_calls import FORMATS, ToolCall, detect_tool_format, parse_tool_calls
+from engine.text.tool_calls import (
+    FORMATS,
+    ToolCall,
+    detect_tool_format,
+    parse_tool_calls,
+)
 
 TOOLS = [{
     "type": "function",
