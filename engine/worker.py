@@ -119,6 +119,12 @@ class EngineWorker:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
+    @property
+    def host(self) -> ModelHost:
+        """The ModelHost this worker drives. Other threads may read its settings (template,
+        tokenizer, generation defaults); all MLX work goes through ``submit``."""
+        return self._host
+
     # ---- worker side ----------------------------------------------------------------
 
     def _emit(self, event: Event) -> None:

@@ -1,9 +1,13 @@
-"""The server's side of the thread wall: one EngineWorker, events routed to each request.
+"""The server's side of the thread wall: an EngineWorker, events routed to each request.
 
 HTTP handler threads submit commands and read their own request's events from a queue;
 the worker runs commands one at a time in arrival order, so concurrent requests queue
 fairly behind each other. A request whose client has gone is cancelled through the
 worker's out-of-band Cancel, which stops it between decode steps (or prefill chunks).
+
+The backend owns its worker (``python -m engine serve``) or shares one that already
+serves a window (``Backend.shared``): the owner then hands every worker event to
+``route`` first, which keeps the server's own and lets the rest through.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from typing import Any
 
 from ..api import Cancel, Command, DoneEvent, ErrorEvent, Event, LoadModel, ModelInfo
 from ..errors import EngineError
-from ..host import ModelHost
 from ..worker import EngineWorker
 from .http import ClientGone, ModelLoading
 
@@ -24,30 +27,68 @@ POLL_S = 0.2  # how often a waiting request checks that its client is still ther
 
 
 class Backend:
-    def __init__(self) -> None:
-        self._host = ModelHost()
+    def __init__(self, worker: EngineWorker | None = None,
+                 model_info: Callable[[], ModelInfo | None] | None = None) -> None:
         self._queues: dict[int, queue.Queue[Event]] = {}
         # Re-entrant: the worker answers some submits (a Cancel, a dead engine) on the
         # submitting thread, inside submit.
         self._lock = threading.RLock()
-        self.worker = EngineWorker(self._route, self._host)
-        self.info: ModelInfo | None = None
+        self.owned = worker is None
+        self.worker = worker or EngineWorker(self.route)
+        self._model_info = model_info
+        self._info: ModelInfo | None = None
         self.load_error: str | None = None
         self.loaded = threading.Event()  # set when the load ended, either way
-        self.tool_format: Any = None  # engine.text.tool_calls.ToolCallFormat, if the template has one
-        self.default_params: Any = None
         self.model_arg = ""  # the model as the command line named it (also accepted as its id)
+        self._pending: queue.Queue[Event] | None = None  # the queue of the submit under way
 
-    def _route(self, event: Event) -> None:
-        rid = getattr(event, "request_id", None)
-        if rid is None:  # memory figures: nobody here asks for them
-            return
-        with self._lock:
-            q = self._queues.setdefault(rid, queue.Queue())
-        q.put(event)
+    @classmethod
+    def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None]) -> Backend:
+        """A backend on a worker someone else owns (and feeds events to ``route``);
+        ``model_info()`` says which model that worker has loaded now, if any."""
+        backend = cls(worker, model_info)
+        backend.loaded.set()
+        return backend
+
+    # ---- the model ----------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo | None:
+        return self._model_info() if self._model_info is not None else self._info
+
+    @property
+    def host(self) -> Any:
+        return self.worker.host
+
+    @property
+    def tool_format(self) -> Any:
+        """The loaded template's tool-call format (engine.text.tool_calls), if it has one."""
+        from ..text.tool_calls import detect_tool_format
+
+        template = self.host.template if self.host.loaded else None
+        return detect_tool_format(getattr(template, "source", None))
+
+    @property
+    def default_params(self) -> Any:
+        """Generation settings from the model's generation_config.json (reads config only)."""
+        return self.host.default_params() if self.host.loaded else None
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (log-prob listings). The tokenizer is Rust code, not MLX: safe here."""
+        return self.host.tokenizer.decode([token_id])
+
+    def require_model(self) -> ModelInfo:
+        info = self.info
+        if info is None:
+            if self.load_error is not None:
+                raise EngineError(f"The model failed to load: {self.load_error}")
+            if not self.owned:
+                raise ModelLoading("No model is loaded in the app yet; pick one there first.")
+            raise ModelLoading("The model is still loading; try again in a moment.")
+        return info
 
     def start(self, model: str, memory_budget: int | None = None) -> None:
-        """Start the worker and load ``model`` in the background (``loaded`` tells when)."""
+        """Start the owned worker and load ``model`` in the background (``loaded`` tells when)."""
         self.model_arg = model
         self.worker.start()
         threading.Thread(target=self._load, args=(model, memory_budget), name="serve-load", daemon=True).start()
@@ -56,35 +97,37 @@ class Backend:
         try:
             for event in self.events(self.submit(LoadModel(model, memory_budget))):
                 if isinstance(event, DoneEvent):
-                    self._ready(event.result)
+                    self._info = event.result
                 elif isinstance(event, ErrorEvent):
                     self.load_error = event.message
         finally:
             self.loaded.set()
 
-    def _ready(self, info: ModelInfo) -> None:
-        from ..text.tool_calls import detect_tool_format
+    # ---- requests -----------------------------------------------------------------
 
-        self.tool_format = detect_tool_format(getattr(self._host.template, "source", None))
-        self.default_params = self._host.default_params()  # reads the model's config only
-        self.info = info
-
-    def require_model(self) -> ModelInfo:
-        if self.info is None:
-            if self.load_error is not None:
-                raise EngineError(f"The model failed to load: {self.load_error}")
-            raise ModelLoading("The model is still loading; try again in a moment.")
-        return self.info
-
-    def token_text(self, token_id: int) -> str:
-        """One token's text (log-prob listings). The tokenizer is Rust code, not MLX: safe here."""
-        return self._host.tokenizer.decode([token_id])
+    def route(self, event: Event) -> bool:
+        """Called on the worker thread with every event: True when it was one of ours."""
+        rid = getattr(event, "request_id", None)
+        with self._lock:
+            q = self._queues.get(rid) if rid is not None else None
+            if q is None and self._pending is not None:  # inside submit, on its thread
+                q = self._pending
+        if q is None:
+            return False
+        q.put(event)
+        return True
 
     def submit(self, command: Command) -> int:
         with self._lock:
-            # Registered before the worker can answer, so no event is missed.
-            rid = self.worker.submit(command)
-            self._queues.setdefault(rid, queue.Queue())
+            # Registered before the worker thread can answer (route waits for the lock). An
+            # answer given inside submit itself (a dead worker) comes to route on this very
+            # thread, and lands in the queue made here.
+            self._pending = queue.Queue()
+            try:
+                rid = self.worker.submit(command)
+                self._queues[rid] = self._pending
+            finally:
+                self._pending = None
         return rid
 
     def events(self, rid: int, gone: Callable[[], bool] | None = None) -> Iterator[Event]:
@@ -115,8 +158,8 @@ class Backend:
                 self._queues.pop(rid, None)
 
     def cancel(self, rid: int) -> None:
-        with self._lock:
-            self._queues.pop(self.worker.submit(Cancel(rid)), None)
+        self.worker.submit(Cancel(rid))
 
     def shutdown(self) -> None:
-        self.worker.shutdown(timeout=5.0)
+        if self.owned:
+            self.worker.shutdown(timeout=5.0)

@@ -20,7 +20,8 @@ HELLO = [{"role": "user", "content": "hello there"}]
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    with openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,11 @@ def test_completions_continue_plain_text(client, model_id):
 
 
 def test_anthropic_messages_stream_and_not(server, client, model_id):
-    ac = anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0, timeout=120)
+    with anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0, timeout=120) as ac:
+        _anthropic_round(ac, model_id)
+
+
+def _anthropic_round(ac, model_id):
     whole = ac.messages.create(model=model_id, max_tokens=10, extra_body={"temperature": 0}, system="Be brief.",
                                messages=[{"role": "user", "content": "hello there"}])
     assert whole.role == "assistant" and whole.stop_reason in ("end_turn", "max_tokens")
@@ -125,8 +130,9 @@ def test_json_schema_output_validates(client, model_id):
 
 
 def test_errors_have_openai_bodies(server, client, model_id):
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.AuthenticationError), \
+            openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0) as wrong:
+        wrong.models.list()
     with pytest.raises(openai.NotFoundError) as e:
         _chat(client, "no-such-model")
     assert e.value.body["code"] == "model_not_found"
@@ -143,9 +149,9 @@ def test_errors_have_openai_bodies(server, client, model_id):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = post_raw(server.v1 + "/chat/completions", b"{}", {**headers, "Content-Type": "text/plain"})
     assert status == 415
-    with pytest.raises(anthropic.NotFoundError):
-        anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0).messages.create(
-            model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.NotFoundError), \
+            anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0) as ac:
+        ac.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as e:  # a text model refuses images, saying so
         _chat(client, model_id, messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},

@@ -32,8 +32,8 @@ def test_everything_answers_503_until_the_model_is_in():
             urllib.request.urlopen(base + "/health")
         with e.value:
             assert e.value.code == 503 and "loading" in json.loads(e.value.read())["error"]["message"]
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.InternalServerError) as e:
+        with pytest.raises(openai.InternalServerError) as e, \
+                openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as client:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert e.value.status_code == 503
     finally:
@@ -57,19 +57,23 @@ def _png_data_url() -> str:
 def test_an_image_part_reaches_a_vision_model(tmp_path):
     srv = start_server(VISION, tmp_path / "server.log")
     try:
-        client = openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        url = _png_data_url()
-
-        def ask(parts):
-            return client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
-                {"role": "user", "content": parts}])
-
-        with_image = ask([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}])
-        text_only = ask([{"type": "text", "text": "What?"}])
-        # The image's placeholder tokens and features are in the prompt.
-        assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
-        with pytest.raises(openai.BadRequestError, match="data: URL"):
-            ask([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}])
+        with openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=120) as client:
+            _vision_round(client)
     finally:
         srv.stop()
+
+
+def _vision_round(client):
+    model = client.models.list().data[0].id
+    url = _png_data_url()
+
+    def ask(parts):
+        return client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
+            {"role": "user", "content": parts}])
+
+    with_image = ask([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}])
+    text_only = ask([{"type": "text", "text": "What?"}])
+    # The image's placeholder tokens and features are in the prompt.
+    assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="data: URL"):
+        ask([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}])

@@ -38,8 +38,13 @@ def _regex(pattern):
     return {"response_format": {"type": "regex", "pattern": pattern}}
 
 
-def test_openai_tool_calls_whole_and_streamed_and_back_in(qwen_server):
-    client = openai.OpenAI(base_url=qwen_server.v1, api_key="none", max_retries=0, timeout=120)
+@pytest.fixture
+def client(qwen_server):
+    with openai.OpenAI(base_url=qwen_server.v1, api_key="none", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_openai_tool_calls_whole_and_streamed_and_back_in(client):
     kw = {"model": "tiny-qwen", "messages": ASK, "tools": TOOLS, "max_tokens": 150, "temperature": 0,
           "extra_body": _regex(CALL)}
     whole = client.chat.completions.create(**kw)
@@ -69,8 +74,7 @@ def test_openai_tool_calls_whole_and_streamed_and_back_in(qwen_server):
     assert follow.choices[0].message.content is not None
 
 
-def test_a_malformed_call_is_returned_as_text(qwen_server):
-    client = openai.OpenAI(base_url=qwen_server.v1, api_key="none", max_retries=0, timeout=120)
+def test_a_malformed_call_is_returned_as_text(client):
     r = client.chat.completions.create(model="tiny-qwen", messages=ASK, tools=TOOLS, max_tokens=150, temperature=0,
                                        extra_body=_regex(MALFORMED))
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
@@ -78,7 +82,11 @@ def test_a_malformed_call_is_returned_as_text(qwen_server):
 
 
 def test_anthropic_tool_use_whole_and_streamed(qwen_server):
-    client = anthropic.Anthropic(base_url=qwen_server.base, api_key="none", max_retries=0, timeout=120)
+    with anthropic.Anthropic(base_url=qwen_server.base, api_key="none", max_retries=0, timeout=120) as client:
+        _anthropic_tool_round(client)
+
+
+def _anthropic_tool_round(client):
     tools = [{"name": "get_weather", "description": "Weather in a city",
               "input_schema": TOOLS[0]["function"]["parameters"]}]
     kw = {"model": "tiny-qwen", "max_tokens": 150, "messages": ASK, "tools": tools,
