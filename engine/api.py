@@ -46,8 +46,9 @@ class GenerationParams:
     # With logprobs: also the log-probabilities of this many most likely tokens per step.
     top_logprobs: int = 0
     # Grammar-constrained decoding (engine.constrained): {"type": "json_object"},
-    # {"type": "json_schema", "schema": {...}}, {"type": "regex", "pattern": "..."}
-    # or {"type": "lark", "grammar": "..."}; the output always matches it.
+    # {"type": "json_schema", "schema": {...}} (with "prefix"/"suffix": literal text around
+    # the JSON), {"type": "regex", "pattern": "..."} or {"type": "lark", "grammar": "..."};
+    # the output always matches it.
     constraint: dict[str, Any] | None = None
 
 

@@ -64,6 +64,11 @@ def grammar_for(constraint: Mapping[str, Any]) -> str:
         schema = constraint.get("schema")
         if not isinstance(schema, Mapping):
             raise ConstraintError("A json_schema response format needs a 'schema' object.")
+        prefix, suffix = str(constraint.get("prefix") or ""), str(constraint.get("suffix") or "")
+        if prefix or suffix:  # literal text around the JSON (a tool call's markers)
+            schema = {**schema, "x-guidance": _JSON_OPTIONS}
+            parts = [json.dumps(prefix)] * bool(prefix) + ["value"] + [json.dumps(suffix)] * bool(suffix)
+            return LLMatcher.grammar_from_lark(f"start: {' '.join(parts)}\nvalue: %json {json.dumps(schema)}")
         try:
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
         except (ValueError, TypeError) as exc:

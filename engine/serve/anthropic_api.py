@@ -15,6 +15,7 @@ from .common import (
     constraint,
     decode_base64,
     field,
+    force_tool_call,
     generation_params,
     new_id,
     reasoning,
@@ -94,11 +95,12 @@ def chat_messages(body: dict[str, Any], tool_format: Any) -> list[dict[str, Any]
     return out
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
+    """(the tools for the template, the tools one of which must be called, if any)."""
     tools = field(body, "tools", list)
     choice = field(body, "tool_choice", dict) or {}
     if not tools or choice.get("type") == "none":
-        return None
+        return None, None
     out = []
     for tool in tools:
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
@@ -106,7 +108,14 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         out.append({"type": "function", "function": {
             "name": tool["name"], "description": tool.get("description", ""),
             "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}})
-    return out
+    if choice.get("type") == "any":
+        return out, out
+    if choice.get("type") == "tool":
+        named = [t for t in out if t["function"]["name"] == choice.get("name")]
+        if not named:
+            raise ApiError(400, f"tool_choice names {choice.get('name')!r}, which is not among the tools.")
+        return out, named
+    return out, None
 
 
 def _stop_reason(result: GenerationResult, calls: bool) -> str:
@@ -140,7 +149,9 @@ def messages(handler: Handler, body: Any) -> None:
     control = backend.info.reasoning_control
     if thinking is not None and control is not None and control.is_switch:
         params.reasoning = thinking.get("type") != "disabled"
-    tools = _tools(body)
+    tools, forced = _tools(body)
+    if forced:
+        force_tool_call(params, backend, forced)
     msgs = chat_messages(body, backend.tool_format)
     stream = field(body, "stream", bool, False)
     command = Generate(SESSION, msgs, params, tools=tools)

@@ -128,6 +128,22 @@ def reasoning(backend: Any, effort: str | None) -> bool | str | None:
                    param="reasoning_effort")
 
 
+def force_tool_call(params: GenerationParams, backend: Any, tools: list[dict[str, Any]] | None) -> None:
+    """``tool_choice`` "required" or a named tool: constrain the reply to one call, written in
+    the model's own markers, to one of ``tools``. Formats without a plain-JSON call (and
+    models without a known format) are left to choose, as with "auto"."""
+    from ..text.tool_calls import forced_call
+
+    fmt = backend.tool_format
+    forced = forced_call(fmt, tools or []) if fmt is not None else None
+    if forced is None:
+        return
+    if params.constraint is not None:
+        raise ApiError(400, "A structured response format and a required tool call cannot be combined.",
+                       param="tool_choice")
+    params.constraint = forced
+
+
 def decode_data_url(url: str, what: str) -> bytes:
     """The bytes of a ``data:...;base64,...`` URL; the server never fetches web addresses."""
     if not url.startswith("data:"):

@@ -17,6 +17,7 @@ from .common import (
     decode_base64,
     decode_data_url,
     field,
+    force_tool_call,
     generation_params,
     new_id,
     now,
@@ -141,15 +142,24 @@ def chat_messages(raw: Any, tool_format: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
+    """(the tools for the template, the tools one of which must be called, if any)."""
     tools = field(body, "tools", list)
     choice = body.get("tool_choice")
     if not tools or choice == "none":
-        return None
+        return None, None
     for tool in tools:
         if not isinstance(tool, dict) or not isinstance((tool.get("function") or {}).get("name"), str):
             raise ApiError(400, "Each tool must be {'type': 'function', 'function': {'name': ...}}.", param="tools")
-    return tools
+    if choice == "required":
+        return tools, tools
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        named = [t for t in tools if t["function"]["name"] == name]
+        if not named:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools.", param="tool_choice")
+        return tools, named
+    return tools, None
 
 
 # ---- responses -----------------------------------------------------------------------
@@ -196,7 +206,9 @@ def chat_completions(handler: Handler, body: Any) -> None:
     _logprob_settings(body, params, legacy=False)
     params.constraint = _response_format(body)
     params.reasoning = reasoning(backend, field(body, "reasoning_effort", str))
-    tools = _tools(body)
+    tools, forced = _tools(body)
+    if forced:
+        force_tool_call(params, backend, forced)
     messages = chat_messages(body.get("messages"), backend.tool_format)
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))

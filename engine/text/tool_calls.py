@@ -252,6 +252,9 @@ class ToolCallFormat:
     at_start_only: bool = False  # the block only counts at the very start of the reply
     # The template joins arguments as text (DeepSeek) rather than calling tojson on them.
     arguments_as_text: bool = False
+    # How one call is written as plain JSON, for forcing a call with a grammar: (text
+    # before, text after, the key of the arguments). None: the format has no such shape.
+    json_call: tuple[str, str, str] | None = None
 
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self)
@@ -259,8 +262,10 @@ class ToolCallFormat:
 
 FORMATS: dict[str, ToolCallFormat] = {
     "hermes": ToolCallFormat("hermes", ("<tool_call>",), "</tool_call>", lambda b: _parse_tag_body(
-        b.removeprefix("<tool_call>").removesuffix("</tool_call>"))),
-    "llama3": ToolCallFormat("llama3", ("<|python_tag|>", "{"), None, _parse_llama, at_start_only=True),
+        b.removeprefix("<tool_call>").removesuffix("</tool_call>")),
+        json_call=("<tool_call>\n", "\n</tool_call>", "arguments")),
+    "llama3": ToolCallFormat("llama3", ("<|python_tag|>", "{"), None, _parse_llama, at_start_only=True,
+                             json_call=("", "", "parameters")),
     "mistral": ToolCallFormat("mistral", ("[TOOL_CALLS]",), None, _parse_mistral),
     "harmony": ToolCallFormat("harmony", ("<|channel|>commentary to=functions.", " to=functions."),
                               "<|call|>", _parse_harmony),
@@ -292,6 +297,25 @@ def detect_tool_format(chat_template: str | None) -> ToolCallFormat | None:
         if signature in source:
             return FORMATS[name]
     return None
+
+
+def forced_call(fmt: ToolCallFormat, tools: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A constraint (GenerationParams.constraint) whose every match is one call, in
+    ``fmt``'s markers, to one of ``tools`` (OpenAI function entries) with arguments that
+    match its schema; None when the format has no plain-JSON call to force."""
+    if fmt.json_call is None or not tools:
+        return None
+    before, after, key = fmt.json_call
+    options = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        params = dict(fn.get("parameters") or {"type": "object"})
+        if "properties" in params:  # a call passes the parameters it declares, and no others
+            params.setdefault("additionalProperties", False)
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
+                        "required": ["name", key], "additionalProperties": False})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {"type": "json_schema", "schema": schema, "prefix": before, "suffix": after}
 
 
 def to_tool_calls(parsed: Parsed) -> list[ToolCall]:

@@ -105,3 +105,36 @@ def _anthropic_tool_round(client):
                                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                                       "content": "sunny, 21 C"}]}])
     assert follow.role == "assistant"
+
+
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}},
+]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_tool_choice_forces_a_valid_call(client, choice):
+    import jsonschema
+
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny-qwen", messages=ASK, tools=FORCED_TOOLS, tool_choice=choice,
+                                           max_tokens=200, temperature=1.0, seed=seed)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
+        (call,) = r.choices[0].message.tool_calls
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+        tool = next(t for t in FORCED_TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_anthropic_tool_choice_names_a_tool(qwen_server):
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in FORCED_TOOLS]
+    with anthropic.Anthropic(base_url=qwen_server.base, api_key="none", max_retries=0, timeout=120) as client:
+        r = client.messages.create(model="tiny-qwen", max_tokens=200, messages=ASK, tools=tools,
+                                   tool_choice={"type": "tool", "name": "get_time"})
+    assert r.stop_reason == "tool_use"
+    (use,) = [b for b in r.content if b.type == "tool_use"]
+    assert use.name == "get_time" and use.input["zone"] in ("UTC", "CET")
