@@ -8,7 +8,6 @@ from typing import Any
 
 from ..api import Generate, GenerationResult, TokenEvent
 from .common import (
-    SESSION,
     Reply,
     check_body,
     check_model,
@@ -20,6 +19,7 @@ from .common import (
     new_id,
     reasoning,
     run,
+    session_key,
 )
 from .http import ApiError, Handler
 
@@ -154,7 +154,7 @@ def messages(handler: Handler, body: Any) -> None:
         force_tool_call(params, backend, forced)
     msgs = chat_messages(body, backend.tool_format)
     stream = field(body, "stream", bool, False)
-    command = Generate(SESSION, msgs, params, tools=tools)
+    command = Generate(backend.session(session_key(msgs)), msgs, params, tools=tools)
     reply = Reply(backend.tool_format if tools else None)
     mid = new_id("msg_")
 

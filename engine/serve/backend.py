@@ -12,18 +12,30 @@ serves a window (``Backend.shared``): the owner then hands every worker event to
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..api import Cancel, Command, DoneEvent, ErrorEvent, Event, LoadModel, ModelInfo
+from ..api import (
+    Cancel,
+    Command,
+    DoneEvent,
+    DropSession,
+    ErrorEvent,
+    Event,
+    LoadModel,
+    ModelInfo,
+)
 from ..errors import EngineError
 from ..worker import EngineWorker
 from .http import ClientGone, ModelLoading
 
 POLL_S = 0.2  # how often a waiting request checks that its client is still there
+MAX_SESSIONS = 4  # conversations whose KV caches are kept for prefix reuse
 
 
 class Backend:
@@ -41,6 +53,9 @@ class Backend:
         self.loaded = threading.Event()  # set when the load ended, either way
         self.model_arg = ""  # the model as the command line named it (also accepted as its id)
         self._pending: queue.Queue[Event] | None = None  # the queue of the submit under way
+        self._ignored: set[int] = set()  # requests nobody waits for (dropping a session)
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # conversation key -> session id, LRU
+        self._session_ids = itertools.count(1)
 
     @classmethod
     def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None]) -> Backend:
@@ -105,10 +120,35 @@ class Backend:
 
     # ---- requests -----------------------------------------------------------------
 
+    def session(self, key: str) -> str:
+        """The session (KV cache) for a conversation: requests that start alike share one and
+        reuse its prefix; past MAX_SESSIONS the least recently used is dropped."""
+        with self._lock:
+            if key in self._sessions:
+                self._sessions.move_to_end(key)
+                return self._sessions[key]
+            sid = self._sessions[key] = f"serve-{next(self._session_ids)}"
+            while len(self._sessions) > MAX_SESSIONS:
+                _, old = self._sessions.popitem(last=False)
+                self.fire(DropSession(old))
+            return sid
+
+    def fire(self, command: Command) -> None:
+        """Submit ``command`` with nobody waiting for its answer."""
+        with self._lock:
+            rid = self.submit(command)
+            answered = self._queues.pop(rid)
+            if not any(isinstance(e, DoneEvent | ErrorEvent) for e in list(answered.queue)):
+                self._ignored.add(rid)
+
     def route(self, event: Event) -> bool:
         """Called on the worker thread with every event: True when it was one of ours."""
         rid = getattr(event, "request_id", None)
         with self._lock:
+            if rid in self._ignored:
+                if isinstance(event, DoneEvent | ErrorEvent):
+                    self._ignored.discard(rid)
+                return True
             q = self._queues.get(rid) if rid is not None else None
             if q is None and self._pending is not None:  # inside submit, on its thread
                 q = self._pending

@@ -16,7 +16,6 @@ from ..api import DoneEvent, ErrorEvent, GenerationParams, GenerationResult, Tok
 from ..text.tool_calls import ToolCall, ToolCallFormat
 from .http import ApiError, engine_error
 
-SESSION = "serve"  # one KV cache for every request: consecutive requests reuse their common prefix
 DEFAULT_MAX_TOKENS = 4096
 _MISSING = object()
 
@@ -159,6 +158,25 @@ def decode_base64(data: str, what: str) -> bytes:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, f"The {what} is not valid base64.") from None
+
+
+def session_key(messages: list[dict[str, Any]] | str | list[int]) -> str:
+    """What identifies a conversation across its requests: how it starts (its messages up
+    to the first user message, or a plain prompt's first characters). Each turn of a chat
+    resends those, so every turn lands on the session whose cache holds its prefix."""
+    if isinstance(messages, str):
+        return "text:" + messages[:200]
+    if messages and isinstance(messages[0], int):
+        return "ids:" + ",".join(map(str, messages[:64]))
+    head = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", f"<{p.get('type')}>") for p in content)
+        head.append(f"{message.get('role')}:{content}")
+        if message.get("role") == "user":
+            break
+    return "chat:" + "\x00".join(head)
 
 
 def new_id(prefix: str) -> str:

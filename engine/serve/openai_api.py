@@ -9,7 +9,6 @@ from typing import Any
 
 from ..api import Complete, Generate, GenerationParams, GenerationResult, TokenEvent
 from .common import (
-    SESSION,
     Reply,
     check_body,
     check_model,
@@ -23,6 +22,7 @@ from .common import (
     now,
     reasoning,
     run,
+    session_key,
 )
 from .http import ApiError, Handler
 
@@ -212,7 +212,7 @@ def chat_completions(handler: Handler, body: Any) -> None:
     messages = chat_messages(body.get("messages"), backend.tool_format)
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))
-    command = Generate(SESSION, messages, params, tools=tools)
+    command = Generate(backend.session(session_key(messages)), messages, params, tools=tools)
     reply = Reply(backend.tool_format if tools else None)
     cid, created = new_id("chatcmpl-"), now()
 
@@ -314,7 +314,7 @@ def completions(handler: Handler, body: Any) -> None:
     prompt = _prompt(body)
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))
-    command = Complete(SESSION, prompt, params)
+    command = Complete(backend.session(session_key(prompt)), prompt, params)
     cid, created = new_id("cmpl-"), now()
 
     def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> None:

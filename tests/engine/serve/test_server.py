@@ -217,3 +217,16 @@ def test_other_addresses_need_a_key(tiny_model):
                           timeout=60, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "--api-key" in proc.stderr
+
+
+def test_two_conversations_keep_their_own_cached_prefix(client, model_id):
+    a = [{"role": "system", "content": "You are A."}, {"role": "user", "content": "the quick brown fox"}]
+    b = [{"role": "system", "content": "You are B."}, {"role": "user", "content": "what is the capital"}]
+    first_a = _chat(client, model_id, messages=a, max_tokens=4)
+    _chat(client, model_id, messages=b, max_tokens=4)
+    # A's next turn resends its history: all of it up to the new message comes from A's cache,
+    # although B ran in between.
+    turn = a + [{"role": "assistant", "content": first_a.choices[0].message.content},
+                {"role": "user", "content": "and then?"}]
+    again = _chat(client, model_id, messages=turn, max_tokens=4)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first_a.usage.prompt_tokens
