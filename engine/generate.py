@@ -320,6 +320,10 @@ def stream_generate(
 
     if drafter is None and params.speculative is not None:
         drafter = _drafter_for(params)
+    if params.constraint is not None:
+        # The grammar matcher follows one token at a time; drafts it would have to take back
+        # are not modelled, so constrained output decodes plainly.
+        drafter = None
     prompt = mx.array(list(prompt_ids), dtype=mx.uint32)
     tokens = generate_step(
         prompt,

@@ -69,3 +69,10 @@ def test_a_bad_grammar_is_one_clear_error(host):
         make_matcher({"type": "regex", "pattern": "(unclosed"}, host.tokenizer)
     with pytest.raises(EngineError, match="Unknown constraint"):
         host.generate_ids(host.encode_prompt("hi"), _params({"type": "xml"}, 0))
+
+
+def test_with_speculative_decoding_the_output_still_matches(host):
+    params = _params({"type": "regex", "pattern": r"[0-9]{3}-[a-c]+!"}, 3)
+    params.speculative, params.ngram_size = "ngram", 2
+    result = host.generate_ids(host.encode_prompt("123-abc! 123-abc! 123-"), params)
+    assert re.fullmatch(r"[0-9]{3}-[a-c]+!", result.text), result.text
