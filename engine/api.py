@@ -121,6 +121,8 @@ class TokenEvent:
     channel: Literal["answer", "reasoning"]
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[float] | None = None  # of token_ids, with GenerationParams.logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # with GenerationParams.top_logprobs
 
 
 @dataclass

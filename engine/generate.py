@@ -214,12 +214,15 @@ def generate_step(
 
 @dataclass
 class Piece:
-    """A run of new text on one channel, with the token ids that produced it."""
+    """A run of new text on one channel, with the token ids that produced it (and, when
+    asked for, their log-probs): every generated token is carried by exactly one piece."""
 
     text: str
     channel: Literal["answer", "reasoning"]
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class StopStrings:
@@ -311,12 +314,21 @@ def stream_generate(
     start = time.perf_counter()
     first_at = start
 
-    def emit(text: str, token_ids: list[int]) -> Iterator[Piece]:
+    carried = [0]  # ids[:carried[0]] went out with earlier pieces
+
+    def piece(text: str, channel: Any) -> Piece:
+        # The tokens since the last piece (text held back, an end-of-turn id) ride on this one.
+        start, carried[0] = carried[0], len(ids)
+        return Piece(text, channel, ids[start:], stats,
+                     logprobs=lps[start:] if lps is not None else None,
+                     top_logprobs=top_rows[start:] if tops is not None else None)
+
+    def emit(text: str) -> Iterator[Piece]:
         parts = reasoning.feed(text) if reasoning is not None else [("answer", text)]
         for channel, part in parts:
             if part:
                 collected.add(channel, part)
-                yield Piece(part, channel, token_ids, stats)
+                yield piece(part, channel)
 
     if drafter is None and params.speculative is not None:
         drafter = _drafter_for(params)
@@ -372,7 +384,7 @@ def stream_generate(
             break
         text, by_stop_string = stops.push(detok.add(token) if detok is not None else "")
         if text:
-            yield from emit(text, [token])
+            yield from emit(text)
         if by_stop_string:
             finish = "stop"
             break
@@ -391,12 +403,12 @@ def stream_generate(
         if not by_stop_string:
             text += stops.flush()
         if text:
-            yield from emit(text, [])
+            yield from emit(text)
     if reasoning is not None:
         for channel, part in reasoning.flush():
             if part:
                 collected.add(channel, part)
-                yield Piece(part, channel, [], stats)
+                yield piece(part, channel)
 
     stats.peak_memory_bytes = int(mx.get_peak_memory())
     yield GenerationResult(

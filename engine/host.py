@@ -514,7 +514,8 @@ def _drain(stream: Iterator[Piece | GenerationResult], on_event: EventSink | Non
         if isinstance(item, GenerationResult):
             result = item
         elif on_event is not None:
-            on_event(TokenEvent(request_id, item.text, item.channel, item.token_ids, item.stats))
+            on_event(TokenEvent(request_id, item.text, item.channel, item.token_ids, item.stats,
+                                item.logprobs, item.top_logprobs))
     if result is None:
         raise EngineError("generation ended without a result")
     return result

@@ -183,16 +183,16 @@ def _token_entry(backend: Any, token_id: int, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
+def _entry(backend: Any, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+    return {**_token_entry(backend, token_id, logprob), "top_logprobs": [_token_entry(backend, t, v) for t, v in top]}
+
+
 def chat_logprobs(backend: Any, result: GenerationResult) -> dict[str, Any] | None:
     if result.token_logprobs is None:
         return None
-    content = []
     tops = result.top_logprobs or []
-    for i, (tid, lp) in enumerate(zip(result.token_ids, result.token_logprobs, strict=False)):
-        entry = _token_entry(backend, tid, lp)
-        entry["top_logprobs"] = [_token_entry(backend, t, v) for t, v in tops[i]] if i < len(tops) else []
-        content.append(entry)
-    return {"content": content}
+    return {"content": [_entry(backend, tid, lp, tops[i] if i < len(tops) else [])
+                        for i, (tid, lp) in enumerate(zip(result.token_ids, result.token_logprobs, strict=False))]}
 
 
 def chat_completions(handler: Handler, body: Any) -> None:
@@ -232,10 +232,14 @@ def chat_completions(handler: Handler, body: Any) -> None:
         })
         return
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+    unsent: list[dict[str, Any]] = []  # log-prob entries of tokens no chunk has carried yet
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> None:
+        logprobs = {"content": list(unsent)} if unsent and (delta or finish) else None
+        if logprobs is not None:
+            unsent.clear()
         payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": extra.pop("logprobs", None),
-                                "finish_reason": finish}]}
+                   "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             payload["usage"] = None
         handler.send_event(payload)
@@ -252,14 +256,17 @@ def chat_completions(handler: Handler, body: Any) -> None:
     def on_token(event: TokenEvent) -> None:
         if not handler.streaming:
             chunk({"role": "assistant", "content": ""})
+        if event.logprobs is not None:
+            tops = event.top_logprobs or [[] for _ in event.token_ids]
+            unsent.extend(_entry(backend, t, lp, top) for t, lp, top in zip(event.token_ids, event.logprobs, tops,
+                                                                             strict=False))
         send(reply.feed(event))
 
     result = run(handler, command, on_token)
     if not handler.streaming:
         chunk({"role": "assistant", "content": ""})
     send(reply.finish())
-    # Log-probs come once, with the last chunk: the token stream does not carry them.
-    chunk({}, _finish(result, bool(reply.calls)), logprobs=chat_logprobs(backend, result))
+    chunk({}, _finish(result, bool(reply.calls)))  # with the log-probs of tokens that wrote no text
     if include_usage:
         handler.send_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": _usage(result)})

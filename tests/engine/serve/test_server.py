@@ -81,6 +81,11 @@ def test_logprobs_and_top_logprobs(client, model_id):
         assert len(tops) == 3 and all(v <= 0 for v in tops)
         # Greedy: the chosen token is the most likely one.
         assert e.logprob == pytest.approx(max(tops), abs=1e-5)
+    # Streamed, each chunk carries its own tokens' log-probs: together, the same list.
+    chunks = list(_chat(client, model_id, logprobs=True, top_logprobs=3, max_tokens=6, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    assert sum(1 for c in chunks if c.choices and c.choices[0].logprobs) > 1
 
 
 def test_completions_continue_plain_text(client, model_id):
