@@ -56,7 +56,7 @@ def check_model(body: Mapping[str, Any], backend: Any) -> str:
     """The model the request names: the loaded one, by its id or its path (404 otherwise)."""
     info = backend.require_model()
     name = field(body, "model", str, required=True)
-    if name not in (info.name, info.path, backend.model_arg):
+    if name not in (info.name, info.path, backend.model_arg or info.name):
         raise ApiError(404, f"The model '{name}' does not exist here; this server runs '{info.name}'.",
                        param="model", code="model_not_found")
     return info.name

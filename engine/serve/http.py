@@ -86,6 +86,9 @@ def _log_line(entry: dict[str, Any]) -> None:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # A connection that sends nothing for this long is closed: idle keep-alive connections
+    # and slow senders do not hold a thread forever. (Generating never waits on the socket.)
+    timeout = 120
     server: ApiServer
     server_version = "mlx-desk"
     sys_version = ""

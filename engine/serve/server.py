@@ -54,7 +54,7 @@ def make_server(backend: Any, host: str = "127.0.0.1", port: int = 8080, *, api_
         return ApiServer((host, port), backend, api_key=api_key, max_body=max_body, routes=ROUTES,
                          on_request=on_request)
     except OSError as e:
-        raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror or e}. Pick another --port.") from None
+        raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror or e}. Pick another port.") from None
 
 
 def address(server: ApiServer) -> str:
