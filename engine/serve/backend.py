@@ -40,7 +40,7 @@ MAX_SESSIONS = 4  # conversations whose KV caches are kept for prefix reuse
 
 class Backend:
     def __init__(self, worker: EngineWorker | None = None,
-                 model_info: Callable[[], ModelInfo | None] | None = None) -> None:
+                 model_info: Callable[[], ModelInfo | None] | None = None, *, max_sessions: int = MAX_SESSIONS) -> None:
         self._queues: dict[int, queue.Queue[Event]] = {}
         # Re-entrant: the worker answers some submits (a Cancel, a dead engine) on the
         # submitting thread, inside submit.
@@ -56,12 +56,15 @@ class Backend:
         self._ignored: set[int] = set()  # requests nobody waits for (dropping a session)
         self._sessions: OrderedDict[str, str] = OrderedDict()  # conversation key -> session id, LRU
         self._session_ids = itertools.count(1)
+        self.max_sessions = max(1, max_sessions)  # each holds a KV cache: memory, traded for reuse
 
     @classmethod
-    def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None]) -> Backend:
+    def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None],
+               max_sessions: int = 2) -> Backend:
         """A backend on a worker someone else owns (and feeds events to ``route``);
-        ``model_info()`` says which model that worker has loaded now, if any."""
-        backend = cls(worker, model_info)
+        ``model_info()`` says which model that worker has loaded now, if any. Fewer kept
+        sessions by default: the window's chats hold caches in the same memory budget."""
+        backend = cls(worker, model_info, max_sessions=max_sessions)
         backend.loaded.set()
         return backend
 
@@ -128,7 +131,7 @@ class Backend:
                 self._sessions.move_to_end(key)
                 return self._sessions[key]
             sid = self._sessions[key] = f"serve-{next(self._session_ids)}"
-            while len(self._sessions) > MAX_SESSIONS:
+            while len(self._sessions) > self.max_sessions:
                 _, old = self._sessions.popitem(last=False)
                 self.fire(DropSession(old))
             return sid
