@@ -77,3 +77,38 @@ def _vision_round(client):
     assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="data: URL"):
         ask([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}])
+
+
+def _wav_base64(seconds: float = 1.0) -> str:
+    import math
+    import struct
+    import wave
+
+    rate = 16000
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(2 * math.pi * 440 * i / rate)))
+                               for i in range(int(rate * seconds))))
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_an_input_audio_part_reaches_an_audio_model(tmp_path):
+    srv = start_server(Path(__file__).resolve().parents[2] / "golden" / "voxtral_tiny", tmp_path / "server.log")
+    try:
+        with openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=120) as client:
+            model = client.models.list().data[0].id
+
+            def ask(parts):
+                return client.chat.completions.create(model=model, max_tokens=3, temperature=0, messages=[
+                    {"role": "user", "content": parts}])
+
+            heard = ask([{"type": "input_audio", "input_audio": {"data": _wav_base64(), "format": "wav"}},
+                         {"type": "text", "text": "What is said?"}])
+            text_only = ask([{"type": "text", "text": "What is said?"}])
+        # 1 s of audio is one 30 s chunk: 375 audio tokens in the prompt.
+        assert heard.usage.prompt_tokens - text_only.usage.prompt_tokens >= 375
+    finally:
+        srv.stop()
