@@ -44,6 +44,9 @@ class EngineBridge(QObject):
         self.model_info: api.ModelInfo | None = None
         self._loading: asyncio.Future[Any] | None = None  # the load under way, if any
         self._live: tuple[int, api.GenerationStats] | None = None  # latest token's stats
+        # Listeners that see every worker event first, on the worker thread (the local
+        # server's requests); one that returns True keeps the event for itself.
+        self._taps: list[Callable[[Any], bool]] = []
         self._event.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
 
     # ---- lifecycle --------------------------------------------------------------
@@ -252,8 +255,25 @@ class EngineBridge(QObject):
         except Exception:  # noqa: BLE001 - a cancel to a dead worker has nothing to stop
             pass
 
+    @property
+    def worker(self) -> Any:
+        """The running EngineWorker (started if need be), for sharing with the local server."""
+        if self._worker is None:
+            self.start()
+        return self._worker
+
+    def add_event_tap(self, tap: Callable[[Any], bool]) -> None:
+        self._taps.append(tap)
+
+    def remove_event_tap(self, tap: Callable[[Any], bool]) -> None:
+        if tap in self._taps:
+            self._taps.remove(tap)
+
     def _on_worker_event(self, event: Any) -> None:
         """Runs on the worker thread: hand over to the GUI thread and return at once."""
+        for tap in list(self._taps):
+            if tap(event):
+                return
         emit(self._event, event)
 
     def _dispatch(self, event: Any) -> None:

@@ -43,6 +43,13 @@ class GenerationParams:
     # on/off switch, "low"/"medium"/"high" for an effort. None leaves the variable undefined,
     # so the template's own default applies; a model whose template has no switch ignores it.
     reasoning: bool | str | None = None
+    # With logprobs: also the log-probabilities of this many most likely tokens per step.
+    top_logprobs: int = 0
+    # Grammar-constrained decoding (engine.decode.constrained): {"type": "json_object"},
+    # {"type": "json_schema", "schema": {...}} (with "prefix"/"suffix": literal text around
+    # the JSON), {"type": "regex", "pattern": "..."} or {"type": "lark", "grammar": "..."};
+    # the output always matches it.
+    constraint: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,8 @@ class GenerationResult:
     stats: GenerationStats
     error: str | None = None
     adapters: dict[str, float] = field(default_factory=dict)  # active adapters -> scale
+    # With GenerationParams.top_logprobs: per generated token, the most likely (id, logprob).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -115,6 +124,8 @@ class TokenEvent:
     channel: Literal["answer", "reasoning"]
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[float] | None = None  # of token_ids, with GenerationParams.logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # with GenerationParams.top_logprobs
 
 
 @dataclass
@@ -349,6 +360,16 @@ class Generate:
 
 
 @dataclass
+class Complete:
+    """Continue plain text (no chat template): ``prompt`` is text, tokenized as the
+    tokenizer's own settings say, or token ids fed as they are."""
+
+    session_id: str
+    prompt: str | list[int]
+    params: GenerationParams = field(default_factory=GenerationParams)
+
+
+@dataclass
 class Transcribe:
     """Transcribe an audio file with a Whisper model folder (or cached repo id).
 
@@ -410,6 +431,6 @@ class LoadDraftModel:
 
 
 Command = (
-    LoadModel | UnloadModel | InspectModel | Generate | Transcribe | Cancel | DropSession | GetModelInfo
+    LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Cancel | DropSession | GetModelInfo
     | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel
 )

@@ -176,6 +176,9 @@ class MainWindow(QMainWindow):
         self.adapters_menu = AdaptersMenu(self)
         bar.addMenu(self.adapters_menu)
         self.adapters_menu.set_adapters([], {}, model_loaded=False)
+        from app.ui.server_menu import install_server_menu
+
+        self.server_menu = install_server_menu(self)
 
     def _top_bar(self) -> QWidget:
         bar = QFrame(objectName="topBar")
@@ -454,6 +457,7 @@ class MainWindow(QMainWindow):
             self._shot_for = reply
 
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        self.server_menu.controller.stop()
         self.chat.stop()
         self.bridge.shutdown(5.0)
         super().closeEvent(event)

@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {generate,template,inspect,transcribe,bench,convert}``.
+"""Command line: ``python -m engine {generate,template,inspect,transcribe,bench,convert,serve}``.
 
 The flags are a contract (DESIGN.md, "Engine CLI"). Every failure exits non-zero
 with one line on stderr and no traceback.
@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench)
     add_speculative_arguments(bench)
     _add_convert(sub)
+
+    _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
     return parser
 
 
@@ -435,6 +437,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, speculative=run_speculative)
 
 
+def _add_serve(parser: Any) -> None:
+    from engine.serve.server import DEFAULT_MAX_BODY
+
+    parser.add_argument("--model", required=True, help="model folder, cached Hugging Face repo id, or .gguf file")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; anything else "
+                             "needs --api-key)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or x-api-key) on every request")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY,
+                        help=f"largest request body taken (default {DEFAULT_MAX_BODY}); larger ones get 413")
+    parser.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.serve.server import run_command
+
+    return run_command(args)
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "template": cmd_template,
@@ -442,6 +464,7 @@ COMMANDS = {
     "transcribe": cmd_transcribe,
     "convert": cmd_convert,
     "bench": cmd_bench,
+    "serve": cmd_serve,
 }
 
 

@@ -45,6 +45,8 @@ def generate_step(
     history: mx.array | None = None,
     inputs: PromptInputs | None = None,
     compiled: bool | None = None,
+    top_logprobs: int = 0,
+    top_sink: list[tuple[mx.array, mx.array]] | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens.
 
@@ -57,6 +59,8 @@ def generate_step(
     (same results, less per-token overhead); False forces the plain forward pass.
     None (default) compiles on a GPU only: the CPU build turns each fused kernel
     into C++ for a compiler, seconds per new kernel, for little gain there.
+    With ``logprobs`` and ``top_logprobs`` > 0, each step also appends the ids and
+    log-probs of its ``top_logprobs`` most likely tokens to ``top_sink``, in step order.
     """
     if prompt.size == 0:
         raise EngineError("nothing to generate from: the prompt has no tokens")
@@ -99,6 +103,10 @@ def generate_step(
             return y, None
         raw = logits.astype(mx.float32)
         lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+        if top_logprobs > 0 and top_sink is not None:
+            k = min(top_logprobs, lp.shape[-1])
+            top = mx.argpartition(-lp[0], kth=k - 1)[:k]
+            top_sink.append((top, lp[0][top]))
         return y, mx.take_along_axis(lp, y[:, None], axis=-1)[0, 0]
 
     if not prefill(
@@ -129,12 +137,15 @@ def generate_step(
 
 @dataclass
 class Piece:
-    """A run of new text on one channel, with the token ids that produced it."""
+    """A run of new text on one channel, with the token ids that produced it (and, when
+    asked for, their log-probs): every generated token is carried by exactly one piece."""
 
     text: str
     channel: Literal["answer", "reasoning"]
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class StopStrings:
@@ -207,6 +218,12 @@ def stream_generate(
     if eos_token_ids is None:
         eos_token_ids = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
     eos = set() if params.ignore_eos else set(int(i) for i in eos_token_ids)
+    if params.constraint is not None:
+        from engine.decode.constrained import make_constraint_processor
+
+        # Last, so it masks what the other processors left: the output always matches.
+        processors.append(make_constraint_processor(params.constraint, tokenizer, sorted(eos)))
+    tops: list[tuple[mx.array, mx.array]] | None = [] if params.logprobs and params.top_logprobs > 0 else None
     detok = tokenizer.detokenizer() if tokenizer is not None else None
     stops = StopStrings(params.stop_strings)
     collected = _Collector()
@@ -214,20 +231,34 @@ def stream_generate(
     stats = StatsCounter(prompt_tokens=len(prompt_ids) + cached_tokens, cached_tokens=cached_tokens)
     ids: list[int] = []
     lps: list[float] | None = [] if params.logprobs else None
+    top_rows: list[list[tuple[int, float]]] = []
     finish: FinishReason = "length"
     mx.reset_peak_memory()
     start = time.perf_counter()
     first_at = start
 
-    def emit(text: str, token_ids: list[int]) -> Iterator[Piece]:
+    carried = [0]  # ids[:carried[0]] went out with earlier pieces
+
+    def piece(text: str, channel: Any) -> Piece:
+        # The tokens since the last piece (text held back, an end-of-turn id) ride on this one.
+        start, carried[0] = carried[0], len(ids)
+        return Piece(text, channel, ids[start:], stats.snapshot(),
+                     logprobs=lps[start:] if lps is not None else None,
+                     top_logprobs=top_rows[start:] if tops is not None else None)
+
+    def emit(text: str) -> Iterator[Piece]:
         parts = reasoning.feed(text) if reasoning is not None else [("answer", text)]
         for channel, part in parts:
             if part:
                 collected.add(channel, part)
-                yield Piece(part, channel, token_ids, stats.snapshot())
+                yield piece(part, channel)
 
     if drafter is None and params.speculative is not None:
         drafter = drafter_for(params)
+    if params.constraint is not None:
+        # The grammar matcher follows one token at a time; drafts it would have to take back
+        # are not modelled, so constrained output decodes plainly.
+        drafter = None
     prompt = mx.array(list(prompt_ids), dtype=mx.uint32)
     tokens = generate_step(
         prompt,
@@ -242,6 +273,8 @@ def stream_generate(
         on_progress=on_progress,
         history=mx.array(list(context_ids), dtype=mx.uint32) if context_ids else None,
         inputs=inputs,
+        top_logprobs=params.top_logprobs,
+        top_sink=tops,
     )
     # Speculative decoding stands in for the plain loop (a generator: never started, costs
     # nothing). Media that only replaces prompt embeddings (Gemma 3 images, audio) goes into
@@ -262,6 +295,9 @@ def stream_generate(
         ids.append(token)
         if lps is not None and lp is not None:
             lps.append(lp)
+        if tops is not None and len(tops) >= len(ids):  # the plain loop fills it, drafting does not
+            top_ids, top_lps = tops[len(ids) - 1]
+            top_rows.append(list(zip(top_ids.tolist(), top_lps.tolist(), strict=True)))
         stats.generated_tokens = len(ids)
         if len(ids) > 1:
             stats.generation_tps = (len(ids) - 1) / max(now - first_at, 1e-9)
@@ -270,7 +306,7 @@ def stream_generate(
             break
         text, by_stop_string = stops.push(detok.add(token) if detok is not None else "")
         if text:
-            yield from emit(text, [token])
+            yield from emit(text)
         if by_stop_string:
             finish = "stop"
             break
@@ -289,12 +325,12 @@ def stream_generate(
         if not by_stop_string:
             text += stops.flush()
         if text:
-            yield from emit(text, [])
+            yield from emit(text)
     if reasoning is not None:
         for channel, part in reasoning.flush():
             if part:
                 collected.add(channel, part)
-                yield Piece(part, channel, [], stats.snapshot())
+                yield piece(part, channel)
 
     stats.peak_memory_bytes = int(mx.get_peak_memory())
     yield GenerationResult(
@@ -304,6 +340,7 @@ def stream_generate(
         token_logprobs=lps,
         finish_reason=finish,
         stats=stats.snapshot(),
+        top_logprobs=top_rows if tops is not None else None,
     )
 
 

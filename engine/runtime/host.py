@@ -25,6 +25,7 @@ from engine.api import (
     MediaInput,
     ModelInfo,
     ProgressEvent,
+    SamplingParams,
     TokenEvent,
 )
 from engine.errors import EngineError
@@ -316,6 +317,18 @@ class ModelHost:
         infos = [self._loaded.info] + ([self._loaded.draft.info] if self._loaded.draft else [])
         return sum(i.plan.weights_bytes for i in infos if i.plan is not None)
 
+    def default_params(self) -> GenerationParams:
+        """Generation settings from the model's generation_config.json, where it has them
+        (the server's defaults for what a request leaves out)."""
+        defaults = self._need().info.generation_defaults or {}
+        sp = SamplingParams()
+        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if defaults.get(key) is not None:
+                setattr(sp, key, type(getattr(sp, key))(defaults[key]))
+        if defaults.get("do_sample") is False:
+            sp.temperature = 0.0
+        return GenerationParams(sampling=sp)
+
     # ---- generation ---------------------------------------------------------------
 
     def generate(
@@ -396,7 +409,8 @@ def _drain(stream: Iterator[Piece | GenerationResult], on_event: EventSink | Non
         if isinstance(item, GenerationResult):
             result = item
         elif on_event is not None:
-            on_event(TokenEvent(request_id, item.text, item.channel, item.token_ids, item.stats))
+            on_event(TokenEvent(request_id, item.text, item.channel, item.token_ids, item.stats,
+                                item.logprobs, item.top_logprobs))
     if result is None:
         raise EngineError("generation ended without a result")
     return result

@@ -22,6 +22,7 @@ from engine.api import (
     EngineStatus,
     Cancel,
     Command,
+    Complete,
     DoneEvent,
     DropSession,
     ErrorEvent,
@@ -126,6 +127,12 @@ class EngineWorker:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
+    @property
+    def host(self) -> ModelHost:
+        """The ModelHost this worker drives. Other threads may read its settings (template,
+        tokenizer, generation defaults); all MLX work goes through ``submit``."""
+        return self._host
+
     # ---- worker side ----------------------------------------------------------------
 
     def _emit(self, event: Event) -> None:
@@ -203,7 +210,7 @@ class EngineWorker:
         if isinstance(command, DropSession):
             host.drop_session(command.session_id)
             return None
-        if isinstance(command, Generate):
+        if isinstance(command, Generate | Complete):
             return self._generate(rid, command, cancel)
         if isinstance(command, GetModelInfo):
             return host.info if host.loaded else None
@@ -229,7 +236,7 @@ class EngineWorker:
             return self._transcribe(rid, command, cancel)
         raise EngineError(f"Unknown command {type(command).__name__}.")
 
-    def _generate(self, rid: int, command: Generate, cancel: threading.Event) -> Any:
+    def _generate(self, rid: int, command: Generate | Complete, cancel: threading.Event) -> Any:
         last = [time.monotonic()]
 
         def on_event(event: Event) -> None:
@@ -240,6 +247,14 @@ class EngineWorker:
                     last[0] = now
                     self._emit_memory()
 
+        if isinstance(command, Complete):
+            prompt = command.prompt
+            ids = self._host.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            result = self._host.generate_ids(
+                ids, command.params, on_event, cancel, request_id=rid, session_id=command.session_id
+            )
+            self._emit_memory()
+            return result
         result = self._host.generate(
             command.session_id,
             command.messages,

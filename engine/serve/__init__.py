@@ -1,0 +1,1 @@
+"""OpenAI- and Anthropic-compatible HTTP over the engine's worker (``python -m engine serve``)."""

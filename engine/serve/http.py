@@ -1,0 +1,269 @@
+"""HTTP plumbing on the standard library's ``http.server``: one thread per connection,
+JSON in and out, server-sent events, OpenAI- and Anthropic-shaped error bodies.
+
+The standard library is enough here: requests are few and long (a generation each), a
+thread per connection costs nothing next to a forward pass, and a blocking handler can
+watch its socket to notice a client that has gone. No CORS headers are ever sent, so a
+web page in a browser cannot read the answers; POSTs must say ``application/json`` (a
+browser cannot send that cross-site without a preflight that this server refuses), and
+while bound to loopback the Host header must name loopback (no DNS rebinding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import select
+import socket
+import sys
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from engine.errors import EngineError
+
+DEFAULT_MAX_BODY = 32 * 1024 * 1024  # enough for a few photos as data: URLs
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+class ModelLoading(EngineError):
+    """A request came before the model finished loading."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request ran."""
+
+
+class ApiError(Exception):
+    """Ends a request with ``status`` and an error body saying ``message``."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def engine_error(kind: str, message: str) -> ApiError:
+    """An ErrorEvent from the worker as an HTTP error: the caller's fault (400) unless the
+    engine itself failed (500) or has no model yet (503)."""
+    if kind in ("InternalError", "Fatal"):
+        return ApiError(500, message, "server_error")
+    if kind in ("NoModelLoaded", "ModelLoading"):
+        return ApiError(503, message, "server_error")
+    if kind == "OutOfMemoryBudget":
+        return ApiError(400, message, "invalid_request_error", code="context_length_exceeded")
+    return ApiError(400, message)
+
+
+Route = Callable[["Handler", Any], None]
+
+
+class ApiServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], backend: Any, *, api_key: str | None = None,
+                 max_body: int = DEFAULT_MAX_BODY, routes: dict[tuple[str, str], Route] | None = None,
+                 on_request: Callable[[dict[str, Any]], None] | None = None):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, Handler)
+        self.backend = backend
+        self.api_key = api_key
+        self.max_body = max_body
+        self.routes = routes or {}
+        self.loopback = address[0] in LOOPBACK_HOSTS
+        # One dict per finished request (method, path, status, seconds, client): the log.
+        self.on_request = on_request or _log_line
+
+
+def _log_line(entry: dict[str, Any]) -> None:
+    print(f"{entry['client']} {entry['method']} {entry['path']} {entry['status']} {entry['seconds']:.2f}s",
+          file=sys.stderr, flush=True)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    # A connection that sends nothing for this long is closed: idle keep-alive connections
+    # and slow senders do not hold a thread forever. (Generating never waits on the socket.)
+    timeout = 120
+    server: ApiServer
+    server_version = "mlx-desk"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per request comes from _dispatch instead
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_OPTIONS(self) -> None:
+        self._dispatch("OPTIONS")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    # ---- dispatch -------------------------------------------------------------------
+
+    def _dispatch(self, method: str) -> None:
+        start = time.monotonic()
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        self.status = 0
+        self.anthropic = path.startswith("/v1/messages")
+        self.streaming = False
+        try:
+            try:
+                self._check_host()
+                route = self.server.routes.get((method, path))
+                if route is None:
+                    if any(p == path for _, p in self.server.routes):
+                        raise ApiError(405, f"{method} is not allowed on {path}.")
+                    raise ApiError(404, f"No such endpoint: {method} {path}.", code="not_found")
+                if path != "/health":
+                    self._check_key()
+                body = self._read_json() if method == "POST" else None
+                route(self, body)
+            except ApiError as e:
+                self._discard_body()
+                self.send_error_body(e)
+            except ModelLoading as e:
+                self.send_error_body(ApiError(503, str(e), "server_error"))
+            except EngineError as e:
+                self.send_error_body(ApiError(400, str(e)))
+        except ClientGone:
+            self.close_connection = True
+            self.status = self.status or 499
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True
+            self.status = self.status or 499
+        except Exception as e:  # noqa: BLE001 - a server bug answers 500, the server stays up
+            if not self.streaming:
+                self.send_error_body(ApiError(500, f"Internal error: {type(e).__name__}: {e}", "server_error"))
+            self.close_connection = True
+        entry = {"method": method, "path": path, "status": self.status, "client": self.client_address[0],
+                 "seconds": time.monotonic() - start}
+        with contextlib.suppress(Exception):  # a broken log must not break requests
+            self.server.on_request(entry)
+
+    def _check_host(self) -> None:
+        if not self.server.loopback:
+            return
+        host = (self.headers.get("Host") or "").strip()
+        name = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        if host and name not in LOOPBACK_HOSTS:
+            raise ApiError(403, f"This server answers only requests addressed to this machine (Host {host!r}).",
+                           "permission_error")
+
+    def _check_key(self) -> None:
+        key = self.server.api_key
+        if not key:
+            return
+        auth = self.headers.get("Authorization") or ""
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else (self.headers.get("x-api-key") or "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "Missing or wrong API key: send it as 'Authorization: Bearer KEY'.",
+                           "authentication_error", code="invalid_api_key")
+
+    def _read_json(self) -> Any:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            raise ApiError(411, "Send the request body with a Content-Length (chunked bodies are not taken).")
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise ApiError(400, "The Content-Length header is not a number.") from None
+        if length > self.server.max_body:
+            self.close_connection = True  # the body is not read: the connection cannot be reused
+            raise ApiError(413, f"The request body is {length} bytes; this server takes at most "
+                                f"{self.server.max_body}.", code="request_too_large")
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        raw = self.rfile.read(length) if length else b""
+        self._body_read = True
+        if ctype != "application/json":
+            raise ApiError(415, "Send the request body as JSON (Content-Type: application/json).")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
+
+    def _discard_body(self) -> None:
+        """After an error before the body was read: read it off (or drop the connection),
+        so the next request on this connection starts where it should."""
+        if getattr(self, "_body_read", False) or self.command != "POST":
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if 0 <= length <= self.server.max_body:
+            self.rfile.read(length)
+        else:
+            self.close_connection = True
+
+    # ---- responses ------------------------------------------------------------------
+
+    def send_json(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload, ensure_ascii=False).encode()
+        self.status = status
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_error_body(self, error: ApiError) -> None:
+        if self.streaming:  # headers are out: the error goes into the stream
+            self.send_event(error_payload(error, self.anthropic), "error" if self.anthropic else None)
+            return
+        if self.anthropic:
+            kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 503: "overloaded_error"}.get(error.status, error.kind)
+            if error.status >= 500 and error.status != 503:
+                kind = "api_error"
+            self.send_json(error.status, {"type": "error", "error": {"type": kind, "message": error.message}})
+        else:
+            self.send_json(error.status, error_payload(error, False))
+
+    def start_stream(self) -> None:
+        """Headers for server-sent events; the connection closes when the stream ends."""
+        if self.streaming:
+            return
+        self.streaming = True
+        self.status = 200
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+
+    def send_event(self, payload: Any, event: str | None = None) -> None:
+        self.start_stream()
+        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        head = f"event: {event}\n" if event else ""
+        try:
+            self.wfile.write(f"{head}data: {data}\n\n".encode())
+            self.wfile.flush()
+        except OSError:
+            raise ClientGone() from None
+
+    def client_gone(self) -> bool:
+        """Whether the client closed the connection (checked while its request waits)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+
+def error_payload(error: ApiError, anthropic: bool) -> dict[str, Any]:
+    if anthropic:
+        return {"type": "error", "error": {"type": error.kind, "message": error.message}}
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}

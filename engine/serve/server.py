@@ -1,0 +1,100 @@
+"""``python -m engine serve``: the loaded model behind OpenAI- and Anthropic-compatible HTTP.
+
+The server binds first and loads the model in the background: /health answers 503 (and
+every model endpoint 503) until the model is in, then 200. It listens on 127.0.0.1
+unless told otherwise, and refuses to listen anywhere else without an API key.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+from engine.errors import EngineError
+from engine.serve import anthropic_api, openai_api
+from engine.serve.http import DEFAULT_MAX_BODY, LOOPBACK_HOSTS, ApiError, ApiServer, Handler
+
+
+class ServeError(EngineError):
+    """The server cannot start as asked."""
+
+
+def health(handler: Handler, _: Any) -> None:
+    backend = handler.server.backend
+    if backend.info is not None:
+        handler.send_json(200, {"status": "ok", "model": backend.info.name})
+    elif backend.load_error is not None:
+        raise ApiError(503, f"The model failed to load: {backend.load_error}", "server_error")
+    else:
+        raise ApiError(503, "The model is loading.", "server_error")
+
+
+ROUTES = {
+    ("GET", "/health"): health,
+    ("GET", "/v1/models"): openai_api.models,
+    ("POST", "/v1/chat/completions"): openai_api.chat_completions,
+    ("POST", "/v1/completions"): openai_api.completions,
+    ("POST", "/v1/messages"): anthropic_api.messages,
+}
+
+
+def check_exposure(host: str, api_key: str | None) -> None:
+    if host not in LOOPBACK_HOSTS and not api_key:
+        raise ServeError(
+            f"--host {host} makes the server reachable from other machines; give it an --api-key KEY "
+            "(or keep the default 127.0.0.1)."
+        )
+
+
+def make_server(backend: Any, host: str = "127.0.0.1", port: int = 8080, *, api_key: str | None = None,
+                max_body: int = DEFAULT_MAX_BODY, on_request: Any = None) -> ApiServer:
+    check_exposure(host, api_key)
+    try:
+        return ApiServer((host, port), backend, api_key=api_key, max_body=max_body, routes=ROUTES,
+                         on_request=on_request)
+    except OSError as e:
+        raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror or e}. Pick another port.") from None
+
+
+def address(server: ApiServer) -> str:
+    host, port = server.server_address[:2]
+    return f"http://[{host}]:{port}" if ":" in str(host) else f"http://{host}:{port}"
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8080, *, api_key: str | None = None,
+          memory_budget: int | None = None, max_body: int = DEFAULT_MAX_BODY) -> int:
+    """Run until interrupted; a model that fails to load ends the command with its reason."""
+    from engine.serve.backend import Backend  # the engine (and mlx) only once the command runs
+
+    backend = Backend()
+    server = make_server(backend, host, port, api_key=api_key, max_body=max_body)
+    print(f"listening on {address(server)}", flush=True)
+    backend.start(model, memory_budget)
+    thread = threading.Thread(target=server.serve_forever, name="serve-http", daemon=True)
+    thread.start()
+    try:
+        backend.loaded.wait()
+        if backend.load_error is not None:
+            raise ServeError(f"Cannot serve {model}: {backend.load_error}")
+        assert backend.info is not None
+        print(f"serving {backend.info.name} at {address(server)}/v1", flush=True)
+        thread.join()
+    finally:
+        server.shutdown()
+        server.server_close()
+        backend.shutdown()
+    return 0
+
+
+def run_command(args: Any) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ServeError(f"--port must be between 0 and 65535 (got {args.port})")
+    if args.max_request_bytes < 1024:
+        raise ServeError("--max-request-bytes must be at least 1024")
+    try:
+        return serve(args.model, args.host, args.port, api_key=args.api_key, memory_budget=args.memory_budget,
+                     max_body=args.max_request_bytes)
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return 0
