@@ -25,6 +25,11 @@ SUPPORTED: dict[str, str] = {
     "qwen2_audio": "qwen2_audio",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
     "voxtral": "voxtral",
 }
 

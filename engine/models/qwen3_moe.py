@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from . import llama
 from .base import activation
-from .switch import SwitchGLU
+from .switch import SwitchGLU, stack_expert_weights
 
 
 @dataclass
@@ -96,19 +96,5 @@ class Model(llama.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)
         for i in range(self.args.num_hidden_layers):
-            prefix = f"model.layers.{i}.mlp"
-            fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
-            if fused is not None:  # transformers' in-memory layout: [E, 2I, H] and [E, H, I]
-                half = fused.shape[1] // 2
-                weights[f"{prefix}.switch_mlp.gate_proj.weight"] = fused[:, :half]
-                weights[f"{prefix}.switch_mlp.up_proj.weight"] = fused[:, half:]
-                weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
-                continue
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                for part in ("weight", "scales", "biases", "bias"):
-                    first = f"{prefix}.experts.0.{proj}.{part}"
-                    if first not in weights:
-                        continue
-                    stacked = [weights.pop(f"{prefix}.experts.{e}.{proj}.{part}") for e in range(self.args.num_experts)]
-                    weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack(stacked)
+            stack_expert_weights(weights, f"model.layers.{i}.mlp", self.args.num_experts)
         return weights

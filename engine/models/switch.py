@@ -119,3 +119,24 @@ class SwitchGLU(nn.Module):
         if do_sort:
             y = y[inverse].reshape(*lead, k, 1, -1)
         return y.squeeze(-2)
+
+
+def stack_expert_weights(weights: dict[str, mx.array], prefix: str, num_experts: int) -> dict[str, mx.array]:
+    """Put one MoE block's experts (under ``prefix``, e.g. ``model.layers.3.mlp``) into the
+    ``switch_mlp`` layout, from either Hugging Face spelling: transformers 5's fused
+    ``experts.gate_up_proj`` [E, 2I, H] + ``experts.down_proj`` [E, H, I], or one module per
+    expert (``experts.N.gate_proj.weight`` ..., quantized parts included). Changes ``weights``."""
+    fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
+    if fused is not None:
+        half = fused.shape[1] // 2
+        weights[f"{prefix}.switch_mlp.gate_proj.weight"] = fused[:, :half]
+        weights[f"{prefix}.switch_mlp.up_proj.weight"] = fused[:, half:]
+        weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
+        return weights
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for part in ("weight", "scales", "biases", "bias"):
+            if f"{prefix}.experts.0.{proj}.{part}" not in weights:
+                continue
+            stacked = [weights.pop(f"{prefix}.experts.{e}.{proj}.{part}") for e in range(num_experts)]
+            weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack(stacked)
+    return weights

@@ -1,0 +1,149 @@
+"""The cache of a recurrent layer (gated DeltaNet, short convolution): fixed-size state.
+
+A recurrent layer keeps, whatever the context length, the last inputs of its causal
+convolution and (DeltaNet) a matrix-valued recurrent state. Unlike keys and values, that
+state cannot be cut back to an earlier token: it has folded every token in. Going back
+therefore means restoring a copy taken at that token. Two kinds of copies are kept:
+
+* **per-position states of the last forward pass** when it fed at most ``step_window``
+  tokens (a decode step, a speculative verification of a few drafts): the layer then
+  records the state after each of its tokens, so rejected drafts roll back exactly
+  (``trim``). They are forgotten when the next pass starts.
+* **snapshots** (``checkpoint``), which a chat session takes at turn boundaries (the
+  end of a prompt's prefill, the end of a reply): an edit or a regenerate goes back to
+  the nearest one. At most ``max_snapshots`` are kept, the oldest dropped first.
+
+Memory bound, per recurrent layer: the live state, plus ``max_snapshots`` snapshots,
+plus (only during a short pass) ``step_window`` per-position states; each the size of
+``state_bytes``. Arrays are shared, never copied (MLX arrays are immutable), so a
+snapshot of an unchanged state costs nothing extra.
+
+``trim(n)`` returns ``n`` when a copy at ``offset - n`` exists, else 0 and leaves the
+cache alone; ``can_trim(n)`` asks first, so callers never trim attention layers and
+fail on a recurrent one halfway.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..cache import _mask_for  # the attention layers' masks follow the token count alone
+
+# Per-position states are recorded for passes of at most this many tokens (decode steps,
+# speculative verification of up to 7 drafts), bounding what a pass holds in memory.
+STEP_WINDOW = 8
+# Turn-boundary snapshots kept per cache (each a copy of the layer's state).
+MAX_SNAPSHOTS = 4
+
+
+class RecurrentCache:
+    """State arrays of one recurrent layer (``cache[i]``; None until the first token),
+    the number of tokens folded in (``offset``), and the copies that allow going back."""
+
+    def __init__(self, size: int = 2, step_window: int = STEP_WINDOW, max_snapshots: int = MAX_SNAPSHOTS):
+        self.arrays: list[mx.array | None] = [None] * size
+        self.offset = 0
+        self.step_window = step_window
+        self.max_snapshots = max_snapshots
+        self._steps: dict[int, list] = {}  # offset -> arrays, from the last short pass
+        self._snapshots: dict[int, list] = {}  # offset -> arrays, oldest first
+
+    def __getitem__(self, i: int) -> mx.array | None:
+        return self.arrays[i]
+
+    def __setitem__(self, i: int, value: mx.array | None) -> None:
+        self.arrays[i] = value
+
+    # -- the layer's side ---------------------------------------------------------
+
+    def begin(self, n: int) -> bool:
+        """A pass of ``n`` tokens starts. Returns whether the layer should record the
+        state after each of them (``record``): only for short passes."""
+        self._steps = {}
+        if n > self.step_window:
+            return False
+        self._steps[self.offset] = list(self.arrays)
+        return True
+
+    def record(self, after: int, arrays: list) -> None:
+        """The state after the first ``after`` tokens of the current pass."""
+        self._steps[self.offset + after] = list(arrays)
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    # -- going back -----------------------------------------------------------------
+
+    def _copy_at(self, offset: int) -> list | None:
+        if offset == self.offset:
+            return list(self.arrays)
+        if offset == 0:
+            return [None] * len(self.arrays)
+        return self._steps.get(offset) or self._snapshots.get(offset)
+
+    def rewind_points(self) -> set[int]:
+        """Every token count this cache can return to."""
+        return {0, self.offset, *self._steps, *self._snapshots}
+
+    def nearest(self, limit: int) -> int:
+        """The largest token count <= ``limit`` this cache can return to."""
+        return max(p for p in self.rewind_points() if p <= limit)
+
+    def can_trim(self, n: int) -> bool:
+        return 0 <= n <= self.offset and self._copy_at(self.offset - n) is not None
+
+    def is_trimmable(self) -> bool:
+        return True  # within its copies: see can_trim
+
+    def trim(self, n: int) -> int:
+        """Go back ``n`` tokens if a copy there exists; return how many were dropped."""
+        if n <= 0 or not self.can_trim(n):
+            return 0
+        target = self.offset - n
+        self.arrays = self._copy_at(target)
+        self.offset = target
+        # Copies past the target belong to the abandoned continuation.
+        self._steps = {k: v for k, v in self._steps.items() if k <= target}
+        self._snapshots = {k: v for k, v in self._snapshots.items() if k <= target}
+        return n
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the current state (a turn boundary), within ``max_snapshots``."""
+        if self.offset == 0 or self.max_snapshots <= 0:
+            return
+        self._snapshots.pop(self.offset, None)
+        self._snapshots[self.offset] = list(self.arrays)
+        while len(self._snapshots) > self.max_snapshots:
+            self._snapshots.pop(next(iter(self._snapshots)))
+
+    def make_mask(self, n_queries: int, window: int | None = None):
+        """The mask a full-attention layer at this token count needs (the stack computes
+        masks from whichever layer comes first; a recurrent layer itself needs none)."""
+        return _mask_for(self.offset, self.offset + n_queries, n_queries, window)
+
+    # -- sizes, evaluation, save / load -------------------------------------------------
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the live state (snapshots share or add at most ``max_snapshots`` more)."""
+        return sum(a.nbytes for a in self.arrays if a is not None)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The live arrays (what ``mx.eval`` needs after a prefill chunk)."""
+        return [a for a in self.arrays if a is not None]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {"offset": str(self.offset), "size": str(len(self.arrays))}
+
+    @meta_state.setter
+    def meta_state(self, value: dict[str, str]) -> None:
+        self.offset = int(value.get("offset", 0))
