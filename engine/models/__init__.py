@@ -17,6 +17,8 @@ SUPPORTED: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
+    "lfm2": "lfm2",
+    "lfm2_moe": "lfm2_moe",
     "llama": "llama",
     "mistral": "llama",
     "phi3": "phi3",

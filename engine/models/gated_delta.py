@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .recurrent_cache import RecurrentCache
+from .recurrent_cache import RecurrentCache, causal_conv
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA library's convention): x / sqrt(sum(x^2) + eps)
 
@@ -36,16 +36,6 @@ class GatedRMSNorm(nn.Module):
 def l2_normalise(x: mx.array) -> mx.array:
     x = x.astype(mx.float32)
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + L2_EPS)
-
-
-def causal_conv(conv: nn.Conv1d, x: mx.array, cache: RecurrentCache | None, kernel: int) -> tuple[mx.array, mx.array]:
-    """(conv output [B, T, C], the conv input with the K-1 earlier inputs in front).
-
-    Without a cache the earlier inputs are zeros, as transformers pads."""
-    b, _, c = x.shape
-    before = cache[0] if cache is not None and cache[0] is not None else mx.zeros((b, kernel - 1, c), x.dtype)
-    padded = mx.concatenate([before.astype(x.dtype), x], axis=1)
-    return conv(padded), padded
 
 
 class GatedDeltaNet(nn.Module):

@@ -26,6 +26,7 @@ fail on a recurrent one halfway.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..cache import _mask_for  # the attention layers' masks follow the token count alone
 
@@ -147,3 +148,13 @@ class RecurrentCache:
     @meta_state.setter
     def meta_state(self, value: dict[str, str]) -> None:
         self.offset = int(value.get("offset", 0))
+
+
+def causal_conv(conv: nn.Conv1d, x: mx.array, cache: RecurrentCache | None, kernel: int) -> tuple[mx.array, mx.array]:
+    """(conv output [B, T, C], the conv input with the K-1 earlier inputs in front).
+
+    Without a cache the earlier inputs are zeros, as transformers pads."""
+    b, _, c = x.shape
+    before = cache[0] if cache is not None and cache[0] is not None else mx.zeros((b, kernel - 1, c), x.dtype)
+    padded = mx.concatenate([before.astype(x.dtype), x], axis=1)
+    return conv(padded), padded
