@@ -187,6 +187,9 @@ class MemoryPlan:
     budget_bytes: int
     total_bytes: int  # the machine's memory
     kv_windows: list[KVWindow] = field(default_factory=list)
+    # Recurrent layers (Qwen3.5's DeltaNet, LFM2's convolutions): a fixed state from the
+    # first token on, whatever the context length, with the snapshots kept for prefix reuse.
+    state_bytes: int = 0
 
     @property
     def kv_window_bytes(self) -> int:
@@ -197,13 +200,13 @@ class MemoryPlan:
         """The KV cache of a ``tokens``-long context, all layers."""
         tokens = max(0, tokens)
         return self.kv_bytes_per_token * tokens + sum(w.bytes_per_token * min(tokens, w.tokens)
-                                                      for w in self.kv_windows)
+                                                      for w in self.kv_windows) + (self.state_bytes if tokens else 0)
 
     @property
     def max_context(self) -> int:
         """The longest context whose KV cache fits beside the weights in the budget;
         ``UNLIMITED_CONTEXT`` when the cache stops growing (all layers windowed) and fits."""
-        spare = self.budget_bytes - self.weights_bytes
+        spare = self.budget_bytes - self.weights_bytes - self.state_bytes
         if spare < 0:
             return 0
         # kv_bytes grows piecewise linearly and more slowly as each window fills.

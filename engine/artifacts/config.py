@@ -38,7 +38,9 @@ class QuantizationSpec:
 
     def params_for(self, module_path: str) -> dict[str, Any] | None:
         """The to_quantized() arguments for one module, or None when it is left as is."""
-        override = self.overrides.get(module_path, True)
+        override = self.overrides.get(module_path)
+        if override is None:  # mlx-lm's multimodal wrappers name the language model's modules so
+            override = self.overrides.get("language_model." + module_path, True)
         if override is False:
             return None
         params = {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
