@@ -325,13 +325,15 @@ def make_prompt_cache(model) -> list:
     return [KVCache() for _ in model.layers]
 
 
-def can_trim_prompt_cache(cache: list) -> bool:
-    return all(c.is_trimmable() for c in cache)
+def can_trim_prompt_cache(cache: list, n: int | None = None) -> bool:
+    """Whether every layer can drop tokens (``n`` of them: a recurrent layer only can when it
+    kept a copy of its state there)."""
+    return all(c.is_trimmable() and (n is None or getattr(c, "can_trim", lambda _: True)(n)) for c in cache)
 
 
 def trim_prompt_cache(cache: list, n: int) -> int:
     """Drop the last ``n`` tokens of every layer; return how many were dropped (0 if not possible)."""
-    if not cache or not can_trim_prompt_cache(cache):
+    if not cache or not can_trim_prompt_cache(cache, n):
         return 0
     return [c.trim(n) for c in cache][0]
 

@@ -204,6 +204,9 @@ def room_to_trim(c: Any, n_new: int) -> bool:
     """Can this cache take ``n_new`` more tokens and still give them back?"""
     if not c.is_trimmable():
         return False
+    recent = getattr(c, "step_window", None)  # a recurrent layer keeps this many recent states
+    if recent is not None and n_new > recent:
+        return False
     max_size = getattr(c, "max_size", None)
     return max_size is None or c.offset + n_new < max_size
 

@@ -93,9 +93,9 @@ def state_bytes(config: Any, dtype_bytes: int) -> int:
     """A config's recurrent-layer state as fixed bytes: the live state plus the snapshots a
     chat session keeps for prefix reuse (engine/models/recurrent_cache.py bounds them)."""
     from engine.models import base
-    from engine.models.recurrent_cache import MAX_SNAPSHOTS
+    from engine.models.recurrent_cache import COPIES_KEPT
 
-    return int(base.recurrent_state_bytes(_family_args(config), dtype_bytes)) * (1 + MAX_SNAPSHOTS)
+    return int(base.recurrent_state_bytes(_family_args(config), dtype_bytes)) * COPIES_KEPT
 
 
 def plan_memory(

@@ -7,6 +7,11 @@ new tokens, and editing an earlier message costs what follows the edit. A cache 
 cannot be trimmed far enough (a sliding window that has already rotated past the
 point) is rebuilt from scratch.
 
+Recurrent layers (Qwen3.5's DeltaNet, LFM2's convolutions) cannot be trimmed at all: they
+go back only to snapshots of their state taken at turn boundaries (the end of each reply
+and of the latest prompt; engine/models/recurrent_cache.py bounds them), so the kept
+prefix is the longest one that ends at such a snapshot (``rewind_point``).
+
 The cache also remembers which adapters were active when it was filled
 (``adapters.active_signature``): keys and values computed under one adapter set are
 never reused under another, so a change of adapters starts the cache afresh.
@@ -59,11 +64,28 @@ def cache_length(cache: Sequence[Any]) -> int:
     return int(cache[0].offset) if cache else 0
 
 
+def rewind_point(cache: Sequence[Any], keep: int) -> int:
+    """The longest prefix of at most ``keep`` tokens every layer can return to. Attention
+    layers can go back anywhere; a recurrent layer only to a state it kept a copy of (turn
+    boundaries, engine/models/recurrent_cache.py), never to a state rebuilt wrongly."""
+    for c in cache:
+        nearest = getattr(c, "nearest", None)
+        if nearest is not None:
+            keep = min(keep, nearest(keep))
+    return keep
+
+
+def checkpoint(cache: Sequence[Any] | None) -> None:
+    """Let recurrent layers keep a copy of their current state (a turn boundary)."""
+    for c in cache or ():
+        getattr(c, "checkpoint", lambda: None)()
+
+
 def trim_cache(cache: Sequence[Any], n: int) -> bool:
     """Drop the last ``n`` tokens from every layer; False when some layer cannot."""
     if n == 0:
         return True
-    if not all(c.is_trimmable() for c in cache):
+    if not all(c.is_trimmable() and getattr(c, "can_trim", lambda _: True)(n) for c in cache):
         return False
     return all(c.trim(n) == n for c in cache)
 
@@ -150,6 +172,7 @@ class ChatSession:
         for span in spans:
             if span.start < keep < span.end:
                 keep = span.start
+        keep = rewind_point(self.cache, keep)
         if not trim_cache(self.cache, len(self.ids) - keep):
             self.cache, self.ids, self.keys, keep = new_cache(self.model), [], [], 0
         self.ids = list(prompt_ids[:keep])
@@ -168,6 +191,7 @@ class ChatSession:
             self._draft_cache, self._draft_ids = new_cache(self.draft_model), []
             self._draft_owner = self.draft_model
         keep = min(common_prefix_length(self._draft_ids, prompt_ids), len(prompt_ids) - 1)
+        keep = rewind_point(self._draft_cache, keep)
         if not trim_cache(self._draft_cache, len(self._draft_ids) - keep):
             self._draft_cache, keep = new_cache(self.draft_model), 0
         self._draft_ids = list(prompt_ids[:keep])
@@ -189,6 +213,7 @@ class ChatSession:
             setattr(self, ids_attr, known[:held])
             if cache_attr == "cache":
                 self.keys = known_keys[:held]
+            checkpoint(cache)  # the end of a reply: where the next turn continues
 
     # ---- media --------------------------------------------------------------------
 

@@ -5,18 +5,21 @@ convolution and (DeltaNet) a matrix-valued recurrent state. Unlike keys and valu
 state cannot be cut back to an earlier token: it has folded every token in. Going back
 therefore means restoring a copy taken at that token. Two kinds of copies are kept:
 
-* **per-position states of the last forward pass** when it fed at most ``step_window``
-  tokens (a decode step, a speculative verification of a few drafts): the layer then
-  records the state after each of its tokens, so rejected drafts roll back exactly
-  (``trim``). They are forgotten when the next pass starts.
-* **snapshots** (``checkpoint``), which a chat session takes at turn boundaries (the
-  end of a prompt's prefill, the end of a reply): an edit or a regenerate goes back to
-  the nearest one. At most ``max_snapshots`` are kept, the oldest dropped first.
+* **per-position states of the last few tokens**, fed in passes of at most
+  ``step_window`` tokens (decode steps, a speculative verification of a few drafts): the
+  layer records the state after each token, and the last ``step_window`` positions are
+  kept, so rejected drafts roll back exactly (``trim``). A longer pass (a prefill chunk)
+  forgets them.
+* **snapshots** at turn boundaries: the end of each reply (``checkpoint``, taken by the
+  chat session; the last ``max_snapshots`` are kept) and the end of the latest prompt's
+  prefill (``mark_prompt_end``, one, replaced by the next). A follow-up turn continues
+  from the live state; editing a recent message goes back to the end of the reply before
+  it; regenerating goes back to the end of the prompt.
 
-Memory bound, per recurrent layer: the live state, plus ``max_snapshots`` snapshots,
-plus (only during a short pass) ``step_window`` per-position states; each the size of
-``state_bytes``. Arrays are shared, never copied (MLX arrays are immutable), so a
-snapshot of an unchanged state costs nothing extra.
+Memory bound, per recurrent layer: ``COPIES_KEPT`` states (the live one, ``MAX_SNAPSHOTS``
+reply ends, one prompt end, ``STEP_WINDOW`` recent positions), each the size of the
+layer's state (``recurrent_state_bytes``). Arrays are shared, never copied (MLX arrays are
+immutable), so a copy of an unchanged state costs nothing.
 
 ``trim(n)`` returns ``n`` when a copy at ``offset - n`` exists, else 0 and leaves the
 cache alone; ``can_trim(n)`` asks first, so callers never trim attention layers and
@@ -30,11 +33,13 @@ import mlx.nn as nn
 
 from ..cache import _mask_for  # the attention layers' masks follow the token count alone
 
-# Per-position states are recorded for passes of at most this many tokens (decode steps,
-# speculative verification of up to 7 drafts), bounding what a pass holds in memory.
-STEP_WINDOW = 8
-# Turn-boundary snapshots kept per cache (each a copy of the layer's state).
+# Per-position states are kept for this many recent tokens, fed in passes no longer than
+# that (decode steps; a speculative verification of up to 4 drafts and the pending token).
+STEP_WINDOW = 5
+# Reply-end snapshots kept per cache (each a copy of the layer's state).
 MAX_SNAPSHOTS = 4
+# States a recurrent layer may hold: live + reply ends + one prompt end + recent positions.
+COPIES_KEPT = 1 + MAX_SNAPSHOTS + 1 + STEP_WINDOW
 
 
 class RecurrentCache:
@@ -46,8 +51,9 @@ class RecurrentCache:
         self.offset = 0
         self.step_window = step_window
         self.max_snapshots = max_snapshots
-        self._steps: dict[int, list] = {}  # offset -> arrays, from the last short pass
-        self._snapshots: dict[int, list] = {}  # offset -> arrays, oldest first
+        self._steps: dict[int, list] = {}  # offset -> arrays, the last step_window positions
+        self._snapshots: dict[int, list] = {}  # offset -> arrays at reply ends, oldest first
+        self._prompt_end: dict[int, list] = {}  # at most one: where the latest prefill ended
 
     def __getitem__(self, i: int) -> mx.array | None:
         return self.arrays[i]
@@ -60,9 +66,11 @@ class RecurrentCache:
     def begin(self, n: int) -> bool:
         """A pass of ``n`` tokens starts. Returns whether the layer should record the
         state after each of them (``record``): only for short passes."""
-        self._steps = {}
         if n > self.step_window:
+            self._steps = {}
             return False
+        oldest = self.offset + n - self.step_window  # keep step_window positions after this pass
+        self._steps = {k: v for k, v in self._steps.items() if k >= oldest}
         self._steps[self.offset] = list(self.arrays)
         return True
 
@@ -80,11 +88,11 @@ class RecurrentCache:
             return list(self.arrays)
         if offset == 0:
             return [None] * len(self.arrays)
-        return self._steps.get(offset) or self._snapshots.get(offset)
+        return self._steps.get(offset) or self._snapshots.get(offset) or self._prompt_end.get(offset)
 
     def rewind_points(self) -> set[int]:
         """Every token count this cache can return to."""
-        return {0, self.offset, *self._steps, *self._snapshots}
+        return {0, self.offset, *self._steps, *self._snapshots, *self._prompt_end}
 
     def nearest(self, limit: int) -> int:
         """The largest token count <= ``limit`` this cache can return to."""
@@ -106,10 +114,15 @@ class RecurrentCache:
         # Copies past the target belong to the abandoned continuation.
         self._steps = {k: v for k, v in self._steps.items() if k <= target}
         self._snapshots = {k: v for k, v in self._snapshots.items() if k <= target}
+        self._prompt_end = {k: v for k, v in self._prompt_end.items() if k <= target}
         return n
 
+    def mark_prompt_end(self) -> None:
+        """Keep a copy of the current state as the end of the latest prompt (replacing the last)."""
+        self._prompt_end = {self.offset: list(self.arrays)} if self.offset else {}
+
     def checkpoint(self) -> None:
-        """Keep a copy of the current state (a turn boundary), within ``max_snapshots``."""
+        """Keep a copy of the current state (the end of a reply), within ``max_snapshots``."""
         if self.offset == 0 or self.max_snapshots <= 0:
             return
         self._snapshots.pop(self.offset, None)

@@ -21,8 +21,9 @@ def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError) as err:
         get_family("xyz")
     assert str(err.value) == (
-        "Unsupported architecture 'xyz'. MLX Desk runs: gemma2, gemma3, gemma3_text, llama, mistral, "
-        "phi3, qwen2, qwen2_5_vl, qwen2_audio, qwen3, qwen3_moe, voxtral."
+        "Unsupported architecture 'xyz'. MLX Desk runs: gemma2, gemma3, gemma3_text, lfm2, lfm2_moe, llama, "
+        "mistral, phi3, qwen2, qwen2_5_vl, qwen2_audio, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, "
+        "qwen3_5_text, qwen3_moe, qwen3_next, voxtral."
     )
     for model_type in SUPPORTED:
         family = get_family(model_type)
