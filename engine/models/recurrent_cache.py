@@ -34,8 +34,8 @@ import mlx.nn as nn
 from ..cache import _mask_for  # the attention layers' masks follow the token count alone
 
 # Per-position states are kept for this many recent tokens, fed in passes no longer than
-# that (decode steps; a speculative verification of up to 4 drafts and the pending token).
-STEP_WINDOW = 5
+# that (decode steps; a draft model feeding its last tokens and drafting; a verification).
+STEP_WINDOW = 8
 # Reply-end snapshots kept per cache (each a copy of the layer's state).
 MAX_SNAPSHOTS = 4
 # States a recurrent layer may hold: live + reply ends + one prompt end + recent positions.
