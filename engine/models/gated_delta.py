@@ -12,12 +12,22 @@ The recurrent state stays float32, as in transformers' reference kernels.
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from .recurrent_cache import RecurrentCache, causal_conv
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA library's convention): x / sqrt(sum(x^2) + eps)
+
+# Decoding is bound by per-op overhead: the elementwise steps below run as compiled
+# (fused) functions, one call each instead of several ops.
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_gated(y: mx.array, gate: mx.array) -> mx.array:
+    return (y * nn.silu(gate.astype(mx.float32))).astype(y.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -30,12 +40,23 @@ class GatedRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         y = mx.fast.rms_norm(x, self.weight, self.eps)
-        return (y * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+        return _silu_gated(y, gate)
 
 
-def l2_normalise(x: mx.array) -> mx.array:
-    x = x.astype(mx.float32)
-    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + L2_EPS)
+@partial(mx.compile, shapeless=True)
+def _qk_normalise(q: mx.array, k: mx.array, scale: mx.array) -> tuple[mx.array, mx.array]:
+    """L2-normalised queries (times 1/sqrt(Dk)) and keys, in float32."""
+    q, k = q.astype(mx.float32), k.astype(mx.float32)
+    q = q * mx.rsqrt((q * q).sum(axis=-1, keepdims=True) + L2_EPS) * scale
+    return q, k * mx.rsqrt((k * k).sum(axis=-1, keepdims=True) + L2_EPS)
+
+
+@partial(mx.compile, shapeless=True)
+def _gates(b: mx.array, a: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """(beta, decay) = (sigmoid(b), exp(-exp(A_log) * softplus(a + dt_bias))), in float32."""
+    beta = mx.sigmoid(b.astype(mx.float32))
+    decay = mx.exp(-mx.exp(a_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + dt_bias))
+    return beta, decay
 
 
 class GatedDeltaNet(nn.Module):
@@ -76,11 +97,10 @@ class GatedDeltaNet(nn.Module):
         conv_out, padded = causal_conv(self.conv1d, qkv, cache, self.conv_kernel)
         conv_out = self.activation(conv_out)
         q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = l2_normalise(q.reshape(b, n, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
-        k = l2_normalise(k.reshape(b, n, self.num_k_heads, self.head_k_dim))
+        q, k = _qk_normalise(q.reshape(b, n, self.num_k_heads, self.head_k_dim),
+                             k.reshape(b, n, self.num_k_heads, self.head_k_dim), mx.array(self.head_k_dim**-0.5))
         v = v.reshape(b, n, self.num_v_heads, self.head_v_dim).astype(mx.float32)
-        beta = mx.sigmoid(beta_in.astype(mx.float32))
-        decay = mx.exp(-mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + self.dt_bias))
+        beta, decay = _gates(beta_in, a, self.A_log, self.dt_bias)
         state = cache[1] if cache is not None else None
         if state is None:
             state = mx.zeros((b, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)

@@ -50,3 +50,14 @@ def test_inspect_counts_the_recurrent_state(folders):
     proc = run("inspect", str(folders["qwen3_5"]))
     assert proc.returncode == 0, proc.stderr
     assert "recurrent state" in proc.stdout
+
+
+def test_bench_hybrid_shape_runs_against_mlx_lm():
+    """The bench shapes qwen3.5-4b / qwen3.5-35b-a3b share this code path; a tiny one runs here."""
+    pytest.importorskip("mlx_lm")
+    proc = run("bench", "--shape", "tiny-qwen3.5", "--bits", "4", "-p", "16", "-g", "8", "--vs", "mlx-lm", "--json",
+               timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = last_json(proc.stdout)
+    assert data["engine"]["generated_tokens"] == data["mlx_lm"]["generated_tokens"] == 8
+    assert data["ratio"]["generation"] > 0
