@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from make_model_goldens import NEW_TOKENS
+from make_model_goldens import reference as greedy_reference
 from transformers import AutoConfig, AutoModelForCausalLM
 
 OUT = Path(__file__).resolve().parent / "models"
-PROMPT_LEN = 80
-NEW_TOKENS = 12
+PROMPT_LEN = 80  # past transformers' 64-token chunks of the delta rule
 
 COMMON = dict(
     hidden_size=64,
@@ -110,20 +111,12 @@ def build(overrides: dict, seed: int):
 
 
 def reference(model, prompt: list[int]):
-    ids = torch.tensor([prompt])
+    """transformers' greedy ids, log-probs and top-2 margins (make_model_goldens.reference),
+    after checking that its cached decoding agrees with one uncached pass."""
+    generated, logprobs, margins = greedy_reference(model, prompt)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-        generated = out.sequences[0, len(prompt):].tolist()
-        # Cached decoding must agree with one uncached pass over the whole sequence.
-        full = model(out.sequences[:, :-1], use_cache=False).logits[0, len(prompt) - 1:]
-        assert full.argmax(-1).tolist() == generated, "transformers: cached and uncached greedy differ"
-    logprobs, margins = [], []
-    for step, token in zip(out.logits, generated):
-        lp = torch.log_softmax(step[0].double(), dim=-1)
-        logprobs.append(float(lp[token]))
-        top2 = torch.topk(lp, 2).values
-        margins.append(float(top2[0] - top2[1]))
+        full = model(torch.tensor([prompt + generated[:-1]]), use_cache=False).logits[0, len(prompt) - 1:]
+    assert full.argmax(-1).tolist() == generated, "transformers: cached and uncached greedy differ"
     return generated, logprobs, margins
 
 
