@@ -347,9 +347,10 @@ def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | 
     arrays: dict[str, mx.array] = {}
     layers: list[dict[str, Any]] = []
     for i, c in enumerate(cache):
-        state = c.state
-        if state:
-            arrays[f"{i}.keys"], arrays[f"{i}.values"] = state
+        if hasattr(c, "arrays"):  # a recurrent layer: its state arrays (snapshots stay behind)
+            arrays.update({f"{i}.state.{j}": a for j, a in enumerate(c.arrays) if a is not None})
+        elif c.state:
+            arrays[f"{i}.keys"], arrays[f"{i}.values"] = c.state
         layers.append({"kind": type(c).__name__, "meta": c.meta_state})
     header = {"format": _FORMAT, "layers": json.dumps(layers)}
     for key, value in (metadata or {}).items():
@@ -370,6 +371,14 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
         raise EngineError(f"{path} is not a prompt cache written by this program; delete it.")
     cache = []
     for i, layer in enumerate(json.loads(header["layers"])):
+        if layer["kind"] == "RecurrentCache":
+            from .models.recurrent_cache import RecurrentCache
+
+            c = RecurrentCache(int(layer["meta"]["size"]))
+            c.arrays = [arrays.get(f"{i}.state.{j}") for j in range(len(c.arrays))]
+            c.meta_state = layer["meta"]
+            cache.append(c)
+            continue
         kind = _KINDS.get(layer["kind"])
         if kind is None:
             raise EngineError(f"{path} holds an unknown cache kind {layer['kind']!r}; delete it.")

@@ -11,6 +11,7 @@ from model_goldens import GOLDEN
 from test_hybrid_families import build
 
 from engine.artifacts.config import config_from_dict
+from engine.cache import load_prompt_cache, save_prompt_cache
 from engine.memory import plan_memory
 from engine.models.recurrent_cache import COPIES_KEPT, MAX_SNAPSHOTS, STEP_WINDOW, RecurrentCache
 
@@ -105,3 +106,18 @@ def test_memory_plan_counts_the_state_as_fixed_bytes(name):
     assert live > 0 and plan.state_bytes == live_fp16 * COPIES_KEPT
     assert plan.kv_bytes(1) == plan.kv_bytes_per_token + plan.state_bytes
     assert plan.kv_bytes(1000) - plan.kv_bytes(500) == 500 * plan.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "lfm2"])
+def test_saved_hybrid_cache_continues_identically(tmp_path, name):
+    model, expected = build(name)
+    prompt = expected["prompt_ids"]
+    cache = model.make_cache()
+    run(model, prompt[:30], cache)
+    path = tmp_path / "turn.safetensors"
+    save_prompt_cache(path, cache, {"model": name})
+    loaded, meta = load_prompt_cache(path)
+    assert meta == {"model": name} and [type(c) for c in loaded] == [type(c) for c in cache]
+    assert [c.offset for c in loaded] == [c.offset for c in cache] == [30] * len(cache)
+    for t in prompt[30:34]:
+        assert same_logits(run(model, [t], cache), run(model, [t], loaded))
