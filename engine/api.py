@@ -32,8 +32,9 @@ class GenerationParams:
     ignore_eos: bool = False
     logprobs: bool = False
     prefill_chunk: int = 512
-    # Speculative decoding: "draft" (needs a loaded draft model) or "ngram" (prompt lookup).
-    speculative: Literal["draft", "ngram"] | None = None
+    # Speculative decoding: "draft" (needs a loaded draft model), "ngram" (prompt lookup) or
+    # "mtp" (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next).
+    speculative: Literal["draft", "ngram", "mtp"] | None = None
     ngram_size: int = 3  # ids matched by n-gram lookup
     num_draft_tokens: int = 4  # drafts verified per forward pass
     # Gemma 3 vision: also show wide or tall images as square crops ("pan and scan").

@@ -182,6 +182,10 @@ class ChatSession:
     def _drafter(self, params: GenerationParams, prompt_ids: Sequence[int]) -> Any:
         """The request's drafter; for a draft model, its cache trimmed to the prefix it
         shares with ``prompt_ids`` (the drafter feeds the rest itself)."""
+        if params.speculative == "mtp":
+            from .mtp_drafter import MTPDrafter
+
+            return MTPDrafter(self.model, params.num_draft_tokens)
         if params.speculative != "draft" or self.draft_model is None:
             return make_drafter(
                 params.speculative, ngram_size=params.ngram_size,
@@ -310,6 +314,7 @@ class ChatSession:
             # Whatever happened (done, cancelled, closed early), record what the caches
             # hold; after an error they were dropped above.
             self._record(prompt_ids + generated, keys + list(generated))
+            getattr(drafter, "close", lambda: None)()  # an MTP drafter stops following the model
 
     def stream(
         self,

@@ -41,11 +41,13 @@ from .base import (
     text_config,
 )
 from .gated_delta import GatedDeltaNet
+from .qwen3_5_mtp import MTP_ONE_CENTRED, MTPHead
 from .recurrent_cache import RecurrentCache
 from .switch import stack_expert_weights
 
-# Weights that are not part of the language model: vision tower, multi-token prediction.
-OTHER_WEIGHTS = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
+# Weights that are not part of the language model (vision tower); the multi-token-prediction
+# layer's (mtp.*) are kept apart and load into ``Model.mtp`` (engine/models/qwen3_5_mtp.py).
+OTHER_WEIGHTS = ("model.visual.", "visual.", "vision_tower.")
 # Norms that compute x * (1 + w); Hugging Face checkpoints store w.
 ONE_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                ".q_norm.weight", ".k_norm.weight")
@@ -84,6 +86,7 @@ class ModelArgs(BaseModelArgs):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    mtp_num_hidden_layers: int = 0
 
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -203,19 +206,35 @@ class HybridModel(DecoderStack):
 
 class Model(CausalLM):
     model_class = HybridModel
+    # Called as listener(ids or None, final hidden states, first position) after each pass
+    # with a cache: the built-in MTP drafter follows the target this way (engine/mtp_drafter.py).
+    hidden_listener = None
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
+        start = cache[0].offset if cache else 0
+        h = self.model(inputs, cache, input_embeddings)
+        if self.hidden_listener is not None and cache is not None:
+            self.hidden_listener(inputs if input_embeddings is None else None, h, start)
+        return self.logits(h)
 
     def make_cache(self) -> list:
         return [RecurrentCache(2) if layer.is_linear else KVCache() for layer in self.layers]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = strip_prefixes(weights, NESTED_LM_PREFIXES, OTHER_WEIGHTS)
+        weights = strip_prefixes(weights, NESTED_LM_PREFIXES + (("model.mtp.", "mtp."),), OTHER_WEIGHTS)
         hub_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
         for key, value in list(weights.items()):
             if key.endswith("conv1d.weight") and value.shape[-1] != 1:
                 weights[key] = value.swapaxes(1, 2)  # [C, 1, K] -> MLX's [C, K, 1]
-            elif hub_layout and key.endswith(ONE_CENTRED) and value.ndim == 1:
+            elif hub_layout and key.endswith(ONE_CENTRED + MTP_ONE_CENTRED) and value.ndim == 1:
                 weights[key] = value + 1.0
         for i in range(self.args.num_hidden_layers):
             if self.args.is_sparse(i):
                 stack_expert_weights(weights, f"model.layers.{i}.mlp", self.args.num_experts)
+        if any(k.startswith("mtp.") for k in weights) and "mtp" not in self:
+            # The checkpoint carries its multi-token-prediction layer: build it to load into.
+            self.mtp = MTPHead(self.args, self.model.layer_class)
+            for i, layer in enumerate(self.mtp.layers):
+                if isinstance(getattr(layer, "mlp", None), nn.Module) and "switch_mlp" in layer.mlp:
+                    stack_expert_weights(weights, f"mtp.layers.{i}.mlp", self.args.num_experts)
         return super().sanitize(weights)

@@ -61,3 +61,41 @@ def test_bench_hybrid_shape_runs_against_mlx_lm():
     data = last_json(proc.stdout)
     assert data["engine"]["generated_tokens"] == data["mlx_lm"]["generated_tokens"] == 8
     assert data["ratio"]["generation"] > 0
+
+
+def test_mtp_through_the_cli(folders, tmp_path):
+    """--mtp on a Hub-layout checkpoint carrying MTP layers: the same ids as plain decoding;
+    on mlx-lm's conversion (MTP layers dropped): one line saying why not."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from engine.models import get_family
+
+    hub = tmp_path / "qwen3_5-hub"
+    hub.mkdir()
+    config = json.loads((GOLDEN / "qwen3_5" / "config.published.json").read_text())
+    (hub / "config.json").write_text(json.dumps(config))
+    weights = mx.load(str(GOLDEN / "qwen3_5" / "model.safetensors"))
+    weights = {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in weights.items()}
+    family = get_family(config["model_type"])
+    model = family.Model(family.ModelArgs.from_dict(config))
+    from engine.models.qwen3_5_mtp import MTPHead
+
+    rng = np.random.default_rng(3)
+    for key, value in tree_flatten(MTPHead(model.args, model.model.layer_class).parameters()):
+        scale = 0.1 if value.ndim == 1 else 0.15
+        weights["mtp." + key] = mx.array((scale * rng.standard_normal(value.shape)).astype(np.float32))
+    mx.save_safetensors(str(hub / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folders["qwen3_5"] / f, hub / f)
+    shutil.copy(folders["qwen3_5"] / "expected.json", hub / "expected.json")
+    plain = generate(hub)
+    mtp = generate(hub, "--mtp", "--num-draft", "2")
+    assert mtp["token_ids"] == plain["token_ids"] and mtp["draft_tokens"] > 0
+
+    prompt = ",".join(map(str, json.loads((folders["qwen3_5"] / "expected.json").read_text())["prompt_ids"][:8]))
+    proc = run("generate", "--model", str(folders["qwen3_5"]), "--prompt-ids", prompt, "--mtp", timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    err = proc.stderr.strip()
+    assert "\n" not in err and "multi-token-prediction" in err
