@@ -154,7 +154,9 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
         nn.quantize(twin, group_size=q["group_size"], bits=q["bits"],
                     class_predicate=lambda p, m: p.removeprefix(nest) in quantized)
     try:
-        twin.load_weights([(nest + k, v) for k, v in tree_flatten(model.parameters())], strict=True)
+        # mlx-lm drops built-in MTP layers (mtp.*): its twin runs without them.
+        weights = [(nest + k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith("mtp.")]
+        twin.load_weights(weights, strict=True)
     except ValueError as e:
         raise EngineError(f"mlx-lm's {config['model_type']} does not take our weights: {e}") from None
     mx.eval(twin.parameters())

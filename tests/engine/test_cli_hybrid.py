@@ -99,3 +99,11 @@ def test_mtp_through_the_cli(folders, tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     err = proc.stderr.strip()
     assert "\n" not in err and "multi-token-prediction" in err
+
+
+def test_bench_times_mtp_drafting():
+    proc = run("bench", "--shape", "tiny-qwen3.5", "-p", "16", "-g", "8", "--speculative", "mtp", "--num-draft", "2",
+               "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    spec = last_json(proc.stdout)["speculative"]
+    assert spec["mode"] == "mtp" and spec["identical_to_plain"] and spec["draft_tokens"] > 0
