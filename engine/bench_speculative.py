@@ -69,8 +69,9 @@ def attach_random_mtp(model: Any, config: dict[str, Any]) -> None:
     model.mtp.set_dtype(mx.bfloat16)
     q = config.get("quantization")
     if q:
-        nn.quantize(model.mtp, group_size=q["group_size"], bits=q["bits"],
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % q["group_size"] == 0)
+        group = q["group_size"]
+        nn.quantize(model.mtp, group_size=group, bits=q["bits"],
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group == 0)
     mx.eval(model.mtp.parameters())
 
 

@@ -213,7 +213,7 @@ def mlx_lm_reference(folder: Path, prompt: list[int]) -> dict:
             if getattr(m, "biases", None) is not None:
                 m.biases = upcast(m.biases)
     ids, logprobs = [], []
-    sampler = lambda x: mx.argmax(x, axis=-1)
+    sampler = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
     for (token, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS, sampler=sampler),
                               range(NEW_TOKENS)):
         token = int(token)

@@ -38,12 +38,14 @@ def tiny(model_type: str, seed: int, sharpen: float, **extra):
 @pytest.mark.parametrize("k", [2, 4])
 def test_hybrid_draft_model_sampling_keeps_target_distribution(k):
     layout = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                  linear_value_head_dim=16, linear_conv_kernel_dim=3, layer_types=["linear_attention", "full_attention"])
+                  linear_value_head_dim=16, linear_conv_kernel_dim=3,
+                  layer_types=["linear_attention", "full_attention"])
     target = tiny("qwen3_5", 20, 2.0, **layout)
     draft = tiny("qwen3_5", 22, 6.0, **layout)
     prompt = [1, 5, 2, 7]
     params = SamplingParams(temperature=1.0)
-    counts, stats = sample_pairs(target, DraftModelDrafter(draft, draft.make_cache()), prompt, params, k=k, max_tokens=k + 1)
+    drafter = DraftModelDrafter(draft, draft.make_cache())
+    counts, stats = sample_pairs(target, drafter, prompt, params, k=k, max_tokens=k + 1)
     assert stats.draft_tokens > 1.5 * SAMPLES  # several drafts per round
     assert 0.15 < stats.acceptance_rate < 0.9  # both acceptance and rejection paths taken
     p = target_dist(target, prompt, params)
