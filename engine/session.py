@@ -286,6 +286,7 @@ class ChatSession:
             inputs = self._prompt_inputs(media, keep) if media is not None and media.spans else None
         except Exception:
             self.reset()  # the cache was trimmed for a prompt that will not run
+            getattr(drafter, "close", lambda: None)()
             raise
         try:
             for item in stream_generate(
