@@ -117,3 +117,25 @@ def test_snapshots_stay_bounded(model):
     for c in chat.cache:
         if isinstance(c, RecurrentCache):
             assert len(c._snapshots) <= MAX_SNAPSHOTS
+
+
+def test_mtp_drafting_in_a_chat_keeps_every_reply():
+    """Built-in MTP drafting over follow-up turns (partly cached prompts) and a regenerate:
+    the same replies as plain decoding, and the model is left without a listener."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
+    from dataclasses import replace
+
+    from test_mtp import with_mtp
+
+    target, _ = with_mtp("qwen3_5")
+    chat, plain = session(target), session(target)
+    mtp = replace(PARAMS, speculative="mtp", num_draft_tokens=2, max_tokens=8)
+    messages = [{"role": "user", "content": "TELL ME ABOUT IT"}]
+    for turn in range(3):
+        got = chat.generate(messages, mtp)
+        want = plain.generate(messages, replace(mtp, speculative=None))
+        assert got.token_ids == want.token_ids and got.stats.draft_tokens > 0
+        assert target.hidden_listener is None
+        messages += [{"role": "assistant", "content": got.text}, {"role": "user", "content": f"MORE {turn}"}]
+    again = chat.generate(messages[:-2], mtp)  # regenerate the last reply
+    assert again.token_ids == got.token_ids
