@@ -281,6 +281,10 @@ class ModelInfo:
     adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order
     active_adapters: dict[str, float] = field(default_factory=dict)  # name -> scale
     draft_model: str | None = None  # path of the draft model for speculative decoding
+    # Built-in multi-token-prediction layers (GenerationParams.speculative "mtp"); when absent,
+    # ``mtp_note`` says why, for a model whose family has them.
+    mtp: bool = False
+    mtp_note: str = ""
     # Whether images are pan-and-scanned by default (GenerationParams.pan_and_scan);
     # None when the model cannot do it.
     pan_and_scan: bool | None = None

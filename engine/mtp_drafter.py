@@ -27,6 +27,8 @@ from .generate import HISTORY_WINDOW
 # Prefill passes longer than this evaluate the MTP layer's cache right away, so the graph
 # of a long prompt is not kept alive until the first draft.
 _EVAL_AFTER = 16
+# Passes whose hidden states are kept (a verification, a step queued ahead, the one before).
+_PASSES_KEPT = 3
 
 
 class MTPDrafter:
@@ -43,7 +45,9 @@ class MTPDrafter:
         self.max_draft = max_draft
         self.cache = [KVCache() for _ in head.layers]
         self.base = 0  # the position of the first entry the MTP layer's cache holds
-        self._last: tuple[int, mx.array] | None = None  # (first position, hidden [1, T, H]) of the last pass
+        # (first position, hidden [1, T, H]) of the last few passes, newest last: a plain step
+        # queued ahead (speculative_step's lookahead) must not hide the row a draft starts from.
+        self._passes: list[tuple[int, mx.array]] = []
         model.hidden_listener = self._observe
 
     def close(self) -> None:
@@ -73,16 +77,18 @@ class MTPDrafter:
             self._start_at(position)
 
     def _hidden_at(self, position: int) -> mx.array | None:
-        if self._last is None:
-            return None
-        start, hidden = self._last
-        row = position - start
-        return hidden[:, row : row + 1] if 0 <= row < hidden.shape[1] else None
+        """The target's hidden state at ``position`` from the newest pass that covered it (rows
+        up to a settled position agree between passes: they see the same tokens)."""
+        for start, hidden in reversed(self._passes):
+            row = position - start
+            if 0 <= row < hidden.shape[1]:
+                return hidden[:, row : row + 1]
+        return None
 
     def _observe(self, ids: mx.array | None, hidden: mx.array, start: int) -> None:
         """The target ran positions start..start+T-1 (ids [1, T]) to final hidden states."""
         if ids is None:  # media embeddings: no ids to embed; drafting resumes after them
-            self._last = None
+            self._passes = []
             return
         before = self._hidden_at(start - 1) if start > 0 else None
         if before is None:  # the entry for start - 1 cannot be made: begin at start
@@ -95,7 +101,7 @@ class MTPDrafter:
             self.head(rows, self.model.embed(tokens), self.cache)
             if tokens.shape[1] > _EVAL_AFTER:
                 mx.eval([c.state for c in self.cache])
-        self._last = (start, hidden)
+        self._passes = [*self._passes[-(_PASSES_KEPT - 1):], (start, hidden)]
 
     # -- drafting -----------------------------------------------------------------------
 

@@ -120,8 +120,9 @@ def test_snapshots_stay_bounded(model):
 
 
 def test_mtp_drafting_in_a_chat_keeps_every_reply():
-    """Built-in MTP drafting over follow-up turns (partly cached prompts) and a regenerate:
-    the same replies as plain decoding, and the model is left without a listener."""
+    """Built-in MTP drafting over a regenerate (all but one token cached, so the drafter has
+    seen no hidden state yet), follow-up turns (partly cached prompts) and another
+    regenerate: the same replies as plain decoding, and the model is left without a listener."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
     from dataclasses import replace
 
@@ -131,6 +132,7 @@ def test_mtp_drafting_in_a_chat_keeps_every_reply():
     chat, plain = session(target), session(target)
     mtp = replace(PARAMS, speculative="mtp", num_draft_tokens=2, max_tokens=8)
     messages = [{"role": "user", "content": "TELL ME ABOUT IT"}]
+    chat.generate(messages, replace(mtp, speculative=None))  # the MTP request below regenerates it
     for turn in range(3):
         got = chat.generate(messages, mtp)
         want = plain.generate(messages, replace(mtp, speculative=None))

@@ -106,11 +106,11 @@ def test_the_drafter_follows_the_target_exactly(qwen):
 
         # The target's pass over the pending token, then the drafter's first draft.
         target(mx.array([history[-1:]]), cache=cache)
-        drafter.propose(history + [int(mx.argmax(target.logits(drafter._last[1])[0, -1]).item())], 1, pick)
+        drafter.propose(history + [int(mx.argmax(target.logits(drafter._passes[-1][1])[0, -1]).item())], 1, pick)
     finally:
         drafter.close()
     # Afresh: the target's hidden states over the whole history, the MTP layer over all of it.
-    full = history + [int(mx.argmax(target.logits(drafter._last[1])[0, -1]).item())]
+    full = history + [int(mx.argmax(target.logits(drafter._passes[-1][1])[0, -1]).item())]
     hidden = target.model(mx.array([full[:-1]]))
     mtp_cache = [KVCache() for _ in target.mtp.layers]
     out_h = target.mtp(hidden, target.embed(mx.array([full[1:]])), mtp_cache)
