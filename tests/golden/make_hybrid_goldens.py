@@ -49,9 +49,9 @@ COMMON = dict(
 )
 
 QWEN_LINEAR = dict(
-    intermediate_size=128,
+    intermediate_size=64,
     num_hidden_layers=4,
-    head_dim=32,
+    head_dim=16,
     rms_norm_eps=1e-5,
     linear_conv_kernel_dim=3,
     linear_key_head_dim=16,
@@ -62,28 +62,28 @@ QWEN_LINEAR = dict(
 )
 
 QWEN35_ROPE = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
-               "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+               "mrope_section": [1, 1, 0], "mrope_interleaved": True}
 
 VARIANTS: dict[str, dict] = {
     "qwen3_5": dict(QWEN_LINEAR, model_type="qwen3_5_text", tie_word_embeddings=False, rope_parameters=QWEN35_ROPE),
     "qwen3_5_moe": dict(
         QWEN_LINEAR, model_type="qwen3_5_moe_text", tie_word_embeddings=True, rope_parameters=QWEN35_ROPE,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
     ),
     "qwen3_next": dict(
         QWEN_LINEAR, model_type="qwen3_next", tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False,
     ),
     "lfm2": dict(
-        model_type="lfm2", intermediate_size=128, num_hidden_layers=4, norm_eps=1e-5, conv_L_cache=3,
+        model_type="lfm2", intermediate_size=96, num_hidden_layers=4, norm_eps=1e-5, conv_L_cache=3,
         conv_bias=False, block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
         tie_word_embeddings=True, layer_types=["conv", "full_attention", "conv", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ),
     "lfm2_moe": dict(
-        model_type="lfm2_moe", intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, norm_eps=1e-5,
+        model_type="lfm2_moe", intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4, norm_eps=1e-5,
         conv_L_cache=3, conv_bias=False, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
         use_expert_bias=True, routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=True,
         layer_types=["conv", "full_attention", "conv", "full_attention"],
