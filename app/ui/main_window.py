@@ -183,6 +183,7 @@ class MainWindow(QMainWindow):
         )
         self.template_notice.setVisible(False)
         self.error_banner = QLabel("", objectName="errorBanner")
+        self.error_banner.setTextFormat(Qt.TextFormat.PlainText)  # messages quote user text
         self.error_banner.setWordWrap(True)
         self.error_banner.setVisible(False)
         self.error_banner.setStyleSheet("color: #e5484d; font-size: 12px;")

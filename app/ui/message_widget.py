@@ -5,20 +5,40 @@ from __future__ import annotations
 from app.qt import (
     emit,
     QApplication,
+    QDesktopServices,
     QFrame,
     QHBoxLayout,
     QLabel,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
+    QScrollArea,
+    QSize,
     QSizePolicy,
     Qt,
     QToolButton,
+    QUrl,
     QVBoxLayout,
     QWidget,
     Signal,
 )
 from app.ui.attachment_strip import AttachmentRow
-from app.ui.markdown import Block, highlight_html, split_blocks
+from app.ui.markdown import Block, breakable, highlight_html, is_live_link, prose_html, split_blocks
+
+
+def open_link(parent: QWidget, url: str) -> bool:
+    """Open a web link in the browser once the user has seen its address; other schemes
+    (file:, javascript:, ...) never open. True when it was opened."""
+    if not is_live_link(url):
+        return False
+    answer = QMessageBox.question(
+        parent, "Open link", f"Open this address in your browser?\n\n{url}",
+        QMessageBox.StandardButton.Open | QMessageBox.StandardButton.Cancel,
+        QMessageBox.StandardButton.Cancel,
+    )
+    if answer != QMessageBox.StandardButton.Open:
+        return False
+    return bool(QDesktopServices.openUrl(QUrl(url)))
 
 
 def _label(text: str = "", name: str = "", rich: bool = False) -> QLabel:
@@ -29,11 +49,46 @@ def _label(text: str = "", name: str = "", rich: bool = False) -> QLabel:
     label.setTextInteractionFlags(
         Qt.TextInteractionFlag.TextSelectableByMouse | Qt.TextInteractionFlag.LinksAccessibleByMouse
     )
-    label.setOpenExternalLinks(True)
+    # Links go through open_link (http(s) only, address shown first), never straight out.
+    label.setOpenExternalLinks(False)
+    label.linkActivated.connect(lambda url: open_link(label, url))
     if rich:
         label.setTextFormat(Qt.TextFormat.RichText)
     label.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
     return label
+
+
+class _SideScroll(QScrollArea):
+    """Scrolls its content sideways instead of asking the column for its width: a code
+    line of any length stays inside its block."""
+
+    def __init__(self, content: QWidget, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWidget(content)
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        self.viewport().setAutoFillBackground(False)
+        content.setAutoFillBackground(False)
+        self._fit_height()
+
+    def _fit_height(self) -> None:
+        content = self.widget()
+        bar = self.horizontalScrollBar().sizeHint().height()
+        wide = content.sizeHint().width() > self.viewport().width()
+        self.setFixedHeight(content.sizeHint().height() + (bar if wide else 0))
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt override
+        return QSize(0, self.height())
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt override
+        return QSize(0, self.height())
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        self._fit_height()
 
 
 class CodeBlock(QFrame):
@@ -57,8 +112,10 @@ class CodeBlock(QFrame):
         row.addWidget(self.copy_button)
         layout.addWidget(header)
         self.body = _label(highlight_html(block.text, block.language, dark), "codeText", rich=True)
+        self.body.setWordWrap(False)  # <pre>: long lines scroll sideways instead
         self.body.setContentsMargins(12, 8, 12, 10)
-        layout.addWidget(self.body)
+        self.scroller = _SideScroll(self.body)
+        layout.addWidget(self.scroller)
 
     def copy(self) -> None:
         QApplication.clipboard().setText(self.code)
@@ -97,6 +154,7 @@ class MessageWidget(QFrame):
         self.reasoning_toggle.setText("Thinking")
         self.reasoning_toggle.toggled.connect(self._toggle_reasoning)
         self.reasoning_label = _label("", "reasoningText")
+        self.reasoning_label.setTextFormat(Qt.TextFormat.PlainText)  # never guessed as HTML
         self.reasoning_label.setVisible(False)
         self.reasoning_toggle.setVisible(False)
         outer.addWidget(self.reasoning_toggle)
@@ -163,7 +221,7 @@ class MessageWidget(QFrame):
         self.content = content
         if reasoning != self.reasoning:
             self.reasoning = reasoning
-            self.reasoning_label.setText(reasoning)
+            self.reasoning_label.setText(breakable(reasoning))
             self.reasoning_toggle.setVisible(bool(reasoning))
         blocks = split_blocks(content) if self.role != "user" else [Block("prose", content)]
         keep = 0
@@ -198,12 +256,12 @@ class MessageWidget(QFrame):
     def _make_block(self, block: Block) -> QWidget:
         if block.kind == "code":
             return CodeBlock(block, self.dark)
-        label = _label(block.text, "prose")
-        # User text is shown as typed; replies are Markdown.
-        label.setTextFormat(
-            Qt.TextFormat.PlainText if self.role == "user" else Qt.TextFormat.MarkdownText
-        )
-        return label
+        # User text is shown as typed; replies are Markdown with raw HTML shown as text.
+        if self.role == "user":
+            label = _label(breakable(block.text), "prose")
+            label.setTextFormat(Qt.TextFormat.PlainText)
+            return label
+        return _label(prose_html(block.text), "prose", rich=True)
 
     def _toggle_reasoning(self, shown: bool) -> None:
         self.reasoning_label.setVisible(shown)
