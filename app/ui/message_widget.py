@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from app.qt import (
-    emit,
     QApplication,
     QDesktopServices,
     QFrame,
@@ -21,9 +20,17 @@ from app.qt import (
     QVBoxLayout,
     QWidget,
     Signal,
+    emit,
 )
 from app.ui.attachment_strip import AttachmentRow
-from app.ui.markdown import Block, breakable, highlight_html, is_live_link, prose_html, split_blocks
+from app.ui.markdown import (
+    Block,
+    breakable,
+    highlight_html,
+    is_live_link,
+    prose_html,
+    split_blocks,
+)
 
 
 def open_link(parent: QWidget, url: str) -> bool:
@@ -80,13 +87,13 @@ class _SideScroll(QScrollArea):
         wide = content.sizeHint().width() > self.viewport().width()
         self.setFixedHeight(content.sizeHint().height() + (bar if wide else 0))
 
-    def sizeHint(self) -> QSize:  # noqa: N802 - Qt override
+    def sizeHint(self) -> QSize:
         return QSize(0, self.height())
 
-    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt override
+    def minimumSizeHint(self) -> QSize:
         return QSize(0, self.height())
 
-    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+    def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
         self._fit_height()
 
