@@ -44,6 +44,7 @@ class FakeHub:
         self.ranges: dict[str, list[int]] = {}
         self.ignore_range = False
         self.held: dict[str, threading.Event] = {}
+        self.etags: dict[str, str] = {}  # file name -> the ETag to send instead (hostile servers)
         handler = self._handler()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -127,8 +128,11 @@ class FakeHub:
                 self.send_header("X-Repo-Commit", hub.commit)
                 if is_lfs(name):  # the Hub's ETag names the pointer; the linked one the content
                     self.send_header("ETag", '"' + git_blob_id(b"pointer " + name.encode()) + '"')
-                    self.send_header("X-Linked-Etag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                    linked = hub.etags.get(name, hashlib.sha256(data).hexdigest())
+                    self.send_header("X-Linked-Etag", '"' + linked + '"')
                     self.send_header("X-Linked-Size", str(len(data)))
+                elif name in hub.etags:
+                    self.send_header("ETag", '"' + hub.etags[name] + '"')
                 else:
                     self.send_header("ETag", '"' + git_blob_id(data) + '"')
                 if start:
