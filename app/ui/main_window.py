@@ -268,6 +268,8 @@ class MainWindow(QMainWindow):
             return
         if self.chat.stop():
             self.notify("Stopping…")
+        elif self.bridge.active_transcription is not None:  # as the Cancel button beside its bar
+            emit(self.composer.cancel_transcription)
         elif self.bridge.active_load is not None:
             self.bridge.cancel(self.bridge.active_load)
 
