@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     import qasync
 
     from app.bridge import EngineBridge, EngineUnavailable
+    from app.history_recovery import open_history
     from app.qt import QApplication, QIcon, quiet_platform_noise
     from app.resources import resource_path
-    from app.store import HistoryStore
     from app.tasks import spawn
     from app.ui.file_open import install_file_open, open_paths
     from app.ui.main_window import MainWindow, first_paint
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_dir is None and args.smoke_test is not None:
         scratch = tempfile.TemporaryDirectory(prefix="mlx-desk-smoke-")
     data_dir = args.data_dir or (Path(scratch.name) if scratch else default_data_dir())
-    try:
-        store = HistoryStore(data_dir)
-    except Exception as exc:  # noqa: BLE001 - a readable line, then out
-        print(f"mlx-desk: cannot open the history in {data_dir}: {exc}", file=sys.stderr)
+    # A damaged or read-only history asks what to do (fresh, salvage, another folder).
+    notes: list[str] = []
+    store = open_history(data_dir, _print_and_quit if args.smoke_test is not None else None, notes)
+    if store is None:
         return 2
 
     loop = qasync.QEventLoop(app)
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     # Follow the system when it switches between light and dark while the app runs.
     app.styleHints().colorSchemeChanged.connect(lambda _scheme: apply_theme(app))
     window.composer.edit.setFocus()
+    for note in notes:
+        window.notify(note)
     exit_code = [0]
 
     async def start_engine() -> None:
@@ -146,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     if scratch is not None:
         scratch.cleanup()
     return exit_code[0]
+
+
+def _print_and_quit(problem) -> tuple[str, None]:
+    """Without a person (smoke tests) a history problem is one line, then out."""
+    print(f"mlx-desk: {' '.join(problem.message.split())}", file=sys.stderr)
+    return "quit", None
 
 
 class SmokeFailure(Exception):
