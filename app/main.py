@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.history_recovery import open_history
     from app.qt import QApplication, QIcon, quiet_platform_noise
     from app.resources import resource_path
+    from app.single_instance import SingleInstance, bring_forward
     from app.tasks import spawn
     from app.ui.file_open import install_file_open, open_paths
     from app.ui.main_window import MainWindow, first_paint
@@ -86,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_dir is None and args.smoke_test is not None:
         scratch = tempfile.TemporaryDirectory(prefix="mlx-desk-smoke-")
     data_dir = args.data_dir or (Path(scratch.name) if scratch else default_data_dir())
+    # One app per data folder: a second one hands its files over before touching the history.
+    instance = SingleInstance(data_dir)
+    if not instance.claim([str(f) for f in args.files], args.model):
+        print(f"mlx-desk: MLX Desk is already running on {data_dir}; the files went to its window.",
+              file=sys.stderr)
+        return 0
     # A damaged or read-only history asks what to do (fresh, salvage, another folder).
     notes: list[str] = []
     store = open_history(data_dir, _print_and_quit if args.smoke_test is not None else None, notes)
@@ -97,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     bridge = EngineBridge()
     window = MainWindow(store, bridge, dark=dark)
     install_file_open(window)  # files dropped on the Dock icon or opened with the app
+    instance.files_received.connect(lambda files, model: bring_forward(window, files, model))
     shown = first_paint(window)
     window.show()
     # Follow the system when it switches between light and dark while the app runs.
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         spawn(start_engine())
         loop.run_until_complete(app_closing.wait())
     bridge.shutdown(5.0)
+    instance.close()
     store.close()
     if scratch is not None:
         scratch.cleanup()
