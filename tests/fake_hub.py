@@ -7,6 +7,11 @@ also X-Linked-Etag / X-Linked-Size, as the Hub sends), and ``/api/models`` for s
 GET honours ``Range: bytes=N-`` with 206 and Content-Range. Tests of the engine's
 downloads and of the app's model browser share it; no network is used.
 
+The test suite runs huggingface_hub offline (tests/conftest.py), with its default endpoint
+on a local port where nothing listens; while a FakeHub serves, the library is let online,
+so calls that pass ``endpoint=`` reach this server and a call that forgets it still never
+leaves the machine.
+
 ``hold(name)`` makes the server wait before sending that file's bytes until the
 returned event is set, so a test can act (cancel) while a download is under way.
 ``ranges`` records the start of every Range request per file; ``ignore_range`` makes
@@ -158,10 +163,17 @@ class FakeHub:
         return Handler
 
     def __enter__(self):
+        from huggingface_hub import constants
+
         self.thread.start()
+        self._offline = constants.HF_HUB_OFFLINE
+        constants.HF_HUB_OFFLINE = False  # online, towards this server (the default endpoint is dead)
         return self
 
     def __exit__(self, *exc):
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = self._offline
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
