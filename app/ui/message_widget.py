@@ -129,6 +129,11 @@ class CodeBlock(QFrame):
         self.copy_button.setText("Copied")
 
 
+# Laying out text costs time in proportion to its length (a 1 MB paste froze the window
+# for seconds, at every relayout): longer messages show their start and a button for the rest.
+MAX_SHOWN_CHARS = 20_000
+
+
 class MessageWidget(QFrame):
     edit_submitted = Signal(int, str)  # message id, new text
     regenerate_requested = Signal(int)
@@ -144,6 +149,7 @@ class MessageWidget(QFrame):
         self.reasoning = ""
         self.adapters: dict[str, float] = {}
         self._rendered: list[Block] = []
+        self._show_all = False
         self.setObjectName("userMessage" if role == "user" else "assistantMessage")
 
         outer = QVBoxLayout(self)
@@ -180,6 +186,10 @@ class MessageWidget(QFrame):
             self.body.setContentsMargins(0, 0, 0, 0)
         self.body.setSpacing(8)
         outer.addWidget(self.bubble)
+        self.more_button = QToolButton(objectName="actionButton")
+        self.more_button.setVisible(False)
+        self.more_button.clicked.connect(self.show_all)
+        outer.addWidget(self.more_button)
         if role == "user":
             self.role_label.setAlignment(Qt.AlignmentFlag.AlignRight)
 
@@ -230,6 +240,11 @@ class MessageWidget(QFrame):
             self.reasoning = reasoning
             self.reasoning_label.setText(breakable(reasoning))
             self.reasoning_toggle.setVisible(bool(reasoning))
+        hidden = 0 if self._show_all else max(0, len(content) - MAX_SHOWN_CHARS)
+        if hidden:
+            content = content[:MAX_SHOWN_CHARS]
+            self.more_button.setText(f"Show {hidden:,} more characters (Copy takes them all)")
+        self.more_button.setVisible(bool(hidden))
         blocks = split_blocks(content) if self.role != "user" else [Block("prose", content)]
         keep = 0
         while (keep < len(blocks) and keep < len(self._rendered)
@@ -244,13 +259,18 @@ class MessageWidget(QFrame):
         self._rendered = blocks
         self.bubble.setVisible(bool(blocks))
         if self.role == "user":
-            self._fit_user_bubble()
+            self._fit_user_bubble(content)
 
-    def _fit_user_bubble(self) -> None:
+    def show_all(self) -> None:
+        """Lay out the whole of a very long message (slow: the person asked for it)."""
+        self._show_all = True
+        self.set_text(self.content, self.reasoning)
+
+    def _fit_user_bubble(self, shown: str) -> None:
         """Short questions sit in a compact bubble on the right, as in messaging apps;
         long ones wrap across the column (a wrapped QLabel cannot size itself to fit)."""
         metrics = self.fontMetrics()
-        widest = max((metrics.horizontalAdvance(line) for line in self.content.splitlines()),
+        widest = max((metrics.horizontalAdvance(line) for line in shown.splitlines()),
                      default=0)
         compact = widest < 520
         label = self.body.itemAt(0).widget() if self.body.count() else None

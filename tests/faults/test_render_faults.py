@@ -123,3 +123,27 @@ def test_a_long_run_does_not_widen_the_column(view, qtbot, role, name, text):
         right = w.mapTo(column, w.rect().topRight()).x()
         assert right <= view.viewport().width(), f"{name} pushed a message past the edge ({right})"
     assert text.strip("`\n") in _shown_text(view.widgets[2])
+
+
+@pytest.mark.parametrize("role", ["user", "assistant"])
+def test_a_1_mb_paste_shows_its_start_at_once_and_the_rest_on_request(view, qtbot, role):
+    import time
+
+    from app.qt import QApplication
+    from app.ui.message_widget import MAX_SHOWN_CHARS
+
+    text = ("lorem ipsum dolor sit amet " * 40 + "\n") * 900  # 972,900 characters
+    started = time.perf_counter()
+    view.show_thread([_message(1, role, text)], {})
+    QApplication.processEvents()
+    took = time.perf_counter() - started
+    widget = view.widgets[1]
+    assert took < 1.5, f"showing a 1 MB message took {took:.1f} s"
+    assert widget.more_button.isVisible()
+    assert f"{len(text) - MAX_SHOWN_CHARS:,} more characters" in widget.more_button.text()
+    assert widget.content == text  # Copy takes all of it
+    widget.copy_button.click()
+    assert QApplication.clipboard().text() == text
+    widget.show_all()
+    assert not widget.more_button.isVisible()
+    assert _shown_text(widget).split() == text.split()
