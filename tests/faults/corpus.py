@@ -63,6 +63,8 @@ WIDE_CASES = [
 # folder with the files FILES writes.
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+LOOPING_TEMPLATE = NESTED_LOOPS + "{% for m in messages %}{{ m.content }}{% endfor %}"
+RAISING_TEMPLATE = "{{ raise_exception('this template only takes one system message') }}"
 
 FILES = {
     "nested.jinja": NESTED_LOOPS,
@@ -164,7 +166,22 @@ ENGINE_CASES = [
      "failed on this conversation"),
     ("messages nested 200,000 deep", ["template", "--template", "{tmp}/nested.jinja", "--messages", "{tmp}/deep_messages.json"],
      "nested too deeply"),
+    ("chat template that never ends", ["generate", "--model", "{looping_template}", "--chat", "--prompt", "hi"],
+     "The chat template ran for more than 2 s"),
+    ("chat template that raises", ["generate", "--model", "{raising_template}", "--chat", "--prompt", "hi"],
+     "refused the conversation: this template only takes one system message"),
     # Audio whose header lies.
     ("WAV at 1 Hz", ["transcribe", "{tmp}/one_hz.wav", "--whisper", "{tmp}/no-whisper"], "claims a sample rate of 1 Hz"),
     ("WAV at 0 Hz", ["transcribe", "{tmp}/zero_hz.wav", "--whisper", "{tmp}/no-whisper"], "claims a sample rate of 0 Hz"),
+]
+
+
+# ---- The app: what a message sent in the window gets ---------------------------------
+# (name, model variant as in ENGINE_CASES, the message, a piece of the one line shown)
+APP_SEND_CASES = [
+    ("chat past the context", "ctx64", "word " * 400, "This chat is too long for the model's context ("),
+    ("NaN weights", "nan_weights", "hello", "the model produced NaN: its weights look damaged"),
+    ("inf weights", "inf_weights", "hello", "the model produced NaN: its weights look damaged"),
+    ("template that never ends", "looping_template", "hello", "ran for more than"),
+    ("template that raises", "raising_template", "hello", "this template only takes one system message"),
 ]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import shutil
+import time
 
 import numpy as np
 import pytest
 
 from app.qt import Qt
+from tests.faults.corpus import APP_SEND_CASES
+from tests.faults.test_engine_faults import CLASS_NAME
+from tests.faults.variants import VARIANTS
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 
@@ -17,22 +20,25 @@ def _load(window, run_async, path) -> None:
     assert run_async(window.load_model(str(path)))
 
 
-def test_a_chat_past_the_context_says_so_in_one_line(qtbot, make_window, run_async, tiny_model, tmp_path):
-    small = tmp_path / "tiny-ctx64"
-    shutil.copytree(tiny_model, small)
-    config = json.loads((small / "config.json").read_text())
-    config["max_position_embeddings"] = 64
-    (small / "config.json").write_text(json.dumps(config))
+@pytest.mark.parametrize("name,variant,text,needle", APP_SEND_CASES, ids=[c[0] for c in APP_SEND_CASES])
+def test_a_bad_send_gets_one_line_in_the_window(qtbot, make_window, run_async, tiny_model, tmp_path,
+                                                name, variant, text, needle):
+    model = shutil.copytree(tiny_model, tmp_path / variant)
+    VARIANTS[variant](model)
     window = make_window()
-    _load(window, run_async, small)
-    window.composer.edit.setPlainText("word " * 400)
+    _load(window, run_async, model)
+    window.composer.edit.setPlainText(text)
+    started = time.monotonic()
     with qtbot.wait_signal(window.chat.failed, timeout=60_000) as blocker:
         window.composer.send_button.click()
     line = blocker.args[0]
-    assert "\n" not in line
-    assert line.startswith("This chat is too long for the model's context (")
-    assert "tokens of 64)" in line
-    assert window.error_banner.isVisible() and "tokens of 64)" in window.error_banner.text()
+    assert "\n" not in line and needle in line, f"{name}: {line!r}"
+    assert not CLASS_NAME.search(line), f"{name}: a Python class name reached the user: {line!r}"
+    assert window.error_banner.isVisible() and needle in window.error_banner.text()
+    assert time.monotonic() - started < 30
+    # The window stays usable: the composer is ready for the next message.
+    qtbot.waitUntil(lambda: window.composer.send_button.text() == "Send", timeout=10_000)
+    assert window.store.thread(window.chat.conversation_id)[0].content == text.strip()  # nothing typed lost
 
 
 def test_escape_cancels_a_transcription_as_the_button_does(qtbot, make_window, run_async, tiny_model,

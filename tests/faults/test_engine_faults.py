@@ -12,51 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 from engine.__main__ import main
 from tests.faults.corpus import ENGINE_CASES, FILES
+from tests.faults.variants import VARIANTS
 from tests.tiny_models import make_tiny_llama
-
-
-def _config(**changes):
-    def change(folder: Path) -> None:
-        config = json.loads((folder / "config.json").read_text())
-        config.update(changes)
-        (folder / "config.json").write_text(json.dumps(config))
-    return change
-
-
-def _weights(fill: float):
-    def change(folder: Path) -> None:
-        weights = load_file(folder / "model.safetensors")
-        name = "model.norm.weight" if np.isnan(fill) else "lm_head.weight"
-        weights[name] = np.full_like(weights[name], fill)
-        save_file(weights, folder / "model.safetensors")
-    return change
-
-
-def _raw_config(text: str):
-    def change(folder: Path) -> None:
-        (folder / "config.json").write_text(text)
-    return change
-
-
-VARIANTS = {
-    "ctx64": _config(max_position_embeddings=64),
-    "nan_weights": _weights(float("nan")),
-    "inf_weights": _weights(float("inf")),
-    "layers_1e6": _config(num_hidden_layers=1_000_000),
-    "hidden_0": _config(hidden_size=0),
-    "heads_0": _config(num_attention_heads=0),
-    "kv_heads_0": _config(num_key_value_heads=0),
-    "negative_width": _config(intermediate_size=-5),
-    "text_width": _config(hidden_size="big"),
-    "fractional_layers": _config(num_hidden_layers=2.5),
-    "huge_vocab": _config(vocab_size=10**12),
-    "wrong_width": _config(hidden_size=96),
-    "deep_config": _raw_config("[" * 200_000 + "]" * 200_000),
-}
 
 
 def _wav(path: Path, rate: int, seconds_of_samples: int = 16000) -> None:
