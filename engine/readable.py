@@ -31,7 +31,7 @@ def readable(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         what = exc.strerror or text or "the file could not be read or written"
         return f"{what}: {exc.filename}" if exc.filename else what
-    if isinstance(exc, (ArithmeticError, IndexError)):
+    if isinstance(exc, ArithmeticError):  # a zero or overflowing size that slipped past the checks
         detail = f" ({text})" if text else ""
         return f"a model setting is out of range{detail}: the model's files look damaged or inconsistent"
     detail = text or "no details"
