@@ -158,6 +158,7 @@ class MessageWidget(QFrame):
         self.role_label = QLabel(
             "You" if role == "user" else (name or "Assistant"), objectName="roleLabel"
         )
+        self.role_label.setTextFormat(Qt.TextFormat.PlainText)  # a model's name is not HTML
         outer.addWidget(self.role_label)
 
         self.reasoning_toggle = QToolButton(objectName="reasoningToggle")
@@ -205,6 +206,7 @@ class MessageWidget(QFrame):
         for w in (self.prev_button, self.version_label, self.next_button):
             footer.addWidget(w)
         self.stats_label = QLabel("", objectName="statsLabel")
+        self.stats_label.setTextFormat(Qt.TextFormat.PlainText)  # adapter names are not HTML
         footer.addWidget(self.stats_label)
         footer.addStretch(1)
         self.copy_button = QToolButton(text="Copy", objectName="actionButton")

@@ -147,3 +147,16 @@ def test_a_1_mb_paste_shows_its_start_at_once_and_the_rest_on_request(view, qtbo
     widget.show_all()
     assert not widget.more_button.isVisible()
     assert _shown_text(widget).split() == text.split()
+
+
+def test_names_around_a_message_are_text(view):
+    """A model or adapter folder named like HTML shows its name, not a styled fragment."""
+    message = _message(1, "assistant", "hi")
+    message.model = "<b>bold</b>-model"
+    view.show_thread([message], {})
+    widget = view.widgets[1]
+    widget.set_stats({"generated_tokens": 3}, adapters={"<i>x</i>": 1.0})
+    for label in (widget.role_label, widget.stats_label):
+        assert label.textFormat() == label.textFormat().PlainText
+    assert widget.role_label.text() == "<b>bold</b>-model"
+    assert "<i>x</i>" in widget.stats_label.text()
