@@ -186,4 +186,6 @@ def ask_with_dialog(problem: HistoryProblem) -> Choice:
 
     dialog = HistoryDialog(problem)
     dialog.exec()
-    return dialog.choice
+    choice = dialog.choice
+    dialog.deleteLater()  # a parentless dialog left to the garbage collector outlives Qt at exit
+    return choice
