@@ -30,6 +30,7 @@ from .api import (
 )
 from .errors import EngineError, OutOfMemoryBudget
 from .generate import Piece
+from .kv_eviction import evict_idle_caches, kv_allowance, touch
 from .session import ChatSession
 
 LoadProgress = Callable[[float, float, str], None]
@@ -388,6 +389,8 @@ class ModelHost:
             chat.draft_model = state.draft.model if state.draft is not None else None
             chat.context_length = state.info.context_length
             state.sessions[session_id] = chat
+        touch(state.sessions, session_id)  # most recently used; others may give back their caches
+        evict_idle_caches(state.sessions, session_id, kv_allowance(state.info, self.weights_bytes()))
         return chat
 
     def drop_session(self, session_id: str) -> None:
