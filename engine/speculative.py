@@ -33,6 +33,7 @@ from .cache import trim_prompt_cache
 from .drafters import DraftModelDrafter, Drafter, Pick, decoder_for, room_to_trim
 from .errors import EngineError
 from .generate import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
+from .guards import check_finite
 from .sampling import LogitsProcessor, filter_logits
 
 
@@ -202,7 +203,9 @@ def speculative_step(
             parts.append(drafts)
         if logprobs:
             parts.append(_logprobs(logits, drafts, accepted_a, last_a))
+        parts.append(mx.max(logits[:1]).reshape(1))  # last: NaN or inf means damaged weights
         values = mx.concatenate([a.astype(mx.float32) for a in parts]).tolist()
+        check_finite(values[-1])
         accepted, last = int(values[0]), int(values[1])
         draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
         emitted = draft_ids[:accepted] + [last]

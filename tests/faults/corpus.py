@@ -130,6 +130,10 @@ ENGINE_CASES = [
      "the model produced NaN: its weights look damaged"),
     ("NaN weights with logprobs", ["generate", "--model", "{nan_weights}", "--prompt", "hi", "--logprobs", "--max-tokens", "4"],
      "the model produced NaN: its weights look damaged"),
+    ("NaN weights, n-gram drafting", ["generate", "--model", "{nan_weights}", "--prompt", "a b a b a b", "--ngram", "2",
+                                      "--max-tokens", "6"], "the model produced NaN: its weights look damaged"),
+    ("NaN weights, draft model", ["generate", "--model", "{nan_weights}", "--prompt", "hi", "--draft-model", "{model}",
+                                  "--max-tokens", "6"], "the model produced NaN: its weights look damaged"),
     # Absurd configs are refused before anything is allocated, by inspect and generate alike.
     ("a million layers (inspect)", ["inspect", "{layers_1e6}"], "says num_hidden_layers is 1,000,000 but the weight files hold 2"),
     ("a million layers (generate)", ["generate", "--model", "{layers_1e6}", "--prompt", "hi"],
