@@ -13,7 +13,7 @@ REPO = "org/Hostile"
 HOSTILE_ETAGS = [
     "../../x",
     "../../../escape",
-    "/tmp/absolute",
+    "/var/absolute",
     "a" * 63 + "/",
     "..",
     "not-a-hash",
