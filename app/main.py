@@ -70,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     import qasync
 
     from app.bridge import EngineBridge, EngineUnavailable
+    from app.history_recovery import open_history
+    from app.ui.history_dialog import ask_with_dialog
     from app.qt import QApplication, QIcon, quiet_platform_noise
     from app.resources import resource_path
-    from app.store import HistoryStore
+    from app.single_instance import SingleInstance, bring_forward
     from app.tasks import spawn
     from app.ui.file_open import install_file_open, open_paths
     from app.ui.main_window import MainWindow, first_paint
@@ -92,10 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_dir is None and args.smoke_test is not None:
         scratch = tempfile.TemporaryDirectory(prefix="mlx-desk-smoke-")
     data_dir = args.data_dir or (Path(scratch.name) if scratch else default_data_dir())
-    try:
-        store = HistoryStore(data_dir)
-    except Exception as exc:  # noqa: BLE001 - a readable line, then out
-        print(f"mlx-desk: cannot open the history in {data_dir}: {exc}", file=sys.stderr)
+    # One app per data folder: a second one hands its files over before touching the history.
+    instance = SingleInstance(data_dir)
+    if not instance.claim([str(f) for f in args.files], args.model):
+        print(f"mlx-desk: MLX Desk is already running on {data_dir}; the files went to its window.",
+              file=sys.stderr)
+        return 0
+    # A damaged or read-only history asks what to do (fresh, salvage, another folder).
+    notes: list[str] = []
+    store = open_history(data_dir, _print_and_quit if args.smoke_test is not None else ask_with_dialog, notes)
+    if store is None:
         return 2
 
     loop = qasync.QEventLoop(app)
@@ -103,11 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     bridge = EngineBridge()
     window = MainWindow(store, bridge, dark=dark)
     install_file_open(window)  # files dropped on the Dock icon or opened with the app
+    instance.files_received.connect(lambda files, model: bring_forward(window, files, model))
     shown = first_paint(window)
     window.show()
     # Follow the system when it switches between light and dark while the app runs.
     app.styleHints().colorSchemeChanged.connect(lambda _scheme: apply_theme(app))
     window.composer.edit.setFocus()
+    for note in notes:
+        window.notify(note)
     exit_code = [0]
 
     async def start_engine() -> None:
@@ -148,10 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         spawn(start_engine())
         loop.run_until_complete(app_closing.wait())
     bridge.shutdown(5.0)
+    instance.close()
     store.close()
     if scratch is not None:
         scratch.cleanup()
     return exit_code[0]
+
+
+def _print_and_quit(problem) -> tuple[str, None]:
+    """Without a person (smoke tests) a history problem is one line, then out."""
+    print(f"mlx-desk: {' '.join(problem.message.split())}", file=sys.stderr)
+    return "quit", None
 
 
 class SmokeFailure(Exception):

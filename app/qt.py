@@ -49,7 +49,9 @@ from PySide6.QtGui import (
     QPen,
     QPixmap,
     QShortcut,
+    QTextCharFormat,
     QTextCursor,
+    QTextDocument,
 )
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -90,6 +92,7 @@ from PySide6.QtWidgets import (
     QWidget,
     QWidgetAction,
 )
+from PySide6.QtNetwork import QLocalServer, QLocalSocket
 from shiboken6 import isValid  # whether a Qt object still exists (work that ends late checks it)
 
 

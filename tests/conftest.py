@@ -9,6 +9,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# No test reaches the Hugging Face Hub: huggingface_hub is offline for the whole suite (set
+# before anything imports it), and its endpoint is a local port where nothing listens, so
+# a request that slips past offline mode fails at once on this machine. Tests of downloads
+# run against tests/fake_hub.py, which lets the library online towards itself only.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
 
 def shared_data_dir() -> Path | None:
     """The real test data beside the checkout (``../shared/data``), if present."""

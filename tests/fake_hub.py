@@ -7,6 +7,11 @@ also X-Linked-Etag / X-Linked-Size, as the Hub sends), and ``/api/models`` for s
 GET honours ``Range: bytes=N-`` with 206 and Content-Range. Tests of the engine's
 downloads and of the app's model browser share it; no network is used.
 
+The test suite runs huggingface_hub offline (tests/conftest.py), with its default endpoint
+on a local port where nothing listens; while a FakeHub serves, the library is let online,
+so calls that pass ``endpoint=`` reach this server and a call that forgets it still never
+leaves the machine.
+
 ``hold(name)`` makes the server wait before sending that file's bytes until the
 returned event is set, so a test can act (cancel) while a download is under way.
 ``ranges`` records the start of every Range request per file; ``ignore_range`` makes
@@ -44,6 +49,7 @@ class FakeHub:
         self.ranges: dict[str, list[int]] = {}
         self.ignore_range = False
         self.held: dict[str, threading.Event] = {}
+        self.etags: dict[str, str] = {}  # file name -> the ETag to send instead (hostile servers)
         handler = self._handler()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -127,8 +133,11 @@ class FakeHub:
                 self.send_header("X-Repo-Commit", hub.commit)
                 if is_lfs(name):  # the Hub's ETag names the pointer; the linked one the content
                     self.send_header("ETag", '"' + git_blob_id(b"pointer " + name.encode()) + '"')
-                    self.send_header("X-Linked-Etag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                    linked = hub.etags.get(name, hashlib.sha256(data).hexdigest())
+                    self.send_header("X-Linked-Etag", '"' + linked + '"')
                     self.send_header("X-Linked-Size", str(len(data)))
+                elif name in hub.etags:
+                    self.send_header("ETag", '"' + hub.etags[name] + '"')
                 else:
                     self.send_header("ETag", '"' + git_blob_id(data) + '"')
                 if start:
@@ -154,10 +163,17 @@ class FakeHub:
         return Handler
 
     def __enter__(self):
+        from huggingface_hub import constants
+
         self.thread.start()
+        self._offline = constants.HF_HUB_OFFLINE
+        constants.HF_HUB_OFFLINE = False  # online, towards this server (the default endpoint is dead)
         return self
 
     def __exit__(self, *exc):
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = self._offline
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()

@@ -43,6 +43,8 @@ def read_image(path: str | Path, fit: int | None = None, cover: bool = False) ->
             else Qt.AspectRatioMode.KeepAspectRatio)
     reader = QImageReader(str(path))
     reader.setAutoTransform(True)
+    if _too_many_pixels(reader):  # refused when attached; never decoded for a thumbnail
+        return QImage()
     if fit and reader.canRead():
         size = reader.size()  # the box is square, so the EXIF rotation does not matter
         if size.isValid() and _side(size.width(), size.height(), cover) > fit:
@@ -53,6 +55,13 @@ def read_image(path: str | Path, fit: int | None = None, cover: bool = False) ->
     if fit and not image.isNull() and _side(image.width(), image.height(), cover) > fit:
         image = image.scaled(fit, fit, mode, Qt.TransformationMode.SmoothTransformation)
     return image
+
+
+def _too_many_pixels(reader: QImageReader) -> bool:
+    from engine.media.image_limits import MAX_PIXELS  # Pillow only: no mlx
+
+    size = reader.size()
+    return size.isValid() and size.width() * size.height() > MAX_PIXELS
 
 
 def _side(width: int, height: int, cover: bool) -> int:

@@ -204,6 +204,7 @@ class MainWindow(QMainWindow):
         )
         self.template_notice.setVisible(False)
         self.error_banner = QLabel("", objectName="errorBanner")
+        self.error_banner.setTextFormat(Qt.TextFormat.PlainText)  # messages quote user text
         self.error_banner.setWordWrap(True)
         self.error_banner.setVisible(False)
         self.error_banner.setStyleSheet("color: #e5484d; font-size: 12px;")
@@ -288,6 +289,8 @@ class MainWindow(QMainWindow):
             return
         if self.chat.stop():
             self.notify("Stopping…")
+        elif self.bridge.active_transcription is not None:  # as the Cancel button beside its bar
+            self.transcription.cancel()
         elif self.bridge.active_load is not None:
             self.bridge.cancel(self.bridge.active_load)
 

@@ -1,8 +1,13 @@
 """Message text to display pieces: Markdown prose and highlighted code blocks.
 
-Prose is left as Markdown for QLabel's own renderer (Qt's CommonMark). Fenced
-code blocks are cut out so each can get its own frame, a copy button and
-syntax colours (Pygments when installed, plain monospace otherwise).
+Prose is Markdown rendered by Qt's own parser (GitHub dialect) with raw HTML turned
+off: whatever a model or a user writes (``std::vector<int>``, ``<s>``, ``<div>``,
+``<span style=...>``) is shown as the characters it is, never obeyed. Only http(s)
+links stay links. Fenced code blocks are cut out so each can get its own frame, a
+copy button and syntax colours (Pygments when installed, plain monospace otherwise).
+
+A long unbroken run (a 600-character word, a long URL, base64) gets zero-width break
+opportunities so it wraps inside its block instead of widening the whole column.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import html
 import re
 from dataclasses import dataclass
+
+from app.qt import QTextCharFormat, QTextCursor, QTextDocument, QUrl
 
 FENCE = re.compile(r"^(```|~~~)[ \t]*([\w+#.-]*)[^\n]*\n", re.MULTILINE)
 
@@ -61,3 +68,81 @@ def highlight_html(code: str, language: str, dark: bool) -> str:
     # noclasses: Qt's rich text understands inline styles, not a style sheet's classes.
     formatter = HtmlFormatter(style=style, noclasses=True, nobackground=True, nowrap=True)
     return f"<pre>{highlight(code, lexer, formatter)}</pre>"
+
+
+LINK_SCHEMES = ("http", "https")
+BREAK = "\u200b"  # zero-width space: a line-break opportunity that shows nothing
+BREAK_EVERY = 24  # characters between breaks inside a long unbroken run
+_LONG_RUN = re.compile(rf"[^\s{BREAK}]{{{BREAK_EVERY + 1},}}")
+
+
+def is_live_link(url: str) -> bool:
+    """Only web addresses open (in the browser); file:, javascript:, data: ... never."""
+    return QUrl(url).scheme().lower() in LINK_SCHEMES
+
+
+def breakable(text: str) -> str:
+    """Plain text with a break opportunity every BREAK_EVERY characters of a long run."""
+    def cut(m: re.Match[str]) -> str:
+        run = m.group(0)
+        return BREAK.join(run[i:i + BREAK_EVERY] for i in range(0, len(run), BREAK_EVERY))
+
+    return _LONG_RUN.sub(cut, text)
+
+
+def prose_document(text: str) -> QTextDocument:
+    """Markdown as a QTextDocument: raw HTML shown as text, only http(s) links live,
+    long runs breakable (the breaks go into the text, never into a link's address)."""
+    doc = QTextDocument()
+    features = QTextDocument.MarkdownFeature
+    doc.setMarkdown(text, features.MarkdownDialectGitHub | features.MarkdownNoHTML)
+    _unlink_unsafe(doc)
+    _break_long_runs(doc)
+    return doc
+
+
+def prose_html(text: str) -> str:
+    """Markdown prose as rich text for a QLabel (its own fonts and colours apply)."""
+    out = prose_document(text).toHtml()
+    # The document's default font would override the label's style sheet.
+    return re.sub(r'<body style="[^"]*">', "<body>", out, count=1)
+
+
+def _fragments(doc: QTextDocument):
+    block = doc.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            yield it.fragment()
+            it += 1
+        block = block.next()
+
+
+def _unlink_unsafe(doc: QTextDocument) -> None:
+    unsafe = [(f.position(), f.length()) for f in _fragments(doc)
+              if f.charFormat().isAnchor() and not is_live_link(f.charFormat().anchorHref())]
+    for position, length in unsafe:
+        cursor = QTextCursor(doc)
+        cursor.setPosition(position)
+        cursor.setPosition(position + length, QTextCursor.MoveMode.KeepAnchor)
+        plain = QTextCharFormat()
+        plain.setAnchor(False)
+        plain.setAnchorHref("")
+        plain.setForeground(cursor.charFormat().foreground())
+        cursor.mergeCharFormat(plain)
+        fmt = cursor.charFormat()
+        fmt.clearProperty(QTextCharFormat.Property.AnchorHref)
+        fmt.clearProperty(QTextCharFormat.Property.IsAnchor)
+        fmt.clearForeground()
+        fmt.setFontUnderline(False)
+        cursor.setCharFormat(fmt)
+
+
+def _break_long_runs(doc: QTextDocument) -> None:
+    text = doc.toPlainText()
+    # Insert from the end so earlier positions stay valid.
+    for m in reversed(list(_LONG_RUN.finditer(text))):
+        for offset in reversed(range(BREAK_EVERY, m.end() - m.start(), BREAK_EVERY)):
+            cursor = QTextCursor(doc)
+            cursor.setPosition(m.start() + offset)
+            cursor.insertText(BREAK)

@@ -3,22 +3,49 @@
 from __future__ import annotations
 
 from app.qt import (
-    emit,
     QApplication,
+    QDesktopServices,
     QFrame,
     QHBoxLayout,
     QLabel,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
+    QScrollArea,
+    QSize,
     QSizePolicy,
     Qt,
     QToolButton,
+    QUrl,
     QVBoxLayout,
     QWidget,
     Signal,
+    emit,
 )
 from app.ui.attachment_strip import AttachmentRow
-from app.ui.markdown import Block, highlight_html, split_blocks
+from app.ui.markdown import (
+    Block,
+    breakable,
+    highlight_html,
+    is_live_link,
+    prose_html,
+    split_blocks,
+)
+
+
+def open_link(parent: QWidget, url: str) -> bool:
+    """Open a web link in the browser once the user has seen its address; other schemes
+    (file:, javascript:, ...) never open. True when it was opened."""
+    if not is_live_link(url):
+        return False
+    answer = QMessageBox.question(
+        parent, "Open link", f"Open this address in your browser?\n\n{url}",
+        QMessageBox.StandardButton.Open | QMessageBox.StandardButton.Cancel,
+        QMessageBox.StandardButton.Cancel,
+    )
+    if answer != QMessageBox.StandardButton.Open:
+        return False
+    return bool(QDesktopServices.openUrl(QUrl(url)))
 
 
 def _label(text: str = "", name: str = "", rich: bool = False) -> QLabel:
@@ -29,11 +56,46 @@ def _label(text: str = "", name: str = "", rich: bool = False) -> QLabel:
     label.setTextInteractionFlags(
         Qt.TextInteractionFlag.TextSelectableByMouse | Qt.TextInteractionFlag.LinksAccessibleByMouse
     )
-    label.setOpenExternalLinks(True)
+    # Links go through open_link (http(s) only, address shown first), never straight out.
+    label.setOpenExternalLinks(False)
+    label.linkActivated.connect(lambda url: open_link(label, url))
     if rich:
         label.setTextFormat(Qt.TextFormat.RichText)
     label.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
     return label
+
+
+class _SideScroll(QScrollArea):
+    """Scrolls its content sideways instead of asking the column for its width: a code
+    line of any length stays inside its block."""
+
+    def __init__(self, content: QWidget, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWidget(content)
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        self.viewport().setAutoFillBackground(False)
+        content.setAutoFillBackground(False)
+        self._fit_height()
+
+    def _fit_height(self) -> None:
+        content = self.widget()
+        bar = self.horizontalScrollBar().sizeHint().height()
+        wide = content.sizeHint().width() > self.viewport().width()
+        self.setFixedHeight(content.sizeHint().height() + (bar if wide else 0))
+
+    def sizeHint(self) -> QSize:
+        return QSize(0, self.height())
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(0, self.height())
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit_height()
 
 
 class CodeBlock(QFrame):
@@ -57,12 +119,19 @@ class CodeBlock(QFrame):
         row.addWidget(self.copy_button)
         layout.addWidget(header)
         self.body = _label(highlight_html(block.text, block.language, dark), "codeText", rich=True)
+        self.body.setWordWrap(False)  # <pre>: long lines scroll sideways instead
         self.body.setContentsMargins(12, 8, 12, 10)
-        layout.addWidget(self.body)
+        self.scroller = _SideScroll(self.body)
+        layout.addWidget(self.scroller)
 
     def copy(self) -> None:
         QApplication.clipboard().setText(self.code)
         self.copy_button.setText("Copied")
+
+
+# Laying out text costs time in proportion to its length (a 1 MB paste froze the window
+# for seconds, at every relayout): longer messages show their start and a button for the rest.
+MAX_SHOWN_CHARS = 20_000
 
 
 class MessageWidget(QFrame):
@@ -80,6 +149,7 @@ class MessageWidget(QFrame):
         self.reasoning = ""
         self.adapters: dict[str, float] = {}
         self._rendered: list[Block] = []
+        self._show_all = False
         self.setObjectName("userMessage" if role == "user" else "assistantMessage")
 
         outer = QVBoxLayout(self)
@@ -88,6 +158,7 @@ class MessageWidget(QFrame):
         self.role_label = QLabel(
             "You" if role == "user" else (name or "Assistant"), objectName="roleLabel"
         )
+        self.role_label.setTextFormat(Qt.TextFormat.PlainText)  # a model's name is not HTML
         outer.addWidget(self.role_label)
 
         self.reasoning_toggle = QToolButton(objectName="reasoningToggle")
@@ -97,6 +168,7 @@ class MessageWidget(QFrame):
         self.reasoning_toggle.setText("Thinking")
         self.reasoning_toggle.toggled.connect(self._toggle_reasoning)
         self.reasoning_label = _label("", "reasoningText")
+        self.reasoning_label.setTextFormat(Qt.TextFormat.PlainText)  # never guessed as HTML
         self.reasoning_label.setVisible(False)
         self.reasoning_toggle.setVisible(False)
         outer.addWidget(self.reasoning_toggle)
@@ -115,6 +187,10 @@ class MessageWidget(QFrame):
             self.body.setContentsMargins(0, 0, 0, 0)
         self.body.setSpacing(8)
         outer.addWidget(self.bubble)
+        self.more_button = QToolButton(objectName="actionButton")
+        self.more_button.setVisible(False)
+        self.more_button.clicked.connect(self.show_all)
+        outer.addWidget(self.more_button)
         if role == "user":
             self.role_label.setAlignment(Qt.AlignmentFlag.AlignRight)
 
@@ -130,6 +206,7 @@ class MessageWidget(QFrame):
         for w in (self.prev_button, self.version_label, self.next_button):
             footer.addWidget(w)
         self.stats_label = QLabel("", objectName="statsLabel")
+        self.stats_label.setTextFormat(Qt.TextFormat.PlainText)  # adapter names are not HTML
         footer.addWidget(self.stats_label)
         footer.addStretch(1)
         self.copy_button = QToolButton(text="Copy", objectName="actionButton")
@@ -163,8 +240,13 @@ class MessageWidget(QFrame):
         self.content = content
         if reasoning != self.reasoning:
             self.reasoning = reasoning
-            self.reasoning_label.setText(reasoning)
+            self.reasoning_label.setText(breakable(reasoning))
             self.reasoning_toggle.setVisible(bool(reasoning))
+        hidden = 0 if self._show_all else max(0, len(content) - MAX_SHOWN_CHARS)
+        if hidden:
+            content = content[:MAX_SHOWN_CHARS]
+            self.more_button.setText(f"Show {hidden:,} more characters (Copy takes them all)")
+        self.more_button.setVisible(bool(hidden))
         blocks = split_blocks(content) if self.role != "user" else [Block("prose", content)]
         keep = 0
         while (keep < len(blocks) and keep < len(self._rendered)
@@ -179,13 +261,18 @@ class MessageWidget(QFrame):
         self._rendered = blocks
         self.bubble.setVisible(bool(blocks))
         if self.role == "user":
-            self._fit_user_bubble()
+            self._fit_user_bubble(content)
 
-    def _fit_user_bubble(self) -> None:
+    def show_all(self) -> None:
+        """Lay out the whole of a very long message (slow: the person asked for it)."""
+        self._show_all = True
+        self.set_text(self.content, self.reasoning)
+
+    def _fit_user_bubble(self, shown: str) -> None:
         """Short questions sit in a compact bubble on the right, as in messaging apps;
         long ones wrap across the column (a wrapped QLabel cannot size itself to fit)."""
         metrics = self.fontMetrics()
-        widest = max((metrics.horizontalAdvance(line) for line in self.content.splitlines()),
+        widest = max((metrics.horizontalAdvance(line) for line in shown.splitlines()),
                      default=0)
         compact = widest < 520
         label = self.body.itemAt(0).widget() if self.body.count() else None
@@ -198,12 +285,12 @@ class MessageWidget(QFrame):
     def _make_block(self, block: Block) -> QWidget:
         if block.kind == "code":
             return CodeBlock(block, self.dark)
-        label = _label(block.text, "prose")
-        # User text is shown as typed; replies are Markdown.
-        label.setTextFormat(
-            Qt.TextFormat.PlainText if self.role == "user" else Qt.TextFormat.MarkdownText
-        )
-        return label
+        # User text is shown as typed; replies are Markdown with raw HTML shown as text.
+        if self.role == "user":
+            label = _label(breakable(block.text), "prose")
+            label.setTextFormat(Qt.TextFormat.PlainText)
+            return label
+        return _label(prose_html(block.text), "prose", rich=True)
 
     def _toggle_reasoning(self, shown: bool) -> None:
         self.reasoning_label.setVisible(shown)

@@ -105,6 +105,9 @@ def read_json(path: Path) -> Any:
         raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
     try:
         return json.loads(text)
+    except RecursionError:
+        raise ModelLoadError(f"{path.name} is nested too deeply to be a model's settings; "
+                             f"fix or re-download {path}") from None
     except json.JSONDecodeError as e:
         raise ModelLoadError(
             f"{path.name} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "

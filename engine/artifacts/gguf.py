@@ -151,7 +151,10 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     except OSError as e:
         raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
 
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or not 0 < alignment <= 1 << 20:
+        raise ModelLoadError(f"{path.name} has a corrupt GGUF header (general.alignment {alignment!r}, "
+                             "a positive number of bytes such as 32): download it again")
     data_start = -(-header_end // alignment) * alignment
     tensors: dict[str, GGUFTensor] = {}
     end = data_start

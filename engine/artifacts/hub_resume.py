@@ -85,6 +85,10 @@ def fetch_blob(
     meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
     if not meta.etag:
         raise ValueError(f"the server sent no ETag for {filename}, so a download cannot be checked")
+    if not (_SHA256.match(meta.etag) or _GIT_OID.match(meta.etag)):
+        # The ETag becomes a file name below: only a content hash is safe ("../../x" is not).
+        raise ChecksumMismatch(f"the server named {filename} {meta.etag[:80]!r}, not a content hash, "
+                               "so the download cannot be checked (is the endpoint really the Hub?)")
     blobs = folder / "blobs"
     blob = blobs / meta.etag
     if blob.exists():

@@ -227,6 +227,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--audio needs --prompt TEXT (not --prompt-ids)")
     if (args.image or args.audio or args.video) and not args.chat:
         raise CliError("--image, --audio and --video need --chat (the chat template places the media)")
+    from engine.decode.guards import check_utf8
+
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+        check_utf8(text, flag)
     params = _params(args)
     media = _media(args)
     host = ModelHost()
@@ -493,15 +497,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except MemoryError:
-        return _fail("out of memory: try a smaller model or a lower --max-tokens")
     except ImportError as e:
         return _fail(backend_hint(e) or f"a module the engine needs is missing: {e}")
-    except OSError as e:
-        where = f": {e.filename}" if getattr(e, "filename", None) else ""
-        return _fail(f"{e.strerror or type(e).__name__}{where}")
     except Exception as e:  # noqa: BLE001 - the contract: one line, never a traceback
-        return _fail(f"unexpected {type(e).__name__}: {e}")
+        from engine.runtime.readable import readable
+
+        return _fail(readable(e))
 
 
 if __name__ == "__main__":

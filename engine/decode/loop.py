@@ -28,6 +28,7 @@ from engine.decode import speculative
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
 from engine.decode.stats import StatsCounter
 from engine.decode.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from engine.decode.guards import check_finite
 
 
 def generate_step(
@@ -100,7 +101,8 @@ def generate_step(
                 processed = proc(recent, processed)
         y = sample(processed)
         if not logprobs:
-            return y, None
+            # The chosen token's raw logit rides along for the NaN check: one element.
+            return y, mx.take_along_axis(logits, y[:, None], axis=-1)[0, 0]
         raw = logits.astype(mx.float32)
         lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
         if top_logprobs > 0 and top_sink is not None:
@@ -117,15 +119,17 @@ def generate_step(
         return
     last = int(prompt.size) - 1
     y, lp = step(prompt[-1:], extend=False, kwargs=inputs.kwargs(last, last + 1) if inputs is not None else None)
-    mx.async_eval([a for a in (y, lp) if a is not None])
+    mx.async_eval([y, lp])
     n = 0
     while True:
         if n + 1 < max_tokens:
             # Queue the next step before waiting on this one: the device works on
             # token n+1 while Python hands token n out.
             next_y, next_lp = step(y, extend=True)
-            mx.async_eval([a for a in (next_y, next_lp) if a is not None])
-        yield int(y.item()), (float(lp.item()) if lp is not None else None)
+            mx.async_eval([next_y, next_lp])
+        value = float(lp.item())  # a log-prob, or the raw logit when none was asked for
+        check_finite(value)
+        yield int(y.item()), (value if logprobs else None)
         n += 1
         if n >= max_tokens or (cancel is not None and cancel.is_set()):
             return

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from engine.api import SamplingParams
 from engine.errors import EngineError
+from engine.decode.guards import check_sampling_values
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -115,6 +116,7 @@ def make_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
 
 def validate_sampling(params: SamplingParams) -> None:
     """Refuse settings that cannot mean anything, with a line that says which."""
+    check_sampling_values(params)  # NaN, infinities, absurd magnitudes
     if params.temperature < 0:
         raise EngineError(f"temperature must be >= 0 (got {params.temperature})")
     if not 0.0 < params.top_p <= 1.0:

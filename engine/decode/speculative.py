@@ -35,6 +35,7 @@ from engine.errors import EngineError
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
 from engine.decode.stats import StatsCounter
 from engine.decode.sampling import LogitsProcessor, filter_logits
+from engine.decode.guards import check_finite
 
 
 def _fit(q: mx.array, vocab: int) -> mx.array:
@@ -209,7 +210,9 @@ def speculative_step(
             parts.append(drafts)
         if logprobs:
             parts.append(_logprobs(logits, drafts, accepted_a, last_a))
+        parts.append(mx.max(logits[:1]).reshape(1))  # last: NaN or inf means damaged weights
         values = mx.concatenate([a.astype(mx.float32) for a in parts]).tolist()
+        check_finite(values[-1])
         accepted, last = int(values[0]), int(values[1])
         draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
         emitted = draft_ids[:accepted] + [last]

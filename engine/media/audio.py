@@ -163,7 +163,16 @@ def _read_float_wav(path: Path) -> DecodedAudio:
     return _finish_wav(path, x, rate)
 
 
+# Sample rates a recording can have; a header outside claims hours for seconds of sound.
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 2_000, 768_000
+
+
 def _finish_wav(path: Path, samples: np.ndarray, rate: int) -> DecodedAudio:
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise MediaError(
+            f"Audio file {path.name} claims a sample rate of {rate:,} Hz (recordings use "
+            f"{MIN_SAMPLE_RATE:,}-{MAX_SAMPLE_RATE:,}): its header is damaged; convert or re-record it."
+        )
     if samples.shape[0] == 0:
         raise MediaError(f"Audio file {path.name} contains no audio samples.")
     if not np.all(np.isfinite(samples)):

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import io
 import threading
+import warnings
 from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError, features
 
 from engine.errors import MediaError
+from engine.media.image_limits import check_pixels, draft_reduced, reduced
 from engine.media.image_processors import (  # noqa: F401  (part of this module's API)
     Gemma3ImageProcessor,
     Qwen2VLImageProcessor,
@@ -96,9 +98,14 @@ def load_image(source: str | Path | bytes) -> Image.Image:
         raise MediaError(f"Image {name} is HEIC/HEIF, but this installation cannot decode it ({why}); "
                          "reinstall MLX Desk, or export the photo as JPEG.")
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with warnings.catch_warnings():  # the size is checked here, with a readable line
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im_file = Image.open(io.BytesIO(data))
+        with im_file as im:
+            check_pixels(im, name)  # from the header, before any pixel is decoded
+            draft_reduced(im)  # a large JPEG decodes at a reduced scale
             im.load()  # decode now, inside the try, so truncation surfaces here
-            return _to_rgb(upright(im))
+            return _to_rgb(reduced(upright(im)))
     except UnidentifiedImageError:
         if container == "heif" or (container == "avif" and features.check("avif")):
             # The header says HEIF/AVIF, but its boxes do not parse.

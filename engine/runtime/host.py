@@ -32,6 +32,7 @@ from engine.errors import EngineError
 from engine.decode.loop import Piece
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
 from engine.runtime.session import ChatSession
+from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
 
 EventSink = Callable[[Event], None]
 
@@ -268,7 +269,10 @@ class ModelHost:
                 towers=state.towers if state.towers.kinds else None,
             )
             chat.draft_model = state.draft.model if state.draft is not None else None
+            chat.context_length = state.info.context_length
             state.sessions[session_id] = chat
+        touch(state.sessions, session_id)  # most recently used; others may give back their caches
+        evict_idle_caches(state.sessions, session_id, kv_allowance(state.info, self.weights_bytes()))
         return chat
 
     def drop_session(self, session_id: str) -> None:

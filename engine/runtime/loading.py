@@ -19,6 +19,7 @@ from engine.artifacts import gguf as gguf_io
 from engine.artifacts.config import ModelConfig, config_from_dict, read_config
 from engine.artifacts.hub import model_name, resolve_model_path
 from engine.artifacts.mlx_quant import check_spec
+from engine.artifacts.sanity import check_model_files
 from engine.artifacts.weights import (
     FLOAT_DTYPES,
     INDEX_NAME,
@@ -143,6 +144,7 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
         header = gguf_io.read_gguf_header(path)
         config = config_from_dict(gguf_io.gguf_config(header), path=path)
         gguf_io.check_readable(header)
+        check_model_files(config, {n: t.shape for n, t in header.tensors.items()}, gguf=True)
         stored = _gguf_float_dtype(header)
         target = MX_DTYPE_NAMES.get(dtype or "", dtype) or stored
         size = sum(_gguf_loaded_bytes(t, target) for t in header.tensors.values())
@@ -155,6 +157,8 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
     files = find_weights(path)
     headers = read_headers(files)
     check_index(path, headers)
+    check_model_files(config, {n: t.shape for n, t in headers.items()},
+                      packed=frozenset(n for n, t in headers.items() if t.dtype[:1] in "UI"))
     stored = _stored_float_dtype(headers)
     target = MX_DTYPE_NAMES.get(dtype or "", dtype) or stored
     size = weights_bytes(headers, DTYPE_BYTES[target] if dtype else None)

@@ -43,6 +43,7 @@ from engine.decode.sampling import validate_sampling
 from engine.text.reasoning_switch import reasoning_variables
 from engine.decode.drafters import drafter_for
 from engine.models.kv_cache import cache_length, checkpoint, make_prompt_cache, rewind_point, trim_prompt_cache
+from engine.decode.guards import check_fits, fit_context
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -78,6 +79,7 @@ class ChatSession:
         # switch changes the rendered ids and the cache keeps only what still agrees.
         self.reasoning_control = reasoning_control
         self.towers = towers  # MediaTowers, or None for a text-only model
+        self.context_length = 0  # the model's context, a hard limit (0: unknown, none)
         self.cache: list[Any] | None = None
         self.ids: list[int] = []  # exactly the tokens held by self.cache
         self.signature = ""  # the active adapters self.cache was filled under
@@ -240,6 +242,7 @@ class ChatSession:
         prompt_ids = list(media.ids if media is not None else prompt_ids)
         if not prompt_ids:
             raise EngineError("The prompt is empty: give at least one token.")
+        params = fit_context(params, len(prompt_ids), self.context_length)
         drafter = self._drafter(params, prompt_ids)  # refuses before the cache is touched
         keys: list[Hashable] = list(media.keys) if media is not None else list(prompt_ids)
         keep = self._reuse(prompt_ids, keys, media.spans if media is not None else ())
@@ -306,6 +309,7 @@ class ChatSession:
         reasoning = self.reasoning_factory(text) if self.reasoning_factory else None
         prompt = self.media_prompt(text, items) if items else None
         ids = prompt.ids if prompt is not None else self.encode_rendered(text)
+        check_fits(len(ids), self.context_length, "chat")
         yield from self.stream_ids(
             ids, params, cancel=cancel, on_progress=on_progress, reasoning=reasoning, media=prompt
         )

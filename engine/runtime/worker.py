@@ -49,13 +49,10 @@ _STOP = object()
 
 
 def one_line(exc: BaseException) -> str:
-    """A readable single line for any exception."""
-    text = " ".join(str(exc).split())
-    if isinstance(exc, EngineError):
-        return text or type(exc).__name__
-    if isinstance(exc, OSError) and exc.filename:
-        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    """A readable single line for any exception (no Python class names)."""
+    from engine.runtime.readable import readable
+
+    return readable(exc)
 
 
 class EngineWorker:

@@ -24,6 +24,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import TemplateError
+from engine.text.template_limits import GuardedSandbox, compile_guarded, render_limited
 
 # Names a message's reasoning may arrive under; templates read the first one
 # (gpt-oss templates read "thinking").
@@ -114,7 +115,7 @@ class _SafeNamespace(jinja2.utils.Namespace):
 
 def template_environment() -> ImmutableSandboxedEnvironment:
     """The sandboxed environment chat templates compile in (also used to analyse them)."""
-    env = ImmutableSandboxedEnvironment(
+    env = GuardedSandbox(  # the immutable sandbox with time and size limits
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
@@ -130,7 +131,7 @@ def template_environment() -> ImmutableSandboxedEnvironment:
 @lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
     try:
-        return template_environment().from_string(source)
+        return compile_guarded(template_environment(), source)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(
             f"The chat template has a syntax error at line {exc.lineno}: {_one_line(exc.message or exc)}. "
@@ -210,7 +211,8 @@ class ChatTemplate:
             raise TemplateError("Each document must be an object with 'title' and 'text'.")
         variables = _plain({**self.special_tokens, **kwargs})
         try:
-            return self._template.render(
+            return render_limited(
+                self._template,
                 messages=_prepare_messages(messages),
                 tools=_plain(tools),
                 documents=_plain(documents),
@@ -223,7 +225,7 @@ class ChatTemplate:
             raise TemplateError(f"The chat template refused the conversation: {_one_line(exc.message or exc)}") from None
         except Exception as exc:  # a template bug (bad index, wrong type) surfaces as any Python error
             raise TemplateError(
-                f"The chat template failed on this conversation: {type(exc).__name__}: {_one_line(exc)}"
+                f"The chat template failed on this conversation: {_one_line(exc)}"
             ) from None
 
 

@@ -104,12 +104,37 @@ def test_interrupted_reply_is_marked_on_reopen(tmp_path):
     s.close()
 
 
+STREAM_BEFORE_KILL_S = 1.7  # after a save was seen: longer than MAX_LOSS_S, off the save rhythm
+MAX_LOSS_S = 1.0  # DESIGN.md: a crash loses at most a second
+
+
+def _streamed(log: Path) -> list[tuple[float, int]]:
+    """(time, characters streamed so far) for every piece the killed app streamed."""
+    out = []
+    for line in log.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out.append((float(parts[0]), int(parts[1])))
+    return out
+
+
 def test_sigkill_mid_reply_leaves_readable_history(tmp_path, tiny_model):
-    """Kill the real app (window + engine) while it streams; the partial reply survives."""
+    """Kill the real app (window + engine) while it streams; the partial reply survives, and
+    what was lost is measured: the text streamed in the last second at most."""
+    import json
+    import shutil
+
     data = tmp_path / "data"
+    log = tmp_path / "streamed.log"
+    log.touch()
+    # A context long enough that the endless reply is still streaming when it is killed.
+    model = shutil.copytree(tiny_model, tmp_path / "long-context")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1 << 20}))
+    tiny_model = model
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
     driver = Path(__file__).with_name("kill_driver.py")
-    proc = subprocess.Popen([sys.executable, str(driver), str(data), str(tiny_model)],
+    proc = subprocess.Popen([sys.executable, str(driver), str(data), str(tiny_model), str(log)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
@@ -130,6 +155,11 @@ def test_sigkill_mid_reply_leaves_readable_history(tmp_path, tiny_model):
                 partial = row[0]
                 break
         assert partial, f"the reply never reached the store: {proc.stdout.read1().decode()!r}"
+        # Let it stream a while longer, then kill at a moment unrelated to the saves.
+        until = time.monotonic() + STREAM_BEFORE_KILL_S
+        while time.monotonic() < until and proc.poll() is None:
+            time.sleep(0.05)
+        killed_at = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     finally:
@@ -150,6 +180,14 @@ def test_sigkill_mid_reply_leaves_readable_history(tmp_path, tiny_model):
     reply = s.thread(s.list_conversations()[0].id)[-1]
     assert reply.status == "interrupted" and reply.content == rows[1][1]
     s.close()
+    # The loss: how long before the kill the first character that never got saved streamed.
+    saved = len(rows[1][1])
+    streamed = [(t, n) for t, n in _streamed(log) if t <= killed_at]
+    assert streamed[-1][1] >= saved > 0
+    unsaved = [t for t, n in streamed if n > saved]
+    loss_s = killed_at - unsaved[0] if unsaved else 0.0
+    print(f"SIGKILL lost {streamed[-1][1] - saved} characters streamed over the last {loss_s:.2f} s")
+    assert loss_s <= MAX_LOSS_S, f"the kill lost {loss_s:.2f} s of the reply"
 
 
 def test_adapters_per_conversation_and_per_reply_and_older_histories(tmp_path):

@@ -98,8 +98,20 @@ def test_chat_wraps_in_template_and_seed_reproduces(model_dir):
             "--repetition-penalty", "1.1", "--seed", "5", "--json"]
     a, b = last_json(run(*args).stdout), last_json(run(*args).stdout)
     assert a["token_ids"] == b["token_ids"]
-    # <s><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n
-    assert a["prompt_tokens"] > 10
+    # The prompt is exactly the ChatML the folder's template makes of the two messages: the
+    # same ids fed as they are give the same prompt length and the same greedy reply.
+    from tokenizers import Tokenizer as HFTokenizer
+
+    expected = ("<s><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    ids = HFTokenizer.from_file(str(model_dir / "tokenizer.json")).encode(expected, add_special_tokens=False).ids
+    greedy = ["--max-tokens", "8", "--ignore-eos", "--json"]
+    chat = last_json(run("generate", "--model", str(model_dir), "--prompt", "hello", "--chat", "--system",
+                         "be brief", *greedy).stdout)
+    fed = last_json(run("generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, ids)),
+                        *greedy).stdout)
+    assert a["prompt_tokens"] == chat["prompt_tokens"] == fed["prompt_tokens"] == len(ids)
+    assert chat["token_ids"] == fed["token_ids"]
 
 
 @pytest.mark.parametrize(
