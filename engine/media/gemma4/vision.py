@@ -67,9 +67,10 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> VisionConfig:
-        cfg = from_known_keys(cls, dict(config or {}))
-        if not isinstance(cfg.rope_parameters, dict):
-            cfg.rope_parameters = {"rope_type": "axial", "rope_theta": 100.0}
+        config = dict(config or {})
+        if not isinstance(config.get("rope_parameters"), dict):  # a flat rope_theta, or none
+            config["rope_parameters"] = {"rope_type": "axial", "rope_theta": float(config.get("rope_theta", 100.0))}
+        cfg = from_known_keys(cls, config)
         if cfg.rope_parameters.get("rope_type", "axial") != "axial":
             raise UnsupportedModelError(f"Gemma 4's vision tower uses axial RoPE; this config asks for "
                                         f"{cfg.rope_parameters.get('rope_type')!r}.")

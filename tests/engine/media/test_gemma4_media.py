@@ -152,3 +152,18 @@ def test_an_overlong_clip_and_a_bad_budget_get_one_line():
         features(np.zeros(0, np.float32))
     with pytest.raises(MediaError, match="max_soft_tokens"):
         Gemma4ImageProcessor.from_config({"max_soft_tokens": 100})
+
+
+def test_a_flat_rope_theta_in_vision_config_reads_the_same(tmp_path, shared_data):
+    folder = tmp_path / "flat"
+    shutil.copytree(FOLDER, folder)
+    config = json.loads((folder / "config.json").read_text())
+    vision = config["vision_config"]
+    vision["rope_theta"] = vision.pop("rope_parameters")["rope_theta"]
+    (folder / "config.json").write_text(json.dumps(config))
+    h = load_float32(folder)
+    exp = EXPECTED["image"]
+    params = GenerationParams(max_tokens=len(exp["token_ids"]), logprobs=True, ignore_eos=True)
+    result = h.generate("flat", exp["messages"], params, media=media_for("image", shared_data))
+    assert result.token_ids == exp["token_ids"]
+    np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=1e-3, rtol=0)
