@@ -32,8 +32,9 @@ class GenerationParams:
     ignore_eos: bool = False
     logprobs: bool = False
     prefill_chunk: int = 512
-    # Speculative decoding: "draft" (needs a loaded draft model) or "ngram" (prompt lookup).
-    speculative: Literal["draft", "ngram"] | None = None
+    # Speculative decoding: "draft" (needs a loaded draft model), "ngram" (prompt lookup) or
+    # "mtp" (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next).
+    speculative: Literal["draft", "ngram", "mtp"] | None = None
     ngram_size: int = 3  # ids matched by n-gram lookup
     num_draft_tokens: int = 4  # drafts verified per forward pass
     # Gemma 3 vision: also show wide or tall images as square crops ("pan and scan").
@@ -209,6 +210,9 @@ class MemoryPlan:
     budget_bytes: int
     total_bytes: int  # the machine's memory
     kv_windows: list[KVWindow] = field(default_factory=list)
+    # Recurrent layers (Qwen3.5's DeltaNet, LFM2's convolutions): a fixed state from the
+    # first token on, whatever the context length, with the snapshots kept for prefix reuse.
+    state_bytes: int = 0
 
     @property
     def kv_window_bytes(self) -> int:
@@ -219,13 +223,13 @@ class MemoryPlan:
         """The KV cache of a ``tokens``-long context, all layers."""
         tokens = max(0, tokens)
         return self.kv_bytes_per_token * tokens + sum(w.bytes_per_token * min(tokens, w.tokens)
-                                                      for w in self.kv_windows)
+                                                      for w in self.kv_windows) + (self.state_bytes if tokens else 0)
 
     @property
     def max_context(self) -> int:
         """The longest context whose KV cache fits beside the weights in the budget;
         ``UNLIMITED_CONTEXT`` when the cache stops growing (all layers windowed) and fits."""
-        spare = self.budget_bytes - self.weights_bytes
+        spare = self.budget_bytes - self.weights_bytes - self.state_bytes
         if spare < 0:
             return 0
         # kv_bytes grows piecewise linearly and more slowly as each window fills.
@@ -300,6 +304,10 @@ class ModelInfo:
     adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order
     active_adapters: dict[str, float] = field(default_factory=dict)  # name -> scale
     draft_model: str | None = None  # path of the draft model for speculative decoding
+    # Built-in multi-token-prediction layers (GenerationParams.speculative "mtp"); when absent,
+    # ``mtp_note`` says why, for a model whose family has them.
+    mtp: bool = False
+    mtp_note: str = ""
     # Whether images are pan-and-scanned by default (GenerationParams.pan_and_scan);
     # None when the model cannot do it.
     pan_and_scan: bool | None = None

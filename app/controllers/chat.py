@@ -61,7 +61,7 @@ def build_params(
         params.stop_strings = [s for s in merged["stop_strings"] if s]
     if merged.get("ignore_eos"):
         params.ignore_eos = True
-    if merged.get("speculative") in ("ngram", "draft"):
+    if merged.get("speculative") in ("ngram", "draft", "mtp"):
         params.speculative = merged["speculative"]
     if isinstance(merged.get("pan_and_scan"), bool):  # unset: the model's own setting
         params.pan_and_scan = merged["pan_and_scan"]
@@ -244,6 +244,10 @@ class ChatController(QObject):
         if params.speculative == "draft" and not getattr(info, "draft_model", None):
             emit(self.status, "No draft model is loaded, so this reply decodes without one: "
                               "choose one under Settings → Speculative decoding.")
+            params.speculative = None
+        if params.speculative == "mtp" and not getattr(info, "mtp", False):
+            emit(self.status, "This reply decodes without MTP drafting: "
+                              + (getattr(info, "mtp_note", "") or "the model has no built-in MTP layers."))
             params.speculative = None
         try:
             adapters = await self.apply_adapter_choice(conv.adapters)

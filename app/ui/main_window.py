@@ -354,6 +354,7 @@ class MainWindow(QMainWindow):
         self.gauge.set_plan(info.plan)
         self.check_memory()
         self.settings.set_draft(None)
+        self.settings.set_mtp(getattr(info, "mtp", False), getattr(info, "mtp_note", ""))
         self.composer.set_capabilities(info.vision, info.audio, info.video)
         self.template_notice.setVisible(not info.chat_template)
 
@@ -367,6 +368,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("MLX Desk")
         self.gauge.clear_model()
         self.settings.set_draft(None)
+        self.settings.set_mtp(False)
         self.settings.set_pan_and_scan_default(None)
         self.settings.set_reasoning_control(None)
         self.composer.set_capabilities(None, False)

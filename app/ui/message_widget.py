@@ -225,7 +225,8 @@ class MessageWidget(QFrame):
             parts.append(f"accepted {rate:.0%}")
             if stats.get("speedup"):
                 parts.append(f"×{stats['speedup']:.2f} speed")
-            method = {"ngram": "n-gram lookup", "draft": "a draft model"}.get(
+            method = {"ngram": "n-gram lookup", "draft": "a draft model",
+                      "mtp": "the built-in MTP layer"}.get(
                 stats.get("speculative", ""), "speculative decoding")
             details.append(
                 f"Speculative decoding with {method}: {stats.get('accepted_draft_tokens', 0)} of "

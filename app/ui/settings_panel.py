@@ -43,7 +43,7 @@ FIELDS: dict[str, tuple] = {
 
 MIN_BUDGET_GB = 0.01  # the spin box's floor; the ceiling is the machine's memory
 
-SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft"))
+SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft"), ("Built-in (MTP)", "mtp"))
 
 EFFORTS = ("low", "medium", "high")
 
@@ -111,10 +111,12 @@ class SettingsPanel(QFrame):
         self.speculative_box.setToolTip(
             "Guess several tokens ahead and check them in one pass: same output, often faster.\n"
             "N-gram lookup reuses text from the conversation; a draft model is a small model\n"
-            "with the same vocabulary."
+            "with the same vocabulary; built-in (MTP) uses the prediction layers some models\n"
+            "(Qwen3.5, Qwen3-Next) carry."
         )
         self.speculative_box.currentIndexChanged.connect(self._emit)
         layout.addWidget(self.speculative_box)
+        self.set_mtp(False, "Load a model that carries MTP layers (Qwen3.5, Qwen3-Next).")
         self.draft_label, self.draft_clear = self._picker_row(
             layout, "No draft model", "draft", "Pick the draft model's folder (or .gguf file)",
             "Unload the draft model", self.draft_requested, self.draft_cleared)
@@ -316,6 +318,14 @@ class SettingsPanel(QFrame):
         if self.reasoning_choice is not None:
             out["reasoning"] = self.reasoning_choice
         return out
+
+    def set_mtp(self, available: bool, note: str = "") -> None:
+        """Offer "Built-in (MTP)" only for a model that carries MTP layers; otherwise it is
+        greyed out and its tooltip says why."""
+        index = [mode for _, mode in SPECULATIVE].index("mtp")
+        item = self.speculative_box.model().item(index)
+        item.setEnabled(available)
+        item.setToolTip("" if available else (note or "The loaded model has no built-in MTP layers."))
 
     def set_draft(self, name: str | None) -> None:
         """Show which draft model is loaded (None: none)."""

@@ -58,6 +58,36 @@ SHAPES: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.0, first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=50000.0,
         max_position_embeddings=2048, tie_word_embeddings=False,
     ),
+    # Hybrid (gated DeltaNet + gated attention, every 4th layer full); text part of the
+    # published Qwen/Qwen3.5-4B and Qwen/Qwen3.5-35B-A3B configs.
+    "qwen3.5-4b": dict(
+        model_type="qwen3_5", hidden_size=2560, num_hidden_layers=32, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=248320,
+        rms_norm_eps=1e-6, full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        max_position_embeddings=262144, tie_word_embeddings=True,
+    ),
+    "qwen3.5-35b-a3b": dict(
+        model_type="qwen3_5_moe", hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, vocab_size=248320, rms_norm_eps=1e-6,
+        full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        max_position_embeddings=262144, tie_word_embeddings=False,
+    ),
+    # A tiny hybrid for checking the bench itself on a CPU.
+    "tiny-qwen3.5": dict(
+        model_type="qwen3_5", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=256, rms_norm_eps=1e-6,
+        full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+    ),
     "llama3-8b": dict(
         model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5,
@@ -197,12 +227,16 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
 
     twin = mlx_lm_models.Model(mlx_lm_models.ModelArgs.from_dict(config))
     twin.set_dtype(mx.bfloat16)
+    # mlx-lm nests some text models under language_model (Qwen3.5); ours are not nested.
+    nest = "language_model." if "language_model" in twin and "language_model" not in model else ""
     if quantized:
         q = config["quantization"]
         nn.quantize(twin, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
-                    class_predicate=lambda p, m: p in quantized and q.get(p, True))
+                    class_predicate=lambda p, m: p.removeprefix(nest) in quantized and q.get(p, True))
     try:
-        twin.load_weights(list(tree_flatten(model.parameters())), strict=True)
+        # mlx-lm drops built-in MTP layers (mtp.*): its twin runs without them.
+        weights = [(nest + k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith("mtp.")]
+        twin.load_weights(weights, strict=True)
     except ValueError as e:
         raise EngineError(f"mlx-lm's {config['model_type']} does not take our weights: {e}") from None
     mx.eval(twin.parameters())

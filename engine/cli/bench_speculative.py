@@ -1,4 +1,4 @@
-"""``python -m engine bench --speculative {ngram,draft,self}``: plain next to speculative decoding.
+"""``python -m engine bench --speculative {ngram,draft,self,mtp}``: plain next to speculative decoding.
 
 Random weights make drafts a poor guess, so each mode says what its numbers mean:
 
@@ -7,6 +7,9 @@ Random weights make drafts a poor guess, so each mode says what its numbers mean
   drafting with a model as large as the target.
 * ``draft``: the first ``--draft-layers`` layers of the same random model (sharing its
   embeddings, norm and head) draft for the whole model: a small model of the same vocabulary.
+* ``mtp``: a multi-token-prediction layer (random, like the rest) on a Qwen3.5 / Qwen3-Next
+  shape drafts from the target's hidden states; random guesses, so few are accepted: read
+  its cost per round here and the upper bound from ``self``.
 * ``ngram``: prompt lookup. The prompt is a random passage repeated, so lookup finds matches;
   whether they are accepted depends on the random model repeating it, which it seldom does.
 
@@ -26,14 +29,16 @@ from engine.cli.bench import Timing, measure_interleaved, mlx_lm_twin, with_runs
 NOTES = {
     "self": "self: the model drafts for itself; greedy drafts are all accepted (the upper bound)",
     "draft": "draft: the first {layers} layers of the same random model draft for all {total}",
+    "mtp": "mtp: a random built-in MTP layer drafts (random guesses: few accepted; see self for the upper bound)",
     "ngram": ("ngram: the prompt is a {passage}-token random passage repeated, so lookup finds matches; "
               "random weights seldom repeat it, so few drafts are accepted"),
 }
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=["ngram", "draft", "self"],
-                   help="also time speculative decoding: n-gram lookup, a draft model, or the model itself")
+    p.add_argument("--speculative", choices=["ngram", "draft", "self", "mtp"],
+                   help="also time speculative decoding: n-gram lookup, a draft model, the model itself, "
+                        "or a built-in MTP layer (Qwen3.5 shapes)")
     p.add_argument("--num-draft", type=int, default=4, help="drafts verified per pass (default 4)")
     p.add_argument("--ngram-size", type=int, default=3, help="ids matched by n-gram lookup (default 3)")
     p.add_argument("--draft-layers", type=int, help="layers of the draft model (default 2, 1 for a 2-layer shape)")
@@ -47,6 +52,27 @@ def repeated_passage_prompt(vocab: int, length: int, seed: int) -> tuple[Any, in
     ids = mx.random.randint(0, vocab, (passage,), key=mx.random.key(seed + 1)).astype(mx.uint32)
     reps = -(-length // passage)
     return mx.tile(ids, (reps,))[:length], passage
+
+
+def attach_random_mtp(model: Any, config: dict[str, Any]) -> None:
+    """Give a Qwen3.5 / Qwen3-Next shaped model a random MTP layer, bf16 and quantized like it."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engine.errors import EngineError
+    from engine.models.qwen3_5_mtp import MTPHead
+
+    layers = getattr(getattr(model, "model", None), "layer_class", None)
+    if not hasattr(model, "hidden_listener") or layers is None:
+        raise EngineError("--speculative mtp needs a Qwen3.5 or Qwen3-Next shape (e.g. --shape qwen3.5-4b)")
+    model.mtp = MTPHead(model.args, layers)
+    model.mtp.set_dtype(mx.bfloat16)
+    q = config.get("quantization")
+    if q:
+        group = q["group_size"]
+        nn.quantize(model.mtp, group_size=group, bits=q["bits"],
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group == 0)
+    mx.eval(model.mtp.parameters())
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -116,10 +142,14 @@ def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out
 
         stats = StatsCounter()
         stats_out[:] = [stats]
-        for token, _ in speculative_step(prompt.tolist(), model, make_prompt_cache(model), make_drafter(),
-                                         max_tokens=gen, num_draft_tokens=num_draft, stats=stats,
-                                         prefill_chunk=2048):
-            yield token
+        drafter = make_drafter()
+        try:
+            for token, _ in speculative_step(prompt.tolist(), model, make_prompt_cache(model), drafter,
+                                             max_tokens=gen, num_draft_tokens=num_draft, stats=stats,
+                                             prefill_chunk=2048):
+                yield token
+        finally:
+            getattr(drafter, "close", lambda: None)()  # an MTP drafter stops following the model
 
     return run
 
@@ -172,6 +202,11 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
         draft, draft_config, draft_quantized = slice_model(model, config, quantized, args.draft_layers)
         note = note.format(layers=draft_config["num_hidden_layers"], total=config["num_hidden_layers"])
         make_drafter = lambda: DraftModelDrafter(draft, None, k, 2048)  # noqa: E731
+    elif mode == "mtp":
+        from engine.decode.mtp_drafter import MTPDrafter
+
+        attach_random_mtp(model, config)
+        make_drafter = lambda: MTPDrafter(model, k)  # noqa: E731
     else:
         draft = model
         make_drafter = lambda: DraftModelDrafter(model, None, k, 2048)  # noqa: E731
@@ -212,7 +247,7 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
     print(_row("mlx-lm", theirs), flush=True)
     out["mlx_lm"] = with_runs(*timed[2])
     if draft is None:
-        print(f"{'':<16} mlx-lm has no n-gram drafting: its plain loop only", flush=True)
+        print(f"{'':<16} mlx-lm has no {mode} drafting: its plain loop only", flush=True)
         return out
     theirs_spec = timed[3][0]
     print(_row(f"mlx-lm+{mode}", theirs_spec), flush=True)

@@ -78,6 +78,8 @@ def _add_generate(sub: Any) -> None:
     spec = p.add_mutually_exclusive_group()
     spec.add_argument("--draft-model", metavar="PATH", help="speculative decoding with this draft model")
     spec.add_argument("--ngram", type=int, metavar="N", help="speculative decoding by N-gram prompt lookup")
+    spec.add_argument("--mtp", action="store_true",
+                      help="speculative decoding with the checkpoint's own multi-token-prediction layer")
     p.add_argument("--num-draft", type=int, metavar="N", help="drafts per verification pass (default 4)")
     p.add_argument("--image", action=_MediaFlag, default=[], metavar="FILE", help="image file (repeatable; needs --chat)")
     p.add_argument("--thinking", choices=["on", "off", "low", "medium", "high"],
@@ -185,9 +187,11 @@ def _params(args: argparse.Namespace) -> Any:
         params.speculative, params.ngram_size = "ngram", args.ngram
     elif args.draft_model is not None:
         params.speculative = "draft"
+    elif args.mtp:
+        params.speculative = "mtp"
     if args.num_draft is not None:
         if params.speculative is None:
-            raise CliError("--num-draft needs --draft-model or --ngram")
+            raise CliError("--num-draft needs --draft-model, --ngram or --mtp")
         if args.num_draft < 1:
             raise CliError(f"--num-draft must be at least 1 (got {args.num_draft})")
         params.num_draft_tokens = args.num_draft

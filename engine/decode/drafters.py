@@ -106,8 +106,8 @@ class DraftModelDrafter:
     def offset(self) -> int:
         return self.cache[0].offset if self.cache else 0
 
-    def _can_take(self, n_new: int) -> bool:
-        return all(room_to_trim(c, n_new) for c in self.cache)
+    def _can_take(self, n_new: int, back: int) -> bool:
+        return all(room_to_trim(c, n_new, back) for c in self.cache)
 
     def _step(self, tokens: mx.array) -> mx.array:
         """Lazy logits [V] after the last of ``tokens`` (shape [n], n small)."""
@@ -124,7 +124,7 @@ class DraftModelDrafter:
             return [], None
         if self.offset >= len(history):  # cached more than is settled: step back one token
             self.rewind(len(history) - 1)
-        if self.offset >= len(history) or not self._can_take(len(history) - self.offset + k):
+        if self.offset >= len(history) or not self._can_take(len(history) - self.offset + k, k):
             self.usable = False  # a wrapped sliding window cannot be rewound
             return [], None
         unseen = self._known(history[self.offset :])
@@ -208,9 +208,13 @@ def drafter_for(params: Any, *, draft_model: Any = None, draft_cache: list | Non
     )
 
 
-def room_to_trim(c: Any, n_new: int) -> bool:
-    """Can this cache take ``n_new`` more tokens and still give them back?"""
+def room_to_trim(c: Any, n_new: int, back: int | None = None) -> bool:
+    """Can this cache take ``n_new`` more tokens and still give them back (the last ``back``
+    of them, when fewer may need to go)?"""
     if not c.is_trimmable():
+        return False
+    recent = getattr(c, "step_window", None)  # a recurrent layer keeps this many recent states
+    if recent is not None and (n_new if back is None else back) > recent:
         return False
     max_size = getattr(c, "max_size", None)
     return max_size is None or c.offset + n_new < max_size

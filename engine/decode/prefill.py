@@ -94,4 +94,8 @@ def prefill(
         done = end
         if on_progress is not None:
             on_progress(done, total)
+    # The end of a prompt: recurrent layers (which cannot be cut back) keep a copy of their
+    # state here, so regenerating the reply can return to it.
+    for c in cache:
+        getattr(c, "mark_prompt_end", lambda: None)()
     return True

@@ -181,7 +181,7 @@ def speculative_step(
             def lookup(n_left: int) -> tuple[list[int], None] | None:
                 k_next = min(k_max, n_left - 1)
                 found = drafter.propose(context, k_next, pick) if k_next > 0 else ([], None)
-                return found if found[0] else None
+                return found if len(found[0]) else None  # host ids, or a device array (MTP)
 
             carried, n = yield from _lookahead_run(
                 context, forward, pick, logprobs, cache, lookup, max_tokens - produced, cancel,

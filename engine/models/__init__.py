@@ -25,6 +25,8 @@ SUPPORTED: dict[str, str] = {
     "glm4_moe_lite": "glm4_moe_lite",
     "glm_moe_dsa": "glm_moe_dsa",
     "kimi_k2": "deepseek_v3",
+    "lfm2": "lfm2",
+    "lfm2_moe": "lfm2_moe",
     "llama": "llama",
     "ministral3": "ministral3",
     "mistral": "llama",
@@ -38,6 +40,11 @@ SUPPORTED: dict[str, str] = {
     "smollm3": "smollm3",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
     "voxtral": "voxtral",
 }
 

@@ -408,6 +408,14 @@ def _cache_layers(args, dtype_bytes: int) -> list[tuple[int | None, int]]:
     return [(w, per_layer) for w in layer_windows(args)]
 
 
+def recurrent_state_bytes(args, dtype_bytes: int) -> int:
+    """Fixed bytes of the recurrent layers' state (conv inputs, delta-rule matrices), the
+    same at any context length; 0 for a family without recurrent layers. Such a family's
+    ``layer_windows`` lists its attention layers only."""
+    fixed = getattr(args, "recurrent_state_bytes", None)
+    return int(fixed(dtype_bytes)) if callable(fixed) else 0
+
+
 def _per_layer_token_bytes(args, dtype_bytes: int) -> int:
     n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads

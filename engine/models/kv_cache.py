@@ -333,8 +333,27 @@ def cache_length(cache: Sequence[Any]) -> int:
     return int(cache[0].offset) if cache else 0
 
 
-def can_trim_prompt_cache(cache: list) -> bool:
-    return all(c.is_trimmable() for c in cache)
+def rewind_point(cache: Sequence[Any], keep: int) -> int:
+    """The longest prefix of at most ``keep`` tokens every layer can return to. Attention
+    layers can go back anywhere; a recurrent layer only to a state it kept a copy of (turn
+    boundaries, engine/models/recurrent_cache.py), never to a state rebuilt wrongly."""
+    for c in cache:
+        nearest = getattr(c, "nearest", None)
+        if nearest is not None:
+            keep = min(keep, nearest(keep))
+    return keep
+
+
+def checkpoint(cache: Sequence[Any] | None) -> None:
+    """Let recurrent layers keep a copy of their current state (a turn boundary)."""
+    for c in cache or ():
+        getattr(c, "checkpoint", lambda: None)()
+
+
+def can_trim_prompt_cache(cache: list, n: int | None = None) -> bool:
+    """Whether every layer can drop tokens (``n`` of them: a recurrent layer only can when it
+    kept a copy of its state there)."""
+    return all(c.is_trimmable() and (n is None or getattr(c, "can_trim", lambda _: True)(n)) for c in cache)
 
 
 def trim_prompt_cache(cache: list, n: int) -> int:
@@ -342,7 +361,7 @@ def trim_prompt_cache(cache: list, n: int) -> int:
     when some layer cannot trim). Trimming 0 always succeeds, so ``== n`` means done."""
     if n == 0:
         return 0
-    if not cache or not can_trim_prompt_cache(cache):
+    if not cache or not can_trim_prompt_cache(cache, n):
         return 0
     return min(c.trim(n) for c in cache)
 
@@ -376,6 +395,12 @@ def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | 
     arrays: dict[str, mx.array] = {}
     layers: list[dict[str, Any]] = []
     for i, c in enumerate(cache):
+        if hasattr(c, "arrays"):  # a recurrent layer: its state slots (snapshots stay behind)
+            present = [j for j, a in enumerate(c.arrays) if a is not None]
+            arrays.update({f"{i}.{j}": c.arrays[j] for j in present})
+            layers.append({"kind": type(c).__name__, "meta": c.meta_state, "slots": len(c.arrays),
+                           "present": present})
+            continue
         state = tuple(c.state or ())
         for j, a in enumerate(state):
             arrays[f"{i}.{j}"] = a
@@ -412,6 +437,11 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
                 raise EngineError(f"{path} holds an unknown cache kind {layer['kind']!r}; delete it.")
             meta = layer["meta"]
             c = _empty_like(kind, meta)
+            if "slots" in layer:  # a recurrent layer
+                c.arrays = [arrays[f"{i}.{j}"] if j in layer["present"] else None for j in range(layer["slots"])]
+                c.meta_state = meta
+                cache.append(c)
+                continue
             c.meta_state = meta
             state = tuple(arrays[f"{i}.{j}"] for j in range(int(layer["arrays"])))
             if state:

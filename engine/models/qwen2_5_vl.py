@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.models import llama, qwen2
-from engine.artifacts.config_spellings import mrope_section
+from engine.artifacts import config_spellings
 from engine.models.base import Attention, RoPE, strip_prefixes, text_config
 
 
@@ -47,10 +47,7 @@ def split_mrope(config: dict[str, Any]) -> tuple[dict[str, Any], list[int] | Non
     None): mRoPE is handled by the attention here; what remains for the shared reader is
     plain RoPE."""
     flat = text_config(config)
-    section = None
-    for block in (flat.get("rope_parameters"), flat.get("rope_scaling")):
-        if isinstance(block, dict) and block.get("mrope_section"):
-            section = [int(s) for s in block["mrope_section"]]
+    section = config_spellings.mrope_section(flat)
     for key in ("rope_parameters", "rope_scaling"):
         block = flat.get(key)
         if isinstance(block, dict) and (block.get("rope_type") or block.get("type")) in ("mrope", "default", None):

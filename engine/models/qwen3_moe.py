@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from engine.models import llama
 from engine.models.base import activation
-from engine.models.switch import SwitchGLU
+from engine.models.switch import SwitchGLU, stack_expert_weights
 
 
 @dataclass
@@ -98,22 +98,7 @@ class Model(llama.Model):
 
 
 def stack_experts(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
-    """Expert weights (fused ``experts.gate_up_proj`` [E, 2I, H] + ``down_proj``, or one
-    tensor per expert) as the ``switch_mlp`` stacks MLX runs."""
+    """Every MoE layer's experts as the ``switch_mlp`` stacks MLX runs."""
     for i in range(args.num_hidden_layers):
-        prefix = f"model.layers.{i}.mlp"
-        fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
-        if fused is not None:  # transformers' in-memory layout: [E, 2I, H] and [E, H, I]
-            half = fused.shape[1] // 2
-            weights[f"{prefix}.switch_mlp.gate_proj.weight"] = fused[:, :half]
-            weights[f"{prefix}.switch_mlp.up_proj.weight"] = fused[:, half:]
-            weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
-            continue
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            for part in ("weight", "scales", "biases", "bias"):
-                first = f"{prefix}.experts.0.{proj}.{part}"
-                if first not in weights:
-                    continue
-                stacked = [weights.pop(f"{prefix}.experts.{e}.{proj}.{part}") for e in range(args.num_experts)]
-                weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack(stacked)
+        stack_expert_weights(weights, f"model.layers.{i}.mlp", args.num_experts)
     return weights

@@ -16,9 +16,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.errors import ModelLoadError
 from engine.models.base import GatedMLP, activation
 from engine.models.switch import SwitchGLU
+from engine.models.switch import stack_expert_weights as stack_experts  # noqa: F401  (the families import it from here)
 
 
 class GroupLimitedRouter(nn.Module):
@@ -81,31 +81,6 @@ class RoutedMoE(nn.Module):
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
         return y
-
-
-def stack_experts(weights: dict[str, mx.array], prefix: str, n_experts: int) -> None:
-    """Move ``{prefix}.experts.*`` into ``{prefix}.switch_mlp`` in place: per-expert HF
-    tensors (``experts.E.gate_proj.weight``, also quantized) or transformers 5's fused
-    in-memory layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])."""
-    fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
-    if fused is not None:
-        half = fused.shape[1] // 2
-        weights[f"{prefix}.switch_mlp.gate_proj.weight"] = fused[:, :half]
-        weights[f"{prefix}.switch_mlp.up_proj.weight"] = fused[:, half:]
-        weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
-        return
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        for part in ("weight", "scales", "biases"):
-            names = [f"{prefix}.experts.{e}.{proj}.{part}" for e in range(n_experts)]
-            if names[0] not in weights:
-                continue
-            missing = [e for e, name in enumerate(names) if name not in weights]
-            if missing:
-                raise ModelLoadError(
-                    f"the checkpoint lacks {len(missing)} of the {n_experts} experts' {proj}.{part} in {prefix} "
-                    f"(first: expert {missing[0]}); the download is incomplete or its index is wrong"
-                )
-            weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack([weights.pop(name) for name in names])
 
 
 def drop_nextn_layers(weights: dict[str, mx.array], n_layers: int) -> dict[str, mx.array]:

@@ -12,6 +12,8 @@ import math
 import mlx.core as mx
 from mlx import nn
 
+from engine.errors import ModelLoadError
+
 # Sorting tokens by expert pays off once there are enough of them (prefill), since each
 # expert's weights are then read once for a run of tokens.
 SORT_THRESHOLD = 64
@@ -151,3 +153,36 @@ class SwitchGLU(nn.Module):
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:
         """The gated hidden activations; families with another gating override this."""
         return self.activation(gate) * up
+
+class MissingExperts(ModelLoadError):
+    """Some experts of a MoE layer are in no weight file (the loader says where to look)."""
+
+    def __str__(self) -> str:
+        return f"the checkpoint {self.args[0]}; the download is incomplete or its index is wrong"
+
+
+def stack_expert_weights(weights: dict[str, mx.array], prefix: str, num_experts: int) -> dict[str, mx.array]:
+    """Put one MoE block's experts (under ``prefix``, e.g. ``model.layers.3.mlp``) into the
+    ``switch_mlp`` layout, from either Hugging Face spelling: transformers 5's fused
+    ``experts.gate_up_proj`` [E, 2I, H] + ``experts.down_proj`` [E, H, I], or one module per
+    expert (``experts.N.gate_proj.weight`` ..., quantized parts included). Changes ``weights``."""
+    fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
+    if fused is not None:
+        half = fused.shape[1] // 2
+        weights[f"{prefix}.switch_mlp.gate_proj.weight"] = fused[:, :half]
+        weights[f"{prefix}.switch_mlp.up_proj.weight"] = fused[:, half:]
+        weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
+        return weights
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for part in ("weight", "scales", "biases", "bias"):
+            names = [f"{prefix}.experts.{e}.{proj}.{part}" for e in range(num_experts)]
+            if names[0] not in weights:
+                continue
+            missing = [e for e, name in enumerate(names) if name not in weights]
+            if missing:
+                raise MissingExperts(
+                    f"lacks {len(missing)} of the {num_experts} experts' {proj}.{part} in {prefix} "
+                    f"(first: {names[missing[0]]})"
+                )
+            weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack([weights.pop(name) for name in names])
+    return weights

@@ -71,6 +71,7 @@ def assemble(
     info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
     template = load_template(tokenizer)
     info.reasoning_control = _reasoning_control(template)
+    info.mtp, info.mtp_note = _mtp_support(loaded)
     return ModelParts(loaded.model, config, str(loaded.path), tokenizer, template, eos, info, towers)
 
 
@@ -139,6 +140,18 @@ def reasoning_factory(template: Any) -> Callable[[str], Any]:
         return markers.splitter() if markers is not None else None
 
     return make
+
+
+def _mtp_support(loaded: Any) -> tuple[bool, str]:
+    """Whether the model carries its multi-token-prediction layers, and if not, why (for a
+    family that has them: Qwen3.5, Qwen3-Next)."""
+    model = loaded.model
+    if getattr(model, "mtp", None) is not None:
+        return True, ""
+    if not hasattr(model, "hidden_listener"):
+        return False, "This model has no built-in multi-token-prediction layers."
+    return False, ("This copy has no multi-token-prediction layers: mlx-lm's conversions drop them. "
+                   "The original Hugging Face checkpoint has them.")
 
 
 def _reasoning_control(template: Any) -> Any:

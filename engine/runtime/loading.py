@@ -29,6 +29,7 @@ from engine.artifacts.weights import (
     weights_bytes,
 )
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.models.switch import MissingExperts
 from engine.models.checkpoint import MX_DTYPE_NAMES, one_line, cast_floats, fill_weights, quantize_like_checkpoint
 
 Progress = Callable[[int, int], None]
@@ -167,6 +168,8 @@ def _sanitize(model: Any, weights: dict[str, Any], source: _Source) -> dict[str,
         return model.sanitize(weights)
     except KeyError as e:
         raise ModelLoadError(f"{source.name} lacks {e.args[0]}{_where_missing(source)}") from None
+    except MissingExperts as e:
+        raise ModelLoadError(f"{source.name} {e.args[0]}{_where_missing(source)}") from None
 
 
 def _check_complete(model: Any, weights: dict[str, Any], source: _Source) -> None:

@@ -89,6 +89,15 @@ def kv_windows(config: Any, dtype_bytes: int) -> list[KVWindow]:
             for w, n, b in base.kv_window_groups(_family_args(config), dtype_bytes)]
 
 
+def state_bytes(config: Any, dtype_bytes: int) -> int:
+    """A config's recurrent-layer state as fixed bytes: the live state plus the snapshots a
+    chat session keeps for prefix reuse (engine/models/recurrent_cache.py bounds them)."""
+    from engine.models import base
+    from engine.models.recurrent_cache import COPIES_KEPT
+
+    return int(base.recurrent_state_bytes(_family_args(config), dtype_bytes)) * COPIES_KEPT
+
+
 def plan_memory(
     config: Any,
     headers: dict[str, Any] | None = None,
@@ -112,6 +121,7 @@ def plan_memory(
         budget_bytes=int(budget),
         total_bytes=total_memory(),
         kv_windows=kv_windows(config, dtype_bytes),
+        state_bytes=state_bytes(config, dtype_bytes),
     )
 
 

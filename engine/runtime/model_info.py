@@ -66,6 +66,8 @@ def format_inspect(info: ModelInfo) -> str:
         # Sliding-window layers: their share of the cache stops growing at the window.
         lines += [f"  KV window     {w.layers} {'layer keeps' if w.layers == 1 else 'layers keep'} at most "
                   f"{w.tokens:,} tokens: {format_bytes(w.max_bytes)} at most" for w in plan.kv_windows]
+        if plan.state_bytes:  # recurrent layers: the same at any context length
+            lines.append(f"  recurrent state {format_bytes(plan.state_bytes)} fixed (with prefix-reuse snapshots)")
         lines.append(f"  budget        {format_bytes(plan.budget_bytes)} of {format_bytes(plan.total_bytes)}")
         if not plan.fits:
             lines.append("  fits          no: the weights alone exceed the budget")

@@ -7,6 +7,11 @@ new tokens, and editing an earlier message costs what follows the edit. A cache 
 cannot be trimmed far enough (a sliding window that has already rotated past the
 point) is rebuilt from scratch.
 
+Recurrent layers (Qwen3.5's DeltaNet, LFM2's convolutions) cannot be trimmed at all: they
+go back only to snapshots of their state taken at turn boundaries (the end of each reply
+and of the latest prompt; engine/models/recurrent_cache.py bounds them), so the kept
+prefix is the longest one that ends at such a snapshot (``rewind_point``).
+
 The cache also remembers which adapters were active when it was filled
 (``adapters.active_signature``): keys and values computed under one adapter set are
 never reused under another, so a change of adapters starts the cache afresh.
@@ -37,7 +42,7 @@ from engine.decode.prefill import ProgressCallback, PromptInputs
 from engine.decode.sampling import validate_sampling
 from engine.text.reasoning_switch import reasoning_variables
 from engine.decode.drafters import drafter_for
-from engine.models.kv_cache import cache_length, make_prompt_cache, trim_prompt_cache
+from engine.models.kv_cache import cache_length, checkpoint, make_prompt_cache, rewind_point, trim_prompt_cache
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -130,6 +135,7 @@ class ChatSession:
         for span in spans:
             if span.start < keep < span.end:
                 keep = span.start
+        keep = rewind_point(self.cache, keep)
         drop = len(self.ids) - keep
         if trim_prompt_cache(self.cache, drop) != drop:
             self.cache, self.ids, self.token_keys, keep = make_prompt_cache(self.model), [], [], 0
@@ -140,12 +146,17 @@ class ChatSession:
     def _drafter(self, params: GenerationParams, prompt_ids: Sequence[int]) -> Any:
         """The request's drafter; for a draft model, its cache trimmed to the prefix it
         shares with ``prompt_ids`` (the drafter feeds the rest itself)."""
+        if params.speculative == "mtp":
+            from engine.decode.mtp_drafter import MTPDrafter
+
+            return MTPDrafter(self.model, params.num_draft_tokens)
         if params.speculative != "draft" or self.draft_model is None:
             return drafter_for(params)
         if self._draft_cache is None or self._draft_owner is not self.draft_model:
             self._draft_cache, self._draft_ids = make_prompt_cache(self.draft_model), []
             self._draft_owner = self.draft_model
         keep = min(common_prefix_length(self._draft_ids, prompt_ids), len(prompt_ids) - 1)
+        keep = rewind_point(self._draft_cache, keep)
         drop = len(self._draft_ids) - keep
         if trim_prompt_cache(self._draft_cache, drop) != drop:
             self._draft_cache, keep = make_prompt_cache(self.draft_model), 0
@@ -165,6 +176,7 @@ class ChatSession:
             setattr(self, ids_attr, known[:held])
             if cache_attr == "cache":
                 self.token_keys = known_keys[:held]
+            checkpoint(cache)  # the end of a reply: where the next turn continues
 
     # ---- media --------------------------------------------------------------------
 
@@ -237,6 +249,7 @@ class ChatSession:
             inputs = self._prompt_inputs(media, keep) if media is not None and media.spans else None
         except Exception:
             self.reset()  # the cache was trimmed for a prompt that will not run
+            getattr(drafter, "close", lambda: None)()
             raise
         try:
             for item in stream_generate(
@@ -265,6 +278,7 @@ class ChatSession:
             # Whatever happened (done, cancelled, closed early), record what the caches
             # hold; after an error they were dropped above.
             self._record(prompt_ids + generated, keys + list(generated))
+            getattr(drafter, "close", lambda: None)()  # an MTP drafter stops following the model
 
     def stream(
         self,

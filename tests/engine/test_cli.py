@@ -108,7 +108,7 @@ def test_chat_wraps_in_template_and_seed_reproduces(model_dir):
         (["--model", "{missing}", "--prompt", "x"], ""),
         (["--model", "{model}", "--prompt", "x", "--adapter", "{missing}"], "does not exist"),
         (["--model", "{model}", "--prompt", "x", "--ngram", "0"], "--ngram must be at least 1"),
-        (["--model", "{model}", "--prompt", "x", "--num-draft", "3"], "needs --draft-model or --ngram"),
+        (["--model", "{model}", "--prompt", "x", "--num-draft", "3"], "needs --draft-model, --ngram or --mtp"),
         (["--model", "{model}", "--prompt", "x", "--draft-model", "{missing}"], ""),
         (["--model", "{model}", "--prompt", "x", "--image", "a.png"], "need --chat"),
         (["--model", "{model}", "--prompt", "x", "--chat", "--image", "{missing}"], "cannot read images"),

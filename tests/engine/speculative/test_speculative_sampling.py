@@ -50,14 +50,16 @@ def chi2(observed: np.ndarray, expected_p: np.ndarray) -> tuple[float, int]:
     return float(stat), len(pairs) - 1
 
 
-def sample_pairs(model, drafter, prompt, params, k):
+def sample_pairs(model, drafter, prompt, params, k, max_tokens=2):
+    """Counts of the first two tokens over SAMPLES seeded runs of ``max_tokens`` tokens (more
+    than 2 lets a round draft up to k = max_tokens - 1)."""
     cache = make_prompt_cache(model)
     prefill(model, mx.array(prompt[:-1]), cache, chunk=64)
     counts = np.zeros((VOCAB, VOCAB))
     stats = StatsCounter()
     for i in range(SAMPLES):
         run_params = SamplingParams(**{**params.__dict__, "seed": 1000 + i})
-        out = [t for t, _ in speculative_step(prompt[-1:], model, cache, drafter, max_tokens=2,
+        out = [t for t, _ in speculative_step(prompt[-1:], model, cache, drafter, max_tokens=max_tokens,
                                               sampling=run_params, num_draft_tokens=k, stats=stats,
                                               history=prompt)]
         counts[out[0], out[1]] += 1

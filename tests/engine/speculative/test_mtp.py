@@ -1,0 +1,124 @@
+"""Drafting with the checkpoint's own multi-token-prediction (MTP) layer (Qwen3.5 family).
+
+transformers has no MTP forward pass to compare with, so the MTP weights here are random,
+stored as the Hub stores them (``mtp.*``, (1 + w) norms as w). What is checked:
+
+* greedy output is plain greedy output, token for token, with 1, 2 and 4 drafts a round;
+* the drafter follows the target exactly: after rounds with rejections, its next draft's
+  logits equal those of the MTP layer run afresh over the whole history (entry i: the
+  target's hidden state h_i and token x_{i+1}), so no entry of a rejected draft survives;
+* a checkpoint without MTP layers (mlx-lm's conversions drop them) is refused in one line.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from spec_models import plain_greedy, plain_logprobs
+
+from engine.decode.stats import StatsCounter
+from engine.models.kv_cache import KVCache
+from engine.errors import EngineError
+from engine.models.qwen3_5_mtp import MTPHead
+from engine.decode.mtp_drafter import MTPDrafter
+from engine.decode.speculative import speculative_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from test_hybrid_families import GOLDEN, build  # noqa: E402
+
+N = 20
+
+
+def with_mtp(name: str):
+    """The golden model, loaded again with random MTP weights in the Hub's layout."""
+    import json
+
+    from engine.models import get_family
+
+    model, expected = build(name)
+    head = MTPHead(model.args, model.model.layer_class)
+    rng = np.random.default_rng(7)
+    mtp = {}
+    for key, value in tree_flatten(head.parameters()):
+        if value.ndim == 1:  # norms as the Hub stores them: w of (1 + w)
+            arr = 0.1 * rng.standard_normal(value.shape)
+        else:
+            arr = 0.15 * rng.standard_normal(value.shape)
+        mtp["mtp." + key] = mx.array(arr.astype(np.float32))
+    config = json.loads((GOLDEN / name / "config.json").read_text())
+    family = get_family(config["model_type"])
+    target = family.Model(family.ModelArgs.from_dict(config))
+    weights = {k: v.astype(mx.float32) for k, v in mx.load(str(GOLDEN / name / "model.safetensors")).items()}
+    weights.update(mtp)
+    target.load_weights(list(target.sanitize(weights).items()), strict=True)
+    mx.eval(target.parameters())
+    return target, expected
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return with_mtp("qwen3_5")
+
+
+def test_sanitize_builds_the_mtp_layer_only_when_the_checkpoint_has_one(qwen):
+    target, _ = qwen
+    assert "mtp" in target and len(target.mtp.layers) == 1
+    plain, _ = build("qwen3_5")
+    assert "mtp" not in plain
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_mtp_greedy_equals_plain(qwen, k):
+    target, expected = qwen
+    prompt = expected["prompt_ids"][:30]
+    want = plain_greedy(target, prompt, N)
+    stats = StatsCounter()
+    drafter = MTPDrafter(target, k)
+    try:
+        got = list(speculative_step(prompt, target, target.make_cache(), drafter, max_tokens=N, stats=stats,
+                                    logprobs=True, num_draft_tokens=k))
+    finally:
+        drafter.close()
+    assert [t for t, _ in got] == want
+    np.testing.assert_allclose([lp for _, lp in got], plain_logprobs(target, prompt, want), atol=1e-4)
+    assert stats.draft_tokens > 0  # random MTP weights: few drafts are accepted, all are verified
+    assert target.hidden_listener is None
+
+
+def test_the_drafter_follows_the_target_exactly(qwen):
+    target, expected = qwen
+    prompt = expected["prompt_ids"][:30]
+    drafter = MTPDrafter(target, 3)
+    cache = target.make_cache()
+    try:
+        out = [t for t, _ in speculative_step(prompt, target, cache, drafter, max_tokens=9, num_draft_tokens=3)]
+        history = prompt + out
+        seen = []
+
+        def pick(logits, recent):
+            seen.append(logits)
+            return mx.argmax(logits, keepdims=True).astype(mx.uint32), None
+
+        # The target's pass over the pending token, then the drafter's first draft.
+        target(mx.array([history[-1:]]), cache=cache)
+        drafter.propose(history + [int(mx.argmax(target.logits(drafter._passes[-1][1])[0, -1]).item())], 1, pick)
+    finally:
+        drafter.close()
+    # Afresh: the target's hidden states over the whole history, the MTP layer over all of it.
+    full = history + [int(mx.argmax(target.logits(drafter._passes[-1][1])[0, -1]).item())]
+    hidden = target.model(mx.array([full[:-1]]))
+    mtp_cache = [KVCache() for _ in target.mtp.layers]
+    out_h = target.mtp(hidden, target.embed(mx.array([full[1:]])), mtp_cache)
+    reference = target.logits(out_h)[0, -1]
+    assert mx.allclose(seen[0], reference, atol=1e-4).item()
+
+
+def test_a_checkpoint_without_mtp_layers_is_refused():
+    plain, _ = build("qwen3_5")
+    with pytest.raises(EngineError, match="no built-in multi-token-prediction"):
+        MTPDrafter(plain)
