@@ -26,6 +26,7 @@ _QWEN3_VL = {"image": "engine.media.qwen3_vl.encoders",
              "video": "engine.media.qwen3_vl.encoders:make_video_encoder"}
 TOWERS: dict[str, dict[str, str]] = {
     "gemma3": {"image": "engine.media.gemma3.vision"},
+    "gemma4": {"image": "engine.media.gemma4.vision", "audio": "engine.media.gemma4.audio"},
     "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl.vision"},
     "mistral3": {"image": "engine.media.pixtral.tower"},
     "qwen3_vl": _QWEN3_VL,
@@ -116,6 +117,12 @@ def read_image_preprocessor(source: TowerSource) -> dict[str, Any]:
     """The image processor's settings as transformers finds them: processor_config.json's
     nested ``image_processor`` when it has one, else preprocessor_config.json ({} when
     neither); MediaError when unreadable."""
+    return read_nested_preprocessor(source, "image_processor")
+
+
+def read_nested_preprocessor(source: TowerSource, part: str) -> dict[str, Any]:
+    """One part's settings (``image_processor``, ``feature_extractor``) as transformers
+    finds them: nested in processor_config.json, else preprocessor_config.json."""
     import json
 
     path = source.path / "processor_config.json"
@@ -124,7 +131,7 @@ def read_image_preprocessor(source: TowerSource) -> dict[str, Any]:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
-        nested = data.get("image_processor") if isinstance(data, dict) else None
+        nested = data.get(part) if isinstance(data, dict) else None
         if isinstance(nested, dict):
             return nested
     return read_preprocessor(source)

@@ -221,7 +221,8 @@ class ChatSession:
             positions = mx.array(full[:, keep:], dtype=mx.int32)
         blocks = []
         if getattr(self.model, "bidirectional_media", False):
-            blocks = [(s.start - keep, s.end - keep) for s in pending]
+            # Images (and video frames) attend both ways; audio stays causal (Gemma 4).
+            blocks = [(s.start - keep, s.end - keep) for s in pending if s.item.kind != "audio"]
         return PromptInputs(embeddings=embeddings, positions=positions, position_delta=delta, blocks=blocks)
 
     # ---- generation -------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Gemma 4's vision and audio towers and their processors."""
