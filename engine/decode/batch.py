@@ -162,6 +162,10 @@ class BatchKVCache:
     def state(self) -> tuple[mx.array, ...]:
         return () if self.keys is None else (self.keys, self.values)
 
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
 
 @dataclass
 class _Row:
@@ -312,8 +316,7 @@ class Batch:
                 done = end
                 if on_progress is not None:
                     on_progress(done, total)
-                if done < total:
-                    yield WAIT  # the batch takes its step between two chunks
+                yield WAIT  # the batch steps after each chunk; the turn passes on next round
         finally:
             self._turns.remove(turn)
         if cancel.is_set():

@@ -130,6 +130,36 @@ def test_a_cancelled_sequence_leaves_and_the_others_carry_on():
         assert results[i].token_ids == alone(model, ps[i], params[i]).token_ids
 
 
+def test_a_newcomer_prefills_one_chunk_per_step_of_the_running_ones():
+    model, _ = load_golden("qwen2")
+    batch = Batch(model)
+    running = stream_generate(model, None, [5, 6, 7], make_prompt_cache(model),
+                              GenerationParams(max_tokens=40, ignore_eos=True), batch=batch)
+    chunks: list[int] = []
+    newcomers = [stream_generate(model, None, list(range(3, 3 + n)), make_prompt_cache(model),
+                                 GenerationParams(max_tokens=2, ignore_eos=True, prefill_chunk=8), batch=batch,
+                                 on_progress=lambda done, total, i=i: chunks.append(i))
+                 for i, n in enumerate((41, 25))]
+    live = [running]
+    per_round: list[tuple[int, int]] = []
+    for rounds in range(30):
+        if rounds == 2:
+            live += newcomers  # both arrive while the first decodes
+        before_chunks, before_steps = len(chunks), batch.steps
+        for s in list(live):
+            for item in s:
+                if item is WAITING:
+                    break
+            else:
+                live.remove(s)
+        batch.step()
+        per_round.append((len(chunks) - before_chunks, batch.steps - before_steps))
+    # One chunk at most per round, and a step in every round: the running sequence never
+    # waits longer than one chunk; the newcomers prefill one after the other (5 + 3 chunks).
+    assert all(c <= 1 and s == 1 for c, s in per_round[1:]), per_round  # round 0: its own prefill
+    assert chunks == [0] * 5 + [1] * 3
+
+
 @pytest.mark.parametrize("family", ALONE)
 def test_families_whose_caches_do_not_batch_say_so(family):
     model, _ = load_golden(family)
