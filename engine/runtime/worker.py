@@ -272,6 +272,7 @@ class EngineWorker:
             self._finish_error(rid, one_line(exc), kind)
             return True
         self._jobs[rid] = _Job(rid, stream, sid, private)
+        self._publish_status()
         return True
 
     def _round(self) -> None:
@@ -330,7 +331,8 @@ class EngineWorker:
 
     def _publish_status(self) -> None:
         host = self._host
-        self._status = EngineStatus(model_loaded=bool(host.loaded), tower_loaded=bool(host.tower_loaded))
+        self._status = EngineStatus(model_loaded=bool(host.loaded), tower_loaded=bool(host.tower_loaded),
+                                    decoding=len(self._jobs))
 
     def _handle(self, rid: int, command: Command, cancel: threading.Event) -> Any:
         host = self._host
