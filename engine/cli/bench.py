@@ -5,7 +5,8 @@ quantized with ``nn.quantize`` like a published MLX checkpoint, then our decode 
 runs on it after a warm-up. ``--vs mlx-lm`` loads the very same weights into mlx-lm's
 model class for that ``model_type`` and times mlx-lm's own ``generate_step`` in the
 same process, so the ratio compares loops and model code, nothing else.
-``--speculative`` times plain next to speculative decoding instead (engine/cli/bench_speculative.py).
+``--speculative`` times plain next to speculative decoding instead (engine/cli/bench_speculative.py);
+``--concurrent 1,2,4,8`` times streams decoding together (engine/cli/bench_concurrent.py).
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
     add_media_arguments(p)
+    from engine.cli.bench_concurrent import add_concurrent_arguments
+
+    add_concurrent_arguments(p)
 
 
 def build_model(shape: str, bits: int, group_size: int, seed: int = 0,
@@ -334,6 +338,13 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
           f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
     out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
                            "group_size": args.group_size, "mode": args.mode, "device": str(mx.default_device())}
+    if getattr(args, "concurrent", None):
+        from engine.cli.bench_concurrent import run_concurrent
+
+        out.update(run_concurrent(args, model, config, quantized))
+        if args.json:
+            print(json.dumps(out))
+        return 0
     if args.speculative and speculative is not None:
         out.update(speculative(args, model, config, quantized, prompt))
         if args.json:
