@@ -139,9 +139,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
     add_media_arguments(p)
-    from engine.cli.bench_concurrent import add_concurrent_arguments
-
-    add_concurrent_arguments(p)
 
 
 def build_model(shape: str, bits: int, group_size: int, seed: int = 0,
@@ -307,9 +304,11 @@ def _row(name: str, t: Timing) -> str:
             f"ttft {t.ttft_s * 1000:8.1f} ms   peak {t.peak_memory_bytes / 1e9:6.2f} GB")
 
 
-def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any]] | None = None) -> int:
+def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any]] | None = None,
+              concurrent: Callable[..., dict[str, Any]] | None = None) -> int:
     """Time the shape; with ``--speculative``, ``speculative`` (bench_speculative's runner,
-    which builds on this module) times plain next to speculative decoding instead."""
+    which builds on this module) times plain next to speculative decoding instead, and with
+    ``--concurrent``, ``concurrent`` (bench_concurrent's) times streams decoding together."""
     import mlx.core as mx
 
     if getattr(args, "media", None) or args.shape not in SHAPES:
@@ -338,10 +337,8 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
           f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
     out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
                            "group_size": args.group_size, "mode": args.mode, "device": str(mx.default_device())}
-    if getattr(args, "concurrent", None):
-        from engine.cli.bench_concurrent import run_concurrent
-
-        out.update(run_concurrent(args, model, config, quantized))
+    if getattr(args, "concurrent", None) and concurrent is not None:
+        out.update(concurrent(args, model, config, quantized))
         if args.json:
             print(json.dumps(out))
         return 0

@@ -15,7 +15,6 @@ tokens over the whole run, prefill included) and the slowest time to first token
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass

@@ -7,7 +7,6 @@ differ), with their own sampling settings.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
