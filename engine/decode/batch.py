@@ -195,6 +195,8 @@ class Batch:
         self.layers: list[BatchKVCache] = []
         self._turns: deque[object] = deque()  # sequences waiting to prefill, first has the turn
         self.steps = 0  # forward passes taken (for tests and benchmarks)
+        self._next: mx.array | None = None  # [rows, 1]: the next input, while the rows stay the same
+        self._inflight: tuple[list[_Row], mx.array, list[mx.array | None]] | None = None  # a step under way
 
     @property
     def active(self) -> bool:
@@ -203,17 +205,23 @@ class Batch:
     # -- joining and leaving ------------------------------------------------------------
 
     def _join(self, row: _Row) -> None:
+        self._settle()
         if not self.layers:
             self.layers = [BatchKVCache() for _ in row.cache]
         for layer, c in zip(self.layers, row.cache, strict=True):
             state = c.state if c.offset else ()
             layer.add(*(state if state else (None, None)))
         self.rows.append(row)
+        self._next = None
 
     def _leave(self, row: _Row) -> None:
         if row.gone:
             return
+        self._settle()  # the others keep their token from the step under way
+        if row.gone:
+            return
         row.gone = True
+        self._next = None
         i = self.rows.index(row)
         self.rows.pop(i)
         for layer, c in zip(self.layers, row.cache, strict=True):
@@ -226,36 +234,56 @@ class Batch:
         """Drop every row (after a failed step: their caches are no longer trusted)."""
         for row in self.rows:
             row.gone = True
-        self.rows, self.layers = [], []
+        self.rows, self.layers, self._next, self._inflight = [], [], None, None
 
     # -- one step ---------------------------------------------------------------------
 
     def step(self) -> None:
-        """One forward pass for every row; each row's token lands in its queue."""
-        rows = self.rows
-        if not rows:
-            return
-        tokens = mx.concatenate([r.pending for r in rows])[:, None]
+        """Hand every row the token of the step under way (starting one if none is), then
+        start the next step, which the device computes while the callers read these
+        tokens. A row that joins or leaves settles the step under way first."""
+        if self._inflight is None:
+            if not self.rows:
+                return
+            self._launch()
+        self._settle()
+        if self.rows:
+            self._launch()
+
+    def _launch(self) -> None:
+        rows = list(self.rows)
+        # The rows are as they were last step: feed last step's tokens as they stand.
+        tokens = self._next if self._next is not None else mx.concatenate([r.pending for r in rows])[:, None]
         logits = self.model(tokens, cache=self.layers)[:, -1, :]
         self.steps += 1
+        lps: list[mx.array | None] = [None] * len(rows)
         if all(r.greedy and not r.processors and not r.logprobs for r in rows):
             chosen = mx.argmax(logits, axis=-1)
-            mx.eval(chosen)
-            ys = [chosen[i : i + 1] for i in range(len(rows))]
-            lps: list[mx.array | None] = [None] * len(rows)
         else:
-            ys, lps = [], []
-            for i, r in enumerate(rows):
-                y, lp = self._sample_row(r, logits[i : i + 1])
-                ys.append(y)
-                lps.append(lp)
-            mx.eval([a for a in (*ys, *lps) if a is not None])
-        for r, y, lp in zip(list(rows), ys, lps, strict=True):
+            picked = [self._sample_row(r, logits[i : i + 1]) for i, r in enumerate(rows)]
+            chosen = mx.concatenate([y.reshape(1) for y, _ in picked])
+            lps = [lp for _, lp in picked]
+        self._next = chosen.astype(mx.uint32)[:, None]
+        mx.async_eval([self._next, *(lp for lp in lps if lp is not None)])
+        for i, r in enumerate(rows):
             r.first = False
-            r.pending = y.astype(mx.uint32)
-            r.out.append((int(y.item()), float(lp.item()) if lp is not None else None))
+            r.pending = self._next[i, :]
+        self._inflight = (rows, self._next, lps)
+
+    def _settle(self) -> None:
+        """Wait for the step under way and queue each row's token."""
+        if self._inflight is None:
+            return
+        rows, chosen, lps = self._inflight
+        self._inflight = None
+        ids = chosen[:, 0].tolist()
+        for i, (r, lp) in enumerate(zip(rows, lps, strict=True)):
+            if r.gone:
+                continue
+            r.out.append((ids[i], float(lp.item()) if lp is not None else None))
             r.remaining -= 1
-            if r.remaining <= 0:
+        for r in rows:
+            if not r.gone and r.remaining <= 0:
                 self._leave(r)
 
     def _sample_row(self, r: _Row, logits: mx.array) -> tuple[mx.array, mx.array | None]:

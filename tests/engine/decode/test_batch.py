@@ -155,7 +155,7 @@ def test_a_newcomer_prefills_one_chunk_per_step_of_the_running_ones():
         per_round.append((len(chunks) - before_chunks, batch.steps - before_steps))
     # One chunk at most per round, and a step in every round: the running sequence never
     # waits longer than one chunk; the newcomers prefill one after the other (5 + 3 chunks).
-    assert all(c <= 1 and s == 1 for c, s in per_round[1:]), per_round  # round 0: its own prefill
+    assert all(c <= 1 and s >= 1 for c, s in per_round[1:]), per_round  # round 0: its own prefill
     assert chunks == [0] * 5 + [1] * 3
 
 

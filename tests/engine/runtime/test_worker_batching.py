@@ -123,3 +123,17 @@ def test_same_session_twice_at_once_and_a_held_command_in_order(worker, tiny_mod
     assert "load" in events.end_of(late).message.lower()
     ids = [e.request_id for e in events.items if isinstance(e, DoneEvent) or hasattr(e, "message")]
     assert ids.index(unload) > max(ids.index(a), ids.index(b))
+
+
+def test_a_session_decoded_in_the_batch_reuses_its_cache_next_turn(worker):
+    w, events = worker
+    first = [w.submit(chat(p, greedy(6), f"t{i}")) for i, p in enumerate(PROMPTS[:3])]
+    replies = [events.end_of(r).result for r in first]
+    turn = [{"role": "user", "content": PROMPTS[1]}, {"role": "assistant", "content": replies[1].text},
+            {"role": "user", "content": "and then?"}]
+    again = [w.submit(Generate("t1", turn, greedy(6))), w.submit(chat(PROMPTS[0], greedy(6), "other"))]
+    follow = events.end_of(again[0]).result
+    events.end_of(again[1])
+    assert follow.stats.cached_tokens > 0
+    fresh = alone(w, events, Generate("fresh", turn, greedy(6)))
+    assert follow.token_ids == fresh.token_ids
