@@ -137,3 +137,19 @@ def test_a_session_decoded_in_the_batch_reuses_its_cache_next_turn(worker):
     assert follow.stats.cached_tokens > 0
     fresh = alone(w, events, Generate("fresh", turn, greedy(6)))
     assert follow.token_ids == fresh.token_ids
+
+
+def test_stop_strings_and_budgets_are_per_sequence(worker):
+    w, events = worker
+    full = alone(w, events, chat(PROMPTS[2], greedy(16), "full"))
+    assert len(full.text) > 6
+    stop = full.text[4:6]
+    with_stop = alone(w, events, chat(PROMPTS[2], greedy(16, stop_strings=[stop]), "alone-stop"))
+    assert with_stop.finish_reason == "stop" and stop not in with_stop.text
+    rids = [w.submit(chat(PROMPTS[2], greedy(16, stop_strings=[stop]), "x")),
+            w.submit(chat(PROMPTS[0], greedy(3), "y")),
+            w.submit(chat(PROMPTS[2], greedy(16), "z"))]
+    stopped, short, long = (events.end_of(r).result for r in rids)
+    assert (stopped.text, stopped.finish_reason) == (with_stop.text, "stop")
+    assert len(short.token_ids) == 3 and short.finish_reason == "length"
+    assert long.token_ids == full.token_ids
