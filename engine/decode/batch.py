@@ -189,8 +189,12 @@ class _Row:
 class Batch:
     """The sequences decoding on one model, and the single prefill turn."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, compiled: bool | None = None) -> None:
+        """``compiled`` as in ``generate_step``: steps run through the model's compiled
+        decoder (same results, less per-step overhead); None = on a GPU only."""
         self.model = model
+        self.compiled = mx.default_device() == mx.gpu if compiled is None else compiled
+        self._decoder: Any = None  # the CompiledDecoder, prepared for this batch's run
         self.rows: list[_Row] = []
         self.layers: list[BatchKVCache] = []
         self._turns: deque[object] = deque()  # sequences waiting to prefill, first has the turn
@@ -206,6 +210,12 @@ class Batch:
 
     def _join(self, row: _Row) -> None:
         self._settle()
+        if not self.rows and self.compiled:
+            from engine.decode.compiled_step import compiled_decoder
+
+            # Prepared once per run of the batch (it retraces if adapters or weights changed).
+            decoder = compiled_decoder(self.model)
+            self._decoder = decoder if decoder is not None and decoder.prepare() else None
         if not self.layers:
             self.layers = [BatchKVCache() for _ in row.cache]
         for layer, c in zip(self.layers, row.cache, strict=True):
@@ -254,7 +264,9 @@ class Batch:
         rows = list(self.rows)
         # The rows are as they were last step: feed last step's tokens as they stand.
         tokens = self._next if self._next is not None else mx.concatenate([r.pending for r in rows])[:, None]
-        logits = self.model(tokens, cache=self.layers)[:, -1, :]
+        logits = self._decoder.rows(tokens, self.layers) if self._decoder is not None else None
+        if logits is None:
+            logits = self.model(tokens, cache=self.layers)[:, -1, :]
         self.steps += 1
         lps: list[mx.array | None] = [None] * len(rows)
         if all(r.greedy and not r.processors and not r.logprobs for r in rows):

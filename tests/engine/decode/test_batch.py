@@ -163,3 +163,30 @@ def test_a_newcomer_prefills_one_chunk_per_step_of_the_running_ones():
 def test_families_whose_caches_do_not_batch_say_so(family):
     model, _ = load_golden(family)
     assert not batchable(model)
+
+
+def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch):
+    # The compiled decoder is what a GPU uses; forced here on the CPU (slow to trace, so
+    # one family and few tokens).
+    from engine.decode.compiled_step import CompiledDecoder
+
+    model, _ = load_golden("qwen3")
+    vocab = model.args.vocab_size
+    jobs = [(p, GenerationParams(max_tokens=n, ignore_eos=True, logprobs=True))
+            for p, n in zip(prompts(vocab, (5, 9)), (6, 4), strict=True)]
+    plain, _ = run_batched(model, jobs, starts=[0, 2])
+    compiled_steps = []
+    rows = CompiledDecoder.rows
+
+    def counted(self, tokens, cache):
+        out = rows(self, tokens, cache)
+        compiled_steps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CompiledDecoder, "rows", counted)
+    monkeypatch.setattr("engine.decode.batch.Batch.__init__.__kwdefaults__", {"compiled": True})
+    got, _ = run_batched(model, jobs, starts=[0, 2])
+    assert compiled_steps and all(compiled_steps)  # every step ran compiled, padded rows included
+    for ours, ref in zip(got, plain, strict=True):
+        assert ours.token_ids == ref.token_ids
+        assert np.allclose(ours.token_logprobs, ref.token_logprobs, atol=1e-4)
