@@ -60,14 +60,15 @@ def _summary(n: int, start: float, firsts: Sequence[float], stamps: Sequence[flo
                       tokens=tokens)
 
 
-def run_ours(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) -> Concurrent:
+def run_ours(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048,
+             compiled: bool | None = None) -> Concurrent:
     """The engine's batch at token level (what the worker drives, without the text layer)."""
     import mlx.core as mx
 
     from engine.decode.batch import Batch
     from engine.models.kv_cache import make_prompt_cache
 
-    batch = Batch(model)
+    batch = Batch(model, compiled=compiled)
     start = time.perf_counter()
     sequences = {i: batch.sequence(p, make_prompt_cache(model), max_tokens=gen, prefill_chunk=chunk,
                                    sampler=lambda x: mx.argmax(x, axis=-1), greedy=True)
@@ -133,7 +134,10 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
     if not batchable(model):
         raise EngineError(f"--concurrent: {args.shape}'s caches do not batch (it decodes one request at a time)")
     counts = parse_counts(args.concurrent)
-    loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", run_ours, model)]
+    import functools
+
+    ours = functools.partial(run_ours, compiled=False) if args.no_compile else run_ours
+    loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", ours, model)]
     if args.vs == "mlx-lm":
         loops.append(("mlx-lm", run_mlx_lm, mlx_lm_twin(model, config, quantized)))
     keys = mx.random.split(mx.random.key(args.seed), max(counts))
