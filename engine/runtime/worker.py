@@ -192,6 +192,8 @@ class EngineWorker:
                 if item is _STOP:
                     while self._jobs:  # shutdown set their cancel flags: they end at once
                         self._round()
+                    if self._held is not None:
+                        self._finish_error(self._held[0], "The engine was shut down.")
                     return
                 if item is None:
                     self._round()
