@@ -221,6 +221,7 @@ class Batch:
         for layer, c in zip(self.layers, row.cache, strict=True):
             state = c.state if c.offset else ()
             layer.add(*(state if state else (None, None)))
+            c.state = ()  # the batch holds it now (memory held once); it comes back on leaving
         self.rows.append(row)
         self._next = None
 
