@@ -172,6 +172,7 @@ class EngineStatus:
 
     model_loaded: bool = False
     tower_loaded: bool = False  # an image or audio tower's weights are in memory
+    decoding: int = 0  # generations decoding together in the batch now
 
 
 Event = TokenEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent

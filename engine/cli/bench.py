@@ -5,7 +5,8 @@ quantized with ``nn.quantize`` like a published MLX checkpoint, then our decode 
 runs on it after a warm-up. ``--vs mlx-lm`` loads the very same weights into mlx-lm's
 model class for that ``model_type`` and times mlx-lm's own ``generate_step`` in the
 same process, so the ratio compares loops and model code, nothing else.
-``--speculative`` times plain next to speculative decoding instead (engine/cli/bench_speculative.py).
+``--speculative`` times plain next to speculative decoding instead (engine/cli/bench_speculative.py);
+``--concurrent 1,2,4,8`` times streams decoding together (engine/cli/bench_concurrent.py).
 """
 
 from __future__ import annotations
@@ -337,9 +338,11 @@ def _row(name: str, t: Timing) -> str:
             f"ttft {t.ttft_s * 1000:8.1f} ms   peak {t.peak_memory_bytes / 1e9:6.2f} GB")
 
 
-def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any]] | None = None) -> int:
+def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any]] | None = None,
+              concurrent: Callable[..., dict[str, Any]] | None = None) -> int:
     """Time the shape; with ``--speculative``, ``speculative`` (bench_speculative's runner,
-    which builds on this module) times plain next to speculative decoding instead."""
+    which builds on this module) times plain next to speculative decoding instead, and with
+    ``--concurrent``, ``concurrent`` (bench_concurrent's) times streams decoding together."""
     import mlx.core as mx
 
     if getattr(args, "media", None) or args.shape not in SHAPES:
@@ -368,6 +371,11 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
           f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
     out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
                            "group_size": args.group_size, "mode": args.mode, "device": str(mx.default_device())}
+    if getattr(args, "concurrent", None) and concurrent is not None:
+        out.update(concurrent(args, model, config, quantized))
+        if args.json:
+            print(json.dumps(out))
+        return 0
     if args.speculative and speculative is not None:
         out.update(speculative(args, model, config, quantized, prompt))
         if args.json:

@@ -143,11 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_transcribe(sub)
     from engine.cli.bench import add_arguments
+    from engine.cli.bench_concurrent import add_concurrent_arguments
     from engine.cli.bench_speculative import add_speculative_arguments
 
     bench = sub.add_parser("bench", help="speed on random weights of a real model shape")
     add_arguments(bench)
     add_speculative_arguments(bench)
+    add_concurrent_arguments(bench)
     _add_convert(sub)
 
     _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
@@ -440,9 +442,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.cli.bench import run_bench
+    from engine.cli.bench_concurrent import run_concurrent
     from engine.cli.bench_speculative import run_speculative
 
-    return run_bench(args, speculative=run_speculative)
+    return run_bench(args, speculative=run_speculative, concurrent=run_concurrent)
 
 
 def _add_serve(parser: Any) -> None:

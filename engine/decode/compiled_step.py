@@ -65,6 +65,7 @@ class CompiledDecoder:
         self._links: list[tuple[Any, Any, Any]] = []  # what the traces were built from
         self._signature = ""
         self._fns: list[Any] = []
+        self._last_rows: Any = None
 
     # -- building -------------------------------------------------------------------
 
@@ -113,7 +114,11 @@ class CompiledDecoder:
         def last(h, attn):
             return ref().head(end(n_layers - 1, h, attn))[0]
 
+        def last_rows(h, attn):
+            return ref().head(end(n_layers - 1, h, attn))[:, -1]
+
         # Traced functions capture no model object, only (through the trace) its arrays.
+        self._last_rows = mx.compile(last_rows)
         return [mx.compile(first)] + [mx.compile(boundary(i)) for i in range(1, n_layers)] + [mx.compile(last)]
 
     # -- one step -------------------------------------------------------------------
@@ -158,6 +163,30 @@ class CompiledDecoder:
             k, v = c.update_and_fetch(k, v)
             attn = layer.self_attn.attend(q, k, v, mask)
         return self._fns[-1](h, attn)
+
+
+    def rows(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
+        """Logits [rows, vocab] for one new token per row (``tokens`` [rows, 1]) through a
+        batch cache (engine.decode.batch.BatchKVCache: one RoPE offset per row, a mask for
+        the rows' left padding); None when the plain pass must run. Each number of rows is
+        traced once."""
+        if not self._fns or len(cache) != len(self._fns) - 1 or tokens.shape[0] > MAX_STACKED_ROWS:
+            return None
+        layers = self._model().layers
+        if any(getattr(layer, "window", None) is not None for layer in layers):
+            return None
+        mask = cache[0].make_mask(1)
+        pos = cache[0].offset
+        h: mx.array = tokens
+        attn = None
+        for i, (layer, c) in enumerate(zip(layers, cache)):
+            if i == 0:
+                h, q, k, v = self._fns[0](h, pos)
+            else:
+                h, q, k, v = self._fns[i](h, attn, pos)
+            k, v = c.update_and_fetch(k, v)
+            attn = layer.self_attn.attend(q, k, v, mask)
+        return self._last_rows(h, attn)
 
 
 def _links(model: Any) -> list[tuple[Any, Any, Any]]:

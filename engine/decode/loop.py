@@ -7,7 +7,9 @@ synchronises except to read the one token it yields.
 
 ``stream_generate`` wraps it with text: streaming detokenization, stop strings (held
 back while they may still be forming), end-of-sequence ids, reasoning channels,
-cancellation and statistics; its last item is the typed ``GenerationResult``.
+cancellation and statistics; its last item is the typed ``GenerationResult``. Given a
+``Batch`` (engine.decode.batch) it takes its tokens from the batch instead, and yields
+``WAITING`` whenever the batch has none for it yet: whoever drives it steps the batch.
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ def generate_step(
 
 # ---- text around the token loop -----------------------------------------------
 
+# Yielded by stream_generate in a batch while its sequence waits for the batch's next step.
+WAITING = object()
+
 
 @dataclass
 class Piece:
@@ -207,14 +212,17 @@ def stream_generate(
     context_ids: Sequence[int] | None = None,
     drafter: Any = None,
     inputs: PromptInputs | None = None,
-) -> Iterator[Piece | GenerationResult]:
+    batch: Any = None,
+) -> Iterator[Piece | GenerationResult | object]:
     """Generate from ``prompt_ids`` (the ids not yet in ``cache``; ``cached_tokens`` more
     are already there). Yields ``Piece`` items as text forms; the last item is the
     ``GenerationResult``. ``tokenizer`` may be None (ids only, no text). ``reasoning`` is
     an optional splitter with ``feed(text) -> [(channel, text)]`` and ``flush()``.
     ``context_ids`` is the whole prompt (cached part included) for the repetition penalty.
     ``drafter`` (an ``engine.decode.speculative`` drafter) turns on speculative decoding; without one,
-    ``params.speculative == "ngram"`` builds an n-gram drafter here."""
+    ``params.speculative == "ngram"`` builds an n-gram drafter here. ``batch`` (a
+    ``Batch``; plain text prompts, no drafter) decodes among other sequences; the stream
+    then also yields ``WAITING``."""
     cancel = cancel or threading.Event()
     sp = params.sampling
     sampler = make_sampler(sp)
@@ -264,22 +272,33 @@ def stream_generate(
         # are not modelled, so constrained output decodes plainly.
         drafter = None
     prompt = mx.array(list(prompt_ids), dtype=mx.uint32)
-    tokens = generate_step(
-        prompt,
-        model,
-        cache,
-        max_tokens=params.max_tokens,
-        sampler=sampler,
-        logits_processors=processors,
-        logprobs=params.logprobs,
-        prefill_chunk=params.prefill_chunk,
-        cancel=cancel,
-        on_progress=on_progress,
-        history=mx.array(list(context_ids), dtype=mx.uint32) if context_ids else None,
-        inputs=inputs,
-        top_logprobs=params.top_logprobs,
-        top_sink=tops,
-    )
+    history = mx.array(list(context_ids), dtype=mx.uint32) if context_ids else None
+    if batch is not None:
+        if drafter is not None or inputs is not None:
+            raise EngineError("speculative decoding and media prompts decode one request at a time")
+        tokens = batch.sequence(
+            prompt, cache, max_tokens=params.max_tokens, sampler=sampler, greedy=sp.temperature <= 0,
+            logits_processors=processors, logprobs=params.logprobs, prefill_chunk=params.prefill_chunk,
+            cancel=cancel, on_progress=on_progress, history=history, top_logprobs=params.top_logprobs,
+            top_sink=tops,
+        )
+    else:
+        tokens = generate_step(
+            prompt,
+            model,
+            cache,
+            max_tokens=params.max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+            logprobs=params.logprobs,
+            prefill_chunk=params.prefill_chunk,
+            cancel=cancel,
+            on_progress=on_progress,
+            history=history,
+            inputs=inputs,
+            top_logprobs=params.top_logprobs,
+            top_sink=tops,
+        )
     # Speculative decoding stands in for the plain loop (a generator: never started, costs
     # nothing). Media that only replaces prompt embeddings (Gemma 3 images, audio) goes into
     # the target's prefill; drafters work on the ids, placeholders included. After multimodal
@@ -291,6 +310,9 @@ def stream_generate(
         )
     by_stop_string = False
     for token, lp in tokens:
+        if token < 0:  # a batched sequence waiting for the batch's next step
+            yield WAITING
+            continue
         now = time.perf_counter()
         if not ids:
             first_at = now

@@ -60,6 +60,7 @@ class _Loaded:
     towers: Any = None  # MediaTowers: which media the model takes; loads towers on first use
     sessions: dict[str, ChatSession] = field(default_factory=dict)
     draft: _Draft | None = None
+    batch: Any = None  # engine.decode.batch.Batch, made on first use; False where the family cannot batch
     weights_digest: str | None = None  # saved_cache.weights_fingerprint, taken on first use
 
 
@@ -308,7 +309,7 @@ class ModelHost:
     def kv_bytes(self) -> int:
         if self._loaded is None:
             return 0
-        total = 0
+        total = sum(layer.nbytes for layer in self._loaded.batch.layers) if self._loaded.batch else 0
         for chat in self._loaded.sessions.values():
             for c in [*(chat.cache or ()), *(chat.draft_cache or ())]:
                 total += int(getattr(c, "nbytes", 0) or 0)
@@ -352,10 +353,32 @@ class ModelHost:
         """Continue the conversation kept under ``session_id``; TokenEvent and
         ProgressEvent go to ``on_event``; returns the result. Messages may hold image and
         audio parts (see ``engine.api.Generate``); ``media`` fills parts without a source."""
+        stream = self.open_generate(session_id, messages, params, on_event, cancel, request_id=request_id,
+                                    tools=tools, add_generation_prompt=add_generation_prompt, media=media,
+                                    **template_kwargs)
+        return _drain(stream, on_event, request_id)
+
+    def open_generate(
+        self,
+        session_id: str,
+        messages: list[Mapping[str, Any]],
+        params: GenerationParams,
+        on_event: EventSink | None = None,
+        cancel: threading.Event | None = None,
+        *,
+        request_id: int = 0,
+        tools: list[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        media: Sequence[MediaInput] = (),
+        batch: Any = None,
+        **template_kwargs: Any,
+    ) -> Iterator[Piece | GenerationResult | object]:
+        """``generate``'s stream, not yet run: with ``batch`` it decodes in the batch and
+        yields WAITING (engine.decode.loop) while it waits for a step."""
         self._check_thread()
         self.check_media(messages, media)
         chat = self.session(session_id)
-        stream = chat.stream(
+        return chat.stream(
             messages,
             params,
             tools=tools,
@@ -363,9 +386,9 @@ class ModelHost:
             cancel=cancel,
             on_progress=_progress_sink(on_event, request_id),
             media=media,
+            batch=batch,
             **template_kwargs,
         )
-        return _drain(stream, on_event, request_id)
 
     def generate_ids(
         self,
@@ -378,12 +401,38 @@ class ModelHost:
         session_id: str = "",
     ) -> GenerationResult:
         """Generate from token ids as they are (no template, nothing added)."""
+        stream = self.open_generate_ids(prompt_ids, params, on_event, cancel, request_id=request_id,
+                                        session_id=session_id)
+        return _drain(stream, on_event, request_id)
+
+    def open_generate_ids(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        on_event: EventSink | None = None,
+        cancel: threading.Event | None = None,
+        *,
+        request_id: int = 0,
+        session_id: str = "",
+        batch: Any = None,
+    ) -> Iterator[Piece | GenerationResult | object]:
+        """``generate_ids``'s stream, not yet run (``batch`` as in ``open_generate``)."""
         self._check_thread()
         chat = self.session(session_id)
-        stream = chat.stream_ids(
-            prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id)
+        return chat.stream_ids(
+            prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id), batch=batch
         )
-        return _drain(stream, on_event, request_id)
+
+    @property
+    def batch(self) -> Any:
+        """The loaded model's Batch for decoding requests together; None where its family's
+        caches cannot be batched (those requests run one at a time)."""
+        state = self._need()
+        if state.batch is None:
+            from engine.decode.batch import Batch, batchable
+
+            state.batch = Batch(state.model) if batchable(state.model) else False
+        return state.batch or None
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt tokenized as the tokenizer's own settings say (BOS when it adds one)."""
@@ -407,14 +456,18 @@ def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int
     return lambda done, total: on_event(ProgressEvent(request_id, "prefill", float(done), float(total)))
 
 
-def _drain(stream: Iterator[Piece | GenerationResult], on_event: EventSink | None, request_id: int) -> GenerationResult:
+def token_event(piece: Piece, request_id: int) -> TokenEvent:
+    return TokenEvent(request_id, piece.text, piece.channel, piece.token_ids, piece.stats,
+                      piece.logprobs, piece.top_logprobs)
+
+
+def _drain(stream: Iterator[Any], on_event: EventSink | None, request_id: int) -> GenerationResult:
     result: GenerationResult | None = None
     for item in stream:
         if isinstance(item, GenerationResult):
             result = item
         elif on_event is not None:
-            on_event(TokenEvent(request_id, item.text, item.channel, item.token_ids, item.stats,
-                                item.logprobs, item.top_logprobs))
+            on_event(token_event(item, request_id))
     if result is None:
         raise EngineError("generation ended without a result")
     return result

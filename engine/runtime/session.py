@@ -236,9 +236,12 @@ class ChatSession:
         on_progress: ProgressCallback | None = None,
         reasoning: Any = None,
         media: Any = None,
+        batch: Any = None,
     ) -> Iterator[Piece | GenerationResult]:
         """Generate from a full prompt (all its ids, cached or not); ``media`` is the
-        MediaPrompt when the prompt holds images or audio."""
+        MediaPrompt when the prompt holds images or audio. With ``batch`` (an
+        engine.decode.batch.Batch) it decodes among other sessions' sequences and also
+        yields ``WAITING`` (engine.decode.loop) while it waits for the batch's next step."""
         validate_sampling(params.sampling)  # before the cache is touched
         prompt_ids = list(media.ids if media is not None else prompt_ids)
         if not prompt_ids:
@@ -269,6 +272,7 @@ class ChatSession:
                 context_ids=prompt_ids,
                 drafter=drafter,
                 inputs=inputs,
+                batch=batch,
             ):
                 if isinstance(item, GenerationResult):
                     generated = item.token_ids
@@ -293,6 +297,7 @@ class ChatSession:
         cancel: threading.Event | None = None,
         on_progress: ProgressCallback | None = None,
         media: Sequence[MediaInput] = (),
+        batch: Any = None,
         **template_kwargs: Any,
     ) -> Iterator[Piece | GenerationResult]:
         from engine.media.parts import split_media
@@ -312,7 +317,7 @@ class ChatSession:
         ids = prompt.ids if prompt is not None else self.encode_rendered(text)
         check_fits(len(ids), self.context_length, "chat")
         yield from self.stream_ids(
-            ids, params, cancel=cancel, on_progress=on_progress, reasoning=reasoning, media=prompt
+            ids, params, cancel=cancel, on_progress=on_progress, reasoning=reasoning, media=prompt, batch=batch
         )
 
     def generate(self, messages: list[Mapping[str, Any]], params: GenerationParams, **kw: Any) -> GenerationResult:

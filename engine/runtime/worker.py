@@ -7,6 +7,14 @@ handled out of band: it sets the target's cancel flag immediately, without queue
 behind the generation it is meant to stop. An exception ends its request with an
 ErrorEvent and the worker carries on; should the loop itself die, every waiting
 request is told.
+
+Generations on a model whose family batches (engine.decode.batch) decode together: each
+one that arrives becomes a job in the batch at once, and the worker goes round the jobs
+(each takes its tokens, or its next prefill chunk) and then takes one batched step, until
+none is left. A command that cannot join (loading a model, media, speculative decoding)
+waits until the batch has drained, and what arrives after it waits behind it, so commands
+still take effect in arrival order. Two requests on one session at once do not share its
+cache: the later one decodes on a private session, dropped when it ends.
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from engine.api import (
@@ -28,6 +37,7 @@ from engine.api import (
     ErrorEvent,
     Event,
     Generate,
+    GenerationResult,
     GetModelInfo,
     InspectModel,
     LoadDraftModel,
@@ -42,10 +52,21 @@ from engine.api import (
     UnmountAdapter,
 )
 from engine.errors import EngineError
-from engine.runtime.host import ModelHost
+from engine.runtime.host import ModelHost, token_event
 
 MEMORY_INTERVAL_S = 0.5
 _STOP = object()
+
+
+@dataclass
+class _Job:
+    """A generation decoding in the batch."""
+
+    rid: int
+    stream: Iterator[Any]
+    session_id: str
+    private: bool  # its session is its own, dropped when it ends
+    result: GenerationResult | None = None
 
 
 def one_line(exc: BaseException) -> str:
@@ -75,6 +96,9 @@ class EngineWorker:
         self._dead: str | None = None
         self._budget = 0
         self._status = EngineStatus()
+        self._jobs: dict[int, _Job] = {}  # generations decoding in the batch, by request id
+        self._held: Any = None  # a command waiting for the batch to drain
+        self._memory_at = 0.0
 
     # ---- caller side (any thread) -------------------------------------------------
 
@@ -143,16 +167,43 @@ class EngineWorker:
             self._cancels.pop(rid, None)
         self._emit(ErrorEvent(rid, message, kind))
 
+    def _next_command(self) -> Any:
+        """The next command to take in, or None when the batch should step first."""
+        if self._jobs:
+            if self._held is not None:
+                return None
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                return None
+        if self._held is not None:
+            item, self._held = self._held, None
+            return item
+        return self._queue.get()
+
     def _run(self) -> None:
         rid = 0
         try:
             while True:
-                item = self._queue.get()
+                item = self._next_command()
                 if item is _STOP:
+                    while self._jobs:  # shutdown set their cancel flags: they end at once
+                        self._round()
+                    if self._held is not None:
+                        self._finish_error(self._held[0], "The engine was shut down.")
                     return
+                if item is None:
+                    self._round()
+                    continue
                 rid, command = item
                 with self._lock:
                     cancel = self._cancels.get(rid) or threading.Event()
+                if self._start_job(rid, command, cancel):
+                    rid = 0
+                    continue
+                if self._jobs and not isinstance(command, DropSession | GetModelInfo):
+                    self._held, rid = item, 0  # runs once the batch has drained
+                    continue
                 try:
                     result = self._handle(rid, command, cancel)
                 except Exception as exc:  # noqa: BLE001 - every failure ends only its request
@@ -169,6 +220,10 @@ class EngineWorker:
             self._dead = one_line(exc)
             if rid:
                 self._finish_error(rid, f"The engine stopped: {self._dead}", "Fatal")
+            waiting = [*self._jobs, *([self._held[0]] if self._held is not None else [])]
+            self._jobs, self._held = {}, None
+            for job_rid in waiting:
+                self._finish_error(job_rid, f"The engine stopped: {self._dead}", "Fatal")
             while True:
                 try:
                     item = self._queue.get_nowait()
@@ -178,9 +233,105 @@ class EngineWorker:
                     self._finish_error(item[0], f"The engine stopped: {self._dead}", "Fatal")
             raise
 
+    # ---- the batch ------------------------------------------------------------------
+
+    def _start_job(self, rid: int, command: Command, cancel: threading.Event) -> bool:
+        """Put a generation into the batch; False when it must run on its own."""
+        host = self._host
+        if not isinstance(command, Generate | Complete) or not host.loaded or command.params.speculative:
+            return False
+        if isinstance(command, Generate):
+            from engine.media.parts import media_kinds
+
+            try:
+                if media_kinds(command.messages, command.media):
+                    return False
+            except Exception:  # noqa: BLE001 - malformed parts: the plain path says what is wrong
+                return False
+        batch = host.batch
+        if batch is None:
+            return False
+        sid, private = command.session_id, False
+        if any(job.session_id == sid for job in self._jobs.values()):
+            sid, private = f"{sid}\x1fbatch-{rid}", True
+        try:
+            if isinstance(command, Complete):
+                prompt = command.prompt
+                ids = host.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+                stream = host.open_generate_ids(ids, command.params, self._emit, cancel, request_id=rid,
+                                                session_id=sid, batch=batch)
+            else:
+                stream = host.open_generate(sid, command.messages, command.params, self._emit, cancel,
+                                            request_id=rid, tools=command.tools,
+                                            add_generation_prompt=command.add_generation_prompt, batch=batch)
+        except Exception as exc:  # noqa: BLE001 - refused before it started: ends only this request
+            if private:
+                host.drop_session(sid)
+            kind = type(exc).__name__ if isinstance(exc, EngineError) else "InternalError"
+            self._finish_error(rid, one_line(exc), kind)
+            return True
+        self._jobs[rid] = _Job(rid, stream, sid, private)
+        self._publish_status()
+        return True
+
+    def _round(self) -> None:
+        """Each job takes what the batch has for it (or its next prefill chunk), then the
+        batch takes one step."""
+        from engine.decode.loop import WAITING
+
+        for job in list(self._jobs.values()):
+            try:
+                for item in job.stream:
+                    if item is WAITING:
+                        break
+                    if isinstance(item, GenerationResult):
+                        job.result = item
+                    else:
+                        self._emit(token_event(item, job.rid))
+                else:
+                    self._end_job(job)
+            except Exception as exc:  # noqa: BLE001 - ends only this request
+                self._end_job(job, exc)
+        if not self._host.loaded or self._host.batch is None:
+            return
+        batch = self._host.batch
+        try:
+            batch.step()
+        except Exception as exc:  # noqa: BLE001 - a failed step ends every sequence in it
+            batch.reset()
+            for job in list(self._jobs.values()):
+                try:
+                    job.stream.throw(exc)  # its session drops the cache it can no longer trust
+                except BaseException as raised:  # noqa: BLE001
+                    self._end_job(job, raised if isinstance(raised, Exception) else exc)
+                else:
+                    job.stream.close()
+                    self._end_job(job, exc)
+        now = time.monotonic()
+        if now - self._memory_at >= MEMORY_INTERVAL_S:
+            self._memory_at = now
+            self._emit_memory()
+
+    def _end_job(self, job: _Job, error: Exception | None = None) -> None:
+        self._jobs.pop(job.rid, None)
+        if job.private:
+            self._host.drop_session(job.session_id)
+        self._publish_status()
+        if error is None and job.result is None:
+            error = EngineError("generation ended without a result")
+        if error is not None:
+            kind = type(error).__name__ if isinstance(error, EngineError) else "InternalError"
+            self._finish_error(job.rid, one_line(error), kind)
+            return
+        self._emit_memory()
+        with self._lock:
+            self._cancels.pop(job.rid, None)
+        self._emit(DoneEvent(job.rid, job.result))
+
     def _publish_status(self) -> None:
         host = self._host
-        self._status = EngineStatus(model_loaded=bool(host.loaded), tower_loaded=bool(host.tower_loaded))
+        self._status = EngineStatus(model_loaded=bool(host.loaded), tower_loaded=bool(host.tower_loaded),
+                                    decoding=len(self._jobs))
 
     def _handle(self, rid: int, command: Command, cancel: threading.Event) -> Any:
         host = self._host

@@ -1,9 +1,10 @@
 """The server's side of the thread wall: an EngineWorker, events routed to each request.
 
 HTTP handler threads submit commands and read their own request's events from a queue;
-the worker runs commands one at a time in arrival order, so concurrent requests queue
-fairly behind each other. A request whose client has gone is cancelled through the
-worker's out-of-band Cancel, which stops it between decode steps (or prefill chunks).
+the worker decodes concurrent generations together (continuous batching, see
+engine.decode.batch) where the model's family allows, else one at a time in arrival
+order. A request whose client has gone is cancelled through the worker's out-of-band
+Cancel, which takes only its own sequence out, between decode steps (or prefill chunks).
 
 The backend owns its worker (``python -m engine serve``) or shares one that already
 serves a window (``Backend.shared``): the owner then hands every worker event to
@@ -73,6 +74,11 @@ class Backend:
     @property
     def info(self) -> ModelInfo | None:
         return self._model_info() if self._model_info is not None else self._info
+
+    @property
+    def decoding(self) -> int:
+        """Generations decoding together in the worker's batch now."""
+        return self.worker.status.decoding
 
     @property
     def host(self) -> Any:

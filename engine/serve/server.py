@@ -23,7 +23,8 @@ class ServeError(EngineError):
 def health(handler: Handler, _: Any) -> None:
     backend = handler.server.backend
     if backend.info is not None:
-        handler.send_json(200, {"status": "ok", "model": backend.info.name})
+        # "decoding": the requests generating together right now (the batch's rows).
+        handler.send_json(200, {"status": "ok", "model": backend.info.name, "decoding": backend.decoding})
     elif backend.load_error is not None:
         raise ApiError(503, f"The model failed to load: {backend.load_error}", "server_error")
     else:

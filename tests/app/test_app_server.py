@@ -75,3 +75,38 @@ def test_requests_before_a_model_is_loaded_get_503(qtbot, make_window):
             assert e.value.code == 503 and "pick one" in json.loads(e.value.read())["error"]["message"]
     finally:
         menu.controller.stop()
+
+
+def test_the_windows_chat_decodes_beside_a_server_stream(qtbot, make_window, run_async, tiny_model):
+    """Continuous batching: a reply typed in the window finishes while a long API stream
+    on the same worker is still decoding; neither waits for the other."""
+    import threading
+
+    from app.qt import Qt
+
+    window = make_window()
+    assert run_async(window.load_model(str(tiny_model)))
+    menu = window.server_menu
+    menu.controller.port = 0
+    with qtbot.wait_signal(menu.controller.changed, timeout=10_000):
+        menu.controller.start()
+    started, done = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        with openai.OpenAI(base_url=menu.controller.address, api_key="none", max_retries=0, timeout=120) as c:
+            for chunk in c.chat.completions.create(model="tiny-llama", max_tokens=400, temperature=0, stream=True,
+                                                   messages=[{"role": "user", "content": "tell me a story"}]):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    started.set()
+        done.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    qtbot.waitUntil(started.is_set, timeout=30_000)
+    window.composer.edit.setFocus()
+    qtbot.keyClicks(window.composer.edit, "hello")
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000):
+        qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    assert not done.is_set(), "the window's reply waited for the server's stream"
+    qtbot.waitUntil(done.is_set, timeout=120_000)
+    with qtbot.wait_signal(menu.controller.changed, timeout=10_000):
+        menu.toggle()

@@ -1,0 +1,171 @@
+"""``python -m engine bench --concurrent 1,2,4,8``: several streams decoding together.
+
+For each count N, N random prompts of ``-p`` tokens start at once and each generates
+``-g`` tokens (end-of-sequence ignored) through the engine's continuous batching
+(engine.decode.batch, driven round by round as the worker drives it: each sequence takes
+its tokens or its next prefill chunk, then the batch steps). ``--vs mlx-lm`` runs mlx-lm's
+own ``BatchGenerator`` (what ``batch_generate`` and ``mlx_lm.server`` batch with) on the
+same weights, the two interleaved run by run.
+
+Reported per N: total generation tok/s (tokens produced once every stream has its first
+token, over the time since), per-stream tok/s (that over N), end-to-end tok/s (all
+tokens over the whole run, prefill included) and the slowest time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.errors import EngineError
+
+
+@dataclass
+class Concurrent:
+    streams: int
+    generated_tokens: int
+    total_tps: float  # generation, all streams together
+    per_stream_tps: float
+    end_to_end_tps: float
+    ttft_max_s: float
+    tokens: list[list[int]]  # each stream's ids (compared with mlx-lm's, not printed)
+
+
+def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrent", metavar="N,N,...",
+                   help="streams decoding together, e.g. 1,2,4,8 (continuous batching)")
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 for n in counts):
+        raise EngineError(f"--concurrent takes stream counts like 1,2,4,8 (got {text!r})")
+    return counts
+
+
+def _summary(n: int, start: float, firsts: Sequence[float], stamps: Sequence[float],
+             tokens: list[list[int]]) -> Concurrent:
+    end = max(stamps)
+    all_started = max(firsts)
+    after = sum(1 for t in stamps if t > all_started)
+    total = after / max(end - all_started, 1e-9) if after else 0.0
+    return Concurrent(streams=n, generated_tokens=len(stamps), total_tps=total, per_stream_tps=total / n,
+                      end_to_end_tps=len(stamps) / max(end - start, 1e-9), ttft_max_s=all_started - start,
+                      tokens=tokens)
+
+
+def run_ours(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048,
+             compiled: bool | None = None) -> Concurrent:
+    """The engine's batch at token level (what the worker drives, without the text layer)."""
+    import mlx.core as mx
+
+    from engine.decode.batch import Batch
+    from engine.models.kv_cache import make_prompt_cache
+
+    batch = Batch(model, compiled=compiled)
+    start = time.perf_counter()
+    sequences = {i: batch.sequence(p, make_prompt_cache(model), max_tokens=gen, prefill_chunk=chunk,
+                                   sampler=lambda x: mx.argmax(x, axis=-1), greedy=True)
+                 for i, p in enumerate(prompts)}
+    firsts = [0.0] * len(prompts)
+    stamps: list[float] = []
+    tokens: list[list[int]] = [[] for _ in prompts]
+    while sequences:
+        for i, seq in list(sequences.items()):
+            for token, _ in seq:
+                if token < 0:  # WAIT
+                    break
+                now = time.perf_counter()
+                firsts[i] = firsts[i] or now
+                stamps.append(now)
+                tokens[i].append(token)
+            else:
+                del sequences[i]
+        batch.step()
+    return _summary(len(prompts), start, firsts, stamps, tokens)
+
+
+def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) -> Concurrent:
+    """mlx-lm's BatchGenerator: the continuous batching behind its server and batch_generate."""
+    try:
+        from mlx_lm.generate import BatchGenerator
+    except ImportError:
+        raise EngineError("--vs mlx-lm needs mlx-lm: pip install 'mlx-desk[bench]' (or mlx-lm)") from None
+
+    generator = BatchGenerator(model, stop_tokens=None, prefill_step_size=chunk,
+                               completion_batch_size=max(32, len(prompts)), prefill_batch_size=8)
+    start = time.perf_counter()
+    uids = generator.insert([p.tolist() for p in prompts], [gen] * len(prompts))
+    index = {uid: i for i, uid in enumerate(uids)}
+    firsts = [0.0] * len(prompts)
+    stamps: list[float] = []
+    tokens: list[list[int]] = [[] for _ in prompts]
+    try:
+        while responses := generator.next_generated():
+            now = time.perf_counter()
+            for r in responses:
+                i = index[r.uid]
+                firsts[i] = firsts[i] or now
+                stamps.append(now)
+                tokens[i].append(int(r.token))
+    finally:
+        generator.close()
+    return _summary(len(prompts), start, firsts, stamps, tokens)
+
+
+def _row(name: str, c: Concurrent) -> str:
+    return (f"{name:<8} x{c.streams:<3} total {c.total_tps:9.1f} tok/s   per stream {c.per_stream_tps:8.1f} tok/s   "
+            f"end-to-end {c.end_to_end_tps:9.1f} tok/s   slowest ttft {c.ttft_max_s * 1000:8.1f} ms")
+
+
+def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any], quantized: set[str]) -> dict[str, Any]:
+    """Time every stream count in ``--concurrent`` (and mlx-lm's beside it with ``--vs``)."""
+    import mlx.core as mx
+
+    from engine.cli.bench import mlx_lm_twin
+    from engine.decode.batch import batchable
+
+    if not batchable(model):
+        raise EngineError(f"--concurrent: {args.shape}'s caches do not batch (it decodes one request at a time)")
+    counts = parse_counts(args.concurrent)
+    import functools
+
+    ours = functools.partial(run_ours, compiled=False) if args.no_compile else run_ours
+    loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", ours, model)]
+    if args.vs == "mlx-lm":
+        loops.append(("mlx-lm", run_mlx_lm, mlx_lm_twin(model, config, quantized)))
+    keys = mx.random.split(mx.random.key(args.seed), max(counts))
+    prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=k).astype(mx.uint32)
+               for k in keys]
+    mx.eval(prompts)
+    for _, run, m in loops:  # warm-up: kernels for every batch width
+        for n in counts:
+            run(m, prompts[:n], 3)
+    out: dict[str, Any] = {"concurrent": []}
+    for n in counts:
+        best: dict[str, Concurrent] = {}
+        for r in range(max(1, args.repeat)):
+            for name, run, m in loops if r % 2 == 0 else loops[::-1]:
+                mx.clear_cache()
+                c = run(m, prompts[:n], args.generation_tokens)
+                if name not in best or c.total_tps > best[name].total_tps:
+                    best[name] = c
+        entry: dict[str, Any] = {name: {k: v for k, v in asdict(c).items() if k != "tokens"}
+                                 for name, c in best.items()}
+        for name, c in best.items():
+            print(_row(name, c), flush=True)
+        if "mlx-lm" in best:
+            ratio = best["engine"].total_tps / max(best["mlx-lm"].total_tps, 1e-9)
+            entry["ratio"] = ratio
+            # Greedy on the same weights: the same ids, unless bf16 rounding splits a near-tie.
+            entry["same_tokens_as_mlx_lm"] = best["engine"].tokens == best["mlx-lm"].tokens
+            print(f"ratio    x{n:<3} total {ratio:.2f}x (engine / mlx-lm); same tokens: "
+                  f"{entry['same_tokens_as_mlx_lm']}", flush=True)
+        out["concurrent"].append(entry)
+    return out
