@@ -305,6 +305,8 @@ class ModelInfo:
     pan_and_scan: bool | None = None
     # The chat template's reasoning switch (GenerationParams.reasoning); None: it has none.
     reasoning_control: ReasoningControl | None = None
+    # A sentence embedding model (it embeds, it does not chat): its vectors' length; None for chat models.
+    embedding_dimensions: int | None = None
 
 
 # ---- commands into the worker -------------------------------------------------
@@ -385,6 +387,20 @@ class Transcribe:
 
 
 @dataclass
+class Embed:
+    """Embed each input (a text, tokenized as the model's tokenizer says, or token ids) with
+    the loaded sentence embedding model. Done with Embeddings."""
+
+    inputs: list[str | list[int]]
+
+
+@dataclass
+class Embeddings:
+    vectors: list[list[float]]  # one per input, in order
+    prompt_tokens: int  # tokens read, over all inputs (after truncation)
+
+
+@dataclass
 class Cancel:
     target: int  # the request id to stop
 
@@ -431,6 +447,7 @@ class LoadDraftModel:
 
 
 Command = (
-    LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Cancel | DropSession | GetModelInfo
+    LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Embed | Cancel | DropSession
+    | GetModelInfo
     | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel
 )

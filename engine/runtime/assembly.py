@@ -71,6 +71,8 @@ def assemble(
     info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
     template = load_template(tokenizer)
     info.reasoning_control = _reasoning_control(template)
+    if getattr(loaded, "embedding", None) is not None:
+        info.embedding_dimensions = loaded.embedding.dimensions
     return ModelParts(loaded.model, config, str(loaded.path), tokenizer, template, eos, info, towers)
 
 
