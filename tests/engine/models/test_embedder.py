@@ -101,3 +101,14 @@ def test_an_unknown_module_is_named(tmp_path):
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(UnsupportedModelError, match="'LayerNorm'.*supported: Transformer, Pooling, Dense, Normalize"):
         read_embedding_spec(folder, 64)
+
+
+def test_a_family_that_does_not_embed_is_refused_naming_those_that_do(tmp_path):
+    from engine.runtime.loading import load_model
+
+    folder = tmp_path / "llama-embed"
+    shutil.copytree(GOLDEN.parent / "models" / "llama", folder)
+    shutil.copy(GOLDEN / "qwen3_embedding" / "modules.json", folder)
+    shutil.copytree(GOLDEN / "qwen3_embedding" / "1_Pooling", folder / "1_Pooling")
+    with pytest.raises(UnsupportedModelError, match=r"'llama'.*gemma3_text \(EmbeddingGemma\), qwen3 \(Qwen3-Embedding\)"):
+        load_model(folder)
