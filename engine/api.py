@@ -307,6 +307,8 @@ class ModelInfo:
     reasoning_control: ReasoningControl | None = None
     # A sentence embedding model (it embeds, it does not chat): its vectors' length; None for chat models.
     embedding_dimensions: int | None = None
+    # How the chat template's model writes tool calls (a key of engine.text.tool_calls.FORMATS); None: unknown.
+    tool_format: str | None = None
 
 
 # ---- commands into the worker -------------------------------------------------
