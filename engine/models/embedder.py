@@ -101,14 +101,6 @@ class Embedder(nn.Module):
         weights = self._family_sanitize(weights)
         return {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
 
-    @property
-    def layers(self) -> list:
-        return self.model.layers
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.model.embed_tokens
-
     def __call__(self, ids: list[int]) -> mx.array:
         """The embedding of one text's token ids: a float32 vector of ``spec.dimensions``."""
         h = self.model.run(mx.array([ids]), None, None, make_mask=self._make_mask)[0].astype(mx.float32)

@@ -11,11 +11,16 @@ for a second, unconstrained answer from the same random model.
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from app.controllers.tools import load_servers
+from app.ui.tools_dialog import ToolsDialog
 from tests.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
@@ -39,7 +44,10 @@ def lookup(city: Literal["paris", "rome"]) -> str:
         time.sleep(3600)
     return f"weather in {city}: sunny"
 
-app.run("stdio")
+if mode.startswith("http:"):  # Streamable HTTP on that port
+    app.run("streamable-http", host="127.0.0.1", port=int(mode[5:]))
+else:
+    app.run("stdio")
 '''
 
 # Qwen/Hermes-style: tools described in a system turn, calls in <tool_call> tags, results
@@ -187,3 +195,54 @@ def test_a_server_that_hangs_times_out(qtbot, make_window, run_async, tool_model
     assert "did not answer the call to lookup within 2 s" in stored.content and stored.status == "complete"
     assert log.read_text().split()[0] in ("paris", "rome")  # it was called, and never answered
     assert any("did not answer the call to lookup" in n for n in notes)  # and the status bar says so
+
+
+def test_settings_tools_lists_adds_and_removes_servers(qtbot, make_window, tmp_path):
+    window = make_window()
+    action = next(a for m in window.menuBar().findChildren(type(window.menuBar().actions()[0].menu()))
+                  for a in m.actions() if a.text().startswith("Tools"))
+    action.trigger()
+    dialog = window.findChild(ToolsDialog)
+    assert dialog is not None and dialog.isVisible() and dialog.list.count() == 0
+    qtbot.keyClicks(dialog.name_edit, "files")
+    qtbot.keyClicks(dialog.target_edit, "npx -y some-mcp-server ~/Documents")
+    dialog.add_button.click()
+    qtbot.keyClicks(dialog.name_edit, "web")
+    qtbot.keyClicks(dialog.target_edit, "http://127.0.0.1:8000/mcp")
+    dialog.add_button.click()
+    qtbot.keyClicks(dialog.name_edit, "web")
+    qtbot.keyClicks(dialog.target_edit, "other")
+    dialog.add_button.click()
+    assert "already an MCP server called 'web'" in dialog.error.text()
+    assert [dialog.list.item(i).text().split()[0] for i in range(dialog.list.count())] == ["files", "web"]
+    saved = json.loads((tmp_path / "data" / "mcp.json").read_text())["mcpServers"]
+    assert saved == {"files": {"command": "npx", "args": ["-y", "some-mcp-server", "~/Documents"]},
+                     "web": {"url": "http://127.0.0.1:8000/mcp"}}
+    dialog.list.setCurrentRow(0)
+    dialog.remove_button.click()
+    assert [s.name for s in window.tools.servers] == ["web"]
+    # Read back as a new window would.
+    assert [(s.name, s.url) for s in load_servers(tmp_path / "data")] == [("web", "http://127.0.0.1:8000/mcp")]
+
+
+def test_a_server_over_http(qtbot, make_window, run_async, tool_model, places):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command, log = places(f"http:{port}")
+    proc = subprocess.Popen(command.split(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        window = _window(make_window, run_async, tool_model, f"http://127.0.0.1:{port}/mcp")
+        assert window.tools.servers[0].url.endswith("/mcp")
+        _send(qtbot, window, "weather?", decide="allow_button")
+        city = log.read_text().split()[0]
+        assert f"→ weather in {city}: sunny" in window.store.thread(window.chat.conversation_id)[-1].content
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
