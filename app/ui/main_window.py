@@ -122,6 +122,7 @@ class MainWindow(QMainWindow):
         self.composer.transcribe_requested.connect(lambda path: tasks.spawn(self.transcribe(path)))
         self.composer.cancel_transcription.connect(self.transcription.cancel)
         self.settings.whisper_requested.connect(self._pick_whisper)
+        self.settings.tools_requested.connect(self.open_tools)
         self.settings.whisper_cleared.connect(lambda: self.set_whisper_model(None))
         self.settings.set_whisper(store.preference(WHISPER_KEY))
         for controller in (self.models, self.adapter_control, self.transcription, self.tools):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from app.controllers.tools import load_servers
+from app.qt import QPushButton
 from app.ui.tools_dialog import ToolsDialog
 from tests.tiny_models import make_tiny_llama
 
@@ -199,9 +200,8 @@ def test_a_server_that_hangs_times_out(qtbot, make_window, run_async, tool_model
 
 def test_settings_tools_lists_adds_and_removes_servers(qtbot, make_window, tmp_path):
     window = make_window()
-    action = next(a for m in window.menuBar().findChildren(type(window.menuBar().actions()[0].menu()))
-                  for a in m.actions() if a.text().startswith("Tools"))
-    action.trigger()
+    window.settings_toggle.setChecked(True)
+    window.settings.findChild(QPushButton, "toolsButton").click()
     dialog = window.findChild(ToolsDialog)
     assert dialog is not None and dialog.isVisible() and dialog.list.count() == 0
     qtbot.keyClicks(dialog.name_edit, "files")
@@ -223,6 +223,9 @@ def test_settings_tools_lists_adds_and_removes_servers(qtbot, make_window, tmp_p
     assert [s.name for s in window.tools.servers] == ["web"]
     # Read back as a new window would.
     assert [(s.name, s.url) for s in load_servers(tmp_path / "data")] == [("web", "http://127.0.0.1:8000/mcp")]
+    # The chat's "first answer calls a tool" switch is a conversation setting.
+    window.settings.tool_required_box.setChecked(True)
+    assert window.store.conversation(window.chat.conversation_id).settings.get("tool_choice") == "required"
 
 
 def test_a_server_over_http(qtbot, make_window, run_async, tool_model, places):
