@@ -116,6 +116,7 @@ class ChatController(QObject):
         view.footer_source = self._live_footer
         self._started = 0.0
         self.tools: ToolsController | None = None  # MCP tools offered to the model, if any
+        self._stop_tools = False  # Stop pressed between generations (during a tool call)
 
     @property
     def busy(self) -> bool:
@@ -226,7 +227,9 @@ class ChatController(QObject):
         if self._waiting is not None:  # stop waiting; the load itself carries on
             self._waiting.cancel()
             return True
-        return self.reply_id is not None and self.bridge.cancel()
+        if self.reply_id is not None:
+            self._stop_tools = True  # no further tool round, should the stop land between two
+        return self.reply_id is not None and (self.bridge.cancel() or self._stop_tools)
 
     # ---- streaming one reply -------------------------------------------------------------
 
@@ -339,6 +342,7 @@ class ChatController(QObject):
         assert self.tools is not None
         fmt = FORMATS[info.tool_format]
         record = ""
+        self._stop_tools = False
         for _ in range(MAX_TOOL_ROUNDS):
             if result.finish_reason not in ("stop", "length"):
                 break
@@ -368,6 +372,9 @@ class ChatController(QObject):
                 self._show_record(record)
                 messages.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": outcome})
             params.constraint = None  # a forced call is forced once; the answer is the model's
+            if self._stop_tools:
+                result = replace(result, text="", finish_reason="cancelled")
+                break
             result = await self.bridge.generate(conv_id, messages, params, tools=tools)
         if record:
             result = replace(result, text=record + result.text)

@@ -407,7 +407,8 @@ class ModelHost:
             )
         import mlx.core as mx
 
-        limit = state.model.spec.max_seq_length
+        # sentence-transformers' limit, else the model's own context (an unlimited text would not fit)
+        limit = state.model.spec.max_seq_length or getattr(state.model.args, "max_position_embeddings", None)
         vectors, tokens = [], 0
         for item in inputs:
             if cancel is not None and cancel.is_set():

@@ -249,3 +249,19 @@ def test_a_server_over_http(qtbot, make_window, run_async, tool_model, places):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_stop_while_a_call_waits_for_approval_ends_the_reply(qtbot, make_window, run_async, tool_model, places):
+    command, log = places("ok")
+    window = _window(make_window, run_async, tool_model, command)
+    sent = _spy(window)
+    window.composer.edit.setPlainText("weather?")
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=90_000) as blocker:
+        window.composer.send_button.click()
+        qtbot.waitUntil(window.tool_approval.isVisible, timeout=60_000)
+        window.stop()  # Esc
+    _, result = blocker.args
+    assert result.finish_reason == "cancelled" and len(sent) == 1 and not log.exists()
+    stored = window.store.thread(window.chat.conversation_id)[-1]
+    assert stored.status == "cancelled" and "→ declined" in stored.content
+    assert not window.tool_approval.isVisible()
