@@ -112,3 +112,19 @@ def test_a_family_that_does_not_embed_is_refused_naming_those_that_do(tmp_path):
     shutil.copytree(GOLDEN / "qwen3_embedding" / "1_Pooling", folder / "1_Pooling")
     with pytest.raises(UnsupportedModelError, match=r"'llama'.*gemma3_text \(EmbeddingGemma\), qwen3 \(Qwen3-Embedding\)"):
         load_model(folder)
+
+
+def test_embeddinggemma_in_the_published_config_spelling(host, tmp_path):
+    """The published config.json spells RoPE as rope_theta + rope_local_base_freq (transformers
+    4.x) where transformers 5 writes rope_parameters: the same vectors either way."""
+    folder = tmp_path / "embeddinggemma"
+    shutil.copytree(GOLDEN / "embeddinggemma", folder)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope["full_attention"]["rope_theta"]
+    config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    (folder / "config.json").write_text(json.dumps(config))
+    expected = json.loads((folder / "expected.json").read_text())
+    host.load(str(folder))
+    for got, want in zip(host.embed(expected["texts"]).vectors, expected["embeddings"], strict=True):
+        assert _cosine_gap(got, want) < 1e-6
