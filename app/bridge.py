@@ -174,12 +174,15 @@ class EngineBridge(QObject):
         conversation_id: int | str,
         messages: list[dict[str, Any]],
         params: api.GenerationParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> api.GenerationResult:
-        """Stream a reply; tokens arrive on ``token``. Resolves with the final result."""
+        """Stream a reply; tokens arrive on ``token``. Resolves with the final result.
+        ``tools`` (OpenAI function entries) go to the chat template."""
         cmd = api.Generate(
             session_id=str(conversation_id),
             messages=messages,
             params=params or api.GenerationParams(),
+            tools=tools or None,
         )
         rid, fut = self._request(cmd, "generate")
         result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")

@@ -314,6 +314,10 @@ class ModelInfo:
     pan_and_scan: bool | None = None
     # The chat template's reasoning switch (GenerationParams.reasoning); None: it has none.
     reasoning_control: ReasoningControl | None = None
+    # A sentence embedding model (it embeds, it does not chat): its vectors' length; None for chat models.
+    embedding_dimensions: int | None = None
+    # How the chat template's model writes tool calls (a key of engine.text.tool_calls.FORMATS); None: unknown.
+    tool_format: str | None = None
 
 
 # ---- commands into the worker -------------------------------------------------
@@ -394,6 +398,20 @@ class Transcribe:
 
 
 @dataclass
+class Embed:
+    """Embed each input (a text, tokenized as the model's tokenizer says, or token ids) with
+    the loaded sentence embedding model. Done with Embeddings."""
+
+    inputs: list[str | list[int]]
+
+
+@dataclass
+class Embeddings:
+    vectors: list[list[float]]  # one per input, in order
+    prompt_tokens: int  # tokens read, over all inputs (after truncation)
+
+
+@dataclass
 class Cancel:
     target: int  # the request id to stop
 
@@ -440,6 +458,7 @@ class LoadDraftModel:
 
 
 Command = (
-    LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Cancel | DropSession | GetModelInfo
+    LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Embed | Cancel | DropSession
+    | GetModelInfo
     | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel
 )

@@ -33,6 +33,10 @@ class AdapterError(EngineError):
     """A LoRA adapter does not fit the loaded model."""
 
 
+class WrongModelKind(EngineError):
+    """The loaded model cannot do what was asked: chat with an embedding model, or embed with a chat model."""
+
+
 def backend_hint(exc: BaseException) -> str | None:
     """A readable line for an import failure of MLX itself, or None for any other error.
 

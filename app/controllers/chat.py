@@ -8,9 +8,10 @@ the first token, and its text is committed at least once a second while it grows
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Protocol
 
 from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
@@ -18,8 +19,11 @@ from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_
 from app.qt import QObject, QTimer, Signal, emit
 from app.store import HistoryStore, Message, StoreError
 from app.tasks import spawn
+from app.controllers.tools import ToolCall, ToolError, ToolsController
 from engine import api
+from engine.text.tool_calls import FORMATS, forced_call, parse_tool_calls
 
+MAX_TOOL_ROUNDS = 8  # calls and answers in one reply before the model must answer in words
 
 
 class TranscriptView(Protocol):
@@ -34,6 +38,7 @@ class TranscriptView(Protocol):
     def show_thread(self, messages: list[Message], versions: dict[int, tuple[int, int]]) -> None: ...
     def start_streaming(self, message: Message, versions: tuple[int, int] = (1, 1)) -> None: ...
     def append(self, text: str, channel: str) -> None: ...
+    def set_answer(self, text: str) -> None: ...
     def stop_streaming(self) -> None: ...
     def set_busy(self, busy: bool) -> None: ...
 
@@ -110,6 +115,8 @@ class ChatController(QObject):
         view.version_requested.connect(self.switch_version)
         view.footer_source = self._live_footer
         self._started = 0.0
+        self.tools: ToolsController | None = None  # MCP tools offered to the model, if any
+        self._stop_tools = False  # Stop pressed between generations (during a tool call)
 
     @property
     def busy(self) -> bool:
@@ -220,7 +227,9 @@ class ChatController(QObject):
         if self._waiting is not None:  # stop waiting; the load itself carries on
             self._waiting.cancel()
             return True
-        return self.reply_id is not None and self.bridge.cancel()
+        if self.reply_id is not None:
+            self._stop_tools = True  # no further tool round, should the stop land between two
+        return self.reply_id is not None and (self.bridge.cancel() or self._stop_tools)
 
     # ---- streaming one reply -------------------------------------------------------------
 
@@ -255,6 +264,9 @@ class ChatController(QObject):
             emit(self.failed, f"Could not switch adapters: {exc}")
             return
         info = self.bridge.model_info or info
+        tools = await self._offered_tools(info)
+        if tools and conv.settings.get("tool_choice") == "required":  # the first answer must be a call
+            params.constraint = forced_call(FORMATS[info.tool_format], tools)
 
         try:
             self.reply_id = self.store.add_message(
@@ -276,7 +288,9 @@ class ChatController(QObject):
         result: api.GenerationResult | None = None
         status = "error"
         try:
-            result = await self.bridge.generate(conv.id, messages, params)
+            result = await self.bridge.generate(conv.id, messages, params, tools=tools)
+            if tools:
+                result = await self._tool_rounds(conv.id, messages, params, tools, info, result)
             status = "cancelled" if result.finish_reason == "cancelled" else "complete"
             if result.finish_reason == "error":
                 status = "error"
@@ -309,6 +323,70 @@ class ChatController(QObject):
             elif status == "cancelled":
                 emit(self.status, "Stopped.")
             emit(self.reply_finished, reply_id, result)
+
+    # ---- MCP tools ---------------------------------------------------------------------------
+
+    async def _offered_tools(self, info: api.ModelInfo) -> list[dict[str, Any]] | None:
+        """The MCP servers' tools, when some are set up and the model's template writes calls
+        in a format the parser knows."""
+        if self.tools is None or not self.tools.enabled:
+            return None
+        if getattr(info, "tool_format", None) not in FORMATS:
+            emit(self.status, f"{info.name}'s chat template does not describe tool calls, so this reply "
+                              "has no MCP tools.")
+            return None
+        return await self.tools.offered() or None
+
+    async def _tool_rounds(self, conv_id: int, messages: list[dict[str, Any]], params: api.GenerationParams,
+                           tools: list[dict[str, Any]], info: api.ModelInfo,
+                           result: api.GenerationResult) -> api.GenerationResult:
+        """While the reply calls tools: show each call, ask (unless always allowed), run it,
+        hand the result back as a tool message, and let the model go on. The transcript keeps
+        a readable record of the calls in place of their raw markers."""
+        assert self.tools is not None
+        fmt = FORMATS[info.tool_format]
+        record = ""
+        self._stop_tools = False
+        for _ in range(MAX_TOOL_ROUNDS):
+            if result.finish_reason not in ("stop", "length"):
+                break
+            text, calls = parse_tool_calls(fmt, result.text)
+            if not calls:
+                break
+            record += text
+            messages.append({"role": "assistant", "content": text, "tool_calls": [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.name, "arguments": c.arguments if fmt.arguments_as_text else json.loads(c.arguments)}}
+                for c in calls]})
+            for c in calls:
+                call = ToolCall(c.id, c.name, c.arguments)
+                record += f"\n\n🔧 **{c.name}** `{c.arguments}`"
+                self._show_record(record + " — waiting for approval…")
+                decision = await self.tools.decide(call)
+                if decision == "deny":
+                    outcome, shown = "The user declined this tool call.", "declined"
+                else:
+                    self._show_record(record + " — running…")
+                    try:
+                        outcome = shown = await self.tools.call(call)
+                    except ToolError as exc:
+                        outcome, shown = f"Error: {exc}", f"⚠ {exc}"
+                        emit(self.status, str(exc))
+                record += f" → {shown}\n\n"
+                self._show_record(record)
+                messages.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": outcome})
+            params.constraint = None  # a forced call is forced once; the answer is the model's
+            if self._stop_tools:
+                result = replace(result, text="", finish_reason="cancelled")
+                break
+            result = await self.bridge.generate(conv_id, messages, params, tools=tools)
+        if record:
+            result = replace(result, text=record + result.text)
+        return result
+
+    def _show_record(self, text: str) -> None:
+        self._answer = text
+        self.view.set_answer(text)
 
     def _engine_messages(self, history: list[Message], info: api.ModelInfo) -> list[dict[str, Any]]:
         """The thread as the engine reads it: attachments become media parts (by their stored

@@ -123,6 +123,11 @@ class ChatView(QScrollArea):
             self._answer += text
         self._dirty = True
 
+    def set_answer(self, text: str) -> None:
+        """Replace the streaming reply's answer so far (a tool call's raw markers, by its record)."""
+        self._answer = text
+        self._dirty = True
+
     def _flush(self) -> None:
         if self.streaming is None:
             return

@@ -11,6 +11,7 @@ from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
 from app.controllers.models import ModelController
 from app.controllers.transcription import WHISPER_KEY, TranscriptionController
+from app.controllers.tools import ToolsController
 from app.qt import (
     QApplication,
     QEvent,
@@ -41,6 +42,8 @@ from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
 from app.ui.settings_panel import SettingsPanel
+from app.ui.tool_approval import ToolApprovalBar
+from app.ui.tools_dialog import ToolsDialog
 from app.ui.sidebar import Sidebar
 
 
@@ -74,6 +77,10 @@ class MainWindow(QMainWindow):
         self.adapter_control = AdapterController(store, bridge, self.chat, self.load_setup, self)
         self.models = ModelController(bridge, self.load_setup, self.adapter_control, self)
         self.transcription = TranscriptionController(store, bridge, self)
+        self.tool_approval = ToolApprovalBar()
+        self.tools = ToolsController(store.data_dir, self)
+        self.tools.approve = self.tool_approval.ask
+        self.chat.tools = self.tools
 
         center = QWidget(objectName="center")
         cv = QVBoxLayout(center)
@@ -81,6 +88,7 @@ class MainWindow(QMainWindow):
         cv.setSpacing(0)
         cv.addWidget(self._top_bar())
         cv.addWidget(self.chat_view, 1)
+        cv.addWidget(self.tool_approval)
         holder = QWidget()
         hl = QHBoxLayout(holder)
         hl.setContentsMargins(28, 8, 28, 18)
@@ -114,9 +122,10 @@ class MainWindow(QMainWindow):
         self.composer.transcribe_requested.connect(lambda path: tasks.spawn(self.transcribe(path)))
         self.composer.cancel_transcription.connect(self.transcription.cancel)
         self.settings.whisper_requested.connect(self._pick_whisper)
+        self.settings.tools_requested.connect(self.open_tools)
         self.settings.whisper_cleared.connect(lambda: self.set_whisper_model(None))
         self.settings.set_whisper(store.preference(WHISPER_KEY))
-        for controller in (self.models, self.adapter_control, self.transcription):
+        for controller in (self.models, self.adapter_control, self.transcription, self.tools):
             controller.status.connect(self.notify)
             controller.failed.connect(self.show_error)
         self.models.loading.connect(self._show_loading)
@@ -168,6 +177,7 @@ class MainWindow(QMainWindow):
         chat.addAction("Stop reply (Esc)", self.stop)
         chat.addSeparator()
         chat.addAction("Settings", QKeySequence("Ctrl+,"), self.settings_toggle.toggle)
+        chat.addAction("Tools (MCP servers)…", self.open_tools)
         chat.addSeparator()
         chat.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
         model = bar.addMenu("&Model")
@@ -287,6 +297,7 @@ class MainWindow(QMainWindow):
     def stop(self) -> None:
         if self.composer.cancel_waiting_send():  # Esc first takes back a send still waiting
             return
+        self.tool_approval.withdraw()  # a call still waiting for approval is denied
         if self.chat.stop():
             self.notify("Stopping…")
         elif self.bridge.active_transcription is not None:  # as the Cancel button beside its bar
@@ -461,7 +472,15 @@ class MainWindow(QMainWindow):
             self.grab().save(self.screenshot_path)
             self._shot_for = reply
 
+    def open_tools(self) -> ToolsDialog:
+        """Settings → Tools: the MCP servers whose tools the chat offers."""
+        dialog = ToolsDialog(self.tools, self)
+        dialog.show()
+        return dialog
+
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        self.tool_approval.withdraw()
+        self.tools.close()
         self.server_menu.controller.stop()
         self.chat.stop()
         self.bridge.shutdown(5.0)

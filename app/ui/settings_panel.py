@@ -53,6 +53,7 @@ class SettingsPanel(QFrame):
     draft_requested = Signal()  # "Choose…": pick a draft model folder
     draft_cleared = Signal()
     whisper_requested = Signal()  # "Choose…": pick a Whisper model folder
+    tools_requested = Signal()  # "MCP servers…": the Tools dialog
     whisper_cleared = Signal()
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
 
@@ -135,6 +136,16 @@ class SettingsPanel(QFrame):
         layout.addWidget(self.pan_and_scan_box)
         self.pan_and_scan_default: bool | None = None
         self._show_pan_and_scan()
+
+        layout.addWidget(QLabel("Tools", objectName="fieldTitle"))
+        tools_button = QPushButton("MCP servers…", objectName="toolsButton")
+        tools_button.clicked.connect(lambda: emit(self.tools_requested))
+        layout.addWidget(tools_button)
+        self.tool_required_box = QCheckBox("First answer calls a tool", objectName="toolRequired")
+        self.tool_required_box.setToolTip("Constrain the model's first answer to one call of an MCP tool\n"
+                                          "(for models that do not reach for tools on their own).")
+        self.tool_required_box.toggled.connect(self._emit)
+        layout.addWidget(self.tool_required_box)
 
         self._budget_section(layout)
 
@@ -285,6 +296,7 @@ class SettingsPanel(QFrame):
         self.speculative_box.setCurrentIndex(modes.index(spec) if spec in modes else 0)
         split = settings.get("pan_and_scan")
         self.pan_and_scan_box.setChecked(bool(self.pan_and_scan_default if split is None else split))
+        self.tool_required_box.setChecked(settings.get("tool_choice") == "required")
         choice = settings.get("reasoning")
         self.reasoning_choice = choice if accepts_reasoning(self.reasoning_control, choice) else None
         self._show_reasoning()
@@ -317,6 +329,8 @@ class SettingsPanel(QFrame):
                 out["pan_and_scan"] = split
         if self.reasoning_choice is not None:
             out["reasoning"] = self.reasoning_choice
+        if self.tool_required_box.isChecked():
+            out["tool_choice"] = "required"
         return out
 
     def set_mtp(self, available: bool, note: str = "") -> None:

@@ -37,6 +37,7 @@ class ModelArgs(gemma2.ModelArgs):
     sliding_window_pattern: int = 6
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool = False  # EmbeddingGemma; read by engine/models/embedder.py
 
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:

@@ -72,6 +72,9 @@ def assemble(
     template = load_template(tokenizer)
     info.reasoning_control = _reasoning_control(template)
     info.mtp, info.mtp_note = _mtp_support(loaded)
+    info.tool_format = _tool_format(template)
+    if getattr(loaded, "embedding", None) is not None:
+        info.embedding_dimensions = loaded.embedding.dimensions
     return ModelParts(loaded.model, config, str(loaded.path), tokenizer, template, eos, info, towers)
 
 
@@ -160,6 +163,13 @@ def _reasoning_control(template: Any) -> Any:
     from engine.text.reasoning_switch import find_reasoning_control
 
     return find_reasoning_control(template) if isinstance(template, ChatTemplate) else None
+
+
+def _tool_format(template: Any) -> str | None:
+    from engine.text.tool_calls import detect_tool_format
+
+    fmt = detect_tool_format(getattr(template, "source", None))
+    return fmt.name if fmt is not None else None
 
 
 def _make_towers(loaded: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.api import (
     AdapterInfo,
+    Embeddings,
     Event,
     GenerationParams,
     GenerationResult,
@@ -28,7 +29,7 @@ from engine.api import (
     SamplingParams,
     TokenEvent,
 )
-from engine.errors import EngineError
+from engine.errors import EngineError, WrongModelKind
 from engine.decode.loop import Piece
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
 from engine.runtime.session import ChatSession
@@ -39,6 +40,10 @@ EventSink = Callable[[Event], None]
 
 class NoModelLoaded(EngineError):
     """A request that needs a model arrived before any was loaded."""
+
+
+class Cancelled(EngineError):
+    """The request was cancelled before it finished."""
 
 
 @dataclass
@@ -258,6 +263,11 @@ class ModelHost:
 
     def session(self, session_id: str) -> ChatSession:
         state = self._need()
+        if state.info.embedding_dimensions is not None:
+            raise WrongModelKind(
+                f"{state.info.name} is a sentence embedding model: it turns text into vectors "
+                "(the server's /v1/embeddings) and cannot chat or complete text. Load a chat model for that."
+            )
         chat = state.sessions.get(session_id)
         if chat is None:
             chat = ChatSession(
@@ -433,6 +443,37 @@ class ModelHost:
 
             state.batch = Batch(state.model) if batchable(state.model) else False
         return state.batch or None
+
+    # ---- embeddings -----------------------------------------------------------------
+
+    def embed(self, inputs: Sequence[str | Sequence[int]], cancel: threading.Event | None = None) -> Embeddings:
+        """Embed each text (tokenized and truncated as sentence-transformers does) or list of
+        token ids (truncated alike) with the loaded sentence embedding model."""
+        from engine.models.embedder import embedding_families
+
+        self._check_thread()
+        state = self._need()
+        if state.info.embedding_dimensions is None:
+            raise WrongModelKind(
+                f"{state.info.name} is a chat model, not a sentence embedding model. Load an embedding model "
+                f"(a sentence-transformers folder) of one of the families that embed: {embedding_families()}."
+            )
+        import mlx.core as mx
+
+        # sentence-transformers' limit, else the model's own context (an unlimited text would not fit)
+        limit = state.model.spec.max_seq_length or getattr(state.model.args, "max_position_embeddings", None)
+        vectors, tokens = [], 0
+        for item in inputs:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("The embedding request was cancelled.")
+            ids = state.tokenizer.encode_truncated(item, limit) if isinstance(item, str) else list(item)[:limit]
+            if not ids:
+                raise EngineError("An input to embed is empty; give at least one token.")
+            vector = state.model(ids)
+            mx.eval(vector)
+            vectors.append(vector.tolist())
+            tokens += len(ids)
+        return Embeddings(vectors, tokens)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt tokenized as the tokenizer's own settings say (BOS when it adds one)."""

@@ -20,6 +20,7 @@ from engine.artifacts.config import ModelConfig, config_from_dict, read_config
 from engine.artifacts.hub import model_name, resolve_model_path
 from engine.artifacts.mlx_quant import check_spec
 from engine.artifacts.sanity import check_model_files
+from engine.artifacts.sentence_transformers import EmbeddingSpec, read_embedding_spec
 from engine.artifacts.weights import (
     FLOAT_DTYPES,
     INDEX_NAME,
@@ -50,6 +51,7 @@ class LoadedModel:
     dtype: str  # activation dtype: "bfloat16", "float16" or "float32"
     gguf_metadata: dict[str, Any] | None = None  # tokenizer and more, for GGUF files
     tokenizer_path: Path | None = None  # folder with tokenizer.json & co. (None for GGUF)
+    embedding: EmbeddingSpec | None = None  # a sentence-transformers folder: the model embeds
 
 
 @dataclass
@@ -86,6 +88,11 @@ def load_model(
     if dtype is not None and dtype not in DTYPE_BYTES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
     source = inspect_source(path_or_repo, dtype=dtype)
+    if dtype is None and not source.gguf and not source.config.quantization and (source.path / "modules.json").is_file():
+        # A sentence embedding model computes in float32, as sentence-transformers does by
+        # default: vectors compared by cosine lose ~1e-4 to bfloat16, and these models are small.
+        dtype = "float32"
+        source = inspect_source(path_or_repo, dtype=dtype)
     config = source.config
     if config.foreign_quantization:
         raise UnsupportedModelError(
@@ -109,9 +116,18 @@ def load_model(
     else:
         weights = load_weights(source.files)
 
-    model = family.Model(args)
+    embedding = None if source.gguf else read_embedding_spec(source.path, int(getattr(args, "hidden_size", 0)))
+    if embedding is not None:
+        from engine.models.embedder import Embedder
+
+        model = Embedder(family, args, embedding)
+    else:
+        model = family.Model(args)
     try:
         weights = _sanitize(model, weights, source)
+        if embedding is not None:  # each Dense layer keeps its weights in its own folder
+            for i, dense in enumerate(embedding.dense):
+                weights.update({f"dense.{i}.{k}": v for k, v in load_weights(list(dense.files)).items()})
         quantize_like_checkpoint(model, weights, config.quantization, name=source.name)
         _check_complete(model, weights, source)
         if dtype is not None:
@@ -133,6 +149,7 @@ def load_model(
         dtype=source.dtype,
         gguf_metadata=gguf_metadata,
         tokenizer_path=None if source.gguf else source.path,
+        embedding=embedding,
     )
 
 

@@ -34,6 +34,7 @@ from engine.api import (
     Complete,
     DoneEvent,
     DropSession,
+    Embed,
     ErrorEvent,
     Event,
     Generate,
@@ -382,6 +383,10 @@ class EngineWorker:
             return info
         if isinstance(command, Transcribe):
             return self._transcribe(rid, command, cancel)
+        if isinstance(command, Embed):
+            result = host.embed(command.inputs, cancel)
+            self._emit_memory()
+            return result
         raise EngineError(f"Unknown command {type(command).__name__}.")
 
     def _generate(self, rid: int, command: Generate | Complete, cancel: threading.Event) -> Any:

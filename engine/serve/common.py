@@ -203,7 +203,7 @@ def run(handler: Any, command: Any, on_token: Callable[[TokenEvent], None]) -> G
             elif isinstance(event, DoneEvent):
                 finished = True
                 result = event.result
-                if result.finish_reason == "error":
+                if getattr(result, "finish_reason", None) == "error":  # (embeddings have none)
                     raise ApiError(500, result.error or "The generation failed.", "server_error")
                 return result
     finally:

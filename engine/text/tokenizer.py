@@ -71,6 +71,7 @@ class Tokenizer:
         clean_up_tokenization_spaces: bool = False,
     ):
         self._tok = tokenizer
+        self._truncating: dict[int, HFTokenizer] = {}  # max_length -> a copy that truncates
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
         self._special = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str)}
         self._eos_ids = set(eos_token_ids)
@@ -305,6 +306,17 @@ class Tokenizer:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         finally:
             self._tok.encode_special_tokens = False
+
+    def encode_truncated(self, text: str, max_length: int | None) -> list[int]:
+        """``encode`` cut to ``max_length`` tokens the way transformers' tokenizers cut (what
+        sentence-transformers does): the text is shortened, its added BOS/EOS are kept."""
+        if max_length is None:
+            return self.encode(text)
+        truncating = self._truncating.get(max_length)
+        if truncating is None:  # a copy: the shared tokenizer keeps encoding whole texts
+            truncating = self._truncating[max_length] = HFTokenizer.from_str(self._tok.to_str())
+            truncating.enable_truncation(max_length)
+        return truncating.encode(text, add_special_tokens=True).ids
 
     def decode(
         self, ids: Iterable[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None

@@ -1,0 +1,267 @@
+"""MCP tools in the chat, through the real window and engine: a tiny stdio MCP server
+written here, a tiny random model whose first answer is forced into a tool call.
+
+What drives the model: the conversation's ``tool_choice: "required"`` setting makes the
+chat constrain the first answer with the engine's grammar (engine.text.tool_calls'
+``forced_call``) to one call in the template's Hermes markers; the window then parses it
+with the real parser, asks, runs it on the real MCP server, and hands the result back
+for a second, unconstrained answer from the same random model.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.controllers.tools import load_servers
+from app.qt import QPushButton
+from app.ui.tools_dialog import ToolsDialog
+from tests.tiny_models import make_tiny_llama
+
+pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
+
+SERVER = '''
+import os, sys, time
+from typing import Literal
+from mcp.server.mcpserver import MCPServer
+
+mode, log = sys.argv[1], sys.argv[2]
+app = MCPServer("places")
+
+@app.tool()
+def lookup(city: Literal["paris", "rome"]) -> str:
+    """The weather in a city."""
+    with open(log, "a") as f:
+        f.write(city + "\\n")
+    if mode == "crash":
+        os._exit(3)
+    if mode == "hang":
+        time.sleep(3600)
+    return f"weather in {city}: sunny"
+
+if mode.startswith("http:"):  # Streamable HTTP on that port
+    app.run("streamable-http", host="127.0.0.1", port=int(mode[5:]))
+else:
+    app.run("stdio")
+'''
+
+# Qwen/Hermes-style: tools described in a system turn, calls in <tool_call> tags, results
+# as <tool_response> turns.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{{ m.content }}{% for c in m.tool_calls %}"
+    "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> Path:
+    folder = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-tools")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return folder
+
+
+@pytest.fixture
+def places(tmp_path):
+    """(the command line of the MCP server in ``mode``, the file it logs each call to)."""
+    script = tmp_path / "places_server.py"
+    script.write_text(SERVER)
+    log = tmp_path / "calls.log"
+    return lambda mode: (f"{sys.executable} {script} {mode} {log}", log)
+
+
+def _window(make_window, run_async, tool_model, command):
+    window = make_window()
+    assert run_async(window.load_model(str(tool_model)))
+    assert window.bridge.model_info.tool_format == "hermes"
+    window.tools.add_server("places", command)
+    window.store.update_conversation(window.chat.conversation_id, settings={
+        "max_tokens": 120, "seed": 3, "temperature": 0.8, "tool_choice": "required"})
+    return window
+
+
+def _spy(window):
+    """Every message list the window sends the engine (the real bridge still answers)."""
+    sent: list[list[dict]] = []
+    original = window.bridge.generate
+
+    async def generate(conv, messages, params=None, tools=None):
+        sent.append([dict(m) for m in messages])
+        return await original(conv, messages, params, tools=tools)
+
+    window.bridge.generate = generate
+    return sent
+
+
+def _send(qtbot, window, text, decide=None):
+    """Send ``text``; when ``decide`` names a button, wait for the approval bar and click it."""
+    window.composer.edit.setPlainText(text)
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=90_000) as blocker:
+        window.composer.send_button.click()
+        if decide is not None:
+            qtbot.waitUntil(window.tool_approval.isVisible, timeout=60_000)
+            assert "lookup" in window.tool_approval.label.text()
+            assert "places" in window.tool_approval.label.text()
+            getattr(window.tool_approval, decide).click()
+    return blocker.args
+
+
+def test_approved_call_runs_and_its_result_goes_back(qtbot, make_window, run_async, tool_model, places):
+    command, log = places("ok")
+    window = _window(make_window, run_async, tool_model, command)
+    sent = _spy(window)
+    message_id, result = _send(qtbot, window, "weather?", decide="allow_button")
+
+    city = log.read_text().split()
+    assert len(city) == 1 and city[0] in ("paris", "rome")  # the server ran the call, once
+    assert result.finish_reason in ("stop", "length")
+    # The engine saw the tools, then the call and its result as a tool message.
+    assert len(sent) == 2
+    call_turn, tool_turn = sent[1][-2], sent[1][-1]
+    assert call_turn["role"] == "assistant" and call_turn["tool_calls"][0]["function"]["name"] == "lookup"
+    assert tool_turn == {"role": "tool", "tool_call_id": call_turn["tool_calls"][0]["id"], "name": "lookup",
+                         "content": f"weather in {city[0]}: sunny"}
+    # The transcript shows the call and its result, and keeps them.
+    stored = window.store.thread(window.chat.conversation_id)[-1]
+    assert f"🔧 **lookup** `{{\"city\": \"{city[0]}\"}}` → weather in {city[0]}: sunny" in stored.content
+    assert stored.status == "complete"
+    assert "lookup" in window.chat_view.widgets[message_id].content
+    assert not window.tool_approval.isVisible()
+
+
+def test_denied_call_does_not_run_and_the_model_is_told(qtbot, make_window, run_async, tool_model, places):
+    command, log = places("ok")
+    window = _window(make_window, run_async, tool_model, command)
+    sent = _spy(window)
+    _, result = _send(qtbot, window, "weather?", decide="deny_button")
+    assert not log.exists()
+    assert sent[1][-1]["content"] == "The user declined this tool call."
+    assert "→ declined" in window.store.thread(window.chat.conversation_id)[-1].content
+
+
+def test_always_allow_stops_asking_for_that_tool(qtbot, make_window, run_async, tool_model, places, tmp_path):
+    command, log = places("ok")
+    window = _window(make_window, run_async, tool_model, command)
+    _send(qtbot, window, "weather?", decide="always_button")
+    saved = json.loads((tmp_path / "data" / "mcp.json").read_text())
+    assert saved["mcpServers"]["places"]["alwaysAllow"] == ["lookup"]
+    shown: list[bool] = []
+    original_ask = window.tools.approve
+
+    async def ask(*args):
+        shown.append(True)
+        return await original_ask(*args)
+
+    window.tools.approve = ask
+    _send(qtbot, window, "and now?")  # no click: it must not ask
+    assert not shown
+    assert len(log.read_text().split()) == 2
+
+
+def test_a_server_that_crashes_is_reported_and_the_app_goes_on(qtbot, make_window, run_async, tool_model, places):
+    command, log = places("crash")
+    window = _window(make_window, run_async, tool_model, command)
+    sent = _spy(window)
+    _, result = _send(qtbot, window, "weather?", decide="allow_button")
+    stored = window.store.thread(window.chat.conversation_id)[-1]
+    assert "⚠ The MCP server 'places' stopped" in stored.content and stored.status == "complete"
+    assert sent[1][-1]["content"].startswith("Error: The MCP server 'places' stopped")
+    # Still usable: without tools the next reply is ordinary text.
+    window.tools.remove_server("places")
+    _, again = _send(qtbot, window, "hello")
+    assert again.finish_reason in ("stop", "length") and again.stats.generated_tokens >= 1
+
+
+def test_a_server_that_hangs_times_out(qtbot, make_window, run_async, tool_model, places):
+    command, log = places("hang")
+    window = _window(make_window, run_async, tool_model, command)
+    window.tools.timeout_s = 2.0
+    notes: list[str] = []
+    window.chat.status.connect(notes.append)
+    _, result = _send(qtbot, window, "weather?", decide="allow_button")
+    stored = window.store.thread(window.chat.conversation_id)[-1]
+    assert "did not answer the call to lookup within 2 s" in stored.content and stored.status == "complete"
+    assert log.read_text().split()[0] in ("paris", "rome")  # it was called, and never answered
+    assert any("did not answer the call to lookup" in n for n in notes)  # and the status bar says so
+
+
+def test_settings_tools_lists_adds_and_removes_servers(qtbot, make_window, tmp_path):
+    window = make_window()
+    window.settings_toggle.setChecked(True)
+    window.settings.findChild(QPushButton, "toolsButton").click()
+    dialog = window.findChild(ToolsDialog)
+    assert dialog is not None and dialog.isVisible() and dialog.list.count() == 0
+    qtbot.keyClicks(dialog.name_edit, "files")
+    qtbot.keyClicks(dialog.target_edit, "npx -y some-mcp-server ~/Documents")
+    dialog.add_button.click()
+    qtbot.keyClicks(dialog.name_edit, "web")
+    qtbot.keyClicks(dialog.target_edit, "http://127.0.0.1:8000/mcp")
+    dialog.add_button.click()
+    qtbot.keyClicks(dialog.name_edit, "web")
+    qtbot.keyClicks(dialog.target_edit, "other")
+    dialog.add_button.click()
+    assert "already an MCP server called 'web'" in dialog.error.text()
+    assert [dialog.list.item(i).text().split()[0] for i in range(dialog.list.count())] == ["files", "web"]
+    saved = json.loads((tmp_path / "data" / "mcp.json").read_text())["mcpServers"]
+    assert saved == {"files": {"command": "npx", "args": ["-y", "some-mcp-server", "~/Documents"]},
+                     "web": {"url": "http://127.0.0.1:8000/mcp"}}
+    dialog.list.setCurrentRow(0)
+    dialog.remove_button.click()
+    assert [s.name for s in window.tools.servers] == ["web"]
+    # Read back as a new window would.
+    assert [(s.name, s.url) for s in load_servers(tmp_path / "data")] == [("web", "http://127.0.0.1:8000/mcp")]
+    # The chat's "first answer calls a tool" switch is a conversation setting.
+    window.settings.tool_required_box.setChecked(True)
+    assert window.store.conversation(window.chat.conversation_id).settings.get("tool_choice") == "required"
+
+
+def test_a_server_over_http(qtbot, make_window, run_async, tool_model, places):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command, log = places(f"http:{port}")
+    proc = subprocess.Popen(command.split(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        window = _window(make_window, run_async, tool_model, f"http://127.0.0.1:{port}/mcp")
+        assert window.tools.servers[0].url.endswith("/mcp")
+        _send(qtbot, window, "weather?", decide="allow_button")
+        city = log.read_text().split()[0]
+        assert f"→ weather in {city}: sunny" in window.store.thread(window.chat.conversation_id)[-1].content
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_stop_while_a_call_waits_for_approval_ends_the_reply(qtbot, make_window, run_async, tool_model, places):
+    command, log = places("ok")
+    window = _window(make_window, run_async, tool_model, command)
+    sent = _spy(window)
+    window.composer.edit.setPlainText("weather?")
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=90_000) as blocker:
+        window.composer.send_button.click()
+        qtbot.waitUntil(window.tool_approval.isVisible, timeout=60_000)
+        window.stop()  # Esc
+    _, result = blocker.args
+    assert result.finish_reason == "cancelled" and len(sent) == 1 and not log.exists()
+    stored = window.store.thread(window.chat.conversation_id)[-1]
+    assert stored.status == "cancelled" and "→ declined" in stored.content
+    assert not window.tool_approval.isVisible()
