@@ -284,7 +284,7 @@ def gemma3_pan_and_scan_goldens(image_dir: Path) -> tuple[dict, dict]:
                                      pad_token_id=0)
             new = gen.sequences[0, ids.shape[1]:].tolist()
             entry["token_ids"] = new
-            entry["token_logprobs"] = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(gen.logits, new)]
+            entry["token_logprobs"] = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, new)]
         meta["cases"][case] = entry
         print(f"pan-and-scan {case}: {picture.size}, {entry['num_crops']} crops, "
               f"{len(entry['prompt_ids'])} prompt ids, greedy {entry.get('token_ids')}")

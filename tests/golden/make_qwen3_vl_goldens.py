@@ -40,7 +40,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "engine" / "media"))
-from clips import make_clip
+from clips import make_clip  # noqa: E402  (found through the path set just above)
 
 OUT = HERE / "qwen3_vl"
 IMAGES = HERE.parents[1].parent / "shared" / "data" / "images"

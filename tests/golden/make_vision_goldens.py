@@ -102,7 +102,7 @@ def greedy(model, **inputs) -> tuple[list[int], list[float]]:
                              return_dict_in_generate=True, pad_token_id=0)
     n = inputs["input_ids"].shape[1]
     ids = out.sequences[0, n:].tolist()
-    lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, ids)]
+    lps = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
     return ids, lps
 
 

@@ -59,7 +59,10 @@ def test_greedy_is_argmax():
 
 def test_seeded_sampling_reproducible_and_seed_dependent():
     logits = mx.zeros((1, 50))
-    draw = lambda seed: [make_sampler(SamplingParams(temperature=1.0, seed=seed))(logits).item() for _ in range(1)]
+
+    def draw(seed):
+        return [make_sampler(SamplingParams(temperature=1.0, seed=seed))(logits).item() for _ in range(1)]
+
     a = make_sampler(SamplingParams(temperature=1.0, seed=7))
     b = make_sampler(SamplingParams(temperature=1.0, seed=7))
     c = make_sampler(SamplingParams(temperature=1.0, seed=8))
