@@ -430,7 +430,32 @@ class LoadDraftModel:
     path: str | None
 
 
+@dataclass
+class SaveSession:
+    """Save a session's KV cache, with what it is valid for, to ``path`` (a .safetensors
+    file, written atomically). Done with the bytes written (0: nothing worth saving)."""
+
+    session_id: str
+    path: str
+
+
+@dataclass
+class RestoreSession:
+    """Before a session's first turn: take the cache saved in ``path`` when it was made
+    under the loaded model, adapters, template and KV settings. Done with a
+    SessionRestore. A session that already holds a cache keeps it."""
+
+    session_id: str
+    path: str
+
+
+@dataclass(frozen=True)
+class SessionRestore:
+    tokens: int  # tokens now cached (0: nothing was restored)
+    reason: str = ""  # why not, when nothing was ("no saved cache", "another adapters", ...)
+
+
 Command = (
     LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Cancel | DropSession | GetModelInfo
-    | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel
+    | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel | SaveSession | RestoreSession
 )

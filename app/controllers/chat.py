@@ -110,6 +110,7 @@ class ChatController(QObject):
         view.version_requested.connect(self.switch_version)
         view.footer_source = self._live_footer
         self._started = 0.0
+        self.caches: Any = None  # SavedCaches: each conversation's KV cache kept between runs
 
     @property
     def busy(self) -> bool:
@@ -272,6 +273,9 @@ class ChatController(QObject):
         result: api.GenerationResult | None = None
         status = "error"
         try:
+            if self.caches is not None:
+                self.caches.note_reply(conv.id)
+                await self.caches.restore(conv.id)  # before this engine's first turn of the chat
             result = await self.bridge.generate(conv.id, messages, params)
             status = "cancelled" if result.finish_reason == "cancelled" else "complete"
             if result.finish_reason == "error":
@@ -288,6 +292,8 @@ class ChatController(QObject):
                 adapters = dict(getattr(result, "adapters", adapters))
                 self._note_speed(info.path, params.speculative, status, stats)
             reply_id, self.reply_id = self.reply_id, None
+            if result is not None and self.caches is not None:
+                spawn(self.caches.save(conv.id))
             self._save(reply_id, content=self._answer, reasoning=self._reasoning,
                        status=status, stats=stats, adapters=adapters)
             self.view.stop_streaming()

@@ -55,6 +55,7 @@ class SettingsPanel(QFrame):
     whisper_requested = Signal()  # "Choose…": pick a Whisper model folder
     whisper_cleared = Signal()
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
+    cache_budget_changed = Signal(object)  # bytes of disk for saved chat caches
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
@@ -135,6 +136,7 @@ class SettingsPanel(QFrame):
         self._show_pan_and_scan()
 
         self._budget_section(layout)
+        self._cache_budget_section(layout)
 
         layout.addWidget(QLabel("Speech to text", objectName="fieldTitle"))
         self.whisper_label, self.whisper_clear = self._picker_row(
@@ -221,6 +223,28 @@ class SettingsPanel(QFrame):
         self._budget_quiet = False
         self.budget_mode.currentIndexChanged.connect(self._budget_mode_changed)
         self.budget_value.valueChanged.connect(self._budget_edited)
+
+    def _cache_budget_section(self, layout: QVBoxLayout) -> None:
+        """App-wide: the disk the chats' saved KV caches may take (least recently used go first)."""
+        layout.addWidget(QLabel("Saved chat caches", objectName="fieldTitle"))
+        self.cache_budget = QDoubleSpinBox(objectName="cacheBudget")
+        self.cache_budget.setDecimals(1)
+        self.cache_budget.setRange(0.0, 10_000.0)
+        self.cache_budget.setSuffix(" GB on disk")
+        self.cache_budget.setKeyboardTracking(False)
+        self.cache_budget.setToolTip(
+            "Each chat's memory of what it has read is kept on disk, so a long chat reopens\n"
+            "without reading it all again. Past this size the least recently used go first;\n"
+            "0 keeps none. Chat → Clear saved caches deletes them all."
+        )
+        self.cache_budget.valueChanged.connect(
+            lambda gb: self._budget_quiet or emit(self.cache_budget_changed, int(round(gb * GB))))
+        layout.addWidget(self.cache_budget)
+
+    def show_cache_budget(self, nbytes: int) -> None:
+        self._budget_quiet = True
+        self.cache_budget.setValue(nbytes / GB)
+        self._budget_quiet = False
 
     # ---- values ----------------------------------------------------------------------
 

@@ -292,7 +292,10 @@ class ModelHost:
         from engine.runtime.saved_cache import restore_session
 
         self._check_thread()
-        return restore_session(path, self.session(session_id), self.session_identity())
+        chat = self.session(session_id)
+        if chat.ids:  # the live cache is at least as far along as any saved one
+            return 0, "the session already holds a cache"
+        return restore_session(path, chat, self.session_identity())
 
     def save_session(self, session_id: str, path: str) -> int:
         """Save ``session_id``'s cache to ``path`` (atomically); returns the bytes written."""

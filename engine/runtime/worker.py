@@ -35,6 +35,9 @@ from engine.api import (
     MemoryEvent,
     MountAdapter,
     ProgressEvent,
+    RestoreSession,
+    SaveSession,
+    SessionRestore,
     SetActiveAdapters,
     TokenEvent,
     Transcribe,
@@ -212,6 +215,11 @@ class EngineWorker:
             return None
         if isinstance(command, Generate | Complete):
             return self._generate(rid, command, cancel)
+        if isinstance(command, SaveSession):
+            return host.save_session(command.session_id, command.path)
+        if isinstance(command, RestoreSession):
+            tokens, reason = host.restore_session(command.session_id, command.path)
+            return SessionRestore(tokens, reason)
         if isinstance(command, GetModelInfo):
             return host.info if host.loaded else None
         if isinstance(command, MountAdapter):
