@@ -305,6 +305,8 @@ class ModelInfo:
     pan_and_scan: bool | None = None
     # The chat template's reasoning switch (GenerationParams.reasoning); None: it has none.
     reasoning_control: ReasoningControl | None = None
+    # How the KV cache is held: "" full precision, "8-bit g64", "per layer ..." (kv_config.json).
+    kv_cache: str = ""
 
 
 # ---- commands into the worker -------------------------------------------------
@@ -314,6 +316,10 @@ class ModelInfo:
 class LoadModel:
     path: str
     memory_budget: int | None = None
+    # Quantized KV cache: 4 or 8 bits in groups of kv_group_size (32/64/128); None: the
+    # model folder's kv_config.json when it ships one, else full precision.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 @dataclass

@@ -122,17 +122,33 @@ class ModelHost:
         budget: int | None = None,
         progress: LoadProgress | None = None,
         cancel: threading.Event | None = None,
+        *,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> ModelInfo:
         """Load a model folder, HF repo id (already cached) or .gguf file, replacing any
-        loaded model. Refuses before allocating when it cannot fit ``budget``."""
+        loaded model. Refuses before allocating when it cannot fit ``budget``. ``kv_bits``
+        (4 or 8) holds the KV cache quantized; None follows the folder's kv_config.json."""
+        from engine.runtime.memory import kv_settings_for, with_kv_settings
+
         self._check_thread()
+        if kv_bits is not None:
+            from engine.models.quantized_kv_cache import check_kv_settings
+
+            check_kv_settings(kv_bits, kv_group_size)  # refused before the old model goes
         self.unload()
         parts = assemble(path, budget, progress, cancel)
+        settings = kv_settings_for(parts.model, parts.path, kv_bits, kv_group_size)
+        if settings:
+            from engine.models.quantized_kv_cache import KVQuantization
+
+            parts.model.kv_quantization = KVQuantization(settings)
+        info = with_kv_settings(parts.info, parts.config, settings)
         self._loaded = _Loaded(
             model=parts.model, config=parts.config, path=parts.path, tokenizer=parts.tokenizer,
-            template=parts.template, eos_token_ids=parts.eos_token_ids, info=parts.info, towers=parts.towers,
+            template=parts.template, eos_token_ids=parts.eos_token_ids, info=info, towers=parts.towers,
         )
-        return parts.info
+        return info
 
     @property
     def towers(self) -> Any:
@@ -284,7 +300,7 @@ class ModelHost:
         state = self._need()
         if state.weights_digest is None:
             state.weights_digest = weights_fingerprint(state.path)
-        return session_identity(state.path, state.weights_digest, state.model, state.template)
+        return session_identity(state.path, state.weights_digest, state.model, state.template, state.info.kv_cache)
 
     def restore_session(self, session_id: str, path: str) -> tuple[int, str]:
         """Use the cache saved in ``path`` for ``session_id`` when it fits the loaded model,

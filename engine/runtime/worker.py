@@ -194,6 +194,8 @@ class EngineWorker:
             info = host.load(
                 command.path,
                 budget=command.memory_budget,
+                kv_bits=command.kv_bits,
+                kv_group_size=command.kv_group_size,
                 progress=lambda done, total, message="": self._emit(
                     ProgressEvent(rid, "load", float(done), float(total), message)
                 ),
