@@ -87,10 +87,10 @@ class EngineBridge(QObject):
 
     async def load_model(self, path: str, memory_budget: int | None = None,
                          prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
-                         ) -> api.ModelInfo:
+                         kv_bits: int | None = None) -> api.ModelInfo:
         """Load a model. ``prepare(info)`` runs once it has loaded (re-mounting adapters, say);
         until it is done the load still counts as under way, so ``wait_for_load`` waits too."""
-        rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget), "load")
+        rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits), "load")
         self.active_load = rid
         ready = asyncio.get_running_loop().create_future()
         self._loading = ready

@@ -47,6 +47,9 @@ SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft
 
 EFFORTS = ("low", "medium", "high")
 
+KV_CHOICES = (("Model's own (full precision)", None), ("8-bit (half the memory)", 8),
+              ("4-bit (a quarter of the memory)", 4))
+
 
 class SettingsPanel(QFrame):
     changed = Signal(str, dict)  # system prompt, settings (only values the user set)
@@ -56,6 +59,7 @@ class SettingsPanel(QFrame):
     whisper_cleared = Signal()
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
     cache_budget_changed = Signal(object)  # bytes of disk for saved chat caches
+    kv_bits_changed = Signal(object)  # 8 or 4 (quantized KV cache), None for the model's own
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
@@ -136,6 +140,7 @@ class SettingsPanel(QFrame):
         self._show_pan_and_scan()
 
         self._budget_section(layout)
+        self._kv_section(layout)
         self._cache_budget_section(layout)
 
         layout.addWidget(QLabel("Speech to text", objectName="fieldTitle"))
@@ -223,6 +228,28 @@ class SettingsPanel(QFrame):
         self._budget_quiet = False
         self.budget_mode.currentIndexChanged.connect(self._budget_mode_changed)
         self.budget_value.valueChanged.connect(self._budget_edited)
+
+    def _kv_section(self, layout: QVBoxLayout) -> None:
+        """App-wide: how the KV cache is held (applies from the next model load)."""
+        layout.addWidget(QLabel("Context memory", objectName="fieldTitle"))
+        self.kv_choice = QComboBox(objectName="kvChoice")
+        for label, bits in KV_CHOICES:
+            self.kv_choice.addItem(label, bits)
+        self.kv_choice.setToolTip(
+            "How the model's memory of the chat (its KV cache) is held. 8-bit takes about half\n"
+            "the memory of full precision with nearly the same replies; 4-bit about a quarter,\n"
+            "with replies that drift more. Model's own: full precision, or the per-layer\n"
+            "setting a model ships in kv_config.json. Applies from the next model load."
+        )
+        self.kv_choice.currentIndexChanged.connect(
+            lambda _i: self._budget_quiet or emit(self.kv_bits_changed, self.kv_choice.currentData()))
+        layout.addWidget(self.kv_choice)
+
+    def show_kv_bits(self, bits: int | None) -> None:
+        self._budget_quiet = True
+        index = self.kv_choice.findData(bits)
+        self.kv_choice.setCurrentIndex(max(0, index))
+        self._budget_quiet = False
 
     def _cache_budget_section(self, layout: QVBoxLayout) -> None:
         """App-wide: the disk the chats' saved KV caches may take (least recently used go first)."""

@@ -131,3 +131,28 @@ def test_disk_budget_drops_least_recently_used_and_clear_empties(qtbot, make_win
     assert "cleared" in window.statusBar().currentMessage()
     assert all("Saved cache" not in window.sidebar.list.item(i).toolTip()
                for i in range(window.sidebar.list.count()))
+
+
+def test_kv_precision_in_settings_applies_at_load_counts_in_the_gauge_and_keys_the_saved_cache(
+        qtbot, make_window, run_async, tiny_model):
+    window = make_window()
+    _load(window, run_async, tiny_model)
+    full_per_token = window.gauge.kv_per_token
+    assert window.bridge.model_info.kv_cache == ""
+    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData(8))
+    assert window.store.preference("kv_bits") == 8
+    assert "next model load" in window.statusBar().currentMessage()
+    _load(window, run_async, tiny_model)
+    assert window.bridge.model_info.kv_cache == "8-bit g64"
+    assert window.gauge.kv_per_token < 0.6 * full_per_token
+    window.store.update_conversation(window.chat.conversation_id, settings=GREEDY)
+    result, written = _send_and_save(qtbot, window, "hello there")
+    assert result.finish_reason == "length" and written > 0
+    assert window.gauge.figures.get("kv_bytes", 0) > 0
+
+    window.settings.kv_choice.setCurrentIndex(0)  # back to full precision: the file no longer fits
+    _load(window, run_async, tiny_model)
+    conv = window.chat.conversation_id
+    window.bridge.drop_session(conv)
+    _send_and_save(qtbot, window, "and again")
+    assert window.caches.last_restore[conv].reason == "the saved cache was made with another kv"
