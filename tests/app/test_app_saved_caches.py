@@ -156,3 +156,29 @@ def test_kv_precision_in_settings_applies_at_load_counts_in_the_gauge_and_keys_t
     window.bridge.drop_session(conv)
     _send_and_save(qtbot, window, "and again")
     assert window.caches.last_restore[conv].reason == "the saved cache was made with another kv"
+
+
+def test_quitting_mid_reply_saves_the_cache_before_the_engine_stops(qtbot, make_window, run_async,
+                                                                   tiny_model, tmp_path):
+    data = tmp_path / "data"
+    window = make_window(data)
+    _load(window, run_async, tiny_model)
+    window.store.update_conversation(window.chat.conversation_id,
+                                     settings={"max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True})
+    tokens: list[str] = []
+    window.bridge.token.connect(lambda rid, text, ch: tokens.append(text))
+    window.composer.edit.setFocus()
+    qtbot.keyClicks(window.composer.edit, "go on and on")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: len(tokens) >= 5, timeout=60_000)
+    conv = window.chat.conversation_id
+    path = window.caches.path_for(conv)
+    assert not path.exists()
+    window.close()  # stops the reply; the worker saves the cache before it shuts down
+    qtbot.waitUntil(lambda: not window.chat.busy, timeout=10_000)
+    window.store.close()
+    assert path.is_file() and path.stat().st_size > 0
+
+    again = make_window(data)
+    _load(again, run_async, tiny_model)
+    assert run_async(again.caches.restore(conv)) > len(tokens)
