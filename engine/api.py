@@ -50,6 +50,11 @@ class GenerationParams:
     # the JSON), {"type": "regex", "pattern": "..."} or {"type": "lark", "grammar": "..."};
     # the output always matches it.
     constraint: dict[str, Any] | None = None
+    # When a chat outgrows the model's context (engine.runtime.context_policy): "stop" caps
+    # the reply at the limit, "truncate_middle" keeps the system prompt and first exchange
+    # and drops the oldest turns after it, "rolling" drops the oldest turns. None: neither
+    # (the engine's own limits apply).
+    context_policy: Literal["stop", "truncate_middle", "rolling"] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,10 @@ class GenerationResult:
     adapters: dict[str, float] = field(default_factory=dict)  # active adapters -> scale
     # With GenerationParams.top_logprobs: per generated token, the most likely (id, logprob).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With GenerationParams.context_policy: earlier messages left out to fit the context, and
+    # whether the reply ended because the context was full.
+    dropped_messages: int = 0
+    context_full: bool = False
 
 
 @dataclass

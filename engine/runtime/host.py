@@ -284,6 +284,7 @@ class ModelHost:
                 towers=state.towers if state.towers.kinds else None,
             )
             chat.draft_model = state.draft.model if state.draft is not None else None
+            chat.context_length = int(state.info.context_length or 0)
             state.sessions[session_id] = chat
         return chat
 
