@@ -47,6 +47,10 @@ SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft
 
 EFFORTS = ("low", "medium", "high")
 
+# Context overflow policies (GenerationParams.context_policy); the first is a chat's default.
+OVERFLOW = (("Truncate the middle", "truncate_middle"), ("Rolling window", "rolling"),
+            ("Stop at the limit", "stop"))
+
 KV_CHOICES = (("Model's own (full precision)", None), ("8-bit (half the memory)", 8),
               ("4-bit (a quarter of the memory)", 4))
 
@@ -108,6 +112,19 @@ class SettingsPanel(QFrame):
         self.stop_edit.textChanged.connect(self._emit)
         form.addRow("Stop strings", self.stop_edit)
         layout.addLayout(form)
+
+        layout.addWidget(QLabel("When the chat outgrows the context", objectName="fieldTitle"))
+        self.overflow_box = QComboBox(objectName="overflowBox")
+        for label, _ in OVERFLOW:
+            self.overflow_box.addItem(label)
+        self.overflow_box.setToolTip(
+            "What happens once this chat is longer than the model can read at once.\n"
+            "Truncate the middle: keep the system prompt and the first exchange, leave out the\n"
+            "oldest turns after it. Rolling window: leave out the oldest turns. Stop at the\n"
+            "limit: leave nothing out; the reply stops where the context ends."
+        )
+        self.overflow_box.currentIndexChanged.connect(self._emit)
+        layout.addWidget(self.overflow_box)
 
         layout.addWidget(QLabel("Speculative decoding", objectName="fieldTitle"))
         self.speculative_box = QComboBox(objectName="speculativeBox")
@@ -332,6 +349,9 @@ class SettingsPanel(QFrame):
         modes = [mode for _, mode in SPECULATIVE]
         spec = settings.get("speculative")
         self.speculative_box.setCurrentIndex(modes.index(spec) if spec in modes else 0)
+        policies = [policy for _, policy in OVERFLOW]
+        policy = settings.get("context_overflow")
+        self.overflow_box.setCurrentIndex(policies.index(policy) if policy in policies else 0)
         split = settings.get("pan_and_scan")
         self.pan_and_scan_box.setChecked(bool(self.pan_and_scan_default if split is None else split))
         choice = settings.get("reasoning")
@@ -360,6 +380,9 @@ class SettingsPanel(QFrame):
         spec = SPECULATIVE[max(0, self.speculative_box.currentIndex())][1]
         if spec:
             out["speculative"] = spec
+        policy = OVERFLOW[max(0, self.overflow_box.currentIndex())][1]
+        if everything or policy != OVERFLOW[0][1]:
+            out["context_overflow"] = policy
         if self.pan_and_scan_default is not None:
             split = self.pan_and_scan_box.isChecked()
             if everything or split != self.pan_and_scan_default:

@@ -1,6 +1,6 @@
-"""Chats reopen without re-reading them: each conversation's KV cache is saved in the data
-folder when a reply ends and offered back to the engine after a restart (real window,
-real worker, tiny llama)."""
+"""Long chats in the window (real worker, tiny llama): each conversation's KV cache is saved
+in the data folder when a reply ends or the app quits and offered back after a restart;
+the disk budget; the KV precision choice; the context overflow policies."""
 
 from __future__ import annotations
 
@@ -182,3 +182,54 @@ def test_quitting_mid_reply_saves_the_cache_before_the_engine_stops(qtbot, make_
     again = make_window(data)
     _load(again, run_async, tiny_model)
     assert run_async(again.caches.restore(conv)) > len(tokens)
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    """The tiny llama with a 256-token context."""
+    import json
+
+    from tests.tiny_models import make_tiny_llama
+
+    folder = make_tiny_llama(tmp_path_factory.mktemp("short") / "tiny-256")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    return folder
+
+
+def _long_chat(window, turns: int) -> None:
+    conv = window.chat.conversation_id or window.store.create_conversation()
+    window.chat.conversation_id = conv
+    parent = None
+    for i in range(turns):
+        parent = window.store.add_message(conv, "user", f"question {i}: the quick brown fox", parent)
+        parent = window.store.add_message(conv, "assistant", f"answer {i}: hello there how are you", parent,
+                                          status="complete")
+    window.chat.refresh()
+
+
+@pytest.mark.parametrize("policy", [None, "rolling", "stop"])
+def test_overflow_policies_at_the_edge_of_a_256_token_context(qtbot, make_window, run_async, short_model,
+                                                             policy):
+    window = make_window()
+    _load(window, run_async, short_model)
+    assert window.bridge.model_info.context_length == 256
+    _long_chat(window, 12 if policy != "stop" else 1)
+    settings = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    if policy:
+        settings["context_overflow"] = policy
+    window.store.update_conversation(window.chat.conversation_id, settings=settings)
+    window.settings.load("", settings)
+    assert window.settings.values().get("context_overflow") == policy  # None: the default, truncate the middle
+    result, _ = _send_and_save(qtbot, window, "and the last question")
+    footer = window.chat_view.widgets[window.store.thread(window.chat.conversation_id)[-1].id].stats_label.text()
+    assert result.finish_reason == "length" and result.error is None
+    assert result.stats.prompt_tokens + result.stats.generated_tokens <= 256
+    if policy == "stop":
+        assert result.dropped_messages == 0 and result.context_full
+        assert "stopped at the context limit" in footer
+    else:
+        assert result.dropped_messages > 0
+        assert f"{result.dropped_messages} earlier messages outside the model's context" in footer
+        stored = window.store.thread(window.chat.conversation_id)[-1].stats
+        assert stored["dropped_messages"] == result.dropped_messages
