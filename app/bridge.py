@@ -87,10 +87,10 @@ class EngineBridge(QObject):
 
     async def load_model(self, path: str, memory_budget: int | None = None,
                          prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
-                         ) -> api.ModelInfo:
+                         kv_bits: int | None = None) -> api.ModelInfo:
         """Load a model. ``prepare(info)`` runs once it has loaded (re-mounting adapters, say);
         until it is done the load still counts as under way, so ``wait_for_load`` waits too."""
-        rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget), "load")
+        rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits), "load")
         self.active_load = rid
         ready = asyncio.get_running_loop().create_future()
         self._loading = ready
@@ -235,6 +235,23 @@ class EngineBridge(QObject):
             return False
         self._submit_quiet(api.Cancel(target=target))
         return True
+
+    async def save_session(self, conversation_id: int | str, path: str) -> int:
+        """Save the conversation's KV cache to ``path``; resolves with the bytes written."""
+        _, fut = self._request(api.SaveSession(session_id=str(conversation_id), path=path), "save-cache")
+        written: int = await fut
+        return written
+
+    def save_session_soon(self, conversation_id: int | str, path: str) -> None:
+        """Queue a save without waiting for it (at quit: the worker writes it before it stops)."""
+        if self._worker is not None:
+            self._submit_quiet(api.SaveSession(session_id=str(conversation_id), path=path))
+
+    async def restore_session(self, conversation_id: int | str, path: str) -> api.SessionRestore:
+        """Before a conversation's first turn in this engine: use its saved cache if it fits."""
+        _, fut = self._request(api.RestoreSession(session_id=str(conversation_id), path=path), "restore-cache")
+        restored: api.SessionRestore = await fut
+        return restored
 
     def drop_session(self, conversation_id: int | str) -> None:
         if self._worker is not None:

@@ -51,6 +51,11 @@ class GenerationParams:
     # the JSON), {"type": "regex", "pattern": "..."} or {"type": "lark", "grammar": "..."};
     # the output always matches it.
     constraint: dict[str, Any] | None = None
+    # When a chat outgrows the model's context (engine.runtime.context_policy): "stop" caps
+    # the reply at the limit, "truncate_middle" keeps the system prompt and first exchange
+    # and drops the oldest turns after it, "rolling" drops the oldest turns. None: neither
+    # (the engine's own limits apply).
+    context_policy: Literal["stop", "truncate_middle", "rolling"] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,10 @@ class GenerationResult:
     adapters: dict[str, float] = field(default_factory=dict)  # active adapters -> scale
     # With GenerationParams.top_logprobs: per generated token, the most likely (id, logprob).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With GenerationParams.context_policy: earlier messages left out to fit the context, and
+    # whether the reply ended because the context was full.
+    dropped_messages: int = 0
+    context_full: bool = False
 
 
 @dataclass
@@ -318,6 +327,8 @@ class ModelInfo:
     embedding_dimensions: int | None = None
     # How the chat template's model writes tool calls (a key of engine.text.tool_calls.FORMATS); None: unknown.
     tool_format: str | None = None
+    # How the KV cache is held: "" full precision, "8-bit g64", "per layer ..." (kv_config.json).
+    kv_cache: str = ""
 
 
 # ---- commands into the worker -------------------------------------------------
@@ -327,6 +338,10 @@ class ModelInfo:
 class LoadModel:
     path: str
     memory_budget: int | None = None
+    # Quantized KV cache: 4 or 8 bits in groups of kv_group_size (32/64/128); None: the
+    # model folder's kv_config.json when it ships one, else full precision.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 @dataclass
@@ -457,8 +472,33 @@ class LoadDraftModel:
     path: str | None
 
 
+@dataclass
+class SaveSession:
+    """Save a session's KV cache, with what it is valid for, to ``path`` (a .safetensors
+    file, written atomically). Done with the bytes written (0: nothing worth saving)."""
+
+    session_id: str
+    path: str
+
+
+@dataclass
+class RestoreSession:
+    """Before a session's first turn: take the cache saved in ``path`` when it was made
+    under the loaded model, adapters, template and KV settings. Done with a
+    SessionRestore. A session that already holds a cache keeps it."""
+
+    session_id: str
+    path: str
+
+
+@dataclass(frozen=True)
+class SessionRestore:
+    tokens: int  # tokens now cached (0: nothing was restored)
+    reason: str = ""  # why not, when nothing was ("no saved cache", "another adapters", ...)
+
+
 Command = (
     LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Embed | Cancel | DropSession
     | GetModelInfo
-    | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel
+    | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel | SaveSession | RestoreSession
 )

@@ -46,6 +46,8 @@ class TranscriptView(Protocol):
 SAVE_INTERVAL_MS = 500
 RETRY_SAVE_MS = 5000  # a final save that failed (full disk) is tried again this often
 
+DEFAULT_OVERFLOW = "truncate_middle"  # a chat's context overflow policy unless it sets one
+
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 
 
@@ -70,6 +72,9 @@ def build_params(
         params.speculative = merged["speculative"]
     if isinstance(merged.get("pan_and_scan"), bool):  # unset: the model's own setting
         params.pan_and_scan = merged["pan_and_scan"]
+    policy = merged.get("context_overflow") or DEFAULT_OVERFLOW
+    if policy in ("stop", "truncate_middle", "rolling"):
+        params.context_policy = policy
     if accepts_reasoning(reasoning_control, settings.get("reasoning")):
         params.reasoning = settings["reasoning"]
     return params
@@ -117,6 +122,7 @@ class ChatController(QObject):
         self._started = 0.0
         self.tools: ToolsController | None = None  # MCP tools offered to the model, if any
         self._stop_tools = False  # Stop pressed between generations (during a tool call)
+        self.caches: Any = None  # SavedCaches: each conversation's KV cache kept between runs
 
     @property
     def busy(self) -> bool:
@@ -288,6 +294,9 @@ class ChatController(QObject):
         result: api.GenerationResult | None = None
         status = "error"
         try:
+            if self.caches is not None:
+                self.caches.note_reply(conv.id)
+                await self.caches.restore(conv.id)  # before this engine's first turn of the chat
             result = await self.bridge.generate(conv.id, messages, params, tools=tools)
             if tools:
                 result = await self._tool_rounds(conv.id, messages, params, tools, info, result)
@@ -305,7 +314,13 @@ class ChatController(QObject):
                 self._answer, self._reasoning = result.text, result.reasoning
                 adapters = dict(getattr(result, "adapters", adapters))
                 self._note_speed(info.path, params.speculative, status, stats)
+                if getattr(result, "dropped_messages", 0):
+                    stats["dropped_messages"] = result.dropped_messages
+                if getattr(result, "context_full", False):
+                    stats["context_full"] = True
             reply_id, self.reply_id = self.reply_id, None
+            if result is not None and self.caches is not None:
+                spawn(self.caches.save(conv.id))
             self._save(reply_id, content=self._answer, reasoning=self._reasoning,
                        status=status, stats=stats, adapters=adapters)
             self.view.stop_streaming()

@@ -20,6 +20,9 @@ from app.ui.memory_gauge import MemoryGauge
 from app.ui.settings_panel import SettingsPanel
 
 
+KV_BITS_KEY = "kv_bits"
+
+
 class LoadSetup(QObject):
     notice = Signal(str)  # a line for the status bar
 
@@ -29,6 +32,8 @@ class LoadSetup(QObject):
         self.store, self.bridge, self.settings, self.gauge = store, bridge, settings, gauge
         self.skipped = ""  # the last remount's notice about adapters it had to forget
         settings.memory_budget_changed.connect(self.set_budget)
+        settings.kv_bits_changed.connect(self.set_kv_bits)
+        settings.show_kv_bits(self.kv_bits_for_load())
         self._show_budget()
 
     def _save(self, write: Any, *args: Any, **kwargs: Any) -> bool:
@@ -40,6 +45,20 @@ class LoadSetup(QObject):
             emit(self.notice, f"{exc} This setting is not remembered.")
             return False
         return True
+
+    # ---- the KV cache's precision -----------------------------------------------------------
+
+    def kv_bits_for_load(self) -> int | None:
+        """What LoadModel carries as kv_bits: 8 or 4, or None for the model's own setting."""
+        bits = self.store.preference(KV_BITS_KEY)
+        return bits if bits in (4, 8) else None
+
+    def set_kv_bits(self, bits: int | None) -> None:
+        if not self._save(self.store.set_preference, KV_BITS_KEY, bits):
+            self.settings.show_kv_bits(self.kv_bits_for_load())
+            return
+        if self.bridge.model_info is not None:
+            emit(self.notice, "The new context memory setting applies from the next model load.")
 
     # ---- the memory budget ----------------------------------------------------------------
 

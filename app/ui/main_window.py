@@ -10,6 +10,7 @@ from app.bridge import EngineBridge, run_in_thread
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
 from app.controllers.models import ModelController
+from app.controllers.saved_caches import SavedCaches
 from app.controllers.transcription import WHISPER_KEY, TranscriptionController
 from app.controllers.tools import ToolsController
 from app.qt import (
@@ -74,6 +75,9 @@ class MainWindow(QMainWindow):
         self.gauge = MemoryGauge()
         self.load_setup = LoadSetup(store, bridge, self.settings, self.gauge, self)
         self.chat = ChatController(store, bridge, self.chat_view, self)
+        self.caches = SavedCaches(bridge, store, self)
+        self.chat.caches = self.caches
+        self.sidebar.cache_sizes = self.caches.sizes
         self.adapter_control = AdapterController(store, bridge, self.chat, self.load_setup, self)
         self.models = ModelController(bridge, self.load_setup, self.adapter_control, self)
         self.transcription = TranscriptionController(store, bridge, self)
@@ -146,6 +150,10 @@ class MainWindow(QMainWindow):
         self.load_setup.notice.connect(self.notify)
         self.chat.busy_changed.connect(self.composer.set_busy)
         self.chat.status.connect(self.notify)
+        self.caches.status.connect(self.notify)
+        self.caches.changed.connect(self.sidebar.update_tooltips)
+        self.settings.show_cache_budget(self.caches.budget)
+        self.settings.cache_budget_changed.connect(self.caches.set_budget)
         self.chat.failed.connect(self.show_error)
         self.chat.conversations_changed.connect(lambda: self.sidebar.reload(self.chat.conversation_id))
         self.chat.reply_finished.connect(self._reply_finished)
@@ -175,6 +183,7 @@ class MainWindow(QMainWindow):
         chat = bar.addMenu("&Chat")
         chat.addAction("New chat", QKeySequence.StandardKey.New, self.new_chat)
         chat.addAction("Stop reply (Esc)", self.stop)
+        chat.addAction("Clear saved caches", self.clear_saved_caches)
         chat.addSeparator()
         chat.addAction("Settings", QKeySequence("Ctrl+,"), self.settings_toggle.toggle)
         chat.addAction("Tools (MCP servers)…", self.open_tools)
@@ -274,6 +283,7 @@ class MainWindow(QMainWindow):
 
     def _deleted(self, cid: int) -> None:
         self.bridge.drop_session(cid)
+        self.caches.forget(cid)
         if cid == self.chat.conversation_id:
             self.chat.conversation_id = None
             recent = self.store.list_conversations()
@@ -454,6 +464,13 @@ class MainWindow(QMainWindow):
                 self.notify(warning)
         return warning
 
+    def clear_saved_caches(self) -> None:
+        from app.memory_units import fmt_bytes
+
+        freed = self.caches.clear()
+        self.notify(f"Saved chat caches cleared ({fmt_bytes(freed)} freed); "
+                    "the next turn of each chat reads it in full once.")
+
     def _reply_finished(self, message_id: int, result) -> None:
         self.check_memory()
         self._maybe_screenshot(final=True)
@@ -483,6 +500,7 @@ class MainWindow(QMainWindow):
         self.tools.close()
         self.server_menu.controller.stop()
         self.chat.stop()
+        self.caches.save_at_quit()  # queued behind the reply being stopped
         self.bridge.shutdown(5.0)
         super().closeEvent(event)
 

@@ -329,6 +329,13 @@ class MessageWidget(QFrame):
         if stats.get("cached_tokens"):
             details.append(f"{stats['cached_tokens']} of {stats.get('prompt_tokens', 0)} prompt "
                            "tokens reused from the cache")
+        if stats.get("context_full"):
+            parts.append("stopped at the context limit")
+            details.append("The reply reached the end of the model's context. Start a new chat, or choose "
+                           "Truncate the middle or Rolling window in Settings to leave out older turns.")
+        if stats.get("dropped_messages"):
+            n = stats["dropped_messages"]
+            parts.append(f"{n} earlier message{'s' if n != 1 else ''} outside the model's context")
         if status in ("cancelled", "interrupted"):
             parts.append("stopped")
         elif status == "error":

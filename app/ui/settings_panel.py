@@ -47,6 +47,13 @@ SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft
 
 EFFORTS = ("low", "medium", "high")
 
+# Context overflow policies (GenerationParams.context_policy); the first is a chat's default.
+OVERFLOW = (("Truncate the middle", "truncate_middle"), ("Rolling window", "rolling"),
+            ("Stop at the limit", "stop"))
+
+KV_CHOICES = (("Model's own (full precision)", None), ("8-bit (half the memory)", 8),
+              ("4-bit (a quarter of the memory)", 4))
+
 
 class SettingsPanel(QFrame):
     changed = Signal(str, dict)  # system prompt, settings (only values the user set)
@@ -56,6 +63,8 @@ class SettingsPanel(QFrame):
     tools_requested = Signal()  # "MCP servers…": the Tools dialog
     whisper_cleared = Signal()
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
+    cache_budget_changed = Signal(object)  # bytes of disk for saved chat caches
+    kv_bits_changed = Signal(object)  # 8 or 4 (quantized KV cache), None for the model's own
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
@@ -105,6 +114,19 @@ class SettingsPanel(QFrame):
         form.addRow("Stop strings", self.stop_edit)
         layout.addLayout(form)
 
+        layout.addWidget(QLabel("When the chat outgrows the context", objectName="fieldTitle"))
+        self.overflow_box = QComboBox(objectName="overflowBox")
+        for label, _ in OVERFLOW:
+            self.overflow_box.addItem(label)
+        self.overflow_box.setToolTip(
+            "What happens once this chat is longer than the model can read at once.\n"
+            "Truncate the middle: keep the system prompt and the first exchange, leave out the\n"
+            "oldest turns after it. Rolling window: leave out the oldest turns. Stop at the\n"
+            "limit: leave nothing out; the reply stops where the context ends."
+        )
+        self.overflow_box.currentIndexChanged.connect(self._emit)
+        layout.addWidget(self.overflow_box)
+
         layout.addWidget(QLabel("Speculative decoding", objectName="fieldTitle"))
         self.speculative_box = QComboBox(objectName="speculativeBox")
         for label, _ in SPECULATIVE:
@@ -148,6 +170,8 @@ class SettingsPanel(QFrame):
         layout.addWidget(self.tool_required_box)
 
         self._budget_section(layout)
+        self._kv_section(layout)
+        self._cache_budget_section(layout)
 
         layout.addWidget(QLabel("Speech to text", objectName="fieldTitle"))
         self.whisper_label, self.whisper_clear = self._picker_row(
@@ -235,6 +259,50 @@ class SettingsPanel(QFrame):
         self.budget_mode.currentIndexChanged.connect(self._budget_mode_changed)
         self.budget_value.valueChanged.connect(self._budget_edited)
 
+    def _kv_section(self, layout: QVBoxLayout) -> None:
+        """App-wide: how the KV cache is held (applies from the next model load)."""
+        layout.addWidget(QLabel("Context memory", objectName="fieldTitle"))
+        self.kv_choice = QComboBox(objectName="kvChoice")
+        for label, bits in KV_CHOICES:
+            self.kv_choice.addItem(label, bits)
+        self.kv_choice.setToolTip(
+            "How the model's memory of the chat (its KV cache) is held. 8-bit takes about half\n"
+            "the memory of full precision with nearly the same replies; 4-bit about a quarter,\n"
+            "with replies that drift more. Model's own: full precision, or the per-layer\n"
+            "setting a model ships in kv_config.json. Applies from the next model load."
+        )
+        self.kv_choice.currentIndexChanged.connect(
+            lambda _i: self._budget_quiet or emit(self.kv_bits_changed, self.kv_choice.currentData()))
+        layout.addWidget(self.kv_choice)
+
+    def show_kv_bits(self, bits: int | None) -> None:
+        self._budget_quiet = True
+        index = self.kv_choice.findData(bits)
+        self.kv_choice.setCurrentIndex(max(0, index))
+        self._budget_quiet = False
+
+    def _cache_budget_section(self, layout: QVBoxLayout) -> None:
+        """App-wide: the disk the chats' saved KV caches may take (least recently used go first)."""
+        layout.addWidget(QLabel("Saved chat caches", objectName="fieldTitle"))
+        self.cache_budget = QDoubleSpinBox(objectName="cacheBudget")
+        self.cache_budget.setDecimals(1)
+        self.cache_budget.setRange(0.0, 10_000.0)
+        self.cache_budget.setSuffix(" GB on disk")
+        self.cache_budget.setKeyboardTracking(False)
+        self.cache_budget.setToolTip(
+            "Each chat's memory of what it has read is kept on disk, so a long chat reopens\n"
+            "without reading it all again. Past this size the least recently used go first;\n"
+            "0 keeps none. Chat → Clear saved caches deletes them all."
+        )
+        self.cache_budget.valueChanged.connect(
+            lambda gb: self._budget_quiet or emit(self.cache_budget_changed, int(round(gb * GB))))
+        layout.addWidget(self.cache_budget)
+
+    def show_cache_budget(self, nbytes: int) -> None:
+        self._budget_quiet = True
+        self.cache_budget.setValue(nbytes / GB)
+        self._budget_quiet = False
+
     # ---- values ----------------------------------------------------------------------
 
     def set_model_defaults(self, defaults: dict[str, Any]) -> None:
@@ -294,6 +362,9 @@ class SettingsPanel(QFrame):
         modes = [mode for _, mode in SPECULATIVE]
         spec = settings.get("speculative")
         self.speculative_box.setCurrentIndex(modes.index(spec) if spec in modes else 0)
+        policies = [policy for _, policy in OVERFLOW]
+        policy = settings.get("context_overflow")
+        self.overflow_box.setCurrentIndex(policies.index(policy) if policy in policies else 0)
         split = settings.get("pan_and_scan")
         self.pan_and_scan_box.setChecked(bool(self.pan_and_scan_default if split is None else split))
         self.tool_required_box.setChecked(settings.get("tool_choice") == "required")
@@ -323,6 +394,9 @@ class SettingsPanel(QFrame):
         spec = SPECULATIVE[max(0, self.speculative_box.currentIndex())][1]
         if spec:
             out["speculative"] = spec
+        policy = OVERFLOW[max(0, self.overflow_box.currentIndex())][1]
+        if everything or policy != OVERFLOW[0][1]:
+            out["context_overflow"] = policy
         if self.pan_and_scan_default is not None:
             split = self.pan_and_scan_box.isChecked()
             if everything or split != self.pan_and_scan_default:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from app.qt import (
@@ -22,6 +23,7 @@ from app.qt import (
     QWidget,
     Signal,
 )
+from app.memory_units import fmt_bytes
 from app.store import HistoryStore
 
 ID_ROLE = Qt.ItemDataRole.UserRole
@@ -60,15 +62,30 @@ class Sidebar(QFrame):
         self.list.itemDoubleClicked.connect(lambda item: self.rename(item.data(ID_ROLE)))
         layout.addWidget(self.list, 1)
         self._quiet = False
+        # Conversation id -> bytes of its saved KV cache (the window sets it).
+        self.cache_sizes: Callable[[], dict[int, int]] | None = None
+
+    def _tooltip(self, title: str, size: int | None) -> str:
+        if not size:
+            return title
+        return f"{title}\nSaved cache: {fmt_bytes(size)} (reopens without re-reading the chat)"
+
+    def update_tooltips(self) -> None:
+        """Refresh each chat's tooltip after its saved cache changed."""
+        sizes = self.cache_sizes() if self.cache_sizes else {}
+        for row in range(self.list.count()):
+            item = self.list.item(row)
+            item.setToolTip(self._tooltip(item.text(), sizes.get(item.data(ID_ROLE))))
 
     def reload(self, select: int | None = None) -> None:
         current = select if select is not None else self.current_id()
         self._quiet = True
         self.list.clear()
+        sizes = self.cache_sizes() if self.cache_sizes else {}
         for conv in self.store.list_conversations(self.search.text().strip()):
             item = QListWidgetItem(conv.title)
             item.setData(ID_ROLE, conv.id)
-            item.setToolTip(conv.title)
+            item.setToolTip(self._tooltip(conv.title, sizes.get(conv.id)))
             self.list.addItem(item)
             if conv.id == current:
                 self.list.setCurrentItem(item)

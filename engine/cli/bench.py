@@ -168,6 +168,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], help="hold the KV cache quantized (both loops)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
+    p.add_argument("--reopen", action="store_true",
+                   help="time to first token reopening a -p token chat from its saved cache vs prefilling it")
     add_media_arguments(p)
 
 
@@ -260,7 +264,8 @@ def _ours_plain(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
 def _theirs(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
     from mlx_lm.generate import generate_step
 
-    for token, _ in generate_step(prompt, model, max_tokens=max_tokens, prefill_step_size=2048):
+    kv = getattr(model, "bench_kv", None) or {}  # --kv-bits: mlx-lm's QuantizedKVCache from the start
+    for token, _ in generate_step(prompt, model, max_tokens=max_tokens, prefill_step_size=2048, **kv):
         yield int(token)
 
 
@@ -371,6 +376,19 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
           f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
     out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
                            "group_size": args.group_size, "mode": args.mode, "device": str(mx.default_device())}
+    kv_bits = getattr(args, "kv_bits", None)
+    if kv_bits is not None:
+        from engine.models.kv_cache import make_prompt_cache
+        from engine.models.quantized_kv_cache import KVQuantization, describe, uniform
+
+        settings = uniform(kv_bits, args.kv_group_size, len(make_prompt_cache(model)))
+        model.kv_quantization = KVQuantization(settings)
+        out["kv_cache"] = describe(settings)
+        print(f"KV cache held at {out['kv_cache']}", flush=True)
+    if getattr(args, "reopen", False):
+        from engine.cli.bench_reopen import run_reopen
+
+        out["reopen"] = run_reopen(model, prompt, config["vocab_size"], args.seed)
     if getattr(args, "concurrent", None) and concurrent is not None:
         out.update(concurrent(args, model, config, quantized))
         if args.json:
@@ -383,7 +401,14 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
         return 0
     loops: list[tuple[Loop, Any]] = [(_ours_plain if args.no_compile else _ours, model)]
     if args.vs == "mlx-lm":
-        loops.append((_theirs, mlx_lm_twin(model, config, quantized)))
+        twin = mlx_lm_twin(model, config, quantized)
+        if kv_bits is not None:
+            head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            if head_dim % args.kv_group_size:
+                raise EngineError(f"mlx-lm's quantized KV cache needs heads ({head_dim}) divisible by "
+                                  f"--kv-group-size {args.kv_group_size}; pick another shape or group size")
+            twin.bench_kv = {"kv_bits": kv_bits, "kv_group_size": args.kv_group_size, "quantized_kv_start": 0}
+        loops.append((_theirs, twin))
     timed = measure_interleaved(loops, prompt, args.generation_tokens, args.repeat)
     ours = timed[0][0]
     print(_row("engine", ours), flush=True)

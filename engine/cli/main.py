@@ -70,6 +70,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--logprobs", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+    _add_kv_arguments(p)
     p.add_argument("--cache-file", metavar="FILE.safetensors",
                    help="reuse the KV cache saved in FILE when the prompt starts with its tokens "
                         "(same model, adapters and template); save the new cache there")
@@ -123,6 +124,14 @@ def _add_inspect(sub: Any) -> None:
     p = sub.add_parser("inspect", help="config, family, quantization, memory plan")
     p.add_argument("path")
     p.add_argument("--memory-budget", type=_budget)
+    _add_kv_arguments(p)
+
+
+def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-bits", type=int, choices=[4, 8],
+                   help="hold the KV cache quantized (default: the model's kv_config.json, else full precision)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                   help="values per quantization group of the KV cache (with --kv-bits; default 64)")
 
 
 def _add_convert(sub: Any) -> None:
@@ -236,7 +245,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)
     media = _media(args)
     host = ModelHost()
-    host.load(args.model, budget=args.memory_budget)
+    host.load(args.model, budget=args.memory_budget, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     _mount_adapters(host, args.adapter)
     if args.draft_model is not None:
         host.load_draft(args.draft_model)
@@ -386,7 +395,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from engine.runtime.model_info import format_inspect, inspect_model
 
     kwargs = {"memory_budget": args.memory_budget} if args.memory_budget else {}
-    print(format_inspect(inspect_model(args.path, **kwargs)))
+    info = inspect_model(args.path, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, **kwargs)
+    print(format_inspect(info))
     return 0
 
 

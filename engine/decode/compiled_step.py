@@ -30,10 +30,12 @@ import mlx.core as mx
 
 from engine.models.lora import active_signature
 from engine.models.kv_cache import KVCache, RotatingKVCache
+from engine.models.quantized_kv_cache import QuantizedKVCache
 from engine.models.base import RoPE
 from engine.models.stacked import MAX_STACKED_ROWS, stack_projections
 
-_CACHE_KINDS = (KVCache, RotatingKVCache)
+# The cache write happens outside the traces (update_and_fetch, make_mask), so any of these serves.
+_CACHE_KINDS = (KVCache, RotatingKVCache, QuantizedKVCache)
 
 
 def _layer_ok(layer: Any) -> bool:

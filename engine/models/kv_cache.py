@@ -322,10 +322,12 @@ def _mask_for(offset: int, n_keys: int, n_queries: int, window: int | None, keep
 
 
 def make_prompt_cache(model) -> list:
-    """One cache per layer, of the kind each layer needs."""
-    if hasattr(model, "make_cache"):
-        return list(model.make_cache())
-    return [KVCache() for _ in model.layers]
+    """One cache per layer, of the kind each layer needs. ``model.kv_quantization`` (set by
+    the host from --kv-bits or kv_config.json: quantized_kv_cache.KVQuantization) swaps
+    the full-attention layers' caches for quantized ones."""
+    cache = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    quantization = getattr(model, "kv_quantization", None)
+    return quantization(cache) if quantization is not None else cache
 
 
 def cache_length(cache: Sequence[Any]) -> int:

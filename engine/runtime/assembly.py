@@ -95,7 +95,7 @@ def assemble_draft(
 def _describe(loaded: Any, budget: int | None) -> ModelInfo:
     from engine.runtime.model_info import inspect_model
 
-    info = inspect_model(str(loaded.path), memory_budget=budget)
+    info = inspect_model(str(loaded.path), memory_budget=budget, kv_config=False)
     info.plan = getattr(loaded, "plan", None) or info.plan
     return info
 

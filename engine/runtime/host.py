@@ -129,17 +129,33 @@ class ModelHost:
         budget: int | None = None,
         progress: LoadProgress | None = None,
         cancel: threading.Event | None = None,
+        *,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> ModelInfo:
         """Load a model folder, HF repo id (already cached) or .gguf file, replacing any
-        loaded model. Refuses before allocating when it cannot fit ``budget``."""
+        loaded model. Refuses before allocating when it cannot fit ``budget``. ``kv_bits``
+        (4 or 8) holds the KV cache quantized; None follows the folder's kv_config.json."""
+        from engine.runtime.memory import kv_settings_for, with_kv_settings
+
         self._check_thread()
+        if kv_bits is not None:
+            from engine.models.quantized_kv_cache import check_kv_settings
+
+            check_kv_settings(kv_bits, kv_group_size)  # refused before the old model goes
         self.unload()
         parts = assemble(path, budget, progress, cancel)
+        settings = kv_settings_for(parts.model, parts.path, kv_bits, kv_group_size)
+        if settings:
+            from engine.models.quantized_kv_cache import KVQuantization
+
+            parts.model.kv_quantization = KVQuantization(settings)
+        info = with_kv_settings(parts.info, parts.config, settings)
         self._loaded = _Loaded(
             model=parts.model, config=parts.config, path=parts.path, tokenizer=parts.tokenizer,
-            template=parts.template, eos_token_ids=parts.eos_token_ids, info=parts.info, towers=parts.towers,
+            template=parts.template, eos_token_ids=parts.eos_token_ids, info=info, towers=parts.towers,
         )
-        return parts.info
+        return info
 
     @property
     def towers(self) -> Any:
@@ -280,7 +296,7 @@ class ModelHost:
                 towers=state.towers if state.towers.kinds else None,
             )
             chat.draft_model = state.draft.model if state.draft is not None else None
-            chat.context_length = state.info.context_length
+            chat.context_length = int(state.info.context_length or 0)
             state.sessions[session_id] = chat
         touch(state.sessions, session_id)  # most recently used; others may give back their caches
         evict_idle_caches(state.sessions, session_id, kv_allowance(state.info, self.weights_bytes()))
@@ -299,7 +315,7 @@ class ModelHost:
         state = self._need()
         if state.weights_digest is None:
             state.weights_digest = weights_fingerprint(state.path)
-        return session_identity(state.path, state.weights_digest, state.model, state.template)
+        return session_identity(state.path, state.weights_digest, state.model, state.template, state.info.kv_cache)
 
     def restore_session(self, session_id: str, path: str) -> tuple[int, str]:
         """Use the cache saved in ``path`` for ``session_id`` when it fits the loaded model,
@@ -307,7 +323,10 @@ class ModelHost:
         from engine.runtime.saved_cache import restore_session
 
         self._check_thread()
-        return restore_session(path, self.session(session_id), self.session_identity())
+        chat = self.session(session_id)
+        if chat.ids:  # the live cache is at least as far along as any saved one
+            return 0, "the session already holds a cache"
+        return restore_session(path, chat, self.session_identity())
 
     def save_session(self, session_id: str, path: str) -> int:
         """Save ``session_id``'s cache to ``path`` (atomically); returns the bytes written."""

@@ -176,3 +176,71 @@ def live_memory() -> dict[str, int]:
         "cache": int(mx.get_cache_memory()),
         "peak": int(mx.get_peak_memory()),
     }
+
+
+# ---- quantized KV cache ------------------------------------------------------------------
+
+
+def kv_settings_for(model: Any, path: str, bits: int | None, group_size: int = 64) -> list | None:
+    """Each layer's KV setting ((bits, group size) or None) for a loaded model: ``bits`` for
+    every layer when given, else the folder's kv_config.json, else None (full precision).
+    Only plain full-attention caches are quantized; other layers' settings are dropped."""
+    from engine.models.kv_cache import KVCache, make_prompt_cache
+    from engine.models.quantized_kv_cache import kv_layer_settings, uniform
+
+    plain = [type(c) is KVCache for c in make_prompt_cache(model)]
+    if bits is not None:
+        settings = uniform(bits, group_size, len(plain))
+    else:
+        settings = kv_layer_settings(path, len(plain))
+    if settings is None:
+        return None
+    settings = [s if ok else None for s, ok in zip(settings, plain)]
+    return settings if any(s is not None for s in settings) else None
+
+
+def with_kv_settings(info: Any, config: Any, settings: list | None) -> Any:
+    """``info`` with its memory plan counting a quantized KV cache, and ``kv_cache`` naming it."""
+    from dataclasses import replace
+
+    from engine.models.quantized_kv_cache import describe, kv_bytes_per_token_factor
+
+    if not settings:
+        return info
+    plan = info.plan
+    if plan is not None and plan.kv_bytes_per_token:
+        one = kv_bytes_per_token(config, 1) or 1
+        dtype_bytes = max(1, round(plan.kv_bytes_per_token / one))
+        quantized = [s for s in settings if s is not None]
+        # The plan's per-token figure is the full-attention layers', which are the ones quantized.
+        full = max(len(quantized), sum(1 for w in _windows(config) if w is None)) or 1
+        factor = (sum(kv_bytes_per_token_factor(b, g, dtype_bytes) for b, g in quantized)
+                  + (full - len(quantized))) / full
+        plan = replace(plan, kv_bytes_per_token=int(round(plan.kv_bytes_per_token * factor)))
+    return replace(info, plan=plan, kv_cache=describe(settings))
+
+
+def _windows(config: Any) -> list:
+    from engine.models import base
+
+    try:
+        return list(base.layer_windows(_family_args(config)))
+    except Exception:  # noqa: BLE001 - a family without the helper: count nothing extra
+        return []
+
+
+def kv_settings_from_config(config: Any, path: Any, bits: int | None, group_size: int = 64) -> list | None:
+    """``kv_settings_for`` from the files alone (``inspect``): the full-attention layers of a
+    family whose cache is keys and values per head."""
+    from engine.models.quantized_kv_cache import kv_layer_settings, uniform
+
+    if callable(getattr(_family_args(config), "kv_bytes_per_token", None)):
+        return None  # a latent (MLA) cache: not quantized
+    windows = _windows(config)
+    if not windows:
+        return None
+    settings = uniform(bits, group_size, len(windows)) if bits is not None else kv_layer_settings(path, len(windows))
+    if settings is None:
+        return None
+    settings = [s if w is None else None for s, w in zip(settings, windows)]
+    return settings if any(s is not None for s in settings) else None

@@ -7,11 +7,20 @@ from pathlib import Path
 from engine.api import ModelInfo
 from engine.artifacts.hub import describe, resolve_model_path
 from engine.runtime.loading import DTYPE_BYTES, inspect_source
-from engine.runtime.memory import default_budget, format_bytes, plan_memory
+from engine.runtime.memory import (
+    default_budget,
+    format_bytes,
+    kv_settings_from_config,
+    plan_memory,
+    with_kv_settings,
+)
 
 
-def inspect_model(path: str | Path, *, memory_budget: int | None = None) -> ModelInfo:
-    """Describe a model folder, cached repo id or .gguf file without loading weights."""
+def inspect_model(path: str | Path, *, memory_budget: int | None = None, kv_bits: int | None = None,
+                  kv_group_size: int = 64, kv_config: bool = True) -> ModelInfo:
+    """Describe a model folder, cached repo id or .gguf file without loading weights; the
+    memory plan counts a quantized KV cache (``kv_bits``, else with ``kv_config`` the
+    folder's kv_config.json; the host applies its own when it loads)."""
     resolved = resolve_model_path(path)
     source = inspect_source(resolved)
     entry = describe(resolved, source="gguf" if resolved.is_file() else "folder")
@@ -24,7 +33,7 @@ def inspect_model(path: str | Path, *, memory_budget: int | None = None) -> Mode
         source.config, budget=budget, weights_bytes=source.weights_bytes, dtype_bytes=DTYPE_BYTES[source.dtype]
     )
     config = source.config
-    return ModelInfo(
+    info = ModelInfo(
         path=str(resolved),
         name=source.name,
         family=config.model_type,
@@ -37,6 +46,10 @@ def inspect_model(path: str | Path, *, memory_budget: int | None = None) -> Mode
         audio=config.audio,
         generation_defaults=dict(config.generation_defaults),
     )
+    if kv_bits is None and not kv_config:
+        return info
+    settings = kv_settings_from_config(config, resolved if resolved.is_dir() else resolved.parent, kv_bits, kv_group_size)
+    return with_kv_settings(info, config, settings)
 
 
 def format_inspect(info: ModelInfo) -> str:
@@ -61,7 +74,8 @@ def format_inspect(info: ModelInfo) -> str:
         lines += [
             "memory plan",
             f"  weights       {format_bytes(plan.weights_bytes)}",
-            f"  KV per token  {format_bytes(plan.kv_bytes_per_token)}",
+            f"  KV per token  {format_bytes(plan.kv_bytes_per_token)}"
+            + (f" (cache held at {info.kv_cache})" if info.kv_cache else ""),
         ]
         # Sliding-window layers: their share of the cache stops growing at the window.
         lines += [f"  KV window     {w.layers} {'layer keeps' if w.layers == 1 else 'layers keep'} at most "

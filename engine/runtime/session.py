@@ -88,6 +88,7 @@ class ChatSession:
         self._draft_ids: list[int] = []  # exactly the tokens held by self._draft_cache
         self._draft_owner: Any = None  # the draft model self._draft_cache belongs to
         self.token_keys: list[Hashable] = []  # one per cached token: its id, or for a media token the media's content key
+        self.context_length = 0  # the model's context (0: unknown), for GenerationParams.context_policy
 
     # ---- prompt -----------------------------------------------------------------
 
@@ -246,6 +247,10 @@ class ChatSession:
         prompt_ids = list(media.ids if media is not None else prompt_ids)
         if not prompt_ids:
             raise EngineError("The prompt is empty: give at least one token.")
+        context_full = False
+        limit = self.context_length
+        if params.context_policy is not None and limit and len(prompt_ids) < limit:
+            context_full = params.max_tokens > limit - len(prompt_ids)  # the reply stops where the context does
         params = fit_context(params, len(prompt_ids), self.context_length)
         drafter = self._drafter(params, prompt_ids)  # refuses before the cache is touched
         keys: list[Hashable] = list(media.keys) if media is not None else list(prompt_ids)
@@ -277,6 +282,7 @@ class ChatSession:
                 if isinstance(item, GenerationResult):
                     generated = item.token_ids
                     item.adapters = active_adapters(self.model)
+                    item.context_full = context_full and item.finish_reason == "length"
                 yield item
         except Exception:
             self.reset()  # a failed step may leave layers at different lengths
@@ -302,6 +308,9 @@ class ChatSession:
     ) -> Iterator[Piece | GenerationResult]:
         from engine.media.parts import split_media
 
+        dropped = 0
+        if params.context_policy in ("truncate_middle", "rolling") and self.context_length:
+            messages, dropped = self._fit(messages, params, tools, add_generation_prompt, template_kwargs)
         messages, items = split_media(messages, media)
         if params.pan_and_scan is not None:
             items = [m if m.pan_and_scan is not None else replace(m, pan_and_scan=params.pan_and_scan)
@@ -316,9 +325,27 @@ class ChatSession:
         prompt = self.media_prompt(text, items) if items else None
         ids = prompt.ids if prompt is not None else self.encode_rendered(text)
         check_fits(len(ids), self.context_length, "chat")
-        yield from self.stream_ids(
+        for item in self.stream_ids(
             ids, params, cancel=cancel, on_progress=on_progress, reasoning=reasoning, media=prompt, batch=batch
-        )
+        ):
+            if isinstance(item, GenerationResult):
+                item.dropped_messages = dropped
+            yield item
+
+    def _fit(self, messages: list[Mapping[str, Any]], params: GenerationParams, tools: Any,
+             add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> tuple[list[Mapping[str, Any]], int]:
+        """The messages that fit the context under ``params.context_policy`` (text counted;
+        media placeholders count as their text before expansion)."""
+        from engine.runtime.context_policy import fit_messages, reply_room
+
+        variables = {**reasoning_variables(self.reasoning_control, params.reasoning), **template_kwargs}
+
+        def count(candidate: list[Mapping[str, Any]]) -> int:
+            text = self.render(candidate, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+            return len(self.encode_rendered(text))
+
+        limit = self.context_length
+        return fit_messages(messages, count, limit, reply_room(limit, params.max_tokens), params.context_policy)
 
     def generate(self, messages: list[Mapping[str, Any]], params: GenerationParams, **kw: Any) -> GenerationResult:
         result = None

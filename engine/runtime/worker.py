@@ -46,6 +46,9 @@ from engine.api import (
     MemoryEvent,
     MountAdapter,
     ProgressEvent,
+    RestoreSession,
+    SaveSession,
+    SessionRestore,
     SetActiveAdapters,
     TokenEvent,
     Transcribe,
@@ -340,6 +343,8 @@ class EngineWorker:
             info = host.load(
                 command.path,
                 budget=command.memory_budget,
+                kv_bits=command.kv_bits,
+                kv_group_size=command.kv_group_size,
                 progress=lambda done, total, message="": self._emit(
                     ProgressEvent(rid, "load", float(done), float(total), message)
                 ),
@@ -361,6 +366,11 @@ class EngineWorker:
             return None
         if isinstance(command, Generate | Complete):
             return self._generate(rid, command, cancel)
+        if isinstance(command, SaveSession):
+            return host.save_session(command.session_id, command.path)
+        if isinstance(command, RestoreSession):
+            tokens, reason = host.restore_session(command.session_id, command.path)
+            return SessionRestore(tokens, reason)
         if isinstance(command, GetModelInfo):
             return host.info if host.loaded else None
         if isinstance(command, MountAdapter):

@@ -1,0 +1,167 @@
+"""SavedCaches: each conversation's KV cache kept in the data folder between runs.
+
+The engine writes and reads the files (SaveSession / RestoreSession); this controller
+decides when and where. A conversation's cache goes to ``kv-cache/<id>.safetensors``
+when a reply ends and, for a reply still unsaved, when the app quits. Before the first
+turn a conversation has in this engine, its saved cache is offered back: the engine takes
+it only when the model, adapters, template and KV settings are the ones it was made
+under, and skips a damaged file (the turn is prefilled in full and the file replaced).
+
+The files share a disk budget (Settings, default 10 GB): after each save the least
+recently used files go first until the rest fit. A file's modification time is its last
+use: saving writes it, restoring touches it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.memory_units import GB
+from app.qt import QObject, Signal, emit
+
+FOLDER = "kv-cache"
+BUDGET_KEY = "kv_cache_budget_bytes"
+DEFAULT_BUDGET = 10 * GB
+
+
+class SavedCaches(QObject):
+    status = Signal(str)  # a readable line for the status bar
+    changed = Signal()  # files were written or removed (sizes in the sidebar's tooltips)
+    saved = Signal(int, int)  # conversation id, bytes written (0: nothing worth saving)
+
+    def __init__(self, bridge: EngineBridge, store, parent: QObject | None = None):
+        super().__init__(parent)
+        self.bridge, self.store = bridge, store
+        self.folder = Path(store.data_dir) / FOLDER
+        self._unsaved: set[int] = set()  # conversations with a reply not saved yet
+        self.last_restore: dict[int, object] = {}  # conversation id -> SessionRestore
+
+    # ---- the budget (an app-wide preference) -------------------------------------------
+
+    @property
+    def budget(self) -> int:
+        value = self.store.preference(BUDGET_KEY)
+        return DEFAULT_BUDGET if value is None else max(0, int(value))
+
+    def set_budget(self, nbytes: int | None) -> None:
+        """None: back to the default. Files over the new budget go at once."""
+        self.store.set_preference(BUDGET_KEY, None if nbytes is None else int(nbytes))
+        if self.enforce_budget():
+            emit(self.changed)
+
+    # ---- files ---------------------------------------------------------------------------
+
+    def path_for(self, conversation_id: int) -> Path:
+        return self.folder / f"{int(conversation_id)}.safetensors"
+
+    def sizes(self) -> dict[int, int]:
+        """Conversation id -> bytes of its saved cache, for every file there is."""
+        out: dict[int, int] = {}
+        for path in self._files():
+            try:
+                out[int(path.stem)] = path.stat().st_size
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(self.sizes().values())
+
+    def _files(self) -> list[Path]:
+        if not self.folder.is_dir():
+            return []
+        return [p for p in self.folder.glob("*.safetensors") if not p.name.startswith(".")]
+
+    def forget(self, conversation_id: int) -> None:
+        """The conversation is gone: so is its cache."""
+        self.path_for(conversation_id).unlink(missing_ok=True)
+        self._unsaved.discard(conversation_id)
+        emit(self.changed)
+
+    def clear(self) -> int:
+        """Delete every saved cache (the engine's live caches stay); returns the bytes freed."""
+        freed = 0
+        for path in self._files():
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except OSError:
+                continue
+            freed += size
+        emit(self.changed)
+        return freed
+
+    def enforce_budget(self, keep: int | None = None) -> list[int]:
+        """Delete the least recently used files until the rest fit the budget; ``keep``
+        (the file just written) goes last. Returns the conversations whose cache went."""
+        entries = []
+        for path in self._files():
+            try:
+                st = path.stat()
+                entries.append((path.stem == str(keep), st.st_mtime, st.st_size, path))
+            except OSError:
+                continue
+        total = sum(size for _, _, size, _ in entries)
+        removed = []
+        for _, _, size, path in sorted(entries, key=lambda e: (e[0], e[1])):
+            if total <= self.budget:
+                break
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            total -= size
+            removed.append(int(path.stem) if path.stem.isdigit() else -1)
+        return removed
+
+    # ---- engine round trips ---------------------------------------------------------------
+
+    async def restore(self, conversation_id: int) -> int:
+        """Offer the conversation's saved cache to the engine; returns the tokens it took.
+        Never fails the turn: a refused or unreadable file only means a full prefill."""
+        path = self.path_for(conversation_id)
+        if not path.is_file() or not self.bridge.running:
+            return 0
+        try:
+            restored = await self.bridge.restore_session(conversation_id, str(path))
+        except (EngineRequestError, EngineUnavailable) as exc:
+            emit(self.status, f"The saved cache of this chat was not used: {exc}")
+            return 0
+        self.last_restore[conversation_id] = restored
+        if restored.tokens:
+            try:
+                os.utime(path)  # recently used: last out under the budget
+            except OSError:
+                pass
+        return restored.tokens
+
+    async def save(self, conversation_id: int) -> int:
+        """Write the conversation's cache (after a reply); returns the bytes written."""
+        self._unsaved.add(conversation_id)
+        if not self.bridge.running:  # quitting: save_at_quit has queued it
+            return 0
+        path = self.path_for(conversation_id)
+        try:
+            written = await self.bridge.save_session(conversation_id, str(path))
+        except (EngineRequestError, EngineUnavailable) as exc:
+            emit(self.status, f"Could not save this chat's cache (the next turn re-reads it): {exc}")
+            emit(self.saved, conversation_id, 0)
+            return 0
+        self._unsaved.discard(conversation_id)
+        self.enforce_budget(keep=conversation_id)
+        emit(self.saved, conversation_id, written)
+        emit(self.changed)
+        return written
+
+    def note_reply(self, conversation_id: int) -> None:
+        """A reply is under way: until it is saved, quitting saves it."""
+        self._unsaved.add(conversation_id)
+
+    def save_at_quit(self) -> None:
+        """Queue a save of every conversation whose cache changed since its last save; the
+        worker writes them (after any reply it is stopping) before it shuts down."""
+        for conversation_id in sorted(self._unsaved):
+            self.bridge.save_session_soon(conversation_id, str(self.path_for(conversation_id)))
+        self._unsaved.clear()

@@ -1,0 +1,61 @@
+"""``bench --reopen``: time to first token when a long chat reopens from its saved KV cache,
+against prefilling the whole chat again (what a restart costs without saved caches).
+
+The chat is the random prompt (``-p`` tokens); the next turn adds 16 new tokens. "prefill"
+feeds all of it to an empty cache; "reopen" reads the cache saved after the chat from a
+file (models.kv_cache's format, as the app writes it) and feeds only the new tokens.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+NEW_TOKENS = 16
+
+
+def _first_token_s(model: Any, tokens: Any, cache: list) -> float:
+    import mlx.core as mx
+
+    from engine.decode.loop import generate_step
+
+    start = time.perf_counter()
+    for token, _ in generate_step(tokens, model, cache, max_tokens=1, prefill_chunk=2048):
+        mx.eval(token) if isinstance(token, mx.array) else None
+        break
+    return time.perf_counter() - start
+
+
+def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from engine.models.kv_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    new = mx.random.randint(0, vocab, (NEW_TOKENS,), key=mx.random.key(seed + 1)).astype(mx.uint32)
+    whole = mx.concatenate([prompt, new])
+    _first_token_s(model, whole[:64], make_prompt_cache(model))  # warm-up
+    prefill_s = _first_token_s(model, whole, make_prompt_cache(model))
+    cache = make_prompt_cache(model)
+    _first_token_s(model, prompt, cache)  # the chat as it was when saved
+    trim = int(cache[0].offset) - int(prompt.size)  # the sampled token went in too
+    if trim > 0:
+        for c in cache:
+            c.trim(trim)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "chat.safetensors"
+        save_prompt_cache(path, cache, {})
+        size = path.stat().st_size
+        del cache
+        mx.clear_cache()
+        start = time.perf_counter()
+        restored, _ = load_prompt_cache(path)
+        mx.eval([a for c in restored for a in (c.state or ())])
+        load_s = time.perf_counter() - start
+        reopen_s = load_s + _first_token_s(model, new, restored)
+    print(f"reopen   {int(prompt.size):,}-token chat + {NEW_TOKENS} new: prefill all {prefill_s * 1000:9.1f} ms   "
+          f"from saved cache {reopen_s * 1000:9.1f} ms (file {size / 1e6:.1f} MB read in {load_s * 1000:.1f} ms)   "
+          f"{prefill_s / max(reopen_s, 1e-9):.1f}x faster", flush=True)
+    return {"prefill_ttft_s": prefill_s, "reopen_ttft_s": reopen_s, "cache_file_bytes": size,
+            "cache_load_s": load_s, "speedup": prefill_s / max(reopen_s, 1e-9)}

@@ -1,0 +1,235 @@
+"""Long chats in the window (real worker, tiny llama): each conversation's KV cache is saved
+in the data folder when a reply ends or the app quits and offered back after a restart;
+the disk budget; the KV precision choice; the context overflow policies."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from app.controllers.saved_caches import DEFAULT_BUDGET
+from app.qt import Qt
+from engine import api
+
+pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
+
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def _load(window, run_async, path) -> None:
+    assert run_async(window.load_model(str(path)))
+
+
+def _send_and_save(qtbot, window, text: str):
+    """Type and send; return the reply's result once its cache is saved too."""
+    window.composer.edit.setFocus()
+    qtbot.keyClicks(window.composer.edit, text)
+    with qtbot.wait_signal(window.caches.saved, timeout=60_000) as saved:
+        with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000) as done:
+            qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    assert saved.args[0] == window.chat.conversation_id
+    return done.args[1], saved.args[1]
+
+
+def _uncached(window, run_async, conversation_id: int) -> api.GenerationResult:
+    """The last reply again, on a session of its own with nothing cached."""
+    thread = window.store.thread(conversation_id)
+    messages = [{"role": m.role, "content": m.content} for m in thread[:-1]]
+    params = api.GenerationParams(max_tokens=8, ignore_eos=True)
+    return run_async(window.bridge.generate("uncached", messages, params))
+
+
+def test_three_turns_across_a_restart_prefill_only_the_new_tokens(qtbot, make_window, run_async,
+                                                                  tiny_model, tmp_path):
+    data = tmp_path / "data"
+    window = make_window(data)
+    _load(window, run_async, tiny_model)
+    window.store.update_conversation(window.chat.conversation_id, settings=GREEDY)
+    _send_and_save(qtbot, window, "hello there")
+    second, written = _send_and_save(qtbot, window, "how are you")
+    conv = window.chat.conversation_id
+    path = window.caches.path_for(conv)
+    assert written > 0 and path.stat().st_size == written
+    assert path.parent == data / "kv-cache"
+    window.close()
+    window.store.close()
+
+    again = make_window(data)  # as after quitting the app
+    assert again.chat.conversation_id == conv
+    assert "Saved cache:" in again.sidebar.list.currentItem().toolTip()
+    _load(again, run_async, tiny_model)
+    third, _ = _send_and_save(qtbot, again, "tell me a story")
+    restored = again.caches.last_restore[conv]
+    assert restored.tokens > second.stats.prompt_tokens and restored.reason == ""
+    # Everything up to the second reply came from the file; only the rest was prefilled.
+    assert third.stats.cached_tokens >= second.stats.prompt_tokens
+    new_tokens = third.stats.prompt_tokens - second.stats.prompt_tokens
+    assert 0 < third.stats.prompt_tokens - third.stats.cached_tokens <= new_tokens
+    plain = _uncached(again, run_async, conv)
+    assert plain.stats.cached_tokens == 0
+    assert plain.token_ids == third.token_ids and plain.text == third.text
+
+
+def test_a_damaged_file_is_skipped_reprefilled_and_replaced(qtbot, make_window, run_async,
+                                                            tiny_model, tmp_path):
+    data = tmp_path / "data"
+    window = make_window(data)
+    _load(window, run_async, tiny_model)
+    window.store.update_conversation(window.chat.conversation_id, settings=GREEDY)
+    _send_and_save(qtbot, window, "hello there")
+    conv = window.chat.conversation_id
+    path = window.caches.path_for(conv)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # cut short, as by a crash
+    window.close()
+    window.store.close()
+
+    again = make_window(data)
+    _load(again, run_async, tiny_model)
+    result, written = _send_and_save(qtbot, again, "and then")
+    restored = again.caches.last_restore[conv]
+    assert restored.tokens == 0 and "unreadable" in restored.reason
+    assert result.stats.cached_tokens == 0
+    assert result.token_ids == _uncached(again, run_async, conv).token_ids
+    assert written > 0 and path.stat().st_size == written  # replaced by a good one
+    again.close()
+    again.store.close()
+
+    third = make_window(data)
+    _load(third, run_async, tiny_model)
+    _send_and_save(qtbot, third, "one more")
+    assert third.caches.last_restore[conv].tokens > 0
+
+
+def test_disk_budget_drops_least_recently_used_and_clear_empties(qtbot, make_window, tmp_path):
+    window = make_window(tmp_path / "data")
+    caches = window.caches
+    assert caches.budget == DEFAULT_BUDGET
+    folder = caches.folder
+    folder.mkdir(parents=True)
+    ids = [window.store.create_conversation() for _ in range(3)]
+    for age, cid in enumerate(ids):  # ids[0] is the oldest use
+        path = caches.path_for(cid)
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1_000_000 + age, 1_000_000 + age))
+    window.sidebar.reload()
+    tips = [window.sidebar.list.item(i).toolTip() for i in range(window.sidebar.list.count())]
+    assert sum("Saved cache:" in t for t in tips) == 3
+
+    window.settings.cache_budget.setValue(3.0)  # as typed in Settings
+    assert window.store.preference("kv_cache_budget_bytes") == 3 * 1024**3
+    assert sorted(caches.sizes()) == sorted(ids)
+    caches.set_budget(2500)
+    assert sorted(caches.sizes()) == sorted(ids[1:])  # the least recently used went first
+    assert caches.enforce_budget(keep=ids[1]) == []
+
+    caches.set_budget(1500)
+    assert sorted(caches.sizes()) == [ids[2]]
+    action = next(a for a in window.menuBar().actions()[0].menu().actions() if a.text() == "Clear saved caches")
+    action.trigger()
+    assert caches.sizes() == {}
+    assert "cleared" in window.statusBar().currentMessage()
+    assert all("Saved cache" not in window.sidebar.list.item(i).toolTip()
+               for i in range(window.sidebar.list.count()))
+
+
+def test_kv_precision_in_settings_applies_at_load_counts_in_the_gauge_and_keys_the_saved_cache(
+        qtbot, make_window, run_async, tiny_model):
+    window = make_window()
+    _load(window, run_async, tiny_model)
+    full_per_token = window.gauge.kv_per_token
+    assert window.bridge.model_info.kv_cache == ""
+    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData(8))
+    assert window.store.preference("kv_bits") == 8
+    assert "next model load" in window.statusBar().currentMessage()
+    _load(window, run_async, tiny_model)
+    assert window.bridge.model_info.kv_cache == "8-bit g64"
+    assert window.gauge.kv_per_token < 0.6 * full_per_token
+    window.store.update_conversation(window.chat.conversation_id, settings=GREEDY)
+    result, written = _send_and_save(qtbot, window, "hello there")
+    assert result.finish_reason == "length" and written > 0
+    assert window.gauge.figures.get("kv_bytes", 0) > 0
+
+    window.settings.kv_choice.setCurrentIndex(0)  # back to full precision: the file no longer fits
+    _load(window, run_async, tiny_model)
+    conv = window.chat.conversation_id
+    window.bridge.drop_session(conv)
+    _send_and_save(qtbot, window, "and again")
+    assert window.caches.last_restore[conv].reason == "the saved cache was made with another kv"
+
+
+def test_quitting_mid_reply_saves_the_cache_before_the_engine_stops(qtbot, make_window, run_async,
+                                                                   tiny_model, tmp_path):
+    data = tmp_path / "data"
+    window = make_window(data)
+    _load(window, run_async, tiny_model)
+    window.store.update_conversation(window.chat.conversation_id,
+                                     settings={"max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True})
+    tokens: list[str] = []
+    window.bridge.token.connect(lambda rid, text, ch: tokens.append(text))
+    window.composer.edit.setFocus()
+    qtbot.keyClicks(window.composer.edit, "go on and on")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: len(tokens) >= 5, timeout=60_000)
+    conv = window.chat.conversation_id
+    path = window.caches.path_for(conv)
+    assert not path.exists()
+    window.close()  # stops the reply; the worker saves the cache before it shuts down
+    qtbot.waitUntil(lambda: not window.chat.busy, timeout=10_000)
+    window.store.close()
+    assert path.is_file() and path.stat().st_size > 0
+
+    again = make_window(data)
+    _load(again, run_async, tiny_model)
+    assert run_async(again.caches.restore(conv)) > len(tokens)
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    """The tiny llama with a 256-token context."""
+    import json
+
+    from tests.tiny_models import make_tiny_llama
+
+    folder = make_tiny_llama(tmp_path_factory.mktemp("short") / "tiny-256")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    return folder
+
+
+def _long_chat(window, turns: int) -> None:
+    conv = window.chat.conversation_id or window.store.create_conversation()
+    window.chat.conversation_id = conv
+    parent = None
+    for i in range(turns):
+        parent = window.store.add_message(conv, "user", f"question {i}: the quick brown fox", parent)
+        parent = window.store.add_message(conv, "assistant", f"answer {i}: hello there how are you", parent,
+                                          status="complete")
+    window.chat.refresh()
+
+
+@pytest.mark.parametrize("policy", [None, "rolling", "stop"])
+def test_overflow_policies_at_the_edge_of_a_256_token_context(qtbot, make_window, run_async, short_model,
+                                                             policy):
+    window = make_window()
+    _load(window, run_async, short_model)
+    assert window.bridge.model_info.context_length == 256
+    _long_chat(window, 12 if policy != "stop" else 1)
+    settings = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    if policy:
+        settings["context_overflow"] = policy
+    window.store.update_conversation(window.chat.conversation_id, settings=settings)
+    window.settings.load("", settings)
+    assert window.settings.values().get("context_overflow") == policy  # None: the default, truncate the middle
+    result, _ = _send_and_save(qtbot, window, "and the last question")
+    footer = window.chat_view.widgets[window.store.thread(window.chat.conversation_id)[-1].id].stats_label.text()
+    assert result.finish_reason == "length" and result.error is None
+    assert result.stats.prompt_tokens + result.stats.generated_tokens <= 256
+    if policy == "stop":
+        assert result.dropped_messages == 0 and result.context_full
+        assert "stopped at the context limit" in footer
+    else:
+        assert result.dropped_messages > 0
+        assert f"{result.dropped_messages} earlier messages outside the model's context" in footer
+        stored = window.store.thread(window.chat.conversation_id)[-1].stats
+        assert stored["dropped_messages"] == result.dropped_messages
