@@ -68,10 +68,20 @@ CANVAS = 8
 PROMPT_LEN = 11
 # Generation settings, each off transformers' default (steps 48, bound 0.1, t 0.4..0.8,
 # stability 1, confidence 0.005) so a mix-up of any of them shows.
-GENERATION = dict(max_new_tokens=3 * CANVAS, max_denoising_steps=7, t_min=0.3, t_max=0.9,
-                  stability_threshold=2, confidence_threshold=2.5, entropy_bound=0.6)
+GENERATION = dict(max_new_tokens=4 * CANVAS, max_denoising_steps=10, t_min=0.3, t_max=0.9,
+                  stability_threshold=2, confidence_threshold=0.5, entropy_bound=2.5)
 
-VARIANTS = {"diffusion_gemma_tiny": False, "diffusion_gemma_published": True}
+MARGIN = 2e-3  # no decision of the reference closer than this to flipping
+SHARPEN, EOS_BOOST = 30.0, 1.4
+
+# name -> (published spelling?, generation settings). A random network's argmax follows
+# its noisy canvas, so it never holds still for two steps: the stability history is run
+# (and must never fire) with the published spelling, and left out (threshold 0, so
+# confidence alone stops a block) in the other, where blocks then stop early.
+VARIANTS = {
+    "diffusion_gemma_tiny": (False, dict(GENERATION, stability_threshold=0)),
+    "diffusion_gemma_published": (True, GENERATION),
+}
 
 
 def build(seed: int) -> DiffusionGemmaForBlockDiffusion:
@@ -88,6 +98,17 @@ def build(seed: int) -> DiffusionGemmaForBlockDiffusion:
             if name.endswith("embed_tokens.weight"):
                 p.mul_(0.2)
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        # Sharpen the decoder's predictions (a random model's are near uniform, which would
+        # accept one token per step and never stop early), and make the end-of-sequence id
+        # likely enough to show up within a few blocks.
+        model.model.decoder.norm.weight.mul_(SHARPEN)
+        # A random network fed its own sharp predictions is chaotic (float32 rounding grew
+        # tenfold per step); a quieter self-conditioning output keeps it stable.
+        model.model.decoder.self_conditioning.down_proj.weight.mul_(0.1)
+        model.model.decoder.embed_tokens.weight[TEXT["eos_token_id"]].mul_(EOS_BOOST)
+        for p in (model.model.decoder.norm.weight, model.model.decoder.embed_tokens.weight,
+                  model.model.decoder.self_conditioning.down_proj.weight):
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # encoder and decoder layers each store their own
                 b.copy_(torch.empty_like(b).uniform_(0.6, 1.4).to(torch.bfloat16).to(torch.float32))
@@ -103,6 +124,9 @@ class Recorder:
         self.samples: list[list[int]] = []
         self.order: list[str] = []  # "c" canvas, "s" sample
         self._randint, self._multinomial = torch.randint, torch.multinomial
+        self._accept = gen_module.EntropyBoundSampler.accept_canvas
+        self._stop = gen_module.StableAndConfidentStoppingCriteria.__call__
+        self.margins: list[float] = []
 
     def __enter__(self):
         def randint(*args, **kwargs):
@@ -117,15 +141,34 @@ class Recorder:
             self.order.append("s")
             return out
 
+        def accept(sampler, current, denoiser, logits, step):
+            # How close each decision came to flipping: the entropy bound's cut, and the
+            # argmax's top-2 gap (a float32 implementation differs in the last bits).
+            entropy = torch.distributions.Categorical(logits=logits).entropy()[0]
+            ranked = torch.sort(entropy).values
+            self.margins.append(float((torch.cumsum(ranked, 0) - ranked - sampler.entropy_bound).abs().min()))
+            top2 = torch.topk(logits[0], 2, dim=-1).values
+            self.margins.append(float((top2[:, 0] - top2[:, 1]).min()))
+            return self._accept(sampler, current, denoiser, logits, step)
+
+        def stop(criteria, argmax, logits, **kwargs):
+            entropy = torch.distributions.Categorical(logits=logits).entropy().mean()
+            self.margins.append(float((entropy - criteria.confidence_threshold).abs()))
+            return self._stop(criteria, argmax, logits, **kwargs)
+
         torch.randint, torch.multinomial = randint, multinomial
+        gen_module.EntropyBoundSampler.accept_canvas = accept
+        gen_module.StableAndConfidentStoppingCriteria.__call__ = stop
         return self
 
     def __exit__(self, *exc):
         torch.randint, torch.multinomial = self._randint, self._multinomial
+        gen_module.EntropyBoundSampler.accept_canvas = self._accept
+        gen_module.StableAndConfidentStoppingCriteria.__call__ = self._stop
 
 
-def generate(model, prompt: list[int]) -> dict:
-    settings = dict(GENERATION)
+def generate(model, prompt: list[int], settings: dict) -> dict:
+    settings = dict(settings)
     bound = settings.pop("entropy_bound")
     config = gen_module.DiffusionGemmaGenerationConfig(
         **settings, sampler_config=gen_module.EntropyBoundSamplerConfig(entropy_bound=bound),
@@ -144,7 +187,8 @@ def generate(model, prompt: list[int]) -> dict:
             steps_per_block.append(0)
         previous = kind
     return {"sequences": out.sequences[0].tolist(), "canvases": rec.canvases, "samples": rec.samples,
-            "tokens_per_forward": float(out.tokens_per_forward[0]), "steps_per_block": steps_per_block}
+            "tokens_per_forward": float(out.tokens_per_forward[0]), "steps_per_block": steps_per_block,
+            "min_margin": min(rec.margins)}
 
 
 def forward_reference(model, prompt: list[int]) -> tuple[dict, list[int]]:
@@ -162,11 +206,31 @@ def forward_reference(model, prompt: list[int]) -> tuple[dict, list[int]]:
 
 
 def make(name: str) -> None:
-    spelled_published = VARIANTS[name]
+    spelled_published, settings = VARIANTS[name]
     seed = 0
     model = build(seed)
-    gen = torch.Generator().manual_seed(1000 + seed)
-    prompt = torch.randint(3, 250, (PROMPT_LEN,), generator=gen).tolist()
+    # A prompt under which the reference shows everything: a block that stops early, one
+    # that runs every step, several tokens accepted in one step, and an end-of-sequence
+    # id inside a later block.
+    for attempt in range(400):
+        gen = torch.Generator().manual_seed(1000 + attempt)
+        prompt = torch.randint(3, 250, (PROMPT_LEN,), generator=gen).tolist()
+        trial = generate(model, prompt, settings)
+        steps = trial["steps_per_block"]
+        new = trial["sequences"][PROMPT_LEN:]
+        ends = [i for i, t in enumerate(new) if t == TEXT["eos_token_id"]]
+        print(attempt, steps, ends, trial["min_margin"])
+        if trial["min_margin"] < MARGIN:
+            continue
+        most = settings["max_denoising_steps"]
+        if settings["stability_threshold"] == 0:  # some block stops early, some runs a while
+            paths = min(steps) < most and max(steps) >= 3
+        else:
+            paths = min(steps) == most
+        if len(steps) >= 2 and paths and ends and ends[0] >= CANVAS:
+            break
+    else:
+        raise SystemExit(f"{name}: no prompt showed every path")
 
     folder = OUT / name
     if folder.exists():
@@ -186,14 +250,14 @@ def make(name: str) -> None:
     model.eval()
     tensors, canvas = forward_reference(model, prompt)
     save_file(tensors, str(folder / "reference.safetensors"))
-    result = generate(model, prompt)
+    result = generate(model, prompt, settings)
     expected = {
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "spelling": "published (global_head_dim)" if spelled_published else "transformers 5 (per_layer_config)",
         "prompt_ids": prompt,
         "forward_canvas": canvas,
-        "generation": {k: v for k, v in GENERATION.items()},
+        "generation": settings,
         **result,
     }
     (folder / "diffusion.json").write_text(json.dumps(expected) + "\n")
