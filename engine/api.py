@@ -84,6 +84,8 @@ class GenerationResult:
     adapters: dict[str, float] = field(default_factory=dict)  # active adapters -> scale
     # With GenerationParams.top_logprobs: per generated token, the most likely (id, logprob).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks.
+    denoising_steps: int | None = None
 
 
 @dataclass

@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
 
+from engine.api import GenerationResult
+from engine.decode.loop import Piece
+from engine.decode.stats import StatsCounter
 from engine.errors import EngineError
 
 
@@ -196,3 +200,70 @@ def diffuse(model: Any, prompt: Sequence[int], *, max_tokens: int, settings: Dif
             return
         yield Block(tokens=raw, steps=steps, finished=False, raw=raw)
         pending = ids[None]
+
+
+def is_diffusion_model(model: Any) -> bool:
+    """Whether ``model`` writes by denoising blocks (the host's choice of decode loop)."""
+    return callable(getattr(model, "denoise", None)) and callable(getattr(model, "encode", None))
+
+
+def stream_diffusion(model: Any, tokenizer: Any, prompt_ids: Sequence[int], cache: list | None, params: Any, *,
+                     cancel: threading.Event | None = None, eos_token_ids: Sequence[int] | None = None,
+                     reasoning: Any = None, cached_tokens: int = 0, drafter: Any = None,
+                     settings: DiffusionSettings | None = None) -> Iterator[Any]:
+    """``stream_generate``'s counterpart for block diffusion: one text piece per finished
+    block (so a reply grows block by block), then the ``GenerationResult`` with the
+    denoising steps taken. ``cache`` None starts a fresh one."""
+
+    if drafter is not None or params.speculative is not None:
+        raise EngineError("DiffusionGemma writes whole blocks by denoising; speculative decoding and draft "
+                          "models do not apply to it: turn Draft off.")
+    if params.constraint is not None or params.logprobs:
+        raise EngineError("DiffusionGemma writes whole blocks at once: constrained output and log-probs "
+                          "are not available for it.")
+    settings = settings or getattr(model, "diffusion_settings", None) or DiffusionSettings()
+    if eos_token_ids is None:
+        eos_token_ids = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
+    eos = () if params.ignore_eos else tuple(int(i) for i in eos_token_ids)
+    detok = tokenizer.detokenizer() if tokenizer is not None else None
+    stats = StatsCounter(prompt_tokens=len(prompt_ids) + cached_tokens, cached_tokens=cached_tokens)
+    ids: list[int] = []
+    texts = {"answer": "", "reasoning": ""}
+    start = time.perf_counter()
+    finish = "length"
+    steps = 0
+
+    def pieces(text: str, tokens: list[int]) -> Iterator[Piece]:
+        parts = reasoning.feed(text) if reasoning is not None else [("answer", text)]
+        carried = list(tokens)
+        for channel, part in parts:
+            if part:
+                texts[channel] += part
+                yield Piece(part, channel, carried, stats.snapshot())
+                carried = []
+        if carried:  # a block whose text is held back still hands its ids out
+            yield Piece("", "answer", carried, stats.snapshot())
+
+    noise = RandomNoise(params.sampling.seed)
+    for block in diffuse(model, prompt_ids, max_tokens=params.max_tokens, settings=settings, noise=noise,
+                         eos_ids=eos, cancel=cancel, cache=cache):
+        if not ids:
+            stats.time_to_first_token = time.perf_counter() - start
+        ids += block.tokens
+        steps += block.steps
+        stats.generated_tokens = len(ids)
+        stats.generation_tps = len(ids) / max(time.perf_counter() - start, 1e-9)
+        text = "".join(detok.add(t) for t in block.tokens) if detok is not None else ""
+        yield from pieces(text, block.tokens)
+        if block.finished:
+            finish = "stop"
+    if cancel is not None and cancel.is_set():
+        finish = "cancelled"
+    tail = detok.finalize() if detok is not None else ""
+    if tail:
+        yield from pieces(tail, [])
+    stats.peak_memory_bytes = int(mx.get_peak_memory())
+    result = GenerationResult(text=texts["answer"], reasoning=texts["reasoning"], token_ids=ids,
+                              token_logprobs=None, finish_reason=finish, stats=stats.snapshot(),
+                              denoising_steps=steps)
+    yield result
