@@ -54,3 +54,18 @@ def test_cancel_before_the_first_block_ends_it(model):
     cancel.set()
     result = run(model, GenerationParams(max_tokens=16), cancel)[-1]
     assert result.finish_reason == "cancelled" and result.token_ids == []
+
+
+def test_a_session_picks_block_diffusion_by_family_and_keeps_no_stale_cache(model):
+    from engine.runtime.session import ChatSession
+
+    prompt = json.loads((GOLDEN / "diffusion.json").read_text())["prompt_ids"]
+    session = ChatSession(model, None, eos_token_ids=[])
+    params = GenerationParams(max_tokens=9, sampling=SamplingParams(seed=2))
+    items = list(session.stream_ids(prompt, params))
+    result = items[-1]
+    assert len(result.token_ids) == 16 and result.denoising_steps >= 2  # two whole blocks
+    assert session.cache is None and session.ids == []  # the next turn starts afresh
+    assert list(session.stream_ids(prompt, params))[-1].token_ids == result.token_ids
+    with pytest.raises(EngineError, match="do not apply"):
+        list(session.stream_ids(prompt, GenerationParams(max_tokens=8, speculative="ngram")))
