@@ -69,3 +69,26 @@ def test_a_session_picks_block_diffusion_by_family_and_keeps_no_stale_cache(mode
     assert list(session.stream_ids(prompt, params))[-1].token_ids == result.token_ids
     with pytest.raises(EngineError, match="do not apply"):
         list(session.stream_ids(prompt, GenerationParams(max_tokens=8, speculative="ngram")))
+
+
+def test_generate_cli_reads_the_denoising_settings_and_reports_the_steps(tmp_path, capsys):
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from engine.cli.main import main
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(GOLDEN / name, tmp_path / name)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t2", "eos_token": "t1", "pad_token": "t0"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"max_denoising_steps": 3, "stability_threshold": 0, "confidence_threshold": 1e-9, "eos_token_id": 1}))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "t5 t9 t33", "--max-tokens", "9",
+                 "--json", "--seed", "4"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["denoising_steps"] == 6  # two blocks, three steps each (never confident enough to stop)
+    assert len(out["token_ids"]) == 16 or out["finish_reason"] == "stop"
