@@ -94,6 +94,8 @@ class GenerationResult:
     # whether the reply ended because the context was full.
     dropped_messages: int = 0
     context_full: bool = False
+    # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks.
+    denoising_steps: int | None = None
 
 
 @dataclass

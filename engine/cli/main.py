@@ -296,6 +296,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }
         if args.cache_file is not None:
             out["cached_tokens"] = stats.cached_tokens
+        if result.denoising_steps is not None:  # block diffusion
+            out["denoising_steps"] = result.denoising_steps
         if params.speculative is not None:
             out["draft_tokens"] = stats.draft_tokens
             out["accepted_draft_tokens"] = stats.accepted_draft_tokens

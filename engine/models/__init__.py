@@ -15,6 +15,7 @@ from engine.errors import UnsupportedModelError
 # model_type -> module in this package
 SUPPORTED: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
+    "diffusion_gemma": "diffusion_gemma",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",

@@ -327,6 +327,11 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, x: mx.array, attn: mx.array, per_layer_input: mx.array | None) -> mx.array:
         """Residual, feed-forward (and experts), per-layer input, layer scale."""
+        return self.unscaled_after_attention(x, attn, per_layer_input) * self.layer_scalar
+
+    def unscaled_after_attention(self, x: mx.array, attn: mx.array, per_layer_input: mx.array | None) -> mx.array:
+        """``after_attention`` before the layer scale (DiffusionGemma's encoder and decoder
+        share a layer's weights but each stores its own scale)."""
         h = x + self.post_attention_layernorm(attn)
         out = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:  # the router and experts read the block's input, not the MLP's
@@ -337,7 +342,7 @@ class DecoderLayer(nn.Module):
         if self.per_layer:
             gated = self.act(self.per_layer_input_gate(h)) * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return h * self.layer_scalar
+        return h
 
 
 class SelfContainedLayer(DecoderLayer):
@@ -455,15 +460,22 @@ class Model(CausalLM):
             shared = key.startswith("model.layers.") and int(key.split(".")[2]) >= first_shared
             if shared and any(part in key for part in _KV_WEIGHTS):
                 continue  # a shared layer's own K/V weights, which it never uses
-            if key.endswith(".experts.gate_up_proj"):  # transformers: [experts, 2 * inner, hidden]
-                base = key.removesuffix(".gate_up_proj") + ".switch_glu"
-                half = value.shape[1] // 2
-                out[f"{base}.gate_proj.weight"] = value[:, :half]
-                out[f"{base}.up_proj.weight"] = value[:, half:]
-                continue
-            if key.endswith(".experts.down_proj"):
-                out[key.removesuffix(".down_proj") + ".switch_glu.down_proj.weight"] = value
-                continue
             out[key] = value
-        return out
+        return unpack_experts(out)
+
+
+def unpack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """transformers' fused expert tensors -> the ``switch_glu`` layout the layers load."""
+    out: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if key.endswith(".experts.gate_up_proj"):  # transformers: [experts, 2 * inner, hidden]
+            base = key.removesuffix(".gate_up_proj") + ".switch_glu"
+            half = value.shape[1] // 2
+            out[f"{base}.gate_proj.weight"] = value[:, :half]
+            out[f"{base}.up_proj.weight"] = value[:, half:]
+        elif key.endswith(".experts.down_proj"):
+            out[key.removesuffix(".down_proj") + ".switch_glu.down_proj.weight"] = value
+        else:
+            out[key] = value
+    return out
 

@@ -126,6 +126,10 @@ class KVCache(_Buffers):
         """The attention mask for ``n_queries`` new tokens (call before the update)."""
         return _mask_for(self.offset, self.offset + n_queries, n_queries, window)
 
+    def held(self) -> tuple[mx.array, mx.array]:
+        """The cached keys and values, oldest first, without adding to them."""
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
 
 class RotatingKVCache(_Buffers):
     """Keeps the last ``max_size`` tokens (plus the first ``keep``) for sliding-window layers.
@@ -163,6 +167,10 @@ class RotatingKVCache(_Buffers):
             [a[..., : self.keep, :], a[..., self._idx :, :], a[..., self.keep : self._idx, :]],
             axis=2,
         )
+
+    def held(self) -> tuple[mx.array, mx.array]:
+        """The held keys and values, oldest first, without adding to them."""
+        return self._in_time_order(self.keys), self._in_time_order(self.values)
 
     def _update_many(self, keys: mx.array, values: mx.array):
         if self.keys is None:

@@ -9,6 +9,7 @@ layer so a progress bar can follow and a cancel can land between layers.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ from engine.artifacts.weights import (
     read_headers,
     weights_bytes,
 )
-from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.decode.diffusion import DiffusionSettings, is_diffusion_model
+from engine.errors import EngineError, ModelLoadError, UnsupportedModelError
 from engine.models.switch import MissingExperts
 from engine.models.checkpoint import MX_DTYPE_NAMES, one_line, cast_floats, fill_weights, quantize_like_checkpoint
 
@@ -139,6 +141,8 @@ def load_model(
         _release()
         raise
     model.eval()
+    if is_diffusion_model(model):  # its denoising settings are in generation_config.json
+        model.diffusion_settings = _diffusion_settings(source.path)
     return LoadedModel(
         model=model,
         config=config,
@@ -271,3 +275,12 @@ def _gguf_loaded_bytes(tensor: gguf_io.GGUFTensor, dtype: str) -> int:
     if tensor.type_name == "Q8_0":
         return n + n // 32 * 4
     return n * DTYPE_BYTES[dtype] if tensor.type_name in ("F32", "F16", "BF16") else tensor.nbytes
+
+
+def _diffusion_settings(path: Any) -> DiffusionSettings:
+    file = Path(path) / "generation_config.json"
+    try:
+        generation = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{file} is not readable JSON: {exc}") from exc
+    return DiffusionSettings.from_generation_config(generation if isinstance(generation, dict) else {})

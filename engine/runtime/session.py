@@ -37,6 +37,7 @@ from typing import Any
 from engine.models.lora import active_adapters, active_signature
 from engine.api import GenerationParams, GenerationResult, MediaInput, ReasoningControl
 from engine.errors import EngineError, MediaError
+from engine.decode.diffusion import is_diffusion_model, stream_diffusion
 from engine.decode.loop import Piece, stream_generate
 from engine.decode.prefill import ProgressCallback, PromptInputs
 from engine.decode.sampling import validate_sampling
@@ -247,6 +248,9 @@ class ChatSession:
         prompt_ids = list(media.ids if media is not None else prompt_ids)
         if not prompt_ids:
             raise EngineError("The prompt is empty: give at least one token.")
+        if is_diffusion_model(self.model):  # the family picks the loop: whole blocks by denoising
+            yield from self._diffuse(prompt_ids, params, cancel, reasoning, media)
+            return
         context_full = False
         limit = self.context_length
         if params.context_policy is not None and limit and len(prompt_ids) < limit:
@@ -292,6 +296,19 @@ class ChatSession:
             # hold; after an error they were dropped above.
             self._record(prompt_ids + generated, keys + list(generated))
             getattr(drafter, "close", lambda: None)()  # an MTP drafter stops following the model
+
+    def _diffuse(self, prompt_ids: list[int], params: GenerationParams, cancel, reasoning, media):
+        """Block diffusion from a fresh cache each reply: the cache then ends one block
+        short of the reply (transformers never encodes the last block), which the prefix
+        bookkeeping of the token loop does not describe, so nothing is reused."""
+        if media is not None and media.spans:
+            raise MediaError("DiffusionGemma's image input is not supported yet: send text only.")
+        self.reset()
+        try:
+            yield from stream_diffusion(self.model, self.tokenizer, prompt_ids, self.cache, params, cancel=cancel,
+                                        eos_token_ids=self.eos_token_ids, reasoning=reasoning)
+        finally:
+            self.reset()
 
     def stream(
         self,

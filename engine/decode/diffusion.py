@@ -1,0 +1,269 @@
+"""Block diffusion decoding (DiffusionGemma), as transformers 5.23's ``generate`` does it.
+
+Blocks of ``canvas_length`` tokens are written one after another. For each block the
+encoder first adds the tokens so far to the cache (the whole prompt, then each
+finished block), then the canvas, starting from uniformly random tokens, is denoised
+for up to ``steps`` steps, counting down from N to 1:
+
+1. the decoder gives logits for the canvas, self-conditioned on the previous step's
+   (temperature-scaled) logits;
+2. the logits are divided by a temperature falling linearly with the steps left,
+   ``t_min + (t_max - t_min) * step / N``;
+3. a token is sampled at every position; the positions of lowest entropy are accepted,
+   as many as keep ``sum(entropies) - max(entropy) <= entropy_bound`` (the
+   entropy-bound sampler), the others keep their canvas token;
+4. every position not accepted this step is renoised with a fresh random token;
+5. the block stops early once the argmax canvas has not changed for
+   ``stability_threshold`` steps and the mean entropy is below ``confidence_threshold``.
+
+The block's tokens are the argmax of the last step's logits. A block holding an
+end-of-sequence id ends the generation; its tokens after the first one become padding.
+Whole blocks are written, so the reply may run past ``max_tokens`` to the block's end,
+as in transformers.
+
+Randomness comes from a ``Noise`` (the canvases and the categorical samples): MLX's
+generator by default, or recorded draws replayed, which is how the tests hold this loop
+to transformers' ids for the same draws.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from engine.api import GenerationResult
+from engine.decode.loop import Piece
+from engine.decode.stats import StatsCounter
+from engine.errors import EngineError
+
+
+@dataclass(frozen=True)
+class DiffusionSettings:
+    """transformers' ``DiffusionGemmaGenerationConfig`` defaults; a checkpoint's
+    generation_config.json overrides them (``from_generation_config``)."""
+
+    steps: int = 48  # max_denoising_steps
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+
+    @classmethod
+    def from_generation_config(cls, config: dict[str, Any] | None) -> DiffusionSettings:
+        config = config or {}
+        sampler = config.get("sampler_config") or {}
+        values = dict(
+            steps=config.get("max_denoising_steps"),
+            entropy_bound=sampler.get("entropy_bound") if isinstance(sampler, dict) else None,
+            t_min=config.get("t_min"),
+            t_max=config.get("t_max"),
+            stability_threshold=config.get("stability_threshold"),
+            confidence_threshold=config.get("confidence_threshold"),
+        )
+        return cls(**{k: v for k, v in values.items() if v is not None}).checked()
+
+    def checked(self) -> DiffusionSettings:
+        if self.steps <= 0:
+            raise EngineError(f"Denoising steps must be a positive number (got {self.steps}).")
+        if self.entropy_bound <= 0:
+            raise EngineError(f"The entropy bound must be above 0 (got {self.entropy_bound}).")
+        if not 0 <= self.t_min < self.t_max:
+            raise EngineError(f"The temperatures need 0 <= t_min < t_max (got {self.t_min}, {self.t_max}).")
+        return self
+
+
+class Noise(Protocol):
+    def canvas(self, length: int, vocab: int) -> mx.array: ...
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """One token per position from softmax(``logits``) [canvas, vocab]."""
+        ...
+
+
+class RandomNoise:
+    """MLX's generator, seeded (a seed gives the same reply every time)."""
+
+    def __init__(self, seed: int | None = None):
+        self.key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+
+    def _next(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def canvas(self, length: int, vocab: int) -> mx.array:
+        return mx.random.randint(0, vocab, (length,), key=self._next())
+
+    def sample(self, logits: mx.array) -> mx.array:
+        return mx.random.categorical(logits, key=self._next())
+
+
+@dataclass
+class ReplayedNoise:
+    """Recorded draws, handed out in order (canvases and samples each their own queue)."""
+
+    canvases: list[list[int]]
+    samples: list[list[int]]
+
+    def canvas(self, length: int, vocab: int) -> mx.array:
+        if not self.canvases:
+            raise EngineError("the recorded canvases ran out")
+        return mx.array(self.canvases.pop(0))
+
+    def sample(self, logits: mx.array) -> mx.array:
+        if not self.samples:
+            raise EngineError("the recorded samples ran out")
+        return mx.array(self.samples.pop(0))
+
+
+@dataclass
+class Block:
+    """One finished block: its tokens (padding after an end-of-sequence dropped), the
+    steps it took, and whether it ended the generation."""
+
+    tokens: list[int]
+    steps: int
+    finished: bool
+    raw: list[int] = field(default_factory=list)  # all canvas_length ids, padding included
+
+
+def _entropy(logits: mx.array) -> mx.array:
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return -(mx.exp(logp) * logp).sum(axis=-1)
+
+
+def denoise_block(model: Any, cache: list, settings: DiffusionSettings, noise: Noise,
+                  cancel: threading.Event | None = None) -> tuple[mx.array, int]:
+    """(argmax ids [canvas], steps taken) for the next block after what ``cache`` holds."""
+    length, vocab = model.canvas_length, model.args.vocab_size
+    canvas = noise.canvas(length, vocab)
+    history = [mx.full((length,), -1, dtype=mx.int32)] * settings.stability_threshold
+    previous: mx.array | None = None
+    argmax = canvas
+    taken = 0
+    for step in range(settings.steps, 0, -1):
+        if cancel is not None and cancel.is_set():
+            break
+        raw = model.denoise(canvas[None], cache, previous)[0]
+        temperature = settings.t_min + (settings.t_max - settings.t_min) * (step / settings.steps)
+        logits = raw / temperature
+        sampled = noise.sample(logits).astype(canvas.dtype)
+        argmax = mx.argmax(logits, axis=-1).astype(mx.int32)
+        # Accept the lowest-entropy positions while their summed entropy, less the largest, stays in bound.
+        entropy = _entropy(logits)
+        order = mx.argsort(entropy)
+        ranked = entropy[order]
+        keep_ranked = (mx.cumsum(ranked) - ranked) <= settings.entropy_bound
+        accepted = keep_ranked[mx.argsort(order)]  # back to canvas order
+        kept = mx.where(accepted, sampled, canvas)
+        canvas = mx.where(accepted, kept, noise.canvas(length, vocab).astype(canvas.dtype))
+        taken += 1
+        stable = all(mx.array_equal(h, argmax).item() for h in history)
+        if history:
+            history = history[1:] + [argmax]
+        confident = mx.mean(entropy).item() < settings.confidence_threshold
+        previous = logits
+        if stable and confident:
+            break
+    return argmax, taken
+
+
+def diffuse(model: Any, prompt: Sequence[int], *, max_tokens: int, settings: DiffusionSettings,
+            noise: Noise, eos_ids: Sequence[int] = (), pad_id: int | None = None,
+            cancel: threading.Event | None = None, cache: list | None = None) -> Iterator[Block]:
+    """Yield each finished block after ``prompt`` (ids not yet in ``cache``) until an
+    end-of-sequence id, ``max_tokens`` (rounded up to whole blocks) or ``cancel``."""
+    if not prompt:
+        raise EngineError("nothing to generate from: the prompt has no tokens")
+    cache = model.make_cache() if cache is None else cache
+    pending = mx.array([list(prompt)])
+    stops = set(int(t) for t in eos_ids)
+    blocks = -(-max(max_tokens, 0) // model.canvas_length)
+    for _ in range(blocks):
+        if cancel is not None and cancel.is_set():
+            return
+        model.encode(pending, cache)
+        ids, steps = denoise_block(model, cache, settings, noise, cancel)
+        if cancel is not None and cancel.is_set():
+            return  # a block cut short is not a finished one
+        raw = [int(t) for t in ids.tolist()]
+        end = next((i for i, t in enumerate(raw) if t in stops), None)
+        if end is not None:
+            tail = [pad_id] * (len(raw) - end - 1) if pad_id is not None else raw[end + 1:]
+            yield Block(tokens=raw[:end], steps=steps, finished=True, raw=raw[: end + 1] + tail)
+            return
+        yield Block(tokens=raw, steps=steps, finished=False, raw=raw)
+        pending = ids[None]
+
+
+def is_diffusion_model(model: Any) -> bool:
+    """Whether ``model`` writes by denoising blocks (the host's choice of decode loop)."""
+    return callable(getattr(model, "denoise", None)) and callable(getattr(model, "encode", None))
+
+
+def stream_diffusion(model: Any, tokenizer: Any, prompt_ids: Sequence[int], cache: list | None, params: Any, *,
+                     cancel: threading.Event | None = None, eos_token_ids: Sequence[int] | None = None,
+                     reasoning: Any = None, cached_tokens: int = 0, drafter: Any = None,
+                     settings: DiffusionSettings | None = None) -> Iterator[Any]:
+    """``stream_generate``'s counterpart for block diffusion: one text piece per finished
+    block (so a reply grows block by block), then the ``GenerationResult`` with the
+    denoising steps taken. ``cache`` None starts a fresh one."""
+
+    if drafter is not None or params.speculative is not None:
+        raise EngineError("DiffusionGemma writes whole blocks by denoising; speculative decoding and draft "
+                          "models do not apply to it: turn Draft off.")
+    if params.constraint is not None or params.logprobs:
+        raise EngineError("DiffusionGemma writes whole blocks at once: constrained output and log-probs "
+                          "are not available for it.")
+    settings = settings or getattr(model, "diffusion_settings", None) or DiffusionSettings()
+    if eos_token_ids is None:
+        eos_token_ids = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
+    eos = () if params.ignore_eos else tuple(int(i) for i in eos_token_ids)
+    detok = tokenizer.detokenizer() if tokenizer is not None else None
+    stats = StatsCounter(prompt_tokens=len(prompt_ids) + cached_tokens, cached_tokens=cached_tokens)
+    ids: list[int] = []
+    texts = {"answer": "", "reasoning": ""}
+    start = time.perf_counter()
+    finish = "length"
+    steps = 0
+
+    def pieces(text: str, tokens: list[int]) -> Iterator[Piece]:
+        parts = reasoning.feed(text) if reasoning is not None else [("answer", text)]
+        carried = list(tokens)
+        for channel, part in parts:
+            if part:
+                texts[channel] += part
+                yield Piece(part, channel, carried, stats.snapshot())
+                carried = []
+        if carried:  # a block whose text is held back still hands its ids out
+            yield Piece("", "answer", carried, stats.snapshot())
+
+    noise = RandomNoise(params.sampling.seed)
+    for block in diffuse(model, prompt_ids, max_tokens=params.max_tokens, settings=settings, noise=noise,
+                         eos_ids=eos, cancel=cancel, cache=cache):
+        if not ids:
+            stats.time_to_first_token = time.perf_counter() - start
+        ids += block.tokens
+        steps += block.steps
+        stats.generated_tokens = len(ids)
+        stats.generation_tps = len(ids) / max(time.perf_counter() - start, 1e-9)
+        text = "".join(detok.add(t) for t in block.tokens) if detok is not None else ""
+        yield from pieces(text, block.tokens)
+        if block.finished:
+            finish = "stop"
+    if cancel is not None and cancel.is_set():
+        finish = "cancelled"
+    tail = detok.finalize() if detok is not None else ""
+    if tail:
+        yield from pieces(tail, [])
+    stats.peak_memory_bytes = int(mx.get_peak_memory())
+    result = GenerationResult(text=texts["answer"], reasoning=texts["reasoning"], token_ids=ids,
+                              token_logprobs=None, finish_reason=finish, stats=stats.snapshot(),
+                              denoising_steps=steps)
+    yield result

@@ -1,0 +1,94 @@
+"""Block diffusion as the session streams it: pieces block by block, the
+steps reported, speculative decoding refused in one line, cancellation honoured."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine.api import GenerationParams, GenerationResult, SamplingParams
+from engine.decode.diffusion import DiffusionSettings, stream_diffusion
+from engine.decode.loop import Piece
+from engine.errors import EngineError
+from engine.models import get_family
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "diffusion_gemma" / "diffusion_gemma_tiny"
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = json.loads((GOLDEN / "config.json").read_text())
+    family = get_family(config["model_type"])
+    m = family.Model(family.ModelArgs.from_dict(config))
+    m.load_weights(list(m.sanitize(dict(mx.load(str(GOLDEN / "model.safetensors")))).items()))
+    m.diffusion_settings = DiffusionSettings(steps=4)
+    return m
+
+
+def run(model, params, cancel=None):
+    prompt = json.loads((GOLDEN / "diffusion.json").read_text())["prompt_ids"]
+    return list(stream_diffusion(model, None, prompt, None, params, cancel=cancel, eos_token_ids=[]))
+
+
+def test_pieces_come_block_by_block_with_the_steps_counted(model):
+    items = run(model, GenerationParams(max_tokens=20, sampling=SamplingParams(seed=5)))
+    pieces, result = [i for i in items if isinstance(i, Piece)], items[-1]
+    assert isinstance(result, GenerationResult) and result.finish_reason == "length"
+    assert [len(p.token_ids) for p in pieces] == [8, 8, 8]  # whole blocks, as transformers writes them
+    assert [t for p in pieces for t in p.token_ids] == result.token_ids
+    assert 3 <= result.denoising_steps <= 12 and result.stats.generated_tokens == 24
+    assert run(model, GenerationParams(max_tokens=20, sampling=SamplingParams(seed=5)))[-1].token_ids == result.token_ids
+
+
+def test_speculative_decoding_is_refused_in_one_line(model):
+    with pytest.raises(EngineError, match="speculative decoding and draft models do not apply"):
+        run(model, GenerationParams(max_tokens=8, speculative="ngram"))
+
+
+def test_cancel_before_the_first_block_ends_it(model):
+    cancel = threading.Event()
+    cancel.set()
+    result = run(model, GenerationParams(max_tokens=16), cancel)[-1]
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+
+
+def test_a_session_picks_block_diffusion_by_family_and_keeps_no_stale_cache(model):
+    from engine.runtime.session import ChatSession
+
+    prompt = json.loads((GOLDEN / "diffusion.json").read_text())["prompt_ids"]
+    session = ChatSession(model, None, eos_token_ids=[])
+    params = GenerationParams(max_tokens=9, sampling=SamplingParams(seed=2))
+    items = list(session.stream_ids(prompt, params))
+    result = items[-1]
+    assert len(result.token_ids) == 16 and result.denoising_steps >= 2  # two whole blocks
+    assert session.cache is None and session.ids == []  # the next turn starts afresh
+    assert list(session.stream_ids(prompt, params))[-1].token_ids == result.token_ids
+    with pytest.raises(EngineError, match="do not apply"):
+        list(session.stream_ids(prompt, GenerationParams(max_tokens=8, speculative="ngram")))
+
+
+def test_generate_cli_reads_the_denoising_settings_and_reports_the_steps(tmp_path, capsys):
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from engine.cli.main import main
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(GOLDEN / name, tmp_path / name)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t2", "eos_token": "t1", "pad_token": "t0"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"max_denoising_steps": 3, "stability_threshold": 0, "confidence_threshold": 1e-9, "eos_token_id": 1}))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "t5 t9 t33", "--max-tokens", "9",
+                 "--json", "--seed", "4"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["denoising_steps"] == 6  # two blocks, three steps each (never confident enough to stop)
+    assert len(out["token_ids"]) == 16 or out["finish_reason"] == "stop"
