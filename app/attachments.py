@@ -14,9 +14,19 @@ from pathlib import Path
 from typing import Any
 
 ATTACHMENTS_DIR = "attachments"
-IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp",
-             # Phone and camera photos: Qt cannot read these, Pillow (with pillow-heif) can.
-             ".heic", ".heif", ".hif", ".avif"}
+IMAGE_EXT = {
+    ".png",
+    ".jpg",
+    ".jpeg",
+    ".webp",
+    ".gif",
+    ".bmp",
+    # Phone and camera photos: Qt cannot read these, Pillow (with pillow-heif) can.
+    ".heic",
+    ".heif",
+    ".hif",
+    ".avif",
+}
 # Formats that only Pillow decodes: checked by decoding when attached, and thumbnailed
 # from the decoded image (the file itself is kept as it is).
 PILLOW_ONLY_EXT = {".heic", ".heif", ".hif", ".avif"}
@@ -32,17 +42,28 @@ NO_MODEL_FOR_IMAGES = f"Load {VISION_MODELS} to attach images."
 VIDEO_MODELS = "a video model: Qwen3-VL or Qwen3-VL-MoE (qwen3_vl, qwen3_vl_moe)"
 NO_VIDEO = f"This model can't watch video — load {VIDEO_MODELS}."
 NO_MODEL_FOR_VIDEO = f"Load {VIDEO_MODELS} to attach video."
-NO_WHISPER = ("To turn speech into text, pick a Whisper model folder under "
-              "Settings → Speech to text (or load an audio model such as Qwen2-Audio).")
+NO_WHISPER = (
+    "To turn speech into text, pick a Whisper model folder under "
+    "Settings → Speech to text (or load an audio model such as Qwen2-Audio)."
+)
 
-_EXTRA_MIME = {".webp": "image/webp", ".heic": "image/heic", ".heif": "image/heif",
-               ".hif": "image/heif", ".avif": "image/avif",
-               ".m4a": "audio/mp4", ".flac": "audio/flac", ".ogg": "audio/ogg",
-               ".mkv": "video/x-matroska", ".m4v": "video/x-m4v", ".webm": "video/webm"}
+_EXTRA_MIME = {
+    ".webp": "image/webp",
+    ".heic": "image/heic",
+    ".heif": "image/heif",
+    ".hif": "image/heif",
+    ".avif": "image/avif",
+    ".m4a": "audio/mp4",
+    ".flac": "audio/flac",
+    ".ogg": "audio/ogg",
+    ".mkv": "video/x-matroska",
+    ".m4v": "video/x-m4v",
+    ".webm": "video/webm",
+}
 
 
 def media_kind(path: str | Path) -> str | None:
-    """"image", "audio", "video" or None, from the file name."""
+    """ "image", "audio", "video" or None, from the file name."""
     ext = Path(path).suffix.lower()
     if ext in IMAGE_EXT:
         return "image"
@@ -61,8 +82,10 @@ def refusal(path: str | Path, vision: bool | None, video: bool | None = None) ->
     name = Path(path).name
     kind = media_kind(path)
     if kind is None:
-        return (f"{name} is not an image, audio or video file "
-                "(PNG, JPEG, WebP, HEIC, AVIF, WAV, MP3, FLAC, OGG, M4A, MP4, MOV, M4V, WebM, MKV).")
+        return (
+            f"{name} is not an image, audio or video file "
+            "(PNG, JPEG, WebP, HEIC, AVIF, WAV, MP3, FLAC, OGG, M4A, MP4, MOV, M4V, WebM, MKV)."
+        )
     if kind == "image":
         if vision is None:
             return NO_MODEL_FOR_IMAGES
@@ -117,13 +140,12 @@ def keep_file(data_dir: str | Path, path: str | Path) -> Path:
     return target
 
 
-def message_content(text: str, attachments: list[tuple[str, str]],
-                    kinds: set[str] | frozenset[str]) -> str | list[dict[str, Any]]:
+def message_content(
+    text: str, attachments: list[tuple[str, str]], kinds: set[str] | frozenset[str]
+) -> str | list[dict[str, Any]]:
     """A message's content for the engine: plain text, or the media parts the model can
     take (in order) followed by the text, as in transformers' multimodal chat format."""
-    parts: list[dict[str, Any]] = [
-        {"type": kind, kind: path} for kind, path in attachments if kind in kinds
-    ]
+    parts: list[dict[str, Any]] = [{"type": kind, kind: path} for kind, path in attachments if kind in kinds]
     if not parts:
         return text
     return [*parts, {"type": "text", "text": text}]

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from app.qt import QObject, Qt, Signal, emit
 from engine import api
@@ -85,9 +86,13 @@ class EngineBridge(QObject):
 
     # ---- awaitable calls ------------------------------------------------------------
 
-    async def load_model(self, path: str, memory_budget: int | None = None,
-                         prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
-                         kv_bits: int | None = None) -> api.ModelInfo:
+    async def load_model(
+        self,
+        path: str,
+        memory_budget: int | None = None,
+        prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
+        kv_bits: int | None = None,
+    ) -> api.ModelInfo:
         """Load a model. ``prepare(info)`` runs once it has loaded (re-mounting adapters, say);
         until it is done the load still counts as under way, so ``wait_for_load`` waits too."""
         rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits), "load")
@@ -188,8 +193,7 @@ class EngineBridge(QObject):
         result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
         return result
 
-    async def transcribe(self, path: str, model_path: str | None = None,
-                         language: str | None = None) -> Any:
+    async def transcribe(self, path: str, model_path: str | None = None, language: str | None = None) -> Any:
         """Speech to text with a Whisper model (progress on ``progress``, stage as the
         engine names it); resolves with the engine's Transcript (``.text``, ``.language``,
         ``.duration_s``, ``.segments``). Cancel with ``cancel(bridge.active_transcription)``."""
@@ -197,9 +201,10 @@ class EngineBridge(QObject):
         if command is None:  # an engine from before speech-to-text
             raise EngineRequestError(
                 "This engine cannot transcribe audio yet: load an audio model such as "
-                "Qwen2-Audio, or type the message.", "MediaError")
-        rid, fut = self._request(
-            command(path=path, model_path=model_path, language=language), "transcribe")
+                "Qwen2-Audio, or type the message.",
+                "MediaError",
+            )
+        rid, fut = self._request(command(path=path, model_path=model_path, language=language), "transcribe")
         return await self._while_active(rid, fut, "active_transcription")
 
     async def _while_active(self, rid: int, fut: asyncio.Future[Any], attr: str) -> Any:
@@ -301,8 +306,12 @@ class EngineBridge(QObject):
             self._live = (event.request_id, event.stats)
             emit(self.token, event.request_id, event.text, event.channel)
         elif isinstance(event, api.ProgressEvent):
-            emit(self.progress, 
-                event.request_id, event.stage, float(event.done), float(event.total),
+            emit(
+                self.progress,
+                event.request_id,
+                event.stage,
+                float(event.done),
+                float(event.total),
                 event.message,
             )
         elif isinstance(event, api.MemoryEvent):

@@ -38,14 +38,20 @@ class HistoryProblem:
     def message(self) -> str:
         where = self.data_dir / DB_NAME
         if self.kind == "damaged":
-            return (f"The chat history in {where} is damaged ({self.detail}). You can start a fresh "
-                    "history (the damaged file is kept beside it, renamed with today's date), salvage "
-                    "what can still be read into a new one, or choose another folder.")
+            return (
+                f"The chat history in {where} is damaged ({self.detail}). You can start a fresh "
+                "history (the damaged file is kept beside it, renamed with today's date), salvage "
+                "what can still be read into a new one, or choose another folder."
+            )
         if self.kind == "read-only":
-            return (f"The data folder {self.data_dir} is read-only, so chats cannot be saved there "
-                    f"({self.detail}). Make it writable and try again, or choose another folder.")
-        return (f"The chat history in {where} cannot be opened ({self.detail}). "
-                "Choose another folder, or quit and check the disk.")
+            return (
+                f"The data folder {self.data_dir} is read-only, so chats cannot be saved there "
+                f"({self.detail}). Make it writable and try again, or choose another folder."
+            )
+        return (
+            f"The chat history in {where} cannot be opened ({self.detail}). "
+            "Choose another folder, or quit and check the disk."
+        )
 
 
 def _classify(exc: BaseException, data_dir: Path) -> HistoryProblem:
@@ -140,8 +146,7 @@ def salvage(data_dir: Path) -> tuple[Path, dict[str, int]]:
             copied = 0
             for row in rows:
                 try:
-                    db.execute(f"INSERT OR IGNORE INTO {table} ({names}) VALUES ({marks})",
-                               tuple(row[i] for i in keep))
+                    db.execute(f"INSERT OR IGNORE INTO {table} ({names}) VALUES ({marks})", tuple(row[i] for i in keep))
                     copied += 1
                 except sqlite3.Error:
                     continue
@@ -157,8 +162,9 @@ def salvage(data_dir: Path) -> tuple[Path, dict[str, int]]:
 Choice = tuple[str, Path | None]
 
 
-def open_history(data_dir: Path, ask: Callable[[HistoryProblem], Choice],
-                 notes: list[str] | None = None) -> HistoryStore | None:
+def open_history(
+    data_dir: Path, ask: Callable[[HistoryProblem], Choice], notes: list[str] | None = None
+) -> HistoryStore | None:
     """Open the history in ``data_dir``, asking what to do while it cannot be opened. None
     when the person chose to quit. ``ask`` puts the problem to the person (the window's
     dialog: app.ui.history_dialog.ask_with_dialog). ``notes`` collects lines for the status bar."""
@@ -177,5 +183,7 @@ def open_history(data_dir: Path, ask: Callable[[HistoryProblem], Choice],
             notes.append(f"Started a fresh history; the damaged one is kept as {kept.name}.")
         elif action == "salvage":
             kept, counts = salvage(data_dir)
-            notes.append(f"Salvaged {counts.get('conversations', 0)} chats and {counts.get('messages', 0)} "
-                         f"messages; the damaged history is kept as {kept.name}.")
+            notes.append(
+                f"Salvaged {counts.get('conversations', 0)} chats and {counts.get('messages', 0)} "
+                f"messages; the damaged history is kept as {kept.name}."
+            )

@@ -14,8 +14,6 @@ Two modes run without a person, for packaging checks:
 
 from __future__ import annotations
 
-from app.startup import seconds_since_start  # first: starts the clock where /proc cannot
-
 import argparse
 import asyncio
 import os
@@ -24,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from app import __version__ as APP_VERSION  # noqa: N812
+from app.startup import seconds_since_start  # first: starts the clock where /proc cannot
 
 SMOKE_MAX_TOKENS = 48
 
@@ -40,18 +39,35 @@ def default_data_dir() -> Path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mlx-desk", description="Chat with local models on MLX.")
-    p.add_argument("files", nargs="*", type=Path, metavar="FILE",
-                   help="files to open: a model folder or .gguf loads, images and audio are attached")
+    p.add_argument(
+        "files",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="files to open: a model folder or .gguf loads, images and audio are attached",
+    )
     p.add_argument("--model", help="model folder, .gguf file or Hugging Face repo id to load")
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help="where history.sqlite3 and presets live (default: the app-data folder)")
-    p.add_argument("--smoke-test", metavar="PROMPT", default=None,
-                   help="load --model, send PROMPT through the window, print the reply, quit "
-                        "(history goes to a temporary folder unless --data-dir is given)")
-    p.add_argument("--smoke-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="give up a --smoke-test after this long (default 300)")
-    p.add_argument("--quit-after-show", action="store_true",
-                   help="print how long the window took to appear, then quit")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where history.sqlite3 and presets live (default: the app-data folder)",
+    )
+    p.add_argument(
+        "--smoke-test",
+        metavar="PROMPT",
+        default=None,
+        help="load --model, send PROMPT through the window, print the reply, quit "
+        "(history goes to a temporary folder unless --data-dir is given)",
+    )
+    p.add_argument(
+        "--smoke-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="give up a --smoke-test after this long (default 300)",
+    )
+    p.add_argument("--quit-after-show", action="store_true", help="print how long the window took to appear, then quit")
     p.add_argument("--version", action="version", version=f"MLX Desk {APP_VERSION}")
     return p.parse_args(argv)
 
@@ -71,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.bridge import EngineBridge, EngineUnavailable
     from app.history_recovery import open_history
-    from app.ui.history_dialog import ask_with_dialog
     from app.qt import QApplication, QIcon, quiet_platform_noise
     from app.resources import resource_path
     from app.single_instance import SingleInstance, bring_forward
     from app.tasks import spawn
     from app.ui.file_open import install_file_open, open_paths
+    from app.ui.history_dialog import ask_with_dialog
     from app.ui.main_window import MainWindow, first_paint
     from app.ui.theme import apply_theme
 
@@ -97,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     # One app per data folder: a second one hands its files over before touching the history.
     instance = SingleInstance(data_dir)
     if not instance.claim([str(f) for f in args.files], args.model):
-        print(f"mlx-desk: MLX Desk is already running on {data_dir}; the files went to its window.",
-              file=sys.stderr)
+        print(f"mlx-desk: MLX Desk is already running on {data_dir}; the files went to its window.", file=sys.stderr)
         return 0
     # A damaged or read-only history asks what to do (fresh, salvage, another folder).
     notes: list[str] = []
@@ -137,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             return
         if args.smoke_test is not None:
             try:
-                await asyncio.wait_for(smoke_test(window, args.model, args.smoke_test, window_shown_s),
-                                       args.smoke_timeout)
+                await asyncio.wait_for(
+                    smoke_test(window, args.model, args.smoke_test, window_shown_s), args.smoke_timeout
+                )
             except asyncio.TimeoutError:
                 fail(f"no reply within {args.smoke_timeout:.0f} s")
             except SmokeFailure as exc:
@@ -191,9 +207,7 @@ async def smoke_test(window, model: str, prompt: str, window_shown_s: float) -> 
     window.new_chat()
     conv = window.chat.conversation_id
     # Greedy and short: the reply is reproducible and the check quick.
-    window.store.update_conversation(
-        conv, settings={"temperature": 0.0, "max_tokens": SMOKE_MAX_TOKENS, "seed": 0}
-    )
+    window.store.update_conversation(conv, settings={"temperature": 0.0, "max_tokens": SMOKE_MAX_TOKENS, "seed": 0})
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -216,11 +230,19 @@ async def smoke_test(window, model: str, prompt: str, window_shown_s: float) -> 
         raise SmokeFailure(result.error or f"the reply ended with {result.finish_reason}")
     sys.stdout.write(result.text + "\n")
     sys.stdout.write(f"smoke-test: ok {result.stats.generated_tokens} tokens\n")
-    sys.stdout.write(json.dumps({
-        "window_shown_s": round(window_shown_s, 3), "model_loaded_s": round(model_loaded_s, 3),
-        "reply": result.text, "streamed_chunks": chunks[0],
-        "finish_reason": result.finish_reason, "generated_tokens": result.stats.generated_tokens,
-    }) + "\n")
+    sys.stdout.write(
+        json.dumps(
+            {
+                "window_shown_s": round(window_shown_s, 3),
+                "model_loaded_s": round(model_loaded_s, 3),
+                "reply": result.text,
+                "streamed_chunks": chunks[0],
+                "finish_reason": result.finish_reason,
+                "generated_tokens": result.stats.generated_tokens,
+            }
+        )
+        + "\n"
+    )
     sys.stdout.flush()
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.store import HistoryStore
 from app.memory_units import fmt_bytes, machine_memory
+from app.store import HistoryStore
 
 BUDGET_KEY = "memory_budget"  # bytes; absent: automatic (the engine's default)
 AUTO_BUDGET_KEY = "memory_budget_auto"  # the engine's default, as the last automatic load reported
@@ -35,8 +35,11 @@ class BudgetSetting:
         return self.custom if self.custom is not None else self.automatic
 
     def describe(self) -> str:
-        return (f"{fmt_bytes(self.custom)} (set in Settings)" if self.custom is not None
-                else f"{fmt_bytes(self.automatic)} (automatic)")
+        return (
+            f"{fmt_bytes(self.custom)} (set in Settings)"
+            if self.custom is not None
+            else f"{fmt_bytes(self.automatic)} (automatic)"
+        )
 
 
 def budget_setting(store: HistoryStore, total: int = 0) -> BudgetSetting:
@@ -69,19 +72,25 @@ def refusal_message(name: str, need: int, budget: BudgetSetting) -> str:
     one within the machine's memory would take it, else a smaller model."""
     head = f"{name} needs {fmt_bytes(need)} for its weights; the memory budget is {budget.describe()}."
     if budget.total and need >= budget.total:
-        return (f"{name} needs {fmt_bytes(need)} for its weights, more than this machine's "
-                f"{fmt_bytes(budget.total)} of memory: pick a smaller or more quantized model.")
+        return (
+            f"{name} needs {fmt_bytes(need)} for its weights, more than this machine's "
+            f"{fmt_bytes(budget.total)} of memory: pick a smaller or more quantized model."
+        )
     if budget.total:
-        return (f"{head} Raise the memory budget in Settings (up to {fmt_bytes(budget.total)} "
-                "on this machine) to load it, or pick a smaller or more quantized model.")
+        return (
+            f"{head} Raise the memory budget in Settings (up to {fmt_bytes(budget.total)} "
+            "on this machine) to load it, or pick a smaller or more quantized model."
+        )
     return f"{head} Raise the memory budget in Settings, or pick a smaller or more quantized model."
 
 
 def draft_refusal_message(name: str, need: int, loaded: str, loaded_need: int, budget: int) -> str:
     """Why a draft model was refused: it must fit in the budget beside the loaded model."""
-    return (f"{name} needs {fmt_bytes(need)} beside the {fmt_bytes(loaded_need)} {loaded} takes, "
-            f"over the {fmt_bytes(budget)} memory budget {loaded} loaded under. Pick a smaller "
-            f"draft model, or raise the memory budget in Settings and load {loaded} again.")
+    return (
+        f"{name} needs {fmt_bytes(need)} beside the {fmt_bytes(loaded_need)} {loaded} takes, "
+        f"over the {fmt_bytes(budget)} memory budget {loaded} loaded under. Pick a smaller "
+        f"draft model, or raise the memory budget in Settings and load {loaded} again."
+    )
 
 
 # ---- adapters remembered per model -----------------------------------------------------------
@@ -91,8 +100,11 @@ def remembered_adapters(store: HistoryStore, model_path: str) -> list[dict[str, 
     """The adapter folders mounted on this model, in mount order: [{"path", "name"}]."""
     table = store.preference(ADAPTERS_KEY, {}) or {}
     entries = table.get(model_path, []) if isinstance(table, dict) else []
-    return [{"path": str(e["path"]), "name": str(e["name"])} for e in entries
-            if isinstance(e, dict) and e.get("path") and e.get("name")]
+    return [
+        {"path": str(e["path"]), "name": str(e["name"])}
+        for e in entries
+        if isinstance(e, dict) and e.get("path") and e.get("name")
+    ]
 
 
 def remember_adapter(store: HistoryStore, model_path: str, adapter_path: str, name: str) -> None:

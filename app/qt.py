@@ -16,9 +16,9 @@ from PySide6.QtCore import (
     QEvent,
     QIODevice,
     QMimeData,
-    QPointF,
     QObject,
     QPoint,
+    QPointF,
     QRectF,
     QSize,
     QStandardPaths,
@@ -53,6 +53,7 @@ from PySide6.QtGui import (
     QTextCursor,
     QTextDocument,
 )
+from PySide6.QtNetwork import QLocalServer, QLocalSocket
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QApplication,
@@ -92,9 +93,7 @@ from PySide6.QtWidgets import (
     QWidget,
     QWidgetAction,
 )
-from PySide6.QtNetwork import QLocalServer, QLocalSocket
 from shiboken6 import isValid  # whether a Qt object still exists (work that ends late checks it)
-
 
 
 def _emit_drops_a_reference() -> bool:

@@ -26,12 +26,15 @@ class Recommended:
 
 
 BUILT_IN = (
-    Recommended("mlx-community/Qwen3-0.6B-4bit", 340_000_000,
-                "Smallest good chat model: quick to download, with a thinking mode."),
-    Recommended("mlx-community/Llama-3.2-1B-Instruct-4bit", 700_000_000,
-                "Meta's small chat model: good English, long context."),
-    Recommended("mlx-community/gemma-3-1b-it-4bit", 730_000_000,
-                "Google's small Gemma 3 chat model."),
+    Recommended(
+        "mlx-community/Qwen3-0.6B-4bit",
+        340_000_000,
+        "Smallest good chat model: quick to download, with a thinking mode.",
+    ),
+    Recommended(
+        "mlx-community/Llama-3.2-1B-Instruct-4bit", 700_000_000, "Meta's small chat model: good English, long context."
+    ),
+    Recommended("mlx-community/gemma-3-1b-it-4bit", 730_000_000, "Google's small Gemma 3 chat model."),
 )
 
 
@@ -41,8 +44,15 @@ def recommended_models(memory_bytes: int = 0) -> list[Recommended]:
     built-in list."""
     try:
         data = json.loads(resource_path("recommended_models.json").read_text(encoding="utf-8"))
-        found = [Recommended(str(m["repo_id"]), int(m.get("approx_size_bytes") or 0), str(m.get("why", "")),
-                             int(float(m.get("min_memory_gb") or 0) * GB)) for m in data["models"]]
+        found = [
+            Recommended(
+                str(m["repo_id"]),
+                int(m.get("approx_size_bytes") or 0),
+                str(m.get("why", "")),
+                int(float(m.get("min_memory_gb") or 0) * GB),
+            )
+            for m in data["models"]
+        ]
         by_memory = {int(float(k) * GB): str(v) for k, v in (data.get("default_by_memory") or {}).items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return list(BUILT_IN)

@@ -42,8 +42,7 @@ def to_mono(block: np.ndarray) -> np.ndarray:
     return block.mean(axis=1) if block.ndim == 2 else block.reshape(-1)
 
 
-def write_wav(target: str | Path | BinaryIO, samples: np.ndarray,
-              sample_rate: int = TARGET_RATE) -> None:
+def write_wav(target: str | Path | BinaryIO, samples: np.ndarray, sample_rate: int = TARGET_RATE) -> None:
     """Mono float samples in [-1, 1] as a 16-bit PCM WAV file (a path or a binary file)."""
     pcm = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
     ints = np.round(pcm * 32767.0).astype("<i2")
@@ -71,11 +70,14 @@ def _device_problem(exc: BaseException) -> RecorderError:
     text = " ".join(str(exc).split())
     lowered = text.lower()
     if "querying device -1" in lowered or "no default input" in lowered or "device unavailable" in lowered:
-        return RecorderError("No microphone found: connect one (or pick it as the system's input "
-                             "device), then press record again.")
+        return RecorderError(
+            "No microphone found: connect one (or pick it as the system's input device), then press record again."
+        )
     if "permission" in lowered or "not authorized" in lowered or "-9986" in lowered:
-        return RecorderError("The microphone is blocked: allow MLX Desk under System Settings → "
-                             "Privacy & Security → Microphone, then press record again.")
+        return RecorderError(
+            "The microphone is blocked: allow MLX Desk under System Settings → "
+            "Privacy & Security → Microphone, then press record again."
+        )
     return RecorderError(f"The microphone could not start: {text}")
 
 
@@ -85,8 +87,7 @@ class Recorder:
     tests pass a fake one and call the callback themselves. ``rates`` are the sample rates
     tried in order (default: 16 kHz, then the input device's own rate)."""
 
-    def __init__(self, stream_factory: Callable[..., Any] | None = None,
-                 rates: list[int] | None = None) -> None:
+    def __init__(self, stream_factory: Callable[..., Any] | None = None, rates: list[int] | None = None) -> None:
         self._factory = stream_factory
         self._given_rates = rates
         self._lock = threading.Lock()
@@ -192,7 +193,6 @@ class Recorder:
         sd = _sounddevice()
 
         def open_stream(samplerate: int, channels: int, callback: Callable) -> Any:
-            return sd.InputStream(samplerate=samplerate, channels=channels, dtype="float32",
-                                  callback=callback)
+            return sd.InputStream(samplerate=samplerate, channels=channels, dtype="float32", callback=callback)
 
         return open_stream

@@ -57,8 +57,9 @@ class SingleInstance(QObject):
         socket.connectToServer(self.name)
         if not socket.waitForConnected(CONNECT_TIMEOUT_MS):
             return False
-        payload = json.dumps({"files": [str(Path(f).expanduser().resolve()) for f in files],
-                              "model": model}).encode() + b"\n"
+        payload = (
+            json.dumps({"files": [str(Path(f).expanduser().resolve()) for f in files], "model": model}).encode() + b"\n"
+        )
         socket.write(payload)
         socket.waitForBytesWritten(CONNECT_TIMEOUT_MS)
         socket.waitForReadyRead(CONNECT_TIMEOUT_MS)  # the running window's "ok" (not required)

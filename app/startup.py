@@ -19,7 +19,7 @@ def _linux_process_age() -> float | None:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
         # Field 22 (starttime) counts after the command name, which may hold spaces.
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         start_ticks = int(fields[19])
         ticks = os.sysconf("SC_CLK_TCK")
         return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / ticks

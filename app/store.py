@@ -165,16 +165,13 @@ class HistoryStore:
     ) -> int:
         now = time.time()
         cur = self._write(
-            "INSERT INTO conversations (title, system_prompt, settings, created_at, updated_at)"
-            " VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO conversations (title, system_prompt, settings, created_at, updated_at) VALUES (?, ?, ?, ?, ?)",
             (title, system_prompt, json.dumps(settings or {}), now, now),
         )
         return int(cur.lastrowid)
 
     def conversation(self, conversation_id: int) -> Conversation | None:
-        row = self._db.execute(
-            "SELECT * FROM conversations WHERE id=?", (conversation_id,)
-        ).fetchone()
+        row = self._db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
         return _conversation(row) if row else None
 
     def list_conversations(self, search: str = "") -> list[Conversation]:
@@ -188,9 +185,7 @@ class HistoryStore:
                 (like, like),
             ).fetchall()
         else:
-            rows = self._db.execute(
-                "SELECT * FROM conversations ORDER BY updated_at DESC, id DESC"
-            ).fetchall()
+            rows = self._db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id DESC").fetchall()
         return [_conversation(r) for r in rows]
 
     def update_conversation(self, conversation_id: int, **fields: Any) -> None:
@@ -203,9 +198,7 @@ class HistoryStore:
                 fields[key] = json.dumps(fields[key])
         fields["updated_at"] = time.time()
         cols = ", ".join(f"{k}=?" for k in fields)
-        self._write(
-            f"UPDATE conversations SET {cols} WHERE id=?", (*fields.values(), conversation_id)
-        )
+        self._write(f"UPDATE conversations SET {cols} WHERE id=?", (*fields.values(), conversation_id))
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         self.update_conversation(conversation_id, title=title.strip() or "Untitled")
@@ -238,14 +231,23 @@ class HistoryStore:
                 "INSERT INTO messages (conversation_id, parent_id, version, role, content,"
                 " status, model, adapters, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (conversation_id, parent_id, version, role, content, status, model,
-                 json.dumps(adapters or {}), now, now),
+                (
+                    conversation_id,
+                    parent_id,
+                    version,
+                    role,
+                    content,
+                    status,
+                    model,
+                    json.dumps(adapters or {}),
+                    now,
+                    now,
+                ),
             )
             message_id = int(cur.lastrowid)
             for kind, path in attachments or []:
                 self._db.execute(
-                    "INSERT INTO attachments (message_id, kind, path, mime, created_at)"
-                    " VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO attachments (message_id, kind, path, mime, created_at) VALUES (?, ?, ?, ?, ?)",
                     (message_id, kind, str(path), mime_type(path), now),
                 )
             self._db.execute(
@@ -294,8 +296,8 @@ class HistoryStore:
         by_id = {m.id: m for m in messages}
         marks = ",".join("?" * len(by_id))
         rows = self._db.execute(
-            f"SELECT message_id, kind, path FROM attachments WHERE message_id IN ({marks})"
-            " ORDER BY id", tuple(by_id),
+            f"SELECT message_id, kind, path FROM attachments WHERE message_id IN ({marks}) ORDER BY id",
+            tuple(by_id),
         ).fetchall()
         for r in rows:
             by_id[r["message_id"]].attachments.append((r["kind"], r["path"]))
@@ -313,8 +315,7 @@ class HistoryStore:
             " SELECT messages.* FROM messages JOIN up ON messages.id = up.id",
             (conv.leaf_id,),
         ).fetchall()
-        return self._with_attachments(
-            sorted((_message(r) for r in rows), key=lambda m: (m.created_at, m.id)))
+        return self._with_attachments(sorted((_message(r) for r in rows), key=lambda m: (m.created_at, m.id)))
 
     def siblings(self, message_id: int) -> list[int]:
         """The versions of a message (same parent, same conversation), oldest first."""
@@ -355,9 +356,11 @@ class HistoryStore:
         if value is None:
             self._write("DELETE FROM preferences WHERE key=?", (key,))
         else:
-            self._write("INSERT INTO preferences (key, value) VALUES (?, ?)"
-                        " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                        (key, json.dumps(value)))
+            self._write(
+                "INSERT INTO preferences (key, value) VALUES (?, ?)"
+                " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (key, json.dumps(value)),
+            )
 
     # ---- export -----------------------------------------------------------------
 
@@ -379,8 +382,7 @@ class HistoryStore:
                     **({"stats": m.stats} if m.stats else {}),
                     **({"model": m.model} if m.model else {}),
                     **({"adapters": m.adapters} if m.adapters else {}),
-                    **({"attachments": [{"kind": k, "path": p} for k, p in m.attachments]}
-                       if m.attachments else {}),
+                    **({"attachments": [{"kind": k, "path": p} for k, p in m.attachments]} if m.attachments else {}),
                     "created_at": m.created_at,
                 }
                 for m in self.thread(conversation_id)
@@ -399,29 +401,44 @@ class HistoryStore:
                 parts.append(f"<details><summary>Reasoning</summary>\n\n{quoted}\n\n</details>\n")
             for a in m.get("attachments", []):
                 name = Path(a["path"]).name
-                parts.append(f"![{name}]({Path(a['path']).as_uri()})\n" if a["kind"] == "image"
-                             else f"[{a['kind']}: {name}]({Path(a['path']).as_uri()})\n")
+                parts.append(
+                    f"![{name}]({Path(a['path']).as_uri()})\n"
+                    if a["kind"] == "image"
+                    else f"[{a['kind']}: {name}]({Path(a['path']).as_uri()})\n"
+                )
             parts.append(m["content"].rstrip() + "\n")
         return "\n".join(parts)
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(
-        id=row["id"], title=row["title"], system_prompt=row["system_prompt"],
-        settings=json.loads(row["settings"] or "{}"), model=row["model"],
-        leaf_id=row["leaf_id"], created_at=row["created_at"], updated_at=row["updated_at"],
+        id=row["id"],
+        title=row["title"],
+        system_prompt=row["system_prompt"],
+        settings=json.loads(row["settings"] or "{}"),
+        model=row["model"],
+        leaf_id=row["leaf_id"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
         adapters=_scales(row["adapters"]),
     )
 
 
 def _message(row: sqlite3.Row) -> Message:
     return Message(
-        id=row["id"], conversation_id=row["conversation_id"], parent_id=row["parent_id"],
-        version=row["version"], role=row["role"], content=row["content"],
-        reasoning=row["reasoning"], status=row["status"],
-        stats=json.loads(row["stats"] or "{}"), model=row["model"],
+        id=row["id"],
+        conversation_id=row["conversation_id"],
+        parent_id=row["parent_id"],
+        version=row["version"],
+        role=row["role"],
+        content=row["content"],
+        reasoning=row["reasoning"],
+        status=row["status"],
+        stats=json.loads(row["stats"] or "{}"),
+        model=row["model"],
         adapters=_scales(row["adapters"]),
-        created_at=row["created_at"], updated_at=row["updated_at"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
     )
 
 

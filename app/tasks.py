@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import traceback
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 _running: set[asyncio.Future] = set()
 _reporter: Callable[[str], None] | None = None

@@ -234,8 +234,11 @@ class MemoryPlan:
     def kv_bytes(self, tokens: int) -> int:
         """The KV cache of a ``tokens``-long context, all layers."""
         tokens = max(0, tokens)
-        return self.kv_bytes_per_token * tokens + sum(w.bytes_per_token * min(tokens, w.tokens)
-                                                      for w in self.kv_windows) + (self.state_bytes if tokens else 0)
+        return (
+            self.kv_bytes_per_token * tokens
+            + sum(w.bytes_per_token * min(tokens, w.tokens) for w in self.kv_windows)
+            + (self.state_bytes if tokens else 0)
+        )
 
     @property
     def max_context(self) -> int:
@@ -500,7 +503,20 @@ class SessionRestore:
 
 
 Command = (
-    LoadModel | UnloadModel | InspectModel | Generate | Complete | Transcribe | Embed | Cancel | DropSession
+    LoadModel
+    | UnloadModel
+    | InspectModel
+    | Generate
+    | Complete
+    | Transcribe
+    | Embed
+    | Cancel
+    | DropSession
     | GetModelInfo
-    | MountAdapter | SetActiveAdapters | UnmountAdapter | LoadDraftModel | SaveSession | RestoreSession
+    | MountAdapter
+    | SetActiveAdapters
+    | UnmountAdapter
+    | LoadDraftModel
+    | SaveSession
+    | RestoreSession
 )

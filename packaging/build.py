@@ -99,8 +99,18 @@ def run_pyinstaller(dist: Path, work: Path) -> None:
     except ImportError:
         sys.exit("PyInstaller is not installed: run `make bundle` or `pip install -e '.[bundle]'`.")
     cmd = [
-        sys.executable, "-m", "PyInstaller", "--noconfirm", "--clean", "--log-level", "WARN",
-        "--distpath", str(dist), "--workpath", str(work), str(SPEC),
+        sys.executable,
+        "-m",
+        "PyInstaller",
+        "--noconfirm",
+        "--clean",
+        "--log-level",
+        "WARN",
+        "--distpath",
+        str(dist),
+        "--workpath",
+        str(work),
+        str(SPEC),
     ]
     subprocess.run(cmd, check=True, cwd=ROOT)
 
@@ -131,9 +141,7 @@ def finish_linux(bundle: Path) -> None:
     (mime / "mlx-desk.xml").write_text(GGUF_MIME, encoding="utf-8")
     # As shipped, the entry names the icon by theme name; install-desktop-entry.sh
     # rewrites Exec to the folder's absolute path.
-    (bundle / "mlx-desk.desktop").write_text(
-        DESKTOP_ENTRY.format(exec=EXE_NAME, icon="mlx-desk"), encoding="utf-8"
-    )
+    (bundle / "mlx-desk.desktop").write_text(DESKTOP_ENTRY.format(exec=EXE_NAME, icon="mlx-desk"), encoding="utf-8")
     script = bundle / "install-desktop-entry.sh"
     script.write_text(INSTALL_SCRIPT, encoding="utf-8")
     script.chmod(0o755)

@@ -47,8 +47,12 @@ def one_run(command: list[str], timeout: float) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as data:
         start = time.clock_gettime(time.CLOCK_BOOTTIME)
         proc = subprocess.Popen(
-            [*command, "--data-dir", data], env=env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, errors="replace",
+            [*command, "--data-dir", data],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
         )
         try:
             deadline = time.monotonic() + timeout
@@ -84,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         times.append(t)
         cpus.append(cpu)
         print(f"run {i + 1}: {t:.3f} s  (CPU {cpu:.2f} s)")
-    print(f"first {times[0]:.3f} s, median {statistics.median(times):.3f} s over {len(times)} runs;"
-          f" median CPU {statistics.median(cpus):.2f} s (what a busy machine cannot inflate)")
+    print(
+        f"first {times[0]:.3f} s, median {statistics.median(times):.3f} s over {len(times)} runs;"
+        f" median CPU {statistics.median(cpus):.2f} s (what a busy machine cannot inflate)"
+    )
     return 0
 
 

@@ -144,22 +144,18 @@ def _path(points: list[tuple[float, float]]) -> str:
 
 def icon_svg() -> str:
     """The same icon as an SVG (no drop shadows: Qt's SVG renderer has no filters)."""
-    stops = "".join(
-        f'<stop offset="{t}" stop-color="#{r:02x}{g:02x}{b:02x}"/>' for t, (r, g, b) in GRADIENT
-    )
+    stops = "".join(f'<stop offset="{t}" stop-color="#{r:02x}{g:02x}{b:02x}"/>' for t, (r, g, b) in GRADIENT)
     x0, y0, x1, y1 = BUBBLE
-    sparks = "".join(
-        f'<path d="{_path(spark(cx, cy, r, steps=24))}" fill="url(#tile)"/>' for cx, cy, r in SPARKS
-    )
+    sparks = "".join(f'<path d="{_path(spark(cx, cy, r, steps=24))}" fill="url(#tile)"/>' for cx, cy, r in SPARKS)
     tile = _path(superellipse(CANVAS / 2, CANVAS / 2, TILE / 2, steps=160))
     return (
         '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 1024 1024">'
-        '<defs>'
+        "<defs>"
         f'<linearGradient id="tile" x1="0" y1="0" x2="1" y2="1">{stops}</linearGradient>'
         '<linearGradient id="gloss" x1="0" y1="0" x2="0" y2="1">'
         '<stop offset="0" stop-color="#fff" stop-opacity="0.16"/>'
         '<stop offset="0.55" stop-color="#fff" stop-opacity="0"/></linearGradient>'
-        '</defs>'
+        "</defs>"
         f'<path d="{tile}" fill="url(#tile)"/><path d="{tile}" fill="url(#gloss)"/>'
         f'<rect x="{x0}" y="{y0}" width="{x1 - x0}" height="{y1 - y0}" rx="{BUBBLE_RADIUS}" fill="#fff"/>'
         f'<path d="{_path(TAIL)}" fill="#fff"/>{sparks}</svg>\n'

@@ -88,7 +88,7 @@ class FakeHub:
                         return self.listing(repo, files)
                     prefix = f"/{repo}/resolve/"
                     if path.startswith(prefix):
-                        _rev, _, name = path[len(prefix):].partition("/")
+                        _rev, _, name = path[len(prefix) :].partition("/")
                         if name in files:
                             return self.file(repo, name, files[name], body)
                         return self.missing("EntryNotFound")
@@ -109,15 +109,35 @@ class FakeHub:
                     if is_lfs(n):
                         entry["lfs"] = {"sha256": hashlib.sha256(b).hexdigest(), "size": len(b), "pointerSize": 134}
                     siblings.append(entry)
-                self.send_json({"id": repo, "modelId": repo, "sha": hub.commit, "private": False,
-                                "downloads": 0, "likes": 0, "tags": ["mlx"], "siblings": siblings})
+                self.send_json(
+                    {
+                        "id": repo,
+                        "modelId": repo,
+                        "sha": hub.commit,
+                        "private": False,
+                        "downloads": 0,
+                        "likes": 0,
+                        "tags": ["mlx"],
+                        "siblings": siblings,
+                    }
+                )
 
             def search(self, query):
                 term = query.get("search", [""])[0]
                 library = query.get("filter", [""])[0]
-                rows = [{"id": r, "modelId": r, "downloads": 100 * (i + 1), "likes": i, "library_name": "mlx",
-                         "tags": ["mlx"], "private": False}
-                        for i, r in enumerate(sorted(hub.repos)) if term.lower() in r.lower()]
+                rows = [
+                    {
+                        "id": r,
+                        "modelId": r,
+                        "downloads": 100 * (i + 1),
+                        "likes": i,
+                        "library_name": "mlx",
+                        "tags": ["mlx"],
+                        "private": False,
+                    }
+                    for i, r in enumerate(sorted(hub.repos))
+                    if term.lower() in r.lower()
+                ]
                 self.send_json(rows if library in ("mlx", "") else [])
 
             def file(self, repo, name, data, body):

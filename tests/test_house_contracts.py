@@ -16,8 +16,14 @@ pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not 
 
 
 def _lint(tree: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LINT), "--config", str(tree / ".importlinter")], cwd=tree,
-                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [str(LINT), "--config", str(tree / ".importlinter")],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def _copy(tmp_path: Path) -> Path:

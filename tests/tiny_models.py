@@ -47,7 +47,9 @@ def make_tokenizer(vocab_size: int = 300):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
     return tok
@@ -93,15 +95,20 @@ def make_tiny_llama(
     (folder / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos_id, "temperature": 0.7, "top_p": 0.9, "top_k": 40})
     )
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": CHATML_TEMPLATE,
-        "model_max_length": 2048,
-        "add_bos_token": False,
-    }, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHATML_TEMPLATE,
+                "model_max_length": 2048,
+                "add_bos_token": False,
+            },
+            indent=2,
+        )
+    )
 
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
@@ -116,17 +123,19 @@ def make_tiny_llama(
     }
     for i in range(layers):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": np.ones(hidden, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
-            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": w(intermediate, hidden),
-            p + "mlp.up_proj.weight": w(intermediate, hidden),
-            p + "mlp.down_proj.weight": w(hidden, intermediate),
-        })
+        tensors.update(
+            {
+                p + "input_layernorm.weight": np.ones(hidden, np.float32),
+                p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+                p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+                p + "mlp.gate_proj.weight": w(intermediate, hidden),
+                p + "mlp.up_proj.weight": w(intermediate, hidden),
+                p + "mlp.down_proj.weight": w(hidden, intermediate),
+            }
+        )
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
@@ -147,9 +156,16 @@ def make_tiny_adapter(
     layer, strong enough to change what the model generates."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"fine_tune_type": "lora", "num_layers": layers,
-              "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0,
-                                  "keys": ["self_attn.q_proj", "self_attn.v_proj"]}}
+    config = {
+        "fine_tune_type": "lora",
+        "num_layers": layers,
+        "lora_parameters": {
+            "rank": rank,
+            "scale": scale,
+            "dropout": 0.0,
+            "keys": ["self_attn.q_proj", "self_attn.v_proj"],
+        },
+    }
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads

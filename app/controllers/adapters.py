@@ -27,8 +27,9 @@ class AdapterController(QObject):
     shown = Signal(object, object, bool)  # mounted AdapterInfos, the chat's choice, model loaded
     draft_changed = Signal(object)  # the draft model's name, or None
 
-    def __init__(self, store: HistoryStore, bridge: EngineBridge, chat: Any, load_setup: Any,
-                 parent: QObject | None = None):
+    def __init__(
+        self, store: HistoryStore, bridge: EngineBridge, chat: Any, load_setup: Any, parent: QObject | None = None
+    ):
         super().__init__(parent)
         self.store, self.bridge, self.chat, self.load_setup = store, bridge, chat, load_setup
 
@@ -75,8 +76,11 @@ class AdapterController(QObject):
             return False
         self.load_setup.remember(adapter)
         self.show()
-        emit(self.status, f"Mounted {adapter.name} ({adapter.kind}, rank {adapter.rank}, "
-                          f"{adapter.targets} layers): tick it in the Adapters menu to use it.")
+        emit(
+            self.status,
+            f"Mounted {adapter.name} ({adapter.kind}, rank {adapter.rank}, "
+            f"{adapter.targets} layers): tick it in the Adapters menu to use it.",
+        )
         return True
 
     async def unmount(self, name: str) -> None:

@@ -10,16 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any, Callable, Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
+from app.controllers.tools import ToolCall, ToolError, ToolsController
 from app.qt import QObject, QTimer, Signal, emit
 from app.store import HistoryStore, Message, StoreError
 from app.tasks import spawn
-from app.controllers.tools import ToolCall, ToolError, ToolsController
 from engine import api
 from engine.text.tool_calls import FORMATS, forced_call, parse_tool_calls
 
@@ -58,9 +59,9 @@ def build_params(
     The chat's reasoning choice goes only to a model whose template switch takes it (a
     chat may have been set up under another model)."""
     merged = {**defaults, **{k: v for k, v in settings.items() if v is not None}}
-    sampling = api.SamplingParams(**{
-        k: merged[k] for k in SAMPLING_KEYS if k in merged and merged[k] not in ("", None)
-    })
+    sampling = api.SamplingParams(
+        **{k: merged[k] for k in SAMPLING_KEYS if k in merged and merged[k] not in ("", None)}
+    )
     params = api.GenerationParams(sampling=sampling)
     if merged.get("max_tokens"):
         params.max_tokens = int(merged["max_tokens"])
@@ -94,8 +95,7 @@ class ChatController(QObject):
     reply_finished = Signal(int, object)  # assistant message id, GenerationResult | None
     conversations_changed = Signal()
 
-    def __init__(self, store: HistoryStore, bridge: EngineBridge, view: TranscriptView,
-                 parent: QObject | None = None):
+    def __init__(self, store: HistoryStore, bridge: EngineBridge, view: TranscriptView, parent: QObject | None = None):
         super().__init__(parent)
         self.store, self.bridge, self.view = store, bridge, view
         self.conversation_id: int | None = None
@@ -185,6 +185,7 @@ class ChatController(QObject):
         if any(kind == "video" for kind, _ in attachments) and info is not None and not info.video:
             emit(self.failed, NO_VIDEO)
             return False
+
         def keep_all() -> list[tuple[str, str]]:
             return [(kind, str(keep_file(self.store.data_dir, path))) for kind, path in attachments]
 
@@ -193,8 +194,11 @@ class ChatController(QObject):
         try:
             kept = await run_in_thread(keep_all) if attachments else []
         except OSError as exc:
-            emit(self.failed, f"Could not keep the attachment {Path(exc.filename or '').name}: "
-                              f"{exc.strerror or exc}. Attach it again.")
+            emit(
+                self.failed,
+                f"Could not keep the attachment {Path(exc.filename or '').name}: "
+                f"{exc.strerror or exc}. Attach it again.",
+            )
             return False
         finally:
             self._keeping = False
@@ -224,8 +228,9 @@ class ChatController(QObject):
         msg = self.store.message(user_id)
         if msg is None or self.busy:
             return
-        new_id = self.store.add_message(msg.conversation_id, "user", text, msg.parent_id,
-                                        attachments=self.store.attachments(user_id))
+        new_id = self.store.add_message(
+            msg.conversation_id, "user", text, msg.parent_id, attachments=self.store.attachments(user_id)
+        )
         self.refresh()
         await self._reply(new_id)
 
@@ -254,15 +259,20 @@ class ChatController(QObject):
         messages = self._engine_messages(history[: cut + 1], info)
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
-        params = build_params(conv.settings, info.generation_defaults or {},
-                              getattr(info, "reasoning_control", None))
+        params = build_params(conv.settings, info.generation_defaults or {}, getattr(info, "reasoning_control", None))
         if params.speculative == "draft" and not getattr(info, "draft_model", None):
-            emit(self.status, "No draft model is loaded, so this reply decodes without one: "
-                              "choose one under Settings → Speculative decoding.")
+            emit(
+                self.status,
+                "No draft model is loaded, so this reply decodes without one: "
+                "choose one under Settings → Speculative decoding.",
+            )
             params.speculative = None
         if params.speculative == "mtp" and not getattr(info, "mtp", False):
-            emit(self.status, "This reply decodes without MTP drafting: "
-                              + (getattr(info, "mtp_note", "") or "the model has no built-in MTP layers."))
+            emit(
+                self.status,
+                "This reply decodes without MTP drafting: "
+                + (getattr(info, "mtp_note", "") or "the model has no built-in MTP layers."),
+            )
             params.speculative = None
         try:
             adapters = await self.apply_adapter_choice(conv.adapters)
@@ -276,7 +286,12 @@ class ChatController(QObject):
 
         try:
             self.reply_id = self.store.add_message(
-                conv.id, "assistant", "", parent_id, status="streaming", model=info.name,
+                conv.id,
+                "assistant",
+                "",
+                parent_id,
+                status="streaming",
+                model=info.name,
                 adapters=adapters,
             )
         except StoreError as exc:
@@ -321,8 +336,9 @@ class ChatController(QObject):
             reply_id, self.reply_id = self.reply_id, None
             if result is not None and self.caches is not None:
                 spawn(self.caches.save(conv.id))
-            self._save(reply_id, content=self._answer, reasoning=self._reasoning,
-                       status=status, stats=stats, adapters=adapters)
+            self._save(
+                reply_id, content=self._answer, reasoning=self._reasoning, status=status, stats=stats, adapters=adapters
+            )
             self.view.stop_streaming()
             widget = self.view.widgets.get(reply_id)
             if widget is not None:
@@ -331,10 +347,7 @@ class ChatController(QObject):
             self.view.set_busy(False)
             emit(self.busy_changed, False)
             if status == "complete" and stats:
-                emit(self.status, 
-                    f"{stats.get('generated_tokens', 0)} tokens in "
-                    f"{time.monotonic() - started:.1f} s"
-                )
+                emit(self.status, f"{stats.get('generated_tokens', 0)} tokens in {time.monotonic() - started:.1f} s")
             elif status == "cancelled":
                 emit(self.status, "Stopped.")
             emit(self.reply_finished, reply_id, result)
@@ -347,14 +360,22 @@ class ChatController(QObject):
         if self.tools is None or not self.tools.enabled:
             return None
         if getattr(info, "tool_format", None) not in FORMATS:
-            emit(self.status, f"{info.name}'s chat template does not describe tool calls, so this reply "
-                              "has no MCP tools.")
+            emit(
+                self.status,
+                f"{info.name}'s chat template does not describe tool calls, so this reply has no MCP tools.",
+            )
             return None
         return await self.tools.offered() or None
 
-    async def _tool_rounds(self, conv_id: int, messages: list[dict[str, Any]], params: api.GenerationParams,
-                           tools: list[dict[str, Any]], info: api.ModelInfo,
-                           result: api.GenerationResult) -> api.GenerationResult:
+    async def _tool_rounds(
+        self,
+        conv_id: int,
+        messages: list[dict[str, Any]],
+        params: api.GenerationParams,
+        tools: list[dict[str, Any]],
+        info: api.ModelInfo,
+        result: api.GenerationResult,
+    ) -> api.GenerationResult:
         """While the reply calls tools: show each call, ask (unless always allowed), run it,
         hand the result back as a tool message, and let the model go on. The transcript keeps
         a readable record of the calls in place of their raw markers."""
@@ -369,10 +390,23 @@ class ChatController(QObject):
             if not calls:
                 break
             record += text
-            messages.append({"role": "assistant", "content": text, "tool_calls": [
-                {"id": c.id, "type": "function", "function": {
-                    "name": c.name, "arguments": c.arguments if fmt.arguments_as_text else json.loads(c.arguments)}}
-                for c in calls]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": text,
+                    "tool_calls": [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {
+                                "name": c.name,
+                                "arguments": c.arguments if fmt.arguments_as_text else json.loads(c.arguments),
+                            },
+                        }
+                        for c in calls
+                    ],
+                }
+            )
             for c in calls:
                 call = ToolCall(c.id, c.name, c.arguments)
                 record += f"\n\n🔧 **{c.name}** `{c.arguments}`"
@@ -412,8 +446,7 @@ class ChatController(QObject):
         if skipped:
             what = " and ".join(sorted("audio" if k == "audio" else f"{k}s" for k in skipped))
             emit(self.status, f"Earlier {what} in this chat are left out: {info.name} cannot take them.")
-        return [{"role": m.role, "content": message_content(m.content, m.attachments, kinds)}
-                for m in history]
+        return [{"role": m.role, "content": message_content(m.content, m.attachments, kinds)} for m in history]
 
     async def apply_adapter_choice(self, chosen: dict[str, float]) -> dict[str, float]:
         """Make the conversation's adapter choice the worker's active set (only adapters
@@ -425,8 +458,7 @@ class ChatController(QObject):
             info = await self.bridge.set_active_adapters(wanted)
         return wanted
 
-    def _note_speed(self, model_path: str, speculative: str | None, status: str,
-                    stats: dict[str, Any]) -> None:
+    def _note_speed(self, model_path: str, speculative: str | None, status: str, stats: dict[str, Any]) -> None:
         """Plain replies set the model's baseline speed; speculative ones are compared to it."""
         tps = stats.get("generation_tps") or 0.0
         if status != "complete" or not tps or stats.get("generated_tokens", 0) < 2:
@@ -454,8 +486,11 @@ class ChatController(QObject):
             self.view.set_busy(False)
             emit(self.busy_changed, False)
         if info is None:
-            emit(self.failed, "The model did not load, so the message was not answered. "
-                              "Pick a model, then press Regenerate or send again.")
+            emit(
+                self.failed,
+                "The model did not load, so the message was not answered. "
+                "Pick a model, then press Regenerate or send again.",
+            )
         return info
 
     def _live_footer(self) -> str:
@@ -483,8 +518,7 @@ class ChatController(QObject):
         now = (len(self._answer), len(self._reasoning))
         if self.reply_id is not None and now != self._saved_len:
             try:
-                self.store.update_message(self.reply_id, content=self._answer,
-                                          reasoning=self._reasoning)
+                self.store.update_message(self.reply_id, content=self._answer, reasoning=self._reasoning)
             except StoreError as exc:  # tried again on the next tick; the reply streams on
                 emit(self.status, str(exc))
                 return

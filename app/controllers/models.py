@@ -37,8 +37,9 @@ class ModelController(QObject):
         emit(self.loading, name)
         emit(self.status, f"Loading {name}…")
         try:
-            info = await self.bridge.load_model(path, memory_budget, prepare=self.load_setup.remount,
-                                                kv_bits=self.load_setup.kv_bits_for_load())
+            info = await self.bridge.load_model(
+                path, memory_budget, prepare=self.load_setup.remount, kv_bits=self.load_setup.kv_bits_for_load()
+            )
         except (EngineRequestError, EngineUnavailable) as exc:
             reason = str(exc)
             if getattr(exc, "kind", "") == "OutOfMemoryBudget":

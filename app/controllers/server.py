@@ -58,8 +58,7 @@ class ServerController(QObject):
         bridge = self.bridge
         backend = Backend.shared(bridge.worker, lambda: bridge.model_info)
         try:
-            server = make_server(backend, host, self.port, api_key=self.api_key or None,
-                                 on_request=self._on_request)
+            server = make_server(backend, host, self.port, api_key=self.api_key or None, on_request=self._on_request)
         except EngineError as e:
             message = str(e)
             if "--api-key" in message:
@@ -91,5 +90,8 @@ class ServerController(QObject):
     def _on_request(self, entry: dict[str, Any]) -> None:
         """Runs on the request's thread: the signal carries the line to the GUI thread."""
         stamp = time.strftime("%H:%M:%S")
-        emit(self.logged, f"{stamp}  {entry['client']}  {entry['method']} {entry['path']}  "
-                          f"{entry['status']}  {entry['seconds']:.2f} s")
+        emit(
+            self.logged,
+            f"{stamp}  {entry['client']}  {entry['method']} {entry['path']}  "
+            f"{entry['status']}  {entry['seconds']:.2f} s",
+        )

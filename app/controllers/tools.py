@@ -60,8 +60,15 @@ def load_servers(data_dir: Path) -> list[McpServer]:
         if not isinstance(entry, dict):
             continue
         command = " ".join(shlex.quote(str(p)) for p in [entry.get("command", ""), *(entry.get("args") or [])] if p)
-        servers.append(McpServer(str(name), command, str(entry.get("url") or ""),
-                                 [str(t) for t in entry.get("alwaysAllow") or []], not entry.get("disabled", False)))
+        servers.append(
+            McpServer(
+                str(name),
+                command,
+                str(entry.get("url") or ""),
+                [str(t) for t in entry.get("alwaysAllow") or []],
+                not entry.get("disabled", False),
+            )
+        )
     return servers
 
 
@@ -140,7 +147,9 @@ class _Link:
             return await asyncio.wait_for(ready, START_TIMEOUT_S)
         except asyncio.TimeoutError:
             self._task.cancel()
-            raise ToolError(f"The MCP server '{self.server.name}' did not start within {START_TIMEOUT_S:.0f} s.") from None
+            raise ToolError(
+                f"The MCP server '{self.server.name}' did not start within {START_TIMEOUT_S:.0f} s."
+            ) from None
 
     def _reset(self) -> None:
         """Let the connection close (the SDK ends the server's process on the way out)."""
@@ -268,9 +277,16 @@ class ToolsController(QObject):
                     continue
                 self._owners[tool.name] = server.name
                 schema = getattr(tool, "input_schema", None) or getattr(tool, "inputSchema", None)
-                tools.append({"type": "function", "function": {
-                    "name": tool.name, "description": tool.description or "",
-                    "parameters": schema or {"type": "object", "properties": {}}}})
+                tools.append(
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": tool.name,
+                            "description": tool.description or "",
+                            "parameters": schema or {"type": "object", "properties": {}},
+                        },
+                    }
+                )
         return tools
 
     def server_of(self, tool: str) -> McpServer | None:
@@ -280,7 +296,7 @@ class ToolsController(QObject):
     # ---- one call --------------------------------------------------------------------------
 
     async def decide(self, call: ToolCall) -> Decision:
-        """"once"/"always" to run it, "deny" not to: the user's choice unless they always allow it."""
+        """ "once"/"always" to run it, "deny" not to: the user's choice unless they always allow it."""
         server = self.server_of(call.name)
         if server is None:
             return "deny"
@@ -302,8 +318,9 @@ class ToolsController(QObject):
             raise ToolError(f"No MCP server offers a tool called '{call.name}'.")
         args = _arguments(call)
         result = await self._on(server, f"the call to {call.name}", lambda c: c.call_tool(call.name, args))
-        text = "\n".join(getattr(part, "text", "") or f"[{getattr(part, 'type', 'content')}]"
-                         for part in result.content)
+        text = "\n".join(
+            getattr(part, "text", "") or f"[{getattr(part, 'type', 'content')}]" for part in result.content
+        )
         is_error = bool(getattr(result, "is_error", False) or getattr(result, "isError", False))
         return f"Error: {text}" if is_error else text
 
@@ -319,4 +336,3 @@ def _arguments(call: ToolCall) -> dict[str, Any]:
     except ValueError:
         return {}
     return args if isinstance(args, dict) else {}
-

@@ -37,8 +37,12 @@ class TranscriptionController(QObject):
         """Remember the Whisper model that transcribes audio (None forgets it)."""
         self.store.set_preference(WHISPER_KEY, path)
         emit(self.whisper_changed, path)
-        emit(self.status, f"Audio is transcribed with {Path(path).name}." if path
-             else "No Whisper model: audio can go only to an audio model.")
+        emit(
+            self.status,
+            f"Audio is transcribed with {Path(path).name}."
+            if path
+            else "No Whisper model: audio can go only to an audio model.",
+        )
 
     def cancel(self) -> bool:
         return self.bridge.cancel(self.bridge.active_transcription) if self.bridge.active_transcription else False

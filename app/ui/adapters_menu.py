@@ -35,8 +35,7 @@ class AdapterRow(QWidget):
         self.check = QCheckBox(adapter.name)
         self.check.setToolTip(
             f"{adapter.path}\n{adapter.format} {adapter.kind}, rank {adapter.rank}, "
-            f"{adapter.targets} layers" + (f"\ntrained on {adapter.base_model}"
-                                           if adapter.base_model else "")
+            f"{adapter.targets} layers" + (f"\ntrained on {adapter.base_model}" if adapter.base_model else "")
         )
         self.scale = QDoubleSpinBox()
         self.scale.setPrefix("×")
@@ -61,8 +60,7 @@ class AdaptersMenu(QMenu):
         self._quiet = False
         self.set_adapters([], {})
 
-    def set_adapters(self, mounted: list[Any], active: dict[str, float],
-                     model_loaded: bool = True) -> None:
+    def set_adapters(self, mounted: list[Any], active: dict[str, float], model_loaded: bool = True) -> None:
         """Rebuild for these mounted adapters, ticking (and scaling) the active ones."""
         self.clear()
         self.rows = {}
@@ -94,13 +92,13 @@ class AdaptersMenu(QMenu):
             act.triggered.connect(lambda _=False, n=adapter.name: emit(self.unmount_requested, n))
 
     def choice(self) -> dict[str, float]:
-        return {name: round(row.scale.value(), 4) for name, row in self.rows.items()
-                if row.check.isChecked()}
+        return {name: round(row.scale.value(), 4) for name, row in self.rows.items() if row.check.isChecked()}
 
     def _scale_changed(self, row: AdapterRow):
         def changed(_value: float) -> None:
             if row.check.isChecked():  # an unticked adapter's scale waits for its tick
                 self._emit_choice()
+
         return changed
 
     def _emit_choice(self, *_args) -> None:

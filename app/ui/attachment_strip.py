@@ -54,8 +54,7 @@ class _Item(QFrame):
 
     clicked = Signal()
 
-    def __init__(self, kind: str, path: str, size: int, parent: QWidget | None = None,
-                 load: bool = True):
+    def __init__(self, kind: str, path: str, size: int, parent: QWidget | None = None, load: bool = True):
         super().__init__(parent)
         self.kind, self.path, self.size = kind, path, size
         self.pending = False
@@ -81,11 +80,9 @@ class _Item(QFrame):
             self.picture.setText(SPINNER[0])
             self._spin.start()
             if load and kind == "image":
-                in_background(self, thumbnail_image, path, size, self.ratio(), self.radius,
-                              then=self.set_thumbnail)
+                in_background(self, thumbnail_image, path, size, self.ratio(), self.radius, then=self.set_thumbnail)
             elif load:
-                in_background(self, check_video, path, size, self.ratio(), self.radius,
-                              then=self.set_video)
+                in_background(self, check_video, path, size, self.ratio(), self.radius, then=self.set_video)
         else:
             self.picture.setObjectName("audioChip")
             self.picture.setText(f"♪  {_short(Path(path).name)}")
@@ -187,8 +184,7 @@ class AttachmentStrip(QWidget):
         close.setToolTip(f"Remove {Path(path).name}")
         close.setCursor(Qt.CursorShape.PointingHandCursor)
         close.setFixedSize(20, 20)
-        close.clicked.connect(lambda _=False, h=holder: h in self.items
-                              and emit(self.removed, self.items.index(h)))
+        close.clicked.connect(lambda _=False, h=holder: h in self.items and emit(self.removed, self.items.index(h)))
         lay = QHBoxLayout(holder)
         lay.setContentsMargins(0, 6, 6, 0)  # room for the × over the top-right corner
         lay.addWidget(item)
@@ -230,7 +226,7 @@ class ImagePreview(QDialog):
         self.setObjectName("imagePreview")
         self.setWindowTitle(Path(path).name)
         self.path = path
-        screen = (parent.screen() if parent is not None else QApplication.primaryScreen())
+        screen = parent.screen() if parent is not None else QApplication.primaryScreen()
         area = screen.availableGeometry() if screen is not None else None
         fit = int(min(area.width(), area.height()) * 0.8) if area is not None else 900
         self.label = QLabel("Loading…", objectName="previewImage")
@@ -256,7 +252,7 @@ class ImagePreview(QDialog):
         self.accept()
 
     @staticmethod
-    def open_for(path: str, parent: QWidget | None) -> "ImagePreview":
+    def open_for(path: str, parent: QWidget | None) -> ImagePreview:
         dialog = ImagePreview(path, parent.window() if parent is not None else None)
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         dialog.show()

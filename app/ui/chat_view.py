@@ -7,10 +7,9 @@ repaints the streaming message at most ~30 times a second.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from app.qt import (
-    emit,
     QFrame,
     QLabel,
     QScrollArea,
@@ -19,6 +18,7 @@ from app.qt import (
     QVBoxLayout,
     QWidget,
     Signal,
+    emit,
 )
 from app.store import Message
 from app.ui.message_widget import MessageWidget

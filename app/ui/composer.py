@@ -20,8 +20,9 @@ little sense without it.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from app.attachments import (
     AUDIO_EXT,
@@ -63,8 +64,7 @@ from app.ui.video import VideoCheck, check_video, duration_text, play
 
 MIN_EDIT_HEIGHT = 48
 METER_INTERVAL_MS = 80
-WAITING_FOR_CHECK = ("Checking the attached images… the message goes as soon as they are "
-                     "verified (Esc cancels).")
+WAITING_FOR_CHECK = "Checking the attached images… the message goes as soon as they are verified (Esc cancels)."
 
 
 def _patterns(exts: set[str]) -> str:
@@ -73,8 +73,10 @@ def _patterns(exts: set[str]) -> str:
     return " ".join(f"*{e} *{e.upper()}" for e in sorted(exts))
 
 
-PICK_FILTER = (f"Images, audio and video ({_patterns(IMAGE_EXT)} {_patterns(AUDIO_EXT)} {_patterns(VIDEO_EXT)});;"
-               f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)});;Video ({_patterns(VIDEO_EXT)})")
+PICK_FILTER = (
+    f"Images, audio and video ({_patterns(IMAGE_EXT)} {_patterns(AUDIO_EXT)} {_patterns(VIDEO_EXT)});;"
+    f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)});;Video ({_patterns(VIDEO_EXT)})"
+)
 
 
 class MessageEdit(QPlainTextEdit):
@@ -84,9 +86,7 @@ class MessageEdit(QPlainTextEdit):
 
     def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt override
         key, mods = event.key(), event.modifiers()
-        if key in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
-            mods & Qt.KeyboardModifier.ShiftModifier
-        ):
+        if key in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (mods & Qt.KeyboardModifier.ShiftModifier):
             emit(self.submit)
             return
         if key == Qt.Key.Key_Escape:
@@ -230,8 +230,7 @@ class Composer(QFrame):
         """What the loaded model takes (``image`` None: no model loaded)."""
         self.vision, self.audio, self.video = image, audio, video
         self.mic_button.setToolTip(
-            "Record a voice message" if audio
-            else "Record a voice message (transcribed to text for this model)"
+            "Record a voice message" if audio else "Record a voice message (transcribed to text for this model)"
         )
 
     def _send_or_stop(self) -> None:
@@ -311,8 +310,9 @@ class Composer(QFrame):
         token = object()
         self._checks[path] = token
         check = check_video if media_kind(path) == "video" else check_image
-        in_background(self, check, path, THUMB, self.devicePixelRatioF(),
-                      then=lambda result: self._checked(result, token))
+        in_background(
+            self, check, path, THUMB, self.devicePixelRatioF(), then=lambda result: self._checked(result, token)
+        )
 
     def _checked(self, result: ImageCheck | VideoCheck, token: object) -> None:
         if self._checks.get(result.path) is not token:
@@ -518,4 +518,3 @@ class Composer(QFrame):
     def _grow(self) -> None:
         lines = self.edit.document().blockCount()
         self.edit.setFixedHeight(min(200, max(MIN_EDIT_HEIGHT, 22 * lines + 12)))
-

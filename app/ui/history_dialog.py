@@ -20,8 +20,11 @@ class HistoryDialog(QDialog):
         layout.addWidget(self.text)
         row = QHBoxLayout()
         self.buttons: dict[str, QPushButton] = {}
-        actions = [("fresh", "Start a fresh history"), ("salvage", "Salvage what can be read")] \
-            if problem.kind == "damaged" else [("retry", "Try again")]
+        actions = (
+            [("fresh", "Start a fresh history"), ("salvage", "Salvage what can be read")]
+            if problem.kind == "damaged"
+            else [("retry", "Try again")]
+        )
         actions += [("folder", "Choose another folder…"), ("quit", "Quit")]
         for key, label in actions:
             button = QPushButton(label, objectName=f"history_{key}")
@@ -33,8 +36,9 @@ class HistoryDialog(QDialog):
     def _choose(self, key: str) -> None:
         folder = None
         if key == "folder":
-            chosen = QFileDialog.getExistingDirectory(self, "Folder for the chat history",
-                                                      str(self.problem.data_dir.parent))
+            chosen = QFileDialog.getExistingDirectory(
+                self, "Folder for the chat history", str(self.problem.data_dir.parent)
+            )
             if not chosen:
                 return  # still deciding
             folder = Path(chosen)

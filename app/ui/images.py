@@ -12,9 +12,10 @@ opener is Pillow only: importing it never brings in mlx.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from app.qt import (
     QImage,
@@ -39,8 +40,7 @@ def read_image(path: str | Path, fit: int | None = None, cover: bool = False) ->
     ``fit`` px square when given; a null QImage when neither Qt nor Pillow can read it.
     Qt decodes at the reduced size (a JPEG through libjpeg's scaled decode), and Pillow
     in draft mode, so a phone photo's thumbnail stays cheap. Any thread may call it."""
-    mode = (Qt.AspectRatioMode.KeepAspectRatioByExpanding if cover
-            else Qt.AspectRatioMode.KeepAspectRatio)
+    mode = Qt.AspectRatioMode.KeepAspectRatioByExpanding if cover else Qt.AspectRatioMode.KeepAspectRatio
     reader = QImageReader(str(path))
     reader.setAutoTransform(True)
     if _too_many_pixels(reader):  # refused when attached; never decoded for a thumbnail
@@ -124,8 +124,7 @@ def _decode(path: str | Path, keep_fit: int | None = None):
             return None, None
         scale = keep_fit / max(1, min(im.size))
         if scale < 1:  # to the thumbnail's size while the full bitmap is at hand
-            im = im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))),
-                           reducing_gap=3.0)
+            im = im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))), reducing_gap=3.0)
         return None, _to_qimage(im)
 
 
@@ -143,8 +142,9 @@ def _rounded_square(image: QImage, px: int, ratio: float, radius: int) -> QImage
     if image.isNull():
         return QImage()
     if min(image.width(), image.height()) < px:  # a small picture: blow it up to the square
-        image = image.scaled(px, px, Qt.AspectRatioMode.KeepAspectRatioByExpanding,
-                             Qt.TransformationMode.SmoothTransformation)
+        image = image.scaled(
+            px, px, Qt.AspectRatioMode.KeepAspectRatioByExpanding, Qt.TransformationMode.SmoothTransformation
+        )
     x, y = (image.width() - px) // 2, (image.height() - px) // 2
     square = image.copy(x, y, px, px)
     out = QImage(px, px, QImage.Format.Format_ARGB32_Premultiplied)
@@ -193,8 +193,7 @@ def check_image(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8
     return ImageCheck(str(path), problem, thumb)
 
 
-def in_background(owner: QObject, fn: Callable[..., Any], *args: Any,
-                  then: Callable[[Any], None]):
+def in_background(owner: QObject, fn: Callable[..., Any], *args: Any, then: Callable[[Any], None]):
     """Run ``fn(*args)`` on a thread, then ``then(result)`` on the GUI thread, unless
     ``owner`` (the widget that asked) was deleted meanwhile. Returns the task; an
     exception in ``fn`` reaches the status bar through ``app.tasks``."""

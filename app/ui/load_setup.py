@@ -13,12 +13,11 @@ from typing import Any
 
 from app import model_prefs
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.memory_units import fmt_bytes
 from app.qt import QObject, Signal, emit
 from app.store import HistoryStore, StoreError
-from app.memory_units import fmt_bytes
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.settings_panel import SettingsPanel
-
 
 KV_BITS_KEY = "kv_bits"
 
@@ -26,8 +25,14 @@ KV_BITS_KEY = "kv_bits"
 class LoadSetup(QObject):
     notice = Signal(str)  # a line for the status bar
 
-    def __init__(self, store: HistoryStore, bridge: EngineBridge, settings: SettingsPanel,
-                 gauge: MemoryGauge, parent: QObject | None = None):
+    def __init__(
+        self,
+        store: HistoryStore,
+        bridge: EngineBridge,
+        settings: SettingsPanel,
+        gauge: MemoryGauge,
+        parent: QObject | None = None,
+    ):
         super().__init__(parent)
         self.store, self.bridge, self.settings, self.gauge = store, bridge, settings, gauge
         self.skipped = ""  # the last remount's notice about adapters it had to forget
@@ -83,11 +88,15 @@ class LoadSetup(QObject):
         info = self.bridge.model_info
         plan = getattr(info, "plan", None)
         if plan is not None and plan.budget_bytes != setting.effective:
-            line += (f" {info.name} keeps its {fmt_bytes(plan.budget_bytes)} until it is loaded "
-                     "again; the new budget applies from the next load.")
+            line += (
+                f" {info.name} keeps its {fmt_bytes(plan.budget_bytes)} until it is loaded "
+                "again; the new budget applies from the next load."
+            )
             if plan.weights_bytes >= setting.effective:
-                line += (f" {info.name} needs {fmt_bytes(plan.weights_bytes)} for its weights, "
-                         "so it would not load under the new budget.")
+                line += (
+                    f" {info.name} needs {fmt_bytes(plan.weights_bytes)} for its weights, "
+                    "so it would not load under the new budget."
+                )
         emit(self.notice, line)
 
     def loaded(self, info: Any, budget: int | None) -> None:
@@ -100,8 +109,10 @@ class LoadSetup(QObject):
         plan = getattr(self.bridge.model_info, "plan", None)
         note = f"This machine has {fmt_bytes(setting.total)}." if setting.total else ""
         if plan is not None and plan.budget_bytes != setting.effective:
-            note += (f" The loaded model runs under {fmt_bytes(plan.budget_bytes)}; "
-                     f"{fmt_bytes(setting.effective)} applies from the next load.")
+            note += (
+                f" The loaded model runs under {fmt_bytes(plan.budget_bytes)}; "
+                f"{fmt_bytes(setting.effective)} applies from the next load."
+            )
         self.settings.show_memory_budget(setting, note.strip())
         self.gauge.set_next_budget(setting.effective)
 
@@ -131,16 +142,16 @@ class LoadSetup(QObject):
             return engine_reason
         if info.plan is None or loaded is None or loaded.plan is None:
             return engine_reason
-        return model_prefs.draft_refusal_message(info.name, info.plan.weights_bytes, loaded.name,
-                                                 loaded.plan.weights_bytes, loaded.plan.budget_bytes)
+        return model_prefs.draft_refusal_message(
+            info.name, info.plan.weights_bytes, loaded.name, loaded.plan.weights_bytes, loaded.plan.budget_bytes
+        )
 
     # ---- adapters remembered per model --------------------------------------------------------
 
     def remember(self, adapter: Any) -> None:
         info = self.bridge.model_info
         if info is not None:
-            self._save(model_prefs.remember_adapter, self.store, info.path, adapter.path,
-                       adapter.name)
+            self._save(model_prefs.remember_adapter, self.store, info.path, adapter.path, adapter.name)
 
     def forget(self, name: str) -> None:
         info = self.bridge.model_info
@@ -171,6 +182,8 @@ class LoadSetup(QObject):
                 return  # the engine is gone: nothing more can be mounted, nothing to forget
         if skipped:
             self._save(model_prefs.forget_adapters, self.store, info.path, gone)
-            self.skipped = (f"Skipped {len(skipped)} adapter{'s' if len(skipped) > 1 else ''} "
-                            f"mounted on {info.name} before, and forgot "
-                            f"{'them' if len(skipped) > 1 else 'it'}: " + "; ".join(skipped))
+            self.skipped = (
+                f"Skipped {len(skipped)} adapter{'s' if len(skipped) > 1 else ''} "
+                f"mounted on {info.name} before, and forgot "
+                f"{'them' if len(skipped) > 1 else 'it'}: " + "; ".join(skipped)
+            )

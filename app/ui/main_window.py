@@ -11,43 +11,41 @@ from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
 from app.controllers.models import ModelController
 from app.controllers.saved_caches import SavedCaches
-from app.controllers.transcription import WHISPER_KEY, TranscriptionController
 from app.controllers.tools import ToolsController
+from app.controllers.transcription import WHISPER_KEY, TranscriptionController
 from app.qt import (
     QApplication,
     QEvent,
     QFileDialog,
-    QObject,
-    QTimer,
     QFrame,
     QHBoxLayout,
     QKeySequence,
     QLabel,
     QMainWindow,
+    QObject,
     QProgressBar,
     QPushButton,
     QShortcut,
     QSizePolicy,
     QSplitter,
     Qt,
+    QTimer,
     QToolButton,
     QVBoxLayout,
     QWidget,
     Signal,
 )
 from app.store import HistoryStore
+from app.ui.adapters_menu import AdaptersMenu
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
-from app.ui.adapters_menu import AdaptersMenu
 from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
 from app.ui.settings_panel import SettingsPanel
+from app.ui.sidebar import Sidebar
 from app.ui.tool_approval import ToolApprovalBar
 from app.ui.tools_dialog import ToolsDialog
-from app.ui.sidebar import Sidebar
-
-
 
 
 class MainWindow(QMainWindow):
@@ -139,7 +137,8 @@ class MainWindow(QMainWindow):
         self.models.load_failed.connect(self.load_failed)
         self.models.ready.connect(self.model_loaded)
         self.adapter_control.shown.connect(
-            lambda mounted, chosen, loaded: self.adapters_menu.set_adapters(mounted, chosen, model_loaded=loaded))
+            lambda mounted, chosen, loaded: self.adapters_menu.set_adapters(mounted, chosen, model_loaded=loaded)
+        )
         self.adapter_control.draft_changed.connect(self.settings.set_draft)
         self.transcription.whisper_changed.connect(self.settings.set_whisper)
         self.transcription.whisper_needed.connect(lambda: self.settings_toggle.setChecked(True))
@@ -163,8 +162,7 @@ class MainWindow(QMainWindow):
         self.settings.draft_cleared.connect(lambda: tasks.spawn(self.set_draft_model(None)))
         self.adapters_menu.changed.connect(lambda scales: tasks.spawn(self.choose_adapters(scales)))
         self.adapters_menu.mount_requested.connect(self._pick_adapter)
-        self.adapters_menu.unmount_requested.connect(
-            lambda name: tasks.spawn(self.unmount_adapter(name)))
+        self.adapters_menu.unmount_requested.connect(lambda name: tasks.spawn(self.unmount_adapter(name)))
         bridge.memory.connect(self.gauge.update_figures)
         bridge.progress.connect(self._progress)
         tasks.set_reporter(self.notify)
@@ -216,8 +214,9 @@ class MainWindow(QMainWindow):
         self.cancel_load = QToolButton(text="Cancel", objectName="actionButton")
         self.cancel_load.setVisible(False)
         self.cancel_load.clicked.connect(lambda: self.bridge.cancel(self.bridge.active_load))
-        self.template_notice = QLabel("this model has no chat template: plain text continuation",
-                                      objectName="templateNotice")
+        self.template_notice = QLabel(
+            "this model has no chat template: plain text continuation", objectName="templateNotice"
+        )
         self.template_notice.setToolTip(
             "A base model: your messages are continued as plain text, not answered as a chat."
         )
@@ -231,8 +230,7 @@ class MainWindow(QMainWindow):
         toggle.setCheckable(True)
         toggle.toggled.connect(self.settings.setVisible)
         self.settings_toggle = toggle
-        for w in (self.model_button, self.model_meta, self.template_notice, self.load_bar,
-                  self.cancel_load):
+        for w in (self.model_button, self.model_meta, self.template_notice, self.load_bar, self.cancel_load):
             row.addWidget(w)
         row.addWidget(self.error_banner, 1)
         row.addWidget(toggle)
@@ -295,9 +293,7 @@ class MainWindow(QMainWindow):
 
     def _settings_changed(self, system_prompt: str, settings: dict) -> None:
         if self.chat.conversation_id is not None:
-            self.store.update_conversation(
-                self.chat.conversation_id, system_prompt=system_prompt, settings=settings
-            )
+            self.store.update_conversation(self.chat.conversation_id, system_prompt=system_prompt, settings=settings)
             self.check_memory()
 
     async def _send(self, text: str, attachments: list[tuple[str, str]]) -> None:
@@ -364,10 +360,10 @@ class MainWindow(QMainWindow):
     def _show_model(self, info) -> None:
         self.model_button.setText(f"{info.name}  ▾")
         self.chat_view.empty_label.setText(
-            f"{info.name} is ready: say hello.\nEnter sends · Shift+Enter adds a line · Esc stops")
+            f"{info.name} is ready: say hello.\nEnter sends · Shift+Enter adds a line · Esc stops"
+        )
         self.setWindowTitle(f"MLX Desk — {info.name}")
-        meta = [info.family, fmt_params(info.parameters), info.quantization,
-                f"{info.context_length:,} ctx"]
+        meta = [info.family, fmt_params(info.parameters), info.quantization, f"{info.context_length:,} ctx"]
         self.model_meta.setText("  ·  ".join(m for m in meta if m))
         self.settings.set_model_defaults(info.generation_defaults or {})
         self.settings.set_pan_and_scan_default(getattr(info, "pan_and_scan", None))
@@ -468,8 +464,9 @@ class MainWindow(QMainWindow):
         from app.memory_units import fmt_bytes
 
         freed = self.caches.clear()
-        self.notify(f"Saved chat caches cleared ({fmt_bytes(freed)} freed); "
-                    "the next turn of each chat reads it in full once.")
+        self.notify(
+            f"Saved chat caches cleared ({fmt_bytes(freed)} freed); the next turn of each chat reads it in full once."
+        )
 
     def _reply_finished(self, message_id: int, result) -> None:
         self.check_memory()
@@ -513,8 +510,12 @@ class _FirstPaint(QObject):
         self.window, self.future = window, future
 
     def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt override
-        if (event.type() == QEvent.Type.Paint and isinstance(obj, QWidget)
-                and obj.window() is self.window and not self.future.done()):
+        if (
+            event.type() == QEvent.Type.Paint
+            and isinstance(obj, QWidget)
+            and obj.window() is self.window
+            and not self.future.done()
+        ):
             # Resolve after this paint has finished and been flushed to the screen.
             QTimer.singleShot(0, lambda: self.future.done() or self.future.set_result(None))
             QApplication.instance().removeEventFilter(self)

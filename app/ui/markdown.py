@@ -38,13 +38,13 @@ def split_blocks(text: str) -> list[Block]:
         if m is None:
             break
         if m.start() > pos:
-            blocks.append(Block("prose", text[pos:m.start()]))
+            blocks.append(Block("prose", text[pos : m.start()]))
         fence, lang = m.group(1), m.group(2)
         close = re.compile(rf"^{re.escape(fence)}[ \t]*$", re.MULTILINE).search(text, m.end())
         if close is None:
-            blocks.append(Block("code", text[m.end():].rstrip("\n"), lang, closed=False))
+            blocks.append(Block("code", text[m.end() :].rstrip("\n"), lang, closed=False))
             return blocks
-        blocks.append(Block("code", text[m.end():close.start()].rstrip("\n"), lang))
+        blocks.append(Block("code", text[m.end() : close.start()].rstrip("\n"), lang))
         pos = close.end() + 1
     if pos < len(text):
         blocks.append(Block("prose", text[pos:]))
@@ -83,9 +83,10 @@ def is_live_link(url: str) -> bool:
 
 def breakable(text: str) -> str:
     """Plain text with a break opportunity every BREAK_EVERY characters of a long run."""
+
     def cut(m: re.Match[str]) -> str:
         run = m.group(0)
-        return BREAK.join(run[i:i + BREAK_EVERY] for i in range(0, len(run), BREAK_EVERY))
+        return BREAK.join(run[i : i + BREAK_EVERY] for i in range(0, len(run), BREAK_EVERY))
 
     return _LONG_RUN.sub(cut, text)
 
@@ -119,8 +120,11 @@ def _fragments(doc: QTextDocument):
 
 
 def _unlink_unsafe(doc: QTextDocument) -> None:
-    unsafe = [(f.position(), f.length()) for f in _fragments(doc)
-              if f.charFormat().isAnchor() and not is_live_link(f.charFormat().anchorHref())]
+    unsafe = [
+        (f.position(), f.length())
+        for f in _fragments(doc)
+        if f.charFormat().isAnchor() and not is_live_link(f.charFormat().anchorHref())
+    ]
     for position, length in unsafe:
         cursor = QTextCursor(doc)
         cursor.setPosition(position)

@@ -11,10 +11,8 @@ that nears the budget the gauge turns amber, when it passes it red, and
 
 from __future__ import annotations
 
-
 from app.memory_units import fmt_bytes, machine_memory
 from app.qt import QColor, QHBoxLayout, QLabel, QPainter, QPen, QRectF, QSize, Qt, QWidget
-
 
 SEGMENTS = (  # (key, colour, label)
     ("weights", "#4f7cff", "weights"),
@@ -107,10 +105,13 @@ class MemoryGauge(QWidget):
             return
         self.plan = plan
         self.kv_per_token = plan.kv_bytes_per_token
-        self.update_figures({
-            "weights_bytes": plan.weights_bytes,
-            "budget_bytes": plan.budget_bytes, "total_bytes": plan.total_bytes,
-        })
+        self.update_figures(
+            {
+                "weights_bytes": plan.weights_bytes,
+                "budget_bytes": plan.budget_bytes,
+                "total_bytes": plan.total_bytes,
+            }
+        )
 
     def set_next_budget(self, budget: int) -> None:
         """The budget chosen in Settings: shown while no model is loaded, and in the tooltip
@@ -127,8 +128,7 @@ class MemoryGauge(QWidget):
 
     def update_figures(self, figures: dict) -> None:
         # A zero from a MemoryEvent sent before a load must not erase the plan's figures.
-        self.figures = {**self.figures, **{k: v for k, v in figures.items()
-                                           if v or k in ("kv_bytes", "active_bytes")}}
+        self.figures = {**self.figures, **{k: v for k, v in figures.items() if v or k in ("kv_bytes", "active_bytes")}}
         f = self.figures
         active, weights, kv = f.get("active_bytes", 0), f.get("weights_bytes", 0), f.get("kv_bytes", 0)
         cache, peak, total = f.get("cache_bytes", 0), f.get("peak_bytes", 0), f.get("total_bytes", 0)
@@ -136,12 +136,12 @@ class MemoryGauge(QWidget):
         self.bar.budget = budget
         self.bar.peak = peak
         self.bar.projected = self.projected_need() if self.plan is not None else 0
-        self.bar.parts = {"weights": weights, "kv": kv,
-                          "other": max(0, active - weights - kv), "cache": cache}
+        self.bar.parts = {"weights": weights, "kv": kv, "other": max(0, active - weights - kv), "cache": cache}
         used = max(active, weights + kv)
         if budget:
-            self.label.setText(f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)}  ·  "
-                               f"{fmt_bytes(used)} of {fmt_bytes(budget)}")
+            self.label.setText(
+                f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)}  ·  {fmt_bytes(used)} of {fmt_bytes(budget)}"
+            )
         else:
             parts = ["no model"]
             if self.next_budget:
@@ -154,9 +154,11 @@ class MemoryGauge(QWidget):
             f"KV cache {fmt_bytes(kv)}, other {fmt_bytes(max(0, active - weights - kv))})",
             f"MLX cache: {fmt_bytes(cache)}",
             f"Peak: {fmt_bytes(peak)}",
-            f"Budget: {fmt_bytes(budget)}" if budget else
-            f"Budget: {fmt_bytes(self.next_budget)} when a model loads" if self.next_budget else
-            "Budget: set when a model loads",
+            f"Budget: {fmt_bytes(budget)}"
+            if budget
+            else f"Budget: {fmt_bytes(self.next_budget)} when a model loads"
+            if self.next_budget
+            else "Budget: set when a model loads",
             f"Machine: {fmt_bytes(total)}",
         ]
         if budget and self.next_budget and self.next_budget != budget:
@@ -166,8 +168,10 @@ class MemoryGauge(QWidget):
             growth = f"KV per token: {fmt_bytes(self.kv_per_token)}"
             if windows:
                 growth += f" (sliding windows: {fmt_bytes(windows)} at most)"
-            lines.append(f"{growth}; next reply ({self.context_tokens:,} + {self.max_tokens:,} tokens) "
-                         f"needs about {fmt_bytes(self.projected_need())}")
+            lines.append(
+                f"{growth}; next reply ({self.context_tokens:,} + {self.max_tokens:,} tokens) "
+                f"needs about {fmt_bytes(self.projected_need())}"
+            )
         if self.warning:
             lines.append(self.warning)
         self.setToolTip("\n".join(lines))
@@ -191,12 +195,16 @@ class MemoryGauge(QWidget):
         self.level = self.bar.level = level
         tokens = self.context_tokens + self.max_tokens
         if level == "red":
-            self.warning = (f"The next reply may not fit in memory: {tokens:,} tokens need about "
-                            f"{fmt_bytes(need)}, over the {fmt_bytes(budget)} budget. Start a new "
-                            "chat, lower Max tokens or load a smaller model.")
+            self.warning = (
+                f"The next reply may not fit in memory: {tokens:,} tokens need about "
+                f"{fmt_bytes(need)}, over the {fmt_bytes(budget)} budget. Start a new "
+                "chat, lower Max tokens or load a smaller model."
+            )
         elif level == "amber":
-            self.warning = (f"This conversation is nearing the memory budget: {tokens:,} tokens "
-                            f"need about {fmt_bytes(need)} of {fmt_bytes(budget)}.")
+            self.warning = (
+                f"This conversation is nearing the memory budget: {tokens:,} tokens "
+                f"need about {fmt_bytes(need)} of {fmt_bytes(budget)}."
+            )
         else:
             self.warning = ""
         self.label.setProperty("level", level)

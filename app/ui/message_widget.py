@@ -39,7 +39,9 @@ def open_link(parent: QWidget, url: str) -> bool:
     if not is_live_link(url):
         return False
     answer = QMessageBox.question(
-        parent, "Open link", f"Open this address in your browser?\n\n{url}",
+        parent,
+        "Open link",
+        f"Open this address in your browser?\n\n{url}",
         QMessageBox.StandardButton.Open | QMessageBox.StandardButton.Cancel,
         QMessageBox.StandardButton.Cancel,
     )
@@ -139,8 +141,7 @@ class MessageWidget(QFrame):
     regenerate_requested = Signal(int)
     version_requested = Signal(int, int)  # message id, +1 / -1
 
-    def __init__(self, message_id: int, role: str, dark: bool = False, name: str = "",
-                 parent: QWidget | None = None):
+    def __init__(self, message_id: int, role: str, dark: bool = False, name: str = "", parent: QWidget | None = None):
         super().__init__(parent)
         self.message_id = message_id
         self.role = role
@@ -155,9 +156,7 @@ class MessageWidget(QFrame):
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         outer.setSpacing(4)
-        self.role_label = QLabel(
-            "You" if role == "user" else (name or "Assistant"), objectName="roleLabel"
-        )
+        self.role_label = QLabel("You" if role == "user" else (name or "Assistant"), objectName="roleLabel")
         self.role_label.setTextFormat(Qt.TextFormat.PlainText)  # a model's name is not HTML
         outer.addWidget(self.role_label)
 
@@ -217,9 +216,7 @@ class MessageWidget(QFrame):
             self.action_button.clicked.connect(self.start_edit)
         else:
             self.action_button = QToolButton(text="Regenerate", objectName="actionButton")
-            self.action_button.clicked.connect(
-                lambda: emit(self.regenerate_requested, self.message_id)
-            )
+            self.action_button.clicked.connect(lambda: emit(self.regenerate_requested, self.message_id))
         footer.addWidget(self.action_button)
         outer.addLayout(footer)
         self.set_versions(1, 1)
@@ -249,8 +246,7 @@ class MessageWidget(QFrame):
         self.more_button.setVisible(bool(hidden))
         blocks = split_blocks(content) if self.role != "user" else [Block("prose", content)]
         keep = 0
-        while (keep < len(blocks) and keep < len(self._rendered)
-               and blocks[keep] == self._rendered[keep]):
+        while keep < len(blocks) and keep < len(self._rendered) and blocks[keep] == self._rendered[keep]:
             keep += 1
         while self.body.count() > keep:
             item = self.body.takeAt(keep)
@@ -272,15 +268,13 @@ class MessageWidget(QFrame):
         """Short questions sit in a compact bubble on the right, as in messaging apps;
         long ones wrap across the column (a wrapped QLabel cannot size itself to fit)."""
         metrics = self.fontMetrics()
-        widest = max((metrics.horizontalAdvance(line) for line in shown.splitlines()),
-                     default=0)
+        widest = max((metrics.horizontalAdvance(line) for line in shown.splitlines()), default=0)
         compact = widest < 520
         label = self.body.itemAt(0).widget() if self.body.count() else None
         if isinstance(label, QLabel):
             label.setWordWrap(not compact)
         layout = self.layout()
-        layout.setAlignment(self.bubble, Qt.AlignmentFlag.AlignRight if compact
-                            else Qt.AlignmentFlag(0))
+        layout.setAlignment(self.bubble, Qt.AlignmentFlag.AlignRight if compact else Qt.AlignmentFlag(0))
 
     def _make_block(self, block: Block) -> QWidget:
         if block.kind == "code":
@@ -294,12 +288,9 @@ class MessageWidget(QFrame):
 
     def _toggle_reasoning(self, shown: bool) -> None:
         self.reasoning_label.setVisible(shown)
-        self.reasoning_toggle.setArrowType(
-            Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow
-        )
+        self.reasoning_toggle.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
 
-    def set_stats(self, stats: dict, status: str = "complete",
-                  adapters: dict[str, float] | None = None) -> None:
+    def set_stats(self, stats: dict, status: str = "complete", adapters: dict[str, float] | None = None) -> None:
         parts, details = [], []
         if stats.get("generated_tokens"):
             parts.append(f"{stats['generated_tokens']} tokens")
@@ -312,14 +303,17 @@ class MessageWidget(QFrame):
             parts.append(f"accepted {rate:.0%}")
             if stats.get("speedup"):
                 parts.append(f"×{stats['speedup']:.2f} speed")
-            method = {"ngram": "n-gram lookup", "draft": "a draft model",
-                      "mtp": "the built-in MTP layer"}.get(
-                stats.get("speculative", ""), "speculative decoding")
+            method = {"ngram": "n-gram lookup", "draft": "a draft model", "mtp": "the built-in MTP layer"}.get(
+                stats.get("speculative", ""), "speculative decoding"
+            )
             details.append(
                 f"Speculative decoding with {method}: {stats.get('accepted_draft_tokens', 0)} of "
                 f"{stats['draft_tokens']} drafted tokens accepted ({rate:.0%})"
-                + (f", {stats['speedup']:.2f}× the plain decoding speed" if stats.get("speedup")
-                   else "; speed-up shows once a plain reply of this model has been timed")
+                + (
+                    f", {stats['speedup']:.2f}× the plain decoding speed"
+                    if stats.get("speedup")
+                    else "; speed-up shows once a plain reply of this model has been timed"
+                )
             )
         if adapters:
             from app.controllers.adapters import fmt_adapters
@@ -327,12 +321,15 @@ class MessageWidget(QFrame):
             parts.append(f"adapters: {fmt_adapters(adapters)}")
             details.append(f"Written with adapters {fmt_adapters(adapters)}")
         if stats.get("cached_tokens"):
-            details.append(f"{stats['cached_tokens']} of {stats.get('prompt_tokens', 0)} prompt "
-                           "tokens reused from the cache")
+            details.append(
+                f"{stats['cached_tokens']} of {stats.get('prompt_tokens', 0)} prompt tokens reused from the cache"
+            )
         if stats.get("context_full"):
             parts.append("stopped at the context limit")
-            details.append("The reply reached the end of the model's context. Start a new chat, or choose "
-                           "Truncate the middle or Rolling window in Settings to leave out older turns.")
+            details.append(
+                "The reply reached the end of the model's context. Start a new chat, or choose "
+                "Truncate the middle or Rolling window in Settings to leave out older turns."
+            )
         if stats.get("dropped_messages"):
             n = stats["dropped_messages"]
             parts.append(f"{n} earlier message{'s' if n != 1 else ''} outside the model's context")

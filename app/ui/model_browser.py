@@ -7,8 +7,8 @@ from dataclasses import replace
 from typing import Any
 
 from app.bridge import EngineBridge, run_in_thread
+from app.memory_units import fmt_bytes, machine_memory
 from app.qt import (
-    emit,
     QAbstractItemView,
     QDialog,
     QFileDialog,
@@ -26,10 +26,10 @@ from app.qt import (
     QVBoxLayout,
     QWidget,
     Signal,
+    emit,
 )
-from app.tasks import spawn
 from app.recommended import recommended_models
-from app.memory_units import fmt_bytes, machine_memory
+from app.tasks import spawn
 
 COLUMNS = ["Model", "Family", "Params", "Quant", "Size", "Context", "Fits"]
 
@@ -70,8 +70,7 @@ class ModelBrowser(QDialog):
     downloaded = Signal(str)  # repo id, once its files are all in the cache
     _download_progress = Signal(float, float)  # from the download thread
 
-    def __init__(self, bridge: EngineBridge, extra_dirs: list[str] | None = None,
-                 parent: QWidget | None = None):
+    def __init__(self, bridge: EngineBridge, extra_dirs: list[str] | None = None, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("modelBrowser")
         self.setWindowTitle("Models")
@@ -179,9 +178,15 @@ class ModelBrowser(QDialog):
         self.table.setRowCount(len(self.local))
         for r, (m, info) in enumerate(self.local):
             badge = "can't load" if m.error else fits_badge(info, self.budget) if info else "…"
-            cells = [m.name, m.family or "—", fmt_params(m.parameters), m.quantization or "—",
-                     fmt_bytes(m.size_on_disk), f"{m.context_length:,}" if m.context_length
-                     else "—", badge]
+            cells = [
+                m.name,
+                m.family or "—",
+                fmt_params(m.parameters),
+                m.quantization or "—",
+                fmt_bytes(m.size_on_disk),
+                f"{m.context_length:,}" if m.context_length else "—",
+                badge,
+            ]
             tip = m.error or str(m.path)
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
@@ -216,9 +221,13 @@ class ModelBrowser(QDialog):
         if self.bridge.model_info is not None and self.bridge.model_info.path == str(model.path):
             emit(self.notice, f"{model.repo_id} is loaded: load another model before deleting it.")
             return
-        box = QMessageBox(QMessageBox.Icon.Warning, "Delete model",
-                          f"Delete {model.repo_id} ({fmt_bytes(model.size_on_disk)}) from disk?",
-                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No, self)
+        box = QMessageBox(
+            QMessageBox.Icon.Warning,
+            "Delete model",
+            f"Delete {model.repo_id} ({fmt_bytes(model.size_on_disk)}) from disk?",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+            self,
+        )
         box.setObjectName("confirmDelete")
         box.setInformativeText("You can download it again later.")
         box.setDefaultButton(QMessageBox.StandardButton.No)
@@ -240,11 +249,13 @@ class ModelBrowser(QDialog):
         """Offer the small models a new user should start with (default first, selected)."""
         picks = recommended_models(machine_memory())
         self.results_title.setText(
-            "No models on this computer yet. Download a small one to start:" if first_run
+            "No models on this computer yet. Download a small one to start:"
+            if first_run
             else "Recommended to start with:"
         )
-        self._fill_results([(m.repo_id, f"≈ {fmt_bytes(m.approx_size_bytes)}"
-                             if m.approx_size_bytes else "—", m.why) for m in picks])
+        self._fill_results(
+            [(m.repo_id, f"≈ {fmt_bytes(m.approx_size_bytes)}" if m.approx_size_bytes else "—", m.why) for m in picks]
+        )
         if first_run:
             self.tabs.setCurrentIndex(1)
         self.results.selectRow(0)
@@ -268,12 +279,20 @@ class ModelBrowser(QDialog):
             emit(self.notice, f"Hub search failed: {exc}")
             return
         self.results_title.setText(f"{len(found)} models on the Hub match “{query}”:")
-        self._fill_results([
-            (hit.repo_id, "—", "  ·  ".join(
-                part for part in (hit.library or "", f"{hit.downloads:,} downloads",
-                                  (hit.last_modified or "")[:10]) if part))
-            for hit in found
-        ])
+        self._fill_results(
+            [
+                (
+                    hit.repo_id,
+                    "—",
+                    "  ·  ".join(
+                        part
+                        for part in (hit.library or "", f"{hit.downloads:,} downloads", (hit.last_modified or "")[:10])
+                        if part
+                    ),
+                )
+                for hit in found
+            ]
+        )
         emit(self.searched, len(found))
 
     def _download_selected(self) -> None:
@@ -295,12 +314,15 @@ class ModelBrowser(QDialog):
             emit(self._download_progress, float(done), float(total))
 
         try:
-            path = await run_in_thread(_hub().download, repo_id, progress=progress, cancel=cancel,
-                                       endpoint=self.endpoint)
+            path = await run_in_thread(
+                _hub().download, repo_id, progress=progress, cancel=cancel, endpoint=self.endpoint
+            )
         except Exception as exc:  # noqa: BLE001 - shown to the user
-            emit(self.notice, 
-                f"Download of {repo_id} stopped; run it again to resume." if cancel.is_set()
-                else f"Download of {repo_id} failed: {exc}"
+            emit(
+                self.notice,
+                f"Download of {repo_id} stopped; run it again to resume."
+                if cancel.is_set()
+                else f"Download of {repo_id} failed: {exc}",
             )
             return None
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.controllers.server import DEFAULT_PORT, ServerController
 from app.qt import (
     QAction,
     QApplication,
@@ -24,7 +25,6 @@ from app.qt import (
     QWidget,
     QWidgetAction,
 )
-from app.controllers.server import DEFAULT_PORT, ServerController
 
 PORT_KEY, KEY_KEY, NETWORK_KEY = "server.port", "server.api_key", "server.allow_network"
 LOG_LINES = 500
@@ -130,7 +130,8 @@ def install_server_menu(window: Any) -> ServerMenu:
     controller = ServerController(window.bridge, window)
     menu = ServerMenu(controller, window.store, window)
     controller.failed.connect(window.show_error)
-    controller.changed.connect(lambda address: window.notify(
-        f"Server listening on {address}" if address else "Server stopped"))
+    controller.changed.connect(
+        lambda address: window.notify(f"Server listening on {address}" if address else "Server stopped")
+    )
     window.menuBar().addMenu(menu)
     return menu

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from app.controllers.chat import accepts_reasoning
+from app.memory_units import GB, fmt_bytes
 from app.qt import (
-    emit,
     QCheckBox,
     QComboBox,
     QDoubleSpinBox,
@@ -20,14 +21,13 @@ from app.qt import (
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
+    Qt,
     QVBoxLayout,
     QWidget,
-    Qt,
     Signal,
+    emit,
 )
-from app.controllers.chat import accepts_reasoning
 from app.resources import resource_path
-from app.memory_units import GB, fmt_bytes
 
 # key: (label, kind, min, max, step, engine default)
 FIELDS: dict[str, tuple] = {
@@ -48,11 +48,13 @@ SPECULATIVE = (("Off", None), ("N-gram lookup", "ngram"), ("Draft model", "draft
 EFFORTS = ("low", "medium", "high")
 
 # Context overflow policies (GenerationParams.context_policy); the first is a chat's default.
-OVERFLOW = (("Truncate the middle", "truncate_middle"), ("Rolling window", "rolling"),
-            ("Stop at the limit", "stop"))
+OVERFLOW = (("Truncate the middle", "truncate_middle"), ("Rolling window", "rolling"), ("Stop at the limit", "stop"))
 
-KV_CHOICES = (("Model's own (full precision)", None), ("8-bit (half the memory)", 8),
-              ("4-bit (a quarter of the memory)", 4))
+KV_CHOICES = (
+    ("Model's own (full precision)", None),
+    ("8-bit (half the memory)", 8),
+    ("4-bit (a quarter of the memory)", 4),
+)
 
 
 class SettingsPanel(QFrame):
@@ -141,8 +143,14 @@ class SettingsPanel(QFrame):
         layout.addWidget(self.speculative_box)
         self.set_mtp(False, "Load a model that carries MTP layers (Qwen3.5, Qwen3-Next).")
         self.draft_label, self.draft_clear = self._picker_row(
-            layout, "No draft model", "draft", "Pick the draft model's folder (or .gguf file)",
-            "Unload the draft model", self.draft_requested, self.draft_cleared)
+            layout,
+            "No draft model",
+            "draft",
+            "Pick the draft model's folder (or .gguf file)",
+            "Unload the draft model",
+            self.draft_requested,
+            self.draft_cleared,
+        )
 
         self._reasoning_section(layout)
 
@@ -164,8 +172,10 @@ class SettingsPanel(QFrame):
         tools_button.clicked.connect(lambda: emit(self.tools_requested))
         layout.addWidget(tools_button)
         self.tool_required_box = QCheckBox("First answer calls a tool", objectName="toolRequired")
-        self.tool_required_box.setToolTip("Constrain the model's first answer to one call of an MCP tool\n"
-                                          "(for models that do not reach for tools on their own).")
+        self.tool_required_box.setToolTip(
+            "Constrain the model's first answer to one call of an MCP tool\n"
+            "(for models that do not reach for tools on their own)."
+        )
         self.tool_required_box.toggled.connect(self._emit)
         layout.addWidget(self.tool_required_box)
 
@@ -175,8 +185,14 @@ class SettingsPanel(QFrame):
 
         layout.addWidget(QLabel("Speech to text", objectName="fieldTitle"))
         self.whisper_label, self.whisper_clear = self._picker_row(
-            layout, "No Whisper model", "whisper", "Pick a Whisper model folder", "Forget the Whisper model",
-            self.whisper_requested, self.whisper_cleared)
+            layout,
+            "No Whisper model",
+            "whisper",
+            "Pick a Whisper model folder",
+            "Forget the Whisper model",
+            self.whisper_requested,
+            self.whisper_cleared,
+        )
         self.whisper_label.setToolTip(
             "Voice messages and audio files are transcribed with this Whisper model when the\n"
             "chat model cannot listen to audio itself. Pick a Whisper checkpoint folder\n"
@@ -198,7 +214,8 @@ class SettingsPanel(QFrame):
         self.thinking_box.setToolTip(
             "Let the model reason first; its thinking shows in a collapsible block above the\n"
             "answer. Off answers sooner. Starts as the model's own setting; applies from the\n"
-            "next reply.")
+            "next reply."
+        )
         self.thinking_box.toggled.connect(self._reasoning_edited)
         layout.addWidget(self.thinking_box)
         self.effort_box = QComboBox(objectName="effortBox")
@@ -206,7 +223,8 @@ class SettingsPanel(QFrame):
             self.effort_box.addItem(effort.capitalize(), effort)
         self.effort_box.setToolTip(
             "How much the model reasons before answering. Starts as the model's own setting;\n"
-            "applies from the next reply.")
+            "applies from the next reply."
+        )
         self.effort_box.currentIndexChanged.connect(self._reasoning_edited)
         layout.addWidget(self.effort_box)
         self.reasoning_control: Any = None  # the loaded model's ReasoningControl
@@ -214,8 +232,9 @@ class SettingsPanel(QFrame):
         self._show_reasoning()
 
     @staticmethod
-    def _picker_row(layout: QVBoxLayout, empty: str, name: str, pick_tip: str, clear_tip: str,
-                    requested: Any, cleared: Any) -> tuple[QLabel, QPushButton]:
+    def _picker_row(
+        layout: QVBoxLayout, empty: str, name: str, pick_tip: str, clear_tip: str, requested: Any, cleared: Any
+    ) -> tuple[QLabel, QPushButton]:
         """A row naming a chosen model folder, with Choose… and ✕ (shown once one is chosen)."""
         row = QHBoxLayout()
         label = QLabel(empty, objectName=f"{name}Label")
@@ -272,7 +291,8 @@ class SettingsPanel(QFrame):
             "setting a model ships in kv_config.json. Applies from the next model load."
         )
         self.kv_choice.currentIndexChanged.connect(
-            lambda _i: self._budget_quiet or emit(self.kv_bits_changed, self.kv_choice.currentData()))
+            lambda _i: self._budget_quiet or emit(self.kv_bits_changed, self.kv_choice.currentData())
+        )
         layout.addWidget(self.kv_choice)
 
     def show_kv_bits(self, bits: int | None) -> None:
@@ -295,7 +315,8 @@ class SettingsPanel(QFrame):
             "0 keeps none. Chat → Clear saved caches deletes them all."
         )
         self.cache_budget.valueChanged.connect(
-            lambda gb: self._budget_quiet or emit(self.cache_budget_changed, int(round(gb * GB))))
+            lambda gb: self._budget_quiet or emit(self.cache_budget_changed, int(round(gb * GB)))
+        )
         layout.addWidget(self.cache_budget)
 
     def show_cache_budget(self, nbytes: int) -> None:
@@ -431,8 +452,7 @@ class SettingsPanel(QFrame):
         self._budget_quiet = True
         total_gb = setting.total / GB if setting.total else 4096.0
         self.budget_value.setRange(MIN_BUDGET_GB, max(MIN_BUDGET_GB, round(total_gb, 2)))
-        self.budget_value.setToolTip(f"At most this machine's {fmt_bytes(setting.total)}"
-                                     if setting.total else "")
+        self.budget_value.setToolTip(f"At most this machine's {fmt_bytes(setting.total)}" if setting.total else "")
         self.budget_mode.setCurrentIndex(0 if setting.custom is None else 1)
         self.budget_value.setValue((setting.effective or 0) / GB)
         self.budget_value.setEnabled(setting.custom is not None)
@@ -491,8 +511,7 @@ class SettingsPanel(QFrame):
             self.save_preset(name.strip())
 
     def save_preset(self, name: str) -> None:
-        preset = {"name": name, "system_prompt": self.system_edit.toPlainText(),
-                  **self.values(everything=True)}
+        preset = {"name": name, "system_prompt": self.system_edit.toPlainText(), **self.values(everything=True)}
         try:
             existing = json.loads(self.user_presets_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):

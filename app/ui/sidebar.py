@@ -6,8 +6,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from app.memory_units import fmt_bytes
 from app.qt import (
-    emit,
     QFileDialog,
     QFrame,
     QInputDialog,
@@ -22,8 +22,8 @@ from app.qt import (
     QVBoxLayout,
     QWidget,
     Signal,
+    emit,
 )
-from app.memory_units import fmt_bytes
 from app.store import HistoryStore
 
 ID_ROLE = Qt.ItemDataRole.UserRole
@@ -124,9 +124,11 @@ class Sidebar(QFrame):
         self.reload()
 
     def delete(self, cid: int, confirm: bool = True) -> None:
-        if confirm and QMessageBox.question(
-            self, "Delete chat", "Delete this chat and all its messages?"
-        ) != QMessageBox.StandardButton.Yes:
+        if (
+            confirm
+            and QMessageBox.question(self, "Delete chat", "Delete this chat and all its messages?")
+            != QMessageBox.StandardButton.Yes
+        ):
             return
         self.store.delete_conversation(cid)
         self.reload()
@@ -139,14 +141,19 @@ class Sidebar(QFrame):
         if path is None:
             safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title)
             path, _ = QFileDialog.getSaveFileName(
-                self, "Export chat", f"{safe}.{fmt}",
+                self,
+                "Export chat",
+                f"{safe}.{fmt}",
                 "Markdown (*.md)" if fmt == "md" else "JSON (*.json)",
             )
             if not path:
                 return
         try:
-            text = (self.store.export_markdown(cid) if fmt == "md"
-                    else json.dumps(self.store.export_json(cid), indent=2, ensure_ascii=False))
+            text = (
+                self.store.export_markdown(cid)
+                if fmt == "md"
+                else json.dumps(self.store.export_json(cid), indent=2, ensure_ascii=False)
+            )
             Path(path).write_text(text, encoding="utf-8")
         except OSError as exc:
             emit(self.notice, f"Could not export to {path}: {exc.strerror or exc}")

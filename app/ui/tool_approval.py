@@ -21,8 +21,11 @@ class ToolApprovalBar(QFrame):
         self.always_button = QPushButton("Always allow this tool")
         self.deny_button = QPushButton("Deny")
         row.addWidget(self.label, 1)
-        for button, decision in ((self.allow_button, "once"), (self.always_button, "always"),
-                                 (self.deny_button, "deny")):
+        for button, decision in (
+            (self.allow_button, "once"),
+            (self.always_button, "always"),
+            (self.deny_button, "deny"),
+        ):
             row.addWidget(button)
             button.clicked.connect(lambda _=False, d=decision: self._decide(d))
         self._pending: asyncio.Future | None = None

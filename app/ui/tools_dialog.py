@@ -25,14 +25,19 @@ class ToolsDialog(QDialog):
         self.setWindowTitle("Tools (MCP servers)")
         self.tools = tools
         layout = QVBoxLayout(self)
-        layout.addWidget(QLabel("The chat offers these servers' tools to the model. Each call asks you first, "
-                                "unless you chose to always allow that tool."))
+        layout.addWidget(
+            QLabel(
+                "The chat offers these servers' tools to the model. Each call asks you first, "
+                "unless you chose to always allow that tool."
+            )
+        )
         self.list = QListWidget()
         layout.addWidget(self.list, 1)
         form = QFormLayout()
         self.name_edit = QLineEdit(placeholderText="files")
-        self.target_edit = QLineEdit(placeholderText="npx -y @modelcontextprotocol/server-filesystem ~/Documents  "
-                                                     "or  http://127.0.0.1:8000/mcp")
+        self.target_edit = QLineEdit(
+            placeholderText="npx -y @modelcontextprotocol/server-filesystem ~/Documents  or  http://127.0.0.1:8000/mcp"
+        )
         form.addRow("Name", self.name_edit)
         form.addRow("Command or URL", self.target_edit)
         layout.addLayout(form)

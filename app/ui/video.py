@@ -29,8 +29,10 @@ def sampling_note(name: str, seconds: float) -> str | None:
     """What the model will see of a long clip (None: every sampled second of it)."""
     if seconds * SAMPLE_FPS <= MAX_FRAMES:
         return None
-    return (f"{name} is {duration_text(seconds)} long: the model sees {MAX_FRAMES} frames spread evenly over it "
-            f"(its limit), not {SAMPLE_FPS:g} a second.")
+    return (
+        f"{name} is {duration_text(seconds)} long: the model sees {MAX_FRAMES} frames spread evenly over it "
+        f"(its limit), not {SAMPLE_FPS:g} a second."
+    )
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,13 @@ def check_video(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8
         return VideoCheck(str(path), f"{Path(path).name} could not be checked ({why}).", QImage())
     h, w = frame.shape[:2]
     image = QImage(frame.tobytes(), w, h, 3 * w, QImage.Format.Format_RGB888).copy()
-    return VideoCheck(str(path), None, _rounded_square(image, px, ratio, radius), info.seconds,
-                      sampling_note(Path(path).name, info.seconds))
+    return VideoCheck(
+        str(path),
+        None,
+        _rounded_square(image, px, ratio, radius),
+        info.seconds,
+        sampling_note(Path(path).name, info.seconds),
+    )
 
 
 def poster_thumbnail(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8) -> QImage:

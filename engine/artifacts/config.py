@@ -90,7 +90,7 @@ def _spellings(module_path: str) -> list[str]:
     (``language_model.model.layers.0...`` for the engine's ``model.layers.0...``), where
     a converted wrapper's per-layer overrides are keyed."""
     if module_path.startswith("model."):
-        rest = module_path[len("model."):]
+        rest = module_path[len("model.") :]
         return [module_path, f"language_model.model.{rest}", f"model.language_model.{rest}"]
     return [module_path, f"language_model.{module_path}"]
 
@@ -106,12 +106,12 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(text)
     except RecursionError:
-        raise ModelLoadError(f"{path.name} is nested too deeply to be a model's settings; "
-                             f"fix or re-download {path}") from None
+        raise ModelLoadError(
+            f"{path.name} is nested too deeply to be a model's settings; fix or re-download {path}"
+        ) from None
     except json.JSONDecodeError as e:
         raise ModelLoadError(
-            f"{path.name} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
-            f"fix or re-download {path}"
+            f"{path.name} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix or re-download {path}"
         ) from None
 
 

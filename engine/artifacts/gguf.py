@@ -153,8 +153,10 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
 
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or not 0 < alignment <= 1 << 20:
-        raise ModelLoadError(f"{path.name} has a corrupt GGUF header (general.alignment {alignment!r}, "
-                             "a positive number of bytes such as 32): download it again")
+        raise ModelLoadError(
+            f"{path.name} has a corrupt GGUF header (general.alignment {alignment!r}, "
+            "a positive number of bytes such as 32): download it again"
+        )
     data_start = -(-header_end // alignment) * alignment
     tensors: dict[str, GGUFTensor] = {}
     end = data_start
@@ -212,7 +214,10 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
     scaling = get("rope.scaling.type")
     if scaling in ("linear", "yarn") and get("rope.scaling.factor"):
         config["rope_scaling"] = {"rope_type": scaling, "type": scaling, "factor": float(get("rope.scaling.factor"))}
-    for key, md_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+    for key, md_key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+    ):
         if md_key in md:
             config[key] = int(md[md_key])
     return config

@@ -14,9 +14,10 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from engine.artifacts.hub_resume import (
     ChecksumMismatch,
@@ -150,14 +151,16 @@ def _blobs_size(folder: Path) -> int:
     return _folder_size(folder)
 
 
-def scan_local_models(extra_dirs: tuple[str | Path, ...] | list[str | Path] = (), cache_dir: Path | None = None) -> list[LocalModel]:
+def scan_local_models(
+    extra_dirs: tuple[str | Path, ...] | list[str | Path] = (), cache_dir: Path | None = None
+) -> list[LocalModel]:
     """Every usable model in the HF cache and in ``extra_dirs`` (model folders, folders
     of models, or .gguf files). Models that cannot be read are listed with ``error``."""
     found: list[LocalModel] = []
     cache = cache_dir or hf_cache_dir()
     if cache.is_dir():
         for folder in sorted(cache.glob("models--*")):
-            repo_id = folder.name[len("models--"):].replace("--", "/", 1)
+            repo_id = folder.name[len("models--") :].replace("--", "/", 1)
             snap = snapshot_path(repo_id, cache)
             if snap is None:
                 continue
@@ -355,11 +358,25 @@ def download(
         if _cached_file(repo_id, name, info.sha, cache) is not None:
             continue
         try:
-            fetch_blob(repo_id, name, folder=folder, revision=info.sha or revision, endpoint=endpoint,
-                       token=token, position=lambda n, name=name: report(name, n))
+            fetch_blob(
+                repo_id,
+                name,
+                folder=folder,
+                revision=info.sha or revision,
+                endpoint=endpoint,
+                token=token,
+                position=lambda n, name=name: report(name, n),
+            )
             # The blob is in place: the library links the snapshot and writes the ref itself.
-            hf_hub_download(repo_id, name, revision=revision, cache_dir=str(cache), endpoint=endpoint,
-                            token=token, tqdm_class=_silent_bar())
+            hf_hub_download(
+                repo_id,
+                name,
+                revision=revision,
+                cache_dir=str(cache),
+                endpoint=endpoint,
+                token=token,
+                tqdm_class=_silent_bar(),
+            )
         except DownloadCancelled:
             raise DownloadCancelled(f"download of {repo_id} cancelled; start it again to continue") from None
         except (DiskFull, ChecksumMismatch) as e:

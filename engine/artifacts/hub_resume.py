@@ -19,8 +19,9 @@ import hashlib
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlparse
 
 PARTIAL_SUFFIX = ".incomplete"
@@ -87,8 +88,10 @@ def fetch_blob(
         raise ValueError(f"the server sent no ETag for {filename}, so a download cannot be checked")
     if not (_SHA256.match(meta.etag) or _GIT_OID.match(meta.etag)):
         # The ETag becomes a file name below: only a content hash is safe ("../../x" is not).
-        raise ChecksumMismatch(f"the server named {filename} {meta.etag[:80]!r}, not a content hash, "
-                               "so the download cannot be checked (is the endpoint really the Hub?)")
+        raise ChecksumMismatch(
+            f"the server named {filename} {meta.etag[:80]!r}, not a content hash, "
+            "so the download cannot be checked (is the endpoint really the Hub?)"
+        )
     blobs = folder / "blobs"
     blob = blobs / meta.etag
     if blob.exists():
@@ -125,8 +128,9 @@ def fetch_blob(
         os.replace(partial, blob)
 
 
-def _fetch_into(partial: Path, url: str, headers: dict[str, str], size: int | None,
-                position: Callable[[int], None]) -> bool:
+def _fetch_into(
+    partial: Path, url: str, headers: dict[str, str], size: int | None, position: Callable[[int], None]
+) -> bool:
     """Append the rest of the file to ``partial``; True when earlier bytes were reused."""
     from huggingface_hub.file_download import http_get
 
@@ -142,20 +146,22 @@ def _fetch_into(partial: Path, url: str, headers: dict[str, str], size: int | No
     try:
         with open(partial, "r+b" if have else "wb") as f:
             f.seek(have)
-            http_get(url, f, resume_size=have, headers=headers, expected_size=size,
-                     tqdm_class=_bar_class(position))
+            http_get(url, f, resume_size=have, headers=headers, expected_size=size, tqdm_class=_bar_class(position))
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
         kept = partial.stat().st_size if partial.exists() else 0
-        raise DiskFull(_disk_full_text(partial, (size or kept) - kept, shutil.disk_usage(partial.parent).free,
-                                       kept)) from None
+        raise DiskFull(
+            _disk_full_text(partial, (size or kept) - kept, shutil.disk_usage(partial.parent).free, kept)
+        ) from None
     return have > 0
 
 
 def _disk_full_text(partial: Path, needed: int, free: int, kept: int) -> str:
-    return (f"the disk is full ({needed:,} more bytes are needed in {partial.parent}, {free:,} are free); "
-            f"free some space and start the download again, the {kept:,} bytes fetched so far are kept")
+    return (
+        f"the disk is full ({needed:,} more bytes are needed in {partial.parent}, {free:,} are free); "
+        f"free some space and start the download again, the {kept:,} bytes fetched so far are kept"
+    )
 
 
 def _verify(path: Path, etag: str, size: int | None) -> None:
@@ -172,8 +178,10 @@ def _verify(path: Path, etag: str, size: int | None) -> None:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     if digest.hexdigest() != etag:
-        raise ChecksumMismatch(f"the downloaded bytes do not match the Hub's hash {etag[:12]}…; "
-                               "the file may have changed upstream, start the download again")
+        raise ChecksumMismatch(
+            f"the downloaded bytes do not match the Hub's hash {etag[:12]}…; "
+            "the file may have changed upstream, start the download again"
+        )
 
 
 def _bar_class(position: Callable[[int], None]) -> type:

@@ -50,8 +50,14 @@ def check_config_sizes(text: Mapping[str, Any], where: str) -> None:
                 )
 
 
-def check_against_headers(text: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], where: str,
-                          *, quantized: bool = False, packed: frozenset[str] = frozenset()) -> None:
+def check_against_headers(
+    text: Mapping[str, Any],
+    shapes: Mapping[str, Sequence[int]],
+    where: str,
+    *,
+    quantized: bool = False,
+    packed: frozenset[str] = frozenset(),
+) -> None:
     """Refuse a config whose layer count or width the weight files do not hold. ``packed``
     names tensors stored as packed integers (quantized), whose widths say nothing."""
     layers = text.get("num_hidden_layers")
@@ -72,11 +78,14 @@ def check_against_headers(text: Mapping[str, Any], shapes: Mapping[str, Sequence
             )
 
 
-def check_model_files(config: Any, shapes: Mapping[str, Sequence[int]], *, gguf: bool = False,
-                      packed: frozenset[str] = frozenset()) -> None:
+def check_model_files(
+    config: Any, shapes: Mapping[str, Sequence[int]], *, gguf: bool = False, packed: frozenset[str] = frozenset()
+) -> None:
     """Both checks for a ModelConfig and its weight headers (name -> shape)."""
-    where = config.path.name if gguf and config.path is not None else (
-        str(config.path / "config.json") if config.path is not None else "the model's config")
+    where = (
+        config.path.name
+        if gguf and config.path is not None
+        else (str(config.path / "config.json") if config.path is not None else "the model's config")
+    )
     check_config_sizes(config.text, where)
-    check_against_headers(config.text, shapes, where, quantized=gguf or config.quantization is not None,
-                          packed=packed)
+    check_against_headers(config.text, shapes, where, quantized=gguf or config.quantization is not None, packed=packed)

@@ -75,8 +75,13 @@ def _dense(folder: Path) -> DenseSpec:
         raise UnsupportedModelError(
             f"Unsupported Dense activation {name!r} in {folder.name}; supported: {', '.join(ACTIVATIONS)}."
         )
-    return DenseSpec(int(config["in_features"]), int(config["out_features"]), bool(config.get("bias", True)),
-                     ACTIVATIONS[name], tuple(find_weights(folder)))
+    return DenseSpec(
+        int(config["in_features"]),
+        int(config["out_features"]),
+        bool(config.get("bias", True)),
+        ACTIVATIONS[name],
+        tuple(find_weights(folder)),
+    )
 
 
 def _max_length(folder: Path) -> int | None:
@@ -120,5 +125,12 @@ def read_embedding_spec(folder: str | Path, hidden_size: int) -> EmbeddingSpec |
     dims = dense[-1].out_features if dense else hidden_size * len(pooling)
     st_config = folder / "config_sentence_transformers.json"
     prompts = read_json(st_config).get("prompts") if st_config.is_file() else None
-    return EmbeddingSpec(pooling, tuple(dense), normalize, _max_length(folder), dims, include_prompt,
-                         dict(prompts) if isinstance(prompts, dict) else {})
+    return EmbeddingSpec(
+        pooling,
+        tuple(dense),
+        normalize,
+        _max_length(folder),
+        dims,
+        include_prompt,
+        dict(prompts) if isinstance(prompts, dict) else {},
+    )

@@ -91,7 +91,9 @@ def read_header(file: str | Path) -> dict[str, TensorInfo]:
                 raise ModelLoadError(f"{file.name} is truncated ({size} bytes, no header): download it again")
             (length,) = struct.unpack("<Q", head)
             if length > _MAX_HEADER:
-                raise ModelLoadError(f"{file.name} is not a safetensors file (header length {length}): download it again")
+                raise ModelLoadError(
+                    f"{file.name} is not a safetensors file (header length {length}): download it again"
+                )
             raw = f.read(length)
     except OSError as e:
         raise ModelLoadError(f"cannot read {file}: {e.strerror or e}") from None

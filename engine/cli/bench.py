@@ -25,94 +25,248 @@ from engine.errors import EngineError
 # Published configs of the architectures (the parts that shape compute and memory).
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, vocab_size=256, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False,
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
     ),
     "qwen2.5-0.5b": dict(
-        model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        model_type="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
     ),
     "qwen3-4b": dict(
-        model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        model_type="qwen3",
+        hidden_size=2560,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=9728,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
         tie_word_embeddings=True,
     ),
     # Multi-head latent attention + routed experts (a deepseek_v3 model), from
     # moonshotai/Moonlight-16B-A3B's config: 27 layers (1 dense), 64 experts top-6 + 2 shared.
     "moonlight-16b-a3b": dict(
-        model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
-        num_key_value_heads=16, intermediate_size=11264, moe_intermediate_size=1408, vocab_size=163840,
-        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
-        routed_scaling_factor=2.446, first_k_dense_replace=1, moe_layer_freq=1, norm_topk_prob=True,
-        topk_method="noaux_tc", scoring_func="sigmoid", rms_norm_eps=1e-5, rope_theta=50000.0,
-        max_position_embeddings=8192, tie_word_embeddings=False,
+        model_type="deepseek_v3",
+        hidden_size=2048,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        vocab_size=163840,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.446,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        norm_topk_prob=True,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
     ),
     "tiny-mla": dict(
-        model_type="deepseek_v3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=64, vocab_size=256,
-        kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-        routed_scaling_factor=2.0, first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=50000.0,
-        max_position_embeddings=2048, tie_word_embeddings=False,
+        model_type="deepseek_v3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        vocab_size=256,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.0,
+        first_k_dense_replace=1,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
     ),
     # Hybrid (gated DeltaNet + gated attention, every 4th layer full); text part of the
     # published Qwen/Qwen3.5-4B and Qwen/Qwen3.5-35B-A3B configs.
     "qwen3.5-4b": dict(
-        model_type="qwen3_5", hidden_size=2560, num_hidden_layers=32, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=248320,
-        rms_norm_eps=1e-6, full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        max_position_embeddings=262144, tie_word_embeddings=True,
+        model_type="qwen3_5",
+        hidden_size=2560,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        intermediate_size=9216,
+        vocab_size=248320,
+        rms_norm_eps=1e-6,
+        full_attention_interval=4,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        max_position_embeddings=262144,
+        tie_word_embeddings=True,
     ),
     "qwen3.5-35b-a3b": dict(
-        model_type="qwen3_5_moe", hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-        num_key_value_heads=2, head_dim=256, vocab_size=248320, rms_norm_eps=1e-6,
-        full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
-        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        max_position_embeddings=262144, tie_word_embeddings=False,
+        model_type="qwen3_5_moe",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        vocab_size=248320,
+        rms_norm_eps=1e-6,
+        full_attention_interval=4,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
     ),
     # A tiny hybrid for checking the bench itself on a CPU.
     "tiny-qwen3.5": dict(
-        model_type="qwen3_5", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=256, rms_norm_eps=1e-6,
-        full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=2048,
+        model_type="qwen3_5",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=256,
+        rms_norm_eps=1e-6,
+        full_attention_interval=2,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
         tie_word_embeddings=False,
     ),
     "llama3-8b": dict(
-        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
     ),
     # OpenAI's gpt-oss-20b: 32 experts (4 active), sinks, sliding/full layers, YaRN.
     "gpt-oss-20b": dict(
-        model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
-        num_experts_per_tok=4, vocab_size=201088, rms_norm_eps=1e-5, sliding_window=128,
-        rope_theta=150000.0, max_position_embeddings=131072, tie_word_embeddings=False,
-        swiglu_limit=7.0, attention_bias=True,
-        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                          original_max_position_embeddings=4096),
+        model_type="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=201088,
+        rms_norm_eps=1e-5,
+        sliding_window=128,
+        rope_theta=150000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        swiglu_limit=7.0,
+        attention_bias=True,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=4096,
+        ),
     ),
     # google/gemma-4-26B-A4B's text model (its config.json's text_config): 128 experts, 8
     # routed per token beside a dense MLP; global layers (every 6th) with keys as values.
     "gemma4-26b-a4b": dict(
-        model_type="gemma4_text", hidden_size=2816, num_hidden_layers=30, num_attention_heads=16,
-        num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
-        intermediate_size=2112, moe_intermediate_size=704, num_experts=128, top_k_experts=8,
-        enable_moe_block=True, attention_k_eq_v=True, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
-        use_double_wide_mlp=False, vocab_size=262144, sliding_window=1024, final_logit_softcapping=30.0,
-        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=True,
+        model_type="gemma4_text",
+        hidden_size=2816,
+        num_hidden_layers=30,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_global_key_value_heads=2,
+        head_dim=256,
+        global_head_dim=512,
+        intermediate_size=2112,
+        moe_intermediate_size=704,
+        num_experts=128,
+        top_k_experts=8,
+        enable_moe_block=True,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+        vocab_size=262144,
+        sliding_window=1024,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=262144,
+        tie_word_embeddings=True,
         hidden_activation="gelu_pytorch_tanh",
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,  # spelled out, as published
         rope_parameters={
@@ -123,16 +277,36 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 # The same architecture at toy size, to check the shape's code path on a CPU.
 SHAPES["gemma4-tiny"] = {
-    **SHAPES["gemma4-26b-a4b"], "hidden_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "num_global_key_value_heads": 1, "head_dim": 32, "global_head_dim": 64,
-    "intermediate_size": 128, "moe_intermediate_size": 64, "num_experts": 8, "top_k_experts": 2,
-    "vocab_size": 512, "sliding_window": 8, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    **SHAPES["gemma4-26b-a4b"],
+    "hidden_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_global_key_value_heads": 1,
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "num_experts": 8,
+    "top_k_experts": 2,
+    "vocab_size": 512,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
 }
 # The same structure at a size the CPU build runs in seconds (checks, not speed).
-SHAPES["tiny-gpt-oss"] = {**SHAPES["gpt-oss-20b"], "hidden_size": 64, "num_hidden_layers": 4,
-                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                          "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
-                          "vocab_size": 256, "sliding_window": 8}
+SHAPES["tiny-gpt-oss"] = {
+    **SHAPES["gpt-oss-20b"],
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 256,
+    "sliding_window": 8,
+}
 
 # Modules a shape quantizes its own way whatever --bits says, as its published
 # checkpoints do: gpt-oss ships its experts in MXFP4 (the rest follows --bits; 16 keeps
@@ -159,24 +333,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES) + sorted(MEDIA_SHAPES), default="qwen3-4b")
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
     p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine",
-                   help="quantization mode; mxfp4, mxfp8 and nvfp4 set their own bits and group size")
+    p.add_argument(
+        "--mode",
+        choices=["affine", "mxfp4", "mxfp8", "nvfp4"],
+        default="affine",
+        help="quantization mode; mxfp4, mxfp8 and nvfp4 set their own bits and group size",
+    )
     p.add_argument("-p", "--prompt-tokens", type=int, default=512)
     p.add_argument("-g", "--generation-tokens", type=int, default=128)
     p.add_argument("--vs", choices=["mlx-lm"], help="also time mlx-lm on the same weights")
-    p.add_argument("--repeat", type=int, default=1, help="timed runs per loop, interleaved; each figure is reported at its best and as a median")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="timed runs per loop, interleaved; each figure is reported at its best and as a median",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], help="hold the KV cache quantized (both loops)")
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
-    p.add_argument("--reopen", action="store_true",
-                   help="time to first token reopening a -p token chat from its saved cache vs prefilling it")
+    p.add_argument(
+        "--reopen",
+        action="store_true",
+        help="time to first token reopening a -p token chat from its saved cache vs prefilling it",
+    )
     add_media_arguments(p)
 
 
-def build_model(shape: str, bits: int, group_size: int, seed: int = 0,
-                mode: str = "affine") -> tuple[Any, dict[str, Any], set[str]]:
+def build_model(
+    shape: str, bits: int, group_size: int, seed: int = 0, mode: str = "affine"
+) -> tuple[Any, dict[str, Any], set[str]]:
     """Random weights of ``shape``; returns (model, config, paths of quantized modules)."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -236,8 +423,13 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     nest = "language_model." if "language_model" in twin and "language_model" not in model else ""
     if quantized:
         q = config["quantization"]
-        nn.quantize(twin, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
-                    class_predicate=lambda p, m: p.removeprefix(nest) in quantized and q.get(p, True))
+        nn.quantize(
+            twin,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: p.removeprefix(nest) in quantized and q.get(p, True),
+        )
     try:
         # mlx-lm drops built-in MTP layers (mtp.*): its twin runs without them.
         weights = [(nest + k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith("mtp.")]
@@ -249,11 +441,12 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
 
 
 def _ours(model: Any, prompt: Any, max_tokens: int, compiled: bool | None = None) -> Iterator[int]:
-    from engine.models.kv_cache import make_prompt_cache
     from engine.decode.loop import generate_step
+    from engine.models.kv_cache import make_prompt_cache
 
-    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=max_tokens,
-                                  prefill_chunk=2048, compiled=compiled):
+    for token, _ in generate_step(
+        prompt, model, make_prompt_cache(model), max_tokens=max_tokens, prefill_chunk=2048, compiled=compiled
+    ):
         yield token
 
 
@@ -306,15 +499,18 @@ def _best(runs: list[Timing]) -> Timing:
 
 
 def _median(runs: list[Timing]) -> dict[str, float]:
-    return {"prompt_tps": statistics.median(t.prompt_tps for t in runs),
-            "generation_tps": statistics.median(t.generation_tps for t in runs)}
+    return {
+        "prompt_tps": statistics.median(t.prompt_tps for t in runs),
+        "generation_tps": statistics.median(t.generation_tps for t in runs),
+    }
 
 
 Loop = Callable[[Any, Any, int], Iterator[int]]
 
 
-def measure_interleaved(loops: Sequence[tuple[Loop, Any]], prompt: Any, gen: int,
-                        repeat: int) -> list[tuple[Timing, list[Timing]]]:
+def measure_interleaved(
+    loops: Sequence[tuple[Loop, Any]], prompt: Any, gen: int, repeat: int
+) -> list[tuple[Timing, list[Timing]]]:
     """Time each ``(loop, model)`` ``repeat`` times, interleaved: every repeat runs all of
     them, in reverse order every other time (A B, B A, ...), so clock and thermal drift
     fall on all alike instead of on whichever ran last. Returns (best, every run) per loop."""
@@ -339,12 +535,17 @@ def with_runs(best: Timing, runs: list[Timing]) -> dict[str, Any]:
 
 
 def _row(name: str, t: Timing) -> str:
-    return (f"{name:<8} prompt {t.prompt_tps:10.1f} tok/s   generation {t.generation_tps:8.1f} tok/s   "
-            f"ttft {t.ttft_s * 1000:8.1f} ms   peak {t.peak_memory_bytes / 1e9:6.2f} GB")
+    return (
+        f"{name:<8} prompt {t.prompt_tps:10.1f} tok/s   generation {t.generation_tps:8.1f} tok/s   "
+        f"ttft {t.ttft_s * 1000:8.1f} ms   peak {t.peak_memory_bytes / 1e9:6.2f} GB"
+    )
 
 
-def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any]] | None = None,
-              concurrent: Callable[..., dict[str, Any]] | None = None) -> int:
+def run_bench(
+    args: argparse.Namespace,
+    speculative: Callable[..., dict[str, Any]] | None = None,
+    concurrent: Callable[..., dict[str, Any]] | None = None,
+) -> int:
     """Time the shape; with ``--speculative``, ``speculative`` (bench_speculative's runner,
     which builds on this module) times plain next to speculative decoding instead, and with
     ``--concurrent``, ``concurrent`` (bench_concurrent's) times streams decoding together."""
@@ -366,16 +567,26 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
 
         args.bits, args.group_size = MODES[args.mode].default
     model, config, quantized = build_model(args.shape, args.bits, args.group_size, args.seed, args.mode)
-    prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=mx.random.key(args.seed)).astype(mx.uint32)
+    prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=mx.random.key(args.seed)).astype(
+        mx.uint32
+    )
     mx.eval(prompt)
     quant = f"{args.bits}-bit g{args.group_size}" if args.bits != 16 else "bf16"
     quant = f"{args.mode} {quant}" if quantized and args.mode != "affine" and args.bits != 16 else quant
     if args.shape in FIXED_QUANTIZATION:
         quant += f", {FIXED_QUANTIZATION[args.shape][1]['mode']} experts"
-    print(f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "
-          f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated", flush=True)
-    out: dict[str, Any] = {"shape": args.shape, "bits": args.bits if quantized else 16,
-                           "group_size": args.group_size, "mode": args.mode, "device": str(mx.default_device())}
+    print(
+        f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "
+        f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated",
+        flush=True,
+    )
+    out: dict[str, Any] = {
+        "shape": args.shape,
+        "bits": args.bits if quantized else 16,
+        "group_size": args.group_size,
+        "mode": args.mode,
+        "device": str(mx.default_device()),
+    }
     kv_bits = getattr(args, "kv_bits", None)
     if kv_bits is not None:
         from engine.models.kv_cache import make_prompt_cache
@@ -405,8 +616,10 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
         if kv_bits is not None:
             head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
             if head_dim % args.kv_group_size:
-                raise EngineError(f"mlx-lm's quantized KV cache needs heads ({head_dim}) divisible by "
-                                  f"--kv-group-size {args.kv_group_size}; pick another shape or group size")
+                raise EngineError(
+                    f"mlx-lm's quantized KV cache needs heads ({head_dim}) divisible by "
+                    f"--kv-group-size {args.kv_group_size}; pick another shape or group size"
+                )
             twin.bench_kv = {"kv_bits": kv_bits, "kv_group_size": args.kv_group_size, "quantized_kv_start": 0}
         loops.append((_theirs, twin))
     timed = measure_interleaved(loops, prompt, args.generation_tokens, args.repeat)
@@ -426,8 +639,10 @@ def run_bench(args: argparse.Namespace, speculative: Callable[..., dict[str, Any
         if args.repeat > 1:
             mine, peer = _median(timed[0][1]), _median(timed[1][1])
             out["ratio_of_medians"] = {k: mine[k] / max(peer[k], 1e-9) for k in mine}
-            print(f"medians  prompt {out['ratio_of_medians']['prompt_tps']:.2f}x   "
-                  f"generation {out['ratio_of_medians']['generation_tps']:.2f}x (of {args.repeat} runs each)")
+            print(
+                f"medians  prompt {out['ratio_of_medians']['prompt_tps']:.2f}x   "
+                f"generation {out['ratio_of_medians']['generation_tps']:.2f}x (of {args.repeat} runs each)"
+            )
     if args.json:
         print(json.dumps(out))
     return 0

@@ -35,8 +35,9 @@ class Concurrent:
 
 
 def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--concurrent", metavar="N,N,...",
-                   help="streams decoding together, e.g. 1,2,4,8 (continuous batching)")
+    p.add_argument(
+        "--concurrent", metavar="N,N,...", help="streams decoding together, e.g. 1,2,4,8 (continuous batching)"
+    )
 
 
 def parse_counts(text: str) -> list[int]:
@@ -49,19 +50,27 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
-def _summary(n: int, start: float, firsts: Sequence[float], stamps: Sequence[float],
-             tokens: list[list[int]]) -> Concurrent:
+def _summary(
+    n: int, start: float, firsts: Sequence[float], stamps: Sequence[float], tokens: list[list[int]]
+) -> Concurrent:
     end = max(stamps)
     all_started = max(firsts)
     after = sum(1 for t in stamps if t > all_started)
     total = after / max(end - all_started, 1e-9) if after else 0.0
-    return Concurrent(streams=n, generated_tokens=len(stamps), total_tps=total, per_stream_tps=total / n,
-                      end_to_end_tps=len(stamps) / max(end - start, 1e-9), ttft_max_s=all_started - start,
-                      tokens=tokens)
+    return Concurrent(
+        streams=n,
+        generated_tokens=len(stamps),
+        total_tps=total,
+        per_stream_tps=total / n,
+        end_to_end_tps=len(stamps) / max(end - start, 1e-9),
+        ttft_max_s=all_started - start,
+        tokens=tokens,
+    )
 
 
-def run_ours(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048,
-             compiled: bool | None = None) -> Concurrent:
+def run_ours(
+    model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048, compiled: bool | None = None
+) -> Concurrent:
     """The engine's batch at token level (what the worker drives, without the text layer)."""
     import mlx.core as mx
 
@@ -70,9 +79,17 @@ def run_ours(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048,
 
     batch = Batch(model, compiled=compiled)
     start = time.perf_counter()
-    sequences = {i: batch.sequence(p, make_prompt_cache(model), max_tokens=gen, prefill_chunk=chunk,
-                                   sampler=lambda x: mx.argmax(x, axis=-1), greedy=True)
-                 for i, p in enumerate(prompts)}
+    sequences = {
+        i: batch.sequence(
+            p,
+            make_prompt_cache(model),
+            max_tokens=gen,
+            prefill_chunk=chunk,
+            sampler=lambda x: mx.argmax(x, axis=-1),
+            greedy=True,
+        )
+        for i, p in enumerate(prompts)
+    }
     firsts = [0.0] * len(prompts)
     stamps: list[float] = []
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -98,8 +115,13 @@ def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) 
     except ImportError:
         raise EngineError("--vs mlx-lm needs mlx-lm: pip install 'mlx-desk[bench]' (or mlx-lm)") from None
 
-    generator = BatchGenerator(model, stop_tokens=None, prefill_step_size=chunk,
-                               completion_batch_size=max(32, len(prompts)), prefill_batch_size=8)
+    generator = BatchGenerator(
+        model,
+        stop_tokens=None,
+        prefill_step_size=chunk,
+        completion_batch_size=max(32, len(prompts)),
+        prefill_batch_size=8,
+    )
     start = time.perf_counter()
     uids = generator.insert([p.tolist() for p in prompts], [gen] * len(prompts))
     index = {uid: i for i, uid in enumerate(uids)}
@@ -120,8 +142,10 @@ def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) 
 
 
 def _row(name: str, c: Concurrent) -> str:
-    return (f"{name:<8} x{c.streams:<3} total {c.total_tps:9.1f} tok/s   per stream {c.per_stream_tps:8.1f} tok/s   "
-            f"end-to-end {c.end_to_end_tps:9.1f} tok/s   slowest ttft {c.ttft_max_s * 1000:8.1f} ms")
+    return (
+        f"{name:<8} x{c.streams:<3} total {c.total_tps:9.1f} tok/s   per stream {c.per_stream_tps:8.1f} tok/s   "
+        f"end-to-end {c.end_to_end_tps:9.1f} tok/s   slowest ttft {c.ttft_max_s * 1000:8.1f} ms"
+    )
 
 
 def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any], quantized: set[str]) -> dict[str, Any]:
@@ -141,8 +165,7 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
     if args.vs == "mlx-lm":
         loops.append(("mlx-lm", run_mlx_lm, mlx_lm_twin(model, config, quantized)))
     keys = mx.random.split(mx.random.key(args.seed), max(counts))
-    prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=k).astype(mx.uint32)
-               for k in keys]
+    prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=k).astype(mx.uint32) for k in keys]
     mx.eval(prompts)
     for _, run, m in loops:  # warm-up: kernels for every batch width
         for n in counts:
@@ -156,8 +179,9 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
                 c = run(m, prompts[:n], args.generation_tokens)
                 if name not in best or c.total_tps > best[name].total_tps:
                     best[name] = c
-        entry: dict[str, Any] = {name: {k: v for k, v in asdict(c).items() if k != "tokens"}
-                                 for name, c in best.items()}
+        entry: dict[str, Any] = {
+            name: {k: v for k, v in asdict(c).items() if k != "tokens"} for name, c in best.items()
+        }
         for name, c in best.items():
             print(_row(name, c), flush=True)
         if "mlx-lm" in best:
@@ -165,7 +189,9 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
             entry["ratio"] = ratio
             # Greedy on the same weights: the same ids, unless bf16 rounding splits a near-tie.
             entry["same_tokens_as_mlx_lm"] = best["engine"].tokens == best["mlx-lm"].tokens
-            print(f"ratio    x{n:<3} total {ratio:.2f}x (engine / mlx-lm); same tokens: "
-                  f"{entry['same_tokens_as_mlx_lm']}", flush=True)
+            print(
+                f"ratio    x{n:<3} total {ratio:.2f}x (engine / mlx-lm); same tokens: {entry['same_tokens_as_mlx_lm']}",
+                flush=True,
+            )
         out["concurrent"].append(entry)
     return out

@@ -54,8 +54,16 @@ def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, 
         mx.eval([a for c in restored for a in (c.state or ())])
         load_s = time.perf_counter() - start
         reopen_s = load_s + _first_token_s(model, new, restored)
-    print(f"reopen   {int(prompt.size):,}-token chat + {NEW_TOKENS} new: prefill all {prefill_s * 1000:9.1f} ms   "
-          f"from saved cache {reopen_s * 1000:9.1f} ms (file {size / 1e6:.1f} MB read in {load_s * 1000:.1f} ms)   "
-          f"{prefill_s / max(reopen_s, 1e-9):.1f}x faster", flush=True)
-    return {"prefill_ttft_s": prefill_s, "reopen_ttft_s": reopen_s, "cache_file_bytes": size,
-            "cache_load_s": load_s, "speedup": prefill_s / max(reopen_s, 1e-9)}
+    print(
+        f"reopen   {int(prompt.size):,}-token chat + {NEW_TOKENS} new: prefill all {prefill_s * 1000:9.1f} ms   "
+        f"from saved cache {reopen_s * 1000:9.1f} ms (file {size / 1e6:.1f} MB read in {load_s * 1000:.1f} ms)   "
+        f"{prefill_s / max(reopen_s, 1e-9):.1f}x faster",
+        flush=True,
+    )
+    return {
+        "prefill_ttft_s": prefill_s,
+        "reopen_ttft_s": reopen_s,
+        "cache_file_bytes": size,
+        "cache_load_s": load_s,
+        "speedup": prefill_s / max(reopen_s, 1e-9),
+    }

@@ -30,15 +30,20 @@ NOTES = {
     "self": "self: the model drafts for itself; greedy drafts are all accepted (the upper bound)",
     "draft": "draft: the first {layers} layers of the same random model draft for all {total}",
     "mtp": "mtp: a random built-in MTP layer drafts (random guesses: few accepted; see self for the upper bound)",
-    "ngram": ("ngram: the prompt is a {passage}-token random passage repeated, so lookup finds matches; "
-              "random weights seldom repeat it, so few drafts are accepted"),
+    "ngram": (
+        "ngram: the prompt is a {passage}-token random passage repeated, so lookup finds matches; "
+        "random weights seldom repeat it, so few drafts are accepted"
+    ),
 }
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=["ngram", "draft", "self", "mtp"],
-                   help="also time speculative decoding: n-gram lookup, a draft model, the model itself, "
-                        "or a built-in MTP layer (Qwen3.5 shapes)")
+    p.add_argument(
+        "--speculative",
+        choices=["ngram", "draft", "self", "mtp"],
+        help="also time speculative decoding: n-gram lookup, a draft model, the model itself, "
+        "or a built-in MTP layer (Qwen3.5 shapes)",
+    )
     p.add_argument("--num-draft", type=int, default=4, help="drafts verified per pass (default 4)")
     p.add_argument("--ngram-size", type=int, default=3, help="ids matched by n-gram lookup (default 3)")
     p.add_argument("--draft-layers", type=int, help="layers of the draft model (default 2, 1 for a 2-layer shape)")
@@ -70,8 +75,12 @@ def attach_random_mtp(model: Any, config: dict[str, Any]) -> None:
     q = config.get("quantization")
     if q:
         group = q["group_size"]
-        nn.quantize(model.mtp, group_size=group, bits=q["bits"],
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group == 0)
+        nn.quantize(
+            model.mtp,
+            group_size=group,
+            bits=q["bits"],
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group == 0,
+        )
     mx.eval(model.mtp.parameters())
 
 
@@ -107,8 +116,13 @@ def slice_model(
     draft_quantized = {p for p in quantized if kept(p + ".")}
     if quantized:
         q = config["quantization"]
-        nn.quantize(draft, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
-                    class_predicate=lambda p, m: p in draft_quantized and q.get(p, True))
+        nn.quantize(
+            draft,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: p in draft_quantized and q.get(p, True),
+        )
         draft_config["quantization"] = dict(q)
     weights = [(k, v) for k, v in tree_flatten(model.parameters()) if kept(k)]
     draft.load_weights(weights, strict=True)
@@ -116,7 +130,9 @@ def slice_model(
     return draft, draft_config, draft_quantized
 
 
-def _recording(loop: Callable[[Any, Any, int], Iterator[int]], sink: list[int]) -> Callable[[Any, Any, int], Iterator[int]]:
+def _recording(
+    loop: Callable[[Any, Any, int], Iterator[int]], sink: list[int]
+) -> Callable[[Any, Any, int], Iterator[int]]:
     def run(model: Any, prompt: Any, gen: int) -> Iterator[int]:
         sink.clear()
         for token in loop(model, prompt, gen):
@@ -127,8 +143,8 @@ def _recording(loop: Callable[[Any, Any, int], Iterator[int]], sink: list[int]) 
 
 
 def _ours_plain(model: Any, prompt: Any, gen: int) -> Iterator[int]:
-    from engine.models.kv_cache import make_prompt_cache
     from engine.decode.loop import generate_step
+    from engine.models.kv_cache import make_prompt_cache
 
     for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=gen, prefill_chunk=2048):
         yield token
@@ -136,17 +152,24 @@ def _ours_plain(model: Any, prompt: Any, gen: int) -> Iterator[int]:
 
 def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out: list[Any]):
     def run(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+        from engine.decode.speculative import speculative_step
         from engine.decode.stats import StatsCounter
         from engine.models.kv_cache import make_prompt_cache
-        from engine.decode.speculative import speculative_step
 
         stats = StatsCounter()
         stats_out[:] = [stats]
         drafter = make_drafter()
         try:
-            for token, _ in speculative_step(prompt.tolist(), model, make_prompt_cache(model), drafter,
-                                             max_tokens=gen, num_draft_tokens=num_draft, stats=stats,
-                                             prefill_chunk=2048):
+            for token, _ in speculative_step(
+                prompt.tolist(),
+                model,
+                make_prompt_cache(model),
+                drafter,
+                max_tokens=gen,
+                num_draft_tokens=num_draft,
+                stats=stats,
+                prefill_chunk=2048,
+            ):
                 yield token
         finally:
             getattr(drafter, "close", lambda: None)()  # an MTP drafter stops following the model
@@ -166,8 +189,9 @@ def _theirs_speculative(draft: Any, num_draft: int, from_draft: list[int]):
         from mlx_lm.generate import speculative_generate_step
 
         from_draft[:] = [0]
-        for token, _, drafted in speculative_generate_step(prompt, model, draft, num_draft_tokens=num_draft,
-                                                            max_tokens=gen, prefill_step_size=2048):
+        for token, _, drafted in speculative_generate_step(
+            prompt, model, draft, num_draft_tokens=num_draft, max_tokens=gen, prefill_step_size=2048
+        ):
             from_draft[0] += int(bool(drafted))
             yield int(token)
 
@@ -175,18 +199,21 @@ def _theirs_speculative(draft: Any, num_draft: int, from_draft: list[int]):
 
 
 def _row(name: str, t: Timing) -> str:
-    return (f"{name:<16} prompt {t.prompt_tps:10.1f} tok/s   generation {t.generation_tps:8.1f} tok/s   "
-            f"ttft {t.ttft_s * 1000:8.1f} ms   peak {t.peak_memory_bytes / 1e9:6.2f} GB")
+    return (
+        f"{name:<16} prompt {t.prompt_tps:10.1f} tok/s   generation {t.generation_tps:8.1f} tok/s   "
+        f"ttft {t.ttft_s * 1000:8.1f} ms   peak {t.peak_memory_bytes / 1e9:6.2f} GB"
+    )
 
 
-def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any], quantized: set[str],
-                    prompt: Any) -> dict[str, Any]:
+def run_speculative(
+    args: argparse.Namespace, model: Any, config: dict[str, Any], quantized: set[str], prompt: Any
+) -> dict[str, Any]:
     """Time plain and speculative decoding (and mlx-lm's, with ``--vs mlx-lm``); print the table
     and return the figures for ``--json``."""
     import mlx.core as mx
 
-    from engine.errors import EngineError
     from engine.decode.drafters import DraftModelDrafter, NgramDrafter
+    from engine.errors import EngineError
 
     mode, k, gen, repeat = args.speculative, args.num_draft, args.generation_tokens, args.repeat
     if k < 1 or args.ngram_size < 1:
@@ -215,8 +242,10 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
     plain_ids: list[int] = []
     spec_ids: list[int] = []
     stats: list[Any] = []
-    loops = [(_recording(_ours_plain, plain_ids), model),
-             (_recording(_ours_speculative(make_drafter, k, stats), spec_ids), model)]
+    loops = [
+        (_recording(_ours_plain, plain_ids), model),
+        (_recording(_ours_speculative(make_drafter, k, stats), spec_ids), model),
+    ]
     from_draft: list[int] = [0]
     if args.vs == "mlx-lm":  # every loop runs in each repeat, in alternating order
         twin = mlx_lm_twin(model, config, quantized)
@@ -230,14 +259,23 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
     print(_row(f"engine+{mode}", spec), flush=True)
     s = stats[0]
     same = spec_ids == plain_ids
-    print(f"{'':<16} {s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted ({s.acceptance_rate:.0%}), "
-          f"speed-up {spec.generation_tps / max(plain.generation_tps, 1e-9):.2f}x, "
-          f"tokens identical to plain greedy: {'yes' if same else 'no'}", flush=True)
+    print(
+        f"{'':<16} {s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted ({s.acceptance_rate:.0%}), "
+        f"speed-up {spec.generation_tps / max(plain.generation_tps, 1e-9):.2f}x, "
+        f"tokens identical to plain greedy: {'yes' if same else 'no'}",
+        flush=True,
+    )
     out: dict[str, Any] = {
         "speculative": {
-            "mode": mode, "num_draft": k, "note": note, "plain": with_runs(*timed[0]), "engine": with_runs(*timed[1]),
-            "draft_tokens": s.draft_tokens, "accepted_draft_tokens": s.accepted_draft_tokens,
-            "acceptance_rate": s.acceptance_rate, "identical_to_plain": same,
+            "mode": mode,
+            "num_draft": k,
+            "note": note,
+            "plain": with_runs(*timed[0]),
+            "engine": with_runs(*timed[1]),
+            "draft_tokens": s.draft_tokens,
+            "accepted_draft_tokens": s.accepted_draft_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "identical_to_plain": same,
             "speedup": spec.generation_tps / max(plain.generation_tps, 1e-9),
         }
     }
@@ -252,9 +290,12 @@ def run_speculative(args: argparse.Namespace, model: Any, config: dict[str, Any]
     theirs_spec = timed[3][0]
     print(_row(f"mlx-lm+{mode}", theirs_spec), flush=True)
     ratio = spec.generation_tps / max(theirs_spec.generation_tps, 1e-9)
-    print(f"{'':<16} {from_draft[0]}/{theirs_spec.generated_tokens} tokens from drafts, speed-up "
-          f"{theirs_spec.generation_tps / max(theirs.generation_tps, 1e-9):.2f}x; "
-          f"engine+{mode} / mlx-lm+{mode}: {ratio:.2f}x", flush=True)
+    print(
+        f"{'':<16} {from_draft[0]}/{theirs_spec.generated_tokens} tokens from drafts, speed-up "
+        f"{theirs_spec.generation_tps / max(theirs.generation_tps, 1e-9):.2f}x; "
+        f"engine+{mode} / mlx-lm+{mode}: {ratio:.2f}x",
+        flush=True,
+    )
     out["mlx_lm_speculative"] = {**with_runs(*timed[3]), "tokens_from_draft": from_draft[0]}
     out["ratio_speculative"] = ratio
     return out

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.artifacts.config import QuantizationSpec, read_config, read_json
-from engine.models.checkpoint import cast_floats, fill_weights, quantize_like_checkpoint
 from engine.artifacts.weights import INDEX_NAME, find_weights, load_weights
 from engine.errors import ModelLoadError
+from engine.models.checkpoint import cast_floats, fill_weights, quantize_like_checkpoint
 
 # Files a model folder needs besides weights and config.json.
 COPIED_FILES = (
@@ -76,7 +76,9 @@ def convert(
     model = family.Model(family.ModelArgs.from_dict(config.raw))
     weights = model.sanitize(load_weights(find_weights(src)))
     if quantize_bits is not None and config.quantization is not None:
-        raise ModelLoadError(f"{src.name} is already quantized ({config.quantization.describe()}); convert the original")
+        raise ModelLoadError(
+            f"{src.name} is already quantized ({config.quantization.describe()}); convert the original"
+        )
     quantize_like_checkpoint(model, set(weights), config.quantization, name=src.name)
     if dtype is not None:
         weights = cast_floats(weights, dtype)

@@ -24,7 +24,9 @@ def _ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, like 1,2,3 (got {text!r})") from None
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids takes comma-separated integers, like 1,2,3 (got {text!r})"
+        ) from None
     if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError("--prompt-ids must not be negative")
     return ids
@@ -71,43 +73,81 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(p)
-    p.add_argument("--cache-file", metavar="FILE.safetensors",
-                   help="reuse the KV cache saved in FILE when the prompt starts with its tokens "
-                        "(same model, adapters and template); save the new cache there")
-    p.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="DIR[:SCALE]",
-                   help="LoRA adapter folder (mlx-lm or PEFT), active with SCALE (default 1); repeatable")
+    p.add_argument(
+        "--cache-file",
+        metavar="FILE.safetensors",
+        help="reuse the KV cache saved in FILE when the prompt starts with its tokens "
+        "(same model, adapters and template); save the new cache there",
+    )
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        type=_adapter,
+        metavar="DIR[:SCALE]",
+        help="LoRA adapter folder (mlx-lm or PEFT), active with SCALE (default 1); repeatable",
+    )
     spec = p.add_mutually_exclusive_group()
     spec.add_argument("--draft-model", metavar="PATH", help="speculative decoding with this draft model")
     spec.add_argument("--ngram", type=int, metavar="N", help="speculative decoding by N-gram prompt lookup")
-    spec.add_argument("--mtp", action="store_true",
-                      help="speculative decoding with the checkpoint's own multi-token-prediction layer")
+    spec.add_argument(
+        "--mtp", action="store_true", help="speculative decoding with the checkpoint's own multi-token-prediction layer"
+    )
     p.add_argument("--num-draft", type=int, metavar="N", help="drafts per verification pass (default 4)")
-    p.add_argument("--image", action=_MediaFlag, default=[], metavar="FILE", help="image file (repeatable; needs --chat)")
-    p.add_argument("--thinking", choices=["on", "off", "low", "medium", "high"],
-                   help="the chat template's reasoning switch: on/off (Qwen3, DeepSeek, SmolLM3) or an "
-                        "effort (gpt-oss); default: the template's own")
-    p.add_argument("--pan-and-scan", action=argparse.BooleanOptionalAction, default=None,
-                   help="Gemma 3: also show the model square crops of wide or tall images "
-                        "(default: what the model folder says, usually off)")
-    p.add_argument("--audio", action=_MediaFlag, default=[], metavar="FILE",
-                   help="audio file (repeatable; needs --chat): heard by audio models such as Qwen2-Audio, "
-                        "transcribed first with --whisper for any other model")
-    p.add_argument("--video", action=_MediaFlag, default=[], metavar="FILE",
-                   help="video file (repeatable; needs --chat): watched by video models such as Qwen3-VL "
-                        "(frames sampled as the model's processor does)")
-    p.add_argument("--whisper", metavar="PATH",
-                   help="Whisper model folder or cached repo id (e.g. openai/whisper-tiny) that transcribes "
-                        "--audio for models without audio input (default: $MLX_DESK_WHISPER)")
+    p.add_argument(
+        "--image", action=_MediaFlag, default=[], metavar="FILE", help="image file (repeatable; needs --chat)"
+    )
+    p.add_argument(
+        "--thinking",
+        choices=["on", "off", "low", "medium", "high"],
+        help="the chat template's reasoning switch: on/off (Qwen3, DeepSeek, SmolLM3) or an "
+        "effort (gpt-oss); default: the template's own",
+    )
+    p.add_argument(
+        "--pan-and-scan",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Gemma 3: also show the model square crops of wide or tall images "
+        "(default: what the model folder says, usually off)",
+    )
+    p.add_argument(
+        "--audio",
+        action=_MediaFlag,
+        default=[],
+        metavar="FILE",
+        help="audio file (repeatable; needs --chat): heard by audio models such as Qwen2-Audio, "
+        "transcribed first with --whisper for any other model",
+    )
+    p.add_argument(
+        "--video",
+        action=_MediaFlag,
+        default=[],
+        metavar="FILE",
+        help="video file (repeatable; needs --chat): watched by video models such as Qwen3-VL "
+        "(frames sampled as the model's processor does)",
+    )
+    p.add_argument(
+        "--whisper",
+        metavar="PATH",
+        help="Whisper model folder or cached repo id (e.g. openai/whisper-tiny) that transcribes "
+        "--audio for models without audio input (default: $MLX_DESK_WHISPER)",
+    )
 
 
 def _add_transcribe(sub: Any) -> None:
     p = sub.add_parser("transcribe", help="speech to text with a Whisper model")
     p.add_argument("file", help="audio file (WAV; MP3, FLAC, OGG, M4A with ffmpeg)")
-    p.add_argument("--whisper", metavar="PATH",
-                   help="Whisper model folder or cached repo id, e.g. openai/whisper-tiny (default: $MLX_DESK_WHISPER)")
+    p.add_argument(
+        "--whisper",
+        metavar="PATH",
+        help="Whisper model folder or cached repo id, e.g. openai/whisper-tiny (default: $MLX_DESK_WHISPER)",
+    )
     p.add_argument("--language", help="language code such as en or de (default: detected)")
-    p.add_argument("--timestamps", action="store_true",
-                   help="print one '[mm:ss.ss -> mm:ss.ss] text' line per segment (always timed over 30 s)")
+    p.add_argument(
+        "--timestamps",
+        action="store_true",
+        help="print one '[mm:ss.ss -> mm:ss.ss] text' line per segment (always timed over 30 s)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -128,10 +168,19 @@ def _add_inspect(sub: Any) -> None:
 
 
 def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-bits", type=int, choices=[4, 8],
-                   help="hold the KV cache quantized (default: the model's kv_config.json, else full precision)")
-    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
-                   help="values per quantization group of the KV cache (with --kv-bits; default 64)")
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[4, 8],
+        help="hold the KV cache quantized (default: the model's kv_config.json, else full precision)",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=[32, 64, 128],
+        default=64,
+        help="values per quantization group of the KV cache (with --kv-bits; default 64)",
+    )
 
 
 def _add_convert(sub: Any) -> None:
@@ -464,13 +513,19 @@ def _add_serve(parser: Any) -> None:
     from engine.serve.server import DEFAULT_MAX_BODY
 
     parser.add_argument("--model", required=True, help="model folder, cached Hugging Face repo id, or .gguf file")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1: this machine only; anything else "
-                             "needs --api-key)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; anything else needs --api-key)",
+    )
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or x-api-key) on every request")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY,
-                        help=f"largest request body taken (default {DEFAULT_MAX_BODY}); larger ones get 413")
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY,
+        help=f"largest request body taken (default {DEFAULT_MAX_BODY}); larger ones get 413",
+    )
     parser.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
 
 

@@ -67,9 +67,7 @@ def run_template_command(
         if eos_token is not None:
             special["eos_token"] = eos_token
         messages, tools = _read_messages(messages_path)
-        text = ChatTemplate(source, special).render(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt
-        )
+        text = ChatTemplate(source, special).render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
     except EngineError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1

@@ -106,7 +106,9 @@ class BatchKVCache:
                 self.values = mx.concatenate([self.values, values], axis=0)
         elif self.keys is not None:
             self.keys = mx.concatenate([self.keys, mx.zeros((1, *self.keys.shape[1:]), self.keys.dtype)], axis=0)
-            self.values = mx.concatenate([self.values, mx.zeros((1, *self.values.shape[1:]), self.values.dtype)], axis=0)
+            self.values = mx.concatenate(
+                [self.values, mx.zeros((1, *self.values.shape[1:]), self.values.dtype)], axis=0
+            )
         self.left.append(self.idx - n)
         self._refresh()
 
@@ -364,8 +366,9 @@ class Batch:
             return
         processors = list(logits_processors)
         recent = (history if history is not None else prompt)[-HISTORY_WINDOW:] if processors else None
-        row = _Row(cache, prompt[-1:], sampler, processors, recent, greedy, logprobs, top_logprobs, top_sink,
-                   max_tokens)
+        row = _Row(
+            cache, prompt[-1:], sampler, processors, recent, greedy, logprobs, top_logprobs, top_sink, max_tokens
+        )
         self._join(row)
         try:
             while True:

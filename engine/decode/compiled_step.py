@@ -28,10 +28,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.lora import active_signature
-from engine.models.kv_cache import KVCache, RotatingKVCache
-from engine.models.quantized_kv_cache import QuantizedKVCache
 from engine.models.base import RoPE
+from engine.models.kv_cache import KVCache, RotatingKVCache
+from engine.models.lora import active_signature
+from engine.models.quantized_kv_cache import QuantizedKVCache
 from engine.models.stacked import MAX_STACKED_ROWS, stack_projections
 
 # The cache write happens outside the traces (update_and_fetch, make_mask), so any of these serves.
@@ -166,7 +166,6 @@ class CompiledDecoder:
             attn = layer.self_attn.attend(q, k, v, mask)
         return self._fns[-1](h, attn)
 
-
     def rows(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
         """Logits [rows, vocab] for one new token per row (``tokens`` [rows, 1]) through a
         batch cache (engine.decode.batch.BatchKVCache: one RoPE offset per row, a mask for
@@ -201,7 +200,7 @@ def _links(model: Any) -> list[tuple[Any, Any, Any]]:
         node = todo.pop()
         held = None if node is model else node
         links.append((held, None, len(node)))
-        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
             if isinstance(value, (mx.array, dict, list)):
                 links.append((held, key, value))
                 if not isinstance(value, mx.array):

@@ -138,8 +138,9 @@ def _entropy(logits: mx.array) -> mx.array:
     return -(mx.exp(logp) * logp).sum(axis=-1)
 
 
-def denoise_block(model: Any, cache: list, settings: DiffusionSettings, noise: Noise,
-                  cancel: threading.Event | None = None) -> tuple[mx.array, int]:
+def denoise_block(
+    model: Any, cache: list, settings: DiffusionSettings, noise: Noise, cancel: threading.Event | None = None
+) -> tuple[mx.array, int]:
     """(argmax ids [canvas], steps taken) for the next block after what ``cache`` holds."""
     length, vocab = model.canvas_length, model.args.vocab_size
     canvas = noise.canvas(length, vocab)
@@ -174,9 +175,18 @@ def denoise_block(model: Any, cache: list, settings: DiffusionSettings, noise: N
     return argmax, taken
 
 
-def diffuse(model: Any, prompt: Sequence[int], *, max_tokens: int, settings: DiffusionSettings,
-            noise: Noise, eos_ids: Sequence[int] = (), pad_id: int | None = None,
-            cancel: threading.Event | None = None, cache: list | None = None) -> Iterator[Block]:
+def diffuse(
+    model: Any,
+    prompt: Sequence[int],
+    *,
+    max_tokens: int,
+    settings: DiffusionSettings,
+    noise: Noise,
+    eos_ids: Sequence[int] = (),
+    pad_id: int | None = None,
+    cancel: threading.Event | None = None,
+    cache: list | None = None,
+) -> Iterator[Block]:
     """Yield each finished block after ``prompt`` (ids not yet in ``cache``) until an
     end-of-sequence id, ``max_tokens`` (rounded up to whole blocks) or ``cancel``."""
     if not prompt:
@@ -195,7 +205,7 @@ def diffuse(model: Any, prompt: Sequence[int], *, max_tokens: int, settings: Dif
         raw = [int(t) for t in ids.tolist()]
         end = next((i for i, t in enumerate(raw) if t in stops), None)
         if end is not None:
-            tail = [pad_id] * (len(raw) - end - 1) if pad_id is not None else raw[end + 1:]
+            tail = [pad_id] * (len(raw) - end - 1) if pad_id is not None else raw[end + 1 :]
             yield Block(tokens=raw[:end], steps=steps, finished=True, raw=raw[: end + 1] + tail)
             return
         yield Block(tokens=raw, steps=steps, finished=False, raw=raw)
@@ -207,20 +217,33 @@ def is_diffusion_model(model: Any) -> bool:
     return callable(getattr(model, "denoise", None)) and callable(getattr(model, "encode", None))
 
 
-def stream_diffusion(model: Any, tokenizer: Any, prompt_ids: Sequence[int], cache: list | None, params: Any, *,
-                     cancel: threading.Event | None = None, eos_token_ids: Sequence[int] | None = None,
-                     reasoning: Any = None, cached_tokens: int = 0, drafter: Any = None,
-                     settings: DiffusionSettings | None = None) -> Iterator[Any]:
+def stream_diffusion(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    cache: list | None,
+    params: Any,
+    *,
+    cancel: threading.Event | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    reasoning: Any = None,
+    cached_tokens: int = 0,
+    drafter: Any = None,
+    settings: DiffusionSettings | None = None,
+) -> Iterator[Any]:
     """``stream_generate``'s counterpart for block diffusion: one text piece per finished
     block (so a reply grows block by block), then the ``GenerationResult`` with the
     denoising steps taken. ``cache`` None starts a fresh one."""
 
     if drafter is not None or params.speculative is not None:
-        raise EngineError("DiffusionGemma writes whole blocks by denoising; speculative decoding and draft "
-                          "models do not apply to it: turn Draft off.")
+        raise EngineError(
+            "DiffusionGemma writes whole blocks by denoising; speculative decoding and draft "
+            "models do not apply to it: turn Draft off."
+        )
     if params.constraint is not None or params.logprobs:
-        raise EngineError("DiffusionGemma writes whole blocks at once: constrained output and log-probs "
-                          "are not available for it.")
+        raise EngineError(
+            "DiffusionGemma writes whole blocks at once: constrained output and log-probs are not available for it."
+        )
     settings = settings or getattr(model, "diffusion_settings", None) or DiffusionSettings()
     if eos_token_ids is None:
         eos_token_ids = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
@@ -245,8 +268,16 @@ def stream_diffusion(model: Any, tokenizer: Any, prompt_ids: Sequence[int], cach
             yield Piece("", "answer", carried, stats.snapshot())
 
     noise = RandomNoise(params.sampling.seed)
-    for block in diffuse(model, prompt_ids, max_tokens=params.max_tokens, settings=settings, noise=noise,
-                         eos_ids=eos, cancel=cancel, cache=cache):
+    for block in diffuse(
+        model,
+        prompt_ids,
+        max_tokens=params.max_tokens,
+        settings=settings,
+        noise=noise,
+        eos_ids=eos,
+        cancel=cancel,
+        cache=cache,
+    ):
         if not ids:
             stats.time_to_first_token = time.perf_counter() - start
         ids += block.tokens
@@ -263,7 +294,13 @@ def stream_diffusion(model: Any, tokenizer: Any, prompt_ids: Sequence[int], cach
     if tail:
         yield from pieces(tail, [])
     stats.peak_memory_bytes = int(mx.get_peak_memory())
-    result = GenerationResult(text=texts["answer"], reasoning=texts["reasoning"], token_ids=ids,
-                              token_logprobs=None, finish_reason=finish, stats=stats.snapshot(),
-                              denoising_steps=steps)
+    result = GenerationResult(
+        text=texts["answer"],
+        reasoning=texts["reasoning"],
+        token_ids=ids,
+        token_logprobs=None,
+        finish_reason=finish,
+        stats=stats.snapshot(),
+        denoising_steps=steps,
+    )
     yield result

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
-from engine.errors import EngineError
 from engine.decode.compiled_step import compiled_decoder
 from engine.decode.prefill import HISTORY_WINDOW, prefill
+from engine.errors import EngineError
+from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
 
 # pick(logits [V], recent context ids [n]) -> (token [1] uint32, probabilities [V] or None when
 # greedy). Lazy: nothing is evaluated, so a drafter can queue all its steps before one sync.
@@ -86,8 +86,14 @@ class DraftModelDrafter:
     target has; Gemma 3's image token is one past Gemma 3 1B's table) is fed as id 0: it
     means nothing to the draft either way, and looking it up would read outside the table."""
 
-    def __init__(self, model: Any, cache: list | None = None, max_draft: int = 4, prefill_chunk: int = 512,
-                 compiled: bool | None = None):
+    def __init__(
+        self,
+        model: Any,
+        cache: list | None = None,
+        max_draft: int = 4,
+        prefill_chunk: int = 512,
+        compiled: bool | None = None,
+    ):
         self.model = model
         self.cache = cache if cache is not None else make_prompt_cache(model)
         self.max_draft = max_draft
@@ -203,8 +209,12 @@ def make_drafter(
 def drafter_for(params: Any, *, draft_model: Any = None, draft_cache: list | None = None) -> Drafter | None:
     """The drafter a request's ``GenerationParams`` ask for (see ``make_drafter``)."""
     return make_drafter(
-        params.speculative, ngram_size=params.ngram_size, num_draft_tokens=params.num_draft_tokens,
-        draft_model=draft_model, draft_cache=draft_cache, prefill_chunk=params.prefill_chunk,
+        params.speculative,
+        ngram_size=params.ngram_size,
+        num_draft_tokens=params.num_draft_tokens,
+        draft_model=draft_model,
+        draft_cache=draft_cache,
+        prefill_chunk=params.prefill_chunk,
     )
 
 

@@ -29,8 +29,11 @@ class ContextTooLong(EngineError):
 
     def __init__(self, tokens: int, context: int, what: str = "prompt"):
         self.tokens, self.context = tokens, context
-        advice = ("start a new chat, or shorten or delete earlier messages" if what == "chat"
-                  else "shorten it, or use a model with a longer context")
+        advice = (
+            "start a new chat, or shorten or delete earlier messages"
+            if what == "chat"
+            else "shorten it, or use a model with a longer context"
+        )
         article = "this" if what == "chat" else "the"
         super().__init__(
             f"{article.capitalize()} {what} is too long for the model's context "
@@ -61,16 +64,23 @@ def fit_context(params: GenerationParams, prompt_tokens: int, context: int) -> G
 
 def check_sampling_values(params: SamplingParams) -> None:
     """Refuse NaN, infinities and absurd magnitudes in sampling settings, one line each."""
-    for name, value in (("temperature", params.temperature), ("top-p", params.top_p),
-                        ("min-p", params.min_p), ("repetition penalty", params.repetition_penalty)):
+    for name, value in (
+        ("temperature", params.temperature),
+        ("top-p", params.top_p),
+        ("min-p", params.min_p),
+        ("repetition penalty", params.repetition_penalty),
+    ):
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             raise EngineError(f"{name} must be a finite number (got {value})")
     if params.temperature > MAX_TEMPERATURE:
-        raise EngineError(f"temperature must be at most {MAX_TEMPERATURE:g} (got {params.temperature:g}); "
-                          "0 is greedy, 0.7-1 is usual")
+        raise EngineError(
+            f"temperature must be at most {MAX_TEMPERATURE:g} (got {params.temperature:g}); 0 is greedy, 0.7-1 is usual"
+        )
     if params.repetition_penalty > MAX_REPETITION_PENALTY:
-        raise EngineError(f"repetition penalty must be at most {MAX_REPETITION_PENALTY:g} "
-                          f"(got {params.repetition_penalty:g}); 1.0 turns it off")
+        raise EngineError(
+            f"repetition penalty must be at most {MAX_REPETITION_PENALTY:g} "
+            f"(got {params.repetition_penalty:g}); 1.0 turns it off"
+        )
     if params.repetition_context < 0:
         raise EngineError(f"repetition context must be >= 0 (got {params.repetition_context})")
     if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
@@ -91,5 +101,6 @@ def check_utf8(text: str | None, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise EngineError(f"{what} is not valid UTF-8 text (a stray byte at character {e.start}); "
-                          "give UTF-8 text") from None
+        raise EngineError(
+            f"{what} is not valid UTF-8 text (a stray byte at character {e.start}); give UTF-8 text"
+        ) from None

@@ -22,15 +22,15 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from engine.api import GenerationParams, GenerationResult, GenerationStats, FinishReason
-from engine.errors import EngineError
+from engine.api import FinishReason, GenerationParams, GenerationResult, GenerationStats
+from engine.decode import speculative
 from engine.decode.compiled_step import compiled_decoder
 from engine.decode.drafters import drafter_for
-from engine.decode import speculative
-from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
-from engine.decode.stats import StatsCounter
-from engine.decode.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from engine.decode.guards import check_finite
+from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
+from engine.decode.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from engine.decode.stats import StatsCounter
+from engine.errors import EngineError
 
 
 def generate_step(
@@ -92,7 +92,9 @@ def generate_step(
             kwargs = inputs.decode_kwargs(cache) if inputs is not None else {}
         return model(tokens[None], cache=cache, **kwargs)[:, -1, :]
 
-    def step(tokens: mx.array, *, extend: bool, kwargs: dict[str, Any] | None = None) -> tuple[mx.array, mx.array | None]:
+    def step(
+        tokens: mx.array, *, extend: bool, kwargs: dict[str, Any] | None = None
+    ) -> tuple[mx.array, mx.array | None]:
         nonlocal recent
         logits = forward(tokens, kwargs)
         processed = logits
@@ -254,9 +256,14 @@ def stream_generate(
     def piece(text: str, channel: Any) -> Piece:
         # The tokens since the last piece (text held back, an end-of-turn id) ride on this one.
         start, carried[0] = carried[0], len(ids)
-        return Piece(text, channel, ids[start:], stats.snapshot(),
-                     logprobs=lps[start:] if lps is not None else None,
-                     top_logprobs=top_rows[start:] if tops is not None else None)
+        return Piece(
+            text,
+            channel,
+            ids[start:],
+            stats.snapshot(),
+            logprobs=lps[start:] if lps is not None else None,
+            top_logprobs=top_rows[start:] if tops is not None else None,
+        )
 
     def emit(text: str) -> Iterator[Piece]:
         parts = reasoning.feed(text) if reasoning is not None else [("answer", text)]
@@ -277,9 +284,18 @@ def stream_generate(
         if drafter is not None or inputs is not None:
             raise EngineError("speculative decoding and media prompts decode one request at a time")
         tokens = batch.sequence(
-            prompt, cache, max_tokens=params.max_tokens, sampler=sampler, greedy=sp.temperature <= 0,
-            logits_processors=processors, logprobs=params.logprobs, prefill_chunk=params.prefill_chunk,
-            cancel=cancel, on_progress=on_progress, history=history, top_logprobs=params.top_logprobs,
+            prompt,
+            cache,
+            max_tokens=params.max_tokens,
+            sampler=sampler,
+            greedy=sp.temperature <= 0,
+            logits_processors=processors,
+            logprobs=params.logprobs,
+            prefill_chunk=params.prefill_chunk,
+            cancel=cancel,
+            on_progress=on_progress,
+            history=history,
+            top_logprobs=params.top_logprobs,
             top_sink=tops,
         )
     else:
@@ -305,7 +321,16 @@ def stream_generate(
     # RoPE (Qwen2.5-VL, Qwen3-VL) verification passes take the shifted positions.
     if drafter is not None:
         tokens = _speculative_tokens(
-            prompt_ids, model, cache, drafter, params, processors, stats, cancel, on_progress, context_ids,
+            prompt_ids,
+            model,
+            cache,
+            drafter,
+            params,
+            processors,
+            stats,
+            cancel,
+            on_progress,
+            context_ids,
             inputs,
         )
     by_stop_string = False

@@ -20,9 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.kv_cache import KVCache
-from engine.errors import EngineError
 from engine.decode.loop import HISTORY_WINDOW
+from engine.errors import EngineError
+from engine.models.kv_cache import KVCache
 
 # Prefill passes longer than this evaluate the MTP layer's cache right away, so the graph
 # of a long prompt is not kept alive until the first draft.
@@ -101,7 +101,7 @@ class MTPDrafter:
             self.head(rows, self.model.embed(tokens), self.cache)
             if tokens.shape[1] > _EVAL_AFTER:
                 mx.eval([c.state for c in self.cache])
-        self._passes = [*self._passes[-(_PASSES_KEPT - 1):], (start, hidden)]
+        self._passes = [*self._passes[-(_PASSES_KEPT - 1) :], (start, hidden)]
 
     # -- drafting -----------------------------------------------------------------------
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from engine.api import SamplingParams
-from engine.errors import EngineError
 from engine.decode.guards import check_sampling_values
+from engine.errors import EngineError
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -108,9 +108,7 @@ def make_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
     validate_sampling(params)
     processors: list[LogitsProcessor] = []
     if params.repetition_penalty and params.repetition_penalty != 1.0:
-        processors.append(
-            make_repetition_penalty(params.repetition_penalty, params.repetition_context)
-        )
+        processors.append(make_repetition_penalty(params.repetition_penalty, params.repetition_context))
     return processors
 
 
@@ -126,6 +124,4 @@ def validate_sampling(params: SamplingParams) -> None:
     if not 0.0 <= params.min_p <= 1.0:
         raise EngineError(f"min-p must be in [0, 1] (got {params.min_p})")
     if params.repetition_penalty <= 0:
-        raise EngineError(
-            f"repetition penalty must be > 0 (got {params.repetition_penalty}); 1.0 turns it off"
-        )
+        raise EngineError(f"repetition penalty must be > 0 (got {params.repetition_penalty}); 1.0 turns it off")

@@ -29,13 +29,13 @@ from typing import Any
 import mlx.core as mx
 
 from engine.api import SamplingParams
-from engine.models.kv_cache import trim_prompt_cache
-from engine.decode.drafters import DraftModelDrafter, Drafter, Pick, decoder_for, room_to_trim
-from engine.errors import EngineError
-from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
-from engine.decode.stats import StatsCounter
-from engine.decode.sampling import LogitsProcessor, filter_logits
+from engine.decode.drafters import Drafter, DraftModelDrafter, Pick, decoder_for, room_to_trim
 from engine.decode.guards import check_finite
+from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
+from engine.decode.sampling import LogitsProcessor, filter_logits
+from engine.decode.stats import StatsCounter
+from engine.errors import EngineError
+from engine.models.kv_cache import trim_prompt_cache
 
 
 def _fit(q: mx.array, vocab: int) -> mx.array:
@@ -158,8 +158,9 @@ def speculative_step(
         return model(fed[None], cache=cache, **positions(fed.shape[0]))[0, -n:]
 
     prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
-    if not prefill(model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress,
-                   inputs=inputs):
+    if not prefill(
+        model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
+    ):
         return
     pending = ids[-1:]  # ids whose keys/values the target has not computed yet
     speculate = k_max > 0
@@ -185,7 +186,14 @@ def speculative_step(
                 return found if len(found[0]) else None  # host ids, or a device array (MTP)
 
             carried, n = yield from _lookahead_run(
-                context, forward, pick, logprobs, cache, lookup, max_tokens - produced, cancel,
+                context,
+                forward,
+                pick,
+                logprobs,
+                cache,
+                lookup,
+                max_tokens - produced,
+                cancel,
                 processed=bool(processors),
             )
             produced += n
@@ -198,7 +206,9 @@ def speculative_step(
         if processors:  # each position sees the context up to its own draft
             recent = mx.array(context[-HISTORY_WINDOW:], dtype=mx.uint32)
             rows = [process(logits[0], recent)]
-            rows += [process(logits[i], mx.concatenate([recent, drafts[:i]])[-HISTORY_WINDOW:]) for i in range(1, m + 1)]
+            rows += [
+                process(logits[i], mx.concatenate([recent, drafts[:i]])[-HISTORY_WINDOW:]) for i in range(1, m + 1)
+            ]
             logits_p = mx.stack(rows)
         else:
             logits_p = logits
@@ -221,7 +231,9 @@ def speculative_step(
             stats.draft_tokens += m
             stats.accepted_draft_tokens += accepted
         lp_start = 2 + (0 if on_host else m)
-        lps: list[float | None] = list(values[lp_start : lp_start + len(emitted)]) if logprobs else [None] * len(emitted)
+        lps: list[float | None] = (
+            list(values[lp_start : lp_start + len(emitted)]) if logprobs else [None] * len(emitted)
+        )
         base = len(context)
         context.extend(emitted)
         pending = [last]

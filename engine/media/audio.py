@@ -190,8 +190,26 @@ def _decode_with_ffmpeg(path: Path, kind: str, sample_rate: int) -> np.ndarray:
             f"Cannot decode {kind} audio ({path.name}) without ffmpeg: install ffmpeg "
             "(e.g. `brew install ffmpeg`) or convert the file to WAV."
         )
-    cmd = [ffmpeg, "-nostdin", "-v", "error", "-i", str(path), "-vn", "-map", "0:a:0",
-           "-ac", "1", "-ar", str(sample_rate), "-f", "f32le", "-acodec", "pcm_f32le", "-"]
+    cmd = [
+        ffmpeg,
+        "-nostdin",
+        "-v",
+        "error",
+        "-i",
+        str(path),
+        "-vn",
+        "-map",
+        "0:a:0",
+        "-ac",
+        "1",
+        "-ar",
+        str(sample_rate),
+        "-f",
+        "f32le",
+        "-acodec",
+        "pcm_f32le",
+        "-",
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=_FFMPEG_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:

@@ -142,8 +142,9 @@ class EncodedMediaCache(Generic[T]):
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self._hits, self._misses, self._evictions, len(self._entries),
-                              self._bytes, self._max_bytes)
+            return CacheStats(
+                self._hits, self._misses, self._evictions, len(self._entries), self._bytes, self._max_bytes
+            )
 
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key, None)

@@ -51,11 +51,11 @@ def enable_heif() -> str | None:
 
 
 def _container(data: bytes) -> str | None:
-    """"avif", "heif" or None, from the ftyp box's major and compatible brands."""
+    """ "avif", "heif" or None, from the ftyp box's major and compatible brands."""
     if data[4:8] != b"ftyp":
         return None
     size = min(int.from_bytes(data[:4], "big"), len(data), 256)
-    brands = {data[8:12]} | {data[i:i + 4] for i in range(16, size - 3, 4)}
+    brands = {data[8:12]} | {data[i : i + 4] for i in range(16, size - 3, 4)}
     if brands & _AVIF_BRANDS and not brands & (_HEIC_BRANDS - {b"mif1", b"msf1"}):
         return "avif"
     return "heif" if brands & _HEIC_BRANDS else None
@@ -95,8 +95,10 @@ def load_image(source: str | Path | bytes) -> Image.Image:
         raise MediaError(f"Image {name} is empty (0 bytes).")
     container = _container(data[:256])
     if container == "heif" and (why := enable_heif()) is not None:
-        raise MediaError(f"Image {name} is HEIC/HEIF, but this installation cannot decode it ({why}); "
-                         "reinstall MLX Desk, or export the photo as JPEG.")
+        raise MediaError(
+            f"Image {name} is HEIC/HEIF, but this installation cannot decode it ({why}); "
+            "reinstall MLX Desk, or export the photo as JPEG."
+        )
     try:
         with warnings.catch_warnings():  # the size is checked here, with a readable line
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -109,11 +111,14 @@ def load_image(source: str | Path | bytes) -> Image.Image:
     except UnidentifiedImageError:
         if container == "heif" or (container == "avif" and features.check("avif")):
             # The header says HEIF/AVIF, but its boxes do not parse.
-            raise MediaError(f"Image {name} is a corrupt or truncated {container.upper()} file; "
-                             "copy or export it again.") from None
+            raise MediaError(
+                f"Image {name} is a corrupt or truncated {container.upper()} file; copy or export it again."
+            ) from None
         if container == "avif":
-            raise MediaError(f"Image {name} is AVIF, which this Pillow cannot decode (it needs "
-                             "Pillow 11.3 or later); update it, or export the image as JPEG.") from None
+            raise MediaError(
+                f"Image {name} is AVIF, which this Pillow cannot decode (it needs "
+                "Pillow 11.3 or later); update it, or export the image as JPEG."
+            ) from None
         raise MediaError(f"{name} is not an image format that can be read (PNG, JPEG, WebP, HEIC, ...).") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # warning if raised as error
         raise MediaError(f"Image {name} is too large to open safely: {_reason(e)}") from None

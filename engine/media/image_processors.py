@@ -24,9 +24,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def _rescale_normalize(
-    rgb: Image.Image, factor: float, mean: Sequence[float], std: Sequence[float]
-) -> np.ndarray:
+def _rescale_normalize(rgb: Image.Image, factor: float, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """uint8 HWC image -> float32 CHW, (x * factor - mean) / std, in transformers' dtypes."""
     x = np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
     x = (x.astype(np.float64) * factor).astype(np.float32)
@@ -125,16 +123,25 @@ class Gemma3ImageProcessor:
     def settings(self) -> dict[str, Any]:
         """What changes the pixels of one (whole or cropped) image; the crop box is named apart."""
         return {
-            "processor": "gemma3", "size": self.size, "resample": self.resample,
-            "rescale_factor": self.rescale_factor, "image_mean": self.image_mean, "image_std": self.image_std,
+            "processor": "gemma3",
+            "size": self.size,
+            "resample": self.resample,
+            "rescale_factor": self.rescale_factor,
+            "image_mean": self.image_mean,
+            "image_std": self.image_std,
         }
 
     def crop_boxes(self, width: int, height: int) -> list[tuple[int, int, int, int]]:
         """The pan-and-scan crops of an image this size (empty when pan_and_scan is off)."""
         if not self.pan_and_scan:
             return []
-        return pan_and_scan_boxes(width, height, self.pan_and_scan_min_crop_size,
-                                  self.pan_and_scan_max_num_crops, self.pan_and_scan_min_ratio_to_activate)
+        return pan_and_scan_boxes(
+            width,
+            height,
+            self.pan_and_scan_min_crop_size,
+            self.pan_and_scan_max_num_crops,
+            self.pan_and_scan_min_ratio_to_activate,
+        )
 
     def __call__(self, images: Sequence[Image.Image]) -> np.ndarray:
         """Images -> pixel_values, float32 (N, 3, size, size); no cropping here (see crop_boxes)."""
@@ -155,9 +162,7 @@ def smart_resize(
     if min(height, width) <= 0:
         raise MediaError(f"Image has no pixels ({width}x{height}).")
     if max(height, width) / min(height, width) > 200:
-        raise MediaError(
-            f"Image is {width}x{height}: an aspect ratio above 200:1 cannot be encoded; crop it first."
-        )
+        raise MediaError(f"Image is {width}x{height}: an aspect ratio above 200:1 cannot be encoded; crop it first.")
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     if h * w > max_pixels:

@@ -27,12 +27,18 @@ _SOURCE_KEYS = {
     "audio": ("audio", "path", "url", "audio_url"),
     "video": ("video", "path", "url", "video_url"),
 }
-_ALIASES = {"image_url": "image", "input_image": "image", "input_audio": "audio", "audio_url": "audio",
-            "video_url": "video", "input_video": "video"}
+_ALIASES = {
+    "image_url": "image",
+    "input_image": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "video_url": "video",
+    "input_video": "video",
+}
 
 
 def part_kind(part: Any) -> str | None:
-    """"image" / "audio" / "video" for a media part, None for text and anything else."""
+    """ "image" / "audio" / "video" for a media part, None for text and anything else."""
     if not isinstance(part, Mapping):
         return None
     kind = _ALIASES.get(str(part.get("type")), part.get("type"))
@@ -52,7 +58,7 @@ def _source(part: Mapping[str, Any], kind: str) -> str | bytes | None:
             return str(value)
         if isinstance(value, str):
             if value.startswith("file://"):
-                return value[len("file://"):]
+                return value[len("file://") :]
             if value.startswith(("http://", "https://", "data:")):
                 raise MediaError(
                     f"The {kind} {value[:60]!r} is a web address; attach a local file instead "
@@ -108,7 +114,7 @@ def split_media(
         left = len(queues[kind]) - used[kind]
         if left:
             raise MediaError(
-                f"{left} attached {kind}(s) have no {{\"type\": \"{kind}\"}} part in the messages; "
+                f'{left} attached {kind}(s) have no {{"type": "{kind}"}} part in the messages; '
                 f"add a part where each {kind} belongs."
             )
     return out, ordered

@@ -10,8 +10,9 @@ and its index, so prefix reuse can tell two photos apart although their ids agre
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Protocol
+from typing import Any, Protocol
 
 from engine.api import MediaInput
 from engine.errors import MediaError

@@ -22,8 +22,7 @@ from engine.media.prompt import MediaEncoder, PreparedMedia
 
 # model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder
 # ("module:function" names another factory in it).
-_QWEN3_VL = {"image": "engine.media.qwen3_vl.encoders",
-             "video": "engine.media.qwen3_vl.encoders:make_video_encoder"}
+_QWEN3_VL = {"image": "engine.media.qwen3_vl.encoders", "video": "engine.media.qwen3_vl.encoders:make_video_encoder"}
 TOWERS: dict[str, dict[str, str]] = {
     "gemma3": {"image": "engine.media.gemma3.vision"},
     "gemma4": {"image": "engine.media.gemma4.vision", "audio": "engine.media.gemma4.audio"},
@@ -71,7 +70,7 @@ def load_tower_weights(source: TowerSource, renames: Sequence[tuple[str, str]]) 
     for name, value in load_weights(source.weight_files()).items():
         for old, new in renames:
             if name.startswith(old):
-                out[new + name[len(old):]] = value
+                out[new + name[len(old) :]] = value
                 break
     if not out:
         looked = ", ".join(old for old, _ in renames)
@@ -86,8 +85,8 @@ def fill_tower(module: Any, weights: dict[str, Any], source: TowerSource, what: 
     """Quantize like the checkpoint where it stores scales, load strictly, evaluate."""
     import mlx.core as mx
 
-    from engine.models.checkpoint import quantize_like_checkpoint
     from engine.errors import ModelLoadError
+    from engine.models.checkpoint import quantize_like_checkpoint
 
     quantize_like_checkpoint(module, set(weights), source.config.quantization, name=source.name)
     try:

@@ -14,10 +14,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.artifacts.config_fields import from_known_keys
-from engine.errors import UnsupportedModelError
 from engine.artifacts.config_spellings import partial_rotary_factor, rope_settings, text_config  # noqa: F401  (families read them from here)
+from engine.errors import UnsupportedModelError
+from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.stacked import project, stacked_output
 
 # ---- configuration ------------------------------------------------------------------
@@ -77,8 +77,9 @@ class RoPE(nn.Module):
 
     traditional = False
 
-    def __init__(self, dims: int, base: float | None, scale: float = 1.0, freqs: mx.array | None = None,
-                 out_scale: float = 1.0):
+    def __init__(
+        self, dims: int, base: float | None, scale: float = 1.0, freqs: mx.array | None = None, out_scale: float = 1.0
+    ):
         super().__init__()
         self.dims = dims
         self.base = None if freqs is not None else base
@@ -87,7 +88,9 @@ class RoPE(nn.Module):
         self.out_scale = out_scale
 
     def _rope(self, x: mx.array, offset: int, freqs: mx.array | None, base: float | None) -> mx.array:
-        y = mx.fast.rope(x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset, freqs=freqs)
+        y = mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset, freqs=freqs
+        )
         if self.out_scale != 1.0:
             if self.dims == x.shape[-1]:
                 y = y * self.out_scale
@@ -194,7 +197,9 @@ def make_rope(dims: int, base: float, scaling: dict[str, Any] | None, max_positi
         if attn is None:
             attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         return LongRoPE(dims, base, scaling["short_factor"], scaling["long_factor"], original, float(attn))
-    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported; supported: linear, dynamic, llama3, yarn, longrope.")
+    raise UnsupportedModelError(
+        f"RoPE scaling {kind!r} is not supported; supported: linear, dynamic, llama3, yarn, longrope."
+    )
 
 
 # ---- masks and attention -------------------------------------------------------------
@@ -435,12 +440,17 @@ def layer_windows(args) -> list[int | None]:
 
 # Multimodal checkpoints nest the language model under one of these prefixes (the Hub's
 # language_model.*, transformers 5's model.language_model.* in memory).
-NESTED_LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                      ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
+NESTED_LM_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("language_model.", ""),
+)
 
 
-def strip_prefixes(weights: dict[str, mx.array], prefixes: tuple[tuple[str, str], ...],
-                   drop: tuple[str, ...]) -> dict[str, mx.array]:
+def strip_prefixes(
+    weights: dict[str, mx.array], prefixes: tuple[tuple[str, str], ...], drop: tuple[str, ...]
+) -> dict[str, mx.array]:
     """Multimodal checkpoints nest the language model: rename its weights by the first
     matching (old, new) prefix, and leave out the towers' weights (names starting ``drop``)."""
     renamed: dict[str, mx.array] = {}
@@ -449,7 +459,7 @@ def strip_prefixes(weights: dict[str, mx.array], prefixes: tuple[tuple[str, str]
             continue
         for old, new in prefixes:
             if key.startswith(old):
-                key = new + key[len(old):]
+                key = new + key[len(old) :]
                 break
         renamed[key] = value
     return renamed
@@ -477,8 +487,9 @@ class DecoderStack(nn.Module):
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
         return self.run(inputs, cache, input_embeddings)
 
-    def run(self, inputs: mx.array, cache, input_embeddings: mx.array | None, make_mask=attention_mask,
-            **layer_kwargs) -> mx.array:
+    def run(
+        self, inputs: mx.array, cache, input_embeddings: mx.array | None, make_mask=attention_mask, **layer_kwargs
+    ) -> mx.array:
         """The forward pass; ``make_mask(n_queries, cache, window)`` gives each window's
         mask, and ``layer_kwargs`` go to every layer."""
         h = self.embed(inputs) if input_embeddings is None else input_embeddings

@@ -75,8 +75,11 @@ class ModelArgs(BaseModelArgs):
     def is_sparse(self, index: int) -> bool:
         if self.mlp_layer_types:
             return self.mlp_layer_types[index] == "sparse"
-        return bool(self.n_routed_experts) and index >= self.first_k_dense_replace \
+        return (
+            bool(self.n_routed_experts)
+            and index >= self.first_k_dense_replace
             and index % (self.moe_layer_freq or 1) == 0
+        )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Every layer caches its latent and rope key, not per-head keys and values."""

@@ -45,13 +45,18 @@ class ModelArgs(gemma4.ModelArgs):
         if inner.get("use_bidirectional_attention") == "all":
             raise UnsupportedModelError(
                 "This DiffusionGemma checkpoint encodes its prompt both ways (use_bidirectional_attention "
-                "'all'); MLX Desk runs the causal-encoder ones.")
+                "'all'); MLX Desk runs the causal-encoder ones."
+            )
         inner.update(
-            canvas_length=int(canvas), model_type="diffusion_gemma",
+            canvas_length=int(canvas),
+            model_type="diffusion_gemma",
             # What DiffusionGemma fixes where Gemma 4 has switches: always the MoE block, the
             # global layers' keys as values (and their own KV heads), no PLE, no KV sharing.
-            enable_moe_block=True, attention_k_eq_v=True, hidden_size_per_layer_input=0,
-            num_kv_shared_layers=0, use_double_wide_mlp=False,
+            enable_moe_block=True,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0,
+            use_double_wide_mlp=False,
             final_logit_softcapping=inner.get("final_logit_softcapping", 30.0),
         )
         return super().normalise(inner)
@@ -147,7 +152,7 @@ class Model(nn.Module):
             if c.offset:
                 old_k, old_v = c.held()
                 if layer.window is not None:  # transformers' sliding cache keeps window - 1 tokens
-                    old_k, old_v = old_k[..., -(layer.window - 1):, :], old_v[..., -(layer.window - 1):, :]
+                    old_k, old_v = old_k[..., -(layer.window - 1) :, :], old_v[..., -(layer.window - 1) :, :]
                 k, v = mx.concatenate([old_k, k], axis=2), mx.concatenate([old_v, v], axis=2)
             h = layer.after_attention(h, attn.out(sdpa(q, k, v, 1.0, None)), None)
         return self.logits(self.model.norm(h))
@@ -161,7 +166,7 @@ class Model(nn.Module):
             if key.startswith(_SKIPPED) or "rotary_emb" in key:
                 continue
             if key.startswith(_ENCODER_SCALAR) and key.endswith(".layer_scalar"):
-                scalars[int(key[len(_ENCODER_SCALAR):].split(".")[0])] = value.reshape(())
+                scalars[int(key[len(_ENCODER_SCALAR) :].split(".")[0])] = value.reshape(())
                 continue
             if key.startswith("model.encoder."):
                 continue  # tied to the decoder's copy (transformers stores it once)

@@ -64,12 +64,22 @@ class GatedDeltaNet(nn.Module):
     qkv [B, T, 2*key_dim + value_dim] (before the convolution), z [B, T, Hv, Dv],
     b and a [B, T, Hv]."""
 
-    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float, activation=nn.silu):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+        activation=nn.silu,
+    ):
         super().__init__()
         if num_v_heads % num_k_heads:
-            raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
-                             f"linear_num_key_heads ({num_k_heads})")
+            raise ValueError(
+                f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads ({num_k_heads})"
+            )
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = head_k_dim * num_k_heads, head_v_dim * num_v_heads
@@ -97,8 +107,11 @@ class GatedDeltaNet(nn.Module):
         conv_out, padded = causal_conv(self.conv1d, qkv, cache, self.conv_kernel)
         conv_out = self.activation(conv_out)
         q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q, k = _qk_normalise(q.reshape(b, n, self.num_k_heads, self.head_k_dim),
-                             k.reshape(b, n, self.num_k_heads, self.head_k_dim), mx.array(self.head_k_dim**-0.5))
+        q, k = _qk_normalise(
+            q.reshape(b, n, self.num_k_heads, self.head_k_dim),
+            k.reshape(b, n, self.num_k_heads, self.head_k_dim),
+            mx.array(self.head_k_dim**-0.5),
+        )
         v = v.reshape(b, n, self.num_v_heads, self.head_v_dim).astype(mx.float32)
         beta, decay = _gates(beta_in, a, self.A_log, self.dt_bias)
         state = cache[1] if cache is not None else None
@@ -109,8 +122,9 @@ class GatedDeltaNet(nn.Module):
             # state after each token: a speculative round can then drop rejected drafts.
             ys = []
             for t in range(n):
-                y_t, state = mx.fast.gated_delta_update(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1],
-                                                        decay[:, t : t + 1], beta[:, t : t + 1], state)
+                y_t, state = mx.fast.gated_delta_update(
+                    q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], decay[:, t : t + 1], beta[:, t : t + 1], state
+                )
                 ys.append(y_t)
                 if t + 1 < n:
                     cache.record(t + 1, [padded[:, t + 1 : t + self.conv_kernel], state])
@@ -118,7 +132,7 @@ class GatedDeltaNet(nn.Module):
         else:
             y, state = mx.fast.gated_delta_update(q, k, v, decay, beta, state)
         if cache is not None:
-            cache[0] = padded[:, -(self.conv_kernel - 1):]
+            cache[0] = padded[:, -(self.conv_kernel - 1) :]
             cache[1] = state
             cache.advance(n)
         y = self.norm(y.astype(x.dtype), z)

@@ -84,8 +84,14 @@ class Attention(base.Attention):
     def __init__(self, args: ModelArgs, rope: RoPE, qk_norm: bool = False):
         bias = args.attention_bias
         super().__init__(
-            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, rope,
-            qkv_bias=bias, o_bias=bias, qk_norm_eps=args.rms_norm_eps if qk_norm else None,  # qk norms: Gemma 3
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm_eps=args.rms_norm_eps if qk_norm else None,  # qk norms: Gemma 3
             scale=float(args.query_pre_attn_scalar) ** -0.5,
         )
         self.softcap = args.attn_logit_softcapping

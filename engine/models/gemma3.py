@@ -19,9 +19,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.kv_cache import RotatingKVCache
 from engine.models import gemma2
-from engine.models.base import NESTED_LM_PREFIXES, RoPE, layer_types, make_rope, rope_settings, strip_prefixes, text_config
+from engine.models.base import (
+    NESTED_LM_PREFIXES,
+    RoPE,
+    layer_types,
+    make_rope,
+    rope_settings,
+    strip_prefixes,
+    text_config,
+)
+from engine.models.kv_cache import RotatingKVCache
 
 
 @dataclass
@@ -61,8 +69,9 @@ class ModelArgs(gemma2.ModelArgs):
 
     def rope_for(self, kind: str) -> RoPE:
         if kind == "sliding_attention":
-            return make_rope(self.head_dim, self.rope_local_base_freq, self.local_rope_scaling,
-                             self.max_position_embeddings)
+            return make_rope(
+                self.head_dim, self.rope_local_base_freq, self.local_rope_scaling, self.max_position_embeddings
+            )
         return make_rope(self.head_dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
 
 
@@ -92,24 +101,41 @@ def media_mask(cache: Any, n: int, window: int | None, blocks: list[tuple[int, i
 class GemmaModel(gemma2.GemmaModel):
     layer_class = DecoderLayer
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
-                 bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        bidirectional: list[tuple[int, int]] | None = None,
+    ) -> mx.array:
         if not bidirectional:
             return self.run(inputs, cache, input_embeddings)
-        return self.run(inputs, cache, input_embeddings,
-                        make_mask=lambda n, c, window: media_mask(c, n, window, bidirectional))
+        return self.run(
+            inputs, cache, input_embeddings, make_mask=lambda n, c, window: media_mask(c, n, window, bidirectional)
+        )
 
 
-_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                 "audio_tower.", "model.audio_tower.")
+_OTHER_TOWERS = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "audio_tower.",
+    "model.audio_tower.",
+)
 
 
 class Model(gemma2.Model):
     model_class = GemmaModel
     bidirectional_media = True  # the prompt builder passes each image's token run
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
-                 bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        bidirectional: list[tuple[int, int]] | None = None,
+    ) -> mx.array:
         return self.logits(self.model(inputs, cache, input_embeddings, bidirectional))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -47,8 +47,8 @@ from engine.models.base import (
     strip_prefixes,
     text_config,
 )
-from engine.models.stacked import project
 from engine.models.gemma3 import media_mask
+from engine.models.stacked import project
 from engine.models.switch import SwitchGLU
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -102,7 +102,8 @@ class ModelArgs(BaseModelArgs):
         if config.get("use_bidirectional_attention") == "all":
             raise UnsupportedModelError(
                 "This Gemma 4 checkpoint attends both ways over the whole text (an embedding model); "
-                "MLX Desk runs the generative Gemma 4 models.")
+                "MLX Desk runs the generative Gemma 4 models."
+            )
         n = int(config.get("num_hidden_layers") or cls.num_hidden_layers)
         kinds = config.get("layer_types")
         if not isinstance(kinds, list) or len(kinds) < n:
@@ -113,7 +114,8 @@ class ModelArgs(BaseModelArgs):
         given = config.get("rope_parameters")
         if isinstance(given, dict) and given and not all(isinstance(v, dict) for v in given.values()):
             raise UnsupportedModelError(
-                "Gemma 4's rope_parameters must give one block per layer type (full_attention, sliding_attention).")
+                "Gemma 4's rope_parameters must give one block per layer type (full_attention, sliding_attention)."
+            )
         given = given if isinstance(given, dict) else {}
         config["rope_parameters"] = {kind: dict(given.get(kind) or DEFAULT_ROPE[kind]) for kind in (FULL, SLIDING)}
         config["hidden_size_per_layer_input"] = int(config.get("hidden_size_per_layer_input") or 0)
@@ -122,8 +124,11 @@ class ModelArgs(BaseModelArgs):
             config.pop("global_head_dim", None)
         if config.get("pad_token_id") is None:
             config.pop("pad_token_id", None)
-        config["media_token_ids"] = [int(config[k]) for k in ("image_token_id", "video_token_id", "audio_token_id")
-                                     if isinstance(config.get(k), int)]
+        config["media_token_ids"] = [
+            int(config[k])
+            for k in ("image_token_id", "video_token_id", "audio_token_id")
+            if isinstance(config.get(k), int)
+        ]
         return config
 
     def __post_init__(self):
@@ -131,10 +136,12 @@ class ModelArgs(BaseModelArgs):
         if self.num_kv_shared_layers and (self.first_shared <= 0 or set(owners) != set(self.layer_types)):
             raise UnsupportedModelError(
                 f"num_kv_shared_layers={self.num_kv_shared_layers} leaves a layer type without an earlier layer "
-                "to share keys and values from; check config.json.")
+                "to share keys and values from; check config.json."
+            )
         if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
             raise UnsupportedModelError(
-                "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size in config.json.")
+                "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size in config.json."
+            )
 
     # -- the per-layer shape --------------------------------------------------------
 
@@ -284,8 +291,9 @@ class Experts(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.switch_glu = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                    activation(args.hidden_activation))
+        self.switch_glu = SwitchGLU(
+            args.hidden_size, args.moe_intermediate_size, args.num_experts, activation(args.hidden_activation)
+        )
 
     def __call__(self, x: mx.array, chosen: mx.array, weights: mx.array) -> mx.array:
         y = self.switch_glu(x, chosen)
@@ -389,9 +397,14 @@ class Gemma4Model(DecoderStack):
         p = self.per_layer_projection_norm(p.reshape(*h.shape[:-1], args.num_hidden_layers, -1))
         return (p + per_token) * (2.0**-0.5)
 
-    def __call__(self, inputs: mx.array | None, cache=None, input_embeddings: mx.array | None = None,
-                 per_layer_inputs: mx.array | None = None,
-                 bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array | None,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        per_layer_inputs: mx.array | None = None,
+        bidirectional: list[tuple[int, int]] | None = None,
+    ) -> mx.array:
         """``bidirectional``: [start, end) runs of one image each, whose tokens attend to each
         other both ways on the sliding layers (transformers' "vision" mode; global layers
         stay causal)."""
@@ -426,17 +439,25 @@ class Gemma4Model(DecoderStack):
 
 
 # Tower weights of the multimodal checkpoints, in transformers' and in mlx-lm's naming.
-_TOWERS = tuple(prefix + name for prefix in ("model.", "") for name in
-                ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector."))
+_TOWERS = tuple(
+    prefix + name
+    for prefix in ("model.", "")
+    for name in ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.")
+)
 _KV_WEIGHTS = (".self_attn.k_proj.", ".self_attn.v_proj.", ".self_attn.k_norm.", ".self_attn.v_norm.")
 
 
 class Model(CausalLM):
     model_class = Gemma4Model
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
-                 per_layer_inputs: mx.array | None = None,
-                 bidirectional: list[tuple[int, int]] | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        per_layer_inputs: mx.array | None = None,
+        bidirectional: list[tuple[int, int]] | None = None,
+    ) -> mx.array:
         return self.logits(self.model(inputs, cache, input_embeddings, per_layer_inputs, bidirectional))
 
     @property
@@ -478,4 +499,3 @@ def unpack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         else:
             out[key] = value
     return out
-

@@ -43,7 +43,8 @@ class ModelArgs(llama.ModelArgs):
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
         has_factor = "partial_rotary_factor" in config or "partial_rotary_factor" in (
-            config.get("rope_parameters") or {})
+            config.get("rope_parameters") or {}
+        )
         config = super().normalise(config)
         if not has_factor:  # transformers' GLM default: rotate half of each head
             config["partial_rotary_factor"] = 0.5
@@ -80,4 +81,3 @@ class Model(llama.Model):
         for i in range(self.args.num_hidden_layers):
             stack_experts(weights, f"model.layers.{i}.mlp", self.args.n_routed_experts or 0)
         return weights
-

@@ -58,8 +58,9 @@ class ModelArgs(deepseek_v3.ModelArgs):
                 self.indexer_types = list(pattern)
             else:
                 freq, offset = max(self.index_topk_freq or 1, 1), self.index_skip_topk_offset
-                self.indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
-                                      for i in range(self.num_hidden_layers)]
+                self.indexer_types = [
+                    "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(self.num_hidden_layers)
+                ]
 
     def has_indexer(self, index: int) -> bool:
         return self.indexer_types[index] != "shared"
@@ -67,8 +68,9 @@ class ModelArgs(deepseek_v3.ModelArgs):
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Latent + rope key in every layer, plus the indexer key where there is an indexer."""
         return sum(
-            latent_bytes_per_token(self.kv_lora_rank, self.qk_rope_head_dim, dtype_bytes,
-                                   self.index_head_dim if self.has_indexer(i) else 0)
+            latent_bytes_per_token(
+                self.kv_lora_rank, self.qk_rope_head_dim, dtype_bytes, self.index_head_dim if self.has_indexer(i) else 0
+            )
             for i in range(self.num_hidden_layers)
         )
 

@@ -29,8 +29,14 @@ from engine.models import base, llama
 from engine.models.switch import SwitchGLU
 
 # transformers' GptOssConfig falls back to this YaRN when a config names no RoPE at all.
-DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 4096}
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 @dataclass
@@ -74,13 +80,21 @@ class Attention(base.Attention):
     """Biased GQA attention whose softmax also takes one learned sink logit per head."""
 
     def __init__(self, args: ModelArgs, rope: base.RoPE):
-        super().__init__(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, rope,
-                         qkv_bias=args.attention_bias, o_bias=args.attention_bias)
+        super().__init__(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope,
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+        )
         self.sinks = mx.zeros((args.num_attention_heads,))
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask,
-                                                    sinks=self.sinks.astype(q.dtype))
+        return mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=self.scale, mask=mask, sinks=self.sinks.astype(q.dtype)
+        )
 
 
 class ClampedSwitchGLU(SwitchGLU):
@@ -101,8 +115,9 @@ class MoeBlock(nn.Module):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.router = nn.Linear(args.hidden_size, args.num_local_experts, bias=True)
-        self.experts = ClampedSwitchGLU(args.hidden_size, args.intermediate_size, args.num_local_experts,
-                                        args.swiglu_alpha, args.swiglu_limit)
+        self.experts = ClampedSwitchGLU(
+            args.hidden_size, args.intermediate_size, args.num_local_experts, args.swiglu_alpha, args.swiglu_limit
+        )
 
     def __call__(self, x: mx.array) -> mx.array:
         logits = self.router(x)

@@ -15,10 +15,9 @@ safetensors file (no pickle).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +141,7 @@ class RotatingKVCache(_Buffers):
 
     def __init__(self, max_size: int, keep: int = 0, step: int = DEFAULT_STEP):
         if max_size <= 0 or keep < 0 or keep >= max_size:
-            raise EngineError(
-                f"A rotating cache needs 0 <= keep < max_size (got keep={keep}, max_size={max_size})."
-            )
+            raise EngineError(f"A rotating cache needs 0 <= keep < max_size (got keep={keep}, max_size={max_size}).")
         self.max_size = max_size
         self.keep = keep
         self.step = step
@@ -408,8 +405,7 @@ def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | 
         if hasattr(c, "arrays"):  # a recurrent layer: its state slots (snapshots stay behind)
             present = [j for j, a in enumerate(c.arrays) if a is not None]
             arrays.update({f"{i}.{j}": c.arrays[j] for j in present})
-            layers.append({"kind": type(c).__name__, "meta": c.meta_state, "slots": len(c.arrays),
-                           "present": present})
+            layers.append({"kind": type(c).__name__, "meta": c.meta_state, "slots": len(c.arrays), "present": present})
             continue
         state = tuple(c.state or ())
         for j, a in enumerate(state):

@@ -21,14 +21,19 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models.kv_cache import KVCache
 from engine.models.base import BaseModelArgs, CausalLM, DecoderStack, GatedMLP, make_rope, sdpa
+from engine.models.kv_cache import KVCache
 from engine.models.recurrent_cache import RecurrentCache, causal_conv
 
 # HF / mlx-lm spellings of the feed-forward projections -> GatedMLP's.
-FFN_NAMES = ((".feed_forward.w1.", ".feed_forward.gate_proj."), (".feed_forward.w3.", ".feed_forward.up_proj."),
-             (".feed_forward.w2.", ".feed_forward.down_proj."), (".w1.weight", ".gate_proj.weight"),
-             (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))
+FFN_NAMES = (
+    (".feed_forward.w1.", ".feed_forward.gate_proj."),
+    (".feed_forward.w3.", ".feed_forward.up_proj."),
+    (".feed_forward.w2.", ".feed_forward.down_proj."),
+    (".w1.weight", ".gate_proj.weight"),
+    (".w3.weight", ".up_proj.weight"),
+    (".w2.weight", ".down_proj.weight"),
+)
 
 
 @dataclass
@@ -140,7 +145,7 @@ class ShortConv(nn.Module):
             if cache.begin(n):  # the conv state after each token, for speculative rollback
                 for t in range(1, n):
                     cache.record(t, [padded[:, t : t + self.kernel - 1]])
-            cache[0] = padded[:, -(self.kernel - 1):]
+            cache[0] = padded[:, -(self.kernel - 1) :]
             cache.advance(n)
         return self.out_proj(c_gate * out)
 
@@ -188,7 +193,7 @@ class Model(CausalLM):
         out = {}
         for key, value in weights.items():
             if key.startswith("model.embedding_norm."):
-                key = "model.norm." + key[len("model.embedding_norm."):]
+                key = "model.norm." + key[len("model.embedding_norm.") :]
             for old, new in FFN_NAMES:
                 if old in key:
                     key = key.replace(old, new)

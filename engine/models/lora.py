@@ -165,20 +165,15 @@ def _parse_folder(folder: Path) -> _Parsed:
         return _parse_peft(folder, config)
     if (folder / "adapter_model.bin").is_file():
         raise AdapterError(
-            f"{folder} holds adapter_model.bin (pickle), which is never loaded; "
-            "convert it to adapter_model.safetensors"
+            f"{folder} holds adapter_model.bin (pickle), which is never loaded; convert it to adapter_model.safetensors"
         )
-    raise AdapterError(
-        f"{folder} has no adapters.safetensors (mlx-lm) or adapter_model.safetensors (PEFT)"
-    )
+    raise AdapterError(f"{folder} has no adapters.safetensors (mlx-lm) or adapter_model.safetensors (PEFT)")
 
 
 def _parse_mlxlm(folder: Path, config: dict) -> _Parsed:
     kind = config.get("fine_tune_type") or ("dora" if config.get("use_dora") else "lora")
     if kind not in ("lora", "dora"):
-        raise AdapterError(
-            f"{folder} is a '{kind}' fine-tune, not a LoRA/DoRA adapter; load it as a model instead"
-        )
+        raise AdapterError(f"{folder} is a '{kind}' fine-tune, not a LoRA/DoRA adapter; load it as a model instead")
     params = config.get("lora_parameters") or {}
     if "scale" not in params:
         raise AdapterError(f"{folder}/adapter_config.json has no lora_parameters.scale; re-save it with mlx-lm")
@@ -267,9 +262,7 @@ def _parse_peft(folder: Path, config: dict) -> _Parsed:
         magnitude = parts.get("lora_magnitude_vector", parts.get("lora_magnitude_vector.weight"))
         if kind == "dora" and magnitude is None:
             raise AdapterError(f"{weights_file.name} is a DoRA adapter without lora_magnitude_vector for {path}")
-        deltas[path] = _Delta(
-            a=a_t.T, b=b_t.T, scale=scale, magnitude=magnitude, b_bias=parts.get("lora_B.bias")
-        )
+        deltas[path] = _Delta(a=a_t.T, b=b_t.T, scale=scale, magnitude=magnitude, b_bias=parts.get("lora_B.bias"))
     return _Parsed("peft", kind, deltas, rank, weights_file, _base_hint(config.get("base_model_name_or_path")))
 
 

@@ -20,9 +20,17 @@ from mlx import nn
 from engine.models import base, llama
 
 # transformers' Ministral3Config uses this RoPE when a config names none.
-DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
-                "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
-                "llama_4_scaling_beta": 0.1}
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1000000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 16384,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
 TOWER_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
 
@@ -95,5 +103,3 @@ class Model(llama.Model):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = base.strip_prefixes(weights, base.NESTED_LM_PREFIXES, drop=TOWER_PREFIXES)
         return super().sanitize(weights)
-
-

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
-from engine.errors import UnsupportedModelError
 from engine.artifacts.config_spellings import text_config_or_none
+from engine.errors import UnsupportedModelError
 from engine.models import ministral3
 
 TEXT_TYPES = ("mistral", "llama", "ministral3")

@@ -53,8 +53,15 @@ class MultiLinear(nn.Module):
 
 
 class QuantizedMultiLinear(nn.Module):
-    def __init__(self, input_dims: int, output_dims: int, num_heads: int, group_size: int | None = None,
-                 bits: int | None = None, mode: str = "affine"):
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        num_heads: int,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+    ):
         super().__init__()
         self.mode = mode
         parts = mx.quantize(mx.zeros((num_heads, output_dims, input_dims)), group_size, bits, mode=mode)
@@ -67,8 +74,16 @@ class QuantizedMultiLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
-        return mx.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=transpose,
-                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return mx.quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            transpose=transpose,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
 
 
 def mla_rope(args: Any) -> RoPE:
@@ -169,8 +184,9 @@ class MLAttention(nn.Module):
     def latent_attention(self, q_latent, q_pe, latent, k_pe, keep) -> mx.array:
         """The absorbed form: queries already in the latent space [B, heads, L, kv_lora_rank]
         attend over the latents as one shared key/value head; the result stays there."""
-        return mx.fast.scaled_dot_product_attention(q_latent, latent, latent, scale=self.scale,
-                                                    mask=self.rope_scores(q_pe, k_pe, keep))
+        return mx.fast.scaled_dot_product_attention(
+            q_latent, latent, latent, scale=self.scale, mask=self.rope_scores(q_pe, k_pe, keep)
+        )
 
     def output(self, heads: mx.array) -> mx.array:
         """The output projection of per-head values [B, heads, L, v_head_dim]."""
@@ -184,8 +200,9 @@ class MLAttention(nn.Module):
             return self.output(self.unembed_out(self.latent_attention(self.embed_q(q_nope), q_pe, latent, k_pe, keep)))
         k = self.embed_q(latent, transpose=False)  # [B, heads, keys, nope]
         v = self.unembed_out(latent)  # [B, heads, keys, v]
-        out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale,
-                                                   mask=self.rope_scores(q_pe, k_pe, keep))
+        out = mx.fast.scaled_dot_product_attention(
+            q_nope, k, v, scale=self.scale, mask=self.rope_scores(q_pe, k_pe, keep)
+        )
         return self.output(out)
 
 

@@ -123,8 +123,10 @@ class QuantizedKVCache:
         for buf, part in zip((*self.keys, *self.values), (*qk, *qv)):
             buf[..., prev : prev + n, :] = part
         self.offset = prev + n
-        return (self._read(self.keys, self._groups[0], self._packed[0], self.offset),
-                self._read(self.values, self._groups[1], self._packed[1], self.offset))
+        return (
+            self._read(self.keys, self._groups[0], self._packed[0], self.offset),
+            self._read(self.values, self._groups[1], self._packed[1], self.offset),
+        )
 
     # -- size, trimming, masks -------------------------------------------------------------
 
@@ -174,8 +176,11 @@ class QuantizedKVCache:
     @property
     def meta_state(self) -> dict[str, str]:
         return {
-            "offset": str(self.offset), "step": str(self.step), "bits": str(self.bits),
-            "group_size": str(self.group_size), "groups": f"{self._groups[0]},{self._groups[1]}",
+            "offset": str(self.offset),
+            "step": str(self.step),
+            "bits": str(self.bits),
+            "group_size": str(self.group_size),
+            "groups": f"{self._groups[0]},{self._groups[1]}",
             "packed": f"{self._packed[0]},{self._packed[1]}",
         }
 
@@ -286,7 +291,7 @@ def kv_layer_settings(folder: str | Path, layers: int) -> list[LayerSetting] | N
                 raise EngineError(f"{path} names layer {i}; the model has {layers}.")
             out[i] = one(entry, group)
         return out
-    raise EngineError(f"{path}: \"layers\" must be a list or an object.")
+    raise EngineError(f'{path}: "layers" must be a list or an object.')
 
 
 def kv_bytes_per_token_factor(bits: int, group_size: int, dtype_bytes: int) -> float:

@@ -20,8 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.models import llama, qwen2
 from engine.artifacts import config_spellings
+from engine.models import llama, qwen2
 from engine.models.base import Attention, RoPE, strip_prefixes, text_config
 
 
@@ -75,8 +75,7 @@ class MRoPEAttention(Attention):
     """Qwen2 (Qwen3: with per-head norms) attention whose rotation takes explicit
     (3, 1, n) position ids when given."""
 
-    def __init__(self, *args: Any, mrope_section: Sequence[int], base: float, interleaved: bool = False,
-                 **kwargs: Any):
+    def __init__(self, *args: Any, mrope_section: Sequence[int], base: float, interleaved: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
         half = self.head_dim // 2
         inv = 1.0 / (base ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
@@ -116,9 +115,17 @@ class DecoderLayer(llama.DecoderLayer):
 
     def make_attention(self, args: ModelArgs, rope: RoPE) -> nn.Module:
         return MRoPEAttention(
-            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, rope,
-            qkv_bias=args.qkv_bias, o_bias=args.o_bias, qk_norm_eps=args.rms_norm_eps if args.qk_norm else None,
-            mrope_section=args.mrope_section, base=args.rope_theta, interleaved=self.interleaved,
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope,
+            qkv_bias=args.qkv_bias,
+            o_bias=args.o_bias,
+            qk_norm_eps=args.rms_norm_eps if args.qk_norm else None,
+            mrope_section=args.mrope_section,
+            base=args.rope_theta,
+            interleaved=self.interleaved,
         )
 
     def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:
@@ -128,21 +135,35 @@ class DecoderLayer(llama.DecoderLayer):
 class QwenVLModel(llama.LlamaModel):
     layer_class = DecoderLayer
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
-                 position_ids: mx.array | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        position_ids: mx.array | None = None,
+    ) -> mx.array:
         return self.run(inputs, cache, input_embeddings, position_ids=position_ids)
 
 
-_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-             ("language_model.lm_head.", "lm_head."), ("language_model.", "model."))
+_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("language_model.", "model."),
+)
 _TOWER = ("visual.", "model.visual.")
 
 
 class Model(llama.Model):
     model_class = QwenVLModel
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
-                 position_ids: mx.array | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        position_ids: mx.array | None = None,
+    ) -> mx.array:
         return self.logits(self.model(inputs, cache, input_embeddings, position_ids))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models import qwen2
 from engine.artifacts.config_spellings import text_config_or_none
+from engine.models import qwen2
 from engine.models.base import NESTED_LM_PREFIXES, strip_prefixes
 
 # Hub checkpoints nest the LM under language_model.; transformers 5 saves model.language_model.

@@ -26,7 +26,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models.kv_cache import KVCache
 from engine.models.base import (
     NESTED_LM_PREFIXES,
     Attention,
@@ -41,6 +40,7 @@ from engine.models.base import (
     text_config,
 )
 from engine.models.gated_delta import GatedDeltaNet
+from engine.models.kv_cache import KVCache
 from engine.models.qwen3_5_mtp import MTP_ONE_CENTRED, MTPHead
 from engine.models.recurrent_cache import RecurrentCache
 from engine.models.switch import stack_expert_weights
@@ -49,8 +49,13 @@ from engine.models.switch import stack_expert_weights
 # layer's (mtp.*) are kept apart and load into ``Model.mtp`` (engine/models/qwen3_5_mtp.py).
 OTHER_WEIGHTS = ("model.visual.", "visual.", "vision_tower.")
 # Norms that compute x * (1 + w); Hugging Face checkpoints store w.
-ONE_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-               ".q_norm.weight", ".k_norm.weight")
+ONE_CENTRED = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
 
 
 @dataclass
@@ -112,8 +117,11 @@ class ModelArgs(BaseModelArgs):
         return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
 
     def is_sparse(self, index: int) -> bool:
-        return (self.num_experts > 0 and index not in self.mlp_only_layers
-                and (index + 1) % max(1, self.decoder_sparse_step) == 0)
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % max(1, self.decoder_sparse_step) == 0
+        )
 
     # Memory plan: only full-attention layers grow with the context; the recurrent ones
     # hold a fixed state (engine/models/base.py: kv_bytes_per_token, recurrent_state_bytes).
@@ -121,10 +129,14 @@ class ModelArgs(BaseModelArgs):
         return [None for k in self.kinds() if k == "full_attention"]
 
     def recurrent_state_bytes(self, dtype_bytes: int) -> int:
-        conv_dim = 2 * self.linear_key_head_dim * self.linear_num_key_heads \
+        conv_dim = (
+            2 * self.linear_key_head_dim * self.linear_num_key_heads
             + self.linear_value_head_dim * self.linear_num_value_heads
-        per_layer = (self.linear_conv_kernel_dim - 1) * conv_dim * dtype_bytes \
+        )
+        per_layer = (
+            (self.linear_conv_kernel_dim - 1) * conv_dim * dtype_bytes
             + self.linear_num_value_heads * self.linear_value_head_dim * self.linear_key_head_dim * 4
+        )
         return per_layer * sum(1 for k in self.kinds() if k == "linear_attention")
 
 
@@ -132,12 +144,25 @@ class GatedAttention(Attention):
     """Full attention whose output is gated per channel by sigmoid of a second query half."""
 
     def __init__(self, args: ModelArgs):
-        rope = make_rope(int(args.head_dim * args.partial_rotary_factor), args.rope_theta, args.rope_scaling,
-                         args.max_position_embeddings)
-        super().__init__(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, rope,
-                         qkv_bias=args.attention_bias, o_bias=args.attention_bias, qk_norm_eps=args.rms_norm_eps)
-        self.q_proj = nn.Linear(args.hidden_size, 2 * args.num_attention_heads * args.head_dim,
-                                bias=args.attention_bias)
+        rope = make_rope(
+            int(args.head_dim * args.partial_rotary_factor),
+            args.rope_theta,
+            args.rope_scaling,
+            args.max_position_embeddings,
+        )
+        super().__init__(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope,
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+            qk_norm_eps=args.rms_norm_eps,
+        )
+        self.q_proj = nn.Linear(
+            args.hidden_size, 2 * args.num_attention_heads * args.head_dim, bias=args.attention_bias
+        )
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
         b, n, _ = x.shape
@@ -158,9 +183,16 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
     """Qwen3.5's projections: q/k/v in one matrix, z, b and a each in their own."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args.hidden_size, args.linear_num_key_heads, args.linear_num_value_heads,
-                         args.linear_key_head_dim, args.linear_value_head_dim, args.linear_conv_kernel_dim,
-                         args.rms_norm_eps, activation(args.hidden_act))
+        super().__init__(
+            args.hidden_size,
+            args.linear_num_key_heads,
+            args.linear_num_value_heads,
+            args.linear_key_head_dim,
+            args.linear_value_head_dim,
+            args.linear_conv_kernel_dim,
+            args.rms_norm_eps,
+            activation(args.hidden_act),
+        )
         h = args.hidden_size
         self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)

@@ -53,9 +53,16 @@ class NextGatedDeltaNet(GatedDeltaNet):
     """Qwen3-Next's projections: q, k, v, z interleaved per key head; b, a likewise."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args.hidden_size, args.linear_num_key_heads, args.linear_num_value_heads,
-                         args.linear_key_head_dim, args.linear_value_head_dim, args.linear_conv_kernel_dim,
-                         args.rms_norm_eps, activation(args.hidden_act))
+        super().__init__(
+            args.hidden_size,
+            args.linear_num_key_heads,
+            args.linear_num_value_heads,
+            args.linear_key_head_dim,
+            args.linear_value_head_dim,
+            args.linear_conv_kernel_dim,
+            args.rms_norm_eps,
+            activation(args.hidden_act),
+        )
         self.in_proj_qkvz = nn.Linear(args.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(args.hidden_size, 2 * self.num_v_heads, bias=False)
 

@@ -59,8 +59,9 @@ class DecoderLayer(qwen2_5_vl.DecoderLayer):
         self.index = index  # before the base builds the MLP, which may depend on it (MoE)
         super().__init__(args, window)
 
-    def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None,
-                 deepstack: list[mx.array] = ()) -> mx.array:
+    def __call__(
+        self, x: mx.array, mask, cache, position_ids: mx.array | None = None, deepstack: list[mx.array] = ()
+    ) -> mx.array:
         out = super().__call__(x, mask, cache, position_ids)
         return out + deepstack[self.index] if self.index < len(deepstack) else out
 
@@ -75,8 +76,13 @@ class Qwen3VLModel(qwen2_5_vl.QwenVLModel):
     def make_layer(self, args: ModelArgs, index: int, window: int | None) -> nn.Module:
         return self.layer_class(args, window, index)
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None,
-                 position_ids: mx.array | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        position_ids: mx.array | None = None,
+    ) -> mx.array:
         embeddings, deepstack = split_deepstack(input_embeddings, self.hidden_size)
         return self.run(inputs, cache, embeddings, position_ids=position_ids, deepstack=deepstack)
 

@@ -54,8 +54,11 @@ class Model(qwen3_vl.Model):
         args = self.args
         for name, value in list(weights.items()):
             input_major = (
-                (name.endswith("mlp.experts.gate_up_proj") and value.shape[1:] == (args.hidden_size, 2 * args.moe_intermediate_size))
-                or (name.endswith("mlp.experts.down_proj") and value.shape[1:] == (args.moe_intermediate_size, args.hidden_size))
+                name.endswith("mlp.experts.gate_up_proj")
+                and value.shape[1:] == (args.hidden_size, 2 * args.moe_intermediate_size)
+            ) or (
+                name.endswith("mlp.experts.down_proj")
+                and value.shape[1:] == (args.moe_intermediate_size, args.hidden_size)
             )
             if input_major:
                 weights[name] = value.swapaxes(1, 2)

@@ -38,8 +38,16 @@ class GroupLimitedRouter(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(chosen experts [..., k], their weights [..., k] in float32)."""
-        return _route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
-                      self.norm_topk_prob, self.scaling)
+        return _route(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.scaling,
+        )
 
 
 @mx.compile
@@ -87,10 +95,11 @@ def drop_nextn_layers(weights: dict[str, mx.array], n_layers: int) -> dict[str, 
     """Leave out the multi-token-prediction (MTP) layers that DeepSeek V3 and GLM
     checkpoints append after the decoder (``model.layers.{n_layers}`` and on), which plain
     decoding does not run. Their names stay as published."""
+
     def layer_index(key: str) -> int | None:
         if not key.startswith("model.layers."):
             return None
-        head = key[len("model.layers."):].split(".", 1)[0]
+        head = key[len("model.layers.") :].split(".", 1)[0]
         return int(head) if head.isdigit() else None
 
     return {k: v for k, v in weights.items() if (layer_index(k) or 0) < n_layers}

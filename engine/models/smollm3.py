@@ -40,16 +40,19 @@ class ModelArgs(llama.ModelArgs):
     def __post_init__(self):
         super().__post_init__()
         if self.no_rope_layers is None:
-            self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0)
-                                   for i in range(self.num_hidden_layers)]
+            self.no_rope_layers = [
+                int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_hidden_layers)
+            ]
 
     def uses_rope(self, index: int) -> bool:
         return bool(self.no_rope_layers[index])
 
     def default_layer_types(self) -> list[str]:
         slide = self.use_sliding_window and self.sliding_window is not None
-        return ["sliding_attention" if slide and not self.uses_rope(i) else "full_attention"
-                for i in range(self.num_hidden_layers)]
+        return [
+            "sliding_attention" if slide and not self.uses_rope(i) else "full_attention"
+            for i in range(self.num_hidden_layers)
+        ]
 
     def layer_windows(self) -> list[int | None]:
         if not (self.use_sliding_window and self.sliding_window):

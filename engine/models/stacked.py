@@ -44,8 +44,14 @@ class _Stack:
         a, first = self.stacked, self.layers[0]
         if isinstance(first, nn.QuantizedLinear):
             y = mx.quantized_matmul(
-                x, a["weight"], scales=a["scales"], biases=a.get("biases"), transpose=True,
-                group_size=first.group_size, bits=first.bits, mode=getattr(first, "mode", "affine"),
+                x,
+                a["weight"],
+                scales=a["scales"],
+                biases=a.get("biases"),
+                transpose=True,
+                group_size=first.group_size,
+                bits=first.bits,
+                mode=getattr(first, "mode", "affine"),
             )
             return y + a["bias"] if "bias" in a else y
         if "bias" in a:

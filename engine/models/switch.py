@@ -38,16 +38,26 @@ class SwitchLinear(nn.Module):
         w = self.weight
         if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
             # MLX's CPU gather_mm handles float32 only; other devices take any float type.
-            y = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2),
-                             rhs_indices=indices, sorted_indices=sorted_indices).astype(x.dtype)
+            y = mx.gather_mm(
+                x.astype(mx.float32),
+                w.astype(mx.float32).swapaxes(-1, -2),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            ).astype(x.dtype)
         else:
             y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
             y = y + mx.expand_dims(self.bias[indices], -2)
         return y
 
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
-                     global_scale: bool = False, **_):
+    def to_quantized(
+        self,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+        global_scale: bool = False,
+        **_,
+    ):
         return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode, global_scale)
 
 
@@ -62,9 +72,17 @@ def _quantize_experts(w: mx.array, group_size, bits, mode: str) -> list[mx.array
 
 
 class QuantizedSwitchLinear(nn.Module):
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False,
-                 group_size: int | None = None, bits: int | None = None, mode: str = "affine",
-                 global_scale: bool = False):
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        num_experts: int,
+        bias: bool = False,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+        global_scale: bool = False,
+    ):
         super().__init__()
         self.mode = mode
         parts = mx.quantize(mx.zeros((num_experts, output_dims, input_dims)), group_size, bits, mode=mode)
@@ -153,6 +171,7 @@ class SwitchGLU(nn.Module):
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:
         """The gated hidden activations; families with another gating override this."""
         return self.activation(gate) * up
+
 
 class MissingExperts(ModelLoadError):
     """Some experts of a MoE layer are in no weight file (the loader says where to look)."""

@@ -15,8 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models import llama
 from engine.artifacts.config_spellings import text_config_or_none
+from engine.models import llama
 from engine.models.base import NESTED_LM_PREFIXES, strip_prefixes
 
 _TOWERS = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "model.multi_modal_projector.")
@@ -24,9 +24,15 @@ _TOWERS = ("audio_tower.", "multi_modal_projector.", "model.audio_tower.", "mode
 # VoxtralConfig fills a partial text_config with Voxtral-Mini-3B's settings before
 # LlamaConfig's own defaults apply; a config that leaves them out means these.
 TEXT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 131072, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 30,
-    "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
-    "rope_theta": 100000000.0, "head_dim": 128,
+    "vocab_size": 131072,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000000.0,
+    "head_dim": 128,
 }
 AUDIO_TOKEN_ID = 24  # [AUDIO] in Mistral's tekken vocabulary; VoxtralProcessor assumes it too
 

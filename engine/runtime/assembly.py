@@ -54,8 +54,9 @@ def assemble(
     """Load ``path`` with its tokenizer, template, end ids, description and towers."""
     from engine.runtime.loading import load_model
 
-    loaded = load_model(path, memory_budget=budget,
-                        progress=_checked_progress(progress, cancel, "Loading", "loading weights"))
+    loaded = load_model(
+        path, memory_budget=budget, progress=_checked_progress(progress, cancel, "Loading", "loading weights")
+    )
     if cancel is not None and cancel.is_set():
         raise LoadCancelled("Loading was cancelled.")
     tokenizer = load_tokenizer(loaded)
@@ -153,8 +154,10 @@ def _mtp_support(loaded: Any) -> tuple[bool, str]:
         return True, ""
     if not hasattr(model, "hidden_listener"):
         return False, "This model has no built-in multi-token-prediction layers."
-    return False, ("This copy has no multi-token-prediction layers: mlx-lm's conversions drop them. "
-                   "The original Hugging Face checkpoint has them.")
+    return False, (
+        "This copy has no multi-token-prediction layers: mlx-lm's conversions drop them. "
+        "The original Hugging Face checkpoint has them."
+    )
 
 
 def _reasoning_control(template: Any) -> Any:
@@ -179,7 +182,10 @@ def _make_towers(loaded: Any) -> Any:
 
     path = Path(loaded.path)
     source = TowerSource(
-        name=getattr(loaded, "name", path.name), path=path, config=loaded.config,
-        model=loaded.model, dtype=getattr(loaded, "dtype", "float32"),
+        name=getattr(loaded, "name", path.name),
+        path=path,
+        config=loaded.config,
+        model=loaded.model,
+        dtype=getattr(loaded, "dtype", "float32"),
     )
     return MediaTowers(source)

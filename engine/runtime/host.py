@@ -29,11 +29,11 @@ from engine.api import (
     SamplingParams,
     TokenEvent,
 )
-from engine.errors import EngineError, WrongModelKind
 from engine.decode.loop import Piece
+from engine.errors import EngineError, WrongModelKind
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
-from engine.runtime.session import ChatSession
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
+from engine.runtime.session import ChatSession
 
 EventSink = Callable[[Event], None]
 
@@ -152,8 +152,14 @@ class ModelHost:
             parts.model.kv_quantization = KVQuantization(settings)
         info = with_kv_settings(parts.info, parts.config, settings)
         self._loaded = _Loaded(
-            model=parts.model, config=parts.config, path=parts.path, tokenizer=parts.tokenizer,
-            template=parts.template, eos_token_ids=parts.eos_token_ids, info=info, towers=parts.towers,
+            model=parts.model,
+            config=parts.config,
+            path=parts.path,
+            tokenizer=parts.tokenizer,
+            template=parts.template,
+            eos_token_ids=parts.eos_token_ids,
+            info=info,
+            towers=parts.towers,
         )
         return info
 
@@ -193,6 +199,7 @@ class ModelHost:
         """Mount an mlx-lm or PEFT adapter folder on the loaded model (inactive until
         ``set_active_adapters``); refused with what does not match."""
         from engine.models import lora as adapters
+
         self._check_thread()
         return _adapter_info(adapters.mount(self.model, path, name))
 
@@ -201,20 +208,24 @@ class ModelHost:
         Sessions notice the change through the adapters' signature and do not reuse KV
         computed under the previous set."""
         from engine.models import lora as adapters
+
         self._check_thread()
         adapters.activate(self.model, dict(scales))
 
     def unmount_adapter(self, name: str) -> None:
         from engine.models import lora as adapters
+
         self._check_thread()
         adapters.unmount(self.model, name)
 
     def adapters(self) -> list[AdapterInfo]:
         from engine.models import lora as adapters
+
         return [_adapter_info(a) for a in adapters.mounted(self.model)]
 
     def active_adapters(self) -> dict[str, float]:
         from engine.models import lora as adapters
+
         return adapters.active_adapters(self.model)
 
     # ---- draft model ----------------------------------------------------------------
@@ -257,6 +268,7 @@ class ModelHost:
             import mlx.core as mx
 
             mx.clear_cache()
+
     # ---- transcription --------------------------------------------------------------
 
     def transcriber(self, path: str, progress: LoadProgress | None = None) -> Any:
@@ -382,9 +394,18 @@ class ModelHost:
         """Continue the conversation kept under ``session_id``; TokenEvent and
         ProgressEvent go to ``on_event``; returns the result. Messages may hold image and
         audio parts (see ``engine.api.Generate``); ``media`` fills parts without a source."""
-        stream = self.open_generate(session_id, messages, params, on_event, cancel, request_id=request_id,
-                                    tools=tools, add_generation_prompt=add_generation_prompt, media=media,
-                                    **template_kwargs)
+        stream = self.open_generate(
+            session_id,
+            messages,
+            params,
+            on_event,
+            cancel,
+            request_id=request_id,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            media=media,
+            **template_kwargs,
+        )
         return _drain(stream, on_event, request_id)
 
     def open_generate(
@@ -430,8 +451,9 @@ class ModelHost:
         session_id: str = "",
     ) -> GenerationResult:
         """Generate from token ids as they are (no template, nothing added)."""
-        stream = self.open_generate_ids(prompt_ids, params, on_event, cancel, request_id=request_id,
-                                        session_id=session_id)
+        stream = self.open_generate_ids(
+            prompt_ids, params, on_event, cancel, request_id=request_id, session_id=session_id
+        )
         return _drain(stream, on_event, request_id)
 
     def open_generate_ids(
@@ -505,8 +527,13 @@ class ModelHost:
 
 def _adapter_info(a: Any) -> AdapterInfo:
     return AdapterInfo(
-        name=a.name, path=a.path, format=a.format, kind=a.kind, rank=a.rank,
-        targets=len(a.targets), base_model=a.base_model,
+        name=a.name,
+        path=a.path,
+        format=a.format,
+        kind=a.kind,
+        rank=a.rank,
+        targets=len(a.targets),
+        base_model=a.base_model,
     )
 
 
@@ -517,8 +544,9 @@ def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int
 
 
 def token_event(piece: Piece, request_id: int) -> TokenEvent:
-    return TokenEvent(request_id, piece.text, piece.channel, piece.token_ids, piece.stats,
-                      piece.logprobs, piece.top_logprobs)
+    return TokenEvent(
+        request_id, piece.text, piece.channel, piece.token_ids, piece.stats, piece.logprobs, piece.top_logprobs
+    )
 
 
 def _drain(stream: Iterator[Any], on_event: EventSink | None, request_id: int) -> GenerationResult:

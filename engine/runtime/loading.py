@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from engine.api import MemoryPlan
 from engine.artifacts import gguf as gguf_io
@@ -33,8 +34,8 @@ from engine.artifacts.weights import (
 )
 from engine.decode.diffusion import DiffusionSettings, is_diffusion_model
 from engine.errors import EngineError, ModelLoadError, UnsupportedModelError
+from engine.models.checkpoint import MX_DTYPE_NAMES, cast_floats, fill_weights, one_line, quantize_like_checkpoint
 from engine.models.switch import MissingExperts
-from engine.models.checkpoint import MX_DTYPE_NAMES, one_line, cast_floats, fill_weights, quantize_like_checkpoint
 
 Progress = Callable[[int, int], None]
 
@@ -90,7 +91,12 @@ def load_model(
     if dtype is not None and dtype not in DTYPE_BYTES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
     source = inspect_source(path_or_repo, dtype=dtype)
-    if dtype is None and not source.gguf and not source.config.quantization and (source.path / "modules.json").is_file():
+    if (
+        dtype is None
+        and not source.gguf
+        and not source.config.quantization
+        and (source.path / "modules.json").is_file()
+    ):
         # A sentence embedding model computes in float32, as sentence-transformers does by
         # default: vectors compared by cosine lose ~1e-4 to bfloat16, and these models are small.
         dtype = "float32"
@@ -178,8 +184,11 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
     files = find_weights(path)
     headers = read_headers(files)
     check_index(path, headers)
-    check_model_files(config, {n: t.shape for n, t in headers.items()},
-                      packed=frozenset(n for n, t in headers.items() if t.dtype[:1] in "UI"))
+    check_model_files(
+        config,
+        {n: t.shape for n, t in headers.items()},
+        packed=frozenset(n for n, t in headers.items() if t.dtype[:1] in "UI"),
+    )
     stored = _stored_float_dtype(headers)
     target = MX_DTYPE_NAMES.get(dtype or "", dtype) or stored
     size = weights_bytes(headers, DTYPE_BYTES[target] if dtype else None)

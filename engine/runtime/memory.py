@@ -85,8 +85,10 @@ def kv_windows(config: Any, dtype_bytes: int) -> list[KVWindow]:
     """A config's sliding-window layers, grouped by window, with their KV bytes."""
     from engine.models import base
 
-    return [KVWindow(tokens=w, layers=n, bytes_per_token=b)
-            for w, n, b in base.kv_window_groups(_family_args(config), dtype_bytes)]
+    return [
+        KVWindow(tokens=w, layers=n, bytes_per_token=b)
+        for w, n, b in base.kv_window_groups(_family_args(config), dtype_bytes)
+    ]
 
 
 def state_bytes(config: Any, dtype_bytes: int) -> int:
@@ -214,8 +216,9 @@ def with_kv_settings(info: Any, config: Any, settings: list | None) -> Any:
         quantized = [s for s in settings if s is not None]
         # The plan's per-token figure is the full-attention layers', which are the ones quantized.
         full = max(len(quantized), sum(1 for w in _windows(config) if w is None)) or 1
-        factor = (sum(kv_bytes_per_token_factor(b, g, dtype_bytes) for b, g in quantized)
-                  + (full - len(quantized))) / full
+        factor = (
+            sum(kv_bytes_per_token_factor(b, g, dtype_bytes) for b, g in quantized) + (full - len(quantized))
+        ) / full
         plan = replace(plan, kv_bytes_per_token=int(round(plan.kv_bytes_per_token * factor)))
     return replace(info, plan=plan, kv_cache=describe(settings))
 

@@ -16,8 +16,14 @@ from engine.runtime.memory import (
 )
 
 
-def inspect_model(path: str | Path, *, memory_budget: int | None = None, kv_bits: int | None = None,
-                  kv_group_size: int = 64, kv_config: bool = True) -> ModelInfo:
+def inspect_model(
+    path: str | Path,
+    *,
+    memory_budget: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    kv_config: bool = True,
+) -> ModelInfo:
     """Describe a model folder, cached repo id or .gguf file without loading weights; the
     memory plan counts a quantized KV cache (``kv_bits``, else with ``kv_config`` the
     folder's kv_config.json; the host applies its own when it loads)."""
@@ -48,7 +54,9 @@ def inspect_model(path: str | Path, *, memory_budget: int | None = None, kv_bits
     )
     if kv_bits is None and not kv_config:
         return info
-    settings = kv_settings_from_config(config, resolved if resolved.is_dir() else resolved.parent, kv_bits, kv_group_size)
+    settings = kv_settings_from_config(
+        config, resolved if resolved.is_dir() else resolved.parent, kv_bits, kv_group_size
+    )
     return with_kv_settings(info, config, settings)
 
 
@@ -78,8 +86,11 @@ def format_inspect(info: ModelInfo) -> str:
             + (f" (cache held at {info.kv_cache})" if info.kv_cache else ""),
         ]
         # Sliding-window layers: their share of the cache stops growing at the window.
-        lines += [f"  KV window     {w.layers} {'layer keeps' if w.layers == 1 else 'layers keep'} at most "
-                  f"{w.tokens:,} tokens: {format_bytes(w.max_bytes)} at most" for w in plan.kv_windows]
+        lines += [
+            f"  KV window     {w.layers} {'layer keeps' if w.layers == 1 else 'layers keep'} at most "
+            f"{w.tokens:,} tokens: {format_bytes(w.max_bytes)} at most"
+            for w in plan.kv_windows
+        ]
         if plan.state_bytes:  # recurrent layers: the same at any context length
             lines.append(f"  recurrent state {format_bytes(plan.state_bytes)} fixed (with prefix-reuse snapshots)")
         lines.append(f"  budget        {format_bytes(plan.budget_bytes)} of {format_bytes(plan.total_bytes)}")
@@ -108,5 +119,3 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{unit} ({n:,})"
     return f"{n:,}"
-
-

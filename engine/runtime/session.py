@@ -34,17 +34,17 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from engine.models.lora import active_adapters, active_signature
 from engine.api import GenerationParams, GenerationResult, MediaInput, ReasoningControl
-from engine.errors import EngineError, MediaError
 from engine.decode.diffusion import is_diffusion_model, stream_diffusion
+from engine.decode.drafters import drafter_for
+from engine.decode.guards import check_fits, fit_context
 from engine.decode.loop import Piece, stream_generate
 from engine.decode.prefill import ProgressCallback, PromptInputs
 from engine.decode.sampling import validate_sampling
-from engine.text.reasoning_switch import reasoning_variables
-from engine.decode.drafters import drafter_for
+from engine.errors import EngineError, MediaError
 from engine.models.kv_cache import cache_length, checkpoint, make_prompt_cache, rewind_point, trim_prompt_cache
-from engine.decode.guards import check_fits, fit_context
+from engine.models.lora import active_adapters, active_signature
+from engine.text.reasoning_switch import reasoning_variables
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -88,7 +88,9 @@ class ChatSession:
         self._draft_cache: list[Any] | None = None
         self._draft_ids: list[int] = []  # exactly the tokens held by self._draft_cache
         self._draft_owner: Any = None  # the draft model self._draft_cache belongs to
-        self.token_keys: list[Hashable] = []  # one per cached token: its id, or for a media token the media's content key
+        self.token_keys: list[
+            Hashable
+        ] = []  # one per cached token: its id, or for a media token the media's content key
         self.context_length = 0  # the model's context (0: unknown), for GenerationParams.context_policy
 
     # ---- prompt -----------------------------------------------------------------
@@ -305,8 +307,16 @@ class ChatSession:
             raise MediaError("DiffusionGemma's image input is not supported yet: send text only.")
         self.reset()
         try:
-            yield from stream_diffusion(self.model, self.tokenizer, prompt_ids, self.cache, params, cancel=cancel,
-                                        eos_token_ids=self.eos_token_ids, reasoning=reasoning)
+            yield from stream_diffusion(
+                self.model,
+                self.tokenizer,
+                prompt_ids,
+                self.cache,
+                params,
+                cancel=cancel,
+                eos_token_ids=self.eos_token_ids,
+                reasoning=reasoning,
+            )
         finally:
             self.reset()
 
@@ -330,14 +340,11 @@ class ChatSession:
             messages, dropped = self._fit(messages, params, tools, add_generation_prompt, template_kwargs)
         messages, items = split_media(messages, media)
         if params.pan_and_scan is not None:
-            items = [m if m.pan_and_scan is not None else replace(m, pan_and_scan=params.pan_and_scan)
-                     for m in items]
+            items = [m if m.pan_and_scan is not None else replace(m, pan_and_scan=params.pan_and_scan) for m in items]
         if items and self.towers is not None:
             self.towers.check(m.kind for m in items)  # refuse before rendering or touching the cache
         template_kwargs = {**reasoning_variables(self.reasoning_control, params.reasoning), **template_kwargs}
-        text = self.render(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
-        )
+        text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
         reasoning = self.reasoning_factory(text) if self.reasoning_factory else None
         prompt = self.media_prompt(text, items) if items else None
         ids = prompt.ids if prompt is not None else self.encode_rendered(text)
@@ -349,8 +356,14 @@ class ChatSession:
                 item.dropped_messages = dropped
             yield item
 
-    def _fit(self, messages: list[Mapping[str, Any]], params: GenerationParams, tools: Any,
-             add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> tuple[list[Mapping[str, Any]], int]:
+    def _fit(
+        self,
+        messages: list[Mapping[str, Any]],
+        params: GenerationParams,
+        tools: Any,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any],
+    ) -> tuple[list[Mapping[str, Any]], int]:
         """The messages that fit the context under ``params.context_policy`` (text counted;
         media placeholders count as their text before expansion)."""
         from engine.runtime.context_policy import fit_messages, reply_room

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.api import (
-    EngineStatus,
     Cancel,
     Command,
     Complete,
     DoneEvent,
     DropSession,
     Embed,
+    EngineStatus,
     ErrorEvent,
     Event,
     Generate,
@@ -262,12 +262,21 @@ class EngineWorker:
             if isinstance(command, Complete):
                 prompt = command.prompt
                 ids = host.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-                stream = host.open_generate_ids(ids, command.params, self._emit, cancel, request_id=rid,
-                                                session_id=sid, batch=batch)
+                stream = host.open_generate_ids(
+                    ids, command.params, self._emit, cancel, request_id=rid, session_id=sid, batch=batch
+                )
             else:
-                stream = host.open_generate(sid, command.messages, command.params, self._emit, cancel,
-                                            request_id=rid, tools=command.tools,
-                                            add_generation_prompt=command.add_generation_prompt, batch=batch)
+                stream = host.open_generate(
+                    sid,
+                    command.messages,
+                    command.params,
+                    self._emit,
+                    cancel,
+                    request_id=rid,
+                    tools=command.tools,
+                    add_generation_prompt=command.add_generation_prompt,
+                    batch=batch,
+                )
         except Exception as exc:  # noqa: BLE001 - refused before it started: ends only this request
             if private:
                 host.drop_session(sid)
@@ -334,8 +343,9 @@ class EngineWorker:
 
     def _publish_status(self) -> None:
         host = self._host
-        self._status = EngineStatus(model_loaded=bool(host.loaded), tower_loaded=bool(host.tower_loaded),
-                                    decoding=len(self._jobs))
+        self._status = EngineStatus(
+            model_loaded=bool(host.loaded), tower_loaded=bool(host.tower_loaded), decoding=len(self._jobs)
+        )
 
     def _handle(self, rid: int, command: Command, cancel: threading.Event) -> Any:
         host = self._host

@@ -35,8 +35,9 @@ def _text(content: Any, where: str) -> str:
 def _image(block: dict[str, Any]) -> dict[str, Any]:
     source = block.get("source")
     if not isinstance(source, dict) or source.get("type") != "base64" or not isinstance(source.get("data"), str):
-        raise ApiError(400, "An image block needs source.type 'base64' and source.data; this server does not "
-                            "download files.")
+        raise ApiError(
+            400, "An image block needs source.type 'base64' and source.data; this server does not download files."
+        )
     return {"type": "image", "image": decode_base64(source["data"], "image")}
 
 
@@ -73,11 +74,21 @@ def chat_messages(body: dict[str, Any], tool_format: Any) -> list[dict[str, Any]
                 parts.append(_image(block))
             elif kind == "tool_use" and role == "assistant":
                 args = block.get("input") or {}
-                calls.append({"id": block.get("id"), "type": "function", "function": {
-                    "name": block.get("name"), "arguments": json.dumps(args) if as_text else args}})
+                calls.append(
+                    {
+                        "id": block.get("id"),
+                        "type": "function",
+                        "function": {"name": block.get("name"), "arguments": json.dumps(args) if as_text else args},
+                    }
+                )
             elif kind == "tool_result" and role == "user":
-                results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                "content": _text(block.get("content", ""), "A tool_result's content")})
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.get("tool_use_id"),
+                        "content": _text(block.get("content", ""), "A tool_result's content"),
+                    }
+                )
             elif kind in ("thinking", "redacted_thinking"):
                 thinking += str(block.get("thinking", ""))
             else:
@@ -85,8 +96,7 @@ def chat_messages(body: dict[str, Any], tool_format: Any) -> list[dict[str, Any]
         out.extend(results)  # tool results answer the previous turn's calls: they come first
         if parts or calls or not results:
             text_only = all(p["type"] == "text" for p in parts)
-            turn: dict[str, Any] = {"role": role,
-                                    "content": "".join(p["text"] for p in parts) if text_only else parts}
+            turn: dict[str, Any] = {"role": role, "content": "".join(p["text"] for p in parts) if text_only else parts}
             if calls:
                 turn["tool_calls"] = calls
             if thinking:
@@ -105,9 +115,16 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[dict
     for tool in tools:
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise ApiError(400, "Each tool needs a name and an input_schema.")
-        out.append({"type": "function", "function": {
-            "name": tool["name"], "description": tool.get("description", ""),
-            "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool["name"],
+                    "description": tool.get("description", ""),
+                    "parameters": tool.get("input_schema") or {"type": "object", "properties": {}},
+                },
+            }
+        )
     if choice.get("type") == "any":
         return out, out
     if choice.get("type") == "tool":
@@ -126,8 +143,12 @@ def _stop_reason(result: GenerationResult, calls: bool) -> str:
 
 def _usage(result: GenerationResult) -> dict[str, Any]:
     s = result.stats
-    return {"input_tokens": s.prompt_tokens - s.cached_tokens, "output_tokens": s.generated_tokens,
-            "cache_read_input_tokens": s.cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": s.prompt_tokens - s.cached_tokens,
+        "output_tokens": s.generated_tokens,
+        "cache_read_input_tokens": s.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _tool_block(call: Any) -> dict[str, Any]:
@@ -167,9 +188,19 @@ def messages(handler: Handler, body: Any) -> None:
         if reply.text:
             content.append({"type": "text", "text": "".join(reply.text)})
         content.extend(_tool_block(c) for c in reply.calls)
-        handler.send_json(200, {"id": mid, "type": "message", "role": "assistant", "model": model,
-                                "content": content, "stop_reason": _stop_reason(result, bool(reply.calls)),
-                                "stop_sequence": None, "usage": _usage(result)})
+        handler.send_json(
+            200,
+            {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": content,
+                "stop_reason": _stop_reason(result, bool(reply.calls)),
+                "stop_sequence": None,
+                "usage": _usage(result),
+            },
+        )
         return
 
     state = {"index": -1, "kind": None}
@@ -180,9 +211,21 @@ def messages(handler: Handler, body: Any) -> None:
     def start() -> None:
         if handler.streaming:
             return
-        event("message_start", {"message": {
-            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
+        event(
+            "message_start",
+            {
+                "message": {
+                    "id": mid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": 0, "output_tokens": 0},
+                }
+            },
+        )
 
     def close_block() -> None:
         if state["kind"] is not None:
@@ -200,19 +243,25 @@ def messages(handler: Handler, body: Any) -> None:
             if kind == "tool":
                 block = _tool_block(value)
                 open_block("tool", {**block, "input": {}})
-                event("content_block_delta", {"index": state["index"], "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+                event(
+                    "content_block_delta",
+                    {
+                        "index": state["index"],
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                    },
+                )
                 close_block()
             elif kind == "reasoning":
                 if state["kind"] != "thinking":
                     open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                event("content_block_delta", {"index": state["index"],
-                                              "delta": {"type": "thinking_delta", "thinking": value}})
+                event(
+                    "content_block_delta",
+                    {"index": state["index"], "delta": {"type": "thinking_delta", "thinking": value}},
+                )
             else:
                 if state["kind"] != "text":
                     open_block("text", {"type": "text", "text": ""})
-                event("content_block_delta", {"index": state["index"],
-                                              "delta": {"type": "text_delta", "text": value}})
+                event("content_block_delta", {"index": state["index"], "delta": {"type": "text_delta", "text": value}})
 
     def on_token(ev: TokenEvent) -> None:
         start()
@@ -222,6 +271,11 @@ def messages(handler: Handler, body: Any) -> None:
     start()
     send(reply.finish())
     close_block()
-    event("message_delta", {"delta": {"stop_reason": _stop_reason(result, bool(reply.calls)),
-                                      "stop_sequence": None}, "usage": _usage(result)})
+    event(
+        "message_delta",
+        {
+            "delta": {"stop_reason": _stop_reason(result, bool(reply.calls)), "stop_sequence": None},
+            "usage": _usage(result),
+        },
+    )
     event("message_stop", {})

@@ -40,8 +40,13 @@ MAX_SESSIONS = 4  # conversations whose KV caches are kept for prefix reuse
 
 
 class Backend:
-    def __init__(self, worker: EngineWorker | None = None,
-                 model_info: Callable[[], ModelInfo | None] | None = None, *, max_sessions: int = MAX_SESSIONS) -> None:
+    def __init__(
+        self,
+        worker: EngineWorker | None = None,
+        model_info: Callable[[], ModelInfo | None] | None = None,
+        *,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
         self._queues: dict[int, queue.Queue[Event]] = {}
         # Re-entrant: the worker answers some submits (a Cancel, a dead engine) on the
         # submitting thread, inside submit.
@@ -60,8 +65,7 @@ class Backend:
         self.max_sessions = max(1, max_sessions)  # each holds a KV cache: memory, traded for reuse
 
     @classmethod
-    def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None],
-               max_sessions: int = 2) -> Backend:
+    def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None], max_sessions: int = 2) -> Backend:
         """A backend on a worker someone else owns (and feeds events to ``route``);
         ``model_info()`` says which model that worker has loaded now, if any. Fewer kept
         sessions by default: the window's chats hold caches in the same memory budget."""

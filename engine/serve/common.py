@@ -13,15 +13,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.api import DoneEvent, ErrorEvent, GenerationParams, GenerationResult, TokenEvent
-from engine.text.tool_calls import ToolCall, ToolCallFormat
 from engine.serve.http import ApiError, engine_error
+from engine.text.tool_calls import ToolCall, ToolCallFormat
 
 DEFAULT_MAX_TOKENS = 4096
 _MISSING = object()
 
 
-def field(body: Mapping[str, Any], key: str, types: type | tuple[type, ...], default: Any = None,
-          *, required: bool = False) -> Any:
+def field(
+    body: Mapping[str, Any], key: str, types: type | tuple[type, ...], default: Any = None, *, required: bool = False
+) -> Any:
     """``body[key]`` when it has the right type; 400 naming the field otherwise."""
     value = body.get(key, _MISSING)
     if value is _MISSING or value is None:
@@ -41,8 +42,14 @@ def field(body: Mapping[str, Any], key: str, types: type | tuple[type, ...], def
 
 
 def _names(types: tuple[type, ...]) -> str:
-    words = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list",
-             dict: "an object"}
+    words = {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+        list: "a list",
+        dict: "an object",
+    }
     return " or ".join(words.get(t, t.__name__) for t in types)
 
 
@@ -57,13 +64,18 @@ def check_model(body: Mapping[str, Any], backend: Any) -> str:
     info = backend.require_model()
     name = field(body, "model", str, required=True)
     if name not in (info.name, info.path, backend.model_arg or info.name):
-        raise ApiError(404, f"The model '{name}' does not exist here; this server runs '{info.name}'.",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model '{name}' does not exist here; this server runs '{info.name}'.",
+            param="model",
+            code="model_not_found",
+        )
     return info.name
 
 
-def generation_params(body: Mapping[str, Any], backend: Any, *, max_tokens_keys: tuple[str, ...],
-                      stop_key: str) -> GenerationParams:
+def generation_params(
+    body: Mapping[str, Any], backend: Any, *, max_tokens_keys: tuple[str, ...], stop_key: str
+) -> GenerationParams:
     """Sampling and stopping from the request, the model's generation_config.json for the rest."""
     params = copy.deepcopy(backend.default_params) if backend.default_params is not None else GenerationParams()
     params.max_tokens = DEFAULT_MAX_TOKENS
@@ -123,8 +135,11 @@ def reasoning(backend: Any, effort: str | None) -> bool | str | None:
         return effort not in ("none", "minimal")
     if effort in control.choices:
         return effort
-    raise ApiError(400, f"This model's reasoning effort is one of {', '.join(map(str, control.choices))}.",
-                   param="reasoning_effort")
+    raise ApiError(
+        400,
+        f"This model's reasoning effort is one of {', '.join(map(str, control.choices))}.",
+        param="reasoning_effort",
+    )
 
 
 def force_tool_call(params: GenerationParams, backend: Any, tools: list[dict[str, Any]] | None) -> None:
@@ -138,8 +153,9 @@ def force_tool_call(params: GenerationParams, backend: Any, tools: list[dict[str
     if forced is None:
         return
     if params.constraint is not None:
-        raise ApiError(400, "A structured response format and a required tool call cannot be combined.",
-                       param="tool_choice")
+        raise ApiError(
+            400, "A structured response format and a required tool call cannot be combined.", param="tool_choice"
+        )
     params.constraint = forced
 
 

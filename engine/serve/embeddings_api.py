@@ -34,12 +34,16 @@ def _inputs(raw: Any) -> list[str | list[int]]:
     for item in raw:
         if isinstance(item, str) and item:
             out.append(item)
-        elif (isinstance(item, list) and item
-              and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in item)):
+        elif (
+            isinstance(item, list)
+            and item
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in item)
+        ):
             out.append(item)
         else:
-            raise ApiError(400, "Each input must be a non-empty string or a non-empty list of token ids.",
-                           param="input")
+            raise ApiError(
+                400, "Each input must be a non-empty string or a non-empty list of token ids.", param="input"
+            )
     return out
 
 
@@ -70,5 +74,12 @@ def embeddings(handler: Handler, body: Any) -> None:
         if encoding == "base64":
             value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
         data.append({"object": "embedding", "index": i, "embedding": value})
-    handler.send_json(200, {"object": "list", "data": data, "model": model,
-                            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}})
+    handler.send_json(
+        200,
+        {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+        },
+    )

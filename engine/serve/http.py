@@ -40,8 +40,14 @@ class ClientGone(Exception):
 class ApiError(Exception):
     """Ends a request with ``status`` and an error body saying ``message``."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -65,9 +71,16 @@ class ApiServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], backend: Any, *, api_key: str | None = None,
-                 max_body: int = DEFAULT_MAX_BODY, routes: dict[tuple[str, str], Route] | None = None,
-                 on_request: Callable[[dict[str, Any]], None] | None = None):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        backend: Any,
+        *,
+        api_key: str | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+        routes: dict[tuple[str, str], Route] | None = None,
+        on_request: Callable[[dict[str, Any]], None] | None = None,
+    ):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
         self.backend = backend
@@ -80,8 +93,11 @@ class ApiServer(ThreadingHTTPServer):
 
 
 def _log_line(entry: dict[str, Any]) -> None:
-    print(f"{entry['client']} {entry['method']} {entry['path']} {entry['status']} {entry['seconds']:.2f}s",
-          file=sys.stderr, flush=True)
+    print(
+        f"{entry['client']} {entry['method']} {entry['path']} {entry['status']} {entry['seconds']:.2f}s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -148,8 +164,13 @@ class Handler(BaseHTTPRequestHandler):
             if not self.streaming:
                 self.send_error_body(ApiError(500, f"Internal error: {type(e).__name__}: {e}", "server_error"))
             self.close_connection = True
-        entry = {"method": method, "path": path, "status": self.status, "client": self.client_address[0],
-                 "seconds": time.monotonic() - start}
+        entry = {
+            "method": method,
+            "path": path,
+            "status": self.status,
+            "client": self.client_address[0],
+            "seconds": time.monotonic() - start,
+        }
         with contextlib.suppress(Exception):  # a broken log must not break requests
             self.server.on_request(entry)
 
@@ -157,10 +178,11 @@ class Handler(BaseHTTPRequestHandler):
         if not self.server.loopback:
             return
         host = (self.headers.get("Host") or "").strip()
-        name = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        name = host[1 : host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
         if host and name not in LOOPBACK_HOSTS:
-            raise ApiError(403, f"This server answers only requests addressed to this machine (Host {host!r}).",
-                           "permission_error")
+            raise ApiError(
+                403, f"This server answers only requests addressed to this machine (Host {host!r}).", "permission_error"
+            )
 
     def _check_key(self) -> None:
         key = self.server.api_key
@@ -169,8 +191,12 @@ class Handler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization") or ""
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else (self.headers.get("x-api-key") or "")
         if not hmac.compare_digest(given.encode(), key.encode()):
-            raise ApiError(401, "Missing or wrong API key: send it as 'Authorization: Bearer KEY'.",
-                           "authentication_error", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "Missing or wrong API key: send it as 'Authorization: Bearer KEY'.",
+                "authentication_error",
+                code="invalid_api_key",
+            )
 
     def _read_json(self) -> Any:
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
@@ -181,8 +207,11 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "The Content-Length header is not a number.") from None
         if length > self.server.max_body:
             self.close_connection = True  # the body is not read: the connection cannot be reused
-            raise ApiError(413, f"The request body is {length} bytes; this server takes at most "
-                                f"{self.server.max_body}.", code="request_too_large")
+            raise ApiError(
+                413,
+                f"The request body is {length} bytes; this server takes at most {self.server.max_body}.",
+                code="request_too_large",
+            )
         ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         raw = self.rfile.read(length) if length else b""
         self._body_read = True
@@ -223,8 +252,13 @@ class Handler(BaseHTTPRequestHandler):
             self.send_event(error_payload(error, self.anthropic), "error" if self.anthropic else None)
             return
         if self.anthropic:
-            kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                    413: "request_too_large", 503: "overloaded_error"}.get(error.status, error.kind)
+            kind = {
+                401: "authentication_error",
+                403: "permission_error",
+                404: "not_found_error",
+                413: "request_too_large",
+                503: "overloaded_error",
+            }.get(error.status, error.kind)
             if error.status >= 500 and error.status != 503:
                 kind = "api_error"
             self.send_json(error.status, {"type": "error", "error": {"type": kind, "message": error.message}})

@@ -31,8 +31,10 @@ MAX_TOP_LOGPROBS = 20
 
 def models(handler: Handler, _: Any) -> None:
     info = handler.server.backend.require_model()
-    handler.send_json(200, {"object": "list", "data": [
-        {"id": info.name, "object": "model", "created": now(), "owned_by": "mlx-desk"}]})
+    handler.send_json(
+        200,
+        {"object": "list", "data": [{"id": info.name, "object": "model", "created": now(), "owned_by": "mlx-desk"}]},
+    )
 
 
 # ---- requests ----------------------------------------------------------------------
@@ -86,8 +88,9 @@ def _content(content: Any, role: str) -> Any:
                 raise ApiError(400, "An input_audio part needs input_audio.data (base64).", param="messages")
             parts.append({"type": "audio", "audio": decode_base64(audio["data"], "audio")})
         else:
-            raise ApiError(400, f"Unknown content part type {kind!r}; use text, image_url or input_audio.",
-                           param="messages")
+            raise ApiError(
+                400, f"Unknown content part type {kind!r}; use text, image_url or input_audio.", param="messages"
+            )
     if all(p["type"] == "text" for p in parts):  # text-only templates expect a plain string
         return "".join(p["text"] for p in parts)
     return parts
@@ -108,8 +111,9 @@ def _tool_calls(calls: Any, as_text: bool) -> list[dict[str, Any]]:
             try:
                 args = json.loads(args or "{}")
             except ValueError:
-                raise ApiError(400, f"The arguments of the call to {fn['name']} are not JSON.",
-                               param="messages") from None
+                raise ApiError(
+                    400, f"The arguments of the call to {fn['name']} are not JSON.", param="messages"
+                ) from None
         elif not isinstance(args, str) and as_text:
             args = json.dumps(args, ensure_ascii=False)
         out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
@@ -122,10 +126,16 @@ def chat_messages(raw: Any, tool_format: Any) -> list[dict[str, Any]]:
     as_text = bool(tool_format is not None and tool_format.arguments_as_text)
     out = []
     for message in raw:
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user",
-                                                                         "assistant", "tool"):
-            raise ApiError(400, "Each message needs a role: system, developer, user, assistant or tool.",
-                           param="messages")
+        if not isinstance(message, dict) or message.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
+            raise ApiError(
+                400, "Each message needs a role: system, developer, user, assistant or tool.", param="messages"
+            )
         role = "system" if message["role"] == "developer" else message["role"]
         converted: dict[str, Any] = {"role": role, "content": _content(message.get("content"), role)}
         if role == "assistant" and message.get("tool_calls"):
@@ -167,9 +177,12 @@ def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, list[d
 
 def _usage(result: GenerationResult) -> dict[str, Any]:
     s = result.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.generated_tokens,
+        "total_tokens": s.prompt_tokens + s.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+    }
 
 
 def _finish(result: GenerationResult, calls: bool) -> str:
@@ -191,8 +204,12 @@ def chat_logprobs(backend: Any, result: GenerationResult) -> dict[str, Any] | No
     if result.token_logprobs is None:
         return None
     tops = result.top_logprobs or []
-    return {"content": [_entry(backend, tid, lp, tops[i] if i < len(tops) else [])
-                        for i, (tid, lp) in enumerate(zip(result.token_ids, result.token_logprobs, strict=False))]}
+    return {
+        "content": [
+            _entry(backend, tid, lp, tops[i] if i < len(tops) else [])
+            for i, (tid, lp) in enumerate(zip(result.token_ids, result.token_logprobs, strict=False))
+        ]
+    }
 
 
 def chat_completions(handler: Handler, body: Any) -> None:
@@ -201,8 +218,7 @@ def chat_completions(handler: Handler, body: Any) -> None:
     model = check_model(body, backend)
     if field(body, "n", int, 1) != 1:
         raise ApiError(400, "Only n=1 is supported.", param="n")
-    params = generation_params(body, backend, max_tokens_keys=("max_tokens", "max_completion_tokens"),
-                               stop_key="stop")
+    params = generation_params(body, backend, max_tokens_keys=("max_tokens", "max_completion_tokens"), stop_key="stop")
     _logprob_settings(body, params, legacy=False)
     params.constraint = _response_format(body)
     params.reasoning = reasoning(backend, field(body, "reasoning_effort", str))
@@ -224,12 +240,24 @@ def chat_completions(handler: Handler, body: Any) -> None:
             message["reasoning_content"] = "".join(reply.reasoning)
         if reply.calls:
             message["tool_calls"] = [_call_json(c) for c in reply.calls]
-        handler.send_json(200, {
-            "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(backend, result),
-                         "finish_reason": _finish(result, bool(reply.calls))}],
-            "usage": _usage(result),
-        })
+        handler.send_json(
+            200,
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "logprobs": chat_logprobs(backend, result),
+                        "finish_reason": _finish(result, bool(reply.calls)),
+                    }
+                ],
+                "usage": _usage(result),
+            },
+        )
         return
 
     unsent: list[dict[str, Any]] = []  # log-prob entries of tokens no chunk has carried yet
@@ -238,8 +266,13 @@ def chat_completions(handler: Handler, body: Any) -> None:
         logprobs = {"content": list(unsent)} if unsent and (delta or finish) else None
         if logprobs is not None:
             unsent.clear()
-        payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        payload = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
         if include_usage:
             payload["usage"] = None
         handler.send_event(payload)
@@ -258,8 +291,9 @@ def chat_completions(handler: Handler, body: Any) -> None:
             chunk({"role": "assistant", "content": ""})
         if event.logprobs is not None:
             tops = event.top_logprobs or [[] for _ in event.token_ids]
-            unsent.extend(_entry(backend, t, lp, top) for t, lp, top in zip(event.token_ids, event.logprobs, tops,
-                                                                             strict=False))
+            unsent.extend(
+                _entry(backend, t, lp, top) for t, lp, top in zip(event.token_ids, event.logprobs, tops, strict=False)
+            )
         send(reply.feed(event))
 
     result = run(handler, command, on_token)
@@ -268,8 +302,16 @@ def chat_completions(handler: Handler, body: Any) -> None:
     send(reply.finish())
     chunk({}, _finish(result, bool(reply.calls)))  # with the log-probs of tokens that wrote no text
     if include_usage:
-        handler.send_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": _usage(result)})
+        handler.send_event(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": _usage(result),
+            }
+        )
     handler.send_event("[DONE]")
 
 
@@ -288,8 +330,9 @@ def _prompt(body: Mapping[str, Any]) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and i >= 0 for i in prompt):
         return prompt
-    raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request).",
-                   param="prompt")
+    raise ApiError(
+        400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request).", param="prompt"
+    )
 
 
 def _completion_logprobs(backend: Any, result: GenerationResult) -> dict[str, Any] | None:
@@ -301,8 +344,12 @@ def _completion_logprobs(backend: Any, result: GenerationResult) -> dict[str, An
         offsets.append(at)
         at += len(t)
     tops = result.top_logprobs
-    return {"tokens": tokens, "token_logprobs": result.token_logprobs, "text_offset": offsets,
-            "top_logprobs": [{backend.token_text(t): v for t, v in row} for row in tops] if tops else None}
+    return {
+        "tokens": tokens,
+        "token_logprobs": result.token_logprobs,
+        "text_offset": offsets,
+        "top_logprobs": [{backend.token_text(t): v for t, v in row} for row in tops] if tops else None,
+    }
 
 
 def completions(handler: Handler, body: Any) -> None:
@@ -325,21 +372,48 @@ def completions(handler: Handler, body: Any) -> None:
     cid, created = new_id("cmpl-"), now()
 
     def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> None:
-        handler.send_event({"id": cid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+        handler.send_event(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            }
+        )
 
     if not stream:
         result = run(handler, command, lambda e: None)
-        handler.send_json(200, {
-            "id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": result.text, "logprobs": _completion_logprobs(backend, result),
-                         "finish_reason": _finish(result, False)}],
-            "usage": _usage(result),
-        })
+        handler.send_json(
+            200,
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": result.text,
+                        "logprobs": _completion_logprobs(backend, result),
+                        "finish_reason": _finish(result, False),
+                    }
+                ],
+                "usage": _usage(result),
+            },
+        )
         return
     result = run(handler, command, lambda e: chunk(e.text) if e.text else None)
     chunk("", _finish(result, False), _completion_logprobs(backend, result))
     if include_usage:
-        handler.send_event({"id": cid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(result)})
+        handler.send_event(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": _usage(result),
+            }
+        )
     handler.send_event("[DONE]")

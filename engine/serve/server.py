@@ -49,12 +49,20 @@ def check_exposure(host: str, api_key: str | None) -> None:
         )
 
 
-def make_server(backend: Any, host: str = "127.0.0.1", port: int = 8080, *, api_key: str | None = None,
-                max_body: int = DEFAULT_MAX_BODY, on_request: Any = None) -> ApiServer:
+def make_server(
+    backend: Any,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    *,
+    api_key: str | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    on_request: Any = None,
+) -> ApiServer:
     check_exposure(host, api_key)
     try:
-        return ApiServer((host, port), backend, api_key=api_key, max_body=max_body, routes=ROUTES,
-                         on_request=on_request)
+        return ApiServer(
+            (host, port), backend, api_key=api_key, max_body=max_body, routes=ROUTES, on_request=on_request
+        )
     except OSError as e:
         raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror or e}. Pick another port.") from None
 
@@ -64,8 +72,15 @@ def address(server: ApiServer) -> str:
     return f"http://[{host}]:{port}" if ":" in str(host) else f"http://{host}:{port}"
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 8080, *, api_key: str | None = None,
-          memory_budget: int | None = None, max_body: int = DEFAULT_MAX_BODY) -> int:
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    *,
+    api_key: str | None = None,
+    memory_budget: int | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+) -> int:
     """Run until interrupted; a model that fails to load ends the command with its reason."""
     from engine.serve.backend import Backend  # the engine (and mlx) only once the command runs
 
@@ -95,8 +110,14 @@ def run_command(args: Any) -> int:
     if args.max_request_bytes < 1024:
         raise ServeError("--max-request-bytes must be at least 1024")
     try:
-        return serve(args.model, args.host, args.port, api_key=args.api_key, memory_budget=args.memory_budget,
-                     max_body=args.max_request_bytes)
+        return serve(
+            args.model,
+            args.host,
+            args.port,
+            api_key=args.api_key,
+            memory_budget=args.memory_budget,
+            max_body=args.max_request_bytes,
+        )
     except KeyboardInterrupt:
         print("stopped", file=sys.stderr)
         return 0

@@ -72,9 +72,7 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Jinja's own tojson escapes <, >, & and ' for HTML; chat templates want raw JSON.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -222,11 +220,11 @@ class ChatTemplate:
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:
-            raise TemplateError(f"The chat template refused the conversation: {_one_line(exc.message or exc)}") from None
-        except Exception as exc:  # a template bug (bad index, wrong type) surfaces as any Python error
             raise TemplateError(
-                f"The chat template failed on this conversation: {_one_line(exc)}"
+                f"The chat template refused the conversation: {_one_line(exc.message or exc)}"
             ) from None
+        except Exception as exc:  # a template bug (bad index, wrong type) surfaces as any Python error
+            raise TemplateError(f"The chat template failed on this conversation: {_one_line(exc)}") from None
 
 
 # ---- finding the template --------------------------------------------------
@@ -241,9 +239,7 @@ def pick_template(value: Any, origin: str) -> str:
         named = {e.get("name"): e.get("template") for e in value if isinstance(e, Mapping)}
         if isinstance(named.get("default"), str):
             return named["default"]
-        raise TemplateError(
-            f"{origin} lists chat templates {sorted(map(str, named))} but none is named 'default'."
-        )
+        raise TemplateError(f"{origin} lists chat templates {sorted(map(str, named))} but none is named 'default'.")
     raise TemplateError(f"{origin} has no chat_template.")
 
 

@@ -29,7 +29,10 @@ class DecodingVocabulary(Protocol):
     special_token_ids: frozenset[int]
     clean_up_tokenization_spaces: bool
 
-    def decode(self, ids: list[int], *, skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...) -> str: ...
+    def decode(
+        self, ids: list[int], *, skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...
+    ) -> str: ...
+
 
 _REPLACEMENT = "\ufffd"
 
@@ -79,10 +82,10 @@ class StreamingDetokenizer:
         self.token_ids.append(int(token_id))
         if token_id in self._hold_ids:
             return ""  # the run of byte pieces decodes as a whole; wait for its end
-        window = self._decode(self.token_ids[self.window_start:])
+        window = self._decode(self.token_ids[self.window_start :])
         if window.endswith(_REPLACEMENT) or not window.startswith(self._settled_text):
             return ""
-        new = window[len(self._settled_text):]
+        new = window[len(self._settled_text) :]
         # Slide the window to start at the newest token, or failing that at the first
         # token this step emitted. A head must decode to some text on its own and end
         # the window's text: an empty head (a skipped special token, a lone space a
@@ -100,12 +103,12 @@ class StreamingDetokenizer:
         return new
 
     def _finalize_raw(self) -> str:
-        window = self._decode(self.token_ids[self.window_start:])
+        window = self._decode(self.token_ids[self.window_start :])
         if window.startswith(self._settled_text):
-            rest = window[len(self._settled_text):]
+            rest = window[len(self._settled_text) :]
         else:  # the decoder rewrote settled text; fall back to a full decode once
             full = self._decode(self.token_ids)
-            rest = full[len(self._raw_text):]
+            rest = full[len(self._raw_text) :]
         self.window_start, self._end = len(self.token_ids), len(self.token_ids)
         self._settled_text = ""
         self._raw_text += rest

@@ -36,8 +36,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_BYTE_LEVEL_SPLITS = {"default": None, "gpt-2": None, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
-                      "qwen2": _QWEN2_SPLIT}
+_BYTE_LEVEL_SPLITS = {
+    "default": None,
+    "gpt-2": None,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
 
 
 def plain(value: Any) -> Any:
@@ -104,10 +109,10 @@ def _vocab_dict(tokens: list[str]) -> dict[str, int]:
 
 
 def _add_marked_tokens(tok: HFTokenizer, tokens: list[str], types: list[int]) -> None:
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN) and t]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types) if k == USER_DEFINED and t]
+    special = [
+        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN) and t
+    ]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED and t]
     if special:
         tok.add_special_tokens(special)
     if user:
@@ -138,12 +143,14 @@ def _build_spm(
         steps.append(normalizers.Prepend(_SPACE))
     steps.append(normalizers.Replace(" ", _SPACE))
     tok.normalizer = normalizers.Sequence(steps)
-    tok.decoder = decoders.Sequence([
-        decoders.Replace(_SPACE, " "),
-        decoders.ByteFallback(),
-        decoders.Fuse(),
-        decoders.Strip(" ", 1, 0),
-    ])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace(_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     _add_marked_tokens(tok, tokens, types)
     return tok
 
@@ -164,10 +171,12 @@ def _build_byte_level(tokens: list[str], merges: list[str], types: list[int], pr
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     _add_marked_tokens(tok, tokens, types)
     return tok
@@ -216,9 +225,7 @@ def vocab_from_gguf(metadata: Mapping[str, Any]) -> GGUFVocab:
         tok = _build_byte_level(tokens, [str(m) for m in merges], types, str(pre))
         default_add_bos, byte_fallback = False, False
     else:
-        raise UnsupportedModelError(
-            f"GGUF tokenizer model {kind!r} is not supported (supported: 'llama', 'gpt2')."
-        )
+        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'llama', 'gpt2').")
 
     add_bos = plain(metadata.get("tokenizer.ggml.add_bos_token"))
     add_eos = plain(metadata.get("tokenizer.ggml.add_eos_token"))

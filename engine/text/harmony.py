@@ -37,21 +37,21 @@ class HarmonySplitter:
                     # Headers are short; keep only what could still be part of <|message|>.
                     keep = _prefix_tail(self._pending, (MESSAGE,))
                     self._header += self._pending[: len(self._pending) - keep]
-                    self._pending = self._pending[len(self._pending) - keep:]
+                    self._pending = self._pending[len(self._pending) - keep :]
                     break
                 self._open(self._header + self._pending[:end])
                 self._header = None
-                self._pending = self._pending[end + len(MESSAGE):]
+                self._pending = self._pending[end + len(MESSAGE) :]
                 continue
             hits = [(i, t) for t in _BODY_TOKENS if (i := self._pending.find(t)) >= 0]
             if not hits:
                 keep = _prefix_tail(self._pending, _BODY_TOKENS)
                 self._emit(out, self._pending[: len(self._pending) - keep])
-                self._pending = self._pending[len(self._pending) - keep:]
+                self._pending = self._pending[len(self._pending) - keep :]
                 break
             index, token = min(hits)
             self._emit(out, self._pending[:index])
-            self._pending = self._pending[index + len(token):]
+            self._pending = self._pending[index + len(token) :]
             if token in (START, CHANNEL):
                 self._header = token
         return out

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from engine.text.channels import Channel, add_piece
 
 
-
 @dataclass(frozen=True)
 class ReasoningMarkers:
     open_tag: str
@@ -35,8 +34,7 @@ HARMONY_OPEN = "<|channel|>analysis<|message|>"
 # sentinels to drop).
 _STYLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     # gpt-oss "harmony": analysis channel = reasoning, final channel = answer.
-    ("<|channel|>", HARMONY_OPEN, "<|end|>",
-     ("<|start|>assistant", "<|channel|>final<|message|>")),
+    ("<|channel|>", HARMONY_OPEN, "<|end|>", ("<|start|>assistant", "<|channel|>final<|message|>")),
     ("<|channel>", "<|channel>thought", "<channel|>", ()),  # Gemma 4
     ("<seed:think>", "<seed:think>", "</seed:think>", ()),  # ByteDance Seed-OSS
     ("[THINK]", "[THINK]", "[/THINK]", ()),  # Ministral 3 Reasoning, Magistral
@@ -98,7 +96,7 @@ class ReasoningSplitter:
                 break
             index, pattern = min(hits, key=lambda h: (h[0], -len(h[1])))
             self._emit(out, self._pending[:index])
-            self._pending = self._pending[index + len(pattern):]
+            self._pending = self._pending[index + len(pattern) :]
             if pattern not in self.drop:
                 self.channel = "answer" if self.channel == "reasoning" else "reasoning"
             self._after_tag = True
@@ -110,7 +108,7 @@ class ReasoningSplitter:
                     keep = size
                     break
         ready = self._pending[: len(self._pending) - keep]
-        self._pending = self._pending[len(ready):]
+        self._pending = self._pending[len(ready) :]
         self._emit(out, ready)
         return out
 

@@ -33,9 +33,26 @@ from engine.errors import ModelLoadError
 
 # Before format v7 a file may omit its special tokens: these were the first twenty.
 _LEGACY_SPECIALS = (
-    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
-    "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[TOOL_CONTENT]",
 )
 _VERSIONS = ("v1", "v2", "v3", "v7", "v11", "v13", "v15")
 
@@ -154,7 +171,10 @@ def read_tekken(path: str | Path) -> TekkenVocab:
     )
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
-    special_names = {key: text for key, text in (("unk_token", "<unk>"), ("bos_token", "<s>"),
-                                                  ("eos_token", "</s>"), ("pad_token", "<pad>")) if text in vocab}
+    special_names = {
+        key: text
+        for key, text in (("unk_token", "<unk>"), ("bos_token", "<s>"), ("eos_token", "</s>"), ("pad_token", "<pad>"))
+        if text in vocab
+    }
     audio = data.get("audio") if isinstance(data.get("audio"), Mapping) else None
     return TekkenVocab(hf, names, version, dict(audio) if audio else None, special_names)

@@ -25,9 +25,8 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import processors
 
 from engine.errors import ModelLoadError, TemplateError
 from engine.text.chat_template import pick_template
@@ -168,8 +167,12 @@ class Tokenizer:
         vocab = vocab_from_gguf(metadata)
         hf = vocab.tokenizer
         special = {}
-        for name, tid in (("bos_token", vocab.bos_token_id), ("eos_token", (vocab.eos_token_ids or [None])[0]),
-                          ("unk_token", vocab.unk_token_id), ("pad_token", vocab.pad_token_id)):
+        for name, tid in (
+            ("bos_token", vocab.bos_token_id),
+            ("eos_token", (vocab.eos_token_ids or [None])[0]),
+            ("unk_token", vocab.unk_token_id),
+            ("pad_token", vocab.pad_token_id),
+        ):
             if tid is not None:
                 special[name] = hf.id_to_token(tid)
         cls._set_post_processor(hf, special, vocab.add_bos_token, vocab.add_eos_token)
@@ -198,14 +201,16 @@ class Tokenizer:
             content = _token_text(entry)
             if content is None or hf.token_to_id(content) is not None:
                 continue
-            missing.append(AddedToken(
-                content,
-                single_word=bool(entry.get("single_word", False)),
-                lstrip=bool(entry.get("lstrip", False)),
-                rstrip=bool(entry.get("rstrip", False)),
-                normalized=bool(entry.get("normalized", not entry.get("special", False))),
-                special=bool(entry.get("special", False)),
-            ))
+            missing.append(
+                AddedToken(
+                    content,
+                    single_word=bool(entry.get("single_word", False)),
+                    lstrip=bool(entry.get("lstrip", False)),
+                    rstrip=bool(entry.get("rstrip", False)),
+                    normalized=bool(entry.get("normalized", not entry.get("special", False))),
+                    special=bool(entry.get("special", False)),
+                )
+            )
         for token in missing:
             if token.special:
                 hf.add_special_tokens([token])
@@ -346,4 +351,3 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         """A fresh streaming decoder whose pieces join to ``decode(ids, skip_special_tokens)``."""
         return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
-

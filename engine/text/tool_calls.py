@@ -157,7 +157,8 @@ def _parse_deepseek(body: str) -> Parsed | None:
 
 _KIMI_CALL = re.compile(
     r"<\|tool_call_begin\|>\s*(?:functions\.)?([^<\s]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*?)"
-    r"(?:<\|tool_call_end\|>|$)", re.DOTALL,
+    r"(?:<\|tool_call_end\|>|$)",
+    re.DOTALL,
 )
 
 
@@ -200,7 +201,7 @@ def _gemma_value(text: str, i: int) -> tuple[Any, int]:
     """One value of Gemma 4's call syntax at ``text[i]``: <|"|>string<|"|>, {k:v,...}, [..], bare."""
     if text.startswith(_GEMMA_QUOTE, i):
         end = text.index(_GEMMA_QUOTE, i + len(_GEMMA_QUOTE))
-        return text[i + len(_GEMMA_QUOTE):end], end + len(_GEMMA_QUOTE)
+        return text[i + len(_GEMMA_QUOTE) : end], end + len(_GEMMA_QUOTE)
     if text[i] == "{":
         obj: dict[str, Any] = {}
         i += 1
@@ -230,7 +231,7 @@ def _parse_gemma(body: str) -> Parsed | None:
     text = body.removeprefix("<|tool_call>").removesuffix("<tool_call|>").strip()
     if not text.startswith("call:") or "{" not in text:
         return None
-    name, brace = text[5:text.index("{")], text.index("{")
+    name, brace = text[5 : text.index("{")], text.index("{")
     try:
         args, end = _gemma_value(text, brace)
     except (ValueError, IndexError):
@@ -261,16 +262,23 @@ class ToolCallFormat:
 
 
 FORMATS: dict[str, ToolCallFormat] = {
-    "hermes": ToolCallFormat("hermes", ("<tool_call>",), "</tool_call>", lambda b: _parse_tag_body(
-        b.removeprefix("<tool_call>").removesuffix("</tool_call>")),
-        json_call=("<tool_call>\n", "\n</tool_call>", "arguments")),
-    "llama3": ToolCallFormat("llama3", ("<|python_tag|>", "{"), None, _parse_llama, at_start_only=True,
-                             json_call=("", "", "parameters")),
+    "hermes": ToolCallFormat(
+        "hermes",
+        ("<tool_call>",),
+        "</tool_call>",
+        lambda b: _parse_tag_body(b.removeprefix("<tool_call>").removesuffix("</tool_call>")),
+        json_call=("<tool_call>\n", "\n</tool_call>", "arguments"),
+    ),
+    "llama3": ToolCallFormat(
+        "llama3", ("<|python_tag|>", "{"), None, _parse_llama, at_start_only=True, json_call=("", "", "parameters")
+    ),
     "mistral": ToolCallFormat("mistral", ("[TOOL_CALLS]",), None, _parse_mistral),
-    "harmony": ToolCallFormat("harmony", ("<|channel|>commentary to=functions.", " to=functions."),
-                              "<|call|>", _parse_harmony),
-    "deepseek": ToolCallFormat("deepseek", ("<｜tool▁calls▁begin｜>",), "<｜tool▁calls▁end｜>", _parse_deepseek,
-                               arguments_as_text=True),
+    "harmony": ToolCallFormat(
+        "harmony", ("<|channel|>commentary to=functions.", " to=functions."), "<|call|>", _parse_harmony
+    ),
+    "deepseek": ToolCallFormat(
+        "deepseek", ("<｜tool▁calls▁begin｜>",), "<｜tool▁calls▁end｜>", _parse_deepseek, arguments_as_text=True
+    ),
     "dsml": ToolCallFormat("dsml", ("<｜DSML｜function_calls>",), "</｜DSML｜function_calls>", _parse_dsml),
     "kimi": ToolCallFormat("kimi", ("<|tool_calls_section_begin|>",), "<|tool_calls_section_end|>", _parse_kimi),
     "gemma4": ToolCallFormat("gemma4", ("<|tool_call>",), "<tool_call|>", _parse_gemma),
@@ -312,8 +320,14 @@ def forced_call(fmt: ToolCallFormat, tools: list[dict[str, Any]]) -> dict[str, A
         params = dict(fn.get("parameters") or {"type": "object"})
         if "properties" in params:  # a call passes the parameters it declares, and no others
             params.setdefault("additionalProperties", False)
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
-                        "required": ["name", key], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, key: params},
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+        )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {"type": "json_schema", "schema": schema, "prefix": before, "suffix": after}
 
@@ -382,7 +396,7 @@ class ToolCallParser:
                         keep = size
                         break
             self._emit(out, text_now[: len(text_now) - keep])
-            self._pending = text_now[len(text_now) - keep:]
+            self._pending = text_now[len(text_now) - keep :]
             return out
 
     def flush(self) -> list[str | ToolCall]:

@@ -80,10 +80,13 @@ def hold_worker(qtbot):
     def hold(window):
         started: list[int] = []
         window.bridge.token.connect(lambda rid, *_: started.append(rid))
-        task = spawn(window.bridge.generate(
-            "hold", [{"role": "user", "content": "go on"}],
-            api.GenerationParams(max_tokens=100_000, ignore_eos=True),
-        ))
+        task = spawn(
+            window.bridge.generate(
+                "hold",
+                [{"role": "user", "content": "go on"}],
+                api.GenerationParams(max_tokens=100_000, ignore_eos=True),
+            )
+        )
         qtbot.waitUntil(lambda: bool(started), timeout=30_000)
 
         def release():

@@ -28,8 +28,7 @@ def _send(qtbot, window, text="hello there"):
     return blocker.args
 
 
-def test_adapters_come_back_after_reload_and_restart(qtbot, make_window, run_async, tiny_model,
-                                                     tmp_path):
+def test_adapters_come_back_after_reload_and_restart(qtbot, make_window, run_async, tiny_model, tmp_path):
     data = tmp_path / "data"
     alpha = make_tiny_adapter(tmp_path / "adapters" / "alpha", seed=3)
     beta = make_tiny_adapter(tmp_path / "adapters" / "beta", seed=4)
@@ -38,8 +37,7 @@ def test_adapters_come_back_after_reload_and_restart(qtbot, make_window, run_asy
     assert run_async(window.mount_adapter(str(alpha)))
     assert run_async(window.mount_adapter(str(beta)))
     window.adapters_menu.rows["alpha"].check.click()  # this chat uses alpha
-    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 1.0},
-                    timeout=10_000)
+    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 1.0}, timeout=10_000)
     conv = window.chat.conversation_id
 
     # The same model again: the engine starts bare; both come back, alpha active for the chat.
@@ -99,8 +97,7 @@ def test_vanished_or_unfitting_adapters_are_skipped_once_and_forgotten(
     assert "beta (its folder" in notice and "is gone" in notice
     assert "gamma (" in notice and "\n" not in notice
     assert sum("Skipped" in m for m in banners) == 1  # one notice, and no dialog at all
-    assert not [w for w in QApplication.topLevelWidgets()
-                if isinstance(w, QDialog) and w.isVisible()]
+    assert not [w for w in QApplication.topLevelWidgets() if isinstance(w, QDialog) and w.isVisible()]
     remembered = model_prefs.remembered_adapters(window.store, model_path)
     assert [e["name"] for e in remembered] == ["alpha"]
 
@@ -110,8 +107,7 @@ def test_vanished_or_unfitting_adapters_are_skipped_once_and_forgotten(
     assert not window.error_banner.isVisible()
 
 
-def test_another_model_does_not_get_the_first_ones_adapters(qtbot, make_window, run_async,
-                                                           tiny_model, tmp_path):
+def test_another_model_does_not_get_the_first_ones_adapters(qtbot, make_window, run_async, tiny_model, tmp_path):
     alpha = make_tiny_adapter(tmp_path / "adapters" / "alpha", seed=3)
     other = shutil.copytree(tiny_model, tmp_path / "tiny-llama-other")
     window = make_window()
@@ -146,8 +142,7 @@ def test_a_message_sent_during_the_reload_waits_for_its_adapters(
     assert run_async(window.mount_adapter(str(alpha)))
     assert run_async(window.mount_adapter(str(beta)))
     window.adapters_menu.rows["beta"].check.click()  # the second one mounted: the last to return
-    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"beta": 1.0},
-                    timeout=10_000)
+    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"beta": 1.0}, timeout=10_000)
     window.store.update_conversation(window.chat.conversation_id, settings=GREEDY)
 
     release = hold_worker(window)

@@ -49,10 +49,28 @@ def _regenerate(qtbot, window, message_id):
 def _engine_cli(model: Path, *extra: str) -> str:
     """The outside referee: the engine's CLI, greedy, same prompt and length."""
     proc = subprocess.run(
-        [sys.executable, "-m", "engine", "generate", "--model", str(model), "--prompt", PROMPT,
-         "--chat", "--temp", "0", "--max-tokens", str(GREEDY["max_tokens"]), "--ignore-eos",
-         "--json", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            PROMPT,
+            "--chat",
+            "--temp",
+            "0",
+            "--max-tokens",
+            str(GREEDY["max_tokens"]),
+            "--ignore-eos",
+            "--json",
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])["text"]
@@ -74,8 +92,7 @@ def test_adapters_menu_toggles_scales_and_remembers_per_conversation(
 
     # Tick it: remembered for the conversation and active in the worker.
     menu.rows["alpha"].check.click()
-    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 1.0},
-                    timeout=10_000)
+    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 1.0}, timeout=10_000)
     conv_a = window.chat.conversation_id
     assert window.store.conversation(conv_a).adapters == {"alpha": 1.0}
     on_id, on = _regenerate(qtbot, window, base_id)
@@ -86,8 +103,7 @@ def test_adapters_menu_toggles_scales_and_remembers_per_conversation(
 
     # Scale 0 leaves the base model's output; untick gives it back exactly too.
     menu.rows["alpha"].scale.setValue(0.0)
-    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 0.0},
-                    timeout=10_000)
+    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 0.0}, timeout=10_000)
     _, zero = _regenerate(qtbot, window, on_id)
     assert zero.text == base.text
     menu.rows["alpha"].scale.setValue(1.0)
@@ -99,8 +115,7 @@ def test_adapters_menu_toggles_scales_and_remembers_per_conversation(
 
     # Per conversation: A uses alpha, a new chat B does not; switching re-applies each.
     menu.rows["alpha"].check.click()
-    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 1.0},
-                    timeout=10_000)
+    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 1.0}, timeout=10_000)
     window.new_chat()
     conv_b = window.chat.conversation_id
     assert conv_b != conv_a
@@ -110,8 +125,7 @@ def test_adapters_menu_toggles_scales_and_remembers_per_conversation(
     _, plain_b = _send(qtbot, window)
     assert plain_b.text == base.text
     window.sidebar.conversation_selected.emit(conv_a)
-    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 1.0},
-                    timeout=10_000)
+    qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 1.0}, timeout=10_000)
     assert window.adapters_menu.rows["alpha"].check.isChecked()
     # Each version's footer names its adapters, after the thread is read back from the store.
     window.store.show_version(on_id)
@@ -125,8 +139,7 @@ def test_adapters_menu_toggles_scales_and_remembers_per_conversation(
     assert window.adapters_menu.rows == {}
 
 
-def test_mismatched_adapter_is_refused_readably(qtbot, make_window, run_async, tiny_model,
-                                                tmp_path):
+def test_mismatched_adapter_is_refused_readably(qtbot, make_window, run_async, tiny_model, tmp_path):
     window = make_window()
     _ready(window, run_async, tiny_model)
     wrong = make_tiny_adapter(tmp_path / "wide", hidden=96, heads=4, kv_heads=2)

@@ -80,8 +80,9 @@ def _truncated(path: Path) -> Path:
 def _big_photo(path: Path) -> Path:
     """A 6000x4000 JPEG (24 megapixels, as a camera makes them)."""
     ramp = Image.linear_gradient("L").resize((6000, 4000))
-    Image.merge("RGB", (ramp, ramp.transpose(Image.Transpose.FLIP_LEFT_RIGHT),
-                        ramp.transpose(Image.Transpose.FLIP_TOP_BOTTOM))).save(path, quality=85)
+    Image.merge(
+        "RGB", (ramp, ramp.transpose(Image.Transpose.FLIP_LEFT_RIGHT), ramp.transpose(Image.Transpose.FLIP_TOP_BOTTOM))
+    ).save(path, quality=85)
     return path
 
 
@@ -91,8 +92,9 @@ def _idle(qtbot) -> None:
 
 
 @pytest.mark.parametrize("name", ["truncated.jpg", "truncated.png"])
-def test_damaged_jpeg_or_png_is_refused_by_the_check(qtbot, make_window, run_async, vision_model,
-                                                     desktop, decodes, name):
+def test_damaged_jpeg_or_png_is_refused_by_the_check(
+    qtbot, make_window, run_async, vision_model, desktop, decodes, name
+):
     window = make_window()
     _load(window, run_async, vision_model)
     broken = _truncated(_noise_picture(desktop / name))
@@ -110,8 +112,9 @@ def test_damaged_jpeg_or_png_is_refused_by_the_check(qtbot, make_window, run_asy
     assert decodes[0][2] is not threading.main_thread()
 
 
-def test_big_photo_is_checked_and_thumbnailed_off_the_gui_thread(qtbot, make_window, run_async,
-                                                                 vision_model, desktop, decodes):
+def test_big_photo_is_checked_and_thumbnailed_off_the_gui_thread(
+    qtbot, make_window, run_async, vision_model, desktop, decodes
+):
     window = make_window()
     _load(window, run_async, vision_model)
     photo = _big_photo(desktop / "DSC_0001.JPG")
@@ -143,8 +146,7 @@ def test_big_photo_is_checked_and_thumbnailed_off_the_gui_thread(qtbot, make_win
     assert all(thread is not main for _, _, thread in decodes)
 
 
-def test_send_during_the_check_waits_for_it_then_goes(qtbot, make_window, run_async, vision_model,
-                                                      desktop):
+def test_send_during_the_check_waits_for_it_then_goes(qtbot, make_window, run_async, vision_model, desktop):
     window = make_window()
     _load(window, run_async, vision_model)
     composer = window.composer
@@ -165,8 +167,7 @@ def test_send_during_the_check_waits_for_it_then_goes(qtbot, make_window, run_as
     assert window.bridge.engine_status()["tower_loaded"]  # the picture went with it
 
 
-def test_send_during_a_failing_check_keeps_the_message(qtbot, make_window, run_async,
-                                                       vision_model, desktop):
+def test_send_during_a_failing_check_keeps_the_message(qtbot, make_window, run_async, vision_model, desktop):
     window = make_window()
     _load(window, run_async, vision_model)
     composer = window.composer
@@ -182,8 +183,7 @@ def test_send_during_a_failing_check_keeps_the_message(qtbot, make_window, run_a
     assert window.store.thread(window.chat.conversation_id) == []  # nothing went
 
 
-def test_escape_cancels_a_send_waiting_for_the_check(qtbot, make_window, run_async,
-                                                     vision_model, desktop):
+def test_escape_cancels_a_send_waiting_for_the_check(qtbot, make_window, run_async, vision_model, desktop):
     window = make_window()
     _load(window, run_async, vision_model)
     composer = window.composer
@@ -200,8 +200,7 @@ def test_escape_cancels_a_send_waiting_for_the_check(qtbot, make_window, run_asy
     assert window.store.thread(window.chat.conversation_id) == []
 
 
-def test_removed_during_the_check_stays_removed(qtbot, make_window, run_async, vision_model,
-                                                desktop, decodes):
+def test_removed_during_the_check_stays_removed(qtbot, make_window, run_async, vision_model, desktop, decodes):
     window = make_window()
     _load(window, run_async, vision_model)
     composer = window.composer
@@ -266,7 +265,6 @@ for path in ({str(photo)!r}, {str(heic)!r}):
 print(",".join(m for m in sys.modules if m == "mlx" or m.startswith("mlx.")))
 """
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""

@@ -39,8 +39,10 @@ def test_engine_content_parts():
     atts = [("image", "/d/a.png"), ("audio", "/d/b.wav"), ("image", "/d/c.jpg")]
     assert message_content("hi", [], {"image"}) == "hi"
     assert message_content("hi", atts, {"image"}) == [
-        {"type": "image", "image": "/d/a.png"}, {"type": "image", "image": "/d/c.jpg"},
-        {"type": "text", "text": "hi"}]
+        {"type": "image", "image": "/d/a.png"},
+        {"type": "image", "image": "/d/c.jpg"},
+        {"type": "text", "text": "hi"},
+    ]
     assert message_content("hi", atts, {"image", "audio"})[1] == {"type": "audio", "audio": "/d/b.wav"}
     assert message_content("hi", atts, set()) == "hi"  # a text model gets the words
 

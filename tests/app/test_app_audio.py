@@ -22,7 +22,7 @@ pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin
 class FakeStream:
     """Stands in for sounddevice.InputStream: the test plays PortAudio's thread."""
 
-    opened: list["FakeStream"] = []
+    opened: list[FakeStream] = []
 
     def __init__(self, samplerate: int, channels: int, callback):
         self.samplerate, self.channels, self.callback = samplerate, channels, callback
@@ -40,9 +40,10 @@ class FakeStream:
 
     def feed(self, signal: np.ndarray, block: int = 512, channels: int = 1) -> None:
         """Deliver ``signal`` in blocks from another thread, as PortAudio does."""
+
         def run():
             for start in range(0, len(signal), block):
-                chunk = signal[start:start + block].astype(np.float32)
+                chunk = signal[start : start + block].astype(np.float32)
                 data = np.repeat(chunk[:, None], channels, axis=1)
                 self.callback(data, len(chunk), None, None)
                 data[:] = 9.0  # PortAudio reuses its buffer: the recorder must have copied
@@ -173,9 +174,9 @@ def test_recording_meter_then_audio_goes_to_transcription(qtbot, make_window, tm
     assert composer.attachments == []  # a text model gets the words, not the audio
 
 
-def test_dropped_audio_is_transcribed_into_the_message_box(qtbot, make_window, run_async,
-                                                           tiny_model, tmp_path, monkeypatch,
-                                                           shared_data):
+def test_dropped_audio_is_transcribed_into_the_message_box(
+    qtbot, make_window, run_async, tiny_model, tmp_path, monkeypatch, shared_data
+):
     """A text model, a Whisper model chosen in Settings: the transcript lands in the box,
     editable, with progress shown while the engine works."""
     monkeypatch.delenv("MLX_DESK_WHISPER", raising=False)
@@ -205,7 +206,8 @@ def test_dropped_audio_is_transcribed_into_the_message_box(qtbot, make_window, r
     assert window.composer.attachments == []  # the words go, not the audio
     if not hasattr(api, "Transcribe"):  # an engine from before speech-to-text
         assert window.error_banner.text().startswith(
-            "Could not transcribe jfk.wav: This engine cannot transcribe audio yet")
+            "Could not transcribe jfk.wav: This engine cannot transcribe audio yet"
+        )
         return
     text = window.composer.edit.toPlainText()
     assert text.startswith("Here is what I said: ") and len(text) > len("Here is what I said: ")

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from app.qt import QTimer, Qt
+from app.qt import Qt, QTimer
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 
@@ -158,8 +158,7 @@ def test_restart_finds_conversation_intact(qtbot, make_window, run_async, tiny_m
     assert again.sidebar.list.currentItem().text() == "remember me"
 
 
-def test_failed_load_is_shown_and_worker_survives(qtbot, make_window, run_async, tiny_model,
-                                                  tmp_path):
+def test_failed_load_is_shown_and_worker_survives(qtbot, make_window, run_async, tiny_model, tmp_path):
     window = make_window()
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -217,8 +216,10 @@ def test_gui_thread_stall_during_streamed_reply(qtbot, make_window, run_async, t
     timer.stop()
     _, result = blocker.args
     assert result.stats.generated_tokens == 200
-    print(f"\nGUI thread longest stall during a 200-token streamed reply: "
-          f"{gaps[0] * 1000:.1f} ms ({result.stats.generation_tps:.0f} tok/s)")
+    print(
+        f"\nGUI thread longest stall during a 200-token streamed reply: "
+        f"{gaps[0] * 1000:.1f} ms ({result.stats.generation_tps:.0f} tok/s)"
+    )
     assert gaps[0] < 30.0  # a sanity bound only (a hang), not a performance target
 
 
@@ -245,8 +246,7 @@ def test_export(qtbot, make_window, run_async, tiny_model, tmp_path, fmt):
     assert [r[2] for r in rows] == ["user", "assistant"]
 
 
-def test_send_while_the_model_loads_waits_for_it(qtbot, make_window, run_async, tiny_model,
-                                                 tmp_path, hold_worker):
+def test_send_while_the_model_loads_waits_for_it(qtbot, make_window, run_async, tiny_model, tmp_path, hold_worker):
     import shutil
 
     from app.tasks import spawn
@@ -279,8 +279,7 @@ def test_send_while_the_model_loads_waits_for_it(qtbot, make_window, run_async, 
     assert thread[1].model == "tiny-llama-next"  # answered by the model that was loading
 
 
-def test_stop_while_waiting_for_the_model_keeps_the_message(qtbot, make_window, run_async,
-                                                             tiny_model, hold_worker):
+def test_stop_while_waiting_for_the_model_keeps_the_message(qtbot, make_window, run_async, tiny_model, hold_worker):
     from app.tasks import spawn
 
     window = make_window()
@@ -309,9 +308,7 @@ def test_live_footer_shows_tokens_speed_and_elapsed(qtbot, make_window, run_asyn
     _load(window, run_async, tiny_model)
     _configure(window, max_tokens=80, ignore_eos=True)
     footers: list[str] = []
-    window.chat_view.repainted.connect(
-        lambda: footers.append(window.chat_view.streaming.stats_label.text())
-    )
+    window.chat_view.repainted.connect(lambda: footers.append(window.chat_view.streaming.stats_label.text()))
     message_id, result = _type_and_send(qtbot, window, "count for me")
     live = [re.fullmatch(r"(\d+) tokens  ·  ([\d.]+) tok/s  ·  ([\d.]+) s", f) for f in footers]
     live = [m for m in live if m]

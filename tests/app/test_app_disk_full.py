@@ -13,8 +13,7 @@ pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin
 def _ready(window, run_async, tiny_model) -> None:
     assert run_async(window.load_model(str(tiny_model)))
     window.new_chat()
-    window.store.update_conversation(window.chat.conversation_id,
-                                     settings={"max_tokens": 8, "temperature": 0.0})
+    window.store.update_conversation(window.chat.conversation_id, settings={"max_tokens": 8, "temperature": 0.0})
 
 
 def test_full_disk_refuses_the_message_and_keeps_it_in_the_box(qtbot, make_window, run_async, tiny_model):
@@ -63,8 +62,7 @@ def test_reply_that_cannot_be_saved_stays_and_is_saved_later(qtbot, make_window,
     assert window.store.message(message_id).status == "streaming"  # the final save did not land
 
     db.execute("PRAGMA query_only=OFF")
-    with qtbot.wait_signal(window.chat.status, timeout=5_000,
-                           check_params_cb=lambda text: "saved again" in text):
+    with qtbot.wait_signal(window.chat.status, timeout=5_000, check_params_cb=lambda text: "saved again" in text):
         pass
     saved = window.store.message(message_id)
     assert saved.content == result.text and saved.status == "complete"

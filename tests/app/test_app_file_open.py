@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.qt import QApplication, QFileOpenEvent
 from app import tasks
 from app.main import parse_args
+from app.qt import QApplication, QFileOpenEvent
 from app.ui.file_open import install_file_open, open_paths
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints", "does not support raise")  # offscreen noise

@@ -33,8 +33,9 @@ def gemma4(tmp_path_factory) -> Path:
     return folder
 
 
-def test_gemma4_takes_a_photo_and_a_voice_note_in_one_message(qtbot, make_window, run_async, gemma4, shared_data,
-                                                               tmp_path):
+def test_gemma4_takes_a_photo_and_a_voice_note_in_one_message(
+    qtbot, make_window, run_async, gemma4, shared_data, tmp_path
+):
     desktop = tmp_path / "desktop"
     desktop.mkdir()
     photo, note = desktop / "cat.png", desktop / "voice-note.wav"
@@ -43,8 +44,12 @@ def test_gemma4_takes_a_photo_and_a_voice_note_in_one_message(qtbot, make_window
     # The engine on its own, same weights and dtype as the app loads them: what the reply must be.
     host = ModelHost()
     host.load(str(gemma4))
-    want = host.generate("ref", BOTH["messages"], GenerationParams(max_tokens=STEPS, ignore_eos=True),
-                         media=[MediaInput("image", str(photo)), MediaInput("audio", str(note))]).token_ids
+    want = host.generate(
+        "ref",
+        BOTH["messages"],
+        GenerationParams(max_tokens=STEPS, ignore_eos=True),
+        media=[MediaInput("image", str(photo)), MediaInput("audio", str(note))],
+    ).token_ids
     host.unload()
 
     data = tmp_path / "data"

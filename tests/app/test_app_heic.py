@@ -17,9 +17,9 @@ from PIL import Image
 
 from app.attachments import media_kind, mime_type, refusal
 from app.qt import QApplication, QFileOpenEvent, QImage, QMimeData, Qt
-from app.ui.images import image_problem, read_image
 from app.ui.composer import PICK_FILTER
 from app.ui.file_open import install_file_open
+from app.ui.images import image_problem, read_image
 from engine.media.image import enable_heif
 from tests.app.test_app_images import GEMMA, SEND, drop, open_preview, shown, url_mime
 
@@ -62,8 +62,12 @@ def heic(tmp_path) -> Path:
 def _assert_upright(image: QImage) -> None:
     assert not image.isNull()
     w, h = image.width(), image.height()
-    for (x, y), want in [((0.2, 0.2), TOP_LEFT), ((0.8, 0.2), TOP_RIGHT),
-                         ((0.2, 0.8), BOTTOM_LEFT), ((0.8, 0.8), BOTTOM_RIGHT)]:
+    for (x, y), want in [
+        ((0.2, 0.2), TOP_LEFT),
+        ((0.8, 0.2), TOP_RIGHT),
+        ((0.2, 0.8), BOTTOM_LEFT),
+        ((0.8, 0.8), BOTTOM_RIGHT),
+    ]:
         c = image.pixelColor(int(x * w), int(y * h))
         assert max(abs(c.red() - want[0]), abs(c.green() - want[1]), abs(c.blue() - want[2])) < 24, (x, y)
 
@@ -85,8 +89,7 @@ def test_heic_counts_as_an_image_everywhere(heic):
     _assert_upright(small)
 
 
-def test_dropped_heic_is_thumbnailed_sent_and_kept(qtbot, make_window, run_async, vision_model,
-                                                   heic, tmp_path):
+def test_dropped_heic_is_thumbnailed_sent_and_kept(qtbot, make_window, run_async, vision_model, heic, tmp_path):
     data = tmp_path / "data"
     window = make_window(data)
     assert run_async(window.load_model(str(vision_model)))
@@ -134,8 +137,7 @@ def test_dropped_heic_is_thumbnailed_sent_and_kept(qtbot, make_window, run_async
         p.close()
 
 
-def test_heic_opened_by_the_system_or_pasted_as_data(qtbot, make_window, run_async, vision_model,
-                                                      heic):
+def test_heic_opened_by_the_system_or_pasted_as_data(qtbot, make_window, run_async, vision_model, heic):
     window = make_window()
     assert run_async(window.load_model(str(vision_model)))
     handler = install_file_open(window)

@@ -21,9 +21,9 @@ from app.qt import (
     QMimeData,
     QPointF,
     Qt,
+    QtGui,
     QUrl,
 )
-from app.qt import QtGui
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 
@@ -64,12 +64,12 @@ def photo(tmp_path) -> Path:
 def drop(widget, mime: QMimeData) -> QDropEvent:
     """Drag-enter then drop ``mime`` on ``widget``, as Qt delivers a real drop."""
     pos = QPointF(widget.width() / 2, widget.height() / 2)
-    enter = QtGui.QDragEnterEvent(pos, Qt.DropAction.CopyAction, mime,
-                                  Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
+    enter = QtGui.QDragEnterEvent(
+        pos, Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier
+    )
     QApplication.sendEvent(widget, enter)
     assert enter.isAccepted()
-    event = QDropEvent(pos, Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
-                       Qt.KeyboardModifier.NoModifier)
+    event = QDropEvent(pos, Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
     QApplication.sendEvent(widget, event)
     return event
 
@@ -89,8 +89,7 @@ def shown(qtbot, label) -> QImage:
 def open_preview(qtbot, item):
     """Click a sent thumbnail; the preview that opens, with its picture decoded."""
     qtbot.mouseClick(item, Qt.MouseButton.LeftButton)
-    previews = [w for w in QApplication.topLevelWidgets()
-                if w.objectName() == "imagePreview" and w.isVisible()]
+    previews = [w for w in QApplication.topLevelWidgets() if w.objectName() == "imagePreview" and w.isVisible()]
     assert previews
     shown(qtbot, previews[0].label)
     return previews
@@ -101,16 +100,18 @@ def _load(window, run_async, path: Path) -> None:
     window.store.update_conversation(window.chat.conversation_id, settings=SEND)
 
 
-def test_drop_send_and_find_it_after_a_restart(qtbot, make_window, run_async, vision_model,
-                                               photo, tmp_path, monkeypatch):
+def test_drop_send_and_find_it_after_a_restart(
+    qtbot, make_window, run_async, vision_model, photo, tmp_path, monkeypatch
+):
     import threading
 
     import app.controllers.chat
 
     copied_in = []  # the threads that hashed and copied the attachment
     real_keep = app.controllers.chat.keep_file
-    monkeypatch.setattr(app.controllers.chat, "keep_file",
-                        lambda *a: copied_in.append(threading.current_thread()) or real_keep(*a))
+    monkeypatch.setattr(
+        app.controllers.chat, "keep_file", lambda *a: copied_in.append(threading.current_thread()) or real_keep(*a)
+    )
     data = tmp_path / "data"
     window = make_window(data)
     _load(window, run_async, vision_model)
@@ -156,7 +157,8 @@ def test_drop_send_and_find_it_after_a_restart(qtbot, make_window, run_async, vi
     assert not shown(qtbot, row.items[0].picture).isNull()
     with sqlite3.connect(data / "history.sqlite3") as db:
         kind, path, mime = db.execute(
-            "SELECT kind, path, mime FROM attachments WHERE message_id=?", (user.id,)).fetchone()
+            "SELECT kind, path, mime FROM attachments WHERE message_id=?", (user.id,)
+        ).fetchone()
     assert (kind, path, mime) == ("image", str(stored), "image/png")
 
     # Clicking the thumbnail opens the larger preview.
@@ -232,7 +234,8 @@ def test_drop_image_data_paste_and_remove(qtbot, make_window, run_async, vision_
 
 
 def test_text_only_model_refuses_images_before_anything_is_sent(
-        qtbot, make_window, run_async, text_model, vision_model, photo):
+    qtbot, make_window, run_async, text_model, vision_model, photo
+):
     window = make_window()
     # No model yet: the drop says what to load.
     with qtbot.wait_signal(window.composer.refused) as blocker:
@@ -262,8 +265,7 @@ def test_text_only_model_refuses_images_before_anything_is_sent(
     assert not (window.store.data_dir / "attachments").exists()
 
 
-def test_text_chat_on_a_vision_model_never_loads_the_tower(qtbot, make_window, run_async,
-                                                           vision_model):
+def test_text_chat_on_a_vision_model_never_loads_the_tower(qtbot, make_window, run_async, vision_model):
     window = make_window()
     _load(window, run_async, vision_model)
     assert window.bridge.engine_status() == {"model_loaded": True, "tower_loaded": False}

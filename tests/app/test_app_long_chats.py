@@ -40,8 +40,7 @@ def _uncached(window, run_async, conversation_id: int) -> api.GenerationResult:
     return run_async(window.bridge.generate("uncached", messages, params))
 
 
-def test_three_turns_across_a_restart_prefill_only_the_new_tokens(qtbot, make_window, run_async,
-                                                                  tiny_model, tmp_path):
+def test_three_turns_across_a_restart_prefill_only_the_new_tokens(qtbot, make_window, run_async, tiny_model, tmp_path):
     data = tmp_path / "data"
     window = make_window(data)
     _load(window, run_async, tiny_model)
@@ -71,8 +70,7 @@ def test_three_turns_across_a_restart_prefill_only_the_new_tokens(qtbot, make_wi
     assert plain.token_ids == third.token_ids and plain.text == third.text
 
 
-def test_a_damaged_file_is_skipped_reprefilled_and_replaced(qtbot, make_window, run_async,
-                                                            tiny_model, tmp_path):
+def test_a_damaged_file_is_skipped_reprefilled_and_replaced(qtbot, make_window, run_async, tiny_model, tmp_path):
     data = tmp_path / "data"
     window = make_window(data)
     _load(window, run_async, tiny_model)
@@ -129,12 +127,12 @@ def test_disk_budget_drops_least_recently_used_and_clear_empties(qtbot, make_win
     action.trigger()
     assert caches.sizes() == {}
     assert "cleared" in window.statusBar().currentMessage()
-    assert all("Saved cache" not in window.sidebar.list.item(i).toolTip()
-               for i in range(window.sidebar.list.count()))
+    assert all("Saved cache" not in window.sidebar.list.item(i).toolTip() for i in range(window.sidebar.list.count()))
 
 
 def test_kv_precision_in_settings_applies_at_load_counts_in_the_gauge_and_keys_the_saved_cache(
-        qtbot, make_window, run_async, tiny_model):
+    qtbot, make_window, run_async, tiny_model
+):
     window = make_window()
     _load(window, run_async, tiny_model)
     full_per_token = window.gauge.kv_per_token
@@ -158,13 +156,15 @@ def test_kv_precision_in_settings_applies_at_load_counts_in_the_gauge_and_keys_t
     assert window.caches.last_restore[conv].reason == "the saved cache was made with another kv"
 
 
-def test_quitting_mid_reply_saves_the_cache_before_the_engine_stops(qtbot, make_window, run_async,
-                                                                   tiny_model, tmp_path):
+def test_quitting_mid_reply_saves_the_cache_before_the_engine_stops(
+    qtbot, make_window, run_async, tiny_model, tmp_path
+):
     data = tmp_path / "data"
     window = make_window(data)
     _load(window, run_async, tiny_model)
-    window.store.update_conversation(window.chat.conversation_id,
-                                     settings={"max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True})
+    window.store.update_conversation(
+        window.chat.conversation_id, settings={"max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True}
+    )
     tokens: list[str] = []
     window.bridge.token.connect(lambda rid, text, ch: tokens.append(text))
     window.composer.edit.setFocus()
@@ -203,14 +203,14 @@ def _long_chat(window, turns: int) -> None:
     parent = None
     for i in range(turns):
         parent = window.store.add_message(conv, "user", f"question {i}: the quick brown fox", parent)
-        parent = window.store.add_message(conv, "assistant", f"answer {i}: hello there how are you", parent,
-                                          status="complete")
+        parent = window.store.add_message(
+            conv, "assistant", f"answer {i}: hello there how are you", parent, status="complete"
+        )
     window.chat.refresh()
 
 
 @pytest.mark.parametrize("policy", [None, "rolling", "stop"])
-def test_overflow_policies_at_the_edge_of_a_256_token_context(qtbot, make_window, run_async, short_model,
-                                                             policy):
+def test_overflow_policies_at_the_edge_of_a_256_token_context(qtbot, make_window, run_async, short_model, policy):
     window = make_window()
     _load(window, run_async, short_model)
     assert window.bridge.model_info.context_length == 256

@@ -55,7 +55,7 @@ else:
 # as <tool_response> turns.
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
     "{%- for m in messages %}"
     "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
     "{%- elif m.tool_calls %}<|im_start|>assistant\n{{ m.content }}{% for c in m.tool_calls %}"
@@ -88,8 +88,10 @@ def _window(make_window, run_async, tool_model, command):
     assert run_async(window.load_model(str(tool_model)))
     assert window.bridge.model_info.tool_format == "hermes"
     window.tools.add_server("places", command)
-    window.store.update_conversation(window.chat.conversation_id, settings={
-        "max_tokens": 120, "seed": 3, "temperature": 0.8, "tool_choice": "required"})
+    window.store.update_conversation(
+        window.chat.conversation_id,
+        settings={"max_tokens": 120, "seed": 3, "temperature": 0.8, "tool_choice": "required"},
+    )
     return window
 
 
@@ -132,11 +134,15 @@ def test_approved_call_runs_and_its_result_goes_back(qtbot, make_window, run_asy
     assert len(sent) == 2
     call_turn, tool_turn = sent[1][-2], sent[1][-1]
     assert call_turn["role"] == "assistant" and call_turn["tool_calls"][0]["function"]["name"] == "lookup"
-    assert tool_turn == {"role": "tool", "tool_call_id": call_turn["tool_calls"][0]["id"], "name": "lookup",
-                         "content": f"weather in {city[0]}: sunny"}
+    assert tool_turn == {
+        "role": "tool",
+        "tool_call_id": call_turn["tool_calls"][0]["id"],
+        "name": "lookup",
+        "content": f"weather in {city[0]}: sunny",
+    }
     # The transcript shows the call and its result, and keeps them.
     stored = window.store.thread(window.chat.conversation_id)[-1]
-    assert f"🔧 **lookup** `{{\"city\": \"{city[0]}\"}}` → weather in {city[0]}: sunny" in stored.content
+    assert f'🔧 **lookup** `{{"city": "{city[0]}"}}` → weather in {city[0]}: sunny' in stored.content
     assert stored.status == "complete"
     assert "lookup" in window.chat_view.widgets[message_id].content
     assert not window.tool_approval.isVisible()
@@ -216,8 +222,10 @@ def test_settings_tools_lists_adds_and_removes_servers(qtbot, make_window, tmp_p
     assert "already an MCP server called 'web'" in dialog.error.text()
     assert [dialog.list.item(i).text().split()[0] for i in range(dialog.list.count())] == ["files", "web"]
     saved = json.loads((tmp_path / "data" / "mcp.json").read_text())["mcpServers"]
-    assert saved == {"files": {"command": "npx", "args": ["-y", "some-mcp-server", "~/Documents"]},
-                     "web": {"url": "http://127.0.0.1:8000/mcp"}}
+    assert saved == {
+        "files": {"command": "npx", "args": ["-y", "some-mcp-server", "~/Documents"]},
+        "web": {"url": "http://127.0.0.1:8000/mcp"},
+    }
     dialog.list.setCurrentRow(0)
     dialog.remove_button.click()
     assert [s.name for s in window.tools.servers] == ["web"]

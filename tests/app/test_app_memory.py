@@ -24,8 +24,7 @@ def test_gauge_figures_and_overflow_warning(qtbot, make_window, run_async, tiny_
     assert gauge.level == "ok"
 
     conv = window.chat.conversation_id
-    window.store.update_conversation(conv, settings={"max_tokens": 40, "ignore_eos": True,
-                                                     "temperature": 0.0})
+    window.store.update_conversation(conv, settings={"max_tokens": 40, "ignore_eos": True, "temperature": 0.0})
     window.settings.load("", window.store.conversation(conv).settings)
     window.composer.edit.setPlainText("fill some memory")
     with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000) as blocker:

@@ -32,9 +32,7 @@ def _choose(window, gb: float | None) -> None:
     panel.budget_value.setValue(gb)
 
 
-def test_budget_persists_reaches_the_load_and_explains_a_refusal(
-    qtbot, make_window, run_async, wide_model, tmp_path
-):
+def test_budget_persists_reaches_the_load_and_explains_a_refusal(qtbot, make_window, run_async, wide_model, tmp_path):
     data = tmp_path / "data"
     window = make_window(data)
     window.settings_toggle.setChecked(True)
@@ -106,9 +104,11 @@ def test_budget_persists_reaches_the_load_and_explains_a_refusal(
 def test_refusal_message_suggests_settings_only_when_the_machine_has_room():
     budget = model_prefs.BudgetSetting(custom=None, automatic=12 * GB, total=16 * GB)
     raise_it = model_prefs.refusal_message("big-model", 14 * GB, budget)
-    assert raise_it == ("big-model needs 14.0 GB for its weights; the memory budget is 12.0 GB "
-                        "(automatic). Raise the memory budget in Settings (up to 16.0 GB on this "
-                        "machine) to load it, or pick a smaller or more quantized model.")
+    assert raise_it == (
+        "big-model needs 14.0 GB for its weights; the memory budget is 12.0 GB "
+        "(automatic). Raise the memory budget in Settings (up to 16.0 GB on this "
+        "machine) to load it, or pick a smaller or more quantized model."
+    )
     too_big = model_prefs.refusal_message("huge-model", 40 * GB, budget)
     assert "Raise" not in too_big and "Settings" not in too_big
     assert "more than this machine's 16.0 GB" in too_big
@@ -127,8 +127,9 @@ def test_a_budget_the_history_cannot_save_is_said_and_not_shown_as_kept(qtbot, m
     window.store._db.execute("PRAGMA query_only=OFF")
 
 
-def test_a_draft_model_that_does_not_fit_says_how_to_make_room(qtbot, make_window, run_async, tiny_model,
-                                                               wide_model, tmp_path):
+def test_a_draft_model_that_does_not_fit_says_how_to_make_room(
+    qtbot, make_window, run_async, tiny_model, wide_model, tmp_path
+):
     window = make_window(tmp_path / "data")
     _choose(window, 0.02)  # room for the tiny model, not for the ~25 MB one beside it
     assert run_async(window.load_model(str(tiny_model)))

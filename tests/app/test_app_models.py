@@ -31,9 +31,7 @@ def make_hf_cache(root: Path, repo_id: str) -> Path:
     return root / "hub"
 
 
-def test_browser_lists_cached_model_with_fit_and_loads_it(
-    qtbot, make_window, run_async, tmp_path, monkeypatch
-):
+def test_browser_lists_cached_model_with_fit_and_loads_it(qtbot, make_window, run_async, tmp_path, monkeypatch):
     hub = make_hf_cache(tmp_path / "hf", "tiny-org/tiny-llama-chat")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     broken = tmp_path / "extra" / "broken-model"
@@ -49,9 +47,10 @@ def test_browser_lists_cached_model_with_fit_and_loads_it(
         from app.tasks import spawn
 
         spawn(browser.refresh())
-    rows = {browser.table.item(r, 0).text(): [browser.table.item(r, c).text()
-                                               for c in range(browser.table.columnCount())]
-            for r in range(browser.table.rowCount())}
+    rows = {
+        browser.table.item(r, 0).text(): [browser.table.item(r, c).text() for c in range(browser.table.columnCount())]
+        for r in range(browser.table.rowCount())
+    }
     cached = rows["tiny-org/tiny-llama-chat"]
     assert cached[1] == "llama"
     assert cached[2].endswith("K")  # parameter count, e.g. "54K"
@@ -66,9 +65,7 @@ def test_browser_lists_cached_model_with_fit_and_loads_it(
     assert "tiny" in window.windowTitle()
 
 
-def test_first_run_without_models_offers_recommended_downloads(
-    qtbot, make_window, run_async, tmp_path, monkeypatch
-):
+def test_first_run_without_models_offers_recommended_downloads(qtbot, make_window, run_async, tmp_path, monkeypatch):
     from app.recommended import BUILT_IN, recommended_models
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
@@ -97,9 +94,7 @@ def test_first_run_without_models_offers_recommended_downloads(
     assert BUILT_IN[0].repo_id == "mlx-community/Qwen3-0.6B-4bit"
 
 
-def test_first_run_with_a_cached_model_stays_in_the_chat(
-    qtbot, make_window, run_async, tmp_path, monkeypatch
-):
+def test_first_run_with_a_cached_model_stays_in_the_chat(qtbot, make_window, run_async, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(make_hf_cache(tmp_path / "hf", "org/tiny")))
     window = make_window()
     assert run_async(window.offer_models_on_first_run()) is False
@@ -111,27 +106,32 @@ def test_recommended_list_file_puts_its_default_first(tmp_path, monkeypatch):
 
     import app.recommended
 
-    (tmp_path / "recommended_models.json").write_text(json.dumps({
-        "default": "org/b",
-        "models": [{"repo_id": "org/a", "approx_size_bytes": 1_000_000, "why": "small"},
-                   {"repo_id": "org/b", "approx_size_bytes": 2_000_000}],
-    }))
+    (tmp_path / "recommended_models.json").write_text(
+        json.dumps(
+            {
+                "default": "org/b",
+                "models": [
+                    {"repo_id": "org/a", "approx_size_bytes": 1_000_000, "why": "small"},
+                    {"repo_id": "org/b", "approx_size_bytes": 2_000_000},
+                ],
+            }
+        )
+    )
     monkeypatch.setattr(app.recommended, "resource_path", lambda name: tmp_path / name)
     picks = app.recommended.recommended_models()
     assert [(m.repo_id, m.approx_size_bytes, m.why) for m in picks] == [
-        ("org/b", 2_000_000, ""), ("org/a", 1_000_000, "small")]
+        ("org/b", 2_000_000, ""),
+        ("org/a", 1_000_000, "small"),
+    ]
 
 
-def test_base_model_without_chat_template_shows_a_notice(qtbot, make_window, run_async,
-                                                          shared_data, tiny_model):
+def test_base_model_without_chat_template_shows_a_notice(qtbot, make_window, run_async, shared_data, tiny_model):
     """stories260K (../shared/data/tiny_llm) is a base model: no chat template."""
     window = make_window()
     assert run_async(window.load_model(str(tiny_model)))
     assert not window.template_notice.isVisible()
     assert run_async(window.load_model(str(shared_data / "tiny_llm" / "stories260K.gguf")))
     assert window.template_notice.isVisible()
-    assert window.template_notice.text() == ("this model has no chat template: "
-                                             "plain text continuation")
+    assert window.template_notice.text() == ("this model has no chat template: plain text continuation")
     assert run_async(window.load_model(str(tiny_model)))
     assert not window.template_notice.isVisible()
-

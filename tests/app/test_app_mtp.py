@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from test_app_adapters import _ready, _regenerate, _send
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
@@ -25,12 +24,25 @@ def hybrid_folder(tiny_model: Path, folder: Path, with_mtp: bool) -> Path:
     shutil.copytree(tiny_model, folder)
     base = json.loads((tiny_model / "config.json").read_text())
     config = {
-        "model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": base["vocab_size"],
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "eos_token_id": base["eos_token_id"], "bos_token_id": base.get("bos_token_id"),
+        "model_type": "qwen3_5_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": base["vocab_size"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "eos_token_id": base["eos_token_id"],
+        "bos_token_id": base.get("bos_token_id"),
         "mtp_num_hidden_layers": 1,
     }
     (folder / "config.json").write_text(json.dumps(config))
@@ -71,7 +83,8 @@ def test_mtp_choice_follows_the_model(qtbot, make_window, run_async, tiny_model,
     assert run_async(window.load_model(str(without)))
     assert not mtp_item.isEnabled() and "mlx-lm" in mtp_item.toolTip()
     with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000) as done:
-        with qtbot.wait_signal(window.chat.status, timeout=60_000,
-                               check_params_cb=lambda text: "without MTP drafting" in text):
+        with qtbot.wait_signal(
+            window.chat.status, timeout=60_000, check_params_cb=lambda text: "without MTP drafting" in text
+        ):
             window.chat_view.widgets[mtp_id].action_button.click()
     assert done.args[1].stats.draft_tokens == 0

@@ -11,9 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NEEDED = ["style.qss", "presets.json", "icons/mlx-desk.svg", "icons/attach.svg", "icons/mic.svg"]
 
-PROBE = ("from app.resources import resource_dir, resource_path; import sys; "
-         "print(resource_dir()); sys.exit(0 if all(resource_path(n).is_file() "
-         f"for n in {NEEDED!r}) else 3)")
+PROBE = (
+    "from app.resources import resource_dir, resource_path; import sys; "
+    "print(resource_dir()); sys.exit(0 if all(resource_path(n).is_file() "
+    f"for n in {NEEDED!r}) else 3)"
+)
 
 
 def test_source_checkout_finds_resources():
@@ -27,21 +29,40 @@ def test_installed_package_carries_resources(tmp_path):
     """What pip installs from the wheel: the resources as data files under the prefix,
     found through the installed distribution's file list."""
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path / "wheel"), str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert built.returncode == 0, built.stderr
     wheel = next((tmp_path / "wheel").glob("*.whl"))
     prefix = tmp_path / "prefix"
     installed = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert installed.returncode == 0, installed.stderr
     site = next(prefix.glob("lib/python*/site-packages"))
-    probe = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True,
-                           text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
     assert probe.returncode == 0, probe.stdout + probe.stderr
     assert Path(probe.stdout.strip()) == prefix / "share" / "mlx-desk" / "resources"
 

@@ -32,8 +32,9 @@ def test_server_menu_serves_the_windows_model(qtbot, make_window, run_async, tin
 
     with openai.OpenAI(base_url=address, api_key="none", max_retries=0, timeout=60) as client:
         assert client.models.list().data[0].id == "tiny-llama"
-        reply = client.chat.completions.create(model="tiny-llama", max_tokens=5, temperature=0,
-                                               messages=[{"role": "user", "content": "hello"}])
+        reply = client.chat.completions.create(
+            model="tiny-llama", max_tokens=5, temperature=0, messages=[{"role": "user", "content": "hello"}]
+        )
     assert reply.choices[0].message.content is not None and reply.usage.completion_tokens > 0
     qtbot.waitUntil(lambda: "POST /v1/chat/completions  200" in menu.log.view.toPlainText(), timeout=10_000)
 
@@ -94,8 +95,13 @@ def test_the_windows_chat_decodes_beside_a_server_stream(qtbot, make_window, run
 
     def stream() -> None:
         with openai.OpenAI(base_url=menu.controller.address, api_key="none", max_retries=0, timeout=120) as c:
-            for chunk in c.chat.completions.create(model="tiny-llama", max_tokens=400, temperature=0, stream=True,
-                                                   messages=[{"role": "user", "content": "tell me a story"}]):
+            for chunk in c.chat.completions.create(
+                model="tiny-llama",
+                max_tokens=400,
+                temperature=0,
+                stream=True,
+                messages=[{"role": "user", "content": "tell me a story"}],
+            ):
                 if chunk.choices and chunk.choices[0].delta.content:
                     started.set()
         done.set()

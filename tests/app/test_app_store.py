@@ -74,17 +74,20 @@ def test_conversations_search_rename_delete(store):
 
 def test_attachments_and_export(store):
     cid = store.create_conversation("Cat", system_prompt="Be kind.")
-    u = store.add_message(cid, "user", "what is this?", None,
-                          attachments=[("image", "/pics/cat.png")])
+    u = store.add_message(cid, "user", "what is this?", None, attachments=[("image", "/pics/cat.png")])
     a = store.add_message(cid, "assistant", "", u, status="streaming")
-    store.update_message(a, content="A **cat**.", reasoning="fur, whiskers",
-                         status="complete", stats={"generated_tokens": 3})
+    store.update_message(
+        a, content="A **cat**.", reasoning="fur, whiskers", status="complete", stats={"generated_tokens": 3}
+    )
     assert store.attachments(u) == [("image", "/pics/cat.png")]
     data = store.export_json(cid)
     assert data["system_prompt"] == "Be kind."
     assert data["messages"][1] == {
-        "role": "assistant", "content": "A **cat**.", "reasoning": "fur, whiskers",
-        "stats": {"generated_tokens": 3}, "created_at": data["messages"][1]["created_at"],
+        "role": "assistant",
+        "content": "A **cat**.",
+        "reasoning": "fur, whiskers",
+        "stats": {"generated_tokens": 3},
+        "created_at": data["messages"][1]["created_at"],
     }
     json.dumps(data)
     md = store.export_markdown(cid)
@@ -134,8 +137,12 @@ def test_sigkill_mid_reply_leaves_readable_history(tmp_path, tiny_model):
     tiny_model = model
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
     driver = Path(__file__).with_name("kill_driver.py")
-    proc = subprocess.Popen([sys.executable, str(driver), str(data), str(tiny_model), str(log)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, str(driver), str(data), str(tiny_model), str(log)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         partial = ""
@@ -145,9 +152,7 @@ def test_sigkill_mid_reply_leaves_readable_history(tmp_path, tiny_model):
                 continue
             db = sqlite3.connect(f"file:{data / DB_NAME}?mode=ro", uri=True)
             try:
-                row = db.execute(
-                    "SELECT content FROM messages WHERE role='assistant'"
-                ).fetchone()
+                row = db.execute("SELECT content FROM messages WHERE role='assistant'").fetchone()
             except sqlite3.OperationalError:
                 row = None
             db.close()

@@ -43,8 +43,9 @@ def _regenerate(qtbot, run_async, window, reply_id: int):
     return result
 
 
-def test_thinking_switch_is_saved_and_changes_the_prompt(qtbot, make_window, run_async, tmp_path,
-                                                         tiny_model, shared_data):
+def test_thinking_switch_is_saved_and_changes_the_prompt(
+    qtbot, make_window, run_async, tmp_path, tiny_model, shared_data
+):
     qwen3 = (shared_data / "chat_templates" / "llama.cpp" / "Qwen-Qwen3-0.6B.jinja").read_text()
     window = make_window()
     panel = window.settings
@@ -83,8 +84,7 @@ def test_thinking_switch_is_saved_and_changes_the_prompt(qtbot, make_window, run
     assert not panel.thinking_box.isChecked()
 
 
-def test_effort_combo_for_gpt_oss_and_nothing_for_llama3(make_window, run_async, tmp_path, tiny_model,
-                                                         shared_data):
+def test_effort_combo_for_gpt_oss_and_nothing_for_llama3(make_window, run_async, tmp_path, tiny_model, shared_data):
     templates = shared_data / "chat_templates"
     window = make_window()
     panel = window.settings

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "app.main", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "app.main", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_smoke_test_replies_through_the_window(tiny_model, tmp_path):
@@ -35,9 +36,26 @@ def test_smoke_test_replies_through_the_window(tiny_model, tmp_path):
 
     # Outside referee: the engine's own CLI, greedy, on the same chat prompt and length.
     ref = subprocess.run(
-        [sys.executable, "-m", "engine", "generate", "--model", str(tiny_model), "--prompt",
-         "hello there", "--chat", "--temp", "0", "--max-tokens", match.group(1), "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--prompt",
+            "hello there",
+            "--chat",
+            "--temp",
+            "0",
+            "--max-tokens",
+            match.group(1),
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert ref.returncode == 0, ref.stderr
     expected = json.loads(ref.stdout.strip().splitlines()[-1])
@@ -52,8 +70,7 @@ def test_smoke_test_replies_through_the_window(tiny_model, tmp_path):
 
 
 def test_smoke_test_failure_is_one_line(tmp_path):
-    proc = _run("--model", str(tmp_path / "missing"), "--data-dir", str(tmp_path / "d"),
-                "--smoke-test", "hi")
+    proc = _run("--model", str(tmp_path / "missing"), "--data-dir", str(tmp_path / "d"), "--smoke-test", "hi")
     assert proc.returncode == 1
     assert proc.stdout == ""
     [line] = proc.stderr.splitlines()
@@ -85,14 +102,13 @@ from app.store import HistoryStore
 from app.bridge import EngineBridge
 from app.ui.main_window import MainWindow
 app = QApplication([])
-window = MainWindow(HistoryStore({str(tmp_path / 'd')!r}), EngineBridge())
+window = MainWindow(HistoryStore({str(tmp_path / "d")!r}), EngineBridge())
 window.show()
 app.processEvents()
 heavy = ["mlx", "engine.runtime.worker", "huggingface_hub", "pygments", "numpy"]
 print(",".join(m for m in heavy if m in sys.modules))
 """
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""

@@ -39,8 +39,9 @@ def clip(tmp_path, shared_data) -> Path:
     return make_clip(desktop / "walk.mov", shared_data / "images")
 
 
-def test_drop_a_video_send_it_and_find_it_after_a_restart(qtbot, make_window, run_async, video_model, clip,
-                                                          tmp_path, monkeypatch):
+def test_drop_a_video_send_it_and_find_it_after_a_restart(
+    qtbot, make_window, run_async, video_model, clip, tmp_path, monkeypatch
+):
     data = tmp_path / "data"
     window = make_window(data)
     _load(window, run_async, video_model)
@@ -96,8 +97,9 @@ def test_without_qtmultimedia_the_system_player_plays_it(qtbot, monkeypatch, cli
     assert opened == [str(clip)]
 
 
-def test_a_model_without_video_refuses_the_drop_naming_the_families(qtbot, make_window, run_async,
-                                                                    tmp_path_factory, clip):
+def test_a_model_without_video_refuses_the_drop_naming_the_families(
+    qtbot, make_window, run_async, tmp_path_factory, clip
+):
     folder = tmp_path_factory.mktemp("models") / "tiny-gemma3"
     shutil.copytree(GEMMA, folder)
     window = make_window()

@@ -30,8 +30,7 @@ def voxtral(tmp_path_factory) -> Path:
     return folder
 
 
-def test_drop_a_voice_note_on_voxtral_and_ask_about_it(qtbot, make_window, run_async, voxtral, shared_data,
-                                                       tmp_path):
+def test_drop_a_voice_note_on_voxtral_and_ask_about_it(qtbot, make_window, run_async, voxtral, shared_data, tmp_path):
     with np.load(ROOT / "tests" / "golden" / "media" / "voxtral_tiny.npz") as z:
         greedy = z["greedy/ids"].tolist()
     note = tmp_path / "desktop" / "voice-note.wav"

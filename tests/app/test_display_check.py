@@ -36,8 +36,13 @@ def test_no_display_is_said_once_the_libraries_are_there():
 def test_the_app_prints_the_line_and_exits_before_qt(tmp_path):
     """With the X platform chosen and no display, mlx-desk says why in one line."""
     env = {"PATH": "/usr/bin:/bin", "QT_QPA_PLATFORM": "xcb", "HOME": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "app.main", "--data-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60, env=env)
+    run = subprocess.run(
+        [sys.executable, "-m", "app.main", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and ("apt-get install" in lines[0] or "DISPLAY is not set" in lines[0])

@@ -22,13 +22,16 @@ def test_the_shipped_list_is_complete():
         assert m["approx_size_bytes"] <= m["min_memory_gb"] * GB * 0.55, m["repo_id"]
 
 
-@pytest.mark.parametrize(("memory_gb", "default"), [
-    (8, "mlx-community/Qwen3.5-2B-MLX-4bit"),
-    (16, "mlx-community/Qwen3.5-4B-MLX-4bit"),
-    (24, "mlx-community/gpt-oss-20b-MXFP4-Q8"),
-    (36, "mlx-community/gemma-4-26b-a4b-it-4bit"),
-    (128, "mlx-community/gemma-4-26b-a4b-it-4bit"),
-])
+@pytest.mark.parametrize(
+    ("memory_gb", "default"),
+    [
+        (8, "mlx-community/Qwen3.5-2B-MLX-4bit"),
+        (16, "mlx-community/Qwen3.5-4B-MLX-4bit"),
+        (24, "mlx-community/gpt-oss-20b-MXFP4-Q8"),
+        (36, "mlx-community/gemma-4-26b-a4b-it-4bit"),
+        (128, "mlx-community/gemma-4-26b-a4b-it-4bit"),
+    ],
+)
 def test_the_default_and_the_picks_follow_the_machines_memory(memory_gb, default):
     reported = int(memory_gb * GB * 0.98)  # the OS keeps a little for itself
     picks = recommended_models(reported)
@@ -40,12 +43,18 @@ def test_the_default_and_the_picks_follow_the_machines_memory(memory_gb, default
 def test_a_machine_smaller_than_every_pick_still_gets_the_list(tmp_path, monkeypatch):
     import app.recommended
 
-    (tmp_path / "recommended_models.json").write_text(json.dumps({
-        "default": "org/a",
-        "default_by_memory": {"16": "org/b"},
-        "models": [{"repo_id": "org/a", "approx_size_bytes": 1, "min_memory_gb": 16},
-                   {"repo_id": "org/b", "approx_size_bytes": 2, "min_memory_gb": 16}],
-    }))
+    (tmp_path / "recommended_models.json").write_text(
+        json.dumps(
+            {
+                "default": "org/a",
+                "default_by_memory": {"16": "org/b"},
+                "models": [
+                    {"repo_id": "org/a", "approx_size_bytes": 1, "min_memory_gb": 16},
+                    {"repo_id": "org/b", "approx_size_bytes": 2, "min_memory_gb": 16},
+                ],
+            }
+        )
+    )
     monkeypatch.setattr(app.recommended, "resource_path", lambda name: tmp_path / name)
     assert [p.repo_id for p in recommended_models(4 * GB)] == ["org/a", "org/b"]
     assert [p.repo_id for p in recommended_models(16 * GB)] == ["org/b", "org/a"]

@@ -37,8 +37,11 @@ def xdisplay():
         if not Path(f"/tmp/.X11-unix/X{n}").exists() and not Path(f"/tmp/.X{n}-lock").exists():
             break
     display = f":{n}"
-    proc = subprocess.Popen([xvfb, display, "-screen", "0", "1280x860x24", "-nolisten", "tcp"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [xvfb, display, "-screen", "0", "1280x860x24", "-nolisten", "tcp"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 20
     while not Path(f"/tmp/.X11-unix/X{n}").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -50,8 +53,9 @@ def xdisplay():
 
 
 def _xdotool(display: str, *args: str, timeout: float = 30) -> str:
-    out = subprocess.run(["xdotool", *args], env={**os.environ, "DISPLAY": display},
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        ["xdotool", *args], env={**os.environ, "DISPLAY": display}, capture_output=True, text=True, timeout=timeout
+    )
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
@@ -62,8 +66,10 @@ def _wait(predicate, timeout: float, what: str, app: subprocess.Popen):
         if value:
             return value
         if app.poll() is not None:
-            pytest.fail(f"the app exited ({app.returncode}) while waiting for {what}: "
-                        f"{app.stdout.read().decode(errors='replace')[-2000:]}")
+            pytest.fail(
+                f"the app exited ({app.returncode}) while waiting for {what}: "
+                f"{app.stdout.read().decode(errors='replace')[-2000:]}"
+            )
         time.sleep(0.2)  # polling another process (window list, SQLite file)
     pytest.fail(f"timed out waiting for {what}")
 
@@ -72,16 +78,25 @@ def test_type_a_message_and_find_the_reply_in_history(xdisplay, tmp_path):
     model = make_tiny_llama(tmp_path / "tiny-llama")
     data = tmp_path / "data"
     shot = tmp_path / "window.png"
-    env = {**os.environ, "DISPLAY": xdisplay, "QT_QPA_PLATFORM": "xcb",
-           "MLX_DESK_SCREENSHOT": str(shot), "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "DISPLAY": xdisplay,
+        "QT_QPA_PLATFORM": "xcb",
+        "MLX_DESK_SCREENSHOT": str(shot),
+        "PYTHONPATH": str(ROOT),
+    }
     app = subprocess.Popen(
         [sys.executable, "-m", "app.main", "--data-dir", str(data), "--model", str(model)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         # The title names the model once it has loaded.
-        wid = _wait(lambda: _xdotool(xdisplay, "search", "--name", "MLX Desk — tiny-llama"),
-                    90, "the model to load", app).split()[0]
+        wid = _wait(
+            lambda: _xdotool(xdisplay, "search", "--name", "MLX Desk — tiny-llama"), 90, "the model to load", app
+        ).split()[0]
         _xdotool(xdisplay, "windowfocus", "--sync", wid)
         _xdotool(xdisplay, "type", "--delay", "30", "hello there")
         _xdotool(xdisplay, "key", "Return")

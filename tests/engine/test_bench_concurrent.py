@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from test_cli import last_json, run
 
 BENCH = ["bench", "--shape", "tiny", "--bits", "16", "-p", "16", "-g", "8", "--json"]

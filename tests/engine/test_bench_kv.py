@@ -11,8 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "engine", "bench", "--shape", "tiny", "-p", "64", "-g", "4",
-                           *args, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "bench", "--shape", "tiny", "-p", "64", "-g", "4", *args, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

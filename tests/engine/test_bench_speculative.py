@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from test_cli import last_json, run
 
 BENCH = ["bench", "--shape", "tiny", "--bits", "4", "-p", "24", "-g", "12", "--num-draft", "3", "--json"]

@@ -24,9 +24,18 @@ def _tiny_folder_maker():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.make_tiny_model_folder
+
+
 JSON_KEYS = {
-    "text", "token_ids", "token_logprobs", "prompt_tokens", "generated_tokens",
-    "finish_reason", "prompt_tps", "generation_tps", "peak_memory_bytes",
+    "text",
+    "token_ids",
+    "token_logprobs",
+    "prompt_tokens",
+    "generated_tokens",
+    "finish_reason",
+    "prompt_tps",
+    "generation_tps",
+    "peak_memory_bytes",
 }
 
 
@@ -58,23 +67,44 @@ def test_golden_stories260k(shared_data):
     md = (shared_data / "tiny_llm" / "stories260K.md").read_text()
     # The block after the "$ ./run ... -t 0.0" command line is the greedy sample.
     expected = re.search(r"```\n\$ \./run [^\n]*-t 0\.0\n(.*?)\n```", md, re.S).group(1)
-    proc = run("generate", "--model", str(shared_data / "tiny_llm" / "stories260K.gguf"), "--prompt", "",
-               "--max-tokens", "256", "--temp", "0", "--ignore-eos")
+    proc = run(
+        "generate",
+        "--model",
+        str(shared_data / "tiny_llm" / "stories260K.gguf"),
+        "--prompt",
+        "",
+        "--max-tokens",
+        "256",
+        "--temp",
+        "0",
+        "--ignore-eos",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip("\n") == expected
 
 
 def test_json_contract_and_streaming_agree(model_dir):
-    proc = run("generate", "--model", str(model_dir), "--prompt", "Once upon a time", "--max-tokens", "10",
-               "--ignore-eos", "--logprobs", "--json")
+    proc = run(
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "10",
+        "--ignore-eos",
+        "--logprobs",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     data = last_json(proc.stdout)
     assert set(data) == JSON_KEYS
     assert data["generated_tokens"] == len(data["token_ids"]) == len(data["token_logprobs"]) == 10
     assert data["finish_reason"] == "length"
     assert all(lp <= 0 for lp in data["token_logprobs"])
-    plain = run("generate", "--model", str(model_dir), "--prompt", "Once upon a time", "--max-tokens", "10",
-                "--ignore-eos")
+    plain = run(
+        "generate", "--model", str(model_dir), "--prompt", "Once upon a time", "--max-tokens", "10", "--ignore-eos"
+    )
     assert plain.returncode == 0
     assert plain.stdout == data["text"] + "\n"
 
@@ -84,32 +114,77 @@ def test_prompt_ids_are_fed_as_given(model_dir):
 
     tok = Tokenizer.from_dir(model_dir)
     ids = tok.encode("Once upon a time")  # with the BOS the tokenizer adds
-    a = last_json(run("generate", "--model", str(model_dir), "--prompt", "Once upon a time", "--max-tokens", "6",
-                      "--ignore-eos", "--json").stdout)
-    b = last_json(run("generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, ids)),
-                      "--max-tokens", "6", "--ignore-eos", "--json").stdout)
+    a = last_json(
+        run(
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ).stdout
+    )
+    b = last_json(
+        run(
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompt-ids",
+            ",".join(map(str, ids)),
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ).stdout
+    )
     assert a["prompt_tokens"] == b["prompt_tokens"] == len(ids)
     assert a["token_ids"] == b["token_ids"]
 
 
 def test_chat_wraps_in_template_and_seed_reproduces(model_dir):
-    args = ["generate", "--model", str(model_dir), "--prompt", "hello", "--chat", "--system", "be brief",
-            "--max-tokens", "8", "--temp", "0.9", "--top-p", "0.9", "--top-k", "50", "--min-p", "0.01",
-            "--repetition-penalty", "1.1", "--seed", "5", "--json"]
+    args = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        "hello",
+        "--chat",
+        "--system",
+        "be brief",
+        "--max-tokens",
+        "8",
+        "--temp",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "50",
+        "--min-p",
+        "0.01",
+        "--repetition-penalty",
+        "1.1",
+        "--seed",
+        "5",
+        "--json",
+    ]
     a, b = last_json(run(*args).stdout), last_json(run(*args).stdout)
     assert a["token_ids"] == b["token_ids"]
     # The prompt is exactly the ChatML the folder's template makes of the two messages: the
     # same ids fed as they are give the same prompt length and the same greedy reply.
     from tokenizers import Tokenizer as HFTokenizer
 
-    expected = ("<s><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
-                "<|im_start|>assistant\n")
+    expected = "<s><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     ids = HFTokenizer.from_file(str(model_dir / "tokenizer.json")).encode(expected, add_special_tokens=False).ids
     greedy = ["--max-tokens", "8", "--ignore-eos", "--json"]
-    chat = last_json(run("generate", "--model", str(model_dir), "--prompt", "hello", "--chat", "--system",
-                         "be brief", *greedy).stdout)
-    fed = last_json(run("generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, ids)),
-                        *greedy).stdout)
+    chat = last_json(
+        run(
+            "generate", "--model", str(model_dir), "--prompt", "hello", "--chat", "--system", "be brief", *greedy
+        ).stdout
+    )
+    fed = last_json(run("generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, ids)), *greedy).stdout)
     assert a["prompt_tokens"] == chat["prompt_tokens"] == fed["prompt_tokens"] == len(ids)
     assert chat["token_ids"] == fed["token_ids"]
 
@@ -162,7 +237,9 @@ def test_bench_vs_mlx_lm():
 
 def test_bench_repeats_report_each_figure_at_its_best_and_median():
     pytest.importorskip("mlx_lm")
-    proc = run("bench", "--shape", "tiny", "--bits", "4", "-p", "16", "-g", "4", "--vs", "mlx-lm", "--repeat", "3", "--json")
+    proc = run(
+        "bench", "--shape", "tiny", "--bits", "4", "-p", "16", "-g", "4", "--vs", "mlx-lm", "--repeat", "3", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     data = last_json(proc.stdout)
     for side in ("engine", "mlx_lm"):

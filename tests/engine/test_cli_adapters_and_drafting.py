@@ -6,16 +6,23 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-
 from test_cli import JSON_KEYS, _one_line_failure, last_json, run
 
 SPEC_KEYS = JSON_KEYS | {"draft_tokens", "accepted_draft_tokens", "acceptance_rate"}
-PROMPT = ["--prompt", "Once upon a time there was a little robot. Once upon a time", "--max-tokens", "12",
-          "--ignore-eos", "--json"]
+PROMPT = [
+    "--prompt",
+    "Once upon a time there was a little robot. Once upon a time",
+    "--max-tokens",
+    "12",
+    "--ignore-eos",
+    "--json",
+]
 
 
 def _tiny_folder():
-    spec = importlib.util.spec_from_file_location("cli_tiny_folder_5", Path(__file__).parent / "runtime" / "tiny_folder.py")
+    spec = importlib.util.spec_from_file_location(
+        "cli_tiny_folder_5", Path(__file__).parent / "runtime" / "tiny_folder.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -16,8 +16,23 @@ LAYOUTS = ROOT / "tests" / "golden" / "mlx_layouts"
 
 def generate(folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "engine", "generate", "--model", str(folder), "--prompt-ids", "5,6,7",
-         "--max-tokens", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--model",
+            str(folder),
+            "--prompt-ids",
+            "5,6,7",
+            "--max-tokens",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 

@@ -32,8 +32,19 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 def generate(folder: Path, *extra: str) -> dict:
     prompt = json.loads((folder / "expected.json").read_text())["prompt_ids"][:24] * 2
-    proc = run("generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "12",
-               "--ignore-eos", "--json", *extra, timeout=300)
+    proc = run(
+        "generate",
+        "--model",
+        str(folder),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+        *extra,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return last_json(proc.stdout)
 
@@ -55,8 +66,21 @@ def test_inspect_counts_the_recurrent_state(folders):
 def test_bench_hybrid_shape_runs_against_mlx_lm():
     """The bench shapes qwen3.5-4b / qwen3.5-35b-a3b share this code path; a tiny one runs here."""
     pytest.importorskip("mlx_lm")
-    proc = run("bench", "--shape", "tiny-qwen3.5", "--bits", "4", "-p", "16", "-g", "8", "--vs", "mlx-lm", "--json",
-               timeout=300)
+    proc = run(
+        "bench",
+        "--shape",
+        "tiny-qwen3.5",
+        "--bits",
+        "4",
+        "-p",
+        "16",
+        "-g",
+        "8",
+        "--vs",
+        "mlx-lm",
+        "--json",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     data = last_json(proc.stdout)
     assert data["engine"]["generated_tokens"] == data["mlx_lm"]["generated_tokens"] == 8
@@ -102,8 +126,21 @@ def test_mtp_through_the_cli(folders, tmp_path):
 
 
 def test_bench_times_mtp_drafting():
-    proc = run("bench", "--shape", "tiny-qwen3.5", "-p", "16", "-g", "8", "--speculative", "mtp", "--num-draft", "2",
-               "--json", timeout=300)
+    proc = run(
+        "bench",
+        "--shape",
+        "tiny-qwen3.5",
+        "-p",
+        "16",
+        "-g",
+        "8",
+        "--speculative",
+        "mtp",
+        "--num-draft",
+        "2",
+        "--json",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     spec = last_json(proc.stdout)["speculative"]
     assert spec["mode"] == "mtp" and spec["identical_to_plain"] and spec["draft_tokens"] > 0

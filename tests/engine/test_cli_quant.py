@@ -24,9 +24,23 @@ INDEX = "model.safetensors.index.json"
 
 def generate(folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "engine", "generate", "--model", str(folder), "--prompt-ids", "5,6,7",
-         "--max-tokens", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--model",
+            str(folder),
+            "--prompt-ids",
+            "5,6,7",
+            "--max-tokens",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -90,10 +104,13 @@ def test_hf_experts_missing_from_the_index(tmp_path):
     assert "model.layers.0.mlp.experts.3." in err and INDEX in err, err
 
 
-@pytest.mark.parametrize("block", [
-    {"group_size": 64, "bits": 4, "mode": "int4"},
-    {"group_size": 32, "bits": 4, "mode": "affine", "model.layers.0.mlp.gate": {"mode": "fp6", "bits": 6}},
-])
+@pytest.mark.parametrize(
+    "block",
+    [
+        {"group_size": 64, "bits": 4, "mode": "int4"},
+        {"group_size": 32, "bits": 4, "mode": "affine", "model.layers.0.mlp.gate": {"mode": "fp6", "bits": 6}},
+    ],
+)
 def test_unknown_quantization_mode(sharded, block):
     config = json.loads((sharded / "config.json").read_text())
     config["quantization"] = config["quantization_config"] = block
@@ -114,7 +131,11 @@ def test_bits_mlx_cannot_run(sharded):
 def test_bench_quantizes_in_each_floating_point_mode(mode, bits, group_size):
     proc = subprocess.run(
         [sys.executable, "-m", "engine", "bench", "--shape", "tiny", "--mode", mode, "-p", "8", "-g", "2", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -21,8 +21,9 @@ def _load(window, run_async, path) -> None:
 
 
 @pytest.mark.parametrize("name,variant,text,needle", APP_SEND_CASES, ids=[c[0] for c in APP_SEND_CASES])
-def test_a_bad_send_gets_one_line_in_the_window(qtbot, make_window, run_async, tiny_model, tmp_path,
-                                                name, variant, text, needle):
+def test_a_bad_send_gets_one_line_in_the_window(
+    qtbot, make_window, run_async, tiny_model, tmp_path, name, variant, text, needle
+):
     model = shutil.copytree(tiny_model, tmp_path / variant)
     VARIANTS[variant](model)
     window = make_window()
@@ -41,8 +42,9 @@ def test_a_bad_send_gets_one_line_in_the_window(qtbot, make_window, run_async, t
     assert window.store.thread(window.chat.conversation_id)[0].content == text.strip()  # nothing typed lost
 
 
-def test_escape_cancels_a_transcription_as_the_button_does(qtbot, make_window, run_async, tiny_model,
-                                                           tmp_path, monkeypatch):
+def test_escape_cancels_a_transcription_as_the_button_does(
+    qtbot, make_window, run_async, tiny_model, tmp_path, monkeypatch
+):
     from app.recorder import TARGET_RATE, write_wav
     from tests.engine.media.audio_checkpoints import write_whisper_folder
 

@@ -29,8 +29,9 @@ def _wav(path: Path, rate: int, seconds_of_samples: int = 16000) -> None:
 
 def _gguf_alignment_zero(path: Path) -> None:
     key = b"general.alignment"
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
-                     + struct.pack("<II", 4, 0))
+    path.write_bytes(
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, 0)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +73,19 @@ def _json(capsys) -> dict:
 
 @pytest.mark.parametrize("max_tokens", [10**12, 10**6, 500])
 def test_the_context_stops_a_reply_whatever_max_tokens_says(places, capsys, max_tokens):
-    code = main(["generate", "--model", places["ctx64"], "--prompt-ids", "5,6,7,8,9", "--ignore-eos",
-                 "--max-tokens", str(max_tokens), "--json"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            places["ctx64"],
+            "--prompt-ids",
+            "5,6,7,8,9",
+            "--ignore-eos",
+            "--max-tokens",
+            str(max_tokens),
+            "--json",
+        ]
+    )
     out = _json(capsys)
     assert code == 0
     assert out["finish_reason"] == "length"
@@ -81,8 +93,9 @@ def test_the_context_stops_a_reply_whatever_max_tokens_says(places, capsys, max_
 
 
 def test_a_short_reply_is_not_cut(places, capsys):
-    main(["generate", "--model", places["ctx64"], "--prompt-ids", "5,6,7", "--ignore-eos", "--max-tokens", "7",
-          "--json"])
+    main(
+        ["generate", "--model", places["ctx64"], "--prompt-ids", "5,6,7", "--ignore-eos", "--max-tokens", "7", "--json"]
+    )
     out = _json(capsys)
     assert out["generated_tokens"] == 7 and out["finish_reason"] == "length"
 
@@ -95,6 +108,21 @@ def test_a_prompt_one_short_of_the_context_gets_one_token(places, capsys):
 
 def test_the_nan_check_does_not_fire_on_good_weights(places, capsys):
     for extra in ([], ["--temp", "0.9", "--seed", "3"], ["--logprobs"]):
-        assert main(["generate", "--model", places["model"], "--prompt", "hello", "--max-tokens", "24",
-                     "--ignore-eos", "--json", *extra]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--model",
+                    places["model"],
+                    "--prompt",
+                    "hello",
+                    "--max-tokens",
+                    "24",
+                    "--ignore-eos",
+                    "--json",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         assert _json(capsys)["generated_tokens"] == 24

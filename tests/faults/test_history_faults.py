@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from app import history_recovery
-from app.ui.history_dialog import ask_with_dialog
 from app.history_recovery import open_history, try_open
 from app.qt import QApplication, QFileDialog, QTimer
 from app.store import DB_NAME, HistoryStore
+from app.ui.history_dialog import ask_with_dialog
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 
@@ -24,8 +24,9 @@ def _history(folder: Path, chats: int = 3, messages: int = 40) -> None:
         conv = store.create_conversation(f"chat {c}")
         parent = None
         for m in range(messages):
-            parent = store.add_message(conv, "user" if m % 2 == 0 else "assistant",
-                                       f"message {m} of chat {c} " + "x" * 200, parent)
+            parent = store.add_message(
+                conv, "user" if m % 2 == 0 else "assistant", f"message {m} of chat {c} " + "x" * 200, parent
+            )
     store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     store.close()
 

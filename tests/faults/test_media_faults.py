@@ -28,8 +28,12 @@ def huge_png(path: Path, width: int = 12_000, height: int = 12_000) -> Path:
     """A PNG whose header is 144 megapixels, with the first rows of real (white) pixels:
     the size a 12,000 × 12,000 scan would claim, in a few KB."""
     rows = b"".join(b"\0" + b"\xff" * (3 * width) for _ in range(4))
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                     + _chunk(b"IDAT", zlib.compress(rows)) + _chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + _chunk(b"IDAT", zlib.compress(rows))
+        + _chunk(b"IEND", b"")
+    )
     return path
 
 

@@ -115,8 +115,10 @@ def test_soak_500_turns_across_chats_keeps_memory_flat(model):
     rss_slope = _slope([float(v) for v in rss[half]])
     kv_slope = _slope([float(v) for v in kv[half]])
     active_slope = _slope([float(v) for v in active[half]])
-    print(f"\nsoak: RSS slope {rss_slope / 1024:.1f} KB/turn, KV slope {kv_slope / 1024:.2f} KB/turn, "
-          f"MLX active slope {active_slope / 1024:.2f} KB/turn, KV at most {max(kv) / 1024:.0f} KB")
+    print(
+        f"\nsoak: RSS slope {rss_slope / 1024:.1f} KB/turn, KV slope {kv_slope / 1024:.2f} KB/turn, "
+        f"MLX active slope {active_slope / 1024:.2f} KB/turn, KV at most {max(kv) / 1024:.0f} KB"
+    )
     assert abs(kv_slope) < one_chat / 100  # under 2.5 chats' caches over the whole half
     assert rss_slope < 64 * 1024  # under 64 KB a turn (the app's reported leak was 970 KB)
     assert active_slope < one_chat / 100

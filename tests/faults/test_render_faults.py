@@ -56,7 +56,7 @@ def test_streamed_reply_with_tags_stays_whole(view, qtbot):
     reply = "<s> Once upon a time, <s> there was a <div> cat.\n" * 40
     view.start_streaming(_message(5, "assistant", ""))
     for i in range(0, len(reply), 97):
-        view.append(reply[i:i + 97], "answer")
+        view.append(reply[i : i + 97], "answer")
         view._flush()
     view.stop_streaming()
     # Markdown joins soft-broken lines with a space; every character is still there.
@@ -87,12 +87,15 @@ def test_a_link_opens_after_its_address_is_shown(qtbot, monkeypatch, markdown, t
     from app.ui import message_widget
 
     asked, opened = [], []
-    monkeypatch.setattr(message_widget.QMessageBox, "question",
-                        lambda parent, title, text, *a: asked.append(text) or QMessageBox.StandardButton.Open)
+    monkeypatch.setattr(
+        message_widget.QMessageBox,
+        "question",
+        lambda parent, title, text, *a: asked.append(text) or QMessageBox.StandardButton.Open,
+    )
     monkeypatch.setattr(message_widget.QDesktopServices, "openUrl", lambda url: opened.append(url.toString()) or True)
     parent = QWidget()
     qtbot.addWidget(parent)
-    url = target or markdown[markdown.index("(") + 1:-1] if "(" in markdown else markdown.strip("<>")
+    url = target or markdown[markdown.index("(") + 1 : -1] if "(" in markdown else markdown.strip("<>")
     assert open_link(parent, url) is bool(target)
     if target:
         assert opened == [target] and target in asked[0]
@@ -104,8 +107,7 @@ def test_a_declined_link_does_not_open(qtbot, monkeypatch):
     from app.ui import message_widget
 
     opened = []
-    monkeypatch.setattr(message_widget.QMessageBox, "question",
-                        lambda *a: QMessageBox.StandardButton.Cancel)
+    monkeypatch.setattr(message_widget.QMessageBox, "question", lambda *a: QMessageBox.StandardButton.Cancel)
     monkeypatch.setattr(message_widget.QDesktopServices, "openUrl", lambda url: opened.append(url) or True)
     parent = QWidget()
     qtbot.addWidget(parent)

@@ -94,8 +94,15 @@ def test_a_second_app_on_the_same_folder_is_refused_and_leaves_the_history_alone
         picture = tmp_path / "cat.png"
         picture.write_bytes(b"")
         started = time.monotonic()
-        second = subprocess.run([sys.executable, "-m", "app.main", "--data-dir", str(data), str(picture)],
-                                check=False, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+        second = subprocess.run(
+            [sys.executable, "-m", "app.main", "--data-dir", str(data), str(picture)],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            cwd=ROOT,
+        )
         took = time.monotonic() - started
         assert second.returncode == 0
         assert "already running" in second.stderr and second.stderr.count("\n") == 1

@@ -16,6 +16,7 @@ def _config(**changes):
         config = json.loads((folder / "config.json").read_text())
         config.update(changes)
         (folder / "config.json").write_text(json.dumps(config))
+
     return change
 
 
@@ -25,12 +26,14 @@ def _weights(fill: float):
         name = "model.norm.weight" if np.isnan(fill) else "lm_head.weight"
         weights[name] = np.full_like(weights[name], fill)
         save_file(weights, folder / "model.safetensors")
+
     return change
 
 
 def _raw_config(text: str):
     def change(folder: Path) -> None:
         (folder / "config.json").write_text(text)
+
     return change
 
 
@@ -39,6 +42,7 @@ def _template(source: str):
         config = json.loads((folder / "tokenizer_config.json").read_text())
         config["chat_template"] = source
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
     return change
 
 

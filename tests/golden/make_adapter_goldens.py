@@ -38,9 +38,7 @@ OUT = Path(__file__).resolve().parent / "adapters"
 PROMPT = [1, 7, 42, 99, 3, 64, 127, 15, 8, 77]
 
 ADAPTERS = {
-    "qv": LoraConfig(
-        r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
-    ),
+    "qv": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     "vo_mlp": LoraConfig(
         r=8,
         lora_alpha=16,
@@ -50,7 +48,10 @@ ADAPTERS = {
         lora_dropout=0.0,
     ),
     "dora_kg": LoraConfig(
-        r=4, lora_alpha=4, use_dora=True, target_modules=["k_proj", "v_proj", "gate_proj"],
+        r=4,
+        lora_alpha=4,
+        use_dora=True,
+        target_modules=["k_proj", "v_proj", "gate_proj"],
         lora_dropout=0.0,
     ),
 }
@@ -115,8 +116,10 @@ def to_mlxlm(peft_dir: Path, out_dir: Path, cfg: LoraConfig, kind: str, scale: f
             "rank": cfg.r,
             "scale": scale,
             "dropout": 0.0,
-            "keys": sorted(f"self_attn.{t}" if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
-                           else f"mlp.{t}" for t in cfg.target_modules),
+            "keys": sorted(
+                f"self_attn.{t}" if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else f"mlp.{t}"
+                for t in cfg.target_modules
+            ),
         },
         "model": "tiny-random-llama",
     }

@@ -37,7 +37,6 @@ import wave
 from pathlib import Path
 
 import numpy as np
-
 from synthetic_weights import synthetic_weight
 
 HERE = Path(__file__).resolve().parent
@@ -47,18 +46,36 @@ STRIDE = 7
 # ---- a tiny multilingual Whisper -------------------------------------------------
 
 # Token layout: ordinary tokens, then Whisper's special tokens in their usual order.
-WHISPER_SPECIALS = ["<|startoftranscript|>", "<|en|>", "<|de|>", "<|fr|>", "<|translate|>",
-                    "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+WHISPER_SPECIALS = [
+    "<|startoftranscript|>",
+    "<|en|>",
+    "<|de|>",
+    "<|fr|>",
+    "<|translate|>",
+    "<|transcribe|>",
+    "<|startoflm|>",
+    "<|startofprev|>",
+    "<|nospeech|>",
+    "<|notimestamps|>",
+]
 N_ORDINARY = 100
 N_TIMESTAMPS = 18
 WHISPER_ASR = {
     "model_type": "whisper",
     "vocab_size": N_ORDINARY + len(WHISPER_SPECIALS) + N_TIMESTAMPS,
-    "num_mel_bins": 80, "d_model": 64,
-    "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
-    "decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128,
-    "max_source_positions": 1500, "max_target_positions": 64,
-    "scale_embedding": False, "activation_function": "gelu", "tie_word_embeddings": True,
+    "num_mel_bins": 80,
+    "d_model": 64,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_layers": 2,
+    "decoder_attention_heads": 4,
+    "decoder_ffn_dim": 128,
+    "max_source_positions": 1500,
+    "max_target_positions": 64,
+    "scale_embedding": False,
+    "activation_function": "gelu",
+    "tie_word_embeddings": True,
 }
 MAX_NEW_TOKENS = 40
 SPACE_ID = 3  # the ordinary token begin_suppress_tokens holds besides <|endoftext|>
@@ -84,7 +101,9 @@ def whisper_generation_config(eot: int) -> dict:
     ids = {tok: first + i for i, tok in enumerate(WHISPER_SPECIALS)}
     return {
         "decoder_start_token_id": ids["<|startoftranscript|>"],
-        "eos_token_id": eot, "pad_token_id": eot, "bos_token_id": eot,
+        "eos_token_id": eot,
+        "pad_token_id": eot,
+        "bos_token_id": eot,
         "lang_to_id": {"<|en|>": ids["<|en|>"], "<|de|>": ids["<|de|>"], "<|fr|>": ids["<|fr|>"]},
         "task_to_id": {"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
         "no_timestamps_token_id": ids["<|notimestamps|>"],
@@ -107,8 +126,13 @@ def whisper_asr_goldens(audio_dir: Path) -> tuple[dict, dict]:
         return fe(samples, sampling_rate=16000, return_tensors="pt").input_features
 
     def build(eot: int, suppress: list[int]):
-        cfg = {**WHISPER_ASR, "eos_token_id": eot, "pad_token_id": eot, "bos_token_id": eot,
-               "decoder_start_token_id": N_ORDINARY}
+        cfg = {
+            **WHISPER_ASR,
+            "eos_token_id": eot,
+            "pad_token_id": eot,
+            "bos_token_id": eot,
+            "decoder_start_token_id": N_ORDINARY,
+        }
         model = WhisperForConditionalGeneration(WhisperConfig(**cfg)).eval()
         shapes = fill(model, torch)
         gen = whisper_generation_config(eot)
@@ -118,9 +142,16 @@ def whisper_asr_goldens(audio_dir: Path) -> tuple[dict, dict]:
 
     def run(model, features, language):
         with torch.no_grad():
-            out = model.generate(features, language=language, task="transcribe", return_timestamps=False,
-                                 do_sample=False, num_beams=1, max_new_tokens=MAX_NEW_TOKENS,
-                                 return_dict_in_generate=True)
+            out = model.generate(
+                features,
+                language=language,
+                task="transcribe",
+                return_timestamps=False,
+                do_sample=False,
+                num_beams=1,
+                max_new_tokens=MAX_NEW_TOKENS,
+                return_dict_in_generate=True,
+            )
         return out.sequences[0].tolist()  # the forced prompt, then what was generated
 
     # Pass 1 (eot out of reach, no suppression): find what plain greedy decoding picks.
@@ -159,10 +190,18 @@ def whisper_asr_goldens(audio_dir: Path) -> tuple[dict, dict]:
     windows = longform(model, long, language=None, max_new_tokens=MAX_NEW_TOKENS)
     out.update(segment_arrays("long", windows))
     print(f"whisper asr: eot {eot}, suppress {suppress}, detected {detected}, given {other}: {given}")
-    meta = {"config": {**WHISPER_ASR, "eos_token_id": eot, "decoder_start_token_id": N_ORDINARY},
-            "generation_config": gen, "specials": WHISPER_SPECIALS, "n_ordinary": N_ORDINARY,
-            "n_timestamps": N_TIMESTAMPS, "max_new_tokens": MAX_NEW_TOKENS, "parameters": shapes,
-            "long_windows": len(windows["seeks"]), "detected_language": lang.strip("<|>"), "given_language": other}
+    meta = {
+        "config": {**WHISPER_ASR, "eos_token_id": eot, "decoder_start_token_id": N_ORDINARY},
+        "generation_config": gen,
+        "specials": WHISPER_SPECIALS,
+        "n_ordinary": N_ORDINARY,
+        "n_timestamps": N_TIMESTAMPS,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "parameters": shapes,
+        "long_windows": len(windows["seeks"]),
+        "detected_language": lang.strip("<|>"),
+        "given_language": other,
+    }
     return out, meta
 
 
@@ -181,20 +220,40 @@ def longform(model, samples: np.ndarray, *, language, max_new_tokens=None, short
     if short:
         inputs = fe(samples, sampling_rate=16000, return_tensors="pt")
     else:
-        inputs = fe(samples, sampling_rate=16000, return_tensors="pt", truncation=False, padding="longest",
-                    return_attention_mask=True)
+        inputs = fe(
+            samples,
+            sampling_rate=16000,
+            return_tensors="pt",
+            truncation=False,
+            padding="longest",
+            return_attention_mask=True,
+        )
     seeks: list[int] = []
     with torch.no_grad():
-        out = model.generate(inputs.input_features, attention_mask=inputs.get("attention_mask"), language=language,
-                             task="transcribe", return_timestamps=True, return_segments=True, do_sample=False,
-                             num_beams=1, max_new_tokens=max_new_tokens,
-                             monitor_progress=lambda p: seeks.append(int(p[0, 0])))
+        out = model.generate(
+            inputs.input_features,
+            attention_mask=inputs.get("attention_mask"),
+            language=language,
+            task="transcribe",
+            return_timestamps=True,
+            return_segments=True,
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            monitor_progress=lambda p: seeks.append(int(p[0, 0])),
+        )
     # The language generate detects: the first 30 s of the features, as it does.
     language_id = int(model.detect_language(input_features=inputs.input_features[:, :, :3000])[0])
-    segments = [{"tokens": s["tokens"].tolist(), "start": float(s["start"]), "end": float(s["end"])}
-                for s in out["segments"][0]]
-    return {"segments": segments, "sequence": out["sequences"][0].tolist(), "seeks": seeks,
-            "language_id": language_id, "frames": int(inputs.input_features.shape[-1])}
+    segments = [
+        {"tokens": s["tokens"].tolist(), "start": float(s["start"]), "end": float(s["end"])} for s in out["segments"][0]
+    ]
+    return {
+        "segments": segments,
+        "sequence": out["sequences"][0].tolist(),
+        "seeks": seeks,
+        "language_id": language_id,
+        "frames": int(inputs.input_features.shape[-1]),
+    }
 
 
 def segment_arrays(prefix: str, run: dict) -> dict[str, np.ndarray]:
@@ -234,7 +293,9 @@ def whisper_longform_goldens(audio_dir: Path) -> tuple[dict, dict]:
     shapes = fill(model, torch)
     gen = {
         "decoder_start_token_id": ids["<|startoftranscript|>"],
-        "eos_token_id": eot, "pad_token_id": eot, "bos_token_id": eot,
+        "eos_token_id": eot,
+        "pad_token_id": eot,
+        "bos_token_id": eot,
         "lang_to_id": {k: ids[k] for k in ("<|en|>", "<|de|>", "<|fr|>")},
         "task_to_id": {"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
         "no_timestamps_token_id": ids["<|notimestamps|>"],
@@ -242,8 +303,17 @@ def whisper_longform_goldens(audio_dir: Path) -> tuple[dict, dict]:
         "max_length": cfg["max_target_positions"],
         "max_initial_timestamp_index": 50,  # as the real checkpoints: the first timestamp is at most 1.00 s
         "begin_suppress_tokens": [SPACE_ID, eot],
-        "suppress_tokens": [ids[t] for t in ("<|startoftranscript|>", "<|translate|>", "<|transcribe|>",
-                                             "<|startoflm|>", "<|startofprev|>", "<|nospeech|>")],
+        "suppress_tokens": [
+            ids[t]
+            for t in (
+                "<|startoftranscript|>",
+                "<|translate|>",
+                "<|transcribe|>",
+                "<|startoflm|>",
+                "<|startofprev|>",
+                "<|nospeech|>",
+            )
+        ],
     }
     model.generation_config = GenerationConfig(**gen)
     jfk = read_pcm16_wav(audio_dir / "jfk.wav")
@@ -256,19 +326,32 @@ def whisper_longform_goldens(audio_dir: Path) -> tuple[dict, dict]:
     out: dict = {}
     for name, run in runs.items():
         out.update(segment_arrays(name, run))
-        print(f"whisper longform {name}: {run['frames']} frames, seeks {run['seeks']}, "
-              f"{len(run['segments'])} segments {[(s['start'], s['end']) for s in run['segments']]}")
+        print(
+            f"whisper longform {name}: {run['frames']} frames, seeks {run['seeks']}, "
+            f"{len(run['segments'])} segments {[(s['start'], s['end']) for s in run['segments']]}"
+        )
     timestamp_begin = ids["<|notimestamps|>"] + 1
     # The golden must exercise the timestamp rules, not only fixed 30 s windows: some window
     # starts where a timestamp closed the previous one, and segments end inside windows.
     assert any(s % 3000 for s in runs["capped"]["seeks"]), runs["capped"]["seeks"]
     assert all(any(t >= timestamp_begin for t in s["tokens"]) for r in runs.values() for s in r["segments"])
     assert len(runs["long"]["segments"]) > len(runs["long"]["seeks"])
-    meta = {"config": cfg, "generation_config": gen, "specials": LONGFORM_SPECIALS, "n_ordinary": N_ORDINARY,
-            "n_timestamps": LONGFORM_TIMESTAMPS, "parameters": shapes, "capped_max_new_tokens": LONGFORM_CAP,
-            "repeats": LONGFORM_REPEATS, "gap_s": LONGFORM_GAP_S, "frames": runs["long"]["frames"],
-            "detected_language": {name: next(k.strip("<|>") for k, v in gen["lang_to_id"].items()
-                                             if v == run["language_id"]) for name, run in runs.items()}}
+    meta = {
+        "config": cfg,
+        "generation_config": gen,
+        "specials": LONGFORM_SPECIALS,
+        "n_ordinary": N_ORDINARY,
+        "n_timestamps": LONGFORM_TIMESTAMPS,
+        "parameters": shapes,
+        "capped_max_new_tokens": LONGFORM_CAP,
+        "repeats": LONGFORM_REPEATS,
+        "gap_s": LONGFORM_GAP_S,
+        "frames": runs["long"]["frames"],
+        "detected_language": {
+            name: next(k.strip("<|>") for k, v in gen["lang_to_id"].items() if v == run["language_id"])
+            for name, run in runs.items()
+        },
+    }
     return out, meta
 
 
@@ -281,15 +364,31 @@ QWEN2_AUDIO = {
     "model_type": "qwen2_audio",
     "audio_token_index": None,  # set from the tokenizer
     "audio_config": {
-        "model_type": "qwen2_audio_encoder", "num_mel_bins": 128, "d_model": 48,
-        "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 96,
-        "max_source_positions": 1500, "activation_function": "gelu", "scale_embedding": False,
+        "model_type": "qwen2_audio_encoder",
+        "num_mel_bins": 128,
+        "d_model": 48,
+        "encoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "encoder_ffn_dim": 96,
+        "max_source_positions": 1500,
+        "activation_function": "gelu",
+        "scale_embedding": False,
     },
     "text_config": {
-        "model_type": "qwen2", "vocab_size": QWEN_VOCAB, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "hidden_act": "silu", "sliding_window": None, "use_sliding_window": False,
+        "model_type": "qwen2",
+        "vocab_size": QWEN_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "sliding_window": None,
+        "use_sliding_window": False,
     },
 }
 QWEN_AUDIO_SECONDS = 4.0
@@ -323,8 +422,7 @@ def qwen_tokenizer():
     for i in range(n, QWEN_VOCAB - len(QWEN_SPECIALS)):
         vocab[f"w{i}"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                 pre_tokenizers.Punctuation()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
     return tok
@@ -332,15 +430,21 @@ def qwen_tokenizer():
 
 def qwen2_audio_goldens(audio_dir: Path, tmp: Path) -> tuple[dict, dict]:
     import torch
-    from transformers import (PreTrainedTokenizerFast, Qwen2AudioConfig, Qwen2AudioForConditionalGeneration,
-                              Qwen2AudioProcessor, WhisperFeatureExtractor)
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        WhisperFeatureExtractor,
+    )
 
     tok = qwen_tokenizer()
     tok_dir = tmp / "qwen_tok"
     tok_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(tok_dir / "tokenizer.json"))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"),
-                                     eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_dir / "tokenizer.json"), eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     hf_tok.chat_template = QWEN_TEMPLATE
     audio_id = tok.token_to_id(AUDIO_TOKEN)
     cfg = json.loads(json.dumps(QWEN2_AUDIO))
@@ -353,7 +457,9 @@ def qwen2_audio_goldens(audio_dir: Path, tmp: Path) -> tuple[dict, dict]:
     fe = WhisperFeatureExtractor(feature_size=128)
     processor = Qwen2AudioProcessor(feature_extractor=fe, tokenizer=hf_tok, chat_template=QWEN_TEMPLATE)
     audio = read_pcm16_wav(audio_dir / "jfk.wav")[: int(QWEN_AUDIO_SECONDS * 16000)]
-    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "what is said in this clip ?"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "what is said in this clip ?"}]}
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, audio=[audio], sampling_rate=16000, return_tensors="pt")
     ids = inputs["input_ids"][0].tolist()
@@ -372,15 +478,23 @@ def qwen2_audio_goldens(audio_dir: Path, tmp: Path) -> tuple[dict, dict]:
         tower = model.model.audio_tower
         conv_len, out_len = tower._get_feat_extract_output_lengths(inputs["feature_attention_mask"].sum(-1))
         keep = (torch.arange(1500)[None, :] < conv_len[:, None]).long()
-        mask = create_bidirectional_mask(config=tower.config, inputs_embeds=torch.zeros(1, 1500, 1),
-                                         attention_mask=keep)
+        mask = create_bidirectional_mask(
+            config=tower.config, inputs_embeds=torch.zeros(1, 1500, 1), attention_mask=keep
+        )
         hidden = tower(inputs["input_features"], attention_mask=mask).last_hidden_state
         projected = model.model.multi_modal_projector(hidden)[0, : int(out_len[0])].numpy()
         assert projected.shape[0] == n_audio, (projected.shape, n_audio)
         out["projected"] = projected.astype(np.float32)
-        gen = model.generate(**inputs, max_new_tokens=QWEN_STEPS, do_sample=False, num_beams=1,
-                             output_scores=True, return_dict_in_generate=True, eos_token_id=None)
-        new = gen.sequences[0, len(ids):].tolist()
+        gen = model.generate(
+            **inputs,
+            max_new_tokens=QWEN_STEPS,
+            do_sample=False,
+            num_beams=1,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+        )
+        new = gen.sequences[0, len(ids) :].tolist()
         logprobs, margins = [], []
         for step, scores in enumerate(gen.scores):
             lp = torch.log_softmax(scores[0].float(), -1)
@@ -392,20 +506,34 @@ def qwen2_audio_goldens(audio_dir: Path, tmp: Path) -> tuple[dict, dict]:
     out["greedy/logprobs"] = np.asarray(logprobs, dtype=np.float32)
     out["greedy/margins"] = np.asarray(margins, dtype=np.float32)
     out["prompt/last_logits"] = full_logits.astype(np.float32)
-    print(f"qwen2-audio: {n_audio} audio tokens, prompt {len(ids)} ids, greedy {new}, "
-          f"smallest margin {min(margins):.4f}")
-    meta = {"config": cfg, "parameters": shapes, "specials": QWEN_SPECIALS, "words": QWEN_WORDS,
-            "vocab_size": QWEN_VOCAB, "chat_template": QWEN_TEMPLATE, "messages": messages,
-            "audio_seconds": QWEN_AUDIO_SECONDS, "steps": QWEN_STEPS, "stride": STRIDE,
-            "prompt_text": text, "audio_tokens": n_audio}
+    print(
+        f"qwen2-audio: {n_audio} audio tokens, prompt {len(ids)} ids, greedy {new}, smallest margin {min(margins):.4f}"
+    )
+    meta = {
+        "config": cfg,
+        "parameters": shapes,
+        "specials": QWEN_SPECIALS,
+        "words": QWEN_WORDS,
+        "vocab_size": QWEN_VOCAB,
+        "chat_template": QWEN_TEMPLATE,
+        "messages": messages,
+        "audio_seconds": QWEN_AUDIO_SECONDS,
+        "steps": QWEN_STEPS,
+        "stride": STRIDE,
+        "prompt_text": text,
+        "audio_tokens": n_audio,
+    }
     return out, meta
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=HERE.parents[2] / "shared" / "data")
-    parser.add_argument("--only", choices=["whisper_asr", "whisper_longform", "qwen2_audio_tiny"],
-                        help="remake one reference instead of all")
+    parser.add_argument(
+        "--only",
+        choices=["whisper_asr", "whisper_longform", "qwen2_audio_tiny"],
+        help="remake one reference instead of all",
+    )
     args = parser.parse_args()
     import tempfile
 

@@ -70,13 +70,97 @@ def build_wordlevel(out: Path) -> None:
 
 def build_unigram(out: Path) -> None:
     """SentencePiece-style pieces: spaces live inside pieces ("▁."), and "▁" alone is a piece."""
-    pieces = ["<unk>", "<s>", "</s>", "▁", "▁.", ".", "▁,", ",", "▁?", "?", "▁!", "!", "▁'", "'", "▁n", "n",
-              "'t", "t", "'m", "m", "'s", "s", "'ve", "ve", "v", "'re", "re", "r", "e", "▁Hello", "▁world",
-              "▁How", "▁are", "▁you", "▁Great", "▁I", "▁do", "▁know", "▁sure", "▁it", "▁fine", "▁We",
-              "▁said", "▁they", "▁here", "▁have", "▁we", "▁The", "▁quoted", "▁word", "▁and", "▁a", "▁b",
-              "▁x", "▁y", "▁z", "▁Chains", "▁Twice", "▁Ends", "▁with", "▁space", "▁trailing", "▁no",
-              "▁cleanup", "▁needed", ":", "▁its", "▁isn", "▁Grüße", "▁naïve", "▁你好", "▁👋", "a", "b", "c",
-              "d", "f", "g", "h", "i", "k", "l", "o", "p", "u", "w", "x", "y", "z"]
+    pieces = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "▁",
+        "▁.",
+        ".",
+        "▁,",
+        ",",
+        "▁?",
+        "?",
+        "▁!",
+        "!",
+        "▁'",
+        "'",
+        "▁n",
+        "n",
+        "'t",
+        "t",
+        "'m",
+        "m",
+        "'s",
+        "s",
+        "'ve",
+        "ve",
+        "v",
+        "'re",
+        "re",
+        "r",
+        "e",
+        "▁Hello",
+        "▁world",
+        "▁How",
+        "▁are",
+        "▁you",
+        "▁Great",
+        "▁I",
+        "▁do",
+        "▁know",
+        "▁sure",
+        "▁it",
+        "▁fine",
+        "▁We",
+        "▁said",
+        "▁they",
+        "▁here",
+        "▁have",
+        "▁we",
+        "▁The",
+        "▁quoted",
+        "▁word",
+        "▁and",
+        "▁a",
+        "▁b",
+        "▁x",
+        "▁y",
+        "▁z",
+        "▁Chains",
+        "▁Twice",
+        "▁Ends",
+        "▁with",
+        "▁space",
+        "▁trailing",
+        "▁no",
+        "▁cleanup",
+        "▁needed",
+        ":",
+        "▁its",
+        "▁isn",
+        "▁Grüße",
+        "▁naïve",
+        "▁你好",
+        "▁👋",
+        "a",
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "i",
+        "k",
+        "l",
+        "o",
+        "p",
+        "u",
+        "w",
+        "x",
+        "y",
+        "z",
+    ]
     vocab = [(p, 0.0 if p in ("<unk>", "<s>", "</s>") else -1.0 - len(pieces) / 100 + len(p)) for p in pieces]
     tok = Tokenizer(models.Unigram(vocab, unk_id=0))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
@@ -98,9 +182,12 @@ def id_sequences(tok, special_id: int, inner_specials: bool = True) -> list[list
 
 
 def decoded(tok, seqs: list[list[int]], variant: str, config: dict | None) -> dict:
-    return {"variant": variant, "config": config,
-            "texts": [tok.decode(ids) for ids in seqs],
-            "texts_skip_special": [tok.decode(ids, skip_special_tokens=True) for ids in seqs]}
+    return {
+        "variant": variant,
+        "config": config,
+        "texts": [tok.decode(ids) for ids in seqs],
+        "texts_skip_special": [tok.decode(ids, skip_special_tokens=True) for ids in seqs],
+    }
 
 
 def config_variants(shipped: dict) -> dict[str, dict]:
@@ -108,8 +195,7 @@ def config_variants(shipped: dict) -> dict[str, dict]:
     on.pop(BPE_OVERRIDE, None)
     off = {**on, "clean_up_tokenization_spaces": False}
     missing = {k: v for k, v in on.items() if k != "clean_up_tokenization_spaces"}
-    return {"shipped": shipped, "on": on, "on_bpe_override": {**on, BPE_OVERRIDE: True}, "off": off,
-            "missing": missing}
+    return {"shipped": shipped, "on": on, "on_bpe_override": {**on, BPE_OVERRIDE: True}, "off": off, "missing": missing}
 
 
 def folder_case(name: str, tokenizer_json: Path, shipped: dict, special: str, inner_specials: bool = True) -> dict:
@@ -143,17 +229,29 @@ def main() -> None:
     # Llama 2's <s> only leads: transformers 5 rebuilds LlamaTokenizer's normalizer as a
     # pre-tokenizer, which changes the spaces beside special tokens inside the text. That
     # is a matter of its own, apart from the cleanup.
-    for name, special, inner in (("gpt2", "<|endoftext|>", True), ("llama2", "<s>", False),
-                                 ("falcon", "<|endoftext|>", True)):
+    for name, special, inner in (
+        ("gpt2", "<|endoftext|>", True),
+        ("llama2", "<s>", False),
+        ("falcon", "<|endoftext|>", True),
+    ):
         shipped = json.loads((shared / name / "tokenizer_config.json").read_text(encoding="utf-8"))
         cases.append(folder_case(name, shared / name / "tokenizer.json", shipped, special, inner))
-    cases.append(folder_case("cleanup_wordlevel", HERE / "cleanup_wordlevel" / "tokenizer.json",
-                             {"unk_token": "[UNK]"}, "[SEP]"))
-    cases.append(folder_case("cleanup_unigram", HERE / "cleanup_unigram" / "tokenizer.json",
-                             {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}, "<s>"))
+    cases.append(
+        folder_case("cleanup_wordlevel", HERE / "cleanup_wordlevel" / "tokenizer.json", {"unk_token": "[UNK]"}, "[SEP]")
+    )
+    cases.append(
+        folder_case(
+            "cleanup_unigram",
+            HERE / "cleanup_unigram" / "tokenizer.json",
+            {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+            "<s>",
+        )
+    )
     cases += [gguf_case(args.data, "gpt-2", "<|endoftext|>"), gguf_case(args.data, "llama-spm", "<s>")]
-    OUT.write_text(json.dumps({"made_by": f"transformers {transformers.__version__}", "cases": cases},
-                              ensure_ascii=False) + "\n", encoding="utf-8")
+    OUT.write_text(
+        json.dumps({"made_by": f"transformers {transformers.__version__}", "cases": cases}, ensure_ascii=False) + "\n",
+        encoding="utf-8",
+    )
     print(f"{len(cases)} cases -> {OUT}")
 
 

@@ -68,8 +68,15 @@ CANVAS = 8
 PROMPT_LEN = 11
 # Generation settings, each off transformers' default (steps 48, bound 0.1, t 0.4..0.8,
 # stability 1, confidence 0.005) so a mix-up of any of them shows.
-GENERATION = dict(max_new_tokens=4 * CANVAS, max_denoising_steps=10, t_min=0.3, t_max=0.9,
-                  stability_threshold=2, confidence_threshold=0.5, entropy_bound=2.5)
+GENERATION = dict(
+    max_new_tokens=4 * CANVAS,
+    max_denoising_steps=10,
+    t_min=0.3,
+    t_max=0.9,
+    stability_threshold=2,
+    confidence_threshold=0.5,
+    entropy_bound=2.5,
+)
 
 MARGIN = 2e-3  # no decision of the reference closer than this to flipping
 SHARPEN, EOS_BOOST = 30.0, 1.4
@@ -86,8 +93,14 @@ VARIANTS = {
 
 def build(seed: int) -> DiffusionGemmaForBlockDiffusion:
     torch.manual_seed(seed)
-    config = DiffusionGemmaConfig(text_config=dict(TEXT), vision_config=VISION, canvas_length=CANVAS,
-                                  image_token_id=250, boi_token_id=251, eoi_token_id=252)
+    config = DiffusionGemmaConfig(
+        text_config=dict(TEXT),
+        vision_config=VISION,
+        canvas_length=CANVAS,
+        image_token_id=250,
+        boi_token_id=251,
+        eoi_token_id=252,
+    )
     model = DiffusionGemmaForBlockDiffusion(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -106,8 +119,11 @@ def build(seed: int) -> DiffusionGemmaForBlockDiffusion:
         # tenfold per step); a quieter self-conditioning output keeps it stable.
         model.model.decoder.self_conditioning.down_proj.weight.mul_(0.1)
         model.model.decoder.embed_tokens.weight[TEXT["eos_token_id"]].mul_(EOS_BOOST)
-        for p in (model.model.decoder.norm.weight, model.model.decoder.embed_tokens.weight,
-                  model.model.decoder.self_conditioning.down_proj.weight):
+        for p in (
+            model.model.decoder.norm.weight,
+            model.model.decoder.embed_tokens.weight,
+            model.model.decoder.self_conditioning.down_proj.weight,
+        ):
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # encoder and decoder layers each store their own
@@ -171,8 +187,11 @@ def generate(model, prompt: list[int], settings: dict) -> dict:
     settings = dict(settings)
     bound = settings.pop("entropy_bound")
     config = gen_module.DiffusionGemmaGenerationConfig(
-        **settings, sampler_config=gen_module.EntropyBoundSamplerConfig(entropy_bound=bound),
-        eos_token_id=TEXT["eos_token_id"], pad_token_id=TEXT["pad_token_id"])
+        **settings,
+        sampler_config=gen_module.EntropyBoundSamplerConfig(entropy_bound=bound),
+        eos_token_id=TEXT["eos_token_id"],
+        pad_token_id=TEXT["pad_token_id"],
+    )
     torch.manual_seed(0)
     with Recorder() as rec, torch.no_grad():
         out = model.generate(torch.tensor([prompt]), generation_config=config)
@@ -186,9 +205,14 @@ def generate(model, prompt: list[int], settings: dict) -> dict:
         elif previous != "s":
             steps_per_block.append(0)
         previous = kind
-    return {"sequences": out.sequences[0].tolist(), "canvases": rec.canvases, "samples": rec.samples,
-            "tokens_per_forward": float(out.tokens_per_forward[0]), "steps_per_block": steps_per_block,
-            "min_margin": min(rec.margins)}
+    return {
+        "sequences": out.sequences[0].tolist(),
+        "canvases": rec.canvases,
+        "samples": rec.samples,
+        "tokens_per_forward": float(out.tokens_per_forward[0]),
+        "steps_per_block": steps_per_block,
+        "min_margin": min(rec.margins),
+    }
 
 
 def forward_reference(model, prompt: list[int]) -> tuple[dict, list[int]]:
@@ -262,8 +286,10 @@ def make(name: str) -> None:
     }
     (folder / "diffusion.json").write_text(json.dumps(expected) + "\n")
     size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"{name}: {size // 1024} KB, {len(result['canvases'])} canvases, {len(result['samples'])} steps, "
-          f"ids {result['sequences'][PROMPT_LEN:]}")
+    print(
+        f"{name}: {size // 1024} KB, {len(result['canvases'])} canvases, {len(result['samples'])} steps, "
+        f"ids {result['sequences'][PROMPT_LEN:]}"
+    )
 
 
 if __name__ == "__main__":

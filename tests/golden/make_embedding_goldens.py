@@ -38,9 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic_weights import synthetic_weight  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "embeddings"
-WORDS = ("the a cat dog sat on mat ran fast slow red blue green big small house tree river sky sun moon star "
-         "bird fish runs jumps over under near far happy sad old new one two three four five six seven eight "
-         "nine ten apple pear bread milk water fire stone wind rain snow day night morning evening city road").split()
+WORDS = (
+    "the a cat dog sat on mat ran fast slow red blue green big small house tree river sky sun moon star "
+    "bird fish runs jumps over under near far happy sad old new one two three four five six seven eight "
+    "nine ten apple pear bread milk water fire stone wind rain snow day night morning evening city road"
+).split()
 TEXTS = [
     "the cat sat on the mat",
     "a big red dog ran fast over the old stone road near the river under the blue sky",
@@ -51,21 +53,46 @@ TEXTS = [
     "rain snow wind fire water stone",
 ]
 
-COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-              max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 VARIANTS = {
     "qwen3_embedding": dict(
-        config=dict(model_type="qwen3", num_hidden_layers=2, head_dim=32, rope_theta=5000.0,
-                    tie_word_embeddings=True),
-        append_eos=True, prepend_bos=False, pooling="lasttoken", dense=[], padding_side="left",
+        config=dict(model_type="qwen3", num_hidden_layers=2, head_dim=32, rope_theta=5000.0, tie_word_embeddings=True),
+        append_eos=True,
+        prepend_bos=False,
+        pooling="lasttoken",
+        dense=[],
+        padding_side="left",
     ),
     "embeddinggemma": dict(
-        config=dict(model_type="gemma3_text", num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16,
-                    sliding_window=8, use_bidirectional_attention=True, rope_theta=20000.0,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                    final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
-        append_eos=True, prepend_bos=True, pooling="mean", dense=[(64, 96), (96, 48)], padding_side="right",
+        config=dict(
+            model_type="gemma3_text",
+            num_hidden_layers=3,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            use_bidirectional_attention=True,
+            rope_theta=20000.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            final_logit_softcapping=None,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        append_eos=True,
+        prepend_bos=True,
+        pooling="mean",
+        dense=[(64, 96), (96, 48)],
+        padding_side="right",
     ),
 }
 
@@ -79,10 +106,20 @@ def make_tokenizer(folder: Path, prepend_bos: bool, append_eos: bool, padding_si
     single = " ".join((["<bos>"] if prepend_bos else []) + ["$A"] + (["<eos>"] if append_eos else []))
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<bos>", 1), ("<eos>", 2)])
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<bos>",
-        "eos_token": "<eos>", "unk_token": "<unk>", "model_max_length": 256, "padding_side": padding_side,
-    }, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "pad_token": "<pad>",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "unk_token": "<unk>",
+                "model_max_length": 256,
+                "padding_side": padding_side,
+            },
+            indent=2,
+        )
+    )
 
 
 def fill(module: torch.nn.Module, prefix: str = "") -> None:
@@ -102,9 +139,14 @@ def to_published_spelling(folder: Path) -> None:
     pool = json.loads(pool_file.read_text())
     mode = pool.pop("pooling_mode")
     legacy = {"word_embedding_dimension": pool.pop("embedding_dimension")}
-    for key, name in (("cls_token", "cls"), ("mean_tokens", "mean"), ("max_tokens", "max"),
-                      ("mean_sqrt_len_tokens", "mean_sqrt_len_tokens"), ("weightedmean_tokens", "weightedmean"),
-                      ("lasttoken", "lasttoken")):
+    for key, name in (
+        ("cls_token", "cls"),
+        ("mean_tokens", "mean"),
+        ("max_tokens", "max"),
+        ("mean_sqrt_len_tokens", "mean_sqrt_len_tokens"),
+        ("weightedmean_tokens", "weightedmean"),
+        ("lasttoken", "lasttoken"),
+    ):
         legacy[f"pooling_mode_{key}"] = mode == name
     legacy["include_prompt"] = pool.pop("include_prompt", True)
     pool_file.write_text(json.dumps(legacy, indent=2))
@@ -149,8 +191,13 @@ def make(name: str) -> None:
     assert (1 - cos).max() < 1e-5, f"{name}: batched and alone disagree: {cos}"
     ids = [st.tokenize([t])["input_ids"][0].tolist() for t in TEXTS]
     assert max(len(i) for i in ids) > 8, "a text must be longer than the sliding window"
-    expected = {"texts": TEXTS, "token_ids": ids, "embeddings": alone.astype(float).round(7).tolist(),
-                "dimensions": int(alone.shape[1]), "max_seq_length": st.max_seq_length}
+    expected = {
+        "texts": TEXTS,
+        "token_ids": ids,
+        "embeddings": alone.astype(float).round(7).tolist(),
+        "dimensions": int(alone.shape[1]),
+        "max_seq_length": st.max_seq_length,
+    }
     (out / "expected.json").write_text(json.dumps(expected, indent=1))
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"{name}: dims {alone.shape[1]}, tokens {[len(i) for i in ids]}, {size // 1024} KB")

@@ -40,23 +40,60 @@ from make_model_goldens import COMMON, OUT, build, find_seed, reference
 LAYOUTS = Path(__file__).resolve().parent / "mlx_layouts"
 
 GPT_OSS = {
-    "model_type": "gpt_oss", "num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
-    "num_experts_per_tok": 2, "sliding_window": 8, "tie_word_embeddings": True, "swiglu_alpha": 1.3,
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "tie_word_embeddings": True,
+    "swiglu_alpha": 1.3,
     "swiglu_limit": 0.6,
     "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
-    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": True,
-                     "original_max_position_embeddings": 16, "rope_theta": 5e4},
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 8.0,
+        "beta_slow": 2.0,
+        "truncate": True,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 5e4,
+    },
 }
 
-MINISTRAL_ROPE = {"rope_type": "yarn", "type": "yarn", "rope_theta": 1e5, "factor": 4.0,
-                  "original_max_position_embeddings": 8, "max_position_embeddings": 256, "beta_fast": 8.0,
-                  "beta_slow": 2.0, "mscale": 1.2, "mscale_all_dim": 0.9, "llama_4_scaling_beta": 0.3}
-MINISTRAL = {"model_type": "ministral3", "head_dim": 16, "sliding_window": 8, "tie_word_embeddings": True,
-                 "rope_parameters": MINISTRAL_ROPE}
+MINISTRAL_ROPE = {
+    "rope_type": "yarn",
+    "type": "yarn",
+    "rope_theta": 1e5,
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "max_position_embeddings": 256,
+    "beta_fast": 8.0,
+    "beta_slow": 2.0,
+    "mscale": 1.2,
+    "mscale_all_dim": 0.9,
+    "llama_4_scaling_beta": 0.3,
+}
+MINISTRAL = {
+    "model_type": "ministral3",
+    "head_dim": 16,
+    "sliding_window": 8,
+    "tie_word_embeddings": True,
+    "rope_parameters": MINISTRAL_ROPE,
+}
 
-SMOLLM3 = {"model_type": "smollm3", "num_hidden_layers": 4, "tie_word_embeddings": False, "attention_bias": True,
-               "mlp_bias": True, "use_sliding_window": True, "sliding_window": 8, "no_rope_layers": [1, 0, 0, 1],
-               "rope_parameters": {"rope_type": "default", "rope_theta": 3e4}}
+SMOLLM3 = {
+    "model_type": "smollm3",
+    "num_hidden_layers": 4,
+    "tie_word_embeddings": False,
+    "attention_bias": True,
+    "mlp_bias": True,
+    "use_sliding_window": True,
+    "sliding_window": 8,
+    "no_rope_layers": [1, 0, 0, 1],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 3e4},
+}
 
 
 def _published_gpt_oss(config: dict) -> dict:
@@ -92,16 +129,34 @@ def _interval_only(config: dict) -> dict:
 VARIANTS = {
     "gpt_oss": (GPT_OSS, None),
     "gpt_oss_published": (
-        {**GPT_OSS, "swiglu_alpha": 1.702, "swiglu_limit": 0.8, "layer_types": None, "tie_word_embeddings": False,
-         "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0, "beta_slow": 1.5,
-                             "truncate": False, "original_max_position_embeddings": 12, "rope_theta": 2e5}},
+        {
+            **GPT_OSS,
+            "swiglu_alpha": 1.702,
+            "swiglu_limit": 0.8,
+            "layer_types": None,
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "beta_fast": 16.0,
+                "beta_slow": 1.5,
+                "truncate": False,
+                "original_max_position_embeddings": 12,
+                "rope_theta": 2e5,
+            },
+        },
         _published_gpt_oss,
     ),
     "ministral3": (MINISTRAL, None),
     "smollm3": (SMOLLM3, None),
     "smollm3_interval": (
-        {**SMOLLM3, "no_rope_layers": None, "no_rope_layer_interval": 3, "num_hidden_layers": 3,
-         "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 3e4}},
+        {
+            **SMOLLM3,
+            "no_rope_layers": None,
+            "no_rope_layer_interval": 3,
+            "num_hidden_layers": 3,
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 3e4},
+        },
         _interval_only,
     ),
 }
@@ -121,7 +176,7 @@ def _check_cache_consistency(model, prompt, generated) -> None:
         for _ in generated:
             logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
             ids.append(int(logits.argmax()))
-    assert ids[len(prompt):] == generated, "transformers' cached and uncached greedy disagree"
+    assert ids[len(prompt) :] == generated, "transformers' cached and uncached greedy disagree"
 
 
 def _write(folder: Path, config: dict, expected: dict, files: Path | None = None) -> None:
@@ -175,15 +230,25 @@ def make_mistral3() -> None:
 
     text = {**COMMON, **MINISTRAL, "rope_parameters": {**MINISTRAL_ROPE, "llama_4_scaling_beta": 0.5}}
     text.pop("model_type")
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "head_dim": 16,
-                  "image_size": 28, "patch_size": 14}
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "image_size": 28,
+        "patch_size": 14,
+    }
 
     def make_model(seed):
         torch.manual_seed(seed)
-        cfg = Mistral3Config(text_config={"model_type": "ministral3", **text},
-                             vision_config={"model_type": "pixtral", **vision}, image_token_index=3,
-                             spatial_merge_size=1, tie_word_embeddings=False)
+        cfg = Mistral3Config(
+            text_config={"model_type": "ministral3", **text},
+            vision_config={"model_type": "pixtral", **vision},
+            image_token_index=3,
+            spatial_merge_size=1,
+            tie_word_embeddings=False,
+        )
         m = Mistral3ForConditionalGeneration(cfg)
         with torch.no_grad():
             for _, p in m.named_parameters():
@@ -200,8 +265,12 @@ def make_mistral3() -> None:
         model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         config = json.loads((Path(tmp) / "config.json").read_text())
         config["torch_dtype"] = "float32"
-        _write(OUT / "mistral3_ministral", config,
-               _expected(seed, prompt, generated, logprobs, margins, "published repos (mistral3 wrapper)"), Path(tmp))
+        _write(
+            OUT / "mistral3_ministral",
+            config,
+            _expected(seed, prompt, generated, logprobs, margins, "published repos (mistral3 wrapper)"),
+            Path(tmp),
+        )
 
 
 # ---- gpt-oss layouts: MXFP4 release and mlx-lm conversions ---------------------------------
@@ -229,10 +298,25 @@ def make_layouts() -> None:
     from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    settings = {"model_type": "gpt_oss", "num_hidden_layers": 2, "head_dim": 16, "intermediate_size": 64,
-                    "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6, "tie_word_embeddings": False,
-                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 2.0,
-                                     "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 5e4}}
+    settings = {
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 2,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 8.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+            "rope_theta": 5e4,
+        },
+    }
 
     def make_model(seed):
         model = build("gpt_oss", settings, seed)
@@ -249,8 +333,15 @@ def make_layouts() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
         config = _published_gpt_oss(json.loads((Path(tmp) / "config.json").read_text()))
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     config["torch_dtype"] = "bfloat16"
     tensors = {}
     for key, value in model.to(torch.bfloat16).state_dict().items():
@@ -267,12 +358,17 @@ def make_layouts() -> None:
     _check_transformers_mxfp4(hf, prompt, generated, logprobs)
 
     # mlx-lm's conversions, each judged by mlx-lm's own greedy on the folder it wrote.
-    convert_all(hf, prompt, len(generated), {
-        "gpt_oss_mlx_mxfp4": (hf, []),
-        "gpt_oss_mlx_bf16": (hf, ["--dequantize"]),
-        "gpt_oss_mlx_q_mxfp4": ("gpt_oss_mlx_bf16", ["-q", "--q-mode", "mxfp4"]),
-        "gpt_oss_mlx_q4": ("gpt_oss_mlx_bf16", ["-q", "--q-bits", "4", "--q-group-size", "32"]),
-    })
+    convert_all(
+        hf,
+        prompt,
+        len(generated),
+        {
+            "gpt_oss_mlx_mxfp4": (hf, []),
+            "gpt_oss_mlx_bf16": (hf, ["--dequantize"]),
+            "gpt_oss_mlx_q_mxfp4": ("gpt_oss_mlx_bf16", ["-q", "--q-mode", "mxfp4"]),
+            "gpt_oss_mlx_q4": ("gpt_oss_mlx_bf16", ["-q", "--q-bits", "4", "--q-group-size", "32"]),
+        },
+    )
 
 
 def convert_all(hf: Path, prompt: list[int], n: int, runs: dict[str, tuple[Path | str, list[str]]]) -> None:
@@ -283,12 +379,22 @@ def convert_all(hf: Path, prompt: list[int], n: int, runs: dict[str, tuple[Path 
         out = LAYOUTS / name
         if out.exists():
             shutil.rmtree(out)
-        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(src), "--mlx-path", str(out),
-                        *flags], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(src), "--mlx-path", str(out), *flags],
+            check=True,
+            capture_output=True,
+        )
         ids, lps, margin = mlx_lm_greedy(out, prompt, n)
         assert margin > 1e-3, f"{name}: mlx-lm's greedy has a near-tie ({margin})"
-        data = {"mlx_lm_version": _mlx_lm_version(), "convert_flags": flags, "source": src.name,
-                "prompt_ids": prompt, "greedy_ids": ids, "logprobs": lps, "min_top2_margin": margin}
+        data = {
+            "mlx_lm_version": _mlx_lm_version(),
+            "convert_flags": flags,
+            "source": src.name,
+            "prompt_ids": prompt,
+            "greedy_ids": ids,
+            "logprobs": lps,
+            "min_top2_margin": margin,
+        }
         (out / "expected.json").write_text(json.dumps(data, indent=2) + "\n")
         (out / "README.md").unlink(missing_ok=True)
         size = sum(p.stat().st_size for p in out.iterdir())
@@ -298,12 +404,20 @@ def convert_all(hf: Path, prompt: list[int], n: int, runs: dict[str, tuple[Path 
 # Ministral 3 and SmolLM3 in the spellings mlx-lm reads (rope_parameters for ministral3;
 # rope_theta and the no_rope_layers list for smollm3, whose sliding window mlx-lm lacks).
 MLX_FAMILIES = {
-    "ministral3": ({**MINISTRAL, "sliding_window": None}, None,
-                   {"q4": ["-q", "--q-bits", "4", "--q-group-size", "32"],
-                    "q8": ["-q", "--q-bits", "8", "--q-group-size", "64"]}),
-    "smollm3": ({**SMOLLM3, "use_sliding_window": False, "sliding_window": None}, _legacy_rope,
-                {"q4": ["-q", "--q-bits", "4", "--q-group-size", "64"], "nvfp4": ["-q", "--q-mode", "nvfp4"],
-                 "mxfp8": ["-q", "--q-mode", "mxfp8"]}),
+    "ministral3": (
+        {**MINISTRAL, "sliding_window": None},
+        None,
+        {"q4": ["-q", "--q-bits", "4", "--q-group-size", "32"], "q8": ["-q", "--q-bits", "8", "--q-group-size", "64"]},
+    ),
+    "smollm3": (
+        {**SMOLLM3, "use_sliding_window": False, "sliding_window": None},
+        _legacy_rope,
+        {
+            "q4": ["-q", "--q-bits", "4", "--q-group-size", "64"],
+            "nvfp4": ["-q", "--q-mode", "nvfp4"],
+            "mxfp8": ["-q", "--q-mode", "mxfp8"],
+        },
+    ),
 }
 # Not Ministral 3 in the float modes: their embeddings dequantize to bf16, and mlx-lm then
 # multiplies the position scale in float32 where transformers (and this engine) cast it to
@@ -319,8 +433,12 @@ def make_mlx_family(name: str) -> None:
         config = json.loads(config_file.read_text())
         config_file.write_text(json.dumps(rewrite(config) if rewrite else config))
         _write_tokenizer(Path(tmp))
-        convert_all(Path(tmp), prompt, len(generated),
-                    {f"{name}_mlx_{mode}": (Path(tmp), flags) for mode, flags in modes.items()})
+        convert_all(
+            Path(tmp),
+            prompt,
+            len(generated),
+            {f"{name}_mlx_{mode}": (Path(tmp), flags) for mode, flags in modes.items()},
+        )
 
 
 def _mlx_lm_version() -> str:
@@ -336,8 +454,9 @@ def mlx_lm_greedy(folder: Path, prompt: list[int], n: int):
     from mlx_lm.utils import load_model
 
     model, _ = load_model(folder)
-    model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
-                          model.parameters()))
+    model.update(
+        tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters())
+    )
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -358,8 +477,9 @@ def _check_transformers_mxfp4(folder: Path, prompt, generated, logprobs) -> None
     """transformers' own MXFP4 loader (dequantizing on CPU) must read the folder as meant."""
     from transformers import Mxfp4Config
 
-    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True),
-                                                 dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32, attn_implementation="eager"
+    )
     ids, lps, _ = reference(model.eval(), prompt)
     worst = max(abs(a - b) for a, b in zip(lps, logprobs))
     assert ids == generated and worst < 1e-4, f"transformers reads the MXFP4 folder otherwise ({worst})"
@@ -373,8 +493,10 @@ def _write_tokenizer(folder: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t2", "bos_token": "t1"}, indent=2) + "\n")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t2", "bos_token": "t1"}, indent=2)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

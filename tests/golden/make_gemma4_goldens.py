@@ -78,8 +78,12 @@ DENSE = dict(
     tie_word_embeddings=False,
     global_head_dim=32,
     rope_parameters={
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 50000.0,
-                           "factor": 2.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.5,
+            "rope_theta": 50000.0,
+            "factor": 2.0,
+        },
         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
     },
 )
@@ -109,8 +113,13 @@ MOE = dict(
 
 # The dense layout with the switches mlx-lm 0.32 does not read left at their defaults
 # (it has no attention bias and always uses tanh-GELU), for its converted layout.
-E2B = dict(DENSE, attention_bias=False, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-           final_logit_softcapping=30.0)
+E2B = dict(
+    DENSE,
+    attention_bias=False,
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    final_logit_softcapping=30.0,
+)
 
 # name -> (text settings, published spelling?)
 VARIANTS: dict[str, tuple[dict, bool]] = {
@@ -124,16 +133,28 @@ VARIANTS: dict[str, tuple[dict, bool]] = {
 MLX_SOURCES = ("gemma4_moe", "gemma4_e2b_published")
 
 # A tiny vision tower in the multimodal checkpoints, whose weights the language model must skip.
-VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-              num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
+VISION = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    patch_size=4,
+    position_embedding_size=64,
+)
 
 
 def build(settings: dict, multimodal: bool, seed: int):
     torch.manual_seed(seed)
     text = {k: v for k, v in settings.items() if k != "model_type"}
     if multimodal:
-        config = Gemma4Config(text_config=text, vision_config=VISION, audio_config=None,
-                              tie_word_embeddings=text.get("tie_word_embeddings", True))
+        config = Gemma4Config(
+            text_config=text,
+            vision_config=VISION,
+            audio_config=None,
+            tie_word_embeddings=text.get("tie_word_embeddings", True),
+        )
         model = Gemma4ForConditionalGeneration(config)
     else:
         config = AutoConfig.for_model("gemma4_text", **text)
@@ -203,7 +224,8 @@ def make(name: str) -> None:
 
     # The reference comes from what transformers reads back from the files as written.
     model = (Gemma4ForConditionalGeneration if spelled_published else AutoModelForCausalLM).from_pretrained(
-        folder, dtype=torch.float32)
+        folder, dtype=torch.float32
+    )
     model.eval()
     generated2, logprobs, margins = reference(model, prompt)
     assert generated2 == generated, f"{name}: the saved spelling changes transformers' output"
@@ -216,7 +238,8 @@ def make(name: str) -> None:
         "greedy_ids": generated,
         "logprobs": logprobs,
         "min_top2_margin": min(margins),
-        "spelling": "published (global_head_dim, gemma4 wrapper)" if spelled_published
+        "spelling": "published (global_head_dim, gemma4 wrapper)"
+        if spelled_published
         else "transformers 5 (per_layer_config)",
     }
     (folder / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
@@ -234,8 +257,11 @@ def tiny_tokenizer(folder: Path, vocab: int) -> None:
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t2", "eos_token": "t1", "pad_token": "t0"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t2", "eos_token": "t1", "pad_token": "t0"}
+        )
+    )
 
 
 def mlx_greedy(model, prompt: list[int]):
@@ -276,8 +302,13 @@ def make_mlx(source: str = "gemma4_moe", bits: int = 4, group_size: int = 32) ->
         (hf / "config.json").write_text(json.dumps(config, indent=2))
         tiny_tokenizer(hf, config["vocab_size"])
         convert(str(hf), str(out), quantize=True, q_bits=bits, q_group_size=group_size)
-    for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                  "README.md"):
+    for extra in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "README.md",
+    ):
         (out / extra).unlink(missing_ok=True)
 
     model, _ = load_model(out)

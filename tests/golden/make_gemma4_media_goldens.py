@@ -61,8 +61,14 @@ TEMPLATE = (
     "{%- endfor %}{%- endif %}{{- '<turn|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|turn>model\\n' }}{%- endif %}"
 )
-MEDIA = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
-         "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+MEDIA = {
+    "image_token": "<|image|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+}
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", *MEDIA.values(), "<|video|>"]
 CORPUS = [
     "What is in this picture? A cat sits on the floor and looks at the camera.",
@@ -77,38 +83,83 @@ def tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=240, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=240,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
 
 def config(ids: dict[str, int]) -> transformers.Gemma4Config:
     text = dict(
-        hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=256, vocab_size_per_layer_input=256, max_position_embeddings=1024, rms_norm_eps=1e-5,
-        bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"], sliding_window=8,
-        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                          "full_attention"],
-        num_kv_shared_layers=1, hidden_size_per_layer_input=8, final_logit_softcapping=20.0,
-        global_head_dim=32, use_bidirectional_attention="vision",
+        hidden_size=64,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        vocab_size_per_layer_input=256,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        bos_token_id=ids["<bos>"],
+        eos_token_id=ids["<eos>"],
+        pad_token_id=ids["<pad>"],
+        sliding_window=8,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_kv_shared_layers=1,
+        hidden_size_per_layer_input=8,
+        final_logit_softcapping=20.0,
+        global_head_dim=32,
+        use_bidirectional_attention="vision",
         rope_parameters={
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 50000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
         },
     )
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16, patch_size=16, pooling_kernel_size=2,
-                  position_embedding_size=64, rms_norm_eps=1e-5, use_clipped_linears=True, standardize=True,
-                  rope_parameters={"rope_type": "axial", "rope_theta": 50.0})
-    audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 8],
-                 conv_kernel_size=3, residual_weight=0.3, attention_chunk_size=4, attention_context_left=6,
-                 attention_context_right=2, attention_logit_cap=20.0, rms_norm_eps=1e-5, gradient_clipping=40.0,
-                 output_proj_dims=48)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        patch_size=16,
+        pooling_kernel_size=2,
+        position_embedding_size=64,
+        rms_norm_eps=1e-5,
+        use_clipped_linears=True,
+        standardize=True,
+        rope_parameters={"rope_type": "axial", "rope_theta": 50.0},
+    )
+    audio = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        subsampling_conv_channels=[128, 8],
+        conv_kernel_size=3,
+        residual_weight=0.3,
+        attention_chunk_size=4,
+        attention_context_left=6,
+        attention_context_right=2,
+        attention_logit_cap=20.0,
+        rms_norm_eps=1e-5,
+        gradient_clipping=40.0,
+        output_proj_dims=48,
+    )
     tokens = {k.replace("_token", "_token_id"): ids[v] for k, v in MEDIA.items() if k != "eoa_token"}
     tokens["eoa_token_index"] = ids[MEDIA["eoa_token"]]
-    return transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=audio,
-                                     video_token_id=ids["<|video|>"], tie_word_embeddings=True, **tokens)
+    return transformers.Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=audio,
+        video_token_id=ids["<|video|>"],
+        tie_word_embeddings=True,
+        **tokens,
+    )
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -138,8 +189,11 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 def digest(a) -> dict:
     x = np.ascontiguousarray(np.asarray(a, dtype=np.float32))
-    return {"sha256": hashlib.sha256(x.tobytes()).hexdigest(), "sum": float(x.astype(np.float64).sum()),
-            "shape": list(x.shape)}
+    return {
+        "sha256": hashlib.sha256(x.tobytes()).hexdigest(),
+        "sum": float(x.astype(np.float64).sum()),
+        "shape": list(x.shape),
+    }
 
 
 def rounded(a) -> list:
@@ -152,14 +206,20 @@ def read_wav(path: Path) -> np.ndarray:
     with wave.open(str(path)) as w:
         assert w.getsampwidth() == 2 and w.getnchannels() == 1 and w.getframerate() == 16000
         raw = w.readframes(w.getnframes())
-    return (np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0)
+    return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
 
 
 def greedy(model, inputs) -> tuple[list[int], list[float], list[float]]:
     n = inputs["input_ids"].shape[1]
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False, pad_token_id=0)
     ids = out.sequences[0, n:].tolist()
     if plain[0, n:].tolist() != ids:
@@ -188,12 +248,19 @@ def build(folder: Path, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(str(Path(tmp) / "tokenizer.json"))
         hf_tok = transformers.PreTrainedTokenizerFast(
-            tokenizer_file=str(Path(tmp) / "tokenizer.json"), bos_token="<bos>", eos_token="<eos>",
-            pad_token="<pad>", extra_special_tokens=MEDIA)
+            tokenizer_file=str(Path(tmp) / "tokenizer.json"),
+            bos_token="<bos>",
+            eos_token="<eos>",
+            pad_token="<pad>",
+            extra_special_tokens=MEDIA,
+        )
     processor = transformers.Gemma4Processor(
         feature_extractor=transformers.Gemma4AudioFeatureExtractor(**AUDIO_CFG),
-        image_processor=transformers.Gemma4ImageProcessorPil(**IMAGE_CFG), tokenizer=hf_tok,
-        video_processor=transformers.Gemma4VideoProcessor(), chat_template=TEMPLATE)
+        image_processor=transformers.Gemma4ImageProcessorPil(**IMAGE_CFG),
+        tokenizer=hf_tok,
+        video_processor=transformers.Gemma4VideoProcessor(),
+        chat_template=TEMPLATE,
+    )
     processor.save_pretrained(folder)
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
     tok_cfg["chat_template"] = TEMPLATE
@@ -215,19 +282,21 @@ def build(folder: Path, seed: int) -> dict:
     out["audio_features"] = {**digest(mel), "every_50th": rounded(mel[::50])}
     out["audio_mask"] = [int(mask.sum()), len(mask)]
     with torch.no_grad():
-        image_out = model.model.get_image_features(pixels["pixel_values"], pixels["image_position_ids"],
-                                                   return_dict=True)
+        image_out = model.model.get_image_features(
+            pixels["pixel_values"], pixels["image_position_ids"], return_dict=True
+        )
         out["image_features"] = rounded(torch.cat(image_out.pooler_output))
-        audio_out = model.model.get_audio_features(torch.tensor(mel)[None], torch.tensor(mask)[None],
-                                                   return_dict=True)
+        audio_out = model.model.get_audio_features(torch.tensor(mel)[None], torch.tensor(mask)[None], return_dict=True)
         valid = audio_out.pooler_output[audio_out.attention_mask]
         out["audio_tokens"] = int(valid.shape[0])
         out["audio_rows"] = rounded(valid[:16])
     cases = {
         "image": ([{"type": "image"}, {"type": "text", "text": "What is in this picture?"}], {"images": [image]}),
         "audio": ([{"type": "audio"}, {"type": "text", "text": "What does the speaker say?"}], {"audio": [speech]}),
-        "both": ([{"type": "image"}, {"type": "audio"}, {"type": "text", "text": "Describe both."}],
-                 {"images": [image], "audio": [speech]}),
+        "both": (
+            [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": "Describe both."}],
+            {"images": [image], "audio": [speech]},
+        ),
     }
     for case, (content, media) in cases.items():
         messages = [{"role": "user", "content": content}]
@@ -237,8 +306,10 @@ def build(folder: Path, seed: int) -> dict:
         record: dict = {"messages": messages, "prompt_ids": inputs["input_ids"][0].tolist()}
         record["token_ids"], record["token_logprobs"], record["margins"] = greedy(model, inputs)
         out[case] = record
-        print(f"{case}: {len(record['prompt_ids'])} prompt ids, greedy {record['token_ids']}, "
-              f"min margin {min(record['margins']):.2e}")
+        print(
+            f"{case}: {len(record['prompt_ids'])} prompt ids, greedy {record['token_ids']}, "
+            f"min margin {min(record['margins']):.2e}"
+        )
     return out
 
 

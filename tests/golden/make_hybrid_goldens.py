@@ -61,31 +61,68 @@ QWEN_LINEAR = dict(
     layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
 )
 
-QWEN35_ROPE = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
-               "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+QWEN35_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 1e6,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [1, 1, 0],
+    "mrope_interleaved": True,
+}
 
 VARIANTS: dict[str, dict] = {
     "qwen3_5": dict(QWEN_LINEAR, model_type="qwen3_5_text", tie_word_embeddings=False, rope_parameters=QWEN35_ROPE),
     "qwen3_5_moe": dict(
-        QWEN_LINEAR, model_type="qwen3_5_moe_text", tie_word_embeddings=True, rope_parameters=QWEN35_ROPE,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        QWEN_LINEAR,
+        model_type="qwen3_5_moe_text",
+        tie_word_embeddings=True,
+        rope_parameters=QWEN35_ROPE,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
     ),
     "qwen3_next": dict(
-        QWEN_LINEAR, model_type="qwen3_next", tie_word_embeddings=False,
+        QWEN_LINEAR,
+        model_type="qwen3_next",
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
     ),
     "lfm2": dict(
-        model_type="lfm2", intermediate_size=96, num_hidden_layers=4, norm_eps=1e-5, conv_L_cache=3,
-        conv_bias=False, block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
-        tie_word_embeddings=True, layer_types=["conv", "full_attention", "conv", "full_attention"],
+        model_type="lfm2",
+        intermediate_size=96,
+        num_hidden_layers=4,
+        norm_eps=1e-5,
+        conv_L_cache=3,
+        conv_bias=False,
+        block_multiple_of=32,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True,
+        tie_word_embeddings=True,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ),
     "lfm2_moe": dict(
-        model_type="lfm2_moe", intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4, norm_eps=1e-5,
-        conv_L_cache=3, conv_bias=False, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
-        use_expert_bias=True, routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=True,
+        model_type="lfm2_moe",
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        norm_eps=1e-5,
+        conv_L_cache=3,
+        conv_bias=False,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        use_expert_bias=True,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
         layer_types=["conv", "full_attention", "conv", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ),
@@ -115,7 +152,7 @@ def reference(model, prompt: list[int]):
     after checking that its cached decoding agrees with one uncached pass."""
     generated, logprobs, margins = greedy_reference(model, prompt)
     with torch.no_grad():
-        full = model(torch.tensor([prompt + generated[:-1]]), use_cache=False).logits[0, len(prompt) - 1:]
+        full = model(torch.tensor([prompt + generated[:-1]]), use_cache=False).logits[0, len(prompt) - 1 :]
     assert full.argmax(-1).tolist() == generated, "transformers: cached and uncached greedy differ"
     return generated, logprobs, margins
 
@@ -123,8 +160,15 @@ def reference(model, prompt: list[int]):
 def published(name: str, config: dict) -> dict:
     """The spelling the published checkpoints use for the same model."""
     c = json.loads(json.dumps(config))
-    for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "output_router_logits",
-                "router_aux_loss_coef", "use_cache"):
+    for key in (
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "use_cache",
+    ):
         c.pop(key, None)
     if name.startswith("qwen3_5"):
         kinds = c.pop("layer_types")
@@ -133,11 +177,17 @@ def published(name: str, config: dict) -> dict:
         c["model_type"] = name + "_text"
         c["attn_output_gate"] = True
         c["mtp_num_hidden_layers"] = 1
-        return {"architectures": ["Qwen3_5ForConditionalGeneration" if name == "qwen3_5"
-                                  else "Qwen3_5MoeForConditionalGeneration"],
-                "model_type": name, "text_config": c, "tie_word_embeddings": tie,
-                "image_token_id": 248056, "video_token_id": 248057,
-                "vision_config": {"depth": 1, "hidden_size": 32, "model_type": name, "out_hidden_size": 64}}
+        return {
+            "architectures": [
+                "Qwen3_5ForConditionalGeneration" if name == "qwen3_5" else "Qwen3_5MoeForConditionalGeneration"
+            ],
+            "model_type": name,
+            "text_config": c,
+            "tie_word_embeddings": tie,
+            "image_token_id": 248056,
+            "video_token_id": 248057,
+            "vision_config": {"depth": 1, "hidden_size": 32, "model_type": name, "out_hidden_size": 64},
+        }
     if name == "qwen3_next":
         kinds = c.pop("layer_types")
         c["full_attention_interval"] = kinds.index("full_attention") + 1
@@ -166,13 +216,21 @@ def published_weights(name: str, weights: dict) -> dict:
     if name == "qwen3_5_moe":  # the published MoE checkpoints store each block's experts fused
         for prefix in sorted({k.split(".experts.")[0] for k in weights if ".experts." in k}):
             n = len({k for k in weights if k.startswith(prefix + ".experts.") and k.endswith("down_proj.weight")})
-            gate_up = [torch.cat([weights.pop(f"{prefix}.experts.{e}.gate_proj.weight"),
-                                  weights.pop(f"{prefix}.experts.{e}.up_proj.weight")]) for e in range(n)]
+            gate_up = [
+                torch.cat(
+                    [
+                        weights.pop(f"{prefix}.experts.{e}.gate_proj.weight"),
+                        weights.pop(f"{prefix}.experts.{e}.up_proj.weight"),
+                    ]
+                )
+                for e in range(n)
+            ]
             down = [weights.pop(f"{prefix}.experts.{e}.down_proj.weight") for e in range(n)]
             weights[f"{prefix}.experts.gate_up_proj"] = torch.stack(gate_up)
             weights[f"{prefix}.experts.down_proj"] = torch.stack(down)
-    out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-           for k, v in weights.items()}
+    out = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in weights.items()
+    }
     out["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     out["mtp.fc.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     return out
@@ -214,13 +272,20 @@ def mlx_lm_reference(folder: Path, prompt: list[int]) -> dict:
                 m.biases = upcast(m.biases)
     ids, logprobs = [], []
     sampler = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
-    for (token, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS, sampler=sampler),
-                              range(NEW_TOKENS)):
+    for (token, lp), _ in zip(
+        generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS, sampler=sampler), range(NEW_TOKENS)
+    ):
         token = int(token)
         ids.append(token)
         logprobs.append(float(lp[token]))
-    expected = {"mlx_lm_version": __import__("mlx_lm").__version__, "bits": 4, "group_size": 32,
-                "prompt_ids": prompt, "greedy_ids": ids, "logprobs": logprobs}
+    expected = {
+        "mlx_lm_version": __import__("mlx_lm").__version__,
+        "bits": 4,
+        "group_size": 32,
+        "prompt_ids": prompt,
+        "greedy_ids": ids,
+        "logprobs": logprobs,
+    }
     (target / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
     return expected
 

@@ -39,7 +39,6 @@ import wave
 from pathlib import Path
 
 import numpy as np
-
 from synthetic_weights import synthetic_weight
 
 HERE = Path(__file__).resolve().parent
@@ -52,10 +51,18 @@ ENCODER_STRIDE = 13
 
 # Image processor settings covered by the goldens (name -> constructor kwargs).
 GEMMA3_CASES = {
-    "bilinear896": {"size": {"height": 896, "width": 896}, "resample": 2,
-                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
-    "bicubic896": {"size": {"height": 896, "width": 896}, "resample": 3,
-                   "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
+    "bilinear896": {
+        "size": {"height": 896, "width": 896},
+        "resample": 2,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    },
+    "bicubic896": {
+        "size": {"height": 896, "width": 896},
+        "resample": 3,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    },
 }
 QWEN2VL_CASES = {
     "default": {},
@@ -165,12 +172,24 @@ def qwen2vl_goldens(image_dir: Path) -> dict:
 
 
 WHISPER_TINY = {
-    "vocab_size": 100, "num_mel_bins": 80, "d_model": 64,
-    "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
-    "decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128,
-    "max_source_positions": 1500, "max_target_positions": 64,
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
-    "scale_embedding": False, "activation_function": "gelu", "tie_word_embeddings": True,
+    "vocab_size": 100,
+    "num_mel_bins": 80,
+    "d_model": 64,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_layers": 2,
+    "decoder_attention_heads": 4,
+    "decoder_ffn_dim": 128,
+    "max_source_positions": 1500,
+    "max_target_positions": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 1,
+    "scale_embedding": False,
+    "activation_function": "gelu",
+    "tie_word_embeddings": True,
 }
 WHISPER_PROMPT = [1, 7, 11]
 WHISPER_STEPS = 24
@@ -205,12 +224,17 @@ def whisper_tiny_goldens(audio_dir: Path) -> tuple[dict, dict]:
             margins.append(top2[1] - top2[0])
             step_logits.append(logits)
             ids.append(int(np.argmax(logits)))
-    out["greedy/ids"] = np.asarray(ids[len(WHISPER_PROMPT):], dtype=np.int64)
+    out["greedy/ids"] = np.asarray(ids[len(WHISPER_PROMPT) :], dtype=np.int64)
     out["greedy/logits"] = np.stack(step_logits).astype(np.float32)
     out["greedy/margins"] = np.asarray(margins, dtype=np.float32)
     print(f"whisper tiny: greedy ids {out['greedy/ids'].tolist()}, smallest top-2 margin {min(margins):.4f}")
-    meta = {"config": WHISPER_TINY, "prompt": WHISPER_PROMPT, "steps": WHISPER_STEPS,
-            "encoder_stride": ENCODER_STRIDE, "parameters": params}
+    meta = {
+        "config": WHISPER_TINY,
+        "prompt": WHISPER_PROMPT,
+        "steps": WHISPER_STEPS,
+        "encoder_stride": ENCODER_STRIDE,
+        "parameters": params,
+    }
     return out, meta
 
 
@@ -250,44 +274,69 @@ def gemma3_pan_and_scan_goldens(image_dir: Path) -> tuple[dict, dict]:
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(VISION_GEMMA3, extra_special_tokens=specials)
     model_config = json.loads((VISION_GEMMA3 / "config.json").read_text())
     image_proc = transformers.Gemma3ImageProcessorPil(size={"height": PAS_SIZE, "width": PAS_SIZE}, resample=2)
-    proc = transformers.Gemma3Processor(image_processor=image_proc, tokenizer=tok,
-                                        image_seq_length=model_config["mm_tokens_per_image"])
+    proc = transformers.Gemma3Processor(
+        image_processor=image_proc, tokenizer=tok, image_seq_length=model_config["mm_tokens_per_image"]
+    )
     model = transformers.Gemma3ForConditionalGeneration.from_pretrained(VISION_GEMMA3, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PAS_QUESTION}]}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     arrays: dict = {}
-    meta: dict = {"size": PAS_SIZE, "messages": messages, "template_text": text, "defaults": {
-        k: v for k, v in proc.images_kwargs.items() if k.startswith("pan_and_scan")}, "cases": {}, "num_crops": {}}
+    meta: dict = {
+        "size": PAS_SIZE,
+        "messages": messages,
+        "template_text": text,
+        "defaults": {k: v for k, v in proc.images_kwargs.items() if k.startswith("pan_and_scan")},
+        "cases": {},
+        "num_crops": {},
+    }
     for name in IMAGES:  # how many crops each photo gets with the processor's defaults
         with Image.open(image_dir / name) as im:
-            res = image_proc(im.convert("RGB"), do_pan_and_scan=True, pan_and_scan_min_crop_size=256,
-                             pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2,
-                             return_tensors="np")
+            res = image_proc(
+                im.convert("RGB"),
+                do_pan_and_scan=True,
+                pan_and_scan_min_crop_size=256,
+                pan_and_scan_max_num_crops=4,
+                pan_and_scan_min_ratio_to_activate=1.2,
+                return_tensors="np",
+            )
         meta["num_crops"][name] = int(res["num_crops"][0])
     for case, picture in pan_and_scan_pictures(image_dir).items():
         out = proc(images=[picture], text=[text], do_pan_and_scan=True, return_tensors="pt")
         pixels = out["pixel_values"]
         arrays[f"{case}/pixel_values"] = pixels.numpy().astype(np.float32)
         ids = out["input_ids"]
-        entry = {"picture_size": list(picture.size),
-                 "picture_sha256": hashlib.sha256(picture.tobytes()).hexdigest(),
-                 "num_crops": int(out["num_crops"][0]) if "num_crops" in out else pixels.shape[0] - 1,
-                 "prompt_ids": ids[0].tolist(),
-                 "prompt_text": tok.decode(ids[0], skip_special_tokens=False)}
+        entry = {
+            "picture_size": list(picture.size),
+            "picture_sha256": hashlib.sha256(picture.tobytes()).hexdigest(),
+            "num_crops": int(out["num_crops"][0]) if "num_crops" in out else pixels.shape[0] - 1,
+            "prompt_ids": ids[0].tolist(),
+            "prompt_text": tok.decode(ids[0], skip_special_tokens=False),
+        }
         if entry["num_crops"]:
             with torch.no_grad():
-                gen = model.generate(input_ids=ids, attention_mask=out["attention_mask"], pixel_values=pixels,
-                                     token_type_ids=out["token_type_ids"], max_new_tokens=PAS_NEW_TOKENS,
-                                     do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                     pad_token_id=0)
-            new = gen.sequences[0, ids.shape[1]:].tolist()
+                gen = model.generate(
+                    input_ids=ids,
+                    attention_mask=out["attention_mask"],
+                    pixel_values=pixels,
+                    token_type_ids=out["token_type_ids"],
+                    max_new_tokens=PAS_NEW_TOKENS,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=0,
+                )
+            new = gen.sequences[0, ids.shape[1] :].tolist()
             entry["token_ids"] = new
-            entry["token_logprobs"] = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, new)]
+            entry["token_logprobs"] = [
+                torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, new)
+            ]
         meta["cases"][case] = entry
-        print(f"pan-and-scan {case}: {picture.size}, {entry['num_crops']} crops, "
-              f"{len(entry['prompt_ids'])} prompt ids, greedy {entry.get('token_ids')}")
+        print(
+            f"pan-and-scan {case}: {picture.size}, {entry['num_crops']} crops, "
+            f"{len(entry['prompt_ids'])} prompt ids, greedy {entry.get('token_ids')}"
+        )
     return arrays, meta
 
 

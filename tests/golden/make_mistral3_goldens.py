@@ -42,8 +42,10 @@ TEMPLATE = (
     "{%- if part.type == 'image' %}[IMG]{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}{%- endfor %}"
     "{%- endif %}[/INST]{%- else %}{{- message.content }}{{- eos_token }}{%- endif %}{%- endfor %}"
 )
-CORPUS = ["What is in this picture? A cat sits on the floor and looks at the camera.",
-          "user model assistant system picture image photo describe it please"] * 4
+CORPUS = [
+    "What is in this picture? A cat sits on the floor and looks at the camera.",
+    "user model assistant system picture image photo describe it please",
+] * 4
 IMAGE_CFG = {"size": {"longest_edge": 64}, "patch_size": {"height": 8, "width": 8}}
 
 
@@ -53,20 +55,50 @@ def main() -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=240, special_tokens=SPECIALS, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=240,
+            special_tokens=SPECIALS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     config = transformers.Mistral3Config(
-        text_config={"model_type": "mistral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
-                     "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "sliding_window": 16,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0},
-                     "bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"]},
-        vision_config={"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
-                       "num_attention_heads": 2, "head_dim": 16, "patch_size": 8, "image_size": 64,
-                       "hidden_act": "silu", "rope_parameters": {"rope_type": "axial", "rope_theta": 5000.0}},
-        image_token_index=ids["[IMG]"], spatial_merge_size=2, vision_feature_layer=-2,
-        projector_hidden_act="gelu", multimodal_projector_bias=True,
+        text_config={
+            "model_type": "mistral",
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 256,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0},
+            "bos_token_id": ids["<s>"],
+            "eos_token_id": ids["</s>"],
+        },
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "head_dim": 16,
+            "patch_size": 8,
+            "image_size": 64,
+            "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 5000.0},
+        },
+        image_token_index=ids["[IMG]"],
+        spatial_merge_size=2,
+        vision_feature_layer=-2,
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=True,
     )
     torch.manual_seed(0)
     model = transformers.Mistral3ForConditionalGeneration(config).eval().float()
@@ -86,11 +118,16 @@ def main() -> None:
     model.config._attn_implementation = "eager"
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(str(Path(tmp) / "tokenizer.json"))
-        hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(Path(tmp) / "tokenizer.json"),
-                                                      bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    processor = transformers.PixtralProcessor(image_processor=transformers.PixtralImageProcessorPil(**IMAGE_CFG),
-                                              tokenizer=hf_tok, patch_size=8, spatial_merge_size=2,
-                                              chat_template=TEMPLATE)
+        hf_tok = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(Path(tmp) / "tokenizer.json"), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        )
+    processor = transformers.PixtralProcessor(
+        image_processor=transformers.PixtralImageProcessorPil(**IMAGE_CFG),
+        tokenizer=hf_tok,
+        patch_size=8,
+        spatial_merge_size=2,
+        chat_template=TEMPLATE,
+    )
     processor.save_pretrained(folder)
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
     tok_cfg["chat_template"] = TEMPLATE
@@ -100,15 +137,23 @@ def main() -> None:
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}]
     text = hf_tok.apply_chat_template(messages, tokenize=False, chat_template=TEMPLATE)
-    inputs = processor(text=[text], images=[Image.open(IMAGE).convert("RGB")], return_tensors="pt",
-                       add_special_tokens=False)
+    inputs = processor(
+        text=[text], images=[Image.open(IMAGE).convert("RGB")], return_tensors="pt", add_special_tokens=False
+    )
     pixels = inputs["pixel_values"][0].float().contiguous().numpy()
     with torch.no_grad():
-        feats = model.model.get_image_features(inputs["pixel_values"], inputs["image_sizes"],
-                                               vision_feature_layer=-2).pooler_output[0]
+        feats = model.model.get_image_features(
+            inputs["pixel_values"], inputs["image_sizes"], vision_feature_layer=-2
+        ).pooler_output[0]
         n = inputs["input_ids"].shape[1]
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False, pad_token_id=0)
     token_ids = out.sequences[0, n:].tolist()
     if plain[0, n:].tolist() != token_ids:
@@ -120,11 +165,19 @@ def main() -> None:
         lps.append(lp[t].item())
         margins.append((top[0] - top[1]).item())
     expected = {
-        "image": IMAGE.name, "messages": messages, "prompt_ids": inputs["input_ids"][0].tolist(),
+        "image": IMAGE.name,
+        "messages": messages,
+        "prompt_ids": inputs["input_ids"][0].tolist(),
         "image_size": inputs["image_sizes"][0].tolist(),
-        "pixels": {"sha256": hashlib.sha256(pixels.tobytes()).hexdigest(), "shape": list(pixels.shape),
-                   "sum": float(pixels.astype(np.float64).sum())},
-        "features": feats.tolist(), "token_ids": token_ids, "token_logprobs": lps, "margins": margins,
+        "pixels": {
+            "sha256": hashlib.sha256(pixels.tobytes()).hexdigest(),
+            "shape": list(pixels.shape),
+            "sum": float(pixels.astype(np.float64).sum()),
+        },
+        "features": feats.tolist(),
+        "token_ids": token_ids,
+        "token_logprobs": lps,
+        "margins": margins,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     (folder / "expected.json").write_text(json.dumps(expected))

@@ -25,15 +25,32 @@ import transformers
 from make_model_goldens import NEW_TOKENS, OUT, PROMPT_LEN, build, reference
 from safetensors.torch import load_file, save_file
 
-MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
-           num_hidden_layers=3, moe_intermediate_size=16, intermediate_size=96)
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.8,
-        "mscale_all_dim": 0.9, "beta_fast": 16.0, "beta_slow": 2.0, "rope_theta": 5000.0}
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=24,
+    num_hidden_layers=3,
+    moe_intermediate_size=16,
+    intermediate_size=96,
+)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 0.8,
+    "mscale_all_dim": 0.9,
+    "beta_fast": 16.0,
+    "beta_slow": 2.0,
+    "rope_theta": 5000.0,
+}
 
 
 def published(model_type: str | None = None, drop: tuple[str, ...] = (), add: dict | None = None):
     """Rewrite config.json the way the published repos spell it: rope_theta + rope_scaling
     (with the older "type" key), optionally another model_type alias."""
+
     def rewrite(config: dict) -> dict:
         params = config.pop("rope_parameters", None) or {}
         config["rope_theta"] = params.pop("rope_theta", 10000.0)
@@ -48,85 +65,209 @@ def published(model_type: str | None = None, drop: tuple[str, ...] = (), add: di
             config.pop(key, None)
         config.update(add or {})
         return config
+
     return rewrite
 
 
 # name -> (overrides, config rewrite or None, MTP stand-in layers to append)
 VARIANTS: dict[str, tuple[dict, object, int]] = {
     "deepseek_v3": (
-        dict(model_type="deepseek_v3", **MLA, q_lora_rank=24, n_routed_experts=8, n_shared_experts=2,
-             num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=1.7, first_k_dense_replace=1,
-             attention_bias=True, rope_parameters=YARN, rms_norm_eps=1e-5, max_position_embeddings=64),
-        None, 0,
+        dict(
+            model_type="deepseek_v3",
+            **MLA,
+            q_lora_rank=24,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.7,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            rope_parameters=YARN,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=64,
+        ),
+        None,
+        0,
     ),
     # Moonlight's shape of DeepSeek V3: no query LoRA, plain RoPE, one expert group.
     "moonlight": (
-        dict(model_type="deepseek_v3", **MLA, q_lora_rank=None, n_routed_experts=6, n_shared_experts=1,
-             num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.4, first_k_dense_replace=2,
-             norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
-        published(add={"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}), 1,
+        dict(
+            model_type="deepseek_v3",
+            **MLA,
+            q_lora_rank=None,
+            n_routed_experts=6,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.4,
+            first_k_dense_replace=2,
+            norm_topk_prob=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        ),
+        published(add={"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}),
+        1,
     ),
     # Kimi K2's repos say model_type "kimi_k2" and YaRN in the old spelling.
     "kimi_k2": (
-        dict(model_type="deepseek_v3", **MLA, q_lora_rank=40, n_routed_experts=8, n_shared_experts=1,
-             num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.8, first_k_dense_replace=1,
-             rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
-        published("kimi_k2"), 1,
+        dict(
+            model_type="deepseek_v3",
+            **MLA,
+            q_lora_rank=40,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.8,
+            first_k_dense_replace=1,
+            rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+        ),
+        published("kimi_k2"),
+        1,
     ),
     "glm4_moe": (
-        dict(model_type="glm4_moe", num_hidden_layers=3, head_dim=24, num_attention_heads=4, num_key_value_heads=2,
-             attention_bias=True, use_qk_norm=True, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
-             n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=False,
-             moe_intermediate_size=16, intermediate_size=96, rms_norm_eps=1e-5,
-             rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.75}),
-        None, 0,
+        dict(
+            model_type="glm4_moe",
+            num_hidden_layers=3,
+            head_dim=24,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+            norm_topk_prob=False,
+            moe_intermediate_size=16,
+            intermediate_size=96,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.75},
+        ),
+        None,
+        0,
     ),
     # GLM-4.5 / 4.6 / 4.7's repos: rope_theta and partial_rotary_factor at the top level.
     "glm4_moe_published": (
-        dict(model_type="glm4_moe", num_hidden_layers=3, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
-             attention_bias=True, use_qk_norm=False, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2,
-             routed_scaling_factor=2.5, first_k_dense_replace=2, moe_intermediate_size=16, intermediate_size=96,
-             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
-        published(), 1,
+        dict(
+            model_type="glm4_moe",
+            num_hidden_layers=3,
+            head_dim=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+            use_qk_norm=False,
+            n_routed_experts=6,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=2,
+            moe_intermediate_size=16,
+            intermediate_size=96,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        ),
+        published(),
+        1,
     ),
     "glm4_moe_lite": (
-        dict(model_type="glm4_moe_lite", **MLA, q_lora_rank=24, n_routed_experts=8, n_shared_experts=1,
-             num_experts_per_tok=3, n_group=2, topk_group=1, routed_scaling_factor=1.8,
-             mlp_layer_types=["dense", "sparse", "sparse"], rope_interleave=False,
-             rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-        None, 0,
+        dict(
+            model_type="glm4_moe_lite",
+            **MLA,
+            q_lora_rank=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.8,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            rope_interleave=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+        None,
+        0,
     ),
     # GLM-4.7 Flash's repo: first_k_dense_replace instead of mlp_layer_types.
     "glm4_moe_lite_published": (
-        dict(model_type="glm4_moe_lite", **MLA, q_lora_rank=24, n_routed_experts=6, n_shared_experts=1,
-             num_experts_per_tok=2, routed_scaling_factor=1.8, rope_parameters={"rope_type": "default",
-                                                                                "rope_theta": 1e6}),
-        published(drop=("mlp_layer_types",), add={"first_k_dense_replace": 1}), 1,
+        dict(
+            model_type="glm4_moe_lite",
+            **MLA,
+            q_lora_rank=24,
+            n_routed_experts=6,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            routed_scaling_factor=1.8,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+        published(drop=("mlp_layer_types",), add={"first_k_dense_replace": 1}),
+        1,
     ),
     # GLM-5: the indexer keeps 8 of up to 32 keys, so it really selects; layer 1 reuses layer 0's choice.
     "glm_moe_dsa": (
-        dict(model_type="glm_moe_dsa", **MLA, q_lora_rank=24, n_routed_experts=8, n_shared_experts=1,
-             num_experts_per_tok=3, routed_scaling_factor=2.2, first_k_dense_replace=1, index_topk=8,
-             index_head_dim=24, index_n_heads=8, indexer_types=["full", "shared", "full"],
-             rope_parameters={"rope_type": "default", "rope_theta": 8000.0}),
-        None, 0,
+        dict(
+            model_type="glm_moe_dsa",
+            **MLA,
+            q_lora_rank=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            routed_scaling_factor=2.2,
+            first_k_dense_replace=1,
+            index_topk=8,
+            index_head_dim=24,
+            index_n_heads=8,
+            indexer_types=["full", "shared", "full"],
+            rope_parameters={"rope_type": "default", "rope_theta": 8000.0},
+        ),
+        None,
+        0,
     ),
     # An indexer in every layer, as GLM-5's first release and mlx-lm have it; rope_parameters
     # is that repo's own spelling.
     "glm_moe_dsa_every_layer": (
-        dict(model_type="glm_moe_dsa", **MLA, q_lora_rank=32, n_routed_experts=6, n_shared_experts=1,
-             num_experts_per_tok=2, routed_scaling_factor=2.5, first_k_dense_replace=1, index_topk=8,
-             index_head_dim=32, index_n_heads=8, indexer_types=["full", "full", "full"],
-             rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-        None, 0,
+        dict(
+            model_type="glm_moe_dsa",
+            **MLA,
+            q_lora_rank=32,
+            n_routed_experts=6,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            index_topk=8,
+            index_head_dim=32,
+            index_n_heads=8,
+            indexer_types=["full", "full", "full"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+        None,
+        0,
     ),
     # The published spelling: the full/shared pattern from index_topk_freq (F F S F here).
     "glm_moe_dsa_published": (
-        dict(model_type="glm_moe_dsa", **{**MLA, "num_hidden_layers": 4}, q_lora_rank=24, n_routed_experts=6,
-             n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=2.5, first_k_dense_replace=2,
-             index_topk=6, index_head_dim=32, index_n_heads=6, index_topk_freq=2,
-             rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-        published(drop=("indexer_types", "mlp_layer_types", "layer_types"), add={"index_topk_freq": 2}), 1,
+        dict(
+            model_type="glm_moe_dsa",
+            **{**MLA, "num_hidden_layers": 4},
+            q_lora_rank=24,
+            n_routed_experts=6,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=2,
+            index_topk=6,
+            index_head_dim=32,
+            index_n_heads=6,
+            index_topk_freq=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+        published(drop=("indexer_types", "mlp_layer_types", "layer_types"), add={"index_topk_freq": 2}),
+        1,
     ),
 }
 
@@ -225,8 +366,9 @@ def make(name: str) -> None:
     if mtp:
         tensors.update(mtp_standins(config, mtp))
         config["num_nextn_predict_layers"] = mtp
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
     if rewrite is not None:
         config = rewrite(config)
     config["torch_dtype"] = "float32"

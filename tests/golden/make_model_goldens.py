@@ -55,54 +55,102 @@ LLAMA3_ROPE = {
 VARIANTS: dict[str, tuple[dict, bool]] = {
     "llama": (dict(model_type="llama", tie_word_embeddings=False, rope_theta=10000.0), True),
     "llama3_rope": (
-        dict(model_type="llama", tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE, attention_bias=True,
-             mlp_bias=True, head_dim=32),
+        dict(
+            model_type="llama",
+            tie_word_embeddings=True,
+            rope_parameters=LLAMA3_ROPE,
+            attention_bias=True,
+            mlp_bias=True,
+            head_dim=32,
+        ),
         False,
     ),
     "llama_dynamic": (
-        dict(model_type="llama", vocab_size=128, max_position_embeddings=16, rope_theta=10000.0,
-             rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        dict(
+            model_type="llama",
+            vocab_size=128,
+            max_position_embeddings=16,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        ),
         True,
     ),
     "mistral": (dict(model_type="mistral", sliding_window=8, tie_word_embeddings=False, rope_theta=1e6), True),
     "qwen2": (dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6), True),
     "qwen3": (
-        dict(model_type="qwen3", tie_word_embeddings=False, head_dim=32,
-             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                              "rope_theta": 1e6}),
+        dict(
+            model_type="qwen3",
+            tie_word_embeddings=False,
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 1e6,
+            },
+        ),
         False,
     ),
     "qwen3_moe": (
-        dict(model_type="qwen3_moe", tie_word_embeddings=False, head_dim=16, num_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
-             rope_theta=1e6),
+        dict(
+            model_type="qwen3_moe",
+            tie_word_embeddings=False,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            rope_theta=1e6,
+        ),
         False,
     ),
     "gemma2": (
-        dict(model_type="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-             attn_logit_softcapping=3.0, final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh",
-             rope_theta=10000.0),
+        dict(
+            model_type="gemma2",
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+            hidden_activation="gelu_pytorch_tanh",
+            rope_theta=10000.0,
+        ),
         True,
     ),
     "gemma3_text": (
-        dict(model_type="gemma3_text", head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-             num_hidden_layers=4, intermediate_size=96, vocab_size=160,
-             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-             rope_parameters={
-                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-             }),
+        dict(
+            model_type="gemma3_text",
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            num_hidden_layers=4,
+            intermediate_size=96,
+            vocab_size=160,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
         False,
     ),
     "phi3": (
-        dict(model_type="phi3", tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=10,
-             original_max_position_embeddings=16, rope_theta=10000.0,
-             rope_parameters={
-                 "rope_type": "longrope",
-                 "short_factor": [1.0, 1.2, 1.7, 2.5],
-                 "long_factor": [1.0, 2.0, 5.0, 12.0],
-                 "rope_theta": 10000.0,
-             }),
+        dict(
+            model_type="phi3",
+            tie_word_embeddings=False,
+            partial_rotary_factor=0.5,
+            sliding_window=10,
+            original_max_position_embeddings=16,
+            rope_theta=10000.0,
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.2, 1.7, 2.5],
+                "long_factor": [1.0, 2.0, 5.0, 12.0],
+                "rope_theta": 10000.0,
+            },
+        ),
         False,
     ),
 }
@@ -142,7 +190,7 @@ def reference(model, prompt: list[int]):
             return_dict_in_generate=True,
             output_logits=True,
         )
-    generated = out.sequences[0, len(prompt):].tolist()
+    generated = out.sequences[0, len(prompt) :].tolist()
     logprobs, margins = [], []
     for step, token in zip(out.logits, generated):
         lp = torch.log_softmax(step[0].double(), dim=-1)

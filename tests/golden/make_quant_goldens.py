@@ -137,8 +137,18 @@ def make(case: str) -> None:
         if GLOBAL_SCALE in args:
             convert_with_global_scale(hf, folder)
         else:
-            cmd = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(hf), "--mlx-path", str(folder),
-                   "-q", *args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "mlx_lm",
+                "convert",
+                "--hf-path",
+                str(hf),
+                "--mlx-path",
+                str(folder),
+                "-q",
+                *args,
+            ]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     nbytes, parameters = footprint(folder)
     (folder / "README.md").unlink(missing_ok=True)  # mlx-lm's model card
@@ -180,6 +190,7 @@ def generation_reference(folder: Path, prompt: list[int], vocab: int) -> dict:
     else:
         raise SystemExit(f"{folder.name}: no prompt gave clear greedy margins")
     return {"prompt_ids": prompt, "greedy_ids": ids, "logprobs": logprobs, "min_top2_margin": margin}
+
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(CASES):

@@ -61,30 +61,61 @@ TEMPLATE = (
     "{%- elif 'text' in content %}{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-            "<|image_pad|>", "<|video_pad|>"]
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 CORPUS = [
     "What is in this picture? A cat sits on the floor and looks at the camera.",
     "What happens in this video? seconds 0.2 1.2 2.0 2.2 <0.5 seconds> frames move",
     "user model assistant system picture image photo describe it please",
 ] * 4
-IMAGE_CFG = {"size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 12}, "patch_size": 16,
-             "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
-VIDEO_CFG = {"size": {"shortest_edge": 4096, "longest_edge": 32 * 32 * 200}, "patch_size": 16,
-             "temporal_patch_size": 2, "merge_size": 2, "fps": 2, "min_frames": 4, "max_frames": 8,
-             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "cap_pixels_per_frame": False}
+IMAGE_CFG = {
+    "size": {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 12},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+VIDEO_CFG = {
+    "size": {"shortest_edge": 4096, "longest_edge": 32 * 32 * 200},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 8,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "cap_pixels_per_frame": False,
+}
 # Qwen/Qwen3-VL-*-Instruct's published preprocessor settings.
-PUBLISHED_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
-                   "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-                   "image_std": [0.5, 0.5, 0.5]}
+PUBLISHED_IMAGE = {
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 def tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=240, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=240,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
@@ -103,15 +134,24 @@ def randomize(model: torch.nn.Module, seed: int, scale: float) -> None:
 
 def digest(a: torch.Tensor) -> dict:
     x = a.detach().float().contiguous().numpy()
-    return {"sha256": hashlib.sha256(x.tobytes()).hexdigest(), "sum": float(x.astype(np.float64).sum()),
-            "shape": list(x.shape)}
+    return {
+        "sha256": hashlib.sha256(x.tobytes()).hexdigest(),
+        "sum": float(x.astype(np.float64).sum()),
+        "shape": list(x.shape),
+    }
 
 
 def greedy(model, inputs) -> tuple[list[int], list[float], list[float]]:
     n = inputs["input_ids"].shape[1]
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False, pad_token_id=0)
     ids = out.sequences[0, n:].tolist()
     if plain[0, n:].tolist() != ids:
@@ -126,21 +166,50 @@ def greedy(model, inputs) -> tuple[list[int], list[float], list[float]]:
 
 
 def config(name: str, ids: dict[str, int]):
-    vision = dict(depth=3, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                  deepstack_visual_indexes=[0, 2], hidden_act="gelu_pytorch_tanh",
-                  rope_parameters={"rope_type": "axial", "rope_theta": 2000.0})
-    text = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
-                rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "mrope_section": [2, 3, 3],
-                                 "mrope_interleaved": True},
-                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
-    common = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    vision = dict(
+        depth=3,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 2],
+        hidden_act="gelu_pytorch_tanh",
+        rope_parameters={"rope_type": "axial", "rope_theta": 2000.0},
+    )
+    text = dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 50000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+    )
+    common = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
     if name == "qwen3_vl":
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **common)
-    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=1,
-                mlp_only_layers=[1])
+    text.update(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=1, mlp_only_layers=[1]
+    )
     return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **common)
 
 
@@ -148,7 +217,11 @@ def build(name: str, folder: Path, clip: Path) -> dict:
     tok = tokenizer()
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     cfg = config(name, ids)
-    cls = transformers.Qwen3VLForConditionalGeneration if name == "qwen3_vl" else transformers.Qwen3VLMoeForConditionalGeneration
+    cls = (
+        transformers.Qwen3VLForConditionalGeneration
+        if name == "qwen3_vl"
+        else transformers.Qwen3VLMoeForConditionalGeneration
+    )
     torch.manual_seed(0)
     model = cls(cfg).eval().float()
     model.config._attn_implementation = "eager"
@@ -163,11 +236,15 @@ def build(name: str, folder: Path, clip: Path) -> dict:
     (folder / "generation_config.json").unlink(missing_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(str(Path(tmp) / "tokenizer.json"))
-        hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(Path(tmp) / "tokenizer.json"),
-                                                      eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        hf_tok = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(Path(tmp) / "tokenizer.json"), eos_token="<|im_end|>", pad_token="<|endoftext|>"
+        )
     processor = transformers.Qwen3VLProcessor(
-        image_processor=transformers.Qwen2VLImageProcessorPil(**IMAGE_CFG), tokenizer=hf_tok,
-        video_processor=transformers.Qwen3VLVideoProcessor(**VIDEO_CFG), chat_template=TEMPLATE)
+        image_processor=transformers.Qwen2VLImageProcessorPil(**IMAGE_CFG),
+        tokenizer=hf_tok,
+        video_processor=transformers.Qwen3VLVideoProcessor(**VIDEO_CFG),
+        chat_template=TEMPLATE,
+    )
     processor.save_pretrained(folder)
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
     tok_cfg["chat_template"] = TEMPLATE
@@ -178,10 +255,14 @@ def build(name: str, folder: Path, clip: Path) -> dict:
     frames, metadata = transformers.video_utils.load_video(str(clip), backend="pyav")
     cases = {
         "image": ([{"type": "image"}, {"type": "text", "text": "What is in this picture?"}], {"images": [image]}),
-        "video": ([{"type": "video"}, {"type": "text", "text": "What happens in this video?"}],
-                  {"videos": [frames], "video_metadata": [metadata], "do_sample_frames": True}),
-        "both": ([{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Describe both."}],
-                 {"images": [image], "videos": [frames], "video_metadata": [metadata], "do_sample_frames": True}),
+        "video": (
+            [{"type": "video"}, {"type": "text", "text": "What happens in this video?"}],
+            {"videos": [frames], "video_metadata": [metadata], "do_sample_frames": True},
+        ),
+        "both": (
+            [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Describe both."}],
+            {"images": [image], "videos": [frames], "video_metadata": [metadata], "do_sample_frames": True},
+        ),
     }
     out: dict = {"image": IMAGE.name}
     for case, (content, media) in cases.items():
@@ -191,8 +272,10 @@ def build(name: str, folder: Path, clip: Path) -> dict:
         record: dict = {"messages": messages, "prompt_ids": inputs["input_ids"][0].tolist()}
         with torch.no_grad():
             kwargs = {}
-            for kind, key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                        ("video", "pixel_values_videos", "video_grid_thw")):
+            for kind, key, grid_key in (
+                ("image", "pixel_values", "image_grid_thw"),
+                ("video", "pixel_values_videos", "video_grid_thw"),
+            ):
                 if key not in inputs:
                     continue
                 record[f"{kind}_pixels"] = digest(inputs[key])
@@ -200,16 +283,19 @@ def build(name: str, folder: Path, clip: Path) -> dict:
                 vision = model.model.visual(inputs[key], grid_thw=inputs[grid_key], return_dict=True)
                 if case == kind:  # the first frame group's (or the image's) features, to keep the file small
                     n = int(inputs[grid_key][0, 1:].prod()) // 4
-                    record[f"{kind}_features"] = torch.cat(
-                        [vision.pooler_output, *vision.deepstack_features], dim=-1)[:n].tolist()
+                    record[f"{kind}_features"] = torch.cat([vision.pooler_output, *vision.deepstack_features], dim=-1)[
+                        :n
+                    ].tolist()
                 kwargs[grid_key] = inputs[grid_key]
             positions, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], **kwargs)
         record["position_ids"] = positions[:, 0].tolist()
         record["rope_delta"] = int(delta[0, 0])
         record["token_ids"], record["token_logprobs"], record["margins"] = greedy(model, inputs)
         out[case] = record
-        print(f"{name} {case}: {len(record['prompt_ids'])} prompt ids, greedy {record['token_ids']}, "
-              f"min margin {min(record['margins']):.2e}")
+        print(
+            f"{name} {case}: {len(record['prompt_ids'])} prompt ids, greedy {record['token_ids']}, "
+            f"min margin {min(record['margins']):.2e}"
+        )
     return out
 
 
@@ -224,12 +310,20 @@ def processors(clip: Path) -> dict:
         photos[path.name] = {"pixels": digest(v["pixel_values"]), "grid": v["image_grid_thw"][0].tolist()}
     frames, metadata = transformers.video_utils.load_video(str(clip), backend="pyav")
     video = transformers.Qwen3VLVideoProcessor(**VIDEO_CFG)(
-        videos=[frames], video_metadata=[metadata], do_sample_frames=True, return_metadata=True, return_tensors="pt")
+        videos=[frames], video_metadata=[metadata], do_sample_frames=True, return_metadata=True, return_tensors="pt"
+    )
     meta = video["video_metadata"][0]
-    return {"settings": PUBLISHED_IMAGE, "photos": photos,
-            "clip": {"pixels": digest(video["pixel_values_videos"]), "grid": video["video_grid_thw"][0].tolist(),
-                     "indices": [int(i) for i in meta.frames_indices], "fps": float(meta.fps),
-                     "total_frames": int(meta.total_num_frames)}}
+    return {
+        "settings": PUBLISHED_IMAGE,
+        "photos": photos,
+        "clip": {
+            "pixels": digest(video["pixel_values_videos"]),
+            "grid": video["video_grid_thw"][0].tolist(),
+            "indices": [int(i) for i in meta.frames_indices],
+            "fps": float(meta.fps),
+            "total_frames": int(meta.total_num_frames),
+        },
+    }
 
 
 def main() -> None:
@@ -246,7 +340,6 @@ def main() -> None:
             (OUT / name / "expected.json").write_text(json.dumps(expected))
             size = sum(f.stat().st_size for f in (OUT / name).iterdir())
             print(f"{name}: {size} bytes")
-
 
 
 if __name__ == "__main__":

@@ -58,7 +58,9 @@ def render(source: str, messages: list, variables: dict) -> dict:
     conversation = normalise(messages)
     try:
         rendered, _ = ctu.render_jinja_template(
-            conversations=[conversation], chat_template=source, add_generation_prompt=True,
+            conversations=[conversation],
+            chat_template=source,
+            add_generation_prompt=True,
             **{**DEFAULT_SPECIAL, **variables},
         )
         return {"output": rendered[0]}
@@ -82,13 +84,21 @@ def main() -> None:
                 renders.append({"conversation": name, "choice": choice, **render(source, messages, variables)})
         entries[rel] = {"variable": variable, "choices": choices, "renders": renders}
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({
-        "made_by": f"transformers {transformers.__version__}",
-        "now": FIXED_NOW.isoformat(),
-        "special_tokens": DEFAULT_SPECIAL,
-        "conversations": CONVERSATIONS,
-        "templates": entries,
-    }, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    OUT.write_text(
+        json.dumps(
+            {
+                "made_by": f"transformers {transformers.__version__}",
+                "now": FIXED_NOW.isoformat(),
+                "special_tokens": DEFAULT_SPECIAL,
+                "conversations": CONVERSATIONS,
+                "templates": entries,
+            },
+            indent=1,
+            ensure_ascii=False,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     for rel, entry in entries.items():
         outs = {r["output"] for r in entry["renders"] if "output" in r}
         errors = sum("error" in r for r in entry["renders"])

@@ -37,11 +37,22 @@ def main() -> None:
     proc = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, resample=2, do_pan_and_scan=False)
     pixels = proc([Image.open(IMAGE).convert("RGB")], return_tensors="pt")["pixel_values"]
     with torch.no_grad():
-        out = model.generate(input_ids=input_ids, pixel_values=pixels, token_type_ids=token_type_ids,
-                             max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    ids = out[0, input_ids.shape[1]:].tolist()
-    record = {"image": IMAGE.name, "sliding_window": WINDOW, "prompt_ids": expected["prompt_ids"], "token_ids": ids,
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+        out = model.generate(
+            input_ids=input_ids,
+            pixel_values=pixels,
+            token_type_ids=token_type_ids,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    ids = out[0, input_ids.shape[1] :].tolist()
+    record = {
+        "image": IMAGE.name,
+        "sliding_window": WINDOW,
+        "prompt_ids": expected["prompt_ids"],
+        "token_ids": ids,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
     (HERE / "media" / "gemma3_wide_window.json").write_text(json.dumps(record))
     print(f"gemma3, window {WINDOW}: greedy {ids}")
 

@@ -38,13 +38,35 @@ PATTERN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
     r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-VOXTRAL_SPECIALS = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 5: "[AVAILABLE_TOOLS]",
-                    6: "[/AVAILABLE_TOOLS]", 7: "[TOOL_RESULTS]", 8: "[/TOOL_RESULTS]", 9: "[TOOL_CALLS]",
-                    10: "[IMG]", 11: "<pad>", 12: "[IMG_BREAK]", 13: "[IMG_END]", 14: "[PREFIX]",
-                    15: "[MIDDLE]", 16: "[SUFFIX]", 17: "[SYSTEM_PROMPT]", 18: "[/SYSTEM_PROMPT]",
-                    19: "[TOOL_CONTENT]", 24: "[AUDIO]", 25: "[BEGIN_AUDIO]", 32: "[ARGS]", 33: "[CALL_ID]",
-                    34: "[TRANSCRIBE]"}
-CORPUS = """
+VOXTRAL_SPECIALS = {
+    0: "<unk>",
+    1: "<s>",
+    2: "</s>",
+    3: "[INST]",
+    4: "[/INST]",
+    5: "[AVAILABLE_TOOLS]",
+    6: "[/AVAILABLE_TOOLS]",
+    7: "[TOOL_RESULTS]",
+    8: "[/TOOL_RESULTS]",
+    9: "[TOOL_CALLS]",
+    10: "[IMG]",
+    11: "<pad>",
+    12: "[IMG_BREAK]",
+    13: "[IMG_END]",
+    14: "[PREFIX]",
+    15: "[MIDDLE]",
+    16: "[SUFFIX]",
+    17: "[SYSTEM_PROMPT]",
+    18: "[/SYSTEM_PROMPT]",
+    19: "[TOOL_CONTENT]",
+    24: "[AUDIO]",
+    25: "[BEGIN_AUDIO]",
+    32: "[ARGS]",
+    33: "[CALL_ID]",
+    34: "[TRANSCRIBE]",
+}
+CORPUS = (
+    """
 The quick brown fox jumps over the lazy dog. What is said in this clip? The speaker asks
 the nation: ask not what your country can do for you, ask what you can do for your country.
 Summarise the speech in one sentence, then answer the question. Hello, world! Numbers: 12345,
@@ -52,19 +74,40 @@ Summarise the speech in one sentence, then answer the question. Hello, world! Nu
     if (a && b) { print("yes"); } else { print('no'); }
 Café, naïve, résumé, Straße, Ελληνικά, русский текст. 日本語の文章です。中文测试，你好世界。
 한국어 문장입니다. Emoji: 🙂 🚀 👍🏽 ❤️ and mixed: «quotes» — dashes… tabs\tand\r\nnewlines.
-""" * 3
+"""
+    * 3
+)
 MERGES = 320
 CUT = 20
-VOXTRAL_AUDIO = {"sampling_rate": 16000, "frame_rate": 12.5, "chunk_length_s": 30.0,
-                 "audio_encoding_config": {"num_mel_bins": 128, "hop_length": 160, "window_size": 400}}
+VOXTRAL_AUDIO = {
+    "sampling_rate": 16000,
+    "frame_rate": 12.5,
+    "chunk_length_s": 30.0,
+    "audio_encoding_config": {"num_mel_bins": 128, "hop_length": 160, "window_size": 400},
+}
 STRINGS = [
-    "Hello, world!", " leading space", "trailing space ", "two  spaces and   three",
-    "line one\nline two\n\nline four\r\nwindows", "\ttab\tseparated\t", "digits 1234567890 and 3.14",
+    "Hello, world!",
+    " leading space",
+    "trailing space ",
+    "two  spaces and   three",
+    "line one\nline two\n\nline four\r\nwindows",
+    "\ttab\tseparated\t",
+    "digits 1234567890 and 3.14",
     "punctuation!?... (brackets) [square] {curly} <angle> 'quotes' \"double\"",
-    "Café naïve résumé Straße", "日本語の文章です。中文测试，你好世界。", "한국어 문장입니다",
-    "emoji 🙂🚀 👍🏽 ❤️ end", "def f(x):\n    return x * 2  # comment\n",
-    "text with [INST] inside and </s> too", "<s>[SYSTEM_PROMPT]looks special[/SYSTEM_PROMPT]",
-    "[AUDIO][BEGIN_AUDIO] <SPECIAL_37>", "", " ", "\n", "a", "ÿ€𝄞", "The quick brown fox jumps over the lazy dog.",
+    "Café naïve résumé Straße",
+    "日本語の文章です。中文测试，你好世界。",
+    "한국어 문장입니다",
+    "emoji 🙂🚀 👍🏽 ❤️ end",
+    "def f(x):\n    return x * 2  # comment\n",
+    "text with [INST] inside and </s> too",
+    "<s>[SYSTEM_PROMPT]looks special[/SYSTEM_PROMPT]",
+    "[AUDIO][BEGIN_AUDIO] <SPECIAL_37>",
+    "",
+    " ",
+    "\n",
+    "a",
+    "ÿ€𝄞",
+    "The quick brown fox jumps over the lazy dog.",
 ]
 
 
@@ -108,15 +151,29 @@ def token_info(rank: int, token: bytes) -> dict:
     return {"rank": rank, "token_bytes": base64.b64encode(token).decode(), "token_str": text}
 
 
-def tekken_file(ranks: list[bytes], specials: dict[int, str], listed: int, n_special: int, vocab_size: int,
-                version: str, audio: dict | None = None) -> dict:
+def tekken_file(
+    ranks: list[bytes],
+    specials: dict[int, str],
+    listed: int,
+    n_special: int,
+    vocab_size: int,
+    version: str,
+    audio: dict | None = None,
+) -> dict:
     data = {
-        "config": {"pattern": PATTERN, "num_vocab_tokens": len(ranks), "default_vocab_size": vocab_size,
-                   "default_num_special_tokens": n_special, "version": version},
+        "config": {
+            "pattern": PATTERN,
+            "num_vocab_tokens": len(ranks),
+            "default_vocab_size": vocab_size,
+            "default_num_special_tokens": n_special,
+            "version": version,
+        },
         "vocab": [token_info(r, t) for r, t in enumerate(ranks)],
-        "special_tokens": [{"rank": i, "token_str": specials.get(i, f"<SPECIAL_{i}>"), "is_control": True}
-                           for i in range(listed)],
-        "version": 1, "type": "Tekken",
+        "special_tokens": [
+            {"rank": i, "token_str": specials.get(i, f"<SPECIAL_{i}>"), "is_control": True} for i in range(listed)
+        ],
+        "version": 1,
+        "type": "Tekken",
     }
     if audio is not None:
         data["audio"] = audio
@@ -140,36 +197,60 @@ def wav_bytes(samples, rate: int = 16000) -> bytes:
 def chats(jfk_wav: bytes | None, long_wav: bytes | None) -> dict[str, list[dict]]:
     out = {
         "user": [{"role": "user", "content": "What is said?"}],
-        "system_user": [{"role": "system", "content": "You are terse."},
-                        {"role": "user", "content": "Say hello.\nTwice."}],
-        "multi_turn": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help? "},
-                       {"role": "user", "content": "Count: 1, 2, 3"}],
-        "system_multi_turn": [{"role": "system", "content": "Answer in French."},
-                              {"role": "user", "content": "Good morning"},
-                              {"role": "assistant", "content": "Bonjour"},
-                              {"role": "user", "content": "日本語は？ 🙂"}],
-        "parts_and_repeats": [{"role": "user", "content": [{"type": "text", "text": "first part"},
-                                                           {"type": "text", "text": "second part"}]},
-                              {"role": "user", "content": "a second user message"}],
+        "system_user": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say hello.\nTwice."},
+        ],
+        "multi_turn": [
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello! How can I help? "},
+            {"role": "user", "content": "Count: 1, 2, 3"},
+        ],
+        "system_multi_turn": [
+            {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "Good morning"},
+            {"role": "assistant", "content": "Bonjour"},
+            {"role": "user", "content": "日本語は？ 🙂"},
+        ],
+        "parts_and_repeats": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "first part"}, {"type": "text", "text": "second part"}],
+            },
+            {"role": "user", "content": "a second user message"},
+        ],
     }
     if jfk_wav is not None:
         b64 = base64.b64encode(jfk_wav).decode()
         b64_long = base64.b64encode(long_wav).decode()
-        out["audio"] = [{"role": "user", "content": [{"type": "input_audio", "input_audio": b64},
-                                                     {"type": "text", "text": "what is said in this clip ?"}]}]
+        out["audio"] = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_audio", "input_audio": b64},
+                    {"type": "text", "text": "what is said in this clip ?"},
+                ],
+            }
+        ]
         out["audio_multi_turn"] = [
-            {"role": "user", "content": [{"type": "input_audio", "input_audio": b64_long},
-                                         {"type": "text", "text": "Who speaks?"}]},
+            {
+                "role": "user",
+                "content": [{"type": "input_audio", "input_audio": b64_long}, {"type": "text", "text": "Who speaks?"}],
+            },
             {"role": "assistant", "content": "A president."},
-            {"role": "user", "content": [{"type": "text", "text": "And now?"},
-                                         {"type": "input_audio", "input_audio": b64}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "And now?"}, {"type": "input_audio", "input_audio": b64}],
+            },
         ]
     return out
 
 
 def texts(messages: list[dict]) -> str:
-    return "".join(m["content"] if isinstance(m["content"], str) else
-                   "".join(p.get("text", "") for p in m["content"]) for m in messages)
+    return "".join(
+        m["content"] if isinstance(m["content"], str) else "".join(p.get("text", "") for p in m["content"])
+        for m in messages
+    )
 
 
 def engine_view(messages: list[dict]) -> list[dict]:
@@ -184,8 +265,13 @@ def engine_view(messages: list[dict]) -> list[dict]:
 
 
 def audio_order(messages: list[dict], names: dict[str, str]) -> list[str]:
-    return [names[p["input_audio"]] for m in messages if isinstance(m["content"], list)
-            for p in m["content"] if p["type"] == "input_audio"]
+    return [
+        names[p["input_audio"]]
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "input_audio"
+    ]
 
 
 def main() -> None:
@@ -209,27 +295,42 @@ def main() -> None:
     (OUT / "voxtral_tekken.json").write_text(json.dumps(vox_file, indent=1) + "\n")
 
     tek = Tekkenizer.from_file(OUT / "tekken.json")
-    vectors: dict = {"strings": [], "id_runs": [], "chats": {},
-                     "versions": {"mistral_common": mistral_common.__version__}}
+    vectors: dict = {
+        "strings": [],
+        "id_runs": [],
+        "chats": {},
+        "versions": {"mistral_common": mistral_common.__version__},
+    }
     for s in STRINGS:
         ids = tek.encode(s, bos=False, eos=False)
-        vectors["strings"].append({
-            "text": s, "ids": ids, "ids_bos": tek.encode(s, bos=True, eos=False),
-            "decoded": tek.decode(ids), "decoded_bos_keep": tek.decode([1, *ids], SpecialTokenPolicy.KEEP),
-        })
+        vectors["strings"].append(
+            {
+                "text": s,
+                "ids": ids,
+                "ids_bos": tek.encode(s, bos=True, eos=False),
+                "decoded": tek.decode(ids),
+                "decoded_bos_keep": tek.decode([1, *ids], SpecialTokenPolicy.KEEP),
+            }
+        )
     rng = np.random.default_rng(0)
     n = tek.n_words
-    runs = [[40 + 0xE6, 40 + 0x97], [40 + 0xF0, 40 + 0x9F, 40 + 0x99], [1, 3, 45, 4, 2, 37, 39],
-            [40 + 0xC3, 3, 40 + 0xA9]] + [rng.integers(36, n, 12).tolist() for _ in range(6)]
+    runs = [
+        [40 + 0xE6, 40 + 0x97],
+        [40 + 0xF0, 40 + 0x9F, 40 + 0x99],
+        [1, 3, 45, 4, 2, 37, 39],
+        [40 + 0xC3, 3, 40 + 0xA9],
+    ] + [rng.integers(36, n, 12).tolist() for _ in range(6)]
     for run in runs:
-        vectors["id_runs"].append({"ids": run, "decoded": tek.decode(run),
-                                   "decoded_keep": tek.decode(run, SpecialTokenPolicy.KEEP)})
+        vectors["id_runs"].append(
+            {"ids": run, "decoded": tek.decode(run), "decoded_keep": tek.decode(run, SpecialTokenPolicy.KEEP)}
+        )
 
     jfk = long = None
     wav = args.data / "audio" / "jfk.wav"
     if wav.is_file():
         jfk = wav.read_bytes()
         import wave
+
         with wave.open(str(wav)) as w:
             pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
         long = wav_bytes(np.concatenate([pcm, pcm, pcm]))
@@ -249,18 +350,24 @@ def main() -> None:
             finally:
                 tmp.unlink()
             for name, messages in chats(jfk if label == "voxtral" else None, long).items():
-                if version == "v3" and any(isinstance(m["content"], list) and
-                                           any(p["type"] == "input_audio" for p in m["content"])
-                                           for m in messages):
+                if version == "v3" and any(
+                    isinstance(m["content"], list) and any(p["type"] == "input_audio" for p in m["content"])
+                    for m in messages
+                ):
                     continue
                 if label == "voxtral" and not all(ord(c) < 124 for c in texts(messages)):
                     continue  # that vocabulary holds only the bytes below 124
                 tokens = mt.encode_chat_completion(ChatCompletionRequest(messages=messages)).tokens
                 vectors["chats"][f"{label}/{version}/{name}"] = {
-                    "messages": engine_view(messages), "audio": audio_order(messages, names), "ids": tokens}
+                    "messages": engine_view(messages),
+                    "audio": audio_order(messages, names),
+                    "ids": tokens,
+                }
     (OUT / "vectors.json").write_text(json.dumps(vectors, ensure_ascii=False, indent=1) + "\n")
-    print(f"{len(ranks)} ranks, {len(vectors['strings'])} strings, {len(vectors['chats'])} chats:",
-          sorted(vectors["chats"]))
+    print(
+        f"{len(ranks)} ranks, {len(vectors['strings'])} strings, {len(vectors['chats'])} chats:",
+        sorted(vectors["chats"]),
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,16 @@ def main() -> None:
     cases = [{"text": t, "ids": sp.encode(t)} for t in texts]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(
-        json.dumps({"made_by": f"sentencepiece {sentencepiece.__version__}", "bos_id": sp.bos_id(),
-                    "eos_id": sp.eos_id(), "cases": cases}, ensure_ascii=False) + "\n",
+        json.dumps(
+            {
+                "made_by": f"sentencepiece {sentencepiece.__version__}",
+                "bos_id": sp.bos_id(),
+                "eos_id": sp.eos_id(),
+                "cases": cases,
+            },
+            ensure_ascii=False,
+        )
+        + "\n",
         encoding="utf-8",
     )
     print(f"{len(cases)} cases -> {OUT}")

@@ -40,10 +40,10 @@ GEMMA3_TEMPLATE = (
     "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
     "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
     "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
-    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    '    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = "" -%}\n'
     "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
     "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
     "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
     "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
     "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
@@ -78,8 +78,12 @@ def tokenizer(specials: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=240, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=240,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
@@ -98,8 +102,14 @@ def randomize(model: torch.nn.Module, seed: int, scale: float = 2.0) -> None:
 
 def greedy(model, **inputs) -> tuple[list[int], list[float]]:
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     n = inputs["input_ids"].shape[1]
     ids = out.sequences[0, n:].tolist()
     lps = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
@@ -123,19 +133,49 @@ def render(folder: Path, messages: list) -> tuple[str, object]:
 
 
 def gemma3() -> dict:
-    specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-                "<end_of_image>", "<image_soft_token>"]
+    specials = [
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+    ]
     tok = tokenizer(specials)
     ids = {s: tok.token_to_id(s) for s in specials}
     config = transformers.Gemma3Config(
-        text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=256, query_pre_attn_scalar=16,
-                         sliding_window=6, layer_types=["sliding_attention", "full_attention"],
-                         max_position_embeddings=512, rms_norm_eps=1e-6),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8, vision_use_head=False, layer_norm_eps=1e-6),
-        mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
-        image_token_index=ids["<image_soft_token>"], bos_token_id=ids["<bos>"], eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+            query_pre_attn_scalar=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+            vision_use_head=False,
+            layer_norm_eps=1e-6,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        bos_token_id=ids["<bos>"],
+        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
         pad_token_id=ids["<pad>"],
     )
     config.text_config.bos_token_id, config.text_config.eos_token_id = ids["<bos>"], ids["<eos>"]
@@ -144,11 +184,28 @@ def gemma3() -> dict:
     model.config._attn_implementation = "eager"
     randomize(model, 1)
     folder = OUT / "gemma3"
-    preprocessor = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 32, "width": 32},
-                    "resample": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "rescale_factor": 1 / 255,
-                    "do_pan_and_scan": False}
-    save_folder(folder, model, tok, {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-                                     "add_bos_token": False, "chat_template": GEMMA3_TEMPLATE}, preprocessor)
+    preprocessor = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "size": {"height": 32, "width": 32},
+        "resample": 2,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+        "rescale_factor": 1 / 255,
+        "do_pan_and_scan": False,
+    }
+    save_folder(
+        folder,
+        model,
+        tok,
+        {
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "pad_token": "<pad>",
+            "add_bos_token": False,
+            "chat_template": GEMMA3_TEMPLATE,
+        },
+        preprocessor,
+    )
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     text, hf_tok = render(folder, messages)
@@ -162,28 +219,62 @@ def gemma3() -> dict:
         feats = model.model.get_image_features(pixels).pooler_output[0]
     out_ids, lps = greedy(model, input_ids=input_ids, pixel_values=pixels, token_type_ids=token_type_ids)
     return {
-        "image": IMAGE.name, "messages": messages, "prompt_ids": input_ids[0].tolist(),
+        "image": IMAGE.name,
+        "messages": messages,
+        "prompt_ids": input_ids[0].tolist(),
         "image_positions": torch.nonzero(token_type_ids[0]).flatten().tolist(),
-        "features": feats.tolist(), "token_ids": out_ids, "token_logprobs": lps,
+        "features": feats.tolist(),
+        "token_ids": out_ids,
+        "token_logprobs": lps,
     }
 
 
 def qwen2_5_vl() -> dict:
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
+    specials = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ]
     tok = tokenizer(specials)
     ids = {s: tok.token_to_id(s) for s in specials}
     config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                         tie_word_embeddings=True, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]),
-        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1], hidden_act="silu"),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            tie_word_embeddings=True,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            hidden_act="silu",
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
@@ -191,11 +282,21 @@ def qwen2_5_vl() -> dict:
     model.config._attn_implementation = "eager"
     randomize(model, 3, scale=4.0)
     folder = OUT / "qwen2_5_vl"
-    pixels_cfg = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 15, "patch_size": 14, "merge_size": 2,
-                  "temporal_patch_size": 2}
+    pixels_cfg = {
+        "min_pixels": 28 * 28 * 4,
+        "max_pixels": 28 * 28 * 15,
+        "patch_size": 14,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+    }
     preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", **pixels_cfg}
-    save_folder(folder, model, tok, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                                     "chat_template": QWEN_VL_TEMPLATE}, preprocessor)
+    save_folder(
+        folder,
+        model,
+        tok,
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN_VL_TEMPLATE},
+        preprocessor,
+    )
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     text, hf_tok = render(folder, messages)
@@ -209,13 +310,20 @@ def qwen2_5_vl() -> dict:
     with torch.no_grad():
         feats = model.model.get_image_features(vision["pixel_values"], grid).pooler_output[0]
         positions, delta = model.model.get_rope_index(input_ids, mm_token_type_ids=mm_types, image_grid_thw=grid)
-    out_ids, lps = greedy(model, input_ids=input_ids, pixel_values=vision["pixel_values"], image_grid_thw=grid,
-                          mm_token_type_ids=mm_types)
+    out_ids, lps = greedy(
+        model, input_ids=input_ids, pixel_values=vision["pixel_values"], image_grid_thw=grid, mm_token_type_ids=mm_types
+    )
     return {
-        "image": IMAGE.name, "messages": messages, "prompt_ids": input_ids[0].tolist(),
-        "image_positions": torch.nonzero(mm_types[0]).flatten().tolist(), "grid_thw": grid[0].tolist(),
-        "position_ids": positions[:, 0].tolist(), "rope_delta": int(delta[0, 0]),
-        "features": feats.tolist(), "token_ids": out_ids, "token_logprobs": lps,
+        "image": IMAGE.name,
+        "messages": messages,
+        "prompt_ids": input_ids[0].tolist(),
+        "image_positions": torch.nonzero(mm_types[0]).flatten().tolist(),
+        "grid_thw": grid[0].tolist(),
+        "position_ids": positions[:, 0].tolist(),
+        "rope_delta": int(delta[0, 0]),
+        "features": feats.tolist(),
+        "token_ids": out_ids,
+        "token_logprobs": lps,
     }
 
 

@@ -37,7 +37,6 @@ import wave
 from pathlib import Path
 
 import numpy as np
-
 from synthetic_weights import synthetic_weight
 
 HERE = Path(__file__).resolve().parent
@@ -46,26 +45,72 @@ STRIDE = 7
 STEPS = 12
 VOCAB = 160
 # Tekken's first special ids, as Voxtral-Mini-3B-2507 numbers them; fillers elsewhere.
-SPECIALS = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 11: "<pad>",
-            17: "[SYSTEM_PROMPT]", 18: "[/SYSTEM_PROMPT]", 24: "[AUDIO]", 25: "[BEGIN_AUDIO]",
-            34: "[TRANSCRIBE]"}
+SPECIALS = {
+    0: "<unk>",
+    1: "<s>",
+    2: "</s>",
+    3: "[INST]",
+    4: "[/INST]",
+    11: "<pad>",
+    17: "[SYSTEM_PROMPT]",
+    18: "[/SYSTEM_PROMPT]",
+    24: "[AUDIO]",
+    25: "[BEGIN_AUDIO]",
+    34: "[TRANSCRIBE]",
+}
 N_SPECIAL = 36
-WORDS = ["what", "is", "said", "in", "this", "clip", "?", "the", "a", "speech", "ask", "not",
-         "who", "speaks", "summarise", "it", ".", ","]
+WORDS = [
+    "what",
+    "is",
+    "said",
+    "in",
+    "this",
+    "clip",
+    "?",
+    "the",
+    "a",
+    "speech",
+    "ask",
+    "not",
+    "who",
+    "speaks",
+    "summarise",
+    "it",
+    ".",
+    ",",
+]
 CONFIG = {
     "model_type": "voxtral",
     "audio_token_id": 24,
     "projector_hidden_act": "gelu",
     "audio_config": {
-        "model_type": "voxtral_encoder", "num_mel_bins": 128, "hidden_size": 16, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "max_source_positions": 1500,
-        "activation_function": "gelu", "scale_embedding": False, "vocab_size": 51866,
+        "model_type": "voxtral_encoder",
+        "num_mel_bins": 128,
+        "hidden_size": 16,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_source_positions": 1500,
+        "activation_function": "gelu",
+        "scale_embedding": False,
+        "vocab_size": 51866,
     },
     "text_config": {
-        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 100000000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     },
 }
 TEMPLATE = (
@@ -101,8 +146,9 @@ def tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tok.add_special_tokens([AddedToken(SPECIALS.get(i, f"<SPECIAL_{i}>"), special=True, normalized=False)
-                            for i in range(N_SPECIAL)])
+    tok.add_special_tokens(
+        [AddedToken(SPECIALS.get(i, f"<SPECIAL_{i}>"), special=True, normalized=False) for i in range(N_SPECIAL)]
+    )
     return tok
 
 
@@ -119,16 +165,25 @@ def main() -> None:
 
     import torch
     import transformers
-    from transformers import (PreTrainedTokenizerFast, VoxtralConfig, VoxtralForConditionalGeneration,
-                              WhisperFeatureExtractor)
+    from transformers import (
+        PreTrainedTokenizerFast,
+        VoxtralConfig,
+        VoxtralForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
 
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)
     tok = tokenizer()
     tok.save(str(OUT / "tokenizer.json"))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(OUT / "tokenizer.json"), bos_token="<s>", eos_token="</s>",
-                                     unk_token="<unk>", pad_token="<pad>")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(OUT / "tokenizer.json"),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
     hf_tok.chat_template = TEMPLATE
     assert tok.token_to_id("[AUDIO]") == CONFIG["audio_token_id"]
 
@@ -147,8 +202,14 @@ def main() -> None:
 
     def features(samples: np.ndarray) -> torch.Tensor:
         # VoxtralProcessor._retrieve_input_features with its default audio_kwargs.
-        out = fe(samples, sampling_rate=16000, padding=True, truncation=False, pad_to_multiple_of=CHUNK_SAMPLES,
-                 return_tensors="pt")["input_features"]
+        out = fe(
+            samples,
+            sampling_rate=16000,
+            padding=True,
+            truncation=False,
+            pad_to_multiple_of=CHUNK_SAMPLES,
+            return_tensors="pt",
+        )["input_features"]
         return out.reshape(128, -1, CHUNK_FRAMES).transpose(0, 1)
 
     jfk = read_pcm16_wav(args.data / "audio" / "jfk.wav")
@@ -167,13 +228,23 @@ def main() -> None:
     n_audio = audio_tokens(jfk.shape[0])
     ids = hf_tok(text.replace("[AUDIO]", "[AUDIO]" * n_audio), add_special_tokens=False)["input_ids"]
     assert ids.count(24) == n_audio and ids[0] == 1
-    inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-              "input_features": features(jfk)}
+    inputs = {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        "input_features": features(jfk),
+    }
     with torch.no_grad():
-        gen = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, num_beams=1, output_scores=True,
-                             return_dict_in_generate=True, eos_token_id=None)
+        gen = model.generate(
+            **inputs,
+            max_new_tokens=STEPS,
+            do_sample=False,
+            num_beams=1,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+        )
         last_logits = model(**inputs).logits[0, -1].numpy()
-    new = gen.sequences[0, len(ids):].tolist()
+    new = gen.sequences[0, len(ids) :].tolist()
     logprobs, margins = [], []
     for step, scores in enumerate(gen.scores):
         lp = torch.log_softmax(scores[0].float(), -1)
@@ -185,10 +256,18 @@ def main() -> None:
     arrays["greedy/ids"] = np.asarray(new, dtype=np.int64)
     arrays["greedy/logprobs"] = np.asarray(logprobs, dtype=np.float32)
     np.savez_compressed(HERE / "media" / "voxtral_tiny.npz", **arrays)
-    meta = {"config": CONFIG, "parameters": shapes, "chat_template": TEMPLATE, "messages": messages,
-            "prompt_text": text, "audio_tokens": {k: audio_tokens(v.shape[0]) for k, v in clips.items()},
-            "steps": STEPS, "stride": STRIDE, "smallest_margin": min(margins),
-            "versions": {"transformers": transformers.__version__, "torch": torch.__version__}}
+    meta = {
+        "config": CONFIG,
+        "parameters": shapes,
+        "chat_template": TEMPLATE,
+        "messages": messages,
+        "prompt_text": text,
+        "audio_tokens": {k: audio_tokens(v.shape[0]) for k, v in clips.items()},
+        "steps": STEPS,
+        "stride": STRIDE,
+        "smallest_margin": min(margins),
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+    }
     (HERE / "media" / "voxtral_tiny.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"voxtral: {n_audio} audio tokens, prompt {len(ids)} ids, greedy {new}, smallest margin {min(margins):.4f}")
     print("files:", sorted((p.name, p.stat().st_size) for p in OUT.iterdir()))

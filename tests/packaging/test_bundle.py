@@ -62,9 +62,17 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bundle")
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "packaging" / "build.py"), "--dist", str(out / "dist"),
-         "--work", str(out / "work")],
-        cwd=ROOT, capture_output=True, text=True,
+        [
+            sys.executable,
+            str(ROOT / "packaging" / "build.py"),
+            "--dist",
+            str(out / "dist"),
+            "--work",
+            str(out / "work"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, f"bundle build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     print(f"\n{proc.stdout.strip().splitlines()[-1]} (test build: {time.monotonic() - start:.0f} s)")
@@ -73,8 +81,12 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_bundle(bundle: Path, *args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(bundle / "mlx-desk"), *args], cwd=cwd, env=clean_env(), capture_output=True,
-        text=True, timeout=timeout,
+        [str(bundle / "mlx-desk"), *args],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -106,8 +118,9 @@ def test_bundle_carries_what_the_app_loads(bundle: Path) -> None:
     assert any((internal / "mlx_cpu.libs").glob("libblas*")) or any((internal / "mlx/lib").glob("libblas*"))
     # HEIC photos: pillow-heif is imported lazily, and its extension sits beside its package.
     assert list(internal.glob("_pillow_heif.*.so")), "pillow-heif's extension module is missing"
-    assert list(internal.glob("**/libheif*.so*")) and list(internal.glob("**/libde265*.so*")), \
+    assert list(internal.glob("**/libheif*.so*")) and list(internal.glob("**/libde265*.so*")), (
         "libheif or its HEVC decoder is missing"
+    )
 
 
 def test_bundle_is_lean(bundle: Path) -> None:
@@ -155,7 +168,13 @@ def test_offscreen_window_loads_a_model_and_streams_a_reply(bundle: Path, tmp_pa
     model = _tiny_model(tmp_path / "tiny-llama")
     prompt = "hello there"
     proc = run_bundle(
-        bundle, "--model", str(model), "--data-dir", str(tmp_path / "data"), "--smoke-test", prompt,
+        bundle,
+        "--model",
+        str(model),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--smoke-test",
+        prompt,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
@@ -167,9 +186,26 @@ def test_offscreen_window_loads_a_model_and_streams_a_reply(bundle: Path, tmp_pa
 
     # Outside referee: the engine run from source, greedy, on the same chat prompt.
     ref = subprocess.run(
-        [sys.executable, "-m", "engine", "generate", "--model", str(model), "--prompt", prompt,
-         "--chat", "--temp", "0", "--max-tokens", str(report["generated_tokens"]), "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            prompt,
+            "--chat",
+            "--temp",
+            "0",
+            "--max-tokens",
+            str(report["generated_tokens"]),
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert ref.returncode == 0, ref.stderr
     expected = json.loads(ref.stdout.strip().splitlines()[-1])

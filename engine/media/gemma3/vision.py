@@ -41,6 +41,7 @@ def pan_and_scan_text(image_sequence: str, crops: int) -> str:
         return image_sequence
     return ORIGINAL_INTRO + image_sequence + CROPS_INTRO + " ".join([image_sequence] * crops)
 
+
 # Checkpoint spellings: the published checkpoints nest SigLIP as vision_tower.vision_model,
 # later transformers versions save it flat (vision_tower.*) or under model.
 _RENAMES = (

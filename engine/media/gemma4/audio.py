@@ -40,8 +40,12 @@ from engine.media.towers import LazyTowerEncoder, TowerSource, read_nested_prepr
 from engine.models.base import activation
 
 AUDIO, BOA, EOA = "<|audio|>", "<|audio>", "<audio|>"
-_RENAMES = (("model.audio_tower.", "audio_tower."), ("audio_tower.", "audio_tower."),
-            ("model.embed_audio.", "embed_audio."), ("embed_audio.", "embed_audio."))
+_RENAMES = (
+    ("model.audio_tower.", "audio_tower."),
+    ("audio_tower.", "audio_tower."),
+    ("model.embed_audio.", "embed_audio."),
+    ("embed_audio.", "embed_audio."),
+)
 
 
 @dataclass
@@ -199,7 +203,7 @@ class Attention(nn.Module):
         rel_k = self.relative_k_proj(rel).reshape(-1, self.heads, self.head_dim).astype(mx.float32)
         queries = q.transpose(2, 0, 1, 3)  # (H, blocks, chunk, D)
         ac = queries @ k.transpose(2, 0, 3, 1)  # (H, blocks, chunk, context)
-        bd = (queries.reshape(self.heads, -1, self.head_dim) @ rel_k.transpose(1, 2, 0))
+        bd = queries.reshape(self.heads, -1, self.head_dim) @ rel_k.transpose(1, 2, 0)
         bd = self._rel_shift(bd.reshape(self.heads, blocks, self.chunk, -1))
         scores = mx.tanh((ac + bd) / self.cap) * self.cap
         scores = mx.where(mask[None], scores, self.invalid)
@@ -328,8 +332,12 @@ def sanitize_audio(weights: dict[str, Any], cfg: AudioConfig, dtype: str) -> dic
     for name, value in sanitize(weights, dtype).items():
         if name.endswith("conv.weight") and value.ndim == 4 and value.shape[-1] == 3 and value.shape[1] != 3:
             value = value.transpose(0, 2, 3, 1)  # (out, in, kh, kw) -> (out, kh, kw, in)
-        elif name.endswith("depthwise_conv1d.weight") and value.ndim == 3 and value.shape[1] == 1 and \
-                cfg.conv_kernel_size != 1:
+        elif (
+            name.endswith("depthwise_conv1d.weight")
+            and value.ndim == 3
+            and value.shape[1] == 1
+            and cfg.conv_kernel_size != 1
+        ):
             value = value.transpose(0, 2, 1)  # (out, 1, k) -> (out, k, 1)
         out[name] = value
     return out

@@ -71,15 +71,22 @@ class Gemma4ImageProcessor:
     def from_config(cls, config: Mapping[str, Any]) -> Gemma4ImageProcessor:
         budget = int(config.get("max_soft_tokens", cls.max_soft_tokens))
         if budget not in SOFT_TOKEN_BUDGETS:
-            raise MediaError(f"Gemma 4's max_soft_tokens must be one of {SOFT_TOKEN_BUDGETS}, the model's "
-                             f"processor config says {budget}; download the model again.")
+            raise MediaError(
+                f"Gemma 4's max_soft_tokens must be one of {SOFT_TOKEN_BUDGETS}, the model's "
+                f"processor config says {budget}; download the model again."
+            )
         if config.get("do_normalize"):
-            raise MediaError("This Gemma 4 processor config normalises pixels, which Gemma 4 was not trained "
-                             "with; download the model's processor config again.")
-        return cls(patch_size=int(config.get("patch_size", cls.patch_size)), max_soft_tokens=budget,
-                   pooling_kernel_size=int(config.get("pooling_kernel_size", cls.pooling_kernel_size)),
-                   resample=int(config.get("resample", cls.resample)),
-                   rescale_factor=float(config.get("rescale_factor", cls.rescale_factor)))
+            raise MediaError(
+                "This Gemma 4 processor config normalises pixels, which Gemma 4 was not trained "
+                "with; download the model's processor config again."
+            )
+        return cls(
+            patch_size=int(config.get("patch_size", cls.patch_size)),
+            max_soft_tokens=budget,
+            pooling_kernel_size=int(config.get("pooling_kernel_size", cls.pooling_kernel_size)),
+            resample=int(config.get("resample", cls.resample)),
+            rescale_factor=float(config.get("rescale_factor", cls.rescale_factor)),
+        )
 
     def settings(self) -> dict[str, Any]:
         return {"processor": "gemma4", **asdict(self)}
@@ -135,13 +142,32 @@ class Gemma4AudioFeatures:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Gemma4AudioFeatures:
-        for key, neutral in (("preemphasis", 0.0), ("dither", 0.0), ("input_scale_factor", 1.0),
-                             ("fft_overdrive", False), ("per_bin_mean", None), ("per_bin_stddev", None)):
+        for key, neutral in (
+            ("preemphasis", 0.0),
+            ("dither", 0.0),
+            ("input_scale_factor", 1.0),
+            ("fft_overdrive", False),
+            ("per_bin_mean", None),
+            ("per_bin_stddev", None),
+        ):
             if config.get(key, neutral) != neutral:
-                raise MediaError(f"This Gemma 4 audio preprocessor sets {key}={config[key]!r}, which MLX Desk "
-                                 "does not mirror; use the model's published preprocessor config.")
-        fields = {k: config[k] for k in ("feature_size", "sampling_rate", "frame_length_ms", "hop_length_ms",
-                                         "min_frequency", "max_frequency", "mel_floor") if config.get(k) is not None}
+                raise MediaError(
+                    f"This Gemma 4 audio preprocessor sets {key}={config[key]!r}, which MLX Desk "
+                    "does not mirror; use the model's published preprocessor config."
+                )
+        fields = {
+            k: config[k]
+            for k in (
+                "feature_size",
+                "sampling_rate",
+                "frame_length_ms",
+                "hop_length_ms",
+                "min_frequency",
+                "max_frequency",
+                "mel_floor",
+            )
+            if config.get(k) is not None
+        }
         return cls(**{k: type(getattr(cls, k))(v) for k, v in fields.items()})
 
     @property
@@ -161,8 +187,10 @@ class Gemma4AudioFeatures:
         if x.ndim != 1 or x.shape[0] == 0:
             raise MediaError("The audio clip is empty.")
         if x.shape[0] > self.max_samples:
-            raise MediaError(f"The audio clip lasts {x.shape[0] / self.sampling_rate:.0f} s; Gemma 4 hears at most "
-                             f"{self.max_samples // self.sampling_rate} s per clip. Cut it, or transcribe it first.")
+            raise MediaError(
+                f"The audio clip lasts {x.shape[0] / self.sampling_rate:.0f} s; Gemma 4 hears at most "
+                f"{self.max_samples // self.sampling_rate} s per clip. Cut it, or transcribe it first."
+            )
         m = self.pad_to_multiple_of
         n = x.shape[0]
         padded = np.pad(x, (0, -(-n // m) * m - n))
@@ -180,8 +208,9 @@ class Gemma4AudioFeatures:
         window = np.hanning(length + 1)[:-1].astype(np.float32)  # periodic Hann
         fft_length = 2 ** math.ceil(math.log2(length))
         magnitude = np.abs(np.fft.rfft(frames * window, n=fft_length, axis=-1))
-        filters = htk_mel_filters(fft_length // 2 + 1, self.feature_size, self.min_frequency, self.max_frequency,
-                                  self.sampling_rate)
+        filters = htk_mel_filters(
+            fft_length // 2 + 1, self.feature_size, self.min_frequency, self.max_frequency, self.sampling_rate
+        )
         log_mel = np.log(magnitude @ filters + np.array(self.mel_floor, dtype=np.float64)).astype(np.float32)
         mask = real[np.arange(count) * hop + size - 1].astype(bool)
         return log_mel * mask[:, None], mask

@@ -42,8 +42,12 @@ from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_prepro
 from engine.models.base import activation
 
 IMAGE, BOI, EOI = "<|image|>", "<|image>", "<image|>"
-_RENAMES = (("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
-            ("model.embed_vision.", "embed_vision."), ("embed_vision.", "embed_vision."))
+_RENAMES = (
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.", "vision_tower."),
+    ("model.embed_vision.", "embed_vision."),
+    ("embed_vision.", "embed_vision."),
+)
 
 
 @dataclass
@@ -72,8 +76,10 @@ class VisionConfig:
             config["rope_parameters"] = {"rope_type": "axial", "rope_theta": float(config.get("rope_theta", 100.0))}
         cfg = from_known_keys(cls, config)
         if cfg.rope_parameters.get("rope_type", "axial") != "axial":
-            raise UnsupportedModelError(f"Gemma 4's vision tower uses axial RoPE; this config asks for "
-                                        f"{cfg.rope_parameters.get('rope_type')!r}.")
+            raise UnsupportedModelError(
+                f"Gemma 4's vision tower uses axial RoPE; this config asks for "
+                f"{cfg.rope_parameters.get('rope_type')!r}."
+            )
         return cfg
 
     @property
@@ -137,8 +143,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         d, hd, clip = cfg.hidden_size, cfg.head_dim, cfg.use_clipped_linears
-        self.heads, self.kv_heads, self.head_dim, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, hd, \
-            cfg.rms_norm_eps
+        self.heads, self.kv_heads, self.head_dim, self.eps = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+            cfg.rms_norm_eps,
+        )
         self.q_proj = ClippableLinear(d, self.heads * hd, clip)
         self.k_proj = ClippableLinear(d, self.kv_heads * hd, clip)
         self.v_proj = ClippableLinear(d, self.kv_heads * hd, clip)
@@ -271,8 +281,11 @@ def sanitize(weights: dict[str, Any], dtype: str) -> dict[str, Any]:
     target = getattr(mx, dtype, None)
     out = {}
     for name, value in weights.items():
-        if isinstance(target, mx.Dtype) and mx.issubdtype(value.dtype, mx.floating) and \
-                not name.endswith(("_min", "_max")):
+        if (
+            isinstance(target, mx.Dtype)
+            and mx.issubdtype(value.dtype, mx.floating)
+            and not name.endswith(("_min", "_max"))
+        ):
             value = value.astype(target)
         out[name] = value
     return out
@@ -293,10 +306,14 @@ class Gemma4VisionEncoder(LazyTowerEncoder):
         pre = read_image_preprocessor(source)
         pre = {"patch_size": self.config.patch_size, "pooling_kernel_size": self.config.pooling_kernel_size, **pre}
         self.processor = Gemma4ImageProcessor.from_config(pre)
-        if self.processor.pooling_kernel_size != self.config.pooling_kernel_size or \
-                self.processor.patch_size != self.config.patch_size:
-            raise UnsupportedModelError(f"{source.name}: the image processor's patch or pooling size does not "
-                                        "match the vision tower's; download the model's configs again.")
+        if (
+            self.processor.pooling_kernel_size != self.config.pooling_kernel_size
+            or self.processor.patch_size != self.config.patch_size
+        ):
+            raise UnsupportedModelError(
+                f"{source.name}: the image processor's patch or pooling size does not "
+                "match the vision tower's; download the model's configs again."
+            )
         self.module: Gemma4Vision | None = None
         self.calls = 0
 

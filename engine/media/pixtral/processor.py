@@ -37,7 +37,8 @@ class PixtralImageProcessor:
         size = config.get("size") or {}
         longest = size.get("longest_edge") or size.get("height") or cls.longest_edge
         return cls(
-            longest_edge=int(longest), block=int(patch_size) * int(merge),
+            longest_edge=int(longest),
+            block=int(patch_size) * int(merge),
             resample=int(config.get("resample", cls.resample)),
             rescale_factor=float(config.get("rescale_factor", cls.rescale_factor)),
             image_mean=tuple(config.get("image_mean", cls.image_mean)),

@@ -33,9 +33,12 @@ from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_prepro
 from engine.models.base import activation
 
 IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
-_RENAMES = (("vision_tower.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
-            ("multi_modal_projector.", "multi_modal_projector."),
-            ("model.multi_modal_projector.", "multi_modal_projector."))
+_RENAMES = (
+    ("vision_tower.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
 
 
 @dataclass
@@ -172,8 +175,9 @@ class PatchMerger(nn.Module):
 
 
 class Projector(nn.Module):
-    def __init__(self, vision_hidden: int, text_hidden: int, merge: int, eps: float, act: str, bias: bool,
-                 layers: int = 1):
+    def __init__(
+        self, vision_hidden: int, text_hidden: int, merge: int, eps: float, act: str, bias: bool, layers: int = 1
+    ):
         super().__init__()
         self.norm = nn.RMSNorm(vision_hidden, eps=eps)
         self.patch_merger = PatchMerger(vision_hidden, merge)
@@ -186,8 +190,16 @@ class Projector(nn.Module):
 
 
 class Mistral3Vision(nn.Module):
-    def __init__(self, cfg: VisionConfig, text_hidden: int, merge: int, eps: float, act: str, bias: bool,
-                 feature_layers: int | list[int]):
+    def __init__(
+        self,
+        cfg: VisionConfig,
+        text_hidden: int,
+        merge: int,
+        eps: float,
+        act: str,
+        bias: bool,
+        feature_layers: int | list[int],
+    ):
         super().__init__()
         self.vision_tower = PixtralVision(cfg)
         self.feature_layers = feature_layers
@@ -220,8 +232,9 @@ class PixtralEncoder(LazyTowerEncoder):
         self.bias = bool(raw.get("multimodal_projector_bias", False))
         self.feature_layers = raw.get("vision_feature_layer", -1)
         self.token_id = int(raw.get("image_token_index", raw.get("image_token_id", 10)))
-        self.processor = PixtralImageProcessor.from_config(read_image_preprocessor(source), self.config.patch_size,
-                                                           self.merge)
+        self.processor = PixtralImageProcessor.from_config(
+            read_image_preprocessor(source), self.config.patch_size, self.merge
+        )
         self.module = None
         self.calls = 0
         self._last: tuple[str, mx.array] | None = None  # the last image's features, for its rows
@@ -230,16 +243,18 @@ class PixtralEncoder(LazyTowerEncoder):
         pixels = self.processor(load_image(item.source))
         b = self.processor.block
         rows, cols = pixels.shape[1] // b, pixels.shape[2] // b
-        key = media_key(item.source, {**self.processor.settings(), "model": str(self.source.path),
-                                      "tower": "pixtral"})
-        views = [PreparedMedia(kind="image", key=f"{key}:{r}", n_tokens=cols, text="", data=(key, pixels, r, cols))
-                 for r in range(rows)]
+        key = media_key(item.source, {**self.processor.settings(), "model": str(self.source.path), "tower": "pixtral"})
+        views = [
+            PreparedMedia(kind="image", key=f"{key}:{r}", n_tokens=cols, text="", data=(key, pixels, r, cols))
+            for r in range(rows)
+        ]
         text = ((IMG * cols + IMG_BREAK) * rows)[: -len(IMG_BREAK)] + IMG_END
         return PreparedMedia(kind="image", key=key, n_tokens=rows * cols, text=text, data=None, views=views)
 
     def build(self) -> Mistral3Vision:
-        return Mistral3Vision(self.config, self.text_hidden, self.merge, self.eps, self.act, self.bias,
-                              self.feature_layers)
+        return Mistral3Vision(
+            self.config, self.text_hidden, self.merge, self.eps, self.act, self.bias, self.feature_layers
+        )
 
     def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
         dtype = getattr(mx, self.source.dtype, None)

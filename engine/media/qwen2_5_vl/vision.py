@@ -231,7 +231,7 @@ def sanitize(weights: dict[str, mx.array], cfg: VisionConfig) -> dict[str, mx.ar
     out = {}
     for name, value in weights.items():
         if name.startswith("merger.mlp."):
-            name = "merger.mlp.layers." + name[len("merger.mlp."):]
+            name = "merger.mlp.layers." + name[len("merger.mlp.") :]
         if name == "patch_embed.proj.weight" and value.ndim == 5 and value.shape[1] != cfg.in_channels:
             value = value.transpose(0, 4, 1, 2, 3)
         out[name] = value

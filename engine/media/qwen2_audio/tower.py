@@ -30,7 +30,6 @@ from engine.media.mel import WHISPER_CHUNK_SECONDS, WHISPER_HOP_LENGTH, WHISPER_
 from engine.media.whisper.model import AUDIO_TOWER_RENAMES, WhisperConfig, WhisperEncoder, conv_kernel
 
 
-
 @dataclass
 class AudioEncoderConfig:
     """transformers' Qwen2AudioEncoderConfig, with its defaults (the 7B models' shape)."""
@@ -74,8 +73,10 @@ def clip_features(samples: np.ndarray, cfg: AudioEncoderConfig) -> tuple[np.ndar
         raise MediaError("The audio clip is empty.")
     frames = feature_frames(samples.shape[0], 2 * cfg.max_source_positions)
     if audio_token_count(frames) < 1:
-        raise MediaError(f"The audio clip is too short ({samples.shape[0] / WHISPER_SAMPLE_RATE:.3f} s); "
-                         "record at least a twentieth of a second.")
+        raise MediaError(
+            f"The audio clip is too short ({samples.shape[0] / WHISPER_SAMPLE_RATE:.3f} s); "
+            "record at least a twentieth of a second."
+        )
     feats = log_mel_spectrogram(samples, n_mels=cfg.num_mel_bins, chunk_seconds=WHISPER_CHUNK_SECONDS)
     return feats, frames
 
@@ -152,7 +153,7 @@ class Qwen2AudioTower(nn.Module):
         for name, value in weights.items():
             for old, new in AUDIO_TOWER_RENAMES:
                 if name.startswith(old):
-                    name = new + name[len(old):]
+                    name = new + name[len(old) :]
                     break
             else:
                 continue
@@ -167,8 +168,9 @@ class Qwen2AudioTower(nn.Module):
         mx.eval(self.parameters())
 
     @classmethod
-    def from_folder(cls, folder: str | Path, audio_config: Mapping[str, Any] | None, text_hidden: int,
-                    dtype: Any = None) -> Qwen2AudioTower:
+    def from_folder(
+        cls, folder: str | Path, audio_config: Mapping[str, Any] | None, text_hidden: int, dtype: Any = None
+    ) -> Qwen2AudioTower:
         """Read only the tower's tensors from a model folder's safetensors."""
         from engine.artifacts.weights import find_weights, load_weights
 
@@ -223,10 +225,16 @@ class Qwen2AudioEncoder:
 
         feats, frames = clip_features(load_audio_source(item.source, WHISPER_SAMPLE_RATE), self.config)
         n = audio_token_count(frames)
-        settings = {"model": str(self.source.path), "tower": "qwen2_audio", "mels": self.config.num_mel_bins,
-                    "rate": WHISPER_SAMPLE_RATE, "seconds": WHISPER_CHUNK_SECONDS}
-        return PreparedMedia(kind="audio", key=media_key(item.source, settings), n_tokens=n,
-                             text=AUDIO_PAD * n, data=(feats, frames))
+        settings = {
+            "model": str(self.source.path),
+            "tower": "qwen2_audio",
+            "mels": self.config.num_mel_bins,
+            "rate": WHISPER_SAMPLE_RATE,
+            "seconds": WHISPER_CHUNK_SECONDS,
+        }
+        return PreparedMedia(
+            kind="audio", key=media_key(item.source, settings), n_tokens=n, text=AUDIO_PAD * n, data=(feats, frames)
+        )
 
     def load(self) -> Qwen2AudioTower:
         if self.module is None:

@@ -22,10 +22,10 @@ from engine.errors import MediaError
 from engine.media.encoded_cache import media_key
 from engine.media.image import Qwen2VLImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
-from engine.media.video import probe, read_frames
 from engine.media.qwen3_vl.processor import VideoProcessor
 from engine.media.qwen3_vl.tower import RENAMES, VisionConfig, VisionModel, sanitize
 from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_preprocessor
+from engine.media.video import probe, read_frames
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -122,8 +122,14 @@ class ImageEncoder(_Encoder):
         t, h, w = (int(v) for v in vision.image_grid_thw[0])
         m = self.processor.merge_size
         n = t * h * w // (m * m)
-        return PreparedMedia(kind="image", key=self._key(item.source, self.processor.settings()), n_tokens=n,
-                             text=IMAGE_PAD * n, data=(vision.pixel_values, (t, h, w)), grid=(t, h // m, w // m))
+        return PreparedMedia(
+            kind="image",
+            key=self._key(item.source, self.processor.settings()),
+            n_tokens=n,
+            text=IMAGE_PAD * n,
+            data=(vision.pixel_values, (t, h, w)),
+            grid=(t, h // m, w // m),
+        )
 
 
 def read_video_preprocessor(source: TowerSource) -> dict[str, Any]:
@@ -169,11 +175,18 @@ class VideoEncoder(_Encoder):
         views, text = [], []
         for g, seconds in enumerate(patches.timestamps):
             pixels = patches.pixel_values[g * per_group : (g + 1) * per_group]
-            views.append(PreparedMedia(kind="video", key=f"{key}:{g}", n_tokens=n, text="",
-                                       data=(pixels, (1, h, w)), grid=(1, h // m, w // m)))
+            views.append(
+                PreparedMedia(
+                    kind="video",
+                    key=f"{key}:{g}",
+                    n_tokens=n,
+                    text="",
+                    data=(pixels, (1, h, w)),
+                    grid=(1, h // m, w // m),
+                )
+            )
             text.append(f"<{seconds:.1f} seconds>{VISION_START}{VIDEO_PAD * n}{VISION_END}")
-        return PreparedMedia(kind="video", key=key, n_tokens=n * groups, text="".join(text), data=None,
-                             views=views)
+        return PreparedMedia(kind="video", key=key, n_tokens=n * groups, text="".join(text), data=None, views=views)
 
 
 def make_encoder(source: TowerSource) -> ImageEncoder:

@@ -27,8 +27,9 @@ from engine.errors import MediaError
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 
 
-def video_size(frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
-               max_pixels: int) -> tuple[int, int]:
+def video_size(
+    frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
     """The (height, width) every frame is resized to: transformers' video smart_resize
     (the pixel budget counts all frames, rounded to whole temporal patches)."""
     if height < factor or width < factor:
@@ -118,8 +119,9 @@ class VideoProcessor:
         factor = self.patch_size * self.merge_size
         max_pixels = self.max_pixels
         if self.cap_pixels_per_frame:
-            per_frame = max(min(self.max_video_tokens * factor * factor, self.max_pixels // frames),
-                            int(self.min_pixels * 1.05))
+            per_frame = max(
+                min(self.max_video_tokens * factor * factor, self.max_pixels // frames), int(self.min_pixels * 1.05)
+            )
             max_pixels = per_frame * frames
         return video_size(frames, height, width, self.temporal_patch_size, factor, self.min_pixels, max_pixels)
 
@@ -141,9 +143,7 @@ class VideoProcessor:
         if (h, w) != (height, width):
             # transformers resizes video with torchvision's kernels; Pillow's bicubic is close
             # to them but not bit-equal.
-            frames = np.stack([
-                np.asarray(Image.fromarray(f).resize((w, h), resample=self.resample)) for f in frames
-            ])
+            frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=self.resample)) for f in frames])
         scale = np.float32(1.0 / self.rescale_factor)
         mean = np.asarray(self.image_mean, dtype=np.float32) * scale
         std = np.asarray(self.image_std, dtype=np.float32) * scale

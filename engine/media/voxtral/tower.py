@@ -36,8 +36,12 @@ CHUNK_SAMPLES = WHISPER_CHUNK_SECONDS * WHISPER_SAMPLE_RATE
 MAX_SECONDS = 40 * 60
 AUDIO_PAD = "[AUDIO]"
 # transformers' VoxtralEncoderConfig maps Whisper's names onto these.
-_ALIASES = {"d_model": "hidden_size", "encoder_layers": "num_hidden_layers",
-            "encoder_attention_heads": "num_attention_heads", "encoder_ffn_dim": "intermediate_size"}
+_ALIASES = {
+    "d_model": "hidden_size",
+    "encoder_layers": "num_hidden_layers",
+    "encoder_attention_heads": "num_attention_heads",
+    "encoder_ffn_dim": "intermediate_size",
+}
 
 
 @dataclass
@@ -76,12 +80,19 @@ class VoxtralEncoderConfig:
 
     def whisper(self) -> WhisperConfig:
         # The same encoder as Whisper's, with no decoder behind it.
-        return WhisperConfig.from_dict({
-            "num_mel_bins": self.num_mel_bins, "d_model": self.hidden_size, "encoder_layers": self.num_hidden_layers,
-            "encoder_attention_heads": self.num_attention_heads, "encoder_ffn_dim": self.intermediate_size,
-            "max_source_positions": self.max_source_positions, "activation_function": self.activation_function,
-            "decoder_layers": 0, "vocab_size": 1,
-        })
+        return WhisperConfig.from_dict(
+            {
+                "num_mel_bins": self.num_mel_bins,
+                "d_model": self.hidden_size,
+                "encoder_layers": self.num_hidden_layers,
+                "encoder_attention_heads": self.num_attention_heads,
+                "encoder_ffn_dim": self.intermediate_size,
+                "max_source_positions": self.max_source_positions,
+                "activation_function": self.activation_function,
+                "decoder_layers": 0,
+                "vocab_size": 1,
+            }
+        )
 
 
 def chunk_count(n_samples: int) -> int:
@@ -95,14 +106,18 @@ def clip_features(samples: np.ndarray, cfg: VoxtralEncoderConfig) -> np.ndarray:
     if n == 0:
         raise MediaError("The audio clip is empty.")
     if n > MAX_SECONDS * WHISPER_SAMPLE_RATE:
-        raise MediaError(f"The audio clip lasts {n / WHISPER_SAMPLE_RATE / 60:.0f} minutes; Voxtral hears at most "
-                         f"{MAX_SECONDS // 60}. Cut it, or transcribe it first.")
+        raise MediaError(
+            f"The audio clip lasts {n / WHISPER_SAMPLE_RATE / 60:.0f} minutes; Voxtral hears at most "
+            f"{MAX_SECONDS // 60}. Cut it, or transcribe it first."
+        )
     chunks = chunk_count(n)
     padded = np.pad(np.asarray(samples, dtype=np.float32), (0, chunks * CHUNK_SAMPLES - n))
     feats = log_mel_spectrogram(padded, n_mels=cfg.num_mel_bins, chunk_seconds=None)
     if feats.shape[1] != chunks * cfg.chunk_frames:
-        raise MediaError(f"Voxtral's encoder takes {cfg.chunk_frames} frames per 30 s; its config does not "
-                         "match Whisper's 10 ms hop.")
+        raise MediaError(
+            f"Voxtral's encoder takes {cfg.chunk_frames} frames per 30 s; its config does not "
+            "match Whisper's 10 ms hop."
+        )
     return np.ascontiguousarray(feats.reshape(cfg.num_mel_bins, chunks, cfg.chunk_frames).transpose(1, 0, 2))
 
 
@@ -184,10 +199,16 @@ class VoxtralEncoder(LazyTowerEncoder):
 
         feats = clip_features(load_audio_source(item.source, WHISPER_SAMPLE_RATE), self.config)
         n = feats.shape[0] * self.config.tokens_per_chunk
-        settings = {"model": str(self.source.path), "tower": "voxtral", "mels": self.config.num_mel_bins,
-                    "rate": WHISPER_SAMPLE_RATE, "seconds": WHISPER_CHUNK_SECONDS}
-        return PreparedMedia(kind="audio", key=media_key(item.source, settings), n_tokens=n,
-                             text=AUDIO_PAD * n, data=feats)
+        settings = {
+            "model": str(self.source.path),
+            "tower": "voxtral",
+            "mels": self.config.num_mel_bins,
+            "rate": WHISPER_SAMPLE_RATE,
+            "seconds": WHISPER_CHUNK_SECONDS,
+        }
+        return PreparedMedia(
+            kind="audio", key=media_key(item.source, settings), n_tokens=n, text=AUDIO_PAD * n, data=feats
+        )
 
     def build(self) -> VoxtralTower:
         return VoxtralTower(self.config, self.text_hidden, self.projector_act)

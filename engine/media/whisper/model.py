@@ -26,8 +26,12 @@ _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Whisper uses
 _CONV_KERNELS = ("encoder.conv1.weight", "encoder.conv2.weight")
 # Audio-language checkpoints (Qwen2-Audio, Voxtral) name their Whisper-style tower and its
 # projector so; first match wins.
-AUDIO_TOWER_RENAMES = (("model.audio_tower.", "encoder."), ("audio_tower.", "encoder."),
-                       ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."))
+AUDIO_TOWER_RENAMES = (
+    ("model.audio_tower.", "encoder."),
+    ("audio_tower.", "encoder."),
+    ("model.multi_modal_projector.", "projector."),
+    ("multi_modal_projector.", "projector."),
+)
 
 
 def conv_kernel(name: str, value: Any, d_model: int, n_mels: int) -> Any:
@@ -129,8 +133,9 @@ class WhisperEncoder(nn.Module):
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(cfg.max_source_positions, d)
-        self.layers = [EncoderLayer(d, cfg.encoder_attention_heads, cfg.encoder_ffn_dim)
-                       for _ in range(cfg.encoder_layers)]
+        self.layers = [
+            EncoderLayer(d, cfg.encoder_attention_heads, cfg.encoder_ffn_dim) for _ in range(cfg.encoder_layers)
+        ]
         self.layer_norm = nn.LayerNorm(d, eps=_LAYER_NORM_EPS)
 
     def __call__(self, features: mx.array) -> mx.array:
@@ -189,8 +194,9 @@ class WhisperDecoder(nn.Module):
         self.embed_scale = d**0.5 if cfg.scale_embedding else 1.0
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.embed_positions = nn.Embedding(cfg.max_target_positions, d)
-        self.layers = [DecoderLayer(d, cfg.decoder_attention_heads, cfg.decoder_ffn_dim)
-                       for _ in range(cfg.decoder_layers)]
+        self.layers = [
+            DecoderLayer(d, cfg.decoder_attention_heads, cfg.decoder_ffn_dim) for _ in range(cfg.decoder_layers)
+        ]
         self.layer_norm = nn.LayerNorm(d, eps=_LAYER_NORM_EPS)
 
     def __call__(self, ids: mx.array, encoded: mx.array, cache: list[DecoderLayerCache]) -> mx.array:

@@ -81,7 +81,9 @@ class TimedSegment:
     token_ids: list[int] = field(default_factory=list)
 
 
-def split_window(tokens: list[int], timestamp_begin: int, seek: int, window_frames: int) -> tuple[list[TimedSegment], int]:
+def split_window(
+    tokens: list[int], timestamp_begin: int, seek: int, window_frames: int
+) -> tuple[list[TimedSegment], int]:
     """Segments of one window decoded from mel frame ``seek`` over ``window_frames`` frames,
     and how many frames the next window starts after this one's start.
 
@@ -109,8 +111,13 @@ def split_window(tokens: list[int], timestamp_begin: int, seek: int, window_fram
     for k, cut in enumerate(cuts):
         piece = tokens[last:cut]
         end_token = piece[-1] if k < len(cuts) - 1 or ends_single else piece[-2]
-        segments.append(TimedSegment(offset + float(piece[0] - tb) * TIME_PRECISION,
-                                     offset + float(end_token - tb) * TIME_PRECISION, list(piece)))
+        segments.append(
+            TimedSegment(
+                offset + float(piece[0] - tb) * TIME_PRECISION,
+                offset + float(end_token - tb) * TIME_PRECISION,
+                list(piece),
+            )
+        )
         last = cut
     if ends_single:
         return segments, window_frames

@@ -101,8 +101,9 @@ def read_settings(folder: Path, config: Mapping[str, Any], tokenizer: Any) -> Wh
     def token(text: str) -> int | None:
         return tokenizer.token_to_id(text)
 
-    start = _first_int(gen.get("decoder_start_token_id"), config.get("decoder_start_token_id"),
-                       token("<|startoftranscript|>"))
+    start = _first_int(
+        gen.get("decoder_start_token_id"), config.get("decoder_start_token_id"), token("<|startoftranscript|>")
+    )
     eos = _first_int(gen.get("eos_token_id"), config.get("eos_token_id"), token("<|endoftext|>"))
     if start is None or eos is None:
         raise ModelLoadError(
@@ -111,8 +112,9 @@ def read_settings(folder: Path, config: Mapping[str, Any], tokenizer: Any) -> Wh
         )
     langs = gen.get("lang_to_id")
     if isinstance(langs, dict) and langs:
-        lang_to_id = {_LANGUAGE_TOKEN.match(k).group(1) if _LANGUAGE_TOKEN.match(k) else k: int(v)
-                      for k, v in langs.items()}
+        lang_to_id = {
+            _LANGUAGE_TOKEN.match(k).group(1) if _LANGUAGE_TOKEN.match(k) else k: int(v) for k, v in langs.items()
+        }
     else:  # older folders: the <|xx|> special tokens of the vocabulary
         lang_to_id = {}
         for tid in sorted(getattr(tokenizer, "special_token_ids", ())):
@@ -146,8 +148,9 @@ def read_settings(folder: Path, config: Mapping[str, Any], tokenizer: Any) -> Wh
 class Transcriber:
     """A loaded Whisper model with its tokenizer and decoding settings."""
 
-    def __init__(self, model: Any, tokenizer: Any, settings: WhisperSettings, *, name: str = "whisper",
-                 path: str = "") -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, settings: WhisperSettings, *, name: str = "whisper", path: str = ""
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
@@ -272,8 +275,14 @@ class Transcriber:
         """Log-mel features of one 30 s window (cut or padded), or with ``whole`` of the
         entire clip (long-form: its own length, normalised over all of it)."""
         s = self.settings
-        return log_mel_spectrogram(samples, n_mels=s.n_mels, n_fft=s.n_fft, hop_length=s.hop_length,
-                                   sample_rate=s.sample_rate, chunk_seconds=None if whole else s.chunk_seconds)
+        return log_mel_spectrogram(
+            samples,
+            n_mels=s.n_mels,
+            n_fft=s.n_fft,
+            hop_length=s.hop_length,
+            sample_rate=s.sample_rate,
+            chunk_seconds=None if whole else s.chunk_seconds,
+        )
 
     def encode_features(self, features: np.ndarray) -> Any:
         import mlx.core as mx
@@ -284,15 +293,24 @@ class Transcriber:
     def encode(self, samples: np.ndarray) -> Any:
         return self.encode_features(self.features(samples))
 
-    def decode(self, encoded: Any, prompt: list[int], max_new_tokens: int | None = None,
-               cancel: threading.Event | None = None, rules: TimestampRules | None = None) -> list[int]:
+    def decode(
+        self,
+        encoded: Any,
+        prompt: list[int],
+        max_new_tokens: int | None = None,
+        cancel: threading.Event | None = None,
+        rules: TimestampRules | None = None,
+    ) -> list[int]:
         """Greedy ids after ``prompt`` (the end-of-text token not included); ``rules`` (after
         suppression, as the reference orders them) when decoding with timestamps."""
         import mlx.core as mx
 
         # With timestamps the caller applies the generation config's max_length (its rule differs).
-        limit = (self.model.config.max_target_positions if rules is not None
-                 else min(self.settings.max_length, self.model.config.max_target_positions)) - len(prompt)
+        limit = (
+            self.model.config.max_target_positions
+            if rules is not None
+            else min(self.settings.max_length, self.model.config.max_target_positions)
+        ) - len(prompt)
         steps = limit if max_new_tokens is None else min(max_new_tokens, limit)
         cache = self.model.make_cache()
         ids = mx.array([prompt], dtype=mx.int32)
@@ -341,8 +359,9 @@ class Transcriber:
         if long_form or timestamps:
             rules = self.timestamp_rules()  # refuse a checkpoint without timestamps before any work
             features = self.features(samples, whole=long_form)
-            segments, detected, cancelled = self._decode_windows(features, rules, language, max_new_tokens,
-                                                                 on_window, cancel)
+            segments, detected, cancelled = self._decode_windows(
+                features, rules, language, max_new_tokens, on_window, cancel
+            )
         else:
             segments, detected, cancelled = self._decode_one(samples, language, max_new_tokens, on_window, cancel)
         text = " ".join(seg.text for seg in segments if seg.text)
@@ -361,9 +380,14 @@ class Transcriber:
             return self.detect_language(encoded)
         return language
 
-    def _decode_one(self, samples: np.ndarray, language: str | None, max_new_tokens: int | None,
-                    on_window: WindowProgress | None,
-                    cancel: threading.Event | None) -> tuple[list[TranscriptSegment], str | None, bool]:
+    def _decode_one(
+        self,
+        samples: np.ndarray,
+        language: str | None,
+        max_new_tokens: int | None,
+        on_window: WindowProgress | None,
+        cancel: threading.Event | None,
+    ) -> tuple[list[TranscriptSegment], str | None, bool]:
         """Up to 30 s without timestamps: one window, one segment over the clip."""
         if cancel is not None and cancel.is_set():
             return [], language, True
@@ -375,9 +399,15 @@ class Transcriber:
             on_window(1, 1)
         return [segment], language, cancel is not None and cancel.is_set()
 
-    def _decode_windows(self, features: np.ndarray, rules: TimestampRules, language: str | None,
-                        max_new_tokens: int | None, on_window: WindowProgress | None,
-                        cancel: threading.Event | None) -> tuple[list[TranscriptSegment], str | None, bool]:
+    def _decode_windows(
+        self,
+        features: np.ndarray,
+        rules: TimestampRules,
+        language: str | None,
+        max_new_tokens: int | None,
+        on_window: WindowProgress | None,
+        cancel: threading.Event | None,
+    ) -> tuple[list[TranscriptSegment], str | None, bool]:
         """Sequential long-form decoding over ``features`` (n_mels, frames): each window is
         the next 30 s from ``seek`` (zero-padded features past the end), and ``seek`` moves to
         where the window's last closed segment ended."""

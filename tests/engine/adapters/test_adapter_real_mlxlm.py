@@ -16,9 +16,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from engine.errors import AdapterError
 from engine.models import lora as adapters
 from engine.models.lora import LoRAHost
-from engine.errors import AdapterError
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 896, 14, 2, 64, 24  # Qwen2.5-0.5B
 

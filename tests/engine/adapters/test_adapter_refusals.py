@@ -10,17 +10,24 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine.models import lora as adapters
-from engine.models.lora import LoRAHost
 from engine.errors import AdapterError, EngineError
 from engine.models import get_family
+from engine.models import lora as adapters
+from engine.models.lora import LoRAHost
 
 
 def small_llama(hidden: int):
     family = get_family("llama")
     args = family.ModelArgs.from_dict(
-        {"model_type": "llama", "hidden_size": hidden, "intermediate_size": 2 * hidden,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}
+        {
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 64,
+        }
     )
     return family.Model(args)
 
@@ -28,8 +35,12 @@ def small_llama(hidden: int):
 def write_mlxlm(folder, tensors, kind="lora", scale=2.0):
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "adapters.safetensors"), tensors)
-    config = {"fine_tune_type": kind, "num_layers": 2, "model": "/home/me/models/Some-Base-7B",
-              "lora_parameters": {"rank": 4, "scale": scale, "dropout": 0.0}}
+    config = {
+        "fine_tune_type": kind,
+        "num_layers": 2,
+        "model": "/home/me/models/Some-Base-7B",
+        "lora_parameters": {"rank": 4, "scale": scale, "dropout": 0.0},
+    }
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 
@@ -53,10 +64,15 @@ def test_shape_mismatch_names_both_shapes_and_the_base(golden_dir):
 def test_unknown_target_module(tiny_llama, tmp_path):
     a = mx.zeros((64, 4))
     b = mx.ones((4, 64))
-    folder = write_mlxlm(tmp_path / "far", {
-        "model.layers.0.self_attn.q_proj.lora_a": a, "model.layers.0.self_attn.q_proj.lora_b": b,
-        "model.layers.7.self_attn.q_proj.lora_a": a, "model.layers.7.self_attn.q_proj.lora_b": b,
-    })
+    folder = write_mlxlm(
+        tmp_path / "far",
+        {
+            "model.layers.0.self_attn.q_proj.lora_a": a,
+            "model.layers.0.self_attn.q_proj.lora_b": b,
+            "model.layers.7.self_attn.q_proj.lora_a": a,
+            "model.layers.7.self_attn.q_proj.lora_b": b,
+        },
+    )
     with pytest.raises(AdapterError) as err:
         adapters.mount(tiny_llama, folder)
     text = one_line(err.value)
@@ -67,10 +83,13 @@ def test_unknown_target_module(tiny_llama, tmp_path):
 
 
 def test_non_linear_target_is_refused(tiny_llama, tmp_path):
-    folder = write_mlxlm(tmp_path / "norm", {
-        "model.layers.0.input_layernorm.lora_a": mx.zeros((64, 4)),
-        "model.layers.0.input_layernorm.lora_b": mx.zeros((4, 64)),
-    })
+    folder = write_mlxlm(
+        tmp_path / "norm",
+        {
+            "model.layers.0.input_layernorm.lora_a": mx.zeros((64, 4)),
+            "model.layers.0.input_layernorm.lora_b": mx.zeros((4, 64)),
+        },
+    )
     with pytest.raises(AdapterError, match="RMSNorm; only linear layers"):
         adapters.mount(tiny_llama, folder)
 
@@ -97,14 +116,17 @@ def test_missing_and_damaged_files(tiny_llama, tmp_path, golden_dir):
     half = write_mlxlm(tmp_path / "half", {"model.layers.0.self_attn.q_proj.lora_a": mx.zeros((64, 4))})
     with pytest.raises(AdapterError, match="lacks lora_a or lora_b"):
         adapters.mount(tiny_llama, half)
-    dora_no_m = write_mlxlm(tmp_path / "dora_no_m", {
-        "model.layers.0.self_attn.q_proj.lora_a": mx.zeros((64, 4)),
-        "model.layers.0.self_attn.q_proj.lora_b": mx.zeros((4, 64)),
-    }, kind="dora")
+    dora_no_m = write_mlxlm(
+        tmp_path / "dora_no_m",
+        {
+            "model.layers.0.self_attn.q_proj.lora_a": mx.zeros((64, 4)),
+            "model.layers.0.self_attn.q_proj.lora_b": mx.zeros((4, 64)),
+        },
+        kind="dora",
+    )
     with pytest.raises(AdapterError, match="magnitude"):
         adapters.mount(tiny_llama, dora_no_m)
-    full = write_mlxlm(tmp_path / "full", {"model.layers.0.self_attn.q_proj.weight": mx.zeros((64, 64))},
-                       kind="full")
+    full = write_mlxlm(tmp_path / "full", {"model.layers.0.self_attn.q_proj.weight": mx.zeros((64, 64))}, kind="full")
     with pytest.raises(AdapterError, match="'full' fine-tune"):
         adapters.mount(tiny_llama, full)
 
@@ -138,14 +160,27 @@ def test_wrapper_prefixes_are_renamed_like_checkpoint_weights(tmp_path):
     """A Gemma 3 adapter trained on the multimodal checkpoint names language_model.model.layers...;
     the family's own weight renaming finds the layer."""
     family = get_family("gemma3_text")
-    args = family.ModelArgs.from_dict({"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64,
-                                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                       "head_dim": 8, "vocab_size": 64, "query_pre_attn_scalar": 8})
+    args = family.ModelArgs.from_dict(
+        {
+            "model_type": "gemma3_text",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "vocab_size": 64,
+            "query_pre_attn_scalar": 8,
+        }
+    )
     model = family.Model(args)
-    folder = write_mlxlm(tmp_path / "g3", {
-        "language_model.model.layers.1.self_attn.q_proj.lora_a": mx.ones((32, 4)),
-        "language_model.model.layers.1.self_attn.q_proj.lora_b": mx.ones((4, 32)),
-    })
+    folder = write_mlxlm(
+        tmp_path / "g3",
+        {
+            "language_model.model.layers.1.self_attn.q_proj.lora_a": mx.ones((32, 4)),
+            "language_model.model.layers.1.self_attn.q_proj.lora_b": mx.ones((4, 32)),
+        },
+    )
     info = adapters.mount(model, folder)
     assert info.targets == ["model.layers.1.self_attn.q_proj"]
     assert isinstance(model.model.layers[1].self_attn.q_proj, LoRAHost)

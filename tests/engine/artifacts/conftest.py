@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from tiny_checkpoints import Checkpoint, write_checkpoint
 
 

@@ -7,13 +7,12 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from tiny_checkpoints import PROMPT, WIDE_LLAMA
 
-from engine.runtime.loading import load_model
 from engine.artifacts.weights import find_weights
 from engine.cli.convert import convert
 from engine.errors import ModelLoadError
-
-from tiny_checkpoints import PROMPT, WIDE_LLAMA
+from engine.runtime.loading import load_model
 
 
 def hf_folder(checkpoint):
@@ -26,16 +25,30 @@ def hf_folder(checkpoint):
 
 def test_quantized_conversion_round_trips(checkpoint, tmp_path):
     ckpt = hf_folder(checkpoint)
-    out = convert(ckpt.path, tmp_path / "mlx", quantize_bits=4, group_size=64,
-                  overrides={"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}, "lm_head": False},
-                  shard_bytes=60_000)
+    out = convert(
+        ckpt.path,
+        tmp_path / "mlx",
+        quantize_bits=4,
+        group_size=64,
+        overrides={"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}, "lm_head": False},
+        shard_bytes=60_000,
+    )
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"] == {"bits": 4, "group_size": 64, "mode": "affine", "lm_head": False,
-                                      "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}}
+    assert config["quantization"] == {
+        "bits": 4,
+        "group_size": 64,
+        "mode": "affine",
+        "lm_head": False,
+        "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32},
+    }
     assert config["quantization_config"] == config["quantization"]
     assert len(find_weights(out)) > 1
-    assert {p.name for p in out.iterdir()} >= {"tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                                                "model.safetensors.index.json"}
+    assert {p.name for p in out.iterdir()} >= {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+    }
     assert not (out / "modeling_custom.py").exists()
 
     loaded = load_model(out)

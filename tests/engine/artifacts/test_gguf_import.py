@@ -15,12 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from tiny_checkpoints import build_model
 
 from engine.artifacts.gguf import read_gguf_header, unpermute_rope
-from engine.runtime.loading import load_model
 from engine.errors import ModelLoadError, UnsupportedModelError
-
-from tiny_checkpoints import build_model
+from engine.runtime.loading import load_model
 
 # ---- stories260K: a real trained model ----------------------------------------------
 
@@ -86,13 +85,30 @@ def test_unpermute_inverts_the_llama_cpp_permutation():
 # ---- a GGUF writer for test files -----------------------------------------------------
 
 F32, Q4_0, Q8_0 = 0, 2, 8
-CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96, "rms_norm_eps": 1e-5,
-          "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": False}
-HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 96,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def _string(s: str) -> bytes:
@@ -163,8 +179,11 @@ def make_gguf(path, quant: dict[str, int], arch: str = "llama"):
             short = HF_TO_GGUF[m.group(2)]
             name = f"blk.{m.group(1)}.{short}.weight"
         else:
-            short = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
-                     "lm_head.weight": "output"}[hf_name]
+            short = {
+                "model.embed_tokens.weight": "token_embd",
+                "model.norm.weight": "output_norm",
+                "lm_head.weight": "output",
+            }[hf_name]
             name = f"{short}.weight"
         n = {"attn_q": heads, "attn_k": kv_heads}.get(short)
         ggml = value

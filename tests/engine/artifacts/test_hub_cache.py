@@ -8,12 +8,11 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from tiny_checkpoints import PROMPT, TINY_LLAMA, write_checkpoint
 
 from engine.artifacts.hub import delete_local_model, resolve_model_path, scan_local_models
-from engine.runtime.loading import load_model
 from engine.errors import ModelLoadError
-
-from tiny_checkpoints import PROMPT, TINY_LLAMA, write_checkpoint
+from engine.runtime.loading import load_model
 
 COMMIT_OLD = "a" * 40
 COMMIT_NEW = "b" * 40
@@ -45,12 +44,13 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_cache_scan_counts_shared_blobs_once(tmp_path, cache):
-    ckpt = write_checkpoint(tmp_path / "src", bits=4, group_size=32, shards=2,
-                            generation_config={"eos_token_id": 2})
+    ckpt = write_checkpoint(tmp_path / "src", bits=4, group_size=32, shards=2, generation_config={"eos_token_id": 2})
     add_to_cache(cache, "mlx-community/Tiny-4bit", ckpt.path, COMMIT_OLD)
     # A second revision that changes only config.json: the weight blobs are shared.
     config = (ckpt.path / "config.json").read_text()
-    (ckpt.path / "config.json").write_text(config.replace('"max_position_embeddings": 512', '"max_position_embeddings": 1024'))
+    (ckpt.path / "config.json").write_text(
+        config.replace('"max_position_embeddings": 512', '"max_position_embeddings": 1024')
+    )
     snap = add_to_cache(cache, "mlx-community/Tiny-4bit", ckpt.path, COMMIT_NEW)
     (cache / "models--broken--Model" / "snapshots" / COMMIT_OLD).mkdir(parents=True)
     (cache / "models--broken--Model" / "snapshots" / COMMIT_OLD / "config.json").write_text("{")

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from tiny_checkpoints import PROMPT, write_checkpoint
 
 from engine.artifacts.hub import DownloadCancelled, HubError, download, scan_local_models, search_hub
 from engine.runtime.loading import load_model
-
 from tests.fake_hub import COMMIT, FakeHub
-from tiny_checkpoints import PROMPT, write_checkpoint
 
 
 @pytest.fixture
@@ -33,8 +32,9 @@ def test_download_reports_progress_and_loads(tmp_path, hub):
     hub.repos["mlx-community/Tiny"] = model_files(ckpt.path)
     cache = tmp_path / "cache"
     seen: list[tuple[int, int]] = []
-    snap = download("mlx-community/Tiny", progress=lambda d, t: seen.append((d, t)),
-                    cache_dir=cache, endpoint=hub.endpoint)
+    snap = download(
+        "mlx-community/Tiny", progress=lambda d, t: seen.append((d, t)), cache_dir=cache, endpoint=hub.endpoint
+    )
     total = sum(len(b) for n, b in hub.repos["mlx-community/Tiny"].items() if not n.endswith(".py"))
     assert snap == cache / "models--mlx-community--Tiny" / "snapshots" / COMMIT
     assert (cache / "models--mlx-community--Tiny" / "refs" / "main").read_text() == COMMIT
@@ -85,8 +85,14 @@ def test_cancel_inside_a_file(tmp_path, hub):
             cancel.set()
 
     with pytest.raises(DownloadCancelled):
-        download("org/Big", progress=progress, cancel=cancel, allow_patterns=["*.gguf"],
-                 cache_dir=cache, endpoint=hub.endpoint)
+        download(
+            "org/Big",
+            progress=progress,
+            cancel=cancel,
+            allow_patterns=["*.gguf"],
+            cache_dir=cache,
+            endpoint=hub.endpoint,
+        )
     assert 0 < seen[-1] < len(big)
     blobs = cache / "models--org--Big" / "blobs"
     assert not any(p.stat().st_size == len(big) for p in blobs.iterdir())

@@ -15,7 +15,6 @@ import pytest
 
 from engine.artifacts import hub_resume
 from engine.artifacts.hub import DownloadCancelled, HubError, download
-
 from tests.fake_hub import COMMIT, FakeHub
 
 REPO = "org/Big"
@@ -152,11 +151,15 @@ def test_full_disk_keeps_the_partial(tmp_path, hub, monkeypatch):
     cache = tmp_path / "cache"
     kept, _ = stop_inside_big_file(hub, cache)
     real = shutil.disk_usage
-    monkeypatch.setattr(hub_resume.shutil, "disk_usage",
-                        lambda p: real(p)._replace(free=1000))  # what a full drive reports
+    monkeypatch.setattr(
+        hub_resume.shutil, "disk_usage", lambda p: real(p)._replace(free=1000)
+    )  # what a full drive reports
 
-    with pytest.raises(HubError, match=r"model.safetensors of org/Big failed: the disk is full .* "
-                                       r"free some space and start the download again"):
+    with pytest.raises(
+        HubError,
+        match=r"model.safetensors of org/Big failed: the disk is full .* "
+        r"free some space and start the download again",
+    ):
         download(REPO, cache_dir=cache, endpoint=hub.endpoint)
     [partial] = partials(cache)
     assert partial.stat().st_size == kept

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.runtime.model_info import format_inspect, inspect_model
-
 from tiny_checkpoints import WIDE_LLAMA
+
+from engine.runtime.model_info import format_inspect, inspect_model
 
 
 def test_inspect_quantized_folder(checkpoint):

@@ -6,11 +6,10 @@ import json
 
 import mlx.core as mx
 import pytest
-
-from engine.runtime.loading import load_model
-from engine.errors import ModelLoadError, OutOfMemoryBudget
-
 from tiny_checkpoints import PROMPT, TINY_LLAMA, WIDE_LLAMA
+
+from engine.errors import ModelLoadError, OutOfMemoryBudget
+from engine.runtime.loading import load_model
 
 
 def test_sharded_bf16_folder_loads_with_identical_logits(checkpoint):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from tiny_checkpoints import WIDE_LLAMA
 
 from engine.api import MemoryPlan
 from engine.artifacts.config import read_config
 from engine.artifacts.weights import find_weights, read_headers
 from engine.errors import OutOfMemoryBudget
 from engine.runtime.memory import check_fits, default_budget, live_memory, parse_budget, plan_memory, total_memory
-
-from tiny_checkpoints import WIDE_LLAMA
 
 
 def test_default_budget_is_three_quarters_of_ram_on_this_machine():
@@ -38,16 +37,18 @@ def test_plan_counts_packed_weights_and_kv_per_token(checkpoint):
 
 
 def test_check_fits_messages():
-    plan = MemoryPlan(weights_bytes=16_400_000_000, kv_bytes_per_token=131072, budget_bytes=12 * 10**9,
-                      total_bytes=16 * 10**9)
+    plan = MemoryPlan(
+        weights_bytes=16_400_000_000, kv_bytes_per_token=131072, budget_bytes=12 * 10**9, total_bytes=16 * 10**9
+    )
     with pytest.raises(OutOfMemoryBudget) as err:
         check_fits(plan, name="Qwen3-8B", budget_reason="75% of 16 GB RAM")
     assert str(err.value) == (
         "Qwen3-8B needs 16.4 GB for its weights; the memory budget is 12.0 GB (75% of 16 GB RAM). "
         "Pick a smaller or more quantized model, or raise --memory-budget."
     )
-    small = MemoryPlan(weights_bytes=4 * 10**9, kv_bytes_per_token=131072, budget_bytes=12 * 10**9,
-                       total_bytes=16 * 10**9)
+    small = MemoryPlan(
+        weights_bytes=4 * 10**9, kv_bytes_per_token=131072, budget_bytes=12 * 10**9, total_bytes=16 * 10**9
+    )
     check_fits(small, context_tokens=32768)
     with pytest.raises(OutOfMemoryBudget, match="for a 100,000-token context.*at most 61,035 tokens"):
         check_fits(small, context_tokens=100_000)

@@ -15,16 +15,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from tiny_checkpoints import write_checkpoint
 
 from engine import models
 from engine.api import UNLIMITED_CONTEXT, KVWindow, MemoryPlan
 from engine.artifacts.config import config_from_dict
-from engine.runtime.model_info import format_inspect, inspect_model
-from engine.models.kv_cache import DEFAULT_STEP, KVCache, RotatingKVCache, make_prompt_cache
 from engine.errors import OutOfMemoryBudget
+from engine.models.kv_cache import DEFAULT_STEP, KVCache, RotatingKVCache, make_prompt_cache
 from engine.runtime.memory import check_fits, plan_memory
-
-from tiny_checkpoints import write_checkpoint
+from engine.runtime.model_info import format_inspect, inspect_model
 
 GOLDEN_MODELS = Path(__file__).resolve().parents[2] / "golden" / "models"
 ROOT = Path(__file__).resolve().parents[3]
@@ -44,8 +43,9 @@ CONFIGS = {
     # Gemma 3 by its pattern (no layer_types): every second layer is full here.
     "gemma3-pattern": golden_config("gemma3_text", layer_types=None, sliding_window_pattern=2),
     # Qwen 2: layers from max_window_layers on slide, when use_sliding_window is on.
-    "qwen2-window": golden_config("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-                                  layer_types=None),
+    "qwen2-window": golden_config(
+        "qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, layer_types=None
+    ),
 }
 # (full-attention layers, sliding layers) each config should have
 LAYOUT = {"llama": (2, 0), "mistral-window": (0, 2), "gemma2": (1, 1), "gemma3-pattern": (2, 2), "qwen2-window": (1, 1)}
@@ -71,7 +71,7 @@ def run_tokens(model, n: int, prefill: int, chunk: int = 5) -> list:
     pos = 0
     while pos < n:
         step = min(chunk, prefill - pos) if pos < prefill else 1
-        model(mx.array([ids[pos:pos + step]]), cache=cache)
+        model(mx.array([ids[pos : pos + step]]), cache=cache)
         pos += step
     mx.eval([c.keys for c in cache] + [c.values for c in cache])
     return cache
@@ -92,8 +92,9 @@ def test_plan_layout_matches_the_caches_the_model_makes(name):
     full_layers = sum(isinstance(c, KVCache) for c in cache)
     windows = [c.max_size for c in cache if isinstance(c, RotatingKVCache)]
     assert plan.kv_bytes_per_token == full_layers * per_layer
-    assert plan.kv_windows == ([KVWindow(tokens=WINDOW, layers=len(windows), bytes_per_token=len(windows) * per_layer)]
-                               if windows else [])
+    assert plan.kv_windows == (
+        [KVWindow(tokens=WINDOW, layers=len(windows), bytes_per_token=len(windows) * per_layer)] if windows else []
+    )
     assert set(windows) <= {WINDOW}
     assert (full_layers, len(windows)) == LAYOUT[name]
     assert plan.kv_window_bytes == len(windows) * per_layer * WINDOW
@@ -131,8 +132,13 @@ def test_plan_bounds_cache_bytes_while_decoding_past_the_window(name):
 
 
 def plan_with(per_token: int, windows: list[KVWindow], spare: int) -> MemoryPlan:
-    return MemoryPlan(weights_bytes=5000, kv_bytes_per_token=per_token, budget_bytes=5000 + spare,
-                      total_bytes=10**9, kv_windows=windows)
+    return MemoryPlan(
+        weights_bytes=5000,
+        kv_bytes_per_token=per_token,
+        budget_bytes=5000 + spare,
+        total_bytes=10**9,
+        kv_windows=windows,
+    )
 
 
 @pytest.mark.parametrize("context", [0, 1, 7, 8, 9, 100, 4096])
@@ -160,8 +166,9 @@ def test_all_sliding_model_is_not_limited_by_its_cache():
     assert not plan.kv_limits_context and plan.max_context == UNLIMITED_CONTEXT
     check_fits(plan, context_tokens=10**9)
     # The windows themselves must still fit: with room for 5 tokens of them, 5 is the limit.
-    tight = plan_memory(config_from_dict(CONFIGS["mistral-window"]), weights_bytes=10_000,
-                        budget=10_000 + plan.kv_bytes(5))
+    tight = plan_memory(
+        config_from_dict(CONFIGS["mistral-window"]), weights_bytes=10_000, budget=10_000 + plan.kv_bytes(5)
+    )
     assert tight.max_context == 5 and tight.kv_limits_context
     with pytest.raises(OutOfMemoryBudget, match="at most 5 tokens"):
         check_fits(tight, context_tokens=6)
@@ -198,8 +205,13 @@ def test_inspect_prints_windows_and_the_context_they_allow(tmp_path):
 def test_cli_inspect_of_an_all_sliding_model(tmp_path):
     ckpt = write_checkpoint(tmp_path / "mistral", config=CONFIGS["mistral-window"])
     budget = 10**8
-    proc = subprocess.run([sys.executable, "-m", "engine", "inspect", str(ckpt.path), "--memory-budget", str(budget)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "inspect", str(ckpt.path), "--memory-budget", str(budget)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "KV per token  0 B" in proc.stdout
     assert "KV window     2 layers keep at most 8 tokens" in proc.stdout

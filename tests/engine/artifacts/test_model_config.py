@@ -6,12 +6,11 @@ import json
 
 import mlx.core as mx
 import pytest
+from tiny_checkpoints import TINY_LLAMA
 
 from engine.artifacts.config import read_config
-from engine.runtime.loading import load_model
 from engine.errors import ModelLoadError, UnsupportedModelError
-
-from tiny_checkpoints import TINY_LLAMA
+from engine.runtime.loading import load_model
 
 
 def write(folder, config, generation=None):
@@ -26,15 +25,28 @@ def test_eos_ids_are_the_union_of_config_and_generation_config(tmp_path):
     folder = write(
         tmp_path / "m",
         {**TINY_LLAMA, "eos_token_id": 128001},
-        {"eos_token_id": [128001, 128008, 128009], "bos_token_id": 128000, "do_sample": True,
-         "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.0, "max_new_tokens": 300},
+        {
+            "eos_token_id": [128001, 128008, 128009],
+            "bos_token_id": 128000,
+            "do_sample": True,
+            "temperature": 0.6,
+            "top_p": 0.9,
+            "top_k": 20,
+            "min_p": 0.0,
+            "max_new_tokens": 300,
+        },
     )
     cfg = read_config(folder)
     assert cfg.model_type == "llama"
     assert cfg.eos_token_ids == [128001, 128008, 128009]
     assert cfg.bos_token_id == 1  # config.json's own value comes first
-    assert cfg.generation_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.0,
-                                       "max_new_tokens": 300}
+    assert cfg.generation_defaults == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.0,
+        "max_new_tokens": 300,
+    }
     assert cfg.context_length == 512
     assert cfg.quantization is None and not cfg.vision and not cfg.audio
 
@@ -45,8 +57,14 @@ def test_do_sample_false_means_greedy(tmp_path):
 
 
 def test_rope_parameters_spelling_becomes_rope_theta_and_scaling(tmp_path):
-    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     new = {k: v for k, v in TINY_LLAMA.items() if k != "rope_theta"} | {"rope_parameters": llama3}
     cfg = read_config(write(tmp_path / "new", new))
     assert cfg.raw["rope_theta"] == 500000.0
@@ -61,8 +79,13 @@ def test_rope_parameters_spelling_becomes_rope_theta_and_scaling(tmp_path):
 
 
 def test_both_rope_spellings_load_to_the_same_model(checkpoint):
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 64}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     old_cfg = {**TINY_LLAMA, "rope_theta": 500000.0, "rope_scaling": llama3}
     new_cfg = {k: v for k, v in TINY_LLAMA.items() if k != "rope_theta"}
     new_cfg["rope_parameters"] = {**llama3, "rope_theta": 500000.0}
@@ -103,8 +126,13 @@ def test_multimodal_wrapper_keeps_text_config(tmp_path):
 
 
 def test_quantization_block_with_per_layer_overrides(tmp_path):
-    block = {"group_size": 64, "bits": 4, "mode": "affine",
-             "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8}, "lm_head": False}
+    block = {
+        "group_size": 64,
+        "bits": 4,
+        "mode": "affine",
+        "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8},
+        "lm_head": False,
+    }
     cfg = read_config(write(tmp_path / "q", {**TINY_LLAMA, "quantization": block, "quantization_config": block}))
     q = cfg.quantization
     assert (q.bits, q.group_size, q.mode) == (4, 64, "affine")

@@ -6,13 +6,12 @@ import json
 
 import pytest
 from safetensors import safe_open
+from tiny_checkpoints import WIDE_LLAMA
 
 from engine.artifacts.config import read_config
-from engine.runtime.loading import load_model
 from engine.artifacts.weights import find_weights, parameter_count, read_header, read_headers
 from engine.errors import ModelLoadError
-
-from tiny_checkpoints import WIDE_LLAMA
+from engine.runtime.loading import load_model
 
 
 def test_headers_agree_with_the_safetensors_library(checkpoint):
@@ -91,7 +90,10 @@ def test_no_weights(tmp_path):
 def test_parameter_count_of_quantized_checkpoints_matches_the_float_one(checkpoint, bits, group_size):
     plain = checkpoint("plain", config=WIDE_LLAMA)
     quant = checkpoint(
-        "quant", config=WIDE_LLAMA, bits=bits, group_size=group_size,
+        "quant",
+        config=WIDE_LLAMA,
+        bits=bits,
+        group_size=group_size,
         overrides={"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}},
     )
     expected = parameter_count(read_headers(find_weights(plain.path)))

@@ -14,7 +14,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
 from mlx.utils import tree_flatten
 
 from engine import models

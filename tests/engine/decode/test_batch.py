@@ -60,8 +60,10 @@ def test_greedy_batched_equals_alone(family):
     model, _ = load_golden(family)
     assert batchable(model)
     vocab = model.args.vocab_size
-    jobs = [(p, GenerationParams(max_tokens=n, ignore_eos=True, logprobs=True))
-            for p, n in zip(prompts(vocab), (10, 6, 12, 8), strict=True)]
+    jobs = [
+        (p, GenerationParams(max_tokens=n, ignore_eos=True, logprobs=True))
+        for p, n in zip(prompts(vocab), (10, 6, 12, 8), strict=True)
+    ]
     got, batch = run_batched(model, jobs, starts=[0, 0, 3, 5])
     for (prompt, params), result in zip(jobs, got, strict=True):
         ref = alone(model, prompt, GenerationParams(max_tokens=params.max_tokens, ignore_eos=True, logprobs=True))
@@ -78,13 +80,18 @@ def test_each_row_keeps_its_own_sampler_penalty_and_stop():
     vocab = model.args.vocab_size
     ps = prompts(vocab)
     settings = [
-        GenerationParams(max_tokens=9, ignore_eos=True, logprobs=True, top_logprobs=3,
-                         sampling=SamplingParams(temperature=0.9, top_k=20, seed=7)),
-        GenerationParams(max_tokens=7, ignore_eos=True,
-                         sampling=SamplingParams(temperature=0.0, repetition_penalty=1.3)),
+        GenerationParams(
+            max_tokens=9,
+            ignore_eos=True,
+            logprobs=True,
+            top_logprobs=3,
+            sampling=SamplingParams(temperature=0.9, top_k=20, seed=7),
+        ),
+        GenerationParams(
+            max_tokens=7, ignore_eos=True, sampling=SamplingParams(temperature=0.0, repetition_penalty=1.3)
+        ),
         GenerationParams(max_tokens=11, ignore_eos=True, logprobs=True),
-        GenerationParams(max_tokens=5, ignore_eos=True,
-                         sampling=SamplingParams(temperature=1.2, top_p=0.8, seed=3)),
+        GenerationParams(max_tokens=5, ignore_eos=True, sampling=SamplingParams(temperature=1.2, top_p=0.8, seed=3)),
     ]
     jobs = list(zip(ps, settings, strict=True))
     got, _ = run_batched(model, jobs, starts=[0, 1, 1, 4])
@@ -94,8 +101,9 @@ def test_each_row_keeps_its_own_sampler_penalty_and_stop():
         if params.logprobs:
             assert np.allclose(result.token_logprobs, ref.token_logprobs, atol=1e-4)
         if params.top_logprobs:
-            assert [[t for t, _ in row] for row in result.top_logprobs] == \
-                   [[t for t, _ in row] for row in ref.top_logprobs]
+            assert [[t for t, _ in row] for row in result.top_logprobs] == [
+                [t for t, _ in row] for row in ref.top_logprobs
+            ]
 
 
 def test_a_cancelled_sequence_leaves_and_the_others_carry_on():
@@ -106,9 +114,10 @@ def test_a_cancelled_sequence_leaves_and_the_others_carry_on():
     batch = Batch(model)
     cancel = threading.Event()
     params = [GenerationParams(max_tokens=12, ignore_eos=True) for _ in ps[:3]]
-    streams = [stream_generate(model, None, p, make_prompt_cache(model), q, batch=batch,
-                               cancel=cancel if i == 1 else None)
-               for i, (p, q) in enumerate(zip(ps, params, strict=False))]
+    streams = [
+        stream_generate(model, None, p, make_prompt_cache(model), q, batch=batch, cancel=cancel if i == 1 else None)
+        for i, (p, q) in enumerate(zip(ps, params, strict=False))
+    ]
     results: dict[int, GenerationResult] = {}
     for rounds in range(100):
         if rounds == 4:
@@ -132,13 +141,22 @@ def test_a_cancelled_sequence_leaves_and_the_others_carry_on():
 def test_a_newcomer_prefills_one_chunk_per_step_of_the_running_ones():
     model, _ = load_golden("qwen2")
     batch = Batch(model)
-    running = stream_generate(model, None, [5, 6, 7], make_prompt_cache(model),
-                              GenerationParams(max_tokens=40, ignore_eos=True), batch=batch)
+    running = stream_generate(
+        model, None, [5, 6, 7], make_prompt_cache(model), GenerationParams(max_tokens=40, ignore_eos=True), batch=batch
+    )
     chunks: list[int] = []
-    newcomers = [stream_generate(model, None, list(range(3, 3 + n)), make_prompt_cache(model),
-                                 GenerationParams(max_tokens=2, ignore_eos=True, prefill_chunk=8), batch=batch,
-                                 on_progress=lambda done, total, i=i: chunks.append(i))
-                 for i, n in enumerate((41, 25))]
+    newcomers = [
+        stream_generate(
+            model,
+            None,
+            list(range(3, 3 + n)),
+            make_prompt_cache(model),
+            GenerationParams(max_tokens=2, ignore_eos=True, prefill_chunk=8),
+            batch=batch,
+            on_progress=lambda done, total, i=i: chunks.append(i),
+        )
+        for i, n in enumerate((41, 25))
+    ]
     live = [running]
     per_round: list[tuple[int, int]] = []
     for rounds in range(30):
@@ -172,8 +190,10 @@ def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch):
 
     model, _ = load_golden("qwen3")
     vocab = model.args.vocab_size
-    jobs = [(p, GenerationParams(max_tokens=n, ignore_eos=True, logprobs=True))
-            for p, n in zip(prompts(vocab, (5, 9)), (6, 4), strict=True)]
+    jobs = [
+        (p, GenerationParams(max_tokens=n, ignore_eos=True, logprobs=True))
+        for p, n in zip(prompts(vocab, (5, 9)), (6, 4), strict=True)
+    ]
     plain, _ = run_batched(model, jobs, starts=[0, 2])
     compiled_steps = []
     rows = CompiledDecoder.rows

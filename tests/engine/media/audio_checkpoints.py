@@ -11,10 +11,9 @@ import json
 from pathlib import Path
 
 import numpy as np
+from golden.synthetic_weights import synthetic_weight
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-from golden.synthetic_weights import synthetic_weight
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "media"
 
@@ -44,10 +43,12 @@ def whisper_tokenizer(meta: dict) -> Tokenizer:
         vocab[f"<|{i * 0.02:.2f}|>"] = first_ts + i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in ["<|endoftext|>", *meta["specials"]]])
-    tok.add_tokens([AddedToken(f"<|{i * 0.02:.2f}|>", special=False, normalized=False)
-                    for i in range(meta["n_timestamps"])])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ["<|endoftext|>", *meta["specials"]]]
+    )
+    tok.add_tokens(
+        [AddedToken(f"<|{i * 0.02:.2f}|>", special=False, normalized=False) for i in range(meta["n_timestamps"])]
+    )
     return tok
 
 
@@ -62,9 +63,17 @@ def write_whisper_folder(folder: Path, meta: dict | None = None, *, generation_c
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     if generation_config:
         (folder / "generation_config.json").write_text(json.dumps(meta["generation_config"]))
-    (folder / "preprocessor_config.json").write_text(json.dumps(
-        {"feature_size": meta["config"]["num_mel_bins"], "sampling_rate": 16000, "n_fft": 400,
-         "hop_length": 160, "chunk_length": 30}))
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "feature_size": meta["config"]["num_mel_bins"],
+                "sampling_rate": 16000,
+                "n_fft": 400,
+                "hop_length": 160,
+                "chunk_length": 30,
+            }
+        )
+    )
     return folder
 
 
@@ -87,11 +96,14 @@ def qwen_tokenizer(meta: dict) -> Tokenizer:
 
 def hub_name(name: str) -> str:
     """transformers 5's parameter names -> the names Qwen2-Audio checkpoints on the Hub use."""
-    for old, new in (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
-                     ("model.audio_tower.", "audio_tower."),
-                     ("model.multi_modal_projector.", "multi_modal_projector.")):
+    for old, new in (
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.audio_tower.", "audio_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    ):
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 
@@ -99,11 +111,19 @@ def write_qwen2_audio_folder(folder: Path, meta: dict | None = None, *, hub_name
     meta = meta or load_meta("qwen2_audio_tiny")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(meta["config"]))
-    weights = {(hub_name(n) if hub_names else n): synthetic_weight(n, tuple(shape))
-               for n, shape in meta["parameters"].items()}
+    weights = {
+        (hub_name(n) if hub_names else n): synthetic_weight(n, tuple(shape)) for n, shape in meta["parameters"].items()
+    }
     save_file(weights, str(folder / "model.safetensors"))
     qwen_tokenizer(meta).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": meta["chat_template"],
-        "add_bos_token": False}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": meta["chat_template"],
+                "add_bos_token": False,
+            }
+        )
+    )
     return folder

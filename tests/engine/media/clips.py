@@ -21,8 +21,10 @@ FRAMES, FPS = 10, 4
 
 
 def clip_frames(images: Path) -> list[np.ndarray]:
-    stills = [np.asarray(Image.open(images / name).convert("RGB").resize(SIZE, Image.Resampling.BICUBIC),
-                         dtype=np.uint16) for name in PHOTOS]
+    stills = [
+        np.asarray(Image.open(images / name).convert("RGB").resize(SIZE, Image.Resampling.BICUBIC), dtype=np.uint16)
+        for name in PHOTOS
+    ]
     frames = []
     for i in range(FRAMES):
         a, b = stills[i * len(stills) // FRAMES], stills[(i * len(stills) // FRAMES + 1) % len(stills)]

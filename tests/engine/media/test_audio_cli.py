@@ -24,8 +24,9 @@ META = load_meta("whisper_asr")
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "MLX_DESK_WHISPER"}
     environ.update(env or {})
-    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=180, env=environ)
+    return subprocess.run(
+        [sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True, timeout=180, env=environ
+    )
 
 
 def one_line_failure(proc: subprocess.CompletedProcess) -> str:
@@ -68,7 +69,10 @@ def test_transcribe_failures_are_one_line(whisper_dir, tmp_path, shared_data):
     bad.write_bytes(b"RIFF....WAVEfmt ")
     assert "clip.wav" in one_line_failure(run("transcribe", "--whisper", str(whisper_dir), str(bad)))
     assert "language" in one_line_failure(
-        run("transcribe", "--whisper", str(whisper_dir), "--language", "klingon", str(shared_data / "audio" / "jfk.wav")))
+        run(
+            "transcribe", "--whisper", str(whisper_dir), "--language", "klingon", str(shared_data / "audio" / "jfk.wav")
+        )
+    )
 
 
 def test_generate_with_audio_on_a_text_model_uses_the_transcript(llm_dir, whisper_dir, shared_data):
@@ -77,8 +81,9 @@ def test_generate_with_audio_on_a_text_model_uses_the_transcript(llm_dir, whispe
     assert "cannot take audio" in err and "--whisper" in err
     transcript = json.loads(run("transcribe", "--whisper", str(whisper_dir), jfk, "--json").stdout)["text"]
     common = ["--max-tokens", "4", "--json", "--chat"]
-    with_audio = run("generate", "--model", str(llm_dir), "--prompt", "hello", "--audio", jfk,
-                     "--whisper", str(whisper_dir), *common)
+    with_audio = run(
+        "generate", "--model", str(llm_dir), "--prompt", "hello", "--audio", jfk, "--whisper", str(whisper_dir), *common
+    )
     assert with_audio.returncode == 0, with_audio.stderr
     as_text = run("generate", "--model", str(llm_dir), "--prompt", f"{transcript}\n\nhello", *common)
     a = json.loads(with_audio.stdout.strip().splitlines()[-1])
@@ -86,15 +91,29 @@ def test_generate_with_audio_on_a_text_model_uses_the_transcript(llm_dir, whispe
     assert a["prompt_tokens"] == b["prompt_tokens"] > 20
     assert a["token_ids"] == b["token_ids"]
     assert "--prompt TEXT" in one_line_failure(
-        run("generate", "--model", str(llm_dir), "--prompt-ids", "1,2", "--audio", jfk, "--whisper", str(whisper_dir)))
+        run("generate", "--model", str(llm_dir), "--prompt-ids", "1,2", "--audio", jfk, "--whisper", str(whisper_dir))
+    )
 
 
 def test_generate_on_qwen2_audio_hears_the_clip_without_whisper(tmp_path, shared_data):
     """An audio model takes the clip itself: no Whisper model is asked for or loaded."""
     folder = write_qwen2_audio_folder(tmp_path / "tiny-qwen2-audio")
     jfk = str(shared_data / "audio" / "jfk.wav")
-    proc = run("generate", "--model", str(folder), "--prompt", "what is said", "--chat", "--audio", jfk,
-               "--whisper", str(tmp_path / "no-such-whisper"), "--max-tokens", "3", "--json")
+    proc = run(
+        "generate",
+        "--model",
+        str(folder),
+        "--prompt",
+        "what is said",
+        "--chat",
+        "--audio",
+        jfk,
+        "--whisper",
+        str(tmp_path / "no-such-whisper"),
+        "--max-tokens",
+        "3",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["generated_tokens"] == 3 and out["prompt_tokens"] > 275  # 11 s of audio: 275 <|AUDIO|> tokens

@@ -18,9 +18,9 @@ import pytest
 from PIL import Image
 
 from engine.api import GenerationParams, MediaInput
-from engine.runtime.host import ModelHost
 from engine.media.image_processors import pan_and_scan_boxes
 from engine.media.prompt import expand_placeholders
+from engine.runtime.host import ModelHost
 from engine.runtime.session import common_prefix_length
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,17 +72,22 @@ def _gold_pixels(case: str) -> np.ndarray:
 
 
 def _messages(image: dict | None = None) -> list[dict]:
-    return [{**m, "content": [image or c if c["type"] == "image" else c for c in m["content"]]}
-            for m in META["messages"]]
+    return [
+        {**m, "content": [image or c if c["type"] == "image" else c for c in m["content"]]} for m in META["messages"]
+    ]
 
 
 def test_crop_counts_match_transformers(shared_data):
     defaults = META["defaults"]
     for name, crops in META["num_crops"].items():
         with Image.open(shared_data / "images" / name) as im:
-            boxes = pan_and_scan_boxes(im.width, im.height, defaults["pan_and_scan_min_crop_size"],
-                                       defaults["pan_and_scan_max_num_crops"],
-                                       defaults["pan_and_scan_min_ratio_to_activate"])
+            boxes = pan_and_scan_boxes(
+                im.width,
+                im.height,
+                defaults["pan_and_scan_min_crop_size"],
+                defaults["pan_and_scan_max_num_crops"],
+                defaults["pan_and_scan_min_ratio_to_activate"],
+            )
         assert len(boxes) == crops, name
     # The wide picture's last crop keeps only what is inside the picture.
     assert pan_and_scan_boxes(1003, 300) == [(0, 0, 335, 300), (335, 0, 670, 300), (670, 0, 1003, 300)]
@@ -123,8 +128,9 @@ def test_prompt_text_and_ids_match_transformers(host, files, case):
 def test_greedy_ids_and_logprobs_match_transformers(host, files, case, chunk):
     """Turned on by the request; a 7-token prefill chunk ends inside image runs."""
     exp = META["cases"][case]
-    params = GenerationParams(max_tokens=len(exp["token_ids"]), logprobs=True, ignore_eos=True,
-                              prefill_chunk=chunk, pan_and_scan=True)
+    params = GenerationParams(
+        max_tokens=len(exp["token_ids"]), logprobs=True, ignore_eos=True, prefill_chunk=chunk, pan_and_scan=True
+    )
     result = host.generate(f"{case}{chunk}", _messages({"type": "image", "image": files[case]}), params)
     assert result.stats.prompt_tokens == len(exp["prompt_ids"])
     assert result.token_ids == exp["token_ids"]
@@ -172,7 +178,7 @@ def test_each_view_has_its_own_key_and_encoding(host, files):
     tower = host.towers.encoder("image")
     for run, got in zip(item.runs(), features):
         np.testing.assert_allclose(got, np.array(tower.run(tower.load(), run)), atol=1e-6, rtol=0)
-    assert all(np.abs(a - b).max() > 1e-3 for i, a in enumerate(features) for b in features[i + 1:])
+    assert all(np.abs(a - b).max() > 1e-3 for i, a in enumerate(features) for b in features[i + 1 :])
     # A second request encodes nothing again.
     params = GenerationParams(max_tokens=2, ignore_eos=True, pan_and_scan=True)
     host.generate("keys", _messages({"type": "image", "image": files["tall"]}), params)
@@ -206,9 +212,29 @@ def test_the_cli_flag_turns_it_on(files):
 
     def prompt_tokens(*flags: str) -> int:
         proc = subprocess.run(
-            [sys.executable, "-m", "engine", "generate", "--model", str(GEMMA), "--chat", "--prompt", "What is it?",
-             "--image", files["wide"], "--max-tokens", "1", "--temp", "0", "--json", *flags],
-            cwd=root, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "engine",
+                "generate",
+                "--model",
+                str(GEMMA),
+                "--chat",
+                "--prompt",
+                "What is it?",
+                "--image",
+                files["wide"],
+                "--max-tokens",
+                "1",
+                "--temp",
+                "0",
+                "--json",
+                *flags,
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout.strip().splitlines()[-1])["prompt_tokens"]

@@ -38,6 +38,7 @@ def sha(a) -> str:
 
 def load_float32(path: Path) -> ModelHost:
     from engine.runtime import loading as loader
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loader, "load_model", functools.partial(loader.load_model, dtype="float32"))
         host = ModelHost()

@@ -36,7 +36,7 @@ def _check_summary(gold: dict, prefix: str, x: np.ndarray) -> None:
     x64 = x.astype(np.float64)
     total, abs_total, energy, lo, hi = gold[f"{prefix}/stats"]
     np.testing.assert_allclose([abs_total, energy], [np.abs(x64).sum(), (x64**2).sum()], rtol=1e-6)
-    np.testing.assert_allclose(x64.sum(), total, atol=ATOL * x.size ** 0.5)
+    np.testing.assert_allclose(x64.sum(), total, atol=ATOL * x.size**0.5)
     np.testing.assert_allclose([x64.min(), x64.max()], [lo, hi], atol=ATOL)
 
 
@@ -165,15 +165,17 @@ def test_qwen2vl_several_images_concatenate_in_order(shared_data):
 def test_qwen2vl_patch_layout():
     """Each row is one 14x14 patch, channel-major, the still frame repeated twice in time;
     rows walk 2x2 merge blocks in raster order."""
-    proc = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56, image_mean=(0, 0, 0), image_std=(1, 1, 1),
-                                 rescale_factor=1.0)
+    proc = Qwen2VLImageProcessor(
+        min_pixels=56 * 56, max_pixels=56 * 56, image_mean=(0, 0, 0), image_std=(1, 1, 1), rescale_factor=1.0
+    )
     chw = np.arange(3 * 56 * 56, dtype=np.float32).reshape(3, 56, 56)
     patches = proc.patchify(chw)
     assert patches.shape == (16, 3 * 2 * 14 * 14)
-    for row, (by, bx, my, mx) in enumerate((by, bx, my, mx) for by in range(2) for bx in range(2)
-                                           for my in range(2) for mx in range(2)):
+    for row, (by, bx, my, mx) in enumerate(
+        (by, bx, my, mx) for by in range(2) for bx in range(2) for my in range(2) for mx in range(2)
+    ):
         y, x = (by * 2 + my) * 14, (bx * 2 + mx) * 14
-        expected = np.stack([chw[:, y:y + 14, x:x + 14]] * 2, axis=1).reshape(-1)
+        expected = np.stack([chw[:, y : y + 14, x : x + 14]] * 2, axis=1).reshape(-1)
         np.testing.assert_array_equal(patches[row], expected)
 
 
@@ -189,8 +191,16 @@ def test_smart_resize_bounds():
 
 def test_qwen2vl_config_keys():
     proc = Qwen2VLImageProcessor.from_config(
-        {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
-         "resample": 3, "image_processor_type": "Qwen2VLImageProcessor"})
+        {
+            "min_pixels": 3136,
+            "max_pixels": 12845056,
+            "patch_size": 14,
+            "merge_size": 2,
+            "temporal_patch_size": 2,
+            "resample": 3,
+            "image_processor_type": "Qwen2VLImageProcessor",
+        }
+    )
     assert (proc.min_pixels, proc.max_pixels) == (3136, 12845056)
     sized = Qwen2VLImageProcessor.from_config({"size": {"shortest_edge": 100, "longest_edge": 200000}})
     assert (sized.min_pixels, sized.max_pixels) == (100, 200000)

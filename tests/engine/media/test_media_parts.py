@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.api import MediaInput
-from engine.errors import MediaError
 from engine.decode.prefill import PromptInputs
+from engine.errors import MediaError
 from engine.media.parts import media_kinds, split_media, user_message
 from engine.media.prompt import PreparedMedia, expand_placeholders, locate_media
 
@@ -14,18 +14,37 @@ from engine.media.prompt import PreparedMedia, expand_placeholders, locate_media
 def test_parts_take_attachments_in_order_and_inline_sources_win():
     messages = [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
-                                     {"type": "image", "image": "/tmp/b.png"}, {"type": "audio"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": "and"},
+                {"type": "image", "image": "/tmp/b.png"},
+                {"type": "audio"},
+            ],
+        },
         {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///tmp/c.png"}},
-                                     {"type": "image"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "file:///tmp/c.png"}}, {"type": "image"}],
+        },
     ]
     attached = [MediaInput("image", "a.png"), MediaInput("audio", b"RIFF"), MediaInput("image", "d.png")]
     out, items = split_media(messages, attached)
     assert [(m.kind, m.source) for m in items] == [
-        ("image", "a.png"), ("image", "/tmp/b.png"), ("audio", b"RIFF"), ("image", "/tmp/c.png"), ("image", "d.png")]
+        ("image", "a.png"),
+        ("image", "/tmp/b.png"),
+        ("audio", b"RIFF"),
+        ("image", "/tmp/c.png"),
+        ("image", "d.png"),
+    ]
     # Templates see plain typed parts; text and string contents pass through untouched.
-    assert out[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "audio"}]
+    assert out[1]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "and"},
+        {"type": "image"},
+        {"type": "audio"},
+    ]
     assert out[0] == messages[0] and out[3]["content"] == [{"type": "image"}, {"type": "image"}]
     assert media_kinds(messages) == {"image", "audio"}
 
@@ -34,7 +53,7 @@ def test_parts_take_attachments_in_order_and_inline_sources_win():
     "messages,attached,needle",
     [
         ([{"role": "user", "content": [{"type": "image"}]}], [], "more image parts"),
-        ([{"role": "user", "content": "hi"}], [MediaInput("image", "a.png")], "no {\"type\": \"image\"} part"),
+        ([{"role": "user", "content": "hi"}], [MediaInput("image", "a.png")], 'no {"type": "image"} part'),
         ([{"role": "user", "content": [{"type": "image", "url": "https://x.org/a.png"}]}], [], "web address"),
     ],
 )
@@ -46,8 +65,10 @@ def test_mismatched_parts_are_refused_readably(messages, attached, needle):
 
 def test_cli_message_puts_media_first_then_text():
     media = [MediaInput("image", "a.png"), MediaInput("audio", "b.wav"), MediaInput("image", "c.png")]
-    assert user_message("what?", media) == {"role": "user", "content": [
-        {"type": "image"}, {"type": "audio"}, {"type": "image"}, {"type": "text", "text": "what?"}]}
+    assert user_message("what?", media) == {
+        "role": "user",
+        "content": [{"type": "image"}, {"type": "audio"}, {"type": "image"}, {"type": "text", "text": "what?"}],
+    }
     assert user_message("hi", []) == {"role": "user", "content": "hi"}
 
 

@@ -89,8 +89,9 @@ def test_long_audio_goes_through_long_form_decoding(transcriber, jfk, gold):
     close a segment, so each window is one segment and the next starts 30 s on."""
     long = np.concatenate([jfk, jfk, jfk])
     seen = []
-    result = transcriber.transcribe(long, max_new_tokens=META["max_new_tokens"],
-                                    on_window=lambda done, total: seen.append((done, total)))
+    result = transcriber.transcribe(
+        long, max_new_tokens=META["max_new_tokens"], on_window=lambda done, total: seen.append((done, total))
+    )
     assert seen == [(1, 2), (2, 2)]
     bounds, tokens = gold["long/bounds"], gold["long/tokens"].tolist()
     assert len(result.segments) == META["long_windows"] == len(bounds) - 1 == 2

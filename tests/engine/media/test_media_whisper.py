@@ -15,11 +15,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from golden.synthetic_weights import synthetic_weight
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.media.audio import load_audio, log_mel_spectrogram
 from engine.media.whisper.model import Whisper, WhisperConfig
-from golden.synthetic_weights import synthetic_weight
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "media"
 META = json.loads((GOLDEN / "whisper_tiny.json").read_text())

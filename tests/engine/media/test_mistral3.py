@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from engine.api import GenerationParams, MediaInput
-from engine.runtime.host import ModelHost
 from engine.media.parts import split_media
+from engine.runtime.host import ModelHost
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "mistral3"
 
@@ -33,6 +33,7 @@ def exp() -> dict:
 @pytest.fixture(scope="module")
 def host() -> ModelHost:
     from engine.runtime import loading as loader
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loader, "load_model", functools.partial(loader.load_model, dtype="float32"))
         host = ModelHost()
@@ -47,7 +48,9 @@ def test_pixels_features_and_prompt_match_transformers(host, exp, shared_data):
     pixels = item.views[0].data[1]
     assert list(pixels.shape) == exp["pixels"]["shape"]
     assert list(pixels.shape[1:]) == exp["image_size"]
-    assert hashlib.sha256(np.ascontiguousarray(pixels, dtype=np.float32).tobytes()).hexdigest() == exp["pixels"]["sha256"]
+    assert (
+        hashlib.sha256(np.ascontiguousarray(pixels, dtype=np.float32).tobytes()).hexdigest() == exp["pixels"]["sha256"]
+    )
     features = np.concatenate([np.array(host.towers.features(row)) for row in item.views])
     np.testing.assert_allclose(features, np.array(exp["features"]), atol=1e-4, rtol=0)
 
@@ -69,8 +72,8 @@ def test_greedy_ids_and_logprobs_match_transformers(host, exp, shared_data, chun
 
 
 def test_the_image_is_encoded_once_for_all_its_rows(shared_data, exp, monkeypatch):
-    from engine.runtime import loading as loader
     from engine.media.pixtral.tower import Mistral3Vision
+    from engine.runtime import loading as loader
 
     forwards = []
     real = Mistral3Vision.__call__

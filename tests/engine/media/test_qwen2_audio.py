@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.runtime.model_info import inspect_model
-from engine.runtime.loading import load_model
 from engine.media.audio import load_audio
 from engine.media.qwen2_audio.tower import audio_token_count, feature_frames, tower_for
+from engine.runtime.loading import load_model
+from engine.runtime.model_info import inspect_model
 from engine.text.chat_template import ChatTemplate
 from engine.text.tokenizer import Tokenizer
 from tests.engine.media.audio_checkpoints import load_arrays, load_meta, write_qwen2_audio_folder

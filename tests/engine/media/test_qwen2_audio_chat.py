@@ -73,8 +73,9 @@ def test_audio_part_gives_transformers_greedy_ids_and_the_tower_loads_only_then(
     template_messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": QUESTION}]}]
     prompt = chat.media_prompt(chat.render(template_messages), [MediaInput("audio", str(clip))])
     assert prompt.ids == gold["prompt/ids"].tolist()
-    assert [(s.start, s.end - s.start) for s in prompt.spans] == [(prompt.ids.index(META["config"]["audio_token_index"]),
-                                                                   META["audio_tokens"])]
+    assert [(s.start, s.end - s.start) for s in prompt.spans] == [
+        (prompt.ids.index(META["config"]["audio_token_index"]), META["audio_tokens"])
+    ]
     assert not host.tower_loaded  # laying out the prompt needs no weights
 
     result = host.generate("b", ask(str(clip)), PARAMS)
@@ -125,9 +126,28 @@ def test_worker_refuses_audio_for_a_model_that_cannot_hear(clip, tmp_path):
 def test_cli_chat_audio_feeds_the_clip_natively(folder, clip, gold):
     environ = {k: v for k, v in os.environ.items() if k != "MLX_DESK_WHISPER"}
     proc = subprocess.run(
-        [sys.executable, "-m", "engine", "generate", "--model", str(folder), "--chat", "--prompt", QUESTION,
-         "--audio", str(clip), "--max-tokens", str(META["steps"]), "--ignore-eos", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180, env=environ,
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--model",
+            str(folder),
+            "--chat",
+            "--prompt",
+            QUESTION,
+            "--audio",
+            str(clip),
+            "--max-tokens",
+            str(META["steps"]),
+            "--ignore-eos",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=environ,
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])

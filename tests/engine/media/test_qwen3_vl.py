@@ -21,9 +21,9 @@ import pytest
 
 from engine.api import GenerationParams, MediaInput
 from engine.errors import MediaError
-from engine.runtime.host import ModelHost
 from engine.media.image import Qwen2VLImageProcessor, load_image
 from engine.media.parts import split_media
+from engine.runtime.host import ModelHost
 
 pytest.importorskip("av")
 
@@ -43,6 +43,7 @@ def sha(a) -> str:
 
 def load_float32(path: Path) -> ModelHost:
     from engine.runtime import loading as loader
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loader, "load_model", functools.partial(loader.load_model, dtype="float32"))
         host = ModelHost()
@@ -77,9 +78,9 @@ def test_image_processor_matches_transformers_on_the_shared_photos(shared_data):
 
 
 def test_video_sampling_and_patches_match_transformers(clip):
-    from engine.media.video import probe, read_frames
     from engine.media.qwen3_vl.encoders import read_video_preprocessor
     from engine.media.qwen3_vl.processor import VideoProcessor
+    from engine.media.video import probe, read_frames
 
     want = json.loads((GOLDEN / "processors.json").read_text())["clip"]
     host = ModelHost()
@@ -150,8 +151,9 @@ def test_a_model_without_video_refuses_naming_the_families_that_can(clip):
 
 def _long_clip(path: Path) -> Path:
     """Three frames, one an hour: a three-hour video in a few hundred bytes."""
-    import av
     from fractions import Fraction
+
+    import av
 
     out = av.open(str(path), "w", format="mov")
     stream = out.add_stream("png", rate=Fraction(1, 3600))
@@ -197,8 +199,11 @@ def float32_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("f32") / "qwen3_vl"
     shutil.copytree(GOLDEN / "qwen3_vl", folder)
     weights = mx.load(str(folder / "model.safetensors"))
-    mx.save_safetensors(str(folder / "model.safetensors"), {k: v.astype(mx.float32) for k, v in weights.items()},
-                        metadata={"format": "pt"})
+    mx.save_safetensors(
+        str(folder / "model.safetensors"),
+        {k: v.astype(mx.float32) for k, v in weights.items()},
+        metadata={"format": "pt"},
+    )
     config = json.loads((folder / "config.json").read_text())
     config["dtype"] = "float32"
     (folder / "config.json").write_text(json.dumps(config))
@@ -210,16 +215,30 @@ def _cli(*args: str):
     import sys
 
     root = Path(__file__).resolve().parents[3]
-    return subprocess.run([sys.executable, "-m", "engine", "generate", *args], cwd=root, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "engine", "generate", *args], cwd=root, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_video_then_image_puts_images_first_and_matches_transformers(float32_folder, shared_data, clip):
     """--video given before --image: the message still holds the image, then the video."""
     exp = expected("qwen3_vl")["both"]
-    proc = _cli("--model", str(float32_folder), "--chat", "--prompt", "Describe both.", "--video", str(clip),
-                "--image", str(shared_data / "images" / "chelsea.png"), "--max-tokens", "10", "--ignore-eos",
-                "--logprobs", "--json")
+    proc = _cli(
+        "--model",
+        str(float32_folder),
+        "--chat",
+        "--prompt",
+        "Describe both.",
+        "--video",
+        str(clip),
+        "--image",
+        str(shared_data / "images" / "chelsea.png"),
+        "--max-tokens",
+        "10",
+        "--ignore-eos",
+        "--logprobs",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["prompt_tokens"] == len(exp["prompt_ids"])
@@ -228,8 +247,17 @@ def test_cli_video_then_image_puts_images_first_and_matches_transformers(float32
 
 
 def test_cli_video_on_a_model_without_video_is_one_line(clip):
-    proc = _cli("--model", str(GOLDEN.parent / "vision" / "qwen2_5_vl"), "--chat", "--prompt", "hi",
-                "--video", str(clip), "--max-tokens", "2")
+    proc = _cli(
+        "--model",
+        str(GOLDEN.parent / "vision" / "qwen2_5_vl"),
+        "--chat",
+        "--prompt",
+        "hi",
+        "--video",
+        str(clip),
+        "--max-tokens",
+        "2",
+    )
     assert proc.returncode != 0
     err = proc.stderr.strip()
     assert "\n" not in err and "Traceback" not in err
@@ -237,8 +265,7 @@ def test_cli_video_on_a_model_without_video_is_one_line(clip):
 
 
 @pytest.mark.parametrize("case", ["image", "video"])
-def test_compiled_and_speculative_decoding_after_media_match_transformers(loaded, shared_data, clip, case,
-                                                                          monkeypatch):
+def test_compiled_and_speculative_decoding_after_media_match_transformers(loaded, shared_data, clip, case, monkeypatch):
     """Interleaved mRoPE continues text at shifted positions: the compiled decode step and
     n-gram verification passes follow that shift, and greedy output stays transformers'."""
     import engine.decode.loop as generate
@@ -270,9 +297,12 @@ def test_compiled_and_speculative_decoding_after_media_match_transformers(loaded
     spec = GenerationParams(max_tokens=n, logprobs=True, ignore_eos=True, speculative="ngram", ngram_size=1)
     for compiled in (False, True):
         steps.clear()
-        monkeypatch.setattr(speculative, "speculative_step",
-                            lambda *a, c=compiled, **k: plain_spec(*a, **{**k, "compiled": c}))
-        result = host.generate(f"spec-{case}-{compiled}", exp["messages"], spec, media=media_for(case, shared_data, clip))
+        monkeypatch.setattr(
+            speculative, "speculative_step", lambda *a, c=compiled, **k: plain_spec(*a, **{**k, "compiled": c})
+        )
+        result = host.generate(
+            f"spec-{case}-{compiled}", exp["messages"], spec, media=media_for(case, shared_data, clip)
+        )
         assert result.token_ids == exp["token_ids"]
         np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=1e-3, rtol=0)
         assert result.stats.draft_tokens > 0
@@ -305,10 +335,13 @@ def published_folder(tmp_path_factory) -> Path:
     for name, value in mx.load(str(folder / "model.safetensors")).items():
         if name == "model.visual.patch_embed.proj.weight":
             value = value.transpose(0, 2, 3, 4, 1)
-        for old, new in (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
-                         ("model.visual.", "vision_tower.")):
+        for old, new in (
+            ("model.language_model.", "language_model.model."),
+            ("lm_head.", "language_model.lm_head."),
+            ("model.visual.", "vision_tower."),
+        ):
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         renamed[name] = value
     mx.save_safetensors(str(folder / "model.safetensors"), renamed, metadata={"format": "mlx"})
@@ -330,9 +363,30 @@ def test_media_bench_runs_on_a_tiny_shape():
     import sys
 
     root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run([sys.executable, "-m", "engine", "bench", "--shape", "qwen3-vl-tiny", "--media", "video",
-                           "--media-seconds", "2", "--media-size", "128x96", "--bits", "16", "--json"],
-                          cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "bench",
+            "--shape",
+            "qwen3-vl-tiny",
+            "--media",
+            "video",
+            "--media-seconds",
+            "2",
+            "--media-size",
+            "128x96",
+            "--bits",
+            "16",
+            "--json",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])["engine"]
     assert out["runs"] == 2  # 4 frames (min_frames), two per temporal patch

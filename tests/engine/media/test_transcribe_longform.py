@@ -51,8 +51,7 @@ def clip(jfk) -> np.ndarray:
 
 def reference(gold: dict, name: str) -> list[tuple[list[int], float, float]]:
     bounds, tokens, times = gold[f"{name}/bounds"], gold[f"{name}/tokens"].tolist(), gold[f"{name}/times"]
-    return [(tokens[bounds[i] : bounds[i + 1]], float(times[i][0]), float(times[i][1]))
-            for i in range(len(bounds) - 1)]
+    return [(tokens[bounds[i] : bounds[i + 1]], float(times[i][0]), float(times[i][1])) for i in range(len(bounds) - 1)]
 
 
 def segments_of(result) -> list[tuple[list[int], float, float]]:
@@ -95,7 +94,6 @@ def test_short_clip_with_timestamps_matches_transformers(transcriber, jfk, gold)
     result = transcriber.transcribe(jfk, timestamps=True)
     assert segments_of(result) == reference(gold, "short")
     assert result.language == META["detected_language"]["short"]
-
 
 
 # ---- the rules and the splitting on their own ----------------------------------------
@@ -143,7 +141,9 @@ def test_split_window_cuts_at_pairs_and_seeks_to_the_last_one():
     a, b, c = TB + 50, TB + 300, TB + 700
     # ... <|1.00|> w5 <|6.00|><|6.00|> w7 (unfinished): one segment, resume at 6.00 s.
     segs, advance = split_window([a, 5, b, b, 7], TB, seek=1000, window_frames=3000)
-    assert [(s.token_ids, s.start_s, s.end_s) for s in segs] == [([a, 5, b, b], pytest.approx(11.0), pytest.approx(16.0))]
+    assert [(s.token_ids, s.start_s, s.end_s) for s in segs] == [
+        ([a, 5, b, b], pytest.approx(11.0), pytest.approx(16.0))
+    ]
     assert advance == 600
     # A single closing timestamp after text: nothing after it, the whole window is used.
     segs, advance = split_window([a, 5, b, b, 7, c], TB, seek=0, window_frames=3000)

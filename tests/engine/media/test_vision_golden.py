@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from engine.api import GenerationParams, MediaInput
-from engine.runtime.host import ModelHost
 from engine.media.parts import split_media
+from engine.runtime.host import ModelHost
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "vision"
 FAMILIES = ["gemma3", "qwen2_5_vl"]
@@ -74,8 +74,9 @@ def test_text_only_positions_are_plain_rope():
     host.load(str(GOLDEN / "qwen2_5_vl"))
     ids = mx.array([[1, 20, 30, 40, 50, 60, 70]])
     positions = mx.broadcast_to(mx.arange(7)[None, None], (3, 1, 7))
-    np.testing.assert_allclose(np.array(host.model(ids, position_ids=positions)), np.array(host.model(ids)),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.array(host.model(ids, position_ids=positions)), np.array(host.model(ids)), atol=1e-4, rtol=0
+    )
 
 
 def test_compiled_decode_after_an_image_matches_transformers(loaded, shared_data, monkeypatch):
@@ -113,8 +114,9 @@ def test_speculative_decoding_after_an_image_matches_transformers(loaded, shared
     exp = expected(name)
     path = str(shared_data / "images" / exp["image"])
     messages = [{"role": "user", "content": [{"type": "image", "image": path}, exp["messages"][0]["content"][1]]}]
-    params = GenerationParams(max_tokens=len(exp["token_ids"]), logprobs=True, ignore_eos=True, speculative="ngram",
-                              ngram_size=1)
+    params = GenerationParams(
+        max_tokens=len(exp["token_ids"]), logprobs=True, ignore_eos=True, speculative="ngram", ngram_size=1
+    )
     result = host.generate("speculative", messages, params)
     assert result.token_ids == exp["token_ids"]
     np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=2e-3, rtol=0)

@@ -109,8 +109,11 @@ def test_a_text_model_refuses_images_before_anything_runs(tmp_path):
     host = ModelHost()
     info = host.load(str(folder))
     assert not info.vision
-    with pytest.raises(MediaError, match=r"This model \(gemma3-text\) cannot read images; pick a vision model "
-                                         r"such as Gemma 3 or Qwen2\.5-VL"):
+    with pytest.raises(
+        MediaError,
+        match=r"This model \(gemma3-text\) cannot read images; pick a vision model "
+        r"such as Gemma 3 or Qwen2\.5-VL",
+    ):
         host.generate("a", ask("/no/such/file.png"), PARAMS)
     assert host.session("a").cache is None  # nothing was rendered, prefilled or cached
 
@@ -121,7 +124,10 @@ def test_worker_generates_with_image_parts_and_reports_unreadable_images(shared_
 
     def on_event(event):
         events.append(event)
-        if isinstance(event, DoneEvent | ErrorEvent) and len([e for e in events if isinstance(e, DoneEvent | ErrorEvent)]) == 4:
+        if (
+            isinstance(event, DoneEvent | ErrorEvent)
+            and len([e for e in events if isinstance(e, DoneEvent | ErrorEvent)]) == 4
+        ):
             done.set()
 
     broken = tmp_path / "broken.png"
@@ -131,9 +137,19 @@ def test_worker_generates_with_image_parts_and_reports_unreadable_images(shared_
     try:
         worker.submit(LoadModel(str(GEMMA)))
         ok = worker.submit(Generate("s", ask(None), PARAMS, media=[]))
-        with_image = worker.submit(Generate("s", [{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}], PARAMS,
-            media=[MediaInput("image", str(shared_data / "images" / "rocket.jpg"))]))
+        with_image = worker.submit(
+            Generate(
+                "s",
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}],
+                    }
+                ],
+                PARAMS,
+                media=[MediaInput("image", str(shared_data / "images" / "rocket.jpg"))],
+            )
+        )
         bad = worker.submit(Generate("s", ask(str(broken)), PARAMS))
         assert done.wait(120)
     finally:
@@ -147,10 +163,27 @@ def test_worker_generates_with_image_parts_and_reports_unreadable_images(shared_
 def test_cli_image_with_chat_matches_the_golden(shared_data):
     exp = json.loads((GEMMA / "expected.json").read_text())
     proc = subprocess.run(
-        [sys.executable, "-m", "engine", "generate", "--model", str(GEMMA), "--chat", "--prompt",
-         "What is in this picture?", "--image", str(shared_data / "images" / exp["image"]), "--max-tokens",
-         str(len(exp["token_ids"])), "--ignore-eos", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--model",
+            str(GEMMA),
+            "--chat",
+            "--prompt",
+            "What is in this picture?",
+            "--image",
+            str(shared_data / "images" / exp["image"]),
+            "--max-tokens",
+            str(len(exp["token_ids"])),
+            "--ignore-eos",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])

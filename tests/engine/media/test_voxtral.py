@@ -20,11 +20,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine.api import GenerationParams, MediaInput
-from engine.runtime.model_info import inspect_model
 from engine.errors import MediaError
-from engine.runtime.host import ModelHost
 from engine.media.audio import load_audio
 from engine.media.voxtral.tower import VoxtralEncoderConfig, clip_features
+from engine.runtime.host import ModelHost
+from engine.runtime.model_info import inspect_model
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 FOLDER = GOLDEN / "voxtral_tiny"
@@ -79,7 +79,9 @@ def test_prompt_layout_matches_the_reference_without_loading_the_tower(host, sha
     chat = host.session("layout")
     template_messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": QUESTION}]}]
     assert chat.render(template_messages) == META["prompt_text"]
-    prompt = chat.media_prompt(chat.render(template_messages), [MediaInput("audio", str(shared_data / "audio/jfk.wav"))])
+    prompt = chat.media_prompt(
+        chat.render(template_messages), [MediaInput("audio", str(shared_data / "audio/jfk.wav"))]
+    )
     assert prompt.ids == gold["prompt/ids"].tolist()
     assert [(s.start, s.end - s.start) for s in prompt.spans] == [(prompt.ids.index(AUDIO_ID), 375)]
     assert not host.tower_loaded
@@ -107,10 +109,14 @@ def test_audio_chat_gives_transformers_greedy_ids_and_logprobs(shared_data, gold
 
 def v5_name(name: str) -> str:
     """The Hub names save_pretrained writes -> transformers 5's in-memory spelling."""
-    for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                     ("audio_tower.", "model.audio_tower."), ("multi_modal_projector.", "model.multi_modal_projector.")):
+    for old, new in (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("audio_tower.", "model.audio_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    ):
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+
 from engine.models import get_family
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "models"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine.models.kv_cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 from engine.errors import EngineError
+from engine.models.kv_cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 
 def tokens(start: int, stop: int) -> mx.array:

@@ -10,10 +10,10 @@ import mlx.core as mx
 import pytest
 from model_goldens import FAMILIES, load_golden
 
-from engine.models.kv_cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 from engine.decode.compiled_step import compiled_decoder
 from engine.decode.loop import generate_step
 from engine.models.base import RoPE
+from engine.models.kv_cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
 PROMPT = [(7 * i + 3) % 97 + 3 for i in range(13)]
 
@@ -51,7 +51,9 @@ SAMPLED = [f for f in ("llama", "qwen3", "qwen3_moe", "mistral", "gemma2") if f 
 
 def test_most_families_take_the_compiled_step():
     # Every family but those whose RoPE depends on the position as a Python number.
-    assert {"llama", "llama3_rope", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"} <= set(COMPILABLE)
+    assert {"llama", "llama3_rope", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"} <= set(
+        COMPILABLE
+    )
 
 
 @pytest.mark.parametrize("name", SAMPLED)
@@ -145,7 +147,9 @@ def test_an_added_array_or_replaced_module_is_picked_up(change):
     if change == "new array":
         layer.mlp.down_proj.bias = mx.ones((layer.mlp.down_proj.weight.shape[0],))
     else:
-        layer.post_attention_layernorm = type(layer.post_attention_layernorm)(layer.post_attention_layernorm.weight.size)
+        layer.post_attention_layernorm = type(layer.post_attention_layernorm)(
+            layer.post_attention_layernorm.weight.size
+        )
     ids_plain, lps_plain = decode(model, PROMPT, small_step_cache(model), 8, compiled=False)
     ids_fast, lps_fast = decode(model, PROMPT, small_step_cache(model), 8, compiled=True)
     assert ids_fast == ids_plain
@@ -193,9 +197,11 @@ def test_switching_adapters_retraces_the_compiled_step(tmp_path):
             key, ka, kb = mx.random.split(key, 3)
             weights[f"model.layers.{i}.self_attn.{proj}.lora_a"] = mx.random.normal((in_dim, 4), key=ka)
             weights[f"model.layers.{i}.self_attn.{proj}.lora_b"] = mx.random.normal((4, out_dim), key=kb)
-    (tmp_path / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": {"rank": 4, "scale": 4.0}}
-    ))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps(
+            {"fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": {"rank": 4, "scale": 4.0}}
+        )
+    )
     mx.save_safetensors(str(tmp_path / "adapters.safetensors"), weights)
 
     base_fast, _ = decode(model, PROMPT, small_step_cache(model), 12, compiled=True)

@@ -31,9 +31,14 @@ def load(name: str):
 
 def settings_of(expected: dict) -> DiffusionSettings:
     g = expected["generation"]
-    return DiffusionSettings(steps=g["max_denoising_steps"], entropy_bound=g["entropy_bound"], t_min=g["t_min"],
-                             t_max=g["t_max"], stability_threshold=g["stability_threshold"],
-                             confidence_threshold=g["confidence_threshold"])
+    return DiffusionSettings(
+        steps=g["max_denoising_steps"],
+        entropy_bound=g["entropy_bound"],
+        t_min=g["t_min"],
+        t_max=g["t_max"],
+        stability_threshold=g["stability_threshold"],
+        confidence_threshold=g["confidence_threshold"],
+    )
 
 
 def replay(expected: dict) -> ReplayedNoise:
@@ -61,8 +66,17 @@ def test_denoiser_logits_match_transformers(name):
 def test_generation_matches_transformers_for_the_same_draws(name):
     model, expected, _ = load(name)
     noise = replay(expected)
-    blocks = list(diffuse(model, expected["prompt_ids"], max_tokens=expected["generation"]["max_new_tokens"],
-                          settings=settings_of(expected), noise=noise, eos_ids=[1], pad_id=0))
+    blocks = list(
+        diffuse(
+            model,
+            expected["prompt_ids"],
+            max_tokens=expected["generation"]["max_new_tokens"],
+            settings=settings_of(expected),
+            noise=noise,
+            eos_ids=[1],
+            pad_id=0,
+        )
+    )
     assert expected["prompt_ids"] + [t for b in blocks for t in b.raw] == expected["sequences"]
     assert [b.steps for b in blocks] == expected["steps_per_block"]
     assert not noise.canvases and not noise.samples  # every draw used, none more
@@ -76,7 +90,7 @@ def test_the_goldens_cover_early_stops_full_runs_and_an_end_in_a_later_block():
     assert published["generation"]["stability_threshold"] == 2
     assert set(published["steps_per_block"]) == {published["generation"]["max_denoising_steps"]}
     for expected in (tiny, published):
-        new = expected["sequences"][len(expected["prompt_ids"]):]
+        new = expected["sequences"][len(expected["prompt_ids"]) :]
         assert len(expected["steps_per_block"]) >= 2 and new.index(1) >= 8
     config = json.loads((GOLDEN / "diffusion_gemma_published" / "config.json").read_text())["text_config"]
     assert "per_layer_config" not in config and config["num_global_key_value_heads"] == 1
@@ -87,8 +101,19 @@ def test_seeded_generation_repeats_and_cancel_stops_between_steps():
     settings = settings_of(expected)
 
     def run(seed, cancel=None):
-        return [b.raw for b in diffuse(model, expected["prompt_ids"], max_tokens=16, settings=settings,
-                                       noise=RandomNoise(seed), eos_ids=[1], pad_id=0, cancel=cancel)]
+        return [
+            b.raw
+            for b in diffuse(
+                model,
+                expected["prompt_ids"],
+                max_tokens=16,
+                settings=settings,
+                noise=RandomNoise(seed),
+                eos_ids=[1],
+                pad_id=0,
+                cancel=cancel,
+            )
+        ]
 
     assert run(3) == run(3)
     cancel = threading.Event()
@@ -102,7 +127,8 @@ def test_bad_settings_and_configs_get_one_clear_line():
     with pytest.raises(EngineError, match="t_min"):
         DiffusionSettings(t_min=0.9, t_max=0.5).checked()
     read = DiffusionSettings.from_generation_config(
-        {"max_denoising_steps": 12, "sampler_config": {"entropy_bound": 0.3, "_cls_name": "EntropyBoundSamplerConfig"}})
+        {"max_denoising_steps": 12, "sampler_config": {"entropy_bound": 0.3, "_cls_name": "EntropyBoundSamplerConfig"}}
+    )
     assert (read.steps, read.entropy_bound, read.t_min) == (12, 0.3, 0.4)
     config = json.loads((GOLDEN / "diffusion_gemma_tiny" / "config.json").read_text())
     config["text_config"]["use_bidirectional_attention"] = "all"

@@ -61,8 +61,9 @@ def test_bidirectional_attention_is_what_makes_embeddinggemma_right(host):
     expected = json.loads((GOLDEN / "embeddinggemma" / "expected.json").read_text())
     host.load(str(GOLDEN / "embeddinggemma"))
     model = host.model
-    model._make_mask = lambda n, cache, window: "causal" if window is None else \
-        mx.arange(n)[None, :] <= mx.arange(n)[:, None]
+    model._make_mask = lambda n, cache, window: (
+        "causal" if window is None else mx.arange(n)[None, :] <= mx.arange(n)[:, None]
+    )
     causal = np.array(model(expected["token_ids"][1]))
     assert _cosine_gap(causal, expected["embeddings"][1]) > 1e-3
 
@@ -85,8 +86,10 @@ def test_pooling_modes():
 def test_both_pooling_spellings_read_alike(tmp_path):
     legacy = read_embedding_spec(GOLDEN / "embeddinggemma", 64)
     assert legacy.pooling == ("mean",) and legacy.normalize and legacy.max_seq_length == 24
-    assert [(d.in_features, d.out_features, d.activation) for d in legacy.dense] == [(64, 96, "identity"),
-                                                                                    (96, 48, "identity")]
+    assert [(d.in_features, d.out_features, d.activation) for d in legacy.dense] == [
+        (64, 96, "identity"),
+        (96, 48, "identity"),
+    ]
     newer = read_embedding_spec(GOLDEN / "qwen3_embedding", 64)
     assert newer.pooling == ("lasttoken",) and newer.normalize and newer.dense == () and newer.dimensions == 64
     assert newer.max_seq_length == 24  # from the tokenizer's model_max_length, where newer writers put it
@@ -110,7 +113,9 @@ def test_a_family_that_does_not_embed_is_refused_naming_those_that_do(tmp_path):
     shutil.copytree(GOLDEN.parent / "models" / "llama", folder)
     shutil.copy(GOLDEN / "qwen3_embedding" / "modules.json", folder)
     shutil.copytree(GOLDEN / "qwen3_embedding" / "1_Pooling", folder / "1_Pooling")
-    with pytest.raises(UnsupportedModelError, match=r"'llama'.*gemma3_text \(EmbeddingGemma\), qwen3 \(Qwen3-Embedding\)"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'llama'.*gemma3_text \(EmbeddingGemma\), qwen3 \(Qwen3-Embedding\)"
+    ):
         load_model(folder)
 
 

@@ -9,7 +9,18 @@ TOLERANCE = 2e-3
 
 
 def test_every_family_has_a_golden():
-    for name in ("llama", "llama3_rope", "llama_dynamic", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3"):
+    for name in (
+        "llama",
+        "llama3_rope",
+        "llama_dynamic",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3_text",
+        "phi3",
+    ):
         assert name in FAMILIES
 
 

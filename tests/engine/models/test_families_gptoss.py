@@ -14,9 +14,9 @@ from test_compiled_decode import (
 )
 
 from engine.artifacts.config import read_config
-from engine.runtime.model_info import inspect_model
-from engine.runtime.memory import plan_memory
 from engine.models import get_family
+from engine.runtime.memory import plan_memory
+from engine.runtime.model_info import inspect_model
 
 LAYOUTS = GOLDEN.parent / "mlx_layouts"
 NEW = ("gpt_oss", "gpt_oss_published", "ministral3", "mistral3_ministral", "smollm3", "smollm3_interval")

@@ -13,11 +13,11 @@ from model_goldens import GOLDEN, load_golden
 from test_families import greedy
 
 from engine.artifacts.config import read_config
-from engine.runtime.loading import load_model
-from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.errors import UnsupportedModelError
-from engine.runtime.memory import plan_memory
 from engine.models import gemma4
+from engine.models.kv_cache import KVCache, RotatingKVCache
+from engine.runtime.loading import load_model
+from engine.runtime.memory import plan_memory
 
 MLX_GOLDEN = GOLDEN.parent / "gemma4_mlx" / "gemma4_moe_mlx_q4"  # and its siblings
 
@@ -111,10 +111,23 @@ def test_memory_plan_counts_only_layers_that_hold_a_cache():
 
 def test_published_26b_a4b_config_plans_its_real_cache():
     """google/gemma-4-26B-A4B's text settings (from its config.json)."""
-    text = {"model_type": "gemma4_text", "hidden_size": 2816, "num_hidden_layers": 30, "num_attention_heads": 16,
-            "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
-            "attention_k_eq_v": True, "sliding_window": 1024, "hidden_size_per_layer_input": 0,
-            "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704}
+    text = {
+        "model_type": "gemma4_text",
+        "hidden_size": 2816,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "num_global_key_value_heads": 2,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "attention_k_eq_v": True,
+        "sliding_window": 1024,
+        "hidden_size_per_layer_input": 0,
+        "enable_moe_block": True,
+        "num_experts": 128,
+        "top_k_experts": 8,
+        "moe_intermediate_size": 704,
+    }
     args = gemma4.ModelArgs.from_dict({"model_type": "gemma4", "text_config": text})
     layers = args.kv_cache_layers()
     assert len(layers) == 30
@@ -137,9 +150,16 @@ def test_config_edge_cases():
 
 def test_proportional_rope_rotates_the_leading_pairs_of_each_half():
     args = gemma4.ModelArgs.from_dict(
-        {"model_type": "gemma4_text", "num_hidden_layers": 1, "head_dim": 8, "global_head_dim": 8,
-         "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
-                                                "rope_theta": 100.0}}})
+        {
+            "model_type": "gemma4_text",
+            "num_hidden_layers": 1,
+            "head_dim": 8,
+            "global_head_dim": 8,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 100.0}
+            },
+        }
+    )
     rope = args.rope_for("full_attention", 8)
     x = mx.random.normal((1, 1, 3, 8))
     y = rope(x, offset=5)
@@ -222,8 +242,9 @@ def test_thinking_switch_and_markers_of_the_real_template(shared_data):
     markers = detect_reasoning_markers(source, on)
     assert markers is not None and not markers.starts_in_reasoning
     splitter = markers.splitter()
-    pieces = [piece for text in ("<|channel>thou", "ght\nLet me see.<chan", "nel|>Hello!")
-              for piece in splitter.feed(text)] + splitter.flush()
+    pieces = [
+        piece for text in ("<|channel>thou", "ght\nLet me see.<chan", "nel|>Hello!") for piece in splitter.feed(text)
+    ] + splitter.flush()
     assert pieces == [("reasoning", "Let me see."), ("answer", "Hello!")]
 
 
@@ -264,9 +285,27 @@ def test_bench_runs_the_gemma4_shape(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "engine", "bench", "--shape", "gemma4-tiny", "--bits", "4",
-                           "-p", "16", "-g", "4", "--json"], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[3])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "bench",
+            "--shape",
+            "gemma4-tiny",
+            "--bits",
+            "4",
+            "-p",
+            "16",
+            "-g",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[3],
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["shape"] == "gemma4-tiny" and result["engine"]["generated_tokens"] == 4
@@ -308,8 +347,11 @@ def test_missing_experts_and_bad_moe_config_are_one_line(tmp_path):
     folder = tmp_path / "no_experts"
     shutil.copytree(GOLDEN / "gemma4_moe", folder)
     weights = mx.load(str(folder / "model.safetensors"))
-    mx.save_safetensors(str(folder / "model.safetensors"),
-                        {k: v for k, v in weights.items() if ".experts." not in k}, metadata={"format": "pt"})
+    mx.save_safetensors(
+        str(folder / "model.safetensors"),
+        {k: v for k, v in weights.items() if ".experts." not in k},
+        metadata={"format": "pt"},
+    )
     with pytest.raises(ModelLoadError) as err:
         load_model(folder)
     assert "\n" not in str(err.value) and "experts" in str(err.value)

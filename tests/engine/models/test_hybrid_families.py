@@ -16,9 +16,9 @@ import mlx.core as mx
 import pytest
 from model_goldens import GOLDEN
 
-from engine.runtime.loading import load_model
 from engine.models import get_family
 from engine.models.recurrent_cache import RecurrentCache
+from engine.runtime.loading import load_model
 
 HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe"]
 TOLERANCE = 1e-3
@@ -34,8 +34,10 @@ def build(name: str, spelling: str = "config.json"):
     if spelling != "config.json" and "text_config" in config:
         # The published multimodal checkpoints nest the language model and carry a vision
         # tower beside it (their MTP layers: tests/engine/speculative/test_mtp.py).
-        weights = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-                   for k, v in weights.items()}
+        weights = {
+            ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+            for k, v in weights.items()
+        }
         weights["model.visual.patch_embed.proj.weight"] = mx.zeros((4, 4))
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())

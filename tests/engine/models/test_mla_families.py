@@ -16,14 +16,22 @@ import pytest
 from model_goldens import FAMILIES, GOLDEN, load_golden
 
 from engine.artifacts.config import config_from_dict
-from engine.models.kv_cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
-from engine.runtime.memory import kv_bytes_per_token
 from engine.models import get_family
+from engine.models.kv_cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
 from engine.models.mla_cache import MLALatentCache
 from engine.models.routed_moe import GroupLimitedRouter
+from engine.runtime.memory import kv_bytes_per_token
 
-MLA_GOLDENS = ["deepseek_v3", "moonlight", "kimi_k2", "glm4_moe_lite", "glm4_moe_lite_published", "glm_moe_dsa",
-               "glm_moe_dsa_published", "glm_moe_dsa_every_layer"]
+MLA_GOLDENS = [
+    "deepseek_v3",
+    "moonlight",
+    "kimi_k2",
+    "glm4_moe_lite",
+    "glm4_moe_lite_published",
+    "glm_moe_dsa",
+    "glm_moe_dsa_published",
+    "glm_moe_dsa_every_layer",
+]
 ALL_GOLDENS = [*MLA_GOLDENS, "glm4_moe", "glm4_moe_published"]
 
 
@@ -142,14 +150,32 @@ def test_group_limited_routing_keeps_to_the_best_groups():
 
 
 def test_memory_plan_counts_latents_per_token():
-    deepseek = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-                "num_attention_heads": 128, "num_key_value_heads": 128}
+    deepseek = {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+    }
     assert kv_bytes_per_token(config_from_dict(deepseek), 2) == 61 * (512 + 64) * 2
-    glm5 = {"model_type": "glm_moe_dsa", "num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-            "index_head_dim": 128, "indexer_types": ["full", "shared", "shared", "full"]}
+    glm5 = {
+        "model_type": "glm_moe_dsa",
+        "num_hidden_layers": 4,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "index_head_dim": 128,
+        "indexer_types": ["full", "shared", "shared", "full"],
+    }
     assert kv_bytes_per_token(config_from_dict(glm5), 2) == (4 * 576 + 2 * 128) * 2
-    glm45 = {"model_type": "glm4_moe", "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8,
-             "head_dim": 128, "hidden_size": 4096}
+    glm45 = {
+        "model_type": "glm4_moe",
+        "num_hidden_layers": 46,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_size": 4096,
+    }
     assert kv_bytes_per_token(config_from_dict(glm45), 2) == 46 * 2 * 8 * 128 * 2
 
 
@@ -229,8 +255,7 @@ def test_compiled_decode_step_equals_the_plain_one(name):
     prompt = mx.array(expected["prompt_ids"], dtype=mx.uint32)
 
     def run(compiled):
-        pairs = list(generate_step(prompt, model, model.make_cache(), max_tokens=12, logprobs=True,
-                                   compiled=compiled))
+        pairs = list(generate_step(prompt, model, model.make_cache(), max_tokens=12, logprobs=True, compiled=compiled))
         return [t for t, _ in pairs], [lp for _, lp in pairs]
 
     plain, fast = run(False), run(True)
@@ -241,8 +266,8 @@ def test_compiled_decode_step_equals_the_plain_one(name):
 
 
 def test_missing_experts_are_one_clear_error(tmp_path):
-    from engine.runtime.loading import load_model
     from engine.errors import ModelLoadError
+    from engine.runtime.loading import load_model
 
     folder = tmp_path / "model"
     folder.mkdir()

@@ -25,9 +25,18 @@ TOLERANCE = 2e-3
 
 
 def test_every_layout_is_there():
-    assert {"gpt_oss_hf_mxfp4", "gpt_oss_mlx_mxfp4", "gpt_oss_mlx_bf16", "gpt_oss_mlx_q_mxfp4",
-            "gpt_oss_mlx_q4", "ministral3_mlx_q4", "ministral3_mlx_q8", "smollm3_mlx_q4", "smollm3_mlx_nvfp4",
-            "smollm3_mlx_mxfp8"} <= set(NAMES)
+    assert {
+        "gpt_oss_hf_mxfp4",
+        "gpt_oss_mlx_mxfp4",
+        "gpt_oss_mlx_bf16",
+        "gpt_oss_mlx_q_mxfp4",
+        "gpt_oss_mlx_q4",
+        "ministral3_mlx_q4",
+        "ministral3_mlx_q8",
+        "smollm3_mlx_q4",
+        "smollm3_mlx_nvfp4",
+        "smollm3_mlx_mxfp8",
+    } <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -16,12 +16,12 @@ import pytest
 from model_goldens import greedy
 
 from engine.artifacts.config import config_from_dict
-from engine.runtime.model_info import format_inspect, inspect_model
-from engine.runtime.loading import load_model
-from engine.models.kv_cache import make_prompt_cache
 from engine.decode.loop import generate_step
+from engine.models.kv_cache import make_prompt_cache
 from engine.models.stacked import stack_projections
 from engine.models.switch import QuantizedSwitchLinear
+from engine.runtime.loading import load_model
+from engine.runtime.model_info import format_inspect, inspect_model
 
 TOLERANCE = 2e-3
 QUANT = Path(__file__).resolve().parents[2] / "golden" / "quant"
@@ -69,8 +69,16 @@ def test_engine_decode_loop_matches_mlx_lm(case):
     model = load_model(QUANT / case, dtype="float32").model
     stack_projections(model)
     prompt = mx.array(expected["prompt_ids"], dtype=mx.uint32)
-    steps = list(generate_step(prompt, model, make_prompt_cache(model), max_tokens=len(expected["greedy_ids"]),
-                               logprobs=True, compiled=True))
+    steps = list(
+        generate_step(
+            prompt,
+            model,
+            make_prompt_cache(model),
+            max_tokens=len(expected["greedy_ids"]),
+            logprobs=True,
+            compiled=True,
+        )
+    )
     assert [t for t, _ in steps] == expected["greedy_ids"], case
     worst = max(abs(lp - ref) for (_, lp), ref in zip(steps, expected["logprobs"]))
     assert worst < TOLERANCE, f"{case}: log-prob differs by {worst}"
@@ -89,9 +97,15 @@ def test_nvfp4_experts_with_a_global_scale_per_expert():
         x = mx.random.normal((5, 1, 1, layer.scales.shape[-1] * layer.group_size), key=mx.random.key(1))
         indices = mx.array([[e % experts, (e + 1) % experts] for e in range(5)])
         y = layer(x, indices)
-        dense = mx.stack([mx.dequantize(layer.weight[e], layer.scales[e], None, 16, 4, mode="nvfp4",
-                                        global_scale=layer.global_scale[e]) for e in range(experts)])
-        expected = (x @ dense[indices].swapaxes(-1, -2))
+        dense = mx.stack(
+            [
+                mx.dequantize(
+                    layer.weight[e], layer.scales[e], None, 16, 4, mode="nvfp4", global_scale=layer.global_scale[e]
+                )
+                for e in range(experts)
+            ]
+        )
+        expected = x @ dense[indices].swapaxes(-1, -2)
         assert y.shape == expected.shape == (5, 2, 1, out_dims)
         assert mx.allclose(y, expected, atol=1e-4, rtol=1e-4).item()
     ids, _ = greedy(model, [5, 6, 7, 8], 4)  # the whole model runs on this machine

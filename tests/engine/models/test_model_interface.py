@@ -20,9 +20,7 @@ PROMPT = [(5 * i + 11) % 120 + 3 for i in range(40)]
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError) as err:
         get_family("xyz")
-    assert str(err.value) == (
-        "Unsupported architecture 'xyz'. MLX Desk runs: " + ", ".join(sorted(SUPPORTED)) + "."
-    )
+    assert str(err.value) == ("Unsupported architecture 'xyz'. MLX Desk runs: " + ", ".join(sorted(SUPPORTED)) + ".")
     for model_type in SUPPORTED:
         family = get_family(model_type)
         assert hasattr(family, "Model") and hasattr(family.ModelArgs, "from_dict")
@@ -34,8 +32,12 @@ def test_both_rope_spellings_read_the_same():
     assert rope_settings(old) == rope_settings(new) == (500000.0, {"factor": 2.0, "rope_type": "linear"})
     assert rope_settings({"rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}) == (7.0, None)
     assert rope_settings({}) == (10000.0, None)
-    nested = {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    nested = {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    }
     assert rope_settings(nested, "sliding_attention") == (1e4, None)
     assert rope_settings(nested) == (1e6, None)
 
@@ -52,8 +54,16 @@ def test_legacy_spelling_of_a_golden_config_gives_the_same_model():
 
 def test_unknown_config_keys_are_ignored():
     family = get_family("qwen3")
-    args = family.ModelArgs.from_dict({"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4,
-                                       "num_hidden_layers": 1, "intermediate_size": 8, "no_such_key": 1})
+    args = family.ModelArgs.from_dict(
+        {
+            "model_type": "qwen3",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 1,
+            "intermediate_size": 8,
+            "no_such_key": 1,
+        }
+    )
     assert args.hidden_size == 64 and args.head_dim == 128
 
 
@@ -61,12 +71,11 @@ def test_unknown_config_keys_are_ignored():
 def test_gemma3_multimodal_checkpoint_loads_its_language_model(prefix):
     reference, _ = load_golden("gemma3_text")
     text = json.loads((GOLDEN / "gemma3_text" / "config.json").read_text())
-    wrapper = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 8},
-               "image_token_index": 5}
+    wrapper = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 8}, "image_token_index": 5}
     family = get_family("gemma3")
     model = family.Model(family.ModelArgs.from_dict(wrapper))
     weights = {k: v.astype(mx.float32) for k, v in mx.load(str(GOLDEN / "gemma3_text" / "model.safetensors")).items()}
-    renamed = {prefix + k[len("model."):]: v for k, v in weights.items()}
+    renamed = {prefix + k[len("model.") :]: v for k, v in weights.items()}
     renamed["vision_tower.vision_model.post_layernorm.weight"] = mx.zeros((8,))
     renamed["multi_modal_projector.mm_input_projection_weight"] = mx.zeros((8, 64))
     model.load_weights(list(model.sanitize(renamed).items()))  # strict: every name must fit

@@ -124,8 +124,9 @@ def test_prefix_reuse_and_speculative_decoding_match_the_plain_quantized_run(fol
     assert cached.stats.cached_tokens == len(PROMPT) + len(first.token_ids) - 1
     fresh = _host(folder, kv_bits=8).generate_ids(follow, GREEDY, session_id="b")
     assert cached.token_ids == fresh.token_ids
-    spec = GenerationParams(max_tokens=24, sampling=SamplingParams(temperature=0.0), ignore_eos=True,
-                            speculative="ngram", ngram_size=2)
+    spec = GenerationParams(
+        max_tokens=24, sampling=SamplingParams(temperature=0.0), ignore_eos=True, speculative="ngram", ngram_size=2
+    )
     drafted = _host(folder, kv_bits=8).generate_ids(follow, spec, session_id="c")
     assert drafted.stats.draft_tokens > 0
     assert drafted.token_ids == fresh.token_ids

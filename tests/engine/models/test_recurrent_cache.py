@@ -12,8 +12,8 @@ from test_hybrid_families import build
 
 from engine.artifacts.config import config_from_dict
 from engine.models.kv_cache import load_prompt_cache, save_prompt_cache
-from engine.runtime.memory import plan_memory
 from engine.models.recurrent_cache import COPIES_KEPT, MAX_SNAPSHOTS, STEP_WINDOW, RecurrentCache
+from engine.runtime.memory import plan_memory
 
 
 def run(model, ids, cache):
@@ -101,8 +101,9 @@ def test_memory_plan_counts_the_state_as_fixed_bytes(name):
     cache = model.make_cache()
     run(model, [3, 4, 5], cache)
     live = sum(c.nbytes for c in cache if isinstance(c, RecurrentCache))
-    live_fp16 = sum(a.nbytes // (2 if a.ndim == 3 else 1) for c in cache if isinstance(c, RecurrentCache)
-                    for a in c.arrays)  # conv state in fp16, delta-rule state stays fp32
+    live_fp16 = sum(
+        a.nbytes // (2 if a.ndim == 3 else 1) for c in cache if isinstance(c, RecurrentCache) for a in c.arrays
+    )  # conv state in fp16, delta-rule state stays fp32
     assert live > 0 and plan.state_bytes == live_fp16 * COPIES_KEPT
     assert plan.kv_bytes(1) == plan.kv_bytes_per_token + plan.state_bytes
     assert plan.kv_bytes(1000) - plan.kv_bytes(500) == 500 * plan.kv_bytes_per_token

@@ -17,20 +17,28 @@ import pytest
 from mlx.utils import tree_flatten
 from model_goldens import load_golden
 
-from engine.models.lora import activate, deactivate, mount, unmount
 from engine.cli.bench import SHAPES
-from engine.models.kv_cache import make_prompt_cache
 from engine.decode.loop import generate_step
 from engine.models import get_family
 from engine.models.base import GATE_UP, QKV
+from engine.models.kv_cache import make_prompt_cache
+from engine.models.lora import activate, deactivate, mount, unmount
 from engine.models.stacked import MAX_STACKED_ROWS, stack_projections, stacked_output
 
 PROMPT = [(5 * i + 11) % 89 + 3 for i in range(11)]
 
 
 def decode(model, n: int = 16, compiled: bool = False):
-    pairs = list(generate_step(mx.array(PROMPT, dtype=mx.uint32), model, make_prompt_cache(model),
-                               max_tokens=n, logprobs=True, compiled=compiled))
+    pairs = list(
+        generate_step(
+            mx.array(PROMPT, dtype=mx.uint32),
+            model,
+            make_prompt_cache(model),
+            max_tokens=n,
+            logprobs=True,
+            compiled=compiled,
+        )
+    )
     return [t for t, _ in pairs], [lp for _, lp in pairs]
 
 
@@ -124,15 +132,29 @@ def test_decoding_with_stacks_copies_no_weight():
     weights = sum(a.nbytes for _, a in tree_flatten(plain.parameters()))
     peaks = []
     for model in (plain, stacked):  # warm-up: tracing the compiled step is not decoding
-        list(generate_step(mx.array(PROMPT, dtype=mx.uint32), model, make_prompt_cache(model), max_tokens=2,
-                           compiled=model is stacked))
+        list(
+            generate_step(
+                mx.array(PROMPT, dtype=mx.uint32),
+                model,
+                make_prompt_cache(model),
+                max_tokens=2,
+                compiled=model is stacked,
+            )
+        )
     for model in (plain, stacked):
         gc.collect()
         mx.clear_cache()
         start = mx.get_active_memory()
         mx.reset_peak_memory()
-        list(generate_step(mx.array(PROMPT, dtype=mx.uint32), model, make_prompt_cache(model), max_tokens=24,
-                           compiled=model is stacked))
+        list(
+            generate_step(
+                mx.array(PROMPT, dtype=mx.uint32),
+                model,
+                make_prompt_cache(model),
+                max_tokens=24,
+                compiled=model is stacked,
+            )
+        )
         peaks.append(mx.get_peak_memory() - start)
     assert_layers_are_views(stacked)
     # Evaluation order moves the peak by a few activations; a second copy of the
@@ -151,9 +173,11 @@ def write_adapter(folder, model, targets, seed=7):
             weights[f"model.layers.{i}.{path}.lora_a"] = 0.3 * mx.random.normal((in_dim, 4), key=ka)
             weights[f"model.layers.{i}.{path}.lora_b"] = 0.3 * mx.random.normal((4, out_dim), key=kb)
     folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": {"rank": 4, "scale": 2.0}}
-    ))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {"fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": {"rank": 4, "scale": 2.0}}
+        )
+    )
     mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
 
 

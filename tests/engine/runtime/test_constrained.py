@@ -16,18 +16,34 @@ from engine.runtime.host import ModelHost
 from tests.tiny_models import make_tiny_llama
 
 SCHEMAS = [
-    {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ok": {"type": "boolean"},
-    }, "required": ["name", "age", "ok"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "age", "ok"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "number", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 4},
-    {"type": "object", "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -50, "maximum": 50},
-                                                  "y": {"type": "integer", "minimum": 0, "maximum": 9}},
-                  "required": ["x", "y"], "additionalProperties": False},
-    }, "required": ["color", "point"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": -50, "maximum": 50},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["color", "point"],
+        "additionalProperties": False,
+    },
     {"anyOf": [{"type": "null"}, {"type": "string", "pattern": "^[a-z]{1,5}$"}]},
 ]
 
@@ -40,8 +56,7 @@ def host(tmp_path_factory):
 
 
 def _params(constraint, seed):
-    return GenerationParams(max_tokens=120, sampling=SamplingParams(temperature=1.0, seed=seed),
-                            constraint=constraint)
+    return GenerationParams(max_tokens=120, sampling=SamplingParams(temperature=1.0, seed=seed), constraint=constraint)
 
 
 @pytest.mark.slow

@@ -34,8 +34,9 @@ def _chat(turns: int) -> list[dict]:
 
 
 def _params(policy: str | None, max_tokens: int = 40) -> GenerationParams:
-    return GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0), ignore_eos=True,
-                            context_policy=policy)
+    return GenerationParams(
+        max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0), ignore_eos=True, context_policy=policy
+    )
 
 
 def _count(messages) -> int:
@@ -67,8 +68,11 @@ def test_dropping_policies_fit_the_prompt_and_equal_a_chat_of_what_was_kept(host
     assert result.dropped_messages > 0 and result.finish_reason == "length"
     assert result.stats.prompt_tokens + reply_room(LIMIT, 40) <= LIMIT
     assert result.stats.prompt_tokens + result.stats.generated_tokens <= LIMIT
-    kept = messages[:3] + messages[3 + result.dropped_messages:] if policy == "truncate_middle" \
-        else messages[:1] + messages[1 + result.dropped_messages:]
+    kept = (
+        messages[:3] + messages[3 + result.dropped_messages :]
+        if policy == "truncate_middle"
+        else messages[:1] + messages[1 + result.dropped_messages :]
+    )
     plain = host.generate(f"b-{policy}", kept, _params(None))
     assert plain.token_ids == result.token_ids and plain.stats.prompt_tokens == result.stats.prompt_tokens
 

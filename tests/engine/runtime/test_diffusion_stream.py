@@ -41,7 +41,9 @@ def test_pieces_come_block_by_block_with_the_steps_counted(model):
     assert [len(p.token_ids) for p in pieces] == [8, 8, 8]  # whole blocks, as transformers writes them
     assert [t for p in pieces for t in p.token_ids] == result.token_ids
     assert 3 <= result.denoising_steps <= 12 and result.stats.generated_tokens == 24
-    assert run(model, GenerationParams(max_tokens=20, sampling=SamplingParams(seed=5)))[-1].token_ids == result.token_ids
+    assert (
+        run(model, GenerationParams(max_tokens=20, sampling=SamplingParams(seed=5)))[-1].token_ids == result.token_ids
+    )
 
 
 def test_speculative_decoding_is_refused_in_one_line(model):
@@ -83,12 +85,33 @@ def test_generate_cli_reads_the_denoising_settings_and_reports_the_steps(tmp_pat
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t2", "eos_token": "t1", "pad_token": "t0"}))
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"max_denoising_steps": 3, "stability_threshold": 0, "confidence_threshold": 1e-9, "eos_token_id": 1}))
-    assert main(["generate", "--model", str(tmp_path), "--prompt", "t5 t9 t33", "--max-tokens", "9",
-                 "--json", "--seed", "4"]) == 0
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t2", "eos_token": "t1", "pad_token": "t0"}
+        )
+    )
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {"max_denoising_steps": 3, "stability_threshold": 0, "confidence_threshold": 1e-9, "eos_token_id": 1}
+        )
+    )
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tmp_path),
+                "--prompt",
+                "t5 t9 t33",
+                "--max-tokens",
+                "9",
+                "--json",
+                "--seed",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["denoising_steps"] == 6  # two blocks, three steps each (never confident enough to stop)
     assert len(out["token_ids"]) == 16 or out["finish_reason"] == "stop"

@@ -42,7 +42,9 @@ def _params(**kw) -> GenerationParams:
 @pytest.mark.parametrize("chunk", [1, 3, 512])
 def test_greedy_matches_uncached_recomputation(model, chunk):
     ref_ids, ref_lps = _reference_greedy(model, PROMPT, 12)
-    res = generate(model, ByteTokenizer(), PROMPT, model.make_cache(), _params(max_tokens=12, logprobs=True, prefill_chunk=chunk))
+    res = generate(
+        model, ByteTokenizer(), PROMPT, model.make_cache(), _params(max_tokens=12, logprobs=True, prefill_chunk=chunk)
+    )
     assert res.token_ids == ref_ids
     np.testing.assert_allclose(res.token_logprobs, ref_lps, atol=1e-4)
     assert res.finish_reason == "length"
@@ -55,8 +57,14 @@ def test_chunked_prefill_reports_progress_and_feeds_chunks(model):
     model.calls.clear()
     seen = []
     prompt = list(range(1, 12))
-    gen = generate_step(mx.array(prompt), model, model.make_cache(), max_tokens=2, prefill_chunk=4,
-                        on_progress=lambda d, t: seen.append((d, t)))
+    gen = generate_step(
+        mx.array(prompt),
+        model,
+        model.make_cache(),
+        max_tokens=2,
+        prefill_chunk=4,
+        on_progress=lambda d, t: seen.append((d, t)),
+    )
     assert len(list(gen)) == 2
     assert seen == [(4, 10), (8, 10), (10, 10)]
     assert model.calls == [4, 4, 2, 1, 1]  # prefill chunks, the last prompt token, one decode step
@@ -66,8 +74,9 @@ def test_eos_stops_unless_ignored(model):
     ref_ids, _ = _reference_greedy(model, PROMPT, 8)
     eos = ref_ids[4]
     first = ref_ids.index(eos)
-    res = generate(model, ByteTokenizer(), PROMPT, model.make_cache(), GenerationParams(max_tokens=8),
-                   eos_token_ids=[eos])
+    res = generate(
+        model, ByteTokenizer(), PROMPT, model.make_cache(), GenerationParams(max_tokens=8), eos_token_ids=[eos]
+    )
     assert res.finish_reason == "stop"
     assert res.token_ids == ref_ids[: first + 1]
     assert res.text == ByteTokenizer().decode(ref_ids[:first])  # the EOS token shows no text
@@ -80,8 +89,11 @@ def test_stop_string_split_across_tokens_is_trimmed_and_never_streamed(model):
     full = ByteTokenizer().decode(ref_ids)
     stop = full[4:7]
     assert full.find(stop) == 4
-    items = list(stream_generate(model, ByteTokenizer(), PROMPT, model.make_cache(),
-                                 _params(max_tokens=12, stop_strings=["\x7f\x7f", stop])))
+    items = list(
+        stream_generate(
+            model, ByteTokenizer(), PROMPT, model.make_cache(), _params(max_tokens=12, stop_strings=["\x7f\x7f", stop])
+        )
+    )
     pieces = [i for i in items if isinstance(i, Piece)]
     result = items[-1]
     assert isinstance(result, GenerationResult)
@@ -93,8 +105,9 @@ def test_stop_string_split_across_tokens_is_trimmed_and_never_streamed(model):
 def test_held_back_text_is_released_when_no_stop_completes(model):
     ref_ids, _ = _reference_greedy(model, PROMPT, 6)
     full = ByteTokenizer().decode(ref_ids)
-    res = generate(model, ByteTokenizer(), PROMPT, model.make_cache(),
-                   _params(max_tokens=6, stop_strings=[full[-2:] + "\x7f"]))
+    res = generate(
+        model, ByteTokenizer(), PROMPT, model.make_cache(), _params(max_tokens=6, stop_strings=[full[-2:] + "\x7f"])
+    )
     assert res.text == full and res.finish_reason == "length"
 
 
@@ -112,7 +125,9 @@ def test_stop_strings_unit():
 def test_cancel_mid_decode(model):
     cancel = threading.Event()
     out = []
-    for item in stream_generate(model, ByteTokenizer(), PROMPT, model.make_cache(), _params(max_tokens=50), cancel=cancel):
+    for item in stream_generate(
+        model, ByteTokenizer(), PROMPT, model.make_cache(), _params(max_tokens=50), cancel=cancel
+    ):
         out.append(item)
         if len(out) == 3:
             cancel.set()
@@ -137,8 +152,13 @@ def test_seeded_sampling_reproducible_through_the_loop(model):
 
 def test_repetition_penalty_changes_greedy_output(model):
     plain = generate(model, None, PROMPT, model.make_cache(), _params(max_tokens=16))
-    pen = generate(model, None, PROMPT, model.make_cache(),
-                   _params(max_tokens=16, sampling=SamplingParams(repetition_penalty=5.0, repetition_context=64)))
+    pen = generate(
+        model,
+        None,
+        PROMPT,
+        model.make_cache(),
+        _params(max_tokens=16, sampling=SamplingParams(repetition_penalty=5.0, repetition_context=64)),
+    )
     # With a strong penalty nothing repeats within the window while fresh tokens remain.
     assert len(set(pen.token_ids)) == 16
     assert plain.token_ids != pen.token_ids

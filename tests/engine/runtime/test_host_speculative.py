@@ -152,9 +152,11 @@ def test_cancel_mid_draft_leaves_a_reusable_cache(host, tiny_draft_dir):
 def test_bad_speculative_settings_are_refused_before_the_cache_is_touched(host):
     host.generate("chat", TURN1, PLAIN)
     held = list(host.session("chat").ids)
-    for params, needle in ((replace(NGRAM, num_draft_tokens=0), "at least 1"),
-                           (replace(NGRAM, ngram_size=0), "n >= 1"),
-                           (replace(PLAIN, speculative="magic"), "unknown speculative mode")):
+    for params, needle in (
+        (replace(NGRAM, num_draft_tokens=0), "at least 1"),
+        (replace(NGRAM, ngram_size=0), "n >= 1"),
+        (replace(PLAIN, speculative="magic"), "unknown speculative mode"),
+    ):
         with pytest.raises(EngineError, match=needle):
             host.generate("chat", TURN1, params)
     assert host.session("chat").ids == held

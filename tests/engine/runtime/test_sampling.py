@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from engine.api import SamplingParams
-from engine.errors import EngineError
 from engine.decode.sampling import filter_logits, make_logits_processors, make_sampler
+from engine.errors import EngineError
 
 PROBS = [0.05, 0.4, 0.1, 0.25, 0.2]  # sorted: 1 (.4), 3 (.25), 4 (.2), 2 (.1), 0 (.05)
 
@@ -108,7 +108,12 @@ def test_repetition_penalty():
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=-1), SamplingParams(top_p=0), SamplingParams(min_p=2), SamplingParams(repetition_penalty=0)],
+    [
+        SamplingParams(temperature=-1),
+        SamplingParams(top_p=0),
+        SamplingParams(min_p=2),
+        SamplingParams(repetition_penalty=0),
+    ],
 )
 def test_invalid_settings_refused(params):
     with pytest.raises(EngineError):

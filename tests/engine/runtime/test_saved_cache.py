@@ -82,8 +82,13 @@ def test_a_cache_from_another_model_or_adapter_set_is_not_used(folder, tmp_path)
 
 
 def _cli(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "engine", "generate", *args, "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "generate", *args, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -102,7 +107,22 @@ def test_cli_cache_file_reports_cached_tokens_and_equals_an_uncached_run(folder,
 
 
 def test_cli_refuses_a_cache_file_it_cannot_write(folder, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", str(folder), "--prompt-ids", "1,2",
-                           "--cache-file", str(tmp_path / "x.bin")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "generate",
+            "--model",
+            str(folder),
+            "--prompt-ids",
+            "1,2",
+            "--cache-file",
+            str(tmp_path / "x.bin"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and ".safetensors" in proc.stderr

@@ -72,7 +72,8 @@ def test_mount_activate_generate_unmount(worker, tiny_model_dir, tiny_adapter_di
     assert again.token_ids == adapted.token_ids
 
     assert error(ev, w.submit(MountAdapter(str(tiny_adapter_dirs["beta"]), name="b"))).startswith(
-        "an adapter named 'b' is already mounted")
+        "an adapter named 'b' is already mounted"
+    )
     assert "not mounted" in error(ev, w.submit(SetActiveAdapters({"gamma": 1.0})))
     wrong = make_tiny_adapter(tmp_path / "wrong", seed=1, rank=2)
     (tmp_path / "wrong" / "adapters.safetensors").rename(tmp_path / "wrong" / "x")

@@ -83,6 +83,7 @@ def test_a_long_prompt_is_prefilled_between_the_running_ones_steps(worker):
     seen = [e for e in list(events.items) if getattr(e, "request_id", None) in (running, newcomer)]
     chunks = [i for i, e in enumerate(seen) if isinstance(e, ProgressEvent) and e.request_id == newcomer]
     assert len(chunks) >= 9  # 79 prompt tokens in chunks of 8
+
     # The running request kept decoding while the newcomer prefilled (one step per chunk;
     # tests/engine/decode/test_batch.py checks that exactly): its count went on growing.
     # Pieces may hold a token back (incomplete UTF-8), so the count is read off their stats.
@@ -129,8 +130,11 @@ def test_a_session_decoded_in_the_batch_reuses_its_cache_next_turn(worker):
     w, events = worker
     first = [w.submit(chat(p, greedy(6), f"t{i}")) for i, p in enumerate(PROMPTS[:3])]
     replies = [events.end_of(r).result for r in first]
-    turn = [{"role": "user", "content": PROMPTS[1]}, {"role": "assistant", "content": replies[1].text},
-            {"role": "user", "content": "and then?"}]
+    turn = [
+        {"role": "user", "content": PROMPTS[1]},
+        {"role": "assistant", "content": replies[1].text},
+        {"role": "user", "content": "and then?"},
+    ]
     again = [w.submit(Generate("t1", turn, greedy(6))), w.submit(chat(PROMPTS[0], greedy(6), "other"))]
     follow = events.end_of(again[0]).result
     events.end_of(again[1])
@@ -146,9 +150,11 @@ def test_stop_strings_and_budgets_are_per_sequence(worker):
     stop = full.text[4:6]
     with_stop = alone(w, events, chat(PROMPTS[2], greedy(16, stop_strings=[stop]), "alone-stop"))
     assert with_stop.finish_reason == "stop" and stop not in with_stop.text
-    rids = [w.submit(chat(PROMPTS[2], greedy(16, stop_strings=[stop]), "x")),
-            w.submit(chat(PROMPTS[0], greedy(3), "y")),
-            w.submit(chat(PROMPTS[2], greedy(16), "z"))]
+    rids = [
+        w.submit(chat(PROMPTS[2], greedy(16, stop_strings=[stop]), "x")),
+        w.submit(chat(PROMPTS[0], greedy(3), "y")),
+        w.submit(chat(PROMPTS[2], greedy(16), "z")),
+    ]
     stopped, short, long = (events.end_of(r).result for r in rids)
     assert (stopped.text, stopped.finish_reason) == (with_stop.text, "stop")
     assert len(short.token_ids) == 3 and short.finish_reason == "length"

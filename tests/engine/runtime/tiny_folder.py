@@ -28,7 +28,9 @@ def _tokenizer(corpus: list[str]) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
@@ -52,11 +54,21 @@ def make_tiny_model_folder(
     vocab = tok.get_vocab_size()
     bos, eos, im_end = tok.token_to_id("<s>"), tok.token_to_id("</s>"), tok.token_to_id("<|im_end|>")
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
-        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 64, "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 512, "tie_word_embeddings": False, "torch_dtype": "float32",
-        "bos_token_id": bos, "eos_token_id": eos,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": bos,
+        "eos_token_id": eos,
     }
     (path / "config.json").write_text(json.dumps(config))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, im_end], "bos_token_id": bos}))
@@ -80,8 +92,11 @@ def make_tiny_adapter(
     """An mlx-lm adapter folder for the model above: random LoRA on q_proj and v_proj of every
     layer, strong enough to change what the model generates."""
     path.mkdir(parents=True, exist_ok=True)
-    config = {"fine_tune_type": fine_tune_type, "num_layers": layers,
-              "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0}}
+    config = {
+        "fine_tune_type": fine_tune_type,
+        "num_layers": layers,
+        "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0},
+    }
     (path / "adapter_config.json").write_text(json.dumps(config))
     key = mx.random.key(seed)
     weights = {}

@@ -46,7 +46,11 @@ def start_server(model: Path, log: Path, *extra: str, ready: bool = True) -> Ser
     err = log.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", "0", *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        env=env,
     )
     line = proc.stdout.readline()
     server = Server(proc, line.split()[-1] if line else "", log, err)

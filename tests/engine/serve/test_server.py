@@ -49,8 +49,9 @@ def test_chat_streams_what_it_answers_whole(client, model_id):
     chunks = list(_chat(client, model_id, stream=True, stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-        [whole.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        whole.choices[0].finish_reason
+    ]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     # The same conversation again: its prompt comes from the cache.
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens - 1
@@ -58,7 +59,7 @@ def test_chat_streams_what_it_answers_whole(client, model_id):
 
 def test_stop_strings_cut_the_reply(client, model_id):
     text = _chat(client, model_id, max_tokens=20).choices[0].message.content
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = _chat(client, model_id, max_tokens=20, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.index(stop)]
@@ -91,8 +92,13 @@ def test_logprobs_and_top_logprobs(client, model_id):
 def test_completions_continue_plain_text(client, model_id):
     r = client.completions.create(model=model_id, prompt="the quick brown", max_tokens=5, temperature=0)
     assert r.object == "text_completion" and r.choices[0].text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=model_id, prompt="the quick brown", max_tokens=5, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model_id, prompt="the quick brown", max_tokens=5, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert streamed == r.choices[0].text
 
 
@@ -102,13 +108,23 @@ def test_anthropic_messages_stream_and_not(server, client, model_id):
 
 
 def _anthropic_round(ac, model_id):
-    whole = ac.messages.create(model=model_id, max_tokens=10, extra_body={"temperature": 0}, system="Be brief.",
-                               messages=[{"role": "user", "content": "hello there"}])
+    whole = ac.messages.create(
+        model=model_id,
+        max_tokens=10,
+        extra_body={"temperature": 0},
+        system="Be brief.",
+        messages=[{"role": "user", "content": "hello there"}],
+    )
     assert whole.role == "assistant" and whole.stop_reason in ("end_turn", "max_tokens")
     text = "".join(b.text for b in whole.content if b.type == "text")
     assert text and whole.usage.output_tokens > 0
-    with ac.messages.stream(model=model_id, max_tokens=10, extra_body={"temperature": 0}, system="Be brief.",
-                            messages=[{"role": "user", "content": "hello there"}]) as stream:
+    with ac.messages.stream(
+        model=model_id,
+        max_tokens=10,
+        extra_body={"temperature": 0},
+        system="Be brief.",
+        messages=[{"role": "user", "content": "hello there"}],
+    ) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()
     assert "".join(pieces) == text
@@ -119,14 +135,25 @@ def _anthropic_round(ac, model_id):
 def test_json_schema_output_validates(client, model_id):
     import jsonschema
 
-    schema = {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-    }, "required": ["name", "age", "tags"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    }
     for seed in range(3):
-        r = _chat(client, model_id, temperature=1.0, seed=seed, max_tokens=200, response_format={
-            "type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        r = _chat(
+            client,
+            model_id,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        )
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
         assert r.choices[0].finish_reason == "stop"
     r = _chat(client, model_id, temperature=1.0, seed=2, max_tokens=200, response_format={"type": "json_object"})
@@ -135,8 +162,10 @@ def test_json_schema_output_validates(client, model_id):
 
 
 def test_errors_have_openai_bodies(server, client, model_id):
-    with pytest.raises(openai.AuthenticationError), \
-            openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0) as wrong:
+    with (
+        pytest.raises(openai.AuthenticationError),
+        openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0) as wrong,
+    ):
         wrong.models.list()
     with pytest.raises(openai.NotFoundError) as e:
         _chat(client, "no-such-model")
@@ -154,13 +183,25 @@ def test_errors_have_openai_bodies(server, client, model_id):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = post_raw(server.v1 + "/chat/completions", b"{}", {**headers, "Content-Type": "text/plain"})
     assert status == 415
-    with pytest.raises(anthropic.NotFoundError), \
-            anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0) as ac:
+    with (
+        pytest.raises(anthropic.NotFoundError),
+        anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0) as ac,
+    ):
         ac.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as e:  # a text model refuses images, saying so
-        _chat(client, model_id, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "what is this?"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+        _chat(
+            client,
+            model_id,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                    ],
+                }
+            ],
+        )
     assert "image" in e.value.body["message"]
 
 
@@ -179,15 +220,22 @@ def test_no_cors_and_loopback_host_only(server):
 
 def test_concurrent_requests_queue_and_each_gets_its_own_answer(client, model_id):
     prompts = ["hello there", "the quick brown fox", "what is the capital", "write a story"]
-    alone = [_chat(client, model_id, messages=[{"role": "user", "content": p}]).choices[0].message.content
-             for p in prompts]
+    alone = [
+        _chat(client, model_id, messages=[{"role": "user", "content": p}]).choices[0].message.content for p in prompts
+    ]
     together: list[str | None] = [None] * len(prompts)
 
     def ask(i: int) -> None:
-        together[i] = _chat(client, model_id, messages=[{"role": "user", "content": prompts[i]}],
-                            stream=bool(i % 2)).choices[0].message.content if i % 2 == 0 else "".join(
-            c.choices[0].delta.content or "" for c in _chat(
-                client, model_id, messages=[{"role": "user", "content": prompts[i]}], stream=True))
+        together[i] = (
+            _chat(client, model_id, messages=[{"role": "user", "content": prompts[i]}], stream=bool(i % 2))
+            .choices[0]
+            .message.content
+            if i % 2 == 0
+            else "".join(
+                c.choices[0].delta.content or ""
+                for c in _chat(client, model_id, messages=[{"role": "user", "content": prompts[i]}], stream=True)
+            )
+        )
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -199,13 +247,20 @@ def test_concurrent_requests_queue_and_each_gets_its_own_answer(client, model_id
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_cancels_its_generation(server, client, model_id, stream):
-    body = json.dumps({"model": model_id, "messages": HELLO, "max_tokens": 100_000, "temperature": 0,
-                       "stream": stream}).encode()
+    body = json.dumps(
+        {"model": model_id, "messages": HELLO, "max_tokens": 100_000, "temperature": 0, "stream": stream}
+    ).encode()
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\nAuthorization: Bearer " + API_KEY.encode() +
-                     b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nAuthorization: Bearer "
+            + API_KEY.encode()
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         if stream:
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         else:
@@ -217,9 +272,14 @@ def test_a_client_that_disconnects_cancels_its_generation(server, client, model_
 
 
 def test_other_addresses_need_a_key(tiny_model):
-    proc = subprocess.run([sys.executable, "-m", "engine", "serve", "--model", str(tiny_model),
-                           "--host", "0.0.0.0", "--port", "0"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "serve", "--model", str(tiny_model), "--host", "0.0.0.0", "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "--api-key" in proc.stderr
 
@@ -231,7 +291,9 @@ def test_two_conversations_keep_their_own_cached_prefix(client, model_id):
     _chat(client, model_id, messages=b, max_tokens=4)
     # A's next turn resends its history: all of it up to the new message comes from A's cache,
     # although B ran in between.
-    turn = a + [{"role": "assistant", "content": first_a.choices[0].message.content},
-                {"role": "user", "content": "and then?"}]
+    turn = a + [
+        {"role": "assistant", "content": first_a.choices[0].message.content},
+        {"role": "user", "content": "and then?"},
+    ]
     again = _chat(client, model_id, messages=turn, max_tokens=4)
     assert again.usage.prompt_tokens_details.cached_tokens >= first_a.usage.prompt_tokens

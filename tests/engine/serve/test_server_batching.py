@@ -36,8 +36,9 @@ def decoding(server) -> int:
 
 def stream_text(client, model_id, messages, max_tokens, seen: threading.Event | None = None) -> tuple[str, str]:
     parts, finish = [], ""
-    for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens,
-                                                temperature=0, stream=True):
+    for chunk in client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    ):
         if chunk.choices:
             parts.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
@@ -53,8 +54,9 @@ def test_a_short_request_finishes_while_a_long_one_streams(server, client, model
     t = threading.Thread(target=lambda: long_result.append(stream_text(client, model_id, PROMPT, 300, started)))
     t.start()
     assert started.wait(60)
-    short = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hello"}],
-                                           max_tokens=3, temperature=0)
+    short = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "hello"}], max_tokens=3, temperature=0
+    )
     assert short.choices[0].message.content is not None
     still_running = t.is_alive()
     t.join(120)
@@ -69,13 +71,26 @@ def test_a_client_that_disconnects_leaves_the_others_decoding(server, client, mo
     t = threading.Thread(target=lambda: kept.append(stream_text(client, model_id, PROMPT, 400, started)))
     t.start()
     assert started.wait(60)
-    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "hello"}],
-                       "max_tokens": 100_000, "temperature": 0, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": model_id,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 100_000,
+            "temperature": 0,
+            "stream": True,
+        }
+    ).encode()
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\nAuthorization: Bearer " + API_KEY.encode() +
-                     b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nAuthorization: Bearer "
+            + API_KEY.encode()
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         deadline = time.monotonic() + 30
         while decoding(server) < 2 and time.monotonic() < deadline:

@@ -57,24 +57,32 @@ def test_dimensions_keeps_the_first_numbers_renormalised(gemma_server):
 
 
 def test_bad_inputs_are_400s(gemma_server):
-    for body in ({"model": "embeddinggemma", "input": ""}, {"model": "embeddinggemma", "input": [[]]},
-                 {"model": "embeddinggemma", "input": [1.5]}, {"model": "embeddinggemma", "input": "a",
-                                                                 "encoding_format": "int8"}):
-        status, reply = post_raw(gemma_server.v1 + "/embeddings", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    for body in (
+        {"model": "embeddinggemma", "input": ""},
+        {"model": "embeddinggemma", "input": [[]]},
+        {"model": "embeddinggemma", "input": [1.5]},
+        {"model": "embeddinggemma", "input": "a", "encoding_format": "int8"},
+    ):
+        status, reply = post_raw(
+            gemma_server.v1 + "/embeddings", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         assert status == 400 and reply["error"]["type"] == "invalid_request_error", (body, reply)
 
 
 def test_an_embedding_model_refuses_chat(gemma_server):
-    with openai.OpenAI(base_url=gemma_server.v1, api_key="none", max_retries=0) as client, \
-            pytest.raises(openai.BadRequestError) as e:
+    with (
+        openai.OpenAI(base_url=gemma_server.v1, api_key="none", max_retries=0) as client,
+        pytest.raises(openai.BadRequestError) as e,
+    ):
         client.chat.completions.create(model="embeddinggemma", messages=[{"role": "user", "content": "hi"}])
     assert "sentence embedding model" in e.value.message and "/v1/embeddings" in e.value.message
 
 
 def test_a_chat_model_asked_for_embeddings_names_the_families_that_embed(server):
-    with openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0) as client, \
-            pytest.raises(openai.BadRequestError) as e:
+    with (
+        openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0) as client,
+        pytest.raises(openai.BadRequestError) as e,
+    ):
         client.embeddings.create(model=client.models.list().data[0].id, input="hello")
     assert "chat model" in e.value.message
     assert "qwen3 (Qwen3-Embedding)" in e.value.message and "gemma3_text (EmbeddingGemma)" in e.value.message

@@ -32,8 +32,10 @@ def test_everything_answers_503_until_the_model_is_in():
             urllib.request.urlopen(base + "/health")
         with e.value:
             assert e.value.code == 503 and "loading" in json.loads(e.value.read())["error"]["message"]
-        with pytest.raises(openai.InternalServerError) as e, \
-                openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as client:
+        with (
+            pytest.raises(openai.InternalServerError) as e,
+            openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0) as client,
+        ):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert e.value.status_code == 503
     finally:
@@ -68,8 +70,9 @@ def _vision_round(client):
     url = _png_data_url()
 
     def ask(parts):
-        return client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
-            {"role": "user", "content": parts}])
+        return client.chat.completions.create(
+            model=model, max_tokens=4, temperature=0, messages=[{"role": "user", "content": parts}]
+        )
 
     with_image = ask([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}])
     text_only = ask([{"type": "text", "text": "What?"}])
@@ -90,8 +93,12 @@ def _wav_base64(seconds: float = 1.0) -> str:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(rate)
-        w.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(2 * math.pi * 440 * i / rate)))
-                               for i in range(int(rate * seconds))))
+        w.writeframes(
+            b"".join(
+                struct.pack("<h", int(8000 * math.sin(2 * math.pi * 440 * i / rate)))
+                for i in range(int(rate * seconds))
+            )
+        )
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -102,11 +109,16 @@ def test_an_input_audio_part_reaches_an_audio_model(tmp_path):
             model = client.models.list().data[0].id
 
             def ask(parts):
-                return client.chat.completions.create(model=model, max_tokens=3, temperature=0, messages=[
-                    {"role": "user", "content": parts}])
+                return client.chat.completions.create(
+                    model=model, max_tokens=3, temperature=0, messages=[{"role": "user", "content": parts}]
+                )
 
-            heard = ask([{"type": "input_audio", "input_audio": {"data": _wav_base64(), "format": "wav"}},
-                         {"type": "text", "text": "What is said?"}])
+            heard = ask(
+                [
+                    {"type": "input_audio", "input_audio": {"data": _wav_base64(), "format": "wav"}},
+                    {"type": "text", "text": "What is said?"},
+                ]
+            )
             text_only = ask([{"type": "text", "text": "What is said?"}])
         # 1 s of audio is one 30 s chunk: 375 audio tokens in the prompt.
         assert heard.usage.prompt_tokens - text_only.usage.prompt_tokens >= 375

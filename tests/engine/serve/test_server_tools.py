@@ -15,9 +15,16 @@ from tests.tiny_models import make_tiny_llama
 
 from .conftest import start_server
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
 MALFORMED = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": \n</tool_call>'
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -45,8 +52,14 @@ def client(qwen_server):
 
 
 def test_openai_tool_calls_whole_and_streamed_and_back_in(client):
-    kw = {"model": "tiny-qwen", "messages": ASK, "tools": TOOLS, "max_tokens": 150, "temperature": 0,
-          "extra_body": _regex(CALL)}
+    kw = {
+        "model": "tiny-qwen",
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 150,
+        "temperature": 0,
+        "extra_body": _regex(CALL),
+    }
     whole = client.chat.completions.create(**kw)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
@@ -68,15 +81,23 @@ def test_openai_tool_calls_whole_and_streamed_and_back_in(client):
 
     # The call and its result go back in, rendered by the template's own tool turns.
     follow = client.chat.completions.create(
-        model="tiny-qwen", tools=TOOLS, max_tokens=5, temperature=0,
-        messages=ASK + [choice.message.model_dump(exclude_none=True),
-                        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+        model="tiny-qwen",
+        tools=TOOLS,
+        max_tokens=5,
+        temperature=0,
+        messages=ASK
+        + [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+        ],
+    )
     assert follow.choices[0].message.content is not None
 
 
 def test_a_malformed_call_is_returned_as_text(client):
-    r = client.chat.completions.create(model="tiny-qwen", messages=ASK, tools=TOOLS, max_tokens=150, temperature=0,
-                                       extra_body=_regex(MALFORMED))
+    r = client.chat.completions.create(
+        model="tiny-qwen", messages=ASK, tools=TOOLS, max_tokens=150, temperature=0, extra_body=_regex(MALFORMED)
+    )
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
     assert r.choices[0].message.content.startswith('<tool_call>\n{"name": "get_weather"')
 
@@ -87,10 +108,16 @@ def test_anthropic_tool_use_whole_and_streamed(qwen_server):
 
 
 def _anthropic_tool_round(client):
-    tools = [{"name": "get_weather", "description": "Weather in a city",
-              "input_schema": TOOLS[0]["function"]["parameters"]}]
-    kw = {"model": "tiny-qwen", "max_tokens": 150, "messages": ASK, "tools": tools,
-          "extra_body": {"temperature": 0, "output_config": {"format": {"type": "regex", "pattern": CALL}}}}
+    tools = [
+        {"name": "get_weather", "description": "Weather in a city", "input_schema": TOOLS[0]["function"]["parameters"]}
+    ]
+    kw = {
+        "model": "tiny-qwen",
+        "max_tokens": 150,
+        "messages": ASK,
+        "tools": tools,
+        "extra_body": {"temperature": 0, "output_config": {"format": {"type": "regex", "pattern": CALL}}},
+    }
     whole = client.messages.create(**kw)
     assert whole.stop_reason == "tool_use"
     (use,) = [b for b in whole.content if b.type == "tool_use"]
@@ -99,19 +126,39 @@ def _anthropic_tool_round(client):
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(use.name, use.input)]
-    follow = client.messages.create(model="tiny-qwen", max_tokens=5, tools=tools, extra_body={"temperature": 0},
-                                    messages=ASK + [
-                                        {"role": "assistant", "content": [b.model_dump() for b in whole.content]},
-                                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                                                      "content": "sunny, 21 C"}]}])
+    follow = client.messages.create(
+        model="tiny-qwen",
+        max_tokens=5,
+        tools=tools,
+        extra_body={"temperature": 0},
+        messages=ASK
+        + [
+            {"role": "assistant", "content": [b.model_dump() for b in whole.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]},
+        ],
+    )
     assert follow.role == "assistant"
 
 
 FORCED_TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 10}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+        },
+    },
 ]
 
 
@@ -120,8 +167,15 @@ def test_tool_choice_forces_a_valid_call(client, choice):
     import jsonschema
 
     for seed in range(3):
-        r = client.chat.completions.create(model="tiny-qwen", messages=ASK, tools=FORCED_TOOLS, tool_choice=choice,
-                                           max_tokens=200, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(
+            model="tiny-qwen",
+            messages=ASK,
+            tools=FORCED_TOOLS,
+            tool_choice=choice,
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
         assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
         (call,) = r.choices[0].message.tool_calls
         if isinstance(choice, dict):
@@ -133,8 +187,13 @@ def test_tool_choice_forces_a_valid_call(client, choice):
 def test_anthropic_tool_choice_names_a_tool(qwen_server):
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in FORCED_TOOLS]
     with anthropic.Anthropic(base_url=qwen_server.base, api_key="none", max_retries=0, timeout=120) as client:
-        r = client.messages.create(model="tiny-qwen", max_tokens=200, messages=ASK, tools=tools,
-                                   tool_choice={"type": "tool", "name": "get_time"})
+        r = client.messages.create(
+            model="tiny-qwen",
+            max_tokens=200,
+            messages=ASK,
+            tools=tools,
+            tool_choice={"type": "tool", "name": "get_time"},
+        )
     assert r.stop_reason == "tool_use"
     (use,) = [b for b in r.content if b.type == "tool_use"]
     assert use.name == "get_time" and use.input["zone"] in ("UTC", "CET")

@@ -5,15 +5,23 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from engine.models.kv_cache import make_prompt_cache
 from engine.models import get_family
+from engine.models.kv_cache import make_prompt_cache
 
 
 def make_llama(seed: int, vocab: int = 96, hidden: int = 32, layers: int = 2, sharpen: float = 1.0, **extra):
     family = get_family(extra.get("model_type", "llama"))
-    config = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": 2 * hidden,
-              "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": vocab, "max_position_embeddings": 512, **extra}
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "max_position_embeddings": 512,
+        **extra,
+    }
     mx.random.seed(seed)
     model = family.Model(family.ModelArgs.from_dict(config))
     if sharpen != 1.0:  # spread the logits so distributions are peaked, not near-uniform
@@ -39,6 +47,3 @@ def plain_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
     logits = model(mx.array([prompt + tokens[:-1]]))[0, len(prompt) - 1 :].astype(mx.float32)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return [float(lp[i, t].item()) for i, t in enumerate(tokens)]
-
-
-

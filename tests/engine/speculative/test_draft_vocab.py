@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from engine.errors import EngineError
 from engine.decode.drafters import check_draft_compatible
+from engine.errors import EngineError
 
 
 def load(shared_data, name: str) -> Tokenizer:

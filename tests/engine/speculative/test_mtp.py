@@ -21,12 +21,12 @@ import pytest
 from mlx.utils import tree_flatten
 from spec_models import plain_greedy, plain_logprobs
 
-from engine.decode.stats import StatsCounter
-from engine.models.kv_cache import KVCache
-from engine.errors import EngineError
-from engine.models.qwen3_5_mtp import MTPHead
 from engine.decode.mtp_drafter import MTPDrafter
 from engine.decode.speculative import speculative_step
+from engine.decode.stats import StatsCounter
+from engine.errors import EngineError
+from engine.models.kv_cache import KVCache
+from engine.models.qwen3_5_mtp import MTPHead
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_hybrid_families import GOLDEN, build  # noqa: E402
@@ -80,8 +80,18 @@ def test_mtp_greedy_equals_plain(qwen, k):
     stats = StatsCounter()
     drafter = MTPDrafter(target, k)
     try:
-        got = list(speculative_step(prompt, target, target.make_cache(), drafter, max_tokens=N, stats=stats,
-                                    logprobs=True, num_draft_tokens=k))
+        got = list(
+            speculative_step(
+                prompt,
+                target,
+                target.make_cache(),
+                drafter,
+                max_tokens=N,
+                stats=stats,
+                logprobs=True,
+                num_draft_tokens=k,
+            )
+        )
     finally:
         drafter.close()
     assert [t for t, _ in got] == want

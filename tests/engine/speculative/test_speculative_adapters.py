@@ -8,12 +8,12 @@ from pathlib import Path
 import mlx.core as mx
 from spec_models import plain_greedy
 
-from engine.models import lora as adapters
-from engine.decode.stats import StatsCounter
-from engine.models.kv_cache import make_prompt_cache
-from engine.models import get_family
 from engine.decode.drafters import DraftModelDrafter
 from engine.decode.speculative import speculative_step
+from engine.decode.stats import StatsCounter
+from engine.models import get_family
+from engine.models import lora as adapters
+from engine.models.kv_cache import make_prompt_cache
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "adapters"
 
@@ -34,6 +34,16 @@ def test_adapted_target_with_plain_draft_matches_plain_greedy():
     want = plain_greedy(target, prompt, 30)
     assert want != plain_greedy(draft, prompt, 30)  # the adapter changes what is generated
     stats = StatsCounter()
-    got = [t for t, _ in speculative_step(prompt, target, make_prompt_cache(target), DraftModelDrafter(draft),
-                                          max_tokens=30, num_draft_tokens=3, stats=stats)]
+    got = [
+        t
+        for t, _ in speculative_step(
+            prompt,
+            target,
+            make_prompt_cache(target),
+            DraftModelDrafter(draft),
+            max_tokens=30,
+            num_draft_tokens=3,
+            stats=stats,
+        )
+    ]
     assert got == want and stats.draft_tokens > 0

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from spec_models import make_llama, plain_greedy, plain_logprobs
 
-from engine.decode.stats import StatsCounter
 from engine.api import SamplingParams
-from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
-from engine.errors import EngineError
-from engine.decode.sampling import make_logits_processors
 from engine.decode.drafters import DraftModelDrafter, NgramDrafter, check_draft_compatible
+from engine.decode.sampling import make_logits_processors
 from engine.decode.speculative import speculative_decode, speculative_step
+from engine.decode.stats import StatsCounter
+from engine.errors import EngineError
+from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
 N = 40
@@ -118,8 +118,10 @@ def test_early_stop_leaves_cache_like_plain_decoding(target):
     taken = [next(gen)[0] for _ in range(6)]  # stop in the middle of an accepted run
     gen.close()
     assert cache[0].offset == len(PROMPT) + len(taken) - 1
-    rest = [t for t, _ in speculative_step([taken[-1]], target, cache, NgramDrafter(2), max_tokens=10,
-                                           history=PROMPT + taken)]
+    rest = [
+        t
+        for t, _ in speculative_step([taken[-1]], target, cache, NgramDrafter(2), max_tokens=10, history=PROMPT + taken)
+    ]
     assert taken + rest == plain_greedy(target, PROMPT, 16)
 
 
@@ -142,8 +144,10 @@ def test_early_stop_between_ngram_matches_leaves_cache_like_plain_decoding(targe
     taken = [next(gen)[0] for _ in range(5)]
     gen.close()
     assert cache[0].offset == len(PROMPT) + len(taken) - 1
-    rest = [t for t, _ in speculative_step([taken[-1]], target, cache, NgramDrafter(2), max_tokens=10,
-                                           history=PROMPT + taken)]
+    rest = [
+        t
+        for t, _ in speculative_step([taken[-1]], target, cache, NgramDrafter(2), max_tokens=10, history=PROMPT + taken)
+    ]
     assert taken + rest == plain_greedy(target, PROMPT, 15)
 
 

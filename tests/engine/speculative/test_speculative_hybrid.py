@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from spec_models import plain_greedy, plain_logprobs
 
-from engine.decode.stats import StatsCounter
 from engine.decode.drafters import DraftModelDrafter, NgramDrafter
 from engine.decode.speculative import speculative_step
+from engine.decode.stats import StatsCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_hybrid_families import build  # noqa: E402
@@ -90,8 +90,9 @@ def test_stopping_early_leaves_the_cache_consistent(qwen):
     model, expected = qwen
     prompt = expected["prompt_ids"][:30]
     cache = model.make_cache()
-    steps = speculative_step(prompt, model, cache, DraftModelDrafter(model, model.make_cache()), max_tokens=N,
-                             num_draft_tokens=4)
+    steps = speculative_step(
+        prompt, model, cache, DraftModelDrafter(model, model.make_cache()), max_tokens=N, num_draft_tokens=4
+    )
     tokens = [next(steps)[0] for _ in range(6)]  # stop in the middle of an accepted run
     steps.close()
     assert tokens == plain_greedy(model, prompt, 6)

@@ -22,9 +22,18 @@ from engine.models import get_family
 
 
 def tiny(model_type: str, seed: int, sharpen: float, **extra):
-    config = {"model_type": model_type, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
-              "max_position_embeddings": 256, "tie_word_embeddings": False, **extra}
+    config = {
+        "model_type": model_type,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        **extra,
+    }
     family = get_family(model_type)
     mx.random.seed(seed)
     model = family.Model(family.ModelArgs.from_dict(config))
@@ -37,9 +46,15 @@ def tiny(model_type: str, seed: int, sharpen: float, **extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_hybrid_draft_model_sampling_keeps_target_distribution(k):
-    layout = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                  linear_value_head_dim=16, linear_conv_kernel_dim=3,
-                  layer_types=["linear_attention", "full_attention"])
+    layout = dict(
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=3,
+        layer_types=["linear_attention", "full_attention"],
+    )
     target = tiny("qwen3_5", 20, 2.0, **layout)
     draft = tiny("qwen3_5", 22, 6.0, **layout)
     prompt = [1, 5, 2, 7]

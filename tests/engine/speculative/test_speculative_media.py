@@ -96,7 +96,9 @@ def test_narrow_window_gemma_falls_back_to_plain_and_matches_transformers(photo)
     host = ModelHost()
     host.load(str(GEMMA))
     n = len(GEMMA_EXPECTED["token_ids"])
-    result = host.generate("a", ask("image", photo), GenerationParams(max_tokens=n, ignore_eos=True, speculative="ngram"))
+    result = host.generate(
+        "a", ask("image", photo), GenerationParams(max_tokens=n, ignore_eos=True, speculative="ngram")
+    )
     assert result.token_ids == GEMMA_EXPECTED["token_ids"]
     assert result.stats.draft_tokens == 0
 
@@ -149,7 +151,9 @@ def test_voxtral_audio_ngram_and_self_draft_match_transformers(voxtral, voxtral_
     assert ngram.token_ids == voxtral_gold and ngram.stats.draft_tokens > 0
     voxtral.load_draft(str(VOXTRAL))
     try:
-        drafted = voxtral.generate("d", ask("audio", clip, question), voxtral_params(speculative="draft", prefill_chunk=100))
+        drafted = voxtral.generate(
+            "d", ask("audio", clip, question), voxtral_params(speculative="draft", prefill_chunk=100)
+        )
     finally:
         voxtral.load_draft(None)
     assert drafted.token_ids == voxtral_gold and drafted.stats.draft_tokens > 0
@@ -178,8 +182,11 @@ def test_qwen2_5_vl_images_draft_and_match_transformers(photo):
     host.load(str(folder))
     host.load_draft(str(folder))
     for mode in ("ngram", "draft"):
-        result = host.generate(mode, ask("image", photo),
-                               GenerationParams(max_tokens=len(exp["token_ids"]), ignore_eos=True, speculative=mode))
+        result = host.generate(
+            mode,
+            ask("image", photo),
+            GenerationParams(max_tokens=len(exp["token_ids"]), ignore_eos=True, speculative=mode),
+        )
         assert result.token_ids == exp["token_ids"]
         assert result.stats.draft_tokens > 0
 
@@ -191,10 +198,10 @@ def test_a_prompt_ending_inside_the_audio_run_feeds_its_last_feature(voxtral, sh
     import mlx.core as mx
 
     from engine.api import MediaInput
-    from engine.models.kv_cache import make_prompt_cache
-    from engine.decode.loop import generate_step
     from engine.decode.drafters import DraftModelDrafter, NgramDrafter
+    from engine.decode.loop import generate_step
     from engine.decode.speculative import speculative_step
+    from engine.models.kv_cache import make_prompt_cache
 
     chat = voxtral.session("cut")
     template = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "hi"}]}]
@@ -204,9 +211,17 @@ def test_a_prompt_ending_inside_the_audio_run_feeds_its_last_feature(voxtral, sh
     inputs.embeddings = inputs.embeddings[:cut]
     ids = media.ids[:cut]
     model = voxtral.model
-    want = [t for t, _ in generate_step(mx.array(ids, dtype=mx.uint32), model, make_prompt_cache(model),
-                                        max_tokens=10, inputs=inputs)]
+    want = [
+        t
+        for t, _ in generate_step(
+            mx.array(ids, dtype=mx.uint32), model, make_prompt_cache(model), max_tokens=10, inputs=inputs
+        )
+    ]
     drafter = NgramDrafter(1, 3) if drafting == "ngram" else DraftModelDrafter(model)
-    got = [t for t, _ in speculative_step(ids, model, make_prompt_cache(model), drafter, max_tokens=10,
-                                          inputs=inputs, prefill_chunk=16)]
+    got = [
+        t
+        for t, _ in speculative_step(
+            ids, model, make_prompt_cache(model), drafter, max_tokens=10, inputs=inputs, prefill_chunk=16
+        )
+    ]
     assert got == want

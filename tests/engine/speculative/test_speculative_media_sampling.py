@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from test_speculative_sampling import check
 
-from engine.decode.stats import StatsCounter
 from engine.api import MediaInput, SamplingParams
-from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
-from engine.decode.prefill import PromptInputs, prefill
-from engine.runtime.host import ModelHost
-from engine.decode.sampling import filter_logits
 from engine.decode.drafters import DraftModelDrafter
+from engine.decode.prefill import PromptInputs, prefill
+from engine.decode.sampling import filter_logits
 from engine.decode.speculative import speculative_step
+from engine.decode.stats import StatsCounter
+from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
+from engine.runtime.host import ModelHost
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 SAMPLES = 1200
@@ -71,9 +71,21 @@ def test_image_prompt_sampling_keeps_target_distribution(tmp_path, shared_data):
     stats = StatsCounter()
     for i in range(SAMPLES):
         run = SamplingParams(temperature=PARAMS.temperature, top_k=PARAMS.top_k, seed=1000 + i)
-        out = [t for t, _ in speculative_step(ids[-1:], model, cache, drafter, max_tokens=2, sampling=run,
-                                              num_draft_tokens=1, stats=stats, history=ids,
-                                              inputs=PromptInputs(embeddings=emb[-1:]))]
+        out = [
+            t
+            for t, _ in speculative_step(
+                ids[-1:],
+                model,
+                cache,
+                drafter,
+                max_tokens=2,
+                sampling=run,
+                num_draft_tokens=1,
+                stats=stats,
+                history=ids,
+                inputs=PromptInputs(embeddings=emb[-1:]),
+            )
+        ]
         counts[out[0], out[1]] += 1
         trim_prompt_cache(cache, cache[0].offset - (len(ids) - 1))
         drafter.rewind(len(ids) - 1)

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from spec_models import make_llama
 
-from engine.decode.stats import StatsCounter
 from engine.api import SamplingParams
-from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
+from engine.decode.drafters import DraftModelDrafter, NgramDrafter
 from engine.decode.prefill import prefill
 from engine.decode.sampling import filter_logits
-from engine.decode.drafters import DraftModelDrafter, NgramDrafter
 from engine.decode.speculative import speculative_step
+from engine.decode.stats import StatsCounter
+from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
 
 VOCAB = 8
 SAMPLES = 1200
@@ -59,9 +59,20 @@ def sample_pairs(model, drafter, prompt, params, k, max_tokens=2):
     stats = StatsCounter()
     for i in range(SAMPLES):
         run_params = SamplingParams(**{**params.__dict__, "seed": 1000 + i})
-        out = [t for t, _ in speculative_step(prompt[-1:], model, cache, drafter, max_tokens=max_tokens,
-                                              sampling=run_params, num_draft_tokens=k, stats=stats,
-                                              history=prompt)]
+        out = [
+            t
+            for t, _ in speculative_step(
+                prompt[-1:],
+                model,
+                cache,
+                drafter,
+                max_tokens=max_tokens,
+                sampling=run_params,
+                num_draft_tokens=k,
+                stats=stats,
+                history=prompt,
+            )
+        ]
         counts[out[0], out[1]] += 1
         trim_prompt_cache(cache, cache[0].offset - (len(prompt) - 1))
         drafter.rewind(len(prompt) - 1)

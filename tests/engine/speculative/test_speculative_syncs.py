@@ -8,11 +8,11 @@ import mlx.core as mx
 import pytest
 from spec_models import make_llama, plain_greedy
 
-from engine.decode.stats import StatsCounter
 from engine.api import SamplingParams
-from engine.models.kv_cache import make_prompt_cache
 from engine.decode.drafters import DraftModelDrafter, NgramDrafter
 from engine.decode.speculative import speculative_step
+from engine.decode.stats import StatsCounter
+from engine.models.kv_cache import make_prompt_cache
 
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
 
@@ -48,8 +48,10 @@ def host_reads(monkeypatch):
 
 def decode(model, drafter, n, **kw):
     stats = StatsCounter()
-    out = [t for t, _ in speculative_step(PROMPT, model, make_prompt_cache(model), drafter, max_tokens=n,
-                                          stats=stats, **kw)]
+    out = [
+        t
+        for t, _ in speculative_step(PROMPT, model, make_prompt_cache(model), drafter, max_tokens=n, stats=stats, **kw)
+    ]
     return out, stats
 
 
@@ -113,8 +115,10 @@ def test_ngram_misses_decode_a_step_ahead(target, monkeypatch):
 
     monkeypatch.setattr(mx.array, "item", item)
     stats = StatsCounter()
-    got = [t for t, _ in speculative_step(PROMPT, target, cache, NgramDrafter(n=8, max_draft=4), max_tokens=12,
-                                          stats=stats)]
+    got = [
+        t
+        for t, _ in speculative_step(PROMPT, target, cache, NgramDrafter(n=8, max_draft=4), max_tokens=12, stats=stats)
+    ]
     assert got == want and stats.draft_tokens == 0
     # At the read of token i the caches hold the prompt, tokens 0..i-1 and, queued, token i.
     assert offsets == [len(PROMPT) + i + 1 for i in range(11)] + [len(PROMPT) + 11]

@@ -37,12 +37,15 @@ def test_tojson_options():
     value = {"b": "é<>", "a": [1, 2]}
     assert render("{{ x | tojson }}", x=value) == json.dumps(value, ensure_ascii=False)
     assert render("{{ x | tojson(indent=2, sort_keys=True) }}", x=value) == json.dumps(
-        value, ensure_ascii=False, indent=2, sort_keys=True)
+        value, ensure_ascii=False, indent=2, sort_keys=True
+    )
     assert render("{{ x | tojson(separators=(',', ':')) }}", x=value) == '{"b":"é<>","a":[1,2]}'
 
 
 def test_special_tokens_and_kwargs_override():
-    template = ChatTemplate("{{ bos_token }}|{{ eos_token }}|{{ enable_thinking }}", {"bos_token": "<s>", "eos_token": "</s>"})
+    template = ChatTemplate(
+        "{{ bos_token }}|{{ eos_token }}|{{ enable_thinking }}", {"bos_token": "<s>", "eos_token": "</s>"}
+    )
     assert template.render(USER, enable_thinking=False) == "<s>|</s>|False"
     assert template.render(USER, eos_token="<|eot|>") == "<s>|<|eot|>|"
 
@@ -95,10 +98,15 @@ def test_load_template_forms(tmp_path):
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "C"}), encoding="utf-8")
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}),
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     assert [load_template(tmp_path / n) for n in ("a.jinja", "chat_template.json", "tokenizer_config.json")] == [
-        "J", "C", "D"]
+        "J",
+        "C",
+        "D",
+    ]
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": [{"name": "rag", "template": "R"}]}), encoding="utf-8")
+        json.dumps({"chat_template": [{"name": "rag", "template": "R"}]}), encoding="utf-8"
+    )
     with pytest.raises(TemplateError, match="none is named 'default'"):
         load_template(tmp_path / "tokenizer_config.json")

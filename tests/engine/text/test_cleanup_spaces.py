@@ -53,8 +53,9 @@ def check_against(tok: Tokenizer, ids: list[list[int]], variant: dict) -> None:
         assert streamed(tok, seq, skip=True) == text_skip, (variant["variant"], seq)
 
 
-FOLDER_VARIANTS = [(name, v["variant"]) for name, case in CASES.items() if not name.startswith("gguf:")
-                   for v in case["variants"]]
+FOLDER_VARIANTS = [
+    (name, v["variant"]) for name, case in CASES.items() if not name.startswith("gguf:") for v in case["variants"]
+]
 
 
 @pytest.mark.parametrize(("name", "variant"), FOLDER_VARIANTS)

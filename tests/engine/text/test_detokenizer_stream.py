@@ -29,8 +29,10 @@ MULTILINGUAL = [
 ]
 
 GOLDEN_TOKENIZERS = Path(__file__).resolve().parents[2] / "golden" / "tokenizers"
-CLEANUP_ON = {"clean_up_tokenization_spaces": True,
-              "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}
+CLEANUP_ON = {
+    "clean_up_tokenization_spaces": True,
+    "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True,
+}
 
 
 def with_cleanup(tokenizer_json: Path, folder: Path, config: dict) -> Tokenizer:
@@ -50,9 +52,14 @@ def tokenizers(shared_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cleanup")
     for name in ("gpt2", "llama2"):
         config = json.loads((shared_data / "tokenizers" / name / "tokenizer_config.json").read_text(encoding="utf-8"))
-        found[f"{name}-cleanup"] = with_cleanup(shared_data / "tokenizers" / name / "tokenizer.json", tmp / name, config)
-    found["unigram-cleanup"] = with_cleanup(GOLDEN_TOKENIZERS / "cleanup_unigram" / "tokenizer.json", tmp / "unigram",
-                                            {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"})
+        found[f"{name}-cleanup"] = with_cleanup(
+            shared_data / "tokenizers" / name / "tokenizer.json", tmp / name, config
+        )
+    found["unigram-cleanup"] = with_cleanup(
+        GOLDEN_TOKENIZERS / "cleanup_unigram" / "tokenizer.json",
+        tmp / "unigram",
+        {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    )
     return found
 
 
@@ -85,8 +92,10 @@ def test_random_ids_stream_to_the_full_decode(tokenizers, name):
     tricky += tok.encode(" \n  ▁ 👋 é 你", add_special_tokens=False)
     tricky += tok.encode(" . , ? ! ' n't 's 've 're 'm  n ' v", add_special_tokens=False)
     for _ in range(150):
-        ids = [rng.choice(tricky) if rng.random() < 0.5 else rng.randrange(tok.vocab_size)
-               for _ in range(rng.randint(0, 30))]
+        ids = [
+            rng.choice(tricky) if rng.random() < 0.5 else rng.randrange(tok.vocab_size)
+            for _ in range(rng.randint(0, 30))
+        ]
         for skip in (False, True):
             pieces, rest = stream(tok, ids, skip)
             assert "".join(pieces) + rest == tok.decode(ids, skip_special_tokens=skip), ids

@@ -19,17 +19,18 @@ from engine.text.reasoning_switch import find_reasoning_control, reasoning_varia
 from engine.text.tokenizer import Tokenizer
 
 TEMPLATE = "llama.cpp/openai-gpt-oss-120b.jinja"
-HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
-                    "<|call|>"]
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 # A reply as gpt-oss writes it after the prompt's "<|start|>assistant": reasoning, a
 # preamble for the user, a tool call, then (after the tool's answer) more reasoning and
 # the final answer.
-REPLY = ("<|channel|>analysis<|message|>User wants weather. Need tool.<|end|>"
-         "<|start|>assistant<|channel|>commentary<|message|>Checking the forecast.<|end|>"
-         '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-         '{"city":"Oslo"}<|call|>'
-         "<|start|>assistant<|channel|>analysis<|message|>It is 4°C.<|end|>"
-         "<|start|>assistant<|channel|>final<|message|>It's 4 °C in Oslo <|and|> windy.<|return|>")
+REPLY = (
+    "<|channel|>analysis<|message|>User wants weather. Need tool.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking the forecast.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city":"Oslo"}<|call|>'
+    "<|start|>assistant<|channel|>analysis<|message|>It is 4°C.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>It's 4 °C in Oslo <|and|> windy.<|return|>"
+)
 EXPECTED = [
     ("reasoning", "User wants weather. Need tool."),
     ("answer", 'Checking the forecast.{"city":"Oslo"}'),
@@ -105,9 +106,11 @@ def test_effort_switch_reaches_the_prompt_and_the_reply_splits(gpt_oss, effort):
 
 
 def test_earlier_turns_do_not_leave_the_reply_in_reasoning(gpt_oss):
-    messages = [{"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "4", "thinking": "Simple sum."},
-                {"role": "user", "content": "And 3+3?"}]
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "thinking": "Simple sum."},
+        {"role": "user", "content": "And 3+3?"},
+    ]
     prompt = gpt_oss.render(messages, add_generation_prompt=True)
     assert "<|channel|>final<|message|>4" in prompt
     assert detect_reasoning_markers(gpt_oss.source, prompt).splitter().channel == "answer"
@@ -118,9 +121,21 @@ def test_ids_streamed_through_a_real_detokenizer_split_the_same(shared_data, tmp
     has them): the decoded stream keeps them, so the splitter sees every header."""
     data = json.loads((shared_data / "tokenizers" / "gpt2" / "tokenizer.json").read_text(encoding="utf-8"))
     next_id = len(data["model"]["vocab"])
-    data["added_tokens"] = [*data.get("added_tokens", []), *(
-        {"id": next_id + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True} for i, t in enumerate(HARMONY_SPECIALS))]
+    data["added_tokens"] = [
+        *data.get("added_tokens", []),
+        *(
+            {
+                "id": next_id + i,
+                "content": t,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, t in enumerate(HARMONY_SPECIALS)
+        ),
+    ]
     (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>"}), encoding="utf-8")
     tokenizer = Tokenizer.from_dir(tmp_path)
@@ -131,4 +146,3 @@ def test_ids_streamed_through_a_real_detokenizer_split_the_same(shared_data, tmp
         out += splitter.feed(detok.add(token))
     out += splitter.feed(detok.finalize()) + splitter.flush()
     assert merge(out) == EXPECTED
-

@@ -48,8 +48,14 @@ def test_conversations_encode_as_mistral_common(toks, key):
 
 def test_the_cases_cover_system_placement_audio_and_every_version():
     keys = set(VECTORS["chats"])
-    assert {"main/v3/system_multi_turn", "main/v7/system_multi_turn", "main/v11/system_multi_turn",
-            "voxtral/v7/audio", "voxtral/v7/audio_multi_turn", "voxtral/v11/audio"} <= keys
+    assert {
+        "main/v3/system_multi_turn",
+        "main/v7/system_multi_turn",
+        "main/v11/system_multi_turn",
+        "voxtral/v7/audio",
+        "voxtral/v7/audio_multi_turn",
+        "voxtral/v11/audio",
+    } <= keys
     ids = VECTORS["chats"]["main/v7/system_multi_turn"]["ids"]
     v3 = VECTORS["chats"]["main/v3/system_multi_turn"]["ids"]
     assert ids[:2] == [1, 17] and 17 not in v3  # v7 keeps [SYSTEM_PROMPT]; v3 folds it into the last turn

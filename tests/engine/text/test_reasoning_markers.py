@@ -12,8 +12,9 @@ from engine.text.chat_template import ChatTemplate, load_template
 from engine.text.markers import ReasoningMarkers, ReasoningSplitter, detect_reasoning_markers
 
 QWEN_STYLE = "<think>\nLet me add: 2+2=4.\nCheck </thin k>.\n</think>\n\nThe answer is 4. <think is not a tag"
-HARMONY = ("<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|>"
-           "<|start|>assistant<|channel|>final<|message|>It is 4.")
+HARMONY = (
+    "<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+)
 
 
 def run(splitter: ReasoningSplitter, pieces: list[str]) -> list[tuple[str, str]]:
@@ -42,11 +43,18 @@ def test_think_block_is_reasoning():
     ]
 
 
-@pytest.mark.parametrize("text, markers", [
-    (QWEN_STYLE, ReasoningMarkers("<think>", "</think>")),
-    (HARMONY, ReasoningMarkers("<|channel|>analysis<|message|>", "<|end|>",
-                               drop=("<|start|>assistant", "<|channel|>final<|message|>"))),
-])
+@pytest.mark.parametrize(
+    "text, markers",
+    [
+        (QWEN_STYLE, ReasoningMarkers("<think>", "</think>")),
+        (
+            HARMONY,
+            ReasoningMarkers(
+                "<|channel|>analysis<|message|>", "<|end|>", drop=("<|start|>assistant", "<|channel|>final<|message|>")
+            ),
+        ),
+    ],
+)
 def test_any_chunking_gives_the_same_split(text, markers):
     expected = run(markers.splitter(), [text])
     assert run(markers.splitter(), list(text)) == expected  # one character at a time
@@ -56,8 +64,9 @@ def test_any_chunking_gives_the_same_split(text, markers):
 
 
 def test_harmony_channels():
-    markers = ReasoningMarkers("<|channel|>analysis<|message|>", "<|end|>",
-                               drop=("<|start|>assistant", "<|channel|>final<|message|>"))
+    markers = ReasoningMarkers(
+        "<|channel|>analysis<|message|>", "<|end|>", drop=("<|start|>assistant", "<|channel|>final<|message|>")
+    )
     assert run(markers.splitter(), [HARMONY]) == [("reasoning", "User asks 2+2. Easy."), ("answer", "It is 4.")]
 
 
@@ -85,7 +94,8 @@ def templates(shared_data, monkeypatch):
     def render(rel: str, **kwargs) -> tuple[str, str]:
         source = load_template(shared_data / "chat_templates" / rel)
         prompt = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"}).render(
-            [{"role": "user", "content": "2+2?"}], add_generation_prompt=True, **kwargs)
+            [{"role": "user", "content": "2+2?"}], add_generation_prompt=True, **kwargs
+        )
         return source, prompt
 
     return render
@@ -105,20 +115,24 @@ def test_detects_qwen3_with_and_without_thinking(templates):
     assert detect_reasoning_markers(source, prompt) == ReasoningMarkers("<think>", "</think>", False)
 
 
-@pytest.mark.parametrize("rel, open_tag", [
-    ("llama.cpp/openai-gpt-oss-120b.jinja", "<|channel|>analysis<|message|>"),
-    ("llama.cpp/ByteDance-Seed-OSS.jinja", "<seed:think>"),
-    ("llama.cpp-2026/google-gemma-4-31B-it.jinja", "<|channel>thought"),
-    ("llama.cpp/Qwen-QwQ-32B.jinja", "<think>"),
-])
+@pytest.mark.parametrize(
+    "rel, open_tag",
+    [
+        ("llama.cpp/openai-gpt-oss-120b.jinja", "<|channel|>analysis<|message|>"),
+        ("llama.cpp/ByteDance-Seed-OSS.jinja", "<seed:think>"),
+        ("llama.cpp-2026/google-gemma-4-31B-it.jinja", "<|channel>thought"),
+        ("llama.cpp/Qwen-QwQ-32B.jinja", "<think>"),
+    ],
+)
 def test_detects_other_styles(templates, rel, open_tag):
     source, prompt = templates(rel)
     markers = detect_reasoning_markers(source, prompt)
     assert markers is not None and markers.open_tag == open_tag
 
 
-@pytest.mark.parametrize("rel", ["llama.cpp/microsoft-Phi-3.5-mini-instruct.jinja",
-                                 "llama.cpp/meta-llama-Llama-3.1-8B-Instruct.jinja"])
+@pytest.mark.parametrize(
+    "rel", ["llama.cpp/microsoft-Phi-3.5-mini-instruct.jinja", "llama.cpp/meta-llama-Llama-3.1-8B-Instruct.jinja"]
+)
 def test_no_markers_for_plain_chat_models(templates, rel):
     source, prompt = templates(rel)
     assert detect_reasoning_markers(source, prompt) is None

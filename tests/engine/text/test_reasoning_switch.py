@@ -70,8 +70,9 @@ def test_templates_without_a_switch_report_none(shared_data, rel):
     assert find_reasoning_control(template) is None
     # A chat saved under a reasoning model keeps its choice; here it changes nothing.
     messages = GOLDEN["conversations"]["one_question"]
-    assert template.render(messages, add_generation_prompt=True, **reasoning_variables(None, False)) == \
-        template.render(messages, add_generation_prompt=True)
+    assert template.render(messages, add_generation_prompt=True, **reasoning_variables(None, False)) == template.render(
+        messages, add_generation_prompt=True
+    )
 
 
 def test_detection_reads_jinja_not_text():
@@ -90,10 +91,11 @@ def test_renders_match_transformers_for_every_choice(shared_data, rel):
     mismatches = []
     for case in TEMPLATES[rel]["renders"]:
         messages = GOLDEN["conversations"][case["conversation"]]
-        got = template.render(messages, add_generation_prompt=True,
-                              **reasoning_variables(control, case["choice"]))
+        got = template.render(messages, add_generation_prompt=True, **reasoning_variables(control, case["choice"]))
         if got != case["output"]:
-            mismatches.append(f"{case['conversation']} / {case['choice']!r}:\n{got}\n--- transformers\n{case['output']}")
+            mismatches.append(
+                f"{case['conversation']} / {case['choice']!r}:\n{got}\n--- transformers\n{case['output']}"
+            )
     assert not mismatches, "\n".join(mismatches)
     # The switch matters: each choice renders differently from the others somewhere.
     by_choice = {}
@@ -166,9 +168,27 @@ def test_the_cli_takes_the_switch(qwen3_host):
 
     def run(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "engine", "generate", "--model", folder, "--chat", "--prompt", "hello there",
-             "--max-tokens", "1", "--temp", "0", "--json", *flags],
-            cwd=root, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "engine",
+                "generate",
+                "--model",
+                folder,
+                "--chat",
+                "--prompt",
+                "hello there",
+                "--max-tokens",
+                "1",
+                "--temp",
+                "0",
+                "--json",
+                *flags,
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
 
     def prompt_tokens(*flags: str) -> int:

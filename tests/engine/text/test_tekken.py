@@ -50,7 +50,14 @@ def test_special_tokens_sit_first_and_the_vocabulary_is_cut_where_the_config_say
     assert tok.vocab_size == data["config"]["default_vocab_size"] == n_special + len(data["vocab"]) - 20
     assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos_token) == (1, {2}, True)
     assert [tok.id_to_token(i) for i in (0, 3, 24, 25, 34, 36, 39)] == [
-        "<unk>", "[INST]", "[AUDIO]", "[BEGIN_AUDIO]", "[TRANSCRIBE]", "<SPECIAL_36>", "<SPECIAL_39>"]
+        "<unk>",
+        "[INST]",
+        "[AUDIO]",
+        "[BEGIN_AUDIO]",
+        "[TRANSCRIBE]",
+        "<SPECIAL_36>",
+        "<SPECIAL_39>",
+    ]
     assert tok.special_token_ids == frozenset(range(n_special))
     # A rendered prompt's markers are special tokens; the same text as plain text is not.
     marked = tok.encode("[INST]hi[/INST]", add_special_tokens=False)
@@ -78,8 +85,10 @@ def test_streaming_detokenization_joins_to_the_full_decode(tok, skip):
     tricky = sorted(tok.special_token_ids) + list(range(40 + 0x80, 40 + 0x100))
     tricky += tok.encode(" \n  👍🏽 é 你 ", add_special_tokens=False)
     for _ in range(150):
-        ids = [rng.choice(tricky) if rng.random() < 0.5 else rng.randrange(tok.vocab_size)
-               for _ in range(rng.randint(0, 30))]
+        ids = [
+            rng.choice(tricky) if rng.random() < 0.5 else rng.randrange(tok.vocab_size)
+            for _ in range(rng.randint(0, 30))
+        ]
         for skip in (False, True):
             assert stream(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip), ids
 
@@ -93,14 +102,17 @@ def test_a_folder_with_only_tekken_json_loads(tmp_path):
     assert Tokenizer.from_dir(tmp_path).chat_template.startswith("{{ bos_token }}")
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d["config"].update(version="v99"), "version"),
-    (lambda d: d["config"].update(default_vocab_size=10**6), "fewer than"),
-    (lambda d: d["vocab"][5].update(token_bytes="AAAA"), "out of order"),
-    (lambda d: d["vocab"][300].update(token_bytes="not base64!"), "base64"),
-    (lambda d: d["config"].pop("pattern"), "pattern"),
-    (lambda d: d["special_tokens"].append(dict(d["special_tokens"][0], rank=36)), "repeated"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d["config"].update(version="v99"), "version"),
+        (lambda d: d["config"].update(default_vocab_size=10**6), "fewer than"),
+        (lambda d: d["vocab"][5].update(token_bytes="AAAA"), "out of order"),
+        (lambda d: d["vocab"][300].update(token_bytes="not base64!"), "base64"),
+        (lambda d: d["config"].pop("pattern"), "pattern"),
+        (lambda d: d["special_tokens"].append(dict(d["special_tokens"][0], rank=36)), "repeated"),
+    ],
+)
 def test_broken_files_are_refused_with_one_line(tmp_path, change, message):
     data = json.loads((GOLDEN / "tekken.json").read_text(encoding="utf-8"))
     change(data)

@@ -51,8 +51,10 @@ def test_tokenizer_config_brings_its_template_and_tokens(shared_data, tmp_path, 
 
 
 def test_template_that_raises(files, capsys):
-    t, m = files("{{ raise_exception('Only user and assistant roles are supported!\\nReally.') }}",
-                 {"messages": [{"role": "system", "content": "s"}]})
+    t, m = files(
+        "{{ raise_exception('Only user and assistant roles are supported!\\nReally.') }}",
+        {"messages": [{"role": "system", "content": "s"}]},
+    )
     assert run_template_command(t, m, False) != 0
     out, err = capsys.readouterr()
     assert out == ""
@@ -60,13 +62,16 @@ def test_template_that_raises(files, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("template, payload, needle", [
-    ("{% if %}", {"messages": []}, "syntax error at line 1"),
-    (CHATML, "{oops", "not valid JSON"),
-    (CHATML, {"msgs": []}, '"messages"'),
-    (CHATML, {"messages": []}, "empty"),
-    (CHATML, {"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
-])
+@pytest.mark.parametrize(
+    "template, payload, needle",
+    [
+        ("{% if %}", {"messages": []}, "syntax error at line 1"),
+        (CHATML, "{oops", "not valid JSON"),
+        (CHATML, {"msgs": []}, '"messages"'),
+        (CHATML, {"messages": []}, "empty"),
+        (CHATML, {"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
+    ],
+)
 def test_bad_input_gives_one_line(files, capsys, template, payload, needle):
     t, m = files(template, payload)
     assert run_template_command(t, m, False) == 1

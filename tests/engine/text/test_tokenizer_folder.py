@@ -39,15 +39,17 @@ def test_add_bos_and_eos_follow_the_config(llama_dir):
 def test_special_tokens_map_fills_gaps(llama_dir):
     write_config(llama_dir, add_bos_token=True)
     (llama_dir / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}), encoding="utf-8")
+        json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}), encoding="utf-8"
+    )
     tok = Tokenizer.from_dir(llama_dir)
     assert tok.bos_token == "<s>" and tok.eos_token_ids == {2}
     assert tok.encode("Hi")[0] == 1
 
 
 def test_added_tokens_decoder_entries_missing_from_tokenizer_json(llama_dir):
-    write_config(llama_dir, eos_token="<|im_end|>",
-                 added_tokens_decoder={"32000": {"content": "<|im_end|>", "special": True}})
+    write_config(
+        llama_dir, eos_token="<|im_end|>", added_tokens_decoder={"32000": {"content": "<|im_end|>", "special": True}}
+    )
     tok = Tokenizer.from_dir(llama_dir)
     assert tok.token_to_id("<|im_end|>") == 32000
     assert tok.eos_token_ids == {32000}

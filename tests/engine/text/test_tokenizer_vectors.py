@@ -38,8 +38,11 @@ def gguf_metadata(path: Path) -> dict:
 
 @pytest.mark.parametrize("folder", sorted(FOLDERS))
 def test_swift_transformers_vectors(shared_data, folder):
-    vec = json.loads((shared_data / "tokenizers/test_vectors/swift-transformers" / f"{FOLDERS[folder]}.json")
-                     .read_text(encoding="utf-8"))
+    vec = json.loads(
+        (shared_data / "tokenizers/test_vectors/swift-transformers" / f"{FOLDERS[folder]}.json").read_text(
+            encoding="utf-8"
+        )
+    )
     tok = Tokenizer.from_dir(shared_data / "tokenizers" / folder)
     assert tok.encode(vec["text"]) == vec["token_ids"]
     assert [tok.id_to_token(i) for i in tok.encode(vec["text"], add_special_tokens=False)] == vec["bpe_tokens"]
@@ -140,12 +143,15 @@ def test_gguf_byte_level_word_splits(shared_data):
     cuts them by three, Qwen2 into single digits."""
     meta = gguf_metadata(shared_data / "tokenizers/gguf_vocab/ggml-vocab-gpt-2.gguf")
     text = "Order 1234567 shipped, naïve 👋 test"
-    expected_digits = {"gpt-2": ["Ġ123", "45", "67"], "llama-bpe": ["Ġ", "123", "456", "7"],
-                       "qwen2": ["Ġ", "1", "2", "3", "4", "5", "6", "7"]}
+    expected_digits = {
+        "gpt-2": ["Ġ123", "45", "67"],
+        "llama-bpe": ["Ġ", "123", "456", "7"],
+        "qwen2": ["Ġ", "1", "2", "3", "4", "5", "6", "7"],
+    }
     for pre, digits in expected_digits.items():
         tok = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": pre})
         pieces = [tok.id_to_token(i) for i in tok.encode(text)]
-        assert pieces[1:1 + len(digits)] == digits and pieces[1 + len(digits)] == "Ġshipped"
+        assert pieces[1 : 1 + len(digits)] == digits and pieces[1 + len(digits)] == "Ġshipped"
         assert tok.decode(tok.encode(text)) == text
 
 

@@ -16,22 +16,36 @@ from engine.text.tool_calls import (
     parse_tool_calls,
 )
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
         },
-    },
-}]
+    }
+]
 ARGS = {"city": "Paris", "days": 3}
-END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "</s>", "<|end|>", "<|return|>", "<|call|>",
-               "<｜end▁of▁sentence｜>", "<|im_end|>", "<turn|>", "<|user|>", "<|observation|>",
-               "<|tool_response>")
+END_OF_TURN = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "</s>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<｜end▁of▁sentence｜>",
+    "<|im_end|>",
+    "<turn|>",
+    "<|user|>",
+    "<|observation|>",
+    "<|tool_response>",
+)
 
 # (template file under chat_templates/, the format it should be detected as)
 TEMPLATES = [
@@ -56,8 +70,13 @@ TEMPLATES = [
 
 def _assistant_turn(fmt, args):
     arguments = json.dumps(args) if fmt.arguments_as_text else args
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "abc123XYZ", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "abc123XYZ", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        ],
+    }
 
 
 def _generated_text(source: str, fmt) -> str:
@@ -67,12 +86,12 @@ def _generated_text(source: str, fmt) -> str:
     prompt = template.render(user, tools=TOOLS, add_generation_prompt=True)
     full = template.render(user + [_assistant_turn(fmt, ARGS)], tools=TOOLS)
     if full.startswith(prompt):
-        text = full[len(prompt):]
+        text = full[len(prompt) :]
     else:  # the generation prompt differs from a past turn's header (Gemma 4's empty thought)
         common = 0
         while common < min(len(prompt), len(full)) and prompt[common] == full[common]:
             common += 1
-        text = full[full.rfind("\n", 0, common) + 1:]
+        text = full[full.rfind("\n", 0, common) + 1 :]
     text = text.rstrip()
     # The turn's end-of-turn token ends generation and never reaches the text.
     for end in END_OF_TURN:
@@ -97,13 +116,16 @@ def test_a_call_round_trips_through_the_real_template(shared_data, name, expecte
     assert "get_weather" not in "".join(i for i in items if isinstance(i, str))
 
 
-@pytest.mark.parametrize(("fmt", "text"), [
-    ("hermes", 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"</tool_call> done'),
-    ("hermes", "<tool_call>get weather please</tool_call>"),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": '),
-    ("llama3", '{"answer": 42}'),
-    ("harmony", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{oops"),
-])
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        ("hermes", 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"</tool_call> done'),
+        ("hermes", "<tool_call>get weather please</tool_call>"),
+        ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": '),
+        ("llama3", '{"answer": 42}'),
+        ("harmony", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{oops"),
+    ],
+)
 def test_a_malformed_call_comes_back_as_the_text_it_was(fmt, text):
     parser = FORMATS[fmt].parser()
     items = [i for ch in text for i in parser.feed(ch)] + parser.flush()
@@ -112,8 +134,10 @@ def test_a_malformed_call_comes_back_as_the_text_it_was(fmt, text):
 
 
 def test_text_around_calls_streams_and_keeps_its_order():
-    text = 'Let me check.<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n' \
-           '{"name": "b", "arguments": {"x": [1, 2]}}\n</tool_call>'
+    text = (
+        'Let me check.<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "b", "arguments": {"x": [1, 2]}}\n</tool_call>'
+    )
     parser = FORMATS["hermes"].parser()
     first = parser.feed(text[:20])
     assert first == ["Let me check."]  # the held-back "<tool_" is not text yet
