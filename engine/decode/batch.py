@@ -27,6 +27,7 @@ A sequence is a generator of ``(token, logprob)`` (``Batch.sequence``) that yiel
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback
 from engine.decode.sampling import LogitsProcessor, Sampler
 from engine.models.kv_cache import DEFAULT_STEP, KVCache, make_prompt_cache
@@ -59,6 +61,10 @@ def batchable(model: Any) -> bool:
         if rope is not None and type(rope).__call__ is not RoPE.__call__:
             return False
     return True
+
+
+# Queued in place of a token when a row's logits are NaN or infinite.
+NON_FINITE = (-2, None)
 
 
 class BatchKVCache:
@@ -279,21 +285,28 @@ class Batch:
             chosen = mx.concatenate([y.reshape(1) for y, _ in picked])
             lps = [lp for _, lp in picked]
         self._next = chosen.astype(mx.uint32)[:, None]
-        mx.async_eval([self._next, *(lp for lp in lps if lp is not None)])
+        # Each row's chosen raw logit rides along for the NaN check (one value per row).
+        raw = mx.take_along_axis(logits, self._next.astype(mx.int32), axis=-1)[:, 0]
+        mx.async_eval([self._next, raw, *(lp for lp in lps if lp is not None)])
         for i, r in enumerate(rows):
             r.first = False
             r.pending = self._next[i, :]
-        self._inflight = (rows, self._next, lps)
+        self._inflight = (rows, self._next, lps, raw)
 
     def _settle(self) -> None:
         """Wait for the step under way and queue each row's token."""
         if self._inflight is None:
             return
-        rows, chosen, lps = self._inflight
+        rows, chosen, lps, raw = self._inflight
         self._inflight = None
         ids = chosen[:, 0].tolist()
+        finite = [math.isfinite(v) for v in raw.tolist()]
         for i, (r, lp) in enumerate(zip(rows, lps, strict=True)):
             if r.gone:
+                continue
+            if not finite[i]:  # damaged weights: the row's sequence raises when it reads this
+                r.out.append(NON_FINITE)
+                r.remaining = 0
                 continue
             r.out.append((ids[i], float(lp.item()) if lp is not None else None))
             r.remaining -= 1
@@ -373,7 +386,10 @@ class Batch:
         try:
             while True:
                 if row.out:
-                    yield row.out.popleft()
+                    item = row.out.popleft()
+                    if item is NON_FINITE:
+                        check_finite(float("nan"))  # raises the one-line NaN error
+                    yield item
                 elif row.gone or cancel.is_set():
                     return
                 else:

@@ -190,6 +190,8 @@ def kv_settings_for(model: Any, path: str, bits: int | None, group_size: int = 6
     from engine.models.kv_cache import KVCache, make_prompt_cache
     from engine.models.quantized_kv_cache import kv_layer_settings, uniform
 
+    if not hasattr(model, "make_cache") and not hasattr(model, "layers"):
+        return None  # a model that keeps no KV cache (a sentence embedder)
     plain = [type(c) is KVCache for c in make_prompt_cache(model)]
     if bits is not None:
         settings = uniform(bits, group_size, len(plain))
