@@ -1,4 +1,4 @@
-"""bench --kv-bits and --reopen run at a tiny scale (the GPU machine runs the real shapes)."""
+"""bench --kv-bits and --reopen run at a tiny scale (the real shapes are for a GPU)."""
 
 from __future__ import annotations
 
