@@ -23,6 +23,24 @@ from typing import Any
 from engine.errors import EngineError
 
 # Published configs of the architectures (the parts that shape compute and memory).
+# What Qwen/Qwen3.5-4B and Qwen/Qwen3.5-35B-A3B share: gated DeltaNet layers with every 4th
+# layer full attention, and their partial, interleaved multimodal RoPE.
+_QWEN3_5_LAYOUT: dict[str, Any] = dict(
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
+
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         model_type="llama",
@@ -134,19 +152,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=9216,
         vocab_size=248320,
         rms_norm_eps=1e-6,
-        full_attention_interval=4,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
+        **_QWEN3_5_LAYOUT,
         max_position_embeddings=262144,
         tie_word_embeddings=True,
     ),
@@ -159,23 +165,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         head_dim=256,
         vocab_size=248320,
         rms_norm_eps=1e-6,
-        full_attention_interval=4,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
+        **_QWEN3_5_LAYOUT,
         num_experts=256,
         num_experts_per_tok=8,
         moe_intermediate_size=512,
         shared_expert_intermediate_size=512,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
         max_position_embeddings=262144,
         tie_word_embeddings=False,
     ),
