@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.base import RoPE
+from engine.models.base import RoPE, cached_attention
 from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.lora import active_signature
 from engine.models.quantized_kv_cache import QuantizedKVCache
@@ -162,8 +162,7 @@ class CompiledDecoder:
                 h, q, k, v = self._fns[i](h, attn, pos)
             # The cache write stays outside: a write at a traced position is a dynamic
             # update, which cannot always reuse the buffer in place.
-            k, v = c.update_and_fetch(k, v)
-            attn = layer.self_attn.attend(q, k, v, mask)
+            attn = cached_attention(layer.self_attn, q, k, v, c, mask)
         return self._fns[-1](h, attn)
 
     def rows(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
@@ -185,8 +184,7 @@ class CompiledDecoder:
                 h, q, k, v = self._fns[0](h, pos)
             else:
                 h, q, k, v = self._fns[i](h, attn, pos)
-            k, v = c.update_and_fetch(k, v)
-            attn = layer.self_attn.attend(q, k, v, mask)
+            attn = cached_attention(layer.self_attn, q, k, v, c, mask)
         return self._last_rows(h, attn)
 
 

@@ -269,6 +269,30 @@ def rotated_qkv(attn: nn.Module, x: mx.array, offset) -> tuple[mx.array, mx.arra
     return qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :]
 
 
+# Up to this many queries (a decode step, a verify pass) attention reads a quantized KV
+# cache as stored; longer passes (prefill) dequantize it once for the fast kernel.
+QUANTIZED_READ_QUERIES = 32
+
+
+def cached_attention(attn: AttentionSteps, q: mx.array, k: mx.array, v: mx.array, cache, mask) -> mx.array:
+    """Append ``k``/``v`` to ``cache`` and attend ``q`` over it with ``attn.attend``.
+
+    A quantized KV cache is read without dequantizing when the pass is short and the
+    attention is the plain one (no sinks or soft caps, which only ``attend`` knows)."""
+    if cache is None:
+        return attn.attend(q, k, v, mask)
+    if (
+        q.shape[2] <= QUANTIZED_READ_QUERIES
+        and type(attn).attend is AttentionSteps.attend
+        and hasattr(cache, "attends_quantized")
+        and cache.attends_quantized(k, v)
+    ):
+        cache.store(k, v)
+        return cache.attend(q, attn.scale, mask)
+    k, v = cache.update_and_fetch(k, v)
+    return attn.attend(q, k, v, mask)
+
+
 class AttentionSteps(nn.Module):
     """Attention split into steps, so a compiled decode step can run everything but the
     attention itself (whose key count changes every token) inside traced functions.
@@ -278,9 +302,7 @@ class AttentionSteps(nn.Module):
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
         q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        return self.out(self.attend(q, k, v, mask))
+        return self.out(cached_attention(self, q, k, v, cache, mask))
 
     def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys (both rotated) and values, shaped [B, heads, L, head_dim].

@@ -2,11 +2,11 @@
 
 Keys and values are quantized as they arrive (``mx.quantize``, the same affine scheme as
 MLX's quantized weights and mlx-lm's QuantizedKVCache: per group of ``group_size``
-values along the head dimension, a scale and a bias) and stored packed. Attention reads
-them dequantized: every family's attention then runs unchanged (the fast SDPA kernel,
-its masks, sinks and soft caps), at the price of one dequantization of the cache per
-layer per step, which is of the same order as the attention's own reads. At 8 bits with
-groups of 64 the cache takes ~0.53 of bf16's bytes, at 4 bits ~0.28.
+values along the head dimension, a scale and a bias) and stored packed. A decode step or
+a verify pass (up to 32 queries, plain attention) reads the codes directly with quantized
+matmuls, as mlx-lm does; longer passes and attentions with their own twists (sinks, soft
+caps) read them dequantized, so every family's attention runs unchanged. At 8 bits with groups of 64 the cache takes ~0.53 of bf16's
+bytes, at 4 bits ~0.28.
 
 Only full-attention layers are quantized (``quantize_caches``): a sliding-window layer's
 cache is small and fixed already, and latent (MLA) and recurrent caches are not keys
@@ -111,6 +111,14 @@ class QuantizedKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store the new tokens' keys/values quantized; return all of them, dequantized."""
+        self.store(keys, values)
+        return (
+            self._read(self.keys, self._groups[0], self._packed[0], self.offset),
+            self._read(self.values, self._groups[1], self._packed[1], self.offset),
+        )
+
+    def store(self, keys: mx.array, values: mx.array) -> None:
+        """Append the new tokens' keys/values, quantized."""
         prev, n = self.offset, keys.shape[2]
         if self.keys is None:
             (gk, pk), (gv, pv) = (_layout(x.shape[1], x.shape[-1], self.group_size) for x in (keys, values))
@@ -123,10 +131,37 @@ class QuantizedKVCache:
         for buf, part in zip((*self.keys, *self.values), (*qk, *qv)):
             buf[..., prev : prev + n, :] = part
         self.offset = prev + n
-        return (
-            self._read(self.keys, self._groups[0], self._packed[0], self.offset),
-            self._read(self.values, self._groups[1], self._packed[1], self.offset),
-        )
+
+    def attends_quantized(self, keys: mx.array, values: mx.array) -> bool:
+        """Whether ``attend`` can read keys/values shaped like these as stored: each head
+        in rows of its own (a packed tiny head is dequantized instead)."""
+        return not any(_layout(x.shape[1], x.shape[-1], self.group_size)[1] for x in (keys, values))
+
+    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+        """Plain softmax attention of ``queries`` [B, heads, L, D] over everything stored,
+        reading the codes with quantized matmuls (mlx-lm's quantized attention): for a few
+        queries this reads the cache once, where dequantizing first reads it, writes it
+        out at full precision and reads it again (about 3x slower decode at 32k context)."""
+        b, n_heads, n_q, d = queries.shape
+        n_kv = self.keys[0].shape[1]
+        rep = n_heads // n_kv
+        q = (queries * scale).reshape(b, n_kv, rep, n_q, d)
+        keys = tuple(a[:, :, None, : self.offset] for a in self.keys)
+        values = tuple(a[:, :, None, : self.offset] for a in self.values)
+        kg, vg = self._groups
+        scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=kg, bits=self.bits)
+        if isinstance(mask, str):  # "causal": the queries are the last n_q positions
+            mask = mx.arange(self.offset - n_q, self.offset)[:, None] >= mx.arange(self.offset)[None]
+        if mask is not None:
+            if mask.ndim > 3:  # [B, 1, L, T]: one more axis for the heads sharing a KV head
+                mask = mx.expand_dims(mask, -3)
+            if mask.dtype == mx.bool_:
+                scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+            else:
+                scores = scores + mask
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        out = mx.quantized_matmul(weights, *values, transpose=False, group_size=vg, bits=self.bits)
+        return out.reshape(b, n_heads, n_q, -1)
 
     # -- size, trimming, masks -------------------------------------------------------------
 

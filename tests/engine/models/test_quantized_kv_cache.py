@@ -174,8 +174,9 @@ def test_kv_config_json_sets_layers_and_the_plan_counts_it(folder, tmp_path):
 
 
 def test_same_greedy_ids_as_mlx_lms_quantized_kv_cache(folder):
-    """mlx-lm attends over its packed cache with quantized matmuls; we dequantize on read.
-    The stored codes are the same, so greedy ids agree and log-probs stay within 2e-3."""
+    """Both attend over the packed codes with quantized matmuls in decode (the prompt's
+    pass differs: we dequantize it for the fast kernel), so greedy ids agree and log-probs
+    stay within 2e-3."""
     mlx_lm = pytest.importorskip("mlx_lm")
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import QuantizedKVCache as TheirCache
@@ -190,3 +191,47 @@ def test_same_greedy_ids_as_mlx_lms_quantized_kv_cache(folder):
     n = _agree(theirs, ours.token_ids)
     assert n >= 20
     assert max(abs(a - b) for a, b in zip(their_lp[:n], ours.token_logprobs[:n])) < 2e-3
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n_queries", [1, 5])
+def test_attending_over_the_codes_equals_attending_over_the_dequantized_cache(bits, n_queries):
+    """A short pass reads the codes with quantized matmuls instead of dequantizing the whole
+    cache first: the same attention, up to float rounding (queries of 4 heads over 2 KV heads)."""
+    key = mx.random.key(3)
+    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
+    cache = QuantizedKVCache(bits=bits, group_size=32)
+    keys, values = mx.random.normal((1, 2, 40, 64), key=k1), mx.random.normal((1, 2, 40, 64), key=k2)
+    assert cache.attends_quantized(keys, values)
+    cache.store(keys, values)
+    new_k, new_v = mx.random.normal((1, 2, n_queries, 64), key=k3), mx.random.normal((1, 2, n_queries, 64), key=k4)
+    queries = mx.random.normal((1, 4, n_queries, 64), key=k5)
+    mask = cache.make_mask(n_queries)
+    full_k, full_v = cache.update_and_fetch(new_k, new_v)
+    expected = mx.fast.scaled_dot_product_attention(queries, full_k, full_v, scale=0.125, mask=mask)
+    got = cache.attend(queries, 0.125, mask)
+    assert got.shape == expected.shape
+    assert mx.abs(got - expected).max().item() < 1e-4
+
+
+def test_decode_steps_read_the_quantized_cache_without_dequantizing_it(folder, monkeypatch):
+    """Each decode step attends through ``QuantizedKVCache.attend``; only the prompt's pass
+    dequantizes (for the fast kernel)."""
+    calls = {"attend": 0, "fetch": 0}
+    attend, fetch = QuantizedKVCache.attend, QuantizedKVCache.update_and_fetch
+
+    def counted_attend(self, *a, **k):
+        calls["attend"] += 1
+        return attend(self, *a, **k)
+
+    def counted_fetch(self, *a, **k):
+        calls["fetch"] += 1
+        return fetch(self, *a, **k)
+
+    monkeypatch.setattr(QuantizedKVCache, "attend", counted_attend)
+    monkeypatch.setattr(QuantizedKVCache, "update_and_fetch", counted_fetch)
+    host = _host(folder, kv_bits=8, kv_group_size=64)
+    host.generate_ids(PROMPT * 4, replace(GREEDY, max_tokens=6))
+    layers = 2
+    assert calls["fetch"] == layers  # the 48-token prompt, once per layer
+    assert calls["attend"] >= 5 * layers
