@@ -92,10 +92,12 @@ class EngineBridge(QObject):
         memory_budget: int | None = None,
         prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
         kv_bits: int | None = None,
+        context_cap: int | None = None,
     ) -> api.ModelInfo:
         """Load a model. ``prepare(info)`` runs once it has loaded (re-mounting adapters, say);
         until it is done the load still counts as under way, so ``wait_for_load`` waits too."""
-        rid, fut = self._request(api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits), "load")
+        command = api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits, context_cap=context_cap)
+        rid, fut = self._request(command, "load")
         self.active_load = rid
         ready = asyncio.get_running_loop().create_future()
         self._loading = ready

@@ -301,6 +301,24 @@ class ReasoningControl:
         return self.choices == (False, True)
 
 
+@dataclass(frozen=True)
+class ContextAdvice:
+    """How long a chat can grow on the loaded model within the memory budget, and what
+    the planner recommends (engine.runtime.context_planner).
+
+    ``limit`` is enforced: the model's context, the user's cap, and what the KV cache can
+    hold at the loaded precision, whichever is least (0: no limit known). The recommendation
+    is the highest KV precision that holds the model's context (or the user's cap) within
+    the budget, else the precision that holds the most.
+    """
+
+    limit: int
+    recommended_tokens: int
+    recommended_kv_bits: int | None  # None: full precision
+    cap: int | None = None  # the user's context cap, never raised or lowered by the planner
+    note: str = ""  # one line for people: the recommendation and why
+
+
 @dataclass
 class ModelInfo:
     path: str  # folder or .gguf file
@@ -334,6 +352,8 @@ class ModelInfo:
     tool_format: str | None = None
     # How the KV cache is held: "" full precision, "8-bit g64", "per layer ..." (kv_config.json).
     kv_cache: str = ""
+    # The context the chat can reach in the budget, and the recommended context and KV bits.
+    context_advice: ContextAdvice | None = None
 
 
 # ---- commands into the worker -------------------------------------------------
@@ -347,6 +367,9 @@ class LoadModel:
     # model folder's kv_config.json when it ships one, else full precision.
     kv_bits: int | None = None
     kv_group_size: int = 64
+    # The longest context a chat may reach (tokens); None: as long as the model and the
+    # budget allow. A cap the budget cannot hold is refused at load, with what would fit.
+    context_cap: int | None = None
 
 
 @dataclass

@@ -38,7 +38,11 @@ class ModelController(QObject):
         emit(self.status, f"Loading {name}…")
         try:
             info = await self.bridge.load_model(
-                path, memory_budget, prepare=self.load_setup.remount, kv_bits=self.load_setup.kv_bits_for_load()
+                path,
+                memory_budget,
+                prepare=self.load_setup.remount,
+                kv_bits=self.load_setup.kv_bits_for_load(),
+                context_cap=self.load_setup.context_cap_for_load(),
             )
         except (EngineRequestError, EngineUnavailable) as exc:
             reason = str(exc)

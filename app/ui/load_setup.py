@@ -20,6 +20,7 @@ from app.ui.memory_gauge import MemoryGauge
 from app.ui.settings_panel import SettingsPanel
 
 KV_BITS_KEY = "kv_bits"
+CONTEXT_CAP_KEY = "context_cap"  # tokens; absent: the model's context, as far as the budget holds
 
 
 class LoadSetup(QObject):
@@ -38,7 +39,9 @@ class LoadSetup(QObject):
         self.skipped = ""  # the last remount's notice about adapters it had to forget
         settings.memory_budget_changed.connect(self.set_budget)
         settings.kv_bits_changed.connect(self.set_kv_bits)
+        settings.context_cap_changed.connect(self.set_context_cap)
         settings.show_kv_bits(self.kv_bits_for_load())
+        settings.show_context_cap(self.context_cap_for_load())
         self._show_budget()
 
     def _save(self, write: Any, *args: Any, **kwargs: Any) -> bool:
@@ -64,6 +67,18 @@ class LoadSetup(QObject):
             return
         if self.bridge.model_info is not None:
             emit(self.notice, "The new context memory setting applies from the next model load.")
+
+    def context_cap_for_load(self) -> int | None:
+        """What LoadModel carries as context_cap: the user's cap in tokens, or None."""
+        cap = self.store.preference(CONTEXT_CAP_KEY)
+        return int(cap) if isinstance(cap, int) and cap > 0 else None
+
+    def set_context_cap(self, cap: int | None) -> None:
+        if not self._save(self.store.set_preference, CONTEXT_CAP_KEY, cap):
+            self.settings.show_context_cap(self.context_cap_for_load())
+            return
+        if self.bridge.model_info is not None:
+            emit(self.notice, "The new context length applies from the next model load.")
 
     # ---- the memory budget ----------------------------------------------------------------
 
@@ -103,6 +118,7 @@ class LoadSetup(QObject):
         """A load succeeded under ``budget`` (None: automatic): learn the machine's figures."""
         self._save(model_prefs.note_loaded_plan, self.store, info.plan, automatic=budget is None)
         self._show_budget()
+        self.settings.show_context_advice(getattr(info, "context_advice", None), info.name)
 
     def _show_budget(self) -> None:
         setting = self.setting()
@@ -131,6 +147,8 @@ class LoadSetup(QObject):
         setting.total = plan.total_bytes or setting.total
         if budget is None:
             setting.automatic = plan.budget_bytes  # inspect plans under the automatic budget
+        if plan.weights_bytes < setting.effective:
+            return engine_reason  # the weights fit: the context length asked for does not
         return model_prefs.refusal_message(info.name, plan.weights_bytes, setting)
 
     async def draft_refusal(self, path: str, engine_reason: str) -> str:

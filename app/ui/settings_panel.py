@@ -50,6 +50,12 @@ EFFORTS = ("low", "medium", "high")
 # Context overflow policies (GenerationParams.context_policy); the first is a chat's default.
 OVERFLOW = (("Truncate the middle", "truncate_middle"), ("Rolling window", "rolling"), ("Stop at the limit", "stop"))
 
+# Context caps offered (tokens); None: the model's own context, as far as the budget holds.
+CONTEXT_CHOICES: tuple[tuple[str, int | None], ...] = (
+    ("Automatic (the model's, as memory allows)", None),
+    *((f"{n // 1024}k tokens", n) for n in (4096, 8192, 16384, 32768, 65536, 131072)),
+)
+
 KV_CHOICES = (
     ("Model's own (full precision)", None),
     ("8-bit (half the memory)", 8),
@@ -67,6 +73,7 @@ class SettingsPanel(QFrame):
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
     cache_budget_changed = Signal(object)  # bytes of disk for saved chat caches
     kv_bits_changed = Signal(object)  # 8 or 4 (quantized KV cache), None for the model's own
+    context_cap_changed = Signal(object)  # tokens, None for automatic
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
@@ -294,12 +301,48 @@ class SettingsPanel(QFrame):
             lambda _i: self._budget_quiet or emit(self.kv_bits_changed, self.kv_choice.currentData())
         )
         layout.addWidget(self.kv_choice)
+        layout.addWidget(QLabel("Context length", objectName="fieldTitle"))
+        self.context_choice = QComboBox(objectName="contextChoice")
+        for label, tokens in CONTEXT_CHOICES:
+            self.context_choice.addItem(label, tokens)
+        self.context_choice.setToolTip(
+            "The longest a chat may grow, in tokens. Automatic: the model's own context, as far\n"
+            "as the memory budget holds its KV cache. A length the budget cannot hold is refused\n"
+            "at load, saying what fits. Applies from the next model load."
+        )
+        self.context_choice.currentIndexChanged.connect(
+            lambda _i: self._budget_quiet or emit(self.context_cap_changed, self.context_choice.currentData())
+        )
+        layout.addWidget(self.context_choice)
+        self.context_advice = QLabel("", objectName="budgetNote")
+        self.context_advice.setWordWrap(True)
+        self.context_advice.setVisible(False)
+        layout.addWidget(self.context_advice)
 
     def show_kv_bits(self, bits: int | None) -> None:
         self._budget_quiet = True
         index = self.kv_choice.findData(bits)
         self.kv_choice.setCurrentIndex(max(0, index))
         self._budget_quiet = False
+
+    def show_context_cap(self, tokens: int | None) -> None:
+        self._budget_quiet = True
+        index = self.context_choice.findData(tokens)
+        if index < 0 and tokens:  # a length set elsewhere (an older choice): offer it as it is
+            self.context_choice.addItem(f"{tokens:,} tokens", tokens)
+            index = self.context_choice.count() - 1
+        self.context_choice.setCurrentIndex(max(0, index))
+        self._budget_quiet = False
+
+    def show_context_advice(self, advice: Any, name: str) -> None:
+        """The planner's line for the loaded model: how long its chats can grow here, and
+        the KV precision and length it recommends for this budget."""
+        if advice is None or not advice.note:
+            self.context_advice.setVisible(False)
+            return
+        limit = f"Chats with {name} can reach {advice.limit:,} tokens. " if advice.limit else ""
+        self.context_advice.setText(limit + advice.note)
+        self.context_advice.setVisible(True)
 
     def _cache_budget_section(self, layout: QVBoxLayout) -> None:
         """App-wide: the disk the chats' saved KV caches may take (least recently used go first)."""

@@ -181,6 +181,22 @@ def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
         default=64,
         help="values per quantization group of the KV cache (with --kv-bits; default 64)",
     )
+    p.add_argument(
+        "--context-length",
+        type=_context_cap,
+        metavar="TOKENS",
+        help="the longest context a chat may reach (default: the model's, as far as the memory budget holds)",
+    )
+
+
+def _context_cap(text: str) -> int:
+    try:
+        tokens = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--context-length takes a number of tokens, not {text!r}") from None
+    if not 16 <= tokens <= 1 << 24:
+        raise argparse.ArgumentTypeError(f"--context-length must be between 16 and {1 << 24:,} tokens (got {tokens:,})")
+    return tokens
 
 
 def _add_convert(sub: Any) -> None:
@@ -294,7 +310,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)
     media = _media(args)
     host = ModelHost()
-    host.load(args.model, budget=args.memory_budget, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+    host.load(
+        args.model,
+        budget=args.memory_budget,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        context_cap=args.context_length,
+    )
     _mount_adapters(host, args.adapter)
     if args.draft_model is not None:
         host.load_draft(args.draft_model)
@@ -446,7 +468,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from engine.runtime.model_info import format_inspect, inspect_model
 
     kwargs = {"memory_budget": args.memory_budget} if args.memory_budget else {}
-    info = inspect_model(args.path, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, **kwargs)
+    info = inspect_model(
+        args.path, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, context_cap=args.context_length, **kwargs
+    )
     print(format_inspect(info))
     return 0
 
@@ -527,6 +551,7 @@ def _add_serve(parser: Any) -> None:
         help=f"largest request body taken (default {DEFAULT_MAX_BODY}); larger ones get 413",
     )
     parser.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+    _add_kv_arguments(parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -132,10 +132,13 @@ class ModelHost:
         *,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        context_cap: int | None = None,
     ) -> ModelInfo:
         """Load a model folder, HF repo id (already cached) or .gguf file, replacing any
         loaded model. Refuses before allocating when it cannot fit ``budget``. ``kv_bits``
-        (4 or 8) holds the KV cache quantized; None follows the folder's kv_config.json."""
+        (4 or 8) holds the KV cache quantized; None follows the folder's kv_config.json.
+        ``context_cap`` bounds every chat's context; one the budget cannot hold is refused."""
+        from engine.runtime.context_planner import advise_context, check_cap, precision_options
         from engine.runtime.memory import kv_settings_for, with_kv_settings
 
         self._check_thread()
@@ -143,6 +146,17 @@ class ModelHost:
             from engine.models.quantized_kv_cache import check_kv_settings
 
             check_kv_settings(kv_bits, kv_group_size)  # refused before the old model goes
+        if context_cap is not None:  # refused from the files, before the loaded model goes
+            from engine.runtime.model_info import inspect_model
+
+            inspect_model(
+                path,
+                memory_budget=budget,
+                kv_bits=kv_bits,
+                kv_group_size=kv_group_size,
+                context_cap=context_cap,
+                refuse_cap=True,
+            )
         self.unload()
         parts = assemble(path, budget, progress, cancel)
         settings = kv_settings_for(parts.model, parts.path, kv_bits, kv_group_size)
@@ -151,6 +165,13 @@ class ModelHost:
 
             parts.model.kv_quantization = KVQuantization(settings)
         info = with_kv_settings(parts.info, parts.config, settings)
+        options = precision_options(
+            parts.info, parts.config, lambda bits: kv_settings_for(parts.model, parts.path, bits, kv_group_size)
+        )
+        if info.plan is not None and options:
+            check_cap(context_cap, info.plan, options, info.name)
+            advice = advise_context(info.plan, options, info.context_length, context_cap)
+            info = replace(info, context_advice=advice)
         self._loaded = _Loaded(
             model=parts.model,
             config=parts.config,
@@ -308,7 +329,8 @@ class ModelHost:
                 towers=state.towers if state.towers.kinds else None,
             )
             chat.draft_model = state.draft.model if state.draft is not None else None
-            chat.context_length = int(state.info.context_length or 0)
+            advice = state.info.context_advice  # the model's context, the user's cap, the budget
+            chat.context_length = advice.limit if advice is not None else int(state.info.context_length or 0)
             state.sessions[session_id] = chat
         touch(state.sessions, session_id)  # most recently used; others may give back their caches
         evict_idle_caches(state.sessions, session_id, kv_allowance(state.info, self.weights_bytes()))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from engine.api import ModelInfo
 from engine.artifacts.hub import describe, resolve_model_path
+from engine.runtime.context_planner import advise_context, check_cap, precision_options
 from engine.runtime.loading import DTYPE_BYTES, inspect_source
 from engine.runtime.memory import (
     default_budget,
@@ -23,10 +25,14 @@ def inspect_model(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     kv_config: bool = True,
+    context_cap: int | None = None,
+    refuse_cap: bool = False,
 ) -> ModelInfo:
     """Describe a model folder, cached repo id or .gguf file without loading weights; the
     memory plan counts a quantized KV cache (``kv_bits``, else with ``kv_config`` the
-    folder's kv_config.json; the host applies its own when it loads)."""
+    folder's kv_config.json; the host applies its own when it loads) and advises on the
+    context (engine.runtime.context_planner); with ``refuse_cap``, a ``context_cap`` the
+    budget cannot hold raises OutOfMemoryBudget."""
     resolved = resolve_model_path(path)
     source = inspect_source(resolved)
     entry = describe(resolved, source="gguf" if resolved.is_file() else "folder")
@@ -54,10 +60,14 @@ def inspect_model(
     )
     if kv_bits is None and not kv_config:
         return info
-    settings = kv_settings_from_config(
-        config, resolved if resolved.is_dir() else resolved.parent, kv_bits, kv_group_size
-    )
-    return with_kv_settings(info, config, settings)
+    folder = resolved if resolved.is_dir() else resolved.parent
+    loaded = with_kv_settings(info, config, kv_settings_from_config(config, folder, kv_bits, kv_group_size))
+    options = precision_options(info, config, lambda bits: kv_settings_from_config(config, folder, bits, kv_group_size))
+    if loaded.plan is None or not options:
+        return loaded
+    if refuse_cap:
+        check_cap(context_cap, loaded.plan, options, info.name)
+    return replace(loaded, context_advice=advise_context(loaded.plan, options, info.context_length, context_cap))
 
 
 def format_inspect(info: ModelInfo) -> str:
@@ -100,9 +110,14 @@ def format_inspect(info: ModelInfo) -> str:
             lines.append("  max context   any length (every layer keeps a fixed window)")
         else:
             usable = min(plan.max_context, info.context_length) if info.context_length else plan.max_context
+            if info.context_advice is not None and info.context_advice.limit:
+                usable = info.context_advice.limit  # with the user's cap, as sessions enforce it
             full = info.context_length and plan.max_context >= info.context_length
             note = " (the model's full context)" if full else ""
             lines.append(f"  max context   {usable:,} tokens{note}")
+    advice = info.context_advice
+    if advice is not None and advice.note:
+        lines.append(f"  recommended   {advice.note}")
     return "\n".join(lines)
 
 

@@ -355,6 +355,7 @@ class EngineWorker:
                 budget=command.memory_budget,
                 kv_bits=command.kv_bits,
                 kv_group_size=command.kv_group_size,
+                context_cap=command.context_cap,
                 progress=lambda done, total, message="": self._emit(
                     ProgressEvent(rid, "load", float(done), float(total), message)
                 ),

@@ -115,15 +115,17 @@ class Backend:
             raise ModelLoading("The model is still loading; try again in a moment.")
         return info
 
-    def start(self, model: str, memory_budget: int | None = None) -> None:
-        """Start the owned worker and load ``model`` in the background (``loaded`` tells when)."""
+    def start(self, model: str, memory_budget: int | None = None, **options: Any) -> None:
+        """Start the owned worker and load ``model`` in the background (``loaded`` tells when);
+        ``options`` are LoadModel's (kv_bits, kv_group_size, context_cap)."""
         self.model_arg = model
         self.worker.start()
-        threading.Thread(target=self._load, args=(model, memory_budget), name="serve-load", daemon=True).start()
+        command = LoadModel(model, memory_budget, **options)
+        threading.Thread(target=self._load, args=(command,), name="serve-load", daemon=True).start()
 
-    def _load(self, model: str, memory_budget: int | None) -> None:
+    def _load(self, command: LoadModel) -> None:
         try:
-            for event in self.events(self.submit(LoadModel(model, memory_budget))):
+            for event in self.events(self.submit(command)):
                 if isinstance(event, DoneEvent):
                     self._info = event.result
                 elif isinstance(event, ErrorEvent):

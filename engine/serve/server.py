@@ -80,6 +80,7 @@ def serve(
     api_key: str | None = None,
     memory_budget: int | None = None,
     max_body: int = DEFAULT_MAX_BODY,
+    load_options: dict[str, Any] | None = None,
 ) -> int:
     """Run until interrupted; a model that fails to load ends the command with its reason."""
     from engine.serve.backend import Backend  # the engine (and mlx) only once the command runs
@@ -87,7 +88,7 @@ def serve(
     backend = Backend()
     server = make_server(backend, host, port, api_key=api_key, max_body=max_body)
     print(f"listening on {address(server)}", flush=True)
-    backend.start(model, memory_budget)
+    backend.start(model, memory_budget, **(load_options or {}))
     thread = threading.Thread(target=server.serve_forever, name="serve-http", daemon=True)
     thread.start()
     try:
@@ -117,6 +118,11 @@ def run_command(args: Any) -> int:
             api_key=args.api_key,
             memory_budget=args.memory_budget,
             max_body=args.max_request_bytes,
+            load_options={
+                "kv_bits": args.kv_bits,
+                "kv_group_size": args.kv_group_size,
+                "context_cap": args.context_length,
+            },
         )
     except KeyboardInterrupt:
         print("stopped", file=sys.stderr)

@@ -233,3 +233,40 @@ def test_overflow_policies_at_the_edge_of_a_256_token_context(qtbot, make_window
         assert f"{result.dropped_messages} earlier messages outside the model's context" in footer
         stored = window.store.thread(window.chat.conversation_id)[-1].stats
         assert stored["dropped_messages"] == result.dropped_messages
+
+
+def test_context_length_in_settings_caps_chats_and_the_planner_says_what_fits(
+    qtbot, make_window, run_async, tiny_model
+):
+    """Settings → Context length: the cap goes with the next load and chats stop there; the
+    planner's line for the loaded model is shown under it; a cap the memory budget cannot
+    hold is refused at load with what fits, and the model loaded before stays."""
+    window = make_window()
+    _load(window, run_async, tiny_model)
+    advice = window.settings.context_advice
+    assert advice.isVisibleTo(window.settings) and "2,048 tokens" in advice.text()
+    choice = window.settings.context_choice
+    choice.setCurrentIndex(choice.findData(4096))
+    assert window.store.preference("context_cap") == 4096
+    assert "next model load" in window.statusBar().currentMessage()
+    window.store.set_preference("context_cap", 64)  # a length set before (or by hand): kept as it is
+    window.load_setup.settings.show_context_cap(window.load_setup.context_cap_for_load())
+    assert choice.currentData() == 64 and "64 tokens" in choice.currentText()
+    _load(window, run_async, tiny_model)
+    assert window.bridge.model_info.context_advice.limit == 64
+    assert "your context cap (64 tokens)" in advice.text()
+    window.store.update_conversation(
+        window.chat.conversation_id, settings={"max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
+    )
+    result, _ = _send_and_save(qtbot, window, "hi")
+    assert result.finish_reason == "length" and result.stats.prompt_tokens + len(result.token_ids) == 64
+
+    plan = window.bridge.model_info.plan
+    window.store.set_preference("memory_budget", plan.weights_bytes + plan.kv_bytes(300))
+    window.store.set_preference("context_cap", 1000)
+    assert not run_async(window.load_model(str(tiny_model)))
+    shown = window.statusBar().currentMessage() + " ".join(
+        w.text() for w in window.findChildren(type(advice)) if w.isVisible()
+    )
+    assert "Lower the context length to" in shown, shown
+    assert window.bridge.model_info is not None and window.bridge.model_info.context_advice.limit == 64
