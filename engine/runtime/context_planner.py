@@ -87,13 +87,11 @@ def advise_context(
         recommended_tokens=0 if tokens == UNLIMITED_CONTEXT else tokens,
         recommended_kv_bits=bits,
         cap=cap,
-        note=_note(bits, tokens, target, holds, cap, limit),
+        note=_note(bits, tokens, target, holds, cap),
     )
 
 
-def _note(
-    bits: int | None, tokens: int, target: int, holds: Mapping[int | None, int], cap: int | None, limit: int
-) -> str:
+def _note(bits: int | None, tokens: int, target: int, holds: Mapping[int | None, int], cap: int | None) -> str:
     what = "your context cap" if cap else "the model's whole context"
     if target == UNLIMITED_CONTEXT and tokens == UNLIMITED_CONTEXT:
         return "The KV cache stops growing (every layer keeps a window): any context length fits."
@@ -106,8 +104,6 @@ def _note(
         if bits is not None and holds.get(None):
             note += f"; full precision holds {holds[None]:,}"
         note += "."
-    if limit and limit < min(target, tokens):
-        note += f" As loaded, chats stop at {limit:,} tokens."
     return note
 
 
