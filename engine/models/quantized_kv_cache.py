@@ -141,24 +141,32 @@ class QuantizedKVCache:
         """Plain softmax attention of ``queries`` [B, heads, L, D] over everything stored,
         reading the codes with quantized matmuls (mlx-lm's quantized attention): for a few
         queries this reads the cache once, where dequantizing first reads it, writes it
-        out at full precision and reads it again (about 3x slower decode at 32k context)."""
+        out at full precision and reads it again (about 3x slower decode at 32k context).
+
+        The matmuls take the whole buffer, not a slice up to ``offset``: a slice of it is
+        strided across heads, which MLX's CUDA kernels do not take; the few positions past
+        ``offset`` (under one growth step) are masked out, and their codes are finite
+        (zeros, or trimmed tokens), so they add exact zeros."""
         b, n_heads, n_q, d = queries.shape
-        n_kv = self.keys[0].shape[1]
+        n_kv, capacity = self.keys[0].shape[1], self.keys[0].shape[2]
         rep = n_heads // n_kv
         q = (queries * scale).reshape(b, n_kv, rep, n_q, d)
-        keys = tuple(a[:, :, None, : self.offset] for a in self.keys)
-        values = tuple(a[:, :, None, : self.offset] for a in self.values)
+        keys = tuple(a[:, :, None] for a in self.keys)
+        values = tuple(a[:, :, None] for a in self.values)
         kg, vg = self._groups
         scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=kg, bits=self.bits)
-        if isinstance(mask, str):  # "causal": the queries are the last n_q positions
-            mask = mx.arange(self.offset - n_q, self.offset)[:, None] >= mx.arange(self.offset)[None]
-        if mask is not None:
+        # Query i (of the last n_q positions) sees keys up to its own position.
+        positions = mx.arange(capacity)[None]
+        visible = positions <= mx.arange(self.offset - n_q, self.offset)[:, None]
+        if mask is not None and not isinstance(mask, str):  # a boolean or additive [.., L, offset] mask
+            mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, capacity - mask.shape[-1])])
             if mask.ndim > 3:  # [B, 1, L, T]: one more axis for the heads sharing a KV head
                 mask = mx.expand_dims(mask, -3)
             if mask.dtype == mx.bool_:
-                scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+                visible = visible & mask
             else:
                 scores = scores + mask
+        scores = mx.where(visible, scores, mx.finfo(scores.dtype).min)
         weights = mx.softmax(scores, axis=-1, precise=True)
         out = mx.quantized_matmul(weights, *values, transpose=False, group_size=vg, bits=self.bits)
         return out.reshape(b, n_heads, n_q, -1)
