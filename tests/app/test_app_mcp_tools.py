@@ -11,10 +11,12 @@ for a second, unconstrained answer from the same random model.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,7 @@ def lookup(city: Literal["paris", "rome"]) -> str:
     if mode == "crash":
         os._exit(3)
     if mode == "hang":
-        time.sleep(60)  # long past the test's 2 s deadline, short enough not to outlive the run by much
+        time.sleep(3600)  # the app ends it on the timeout: a test that fails here leaves it behind
     return f"weather in {city}: sunny"
 
 if mode.startswith("http:"):  # Streamable HTTP on that port
@@ -108,8 +110,9 @@ def _spy(window):
     return sent
 
 
-def _send(qtbot, window, text, decide=None):
-    """Send ``text``; when ``decide`` names a button, wait for the approval bar and click it."""
+def _send(qtbot, window, text, decide=None, asked=None):
+    """Send ``text``; when ``decide`` names a button, wait for the approval bar and click it
+    (calling ``asked()`` first, while the call waits)."""
     window.composer.edit.setPlainText(text)
     with qtbot.wait_signal(window.chat.reply_finished, timeout=90_000) as blocker:
         window.composer.send_button.click()
@@ -117,6 +120,8 @@ def _send(qtbot, window, text, decide=None):
             qtbot.waitUntil(window.tool_approval.isVisible, timeout=60_000)
             assert "lookup" in window.tool_approval.label.text()
             assert "places" in window.tool_approval.label.text()
+            if asked is not None:
+                asked()
             getattr(window.tool_approval, decide).click()
     return blocker.args
 
@@ -181,7 +186,9 @@ def test_a_server_that_crashes_is_reported_and_the_app_goes_on(qtbot, make_windo
     command, log = places("crash")
     window = _window(make_window, run_async, tool_model, command)
     sent = _spy(window)
-    _, result = _send(qtbot, window, "weather?", decide="allow_button")
+    pids: list[int] = []
+    _, result = _send(qtbot, window, "weather?", decide="allow_button", asked=lambda: pids.append(_server_pid(window)))
+    assert _gone_within(pids[0], 5.0) and window.tools._links["places"].process.pid is None
     stored = window.store.thread(window.chat.conversation_id)[-1]
     assert "⚠ The MCP server 'places' stopped" in stored.content and stored.status == "complete"
     assert sent[1][-1]["content"].startswith("Error: The MCP server 'places' stopped")
@@ -191,17 +198,73 @@ def test_a_server_that_crashes_is_reported_and_the_app_goes_on(qtbot, make_windo
     assert again.finish_reason in ("stop", "length") and again.stats.generated_tokens >= 1
 
 
-def test_a_server_that_hangs_times_out(qtbot, make_window, run_async, tool_model, places):
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has ended: only its reaping is left)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _server_pid(window, name: str = "places") -> int:
+    link = window.tools._links.get(name)
+    assert link is not None and link.process.pid is not None
+    return link.process.pid
+
+
+def test_a_server_that_hangs_times_out_and_its_process_is_ended(qtbot, make_window, run_async, tool_model, places):
     command, log = places("hang")
     window = _window(make_window, run_async, tool_model, command)
     window.tools.timeout_s = 2.0
     notes: list[str] = []
     window.chat.status.connect(notes.append)
-    _, result = _send(qtbot, window, "weather?", decide="allow_button")
+    pids: list[int] = []  # the server listed its tools and runs, waiting for the call
+    _send(qtbot, window, "weather?", decide="allow_button", asked=lambda: pids.append(_server_pid(window)))
+    pid = pids[0]
     stored = window.store.thread(window.chat.conversation_id)[-1]
     assert "did not answer the call to lookup within 2 s" in stored.content and stored.status == "complete"
     assert log.read_text().split()[0] in ("paris", "rome")  # it was called, and never answered
     assert any("did not answer the call to lookup" in n for n in notes)  # and the status bar says so
+    assert _gone_within(pid, 1.0), "the hung MCP server's process outlived the timeout"
+    # Next use starts it afresh.
+    run_async(window.tools.offered())
+    assert _server_pid(window) != pid and _alive(_server_pid(window))
+
+
+def test_a_stdio_server_process_ends_when_removed_disabled_or_the_app_quits(make_window, run_async, places):
+    command, _ = places("ok")
+    window = make_window()
+    window.tools.add_server("places", command)
+    run_async(window.tools.offered())
+    first = _server_pid(window)
+    assert _alive(first)
+    window.tools.set_servers([replace(s, enabled=False) for s in window.tools.servers])  # disabled
+    assert _gone_within(first, 5.0)
+    assert run_async(window.tools.offered()) == []  # nothing offered, nothing started
+    window.tools.set_servers([replace(s, enabled=True) for s in window.tools.servers])
+    run_async(window.tools.offered())
+    second = _server_pid(window)
+    assert second != first and _alive(second)
+    window.tools.remove_server("places")  # removed
+    assert _gone_within(second, 5.0)
+    window.tools.add_server("places", command)
+    run_async(window.tools.offered())
+    third = _server_pid(window)
+    window.close()  # the app quits
+    assert _gone_within(third, 5.0)
 
 
 def test_settings_tools_lists_adds_and_removes_servers(qtbot, make_window, tmp_path):
