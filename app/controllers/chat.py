@@ -348,6 +348,8 @@ class ChatController(QObject):
             emit(self.busy_changed, False)
             if status == "complete" and stats:
                 emit(self.status, f"{stats.get('generated_tokens', 0)} tokens in {time.monotonic() - started:.1f} s")
+            if result is not None and result.notes and self._sent_media(parent_id):
+                emit(self.status, " ".join(result.notes))  # a long video sampled, audio cut: said once
             elif status == "cancelled":
                 emit(self.status, "Stopped.")
             emit(self.reply_finished, reply_id, result)
@@ -432,6 +434,10 @@ class ChatController(QObject):
         if record:
             result = replace(result, text=record + result.text)
         return result
+
+    def _sent_media(self, message_id: int) -> bool:
+        """Whether the message answered carries media (its notes are news only once)."""
+        return bool(self.store.attachments(message_id))
 
     def _show_record(self, text: str) -> None:
         self._answer = text
