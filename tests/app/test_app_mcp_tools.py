@@ -97,13 +97,16 @@ def _window(make_window, run_async, tool_model, command):
     return window
 
 
-def _spy(window):
-    """Every message list the window sends the engine (the real bridge still answers)."""
+def _spy(window, offered: list | None = None):
+    """Every message list the window sends the engine (the real bridge still answers), and
+    into ``offered`` the tools sent with each."""
     sent: list[list[dict]] = []
     original = window.bridge.generate
 
     async def generate(conv, messages, params=None, tools=None):
         sent.append([dict(m) for m in messages])
+        if offered is not None:
+            offered.append(tools)
         return await original(conv, messages, params, tools=tools)
 
     window.bridge.generate = generate
@@ -336,3 +339,110 @@ def test_stop_while_a_call_waits_for_approval_ends_the_reply(qtbot, make_window,
     stored = window.store.thread(window.chat.conversation_id)[-1]
     assert stored.status == "cancelled" and "→ declined" in stored.content
     assert not window.tool_approval.isVisible()
+
+
+QWEN_TEMPLATE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "chat_templates"
+QWEN_TEMPLATE = QWEN_TEMPLATE / "llama.cpp" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+
+
+@pytest.fixture(scope="module")
+def qwen_tool_model(tmp_path_factory) -> Path:
+    """The tiny random model with Qwen2.5's real chat template."""
+    if not QWEN_TEMPLATE.is_file():
+        pytest.skip(f"{QWEN_TEMPLATE} is not here (../shared/data is absent)")
+    folder = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-qwen-tools")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN_TEMPLATE.read_text()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _qwen_exchange(city: str, text: str, answer: str) -> str:
+    """One call and its result as Qwen2.5's template writes them, then the answer."""
+    return (
+        "<|im_start|>assistant" + (f"\n{text}" if text else "") + "\n<tool_call>\n"
+        f'{{"name": "lookup", "arguments": {{"city": "{city}"}}}}\n</tool_call><|im_end|>\n'
+        f"<|im_start|>user\n<tool_response>\nweather in {city}: sunny\n</tool_response><|im_end|>\n"
+        + (f"<|im_start|>assistant\n{answer}<|im_end|>\n" if answer else "")
+    )
+
+
+def test_tool_turns_reach_the_next_turn_in_the_templates_own_form_and_survive_a_restart(
+    qtbot, make_window, run_async, qwen_tool_model, places, tmp_path
+):
+    from app.controllers import tool_turns
+    from engine.text.chat_template import ChatTemplate
+
+    command, log = places("ok")
+    window = _window(make_window, run_async, qwen_tool_model, command)
+    conv = window.chat.conversation_id
+    window.store.update_conversation(conv, settings={"max_tokens": 120, "seed": 3, "tool_choice": "required"})
+    offered: list = []
+    sent = _spy(window, offered)
+    _send(qtbot, window, "weather?", decide="always_button")
+    city = log.read_text().split()[0]
+    reply = window.store.thread(conv)[-1]
+    [turn] = reply.tool_turns  # kept apart from the text, with its approval state and result
+    assert [(c["name"], c["state"], c["result"]) for c in turn["calls"]] == [
+        ("lookup", tool_turns.DONE, f"weather in {city}: sunny")
+    ]
+    answer = tool_turns.answer_of(reply.content, reply.tool_turns)
+    assert reply.content == tool_turns.record(reply.tool_turns) + answer  # the transcript's record, then the answer
+    assert f'🔧 **lookup** `{{"city": "{city}"}}` → weather in {city}: sunny' in reply.content
+
+    template = ChatTemplate(QWEN_TEMPLATE.read_text())
+    exchange = _qwen_exchange(city, turn["text"], answer)
+    window.store.update_conversation(conv, settings={"max_tokens": 8, "seed": 3})  # the model answers freely
+    _send(qtbot, window, "and tomorrow?")
+    second = template.render(sent[2], tools=offered[2], add_generation_prompt=True)
+    assert exchange + "<|im_start|>user\nand tomorrow?<|im_end|>\n<|im_start|>assistant\n" in second
+    assert "🔧" not in second  # the transcript's record is not what the model reads
+
+    window.close()
+    window.store.close()
+    again = make_window(tmp_path / "data")
+    assert again.store.thread(conv)[1].tool_turns == reply.tool_turns
+    run_async(again.load_model(str(qwen_tool_model)))
+    again.chat.open(conv)
+    again.store.update_conversation(conv, settings={"max_tokens": 8, "seed": 3})
+    offered_again: list = []
+    sent_again = _spy(again, offered_again)
+    _send(qtbot, again, "thanks")
+    third = template.render(sent_again[0], tools=offered_again[0], add_generation_prompt=True)
+    assert exchange + "<|im_start|>user\nand tomorrow?<|im_end|>\n" in third
+    assert third.endswith("<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_history_from_before_tool_turns_loads_and_reads_as_text(make_window, run_async, tool_model, tmp_path):
+    """A reply stored with its calls inside its text (no tool_turns column): the store adds
+    the column, the reply shows as it did, and the model reads it as the text it was."""
+    import sqlite3
+
+    from app import store as store_module
+
+    data = tmp_path / "old"
+    data.mkdir()
+    old_schema = store_module.SCHEMA.replace("    tool_turns TEXT NOT NULL DEFAULT '[]',\n", "")
+    assert old_schema != store_module.SCHEMA
+    db = sqlite3.connect(data / store_module.DB_NAME)
+    db.executescript(old_schema)
+    db.execute("INSERT INTO conversations (id, title, created_at, updated_at, leaf_id) VALUES (1, 'old', 1, 1, 2)")
+    old = '\n\n🔧 **lookup** `{"city": "rome"}` → weather in rome: sunny\n\nSunny in Rome.'
+    db.execute(
+        "INSERT INTO messages (id, conversation_id, parent_id, role, content, created_at, updated_at)"
+        " VALUES (1, 1, NULL, 'user', 'weather?', 1, 1), (2, 1, 1, 'assistant', ?, 2, 2)",
+        (old,),
+    )
+    db.commit()
+    db.close()
+
+    window = make_window(data)
+    thread = window.store.thread(1)
+    assert [(m.role, m.content, m.tool_turns) for m in thread] == [("user", "weather?", []), ("assistant", old, [])]
+    window.chat.open(1)
+    assert window.chat_view.widgets[2].content == old
+    assert run_async(window.load_model(str(tool_model)))
+    messages = window.chat._engine_messages(thread, window.bridge.model_info)
+    assert messages == [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": old}]
+    window.store.update_message(2, tool_turns=[{"text": "", "calls": []}])  # the new column takes writes
+    assert window.store.message(2).tool_turns == [{"text": "", "calls": []}]
