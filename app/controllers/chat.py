@@ -405,7 +405,7 @@ class ChatController(QObject):
             for entry in turn["calls"]:
                 call = ToolCall(entry["id"], entry["name"], entry["arguments"])
                 self._show_rounds()
-                decision = await self.tools.decide(call)
+                decision = entry["decision"] = await self.tools.decide(call)
                 if decision == "deny":
                     tool_turns.settle(entry, tool_turns.DENIED, tool_turns.DECLINED, "declined")
                 else:

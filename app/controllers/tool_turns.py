@@ -27,11 +27,12 @@ WAITING, RUNNING, DONE, DENIED, FAILED = "waiting", "running", "done", "declined
 
 
 def new_round(text: str, calls: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """A round of calls the model wrote: (id, name, arguments as JSON text) each."""
+    """A round of calls the model wrote: (id, name, arguments as JSON text) each. A call's
+    ``decision`` is the user's ("once", "always", "deny"; "" until asked)."""
     return {
         "text": text,
         "calls": [
-            {"id": i, "name": name, "arguments": arguments, "state": WAITING, "result": "", "shown": ""}
+            {"id": i, "name": name, "arguments": arguments, "state": WAITING, "decision": "", "result": "", "shown": ""}
             for i, name, arguments in calls
         ],
     }

@@ -383,8 +383,8 @@ def test_tool_turns_reach_the_next_turn_in_the_templates_own_form_and_survive_a_
     city = log.read_text().split()[0]
     reply = window.store.thread(conv)[-1]
     [turn] = reply.tool_turns  # kept apart from the text, with its approval state and result
-    assert [(c["name"], c["state"], c["result"]) for c in turn["calls"]] == [
-        ("lookup", tool_turns.DONE, f"weather in {city}: sunny")
+    assert [(c["name"], c["decision"], c["state"], c["result"]) for c in turn["calls"]] == [
+        ("lookup", "always", tool_turns.DONE, f"weather in {city}: sunny")
     ]
     answer = tool_turns.answer_of(reply.content, reply.tool_turns)
     assert reply.content == tool_turns.record(reply.tool_turns) + answer  # the transcript's record, then the answer
