@@ -18,6 +18,11 @@ import numpy as np
 
 from engine.errors import MediaError
 
+# Past this many frames ahead, the next wanted frame is reached by seeking (to the keyframe
+# before it) rather than by decoding on: x264's default keyframe interval, so a seek
+# usually lands nearer the frame than the decoder already is.
+SEEK_GAP_FRAMES = 250
+
 
 @dataclass
 class VideoInfo:
@@ -139,24 +144,29 @@ def _decode_frames(container, stream, wanted: list[int], frames: list[np.ndarray
 
 
 def _seek_frames(container, stream, wanted: list[int], frames: list[np.ndarray]) -> None:
-    """Each wanted frame by its time: seek to the keyframe at or before it, decode on to the
-    first frame at its time (frame n of a clip at r frames a second starts at n / r s)."""
+    """Each wanted frame by its time (frame n of a clip at r frames a second starts at
+    n / r s): one far ahead is reached by seeking to the keyframe before it, one near by
+    decoding on; either way decoding stops at the first frame at its time."""
     fps = float(stream.average_rate or 0)
     base = stream.time_base
     if not fps or base is None:
         return _decode_frames(container, stream, wanted, frames)
     start = int(stream.start_time or 0)
+    half = 0.5 / fps / base  # pts rounding in the container: within half a frame is the frame
+    decoded, position = None, None  # the decoder, and the number of the next frame it gives
     for n in wanted:
         target = start + int(round(n / fps / base))
-        half = 0.5 / fps / base  # pts rounding in the container: within half a frame is the frame
-        container.seek(target, stream=stream, backward=True)
+        if decoded is None or position is None or n - position > SEEK_GAP_FRAMES:
+            container.seek(target, stream=stream, backward=True)
+            decoded = container.decode(stream)
         chosen = None
-        for frame in container.decode(stream):
+        for frame in decoded:
             if frame.pts is not None and frame.pts >= target - half:
                 chosen = frame
                 break
         if chosen is None:  # past the end (a header longer than the stream): the rest too
             break
+        position = n + 1
         frames.append(chosen.to_ndarray(format="rgb24"))
 
 

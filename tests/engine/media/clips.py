@@ -48,7 +48,7 @@ def make_clip(path: Path, images: Path) -> Path:
     return path
 
 
-def make_long_clip(path: Path, seconds: int = 25 * 60, fps: int = 1, gop: int = 30) -> Path:
+def make_long_clip(path: Path, seconds: int = 25 * 60, fps: int = 2, gop: int = 30) -> Path:
     """A long clip that is cheap to make: ``seconds`` at ``fps`` frames a second, 64 x 64,
     H.264 with a keyframe every ``gop`` frames (so reading a frame by seeking decodes from
     the keyframe before it). Each frame differs: a level that moves with its number."""

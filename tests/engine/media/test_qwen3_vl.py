@@ -169,23 +169,27 @@ def test_bad_videos_get_one_line_each(shared_data, clip, tmp_path):
 
 
 def test_a_long_video_is_sampled_to_the_frame_limit_by_seeking_with_a_note(clip, tmp_path):
-    """25 minutes at 1 fps (1,500 frames, a keyframe every 30): past the golden processor's
-    8-frame limit, so 8 frames are read by seeking, the very frames an in-order decode
-    gives, and the reply carries a note saying so. A clip within the limit has none."""
+    """25 minutes at 2 fps (3,000 frames, a keyframe every 30): past the golden processor's
+    8-frame limit, so 8 frames are read by seeking (each over SEEK_GAP_FRAMES past the one
+    before), the very frames an in-order decode gives, and the reply carries a note saying
+    so. A clip within the limit has none."""
     from engine.media.qwen3_vl.encoders import read_video_preprocessor
     from engine.media.qwen3_vl.processor import VideoProcessor
-    from engine.media.video import probe, read_frames
+    from engine.media.video import SEEK_GAP_FRAMES, probe, read_frames
 
     long = make_long_clip(tmp_path / "talk.mp4")
     host = load_float32(GOLDEN / "qwen3_vl")
     processor = VideoProcessor.from_config(read_video_preprocessor(host.towers.source))
     info = probe(long)
-    assert (info.frames, info.fps, info.seconds) == (1500, 1.0, 1500.0)
+    assert (info.frames, info.fps, info.seconds) == (3000, 2.0, 1500.0)
     indices = processor.sample(info.frames, info.fps)
-    assert len(indices) == processor.max_frames == 8 and indices[-1] == 1499
+    assert len(indices) == processor.max_frames == 8 and indices[-1] == 2999
+    assert min(np.diff(indices)) > SEEK_GAP_FRAMES
     seeked = read_frames(long, indices, seek=True)
     np.testing.assert_array_equal(seeked, read_frames(long, indices))
     assert len({int(f.mean()) for f in seeked}) == 8  # eight different frames, not one repeated
+    mixed = [0, 5, 6, 40, 900, 901, 1700, 2999]  # near ones decoded on, far ones sought
+    np.testing.assert_array_equal(read_frames(long, mixed, seek=True), read_frames(long, mixed))
     exp = expected("qwen3_vl")["video"]
     params = GenerationParams(max_tokens=2, ignore_eos=True)
     result = host.generate("long", exp["messages"], params, media=[MediaInput("video", str(long))])
