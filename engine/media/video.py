@@ -18,6 +18,10 @@ import numpy as np
 
 from engine.errors import MediaError
 
+# A container that does not give the frame count has its packets counted (exact, as
+# reading the file through) up to this length; past it the count comes from the duration.
+COUNT_PACKETS_UP_TO_S = 20 * 60
+
 # Past this many frames ahead, the next wanted frame is reached by seeking (to the keyframe
 # before it) rather than by decoding on: x264's default keyframe interval, so a seek
 # usually lands nearer the frame than the decoder already is.
@@ -90,7 +94,7 @@ def probe(source: str | Path | bytes) -> VideoInfo:
         frames = int(stream.frames or 0)
         fps = float(stream.average_rate or 0)
         seconds = float(container.duration or 0) / 1_000_000
-        if frames <= 0 and fps > 0 and seconds > 0:  # the header says how long: no need to read it all
+        if frames <= 0 and fps > 0 and seconds > COUNT_PACKETS_UP_TO_S:  # a long clip: its length, not a read
             frames = round(seconds * fps)
         if frames <= 0 or fps <= 0:  # some containers do not say: count the packets
             frames = sum(1 for p in container.demux(stream) if p.size)
