@@ -35,15 +35,12 @@ def _group_alive(pgid: int) -> bool:
 
 
 class ServerProcess:
-    """The pid (and process group) of one running stdio server; ``end`` from any thread."""
+    """The pid (and process group) of one running stdio server: ended on the link's loop
+    (``end``), or killed from any thread when that loop cannot run (``kill_now``)."""
 
     def __init__(self) -> None:
         self.pid: int | None = None
         self._process: Any = None  # anyio Process, on the link's loop
-
-    @property
-    def running(self) -> bool:
-        return self.pid is not None and (self._process is None or self._process.returncode is None)
 
     def _signal(self, sig: int) -> bool:
         """Send ``sig`` to the server's group; False when the group is gone."""

@@ -29,7 +29,7 @@ from tests.tiny_models import make_tiny_llama
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 
 SERVER = '''
-import os, sys, time
+import os, signal, subprocess, sys, time
 from typing import Literal
 from mcp.server.mcpserver import MCPServer
 
@@ -43,6 +43,12 @@ def lookup(city: Literal["paris", "rome"]) -> str:
         f.write(city + "\\n")
     if mode == "crash":
         os._exit(3)
+    if mode == "family":  # a helper process, then a hang that shrugs off SIGTERM
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {helper.pid}\\n")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
     if mode == "hang":
         time.sleep(3600)  # the app ends it on the timeout: a test that fails here leaves it behind
     return f"weather in {city}: sunny"
@@ -446,3 +452,21 @@ def test_a_history_from_before_tool_turns_loads_and_reads_as_text(make_window, r
     assert messages == [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": old}]
     window.store.update_message(2, tool_turns=[{"text": "", "calls": []}])  # the new column takes writes
     assert window.store.message(2).tool_turns == [{"text": "", "calls": []}]
+
+
+def test_a_hung_server_that_ignores_sigterm_is_killed_with_its_helpers(make_window, run_async, places):
+    """Terminate, then kill after the grace period, the whole process group: the server
+    and the helper it started both end."""
+    from app.controllers.tools import ToolCall, ToolError
+
+    command, log = places("family")
+    window = make_window()
+    window.tools.timeout_s = 2.0
+    window.tools.add_server("places", command)
+    run_async(window.tools.offered())
+    with pytest.raises(ToolError, match="did not answer the call to lookup within 2 s"):
+        run_async(window.tools.call(ToolCall("c1", "lookup", '{"city": "rome"}')))
+    city, pids = log.read_text().splitlines()
+    server, helper = (int(p) for p in pids.split())
+    assert city == "rome"
+    assert _gone_within(server, 1.0) and _gone_within(helper, 1.0)  # already, after the grace
