@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS messages (
     stats TEXT NOT NULL DEFAULT '{}',
     model TEXT NOT NULL DEFAULT '',
     adapters TEXT NOT NULL DEFAULT '[]',
+    tool_turns TEXT NOT NULL DEFAULT '[]',
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
@@ -99,6 +100,8 @@ class Message:
     created_at: float = 0.0
     updated_at: float = 0.0
     attachments: list[tuple[str, str]] = field(default_factory=list)  # (kind, stored path)
+    # An assistant reply's tool rounds (app.controllers.tool_turns); [] for none or an older reply.
+    tool_turns: list[dict[str, Any]] = field(default_factory=list)
 
 
 class StoreError(Exception):
@@ -140,6 +143,11 @@ class HistoryStore:
         cols = {r["name"] for r in self._db.execute("PRAGMA table_info(conversations)")}
         if "adapters" not in cols:
             self._write("ALTER TABLE conversations ADD COLUMN adapters TEXT NOT NULL DEFAULT '{}'")
+        # A reply's tool calls and results, kept apart from its text (app.controllers.tool_turns);
+        # older replies hold them in their text only, and are read as text.
+        cols = {r["name"] for r in self._db.execute("PRAGMA table_info(messages)")}
+        if "tool_turns" not in cols:
+            self._write("ALTER TABLE messages ADD COLUMN tool_turns TEXT NOT NULL DEFAULT '[]'")
 
     def close(self) -> None:
         self._db.close()
@@ -265,8 +273,11 @@ class HistoryStore:
         status: str | None = None,
         stats: dict | None = None,
         adapters: dict[str, float] | None = None,
+        tool_turns: list[dict[str, Any]] | None = None,
     ) -> None:
         fields: dict[str, Any] = {"updated_at": time.time()}
+        if tool_turns is not None:
+            fields["tool_turns"] = json.dumps(tool_turns)
         if adapters is not None:
             fields["adapters"] = json.dumps(adapters)
         if content is not None:
@@ -383,6 +394,7 @@ class HistoryStore:
                     **({"model": m.model} if m.model else {}),
                     **({"adapters": m.adapters} if m.adapters else {}),
                     **({"attachments": [{"kind": k, "path": p} for k, p in m.attachments]} if m.attachments else {}),
+                    **({"tool_turns": m.tool_turns} if m.tool_turns else {}),
                     "created_at": m.created_at,
                 }
                 for m in self.thread(conversation_id)
@@ -439,6 +451,7 @@ def _message(row: sqlite3.Row) -> Message:
         adapters=_scales(row["adapters"]),
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        tool_turns=json.loads(row["tool_turns"] or "[]"),
     )
 
 

@@ -96,6 +96,9 @@ class GenerationResult:
     context_full: bool = False
     # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks.
     denoising_steps: int | None = None
+    # One line each about how the prompt's media was taken (a long video sampled to the
+    # model's frame limit, audio cut to what the model hears).
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -8,7 +8,6 @@ the first token, and its text is committed at least once a second while it grows
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 
 from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
+from app.controllers import tool_turns
 from app.controllers.tools import ToolCall, ToolError, ToolsController
 from app.qt import QObject, QTimer, Signal, emit
 from app.store import HistoryStore, Message, StoreError
@@ -105,6 +105,7 @@ class ChatController(QObject):
         self.plain_tps: dict[str, float] = {}  # model path -> last plain decoding speed
         self._answer = ""
         self._reasoning = ""
+        self._rounds: list[dict[str, Any]] = []  # the reply's tool rounds (app.controllers.tool_turns)
         self._saved_len = (0, 0)
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
@@ -298,6 +299,7 @@ class ChatController(QObject):
             emit(self.failed, f"{exc} No reply was asked for.")
             return
         self._answer = self._reasoning = ""
+        self._rounds = []
         self._saved_len = (0, 0)
         reply = self.store.message(self.reply_id)
         sibs = self.store.siblings(self.reply_id)
@@ -337,7 +339,13 @@ class ChatController(QObject):
             if result is not None and self.caches is not None:
                 spawn(self.caches.save(conv.id))
             self._save(
-                reply_id, content=self._answer, reasoning=self._reasoning, status=status, stats=stats, adapters=adapters
+                reply_id,
+                content=self._answer,
+                reasoning=self._reasoning,
+                status=status,
+                stats=stats,
+                adapters=adapters,
+                tool_turns=self._rounds,
             )
             self.view.stop_streaming()
             widget = self.view.widgets.get(reply_id)
@@ -350,6 +358,8 @@ class ChatController(QObject):
                 emit(self.status, f"{stats.get('generated_tokens', 0)} tokens in {time.monotonic() - started:.1f} s")
             elif status == "cancelled":
                 emit(self.status, "Stopped.")
+            if result is not None and result.notes and self._sent_media(parent_id):
+                emit(self.status, " ".join(result.notes))  # a long video sampled, audio cut: said once
             emit(self.reply_finished, reply_id, result)
 
     # ---- MCP tools ---------------------------------------------------------------------------
@@ -377,11 +387,12 @@ class ChatController(QObject):
         result: api.GenerationResult,
     ) -> api.GenerationResult:
         """While the reply calls tools: show each call, ask (unless always allowed), run it,
-        hand the result back as a tool message, and let the model go on. The transcript keeps
-        a readable record of the calls in place of their raw markers."""
+        hand the result back as a tool message, and let the model go on. The calls are kept
+        as the reply's tool rounds (saved as they go); the transcript shows their record
+        in place of the raw markers."""
         assert self.tools is not None
         fmt = FORMATS[info.tool_format]
-        record = ""
+        rounds = self._rounds
         self._stop_tools = False
         for _ in range(MAX_TOOL_ROUNDS):
             if result.finish_reason not in ("stop", "length"):
@@ -389,53 +400,46 @@ class ChatController(QObject):
             text, calls = parse_tool_calls(fmt, result.text)
             if not calls:
                 break
-            record += text
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": text,
-                    "tool_calls": [
-                        {
-                            "id": c.id,
-                            "type": "function",
-                            "function": {
-                                "name": c.name,
-                                "arguments": c.arguments if fmt.arguments_as_text else json.loads(c.arguments),
-                            },
-                        }
-                        for c in calls
-                    ],
-                }
-            )
-            for c in calls:
-                call = ToolCall(c.id, c.name, c.arguments)
-                record += f"\n\n🔧 **{c.name}** `{c.arguments}`"
-                self._show_record(record + " — waiting for approval…")
-                decision = await self.tools.decide(call)
+            turn = tool_turns.new_round(text, [(c.id, c.name, c.arguments) for c in calls])
+            rounds.append(turn)
+            for entry in turn["calls"]:
+                call = ToolCall(entry["id"], entry["name"], entry["arguments"])
+                self._show_rounds()
+                decision = entry["decision"] = await self.tools.decide(call)
                 if decision == "deny":
-                    outcome, shown = "The user declined this tool call.", "declined"
+                    tool_turns.settle(entry, tool_turns.DENIED, tool_turns.DECLINED, "declined")
                 else:
-                    self._show_record(record + " — running…")
+                    entry["state"] = tool_turns.RUNNING
+                    self._show_rounds()
                     try:
-                        outcome = shown = await self.tools.call(call)
+                        tool_turns.settle(entry, tool_turns.DONE, await self.tools.call(call))
                     except ToolError as exc:
-                        outcome, shown = f"Error: {exc}", f"⚠ {exc}"
+                        tool_turns.settle(entry, tool_turns.FAILED, f"Error: {exc}", f"⚠ {exc}")
                         emit(self.status, str(exc))
-                record += f" → {shown}\n\n"
-                self._show_record(record)
-                messages.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": outcome})
+                self._show_rounds()
+            messages += tool_turns.engine_messages("", [turn], fmt.arguments_as_text)
             params.constraint = None  # a forced call is forced once; the answer is the model's
             if self._stop_tools:
                 result = replace(result, text="", finish_reason="cancelled")
                 break
             result = await self.bridge.generate(conv_id, messages, params, tools=tools)
-        if record:
-            result = replace(result, text=record + result.text)
+        if rounds:
+            result = replace(result, text=tool_turns.record(rounds) + result.text)
         return result
 
-    def _show_record(self, text: str) -> None:
-        self._answer = text
-        self.view.set_answer(text)
+    def _sent_media(self, message_id: int) -> bool:
+        """Whether the message answered carries media (its notes are news only once)."""
+        return bool(self.store.attachments(message_id))
+
+    def _show_rounds(self) -> None:
+        """Show the calls as they stand and save them (a crash keeps what ran)."""
+        self._answer = tool_turns.record(self._rounds)
+        self.view.set_answer(self._answer)
+        if self.reply_id is not None:
+            try:
+                self.store.update_message(self.reply_id, content=self._answer, tool_turns=self._rounds)
+            except StoreError as exc:  # the final save tries again
+                emit(self.status, str(exc))
 
     def _engine_messages(self, history: list[Message], info: api.ModelInfo) -> list[dict[str, Any]]:
         """The thread as the engine reads it: attachments become media parts (by their stored
@@ -446,7 +450,14 @@ class ChatController(QObject):
         if skipped:
             what = " and ".join(sorted("audio" if k == "audio" else f"{k}s" for k in skipped))
             emit(self.status, f"Earlier {what} in this chat are left out: {info.name} cannot take them.")
-        return [{"role": m.role, "content": message_content(m.content, m.attachments, kinds)} for m in history]
+        as_text = getattr(FORMATS.get(getattr(info, "tool_format", None) or ""), "arguments_as_text", False)
+        out: list[dict[str, Any]] = []
+        for m in history:
+            if m.role == "assistant" and m.tool_turns:  # its calls and results as the template writes them
+                out += tool_turns.engine_messages(m.content, m.tool_turns, as_text)
+            else:
+                out.append({"role": m.role, "content": message_content(m.content, m.attachments, kinds)})
+        return out
 
     async def apply_adapter_choice(self, chosen: dict[str, float]) -> dict[str, float]:
         """Make the conversation's adapter choice the worker's active set (only adapters

@@ -8,6 +8,8 @@ Each server is talked to on its own thread with its own event loop (``_Link``): 
 tasks and subprocess stay off the window's loop, and a server that hangs holds only its
 own thread. Every request has a deadline; a server that crashes (its pipe closes) or
 misses the deadline becomes a readable ``ToolError`` and is started again on next use.
+A stdio server's process is the app's own (app.controllers.mcp_process): it is ended,
+its whole process group with it, on a timeout, a crash, removal, disabling and quit.
 No widgets here: the window supplies ``approve`` (app.ui.tool_approval).
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from app.controllers.mcp_process import ServerProcess, stdio_transport
 from app.qt import QObject, Signal, emit
 
 CONFIG_NAME = "mcp.json"
@@ -105,6 +108,7 @@ class _Link:
         self._client: Any = None
         self._stop: asyncio.Event | None = None
         self._task: Any = None
+        self.process = ServerProcess()  # a stdio server's pid while it runs
 
     def _run(self) -> None:
         self.loop.run_forever()
@@ -117,7 +121,6 @@ class _Link:
     async def _hold(self, ready: asyncio.Future) -> None:
         """Open the client and keep it open (the SDK's scopes must close in the task that opened them)."""
         from mcp import Client
-        from mcp.client.stdio import StdioServerParameters
 
         if self.server.url:
             target: Any = self.server.url
@@ -125,7 +128,7 @@ class _Link:
             parts = shlex.split(self.server.command)
             if not parts:
                 raise ToolError(f"The MCP server '{self.server.name}' has no command.")
-            target = StdioServerParameters(command=parts[0], args=parts[1:])
+            target = stdio_transport(parts[0], parts[1:], self.process)
         self._stop = asyncio.Event()
         try:
             async with Client(target) as client:
@@ -146,19 +149,26 @@ class _Link:
         try:
             return await asyncio.wait_for(ready, START_TIMEOUT_S)
         except asyncio.TimeoutError:
+            await self.process.end()
             self._task.cancel()
             raise ToolError(
                 f"The MCP server '{self.server.name}' did not start within {START_TIMEOUT_S:.0f} s."
             ) from None
 
     def _reset(self) -> None:
-        """Let the connection close (the SDK ends the server's process on the way out)."""
+        """Let the connection close (the transport ends the server's process on the way out)."""
         if self._stop is not None:
             self._stop.set()
         self._client = None
 
-    async def _shutdown(self) -> None:
+    async def _drop(self) -> None:
+        """A hung or broken server: end its process now (the connection then sees its pipes
+        close), so nothing of it outlives the failure; the next use starts it afresh."""
+        await self.process.end()
         self._reset()
+
+    async def _shutdown(self) -> None:
+        await self._drop()
         if self._task is not None and not self._task.done():
             try:
                 await asyncio.wait_for(self._task, 5.0)
@@ -172,13 +182,13 @@ class _Link:
             client = await self._connected()
             return await asyncio.wait_for(call(client), timeout)
         except ToolError:
-            self._reset()
+            await self._drop()
             raise
         except asyncio.TimeoutError:
-            self._reset()  # a hung server is started afresh next time
+            await self._drop()  # a hung server is started afresh next time
             raise ToolError(f"The MCP server '{name}' did not answer {what} within {timeout:.0f} s.") from None
         except Exception as exc:
-            self._reset()
+            await self._drop()
             if "closed" in str(exc).lower() or isinstance(exc, (OSError, EOFError)):
                 raise ToolError(f"The MCP server '{name}' stopped ({_one_line(exc)}) during {what}.") from None
             raise ToolError(f"The MCP server '{name}' failed {what}: {_one_line(exc)}") from None
@@ -186,9 +196,9 @@ class _Link:
     def close(self) -> None:
         """End the connection and the thread (waits a few seconds at most)."""
         try:
-            self.submit(self._shutdown()).result(timeout=6.0)
-        except Exception:  # noqa: BLE001 - a server that will not close is left to the OS
-            pass
+            self.submit(self._shutdown()).result(timeout=10.0)
+        except Exception:  # noqa: BLE001 - a wedged loop: kill the server from here
+            self.process.kill_now()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5.0)
 
@@ -224,7 +234,7 @@ class ToolsController(QObject):
         for name in list(self._links):
             old = self._links[name].server
             new = keep.get(name)
-            if new is None or (new.command, new.url) != (old.command, old.url):
+            if new is None or not new.enabled or (new.command, new.url) != (old.command, old.url):
                 self._links.pop(name).close()
         self.servers = list(servers)
         save_servers(self.data_dir, self.servers)

@@ -3,7 +3,7 @@ when the model will see only part of the frames, and playback on click.
 
 The poster comes from the engine's PyAV reader (the first frame; no mlx), decoded off the
 GUI thread like an image's thumbnail, and the same reader's one-line refusals (corrupt,
-no video stream, too long) take a bad file off again at once. Playback uses QtMultimedia
+no video stream) take a bad file off again at once. Playback uses QtMultimedia
 when the installed Qt has it, else the system's player.
 """
 

@@ -352,6 +352,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise
     if args.cache_file is not None:
         host.save_session("", args.cache_file)
+    for note in result.notes:  # how the media was taken (a long video sampled, audio cut)
+        print(f"note: {note}", file=sys.stderr)
     if args.json:
         stats = result.stats
         out = {
@@ -367,6 +369,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }
         if args.cache_file is not None:
             out["cached_tokens"] = stats.cached_tokens
+        if result.notes:
+            out["notes"] = result.notes
         if result.denoising_steps is not None:  # block diffusion
             out["denoising_steps"] = result.denoising_steps
         if params.speculative is not None:

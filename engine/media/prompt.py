@@ -31,6 +31,9 @@ class PreparedMedia:
     # Several runs of soft tokens in ``text``, each encoded on its own (Gemma 3's
     # pan-and-scan: the whole image, then its crops); empty when the item is one run.
     views: list[PreparedMedia] = field(default_factory=list)
+    # What the user should know about how the item was taken (a long video sampled to the
+    # model's frame limit, audio cut to what the model hears); "" when nothing.
+    note: str = ""
 
     def runs(self) -> list[PreparedMedia]:
         """The runs of soft tokens this item puts in the prompt, in order, each with its own
@@ -65,6 +68,7 @@ class MediaPrompt:
     ids: list[int]
     keys: list[Hashable]  # ids, with media tokens replaced by (content key, index)
     spans: list[MediaSpan] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # the items' notes, in order
 
 
 def expand_placeholders(text: str, items: list[PreparedMedia], placeholders: dict[str, str]) -> str:
@@ -116,4 +120,4 @@ def locate_media(ids: list[int], items: list[PreparedMedia], token_ids: dict[str
             "The text holds a media placeholder token with no image or audio behind it; "
             "remove it from the message or attach the media."
         )
-    return MediaPrompt(ids=list(ids), keys=keys, spans=spans)
+    return MediaPrompt(ids=list(ids), keys=keys, spans=spans, notes=[i.note for i in items if i.note])

@@ -1,9 +1,10 @@
 """Reading video files with PyAV (FFmpeg): the clip's frame count and rate, and the
 frames at chosen numbers, decoded in order as transformers' PyAV loader does (every
-frame up to the last one wanted is decoded; the wanted ones are kept as RGB).
+frame up to the last one wanted is decoded; the wanted ones are kept as RGB), or, for
+a clip sampled sparsely over a long duration, by seeking to each wanted frame (from
+the keyframe before it), so a 3-hour video costs about the frames sampled.
 
-Every failure is a MediaError with one line: not a video, no video stream, corrupt,
-or longer than ``MAX_SECONDS``.
+Every failure is a MediaError with one line: not a video, no video stream, corrupt.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ import numpy as np
 
 from engine.errors import MediaError
 
-# Frames are decoded in order up to the last sampled one; past this length that takes
-# minutes, so longer clips are refused with a note to trim them.
-MAX_SECONDS = 20 * 60
+# A container that does not give the frame count has its packets counted (exact, as
+# reading the file through) up to this length; past it the count comes from the duration.
+COUNT_PACKETS_UP_TO_S = 20 * 60
+
+# Past this many frames ahead, the next wanted frame is reached by seeking (to the keyframe
+# before it) rather than by decoding on: x264's default keyframe interval, so a seek
+# usually lands nearer the frame than the decoder already is.
+SEEK_GAP_FRAMES = 250
 
 
 @dataclass
@@ -87,6 +93,9 @@ def probe(source: str | Path | bytes) -> VideoInfo:
         stream = _stream(container, name)
         frames = int(stream.frames or 0)
         fps = float(stream.average_rate or 0)
+        seconds = float(container.duration or 0) / 1_000_000
+        if frames <= 0 and fps > 0 and seconds > COUNT_PACKETS_UP_TO_S:  # a long clip: its length, not a read
+            frames = round(seconds * fps)
         if frames <= 0 or fps <= 0:  # some containers do not say: count the packets
             frames = sum(1 for p in container.demux(stream) if p.size)
             seconds = float(container.duration or 0) / 1_000_000
@@ -98,33 +107,26 @@ def probe(source: str | Path | bytes) -> VideoInfo:
         container.close()
     if info.frames <= 0 or info.fps <= 0 or info.width <= 0 or info.height <= 0:
         raise MediaError(f"Video {name} has no frames that can be decoded.")
-    if info.seconds > MAX_SECONDS:
-        raise MediaError(
-            f"Video {name} is {_duration(info.seconds)} long; the longest this app samples is "
-            f"{_duration(MAX_SECONDS)}. Trim it first."
-        )
     return info
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """``1 h 05 min`` / ``4 min 09 s``: a clip's length as the notes say it."""
     s = round(seconds)
     return f"{s // 3600} h {s % 3600 // 60:02d} min" if s >= 3600 else f"{s // 60} min {s % 60:02d} s"
 
 
-def read_frames(source: str | Path | bytes, indices: Sequence[int]) -> np.ndarray:
-    """The frames numbered ``indices`` (ascending), uint8 (n, H, W, 3) RGB."""
+def read_frames(source: str | Path | bytes, indices: Sequence[int], *, seek: bool = False) -> np.ndarray:
+    """The frames numbered ``indices`` (ascending), uint8 (n, H, W, 3) RGB. Decoded in
+    order from the start, or with ``seek`` by seeking to each one (for frames far apart:
+    the cost is then a keyframe interval per frame, not the whole clip)."""
     name = _name(source)
-    wanted = {int(i) for i in indices}
-    last = max(wanted)
+    wanted = sorted({int(i) for i in indices})
     container = _open(source)
-    frames = []
+    frames: list[np.ndarray] = []
     try:
-        _stream(container, name)
-        for i, frame in enumerate(container.decode(video=0)):
-            if i > last:
-                break
-            if i in wanted:
-                frames.append(frame.to_ndarray(format="rgb24"))
+        stream = _stream(container, name)
+        (_seek_frames if seek else _decode_frames)(container, stream, wanted, frames)  # fills ``frames``
     except _errors() as e:
         if not frames:
             raise MediaError(f"Video {name} is corrupt or truncated ({_reason(e)}).") from None
@@ -133,6 +135,43 @@ def read_frames(source: str | Path | bytes, indices: Sequence[int]) -> np.ndarra
     if not frames:
         raise MediaError(f"Video {name} has no frames that can be decoded.")
     return np.stack(frames)
+
+
+def _decode_frames(container, stream, wanted: list[int], frames: list[np.ndarray]) -> None:
+    """Every frame up to the last wanted one, in order (transformers' PyAV loader)."""
+    keep, last = set(wanted), wanted[-1]
+    for i, frame in enumerate(container.decode(video=0)):
+        if i > last:
+            break
+        if i in keep:
+            frames.append(frame.to_ndarray(format="rgb24"))
+
+
+def _seek_frames(container, stream, wanted: list[int], frames: list[np.ndarray]) -> None:
+    """Each wanted frame by its time (frame n of a clip at r frames a second starts at
+    n / r s): one far ahead is reached by seeking to the keyframe before it, one near by
+    decoding on; either way decoding stops at the first frame at its time."""
+    fps = float(stream.average_rate or 0)
+    base = stream.time_base
+    if not fps or base is None:
+        return _decode_frames(container, stream, wanted, frames)
+    start = int(stream.start_time or 0)
+    half = 0.5 / fps / base  # pts rounding in the container: within half a frame is the frame
+    decoded, position = None, None  # the decoder, and the number of the next frame it gives
+    for n in wanted:
+        target = start + int(round(n / fps / base))
+        if decoded is None or position is None or n - position > SEEK_GAP_FRAMES:
+            container.seek(target, stream=stream, backward=True)
+            decoded = container.decode(stream)
+        chosen = None
+        for frame in decoded:
+            if frame.pts is not None and frame.pts >= target - half:
+                chosen = frame
+                break
+        if chosen is None:  # past the end (a header longer than the stream): the rest too
+            break
+        position = n + 1
+        frames.append(chosen.to_ndarray(format="rgb24"))
 
 
 def poster(source: str | Path | bytes) -> tuple[np.ndarray, VideoInfo]:

@@ -354,6 +354,7 @@ class ChatSession:
         ):
             if isinstance(item, GenerationResult):
                 item.dropped_messages = dropped
+                item.notes = list(prompt.notes) if prompt is not None else []
             yield item
 
     def _fit(

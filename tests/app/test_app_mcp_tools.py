@@ -11,10 +11,12 @@ for a second, unconstrained answer from the same random model.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from tests.tiny_models import make_tiny_llama
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 
 SERVER = '''
-import os, sys, time
+import os, signal, subprocess, sys, time
 from typing import Literal
 from mcp.server.mcpserver import MCPServer
 
@@ -41,8 +43,14 @@ def lookup(city: Literal["paris", "rome"]) -> str:
         f.write(city + "\\n")
     if mode == "crash":
         os._exit(3)
+    if mode == "family":  # a helper process, then a hang that shrugs off SIGTERM
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {helper.pid}\\n")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
     if mode == "hang":
-        time.sleep(60)  # long past the test's 2 s deadline, short enough not to outlive the run by much
+        time.sleep(3600)  # the app ends it on the timeout: a test that fails here leaves it behind
     return f"weather in {city}: sunny"
 
 if mode.startswith("http:"):  # Streamable HTTP on that port
@@ -95,21 +103,25 @@ def _window(make_window, run_async, tool_model, command):
     return window
 
 
-def _spy(window):
-    """Every message list the window sends the engine (the real bridge still answers)."""
+def _spy(window, offered: list | None = None):
+    """Every message list the window sends the engine (the real bridge still answers), and
+    into ``offered`` the tools sent with each."""
     sent: list[list[dict]] = []
     original = window.bridge.generate
 
     async def generate(conv, messages, params=None, tools=None):
         sent.append([dict(m) for m in messages])
+        if offered is not None:
+            offered.append(tools)
         return await original(conv, messages, params, tools=tools)
 
     window.bridge.generate = generate
     return sent
 
 
-def _send(qtbot, window, text, decide=None):
-    """Send ``text``; when ``decide`` names a button, wait for the approval bar and click it."""
+def _send(qtbot, window, text, decide=None, asked=None):
+    """Send ``text``; when ``decide`` names a button, wait for the approval bar and click it
+    (calling ``asked()`` first, while the call waits)."""
     window.composer.edit.setPlainText(text)
     with qtbot.wait_signal(window.chat.reply_finished, timeout=90_000) as blocker:
         window.composer.send_button.click()
@@ -117,6 +129,8 @@ def _send(qtbot, window, text, decide=None):
             qtbot.waitUntil(window.tool_approval.isVisible, timeout=60_000)
             assert "lookup" in window.tool_approval.label.text()
             assert "places" in window.tool_approval.label.text()
+            if asked is not None:
+                asked()
             getattr(window.tool_approval, decide).click()
     return blocker.args
 
@@ -181,7 +195,9 @@ def test_a_server_that_crashes_is_reported_and_the_app_goes_on(qtbot, make_windo
     command, log = places("crash")
     window = _window(make_window, run_async, tool_model, command)
     sent = _spy(window)
-    _, result = _send(qtbot, window, "weather?", decide="allow_button")
+    pids: list[int] = []
+    _, result = _send(qtbot, window, "weather?", decide="allow_button", asked=lambda: pids.append(_server_pid(window)))
+    assert _gone_within(pids[0], 5.0) and window.tools._links["places"].process.pid is None
     stored = window.store.thread(window.chat.conversation_id)[-1]
     assert "⚠ The MCP server 'places' stopped" in stored.content and stored.status == "complete"
     assert sent[1][-1]["content"].startswith("Error: The MCP server 'places' stopped")
@@ -191,17 +207,73 @@ def test_a_server_that_crashes_is_reported_and_the_app_goes_on(qtbot, make_windo
     assert again.finish_reason in ("stop", "length") and again.stats.generated_tokens >= 1
 
 
-def test_a_server_that_hangs_times_out(qtbot, make_window, run_async, tool_model, places):
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has ended: only its reaping is left)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _server_pid(window, name: str = "places") -> int:
+    link = window.tools._links.get(name)
+    assert link is not None and link.process.pid is not None
+    return link.process.pid
+
+
+def test_a_server_that_hangs_times_out_and_its_process_is_ended(qtbot, make_window, run_async, tool_model, places):
     command, log = places("hang")
     window = _window(make_window, run_async, tool_model, command)
     window.tools.timeout_s = 2.0
     notes: list[str] = []
     window.chat.status.connect(notes.append)
-    _, result = _send(qtbot, window, "weather?", decide="allow_button")
+    pids: list[int] = []  # the server listed its tools and runs, waiting for the call
+    _send(qtbot, window, "weather?", decide="allow_button", asked=lambda: pids.append(_server_pid(window)))
+    pid = pids[0]
     stored = window.store.thread(window.chat.conversation_id)[-1]
     assert "did not answer the call to lookup within 2 s" in stored.content and stored.status == "complete"
     assert log.read_text().split()[0] in ("paris", "rome")  # it was called, and never answered
     assert any("did not answer the call to lookup" in n for n in notes)  # and the status bar says so
+    assert _gone_within(pid, 1.0), "the hung MCP server's process outlived the timeout"
+    # Next use starts it afresh.
+    run_async(window.tools.offered())
+    assert _server_pid(window) != pid and _alive(_server_pid(window))
+
+
+def test_a_stdio_server_process_ends_when_removed_disabled_or_the_app_quits(make_window, run_async, places):
+    command, _ = places("ok")
+    window = make_window()
+    window.tools.add_server("places", command)
+    run_async(window.tools.offered())
+    first = _server_pid(window)
+    assert _alive(first)
+    window.tools.set_servers([replace(s, enabled=False) for s in window.tools.servers])  # disabled
+    assert _gone_within(first, 5.0)
+    assert run_async(window.tools.offered()) == []  # nothing offered, nothing started
+    window.tools.set_servers([replace(s, enabled=True) for s in window.tools.servers])
+    run_async(window.tools.offered())
+    second = _server_pid(window)
+    assert second != first and _alive(second)
+    window.tools.remove_server("places")  # removed
+    assert _gone_within(second, 5.0)
+    window.tools.add_server("places", command)
+    run_async(window.tools.offered())
+    third = _server_pid(window)
+    window.close()  # the app quits
+    assert _gone_within(third, 5.0)
 
 
 def test_settings_tools_lists_adds_and_removes_servers(qtbot, make_window, tmp_path):
@@ -273,3 +345,128 @@ def test_stop_while_a_call_waits_for_approval_ends_the_reply(qtbot, make_window,
     stored = window.store.thread(window.chat.conversation_id)[-1]
     assert stored.status == "cancelled" and "→ declined" in stored.content
     assert not window.tool_approval.isVisible()
+
+
+QWEN_TEMPLATE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "chat_templates"
+QWEN_TEMPLATE = QWEN_TEMPLATE / "llama.cpp" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+
+
+@pytest.fixture(scope="module")
+def qwen_tool_model(tmp_path_factory) -> Path:
+    """The tiny random model with Qwen2.5's real chat template."""
+    if not QWEN_TEMPLATE.is_file():
+        pytest.skip(f"{QWEN_TEMPLATE} is not here (../shared/data is absent)")
+    folder = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-qwen-tools")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN_TEMPLATE.read_text()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _qwen_exchange(city: str, text: str, answer: str) -> str:
+    """One call and its result as Qwen2.5's template writes them, then the answer."""
+    return (
+        "<|im_start|>assistant" + (f"\n{text}" if text else "") + "\n<tool_call>\n"
+        f'{{"name": "lookup", "arguments": {{"city": "{city}"}}}}\n</tool_call><|im_end|>\n'
+        f"<|im_start|>user\n<tool_response>\nweather in {city}: sunny\n</tool_response><|im_end|>\n"
+        + (f"<|im_start|>assistant\n{answer}<|im_end|>\n" if answer else "")
+    )
+
+
+def test_tool_turns_reach_the_next_turn_in_the_templates_own_form_and_survive_a_restart(
+    qtbot, make_window, run_async, qwen_tool_model, places, tmp_path
+):
+    from app.controllers import tool_turns
+    from engine.text.chat_template import ChatTemplate
+
+    command, log = places("ok")
+    window = _window(make_window, run_async, qwen_tool_model, command)
+    conv = window.chat.conversation_id
+    window.store.update_conversation(conv, settings={"max_tokens": 120, "seed": 3, "tool_choice": "required"})
+    offered: list = []
+    sent = _spy(window, offered)
+    _send(qtbot, window, "weather?", decide="always_button")
+    city = log.read_text().split()[0]
+    reply = window.store.thread(conv)[-1]
+    [turn] = reply.tool_turns  # kept apart from the text, with its approval state and result
+    assert [(c["name"], c["decision"], c["state"], c["result"]) for c in turn["calls"]] == [
+        ("lookup", "always", tool_turns.DONE, f"weather in {city}: sunny")
+    ]
+    answer = tool_turns.answer_of(reply.content, reply.tool_turns)
+    assert reply.content == tool_turns.record(reply.tool_turns) + answer  # the transcript's record, then the answer
+    assert f'🔧 **lookup** `{{"city": "{city}"}}` → weather in {city}: sunny' in reply.content
+
+    template = ChatTemplate(QWEN_TEMPLATE.read_text())
+    exchange = _qwen_exchange(city, turn["text"], answer)
+    window.store.update_conversation(conv, settings={"max_tokens": 8, "seed": 3})  # the model answers freely
+    _send(qtbot, window, "and tomorrow?")
+    second = template.render(sent[2], tools=offered[2], add_generation_prompt=True)
+    assert exchange + "<|im_start|>user\nand tomorrow?<|im_end|>\n<|im_start|>assistant\n" in second
+    assert "🔧" not in second  # the transcript's record is not what the model reads
+
+    window.close()
+    window.store.close()
+    again = make_window(tmp_path / "data")
+    assert again.store.thread(conv)[1].tool_turns == reply.tool_turns
+    run_async(again.load_model(str(qwen_tool_model)))
+    again.chat.open(conv)
+    again.store.update_conversation(conv, settings={"max_tokens": 8, "seed": 3})
+    offered_again: list = []
+    sent_again = _spy(again, offered_again)
+    _send(qtbot, again, "thanks")
+    third = template.render(sent_again[0], tools=offered_again[0], add_generation_prompt=True)
+    assert exchange + "<|im_start|>user\nand tomorrow?<|im_end|>\n" in third
+    assert third.endswith("<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_history_from_before_tool_turns_loads_and_reads_as_text(make_window, run_async, tool_model, tmp_path):
+    """A reply stored with its calls inside its text (no tool_turns column): the store adds
+    the column, the reply shows as it did, and the model reads it as the text it was."""
+    import sqlite3
+
+    from app import store as store_module
+
+    data = tmp_path / "old"
+    data.mkdir()
+    old_schema = store_module.SCHEMA.replace("    tool_turns TEXT NOT NULL DEFAULT '[]',\n", "")
+    assert old_schema != store_module.SCHEMA
+    db = sqlite3.connect(data / store_module.DB_NAME)
+    db.executescript(old_schema)
+    db.execute("INSERT INTO conversations (id, title, created_at, updated_at, leaf_id) VALUES (1, 'old', 1, 1, 2)")
+    old = '\n\n🔧 **lookup** `{"city": "rome"}` → weather in rome: sunny\n\nSunny in Rome.'
+    db.execute(
+        "INSERT INTO messages (id, conversation_id, parent_id, role, content, created_at, updated_at)"
+        " VALUES (1, 1, NULL, 'user', 'weather?', 1, 1), (2, 1, 1, 'assistant', ?, 2, 2)",
+        (old,),
+    )
+    db.commit()
+    db.close()
+
+    window = make_window(data)
+    thread = window.store.thread(1)
+    assert [(m.role, m.content, m.tool_turns) for m in thread] == [("user", "weather?", []), ("assistant", old, [])]
+    window.chat.open(1)
+    assert window.chat_view.widgets[2].content == old
+    assert run_async(window.load_model(str(tool_model)))
+    messages = window.chat._engine_messages(thread, window.bridge.model_info)
+    assert messages == [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": old}]
+    window.store.update_message(2, tool_turns=[{"text": "", "calls": []}])  # the new column takes writes
+    assert window.store.message(2).tool_turns == [{"text": "", "calls": []}]
+
+
+def test_a_hung_server_that_ignores_sigterm_is_killed_with_its_helpers(make_window, run_async, places):
+    """Terminate, then kill after the grace period, the whole process group: the server
+    and the helper it started both end."""
+    from app.controllers.tools import ToolCall, ToolError
+
+    command, log = places("family")
+    window = make_window()
+    window.tools.timeout_s = 2.0
+    window.tools.add_server("places", command)
+    run_async(window.tools.offered())
+    with pytest.raises(ToolError, match="did not answer the call to lookup within 2 s"):
+        run_async(window.tools.call(ToolCall("c1", "lookup", '{"city": "rome"}')))
+    city, pids = log.read_text().splitlines()
+    server, helper = (int(p) for p in pids.split())
+    assert city == "rome"
+    assert _gone_within(server, 1.0) and _gone_within(helper, 1.0)  # already, after the grace

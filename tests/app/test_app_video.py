@@ -127,3 +127,32 @@ def test_a_long_video_gets_a_note_about_its_sampling():
     assert video.sampling_note("short.mp4", 60.0) is None
     note = video.sampling_note("talk.mp4", 15 * 60.0)
     assert "talk.mp4" in note and "15:00" in note and "768 frames" in note
+
+
+def test_a_long_video_is_sent_sampled_and_the_status_bar_says_how(qtbot, make_window, run_async, video_model, tmp_path):
+    """25 minutes: past the tiny model's 8-frame limit. It is sent, not refused; the reply
+    is the model's and the engine's note (how many frames, over how long) reaches the
+    status bar; a follow-up without media does not repeat it."""
+    from tests.engine.media.clips import make_long_clip
+
+    long = make_long_clip(tmp_path / "talk.mp4")
+    window = make_window()
+    _load(window, run_async, video_model)
+    notes: list[str] = []
+    window.chat.status.connect(notes.append)
+    assert drop(window.composer, url_mime(long)).isAccepted()
+    qtbot.waitUntil(lambda: window.composer.checking == [], timeout=30_000)
+    assert window.composer.attachments == [("video", str(long))]
+    window.composer.edit.setPlainText("What happens?")
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=120_000) as blocker:
+        window.composer.send_button.click()
+    assert blocker.args[1].finish_reason in ("stop", "length")
+    said = [n for n in notes if "sampled to 8 frames" in n]
+    assert said == [
+        "A video of 25 min 00 s is longer than the model takes at 2 frames a second: "
+        "it was sampled to 8 frames over its whole duration (one every 187.5 s)."
+    ]
+    window.composer.edit.setPlainText("And then?")
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=120_000):
+        window.composer.send_button.click()
+    assert len([n for n in notes if "sampled to 8 frames" in n]) == 1

@@ -101,3 +101,36 @@ def test_the_window_refuses_a_144_megapixel_image_without_a_stall(qtbot, make_wi
     assert "144 megapixels" in reason and "\n" not in reason
     assert window.composer.attachments == []
     assert gaps[0] < 0.25, f"the window stalled {gaps[0] * 1000:.0f} ms"
+
+
+GOLDEN_VIDEO_MODEL = Path(__file__).resolve().parents[1] / "golden" / "qwen3_vl" / "qwen3_vl"
+
+
+@pytest.mark.parametrize("case", ["three hours", "corrupt", "no video stream"])
+def test_bad_videos_through_the_cli(tmp_path, capsys, shared_data, case):
+    """A 3-hour video is sampled (one note line, quickly); a corrupt file or one with no
+    video stream gets one error line."""
+    pytest.importorskip("av")
+    from engine.cli.main import main
+    from tests.engine.media.clips import make_clip, make_three_hour_clip
+
+    if case == "three hours":
+        path = make_three_hour_clip(tmp_path / "lecture.mov")
+    elif case == "corrupt":
+        path = tmp_path / "cut.mov"
+        path.write_bytes(make_clip(tmp_path / "whole.mov", shared_data / "images").read_bytes()[:300])
+    else:
+        path = shared_data / "audio" / "jfk.wav"
+    args = ["generate", "--model", str(GOLDEN_VIDEO_MODEL), "--chat", "--prompt", "what happens?"]
+    started = time.perf_counter()
+    code = main([*args, "--video", str(path), "--max-tokens", "2", "--json"])
+    took = time.perf_counter() - started
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    if case == "three hours":
+        assert code == 0
+        assert err.startswith("note: A video of 3 h 00 min is longer") and "sampled to 3 frames" in err
+        assert took < 20
+    else:
+        assert code != 0 and err.startswith("error: ")
+        assert ("no video stream" if case == "no video stream" else "not a video") in err or "corrupt" in err

@@ -364,10 +364,18 @@ class Gemma4AudioEncoder(LazyTowerEncoder):
         from engine.media.encoded_cache import media_key
         from engine.media.prompt import PreparedMedia
 
-        feats, mask = self.features(load_audio_source(item.source, self.features.sampling_rate))
+        samples = load_audio_source(item.source, self.features.sampling_rate)
+        feats, mask = self.features(samples)
         n = audio_soft_tokens(mask)
         key = media_key(item.source, {**self.features.settings(), "model": str(self.source.path), "tower": "gemma4"})
-        return PreparedMedia(kind="audio", key=key, n_tokens=n, text=f"{BOA}{AUDIO * n}{EOA}", data=(feats, mask))
+        return PreparedMedia(
+            kind="audio",
+            key=key,
+            n_tokens=n,
+            text=f"{BOA}{AUDIO * n}{EOA}",
+            data=(feats, mask),
+            note=self.features.cut_note(len(samples)),
+        )
 
     def build(self) -> Gemma4Audio:
         return Gemma4Audio(self.config, self.text_hidden)

@@ -137,7 +137,7 @@ class Gemma4AudioFeatures:
     min_frequency: float = 0.0
     max_frequency: float = 8000.0
     mel_floor: float = 1e-3
-    max_samples: int = 480_000  # 30 s: what the processor keeps of a clip
+    max_samples: int = 480_000  # 30 s: what the processor keeps of a clip (it cuts the rest)
     pad_to_multiple_of: int = 128
 
     @classmethod
@@ -181,16 +181,24 @@ class Gemma4AudioFeatures:
     def settings(self) -> dict[str, Any]:
         return {"processor": "gemma4-audio", **asdict(self)}
 
+    def cut_note(self, samples: int) -> str:
+        """The line saying a clip of ``samples`` was cut to what Gemma 4 hears ("" when not)."""
+        if samples <= self.max_samples:
+            return ""
+        rate = self.sampling_rate
+        return (
+            f"An audio clip of {samples / rate:.0f} s is longer than Gemma 4 hears: only its first "
+            f"{self.max_samples / rate:.0f} s were heard (cut it into parts, or transcribe it, for the rest)."
+        )
+
     def __call__(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """16 kHz mono samples -> (log-mel features float32 (frames, mels), valid-frame mask)."""
+        """16 kHz mono samples -> (log-mel features float32 (frames, mels), valid-frame mask).
+        A clip longer than ``max_samples`` is cut there, as Gemma4AudioFeatureExtractor's
+        default truncation does (``heard`` says how much of a clip that is)."""
         x = np.asarray(samples, dtype=np.float32)
         if x.ndim != 1 or x.shape[0] == 0:
             raise MediaError("The audio clip is empty.")
-        if x.shape[0] > self.max_samples:
-            raise MediaError(
-                f"The audio clip lasts {x.shape[0] / self.sampling_rate:.0f} s; Gemma 4 hears at most "
-                f"{self.max_samples // self.sampling_rate} s per clip. Cut it, or transcribe it first."
-            )
+        x = x[: self.max_samples]
         m = self.pad_to_multiple_of
         n = x.shape[0]
         padded = np.pad(x, (0, -(-n // m) * m - n))

@@ -25,7 +25,7 @@ from engine.media.prompt import PreparedMedia
 from engine.media.qwen3_vl.processor import VideoProcessor
 from engine.media.qwen3_vl.tower import RENAMES, VisionConfig, VisionModel, sanitize
 from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_preprocessor
-from engine.media.video import probe, read_frames
+from engine.media.video import duration_text, probe, read_frames
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -165,7 +165,10 @@ class VideoEncoder(_Encoder):
     def prepare(self, item: MediaInput) -> PreparedMedia:
         info = probe(item.source)
         indices = self.processor.sample(info.frames, info.fps)
-        frames = read_frames(item.source, indices)
+        # Past the processor's frame limit the samples lie far apart: seek to each rather
+        # than decode the whole clip (within it, decode in order as transformers does).
+        sampled = self.processor.wanted(info.frames, info.fps) > self.processor.max_frames
+        frames = read_frames(item.source, indices, seek=sampled)
         patches = self.processor(frames, indices[: len(frames)], info.fps)
         groups, h, w = patches.grid
         m = self.processor.merge_size
@@ -186,7 +189,18 @@ class VideoEncoder(_Encoder):
                 )
             )
             text.append(f"<{seconds:.1f} seconds>{VISION_START}{VIDEO_PAD * n}{VISION_END}")
-        return PreparedMedia(kind="video", key=key, n_tokens=n * groups, text="".join(text), data=None, views=views)
+        note = _sampled_note(info.seconds, len(frames), self.processor.fps) if sampled else ""
+        return PreparedMedia(
+            kind="video", key=key, n_tokens=n * groups, text="".join(text), data=None, views=views, note=note
+        )
+
+
+def _sampled_note(seconds: float, frames: int, fps: float) -> str:
+    # By its length, not its name: the app keeps attachments under content hashes.
+    return (
+        f"A video of {duration_text(seconds)} is longer than the model takes at {fps:g} frames a second: "
+        f"it was sampled to {frames} frames over its whole duration (one every {seconds / max(frames, 1):.1f} s)."
+    )
 
 
 def make_encoder(source: TowerSource) -> ImageEncoder:

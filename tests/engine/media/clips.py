@@ -46,3 +46,43 @@ def make_clip(path: Path, images: Path) -> Path:
         out.mux(packet)
     out.close()
     return path
+
+
+def make_long_clip(path: Path, seconds: int = 25 * 60, fps: int = 2, gop: int = 30) -> Path:
+    """A long clip that is cheap to make: ``seconds`` at ``fps`` frames a second, 64 x 64,
+    H.264 with a keyframe every ``gop`` frames (so reading a frame by seeking decodes from
+    the keyframe before it). Each frame differs: a level that moves with its number."""
+    import av
+
+    out = av.open(str(path), "w", format="mp4")
+    stream = out.add_stream("libx264", rate=fps, options={"preset": "ultrafast", "g": str(gop), "bf": "0"})
+    stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+    ramp = np.linspace(0, 63, 64, dtype=np.uint16)[None, :, None]
+    for i in range(seconds * fps):
+        level = (i * 37) % 192
+        frame = np.broadcast_to((ramp + level).astype(np.uint8), (64, 64, 3))
+        for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    return path
+
+
+def make_three_hour_clip(path: Path) -> Path:
+    """Three frames, one an hour: a three-hour video in a few hundred bytes."""
+    from fractions import Fraction
+
+    import av
+
+    out = av.open(str(path), "w", format="mov")
+    stream = out.add_stream("png", rate=Fraction(1, 3600))
+    stream.width, stream.height, stream.pix_fmt = 32, 32, "rgb24"
+    for i in range(3):
+        frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 60 * i, dtype=np.uint8), format="rgb24")
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    return path

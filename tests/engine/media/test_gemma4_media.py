@@ -30,6 +30,7 @@ from engine.runtime.host import ModelHost
 FOLDER = Path(__file__).resolve().parents[2] / "golden" / "gemma4_media"
 EXPECTED = json.loads((FOLDER / "expected.json").read_text())
 PROCESSOR = json.loads((FOLDER / "processor_config.json").read_text())
+LONG = json.loads((FOLDER / "long_audio.json").read_text())  # make_gemma4_long_audio_goldens.py
 
 
 def sha(a) -> str:
@@ -145,10 +146,53 @@ def test_an_mlx_layout_loads_the_towers_too(tmp_path, shared_data):
     assert result.token_ids == exp["token_ids"]
 
 
-def test_an_overlong_clip_and_a_bad_budget_get_one_line():
+@pytest.fixture
+def long_clip(shared_data, tmp_path) -> Path:
+    """jfk.wav four times over (44 s), as make_gemma4_long_audio_goldens.py builds it."""
+    import wave
+
+    with wave.open(str(shared_data / "audio" / LONG["audio_file"])) as w:
+        params, frames = w.getparams(), w.readframes(w.getnframes())
+    path = tmp_path / "jfk_44s.wav"
+    with wave.open(str(path), "wb") as out:
+        out.setparams(params)
+        out.writeframes(frames * LONG["repeats"])
+    return path
+
+
+def test_audio_over_30_s_is_cut_as_transformers_cuts_it(long_clip):
+    """Gemma4AudioFeatureExtractor keeps the first 480,000 samples (30 s) by default."""
+    features = Gemma4AudioFeatures.from_config(PROCESSOR["feature_extractor"])
+    samples = load_audio_source(long_clip, 16000)
+    assert len(samples) / 16000 == LONG["seconds"] > 30
+    mel, mask = features(samples)
+    want = LONG["audio_features"]
+    assert list(mel.shape) == want["shape"]
+    np.testing.assert_allclose(mel[::50], np.array(want["every_50th"]), atol=1e-5, rtol=0)
+    assert sha(mel) == want["sha256"]
+    assert [int(mask.sum()), len(mask)] == LONG["audio_mask"]
+    assert "of 44 s is longer than Gemma 4 hears: only its first 30 s" in features.cut_note(len(samples))
+    assert features.cut_note(30 * 16000) == ""
+
+
+def test_a_long_clip_answers_as_transformers_and_says_it_was_cut(host, long_clip, shared_data):
+    params = GenerationParams(max_tokens=len(LONG["token_ids"]), logprobs=True, ignore_eos=True)
+    result = host.generate("long", LONG["messages"], params, media=[MediaInput("audio", str(long_clip))])
+    assert result.stats.prompt_tokens == len(LONG["prompt_ids"])
+    assert result.token_ids == LONG["token_ids"]
+    np.testing.assert_allclose(result.token_logprobs, LONG["token_logprobs"], atol=1e-3, rtol=0)
+    assert result.notes == [
+        "An audio clip of 44 s is longer than Gemma 4 hears: only its first 30 s were heard "
+        "(cut it into parts, or transcribe it, for the rest)."
+    ]
+    short = host.generate(
+        "short", EXPECTED["audio"]["messages"], GenerationParams(max_tokens=1), media=media_for("audio", shared_data)
+    )
+    assert short.notes == []  # an 11 s clip is heard whole
+
+
+def test_an_empty_clip_and_a_bad_budget_get_one_line():
     features = Gemma4AudioFeatures()
-    with pytest.raises(MediaError, match="at most 30 s"):
-        features(np.zeros(31 * 16000, np.float32))
     with pytest.raises(MediaError, match="empty"):
         features(np.zeros(0, np.float32))
     with pytest.raises(MediaError, match="max_soft_tokens"):

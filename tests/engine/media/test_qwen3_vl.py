@@ -27,7 +27,7 @@ from engine.runtime.host import ModelHost
 
 pytest.importorskip("av")
 
-from tests.engine.media.clips import make_clip
+from tests.engine.media.clips import make_clip, make_long_clip, make_three_hour_clip
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "qwen3_vl"
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe"]
@@ -149,25 +149,6 @@ def test_a_model_without_video_refuses_naming_the_families_that_can(clip):
     assert not host.tower_loaded
 
 
-def _long_clip(path: Path) -> Path:
-    """Three frames, one an hour: a three-hour video in a few hundred bytes."""
-    from fractions import Fraction
-
-    import av
-
-    out = av.open(str(path), "w", format="mov")
-    stream = out.add_stream("png", rate=Fraction(1, 3600))
-    stream.width, stream.height, stream.pix_fmt = 32, 32, "rgb24"
-    for i in range(3):
-        frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 60 * i, dtype=np.uint8), format="rgb24")
-        for packet in stream.encode(frame):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
-    out.close()
-    return path
-
-
 def test_bad_videos_get_one_line_each(shared_data, clip, tmp_path):
     from engine.media.video import probe
 
@@ -179,13 +160,56 @@ def test_bad_videos_get_one_line_each(shared_data, clip, tmp_path):
         garbage: "not a video",
         truncated: "not a video|corrupt|no frames",
         shared_data / "audio" / "jfk.wav": "no video stream",
-        _long_clip(tmp_path / "long.mov"): "3 h 00 min long.*Trim",
         tmp_path / "missing.mp4": "not found",
     }
     for path, message in cases.items():
         with pytest.raises(MediaError, match=message) as info:
             probe(path)
         assert "\n" not in str(info.value), path
+
+
+def test_a_long_video_is_sampled_to_the_frame_limit_by_seeking_with_a_note(clip, tmp_path):
+    """25 minutes at 2 fps (3,000 frames, a keyframe every 30): past the golden processor's
+    8-frame limit, so 8 frames are read by seeking (each over SEEK_GAP_FRAMES past the one
+    before), the very frames an in-order decode gives, and the reply carries a note saying
+    so. A clip within the limit has none."""
+    from engine.media.qwen3_vl.encoders import read_video_preprocessor
+    from engine.media.qwen3_vl.processor import VideoProcessor
+    from engine.media.video import SEEK_GAP_FRAMES, probe, read_frames
+
+    long = make_long_clip(tmp_path / "talk.mp4")
+    host = load_float32(GOLDEN / "qwen3_vl")
+    processor = VideoProcessor.from_config(read_video_preprocessor(host.towers.source))
+    info = probe(long)
+    assert (info.frames, info.fps, info.seconds) == (3000, 2.0, 1500.0)
+    indices = processor.sample(info.frames, info.fps)
+    assert len(indices) == processor.max_frames == 8 and indices[-1] == 2999
+    assert min(np.diff(indices)) > SEEK_GAP_FRAMES
+    seeked = read_frames(long, indices, seek=True)
+    np.testing.assert_array_equal(seeked, read_frames(long, indices))
+    assert len({int(f.mean()) for f in seeked}) == 8  # eight different frames, not one repeated
+    mixed = [0, 5, 6, 40, 900, 901, 1700, 2999]  # near ones decoded on, far ones sought
+    np.testing.assert_array_equal(read_frames(long, mixed, seek=True), read_frames(long, mixed))
+    exp = expected("qwen3_vl")["video"]
+    params = GenerationParams(max_tokens=2, ignore_eos=True)
+    result = host.generate("long", exp["messages"], params, media=[MediaInput("video", str(long))])
+    assert result.notes == [
+        "A video of 25 min 00 s is longer than the model takes at 2 frames a second: "
+        "it was sampled to 8 frames over its whole duration (one every 187.5 s)."
+    ]
+    assert host.towers.encode_calls == 4  # two frames a group
+    short = host.generate("short", exp["messages"], params, media=[MediaInput("video", str(clip))])
+    assert short.notes == []
+
+
+def test_a_three_hour_video_is_read_from_its_header_not_refused(tmp_path):
+    from engine.media.video import probe, read_frames
+
+    path = make_three_hour_clip(tmp_path / "long.mov")
+    info = probe(path)
+    assert info.seconds == 3 * 3600 and info.frames == 3
+    frames = read_frames(path, [0, 1, 2], seek=True)
+    assert [int(f[0, 0, 0]) for f in frames] == [0, 60, 120]
 
 
 @pytest.fixture(scope="module")
