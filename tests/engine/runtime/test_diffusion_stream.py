@@ -115,3 +115,45 @@ def test_generate_cli_reads_the_denoising_settings_and_reports_the_steps(tmp_pat
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["denoising_steps"] == 6  # two blocks, three steps each (never confident enough to stop)
     assert len(out["token_ids"]) == 16 or out["finish_reason"] == "stop"
+
+
+def test_drafts_show_each_block_refining_then_its_settled_text(tmp_path, monkeypatch):
+    from engine.decode import diffusion
+    from engine.decode.diffusion import Draft
+    from engine.runtime.loading import load_model
+    from engine.text.tokenizer import Tokenizer
+    from tests.tiny_diffusion_gemma import make_tiny_diffusion_gemma
+
+    monkeypatch.setattr(diffusion, "DRAFT_INTERVAL_S", 0.0)  # every step, for the count below
+    folder = make_tiny_diffusion_gemma(tmp_path / "dg", steps=5)
+    model, tokenizer = load_model(folder).model, Tokenizer.from_dir(folder)
+    prompt = tokenizer.encode("hello there")
+    items = list(
+        stream_diffusion(
+            model, tokenizer, prompt, None, GenerationParams(max_tokens=24, sampling=SamplingParams(seed=1))
+        )
+    )
+    result = items[-1]
+    blocks: list[list[Draft]] = [[]]
+    settled = []
+    for item in items[:-1]:
+        if isinstance(item, Draft):
+            blocks[-1].append(item)
+        elif item.token_ids:
+            settled.append(item.text)
+            blocks.append([])
+    blocks = blocks[: len(settled)]
+    assert len(settled) >= 2 and result.denoising_steps == 5 * len(settled)
+    for drafts, text in zip(blocks, settled):
+        assert [d.step for d in drafts] == [1, 2, 3, 4, 5] and {d.steps for d in drafts} == {5}
+        assert drafts[-1].text == text  # the last step's canvas is the block
+    assert any(len({d.text for d in drafts}) > 1 for drafts in blocks)  # the canvas changed as it refined
+    # Throttled (the default), a block is still shown after its first step.
+    monkeypatch.setattr(diffusion, "DRAFT_INTERVAL_S", 3600.0)
+    again = list(
+        stream_diffusion(
+            model, tokenizer, prompt, None, GenerationParams(max_tokens=24, sampling=SamplingParams(seed=1))
+        )
+    )
+    assert [d.step for d in again if isinstance(d, Draft)] == [1] * len(settled)
+    assert again[-1].token_ids == result.token_ids
