@@ -19,14 +19,20 @@ from engine.models import get_family
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "diffusion_gemma" / "diffusion_gemma_tiny"
 
 
-@pytest.fixture(scope="module")
-def model():
+def load(sliding_window: int | None = None):
     config = json.loads((GOLDEN / "config.json").read_text())
+    if sliding_window is not None:
+        config["text_config"]["sliding_window"] = sliding_window
     family = get_family(config["model_type"])
     m = family.Model(family.ModelArgs.from_dict(config))
     m.load_weights(list(m.sanitize(dict(mx.load(str(GOLDEN / "model.safetensors")))).items()))
     m.diffusion_settings = DiffusionSettings(steps=4)
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load()
 
 
 def run(model, params, cancel=None):
@@ -58,19 +64,62 @@ def test_cancel_before_the_first_block_ends_it(model):
     assert result.finish_reason == "cancelled" and result.token_ids == []
 
 
-def test_a_session_picks_block_diffusion_by_family_and_keeps_no_stale_cache(model):
+def test_a_session_picks_block_diffusion_by_family(model):
     from engine.runtime.session import ChatSession
 
     prompt = json.loads((GOLDEN / "diffusion.json").read_text())["prompt_ids"]
     session = ChatSession(model, None, eos_token_ids=[])
     params = GenerationParams(max_tokens=9, sampling=SamplingParams(seed=2))
-    items = list(session.stream_ids(prompt, params))
-    result = items[-1]
+    result = list(session.stream_ids(prompt, params))[-1]
     assert len(result.token_ids) == 16 and result.denoising_steps >= 2  # two whole blocks
-    assert session.cache is None and session.ids == []  # the next turn starts afresh
+    # The cache holds the prompt and the first block: transformers never encodes the last one.
+    assert session.ids == prompt + result.token_ids[:8]
     assert list(session.stream_ids(prompt, params))[-1].token_ids == result.token_ids
     with pytest.raises(EngineError, match="do not apply"):
         list(session.stream_ids(prompt, GenerationParams(max_tokens=8, speculative="ngram")))
+
+
+@pytest.mark.parametrize("window", [6, 64])
+def test_follow_up_turns_prefill_only_their_new_tokens_and_write_what_a_fresh_cache_writes(window):
+    """Three turns with an edit in the middle: each reuses the prefix it shares with what the
+    cache holds (the prompt and every block but the last), and writes the ids a fresh
+    session writes for the same prompt and seed. The golden's sliding window (6) has
+    rotated past the edit, so that cache starts afresh; a wider one trims back to it."""
+    from engine.runtime.session import ChatSession
+
+    model = load(window)
+    prompt = json.loads((GOLDEN / "diffusion.json").read_text())["prompt_ids"]
+    params = GenerationParams(max_tokens=20, sampling=SamplingParams(seed=7))
+    session = ChatSession(model, None, eos_token_ids=[])
+    encoded: list[int] = []
+    real_encode = model.encode
+
+    def counting(inputs, cache, *args, **kwargs):
+        encoded.append(inputs.shape[1])
+        return real_encode(inputs, cache, *args, **kwargs)
+
+    def turn(ids):
+        encoded.clear()
+        result = list(session.stream_ids(ids, params))[-1]
+        fresh = list(ChatSession(model, None, eos_token_ids=[]).stream_ids(ids, params))[-1]
+        assert result.token_ids == fresh.token_ids and result.denoising_steps == fresh.denoising_steps
+        return result, encoded[0]  # the first encoder pass: the uncached prompt
+
+    model.encode = counting
+    try:
+        first, fed = turn(prompt)
+        assert fed == len(prompt) and first.stats.cached_tokens == 0
+        follow = prompt + first.token_ids + [40, 41, 42]
+        second, fed = turn(follow)
+        held = len(prompt) + len(first.token_ids) - 8  # all but the last block
+        assert second.stats.cached_tokens == held and fed == len(follow) - held
+        assert second.stats.prompt_tokens == len(follow)
+        edited = prompt[:5] + [77] + follow[6:]  # an edit inside the first prompt
+        third, fed = turn(edited)
+        kept = 5 if window > len(edited) else 0
+        assert third.stats.cached_tokens == kept and fed == len(edited) - kept
+    finally:
+        model.encode = real_encode
 
 
 def test_generate_cli_reads_the_denoising_settings_and_reports_the_steps(tmp_path, capsys):
