@@ -198,10 +198,13 @@ def diffuse(
     cancel: threading.Event | None = None,
     cache: list | None = None,
     drafts: bool = False,
+    inputs: Any = None,
 ) -> Iterator[Block | Canvas]:
     """Yield each finished block after ``prompt`` (ids not yet in ``cache``) until an
     end-of-sequence id, ``max_tokens`` (rounded up to whole blocks) or ``cancel``; with
-    ``drafts``, also the block's canvas after each denoising step, before the block."""
+    ``drafts``, also the block's canvas after each denoising step, before the block.
+    ``inputs`` (engine.decode.prefill.PromptInputs) carries the prompt's embeddings with
+    images spliced in, and each image's run of tokens."""
     if not prompt:
         raise EngineError("nothing to generate from: the prompt has no tokens")
     cache = model.make_cache() if cache is None else cache
@@ -211,7 +214,11 @@ def diffuse(
     for _ in range(blocks):
         if cancel is not None and cancel.is_set():
             return
-        model.encode(pending, cache)
+        if inputs is not None and inputs.embeddings is not None:
+            model.encode(pending, cache, inputs.embeddings[None], inputs.blocks)
+            inputs = None  # the prompt only: blocks are plain ids
+        else:
+            model.encode(pending, cache)
         last = None
         for last in denoise_steps(model, cache, settings, noise, cancel):
             if drafts and last.step:
@@ -263,6 +270,7 @@ def stream_diffusion(
     cached_tokens: int = 0,
     drafter: Any = None,
     settings: DiffusionSettings | None = None,
+    inputs: Any = None,
 ) -> Iterator[Any]:
     """``stream_generate``'s counterpart for block diffusion: one text piece per finished
     block (so a reply grows block by block), before it ``Draft``s of the block as it
@@ -313,6 +321,7 @@ def stream_diffusion(
         cancel=cancel,
         cache=cache,
         drafts=tokenizer is not None,
+        inputs=inputs,
     ):
         if isinstance(block, Canvas):
             now = time.perf_counter()

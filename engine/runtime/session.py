@@ -305,11 +305,11 @@ class ChatSession:
         load), so a prefix's keys and values do not depend on what follows, and the
         decoder only reads the cache. The cache ends one block short of the reply
         (transformers never encodes the last block): ``_record`` keeps only what it holds."""
-        if media is not None and media.spans:
-            raise MediaError("DiffusionGemma's image input is not supported yet: send text only.")
-        keep = self._reuse(prompt_ids, prompt_ids)
+        keys: list[Hashable] = list(media.keys) if media is not None else list(prompt_ids)
+        keep = self._reuse(prompt_ids, keys, media.spans if media is not None else ())
         generated: list[int] = []
         try:
+            inputs = self._prompt_inputs(media, keep) if media is not None and media.spans else None
             for item in stream_diffusion(
                 self.model,
                 self.tokenizer,
@@ -320,6 +320,7 @@ class ChatSession:
                 eos_token_ids=self.eos_token_ids,
                 reasoning=reasoning,
                 cached_tokens=keep,
+                inputs=inputs,
             ):
                 if isinstance(item, GenerationResult):
                     generated = item.token_ids
@@ -329,7 +330,7 @@ class ChatSession:
             self.reset()  # a failed step may leave layers at different lengths
             raise
         finally:
-            self._record(prompt_ids + generated, prompt_ids + generated)
+            self._record(prompt_ids + generated, keys + list(generated))
 
     def stream(
         self,
