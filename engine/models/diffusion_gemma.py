@@ -172,9 +172,25 @@ class Model(nn.Module):
 
     def soft_embedding(self, logits: mx.array) -> mx.array:
         """The embedding under the softmax of ``logits`` (scaled like token embeddings)."""
-        weight = self.model.embed_tokens.weight
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(weight.dtype)
-        return (probs @ weight) * mx.array(self.args.hidden_size**0.5, dtype=weight.dtype)
+        embed = self.model.embed_tokens
+        if isinstance(embed, nn.QuantizedEmbedding):  # a quantized checkpoint: its table is packed
+            dtype = embed.scales.dtype
+            probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(dtype)
+            mixed = mx.quantized_matmul(
+                probs,
+                embed.weight,
+                embed.scales,
+                embed.biases,
+                transpose=False,
+                group_size=embed.group_size,
+                bits=embed.bits,
+                mode=getattr(embed, "mode", "affine"),
+            )
+        else:
+            dtype = embed.weight.dtype
+            probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(dtype)
+            mixed = probs @ embed.weight
+        return mixed * mx.array(self.args.hidden_size**0.5, dtype=dtype)
 
     def denoise(self, canvas: mx.array, cache: list, previous_logits: mx.array | None = None) -> mx.array:
         """Float32 logits [B, canvas, vocab] for ``canvas`` [B, canvas] after what ``cache``
