@@ -100,7 +100,7 @@ def run_diffusion(args: Any, model: Any, config: dict[str, Any], quantized: set[
         from engine.cli.bench_diffusion_mlx_vlm import mlx_vlm_twin, time_mlx_vlm
 
         twin = mlx_vlm_twin(model, config, quantized, steps)
-        loops.append(("mlx-vlm", lambda g: time_mlx_vlm(twin, prompt, g, steps, args.seed)))
+        loops.append(("mlx-vlm", lambda g: DiffusionTiming(**time_mlx_vlm(twin, prompt, g, steps, args.seed))))
     canvas = model.canvas_length
     gen = -(-args.generation_tokens // canvas) * canvas  # whole blocks: both loops do the same work
     for _, run in loops:

@@ -121,11 +121,10 @@ class _NoText:
         return False
 
 
-def time_mlx_vlm(twin: Any, prompt: Any, gen: int, steps: int, seed: int) -> Any:
+def time_mlx_vlm(twin: Any, prompt: Any, gen: int, steps: int, seed: int) -> dict[str, Any]:
+    """One timed run: the fields of engine.cli.bench_diffusion.DiffusionTiming."""
     import mlx.core as mx
     from mlx_vlm.generate.diffusion import stream_diffusion_generate
-
-    from engine.cli.bench_diffusion import DiffusionTiming
 
     mx.random.seed(seed)
     mx.clear_cache()
@@ -157,7 +156,7 @@ def time_mlx_vlm(twin: Any, prompt: Any, gen: int, steps: int, seed: int) -> Any
     prompt_s = last.prompt_tokens / max(last.prompt_tps, 1e-9)
     generation_s = max(end - start - prompt_s, 1e-9)
     taken = int(last.diffusion_denoising_steps)
-    return DiffusionTiming(
+    return dict(
         prompt_tokens=int(last.prompt_tokens),
         generated_tokens=int(last.generation_tokens),
         blocks=blocks,
