@@ -199,12 +199,14 @@ def diffuse(
     cache: list | None = None,
     drafts: bool = False,
     inputs: Any = None,
+    on_encoded: Any = None,
 ) -> Iterator[Block | Canvas]:
     """Yield each finished block after ``prompt`` (ids not yet in ``cache``) until an
     end-of-sequence id, ``max_tokens`` (rounded up to whole blocks) or ``cancel``; with
     ``drafts``, also the block's canvas after each denoising step, before the block.
     ``inputs`` (engine.decode.prefill.PromptInputs) carries the prompt's embeddings with
-    images spliced in, and each image's run of tokens."""
+    images spliced in, and each image's run of tokens; ``on_encoded()`` is called once the
+    prompt is in the cache."""
     if not prompt:
         raise EngineError("nothing to generate from: the prompt has no tokens")
     cache = model.make_cache() if cache is None else cache
@@ -219,6 +221,9 @@ def diffuse(
             inputs = None  # the prompt only: blocks are plain ids
         else:
             model.encode(pending, cache)
+        if on_encoded is not None:
+            on_encoded()
+            on_encoded = None
         last = None
         for last in denoise_steps(model, cache, settings, noise, cancel):
             if drafts and last.step:
@@ -311,6 +316,10 @@ def stream_diffusion(
 
     noise = RandomNoise(params.sampling.seed)
     drafted = 0.0
+
+    def encoded() -> None:  # the encoder evaluates the cache, so the clock has seen the work
+        stats.prompt_tps = len(prompt_ids) / max(time.perf_counter() - start, 1e-9)
+
     for block in diffuse(
         model,
         prompt_ids,
@@ -322,6 +331,7 @@ def stream_diffusion(
         cache=cache,
         drafts=tokenizer is not None,
         inputs=inputs,
+        on_encoded=encoded,
     ):
         if isinstance(block, Canvas):
             now = time.perf_counter()

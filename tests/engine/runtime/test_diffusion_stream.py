@@ -47,6 +47,7 @@ def test_pieces_come_block_by_block_with_the_steps_counted(model):
     assert [len(p.token_ids) for p in pieces] == [8, 8, 8]  # whole blocks, as transformers writes them
     assert [t for p in pieces for t in p.token_ids] == result.token_ids
     assert 3 <= result.denoising_steps <= 12 and result.stats.generated_tokens == 24
+    assert result.stats.prompt_tps > 0 and result.stats.prompt_tokens == 11
     assert (
         run(model, GenerationParams(max_tokens=20, sampling=SamplingParams(seed=5)))[-1].token_ids == result.token_ids
     )
