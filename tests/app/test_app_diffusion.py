@@ -65,3 +65,39 @@ def test_blocks_refine_in_place_then_settle_to_the_engines_text(qtbot, make_wind
     widget = window.chat_view.widgets[reply_id]
     assert not widget.draft_label.isVisibleTo(widget) and widget.content == result.text
     assert window.store.message(reply_id).content == result.text
+
+
+def test_a_photo_goes_to_diffusion_gemma_and_the_reply_is_the_engines(
+    qtbot, make_window, run_async, shared_data, tmp_path
+):
+    """The image golden (tests/golden/diffusion_gemma/diffusion_gemma_image) is a whole model
+    folder: the photo dropped on the message box reaches its vision tower, and the reply
+    equals the CLI's with ``--image`` for the same seed."""
+    from tests.app.test_app_images import drop, url_mime
+
+    folder = ROOT / "tests" / "golden" / "diffusion_gemma" / "diffusion_gemma_image"
+    question = json.loads((folder / "diffusion.json").read_text())["messages"][0]["content"][-1]["text"]
+    photo = tmp_path / "cat.png"
+    photo.write_bytes((shared_data / "images" / "chelsea.png").read_bytes())
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "generate", "--model", str(folder), "--chat", "--prompt", question]
+        + ["--image", str(photo), "--seed", str(SEED), "--max-tokens", "16", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    expected = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    window = make_window()
+    _ready(window, run_async, folder, seed=SEED, max_tokens=16, ignore_eos=False)
+    assert window.bridge.model_info.vision
+    assert drop(window.composer, url_mime(photo)).isAccepted()
+    window.composer.edit.setPlainText(question)
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=120_000) as blocker:
+        window.composer.send_button.click()
+    result = blocker.args[1]
+    assert result.token_ids == expected["token_ids"] and result.denoising_steps == expected["denoising_steps"]
+    assert result.stats.prompt_tokens == expected["prompt_tokens"]
+    assert window.bridge.engine_status()["tower_loaded"]
