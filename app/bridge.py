@@ -26,6 +26,7 @@ class EngineUnavailable(RuntimeError):
 
 class EngineBridge(QObject):
     token = Signal(int, str, str)  # request id, text, channel ("answer" | "reasoning")
+    draft = Signal(int, str)  # request id, the diffusion block still refining (replaces the last)
     progress = Signal(int, str, float, float, str)  # request id, stage, done, total, message
     memory = Signal(dict)  # MemoryEvent fields
     error = Signal(int, str)  # request id, one readable line
@@ -307,6 +308,8 @@ class EngineBridge(QObject):
         if isinstance(event, api.TokenEvent):
             self._live = (event.request_id, event.stats)
             emit(self.token, event.request_id, event.text, event.channel)
+        elif isinstance(event, api.DraftEvent):
+            emit(self.draft, event.request_id, event.text)
         elif isinstance(event, api.ProgressEvent):
             emit(
                 self.progress,

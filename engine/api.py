@@ -144,6 +144,18 @@ class TokenEvent:
 
 
 @dataclass
+class DraftEvent:
+    """Block diffusion (DiffusionGemma): the block being denoised, as its text stands after
+    ``step`` of at most ``steps`` denoising steps. Not settled: each DraftEvent replaces the
+    one before, and the block's TokenEvent (its settled text) ends it."""
+
+    request_id: int
+    text: str
+    step: int
+    steps: int
+
+
+@dataclass
 class ProgressEvent:
     """Long work under way: loading weights, prefill, downloads."""
 
@@ -189,7 +201,7 @@ class EngineStatus:
     decoding: int = 0  # generations decoding together in the batch now
 
 
-Event = TokenEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent
+Event = TokenEvent | DraftEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent
 
 
 # ---- model descriptions -----------------------------------------------------

@@ -39,6 +39,7 @@ class TranscriptView(Protocol):
     def show_thread(self, messages: list[Message], versions: dict[int, tuple[int, int]]) -> None: ...
     def start_streaming(self, message: Message, versions: tuple[int, int] = (1, 1)) -> None: ...
     def append(self, text: str, channel: str) -> None: ...
+    def set_draft(self, text: str) -> None: ...
     def set_answer(self, text: str) -> None: ...
     def stop_streaming(self) -> None: ...
     def set_busy(self, busy: bool) -> None: ...
@@ -116,6 +117,7 @@ class ChatController(QObject):
         self._retry_timer.setInterval(RETRY_SAVE_MS)
         self._retry_timer.timeout.connect(self._retry_saves)
         bridge.token.connect(self._on_token)
+        bridge.draft.connect(self._on_draft)
         view.edit_submitted.connect(self._edit_slot)
         view.regenerate_requested.connect(self._regenerate_slot)
         view.version_requested.connect(self.switch_version)
@@ -524,6 +526,11 @@ class ChatController(QObject):
         else:
             self._answer += text
         self.view.append(text, channel)
+
+    def _on_draft(self, request_id: int, text: str) -> None:
+        # A diffusion block still refining: shown, never saved (only settled text is the reply).
+        if self.reply_id is not None and request_id == self.bridge.active_generation:
+            self.view.set_draft(text)
 
     def _save_partial(self) -> None:
         now = (len(self._answer), len(self._reasoning))

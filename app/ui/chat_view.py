@@ -57,6 +57,7 @@ class ChatView(QScrollArea):
         self.footer_source: Callable[[], str] | None = None
         self._answer = ""
         self._reasoning = ""
+        self._draft = ""  # block diffusion: the block still refining, shown after the answer
         self._dirty = False
         self._follow = True
         self._timer = QTimer(self)
@@ -113,6 +114,7 @@ class ChatView(QScrollArea):
         self.streaming = self.add_message(message, versions)
         self.streaming.stats_label.setText("Reading the prompt…")
         self._answer, self._reasoning = message.content, message.reasoning
+        self._draft = ""
         self._dirty = False
         self._timer.start()
 
@@ -121,6 +123,12 @@ class ChatView(QScrollArea):
             self._reasoning += text
         else:
             self._answer += text
+        self._draft = ""  # settled text ends the block that was refining
+        self._dirty = True
+
+    def set_draft(self, text: str) -> None:
+        """Replace the refining block's text (block diffusion); the next ``append`` settles it."""
+        self._draft = text
         self._dirty = True
 
     def set_answer(self, text: str) -> None:
@@ -138,9 +146,13 @@ class ChatView(QScrollArea):
         if self._dirty:
             self._dirty = False
             self.streaming.set_text(self._answer, self._reasoning)
+            self.streaming.set_draft(self._draft)
             emit(self.repainted)
 
     def stop_streaming(self) -> None:
+        if self._draft:  # a block cut short (Stop) never settles: only settled text stays
+            self._draft = ""
+            self._dirty = True
         self._flush()
         self._timer.stop()
         self.streaming = None

@@ -186,6 +186,11 @@ class MessageWidget(QFrame):
             self.body.setContentsMargins(0, 0, 0, 0)
         self.body.setSpacing(8)
         outer.addWidget(self.bubble)
+        # Block diffusion: the block still being denoised, muted, until its text settles.
+        self.draft_label = _label("", "draftText")
+        self.draft_label.setTextFormat(Qt.TextFormat.PlainText)  # an unsettled canvas is not Markdown
+        self.draft_label.setVisible(False)
+        outer.addWidget(self.draft_label)
         self.more_button = QToolButton(objectName="actionButton")
         self.more_button.setVisible(False)
         self.more_button.clicked.connect(self.show_all)
@@ -258,6 +263,12 @@ class MessageWidget(QFrame):
         self.bubble.setVisible(bool(blocks))
         if self.role == "user":
             self._fit_user_bubble(content)
+
+    def set_draft(self, text: str) -> None:
+        """Show ``text`` as the block still refining (empty: none)."""
+        if text != self.draft_label.text():
+            self.draft_label.setText(text)
+        self.draft_label.setVisible(bool(text))
 
     def show_all(self) -> None:
         """Lay out the whole of a very long message (slow: the person asked for it)."""

@@ -287,6 +287,16 @@ SHAPES["gemma4-tiny"] = {
     "sliding_window": 8,
     "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
 }
+# DiffusionGemma 26B-A4B (google/diffusiongemma-26B-A4B-it): Gemma 4 26B-A4B's MoE layers
+# run as a causal prompt encoder and a bidirectional canvas decoder, blocks of 256 tokens
+# (the dimensions mlx-vlm's DiffusionGemma config defaults to; engine/cli/bench_diffusion.py).
+SHAPES["diffusion-gemma-26b-a4b"] = {
+    **SHAPES["gemma4-26b-a4b"],
+    "model_type": "diffusion_gemma",
+    "canvas_length": 256,
+    "use_bidirectional_attention": "vision",
+}
+SHAPES["diffusion-gemma-tiny"] = {**SHAPES["gemma4-tiny"], "model_type": "diffusion_gemma", "canvas_length": 16}
 # The same structure at a size the CPU build runs in seconds (checks, not speed).
 SHAPES["tiny-gpt-oss"] = {
     **SHAPES["gpt-oss-20b"],
@@ -335,7 +345,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-p", "--prompt-tokens", type=int, default=512)
     p.add_argument("-g", "--generation-tokens", type=int, default=128)
-    p.add_argument("--vs", choices=["mlx-lm"], help="also time mlx-lm on the same weights")
+    p.add_argument(
+        "--vs",
+        choices=["mlx-lm", "mlx-vlm"],
+        help="also time mlx-lm on the same weights (mlx-vlm for the DiffusionGemma shapes)",
+    )
+    p.add_argument(
+        "--denoising-steps", type=int, default=48, help="DiffusionGemma shapes: the most steps a block takes"
+    )
     p.add_argument(
         "--repeat",
         type=int,
@@ -551,6 +568,9 @@ def run_bench(
         return run_media_bench(args)
     if args.prompt_tokens < 1 or args.generation_tokens < 2:
         raise EngineError("bench needs -p >= 1 and -g >= 2")
+    diffusion = SHAPES[args.shape]["model_type"] == "diffusion_gemma"
+    if (args.vs == "mlx-vlm") != (diffusion and args.vs is not None):
+        raise EngineError("--vs mlx-vlm goes with the DiffusionGemma shapes, --vs mlx-lm with the others")
     if args.vs == "mlx-lm":
         import importlib.util
 
@@ -594,6 +614,13 @@ def run_bench(
         from engine.cli.bench_reopen import run_reopen
 
         out["reopen"] = run_reopen(model, prompt, config["vocab_size"], args.seed)
+    if diffusion:
+        from engine.cli.bench_diffusion import run_diffusion
+
+        out.update(run_diffusion(args, model, config, quantized, prompt))
+        if args.json:
+            print(json.dumps(out))
+        return 0
     if getattr(args, "concurrent", None) and concurrent is not None:
         out.update(concurrent(args, model, config, quantized))
         if args.json:

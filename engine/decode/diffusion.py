@@ -138,18 +138,29 @@ def _entropy(logits: mx.array) -> mx.array:
     return -(mx.exp(logp) * logp).sum(axis=-1)
 
 
-def denoise_block(
+@dataclass
+class Canvas:
+    """The block being denoised, after one step: the argmax ids so far (not settled)."""
+
+    ids: mx.array
+    step: int  # steps taken on this block
+    steps: int  # the most it may take
+
+
+def denoise_steps(
     model: Any, cache: list, settings: DiffusionSettings, noise: Noise, cancel: threading.Event | None = None
-) -> tuple[mx.array, int]:
-    """(argmax ids [canvas], steps taken) for the next block after what ``cache`` holds."""
+) -> Iterator[Canvas]:
+    """Denoise the next block after what ``cache`` holds, yielding its argmax canvas after
+    each step; the last one yielded is the block's result."""
     length, vocab = model.canvas_length, model.args.vocab_size
     canvas = noise.canvas(length, vocab)
     history = [mx.full((length,), -1, dtype=mx.int32)] * settings.stability_threshold
     previous: mx.array | None = None
-    argmax = canvas
     taken = 0
     for step in range(settings.steps, 0, -1):
         if cancel is not None and cancel.is_set():
+            if not taken:  # cut short before the first step: the starting canvas stands
+                yield Canvas(canvas, 0, settings.steps)
             break
         raw = model.denoise(canvas[None], cache, previous)[0]
         temperature = settings.t_min + (settings.t_max - settings.t_min) * (step / settings.steps)
@@ -170,9 +181,9 @@ def denoise_block(
             history = history[1:] + [argmax]
         confident = mx.mean(entropy).item() < settings.confidence_threshold
         previous = logits
+        yield Canvas(argmax, taken, settings.steps)
         if stable and confident:
             break
-    return argmax, taken
 
 
 def diffuse(
@@ -186,9 +197,16 @@ def diffuse(
     pad_id: int | None = None,
     cancel: threading.Event | None = None,
     cache: list | None = None,
-) -> Iterator[Block]:
+    drafts: bool = False,
+    inputs: Any = None,
+    on_encoded: Any = None,
+) -> Iterator[Block | Canvas]:
     """Yield each finished block after ``prompt`` (ids not yet in ``cache``) until an
-    end-of-sequence id, ``max_tokens`` (rounded up to whole blocks) or ``cancel``."""
+    end-of-sequence id, ``max_tokens`` (rounded up to whole blocks) or ``cancel``; with
+    ``drafts``, also the block's canvas after each denoising step, before the block.
+    ``inputs`` (engine.decode.prefill.PromptInputs) carries the prompt's embeddings with
+    images spliced in, and each image's run of tokens; ``on_encoded()`` is called once the
+    prompt is in the cache."""
     if not prompt:
         raise EngineError("nothing to generate from: the prompt has no tokens")
     cache = model.make_cache() if cache is None else cache
@@ -198,8 +216,20 @@ def diffuse(
     for _ in range(blocks):
         if cancel is not None and cancel.is_set():
             return
-        model.encode(pending, cache)
-        ids, steps = denoise_block(model, cache, settings, noise, cancel)
+        if inputs is not None and inputs.embeddings is not None:
+            model.encode(pending, cache, inputs.embeddings[None], inputs.blocks)
+            inputs = None  # the prompt only: blocks are plain ids
+        else:
+            model.encode(pending, cache)
+        if on_encoded is not None:
+            on_encoded()
+            on_encoded = None
+        last = None
+        for last in denoise_steps(model, cache, settings, noise, cancel):
+            if drafts and last.step:
+                yield last
+        assert last is not None  # every run yields at least once (steps >= 1)
+        ids, steps = last.ids, last.step
         if cancel is not None and cancel.is_set():
             return  # a block cut short is not a finished one
         raw = [int(t) for t in ids.tolist()]
@@ -210,6 +240,21 @@ def diffuse(
             return
         yield Block(tokens=raw, steps=steps, finished=False, raw=raw)
         pending = ids[None]
+
+
+# A refining block is handed out after its first step, then at most this often: the chat
+# view repaints every 33 ms, and each draft costs a decode of the whole canvas.
+DRAFT_INTERVAL_S = 0.05
+
+
+@dataclass
+class Draft:
+    """The block being denoised, as text: not settled. Each draft replaces the one before;
+    the block's own Piece (its settled text) follows the last one."""
+
+    text: str
+    step: int  # denoising steps taken on this block
+    steps: int  # the most it may take
 
 
 def is_diffusion_model(model: Any) -> bool:
@@ -230,9 +275,11 @@ def stream_diffusion(
     cached_tokens: int = 0,
     drafter: Any = None,
     settings: DiffusionSettings | None = None,
+    inputs: Any = None,
 ) -> Iterator[Any]:
     """``stream_generate``'s counterpart for block diffusion: one text piece per finished
-    block (so a reply grows block by block), then the ``GenerationResult`` with the
+    block (so a reply grows block by block), before it ``Draft``s of the block as it
+    refines (throttled by ``DRAFT_INTERVAL_S``), then the ``GenerationResult`` with the
     denoising steps taken. ``cache`` None starts a fresh one."""
 
     if drafter is not None or params.speculative is not None:
@@ -268,6 +315,11 @@ def stream_diffusion(
             yield Piece("", "answer", carried, stats.snapshot())
 
     noise = RandomNoise(params.sampling.seed)
+    drafted = 0.0
+
+    def encoded() -> None:  # the encoder evaluates the cache, so the clock has seen the work
+        stats.prompt_tps = len(prompt_ids) / max(time.perf_counter() - start, 1e-9)
+
     for block in diffuse(
         model,
         prompt_ids,
@@ -277,7 +329,18 @@ def stream_diffusion(
         eos_ids=eos,
         cancel=cancel,
         cache=cache,
+        drafts=tokenizer is not None,
+        inputs=inputs,
+        on_encoded=encoded,
     ):
+        if isinstance(block, Canvas):
+            now = time.perf_counter()
+            if block.step == 1 or now - drafted >= DRAFT_INTERVAL_S:
+                drafted = now
+                canvas = [int(t) for t in block.ids.tolist()]
+                end = next((i for i, t in enumerate(canvas) if t in eos), len(canvas))
+                yield Draft(tokenizer.decode(canvas[:end]), block.step, block.steps)
+            continue
         if not ids:
             stats.time_to_first_token = time.perf_counter() - start
         ids += block.tokens

@@ -26,6 +26,7 @@ _QWEN3_VL = {"image": "engine.media.qwen3_vl.encoders", "video": "engine.media.q
 TOWERS: dict[str, dict[str, str]] = {
     "gemma3": {"image": "engine.media.gemma3.vision"},
     "gemma4": {"image": "engine.media.gemma4.vision", "audio": "engine.media.gemma4.audio"},
+    "diffusion_gemma": {"image": "engine.media.gemma4.diffusion"},
     "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl.vision"},
     "mistral3": {"image": "engine.media.pixtral.tower"},
     "qwen3_vl": _QWEN3_VL,

@@ -13,8 +13,13 @@ layer weight (the checkpoint stores them once, under ``model.decoder.``):
 Besides the shared weights, the decoder has a self-conditioning block (a gated MLP
 over the softmax-weighted embedding of the previous step's logits, added to the canvas
 embedding and RMS-normalised) and each of the two keeps its own per-layer scale
-(``layer_scalar``). The global layers use keys as values; the vision tower is skipped
-(text only). The denoising loop itself is engine/decode/diffusion.py.
+(``layer_scalar``). The global layers use keys as values. Images go through Gemma 4's
+vision tower (engine/media/gemma4/diffusion.py) into the prompt's embeddings; the
+encoder lets one image's tokens see each other both ways on every layer (transformers'
+"vision" mode here overlays the image runs on the full layers' causal mask and on the
+sliding layers' windowed one alike, unlike Gemma 4's, whose full layers stay causal and
+whose sliding layers cut an image at the window). The denoising loop itself is
+engine/decode/diffusion.py.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import mlx.nn as nn
 from engine.errors import UnsupportedModelError
 from engine.models import gemma4
 from engine.models.base import activation, attention_mask, caches_for, sdpa, text_config
+from engine.models.gemma3 import media_mask
 
 _SKIPPED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
 _ENCODER_SCALAR = "model.encoder.language_model.layers."
@@ -60,6 +66,21 @@ class ModelArgs(gemma4.ModelArgs):
             final_logit_softcapping=inner.get("final_logit_softcapping", 30.0),
         )
         return super().normalise(inner)
+
+
+def image_mask(cache: Any, n: int, window: int | None, blocks: list[tuple[int, int]]) -> mx.array:
+    """Boolean [n, keys] mask before ``cache`` takes ``n`` new tokens: causal within
+    ``window`` (None: no window), OR both tokens in one of ``blocks`` whatever the window."""
+    no_blocks = media_mask(cache, n, window, [])  # the cache's key layout, causal and windowed
+    offset = int(cache.offset) if cache is not None else 0
+    n_keys = no_blocks.shape[-1]
+    q = mx.arange(offset, offset + n)[:, None]
+    k = (mx.arange(n_keys) + offset + n - n_keys)[None, :]
+    allowed = no_blocks
+    for start, end in blocks:
+        s, e = offset + start, offset + end
+        allowed = allowed | ((q >= s) & (q < e) & (k >= s) & (k < e))
+    return allowed
 
 
 class SelfConditioning(nn.Module):
@@ -114,18 +135,34 @@ class Model(nn.Module):
         cap = self.args.final_logit_softcapping
         return mx.tanh(logits / cap) * cap
 
+    @property
+    def bidirectional_media(self) -> bool:
+        """Whether the prompt builder should pass each image's token run to ``encode``."""
+        return self.args.use_bidirectional_attention == "vision"
+
     # -- encoder: fill the cache ------------------------------------------------------
 
-    def encode(self, inputs: mx.array, cache: list) -> None:
+    def encode(
+        self,
+        inputs: mx.array,
+        cache: list,
+        input_embeddings: mx.array | None = None,
+        bidirectional: list[tuple[int, int]] | None = None,
+    ) -> None:
         """Run ``inputs`` [B, L] causally through every layer, appending to ``cache``.
-        Only the keys and values are kept: the last layer's feed-forward is skipped."""
-        h = self.model.embed(inputs)
+        ``input_embeddings`` [B, L, hidden] replace the ids' (images spliced in), and the
+        ``bidirectional`` [start, end) runs (one image each) attend both ways. Only the
+        keys and values are kept: the last layer's feed-forward is skipped."""
+        h = self.model.embed(inputs) if input_embeddings is None else input_embeddings
         offset, n = cache[0].offset, inputs.shape[1]
         masks: dict[int | None, Any] = {}
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if layer.window not in masks:
-                masks[layer.window] = attention_mask(n, c, layer.window)
+                if bidirectional:
+                    masks[layer.window] = image_mask(c, n, layer.window, bidirectional)
+                else:
+                    masks[layer.window] = attention_mask(n, c, layer.window)
             attn, _ = layer.self_attn(layer.input_layernorm(h), masks[layer.window], c, offset, None)
             if i < last:
                 h = layer.unscaled_after_attention(h, attn, None) * self.encoder_layer_scalars[i]
@@ -135,9 +172,25 @@ class Model(nn.Module):
 
     def soft_embedding(self, logits: mx.array) -> mx.array:
         """The embedding under the softmax of ``logits`` (scaled like token embeddings)."""
-        weight = self.model.embed_tokens.weight
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(weight.dtype)
-        return (probs @ weight) * mx.array(self.args.hidden_size**0.5, dtype=weight.dtype)
+        embed = self.model.embed_tokens
+        if isinstance(embed, nn.QuantizedEmbedding):  # a quantized checkpoint: its table is packed
+            dtype = embed.scales.dtype
+            probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(dtype)
+            mixed = mx.quantized_matmul(
+                probs,
+                embed.weight,
+                embed.scales,
+                embed.biases,
+                transpose=False,
+                group_size=embed.group_size,
+                bits=embed.bits,
+                mode=getattr(embed, "mode", "affine"),
+            )
+        else:
+            dtype = embed.weight.dtype
+            probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(dtype)
+            mixed = probs @ embed.weight
+        return mixed * mx.array(self.args.hidden_size**0.5, dtype=dtype)
 
     def denoise(self, canvas: mx.array, cache: list, previous_logits: mx.array | None = None) -> mx.array:
         """Float32 logits [B, canvas, vocab] for ``canvas`` [B, canvas] after what ``cache``

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.api import (
     AdapterInfo,
+    DraftEvent,
     Embeddings,
     Event,
     GenerationParams,
@@ -29,6 +30,7 @@ from engine.api import (
     SamplingParams,
     TokenEvent,
 )
+from engine.decode.diffusion import Draft
 from engine.decode.loop import Piece
 from engine.errors import EngineError, WrongModelKind
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
@@ -565,7 +567,9 @@ def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int
     return lambda done, total: on_event(ProgressEvent(request_id, "prefill", float(done), float(total)))
 
 
-def token_event(piece: Piece, request_id: int) -> TokenEvent:
+def token_event(piece: Piece | Draft, request_id: int) -> TokenEvent | DraftEvent:
+    if isinstance(piece, Draft):  # a diffusion block still refining
+        return DraftEvent(request_id, piece.text, piece.step, piece.steps)
     return TokenEvent(
         request_id, piece.text, piece.channel, piece.token_ids, piece.stats, piece.logprobs, piece.top_logprobs
     )

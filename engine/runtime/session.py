@@ -300,25 +300,37 @@ class ChatSession:
             getattr(drafter, "close", lambda: None)()  # an MTP drafter stops following the model
 
     def _diffuse(self, prompt_ids: list[int], params: GenerationParams, cancel, reasoning, media):
-        """Block diffusion from a fresh cache each reply: the cache then ends one block
-        short of the reply (transformers never encodes the last block), which the prefix
-        bookkeeping of the token loop does not describe, so nothing is reused."""
-        if media is not None and media.spans:
-            raise MediaError("DiffusionGemma's image input is not supported yet: send text only.")
-        self.reset()
+        """Block diffusion, reusing the cached prefix as the token loop does. Sound because
+        the prompt encoder is causal (the checkpoints that encode both ways are refused at
+        load), so a prefix's keys and values do not depend on what follows, and the
+        decoder only reads the cache. The cache ends one block short of the reply
+        (transformers never encodes the last block): ``_record`` keeps only what it holds."""
+        keys: list[Hashable] = list(media.keys) if media is not None else list(prompt_ids)
+        keep = self._reuse(prompt_ids, keys, media.spans if media is not None else ())
+        generated: list[int] = []
         try:
-            yield from stream_diffusion(
+            inputs = self._prompt_inputs(media, keep) if media is not None and media.spans else None
+            for item in stream_diffusion(
                 self.model,
                 self.tokenizer,
-                prompt_ids,
+                prompt_ids[keep:],
                 self.cache,
                 params,
                 cancel=cancel,
                 eos_token_ids=self.eos_token_ids,
                 reasoning=reasoning,
-            )
+                cached_tokens=keep,
+                inputs=inputs,
+            ):
+                if isinstance(item, GenerationResult):
+                    generated = item.token_ids
+                    item.adapters = active_adapters(self.model)
+                yield item
+        except Exception:
+            self.reset()  # a failed step may leave layers at different lengths
+            raise
         finally:
-            self.reset()
+            self._record(prompt_ids + generated, keys + list(generated))
 
     def stream(
         self,

@@ -91,15 +91,16 @@ VARIANTS = {
 }
 
 
-def build(seed: int) -> DiffusionGemmaForBlockDiffusion:
+def build(seed: int, vision: dict = VISION, image_ids: tuple[int, int, int] = (250, 251, 252)):
+    """A random model; ``image_ids``: the image, begin-image and end-image token ids."""
     torch.manual_seed(seed)
     config = DiffusionGemmaConfig(
         text_config=dict(TEXT),
-        vision_config=VISION,
+        vision_config=vision,
         canvas_length=CANVAS,
-        image_token_id=250,
-        boi_token_id=251,
-        eoi_token_id=252,
+        image_token_id=image_ids[0],
+        boi_token_id=image_ids[1],
+        eoi_token_id=image_ids[2],
     )
     model = DiffusionGemmaForBlockDiffusion(config)
     with torch.no_grad():
@@ -183,7 +184,7 @@ class Recorder:
         gen_module.StableAndConfidentStoppingCriteria.__call__ = self._stop
 
 
-def generate(model, prompt: list[int], settings: dict) -> dict:
+def generate(model, prompt: list[int], settings: dict, **inputs) -> dict:
     settings = dict(settings)
     bound = settings.pop("entropy_bound")
     config = gen_module.DiffusionGemmaGenerationConfig(
@@ -194,7 +195,7 @@ def generate(model, prompt: list[int], settings: dict) -> dict:
     )
     torch.manual_seed(0)
     with Recorder() as rec, torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        out = model.generate(torch.tensor([prompt]), generation_config=config, **inputs)
     # Each block draws one starting canvas, then per step one categorical sample and one
     # renoise canvas: a draw of a canvas right after another canvas starts a new block.
     steps_per_block: list[int] = []

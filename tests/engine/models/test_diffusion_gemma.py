@@ -134,3 +134,24 @@ def test_bad_settings_and_configs_get_one_clear_line():
     config["text_config"]["use_bidirectional_attention"] = "all"
     with pytest.raises(UnsupportedModelError, match="both ways"):
         diffusion_gemma.ModelArgs.from_dict(config)
+
+
+def test_a_quantized_embedding_table_self_conditions_like_its_dequantized_values():
+    """mlx-community's 4-bit checkpoints quantize the embedding, which self-conditioning
+    multiplies by the softmax: it must read the packed table, not multiply the packed ids."""
+    import mlx.nn as nn
+
+    model, expected, _ = load("diffusion_gemma_tiny")
+    embed = model.model.embed_tokens
+    table = embed.weight
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p == "model.embed_tokens")
+    quantized = model.model.embed_tokens
+    assert isinstance(quantized, nn.QuantizedEmbedding)
+    dequantized = mx.dequantize(quantized.weight, quantized.scales, quantized.biases, 32, 4)
+    logits = mx.random.normal((8, table.shape[0]), key=mx.random.key(3))
+    want = mx.softmax(logits, axis=-1) @ dequantized * (model.args.hidden_size**0.5)
+    assert mx.abs(model.soft_embedding(logits) - want).max().item() < 1e-4
+    cache = model.make_cache()
+    model.encode(mx.array([expected["prompt_ids"]]), cache)
+    first = model.denoise(mx.array([expected["forward_canvas"]]), cache)
+    assert model.denoise(mx.array([expected["forward_canvas"]]), cache, first).shape == first.shape

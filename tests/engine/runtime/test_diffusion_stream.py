@@ -19,14 +19,20 @@ from engine.models import get_family
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "diffusion_gemma" / "diffusion_gemma_tiny"
 
 
-@pytest.fixture(scope="module")
-def model():
+def load(sliding_window: int | None = None):
     config = json.loads((GOLDEN / "config.json").read_text())
+    if sliding_window is not None:
+        config["text_config"]["sliding_window"] = sliding_window
     family = get_family(config["model_type"])
     m = family.Model(family.ModelArgs.from_dict(config))
     m.load_weights(list(m.sanitize(dict(mx.load(str(GOLDEN / "model.safetensors")))).items()))
     m.diffusion_settings = DiffusionSettings(steps=4)
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load()
 
 
 def run(model, params, cancel=None):
@@ -41,6 +47,7 @@ def test_pieces_come_block_by_block_with_the_steps_counted(model):
     assert [len(p.token_ids) for p in pieces] == [8, 8, 8]  # whole blocks, as transformers writes them
     assert [t for p in pieces for t in p.token_ids] == result.token_ids
     assert 3 <= result.denoising_steps <= 12 and result.stats.generated_tokens == 24
+    assert result.stats.prompt_tps > 0 and result.stats.prompt_tokens == 11
     assert (
         run(model, GenerationParams(max_tokens=20, sampling=SamplingParams(seed=5)))[-1].token_ids == result.token_ids
     )
@@ -58,19 +65,62 @@ def test_cancel_before_the_first_block_ends_it(model):
     assert result.finish_reason == "cancelled" and result.token_ids == []
 
 
-def test_a_session_picks_block_diffusion_by_family_and_keeps_no_stale_cache(model):
+def test_a_session_picks_block_diffusion_by_family(model):
     from engine.runtime.session import ChatSession
 
     prompt = json.loads((GOLDEN / "diffusion.json").read_text())["prompt_ids"]
     session = ChatSession(model, None, eos_token_ids=[])
     params = GenerationParams(max_tokens=9, sampling=SamplingParams(seed=2))
-    items = list(session.stream_ids(prompt, params))
-    result = items[-1]
+    result = list(session.stream_ids(prompt, params))[-1]
     assert len(result.token_ids) == 16 and result.denoising_steps >= 2  # two whole blocks
-    assert session.cache is None and session.ids == []  # the next turn starts afresh
+    # The cache holds the prompt and the first block: transformers never encodes the last one.
+    assert session.ids == prompt + result.token_ids[:8]
     assert list(session.stream_ids(prompt, params))[-1].token_ids == result.token_ids
     with pytest.raises(EngineError, match="do not apply"):
         list(session.stream_ids(prompt, GenerationParams(max_tokens=8, speculative="ngram")))
+
+
+@pytest.mark.parametrize("window", [6, 64])
+def test_follow_up_turns_prefill_only_their_new_tokens_and_write_what_a_fresh_cache_writes(window):
+    """Three turns with an edit in the middle: each reuses the prefix it shares with what the
+    cache holds (the prompt and every block but the last), and writes the ids a fresh
+    session writes for the same prompt and seed. The golden's sliding window (6) has
+    rotated past the edit, so that cache starts afresh; a wider one trims back to it."""
+    from engine.runtime.session import ChatSession
+
+    model = load(window)
+    prompt = json.loads((GOLDEN / "diffusion.json").read_text())["prompt_ids"]
+    params = GenerationParams(max_tokens=20, sampling=SamplingParams(seed=7))
+    session = ChatSession(model, None, eos_token_ids=[])
+    encoded: list[int] = []
+    real_encode = model.encode
+
+    def counting(inputs, cache, *args, **kwargs):
+        encoded.append(inputs.shape[1])
+        return real_encode(inputs, cache, *args, **kwargs)
+
+    def turn(ids):
+        encoded.clear()
+        result = list(session.stream_ids(ids, params))[-1]
+        fresh = list(ChatSession(model, None, eos_token_ids=[]).stream_ids(ids, params))[-1]
+        assert result.token_ids == fresh.token_ids and result.denoising_steps == fresh.denoising_steps
+        return result, encoded[0]  # the first encoder pass: the uncached prompt
+
+    model.encode = counting
+    try:
+        first, fed = turn(prompt)
+        assert fed == len(prompt) and first.stats.cached_tokens == 0
+        follow = prompt + first.token_ids + [40, 41, 42]
+        second, fed = turn(follow)
+        held = len(prompt) + len(first.token_ids) - 8  # all but the last block
+        assert second.stats.cached_tokens == held and fed == len(follow) - held
+        assert second.stats.prompt_tokens == len(follow)
+        edited = prompt[:5] + [77] + follow[6:]  # an edit inside the first prompt
+        third, fed = turn(edited)
+        kept = 5 if window > len(edited) else 0
+        assert third.stats.cached_tokens == kept and fed == len(edited) - kept
+    finally:
+        model.encode = real_encode
 
 
 def test_generate_cli_reads_the_denoising_settings_and_reports_the_steps(tmp_path, capsys):
@@ -115,3 +165,45 @@ def test_generate_cli_reads_the_denoising_settings_and_reports_the_steps(tmp_pat
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["denoising_steps"] == 6  # two blocks, three steps each (never confident enough to stop)
     assert len(out["token_ids"]) == 16 or out["finish_reason"] == "stop"
+
+
+def test_drafts_show_each_block_refining_then_its_settled_text(tmp_path, monkeypatch):
+    from engine.decode import diffusion
+    from engine.decode.diffusion import Draft
+    from engine.runtime.loading import load_model
+    from engine.text.tokenizer import Tokenizer
+    from tests.tiny_diffusion_gemma import make_tiny_diffusion_gemma
+
+    monkeypatch.setattr(diffusion, "DRAFT_INTERVAL_S", 0.0)  # every step, for the count below
+    folder = make_tiny_diffusion_gemma(tmp_path / "dg", steps=5)
+    model, tokenizer = load_model(folder).model, Tokenizer.from_dir(folder)
+    prompt = tokenizer.encode("hello there")
+    items = list(
+        stream_diffusion(
+            model, tokenizer, prompt, None, GenerationParams(max_tokens=24, sampling=SamplingParams(seed=1))
+        )
+    )
+    result = items[-1]
+    blocks: list[list[Draft]] = [[]]
+    settled = []
+    for item in items[:-1]:
+        if isinstance(item, Draft):
+            blocks[-1].append(item)
+        elif item.token_ids:
+            settled.append(item.text)
+            blocks.append([])
+    blocks = blocks[: len(settled)]
+    assert len(settled) >= 2 and result.denoising_steps == 5 * len(settled)
+    for drafts, text in zip(blocks, settled):
+        assert [d.step for d in drafts] == [1, 2, 3, 4, 5] and {d.steps for d in drafts} == {5}
+        assert drafts[-1].text == text  # the last step's canvas is the block
+    assert any(len({d.text for d in drafts}) > 1 for drafts in blocks)  # the canvas changed as it refined
+    # Throttled (the default), a block is still shown after its first step.
+    monkeypatch.setattr(diffusion, "DRAFT_INTERVAL_S", 3600.0)
+    again = list(
+        stream_diffusion(
+            model, tokenizer, prompt, None, GenerationParams(max_tokens=24, sampling=SamplingParams(seed=1))
+        )
+    )
+    assert [d.step for d in again if isinstance(d, Draft)] == [1] * len(settled)
+    assert again[-1].token_ids == result.token_ids
