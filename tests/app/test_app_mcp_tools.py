@@ -47,11 +47,13 @@ def lookup(city: Literal["paris", "rome"]) -> str:
         helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         with open(log, "a") as f:
             f.write(f"{os.getpid()} {helper.pid}\\n")
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(3600)
     if mode == "hang":
         time.sleep(3600)  # the app ends it on the timeout: a test that fails here leaves it behind
     return f"weather in {city}: sunny"
+
+if mode == "family":  # shrugs off SIGTERM (set here: tools may run off the main thread)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 if mode.startswith("http:"):  # Streamable HTTP on that port
     app.run("streamable-http", host="127.0.0.1", port=int(mode[5:]))
