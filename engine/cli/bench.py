@@ -324,7 +324,7 @@ class Timing:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from engine.cli.bench_media import MEDIA_SHAPES, add_media_arguments
 
-    p.add_argument("--shape", choices=sorted(SHAPES) + sorted(MEDIA_SHAPES), default="qwen3-4b")
+    p.add_argument("--shape", choices=sorted(set(SHAPES) | set(MEDIA_SHAPES)), default="qwen3-4b")
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument(
@@ -335,7 +335,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-p", "--prompt-tokens", type=int, default=512)
     p.add_argument("-g", "--generation-tokens", type=int, default=128)
-    p.add_argument("--vs", choices=["mlx-lm"], help="also time mlx-lm on the same weights")
+    p.add_argument(
+        "--vs",
+        choices=["mlx-lm", "mlx-vlm"],
+        help="also time mlx-lm on the same weights (mlx-vlm: with --media)",
+    )
     p.add_argument(
         "--repeat",
         type=int,
@@ -551,6 +555,8 @@ def run_bench(
         return run_media_bench(args)
     if args.prompt_tokens < 1 or args.generation_tokens < 2:
         raise EngineError("bench needs -p >= 1 and -g >= 2")
+    if args.vs == "mlx-vlm":
+        raise EngineError("--vs mlx-vlm times images and video: add --media image or --media video")
     if args.vs == "mlx-lm":
         import importlib.util
 
