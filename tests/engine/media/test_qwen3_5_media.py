@@ -140,6 +140,12 @@ def test_a_continued_chat_with_an_image_reuses_its_prefix_and_matches_a_fresh_ru
     assert again.token_ids == whole.token_ids
     np.testing.assert_allclose(again.token_logprobs, whole.token_logprobs, atol=1e-4, rtol=0)
 
+    # Regenerating the reply goes back to the prompt's end: the recurrent layers' snapshot.
+    regenerated = host.generate("chat", turn2, params, media=image)
+    assert regenerated.stats.cached_tokens >= again.stats.prompt_tokens - 1
+    assert regenerated.token_ids == whole.token_ids
+    np.testing.assert_allclose(regenerated.token_logprobs, whole.token_logprobs, atol=1e-4, rtol=0)
+
 
 @pytest.fixture(scope="module")
 def published_folder(tmp_path_factory) -> Path:
@@ -255,3 +261,35 @@ def test_cli_generate_with_an_image_and_a_video_matches_transformers(float32_fol
     assert out["prompt_tokens"] == len(exp["prompt_ids"])
     assert out["token_ids"] == exp["token_ids"]
     np.testing.assert_allclose(out["token_logprobs"], exp["token_logprobs"], atol=1e-3, rtol=0)
+
+
+def _bench(*extra: str) -> subprocess.CompletedProcess:
+    args = ["--shape", "qwen3.5-tiny", "--media", "video", "--media-seconds", "2", "--media-size", "128x96"]
+    return subprocess.run(
+        [sys.executable, "-m", "engine", "bench", *args, "--bits", "16", *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_media_bench_runs_on_the_tiny_qwen3_5_shape():
+    proc = _bench("--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])["engine"]
+    assert out["runs"] == 2  # 4 frames (min_frames), two per temporal patch
+    assert out["ttft_s"] == pytest.approx(out["preprocess_s"] + out["tower_s"] + out["prefill_s"], rel=1e-6)
+
+
+def test_bench_vs_mlx_vlm_without_mlx_vlm_says_what_to_install_in_one_line():
+    import importlib.util
+
+    if importlib.util.find_spec("mlx_vlm") is not None:
+        pytest.skip("mlx-vlm is installed here")
+    proc = _bench("--vs", "mlx-vlm")
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "pip install mlx-vlm" in err
