@@ -30,21 +30,19 @@ from pathlib import Path
 
 import torch
 import transformers
-from PIL import Image
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from make_qwen3_vl_goldens import (  # noqa: E402  (a sibling script, found through the path just set)
     IMAGE,
-    IMAGE_CFG,
     IMAGES,
     SPECIALS,
     TEMPLATE,
-    VIDEO_CFG,
-    digest,
-    greedy,
+    hf_tokenizer,
     make_clip,
     randomize,
+    record_cases,
+    save_processor,
     tokenizer,
 )
 
@@ -129,23 +127,11 @@ def build(name: str, folder: Path, clip: Path) -> dict:
     model = cls.from_pretrained(folder, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
     (folder / "generation_config.json").unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save(str(Path(tmp) / "tokenizer.json"))
-        hf_tok = transformers.PreTrainedTokenizerFast(
-            tokenizer_file=str(Path(tmp) / "tokenizer.json"), eos_token="<|im_end|>", pad_token="<|endoftext|>"
-        )
-    transformers.Qwen3VLProcessor(
-        image_processor=transformers.Qwen2VLImageProcessorPil(**IMAGE_CFG),
-        tokenizer=hf_tok,
-        video_processor=transformers.Qwen3VLVideoProcessor(**VIDEO_CFG),
-        chat_template=TEMPLATE,
-    ).save_pretrained(folder)
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    hf_tok = hf_tokenizer(tok)
+    save_processor(folder, hf_tok)
     # The classes transformers maps this model_type to, the image processor on its PIL
-    # backend (the one the engine mirrors; AutoProcessor prefers torchvision when it imports).
+    # backend (the one the engine mirrors; AutoProcessor prefers torchvision when it imports),
+    # read back from the folder.
     auto = transformers.models.auto
     assert auto.processing_auto.PROCESSOR_MAPPING_NAMES[name] == "Qwen3VLProcessor"
     assert auto.image_processing_auto.IMAGE_PROCESSOR_MAPPING_NAMES[name]["pil"] == "Qwen2VLImageProcessorPil"
@@ -156,52 +142,11 @@ def build(name: str, folder: Path, clip: Path) -> dict:
         video_processor=transformers.Qwen3VLVideoProcessor.from_pretrained(folder),
         chat_template=TEMPLATE,
     )
-
-    image = Image.open(IMAGE).convert("RGB")
-    frames, metadata = transformers.video_utils.load_video(str(clip), backend="pyav")
-    cases = {
-        "image": ([{"type": "image"}, {"type": "text", "text": "What is in this picture?"}], {"images": [image]}),
-        "video": (
-            [{"type": "video"}, {"type": "text", "text": "What happens in this video?"}],
-            {"videos": [frames], "video_metadata": [metadata], "do_sample_frames": True},
-        ),
-        "both": (
-            [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Describe both."}],
-            {"images": [image], "videos": [frames], "video_metadata": [metadata], "do_sample_frames": True},
-        ),
-    }
-    out: dict = {"image": IMAGE.name}
-    for case, (content, media) in cases.items():
-        messages = [{"role": "user", "content": content}]
-        text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=TEMPLATE)
-        inputs = processor(text=[text], return_tensors="pt", **media)
-        record: dict = {"messages": messages, "prompt_ids": inputs["input_ids"][0].tolist()}
-        with torch.no_grad():
-            kwargs = {}
-            for kind, key, grid_key in (
-                ("image", "pixel_values", "image_grid_thw"),
-                ("video", "pixel_values_videos", "video_grid_thw"),
-            ):
-                if key not in inputs:
-                    continue
-                record[f"{kind}_pixels"] = digest(inputs[key])
-                record[f"{kind}_grid"] = inputs[grid_key][0].tolist()
-                vision = model.model.visual(inputs[key], grid_thw=inputs[grid_key], return_dict=True)
-                if case == kind:  # the image's (or the clip's first frame group's) features
-                    n = int(inputs[grid_key][0, 1:].prod()) // 4
-                    record[f"{kind}_features"] = vision.pooler_output[:n].tolist()
-                kwargs[grid_key] = inputs[grid_key]
-            positions, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], **kwargs)
-        record["position_ids"] = positions[:, 0].tolist()
-        record["rope_delta"] = int(delta[0, 0])
-        record["token_ids"], record["token_logprobs"], record["margins"] = greedy(model, inputs)
-        if set(record["token_ids"]) & {ids[s] for s in SPECIALS[3:]}:  # a reply holding a vision token
+    out = record_cases(name, model, processor, hf_tok, clip)
+    vision_ids = {ids[s] for s in SPECIALS[3:]}
+    for case in ("image", "video", "both"):
+        if set(out[case]["token_ids"]) & vision_ids:  # the uncached reference would misplace media
             sys.exit(f"{name} {case}: the reply holds a vision token; pick another seed")
-        out[case] = record
-        print(
-            f"{name} {case}: {len(record['prompt_ids'])} prompt ids, greedy {record['token_ids']}, "
-            f"min margin {min(record['margins']):.2e}"
-        )
     return out
 
 

@@ -29,7 +29,7 @@ from engine.runtime.host import ModelHost
 pytest.importorskip("av")
 
 from tests.engine.media.clips import make_clip
-from tests.engine.media.test_qwen3_vl import load_float32, media_for, sha
+from tests.engine.media.test_qwen3_vl import float32_copy, load_float32, media_for, sha
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "qwen3_5_media"
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
@@ -211,20 +211,7 @@ def test_published_config_and_mlx_vlm_weights_give_the_same_replies(published_fo
 def float32_folder(tmp_path_factory) -> Path:
     """The MoE golden with float32 weights, for the CLI (which computes in the
     checkpoint's dtype)."""
-    import mlx.core as mx
-
-    folder = tmp_path_factory.mktemp("f32") / "qwen3_5_moe"
-    shutil.copytree(GOLDEN / "qwen3_5_moe", folder)
-    weights = mx.load(str(folder / "model.safetensors"))
-    mx.save_safetensors(
-        str(folder / "model.safetensors"),
-        {k: v.astype(mx.float32) for k, v in weights.items()},
-        metadata={"format": "pt"},
-    )
-    config = json.loads((folder / "config.json").read_text())
-    config["dtype"] = "float32"
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return float32_copy(GOLDEN / "qwen3_5_moe", tmp_path_factory.mktemp("f32") / "qwen3_5_moe")
 
 
 def test_cli_generate_with_an_image_and_a_video_matches_transformers(float32_folder, shared_data, clip):
