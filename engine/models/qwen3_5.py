@@ -265,8 +265,6 @@ class HybridModel(DecoderStack):
         input_embeddings: mx.array | None = None,
         position_ids: mx.array | None = None,
     ) -> mx.array:
-        if position_ids is None:
-            return self.run(inputs, cache, input_embeddings)
         return self.run(inputs, cache, input_embeddings, position_ids=position_ids)
 
 
