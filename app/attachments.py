@@ -38,8 +38,11 @@ VIDEO_EXT = {".mp4", ".mov", ".m4v", ".webm", ".mkv"}
 VISION_MODELS = "a vision model such as Gemma 3 or Qwen2.5-VL"
 NO_VISION = f"This model can't see images — load {VISION_MODELS}."
 NO_MODEL_FOR_IMAGES = f"Load {VISION_MODELS} to attach images."
-# The families whose engine towers watch video (engine.media.towers.TOWERS).
-VIDEO_MODELS = "a video model: Qwen3-VL or Qwen3-VL-MoE (qwen3_vl, qwen3_vl_moe)"
+# The families whose engine towers watch video (engine.media.towers.TOWERS; a test keeps
+# the two in step). Whether the loaded model is one, the app asks the engine (ModelInfo.video).
+VIDEO_MODELS = (
+    "a video model: Qwen3.5 / Qwen3.6, Qwen3-VL or Qwen3-VL-MoE (qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe)"
+)
 NO_VIDEO = f"This model can't watch video — load {VIDEO_MODELS}."
 NO_MODEL_FOR_VIDEO = f"Load {VIDEO_MODELS} to attach video."
 NO_WHISPER = (

@@ -334,7 +334,7 @@ class Timing:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from engine.cli.bench_media import MEDIA_SHAPES, add_media_arguments
 
-    p.add_argument("--shape", choices=sorted(SHAPES) + sorted(MEDIA_SHAPES), default="qwen3-4b")
+    p.add_argument("--shape", choices=sorted(set(SHAPES) | set(MEDIA_SHAPES)), default="qwen3-4b")
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument(
@@ -348,7 +348,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vs",
         choices=["mlx-lm", "mlx-vlm"],
-        help="also time mlx-lm on the same weights (mlx-vlm for the DiffusionGemma shapes)",
+        help="also time mlx-lm on the same weights (mlx-vlm: with --media, or for the DiffusionGemma shapes)",
     )
     p.add_argument(
         "--denoising-steps", type=int, default=48, help="DiffusionGemma shapes: the most steps a block takes"
@@ -570,7 +570,9 @@ def run_bench(
         raise EngineError("bench needs -p >= 1 and -g >= 2")
     diffusion = SHAPES[args.shape]["model_type"] == "diffusion_gemma"
     if (args.vs == "mlx-vlm") != (diffusion and args.vs is not None):
-        raise EngineError("--vs mlx-vlm goes with the DiffusionGemma shapes, --vs mlx-lm with the others")
+        raise EngineError(
+            "--vs mlx-vlm goes with --media image|video or the DiffusionGemma shapes, --vs mlx-lm with the others"
+        )
     if args.vs == "mlx-lm":
         import importlib.util
 

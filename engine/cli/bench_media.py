@@ -5,7 +5,15 @@ The media is made here: a 1024 x 1024 picture of noise, or a clip of ``--media-s
 at ``--media-size`` (720p by default) written with PyAV. The time to first token is split
 into its parts: decoding and preprocessing (the model's own processor settings, as
 published), the vision tower over every run of soft tokens, and the language model's
-prefill up to the first token. Engine only: mlx-vlm is not timed here yet.
+prefill up to the first token.
+
+``--vs mlx-vlm`` (mlx-vlm installed; imported only here) saves the same random weights
+once, in the layout mlx-vlm's converted checkpoints use (``language_model.*``,
+``vision_tower.*``, Qwen3.5's norms already 1 + w), loads them with mlx-vlm's own loader
+and quantizes its language model as the engine's, then times mlx-vlm's ``generate_step``
+to its first token (its tower, its embedding merge and mRoPE positions, its prefill) on the
+same pixel values and prompt ids. Preprocessing is the engine's for both (mlx-vlm hands
+it to transformers' processors), timed once per run and added to each side.
 """
 
 from __future__ import annotations
@@ -18,9 +26,20 @@ from typing import Any
 
 from engine.errors import EngineError
 
-# Qwen/Qwen3-VL-4B-Instruct's published shape (text and vision), and a tiny one for CPU checks.
+# What Qwen3.5's text configs share (gated DeltaNet layers, every 4th full attention).
+_QWEN3_5_LAYOUT: dict[str, Any] = dict(
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+# Published shapes (text and vision): Qwen/Qwen3-VL-4B-Instruct, Qwen/Qwen3.5-4B; and tiny
+# ones for CPU checks.
 MEDIA_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-vl-4b": {
+        "model_type": "qwen3_vl",
         "text": dict(
             hidden_size=2560,
             num_hidden_layers=36,
@@ -50,6 +69,7 @@ MEDIA_SHAPES: dict[str, dict[str, Any]] = {
         ),
     },
     "qwen3-vl-tiny": {
+        "model_type": "qwen3_vl",
         "text": dict(
             hidden_size=64,
             num_hidden_layers=3,
@@ -78,6 +98,83 @@ MEDIA_SHAPES: dict[str, dict[str, Any]] = {
             hidden_act="gelu_pytorch_tanh",
         ),
     },
+    "qwen3.5-4b": {
+        "model_type": "qwen3_5",
+        "text": dict(
+            hidden_size=2560,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            intermediate_size=9216,
+            vocab_size=248320,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=262144,
+            tie_word_embeddings=True,
+            **_QWEN3_5_LAYOUT,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+            },
+        ),
+        "vision": dict(
+            depth=24,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_heads=16,
+            out_hidden_size=2560,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[],
+            hidden_act="gelu_pytorch_tanh",
+        ),
+    },
+    "qwen3.5-tiny": {
+        "model_type": "qwen3_5",
+        "text": dict(
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=96,
+            vocab_size=256,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=65536,
+            tie_word_embeddings=True,
+            full_attention_interval=2,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        ),
+        "vision": dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[],
+            hidden_act="gelu_pytorch_tanh",
+        ),
+    },
 }
 # Qwen3-VL's published processor settings.
 IMAGE_SETTINGS = {
@@ -99,14 +196,15 @@ VIDEO_SETTINGS = {
     "image_mean": [0.5] * 3,
     "image_std": [0.5] * 3,
 }
-IMAGE_ID, VIDEO_ID = 5, 6  # soft-token ids of the random vocabulary
+# Soft-token and vision-marker ids of the random vocabulary.
+IMAGE_ID, VIDEO_ID, VISION_START, VISION_END = 5, 6, 3, 4
 
 
 def add_media_arguments(p: Any) -> None:
     p.add_argument(
         "--media",
         choices=["image", "video"],
-        help="time to first token for one image or clip on a vision model's shape (--shape qwen3-vl-4b)",
+        help="time to first token for one image or clip on a vision model's shape (--shape qwen3-vl-4b, qwen3.5-4b)",
     )
     p.add_argument("--media-seconds", type=float, default=30.0, help="the clip's length (with --media video)")
     p.add_argument("--media-size", default="1280x720", help="the clip's frame size WxH (with --media video)")
@@ -154,40 +252,59 @@ def _prepare(kind: str, source: Any) -> tuple[list[tuple[Any, tuple[int, int, in
     return [(r, (1, h, w)) for r in rows], proc.merge_size
 
 
+def _build(shape: dict[str, Any], seed: int) -> tuple[Any, Any]:
+    """The language model and the vision tower of a shape, random bf16 weights."""
+    import mlx.core as mx
+
+    from engine.media.qwen3_vl.tower import VisionConfig, VisionModel
+    from engine.models import get_family
+
+    mx.random.seed(seed)
+    kind = shape["model_type"]
+    family = get_family(kind)
+    model = family.Model(
+        family.ModelArgs.from_dict({"model_type": kind, "text_config": shape["text"], "vision_config": shape["vision"]})
+    )
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    tower = VisionModel(VisionConfig.from_dict(shape["vision"]))
+    tower.set_dtype(mx.bfloat16)
+    mx.eval(tower.parameters())
+    return model, tower
+
+
+def _quantize(module: Any, bits: int, group_size: int) -> None:
+    import mlx.nn as nn
+
+    if bits in (4, 8):
+        nn.quantize(
+            module,
+            group_size=group_size,
+            bits=bits,
+            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
+        )
+
+
 def run_media_bench(args: Any) -> int:
     import mlx.core as mx
-    import mlx.nn as nn
     import numpy as np
 
     from engine.decode.loop import PromptInputs, generate_step
-    from engine.media.qwen3_vl.tower import VisionConfig, VisionModel
-    from engine.models import get_family
     from engine.models.kv_cache import make_prompt_cache
 
     shape = MEDIA_SHAPES.get(args.shape)
     if shape is None or not args.media:
         raise EngineError(f"--media image|video goes with a vision shape: --shape {' or '.join(sorted(MEDIA_SHAPES))}")
-    mx.random.seed(args.seed)
-    family = get_family("qwen3_vl")
-    model = family.Model(
-        family.ModelArgs.from_dict(
-            {"model_type": "qwen3_vl", "text_config": shape["text"], "vision_config": shape["vision"]}
-        )
-    )
-    model.set_dtype(mx.bfloat16)
-    if args.bits in (4, 8):
-        nn.quantize(
-            model,
-            group_size=args.group_size,
-            bits=args.bits,
-            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % args.group_size == 0,
-        )
-    mx.eval(model.parameters())
-    tower = VisionModel(VisionConfig.from_dict(shape["vision"]))
-    tower.set_dtype(mx.bfloat16)
-    mx.eval(tower.parameters())
+    if args.vs == "mlx-lm":
+        raise EngineError("--media compares with mlx-vlm, not mlx-lm: use --vs mlx-vlm")
+    model, tower = _build(shape, args.seed)
 
     with tempfile.TemporaryDirectory() as tmp:
+        peer = None
+        if args.vs == "mlx-vlm":
+            peer = _mlx_vlm_model(model, tower, shape, Path(tmp) / "weights", args.bits, args.group_size)
+        _quantize(model, args.bits, args.group_size)
+        mx.eval(model.parameters())
         if args.media == "image":
             source: Any = np.random.default_rng(args.seed).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
             what = "one 1024x1024 image"
@@ -196,9 +313,11 @@ def run_media_bench(args: Any) -> int:
             source = _clip(Path(tmp) / "clip.mp4", args.media_seconds, width, height)
             what = f"one {args.media_seconds:g} s {width}x{height} clip"
         print(f"{args.shape} (random weights) on {mx.default_device()}: time to first token for {what}", flush=True)
-        runs = []
-        for _ in range(max(1, args.repeat) + 1):  # the first run warms up
+        runs, peer_runs = [], []
+        for _ in range(max(1, args.repeat) + 1):  # the first run of each warms up; runs interleave
             runs.append(_time_once(args.media, source, model, tower, make_prompt_cache, PromptInputs, generate_step))
+            if peer is not None:
+                peer_runs.append(_time_mlx_vlm(args.media, source, peer))
     best = min(runs[1:], key=lambda r: r["ttft_s"])
     print(
         f"engine   ttft {best['ttft_s']:.3f} s = preprocess {best['preprocess_s']:.3f} + tower "
@@ -206,11 +325,41 @@ def run_media_bench(args: Any) -> int:
         f"{best['runs']} runs of soft tokens)",
         flush=True,
     )
-    if args.json:
+    out: dict[str, Any] = {"shape": args.shape, "media": args.media, "device": str(mx.default_device()), "engine": best}
+    if peer_runs:
+        theirs = min(peer_runs[1:], key=lambda r: r["ttft_s"])
         print(
-            json.dumps({"shape": args.shape, "media": args.media, "device": str(mx.default_device()), "engine": best})
+            f"mlx-vlm  ttft {theirs['ttft_s']:.3f} s = preprocess {theirs['preprocess_s']:.3f} + tower and prefill "
+            f"{theirs['model_s']:.3f}  ({theirs['prompt_tokens']} prompt tokens)",
+            flush=True,
         )
+        ratio = theirs["ttft_s"] / best["ttft_s"]
+        print(f"engine / mlx-vlm: {ratio:.2f}x faster to the first token", flush=True)
+        if theirs["first_token"] != best["first_token"]:  # greedy on the same weights and inputs
+            print(
+                f"warning: the first tokens differ (engine {best['first_token']}, mlx-vlm "
+                f"{theirs['first_token']}): the two did not run the same model",
+                flush=True,
+            )
+        out.update({"mlx_vlm": theirs, "ttft_speedup": ratio})
+    if args.json:
+        print(json.dumps(out))
     return 0
+
+
+def _prompt(kind: str, runs: list[tuple[Any, tuple[int, int, int]]], merge: int) -> tuple[list[int], list[Any]]:
+    """Prompt ids around the soft tokens as the processor lays them out (text, then per run
+    a timestamp's worth of text and the vision markers), and the runs' (start, end, grid)."""
+    soft = IMAGE_ID if kind == "image" else VIDEO_ID
+    ids: list[int] = list(range(20, 36))
+    spans = []
+    for _, (t, h, w) in runs:
+        n = t * h * w // (merge * merge)
+        ids += [40, 41, VISION_START]
+        spans.append((len(ids), len(ids) + n, (t, h // merge, w // merge)))
+        ids += [soft] * n + [VISION_END]
+    ids += list(range(50, 66))
+    return ids, spans
 
 
 def _time_once(kind, source, model, tower, make_prompt_cache, PromptInputs, generate_step) -> dict[str, Any]:
@@ -223,14 +372,7 @@ def _time_once(kind, source, model, tower, make_prompt_cache, PromptInputs, gene
     features = [tower(mx.array(pixels), grid).astype(mx.bfloat16) for pixels, grid in runs]
     mx.eval(features)
     encoded = time.perf_counter()
-    soft = IMAGE_ID if kind == "image" else VIDEO_ID
-    ids: list[int] = list(range(20, 36))
-    spans = []
-    for (_, (t, h, w)), f in zip(runs, features):
-        ids += [40, 41, 42]  # a timestamp's and the vision markers' worth of text
-        spans.append((len(ids), len(ids) + f.shape[0], (t, h // merge, w // merge)))
-        ids += [soft] * f.shape[0]
-    ids += list(range(50, 66))
+    ids, spans = _prompt(kind, runs, merge)
     text = model.embed(mx.array(ids, dtype=mx.uint32)[None])[0]
     width = features[0].shape[-1]
     pieces, cursor = [], 0
@@ -245,17 +387,97 @@ def _time_once(kind, source, model, tower, make_prompt_cache, PromptInputs, gene
         position_delta=int(positions.max()) + 1 - len(ids),
     )
     cache = make_prompt_cache(model)
-    for _ in generate_step(
+    first = None
+    for first, _ in generate_step(
         mx.array(ids, dtype=mx.uint32), model, cache, max_tokens=1, inputs=inputs, prefill_chunk=2048
     ):
         break
     done = time.perf_counter()
     return {
+        "first_token": first,
         "ttft_s": done - start,
         "preprocess_s": prepared - start,
         "tower_s": encoded - prepared,
         "prefill_s": done - encoded,
         "prompt_tokens": len(ids),
         "runs": len(runs),
+        "peak_memory_bytes": int(mx.get_peak_memory()),
+    }
+
+
+def _mlx_vlm_model(model: Any, tower: Any, shape: dict[str, Any], folder: Path, bits: int, group_size: int) -> Any:
+    """mlx-vlm's model of the shape, loaded by mlx-vlm from the engine's random weights."""
+    import importlib.util
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if importlib.util.find_spec("mlx_vlm") is None:
+        raise EngineError("--vs mlx-vlm needs mlx-vlm installed: pip install mlx-vlm")
+    from mlx_vlm.utils import load_model
+
+    folder.mkdir(parents=True)
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name.startswith("model."):
+            name = "language_model.model." + name[len("model.") :]
+        elif name.startswith("lm_head."):
+            name = "language_model." + name
+        weights[name] = value
+    weights.update({"vision_tower." + name: value for name, value in tree_flatten(tower.parameters())})
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    text = {"model_type": f"{shape['model_type']}_text", **shape["text"]}
+    params = text.get("rope_parameters") or text.get("rope_scaling")
+    if isinstance(params, dict):  # mlx-vlm reads "type" and wants the base inside the block
+        params = {"type": params.get("rope_type", "default"), "rope_theta": text.get("rope_theta", 10000), **params}
+        text["rope_parameters"] = text["rope_scaling"] = params
+    config = {
+        "model_type": shape["model_type"],
+        "text_config": text,
+        "vision_config": {"model_type": shape["model_type"], **shape["vision"]},
+        "image_token_id": IMAGE_ID,
+        "video_token_id": VIDEO_ID,
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
+        "tie_word_embeddings": text.get("tie_word_embeddings", False),
+        "vocab_size": text["vocab_size"],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    peer = load_model(folder)
+    _quantize(peer.language_model, bits, group_size)
+    mx.eval(peer.parameters())
+    return peer
+
+
+def _time_mlx_vlm(kind: str, source: Any, peer: Any) -> dict[str, Any]:
+    """mlx-vlm's own path from pixel values to the first token: its generate_step, whose
+    first pass runs its tower, merges the features and prefills."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm.generate import generate_step
+
+    start = time.perf_counter()
+    runs, merge = _prepare(kind, source)
+    prepared = time.perf_counter()
+    ids, _ = _prompt(kind, runs, merge)
+    pixels = mx.array(np.concatenate([r for r, _ in runs]))
+    if kind == "image":
+        image, media = pixels, {"image_grid_thw": mx.array([list(runs[0][1])], dtype=mx.int32)}
+    else:  # one clip: its temporal groups, each (1, h, w), as one (groups, h, w) grid
+        _, h, w = runs[0][1]
+        image, media = None, {"pixel_values_videos": pixels, "video_grid_thw": mx.array([[len(runs), h, w]])}
+    steps = generate_step(
+        mx.array(ids, dtype=mx.int32)[None], peer, image, None, max_tokens=1, temperature=0.0, **media
+    )
+    token, _ = next(steps)
+    token = int(token.item() if isinstance(token, mx.array) else token)  # evaluated
+    steps.close()
+    done = time.perf_counter()
+    return {
+        "first_token": token,
+        "ttft_s": done - start,
+        "preprocess_s": prepared - start,
+        "model_s": done - prepared,
+        "prompt_tokens": len(ids),
         "peak_memory_bytes": int(mx.get_peak_memory()),
     }

@@ -23,6 +23,7 @@ from engine.media.prompt import MediaEncoder, PreparedMedia
 # model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder
 # ("module:function" names another factory in it).
 _QWEN3_VL = {"image": "engine.media.qwen3_vl.encoders", "video": "engine.media.qwen3_vl.encoders:make_video_encoder"}
+_QWEN3_5 = {"image": "engine.media.qwen3_5.encoders", "video": "engine.media.qwen3_5.encoders:make_video_encoder"}
 TOWERS: dict[str, dict[str, str]] = {
     "gemma3": {"image": "engine.media.gemma3.vision"},
     "gemma4": {"image": "engine.media.gemma4.vision", "audio": "engine.media.gemma4.audio"},
@@ -31,6 +32,8 @@ TOWERS: dict[str, dict[str, str]] = {
     "mistral3": {"image": "engine.media.pixtral.tower"},
     "qwen3_vl": _QWEN3_VL,
     "qwen3_vl_moe": _QWEN3_VL,
+    "qwen3_5": _QWEN3_5,
+    "qwen3_5_moe": _QWEN3_5,
     "qwen2_audio": {"audio": "engine.media.qwen2_audio.tower"},
     "voxtral": {"audio": "engine.media.voxtral.tower"},
 }

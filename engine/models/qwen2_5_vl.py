@@ -71,6 +71,23 @@ def mrope_axes(section: Sequence[int], half: int, interleaved: bool) -> np.ndarr
     return axes
 
 
+def rotate_mrope(x: mx.array, positions: mx.array, axes: mx.array, inv_freq: mx.array) -> mx.array:
+    """Rotate the first ``2 * len(inv_freq)`` features of x (b, heads, n, d) in the
+    rotate-half layout, frequency i by position id ``axes[i]`` of positions (3, b, n);
+    features past them pass through (partial rotary, as Qwen3.5 has)."""
+    pos = positions.astype(mx.float32)  # (3, b, n)
+    chosen = mx.take(pos, axes, axis=0)  # (half, b, n)
+    angles = chosen.transpose(1, 2, 0) * inv_freq  # (b, n, half)
+    angles = mx.concatenate([angles, angles], axis=-1)[:, None]  # (b, 1, n, dims)
+    cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+    dims = angles.shape[-1]
+    head = x[..., :dims] if dims < x.shape[-1] else x
+    half = dims // 2
+    rotated = mx.concatenate([-head[..., half:], head[..., :half]], axis=-1)
+    out = head * cos + rotated * sin
+    return out if dims == x.shape[-1] else mx.concatenate([out, x[..., dims:]], axis=-1)
+
+
 class MRoPEAttention(Attention):
     """Qwen2 (Qwen3: with per-head norms) attention whose rotation takes explicit
     (3, 1, n) position ids when given."""
@@ -85,14 +102,7 @@ class MRoPEAttention(Attention):
 
     def rotate(self, x: mx.array, positions: mx.array) -> mx.array:
         """x (b, heads, n, d); positions (3, b, n)."""
-        pos = positions.astype(mx.float32)  # (3, b, n)
-        chosen = mx.take(pos, self._axis, axis=0)  # (half, b, n)
-        angles = chosen.transpose(1, 2, 0) * self._inv_freq  # (b, n, half)
-        angles = mx.concatenate([angles, angles], axis=-1)[:, None]  # (b, 1, n, d)
-        cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos + rotated * sin
+        return rotate_mrope(x, positions, self._axis, self._inv_freq)
 
     def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:
         if position_ids is None:

@@ -5,8 +5,10 @@
 * Full attention: ``q_proj`` yields each head's query and an output gate side by side;
   the attention output is multiplied by sigmoid(gate) before ``o_proj``. Per-head
   q/k RMSNorm, RoPE over the first ``partial_rotary_factor`` of each head (default 0.25).
-  The multimodal RoPE sections (``mrope_section``) only matter for image positions: on
-  text all three sections see the same position, which is plain RoPE.
+  The multimodal RoPE sections (``mrope_section``, interleaved as in Qwen3-VL) only matter
+  for image and video positions: on text all three ids are the same, which is plain RoPE.
+  A prompt with media passes (3, 1, n) ``position_ids`` (``rope_index``, Qwen2.5-VL's
+  layout; each video frame group its own span); the recurrent layers take no positions.
 * Norms are (1 + w): Hugging Face checkpoints store w, and sanitize adds the 1 once, as
   mlx-lm's converted checkpoints already have it (told apart by the conv1d weight layout,
   [C, 1, K] on the Hub, [C, K, 1] in MLX). The gated norm inside DeltaNet is plain w.
@@ -14,7 +16,8 @@
   a ``KVCache``.
 
 Also reads the multimodal checkpoints' text part (``text_config``, weights under
-``model.language_model.``), leaving vision and multi-token-prediction weights out.
+``model.language_model.``), leaving the vision tower to engine/media/qwen3_5 (Qwen3-VL's
+tower without DeepStack) and the multi-token-prediction weights to ``Model.mtp``.
 ``qwen3_5_moe`` and ``qwen3_next`` build on this file.
 """
 
@@ -25,7 +28,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from engine.artifacts import config_spellings
 from engine.models.base import (
     NESTED_LM_PREFIXES,
     Attention,
@@ -41,6 +46,8 @@ from engine.models.base import (
 )
 from engine.models.gated_delta import GatedDeltaNet
 from engine.models.kv_cache import KVCache
+from engine.models.qwen2_5_vl import Model as QwenVLModel
+from engine.models.qwen2_5_vl import mrope_axes, rotate_mrope
 from engine.models.qwen3_5_mtp import MTP_ONE_CENTRED, MTPHead
 from engine.models.recurrent_cache import RecurrentCache
 from engine.models.switch import stack_expert_weights
@@ -92,10 +99,13 @@ class ModelArgs(BaseModelArgs):
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     mtp_num_hidden_layers: int = 0
+    # Interleaved multimodal RoPE over the rotated quarter of each head (t, h, w, t, ...).
+    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])
 
     @classmethod
     def normalise(cls, config: dict[str, Any]) -> dict[str, Any]:
         flat = text_config(config)
+        section = config_spellings.mrope_section(flat)
         # The Qwen3.5 / Qwen3-Next configs rotate a quarter of each head unless told otherwise.
         params = flat.get("rope_parameters")
         if "partial_rotary_factor" not in flat and not (isinstance(params, dict) and "partial_rotary_factor" in params):
@@ -106,6 +116,8 @@ class ModelArgs(BaseModelArgs):
             flat["rope_scaling"] = None
         if flat.get("mlp_only_layers") is None:
             flat["mlp_only_layers"] = []
+        if section is not None:
+            flat["mrope_section"] = section
         return flat
 
     def kinds(self) -> list[str]:
@@ -163,16 +175,25 @@ class GatedAttention(Attention):
         self.q_proj = nn.Linear(
             args.hidden_size, 2 * args.num_attention_heads * args.head_dim, bias=args.attention_bias
         )
+        # Multimodal RoPE (prompts with media): which of the three position ids rotates each
+        # frequency of the rotated part.
+        dims = int(args.head_dim * args.partial_rotary_factor)
+        self._mrope_axes = mx.array(mrope_axes(args.mrope_section, dims // 2, interleaved=True))
+        self._mrope_inv_freq = mx.array(1.0 / (args.rope_theta ** (np.arange(0, dims, 2, dtype=np.float32) / dims)))
 
-    def __call__(self, x: mx.array, mask, cache) -> mx.array:
+    def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:
         b, n, _ = x.shape
         d = self.head_dim
         q, gate = mx.split(self.q_proj(x).reshape(b, n, self.n_heads, 2 * d), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv_heads, d)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, n, self.n_kv_heads, d).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        if position_ids is not None:
+            q = rotate_mrope(q, position_ids, self._mrope_axes, self._mrope_inv_freq)
+            k = rotate_mrope(k, position_ids, self._mrope_axes, self._mrope_inv_freq)
+        else:
+            offset = cache.offset if cache is not None else 0
+            q, k = self.rope(q, offset), self.rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = sdpa(q, k, v, self.scale, mask).transpose(0, 2, 1, 3).reshape(b, n, -1)
@@ -223,9 +244,11 @@ class DecoderLayer(nn.Module):
     def make_mlp(self, args: ModelArgs, index: int) -> nn.Module:
         return GatedMLP(args.hidden_size, args.intermediate_size, activation=activation(args.hidden_act))
 
-    def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), mask, cache)
+    def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:
+        if self.is_linear:
+            h = x + self.linear_attn(self.input_layernorm(x), mask, cache)
+        else:
+            h = x + self.self_attn(self.input_layernorm(x), mask, cache, position_ids)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -235,16 +258,33 @@ class HybridModel(DecoderStack):
     def make_layers(self, args: ModelArgs) -> list:
         return [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
 
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        position_ids: mx.array | None = None,
+    ) -> mx.array:
+        return self.run(inputs, cache, input_embeddings, position_ids=position_ids)
+
 
 class Model(CausalLM):
     model_class = HybridModel
     # Called as listener(ids or None, final hidden states, first position) after each pass
     # with a cache: the built-in MTP drafter follows the target this way (engine/mtp_drafter.py).
     hidden_listener = None
+    # Positions of a prompt with images or video: Qwen2.5-VL's 3-D layout.
+    rope_index = staticmethod(QwenVLModel.rope_index)
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        input_embeddings: mx.array | None = None,
+        position_ids: mx.array | None = None,
+    ) -> mx.array:
         start = cache[0].offset if cache else 0
-        h = self.model(inputs, cache, input_embeddings)
+        h = self.model(inputs, cache, input_embeddings, position_ids)
         if self.hidden_listener is not None and cache is not None:
             self.hidden_listener(inputs if input_embeddings is None else None, h, start)
         return self.logits(h)

@@ -132,6 +132,10 @@ def load_model(
     else:
         model = family.Model(args)
     try:
+        if dtype is not None:
+            # Before sanitize too: what it computes (Qwen3.5's 1 + w norms) then rounds to the
+            # chosen dtype, not to the stored one (a float32 load of a bf16 checkpoint).
+            weights = cast_floats(weights, dtype)
         weights = _sanitize(model, weights, source)
         if embedding is not None:  # each Dense layer keeps its weights in its own folder
             for i, dense in enumerate(embedding.dense):

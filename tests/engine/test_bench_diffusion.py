@@ -44,7 +44,7 @@ def test_bench_reports_whole_blocks_and_every_step(capsys):
 
 def test_bench_refuses_the_wrong_referee_in_one_line(capsys):
     assert main(["bench", "--shape", "diffusion-gemma-tiny", "--vs", "mlx-lm"]) != 0
-    assert "--vs mlx-vlm goes with the DiffusionGemma shapes" in capsys.readouterr().err
+    assert "--vs mlx-vlm goes with --media image|video or the DiffusionGemma shapes" in capsys.readouterr().err
     assert main(["bench", "--shape", "tiny", "--vs", "mlx-vlm"]) != 0
     if not HAS_MLX_VLM:
         assert main(["bench", "--shape", "diffusion-gemma-tiny", "--vs", "mlx-vlm", "-g", "2"]) != 0

@@ -234,11 +234,22 @@ def build(name: str, folder: Path, clip: Path) -> dict:
     model = cls.from_pretrained(folder, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
     (folder / "generation_config.json").unlink(missing_ok=True)
+    hf_tok = hf_tokenizer(tok)
+    processor = save_processor(folder, hf_tok)
+    return record_cases(name, model, processor, hf_tok, clip)
+
+
+def hf_tokenizer(tok: Tokenizer) -> transformers.PreTrainedTokenizerFast:
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(str(Path(tmp) / "tokenizer.json"))
-        hf_tok = transformers.PreTrainedTokenizerFast(
+        return transformers.PreTrainedTokenizerFast(
             tokenizer_file=str(Path(tmp) / "tokenizer.json"), eos_token="<|im_end|>", pad_token="<|endoftext|>"
         )
+
+
+def save_processor(folder: Path, hf_tok) -> transformers.Qwen3VLProcessor:
+    """Qwen3VLProcessor (PIL image backend) saved into the model folder, the chat template
+    in tokenizer_config.json."""
     processor = transformers.Qwen3VLProcessor(
         image_processor=transformers.Qwen2VLImageProcessorPil(**IMAGE_CFG),
         tokenizer=hf_tok,
@@ -250,7 +261,13 @@ def build(name: str, folder: Path, clip: Path) -> dict:
     tok_cfg["chat_template"] = TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return processor
 
+
+def record_cases(name: str, model, processor, hf_tok, clip: Path) -> dict:
+    """expected.json's cases (the photo, the clip, both) for a model of the Qwen3-VL tower
+    family: pixels, grids, features (merged, then any DeepStack), prompt ids, positions,
+    greedy ids with log-probs and margins."""
     image = Image.open(IMAGE).convert("RGB")
     frames, metadata = transformers.video_utils.load_video(str(clip), backend="pyav")
     cases = {
@@ -283,9 +300,8 @@ def build(name: str, folder: Path, clip: Path) -> dict:
                 vision = model.model.visual(inputs[key], grid_thw=inputs[grid_key], return_dict=True)
                 if case == kind:  # the first frame group's (or the image's) features, to keep the file small
                     n = int(inputs[grid_key][0, 1:].prod()) // 4
-                    record[f"{kind}_features"] = torch.cat([vision.pooler_output, *vision.deepstack_features], dim=-1)[
-                        :n
-                    ].tolist()
+                    deepstack = getattr(vision, "deepstack_features", None) or []
+                    record[f"{kind}_features"] = torch.cat([vision.pooler_output, *deepstack], dim=-1)[:n].tolist()
                 kwargs[grid_key] = inputs[grid_key]
             positions, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], **kwargs)
         record["position_ids"] = positions[:, 0].tolist()

@@ -36,10 +36,12 @@ class Tower(LazyTowerEncoder):
 
     renames = RENAMES
     what = "Qwen3-VL vision tower"
+    # Settings a family's configs leave out because its tower differs (Qwen3.5: no DeepStack).
+    defaults: dict[str, Any] = {}
 
     def __init__(self, source: TowerSource):
         self.source = source
-        self.config = VisionConfig.from_dict(source.config.raw.get("vision_config") or {})
+        self.config = VisionConfig.from_dict({**self.defaults, **(source.config.raw.get("vision_config") or {})})
         self.module = None
         self.calls = 0
 
@@ -60,13 +62,13 @@ class Tower(LazyTowerEncoder):
         return module(mx.array(pixels), grid)
 
 
-def shared_tower(source: TowerSource) -> Tower:
+def shared_tower(source: TowerSource, tower_class: type[Tower] = Tower) -> Tower:
     """One tower per loaded model, shared by its image and video encoders. The source
     holds it weakly: it goes (weights and all) when the model's encoders do."""
     ref = source.__dict__.get("_qwen3_vl_tower")
     tower = ref() if ref is not None else None
     if tower is None:
-        tower = Tower(source)
+        tower = tower_class(source)
         source.__dict__["_qwen3_vl_tower"] = weakref.ref(tower)
     return tower
 
@@ -76,16 +78,18 @@ class _Encoder:
 
     kind = ""
     placeholder = ""
+    tower_class = Tower
+    default_token_ids = {"image": 151655, "video": 151656}  # when the config names none
 
     def __init__(self, source: TowerSource):
         self.source = source
-        self.tower = shared_tower(source)
+        self.tower = shared_tower(source, self.tower_class)
         self.calls = 0
         raw = source.config.raw
         self.vision_config = self.tower.config
         self.token_ids = {
             name: int(raw.get(f"{name}_token_id", source.config.text.get(f"{name}_token_id", default)))
-            for name, default in (("image", 151655), ("video", 151656))
+            for name, default in self.default_token_ids.items()
         }
 
     @property

@@ -216,12 +216,16 @@ def test_a_three_hour_video_is_read_from_its_header_not_refused(tmp_path):
 def float32_folder(tmp_path_factory) -> Path:
     """The qwen3_vl golden with its weights stored in float32, for the CLI (which computes
     in the checkpoint's dtype)."""
+    return float32_copy(GOLDEN / "qwen3_vl", tmp_path_factory.mktemp("f32") / "qwen3_vl")
+
+
+def float32_copy(golden: Path, folder: Path) -> Path:
+    """A copy of a golden model folder with its weights stored in float32."""
     import shutil
 
     import mlx.core as mx
 
-    folder = tmp_path_factory.mktemp("f32") / "qwen3_vl"
-    shutil.copytree(GOLDEN / "qwen3_vl", folder)
+    shutil.copytree(golden, folder)
     weights = mx.load(str(folder / "model.safetensors"))
     mx.save_safetensors(
         str(folder / "model.safetensors"),
