@@ -36,7 +36,10 @@ class GenerationParams:
     # "mtp" (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next).
     speculative: Literal["draft", "ngram", "mtp"] | None = None
     ngram_size: int = 3  # ids matched by n-gram lookup
-    num_draft_tokens: int = 4  # drafts verified per forward pass
+    # Drafts verified per forward pass; None ("auto"): chosen each round from this reply's
+    # measured acceptance and pass costs, plain steps when drafting does not pay
+    # (engine.decode.draft_depth).
+    num_draft_tokens: int | None = None
     # Gemma 3 vision: also show wide or tall images as square crops ("pan and scan").
     # None follows the model's processor config; attachments may say otherwise one by one.
     pan_and_scan: bool | None = None

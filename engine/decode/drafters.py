@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from engine.decode.compiled_step import compiled_decoder
+from engine.decode.draft_depth import AUTO_MAX_DRAFT
 from engine.decode.prefill import HISTORY_WINDOW, prefill
 from engine.errors import EngineError
 from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
@@ -182,7 +183,7 @@ def make_drafter(
     mode: str | None,
     *,
     ngram_size: int = 3,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | None = None,
     draft_model: Any = None,
     draft_cache: list | None = None,
     prefill_chunk: int = 512,
@@ -192,6 +193,8 @@ def make_drafter(
     context already (prefix reuse), or be None for a fresh one."""
     if mode is None:
         return None
+    if num_draft_tokens is None:  # auto: the depth is chosen each round, up to this
+        num_draft_tokens = AUTO_MAX_DRAFT
     if num_draft_tokens < 1:
         raise EngineError(f"the number of draft tokens must be at least 1 (got {num_draft_tokens})")
     if mode == "ngram":

@@ -1,0 +1,185 @@
+"""How many tokens to draft per speculative round, from what this request has measured.
+
+Speculation pays only when the tokens a round yields cost less than as many plain steps.
+With per-draft acceptance ``a`` (each draft accepted with probability ``a`` while the run
+lasts, the usual model of Leviathan et al. 2023), a round of ``k`` drafts yields
+``(1 - a**(k+1)) / (1 - a)`` tokens on average and costs ``round_seconds(k)`` (drafting and
+the verify pass over k + 1 tokens); plain decoding costs ``plain_seconds`` a token. The best
+depth maximises yield * plain_seconds / round_seconds(k); when even that is not a clear gain
+(``MARGIN``), decoding goes plain and probes again now and then, at growing intervals while
+probes keep failing, so the probes' cost stays within noise.
+
+Both costs are measured, not assumed: a verify pass is nearly as cheap as a one-token step
+on a GPU, where a step is bound by per-step overhead, and k + 1 times as dear on a CPU,
+where it is bound by arithmetic; a draft model's steps and an MTP layer's add their own.
+Measurements are host wall time with the consumer's time left out (the caller times them).
+``DraftDepth`` keeps the figures and decides; ``best_depth`` is the decision alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+# Speculate only when the model predicts at least this speed-up over plain steps: below it a
+# wrong guess (noise in the timings, acceptance about to fall) costs more than it could gain.
+MARGIN = 1.05
+# Plain tokens before the first probe once drafting stopped paying; doubled after each probe
+# that still does not pay, up to PROBE_MAX, and back to PROBE_FIRST when drafting pays again.
+PROBE_FIRST = 8
+PROBE_MAX = 128
+# Plain tokens timed before the first round, to know what a round competes with.
+CALIBRATION = 3
+# How much each round's acceptance counts against earlier rounds' (exponential forgetting:
+# a reply moves from prose that drafts poorly to code or quotes that draft well).
+DECAY = 0.9
+# Prior pseudo-counts of accepted and rejected drafts: a guess of 1/2 that a few rounds outweigh.
+PRIOR = (1.0, 1.0)
+# Timings kept per depth; their median resists a slow first call (kernels built on first use).
+KEPT = 8
+# Auto mode drafts at most this many tokens a round unless told otherwise.
+AUTO_MAX_DRAFT = 6
+
+
+def draft_count(text: str) -> int | str:
+    """A command line's drafts per round: a whole number, or "auto"."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round of ``k`` drafts yields on average: accepted drafts plus the target's token."""
+    a = min(max(acceptance, 0.0), 1.0)
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def best_depth(
+    acceptance: float,
+    plain_seconds: float,
+    round_seconds: Callable[[int], float],
+    k_max: int,
+    margin: float = MARGIN,
+) -> int:
+    """The number of drafts per round that decodes fastest, or 0 when plain steps are as fast.
+
+    ``acceptance``: the chance that a draft is accepted (given the ones before it were);
+    ``plain_seconds``: one plain decode step; ``round_seconds(k)``: drafting k tokens and
+    verifying them. Speculation must beat plain by ``margin`` to be chosen."""
+    if plain_seconds <= 0 or k_max < 1:
+        return 0
+    best, best_speedup = 0, margin
+    for k in range(1, k_max + 1):
+        cost = round_seconds(k)
+        if cost <= 0:
+            continue
+        speedup = expected_tokens(acceptance, k) * plain_seconds / cost
+        if speedup > best_speedup:
+            best, best_speedup = k, speedup
+    return best
+
+
+class FixedDepth:
+    """Always ``k`` drafts a round (the user chose a number)."""
+
+    def __init__(self, k: int):
+        self.k_max = max(0, k)
+
+    def next(self, room: int) -> int:
+        return max(0, min(self.k_max, room))
+
+    def plain(self, seconds: float) -> None:
+        pass
+
+    def round(self, drafted: int, accepted: int, seconds: float) -> None:
+        pass
+
+
+class DraftDepth:
+    """Chooses each round's drafts from this request's measurements (see the module doc).
+
+    The speculative loop asks ``next(room)`` before each round or plain token (0: decode a plain
+    token) and reports what it measured: ``plain(seconds)`` per plain token, ``round(drafted,
+    accepted, seconds)`` per verified round. ``chosen`` records every non-zero answer (tests
+    and benches read it)."""
+
+    def __init__(self, k_max: int = AUTO_MAX_DRAFT):
+        self.k_max = max(0, k_max)
+        self.plain_times: deque[float] = deque(maxlen=2 * KEPT)
+        self.round_times: dict[int, deque[float]] = {}
+        self.accepted, self.rejected = PRIOR
+        self.plain_left = CALIBRATION  # plain tokens to go before drafting is considered again
+        self.probe_gap = PROBE_FIRST
+        self.probe_due = False
+        self.chosen: list[int] = []
+
+    # -- what was measured ------------------------------------------------------------------
+
+    def plain(self, seconds: float) -> None:
+        self.plain_times.append(seconds)
+
+    def round(self, drafted: int, accepted: int, seconds: float) -> None:
+        if drafted <= 0:
+            return
+        self.round_times.setdefault(drafted, deque(maxlen=KEPT)).append(seconds)
+        # A run of accepted drafts, then a rejection unless all were accepted.
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def plain_seconds(self) -> float | None:
+        return statistics.median(self.plain_times) if self.plain_times else None
+
+    def round_seconds(self, k: int) -> float:
+        """Measured at k when it has been; else a line through the plain step's cost and the
+        per-draft cost the measured depths show."""
+        seen = self.round_times.get(k)
+        if seen:
+            return statistics.median(seen)
+        base = self.plain_seconds() or 0.0
+        per_draft = [(statistics.median(t) - base) / d for d, t in self.round_times.items() if t]
+        return base + k * max(0.0, statistics.median(per_draft)) if per_draft else 0.0
+
+    # -- the decision -------------------------------------------------------------------------
+
+    def next(self, room: int) -> int:
+        """Drafts for the next round (at most ``room``), or 0 for a plain token."""
+        k = self._decide(room)
+        if k:
+            self.chosen.append(k)
+        return k
+
+    def _decide(self, room: int) -> int:
+        if room <= 0 or self.k_max < 1:
+            return 0
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return 0
+        plain = self.plain_seconds()
+        if plain is None:  # nothing to compare a round with yet
+            self.plain_left = CALIBRATION - 1
+            return 0
+        if not self.round_times:  # a first round, at a middling depth, to measure its cost
+            return min(room, max(1, self.k_max // 2))
+        if self.probe_due:  # one round at the best depth, gain or not, to measure afresh
+            self.probe_due = False
+            return min(room, max(1, best_depth(self.acceptance, plain, self.round_seconds, self.k_max, margin=0.0)))
+        k = best_depth(self.acceptance, plain, self.round_seconds, self.k_max)
+        if k == 0:
+            # Plain until the next probe; each probe that finds no gain waits twice as long.
+            self.plain_left = self.probe_gap - 1
+            self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
+            self.probe_due = True
+            return 0
+        self.probe_gap = PROBE_FIRST
+        return min(room, k)
