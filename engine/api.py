@@ -33,7 +33,7 @@ class GenerationParams:
     logprobs: bool = False
     prefill_chunk: int = 512
     # Speculative decoding: "draft" (needs a loaded draft model), "ngram" (prompt lookup) or
-    # "mtp" (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next).
+    # "mtp" (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next, DeepSeek V3, GLM-5).
     speculative: Literal["draft", "ngram", "mtp"] | None = None
     ngram_size: int = 3  # ids matched by n-gram lookup
     # Drafts verified per forward pass; None ("auto"): chosen each round from this reply's

@@ -173,6 +173,8 @@ def _embedding_rows(model: Any) -> int | None:
 
 def decoder_for(model: Any, compiled: bool | None) -> Any:
     """The model's compiled one-token step, prepared, or None (plain forward passes)."""
+    if getattr(model, "hidden_listener", None) is not None:
+        return None  # an MTP drafter follows the model's passes: they must go through __call__
     if compiled is None:
         compiled = mx.default_device() == mx.gpu
     decoder = compiled_decoder(model) if compiled else None

@@ -1,4 +1,5 @@
-"""Drafting with a checkpoint's own multi-token-prediction layer (Qwen3.5, Qwen3-Next).
+"""Drafting with a checkpoint's own multi-token-prediction layer (Qwen3.5, Qwen3-Next,
+DeepSeek V3, GLM-5).
 
 The MTP layer reads the target's final hidden states, so it follows every forward pass
 of the target (``Model.hidden_listener``): for a pass over positions o..o+T-1 it computes
@@ -37,13 +38,17 @@ class MTPDrafter:
         if head is None:
             raise EngineError(
                 "this model has no built-in multi-token-prediction (MTP) layers: they come with the original "
-                "Hugging Face checkpoints of Qwen3.5 / Qwen3-Next (mlx-lm drops them when converting); "
+                "Hugging Face checkpoints of Qwen3.5 / Qwen3-Next / DeepSeek V3 / GLM-5 (mlx-lm drops them when "
+                "converting); "
                 "use --draft-model or --ngram instead"
             )
         self.model = model
         self.head = head
         self.max_draft = max_draft
-        self.cache = [KVCache() for _ in head.layers]
+        # The layer's own cache (DeepSeek's latent attention caches latents), and its head:
+        # DeepSeek's normalises with its own shared_head.norm before the model's output head.
+        self.cache = head.make_cache() if hasattr(head, "make_cache") else [KVCache() for _ in head.layers]
+        self.logits = getattr(head, "logits", model.logits)
         self.base = 0  # the position of the first entry the MTP layer's cache holds
         # (first position, hidden [1, T, H]) of the last few passes, newest last: a plain step
         # queued ahead (speculative_step's lookahead) must not hide the row a draft starts from.
@@ -116,7 +121,7 @@ class MTPDrafter:
         tokens, probs = [], []
         for i in range(k):
             hidden = self.head(hidden, self.model.embed(token[None]), self.cache)
-            token, q = pick(self.model.logits(hidden)[0, -1], recent)
+            token, q = pick(self.logits(hidden)[0, -1], recent)
             mx.async_eval(token)
             tokens.append(token)
             if q is not None:
