@@ -18,7 +18,8 @@ import mlx.nn as nn
 
 from engine.errors import UnsupportedModelError
 from engine.models.base import BaseModelArgs, CausalLM, DecoderStack, GatedMLP, activation
-from engine.models.deepseek_mtp import attach_mtp
+from engine.models.deepseek_mtp import attach_mtp, nextn_part
+from engine.models.deepseek_mtp import left_out as _left_out
 from engine.models.mla import LatentAttention, latent_caches, split_kv_b
 from engine.models.mla_cache import latent_bytes_per_token
 from engine.models.routed_moe import RoutedMoE, stack_experts
@@ -87,6 +88,15 @@ class ModelArgs(BaseModelArgs):
         """Every layer caches its latent and rope key, not per-head keys and values."""
         per_layer = latent_bytes_per_token(self.kv_lora_rank, self.qk_rope_head_dim, dtype_bytes)
         return self.num_hidden_layers * per_layer
+
+
+def resident_weight(name: str, n_layers: int) -> str | None:
+    """How a stored weight is held once loaded (the memory plan counts what is resident):
+    "mtp" for the MTP layer's (loaded for built-in drafting), None for what is left out
+    (further MTP layers, the copies of embedding and head), "model" for the rest."""
+    if _left_out(name, n_layers):
+        return None
+    return "mtp" if nextn_part(name, n_layers) is not None else "model"
 
 
 class DecoderLayer(nn.Module):
