@@ -30,8 +30,14 @@ MARGIN = 1.05
 # that still does not pay, up to PROBE_MAX, and back to PROBE_FIRST when drafting pays again.
 PROBE_FIRST = 8
 PROBE_MAX = 128
-# Plain tokens timed before the first round, to know what a round competes with.
+# What probes may cost, beyond the plain steps they replace, as a share of the plain tokens' time.
+PROBE_BUDGET = 0.03
+# Plain tokens timed before the first round, to know what a round competes with (the first
+# is not counted: it builds kernels on first use), and again after every RECHECK rounds in a
+# row, so a plain step's cost is not judged from the start of a long reply only.
 CALIBRATION = 3
+RECHECK = 32
+RECHECK_TOKENS = 2
 # How much each round's acceptance counts against earlier rounds' (exponential forgetting:
 # a reply moves from prose that drafts poorly to code or quotes that draft well).
 DECAY = 0.9
@@ -101,14 +107,23 @@ class FixedDepth:
     def round(self, drafted: int, accepted: int, seconds: float) -> None:
         pass
 
+    def overhead(self, seconds: float) -> None:
+        pass
+
 
 class DraftDepth:
     """Chooses each round's drafts from this request's measurements (see the module doc).
 
     The speculative loop asks ``next(room)`` before each round or plain token (0: decode a plain
     token) and reports what it measured: ``plain(seconds)`` per plain token, ``round(drafted,
-    accepted, seconds)`` per verified round. ``chosen`` records every non-zero answer (tests
-    and benches read it)."""
+    accepted, seconds)`` per verified round, ``overhead(seconds)`` for a drafter's catching up
+    before a round (a draft model feeding the ids decoded plainly). ``chosen`` records every
+    non-zero answer (tests and benches read it).
+
+    Probes are budgeted: what they cost beyond the plain steps they replace (their catching up
+    included) stays within ``PROBE_BUDGET`` of the time spent on plain tokens. A draft model
+    on a CPU, whose catching up after n plain tokens costs about n/3 steps, so probes rarely;
+    on a GPU, where that prefill is cheap, the doubling intervals rule."""
 
     def __init__(self, k_max: int = AUTO_MAX_DRAFT):
         self.k_max = max(0, k_max)
@@ -118,16 +133,41 @@ class DraftDepth:
         self.plain_left = CALIBRATION  # plain tokens to go before drafting is considered again
         self.probe_gap = PROBE_FIRST
         self.probe_due = False
+        self.probing = False  # the round being asked for is a probe
+        self.plain_total = 0.0  # seconds of plain tokens in this request
+        self.since_round = 0  # plain tokens since the last round
+        self.pending_overhead = 0.0  # catching up before the coming round
+        self.probe_spent = 0.0  # what probes cost beyond the plain steps they replaced
+        # The last probe's cost beyond the plain steps it replaced, and its catching up per
+        # plain token before it (a draft model's prefill; none for n-gram or MTP drafting).
+        self.last_probe: tuple[float, float] | None = None
+        self.warmed = False  # a plain token has been decoded (the first is not timed)
+        self.rounds_in_a_row = 0
         self.chosen: list[int] = []
 
     # -- what was measured ------------------------------------------------------------------
 
     def plain(self, seconds: float) -> None:
-        self.plain_times.append(seconds)
+        self.plain_total += seconds
+        self.since_round += 1
+        self.rounds_in_a_row = 0
+        if self.warmed:
+            self.plain_times.append(seconds)
+        self.warmed = True
+
+    def overhead(self, seconds: float) -> None:
+        self.pending_overhead += seconds
 
     def round(self, drafted: int, accepted: int, seconds: float) -> None:
         if drafted <= 0:
             return
+        if self.probing:
+            plain = self.plain_seconds() or 0.0
+            excess = max(0.0, seconds - (accepted + 1) * plain)
+            self.probe_spent += self.pending_overhead + excess
+            self.last_probe = (excess, self.pending_overhead / max(1, self.since_round))
+        self.probing, self.pending_overhead, self.since_round = False, 0.0, 0
+        self.rounds_in_a_row += 1
         self.round_times.setdefault(drafted, deque(maxlen=KEPT)).append(seconds)
         # A run of accepted drafts, then a rejection unless all were accepted.
         self.accepted = DECAY * self.accepted + accepted
@@ -160,6 +200,7 @@ class DraftDepth:
         return k
 
     def _decide(self, room: int) -> int:
+        self.probing = False
         if room <= 0 or self.k_max < 1:
             return 0
         if self.plain_left > 0:
@@ -172,8 +213,15 @@ class DraftDepth:
         if not self.round_times:  # a first round, at a middling depth, to measure its cost
             return min(room, max(1, self.k_max // 2))
         if self.probe_due:  # one round at the best depth, gain or not, to measure afresh
-            self.probe_due = False
+            if not self._can_afford_probe():
+                self.plain_left = self.probe_gap - 1
+                return 0
+            self.probe_due, self.probing = False, True
             return min(room, max(1, best_depth(self.acceptance, plain, self.round_seconds, self.k_max, margin=0.0)))
+        if self.rounds_in_a_row >= RECHECK:  # time a few plain tokens again
+            self.rounds_in_a_row = 0
+            self.plain_left = RECHECK_TOKENS - 1
+            return 0
         k = best_depth(self.acceptance, plain, self.round_seconds, self.k_max)
         if k == 0:
             # Plain until the next probe; each probe that finds no gain waits twice as long.
@@ -183,3 +231,13 @@ class DraftDepth:
             return 0
         self.probe_gap = PROBE_FIRST
         return min(room, k)
+
+    def _can_afford_probe(self) -> bool:
+        """Whether a probe now keeps all probes' cost within PROBE_BUDGET of the plain time,
+        guessing its cost from the last probe's: the round's excess, and catching up on the
+        plain tokens since the last round at the last probe's rate."""
+        if self.last_probe is None:
+            return True
+        excess, per_token = self.last_probe
+        predicted = excess + per_token * self.since_round
+        return self.probe_spent + predicted <= PROBE_BUDGET * self.plain_total

@@ -126,6 +126,18 @@ class DraftModelDrafter:
                 return logits[-1]
         return self.model(tokens[None], cache=self.cache)[0, -1]
 
+    def catch_up(self, history: list[int]) -> bool:
+        """Feed what the cache has not seen of ``history`` but its last id, by chunked prefill
+        (evaluated), when that is more than a round's usual one or two ids: after a new prompt
+        or a run of plain tokens. ``propose`` would do it anyway; done apart, the speculative
+        loop can time it apart from the round. Returns whether anything was fed."""
+        behind = len(history) - self.offset
+        if not self.usable or behind <= _LAZY_FEED or not self._can_take(behind + self.max_draft, self.max_draft):
+            return False
+        unseen = self._known(history[self.offset : -1])
+        prefill(self.model, mx.array(unseen, dtype=mx.uint32), self.cache, chunk=self.prefill_chunk)
+        return True
+
     def propose(self, history: list[int], k: int, pick: Pick) -> tuple[mx.array | list[int], mx.array | None]:
         if k <= 0 or not self.usable:
             return [], None

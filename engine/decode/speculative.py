@@ -179,6 +179,18 @@ def speculative_step(
     produced = 0
     carried: tuple[Any, Any] | None = None  # drafts a plain run's lookup found
     started = [0.0]  # when the drafts of the round being verified were asked for
+    catch_up = getattr(drafter, "catch_up", None)
+
+    def ask(k: int) -> tuple[Any, Any]:
+        """The drafter's proposal; a draft model's catching up on ids it has not seen (after
+        plain tokens) is timed apart from the round, as the cost of having stopped drafting."""
+        if catch_up is not None:
+            t = time.perf_counter()
+            if catch_up(context):
+                depth.overhead(time.perf_counter() - t)
+        started[0] = time.perf_counter()
+        return drafter.propose(context, k, pick)
+
     while produced < max_tokens:
         if cancel is not None and cancel.is_set():
             return
@@ -191,8 +203,7 @@ def speculative_step(
             k = depth.next(max_tokens - produced - 1) if speculate else 0
             if k > 0 and not all(room_to_trim(c, len(pending) + k) for c in cache):
                 speculate, k = False, 0  # plain decoding from here on
-            started[0] = time.perf_counter()
-            proposed, q_rows = drafter.propose(context, k, pick) if k > 0 else ([], None)
+            proposed, q_rows = ask(k) if k > 0 else ([], None)
         carried = None
         on_host = isinstance(proposed, list)
         if speculate and on_host and not proposed:
@@ -202,8 +213,7 @@ def speculative_step(
                 k_next = depth.next(n_left - 1)
                 if k_next <= 0:
                     return None
-                started[0] = time.perf_counter()
-                found = drafter.propose(context, k_next, pick)
+                found = ask(k_next)
                 return found if len(found[0]) else None  # host ids, or a device array (MTP)
 
             carried, n = yield from _lookahead_run(

@@ -20,8 +20,11 @@ from spec_models import make_llama, plain_greedy
 
 from engine.decode.draft_depth import (
     CALIBRATION,
+    PROBE_BUDGET,
     PROBE_FIRST,
     PROBE_MAX,
+    RECHECK,
+    RECHECK_TOKENS,
     DraftDepth,
     best_depth,
     expected_tokens,
@@ -67,22 +70,27 @@ def test_a_gain_below_the_margin_stays_plain():
     assert best_depth(0.1, 1.0, lambda k: 1.0 + 0.05 * k, 1, margin=1.0) == 1
 
 
-def feed(depth: DraftDepth, plain: float, round_cost, accept, tokens: int) -> list[int]:
+def feed(depth: DraftDepth, plain: float, round_cost, accept, tokens: int, catch_up: float = 0.0) -> list[int]:
     """Drive the controller as the loop does for ``tokens`` tokens: each answer is a plain
     token (timed ``plain``) or a round of k drafts (timed ``round_cost(k)``, ``accept(k)``
-    accepted). Returns the answers."""
+    accepted), after the drafter caught up on the plain tokens since the last round at
+    ``catch_up`` seconds each. Returns the answers."""
     answers = []
-    done = 0
+    done = behind = 0
     while done < tokens:
         k = depth.next(tokens - done - 1)
         answers.append(k)
         if k == 0:
             depth.plain(plain)
             done += 1
+            behind += 1
         else:
+            if catch_up and behind:
+                depth.overhead(catch_up * behind)
             a = accept(k)
             depth.round(k, a, round_cost(k))
             done += a + 1
+            behind = 0
     return answers
 
 
@@ -98,14 +106,36 @@ def test_the_controller_calibrates_then_drafts_where_it_pays():
 
 def test_the_controller_falls_back_to_plain_and_probes_at_doubling_intervals():
     depth = DraftDepth(4)
-    # Verification costs k + 1 steps (a CPU); half the drafts accepted: drafting never pays.
-    answers = feed(depth, 1.0, lambda k: k + 1.0, lambda k: k // 2, 600)
+    # A cheap verify pass (a GPU), but no draft is ever accepted: drafting never pays.
+    answers = feed(depth, 1.0, lambda k: 1.0 + 0.02 * k, lambda k: 0, 600)
     rounds = [i for i, k in enumerate(answers) if k]
     gaps = [b - a - 1 for a, b in itertools.pairwise(rounds)]  # plain tokens between rounds
+    # Drafting goes on while the prior's optimism fades (a few rounds back to back), then:
+    assert gaps[:3] == [0, 0, 0]
+    gaps = [g for g in gaps if g]
     assert gaps[:5] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST, PROBE_MAX]
     assert all(g == PROBE_MAX for g in gaps[4:])
     # The probes' share of the tokens stays small: at most one round per PROBE_MAX plain tokens late on.
-    assert len(rounds) <= 10
+    assert len(gaps) <= 8
+
+
+@pytest.mark.parametrize("catch_up", [0.0, 0.33])
+def test_probes_cost_at_most_their_budget(catch_up):
+    """Verification costs k + 1 steps (a CPU) and half the drafts are accepted, so drafting
+    never pays; a draft model's catching up after plain tokens costs a third of a step each
+    (CPU prefill). Whatever probes cost beyond the plain steps they replace stays within the
+    budget of the plain time (plus the one probe that first showed the cost)."""
+    depth = DraftDepth(4)
+    answers = feed(depth, 1.0, lambda k: k + 1.0, lambda k: k // 2, 2000, catch_up=catch_up)
+    plain_time = answers.count(0) * 1.0
+    first = depth.last_probe[0] if depth.last_probe else 0.0
+    assert depth.probe_spent <= PROBE_BUDGET * plain_time + first
+    rounds = sum(1 for k in answers if k)
+    if catch_up:  # catching up costs a third of the run it follows: no probe can stay in budget
+        assert rounds <= 3
+    else:  # a probe costs a step more than plain: the budget allows one per 33 plain tokens,
+        # the intervals one per PROBE_MAX
+        assert 2000 / PROBE_MAX <= rounds <= 2000 * PROBE_BUDGET + 3
 
 
 def test_the_controller_resumes_drafting_when_it_pays_again():
@@ -117,7 +147,11 @@ def test_the_controller_resumes_drafting_when_it_pays_again():
     answers = feed(depth, 1.0, lambda k: 1.0 + 0.05 * k, lambda k: k, 200)  # now every draft is
     first = next(i for i, k in enumerate(answers) if k)
     assert first == wait  # the probe comes when due
-    assert answers[-5:-1] == [4] * 4  # and drafting took over (the last round takes what room is left)
+    # Drafting took over: deepest rounds (the last takes what room is left), and plain tokens
+    # only to time a plain step again after every RECHECK rounds in a row.
+    after = answers[first + 5 : -1]  # once acceptance has climbed (1, 1, 2, 3, then 4)
+    assert {k for k in after if k} == {4}
+    assert after.count(0) <= RECHECK_TOKENS * (len(after) // RECHECK + 1)
 
 
 # -- the loop with a changing depth ----------------------------------------------------------
@@ -140,6 +174,9 @@ class Scripted:
         pass
 
     def round(self, drafted: int, accepted: int, seconds: float) -> None:
+        pass
+
+    def overhead(self, seconds: float) -> None:
         pass
 
 
