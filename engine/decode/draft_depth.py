@@ -210,8 +210,12 @@ class DraftDepth:
         if plain is None:  # nothing to compare a round with yet
             self.plain_left = CALIBRATION - 1
             return 0
-        if not self.round_times:  # a first round, at a middling depth, to measure its cost
-            return min(room, max(1, self.k_max // 2))
+        if not self.round_times:
+            # A first round, of one draft (the cheapest where drafting turns out not to pay), to
+            # measure a round's cost; deeper rounds' costs are extrapolated from it until measured.
+            # Like a probe, what it costs beyond plain steps counts against the probe budget.
+            self.probing = True
+            return 1
         if self.probe_due:  # one round at the best depth, gain or not, to measure afresh
             if not self._can_afford_probe():
                 self.plain_left = self.probe_gap - 1

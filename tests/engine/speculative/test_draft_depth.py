@@ -98,9 +98,9 @@ def test_the_controller_calibrates_then_drafts_where_it_pays():
     depth = DraftDepth(6)
     answers = feed(depth, 1.0, lambda k: 1.0 + 0.02 * k, lambda k: k, 60)  # every draft accepted
     assert answers[:CALIBRATION] == [0] * CALIBRATION  # plain steps measure what a round competes with
-    assert answers[CALIBRATION] == 3  # a first round at half the maximum depth, to measure its cost
+    assert answers[CALIBRATION] == 1  # a first round of one draft, to measure a round's cost
     assert set(answers[CALIBRATION + 1 : -1]) == {6}  # then the deepest: it pays most
-    assert answers[-1] == 60 - CALIBRATION - 4 - 7 * (len(answers) - CALIBRATION - 2) - 1  # what room is left
+    assert answers[-1] == 60 - CALIBRATION - 2 - 7 * (len(answers) - CALIBRATION - 2) - 1  # what room is left
     assert depth.acceptance > 0.9
 
 
