@@ -42,7 +42,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=["ngram", "draft", "self", "mtp"],
         help="also time speculative decoding: n-gram lookup, a draft model, the model itself, "
-        "or a built-in MTP layer (Qwen3.5 shapes)",
+        "or a built-in MTP layer (Qwen3.5 and DeepSeek V3 shapes)",
     )
     from engine.decode.draft_depth import draft_count  # mlx-free
 
@@ -68,17 +68,27 @@ def repeated_passage_prompt(vocab: int, length: int, seed: int) -> tuple[Any, in
 
 
 def attach_random_mtp(model: Any, config: dict[str, Any]) -> None:
-    """Give a Qwen3.5 / Qwen3-Next shaped model a random MTP layer, bf16 and quantized like it."""
+    """Give a Qwen3.5 / Qwen3-Next or DeepSeek V3 shaped model a random MTP layer, bf16 and
+    quantized like it (DeepSeek's: routed experts, as the published checkpoints have)."""
     import mlx.core as mx
     import mlx.nn as nn
 
     from engine.errors import EngineError
+    from engine.models.deepseek_mtp import NextNHead, mtp_args
     from engine.models.qwen3_5_mtp import MTPHead
 
     layers = getattr(getattr(model, "model", None), "layer_class", None)
     if not hasattr(model, "hidden_listener") or layers is None:
-        raise EngineError("--speculative mtp needs a Qwen3.5 or Qwen3-Next shape (e.g. --shape qwen3.5-4b)")
-    model.mtp = MTPHead(model.args, layers)
+        raise EngineError(
+            "--speculative mtp needs a Qwen3.5, Qwen3-Next or DeepSeek V3 shape "
+            "(e.g. --shape qwen3.5-4b or moonlight-16b-a3b)"
+        )
+    if hasattr(model.args, "num_nextn_predict_layers"):  # DeepSeek V3 and its kin
+        n = model.args.num_hidden_layers
+        full = mtp_args(model.args, {f"model.layers.{n}.mlp.gate.weight": None})
+        model.mtp = NextNHead(model.args, layers(full, n), model.logits)
+    else:
+        model.mtp = MTPHead(model.args, layers)
     model.mtp.set_dtype(mx.bfloat16)
     q = config.get("quantization")
     if q:

@@ -116,12 +116,12 @@ class MTPDrafter:
 
     def _cut(self, position: int) -> None:
         """Forget what the passes showed from ``position`` on, and the entries that used it."""
-        kept = []
-        for first, h, x in self._passes:
-            if first < position:
-                n = min(h.shape[1], position - first)
-                kept.append((first, h[:, :n], x[:, :n]))
-        self._passes = kept
+        while self._passes and self._passes[-1][0] >= position:  # newest last: cut from the end
+            self._passes.pop()
+        if self._passes:
+            first, h, x = self._passes[-1]
+            if first + h.shape[1] > position:
+                self._passes[-1] = (first, h[:, : position - first], x[:, : position - first])
         self._made = min(self._made, max(position - 1, 0))
 
     def _catch_up(self) -> None:
