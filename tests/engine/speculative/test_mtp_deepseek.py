@@ -159,3 +159,44 @@ def test_the_drafter_follows_the_target_exactly(loaded):
     out = out[0] if isinstance(out, tuple) else out
     reference = target.lm_head(mtp.shared_head.norm(out))[0, -1]
     assert mx.allclose(seen[0], reference, atol=1e-4).item()
+
+
+def test_greedy_is_plain_while_the_depth_changes_every_round(loaded):
+    """Plain tokens between rounds (the MTP layer makes their entries later, in one pass)
+    and rounds of every depth: the output is still plain greedy output."""
+    from test_draft_depth import Scripted
+
+    target, expected = loaded
+    prompt = expected["prompt_ids"][:20]
+    want = plain_greedy(target, prompt, 24)
+    depth = Scripted([2, 0, 0, 4, 1, 0, 3])
+    drafter = MTPDrafter(target, 4)
+    stats = StatsCounter()
+    try:
+        got = [
+            t
+            for t, _ in speculative_step(
+                prompt, target, target.make_cache(), drafter, max_tokens=24, stats=stats, depth=depth
+            )
+        ]
+    finally:
+        drafter.close()
+    assert got == want
+    assert {0, 1, 2, 3, 4} <= set(depth.asked) and stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_choice_is_greyed_out_with_the_reason(name):
+    from types import SimpleNamespace
+
+    from engine.runtime.assembly import _mtp_support
+
+    plain, _ = load(name, with_mtp=False)
+    plain.args.num_nextn_predict_layers = 1  # the config says it has one; the files lack it
+    available, note = _mtp_support(SimpleNamespace(model=plain))
+    assert not available and "mlx-lm's conversions drop them" in note
+    plain.args.num_nextn_predict_layers = 0  # a checkpoint made without any (Moonlight)
+    available, note = _mtp_support(SimpleNamespace(model=plain))
+    assert not available and note == "This model has no built-in multi-token-prediction layers."
+    model, _ = load(name)
+    assert _mtp_support(SimpleNamespace(model=model)) == (True, "")
