@@ -1,6 +1,6 @@
 """Sampled speculative output keeps the target's distribution while the draft depth changes
 from round to round, plain tokens between rounds included (chi-square, as in
-test_speculative_sampling.py, whose helpers this reuses)."""
+test_speculative_sampling.py, whose functions this reuses)."""
 
 from __future__ import annotations
 
