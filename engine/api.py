@@ -33,10 +33,13 @@ class GenerationParams:
     logprobs: bool = False
     prefill_chunk: int = 512
     # Speculative decoding: "draft" (needs a loaded draft model), "ngram" (prompt lookup) or
-    # "mtp" (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next).
+    # "mtp" (the checkpoint's own multi-token-prediction layer: Qwen3.5, Qwen3-Next, DeepSeek V3, GLM-5).
     speculative: Literal["draft", "ngram", "mtp"] | None = None
     ngram_size: int = 3  # ids matched by n-gram lookup
-    num_draft_tokens: int = 4  # drafts verified per forward pass
+    # Drafts verified per forward pass; None ("auto"): chosen each round from this reply's
+    # measured acceptance and pass costs, plain steps when drafting does not pay
+    # (engine.decode.draft_depth).
+    num_draft_tokens: int | None = None
     # Gemma 3 vision: also show wide or tall images as square crops ("pan and scan").
     # None follows the model's processor config; attachments may say otherwise one by one.
     pan_and_scan: bool | None = None
@@ -240,6 +243,11 @@ class MemoryPlan:
     # Recurrent layers (Qwen3.5's DeltaNet, LFM2's convolutions): a fixed state from the
     # first token on, whatever the context length, with the snapshots kept for prefix reuse.
     state_bytes: int = 0
+    # Of weights_bytes: a built-in multi-token-prediction layer, loaded for MTP drafting.
+    mtp_bytes: int = 0
+    # Stored in the files but never loaded, so not in weights_bytes (further MTP layers,
+    # the MTP layer's copies of the embedding and output head).
+    left_out_bytes: int = 0
 
     @property
     def kv_window_bytes(self) -> int:

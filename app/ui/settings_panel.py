@@ -144,11 +144,11 @@ class SettingsPanel(QFrame):
             "Guess several tokens ahead and check them in one pass: same output, often faster.\n"
             "N-gram lookup reuses text from the conversation; a draft model is a small model\n"
             "with the same vocabulary; built-in (MTP) uses the prediction layers some models\n"
-            "(Qwen3.5, Qwen3-Next) carry."
+            "(Qwen3.5, Qwen3-Next, DeepSeek V3, GLM-5) carry."
         )
         self.speculative_box.currentIndexChanged.connect(self._emit)
         layout.addWidget(self.speculative_box)
-        self.set_mtp(False, "Load a model that carries MTP layers (Qwen3.5, Qwen3-Next).")
+        self.set_mtp(False, "Load a model that carries MTP layers (Qwen3.5, Qwen3-Next, DeepSeek V3, GLM-5).")
         self.draft_label, self.draft_clear = self._picker_row(
             layout,
             "No draft model",

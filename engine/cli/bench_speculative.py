@@ -42,9 +42,17 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=["ngram", "draft", "self", "mtp"],
         help="also time speculative decoding: n-gram lookup, a draft model, the model itself, "
-        "or a built-in MTP layer (Qwen3.5 shapes)",
+        "or a built-in MTP layer (Qwen3.5 and DeepSeek V3 shapes)",
     )
-    p.add_argument("--num-draft", type=int, default=4, help="drafts verified per pass (default 4)")
+    from engine.decode.draft_depth import draft_count  # mlx-free
+
+    p.add_argument(
+        "--num-draft",
+        type=draft_count,
+        default=4,
+        metavar="N|auto",
+        help="drafts verified per pass (default 4), or auto: chosen each round from measured costs",
+    )
     p.add_argument("--ngram-size", type=int, default=3, help="ids matched by n-gram lookup (default 3)")
     p.add_argument("--draft-layers", type=int, help="layers of the draft model (default 2, 1 for a 2-layer shape)")
 
@@ -60,17 +68,27 @@ def repeated_passage_prompt(vocab: int, length: int, seed: int) -> tuple[Any, in
 
 
 def attach_random_mtp(model: Any, config: dict[str, Any]) -> None:
-    """Give a Qwen3.5 / Qwen3-Next shaped model a random MTP layer, bf16 and quantized like it."""
+    """Give a Qwen3.5 / Qwen3-Next or DeepSeek V3 shaped model a random MTP layer, bf16 and
+    quantized like it (DeepSeek's: routed experts, as the published checkpoints have)."""
     import mlx.core as mx
     import mlx.nn as nn
 
     from engine.errors import EngineError
+    from engine.models.deepseek_mtp import NextNHead, mtp_args
     from engine.models.qwen3_5_mtp import MTPHead
 
     layers = getattr(getattr(model, "model", None), "layer_class", None)
     if not hasattr(model, "hidden_listener") or layers is None:
-        raise EngineError("--speculative mtp needs a Qwen3.5 or Qwen3-Next shape (e.g. --shape qwen3.5-4b)")
-    model.mtp = MTPHead(model.args, layers)
+        raise EngineError(
+            "--speculative mtp needs a Qwen3.5, Qwen3-Next or DeepSeek V3 shape "
+            "(e.g. --shape qwen3.5-4b or moonlight-16b-a3b)"
+        )
+    if hasattr(model.args, "num_nextn_predict_layers"):  # DeepSeek V3 and its kin
+        n = model.args.num_hidden_layers
+        full = mtp_args(model.args, {f"model.layers.{n}.mlp.gate.weight": None})
+        model.mtp = NextNHead(model.args, layers(full, n), model.logits)
+    else:
+        model.mtp = MTPHead(model.args, layers)
     model.mtp.set_dtype(mx.bfloat16)
     q = config.get("quantization")
     if q:
@@ -150,14 +168,16 @@ def _ours_plain(model: Any, prompt: Any, gen: int) -> Iterator[int]:
         yield token
 
 
-def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out: list[Any]):
+def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out: list[Any], auto: bool = False):
     def run(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+        from engine.decode.draft_depth import DraftDepth
         from engine.decode.speculative import speculative_step
         from engine.decode.stats import StatsCounter
         from engine.models.kv_cache import make_prompt_cache
 
         stats = StatsCounter()
-        stats_out[:] = [stats]
+        depth = DraftDepth(num_draft) if auto else None
+        stats_out[:] = [stats, depth]
         drafter = make_drafter()
         try:
             for token, _ in speculative_step(
@@ -169,6 +189,7 @@ def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out
                 num_draft_tokens=num_draft,
                 stats=stats,
                 prefill_chunk=2048,
+                depth=depth,
             ):
                 yield token
         finally:
@@ -198,6 +219,15 @@ def _theirs_speculative(draft: Any, num_draft: int, from_draft: list[int]):
     return run
 
 
+def _depths(depth: Any) -> str:
+    """What the adaptive depth chose in the last run: rounds per depth, and plain tokens."""
+    from collections import Counter
+
+    rounds = Counter(depth.chosen)
+    shown = ", ".join(f"{n} x {k}" for k, n in sorted(rounds.items())) or "none"
+    return f"auto depth: rounds {shown} drafts; acceptance estimate {depth.acceptance:.0%}"
+
+
 def _row(name: str, t: Timing) -> str:
     return (
         f"{name:<16} prompt {t.prompt_tps:10.1f} tok/s   generation {t.generation_tps:8.1f} tok/s   "
@@ -212,10 +242,14 @@ def run_speculative(
     and return the figures for ``--json``."""
     import mlx.core as mx
 
+    from engine.decode.draft_depth import AUTO_MAX_DRAFT
     from engine.decode.drafters import DraftModelDrafter, NgramDrafter
     from engine.errors import EngineError
 
     mode, k, gen, repeat = args.speculative, args.num_draft, args.generation_tokens, args.repeat
+    auto = k == "auto"
+    if auto:  # drafts per round chosen as the run goes, up to this many
+        k = AUTO_MAX_DRAFT
     if k < 1 or args.ngram_size < 1:
         raise EngineError("--num-draft and --ngram-size must be at least 1")
     note = NOTES[mode]
@@ -244,7 +278,7 @@ def run_speculative(
     stats: list[Any] = []
     loops = [
         (_recording(_ours_plain, plain_ids), model),
-        (_recording(_ours_speculative(make_drafter, k, stats), spec_ids), model),
+        (_recording(_ours_speculative(make_drafter, k, stats, auto), spec_ids), model),
     ]
     from_draft: list[int] = [0]
     if args.vs == "mlx-lm":  # every loop runs in each repeat, in alternating order
@@ -257,8 +291,10 @@ def run_speculative(
     plain, spec = timed[0][0], timed[1][0]
     print(_row("engine", plain), flush=True)
     print(_row(f"engine+{mode}", spec), flush=True)
-    s = stats[0]
+    s, depth = stats
     same = spec_ids == plain_ids
+    if depth is not None:
+        print(f"{'':<16} {_depths(depth)}", flush=True)
     print(
         f"{'':<16} {s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted ({s.acceptance_rate:.0%}), "
         f"speed-up {spec.generation_tps / max(plain.generation_tps, 1e-9):.2f}x, "
@@ -268,7 +304,8 @@ def run_speculative(
     out: dict[str, Any] = {
         "speculative": {
             "mode": mode,
-            "num_draft": k,
+            "num_draft": "auto" if auto else k,
+            "depths_chosen": list(depth.chosen) if depth is not None else None,
             "note": note,
             "plain": with_runs(*timed[0]),
             "engine": with_runs(*timed[1]),

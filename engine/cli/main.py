@@ -53,6 +53,8 @@ def _budget(text: str) -> int:
 
 
 def _add_generate(sub: Any) -> None:
+    from engine.decode.draft_depth import draft_count  # mlx-free
+
     p = sub.add_parser("generate", help="generate text from a prompt")
     p.add_argument("--model", required=True, help="model folder, cached Hugging Face repo id, or .gguf file")
     src = p.add_mutually_exclusive_group(required=True)
@@ -93,7 +95,13 @@ def _add_generate(sub: Any) -> None:
     spec.add_argument(
         "--mtp", action="store_true", help="speculative decoding with the checkpoint's own multi-token-prediction layer"
     )
-    p.add_argument("--num-draft", type=int, metavar="N", help="drafts per verification pass (default 4)")
+    p.add_argument(
+        "--num-draft",
+        type=draft_count,
+        metavar="N|auto",
+        help="drafts per verification pass, or auto (the default): chosen each round from the measured "
+        "acceptance and pass costs, plain decoding where drafting does not pay",
+    )
     p.add_argument(
         "--image", action=_MediaFlag, default=[], metavar="FILE", help="image file (repeatable; needs --chat)"
     )
@@ -268,9 +276,9 @@ def _params(args: argparse.Namespace) -> Any:
     if args.num_draft is not None:
         if params.speculative is None:
             raise CliError("--num-draft needs --draft-model, --ngram or --mtp")
-        if args.num_draft < 1:
+        if args.num_draft != "auto" and args.num_draft < 1:
             raise CliError(f"--num-draft must be at least 1 (got {args.num_draft})")
-        params.num_draft_tokens = args.num_draft
+        params.num_draft_tokens = None if args.num_draft == "auto" else args.num_draft
     return params
 
 

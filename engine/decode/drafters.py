@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from engine.decode.compiled_step import compiled_decoder
+from engine.decode.draft_depth import AUTO_MAX_DRAFT
 from engine.decode.prefill import HISTORY_WINDOW, prefill
 from engine.errors import EngineError
 from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
@@ -125,6 +126,18 @@ class DraftModelDrafter:
                 return logits[-1]
         return self.model(tokens[None], cache=self.cache)[0, -1]
 
+    def catch_up(self, history: list[int]) -> bool:
+        """Feed what the cache has not seen of ``history`` but its last id, by chunked prefill
+        (evaluated), when that is more than a round's usual one or two ids: after a new prompt
+        or a run of plain tokens. ``propose`` would do it anyway; done apart, the speculative
+        loop can time it apart from the round. Returns whether anything was fed."""
+        behind = len(history) - self.offset
+        if not self.usable or behind <= _LAZY_FEED or not self._can_take(behind + self.max_draft, self.max_draft):
+            return False
+        unseen = self._known(history[self.offset : -1])
+        prefill(self.model, mx.array(unseen, dtype=mx.uint32), self.cache, chunk=self.prefill_chunk)
+        return True
+
     def propose(self, history: list[int], k: int, pick: Pick) -> tuple[mx.array | list[int], mx.array | None]:
         if k <= 0 or not self.usable:
             return [], None
@@ -172,6 +185,8 @@ def _embedding_rows(model: Any) -> int | None:
 
 def decoder_for(model: Any, compiled: bool | None) -> Any:
     """The model's compiled one-token step, prepared, or None (plain forward passes)."""
+    if getattr(model, "hidden_listener", None) is not None:
+        return None  # an MTP drafter follows the model's passes: they must go through __call__
     if compiled is None:
         compiled = mx.default_device() == mx.gpu
     decoder = compiled_decoder(model) if compiled else None
@@ -182,7 +197,7 @@ def make_drafter(
     mode: str | None,
     *,
     ngram_size: int = 3,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | None = None,
     draft_model: Any = None,
     draft_cache: list | None = None,
     prefill_chunk: int = 512,
@@ -192,6 +207,8 @@ def make_drafter(
     context already (prefix reuse), or be None for a fresh one."""
     if mode is None:
         return None
+    if num_draft_tokens is None:  # auto: the depth is chosen each round, up to this
+        num_draft_tokens = AUTO_MAX_DRAFT
     if num_draft_tokens < 1:
         raise EngineError(f"the number of draft tokens must be at least 1 (got {num_draft_tokens})")
     if mode == "ngram":

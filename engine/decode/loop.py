@@ -25,6 +25,7 @@ import mlx.core as mx
 from engine.api import FinishReason, GenerationParams, GenerationResult, GenerationStats
 from engine.decode import speculative
 from engine.decode.compiled_step import compiled_decoder
+from engine.decode.draft_depth import DraftDepth
 from engine.decode.drafters import drafter_for
 from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
@@ -419,6 +420,7 @@ def _speculative_tokens(
         logits_processors=processors,
         logprobs=params.logprobs,
         num_draft_tokens=params.num_draft_tokens,
+        depth=DraftDepth(drafter.max_draft) if params.num_draft_tokens is None else None,
         stats=stats,
         prefill_chunk=params.prefill_chunk,
         cancel=cancel,

@@ -1,13 +1,19 @@
-"""Drafting with a checkpoint's own multi-token-prediction layer (Qwen3.5, Qwen3-Next).
+"""Drafting with a checkpoint's own multi-token-prediction layer (Qwen3.5, Qwen3-Next,
+DeepSeek V3, GLM-5).
 
 The MTP layer reads the target's final hidden states, so it follows every forward pass
-of the target (``Model.hidden_listener``): for a pass over positions o..o+T-1 it computes
-its own entries for positions o-1..o+T-2 (hidden h_i with the next token x_{i+1}), first
-dropping whatever it held from o-1 on (drafts of the last round, rejected tokens). Its
-entries therefore always agree with the target's settled tokens up to the last pass. A
-drafter made for a request whose prompt was partly cached starts its entries where the
-request starts (it has not seen the earlier hidden states): its drafts then look back over
-this request only.
+of the target (``Model.hidden_listener``): its entry for position i is made from the hidden
+state h_i and the next token x_{i+1}. A pass over positions o..o+T-1 supersedes whatever
+was seen from o on (drafts of the last round, rejected tokens), and the entries from o-1 on
+are made again from it. Its entries therefore always agree with the target's settled
+tokens up to the last pass. A drafter made for a request whose prompt was partly cached
+starts its entries where the request starts (it has not seen the earlier hidden states):
+its drafts then look back over this request only.
+
+Entries are made when a draft needs them (``propose``), in one pass over every position
+seen since the last draft: while the speculative loop decodes plain tokens (drafting does
+not pay), the MTP layer costs nothing per token, and catching up later is one batched pass
+(or one per ``_CATCH_UP_AFTER`` positions, so what is kept stays small).
 
 ``propose`` starts from the hidden state of the token before the pending one and the
 pending token, and chains k steps on its own output. Verification keeps the output exactly
@@ -24,11 +30,11 @@ from engine.decode.loop import HISTORY_WINDOW
 from engine.errors import EngineError
 from engine.models.kv_cache import KVCache
 
-# Prefill passes longer than this evaluate the MTP layer's cache right away, so the graph
+# Catch-up passes longer than this evaluate the MTP layer's cache right away, so the graph
 # of a long prompt is not kept alive until the first draft.
 _EVAL_AFTER = 16
-# Passes whose hidden states are kept (a verification, a step queued ahead, the one before).
-_PASSES_KEPT = 3
+# Positions seen but not yet made into entries beyond this are made into entries at once.
+_CATCH_UP_AFTER = 256
 
 
 class MTPDrafter:
@@ -37,17 +43,23 @@ class MTPDrafter:
         if head is None:
             raise EngineError(
                 "this model has no built-in multi-token-prediction (MTP) layers: they come with the original "
-                "Hugging Face checkpoints of Qwen3.5 / Qwen3-Next (mlx-lm drops them when converting); "
+                "Hugging Face checkpoints of Qwen3.5 / Qwen3-Next / DeepSeek V3 / GLM-5 (mlx-lm drops them when "
+                "converting); "
                 "use --draft-model or --ngram instead"
             )
         self.model = model
         self.head = head
         self.max_draft = max_draft
-        self.cache = [KVCache() for _ in head.layers]
+        # The layer's own cache (DeepSeek's latent attention caches latents), and its head:
+        # DeepSeek's normalises with its own shared_head.norm before the model's output head.
+        self.cache = head.make_cache() if hasattr(head, "make_cache") else [KVCache() for _ in head.layers]
+        self.logits = getattr(head, "logits", model.logits)
         self.base = 0  # the position of the first entry the MTP layer's cache holds
-        # (first position, hidden [1, T, H]) of the last few passes, newest last: a plain step
-        # queued ahead (speculative_step's lookahead) must not hide the row a draft starts from.
-        self._passes: list[tuple[int, mx.array]] = []
+        # What the target's passes showed, not all made into entries yet: (first position,
+        # hidden [1, T, H], ids [1, T]) runs, contiguous and in order, newest last. A pass
+        # cuts off what it supersedes; entries are made up to the newest position but one.
+        self._passes: list[tuple[int, mx.array, mx.array]] = []
+        self._made = 0  # entries before this position agree with the passes seen
         model.hidden_listener = self._observe
 
     def close(self) -> None:
@@ -76,10 +88,15 @@ class MTPDrafter:
         elif self._held() < position:  # a gap (passes not seen): continue from here
             self._start_at(position)
 
+    def _seen(self) -> tuple[int, int]:
+        """The positions the kept passes cover: [first, end)."""
+        if not self._passes:
+            return 0, 0
+        return self._passes[0][0], self._passes[-1][0] + self._passes[-1][1].shape[1]
+
     def _hidden_at(self, position: int) -> mx.array | None:
-        """The target's hidden state at ``position`` from the newest pass that covered it (rows
-        up to a settled position agree between passes: they see the same tokens)."""
-        for start, hidden in reversed(self._passes):
+        """The target's hidden state at ``position`` [1, 1, H], if a kept pass covered it."""
+        for start, hidden, _ in reversed(self._passes):
             row = position - start
             if 0 <= row < hidden.shape[1]:
                 return hidden[:, row : row + 1]
@@ -88,35 +105,63 @@ class MTPDrafter:
     def _observe(self, ids: mx.array | None, hidden: mx.array, start: int) -> None:
         """The target ran positions start..start+T-1 (ids [1, T]) to final hidden states."""
         if ids is None:  # media embeddings: no ids to embed; drafting resumes after them
-            self._passes = []
+            self._passes, self._made = [], start + hidden.shape[1]
             return
-        before = self._hidden_at(start - 1) if start > 0 else None
-        if before is None:  # the entry for start - 1 cannot be made: begin at start
-            self._back_to(start)
-            rows, tokens = hidden[:, :-1], ids[:, 1:]
-        else:
-            self._back_to(start - 1)
-            rows, tokens = mx.concatenate([before, hidden[:, :-1]], axis=1), ids
-        if tokens.shape[1]:
+        if self._seen()[1] < start:  # a gap: what came before cannot lead into this pass
+            self._passes = []
+        self._cut(start)  # this pass supersedes what was seen from start on
+        self._passes.append((start, hidden, ids))
+        if self._seen()[1] - self._made > _CATCH_UP_AFTER:
+            self._catch_up()
+
+    def _cut(self, position: int) -> None:
+        """Forget what the passes showed from ``position`` on, and the entries that used it."""
+        while self._passes and self._passes[-1][0] >= position:  # newest last: cut from the end
+            self._passes.pop()
+        if self._passes:
+            first, h, x = self._passes[-1]
+            if first + h.shape[1] > position:
+                self._passes[-1] = (first, h[:, : position - first], x[:, : position - first])
+        self._made = min(self._made, max(position - 1, 0))
+
+    def _catch_up(self) -> None:
+        """Make the entries for every position the passes show up to the newest but one (its
+        next token is not known), in one pass of the MTP layer; keep only the newest row."""
+        first, end = self._seen()
+        begin = max(self._made, first)
+        if end - 1 > begin:
+            hidden = mx.concatenate([h for _, h, _ in self._passes], axis=1)
+            ids = mx.concatenate([x for _, _, x in self._passes], axis=1)
+            self._back_to(begin)
+            rows, tokens = hidden[:, begin - first : end - 1 - first], ids[:, begin + 1 - first : end - first]
             self.head(rows, self.model.embed(tokens), self.cache)
             if tokens.shape[1] > _EVAL_AFTER:
                 mx.eval([c.state for c in self.cache])
-        self._passes = [*self._passes[-(_PASSES_KEPT - 1) :], (start, hidden)]
+            self._made = end - 1
+            # Keep the last two positions: a draft starts from the row before the pending token.
+            keep_from = max(first, end - 2)
+            self._passes = [
+                (max(s0, keep_from), h[:, max(0, keep_from - s0) :], x[:, max(0, keep_from - s0) :])
+                for s0, h, x in self._passes
+                if s0 + h.shape[1] > keep_from
+            ]
 
     # -- drafting -----------------------------------------------------------------------
 
     def propose(self, history: list[int], k: int, pick) -> tuple[mx.array | list[int], mx.array | None]:
         n = len(history)
-        hidden = self._hidden_at(n - 2)  # the target's, for the token before the pending one
-        if k <= 0 or hidden is None:
+        if k <= 0 or self._hidden_at(n - 2) is None:
             return [], None
+        self._cut(n - 1)  # rows from n - 1 on saw drafts that were rejected (or none of the pending id)
+        self._catch_up()
+        hidden = self._hidden_at(n - 2)  # the target's, for the token before the pending one
         self._back_to(n - 2)
         recent = mx.array(history[-HISTORY_WINDOW:], dtype=mx.uint32)
         token = mx.array(history[-1:], dtype=mx.uint32)
         tokens, probs = [], []
         for i in range(k):
             hidden = self.head(hidden, self.model.embed(token[None]), self.cache)
-            token, q = pick(self.model.logits(hidden)[0, -1], recent)
+            token, q = pick(self.logits(hidden)[0, -1], recent)
             mx.async_eval(token)
             tokens.append(token)
             if q is not None:

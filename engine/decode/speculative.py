@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
 
 from engine.api import SamplingParams
+from engine.decode.draft_depth import DraftDepth, FixedDepth
 from engine.decode.drafters import Drafter, DraftModelDrafter, Pick, decoder_for, room_to_trim
 from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
@@ -36,6 +38,8 @@ from engine.decode.sampling import LogitsProcessor, filter_logits
 from engine.decode.stats import StatsCounter
 from engine.errors import EngineError
 from engine.models.kv_cache import trim_prompt_cache
+
+DepthPolicy = DraftDepth | FixedDepth
 
 
 def _fit(q: mx.array, vocab: int) -> mx.array:
@@ -66,6 +70,7 @@ def speculative_step(
     on_progress: ProgressCallback | None = None,
     compiled: bool | None = None,
     inputs: PromptInputs | None = None,
+    depth: DepthPolicy | None = None,
 ) -> Iterator[tuple[int, float | None]]:
     """Yield ``(token_id, logprob or None)`` for up to ``max_tokens`` tokens, like
     ``engine.decode.loop.generate_step`` but drafting and verifying several tokens per pass.
@@ -88,6 +93,12 @@ def speculative_step(
 
     Each round (draft, verify, accept) waits for the device once: drafting, verification and
     acceptance are one lazy graph, and a single array of results comes back to the host.
+
+    ``depth`` chooses each round's drafts (``engine.decode.draft_depth``: ``DraftDepth``
+    adapts them to measured costs and acceptance, and answers 0 when plain steps are faster);
+    by default every round drafts ``num_draft_tokens`` (else the drafter's ``max_draft``).
+    Plain tokens, whether the depth or a lookup that found nothing asked for them, are
+    decoded pipelined as in the plain loop, each checked for NaN as there.
     """
     ids = [int(t) for t in prompt]
     if not ids:
@@ -97,7 +108,8 @@ def speculative_step(
     params = sampling or SamplingParams()
     greedy = params.temperature <= 0
     processors = list(logits_processors)
-    k_max = max(0, num_draft_tokens if num_draft_tokens is not None else drafter.max_draft)
+    if depth is None:
+        depth = FixedDepth(num_draft_tokens if num_draft_tokens is not None else drafter.max_draft)
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
     key = [mx.random.key(seed)]
     context = list(history) if history is not None else list(ids)
@@ -163,26 +175,45 @@ def speculative_step(
     ):
         return
     pending = ids[-1:]  # ids whose keys/values the target has not computed yet
-    speculate = k_max > 0
+    speculate = depth.k_max > 0
     produced = 0
-    carried: tuple[list[int], None] | None = None  # drafts a plain run's lookup found
+    carried: tuple[Any, Any] | None = None  # drafts a plain run's lookup found
+    started = [0.0]  # when the drafts of the round being verified were asked for
+    catch_up = getattr(drafter, "catch_up", None)
+
+    def ask(k: int) -> tuple[Any, Any]:
+        """The drafter's proposal; a draft model's catching up on ids it has not seen (after
+        plain tokens) is timed apart from the round, as the cost of having stopped drafting."""
+        if catch_up is not None:
+            t = time.perf_counter()
+            if catch_up(context):
+                depth.overhead(time.perf_counter() - t)
+        started[0] = time.perf_counter()
+        return drafter.propose(context, k, pick)
+
     while produced < max_tokens:
         if cancel is not None and cancel.is_set():
             return
-        k = min(k_max, max_tokens - produced - 1) if speculate else 0
-        if k > 0 and not all(room_to_trim(c, len(pending) + k) for c in cache):
-            speculate, k = False, 0  # plain decoding from here on
-        if carried is not None and k > 0:
+        if carried is not None:
             proposed, q_rows = carried
+            k = int(len(proposed))
+            if not all(room_to_trim(c, len(pending) + k) for c in cache):
+                speculate, k, proposed, q_rows = False, 0, [], None
         else:
-            proposed, q_rows = drafter.propose(context, k, pick) if k > 0 else ([], None)
+            k = depth.next(max_tokens - produced - 1) if speculate else 0
+            if k > 0 and not all(room_to_trim(c, len(pending) + k) for c in cache):
+                speculate, k = False, 0  # plain decoding from here on
+            proposed, q_rows = ask(k) if k > 0 else ([], None)
         carried = None
         on_host = isinstance(proposed, list)
-        if k > 0 and on_host and not proposed:
-            # Nothing to verify: decode plainly, a step ahead, until a lookup finds drafts.
-            def lookup(n_left: int) -> tuple[list[int], None] | None:
-                k_next = min(k_max, n_left - 1)
-                found = drafter.propose(context, k_next, pick) if k_next > 0 else ([], None)
+        if speculate and on_host and not proposed:
+            # Nothing to verify (the depth chose a plain token, or a lookup found nothing):
+            # decode plainly, a step ahead, until the depth asks for drafts and they are found.
+            def lookup(n_left: int) -> tuple[Any, Any] | None:
+                k_next = depth.next(n_left - 1)
+                if k_next <= 0:
+                    return None
+                found = ask(k_next)
                 return found if len(found[0]) else None  # host ids, or a device array (MTP)
 
             carried, n = yield from _lookahead_run(
@@ -195,6 +226,7 @@ def speculative_step(
                 max_tokens - produced,
                 cancel,
                 processed=bool(processors),
+                timed=depth.plain,
             )
             produced += n
             pending = context[-1:]
@@ -224,6 +256,8 @@ def speculative_step(
         values = mx.concatenate([a.astype(mx.float32) for a in parts]).tolist()
         check_finite(values[-1])
         accepted, last = int(values[0]), int(values[1])
+        if m:
+            depth.round(m, accepted, time.perf_counter() - started[0])
         draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
         emitted = draft_ids[:accepted] + [last]
         trim_prompt_cache(cache, m - accepted)  # drop the rejected drafts' keys/values
@@ -263,6 +297,7 @@ def _lookahead_run(
     cancel: threading.Event | None,
     *,
     processed: bool,
+    timed: Callable[[float], None] | None = None,
 ) -> Generator[tuple[int, float | None], None, tuple[tuple[list[int], None] | None, int]]:
     """Plain decoding for as long as a host drafter (n-gram lookup) finds nothing to draft.
 
@@ -271,12 +306,16 @@ def _lookahead_run(
     it finds drafts, the queued step is trimmed off (the verification round feeds that token
     with its drafts) and the drafts are returned for it, with how many tokens were yielded.
     Leaves the caches holding every id before the last yielded one (``context[-1]``), as a
-    verification round would. Tokens are appended to ``context``."""
+    verification round would. Tokens are appended to ``context``. Each token's raw logit (or
+    log-prob) is checked for NaN, as in the plain loop; ``timed(seconds)`` gets each token's
+    time, the consumer's share left out."""
     n = 0
 
-    def step(token: mx.array, unread: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
-        """Lazy (next token, its log-prob) after ``token``; ``unread`` is ``token`` when it is
-        not in ``context`` yet, for the logits processors' view of the history."""
+    def step(token: mx.array, unread: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """Lazy (next token [1], [that token, its log-prob] as float32) after ``token``; without
+        log-probs the raw logit stands in for the log-prob (either is NaN when the logits are).
+        ``unread`` is ``token`` when it is not in ``context`` yet, for the logits processors'
+        view of the history."""
         logits = forward(token, 1)[0]
         recent = None
         if processed:
@@ -284,26 +323,32 @@ def _lookahead_run(
             if unread is not None:
                 recent = mx.concatenate([recent, unread])[-HISTORY_WINDOW:]
         y, _ = pick(logits, recent)
-        lp = None
-        if logprobs:
-            raw = logits.astype(mx.float32)
-            lp = (raw - mx.logsumexp(raw, axis=-1, keepdims=True))[y[0]]
-        mx.async_eval([a for a in (y, lp) if a is not None])
-        return y, lp
+        raw = logits.astype(mx.float32)
+        lp = (raw - mx.logsumexp(raw, axis=-1, keepdims=True))[y[0]] if logprobs else raw[y[0]]
+        read = mx.concatenate([y.astype(mx.float32), lp.reshape(1)])  # one read per token
+        mx.async_eval([y, read])
+        return y, read
 
+    clock = time.perf_counter
+    began = clock()
     y, lp = step(mx.array(context[-1:], dtype=mx.uint32))
     while True:
         ahead = n + 1 < budget and all(room_to_trim(c, 1) for c in cache)
         queued = step(y, unread=y) if ahead else None  # feeds y to the caches
-        token = int(y.item())
+        token_f, value = lp.tolist()
+        token = int(token_f)
+        check_finite(value)  # NaN logits: damaged weights, as the plain loop says
         context.append(token)
+        if timed is not None:
+            timed(clock() - began)
         try:
-            yield token, (float(lp.item()) if lp is not None else None)
+            yield token, (value if logprobs else None)
         except GeneratorExit:
             if queued is not None:
                 trim_prompt_cache(cache, 1)
             raise
         n += 1
+        began = clock()
         stop = queued is None or (cancel is not None and cancel.is_set())
         found = None if stop else lookup(budget - n)
         if stop or found is not None:

@@ -3,8 +3,9 @@
 Multi-head latent attention (``mla.py``: a query LoRA or none, YaRN with DeepSeek's
 mscale, a cache of latents only), the first ``first_k_dense_replace`` layers dense, the
 rest sigmoid-routed experts with group-limited routing and shared experts
-(``routed_moe.py``). The multi-token-prediction layers the checkpoints append
-(``num_nextn_predict_layers``) are left out at load.
+(``routed_moe.py``). The multi-token-prediction layer the checkpoints append
+(``num_nextn_predict_layers``) loads into ``Model.mtp`` for built-in drafting
+(``deepseek_mtp.py``); further ones are left out.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import mlx.nn as nn
 
 from engine.errors import UnsupportedModelError
 from engine.models.base import BaseModelArgs, CausalLM, DecoderStack, GatedMLP, activation
+from engine.models.deepseek_mtp import attach_mtp, nextn_part
+from engine.models.deepseek_mtp import left_out as _left_out
 from engine.models.mla import LatentAttention, latent_caches, split_kv_b
 from engine.models.mla_cache import latent_bytes_per_token
-from engine.models.routed_moe import RoutedMoE, drop_nextn_layers, stack_experts
+from engine.models.routed_moe import RoutedMoE, stack_experts
 
 
 @dataclass
@@ -87,6 +90,15 @@ class ModelArgs(BaseModelArgs):
         return self.num_hidden_layers * per_layer
 
 
+def resident_weight(name: str, n_layers: int) -> str | None:
+    """How a stored weight is held once loaded (the memory plan counts what is resident):
+    "mtp" for the MTP layer's (loaded for built-in drafting), None for what is left out
+    (further MTP layers, the copies of embedding and head), "model" for the rest."""
+    if _left_out(name, n_layers):
+        return None
+    return "mtp" if nextn_part(name, n_layers) is not None else "model"
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
@@ -120,13 +132,25 @@ class DeepseekV3Model(DecoderStack):
 
 class Model(CausalLM):
     model_class = DeepseekV3Model
+    # Called as listener(ids or None, final hidden states, first position) after each pass
+    # with a cache: the built-in MTP drafter follows the target this way (engine/decode/mtp_drafter.py).
+    hidden_listener = None
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
+        start = cache[0].offset if cache else 0
+        h = self.model(inputs, cache, input_embeddings)
+        if self.hidden_listener is not None and cache is not None:
+            self.hidden_listener(inputs if input_embeddings is None else None, h, start)
+        return self.logits(h)
+
+    def _prepare_layer(self, weights: dict[str, mx.array], prefix: str) -> None:
+        stack_experts(weights, f"{prefix}.mlp", self.args.n_routed_experts or 0)
+        split_kv_b(weights, f"{prefix}.self_attn", self.args)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = drop_nextn_layers(super().sanitize(weights), self.args.num_hidden_layers)
+        weights = attach_mtp(self, super().sanitize(weights), self._prepare_layer)
         for i in range(self.args.num_hidden_layers):
-            prefix = f"model.layers.{i}"
-            stack_experts(weights, f"{prefix}.mlp", self.args.n_routed_experts or 0)
-            split_kv_b(weights, f"{prefix}.self_attn", self.args)
+            self._prepare_layer(weights, f"model.layers.{i}")
         return weights
 
     def make_cache(self) -> list:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models import llama
-from engine.models.routed_moe import RoutedMoE, drop_nextn_layers, stack_experts
+from engine.models.routed_moe import RoutedMoE, drop_nextn_layers, nextn_index, stack_experts
 
 
 @dataclass
@@ -81,3 +81,9 @@ class Model(llama.Model):
         for i in range(self.args.num_hidden_layers):
             stack_experts(weights, f"model.layers.{i}.mlp", self.args.n_routed_experts or 0)
         return weights
+
+
+def resident_weight(name: str, n_layers: int) -> str | None:
+    """The appended MTP layers are left out at load (None); the memory plan does not count them."""
+    index = nextn_index(name)
+    return None if index is not None and index >= n_layers else "model"

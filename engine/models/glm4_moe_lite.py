@@ -37,3 +37,6 @@ class ModelArgs(deepseek_v3.ModelArgs):
 
 class Model(deepseek_v3.Model):
     pass
+
+
+resident_weight = deepseek_v3.resident_weight  # its MTP layer loads as DeepSeek V3's does

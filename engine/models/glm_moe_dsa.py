@@ -159,3 +159,6 @@ class GlmMoeDsaModel(deepseek_v3.DeepseekV3Model):
 
 class Model(deepseek_v3.Model):
     model_class = GlmMoeDsaModel
+
+
+resident_weight = deepseek_v3.resident_weight  # its MTP layer loads as DeepSeek V3's does

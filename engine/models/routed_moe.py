@@ -95,11 +95,12 @@ def drop_nextn_layers(weights: dict[str, mx.array], n_layers: int) -> dict[str, 
     """Leave out the multi-token-prediction (MTP) layers that DeepSeek V3 and GLM
     checkpoints append after the decoder (``model.layers.{n_layers}`` and on), which plain
     decoding does not run. Their names stay as published."""
+    return {k: v for k, v in weights.items() if (nextn_index(k) or 0) < n_layers}
 
-    def layer_index(key: str) -> int | None:
-        if not key.startswith("model.layers."):
-            return None
-        head = key[len("model.layers.") :].split(".", 1)[0]
-        return int(head) if head.isdigit() else None
 
-    return {k: v for k, v in weights.items() if (layer_index(k) or 0) < n_layers}
+def nextn_index(key: str) -> int | None:
+    """The decoder layer index in a weight's name (``model.layers.{i}.``), None for others."""
+    if not key.startswith("model.layers."):
+        return None
+    head = key[len("model.layers.") :].split(".", 1)[0]
+    return int(head) if head.isdigit() else None

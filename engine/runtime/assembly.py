@@ -148,11 +148,11 @@ def reasoning_factory(template: Any) -> Callable[[str], Any]:
 
 def _mtp_support(loaded: Any) -> tuple[bool, str]:
     """Whether the model carries its multi-token-prediction layers, and if not, why (for a
-    family that has them: Qwen3.5, Qwen3-Next)."""
+    family that has them: Qwen3.5, Qwen3-Next, DeepSeek V3, GLM-5)."""
     model = loaded.model
     if getattr(model, "mtp", None) is not None:
         return True, ""
-    if not hasattr(model, "hidden_listener"):
+    if not hasattr(model, "hidden_listener") or getattr(model.args, "num_nextn_predict_layers", None) == 0:
         return False, "This model has no built-in multi-token-prediction layers."
     return False, (
         "This copy has no multi-token-prediction layers: mlx-lm's conversions drop them. "

@@ -69,6 +69,8 @@ class _Source:
     files: list[Path]
     weight_names: set[str]
     gguf: bool
+    mtp_bytes: int = 0  # of weights_bytes: the built-in MTP layer (DeepSeek V3, GLM)
+    left_out_bytes: int = 0  # stored but not loaded (further MTP layers, copies of embedding and head)
 
 
 def load_model(
@@ -114,7 +116,14 @@ def load_model(
         budget, reason = default_budget()
     else:
         budget, reason = int(memory_budget), "set by --memory-budget"
-    plan = plan_memory(config, budget=budget, weights_bytes=source.weights_bytes, dtype_bytes=DTYPE_BYTES[source.dtype])
+    plan = plan_memory(
+        config,
+        budget=budget,
+        weights_bytes=source.weights_bytes,
+        dtype_bytes=DTYPE_BYTES[source.dtype],
+        mtp_bytes=source.mtp_bytes,
+        left_out_bytes=source.left_out_bytes,
+    )
     check_fits(plan, context_tokens=context_tokens, name=source.name, budget_reason=reason)
 
     gguf_metadata = None
@@ -195,8 +204,29 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
     )
     stored = _stored_float_dtype(headers)
     target = MX_DTYPE_NAMES.get(dtype or "", dtype) or stored
-    size = weights_bytes(headers, DTYPE_BYTES[target] if dtype else None)
-    return _Source(path, name, config, size, target, files, set(headers), gguf=False)
+    cast = DTYPE_BYTES[target] if dtype else None
+    held = _resident(config, headers)
+    size = weights_bytes({n: t for n, t in headers.items() if held(n)}, cast)
+    mtp = weights_bytes({n: t for n, t in headers.items() if held(n) == "mtp"}, cast)
+    source = _Source(path, name, config, size, target, files, set(headers), gguf=False)
+    source.mtp_bytes, source.left_out_bytes = mtp, weights_bytes(headers, cast) - size
+    return source
+
+
+def _resident(config: ModelConfig, headers: dict[str, Any]) -> Callable[[str], str | None]:
+    """How each stored weight is held once loaded: the family's ``resident_weight`` (DeepSeek V3
+    and GLM: "mtp" for the MTP layer, None for what is left out), else "model" for all."""
+    from engine import models
+
+    try:
+        family = models.get_family(config.model_type)
+    except EngineError:
+        family = None
+    rule = getattr(family, "resident_weight", None)
+    n_layers = config.raw.get("num_hidden_layers")
+    if rule is None or not isinstance(n_layers, int):
+        return lambda name: "model"
+    return lambda name: rule(name, n_layers)
 
 
 def _sanitize(model: Any, weights: dict[str, Any], source: _Source) -> dict[str, Any]:

@@ -42,7 +42,12 @@ def inspect_model(
         raise ModelLoadError(entry.error)
     budget = memory_budget if memory_budget is not None else default_budget()[0]
     plan = plan_memory(
-        source.config, budget=budget, weights_bytes=source.weights_bytes, dtype_bytes=DTYPE_BYTES[source.dtype]
+        source.config,
+        budget=budget,
+        weights_bytes=source.weights_bytes,
+        dtype_bytes=DTYPE_BYTES[source.dtype],
+        mtp_bytes=source.mtp_bytes,
+        left_out_bytes=source.left_out_bytes,
     )
     config = source.config
     info = ModelInfo(
@@ -92,6 +97,15 @@ def format_inspect(info: ModelInfo) -> str:
         lines += [
             "memory plan",
             f"  weights       {format_bytes(plan.weights_bytes)}",
+        ]
+        if plan.mtp_bytes:  # loaded with the model: what MTP drafting (--mtp) runs
+            lines.append(f"  MTP layer     {format_bytes(plan.mtp_bytes)} of the weights (built-in drafting, --mtp)")
+        if plan.left_out_bytes:
+            lines.append(
+                f"  not loaded    {format_bytes(plan.left_out_bytes)} stored but never loaded "
+                "(MTP layers decoding does not run, the MTP layer's copies of the embedding and head)"
+            )
+        lines += [
             f"  KV per token  {format_bytes(plan.kv_bytes_per_token)}"
             + (f" (cache held at {info.kv_cache})" if info.kv_cache else ""),
         ]

@@ -36,6 +36,7 @@ from typing import Any
 
 from engine.api import GenerationParams, GenerationResult, MediaInput, ReasoningControl
 from engine.decode.diffusion import is_diffusion_model, stream_diffusion
+from engine.decode.draft_depth import AUTO_MAX_DRAFT
 from engine.decode.drafters import drafter_for
 from engine.decode.guards import check_fits, fit_context
 from engine.decode.loop import Piece, stream_generate
@@ -155,7 +156,7 @@ class ChatSession:
         if params.speculative == "mtp":
             from engine.decode.mtp_drafter import MTPDrafter
 
-            return MTPDrafter(self.model, params.num_draft_tokens)
+            return MTPDrafter(self.model, params.num_draft_tokens or AUTO_MAX_DRAFT)
         if params.speculative != "draft" or self.draft_model is None:
             return drafter_for(params)
         if self._draft_cache is None or self._draft_owner is not self.draft_model:

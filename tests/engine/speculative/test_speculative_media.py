@@ -58,7 +58,10 @@ def photo(shared_data) -> str:
 
 
 def params(**kw) -> GenerationParams:
-    return GenerationParams(**{"max_tokens": len(WIDE["token_ids"]), "ignore_eos": True, "ngram_size": 2, **kw})
+    # A fixed depth: these tests check verification with media, not when drafting pays.
+    return GenerationParams(
+        **{"max_tokens": len(WIDE["token_ids"]), "ignore_eos": True, "ngram_size": 2, "num_draft_tokens": 4, **kw}
+    )
 
 
 def test_plain_decoding_of_the_wide_window_gemma_matches_transformers(gemma, photo):
