@@ -126,7 +126,7 @@ def test_draft_model_sampling_with_several_drafts_a_round_keeps_target_distribut
     """k drafts a round: the second token comes from an accepted second draft, from the
     residual at the second position after its rejection, or from a fresh round after a
     first rejection. Taking the residual from the row before the rejected one fails it (a
-    statistic of about 61 on 13 degrees of freedom, against a critical 38, at 2 and 4 drafts)."""
+    statistic of about 61 on 13 degrees of freedom, against a critical 41, at 2 and 4 drafts)."""
     target = make_llama(10, vocab=VOCAB, layers=1, sharpen=6.0)
     draft = make_llama(11, vocab=VOCAB, layers=1, sharpen=6.0)
     prompt = [1, 5, 2, 7]
