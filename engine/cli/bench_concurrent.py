@@ -7,9 +7,17 @@ its tokens or its next prefill chunk, then the batch steps). ``--vs mlx-lm`` run
 own ``BatchGenerator`` (what ``batch_generate`` and ``mlx_lm.server`` batch with) on the
 same weights, the two interleaved run by run.
 
-Reported per N: total generation tok/s (tokens produced once every stream has its first
-token, over the time since), per-stream tok/s (that over N), end-to-end tok/s (all
-tokens over the whole run, prefill included) and the slowest time to first token.
+Reported per N, both sides measured the same way on the same prompts (after a warm-up
+of every batch width): decode tok/s, "total" (tokens produced once every stream has its
+first token, over the time since: the figure the bar is about), per-stream tok/s (that
+over N), prefill (the N prompts' tokens over the time until the last stream's first
+token, which is also the slowest time to first token) and end-to-end tok/s (all tokens
+over the whole run, prefill included).
+
+``--profile`` also prints where the engine's time goes per decode step (building and
+queueing the step, of which picking the tokens; waiting for the previous step's tokens;
+the callers' side of a round) and per prefill pass, with mlx-lm's own prompt and decode
+timers beside it.
 """
 
 from __future__ import annotations
@@ -27,16 +35,23 @@ from engine.errors import EngineError
 class Concurrent:
     streams: int
     generated_tokens: int
-    total_tps: float  # generation, all streams together
+    total_tps: float  # decode, all streams together, once every stream has started
     per_stream_tps: float
     end_to_end_tps: float
     ttft_max_s: float
+    prefill_tps: float  # the prompts' tokens over the time until every stream had its first token
     tokens: list[list[int]]  # each stream's ids (compared with mlx-lm's, not printed)
+    profile: dict[str, float] | None = None  # per-step timings (--profile)
 
 
 def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--concurrent", metavar="N,N,...", help="streams decoding together, e.g. 1,2,4,8 (continuous batching)"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --concurrent: time each decode step's parts (launch, sample, settle) and each prefill pass",
     )
 
 
@@ -51,8 +66,9 @@ def parse_counts(text: str) -> list[int]:
 
 
 def _summary(
-    n: int, start: float, firsts: Sequence[float], stamps: Sequence[float], tokens: list[list[int]]
+    prompts: Sequence[Any], start: float, firsts: Sequence[float], stamps: Sequence[float], tokens: list[list[int]]
 ) -> Concurrent:
+    n = len(prompts)
     end = max(stamps)
     all_started = max(firsts)
     after = sum(1 for t in stamps if t > all_started)
@@ -64,6 +80,7 @@ def _summary(
         per_stream_tps=total / n,
         end_to_end_tps=len(stamps) / max(end - start, 1e-9),
         ttft_max_s=all_started - start,
+        prefill_tps=sum(int(p.size) for p in prompts) / max(all_started - start, 1e-9),
         tokens=tokens,
     )
 
@@ -93,7 +110,9 @@ def run_ours(
     firsts = [0.0] * len(prompts)
     stamps: list[float] = []
     tokens: list[list[int]] = [[] for _ in prompts]
+    callers = 0.0  # the callers' side of the rounds (reading tokens), outside ``step``
     while sequences:
+        began = time.perf_counter()
         for i, seq in list(sequences.items()):
             for token, _ in seq:
                 if token < 0:  # WAIT
@@ -104,8 +123,29 @@ def run_ours(
                 tokens[i].append(token)
             else:
                 del sequences[i]
+        callers += time.perf_counter() - began
         batch.step()
-    return _summary(len(prompts), start, firsts, stamps, tokens)
+    out = _summary(prompts, start, firsts, stamps, tokens)
+    out.profile = _our_profile(batch, callers)
+    return out
+
+
+def _our_profile(batch: Any, callers: float) -> dict[str, float]:
+    t = batch.times
+    steps, passes = max(t.launches, 1), max(t.prefills, 1)
+    return {
+        "decode_steps": t.launches,
+        "mean_rows": t.rows_stepped / steps,
+        "launch_ms": 1000 * t.launch_s / steps,
+        "sample_ms": 1000 * t.sample_s / steps,
+        "queue_ms": 1000 * t.queue_s / steps,
+        "masked_steps": t.masked,
+        "settle_ms": 1000 * t.settle_s / steps,
+        "callers_ms": 1000 * callers / steps,
+        "prefill_passes": t.prefills,
+        "prefill_ms": 1000 * t.prefill_s / passes,
+        "prefill_tokens_per_pass": t.prefill_tokens / passes,
+    }
 
 
 def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) -> Concurrent:
@@ -129,22 +169,50 @@ def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) 
     stamps: list[float] = []
     tokens: list[list[int]] = [[] for _ in prompts]
     try:
-        while responses := generator.next_generated():
-            now = time.perf_counter()
-            for r in responses:
-                i = index[r.uid]
-                firsts[i] = firsts[i] or now
-                stamps.append(now)
-                tokens[i].append(int(r.token))
+        with generator.stats() as stats:
+            while responses := generator.next_generated():
+                now = time.perf_counter()
+                for r in responses:
+                    i = index[r.uid]
+                    firsts[i] = firsts[i] or now
+                    stamps.append(now)
+                    tokens[i].append(int(r.token))
     finally:
         generator.close()
-    return _summary(len(prompts), start, firsts, stamps, tokens)
+    out = _summary(prompts, start, firsts, stamps, tokens)
+    steps = max(stats.generation_steps, 1)
+    out.profile = {
+        "decode_steps": stats.generation_steps,
+        "mean_rows": stats.generation_tokens / steps,
+        "decode_ms": 1000 * stats.decode_time / steps,  # its whole step: launch, sample and settle
+        "prefill_s": stats.prompt_time,
+        "prefill_tps": stats.prompt_tps,
+    }
+    return out
 
 
 def _row(name: str, c: Concurrent) -> str:
     return (
         f"{name:<8} x{c.streams:<3} total {c.total_tps:9.1f} tok/s   per stream {c.per_stream_tps:8.1f} tok/s   "
-        f"end-to-end {c.end_to_end_tps:9.1f} tok/s   slowest ttft {c.ttft_max_s * 1000:8.1f} ms"
+        f"prefill {c.prefill_tps:9.1f} tok/s   end-to-end {c.end_to_end_tps:9.1f} tok/s   "
+        f"slowest ttft {c.ttft_max_s * 1000:8.1f} ms"
+    )
+
+
+def _profile_row(name: str, c: Concurrent) -> str:
+    p = c.profile or {}
+    if "launch_ms" in p:
+        return (
+            f"  {name} x{c.streams}: {p['decode_steps']:.0f} steps of {p['mean_rows']:.2f} rows: "
+            f"launch {p['launch_ms']:.3f} ms (sample {p['sample_ms']:.3f}, queue {p['queue_ms']:.3f}), "
+            f"settle {p['settle_ms']:.3f} ms, callers {p['callers_ms']:.3f} ms per step, "
+            f"{p['masked_steps']:.0f} steps masked; {p['prefill_passes']:.0f} prefill passes of "
+            f"{p['prefill_tokens_per_pass']:.0f} tokens, {p['prefill_ms']:.3f} ms each to queue"
+        )
+    return (
+        f"  {name} x{c.streams}: {p.get('decode_steps', 0):.0f} steps of {p.get('mean_rows', 0):.2f} rows: "
+        f"{p.get('decode_ms', 0):.3f} ms per step; prefill {p.get('prefill_s', 0) * 1000:.1f} ms "
+        f"({p.get('prefill_tps', 0):.1f} tok/s)"
     )
 
 
@@ -179,11 +247,15 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
                 c = run(m, prompts[:n], args.generation_tokens)
                 if name not in best or c.total_tps > best[name].total_tps:
                     best[name] = c
+        profile = getattr(args, "profile", False)
         entry: dict[str, Any] = {
-            name: {k: v for k, v in asdict(c).items() if k != "tokens"} for name, c in best.items()
+            name: {k: v for k, v in asdict(c).items() if k != "tokens" and (profile or k != "profile")}
+            for name, c in best.items()
         }
         for name, c in best.items():
             print(_row(name, c), flush=True)
+            if profile:
+                print(_profile_row(name, c), flush=True)
         if "mlx-lm" in best:
             ratio = best["engine"].total_tps / max(best["mlx-lm"].total_tps, 1e-9)
             entry["ratio"] = ratio

@@ -95,12 +95,24 @@ class BatchKVCache:
         self.left: list[int] = []
         self.idx = 0  # columns in use
         self.step = step
-        self.offset = mx.array([], dtype=mx.int32)  # each row's next position (RoPE)
         self._left = mx.array([], dtype=mx.int32)  # ``left`` on the device, for masks
+        self._base = mx.array([], dtype=mx.int32)  # each row's position when ``idx`` was ``_base_idx``
+        self._base_idx = 0
+        self._offset: tuple[int, mx.array] | None = None  # (idx, positions) last asked for
 
     def _refresh(self) -> None:
-        self.offset = mx.array([self.idx - pad for pad in self.left], dtype=mx.int32)
+        self._base = mx.array([self.idx - pad for pad in self.left], dtype=mx.int32)
+        self._base_idx, self._offset = self.idx, None
         self._left = mx.array(self.left, dtype=mx.int32)
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's next position (RoPE): one small op per step and only when asked for,
+        where adding to it on every layer's update would queue one per layer."""
+        if self._offset is None or self._offset[0] != self.idx:
+            moved = self.idx - self._base_idx
+            self._offset = (self.idx, self._base + moved if moved else self._base)
+        return self._offset[1]
 
     def _pad_left(self, a: mx.array, n: int) -> mx.array:
         if n == 0:
@@ -167,15 +179,19 @@ class BatchKVCache:
     def make_mask(self, n_queries: int, window: int | None = None) -> Any:
         if window is not None:
             raise ValueError("a batch decodes without sliding windows")
-        if not any(self.left):  # no padding: as a lone sequence does
+        if not any(self.left):  # no padding: as a lone sequence does (the fast kernels' path)
             return None if n_queries == 1 else "causal"
         columns = mx.arange(self.idx + n_queries)[None, :]
         visible = columns >= self._left[:, None]  # [rows, keys]: not left padding
         if n_queries == 1:
-            return visible[:, None, None, :]
-        queries = mx.arange(self.idx, self.idx + n_queries)[:, None]
-        causal = columns <= queries  # [queries, keys]
-        return visible[:, None, None, :] & causal[None, None]
+            visible = visible[:, None, None, :]
+        else:
+            queries = mx.arange(self.idx, self.idx + n_queries)[:, None]
+            visible = visible[:, None, None, :] & (columns <= queries)[None, None]
+        # Additive, in the cache's dtype: a backend without boolean masks (CUDA) would
+        # otherwise convert the boolean one again in every layer.
+        dtype = self.keys.dtype if self.keys is not None else mx.float32
+        return mx.where(visible, mx.array(0, dtype), mx.array(-math.inf, dtype))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = keys.shape[2]
@@ -192,7 +208,6 @@ class BatchKVCache:
         self.keys[..., self.idx : self.idx + n, :] = keys
         self.values[..., self.idx : self.idx + n, :] = values
         self.idx += n
-        self.offset = self.offset + n
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
     @property
@@ -243,6 +258,8 @@ class StepTimes:
     launch_s: float = 0.0  # building a decode step's graph and queueing it
     settle_s: float = 0.0  # waiting for a step's tokens and handing them out
     sample_s: float = 0.0  # of launch_s: building the picking (argmax, samplers, log-probs)
+    queue_s: float = 0.0  # of launch_s: handing the step to the device (mx.async_eval)
+    masked: int = 0  # decode steps whose rows had left padding (an array mask: a slower attention path)
     prefills: int = 0
     prefill_s: float = 0.0  # building and queueing prefill passes
     prefill_tokens: int = 0
@@ -419,6 +436,7 @@ class Batch:
         step = self._pick(rows, tokens, logits)
         self._next = step.chosen[:, None]
         extra = [a for a in step.extra if a is not None]
+        queued = time.perf_counter()
         mx.async_eval([step.chosen, step.raw, *([step.logprobs] if step.logprobs is not None else []), *extra])
         for r in rows:
             r.first = False
@@ -429,7 +447,9 @@ class Batch:
         t.launches += 1
         t.rows_stepped += len(rows)
         t.launch_s += end - start
-        t.sample_s += end - picked
+        t.sample_s += queued - picked
+        t.queue_s += end - queued
+        t.masked += any(self.layers[0].left)
 
     def _pick(self, rows: list[_Row], tokens: mx.array, logits: mx.array) -> _Step:
         """Each row's next token: one argmax for the plain rows, their own sampler and
