@@ -285,14 +285,15 @@ class Batch:
         model: Any,
         *,
         compiled: bool | None = None,
-        kv_room: Callable[[], int] | None = None,
+        kv_room: Callable[[int], int] | None = None,
         kv_bytes_per_token: int = 0,
         prefill_rows: int = PREFILL_ROWS,
     ) -> None:
         """``compiled`` as in ``generate_step``: steps run through the model's compiled
         decoder (same results, less per-step overhead); None = on a GPU only.
-        ``kv_room()`` gives the bytes the memory budget leaves for the batch's KV caches
-        and ``kv_bytes_per_token`` what one token costs; without them nothing is checked."""
+        ``kv_room(needed)`` gives the bytes the memory budget leaves for the batch's KV
+        caches (freeing idle ones when that is short of ``needed``) and ``kv_bytes_per_token``
+        what one token costs; without them nothing is checked."""
         self.model = model
         self.compiled = mx.default_device() == mx.gpu if compiled is None else compiled
         self.kv_room = kv_room
@@ -327,7 +328,7 @@ class Batch:
         if self.kv_room is None or not self.kv_bytes_per_token:
             return True
         held = sum(r.need_bytes for r in (*self.rows, *self.filling))
-        room = self.kv_room()
+        room = self.kv_room(held + row.need_bytes)
         if held + row.need_bytes <= room:
             return True
         if held == 0:  # nothing else runs: waiting would not help

@@ -492,16 +492,21 @@ class ModelHost:
             )
         return state.batch or None
 
-    def _batch_kv_room(self) -> int:
-        """Bytes the memory budget leaves for the batch's KV caches: beside the weights
-        and the caches idle chats keep (a chat in the batch lends its cache to it)."""
+    def _batch_kv_room(self, need: int) -> int:
+        """Bytes the memory budget leaves for the batch's KV caches beside the weights and
+        the caches chats keep (a chat in the batch lends its cache to it); when that is
+        short of ``need``, the least recently used chats give theirs back first."""
         from engine.runtime.kv_eviction import session_kv_bytes
 
         state = self._need()
         allowance = kv_allowance(state.info, self.weights_bytes())
         if allowance is None:
             return 1 << 62
-        return allowance - sum(session_kv_bytes(chat) for chat in state.sessions.values())
+        kept = sum(session_kv_bytes(chat) for chat in state.sessions.values())
+        if allowance - kept < need:
+            evict_idle_caches(state.sessions, "", max(0, allowance - need))
+            kept = sum(session_kv_bytes(chat) for chat in state.sessions.values())
+        return allowance - kept
 
     # ---- embeddings -----------------------------------------------------------------
 

@@ -167,7 +167,7 @@ def test_a_sequence_waits_for_kv_room_and_is_refused_when_it_never_fits():
     ps = prompts(model.args.vocab_size, (6, 8))
     per_token = 1000
     # Room for one sequence of up to 30 tokens at full length, not two.
-    batch = Batch(model, kv_room=lambda: 30 * per_token, kv_bytes_per_token=per_token)
+    batch = Batch(model, kv_room=lambda need: 30 * per_token, kv_bytes_per_token=per_token)
     streams = {i: sequence(batch, model, p, 16) for i, p in enumerate(ps)}
     results, token_rounds = drive(batch, streams)
     for i, p in enumerate(ps):
