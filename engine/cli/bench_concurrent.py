@@ -3,7 +3,7 @@
 For each count N, N random prompts of ``-p`` tokens start at once and each generates
 ``-g`` tokens (end-of-sequence ignored) through the engine's continuous batching
 (engine.decode.batch, driven round by round as the worker drives it: each sequence takes
-its tokens or its next prefill chunk, then the batch steps). ``--vs mlx-lm`` runs mlx-lm's
+its tokens, then the batch steps, prefilling the waiting prompts together). ``--vs mlx-lm`` runs mlx-lm's
 own ``BatchGenerator`` (what ``batch_generate`` and ``mlx_lm.server`` batch with) on the
 same weights, the two interleaved run by run.
 
