@@ -49,6 +49,12 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
         "--concurrent", metavar="N,N,...", help="streams decoding together, e.g. 1,2,4,8 (continuous batching)"
     )
     p.add_argument(
+        "--row-floor",
+        type=int,
+        metavar="N",
+        help="with --concurrent: run a batch step's matmuls on at least N rows (default: 8 on CUDA, else 0)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="with --concurrent: time each decode step's parts (launch, sample, settle) and each prefill pass",
@@ -86,7 +92,12 @@ def _summary(
 
 
 def run_ours(
-    model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048, compiled: bool | None = None
+    model: Any,
+    prompts: Sequence[Any],
+    gen: int,
+    chunk: int = 2048,
+    compiled: bool | None = None,
+    row_floor: int | None = None,
 ) -> Concurrent:
     """The engine's batch at token level (what the worker drives, without the text layer)."""
     import mlx.core as mx
@@ -94,7 +105,7 @@ def run_ours(
     from engine.decode.batch import Batch
     from engine.models.kv_cache import make_prompt_cache
 
-    batch = Batch(model, compiled=compiled)
+    batch = Batch(model, compiled=compiled, row_floor=row_floor)
     start = time.perf_counter()
     sequences = {
         i: batch.sequence(
@@ -228,7 +239,9 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
     counts = parse_counts(args.concurrent)
     import functools
 
-    ours = functools.partial(run_ours, compiled=False) if args.no_compile else run_ours
+    ours = functools.partial(
+        run_ours, compiled=False if args.no_compile else None, row_floor=getattr(args, "row_floor", None)
+    )
     loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", ours, model)]
     if args.vs == "mlx-lm":
         loops.append(("mlx-lm", run_mlx_lm, mlx_lm_twin(model, config, quantized)))

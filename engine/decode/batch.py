@@ -64,6 +64,14 @@ BATCHABLE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
 # Sequences prefilling together at most (mlx-lm's server prefills 8 at a time too).
 PREFILL_ROWS = 8
 
+# On CUDA a batch of 2-7 rows runs its matmuls on 8 (CompiledDecoder.rows says why).
+CUDA_ROW_FLOOR = 8
+
+
+def default_row_floor() -> int:
+    cuda = getattr(mx, "cuda", None)
+    return CUDA_ROW_FLOOR if cuda is not None and cuda.is_available() else 0
+
 
 def batchable(model: Any) -> bool:
     """Whether ``model``'s sequences can decode together (see the module's docstring)."""
@@ -288,17 +296,20 @@ class Batch:
         kv_room: Callable[[int], int] | None = None,
         kv_bytes_per_token: int = 0,
         prefill_rows: int = PREFILL_ROWS,
+        row_floor: int | None = None,
     ) -> None:
         """``compiled`` as in ``generate_step``: steps run through the model's compiled
         decoder (same results, less per-step overhead); None = on a GPU only.
         ``kv_room(needed)`` gives the bytes the memory budget leaves for the batch's KV
         caches (freeing idle ones when that is short of ``needed``) and ``kv_bytes_per_token``
-        what one token costs; without them nothing is checked."""
+        what one token costs; without them nothing is checked. ``row_floor``: the fewest
+        rows a compiled step's matmuls run on (None: 8 on CUDA, else none)."""
         self.model = model
         self.compiled = mx.default_device() == mx.gpu if compiled is None else compiled
         self.kv_room = kv_room
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_rows = max(1, prefill_rows)
+        self.row_floor = default_row_floor() if row_floor is None else row_floor
         self._decoder: Any = None  # the CompiledDecoder, prepared for this batch's run
         self.rows: list[_Row] = []  # decoding, in cache row order
         self.layers: list[BatchKVCache] = []
@@ -429,7 +440,7 @@ class Batch:
         rows = list(self.rows)
         tokens = self._next
         assert tokens is not None
-        logits = self._decoder.rows(tokens, self.layers) if self._decoder is not None else None
+        logits = self._decoder.rows(tokens, self.layers, self.row_floor) if self._decoder is not None else None
         if logits is None:
             logits = self.model(tokens, cache=self.layers)[:, -1, :]
         self.steps += 1

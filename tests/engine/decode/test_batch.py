@@ -204,16 +204,18 @@ def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch):
     compiled_steps = []
     rows = CompiledDecoder.rows
 
-    def counted(self, tokens, cache):
-        out = rows(self, tokens, cache)
-        compiled_steps.append(out is not None)
+    def counted(self, tokens, cache, floor=0):
+        out = rows(self, tokens, cache, floor)
+        compiled_steps.append((out is not None, tokens.shape[0], floor))
         return out
 
     monkeypatch.setattr(CompiledDecoder, "rows", counted)
-    defaults = {**Batch.__init__.__kwdefaults__, "compiled": True}
+    # Two rows run their matmuls on 4 (as CUDA runs 2-7 rows on 8): the padding changes nothing.
+    defaults = {**Batch.__init__.__kwdefaults__, "compiled": True, "row_floor": 4}
     monkeypatch.setattr("engine.decode.batch.Batch.__init__.__kwdefaults__", defaults)
     got, _ = run_batched(model, jobs, starts=[0, 2])
-    assert compiled_steps and all(compiled_steps)  # every step ran compiled, padded rows included
+    assert compiled_steps and all(ok for ok, _, _ in compiled_steps)  # every step compiled, padded rows too
+    assert {(rows, floor) for _, rows, floor in compiled_steps} == {(1, 4), (2, 4)}
     for ours, ref in zip(got, plain, strict=True):
         assert ours.token_ids == ref.token_ids
         assert np.allclose(ours.token_logprobs, ref.token_logprobs, atol=1e-4)
