@@ -469,7 +469,7 @@ class Batch:
         chosen = mx.argmax(logits, axis=-1)  # every row's, kept for the plain ones
         others = [i for i, r in enumerate(rows) if not r.plain]
         if others:
-            picks = [self._sample_row(rows[i], tokens[i], logits[i : i + 1]) for i in others]
+            picks = self._sample_rows(rows, others, tokens, logits)
             chosen[mx.array(others)] = mx.concatenate(picks).astype(chosen.dtype)
         chosen = chosen.astype(mx.uint32)
         lp = None
@@ -487,6 +487,24 @@ class Batch:
         # Each row's chosen raw logit rides along for the NaN check (one value per row).
         raw_chosen = mx.take_along_axis(logits, chosen[:, None].astype(mx.int32), axis=-1)[:, 0]
         return _Step(rows, chosen, raw_chosen, lp, extra)
+
+    def _sample_rows(self, rows: list[_Row], which: list[int], tokens: mx.array, logits: mx.array) -> list[mx.array]:
+        """The tokens of rows ``which`` (in that order). Rows without processors whose
+        samplers share their filter settings are filtered in one call, then each draws
+        with its own key; the rest go one by one."""
+        picks: dict[int, mx.array] = {}
+        shared: dict[Any, list[int]] = {}
+        for i in which:
+            key = getattr(rows[i].sample, "filter_key", None)
+            if key is not None and not rows[i].processors:
+                shared.setdefault(key, []).append(i)
+        for group in shared.values():
+            if len(group) < 2:
+                continue
+            kept = rows[group[0]].sample.filtered(logits[mx.array(group)])  # type: ignore[attr-defined]
+            for j, i in enumerate(group):
+                picks[i] = rows[i].sample.draw(kept[j : j + 1]).reshape(1)  # type: ignore[attr-defined]
+        return [picks[i] if i in picks else self._sample_row(rows[i], tokens[i], logits[i : i + 1]) for i in which]
 
     def _sample_row(self, r: _Row, token: mx.array, logits: mx.array) -> mx.array:
         processed = logits

@@ -181,3 +181,41 @@ def test_a_sequence_waits_for_kv_room_and_is_refused_when_it_never_fits():
     message = str(refused.value)
     assert "\n" not in message and "48 tokens" in message and "max_tokens" in message
     assert not batch.active
+
+
+def test_rows_sharing_sampling_settings_are_filtered_together_and_draw_as_alone():
+    from engine.api import SamplingParams
+    from engine.decode.loop import generate_step
+    from engine.decode.sampling import make_sampler
+
+    model, _ = load_golden("qwen3")
+    ps = prompts(model.args.vocab_size, (7, 9, 5))
+    settings = [SamplingParams(temperature=0.9, top_p=0.8, top_k=30, seed=s) for s in (1, 2, 3)]
+    batch = Batch(model)
+    filtered_rows: list[int] = []
+
+    def counted(sampler):
+        inner = sampler.filtered
+        sampler.filtered = lambda x: (filtered_rows.append(x.shape[0]), inner(x))[1]
+        return sampler
+
+    streams = {
+        i: batch.sequence(
+            mx.array(p, dtype=mx.uint32),
+            make_prompt_cache(model),
+            max_tokens=10,
+            sampler=counted(make_sampler(sp)),
+            greedy=False,
+        )
+        for i, (p, sp) in enumerate(zip(ps, settings, strict=True))
+    }
+    results, _ = drive(batch, streams)
+    assert filtered_rows and set(filtered_rows) == {3}  # one filter call per step for all three
+    for i, (p, sp) in enumerate(zip(ps, settings, strict=True)):
+        alone = [
+            t
+            for t, _ in generate_step(
+                mx.array(p, dtype=mx.uint32), model, make_prompt_cache(model), max_tokens=10, sampler=make_sampler(sp)
+            )
+        ]
+        assert results[i].token_ids == alone
