@@ -68,9 +68,12 @@ PREFILL_ROWS = 8
 CUDA_ROW_FLOOR = 8
 
 
-def default_row_floor() -> int:
+def default_row_floor(model: Any) -> int:
     cuda = getattr(mx, "cuda", None)
-    return CUDA_ROW_FLOOR if cuda is not None and cuda.is_available() else 0
+    if cuda is None or not cuda.is_available():
+        return 0
+    # Zero rows would still be routed to experts: each one could load experts no real row needs.
+    return 0 if getattr(model, "model_type", None) == "qwen3_moe" else CUDA_ROW_FLOOR
 
 
 def batchable(model: Any) -> bool:
@@ -303,13 +306,13 @@ class Batch:
         ``kv_room(needed)`` gives the bytes the memory budget leaves for the batch's KV
         caches (freeing idle ones when that is short of ``needed``) and ``kv_bytes_per_token``
         what one token costs; without them nothing is checked. ``row_floor``: the fewest
-        rows a compiled step's matmuls run on (None: 8 on CUDA, else none)."""
+        rows a compiled step's matmuls run on (None: 8 on CUDA for dense models, else none)."""
         self.model = model
         self.compiled = mx.default_device() == mx.gpu if compiled is None else compiled
         self.kv_room = kv_room
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_rows = max(1, prefill_rows)
-        self.row_floor = default_row_floor() if row_floor is None else row_floor
+        self.row_floor = default_row_floor(model) if row_floor is None else row_floor
         self._decoder: Any = None  # the CompiledDecoder, prepared for this batch's run
         self.rows: list[_Row] = []  # decoding, in cache row order
         self.layers: list[BatchKVCache] = []
