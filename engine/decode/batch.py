@@ -285,7 +285,7 @@ class _Step:
     chosen: mx.array  # [rows]
     raw: mx.array  # [rows]: each row's chosen raw logit (the NaN check)
     logprobs: mx.array | None  # [rows] where some row asked for them
-    extra: list[mx.array | None]  # per row: a log-prob computed on its own
+    extra: list[mx.array | None]  # per row: its top log-prob ids, when it asked for them
 
 
 class Batch:
