@@ -218,7 +218,7 @@ def _profile_row(name: str, c: Concurrent) -> str:
             f"launch {p['launch_ms']:.3f} ms (sample {p['sample_ms']:.3f}, queue {p['queue_ms']:.3f}), "
             f"settle {p['settle_ms']:.3f} ms, callers {p['callers_ms']:.3f} ms per step, "
             f"{p['masked_steps']:.0f} steps masked; {p['prefill_passes']:.0f} prefill passes of "
-            f"{p['prefill_tokens_per_pass']:.0f} tokens, {p['prefill_ms']:.3f} ms each to queue"
+            f"{p['prefill_tokens_per_pass']:.0f} tokens, {p['prefill_ms']:.3f} ms each on the host"
         )
     return (
         f"  {name} x{c.streams}: {p.get('decode_steps', 0):.0f} steps of {p.get('mean_rows', 0):.2f} rows: "

@@ -272,7 +272,7 @@ class StepTimes:
     queue_s: float = 0.0  # of launch_s: handing the step to the device (mx.async_eval)
     masked: int = 0  # decode steps whose rows had left padding (an array mask: a slower attention path)
     prefills: int = 0
-    prefill_s: float = 0.0  # building and queueing prefill passes
+    prefill_s: float = 0.0  # prefill passes on the host: building, queueing, waiting for the pass before
     prefill_tokens: int = 0
     rows_stepped: int = 0  # rows summed over decode steps (mean batch width = / launches)
 
@@ -324,6 +324,7 @@ class Batch:
         self.times = StepTimes()
         self._next: mx.array | None = None  # [rows, 1]: each decoding row's next input
         self._inflight: _Step | None = None  # the step under way
+        self._fill_queued: list[mx.array] | None = None  # what the prefill pass under way computes
 
     @property
     def active(self) -> bool:
@@ -419,7 +420,7 @@ class Batch:
         for row in (*self.rows, *self.filling, *self.waiting):
             row.where = "gone"
         self.rows, self.layers, self._next, self._inflight = [], [], None, None
-        self.filling, self.fill_layers, self.waiting = [], [], deque()
+        self.filling, self.fill_layers, self.waiting, self._fill_queued = [], [], deque(), None
 
     # -- one step ---------------------------------------------------------------------
 
@@ -554,6 +555,11 @@ class Batch:
         if not self.filling:
             return
         start = time.perf_counter()
+        if self._fill_queued is not None:
+            # One pass in flight at most: a cancel then stops the prefill within a chunk,
+            # where queueing every pass at once would leave the device a whole prompt to do.
+            mx.eval(self._fill_queued)
+            self._fill_queued = None
         rows = list(self.filling)
         # One chunk's worth of tokens in all: the rows share it (a [rows, width] pass does
         # as much matmul work per launch as a [1, chunk] one).
@@ -562,7 +568,8 @@ class Batch:
         wide = max(takes)
         ids = [r.prompt[r.done : r.done + n] + [0] * (wide - n) for r, n in zip(rows, takes, strict=True)]
         self.model(mx.array(ids, dtype=mx.uint32), cache=self.fill_layers)
-        mx.async_eval([s for layer in self.fill_layers for s in layer.state])
+        self._fill_queued = [s for layer in self.fill_layers for s in layer.state]
+        mx.async_eval(self._fill_queued)
         self.prefills += 1
         self.times.prefills += 1
         self.times.prefill_tokens += sum(takes)
