@@ -55,6 +55,14 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
         help="with --concurrent: run a batch step's matmuls on at least N rows (default: 8 on CUDA, else 0)",
     )
     p.add_argument(
+        "--stagger",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --concurrent: stream i arrives after i*K decode steps (rows of different lengths: "
+        "the padded, masked batch step), on both sides",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="with --concurrent: time each decode step's parts (launch, sample, settle) and each prefill pass",
@@ -72,20 +80,26 @@ def parse_counts(text: str) -> list[int]:
 
 
 def _summary(
-    prompts: Sequence[Any], start: float, firsts: Sequence[float], stamps: Sequence[float], tokens: list[list[int]]
+    prompts: Sequence[Any],
+    start: float,
+    firsts: Sequence[float],
+    stamps: Sequence[float],
+    tokens: list[list[int]],
+    arrivals: Sequence[float] | None = None,
 ) -> Concurrent:
     n = len(prompts)
     end = max(stamps)
     all_started = max(firsts)
     after = sum(1 for t in stamps if t > all_started)
     total = after / max(end - all_started, 1e-9) if after else 0.0
+    arrived = arrivals if arrivals is not None else [start] * n
     return Concurrent(
         streams=n,
         generated_tokens=len(stamps),
         total_tps=total,
         per_stream_tps=total / n,
         end_to_end_tps=len(stamps) / max(end - start, 1e-9),
-        ttft_max_s=all_started - start,
+        ttft_max_s=max(f - a for f, a in zip(firsts, arrived, strict=True)),
         prefill_tps=sum(int(p.size) for p in prompts) / max(all_started - start, 1e-9),
         tokens=tokens,
     )
@@ -98,8 +112,10 @@ def run_ours(
     chunk: int = 2048,
     compiled: bool | None = None,
     row_floor: int | None = None,
+    stagger: int = 0,
 ) -> Concurrent:
-    """The engine's batch at token level (what the worker drives, without the text layer)."""
+    """The engine's batch at token level (what the worker drives, without the text layer);
+    with ``stagger``, stream i arrives at round i * stagger."""
     import mlx.core as mx
 
     from engine.decode.batch import Batch
@@ -107,22 +123,26 @@ def run_ours(
 
     batch = Batch(model, compiled=compiled, row_floor=row_floor)
     start = time.perf_counter()
-    sequences = {
-        i: batch.sequence(
-            p,
-            make_prompt_cache(model),
-            max_tokens=gen,
-            prefill_chunk=chunk,
-            sampler=lambda x: mx.argmax(x, axis=-1),
-            greedy=True,
-        )
-        for i, p in enumerate(prompts)
-    }
+    sequences: dict[int, Any] = {}
+    arrivals = [start] * len(prompts)
     firsts = [0.0] * len(prompts)
     stamps: list[float] = []
     tokens: list[list[int]] = [[] for _ in prompts]
     callers = 0.0  # the callers' side of the rounds (reading tokens), outside ``step``
-    while sequences:
+    rounds = 0
+    while sequences or rounds <= (len(prompts) - 1) * stagger:
+        for i, p in enumerate(prompts):
+            if i * stagger == rounds:
+                arrivals[i] = time.perf_counter()
+                sequences[i] = batch.sequence(
+                    p,
+                    make_prompt_cache(model),
+                    max_tokens=gen,
+                    prefill_chunk=chunk,
+                    sampler=lambda x: mx.argmax(x, axis=-1),
+                    greedy=True,
+                )
+        rounds += 1
         began = time.perf_counter()
         for i, seq in list(sequences.items()):
             for token, _ in seq:
@@ -136,7 +156,7 @@ def run_ours(
                 del sequences[i]
         callers += time.perf_counter() - began
         batch.step()
-    out = _summary(prompts, start, firsts, stamps, tokens)
+    out = _summary(prompts, start, firsts, stamps, tokens, arrivals)
     out.profile = _our_profile(batch, callers)
     return out
 
@@ -159,8 +179,9 @@ def _our_profile(batch: Any, callers: float) -> dict[str, float]:
     }
 
 
-def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) -> Concurrent:
-    """mlx-lm's BatchGenerator: the continuous batching behind its server and batch_generate."""
+def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048, stagger: int = 0) -> Concurrent:
+    """mlx-lm's BatchGenerator: the continuous batching behind its server and batch_generate;
+    with ``stagger``, stream i arrives after i * stagger of its generation steps."""
     try:
         from mlx_lm.generate import BatchGenerator
     except ImportError:
@@ -174,14 +195,28 @@ def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) 
         prefill_batch_size=8,
     )
     start = time.perf_counter()
-    uids = generator.insert([p.tolist() for p in prompts], [gen] * len(prompts))
-    index = {uid: i for i, uid in enumerate(uids)}
+    arrivals = [start] * len(prompts)
+    index: dict[int, int] = {}
+    pending = list(range(len(prompts)))
     firsts = [0.0] * len(prompts)
     stamps: list[float] = []
     tokens: list[list[int]] = [[] for _ in prompts]
+    calls = 0
     try:
         with generator.stats() as stats:
-            while responses := generator.next_generated():
+            while True:
+                while pending and pending[0] * stagger <= calls:
+                    i = pending.pop(0)
+                    arrivals[i] = time.perf_counter()
+                    (uid,) = generator.insert([prompts[i].tolist()], [gen])
+                    index[uid] = i
+                responses = generator.next_generated()
+                calls += 1
+                if not responses:
+                    if not pending:
+                        break
+                    calls = pending[0] * stagger  # nothing runs: the next one arrives now
+                    continue
                 now = time.perf_counter()
                 for r in responses:
                     i = index[r.uid]
@@ -190,7 +225,7 @@ def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) 
                     tokens[i].append(int(r.token))
     finally:
         generator.close()
-    out = _summary(prompts, start, firsts, stamps, tokens)
+    out = _summary(prompts, start, firsts, stamps, tokens, arrivals)
     steps = max(stats.generation_steps, 1)
     out.profile = {
         "decode_steps": stats.generation_steps,
@@ -239,12 +274,17 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
     counts = parse_counts(args.concurrent)
     import functools
 
+    stagger = max(0, getattr(args, "stagger", 0) or 0)
     ours = functools.partial(
-        run_ours, compiled=False if args.no_compile else None, row_floor=getattr(args, "row_floor", None)
+        run_ours,
+        compiled=False if args.no_compile else None,
+        row_floor=getattr(args, "row_floor", None),
+        stagger=stagger,
     )
     loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", ours, model)]
     if args.vs == "mlx-lm":
-        loops.append(("mlx-lm", run_mlx_lm, mlx_lm_twin(model, config, quantized)))
+        theirs = functools.partial(run_mlx_lm, stagger=stagger)
+        loops.append(("mlx-lm", theirs, mlx_lm_twin(model, config, quantized)))
     keys = mx.random.split(mx.random.key(args.seed), max(counts))
     prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=k).astype(mx.uint32) for k in keys]
     mx.eval(prompts)

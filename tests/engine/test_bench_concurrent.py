@@ -45,3 +45,16 @@ def test_profile_reports_each_step_and_prefill_on_both_sides():
     for side in ("engine", "mlx-lm"):
         assert row[side]["prefill_tps"] > 0
     assert "launch" in proc.stdout and "settle" in proc.stdout
+
+
+def test_staggered_arrivals_decode_padded_rows_on_both_sides():
+    pytest.importorskip("mlx_lm")
+    proc = run(*BENCH, "--concurrent", "3", "--vs", "mlx-lm", "--profile", "--stagger", "2")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = last_json(proc.stdout)["concurrent"]
+    for side in ("engine", "mlx-lm"):
+        assert row[side]["generated_tokens"] == 3 * 8
+    # Each newcomer prefilled on its own, into a batch of rows of other lengths: masked steps.
+    ours = row["engine"]["profile"]
+    assert ours["prefill_passes"] == 3 and ours["masked_steps"] > 0
+    assert ours["mean_rows"] < 3
