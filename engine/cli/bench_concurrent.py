@@ -55,6 +55,14 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
         help="with --concurrent: run a batch step's matmuls on at least N rows (default: 8 on CUDA, else 0)",
     )
     p.add_argument(
+        "--attention-runs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --concurrent: a padded batch step attends run by run (rows of equal padding, no mask) "
+        "when there are at most N runs (default 0: one masked attention)",
+    )
+    p.add_argument(
         "--stagger",
         type=int,
         default=0,
@@ -113,6 +121,7 @@ def run_ours(
     compiled: bool | None = None,
     row_floor: int | None = None,
     stagger: int = 0,
+    attention_runs: int = 0,
 ) -> Concurrent:
     """The engine's batch at token level (what the worker drives, without the text layer);
     with ``stagger``, stream i arrives at round i * stagger."""
@@ -121,7 +130,7 @@ def run_ours(
     from engine.decode.batch import Batch
     from engine.models.kv_cache import make_prompt_cache
 
-    batch = Batch(model, compiled=compiled, row_floor=row_floor)
+    batch = Batch(model, compiled=compiled, row_floor=row_floor, attention_runs=attention_runs)
     start = time.perf_counter()
     sequences: dict[int, Any] = {}
     arrivals = [start] * len(prompts)
@@ -171,6 +180,7 @@ def _our_profile(batch: Any, callers: float) -> dict[str, float]:
         "sample_ms": 1000 * t.sample_s / steps,
         "queue_ms": 1000 * t.queue_s / steps,
         "masked_steps": t.masked,
+        "run_steps": t.run_steps,
         "settle_ms": 1000 * t.settle_s / steps,
         "callers_ms": 1000 * callers / steps,
         "prefill_passes": t.prefills,
@@ -252,7 +262,8 @@ def _profile_row(name: str, c: Concurrent) -> str:
             f"  {name} x{c.streams}: {p['decode_steps']:.0f} steps of {p['mean_rows']:.2f} rows: "
             f"launch {p['launch_ms']:.3f} ms (sample {p['sample_ms']:.3f}, queue {p['queue_ms']:.3f}), "
             f"settle {p['settle_ms']:.3f} ms, callers {p['callers_ms']:.3f} ms per step, "
-            f"{p['masked_steps']:.0f} steps masked; {p['prefill_passes']:.0f} prefill passes of "
+            f"{p['masked_steps']:.0f} steps masked, {p['run_steps']:.0f} attended run by run; "
+            f"{p['prefill_passes']:.0f} prefill passes of "
             f"{p['prefill_tokens_per_pass']:.0f} tokens, {p['prefill_ms']:.3f} ms each on the host"
         )
     return (
@@ -280,6 +291,7 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
         compiled=False if args.no_compile else None,
         row_floor=getattr(args, "row_floor", None),
         stagger=stagger,
+        attention_runs=max(0, getattr(args, "attention_runs", 0) or 0),
     )
     loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", ours, model)]
     if args.vs == "mlx-lm":

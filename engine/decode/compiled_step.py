@@ -166,7 +166,9 @@ class CompiledDecoder:
             attn = layer.self_attn.attend(q, k, v, mask)
         return self._fns[-1](h, attn)
 
-    def rows(self, tokens: mx.array, cache: Sequence[Any], floor: int = 0) -> mx.array | None:
+    def rows(
+        self, tokens: mx.array, cache: Sequence[Any], floor: int = 0, runs: Sequence[tuple[int, int, int]] | None = None
+    ) -> mx.array | None:
         """Logits [rows, vocab] for one new token per row (``tokens`` [rows, 1]) through a
         batch cache (engine.decode.batch.BatchKVCache: one RoPE offset per row, a mask for
         the rows' left padding); None when the plain pass must run. Each number of rows is
@@ -175,7 +177,11 @@ class CompiledDecoder:
         ``floor``: from 2 rows up, the layers' matmuls run on at least this many rows, the
         extra ones zeros whose results are dropped (attention and the cache see only the
         real rows). MLX's CUDA quantized matmul costs about one single-row pass per row
-        below 8 rows and switches to a tiled kernel at 8, which is then cheaper than 2."""
+        below 8 rows and switches to a tiled kernel at 8, which is then cheaper than 2.
+
+        ``runs`` ((first row, end row, left padding) covering the rows in order): attention
+        runs once per run of rows with the same left padding, on their keys without the
+        padding and without a mask (the fast kernel's path), instead of once with a mask."""
         b = tokens.shape[0]
         if not self._fns or len(cache) != len(self._fns) - 1 or b > MAX_STACKED_ROWS:
             return None
@@ -196,7 +202,13 @@ class CompiledDecoder:
             if pad:
                 q, k, v = q[:b], k[:b], v[:b]
             k, v = c.update_and_fetch(k, v)
-            attn = layer.self_attn.attend(q, k, v, mask)
+            if runs is None:
+                attn = layer.self_attn.attend(q, k, v, mask)
+            else:
+                parts = [
+                    layer.self_attn.attend(q[s:e], k[s:e, :, left:], v[s:e, :, left:], None) for s, e, left in runs
+                ]
+                attn = parts[0] if len(parts) == 1 else mx.concatenate(parts)
         logits = self._last_rows(h, attn)
         return logits[:b] if pad else logits
 
