@@ -20,8 +20,11 @@ stop string, budget, cancel) has its keys and values written back into its own c
 the session records them as if it had decoded alone.
 
 The rows' positions differ, so RoPE takes one offset per row and the attention mask
-hides each row's left padding. Greedy ids equal the sequence's ids alone (the masked
-padding adds exact zeros; only the summation order of a wider matmul can differ).
+hides each row's left padding (no mask at all when no row is padded, as when prompts of
+one length prefill together). Greedy ids equal the sequence's ids alone (the masked
+padding adds exact zeros; only the summation order of a wider matmul can differ). On a
+GPU the step runs through the compiled decoder (``CompiledDecoder.rows``); on CUDA a step
+of 2-7 rows runs its matmuls on 8 rows (``row_floor``).
 
 Before a sequence starts to prefill, its KV cache at full length (its prompt plus its
 token budget) must fit the room the memory budget leaves (``Batch.kv_room``); otherwise
