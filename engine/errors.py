@@ -21,6 +21,11 @@ class OutOfMemoryBudget(EngineError):
     """Loading (or continuing) would exceed the memory budget."""
 
 
+class OutOfKVRoom(OutOfMemoryBudget):
+    """A request's KV cache at its full length does not fit what the memory budget leaves,
+    even with nothing else running (the server answers 503: the machine is too full)."""
+
+
 class TemplateError(EngineError):
     """The chat template raised or could not be parsed."""
 

@@ -3,13 +3,21 @@
 For each count N, N random prompts of ``-p`` tokens start at once and each generates
 ``-g`` tokens (end-of-sequence ignored) through the engine's continuous batching
 (engine.decode.batch, driven round by round as the worker drives it: each sequence takes
-its tokens or its next prefill chunk, then the batch steps). ``--vs mlx-lm`` runs mlx-lm's
+its tokens, then the batch steps, prefilling the waiting prompts together). ``--vs mlx-lm`` runs mlx-lm's
 own ``BatchGenerator`` (what ``batch_generate`` and ``mlx_lm.server`` batch with) on the
 same weights, the two interleaved run by run.
 
-Reported per N: total generation tok/s (tokens produced once every stream has its first
-token, over the time since), per-stream tok/s (that over N), end-to-end tok/s (all
-tokens over the whole run, prefill included) and the slowest time to first token.
+Reported per N, both sides measured the same way on the same prompts (after a warm-up
+of every batch width): decode tok/s, "total" (tokens produced once every stream has its
+first token, over the time since: the figure the bar is about), per-stream tok/s (that
+over N), prefill (the N prompts' tokens over the time until the last stream's first
+token, which is also the slowest time to first token) and end-to-end tok/s (all tokens
+over the whole run, prefill included).
+
+``--profile`` also prints where the engine's time goes per decode step (building and
+queueing the step, of which picking the tokens; waiting for the previous step's tokens;
+the callers' side of a round) and per prefill pass, with mlx-lm's own prompt and decode
+timers beside it.
 """
 
 from __future__ import annotations
@@ -27,16 +35,45 @@ from engine.errors import EngineError
 class Concurrent:
     streams: int
     generated_tokens: int
-    total_tps: float  # generation, all streams together
+    total_tps: float  # decode, all streams together, once every stream has started
     per_stream_tps: float
     end_to_end_tps: float
     ttft_max_s: float
+    prefill_tps: float  # the prompts' tokens over the time until every stream had its first token
     tokens: list[list[int]]  # each stream's ids (compared with mlx-lm's, not printed)
+    profile: dict[str, float] | None = None  # per-step timings (--profile)
 
 
 def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--concurrent", metavar="N,N,...", help="streams decoding together, e.g. 1,2,4,8 (continuous batching)"
+    )
+    p.add_argument(
+        "--row-floor",
+        type=int,
+        metavar="N",
+        help="with --concurrent: run a batch step's matmuls on at least N rows (default: 8 on CUDA, else 0)",
+    )
+    p.add_argument(
+        "--attention-runs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --concurrent: a padded batch step attends run by run (rows of equal padding, no mask) "
+        "when there are at most N runs (default 0: one masked attention)",
+    )
+    p.add_argument(
+        "--stagger",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --concurrent: stream i arrives after i*K decode steps (rows of different lengths: "
+        "the padded, masked batch step), on both sides",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --concurrent: time each decode step's parts (launch, sample, settle) and each prefill pass",
     )
 
 
@@ -51,49 +88,71 @@ def parse_counts(text: str) -> list[int]:
 
 
 def _summary(
-    n: int, start: float, firsts: Sequence[float], stamps: Sequence[float], tokens: list[list[int]]
+    prompts: Sequence[Any],
+    start: float,
+    firsts: Sequence[float],
+    stamps: Sequence[float],
+    tokens: list[list[int]],
+    arrivals: Sequence[float] | None = None,
 ) -> Concurrent:
+    n = len(prompts)
     end = max(stamps)
     all_started = max(firsts)
     after = sum(1 for t in stamps if t > all_started)
     total = after / max(end - all_started, 1e-9) if after else 0.0
+    arrived = arrivals if arrivals is not None else [start] * n
     return Concurrent(
         streams=n,
         generated_tokens=len(stamps),
         total_tps=total,
         per_stream_tps=total / n,
         end_to_end_tps=len(stamps) / max(end - start, 1e-9),
-        ttft_max_s=all_started - start,
+        ttft_max_s=max(f - a for f, a in zip(firsts, arrived, strict=True)),
+        prefill_tps=sum(int(p.size) for p in prompts) / max(all_started - start, 1e-9),
         tokens=tokens,
     )
 
 
 def run_ours(
-    model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048, compiled: bool | None = None
+    model: Any,
+    prompts: Sequence[Any],
+    gen: int,
+    chunk: int = 2048,
+    compiled: bool | None = None,
+    row_floor: int | None = None,
+    stagger: int = 0,
+    attention_runs: int = 0,
 ) -> Concurrent:
-    """The engine's batch at token level (what the worker drives, without the text layer)."""
+    """The engine's batch at token level (what the worker drives, without the text layer);
+    with ``stagger``, stream i arrives at round i * stagger."""
     import mlx.core as mx
 
     from engine.decode.batch import Batch
     from engine.models.kv_cache import make_prompt_cache
 
-    batch = Batch(model, compiled=compiled)
+    batch = Batch(model, compiled=compiled, row_floor=row_floor, attention_runs=attention_runs)
     start = time.perf_counter()
-    sequences = {
-        i: batch.sequence(
-            p,
-            make_prompt_cache(model),
-            max_tokens=gen,
-            prefill_chunk=chunk,
-            sampler=lambda x: mx.argmax(x, axis=-1),
-            greedy=True,
-        )
-        for i, p in enumerate(prompts)
-    }
+    sequences: dict[int, Any] = {}
+    arrivals = [start] * len(prompts)
     firsts = [0.0] * len(prompts)
     stamps: list[float] = []
     tokens: list[list[int]] = [[] for _ in prompts]
-    while sequences:
+    callers = 0.0  # the callers' side of the rounds (reading tokens), outside ``step``
+    rounds = 0
+    while sequences or rounds <= (len(prompts) - 1) * stagger:
+        for i, p in enumerate(prompts):
+            if i * stagger == rounds:
+                arrivals[i] = time.perf_counter()
+                sequences[i] = batch.sequence(
+                    p,
+                    make_prompt_cache(model),
+                    max_tokens=gen,
+                    prefill_chunk=chunk,
+                    sampler=lambda x: mx.argmax(x, axis=-1),
+                    greedy=True,
+                )
+        rounds += 1
+        began = time.perf_counter()
         for i, seq in list(sequences.items()):
             for token, _ in seq:
                 if token < 0:  # WAIT
@@ -104,12 +163,35 @@ def run_ours(
                 tokens[i].append(token)
             else:
                 del sequences[i]
+        callers += time.perf_counter() - began
         batch.step()
-    return _summary(len(prompts), start, firsts, stamps, tokens)
+    out = _summary(prompts, start, firsts, stamps, tokens, arrivals)
+    out.profile = _our_profile(batch, callers)
+    return out
 
 
-def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) -> Concurrent:
-    """mlx-lm's BatchGenerator: the continuous batching behind its server and batch_generate."""
+def _our_profile(batch: Any, callers: float) -> dict[str, float]:
+    t = batch.times
+    steps, passes = max(t.launches, 1), max(t.prefills, 1)
+    return {
+        "decode_steps": t.launches,
+        "mean_rows": t.rows_stepped / steps,
+        "launch_ms": 1000 * t.launch_s / steps,
+        "sample_ms": 1000 * t.sample_s / steps,
+        "queue_ms": 1000 * t.queue_s / steps,
+        "masked_steps": t.masked,
+        "run_steps": t.run_steps,
+        "settle_ms": 1000 * t.settle_s / steps,
+        "callers_ms": 1000 * callers / steps,
+        "prefill_passes": t.prefills,
+        "prefill_ms": 1000 * t.prefill_s / passes,
+        "prefill_tokens_per_pass": t.prefill_tokens / passes,
+    }
+
+
+def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048, stagger: int = 0) -> Concurrent:
+    """mlx-lm's BatchGenerator: the continuous batching behind its server and batch_generate;
+    with ``stagger``, stream i arrives after i * stagger of its generation steps."""
     try:
         from mlx_lm.generate import BatchGenerator
     except ImportError:
@@ -123,28 +205,71 @@ def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048) 
         prefill_batch_size=8,
     )
     start = time.perf_counter()
-    uids = generator.insert([p.tolist() for p in prompts], [gen] * len(prompts))
-    index = {uid: i for i, uid in enumerate(uids)}
+    arrivals = [start] * len(prompts)
+    index: dict[int, int] = {}
+    pending = list(range(len(prompts)))
     firsts = [0.0] * len(prompts)
     stamps: list[float] = []
     tokens: list[list[int]] = [[] for _ in prompts]
+    calls = 0
     try:
-        while responses := generator.next_generated():
-            now = time.perf_counter()
-            for r in responses:
-                i = index[r.uid]
-                firsts[i] = firsts[i] or now
-                stamps.append(now)
-                tokens[i].append(int(r.token))
+        with generator.stats() as stats:
+            while True:
+                while pending and pending[0] * stagger <= calls:
+                    i = pending.pop(0)
+                    arrivals[i] = time.perf_counter()
+                    (uid,) = generator.insert([prompts[i].tolist()], [gen])
+                    index[uid] = i
+                responses = generator.next_generated()
+                calls += 1
+                if not responses:
+                    if not pending:
+                        break
+                    calls = pending[0] * stagger  # nothing runs: the next one arrives now
+                    continue
+                now = time.perf_counter()
+                for r in responses:
+                    i = index[r.uid]
+                    firsts[i] = firsts[i] or now
+                    stamps.append(now)
+                    tokens[i].append(int(r.token))
     finally:
         generator.close()
-    return _summary(len(prompts), start, firsts, stamps, tokens)
+    out = _summary(prompts, start, firsts, stamps, tokens, arrivals)
+    steps = max(stats.generation_steps, 1)
+    out.profile = {
+        "decode_steps": stats.generation_steps,
+        "mean_rows": stats.generation_tokens / steps,
+        "decode_ms": 1000 * stats.decode_time / steps,  # its whole step: launch, sample and settle
+        "prefill_s": stats.prompt_time,
+        "prefill_tps": stats.prompt_tps,
+    }
+    return out
 
 
 def _row(name: str, c: Concurrent) -> str:
     return (
         f"{name:<8} x{c.streams:<3} total {c.total_tps:9.1f} tok/s   per stream {c.per_stream_tps:8.1f} tok/s   "
-        f"end-to-end {c.end_to_end_tps:9.1f} tok/s   slowest ttft {c.ttft_max_s * 1000:8.1f} ms"
+        f"prefill {c.prefill_tps:9.1f} tok/s   end-to-end {c.end_to_end_tps:9.1f} tok/s   "
+        f"slowest ttft {c.ttft_max_s * 1000:8.1f} ms"
+    )
+
+
+def _profile_row(name: str, c: Concurrent) -> str:
+    p = c.profile or {}
+    if "launch_ms" in p:
+        return (
+            f"  {name} x{c.streams}: {p['decode_steps']:.0f} steps of {p['mean_rows']:.2f} rows: "
+            f"launch {p['launch_ms']:.3f} ms (sample {p['sample_ms']:.3f}, queue {p['queue_ms']:.3f}), "
+            f"settle {p['settle_ms']:.3f} ms, callers {p['callers_ms']:.3f} ms per step, "
+            f"{p['masked_steps']:.0f} steps masked, {p['run_steps']:.0f} attended run by run; "
+            f"{p['prefill_passes']:.0f} prefill passes of "
+            f"{p['prefill_tokens_per_pass']:.0f} tokens, {p['prefill_ms']:.3f} ms each on the host"
+        )
+    return (
+        f"  {name} x{c.streams}: {p.get('decode_steps', 0):.0f} steps of {p.get('mean_rows', 0):.2f} rows: "
+        f"{p.get('decode_ms', 0):.3f} ms per step; prefill {p.get('prefill_s', 0) * 1000:.1f} ms "
+        f"({p.get('prefill_tps', 0):.1f} tok/s)"
     )
 
 
@@ -160,10 +285,18 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
     counts = parse_counts(args.concurrent)
     import functools
 
-    ours = functools.partial(run_ours, compiled=False) if args.no_compile else run_ours
+    stagger = max(0, getattr(args, "stagger", 0) or 0)
+    ours = functools.partial(
+        run_ours,
+        compiled=False if args.no_compile else None,
+        row_floor=getattr(args, "row_floor", None),
+        stagger=stagger,
+        attention_runs=max(0, getattr(args, "attention_runs", 0) or 0),
+    )
     loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", ours, model)]
     if args.vs == "mlx-lm":
-        loops.append(("mlx-lm", run_mlx_lm, mlx_lm_twin(model, config, quantized)))
+        theirs = functools.partial(run_mlx_lm, stagger=stagger)
+        loops.append(("mlx-lm", theirs, mlx_lm_twin(model, config, quantized)))
     keys = mx.random.split(mx.random.key(args.seed), max(counts))
     prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=k).astype(mx.uint32) for k in keys]
     mx.eval(prompts)
@@ -179,11 +312,15 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
                 c = run(m, prompts[:n], args.generation_tokens)
                 if name not in best or c.total_tps > best[name].total_tps:
                     best[name] = c
+        profile = getattr(args, "profile", False)
         entry: dict[str, Any] = {
-            name: {k: v for k, v in asdict(c).items() if k != "tokens"} for name, c in best.items()
+            name: {k: v for k, v in asdict(c).items() if k != "tokens" and (profile or k != "profile")}
+            for name, c in best.items()
         }
         for name, c in best.items():
             print(_row(name, c), flush=True)
+            if profile:
+                print(_profile_row(name, c), flush=True)
         if "mlx-lm" in best:
             ratio = best["engine"].total_tps / max(best["mlx-lm"].total_tps, 1e-9)
             entry["ratio"] = ratio

@@ -1,19 +1,35 @@
 """Continuous batching: the sequences that are decoding share one forward pass per step.
 
-Each sequence prefills on its own cache (its session's, so prefix reuse works as alone),
-one chunk per turn: between two chunks the batch takes a decode step, so a request that
-arrives while others decode stalls them by at most one prefill chunk, and only one
-sequence prefills at a time. Once its prompt (all but the last token) is in, the
-sequence joins the batch: its keys and values are copied into ``BatchKVCache`` rows,
-left-padded to the longest row, and its last prompt token becomes its first input. Each
-step feeds every row one token, and each row is then processed, sampled and counted with
-its own logits processors, sampler (and random key), log-probs and token budget. A row
-that leaves (end of turn, stop string, budget, cancel) has its keys and values written
-back into its own cache, so the session records them as if it had decoded alone.
+A sequence first waits to prefill. Waiting sequences prefill together, up to
+``PREFILL_ROWS`` at a time, straight into the rows of a prefill ``BatchKVCache``: each
+row starts from what its session already holds (prefix reuse, left-padded to the longest)
+and feeds its next tokens, right-padded to the widest. The rows of one prefill pass
+share one chunk's worth of tokens (``prefill_chunk`` over the number of rows), and the
+batch runs one such pass per step, so a request that arrives while others decode stalls
+them by at most one prefill chunk. A row whose prompt (all but its last token) is in
+leaves the prefill rows at once, its right padding cut off, and joins the decoding rows
+(left-padded to the longest); its last prompt token becomes its first input.
+
+Each decode step feeds every row one token. It is pipelined like the single-stream loop:
+step n+1 is queued (``mx.async_eval``) before the tokens of step n are read, and rows
+join and leave with lazy gathers, without waiting for the step under way. Rows that
+decode greedily without logits processors are picked with one argmax over the batch and
+every requested log-prob comes from one log-softmax; a row with its own sampler (random
+key) or processors is processed and sampled on its own. A row that leaves (end of turn,
+stop string, budget, cancel) has its keys and values written back into its own cache, so
+the session records them as if it had decoded alone.
 
 The rows' positions differ, so RoPE takes one offset per row and the attention mask
-hides each row's left padding. Greedy ids equal the sequence's ids alone (the masked
-padding adds exact zeros; only the summation order of a wider matmul can differ).
+hides each row's left padding (no mask at all when no row is padded, as when prompts of
+one length prefill together). Greedy ids equal the sequence's ids alone (the masked
+padding adds exact zeros; only the summation order of a wider matmul can differ). On a
+GPU the step runs through the compiled decoder (``CompiledDecoder.rows``); on CUDA a step
+of 2-7 rows runs its matmuls on 8 rows (``row_floor``).
+
+Before a sequence starts to prefill, its KV cache at full length (its prompt plus its
+token budget) must fit the room the memory budget leaves (``Batch.kv_room``); otherwise
+it waits for running sequences to leave, and is refused (``OutOfKVRoom``) when nothing
+else is running.
 
 Only families whose every layer keeps a plain ``KVCache`` and rotates with the plain
 ``RoPE`` batch (Llama/Mistral without a window, Qwen2, Qwen3 and Qwen3-MoE without
@@ -29,8 +45,9 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,12 +56,27 @@ import mlx.core as mx
 from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback
 from engine.decode.sampling import LogitsProcessor, Sampler
+from engine.errors import OutOfKVRoom
 from engine.models.kv_cache import DEFAULT_STEP, KVCache, make_prompt_cache
 
 WAIT: tuple[int, float | None] = (-1, None)  # "nothing yet": the sequence waits for a step
 
 # Families whose layers all take a per-row RoPE offset and a padding mask.
 BATCHABLE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+
+# Sequences prefilling together at most (mlx-lm's server prefills 8 at a time too).
+PREFILL_ROWS = 8
+
+# On CUDA a batch of 2-7 rows runs its matmuls on 8 (CompiledDecoder.rows says why).
+CUDA_ROW_FLOOR = 8
+
+
+def default_row_floor(model: Any) -> int:
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return 0
+    # Zero rows would still be routed to experts: each one could load experts no real row needs.
+    return 0 if getattr(model, "model_type", None) == "qwen3_moe" else CUDA_ROW_FLOOR
 
 
 def batchable(model: Any) -> bool:
@@ -77,10 +109,24 @@ class BatchKVCache:
         self.left: list[int] = []
         self.idx = 0  # columns in use
         self.step = step
-        self.offset = mx.array([], dtype=mx.int32)  # each row's next position (RoPE)
+        self._left = mx.array([], dtype=mx.int32)  # ``left`` on the device, for masks
+        self._base = mx.array([], dtype=mx.int32)  # each row's position when ``idx`` was ``_base_idx``
+        self._base_idx = 0
+        self._offset: tuple[int, mx.array] | None = None  # (idx, positions) last asked for
 
     def _refresh(self) -> None:
-        self.offset = mx.array([self.idx - pad for pad in self.left], dtype=mx.int32)
+        self._base = mx.array([self.idx - pad for pad in self.left], dtype=mx.int32)
+        self._base_idx, self._offset = self.idx, None
+        self._left = mx.array(self.left, dtype=mx.int32)
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's next position (RoPE): one small op per step and only when asked for,
+        where adding to it on every layer's update would queue one per layer."""
+        if self._offset is None or self._offset[0] != self.idx:
+            moved = self.idx - self._base_idx
+            self._offset = (self.idx, self._base + moved if moved else self._base)
+        return self._offset[1]
 
     def _pad_left(self, a: mx.array, n: int) -> mx.array:
         if n == 0:
@@ -118,13 +164,16 @@ class BatchKVCache:
         self.left.append(self.idx - n)
         self._refresh()
 
-    def remove(self, i: int) -> tuple[mx.array | None, mx.array | None]:
-        """Take row ``i`` out; return its keys and values without padding (None if empty)."""
+    def remove(self, i: int, trailing: int = 0) -> tuple[mx.array | None, mx.array | None]:
+        """Take row ``i`` out; return its keys and values without padding (None if empty).
+        ``trailing``: columns at the row's end that are right padding (a prefill chunk
+        wider than the row's last tokens), cut off too."""
         pad = self.left.pop(i)
+        end = self.idx - trailing
         row_k = row_v = None
-        if self.keys is not None and self.idx > pad:
-            row_k = self.keys[i : i + 1, :, pad : self.idx, :]
-            row_v = self.values[i : i + 1, :, pad : self.idx, :]
+        if self.keys is not None and end > pad:
+            row_k = self.keys[i : i + 1, :, pad:end, :]
+            row_v = self.values[i : i + 1, :, pad:end, :]
         if not self.left:
             self.keys = self.values = None
             self.idx = 0
@@ -142,16 +191,26 @@ class BatchKVCache:
     # -- what the attention layers call ---------------------------------------------
 
     def make_mask(self, n_queries: int, window: int | None = None) -> Any:
-        if n_queries != 1 or window is not None:
-            raise ValueError("a batch decodes one token per row, without sliding windows")
-        if not any(self.left):
-            return None  # no padding: attend to everything, as a lone sequence does
-        columns = mx.arange(self.idx + 1)[None, :]
-        return (columns >= mx.array(self.left)[:, None])[:, None, None, :]
+        if window is not None:
+            raise ValueError("a batch decodes without sliding windows")
+        if not any(self.left):  # no padding: as a lone sequence does (the fast kernels' path)
+            return None if n_queries == 1 else "causal"
+        columns = mx.arange(self.idx + n_queries)[None, :]
+        visible = columns >= self._left[:, None]  # [rows, keys]: not left padding
+        if n_queries == 1:
+            visible = visible[:, None, None, :]
+        else:
+            queries = mx.arange(self.idx, self.idx + n_queries)[:, None]
+            visible = visible[:, None, None, :] & (columns <= queries)[None, None]
+        # Additive, in the cache's dtype: a backend without boolean masks (CUDA) would
+        # otherwise convert the boolean one again in every layer.
+        dtype = self.keys.dtype if self.keys is not None else mx.float32
+        return mx.where(visible, mx.array(0, dtype), mx.array(-math.inf, dtype))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = keys.shape[2]
         if self.keys is None or self.idx + n > self.keys.shape[2]:
+            # Grow in steps (as KVCache does): the buffer is written in place between growths.
             capacity = ((self.idx + n + self.step - 1) // self.step) * self.step
             b, h, _, dk = keys.shape
             new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
@@ -163,7 +222,6 @@ class BatchKVCache:
         self.keys[..., self.idx : self.idx + n, :] = keys
         self.values[..., self.idx : self.idx + n, :] = values
         self.idx += n
-        self.offset = self.offset + n
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
     @property
@@ -177,10 +235,11 @@ class BatchKVCache:
 
 @dataclass
 class _Row:
-    """One decoding sequence: its own cache (written back when it leaves) and settings."""
+    """One sequence: its own cache (written back when it leaves) and settings."""
 
     cache: Sequence[Any]
-    pending: mx.array  # [1]: the token it feeds next
+    prompt: list[int]  # the ids to prefill (all but the prompt's last)
+    pending: mx.array  # [1]: the token it feeds first (the prompt's last)
     sample: Sampler
     processors: list[LogitsProcessor]
     recent: mx.array | None  # the ids its processors look back over
@@ -188,36 +247,127 @@ class _Row:
     logprobs: bool
     top_logprobs: int
     top_sink: list[tuple[mx.array, mx.array]] | None
-    remaining: int  # tokens it may still produce
+    max_tokens: int
+    chunk: int
+    on_progress: ProgressCallback | None
+    need_bytes: int = 0  # its KV cache at full length (admission)
+    done: int = 0  # prompt ids prefilled so far
+    queued: int = 0  # tokens it was given steps for (delivered or under way)
     out: deque[tuple[int, float | None]] = field(default_factory=deque)
     first: bool = True  # its first input is the prompt's last token, already in ``recent``
-    gone: bool = False  # left the batch (budget spent, cancelled, finished)
+    where: str = "waiting"  # waiting, prefill, decode, gone
+    error: Exception | None = None  # refused before it started (raised by its sequence)
+
+    @property
+    def plain(self) -> bool:
+        """Picked by the batch's one argmax: greedy and nothing processes its logits."""
+        return self.greedy and not self.processors
+
+
+@dataclass
+class StepTimes:
+    """Where a batch's time goes (seconds, summed; for profiling on the device)."""
+
+    launches: int = 0
+    launch_s: float = 0.0  # building a decode step's graph and queueing it
+    settle_s: float = 0.0  # waiting for a step's tokens and handing them out
+    sample_s: float = 0.0  # of launch_s: building the picking (argmax, samplers, log-probs)
+    queue_s: float = 0.0  # of launch_s: handing the step to the device (mx.async_eval)
+    masked: int = 0  # decode steps whose rows had left padding, attended with a mask (a slower path)
+    run_steps: int = 0  # padded decode steps attended run by run without a mask (``attention_runs``)
+    prefills: int = 0
+    prefill_s: float = 0.0  # prefill passes on the host: building, queueing, waiting for the pass before
+    prefill_tokens: int = 0
+    rows_stepped: int = 0  # rows summed over decode steps (mean batch width = / launches)
+
+
+@dataclass
+class _Step:
+    """A decode step under way: its rows and what they read when it settles."""
+
+    rows: list[_Row]
+    chosen: mx.array  # [rows]
+    raw: mx.array  # [rows]: each row's chosen raw logit (the NaN check)
+    logprobs: mx.array | None  # [rows] where some row asked for them
+    extra: list[mx.array | None]  # per row: its top log-prob ids, when it asked for them
 
 
 class Batch:
-    """The sequences decoding on one model, and the single prefill turn."""
+    """The sequences decoding on one model, and those prefilling to join them."""
 
-    def __init__(self, model: Any, *, compiled: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        compiled: bool | None = None,
+        kv_room: Callable[[int], int] | None = None,
+        kv_bytes_per_token: int = 0,
+        prefill_rows: int = PREFILL_ROWS,
+        row_floor: int | None = None,
+        attention_runs: int = 0,
+    ) -> None:
         """``compiled`` as in ``generate_step``: steps run through the model's compiled
-        decoder (same results, less per-step overhead); None = on a GPU only."""
+        decoder (same results, less per-step overhead); None = on a GPU only.
+        ``kv_room(needed)`` gives the bytes the memory budget leaves for the batch's KV
+        caches (freeing idle ones when that is short of ``needed``) and ``kv_bytes_per_token``
+        what one token costs; without them nothing is checked. ``row_floor``: the fewest
+        rows a compiled step's matmuls run on (None: 8 on CUDA for dense models, else none).
+        ``attention_runs``: when the rows' left paddings form at most this many runs, a
+        compiled step attends run by run without a mask (CompiledDecoder.rows); 0: never."""
         self.model = model
         self.compiled = mx.default_device() == mx.gpu if compiled is None else compiled
+        self.kv_room = kv_room
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.prefill_rows = max(1, prefill_rows)
+        self.row_floor = default_row_floor(model) if row_floor is None else row_floor
+        self.attention_runs = attention_runs
         self._decoder: Any = None  # the CompiledDecoder, prepared for this batch's run
-        self.rows: list[_Row] = []
+        self.rows: list[_Row] = []  # decoding, in cache row order
         self.layers: list[BatchKVCache] = []
-        self._turns: deque[object] = deque()  # sequences waiting to prefill, first has the turn
-        self.steps = 0  # forward passes taken (for tests and benchmarks)
-        self._next: mx.array | None = None  # [rows, 1]: the next input, while the rows stay the same
-        self._inflight: tuple[list[_Row], mx.array, list[mx.array | None]] | None = None  # a step under way
+        self.filling: list[_Row] = []  # prefilling together, in prefill cache row order
+        self.fill_layers: list[BatchKVCache] = []
+        self.waiting: deque[_Row] = deque()  # not yet prefilling
+        self.steps = 0  # decode forward passes taken (for tests and benchmarks)
+        self.prefills = 0  # prefill forward passes taken
+        self.times = StepTimes()
+        self._next: mx.array | None = None  # [rows, 1]: each decoding row's next input
+        self._inflight: _Step | None = None  # the step under way
+        self._fill_queued: list[mx.array] | None = None  # what the prefill pass under way computes
 
     @property
     def active(self) -> bool:
-        return bool(self.rows)
+        return bool(self.rows or self.filling or self.waiting)
+
+    @property
+    def nbytes(self) -> int:
+        """KV bytes the batch holds (decoding and prefilling rows)."""
+        return sum(layer.nbytes for layer in (*self.layers, *self.fill_layers))
+
+    # -- admission ----------------------------------------------------------------------
+
+    def _admit(self, row: _Row) -> bool:
+        """Whether ``row``'s KV at full length fits beside the rows already admitted;
+        refuses it (``row.error``) when it cannot fit even alone."""
+        if self.kv_room is None or not self.kv_bytes_per_token:
+            return True
+        held = sum(r.need_bytes for r in (*self.rows, *self.filling))
+        room = self.kv_room(held + row.need_bytes)
+        if held + row.need_bytes <= room:
+            return True
+        if held == 0:  # nothing else runs: waiting would not help
+            tokens = row.need_bytes // self.kv_bytes_per_token
+            row.error = OutOfKVRoom(
+                f"This request's KV cache at its full length ({tokens:,} tokens) needs "
+                f"{row.need_bytes / 1e6:,.1f} MB, but the memory budget leaves {max(room, 0) / 1e6:,.1f} MB "
+                "for KV caches; lower max_tokens, shorten the prompt, or raise the memory budget."
+            )
+            return True  # taken off the queue: its sequence raises the error
+        return False
 
     # -- joining and leaving ------------------------------------------------------------
 
     def _join(self, row: _Row) -> None:
-        self._settle()
+        """Row (its cache holding its whole prompt but the last id) starts decoding."""
         if not self.rows and self.compiled:
             from engine.decode.compiled_step import compiled_decoder
 
@@ -230,107 +380,234 @@ class Batch:
             state = c.state if c.offset else ()
             layer.add(*(state if state else (None, None)))
             c.state = ()  # the batch holds it now (memory held once); it comes back on leaving
+        first = row.pending.astype(mx.uint32)[:, None]
+        self._next = first if self._next is None else mx.concatenate([self._next, first])
         self.rows.append(row)
-        self._next = None
+        row.where = "decode"
+
+    def _enter_prefill(self, row: _Row) -> None:
+        if not self.fill_layers:
+            self.fill_layers = [BatchKVCache() for _ in row.cache]
+        for layer, c in zip(self.fill_layers, row.cache, strict=True):
+            state = c.state if c.offset else ()
+            layer.add(*(state if state else (None, None)))
+            c.state = ()
+        self.filling.append(row)
+        row.where = "prefill"
+
+    def _out_of_prefill(self, row: _Row, trailing: int = 0) -> None:
+        i = self.filling.index(row)
+        self.filling.pop(i)
+        for layer, c in zip(self.fill_layers, row.cache, strict=True):
+            k, v = layer.remove(i, trailing)
+            c.state = (k, v) if k is not None else ()
+        if not self.filling:
+            self.fill_layers = []
 
     def _leave(self, row: _Row) -> None:
-        if row.gone:
-            return
-        self._settle()  # the others keep their token from the step under way
-        if row.gone:
-            return
-        row.gone = True
-        self._next = None
-        i = self.rows.index(row)
-        self.rows.pop(i)
-        for layer, c in zip(self.layers, row.cache, strict=True):
-            k, v = layer.remove(i)
-            c.state = (k, v) if k is not None else ()
-        if not self.rows:
-            self.layers = []
+        """Take ``row`` out wherever it is; its cache gets back what the batch held of it.
+        Lazy: a step under way keeps computing it, and its token is dropped."""
+        where, row.where = row.where, "gone"
+        if where == "waiting":
+            self.waiting.remove(row)
+        elif where == "prefill":
+            self._out_of_prefill(row)
+        elif where == "decode":
+            i = self.rows.index(row)
+            self.rows.pop(i)
+            for layer, c in zip(self.layers, row.cache, strict=True):
+                k, v = layer.remove(i)
+                c.state = (k, v) if k is not None else ()
+            if not self.rows:
+                self.layers, self._next = [], None
+            elif self._next is not None:
+                self._next = self._next[mx.array([j for j in range(len(self.rows) + 1) if j != i])]
 
     def reset(self) -> None:
         """Drop every row (after a failed step: their caches are no longer trusted)."""
-        for row in self.rows:
-            row.gone = True
+        for row in (*self.rows, *self.filling, *self.waiting):
+            row.where = "gone"
         self.rows, self.layers, self._next, self._inflight = [], [], None, None
+        self.filling, self.fill_layers, self.waiting, self._fill_queued = [], [], deque(), None
 
     # -- one step ---------------------------------------------------------------------
 
     def step(self) -> None:
-        """Hand every row the token of the step under way (starting one if none is), then
-        start the next step, which the device computes while the callers read these
-        tokens. A row that joins or leaves settles the step under way first."""
-        if self._inflight is None:
-            if not self.rows:
-                return
-            self._launch()
-        self._settle()
+        """Queue the next decode step (rows whose budget the steps under way fill leave
+        first), run one prefill pass for the sequences waiting to join, then hand every
+        row its token from the previous step: the device computes the new step while
+        the callers read those tokens."""
+        previous, self._inflight = self._inflight, None
+        for row in [r for r in self.rows if r.queued >= r.max_tokens]:
+            self._leave(row)  # its last token is in ``previous``; alone it would stop here too
+            row.where = "done"
         if self.rows:
             self._launch()
+        self._prefill_pass()
+        if previous is not None:
+            self._settle(previous)
 
     def _launch(self) -> None:
+        start = time.perf_counter()
         rows = list(self.rows)
-        # The rows are as they were last step: feed last step's tokens as they stand.
-        tokens = self._next if self._next is not None else mx.concatenate([r.pending for r in rows])[:, None]
-        logits = self._decoder.rows(tokens, self.layers) if self._decoder is not None else None
+        tokens = self._next
+        assert tokens is not None
+        logits, runs = None, self._runs()
+        if self._decoder is not None:
+            logits = self._decoder.rows(tokens, self.layers, self.row_floor, runs)
         if logits is None:
             logits = self.model(tokens, cache=self.layers)[:, -1, :]
         self.steps += 1
-        lps: list[mx.array | None] = [None] * len(rows)
-        if all(r.greedy and not r.processors and not r.logprobs for r in rows):
-            chosen = mx.argmax(logits, axis=-1)
-        else:
-            picked = [self._sample_row(r, logits[i : i + 1]) for i, r in enumerate(rows)]
-            chosen = mx.concatenate([y.reshape(1) for y, _ in picked])
-            lps = [lp for _, lp in picked]
-        self._next = chosen.astype(mx.uint32)[:, None]
-        # Each row's chosen raw logit rides along for the NaN check (one value per row).
-        raw = mx.take_along_axis(logits, self._next.astype(mx.int32), axis=-1)[:, 0]
-        mx.async_eval([self._next, raw, *(lp for lp in lps if lp is not None)])
-        for i, r in enumerate(rows):
-            r.first = False
-            r.pending = self._next[i, :]
-        self._inflight = (rows, self._next, lps, raw)
-
-    def _settle(self) -> None:
-        """Wait for the step under way and queue each row's token."""
-        if self._inflight is None:
-            return
-        rows, chosen, lps, raw = self._inflight
-        self._inflight = None
-        ids = chosen[:, 0].tolist()
-        finite = [math.isfinite(v) for v in raw.tolist()]
-        for i, (r, lp) in enumerate(zip(rows, lps, strict=True)):
-            if r.gone:
-                continue
-            if not finite[i]:  # damaged weights: the row's sequence raises when it reads this
-                r.out.append(NON_FINITE)
-                r.remaining = 0
-                continue
-            r.out.append((ids[i], float(lp.item()) if lp is not None else None))
-            r.remaining -= 1
+        picked = time.perf_counter()
+        step = self._pick(rows, tokens, logits)
+        self._next = step.chosen[:, None]
+        extra = [a for a in step.extra if a is not None]
+        queued = time.perf_counter()
+        mx.async_eval([step.chosen, step.raw, *([step.logprobs] if step.logprobs is not None else []), *extra])
         for r in rows:
-            if not r.gone and r.remaining <= 0:
-                self._leave(r)
+            r.first = False
+            r.queued += 1
+        self._inflight = step
+        end = time.perf_counter()
+        t = self.times
+        t.launches += 1
+        t.rows_stepped += len(rows)
+        t.launch_s += end - start
+        t.sample_s += queued - picked
+        t.queue_s += end - queued
+        padded = any(self.layers[0].left)
+        t.masked += padded and (runs is None or self._decoder is None)
+        t.run_steps += padded and runs is not None and self._decoder is not None
 
-    def _sample_row(self, r: _Row, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+    def _runs(self) -> list[tuple[int, int, int]] | None:
+        """The rows as runs of equal left padding, when padded and few enough to attend
+        run by run (``attention_runs``); None: one masked attention (or none needed)."""
+        left = self.layers[0].left
+        if not self.attention_runs or not any(left):
+            return None
+        runs: list[tuple[int, int, int]] = []
+        for i, pad in enumerate(left):
+            if runs and runs[-1][2] == pad:
+                runs[-1] = (runs[-1][0], i + 1, pad)
+            else:
+                runs.append((i, i + 1, pad))
+        return runs if len(runs) <= self.attention_runs else None
+
+    def _pick(self, rows: list[_Row], tokens: mx.array, logits: mx.array) -> _Step:
+        """Each row's next token: one argmax for the plain rows, their own sampler and
+        processors for the rest; one log-softmax for every row that wants log-probs."""
+        chosen = mx.argmax(logits, axis=-1)  # every row's, kept for the plain ones
+        others = [i for i, r in enumerate(rows) if not r.plain]
+        if others:
+            picks = self._sample_rows(rows, others, tokens, logits)
+            chosen[mx.array(others)] = mx.concatenate(picks).astype(chosen.dtype)
+        chosen = chosen.astype(mx.uint32)
+        lp = None
+        extra: list[mx.array | None] = [None] * len(rows)
+        if any(r.logprobs for r in rows):
+            raw = logits.astype(mx.float32)
+            lps = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+            lp = mx.take_along_axis(lps, chosen[:, None].astype(mx.int32), axis=-1)[:, 0]
+            for i, r in enumerate(rows):
+                if r.logprobs and r.top_logprobs > 0 and r.top_sink is not None:
+                    k = min(r.top_logprobs, lps.shape[-1])
+                    top = mx.argpartition(-lps[i], kth=k - 1)[:k]
+                    r.top_sink.append((top, lps[i][top]))
+                    extra[i] = top
+        # Each row's chosen raw logit rides along for the NaN check (one value per row).
+        raw_chosen = mx.take_along_axis(logits, chosen[:, None].astype(mx.int32), axis=-1)[:, 0]
+        return _Step(rows, chosen, raw_chosen, lp, extra)
+
+    def _sample_rows(self, rows: list[_Row], which: list[int], tokens: mx.array, logits: mx.array) -> list[mx.array]:
+        """The tokens of rows ``which`` (in that order). Rows without processors whose
+        samplers share their filter settings are filtered in one call, then each draws
+        with its own key; the rest go one by one."""
+        picks: dict[int, mx.array] = {}
+        shared: dict[Any, list[int]] = {}
+        for i in which:
+            key = getattr(rows[i].sample, "filter_key", None)
+            if key is not None and not rows[i].processors:
+                shared.setdefault(key, []).append(i)
+        for group in shared.values():
+            if len(group) < 2:
+                continue
+            kept = rows[group[0]].sample.filtered(logits[mx.array(group)])  # type: ignore[attr-defined]
+            for j, i in enumerate(group):
+                picks[i] = rows[i].sample.draw(kept[j : j + 1]).reshape(1)  # type: ignore[attr-defined]
+        return [picks[i] if i in picks else self._sample_row(rows[i], tokens[i], logits[i : i + 1]) for i in which]
+
+    def _sample_row(self, r: _Row, token: mx.array, logits: mx.array) -> mx.array:
         processed = logits
         if r.processors:
             if not r.first:
-                r.recent = mx.concatenate([r.recent, r.pending])[-HISTORY_WINDOW:]
+                r.recent = mx.concatenate([r.recent, token])[-HISTORY_WINDOW:]
             for proc in r.processors:
                 processed = proc(r.recent, processed)
-        y = r.sample(processed)
-        if not r.logprobs:
-            return y, None
-        raw = logits.astype(mx.float32)
-        lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-        if r.top_logprobs > 0 and r.top_sink is not None:
-            k = min(r.top_logprobs, lp.shape[-1])
-            top = mx.argpartition(-lp[0], kth=k - 1)[:k]
-            r.top_sink.append((top, lp[0][top]))
-        return y, mx.take_along_axis(lp, y[:, None], axis=-1)[0, 0]
+        return r.sample(processed).reshape(1)
+
+    def _settle(self, step: _Step) -> None:
+        """Wait for ``step`` and queue each row's token."""
+        start = time.perf_counter()
+        ids = step.chosen.tolist()
+        finite = [math.isfinite(v) for v in step.raw.tolist()]
+        lps = step.logprobs.tolist() if step.logprobs is not None else None
+        for i, r in enumerate(step.rows):
+            if r.where == "gone":
+                continue
+            if not finite[i]:  # damaged weights: the row's sequence raises when it reads this
+                r.out.append(NON_FINITE)
+                r.max_tokens = 0  # the next step leaves it out
+                continue
+            r.out.append((ids[i], lps[i] if lps is not None and r.logprobs else None))
+        self.times.settle_s += time.perf_counter() - start
+
+    # -- prefill ------------------------------------------------------------------------
+
+    def _prefill_pass(self) -> None:
+        """Admit waiting sequences (as memory allows) and feed the prefilling rows one
+        chunk's worth of their prompts; rows whose prompt is in start decoding."""
+        while self.waiting and len(self.filling) < self.prefill_rows:
+            row = self.waiting[0]
+            if not self._admit(row):
+                break
+            self.waiting.popleft()
+            if row.error is not None:
+                row.where = "gone"
+                continue
+            if row.done >= len(row.prompt):
+                self._join(row)
+            else:
+                self._enter_prefill(row)
+        if not self.filling:
+            return
+        start = time.perf_counter()
+        if self._fill_queued is not None:
+            # One pass in flight at most: a cancel then stops the prefill within a chunk,
+            # where queueing every pass at once would leave the device a whole prompt to do.
+            mx.eval(self._fill_queued)
+            self._fill_queued = None
+        rows = list(self.filling)
+        # One chunk's worth of tokens in all: the rows share it (a [rows, width] pass does
+        # as much matmul work per launch as a [1, chunk] one).
+        width = max(1, min(r.chunk for r in rows) // len(rows))
+        takes = [min(width, len(r.prompt) - r.done) for r in rows]
+        wide = max(takes)
+        ids = [r.prompt[r.done : r.done + n] + [0] * (wide - n) for r, n in zip(rows, takes, strict=True)]
+        self.model(mx.array(ids, dtype=mx.uint32), cache=self.fill_layers)
+        self._fill_queued = [s for layer in self.fill_layers for s in layer.state]
+        mx.async_eval(self._fill_queued)
+        self.prefills += 1
+        self.times.prefills += 1
+        self.times.prefill_tokens += sum(takes)
+        for r, n in zip(rows, takes, strict=True):
+            r.done += n
+            if r.on_progress is not None:
+                r.on_progress(r.done, len(r.prompt))
+        for r, n in zip(rows, takes, strict=True):
+            if r.done >= len(r.prompt):
+                self._out_of_prefill(r, trailing=wide - n)
+                self._join(r)
+        self.times.prefill_s += time.perf_counter() - start
 
     # -- a sequence ---------------------------------------------------------------------
 
@@ -356,33 +633,27 @@ class Batch:
         if max_tokens <= 0:
             return
         cancel = cancel or threading.Event()
-        turn = object()
-        self._turns.append(turn)
-        try:
-            done, total, chunk = 0, int(prompt.size) - 1, max(1, prefill_chunk)
-            while done < total:
-                if cancel.is_set():
-                    return
-                if self._turns[0] is not turn:
-                    yield WAIT
-                    continue
-                end = min(done + chunk, total)
-                self.model(prompt[None, done:end], cache=cache)
-                mx.eval([c.state for c in cache])
-                done = end
-                if on_progress is not None:
-                    on_progress(done, total)
-                yield WAIT  # the batch steps after each chunk; the turn passes on next round
-        finally:
-            self._turns.remove(turn)
-        if cancel.is_set():
-            return
         processors = list(logits_processors)
         recent = (history if history is not None else prompt)[-HISTORY_WINDOW:] if processors else None
+        ids = prompt.tolist()
+        held = cache[0].offset if cache else 0
         row = _Row(
-            cache, prompt[-1:], sampler, processors, recent, greedy, logprobs, top_logprobs, top_sink, max_tokens
+            cache,
+            ids[:-1],
+            prompt[-1:],
+            sampler,
+            processors,
+            recent,
+            greedy,
+            logprobs,
+            top_logprobs,
+            top_sink,
+            max_tokens,
+            max(1, prefill_chunk),
+            on_progress,
+            need_bytes=(held + len(ids) + max_tokens) * self.kv_bytes_per_token,
         )
-        self._join(row)
+        self.waiting.append(row)
         try:
             while True:
                 if row.out:
@@ -390,9 +661,12 @@ class Batch:
                     if item is NON_FINITE:
                         check_finite(float("nan"))  # raises the one-line NaN error
                     yield item
-                elif row.gone or cancel.is_set():
+                elif row.error is not None:
+                    raise row.error
+                elif row.where in ("gone", "done") or cancel.is_set():
                     return
                 else:
                     yield WAIT
         finally:
-            self._leave(row)
+            if row.where not in ("gone", "done"):
+                self._leave(row)

@@ -109,7 +109,7 @@ class CompiledDecoder:
 
         def boundary(i: int):
             def fn(h, attn, pos):
-                return start(i, end(i - 1, h, attn), pos)
+                return start(i, end(i - 1, h, _pad_rows(attn, h.shape[0])), pos)
 
             return fn
 
@@ -117,7 +117,7 @@ class CompiledDecoder:
             return ref().head(end(n_layers - 1, h, attn))[0]
 
         def last_rows(h, attn):
-            return ref().head(end(n_layers - 1, h, attn))[:, -1]
+            return ref().head(end(n_layers - 1, h, _pad_rows(attn, h.shape[0])))[:, -1]
 
         # Traced functions capture no model object, only (through the trace) its arrays.
         self._last_rows = mx.compile(last_rows)
@@ -165,27 +165,58 @@ class CompiledDecoder:
             attn = cached_attention(layer.self_attn, q, k, v, c, mask)
         return self._fns[-1](h, attn)
 
-    def rows(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
+    def rows(
+        self, tokens: mx.array, cache: Sequence[Any], floor: int = 0, runs: Sequence[tuple[int, int, int]] | None = None
+    ) -> mx.array | None:
         """Logits [rows, vocab] for one new token per row (``tokens`` [rows, 1]) through a
         batch cache (engine.decode.batch.BatchKVCache: one RoPE offset per row, a mask for
         the rows' left padding); None when the plain pass must run. Each number of rows is
-        traced once."""
-        if not self._fns or len(cache) != len(self._fns) - 1 or tokens.shape[0] > MAX_STACKED_ROWS:
+        traced once.
+
+        ``floor``: from 2 rows up, the layers' matmuls run on at least this many rows, the
+        extra ones zeros whose results are dropped (attention and the cache see only the
+        real rows). MLX's CUDA quantized matmul costs about one single-row pass per row
+        below 8 rows and switches to a tiled kernel at 8, which is then cheaper than 2.
+
+        ``runs`` ((first row, end row, left padding) covering the rows in order): attention
+        runs once per run of rows with the same left padding, on their keys without the
+        padding and without a mask (the fast kernel's path), instead of once with a mask."""
+        b = tokens.shape[0]
+        if not self._fns or len(cache) != len(self._fns) - 1 or b > MAX_STACKED_ROWS:
             return None
         layers = self._model().layers
         if any(getattr(layer, "window", None) is not None for layer in layers):
             return None
         mask = cache[0].make_mask(1)
         pos = cache[0].offset
-        h: mx.array = tokens
+        pad = floor - b if 1 < b < floor else 0
+        h: mx.array = _pad_rows(tokens, b + pad)
+        pos = _pad_rows(pos, b + pad)
         attn = None
         for i, (layer, c) in enumerate(zip(layers, cache)):
             if i == 0:
                 h, q, k, v = self._fns[0](h, pos)
             else:
                 h, q, k, v = self._fns[i](h, attn, pos)
-            attn = cached_attention(layer.self_attn, q, k, v, c, mask)
-        return self._last_rows(h, attn)
+            if pad:
+                q, k, v = q[:b], k[:b], v[:b]
+            k, v = c.update_and_fetch(k, v)
+            if runs is None:
+                attn = layer.self_attn.attend(q, k, v, mask)
+            else:
+                parts = [
+                    layer.self_attn.attend(q[s:e], k[s:e, :, left:], v[s:e, :, left:], None) for s, e, left in runs
+                ]
+                attn = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        logits = self._last_rows(h, attn)
+        return logits[:b] if pad else logits
+
+
+def _pad_rows(a: mx.array, rows: int) -> mx.array:
+    """``a`` with zero rows appended up to ``rows`` (inside the traces: one fused copy)."""
+    if a.shape[0] >= rows:
+        return a
+    return mx.concatenate([a, mx.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
 def _links(model: Any) -> list[tuple[Any, Any, Any]]:

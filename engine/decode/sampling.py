@@ -78,11 +78,20 @@ def make_sampler(params: SamplingParams) -> Sampler:
     # Filters and the draw are one compiled graph: fewer Python-built ops per step.
     filtered = mx.compile(lambda lp: filter_logits(lp, params))
 
-    def sample(logprobs: mx.array) -> mx.array:
+    def draw(kept: mx.array) -> mx.array:
+        """The draw from logits already filtered (this request's random key, split)."""
         key, step_key = mx.random.split(state[0])
         state[0] = key
-        return mx.random.categorical(filtered(logprobs), axis=-1, key=step_key)
+        return mx.random.categorical(kept, axis=-1, key=step_key)
 
+    def sample(logprobs: mx.array) -> mx.array:
+        return draw(filtered(logprobs))
+
+    # A batch filters the rows that share these settings together, then draws each with
+    # its own key (engine.decode.batch): the same tokens as this sampler alone.
+    sample.filter_key = (params.temperature, params.top_k, params.top_p, params.min_p)  # type: ignore[attr-defined]
+    sample.filtered = filtered  # type: ignore[attr-defined]
+    sample.draw = draw  # type: ignore[attr-defined]
     return sample
 
 

@@ -374,7 +374,7 @@ class ModelHost:
     def kv_bytes(self) -> int:
         if self._loaded is None:
             return 0
-        total = sum(layer.nbytes for layer in self._loaded.batch.layers) if self._loaded.batch else 0
+        total = self._loaded.batch.nbytes if self._loaded.batch else 0
         for chat in self._loaded.sessions.values():
             for c in [*(chat.cache or ()), *(chat.draft_cache or ())]:
                 total += int(getattr(c, "nbytes", 0) or 0)
@@ -506,8 +506,31 @@ class ModelHost:
         if state.batch is None:
             from engine.decode.batch import Batch, batchable
 
-            state.batch = Batch(state.model) if batchable(state.model) else False
+            plan = state.info.plan
+            per_token = plan.kv_bytes_per_token if plan is not None else 0
+            batchable_model = batchable(state.model)
+            state.batch = (
+                Batch(state.model, kv_room=self._batch_kv_room, kv_bytes_per_token=per_token)
+                if batchable_model
+                else False
+            )
         return state.batch or None
+
+    def _batch_kv_room(self, need: int) -> int:
+        """Bytes the memory budget leaves for the batch's KV caches beside the weights and
+        the caches chats keep (a chat in the batch lends its cache to it); when that is
+        short of ``need``, the least recently used chats give theirs back first."""
+        from engine.runtime.kv_eviction import session_kv_bytes
+
+        state = self._need()
+        allowance = kv_allowance(state.info, self.weights_bytes())
+        if allowance is None:
+            return 1 << 62
+        kept = sum(session_kv_bytes(chat) for chat in state.sessions.values())
+        if allowance - kept < need:
+            evict_idle_caches(state.sessions, "", max(0, allowance - need))
+            kept = sum(session_kv_bytes(chat) for chat in state.sessions.values())
+        return allowance - kept
 
     # ---- embeddings -----------------------------------------------------------------
 

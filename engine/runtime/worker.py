@@ -10,8 +10,8 @@ request is told.
 
 Generations on a model whose family batches (engine.decode.batch) decode together: each
 one that arrives becomes a job in the batch at once, and the worker goes round the jobs
-(each takes its tokens, or its next prefill chunk) and then takes one batched step, until
-none is left. A command that cannot join (loading a model, media, speculative decoding)
+(each takes its tokens) and then takes one batched step (which also runs one prefill pass
+for the jobs waiting to join), until none is left. A command that cannot join (loading a model, media, speculative decoding)
 waits until the batch has drained, and what arrives after it waits behind it, so commands
 still take effect in arrival order. Two requests on one session at once do not share its
 cache: the later one decodes on a private session, dropped when it ends.

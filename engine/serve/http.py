@@ -57,7 +57,7 @@ def engine_error(kind: str, message: str) -> ApiError:
     engine itself failed (500) or has no model yet (503)."""
     if kind in ("InternalError", "Fatal"):
         return ApiError(500, message, "server_error")
-    if kind in ("NoModelLoaded", "ModelLoading"):
+    if kind in ("NoModelLoaded", "ModelLoading", "OutOfKVRoom"):
         return ApiError(503, message, "server_error")
     if kind == "OutOfMemoryBudget":
         return ApiError(400, message, "invalid_request_error", code="context_length_exceeded")

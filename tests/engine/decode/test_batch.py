@@ -138,13 +138,13 @@ def test_a_cancelled_sequence_leaves_and_the_others_carry_on():
         assert results[i].token_ids == alone(model, ps[i], params[i]).token_ids
 
 
-def test_a_newcomer_prefills_one_chunk_per_step_of_the_running_ones():
+def test_newcomers_prefill_together_one_chunk_per_step_of_the_running_ones():
     model, _ = load_golden("qwen2")
     batch = Batch(model)
     running = stream_generate(
         model, None, [5, 6, 7], make_prompt_cache(model), GenerationParams(max_tokens=40, ignore_eos=True), batch=batch
     )
-    chunks: list[int] = []
+    progress: list[tuple[int, int, int]] = []
     newcomers = [
         stream_generate(
             model,
@@ -153,16 +153,16 @@ def test_a_newcomer_prefills_one_chunk_per_step_of_the_running_ones():
             make_prompt_cache(model),
             GenerationParams(max_tokens=2, ignore_eos=True, prefill_chunk=8),
             batch=batch,
-            on_progress=lambda done, total, i=i: chunks.append(i),
+            on_progress=lambda done, total, i=i: progress.append((i, done, total)),
         )
         for i, n in enumerate((41, 25))
     ]
     live = [running]
-    per_round: list[tuple[int, int]] = []
+    per_round: list[tuple[int, int, int]] = []
     for rounds in range(30):
         if rounds == 2:
             live += newcomers  # both arrive while the first decodes
-        before_chunks, before_steps = len(chunks), batch.steps
+        before = (batch.prefills, batch.steps, batch.times.prefill_tokens)
         for s in list(live):
             for item in s:
                 if item is WAITING:
@@ -170,11 +170,17 @@ def test_a_newcomer_prefills_one_chunk_per_step_of_the_running_ones():
             else:
                 live.remove(s)
         batch.step()
-        per_round.append((len(chunks) - before_chunks, batch.steps - before_steps))
-    # One chunk at most per round, and a step in every round: the running sequence never
-    # waits longer than one chunk; the newcomers prefill one after the other (5 + 3 chunks).
-    assert all(c <= 1 and s >= 1 for c, s in per_round[1:]), per_round  # round 0: its own prefill
-    assert chunks == [0] * 5 + [1] * 3
+        per_round.append((batch.prefills - before[0], batch.steps - before[1], batch.times.prefill_tokens - before[2]))
+    # One prefill pass of at most one chunk (8 tokens, shared by the rows) per round, and a
+    # decode step in every round: the running sequence never waits longer than one chunk.
+    assert all(p <= 1 and s >= 1 and t <= 8 for p, s, t in per_round[1:]), per_round  # round 0: its own
+    # Both newcomers prefilled together (4 tokens each per pass); the shorter one was in
+    # after 6 passes, then the longer one had the chunk to itself.
+    first = [d for i, d, _ in progress if i == 0]
+    second = [d for i, d, _ in progress if i == 1]
+    assert second == [4, 8, 12, 16, 20, 24]
+    assert first == [4, 8, 12, 16, 20, 24, 32, 40]
+    assert not batch.filling and not batch.waiting and len(live) == 1  # the first still decodes
 
 
 @pytest.mark.parametrize("family", ALONE)
@@ -183,7 +189,8 @@ def test_families_whose_caches_do_not_batch_say_so(family):
     assert not batchable(model)
 
 
-def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch):
+@pytest.mark.parametrize("attention_runs", [0, 2])
+def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch, attention_runs):
     # The compiled decoder is what a GPU uses; forced here on the CPU (slow to trace, so
     # one family and few tokens).
     from engine.decode.compiled_step import CompiledDecoder
@@ -198,15 +205,20 @@ def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch):
     compiled_steps = []
     rows = CompiledDecoder.rows
 
-    def counted(self, tokens, cache):
-        out = rows(self, tokens, cache)
-        compiled_steps.append(out is not None)
+    def counted(self, tokens, cache, floor=0, runs=None):
+        out = rows(self, tokens, cache, floor, runs)
+        compiled_steps.append((out is not None, tokens.shape[0], floor, runs))
         return out
 
     monkeypatch.setattr(CompiledDecoder, "rows", counted)
-    monkeypatch.setattr("engine.decode.batch.Batch.__init__.__kwdefaults__", {"compiled": True})
+    # Two rows run their matmuls on 4 (as CUDA runs 2-7 rows on 8): the padding changes nothing;
+    # nor does attending the two rows (of different lengths) one by one without a mask.
+    defaults = {**Batch.__init__.__kwdefaults__, "compiled": True, "row_floor": 4, "attention_runs": attention_runs}
+    monkeypatch.setattr("engine.decode.batch.Batch.__init__.__kwdefaults__", defaults)
     got, _ = run_batched(model, jobs, starts=[0, 2])
-    assert compiled_steps and all(compiled_steps)  # every step ran compiled, padded rows included
+    assert compiled_steps and all(ok for ok, *_ in compiled_steps)  # every step compiled, padded rows too
+    assert {(rows, floor) for _, rows, floor, _ in compiled_steps} == {(1, 4), (2, 4)}
+    assert any(runs for *_, runs in compiled_steps) == bool(attention_runs)
     for ours, ref in zip(got, plain, strict=True):
         assert ours.token_ids == ref.token_ids
         assert np.allclose(ours.token_logprobs, ref.token_logprobs, atol=1e-4)
