@@ -67,7 +67,7 @@ def compare(model: Any, prompt: Any, tokens: Any) -> list[tuple[str, float]]:
     steps_cache, verify_cache = primed(), primed()
     # Ops inside a layer, each with the axis its outputs concatenate along over tokens.
     taps = {
-        "conv": (_Tap(gated_delta, "causal_conv", lambda out: out[0]), 1),
+        "conv": (_Tap(gated_delta, "conv_after", lambda out: out[0]), 1),
         "delta rule": (_Tap(mx.fast, "gated_delta_update", lambda out: out[0]), 1),
         "attention": (_Tap(qwen3_5, "sdpa"), -2),
     }

@@ -173,7 +173,12 @@ def causal_conv(conv: nn.Conv1d, x: mx.array, cache: RecurrentCache | None, kern
     """(conv output [B, T, C], the conv input with the K-1 earlier inputs in front).
 
     Without a cache the earlier inputs are zeros, as transformers pads."""
+    return conv_after(conv, x, cache[0] if cache is not None else None, kernel)
+
+
+def conv_after(conv: nn.Conv1d, x: mx.array, before: mx.array | None, kernel: int) -> tuple[mx.array, mx.array]:
+    """``causal_conv`` after the earlier inputs ``before`` [B, K-1, C] (None: zeros)."""
     b, _, c = x.shape
-    before = cache[0] if cache is not None and cache[0] is not None else mx.zeros((b, kernel - 1, c), x.dtype)
+    before = before if before is not None else mx.zeros((b, kernel - 1, c), x.dtype)
     padded = mx.concatenate([before.astype(x.dtype), x], axis=1)
     return conv(padded), padded
