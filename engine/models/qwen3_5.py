@@ -165,17 +165,25 @@ class GatedAttention(Attention):
         )
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
+        q, gate, k, v = self.gated_qkv(x, cache.offset if cache is not None else 0)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.gated_out(sdpa(q, k, v, self.scale, mask), gate)
+
+    def gated_qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Rotated queries, the output gate, rotated keys and values ([B, heads, L, head_dim]
+        but the gate, [B, L, heads, head_dim]); ``offset`` an int or a scalar array."""
         b, n, _ = x.shape
         d = self.head_dim
         q, gate = mx.split(self.q_proj(x).reshape(b, n, self.n_heads, 2 * d), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv_heads, d)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, n, self.n_kv_heads, d).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = sdpa(q, k, v, self.scale, mask).transpose(0, 2, 1, 3).reshape(b, n, -1)
+        return self.rope(q, offset), gate, self.rope(k, offset), v
+
+    def gated_out(self, attn: mx.array, gate: mx.array) -> mx.array:
+        b, _, n, _ = attn.shape
+        out = attn.transpose(0, 2, 1, 3).reshape(b, n, -1)
         return self.o_proj(out * mx.sigmoid(gate.reshape(b, n, -1)))
 
 
