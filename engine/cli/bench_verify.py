@@ -48,10 +48,12 @@ class _Tap:
         setattr(self.module, self.name, self.original)
 
 
-def compare(model: Any, prompt: Any, tokens: Any) -> list[tuple[str, float]]:
-    """(what, relative difference) for every layer and the ops inside it, then the logits."""
+def compare(model: Any, prompt: Any, tokens: Any, compiled: bool = False) -> list[tuple[str, float]]:
+    """(what, relative difference) for every layer and the ops inside it, then the logits;
+    with ``compiled``, also the compiled decode step's verify pass against its single steps."""
     import mlx.core as mx
 
+    from engine.decode.compiled_hybrid import compiled_decoder
     from engine.models import gated_delta, qwen3_5
     from engine.models.kv_cache import make_prompt_cache
     from engine.models.recurrent_cache import RecurrentCache
@@ -122,6 +124,14 @@ def compare(model: Any, prompt: Any, tokens: Any) -> list[tuple[str, float]]:
     a = mx.concatenate(step_logits, axis=1)[0].argmax(-1).tolist()
     b = verify_logits.argmax(-1).tolist()
     rows.append((f"argmax equal {sum(x == y for x, y in zip(a, b))}/{n}", 0.0))
+    decoder = compiled_decoder(model) if compiled else None
+    if decoder is not None and decoder.prepare():
+        # The compiled decoder (what decoding on a GPU runs): its steps against its verify pass.
+        cache = primed()
+        steps = mx.concatenate([decoder(tokens[t : t + 1], cache) for t in range(n)])
+        verify = decoder(tokens, primed())
+        rows.append(("compiled logits (verify)", _rel(steps, verify)))
+        rows.append(("compiled vs plain steps", _rel(mx.concatenate(step_logits, axis=1)[0], steps)))
     return rows
 
 
@@ -137,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, help="a smaller vocabulary (fewer on a CPU)")
     p.add_argument("-p", "--prompt-tokens", type=int, default=64)
     p.add_argument("-n", "--tokens", type=int, default=5, help="tokens in the verify pass (default 5)")
+    p.add_argument("--compiled", action="store_true", help="also check the compiled decode step (GPU decoding)")
     args = p.parse_args(argv)
     shape = dict(SHAPES[args.shape])
     if args.layers:
@@ -149,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(shape["vocab_size"])
     ids = mx.random.randint(0, vocab, (args.prompt_tokens + args.tokens,), key=mx.random.key(7))
     print(f"{args.shape} on {mx.default_device()}: {args.tokens} tokens after {args.prompt_tokens}", flush=True)
-    for what, rel in compare(model, ids[: args.prompt_tokens], ids[args.prompt_tokens :]):
+    for what, rel in compare(model, ids[: args.prompt_tokens], ids[args.prompt_tokens :], args.compiled):
         print(f"{what:<28} {rel:.2e}" if rel or "argmax" not in what else what, flush=True)
     return 0
 

@@ -116,8 +116,8 @@ def test_long_passes_and_fresh_caches_take_the_plain_pass(model):
 
 def test_bench_verify_finds_no_difference_and_catches_a_wrong_rollback(model, monkeypatch):
     prompt, tokens = mx.array(PROMPT, dtype=mx.uint32), mx.array([11, 5, 42, 7], dtype=mx.uint32)
-    rows = dict(compare(model, prompt, tokens))
-    assert max(rows.values()) == 0.0 and "argmax equal 4/4" in rows
+    rows = dict(compare(model, prompt, tokens, compiled=True))
+    assert max(rows.values()) == 0.0 and "argmax equal 4/4" in rows and "compiled logits (verify)" in rows
     assert any("delta rule" in k for k in rows) and any("attention" in k for k in rows)
     # A mutant that keeps the state one token late for rollback.
     original = RecurrentCache.record
