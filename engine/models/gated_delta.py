@@ -124,7 +124,7 @@ class GatedDeltaNet(nn.Module):
         else the last only. Pure (no cache), so the compiled decode step traces it as is."""
         b, n, _ = x.shape
         qkv, z, beta_in, a = self.project(x)
-        conv_out, padded = conv_after(self.conv1d, qkv, before, self.conv_kernel)
+        conv_out, padded = conv_after(self.conv1d, qkv, before, self.conv_kernel, each)
         conv_out = self.activation(conv_out)
         q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
         q, k = _qk_normalise(

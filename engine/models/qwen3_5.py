@@ -42,7 +42,7 @@ from engine.models.base import (
 from engine.models.gated_delta import GatedDeltaNet
 from engine.models.kv_cache import KVCache
 from engine.models.qwen3_5_mtp import MTP_ONE_CENTRED, MTPHead
-from engine.models.recurrent_cache import RecurrentCache
+from engine.models.recurrent_cache import STEP_WINDOW, RecurrentCache
 from engine.models.switch import stack_expert_weights
 
 # Weights that are not part of the language model (vision tower); the multi-token-prediction
@@ -168,7 +168,21 @@ class GatedAttention(Attention):
         q, gate, k, v = self.gated_qkv(x, cache.offset if cache is not None else 0)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        return self.gated_out(sdpa(q, k, v, self.scale, mask), gate)
+        return self.gated_out(self.attend(q, k, v, mask), gate)
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        """A short causal pass (a speculative verification: n queries, the keys up to the
+        last) attends row by row, each query over exactly the keys its decode step saw:
+        a GPU runs another attention kernel for several queries than for one, whose sums
+        round otherwise, and the verification must give the numbers single steps give."""
+        n, total = q.shape[2], k.shape[2]
+        if not (1 < n <= STEP_WINDOW and isinstance(mask, str)):
+            return sdpa(q, k, v, self.scale, mask)
+        rows = [
+            sdpa(q[:, :, t : t + 1], k[:, :, : total - n + t + 1], v[:, :, : total - n + t + 1], self.scale, None)
+            for t in range(n)
+        ]
+        return mx.concatenate(rows, axis=2)
 
     def gated_qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Rotated queries, the output gate, rotated keys and values ([B, heads, L, head_dim]
