@@ -116,7 +116,8 @@ class HybridDecoder:
 
         def head(h):
             model = ref()
-            return model.logits(model.model.norm(h))[0]
+            hidden = model.model.norm(h)
+            return model.logits(hidden)[0], hidden
 
         for i, layer in enumerate(layers):
             fns.append(recurrent(i) if layer.is_linear else (attention_in(i), attention_out(i)))
@@ -127,15 +128,16 @@ class HybridDecoder:
         """Logits [n, vocab] after feeding ``tokens`` (shape [n]) through ``cache``."""
         model = self._model()
         n = int(tokens.shape[0])
-        if shift or model is None or getattr(model, "hidden_listener", None) is not None:
-            return None  # multimodal positions; an MTP drafter listening to hidden states
+        if shift or model is None:
+            return None  # multimodal positions: the plain pass
         masks = self._masks(model.layers, cache, n)
         if masks is None:
             return None
         fns = self._fns.get(n)
         if fns is None:
             fns = self._fns[n] = self._build(n)
-        pos = mx.array(cache[0].offset, dtype=mx.int32)
+        start = cache[0].offset
+        pos = mx.array(start, dtype=mx.int32)
         h = model.model.embed(tokens[None])
         for layer, c, fn, mask in zip(model.layers, cache, fns, masks):
             if layer.is_linear:
@@ -150,7 +152,11 @@ class HybridDecoder:
                 q, gate, k, v = before(h, pos)
                 k, v = c.update_and_fetch(k, v)
                 h = after(h, layer.self_attn.attend(q, k, v, mask), gate)
-        return fns[-1](h)
+        logits, hidden = fns[-1](h)
+        listener = getattr(model, "hidden_listener", None)
+        if listener is not None:  # an MTP drafter follows the final hidden states, as in Model.__call__
+            listener(tokens[None], hidden, start)
+        return logits
 
     def _masks(self, layers: Sequence[Any], cache: Sequence[Any], n: int) -> list[Any] | None:
         """Each layer's attention mask (None for recurrent layers), or None when this cache

@@ -107,9 +107,30 @@ def test_long_passes_and_fresh_caches_take_the_plain_pass(model):
     model(mx.array([PROMPT]), cache=cache)
     window = next(c for c in cache if isinstance(c, RecurrentCache)).step_window
     assert decoder(mx.array(list(range(window + 1)), dtype=mx.uint32), cache) is None
-    model.hidden_listener = lambda *_: None  # an MTP drafter follows the hidden states
+
+
+def test_an_mtp_drafter_hears_what_the_plain_pass_tells_it(model):
+    """The built-in MTP drafter follows the target through ``hidden_listener``: the compiled
+    step must tell it the same ids, final hidden states and start position."""
+    decoder = compiled_decoder(model)
+    assert decoder.prepare()
+    heard = []
+    model.hidden_listener = lambda ids, hidden, start: heard.append((ids.tolist(), hidden, start))
     try:
-        assert decoder(mx.array([3], dtype=mx.uint32), cache) is None
+        told = []
+        for fast in (False, True):
+            cache = model.make_cache()
+            model(mx.array([PROMPT]), cache=cache)
+            tokens = mx.array([11, 5, 42], dtype=mx.uint32)
+            heard.clear()
+            if fast:
+                assert decoder(tokens, cache) is not None
+            else:
+                model(tokens[None], cache=cache)
+            (ids, hidden, start), *rest = heard
+            assert not rest and ids == [[11, 5, 42]] and start == len(PROMPT)
+            told.append(hidden)
+        assert mx.array_equal(told[0], told[1]).item()
     finally:
         model.hidden_listener = None
 
