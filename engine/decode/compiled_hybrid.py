@@ -34,6 +34,7 @@ from engine.models.base import RoPE
 from engine.models.kv_cache import KVCache
 from engine.models.lora import active_signature
 from engine.models.recurrent_cache import RecurrentCache
+from engine.models.stacked import stack_projections
 
 
 def _layer_ok(layer: Any) -> bool:
@@ -76,7 +77,9 @@ class HybridDecoder:
         model = self._model()
         signature = active_signature(model)
         if signature != self._signature or not _links_hold(model, self._links):
+            # Drop the old traces first: they hold the arrays that stacking replaces.
             self._fns = {}
+            stack_projections(model)  # the projections of one input as one matmul
             self._links, self._signature = _links(model), signature
         return True
 

@@ -26,8 +26,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models import stacked
 from engine.models.base import (
     NESTED_LM_PREFIXES,
+    QKV,
     Attention,
     BaseModelArgs,
     CausalLM,
@@ -56,6 +58,10 @@ ONE_CENTRED = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
+
+
+# A DeltaNet layer's projections of the same input (one matmul once stacked).
+IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 @dataclass
@@ -189,10 +195,11 @@ class GatedAttention(Attention):
         but the gate, [B, L, heads, head_dim]); ``offset`` an int or a scalar array."""
         b, n, _ = x.shape
         d = self.head_dim
-        q, gate = mx.split(self.q_proj(x).reshape(b, n, self.n_heads, 2 * d), 2, axis=-1)
+        q, k, v = stacked.project(self, QKV, x)  # one matmul for short inputs, once stacked
+        q, gate = mx.split(q.reshape(b, n, self.n_heads, 2 * d), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv_heads, d)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, d).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(b, n, self.n_kv_heads, d)).transpose(0, 2, 1, 3)
+        v = v.reshape(b, n, self.n_kv_heads, d).transpose(0, 2, 1, 3)
         return self.rope(q, offset), gate, self.rope(k, offset), v
 
     def gated_out(self, attn: mx.array, gate: mx.array) -> mx.array:
@@ -202,7 +209,10 @@ class GatedAttention(Attention):
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
-    """Qwen3.5's projections: q/k/v in one matrix, z, b and a each in their own."""
+    """Qwen3.5's projections: q/k/v in one matrix, z, b and a each in their own (stacked
+    into one matmul for short inputs by the compiled decode step)."""
+
+    stacked_projections = (IN_PROJ,)
 
     def __init__(self, args: ModelArgs):
         super().__init__(
@@ -223,8 +233,8 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
 
     def project(self, x: mx.array):
         b, n, _ = x.shape
-        z = self.in_proj_z(x).reshape(b, n, self.num_v_heads, self.head_v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, beta, a = stacked.project(self, IN_PROJ, x)
+        return qkv, z.reshape(b, n, self.num_v_heads, self.head_v_dim), beta, a
 
 
 class DecoderLayer(nn.Module):

@@ -21,6 +21,7 @@ from engine.decode.loop import generate_step
 from engine.decode.speculative import speculative_step
 from engine.decode.stats import StatsCounter
 from engine.models.recurrent_cache import RecurrentCache
+from engine.models.stacked import stacked_output
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_hybrid_families import build  # noqa: E402
@@ -50,6 +51,14 @@ def test_compiled_steps_equal_plain_steps(model):
     assert isinstance(decoder, HybridDecoder) and decoder.prepare()
     assert decode(model, 10, compiled=True) == decode(model, 10, compiled=False)
     assert 1 in decoder._fns  # the compiled step did run
+    # Projections of one input run as one matmul: DeltaNet's in_proj_*, attention's q/k/v,
+    # the router with the shared expert's gate.
+    layers = {type(layer.linear_attn if layer.is_linear else layer.self_attn): layer for layer in model.layers}
+    x = mx.zeros((1, 2, model.args.hidden_size), mx.bfloat16)
+    for layer in layers.values():
+        for module in (layer.linear_attn if layer.is_linear else layer.self_attn, layer.mlp):
+            for names in getattr(type(module), "stacked_projections", ()):
+                assert stacked_output(module, names, x) is not None, (type(module).__name__, names)
 
 
 def test_self_drafting_is_exact_and_fully_accepted(model):
