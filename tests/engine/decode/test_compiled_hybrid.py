@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from engine.cli.bench_verify import compare
@@ -154,3 +155,31 @@ def test_bench_verify_finds_no_difference_and_catches_a_wrong_rollback(model, mo
     monkeypatch.setattr(RecurrentCache, "record", lambda self, after, arrays: original(self, after + 1, arrays))
     rows = dict(compare(model, prompt, tokens))
     assert max(v for k, v in rows.items() if "rolled back" in k) > 1e-2
+
+
+def test_a_verify_pass_runs_only_the_kernels_a_decode_step_runs(model, monkeypatch):
+    """A GPU picks other attention and convolution kernels for several tokens than for one,
+    whose sums round otherwise (the CPU build's do not), so a verify pass that fed them
+    several tokens at once gave logits unlike single steps' and rejected drafts the model
+    itself had made. Each query must attend alone over its step's keys, and each token's
+    window be convolved alone."""
+    from engine.models import qwen3_5
+
+    queries, windows = [], []
+    sdpa, conv = qwen3_5.sdpa, nn.Conv1d.__call__
+    monkeypatch.setattr(
+        qwen3_5, "sdpa", lambda q, k, v, scale, mask: queries.append(q.shape[2]) or sdpa(q, k, v, scale, mask)
+    )
+    monkeypatch.setattr(nn.Conv1d, "__call__", lambda self, x: windows.append(x.shape[1]) or conv(self, x))
+    cache = model.make_cache()
+    model(mx.array([PROMPT]), cache=cache)
+    assert max(queries) == len(PROMPT)  # a prompt is one pass
+    queries.clear(), windows.clear()
+    model(mx.array([[11, 5, 42, 7]]), cache=cache)
+    kernel = next(layer.linear_attn.conv_kernel for layer in model.layers if layer.is_linear)
+    assert queries and set(queries) == {1}
+    assert windows and set(windows) == {kernel}
+    queries.clear()
+    decoder = compiled_decoder(model)
+    assert decoder.prepare() and decoder(mx.array([3, 1, 4], dtype=mx.uint32), cache) is not None
+    assert queries and set(queries) == {1}
