@@ -311,6 +311,16 @@ SHAPES["tiny-gpt-oss"] = {
     "vocab_size": 256,
     "sliding_window": 8,
 }
+# The MoE hybrid at a size the CPU build runs in seconds (checks, not speed).
+SHAPES["tiny-qwen3.5-moe"] = {
+    **SHAPES["qwen3.5-35b-a3b"],
+    **{k: v for k, v in SHAPES["tiny-qwen3.5"].items() if k != "model_type"},
+    "intermediate_size": 0,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+}
 
 # Modules a shape quantizes its own way whatever --bits says, as its published
 # checkpoints do: gpt-oss ships its experts in MXFP4 (the rest follows --bits; 16 keeps

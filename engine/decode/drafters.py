@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from engine.decode.compiled_step import compiled_decoder
+from engine.decode.compiled_hybrid import compiled_decoder  # attention-only or hybrid stacks
 from engine.decode.draft_depth import AUTO_MAX_DRAFT
 from engine.decode.prefill import HISTORY_WINDOW, prefill
 from engine.errors import EngineError

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from engine.api import FinishReason, GenerationParams, GenerationResult, GenerationStats
 from engine.decode import speculative
-from engine.decode.compiled_step import compiled_decoder
+from engine.decode.compiled_hybrid import compiled_decoder  # attention-only or hybrid stacks
 from engine.decode.draft_depth import DraftDepth
 from engine.decode.drafters import drafter_for
 from engine.decode.guards import check_finite

@@ -17,7 +17,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models.recurrent_cache import RecurrentCache, causal_conv
+from engine.models.recurrent_cache import RecurrentCache, conv_after
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA library's convention): x / sqrt(sum(x^2) + eps)
 
@@ -101,10 +101,30 @@ class GatedDeltaNet(nn.Module):
         return conv + self.num_v_heads * self.head_v_dim * self.head_k_dim * 4
 
     def __call__(self, x: mx.array, mask=None, cache: RecurrentCache | None = None) -> mx.array:
+        n = x.shape[1]
+        record = cache is not None and cache.begin(n) and n > 1
+        before, state = (cache[0], cache[1]) if cache is not None else (None, None)
+        out, padded, states = self.mix(x, before, state, record)
+        if cache is not None:
+            if record:
+                # The state after each token: a speculative round can then drop rejected drafts.
+                for t in range(1, n):
+                    cache.record(t, [padded[:, t : t + self.conv_kernel - 1], states[t - 1]])
+            cache[0] = padded[:, -(self.conv_kernel - 1) :]
+            cache[1] = states[-1]
+            cache.advance(n)
+        return out
+
+    def mix(
+        self, x: mx.array, before: mx.array | None, state: mx.array | None, each: bool
+    ) -> tuple[mx.array, mx.array, list[mx.array]]:
+        """The mixer's output for ``x`` [B, T, hidden] after the conv inputs ``before``
+        [B, K-1, C] and the recurrent ``state`` (None: zeros, a fresh sequence), the conv
+        input with ``before`` in front, and the states: after each token when ``each``,
+        else the last only. Pure (no cache), so the compiled decode step traces it as is."""
         b, n, _ = x.shape
         qkv, z, beta_in, a = self.project(x)
-        record = cache is not None and cache.begin(n) and n > 1
-        conv_out, padded = causal_conv(self.conv1d, qkv, cache, self.conv_kernel)
+        conv_out, padded = conv_after(self.conv1d, qkv, before, self.conv_kernel, each)
         conv_out = self.activation(conv_out)
         q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
         q, k = _qk_normalise(
@@ -114,26 +134,20 @@ class GatedDeltaNet(nn.Module):
         )
         v = v.reshape(b, n, self.num_v_heads, self.head_v_dim).astype(mx.float32)
         beta, decay = _gates(beta_in, a, self.A_log, self.dt_bias)
-        state = cache[1] if cache is not None else None
         if state is None:
             state = mx.zeros((b, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        if record:
-            # One token at a time (the kernel's own order, so the same numbers), keeping the
-            # state after each token: a speculative round can then drop rejected drafts.
-            ys = []
+        if each:
+            # One token at a time (the kernel's own order, so the same numbers as one pass).
+            ys, states = [], []
             for t in range(n):
                 y_t, state = mx.fast.gated_delta_update(
                     q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], decay[:, t : t + 1], beta[:, t : t + 1], state
                 )
                 ys.append(y_t)
-                if t + 1 < n:
-                    cache.record(t + 1, [padded[:, t + 1 : t + self.conv_kernel], state])
+                states.append(state)
             y = mx.concatenate(ys, axis=1)
         else:
             y, state = mx.fast.gated_delta_update(q, k, v, decay, beta, state)
-        if cache is not None:
-            cache[0] = padded[:, -(self.conv_kernel - 1) :]
-            cache[1] = state
-            cache.advance(n)
+            states = [state]
         y = self.norm(y.astype(x.dtype), z)
-        return self.out_proj(y.reshape(b, n, -1))
+        return self.out_proj(y.reshape(b, n, -1)), padded, states

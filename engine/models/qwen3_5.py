@@ -31,8 +31,10 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.artifacts import config_spellings
+from engine.models import stacked
 from engine.models.base import (
     NESTED_LM_PREFIXES,
+    QKV,
     Attention,
     BaseModelArgs,
     CausalLM,
@@ -49,7 +51,7 @@ from engine.models.kv_cache import KVCache
 from engine.models.qwen2_5_vl import Model as QwenVLModel
 from engine.models.qwen2_5_vl import mrope_axes, rotate_mrope
 from engine.models.qwen3_5_mtp import MTP_ONE_CENTRED, MTPHead
-from engine.models.recurrent_cache import RecurrentCache
+from engine.models.recurrent_cache import STEP_WINDOW, RecurrentCache
 from engine.models.switch import stack_expert_weights
 
 # Weights that are not part of the language model (vision tower); the multi-token-prediction
@@ -63,6 +65,10 @@ ONE_CENTRED = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
+
+
+# A DeltaNet layer's projections of the same input (one matmul once stacked).
+IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 @dataclass
@@ -182,26 +188,55 @@ class GatedAttention(Attention):
         self._mrope_inv_freq = mx.array(1.0 / (args.rope_theta ** (np.arange(0, dims, 2, dtype=np.float32) / dims)))
 
     def __call__(self, x: mx.array, mask, cache, position_ids: mx.array | None = None) -> mx.array:
+        q, gate, k, v = self.gated_qkv(x, cache.offset if cache is not None else 0, position_ids)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.gated_out(self.attend(q, k, v, mask), gate)
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        """A short causal pass (a speculative verification: n queries, the keys up to the
+        last) attends row by row, each query over exactly the keys its decode step saw:
+        a GPU runs another attention kernel for several queries than for one, whose sums
+        round otherwise, and the verification must give the numbers single steps give."""
+        n, total = q.shape[2], k.shape[2]
+        if not (1 < n <= STEP_WINDOW and isinstance(mask, str)):
+            return sdpa(q, k, v, self.scale, mask)
+        rows = [
+            sdpa(q[:, :, t : t + 1], k[:, :, : total - n + t + 1], v[:, :, : total - n + t + 1], self.scale, None)
+            for t in range(n)
+        ]
+        return mx.concatenate(rows, axis=2)
+
+    def gated_qkv(
+        self, x: mx.array, offset, position_ids: mx.array | None = None
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Rotated queries, the output gate, rotated keys and values ([B, heads, L, head_dim]
+        but the gate, [B, L, heads, head_dim]); ``offset`` an int or a scalar array, or
+        with media in the prompt, ``position_ids`` (three rows: multimodal RoPE)."""
         b, n, _ = x.shape
         d = self.head_dim
-        q, gate = mx.split(self.q_proj(x).reshape(b, n, self.n_heads, 2 * d), 2, axis=-1)
+        q, k, v = stacked.project(self, QKV, x)  # one matmul for short inputs, once stacked
+        q, gate = mx.split(q.reshape(b, n, self.n_heads, 2 * d), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv_heads, d)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, d).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(b, n, self.n_kv_heads, d)).transpose(0, 2, 1, 3)
+        v = v.reshape(b, n, self.n_kv_heads, d).transpose(0, 2, 1, 3)
         if position_ids is not None:
             q = rotate_mrope(q, position_ids, self._mrope_axes, self._mrope_inv_freq)
             k = rotate_mrope(k, position_ids, self._mrope_axes, self._mrope_inv_freq)
-        else:
-            offset = cache.offset if cache is not None else 0
-            q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = sdpa(q, k, v, self.scale, mask).transpose(0, 2, 1, 3).reshape(b, n, -1)
+            return q, gate, k, v
+        return self.rope(q, offset), gate, self.rope(k, offset), v
+
+    def gated_out(self, attn: mx.array, gate: mx.array) -> mx.array:
+        b, _, n, _ = attn.shape
+        out = attn.transpose(0, 2, 1, 3).reshape(b, n, -1)
         return self.o_proj(out * mx.sigmoid(gate.reshape(b, n, -1)))
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
-    """Qwen3.5's projections: q/k/v in one matrix, z, b and a each in their own."""
+    """Qwen3.5's projections: q/k/v in one matrix, z, b and a each in their own (stacked
+    into one matmul for short inputs by the compiled decode step)."""
+
+    stacked_projections = (IN_PROJ,)
 
     def __init__(self, args: ModelArgs):
         super().__init__(
@@ -222,8 +257,8 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
 
     def project(self, x: mx.array):
         b, n, _ = x.shape
-        z = self.in_proj_z(x).reshape(b, n, self.num_v_heads, self.head_v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, beta, a = stacked.project(self, IN_PROJ, x)
+        return qkv, z.reshape(b, n, self.num_v_heads, self.head_v_dim), beta, a
 
 
 class DecoderLayer(nn.Module):

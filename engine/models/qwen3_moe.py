@@ -64,7 +64,11 @@ class SparseMoeBlock(nn.Module):
         )
 
     def __call__(self, x: mx.array) -> mx.array:
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        return self.experts(x, self.gate(x))
+
+    def experts(self, x: mx.array, router_logits: mx.array) -> mx.array:
+        """The chosen experts' outputs for ``x``, weighted, given the router's logits."""
+        probs = mx.softmax(router_logits.astype(mx.float32), axis=-1)
         k = self.top_k
         chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
         weights = mx.take_along_axis(probs, chosen, axis=-1)

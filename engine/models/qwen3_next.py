@@ -15,9 +15,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models import qwen3_5, qwen3_moe
+from engine.models import qwen3_5, qwen3_moe, stacked
 from engine.models.base import GatedMLP, activation
 from engine.models.gated_delta import GatedDeltaNet
+
+# A DeltaNet layer's projections of the same input (one matmul once stacked).
+IN_PROJ = ("in_proj_qkvz", "in_proj_ba")
+# The router and the shared expert's gate read the same input too.
+ROUTER_GATES = ("gate", "shared_expert_gate")
 
 
 @dataclass
@@ -39,6 +44,8 @@ class ModelArgs(qwen3_5.ModelArgs):
 class SharedExpertMoeBlock(qwen3_moe.SparseMoeBlock):
     """Routed experts (softmax router, top-k) plus an always-on shared expert, gated."""
 
+    stacked_projections = (ROUTER_GATES,)
+
     def __init__(self, args: qwen3_5.ModelArgs):
         super().__init__(args)
         act = activation(args.hidden_act)
@@ -46,11 +53,14 @@ class SharedExpertMoeBlock(qwen3_moe.SparseMoeBlock):
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return super().__call__(x) + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        router_logits, shared_gate = stacked.project(self, ROUTER_GATES, x)
+        return self.experts(x, router_logits) + mx.sigmoid(shared_gate) * self.shared_expert(x)
 
 
 class NextGatedDeltaNet(GatedDeltaNet):
     """Qwen3-Next's projections: q, k, v, z interleaved per key head; b, a likewise."""
+
+    stacked_projections = (IN_PROJ,)
 
     def __init__(self, args: ModelArgs):
         super().__init__(
@@ -70,9 +80,9 @@ class NextGatedDeltaNet(GatedDeltaNet):
         b, n, _ = x.shape
         nk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
         per = self.num_v_heads // nk  # value heads per key head
-        qkvz = self.in_proj_qkvz(x).reshape(b, n, nk, 2 * dk + 2 * per * dv)
-        q, k, v, z = mx.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
-        beta, a = mx.split(self.in_proj_ba(x).reshape(b, n, nk, 2 * per), [per], axis=-1)
+        qkvz, ba = stacked.project(self, IN_PROJ, x)
+        q, k, v, z = mx.split(qkvz.reshape(b, n, nk, 2 * dk + 2 * per * dv), [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
+        beta, a = mx.split(ba.reshape(b, n, nk, 2 * per), [per], axis=-1)
         qkv = mx.concatenate([q.reshape(b, n, -1), k.reshape(b, n, -1), v.reshape(b, n, -1)], axis=-1)
         nv = self.num_v_heads
         return qkv, z.reshape(b, n, nv, dv), beta.reshape(b, n, nv), a.reshape(b, n, nv)

@@ -173,7 +173,20 @@ def causal_conv(conv: nn.Conv1d, x: mx.array, cache: RecurrentCache | None, kern
     """(conv output [B, T, C], the conv input with the K-1 earlier inputs in front).
 
     Without a cache the earlier inputs are zeros, as transformers pads."""
-    b, _, c = x.shape
-    before = cache[0] if cache is not None and cache[0] is not None else mx.zeros((b, kernel - 1, c), x.dtype)
+    return conv_after(conv, x, cache[0] if cache is not None else None, kernel)
+
+
+def conv_after(
+    conv: nn.Conv1d, x: mx.array, before: mx.array | None, kernel: int, each: bool = False
+) -> tuple[mx.array, mx.array]:
+    """``causal_conv`` after the earlier inputs ``before`` [B, K-1, C] (None: zeros).
+
+    ``each`` convolves each token's window on its own, as a one-token step does: a GPU
+    may run another convolution kernel for a longer input, whose sums round otherwise,
+    and a speculative verification must give the numbers single steps give."""
+    b, n, c = x.shape
+    before = before if before is not None else mx.zeros((b, kernel - 1, c), x.dtype)
     padded = mx.concatenate([before.astype(x.dtype), x], axis=1)
+    if each and n > 1:
+        return mx.concatenate([conv(padded[:, t : t + kernel]) for t in range(n)], axis=1), padded
     return conv(padded), padded
