@@ -100,15 +100,15 @@ def test_greedy_ids_and_logprobs_match_transformers(loaded, shared_data, clip, c
 @pytest.mark.parametrize("case", ["image", "video"])
 def test_speculative_decoding_after_media_matches_transformers(loaded, shared_data, clip, case):
     """N-gram drafts are verified at the shifted mRoPE positions and rejected ones rewind
-    the recurrent layers; greedy output stays transformers'. (The compiled decode step
-    does not take hybrid stacks: they decode plainly.)"""
-    from engine.decode.compiled_step import compiled_decoder
-
+    the recurrent layers; greedy output stays transformers'. (The compiled hybrid step
+    stands aside at shifted positions: they decode plainly.) Four drafts a round, pinned:
+    the adaptive depth may otherwise stop drafting on a tiny model's timings."""
     name, host = loaded
-    assert compiled_decoder(host.model) is None
     exp = expected(name)[case]
     n = len(exp["token_ids"])
-    spec = GenerationParams(max_tokens=n, logprobs=True, ignore_eos=True, speculative="ngram", ngram_size=1)
+    spec = GenerationParams(
+        max_tokens=n, logprobs=True, ignore_eos=True, speculative="ngram", ngram_size=1, num_draft_tokens=4
+    )
     result = host.generate(f"spec-{case}", exp["messages"], spec, media=media_for(case, shared_data, clip))
     assert result.token_ids == exp["token_ids"]
     np.testing.assert_allclose(result.token_logprobs, exp["token_logprobs"], atol=1e-3, rtol=0)
