@@ -41,6 +41,9 @@ class TranscriptView(Protocol):
     def append(self, text: str, channel: str) -> None: ...
     def set_answer(self, text: str) -> None: ...
     def stop_streaming(self) -> None: ...
+    def update_message(
+        self, message_id: int, content: str, reasoning: str, stats: dict, status: str, adapters: dict[str, float]
+    ) -> None: ...
     def set_busy(self, busy: bool) -> None: ...
 
 
@@ -340,10 +343,7 @@ class ChatController(QObject):
                 reply_id, content=self._answer, reasoning=self._reasoning, status=status, stats=stats, adapters=adapters
             )
             self.view.stop_streaming()
-            widget = self.view.widgets.get(reply_id)
-            if widget is not None:
-                widget.set_text(self._answer, self._reasoning)
-                widget.set_stats(stats, status, adapters)
+            self.view.update_message(reply_id, self._answer, self._reasoning, stats, status, adapters)
             self.view.set_busy(False)
             emit(self.busy_changed, False)
             if status == "complete" and stats:
