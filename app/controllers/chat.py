@@ -50,6 +50,10 @@ class TranscriptView(Protocol):
 SAVE_INTERVAL_MS = 500
 RETRY_SAVE_MS = 5000  # a final save that failed (full disk) is tried again this often
 
+# Chats whose engine sessions (prompt ids and KV caches) stay loaded; older ones are freed
+# when another chat is opened, and come back from their saved cache file on their next turn.
+LIVE_SESSIONS = 4
+
 DEFAULT_OVERFLOW = "truncate_middle"  # a chat's context overflow policy unless it sets one
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -126,6 +130,7 @@ class ChatController(QObject):
         self.tools: ToolsController | None = None  # MCP tools offered to the model, if any
         self._stop_tools = False  # Stop pressed between generations (during a tool call)
         self.caches: Any = None  # SavedCaches: each conversation's KV cache kept between runs
+        self._recent: list[int] = []  # opened chats, most recent last (LIVE_SESSIONS of them)
 
     @property
     def busy(self) -> bool:
@@ -135,7 +140,22 @@ class ChatController(QObject):
 
     def open(self, conversation_id: int | None) -> None:
         self.conversation_id = conversation_id
+        self._free_old_sessions(conversation_id)
         self.refresh()
+
+    def _free_old_sessions(self, conversation_id: int | None) -> None:
+        """Keep the engine sessions of the last LIVE_SESSIONS chats opened; free the older
+        ones whose cache is saved (a chat whose save is still due keeps its session)."""
+        if conversation_id is None:
+            return
+        if conversation_id in self._recent:
+            self._recent.remove(conversation_id)
+        self._recent.append(conversation_id)
+        for old in self._recent[:-LIVE_SESSIONS]:
+            if self.caches is not None and self.caches.is_unsaved(old):
+                continue
+            self._recent.remove(old)
+            self.bridge.drop_session(old)
 
     def refresh(self) -> None:
         if self.conversation_id is None:
@@ -145,11 +165,7 @@ class ChatController(QObject):
         self.view.show_thread(thread, self._versions(thread))
 
     def _versions(self, thread: list[Message]) -> dict[int, tuple[int, int]]:
-        out = {}
-        for m in thread:
-            sibs = self.store.siblings(m.id)
-            out[m.id] = (sibs.index(m.id) + 1, len(sibs))
-        return out
+        return self.store.versions(self.conversation_id, thread) if thread else {}
 
     def context_tokens(self) -> int:
         """Tokens the conversation's prompt holds now: the last reply's counted prompt and

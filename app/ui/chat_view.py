@@ -36,6 +36,7 @@ from app.ui.message_widget import MessageWidget
 REPAINT_INTERVAL_MS = 33
 SPACING = 20  # between messages
 MARGIN_Y = 24  # above the first message and below the last
+BUILD_PER_PASS = 3  # new message widgets per pass (each costs milliseconds of Markdown layout)
 DIVIDER = "context_divider"  # the entry key of the "outside the model's context" line
 
 
@@ -48,6 +49,8 @@ class _Entry:
     divider: str = ""
     height: int = 0  # last measured at ``width``; 0: never shown at this width
     width: int = 0
+    guess: int = 0  # estimated from the text at ``guess_width``, until measured
+    guess_width: int = 0
     draft: str | None = None  # an edit in progress when its widget was freed
 
     @property
@@ -156,7 +159,7 @@ class ChatView(QScrollArea):
         entry.message = replace(
             entry.message, content=content, reasoning=reasoning, stats=dict(stats), status=status, adapters=adapters
         )
-        entry.width = 0  # measure again
+        entry.width = entry.guess_width = 0  # measure again
         w = self.widgets.get(message_id)
         if w is not None:
             w.set_text(content, reasoning)
@@ -218,6 +221,7 @@ class ChatView(QScrollArea):
             if i is not None:
                 entry = self.entries[i]
                 entry.message = replace(entry.message, content=self._answer, reasoning=self._reasoning)
+                entry.guess_width = 0
             emit(self.repainted)
 
     def stop_streaming(self) -> None:
@@ -244,18 +248,21 @@ class ChatView(QScrollArea):
         margins = self.column.contentsMargins()
         return max(100, self.viewport().width() - margins.left() - margins.right())
 
-    def _height(self, entry: _Entry, width: int) -> int:
-        """Measured at this width, else an estimate from the text (lines of average characters)."""
+    def _height(self, entry: _Entry, width: int, line: int, char: int) -> int:
+        """Measured at this width, else an estimate from the text (``line`` pixels a line of
+        ``char``-pixel characters), kept until the width changes."""
         if entry.height and entry.width == width:
             return entry.height
-        metrics = self.fontMetrics()
-        if entry.message is None:
-            return metrics.lineSpacing() + 8
-        per_line = max(16, width // max(1, metrics.averageCharWidth()))
-        text = entry.message.content
-        lines = sum(1 + len(line) // per_line for line in text.splitlines()) or 1
-        extra = 140 if entry.message.attachments else 0
-        return 3 * metrics.lineSpacing() + 24 + lines * metrics.lineSpacing() + extra
+        if entry.guess_width != width:
+            entry.guess_width = width
+            if entry.message is None:
+                entry.guess = line + 8
+            else:
+                per_line = max(16, width // max(1, char))
+                lines = sum(1 + len(t) // per_line for t in entry.message.content.splitlines()) or 1
+                extra = 140 if entry.message.attachments else 0
+                entry.guess = 3 * line + 24 + lines * line + extra
+        return entry.guess
 
     def _measure(self, entry: _Entry, widget: QWidget, width: int) -> None:
         if not widget.isVisible() or widget.width() <= 0:
@@ -280,7 +287,9 @@ class ChatView(QScrollArea):
             built = self._built(entry)
             if built is not None and (entry.width != width or i == n - 1):
                 self._measure(entry, built, width)
-        heights = [self._height(e, width) for e in self.entries]
+        metrics = self.fontMetrics()
+        line, char = metrics.lineSpacing(), metrics.averageCharWidth()
+        heights = [self._height(e, width, line, char) for e in self.entries]
         tops, y = [], MARGIN_Y
         for h in heights:
             tops.append(y)
@@ -293,14 +302,16 @@ class ChatView(QScrollArea):
             view_top = max(0, tops[self._anchor[0]] - self._anchor[1])  # measured heights above moved it
         else:
             view_top = bar.value()
-        lo = next((i for i in range(n) if tops[i] + heights[i] >= view_top - view_h), n - 1)
-        hi = next((i for i in range(lo, n) if tops[i] > view_top + 2 * view_h), n)
-        hi = max(hi, lo + 1)
+        # Wanted: a viewport above and below the visible entries.
+        first = next((i for i in range(n) if tops[i] + heights[i] > view_top), n - 1)
+        vhi = next((i for i in range(first, n) if tops[i] >= view_top + view_h), n)
+        tlo = next((i for i in range(n) if tops[i] + heights[i] >= view_top - view_h), first)
+        thi = max(vhi, next((i for i in range(vhi, n) if tops[i] > view_top + 2 * view_h), n))
+        lo, hi = self._grow(n - 1 if self._follow else first, (first, max(vhi, first + 1)), (tlo, thi))
         self._rebuild(lo, hi)
         self._set_spacer(self._above, tops[lo] - MARGIN_Y - SPACING if lo > 0 else 0)
         gap_end = n - 1 if hi < n else hi  # the last entry is always built
         self._set_spacer(self._below, tops[gap_end] - tops[hi] - SPACING if gap_end > hi else 0)
-        first = next((i for i in range(n) if tops[i] + heights[i] > view_top), n - 1)
         self._anchor = (first, tops[first] - view_top)
         if not self._follow and view_top != bar.value():
             self.widget().layout().activate()
@@ -309,8 +320,30 @@ class ChatView(QScrollArea):
                 bar.setValue(view_top)
             finally:
                 self._moving = False
-        if any(self._built(e) is not None and e.width != width for e in self.entries):
-            self._sync_timer.start()  # new widgets: measure them once they are laid out
+        if (lo, hi) != (min(tlo, lo), max(thi, hi)) or any(
+            self._built(e) is not None and e.width != width for e in self.entries
+        ):
+            self._sync_timer.start()  # more to build, or new widgets to measure once laid out
+
+    def _grow(self, seed: int, visible: tuple[int, int], wanted: tuple[int, int]) -> tuple[int, int]:
+        """The entries to have built: a run from ``seed`` over the visible ones, then over
+        the wanted margin, building at most BUILD_PER_PASS new widgets (those already
+        built cost nothing), so that no single pass stalls the window for long."""
+        budget = BUILD_PER_PASS
+
+        def cost(i: int) -> int:
+            return 0 if self._built(self.entries[i]) is not None else 1
+
+        lo, hi = seed, seed + 1
+        budget -= cost(seed)
+        for limit_lo, limit_hi in (visible, wanted):
+            while lo > limit_lo and (budget > 0 or not cost(lo - 1)):
+                lo -= 1
+                budget -= cost(lo)
+            while hi < limit_hi and (budget > 0 or not cost(hi)):
+                budget -= cost(hi)
+                hi += 1
+        return lo, hi
 
     def _built(self, entry: _Entry) -> QWidget | None:
         if entry.message is None:
