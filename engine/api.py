@@ -175,6 +175,9 @@ class MemoryEvent:
     kv_bytes: int
     budget_bytes: int
     total_bytes: int
+    # What the budget leaves beside the weights for KV caches: past it, the caches of the
+    # least recently used other chats are dropped (engine.runtime.kv_eviction). 0: no budget.
+    kv_allowance_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,8 @@ class EngineStatus:
     model_loaded: bool = False
     tower_loaded: bool = False  # an image or audio tower's weights are in memory
     decoding: int = 0  # generations decoding together in the batch now
+    budget_bytes: int = 0  # the memory budget the loaded model runs under (0: none)
+    kv_allowance_bytes: int = 0  # of it, what KV caches may hold (MemoryEvent.kv_allowance_bytes)
 
 
 Event = TokenEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent
