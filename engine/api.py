@@ -94,6 +94,9 @@ class GenerationResult:
     # whether the reply ended because the context was full.
     dropped_messages: int = 0
     context_full: bool = False
+    # When messages were dropped: the indices (into the request's messages) of those the
+    # prompt held, so a transcript can mark where the model's memory begins.
+    kept_messages: list[int] | None = None
     # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks.
     denoising_steps: int | None = None
 

@@ -44,6 +44,7 @@ class TranscriptView(Protocol):
     def update_message(
         self, message_id: int, content: str, reasoning: str, stats: dict, status: str, adapters: dict[str, float]
     ) -> None: ...
+    def set_context_start(self, dropped: int, before_id: int | None) -> None: ...
     def set_busy(self, busy: bool) -> None: ...
 
 
@@ -163,6 +164,10 @@ class ChatController(QObject):
             return
         thread = self.store.thread(self.conversation_id)
         self.view.show_thread(thread, self._versions(thread))
+        # Where the model's memory began at the latest reply, when turns were left out.
+        last = next((m for m in reversed(thread) if m.role == "assistant"), None)
+        if last is not None and last.stats.get("context_start") is not None:
+            self.view.set_context_start(last.stats.get("dropped_messages", 0), last.stats["context_start"])
 
     def _versions(self, thread: list[Message]) -> dict[int, tuple[int, int]]:
         return self.store.versions(self.conversation_id, thread) if thread else {}
@@ -278,6 +283,7 @@ class ChatController(QObject):
         messages = self._engine_messages(history[: cut + 1], info)
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
+        offset = len(messages) - (cut + 1)  # where the thread starts among the request's messages
         params = build_params(conv.settings, info.generation_defaults or {}, getattr(info, "reasoning_control", None))
         if params.speculative == "draft" and not getattr(info, "draft_model", None):
             emit(
@@ -350,6 +356,9 @@ class ChatController(QObject):
                 self._note_speed(info.path, params.speculative, status, stats)
                 if getattr(result, "dropped_messages", 0):
                     stats["dropped_messages"] = result.dropped_messages
+                    start = _context_start(history[: cut + 1], offset, result.kept_messages)
+                    if start is not None:
+                        stats["context_start"] = start
                 if getattr(result, "context_full", False):
                     stats["context_full"] = True
             reply_id, self.reply_id = self.reply_id, None
@@ -360,6 +369,7 @@ class ChatController(QObject):
             )
             self.view.stop_streaming()
             self.view.update_message(reply_id, self._answer, self._reasoning, stats, status, adapters)
+            self.view.set_context_start(stats.get("dropped_messages", 0), stats.get("context_start"))
             self.view.set_busy(False)
             emit(self.busy_changed, False)
             if status == "complete" and stats:
@@ -567,6 +577,20 @@ class ChatController(QObject):
 
     def _regenerate_slot(self, message_id: int) -> None:
         spawn(self.regenerate(message_id))
+
+
+def _context_start(thread: list[Message], offset: int, kept: list[int] | None) -> int | None:
+    """The id of the first message of ``thread`` the model still read after those it left out
+    (``kept``: the request's message indices the prompt held; the thread's messages start at
+    ``offset`` in the request, after a system prompt). None when nothing was left out."""
+    if not kept:
+        return None
+    held = set(kept)
+    gap = next((i for i in range(offset, offset + len(thread)) if i not in held), None)
+    after = next((i for i in kept if gap is not None and i > gap), None)
+    if after is None or not offset <= after < offset + len(thread):
+        return None
+    return thread[after - offset].id
 
 
 def _title_from(text: str, attachments: list[tuple[str, str]] = ()) -> str:

@@ -167,13 +167,18 @@ class ChatView(QScrollArea):
 
     def set_context_start(self, dropped: int, before_id: int | None) -> None:
         """Mark where the model's memory begins: a line saying ``dropped`` earlier messages
-        are outside its context, just above message ``before_id`` (none: no line)."""
+        are outside its context, just above message ``before_id`` (none: no line). When
+        more messages are above the line than were left out, the first ones are still read
+        (truncate the middle keeps the first exchange), and the line says so."""
         self._drop_divider()
         i = self._find(before_id) if before_id is not None and dropped > 0 else None
         if i is None:
             return
         s = "s are" if dropped != 1 else " is"
-        self.entries.insert(i, _Entry(None, divider=f"{dropped} earlier message{s} outside the model's context"))
+        text = f"{dropped} earlier message{s} outside the model's context"
+        if i > dropped:
+            text += " (it still reads the first exchange)"
+        self.entries.insert(i, _Entry(None, divider=text))
         self._sync()
 
     def set_busy(self, busy: bool) -> None:

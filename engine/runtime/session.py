@@ -335,9 +335,13 @@ class ChatSession:
     ) -> Iterator[Piece | GenerationResult]:
         from engine.media.parts import split_media
 
-        dropped = 0
+        dropped, kept = 0, None
         if params.context_policy in ("truncate_middle", "rolling") and self.context_length:
-            messages, dropped = self._fit(messages, params, tools, add_generation_prompt, template_kwargs)
+            fitted, dropped = self._fit(messages, params, tools, add_generation_prompt, template_kwargs)
+            if dropped:
+                held = {id(m) for m in fitted}
+                kept = [i for i, m in enumerate(messages) if id(m) in held]
+            messages = fitted
         messages, items = split_media(messages, media)
         if params.pan_and_scan is not None:
             items = [m if m.pan_and_scan is not None else replace(m, pan_and_scan=params.pan_and_scan) for m in items]
@@ -354,6 +358,7 @@ class ChatSession:
         ):
             if isinstance(item, GenerationResult):
                 item.dropped_messages = dropped
+                item.kept_messages = kept
             yield item
 
     def _fit(

@@ -233,3 +233,49 @@ def test_overflow_policies_at_the_edge_of_a_256_token_context(qtbot, make_window
         assert f"{result.dropped_messages} earlier messages outside the model's context" in footer
         stored = window.store.thread(window.chat.conversation_id)[-1].stats
         assert stored["dropped_messages"] == result.dropped_messages
+
+
+def _entry_keys(window) -> list:
+    return [e.key for e in window.chat_view.entries]
+
+
+@pytest.mark.parametrize("policy", ["truncate_middle", "rolling"])
+def test_the_transcript_marks_where_the_models_memory_begins(qtbot, make_window, run_async, short_model, policy):
+    """With turns left out, a line "N earlier messages are outside the model's context" sits
+    just above the first message the model still read after them (the N left-out messages
+    above it, after the kept first exchange for truncate-the-middle), moves with each reply,
+    and is there again when the chat is reopened."""
+    window = make_window()
+    _load(window, run_async, short_model)
+    _long_chat(window, 12)
+    conv = window.chat.conversation_id
+    settings = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True, "context_overflow": policy}
+    window.store.update_conversation(conv, settings=settings)
+    view = window.chat_view
+    head = 2 if policy == "truncate_middle" else 0  # the first exchange stays
+    for turn in range(2):
+        result, _ = _send_and_save(qtbot, window, f"and the last question {turn}")
+        thread = window.store.thread(conv)
+        dropped = result.dropped_messages
+        assert dropped > 0 and result.kept_messages[head] == head + dropped
+        keys = _entry_keys(window)
+        first_read = thread[head + dropped].id
+        assert keys.count("context_divider") == 1
+        assert keys.index("context_divider") == head + dropped and keys[head + dropped + 1] == first_read
+        assert keys[: head + dropped] == [m.id for m in thread[: head + dropped]]
+        assert thread[-1].stats["context_start"] == first_read
+        if turn == 0:
+            before = dropped
+    assert dropped > before  # the line moved down with the second reply
+    view.verticalScrollBar().setValue(0)  # scrolled up to it, the line is a real widget
+    view.verticalScrollBar().setValue(view.verticalScrollBar().maximum() // 2)
+    qtbot.waitUntil(lambda: view.divider is not None and view.divider.isVisible(), timeout=10_000)
+    text = f"{dropped} earlier messages are outside the model's context"
+    assert view.divider.text() == text + (" (it still reads the first exchange)" if head else "")
+
+    other = window.store.create_conversation()
+    window.open_conversation(other)
+    assert "context_divider" not in _entry_keys(window)
+    window.open_conversation(conv)  # reopened: the line is where the last reply left it
+    keys = _entry_keys(window)
+    assert keys.index("context_divider") == head + dropped and keys[head + dropped + 1] == first_read
