@@ -244,6 +244,8 @@ class EngineWorker:
         host = self._host
         if not isinstance(command, Generate | Complete) or not host.loaded or command.params.speculative:
             return False
+        if command.params.context_policy == "rolling":  # its window may slide mid-reply: on its own
+            return False
         if isinstance(command, Generate):
             from engine.media.parts import media_kinds
 
