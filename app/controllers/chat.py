@@ -229,6 +229,7 @@ class ChatController(QObject):
         try:
             if self.conversation_id is None:
                 self.conversation_id = self.store.create_conversation()
+                self._free_old_sessions(self.conversation_id)
             conv = self.store.conversation(self.conversation_id)
             if not self.store.thread(conv.id):
                 self.store.rename_conversation(conv.id, _title_from(text, kept))

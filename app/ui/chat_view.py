@@ -52,6 +52,7 @@ class _Entry:
     guess: int = 0  # estimated from the text at ``guess_width``, until measured
     guess_width: int = 0
     draft: str | None = None  # an edit in progress when its widget was freed
+    show_all: bool = False  # a long message opened in full ("Show N more characters")
 
     @property
     def key(self) -> int | str:
@@ -331,23 +332,22 @@ class ChatView(QScrollArea):
             self._sync_timer.start()  # more to build, or new widgets to measure once laid out
 
     def _grow(self, seed: int, visible: tuple[int, int], wanted: tuple[int, int]) -> tuple[int, int]:
-        """The entries to have built: a run from ``seed`` over the visible ones, then over
-        the wanted margin, building at most BUILD_PER_PASS new widgets (those already
-        built cost nothing), so that no single pass stalls the window for long."""
+        """The entries to have built: a run from ``seed`` over the visible ones (all of
+        them: what is on screen is never a blank), then over the wanted margin, building
+        at most BUILD_PER_PASS new widgets there (those already built cost nothing), so that
+        no single pass stalls the window for long."""
+        lo, hi = min(seed, visible[0]), max(seed + 1, visible[1])
         budget = BUILD_PER_PASS
 
         def cost(i: int) -> int:
             return 0 if self._built(self.entries[i]) is not None else 1
 
-        lo, hi = seed, seed + 1
-        budget -= cost(seed)
-        for limit_lo, limit_hi in (visible, wanted):
-            while lo > limit_lo and (budget > 0 or not cost(lo - 1)):
-                lo -= 1
-                budget -= cost(lo)
-            while hi < limit_hi and (budget > 0 or not cost(hi)):
-                budget -= cost(hi)
-                hi += 1
+        while lo > wanted[0] and (budget > 0 or not cost(lo - 1)):
+            lo -= 1
+            budget -= cost(lo)
+        while hi < wanted[1] and (budget > 0 or not cost(hi)):
+            budget -= cost(hi)
+            hi += 1
         return lo, hi
 
     def _built(self, entry: _Entry) -> QWidget | None:
@@ -392,6 +392,8 @@ class ChatView(QScrollArea):
             w.set_stats(m.stats, m.status, m.adapters)
         w.set_versions(*entry.versions)
         w.set_busy(self._busy)
+        if entry.show_all:
+            w.show_all()
         if entry.draft is not None:
             w.start_edit()
             w.editor.setPlainText(entry.draft)
@@ -406,6 +408,7 @@ class ChatView(QScrollArea):
         if isinstance(w, MessageWidget):
             if w.editor is not None:
                 entry.draft = w.editor.toPlainText()
+            entry.show_all = w._show_all
             del self.widgets[w.message_id]
         else:
             self.divider = None
