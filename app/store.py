@@ -339,6 +339,21 @@ class HistoryStore:
         ).fetchall()
         return [r["id"] for r in rows]
 
+    def versions(self, conversation_id: int, messages: list[Message]) -> dict[int, tuple[int, int]]:
+        """For each of ``messages``: (which version it is, from 1, how many there are), in one
+        query for the whole conversation (a long thread asked once per message was slow)."""
+        rows = self._db.execute(
+            "SELECT id, parent_id FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,)
+        ).fetchall()
+        by_parent: dict[int | None, list[int]] = {}
+        for r in rows:
+            by_parent.setdefault(r["parent_id"], []).append(r["id"])
+        out = {}
+        for m in messages:
+            sibs = by_parent.get(m.parent_id, [m.id])
+            out[m.id] = (sibs.index(m.id) + 1 if m.id in sibs else 1, len(sibs))
+        return out
+
     def show_version(self, message_id: int) -> None:
         """Make ``message_id`` visible: the leaf becomes its newest descendant."""
         msg = self.message(message_id)

@@ -97,6 +97,9 @@ class GenerationResult:
     # whether the reply ended because the context was full.
     dropped_messages: int = 0
     context_full: bool = False
+    # When messages were dropped: the indices (into the request's messages) of those the
+    # prompt held, so a transcript can mark where the model's memory begins.
+    kept_messages: list[int] | None = None
     # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks.
     denoising_steps: int | None = None
     # One line each about how the prompt's media was taken (a long video sampled to the
@@ -193,6 +196,9 @@ class MemoryEvent:
     kv_bytes: int
     budget_bytes: int
     total_bytes: int
+    # What the budget leaves beside the weights for KV caches: past it, the caches of the
+    # least recently used other chats are dropped (engine.runtime.kv_eviction). 0: no budget.
+    kv_allowance_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,8 @@ class EngineStatus:
     model_loaded: bool = False
     tower_loaded: bool = False  # an image or audio tower's weights are in memory
     decoding: int = 0  # generations decoding together in the batch now
+    budget_bytes: int = 0  # the memory budget the loaded model runs under (0: none)
+    kv_allowance_bytes: int = 0  # of it, what KV caches may hold (MemoryEvent.kv_allowance_bytes)
 
 
 Event = TokenEvent | DraftEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent

@@ -42,11 +42,19 @@ class TranscriptView(Protocol):
     def set_draft(self, text: str) -> None: ...
     def set_answer(self, text: str) -> None: ...
     def stop_streaming(self) -> None: ...
+    def update_message(
+        self, message_id: int, content: str, reasoning: str, stats: dict, status: str, adapters: dict[str, float]
+    ) -> None: ...
+    def set_context_start(self, dropped: int, before_id: int | None) -> None: ...
     def set_busy(self, busy: bool) -> None: ...
 
 
 SAVE_INTERVAL_MS = 500
 RETRY_SAVE_MS = 5000  # a final save that failed (full disk) is tried again this often
+
+# Chats whose engine sessions (prompt ids and KV caches) stay loaded; older ones are freed
+# when another chat is opened, and come back from their saved cache file on their next turn.
+LIVE_SESSIONS = 4
 
 DEFAULT_OVERFLOW = "truncate_middle"  # a chat's context overflow policy unless it sets one
 
@@ -126,6 +134,7 @@ class ChatController(QObject):
         self.tools: ToolsController | None = None  # MCP tools offered to the model, if any
         self._stop_tools = False  # Stop pressed between generations (during a tool call)
         self.caches: Any = None  # SavedCaches: each conversation's KV cache kept between runs
+        self._recent: list[int] = []  # opened chats, most recent last (LIVE_SESSIONS of them)
 
     @property
     def busy(self) -> bool:
@@ -135,7 +144,22 @@ class ChatController(QObject):
 
     def open(self, conversation_id: int | None) -> None:
         self.conversation_id = conversation_id
+        self._free_old_sessions(conversation_id)
         self.refresh()
+
+    def _free_old_sessions(self, conversation_id: int | None) -> None:
+        """Keep the engine sessions of the last LIVE_SESSIONS chats opened; free the older
+        ones whose cache is saved (a chat whose save is still due keeps its session)."""
+        if conversation_id is None:
+            return
+        if conversation_id in self._recent:
+            self._recent.remove(conversation_id)
+        self._recent.append(conversation_id)
+        for old in self._recent[:-LIVE_SESSIONS]:
+            if self.caches is not None and self.caches.is_unsaved(old):
+                continue
+            self._recent.remove(old)
+            self.bridge.drop_session(old)
 
     def refresh(self) -> None:
         if self.conversation_id is None:
@@ -143,13 +167,13 @@ class ChatController(QObject):
             return
         thread = self.store.thread(self.conversation_id)
         self.view.show_thread(thread, self._versions(thread))
+        # Where the model's memory began at the latest reply, when turns were left out.
+        last = next((m for m in reversed(thread) if m.role == "assistant"), None)
+        if last is not None and last.stats.get("context_start") is not None:
+            self.view.set_context_start(last.stats.get("dropped_messages", 0), last.stats["context_start"])
 
     def _versions(self, thread: list[Message]) -> dict[int, tuple[int, int]]:
-        out = {}
-        for m in thread:
-            sibs = self.store.siblings(m.id)
-            out[m.id] = (sibs.index(m.id) + 1, len(sibs))
-        return out
+        return self.store.versions(self.conversation_id, thread) if thread else {}
 
     def context_tokens(self) -> int:
         """Tokens the conversation's prompt holds now: the last reply's counted prompt and
@@ -208,6 +232,7 @@ class ChatController(QObject):
         try:
             if self.conversation_id is None:
                 self.conversation_id = self.store.create_conversation()
+                self._free_old_sessions(self.conversation_id)
             conv = self.store.conversation(self.conversation_id)
             if not self.store.thread(conv.id):
                 self.store.rename_conversation(conv.id, _title_from(text, kept))
@@ -262,6 +287,7 @@ class ChatController(QObject):
         messages = self._engine_messages(history[: cut + 1], info)
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
+        offset = len(messages) - (cut + 1)  # where the thread starts among the request's messages
         params = build_params(conv.settings, info.generation_defaults or {}, getattr(info, "reasoning_control", None))
         if params.speculative == "draft" and not getattr(info, "draft_model", None):
             emit(
@@ -335,6 +361,9 @@ class ChatController(QObject):
                 self._note_speed(info.path, params.speculative, status, stats)
                 if getattr(result, "dropped_messages", 0):
                     stats["dropped_messages"] = result.dropped_messages
+                    start = _context_start(history[: cut + 1], offset, result.kept_messages)
+                    if start is not None:
+                        stats["context_start"] = start
                 if getattr(result, "context_full", False):
                     stats["context_full"] = True
             reply_id, self.reply_id = self.reply_id, None
@@ -350,10 +379,8 @@ class ChatController(QObject):
                 tool_turns=self._rounds,
             )
             self.view.stop_streaming()
-            widget = self.view.widgets.get(reply_id)
-            if widget is not None:
-                widget.set_text(self._answer, self._reasoning)
-                widget.set_stats(stats, status, adapters)
+            self.view.update_message(reply_id, self._answer, self._reasoning, stats, status, adapters)
+            self.view.set_context_start(stats.get("dropped_messages", 0), stats.get("context_start"))
             self.view.set_busy(False)
             emit(self.busy_changed, False)
             if status == "complete" and stats:
@@ -569,6 +596,20 @@ class ChatController(QObject):
 
     def _regenerate_slot(self, message_id: int) -> None:
         spawn(self.regenerate(message_id))
+
+
+def _context_start(thread: list[Message], offset: int, kept: list[int] | None) -> int | None:
+    """The id of the first message of ``thread`` the model still read after those it left out
+    (``kept``: the request's message indices the prompt held; the thread's messages start at
+    ``offset`` in the request, after a system prompt). None when nothing was left out."""
+    if not kept:
+        return None
+    held = set(kept)
+    gap = next((i for i in range(offset, offset + len(thread)) if i not in held), None)
+    after = next((i for i in kept if gap is not None and i > gap), None)
+    if after is None or not offset <= after < offset + len(thread):
+        return None
+    return thread[after - offset].id
 
 
 def _title_from(text: str, attachments: list[tuple[str, str]] = ()) -> str:

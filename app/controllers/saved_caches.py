@@ -155,6 +155,10 @@ class SavedCaches(QObject):
         emit(self.changed)
         return written
 
+    def is_unsaved(self, conversation_id: int) -> bool:
+        """Whether the conversation's cache changed since it was last saved."""
+        return conversation_id in self._unsaved
+
     def note_reply(self, conversation_id: int) -> None:
         """A reply is under way: until it is saved, quitting saves it."""
         self._unsaved.add(conversation_id)

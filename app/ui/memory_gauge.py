@@ -1,5 +1,9 @@
 """Always-visible memory gauge: weights | KV cache | other active | MLX cache, vs budget.
 
+The budget is what the engine enforces: the label shows the KV caches against what the
+budget leaves them beside the weights (MemoryEvent.kv_allowance_bytes), and the tooltip
+says what happens at the limit.
+
 Fed by the bridge's ``memory`` signal (MemoryEvent figures, live while generating)
 and by the loaded model's memory plan (weights, KV bytes per token, budget). It
 also projects the next reply: weights + the plan's KV cache for context + max tokens
@@ -133,6 +137,8 @@ class MemoryGauge(QWidget):
         active, weights, kv = f.get("active_bytes", 0), f.get("weights_bytes", 0), f.get("kv_bytes", 0)
         cache, peak, total = f.get("cache_bytes", 0), f.get("peak_bytes", 0), f.get("total_bytes", 0)
         budget = f.get("budget_bytes") or 0
+        # What the engine enforces for KV caches: the budget less the weights.
+        allowance = f.get("kv_allowance_bytes") or (max(0, budget - weights) if budget else 0)
         self.bar.budget = budget
         self.bar.peak = peak
         self.bar.projected = self.projected_need() if self.plan is not None else 0
@@ -140,7 +146,8 @@ class MemoryGauge(QWidget):
         used = max(active, weights + kv)
         if budget:
             self.label.setText(
-                f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)}  ·  {fmt_bytes(used)} of {fmt_bytes(budget)}"
+                f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)} of {fmt_bytes(allowance)}  ·  "
+                f"{fmt_bytes(used)} of {fmt_bytes(budget)}"
             )
         else:
             parts = ["no model"]
@@ -161,6 +168,13 @@ class MemoryGauge(QWidget):
             else "Budget: set when a model loads",
             f"Machine: {fmt_bytes(total)}",
         ]
+        if budget:
+            lines.append(
+                f"The budget is enforced. A model that does not fit in it is refused before it loads. "
+                f"Chats' KV caches may hold {fmt_bytes(allowance)} beside the weights: past that, the "
+                "least recently used other chats give back their caches and re-read their messages "
+                "on their next turn (slower, same answers)."
+            )
         if budget and self.next_budget and self.next_budget != budget:
             lines.append(f"Next load: {fmt_bytes(self.next_budget)} (chosen in Settings)")
         if self.plan is not None:

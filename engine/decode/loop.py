@@ -29,6 +29,7 @@ from engine.decode.draft_depth import DraftDepth
 from engine.decode.drafters import drafter_for
 from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
+from engine.decode.rolling import RollingWindow, rolling_tokens
 from engine.decode.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from engine.decode.stats import StatsCounter
 from engine.errors import EngineError
@@ -216,6 +217,7 @@ def stream_generate(
     drafter: Any = None,
     inputs: PromptInputs | None = None,
     batch: Any = None,
+    rolling: RollingWindow | None = None,
 ) -> Iterator[Piece | GenerationResult | object]:
     """Generate from ``prompt_ids`` (the ids not yet in ``cache``; ``cached_tokens`` more
     are already there). Yields ``Piece`` items as text forms; the last item is the
@@ -225,7 +227,8 @@ def stream_generate(
     ``drafter`` (an ``engine.decode.speculative`` drafter) turns on speculative decoding; without one,
     ``params.speculative == "ngram"`` builds an n-gram drafter here. ``batch`` (a
     ``Batch``; plain text prompts, no drafter) decodes among other sequences; the stream
-    then also yields ``WAITING``."""
+    then also yields ``WAITING``. ``rolling`` (a text prompt decoded plainly) lets the reply
+    go past the context by sliding the window (``params.max_tokens`` is then the whole reply)."""
     cancel = cancel or threading.Event()
     sp = params.sampling
     sampler = make_sampler(sp)
@@ -300,22 +303,41 @@ def stream_generate(
             top_sink=tops,
         )
     else:
-        tokens = generate_step(
-            prompt,
-            model,
-            cache,
-            max_tokens=params.max_tokens,
-            sampler=sampler,
-            logits_processors=processors,
-            logprobs=params.logprobs,
-            prefill_chunk=params.prefill_chunk,
-            cancel=cancel,
-            on_progress=on_progress,
-            history=history,
-            inputs=inputs,
-            top_logprobs=params.top_logprobs,
-            top_sink=tops,
-        )
+
+        def plain(prompt: mx.array, max_tokens: int, history: mx.array | None) -> Iterator[tuple[int, float | None]]:
+            return generate_step(
+                prompt,
+                model,
+                cache,
+                max_tokens=max_tokens,
+                sampler=sampler,
+                logits_processors=processors,
+                logprobs=params.logprobs,
+                prefill_chunk=params.prefill_chunk,
+                cancel=cancel,
+                on_progress=on_progress,
+                history=history,
+                inputs=inputs,
+                top_logprobs=params.top_logprobs,
+                top_sink=tops,
+            )
+
+        if rolling is not None and drafter is None and inputs is None:
+            # The reply slides the window along when it fills the context (engine.decode.rolling).
+            whole = list(context_ids) if context_ids else list(prompt_ids)
+            tokens = rolling_tokens(
+                rolling,
+                whole,
+                params.max_tokens,
+                plain(prompt, min(params.max_tokens, rolling.limit - len(whole)), history),
+                lambda kept, cached, room: plain(
+                    mx.array(kept[cached:], dtype=mx.uint32), room, mx.array(kept, dtype=mx.uint32)
+                ),
+                list(cache),
+                cancel,
+            )
+        else:
+            tokens = plain(prompt, params.max_tokens, history)
     # Speculative decoding stands in for the plain loop (a generator: never started, costs
     # nothing). Media that only replaces prompt embeddings (Gemma 3 images, audio) goes into
     # the target's prefill; drafters work on the ids, placeholders included. After multimodal

@@ -41,6 +41,7 @@ from engine.decode.drafters import drafter_for
 from engine.decode.guards import check_fits, fit_context
 from engine.decode.loop import Piece, stream_generate
 from engine.decode.prefill import ProgressCallback, PromptInputs
+from engine.decode.rolling import SINK_TOKENS, RollingWindow, can_slide
 from engine.decode.sampling import validate_sampling
 from engine.errors import EngineError, MediaError
 from engine.models.kv_cache import cache_length, checkpoint, make_prompt_cache, rewind_point, trim_prompt_cache
@@ -242,11 +243,14 @@ class ChatSession:
         reasoning: Any = None,
         media: Any = None,
         batch: Any = None,
+        sink: int = SINK_TOKENS,
     ) -> Iterator[Piece | GenerationResult]:
         """Generate from a full prompt (all its ids, cached or not); ``media`` is the
         MediaPrompt when the prompt holds images or audio. With ``batch`` (an
         engine.decode.batch.Batch) it decodes among other sessions' sequences and also
-        yields ``WAITING`` (engine.decode.loop) while it waits for the batch's next step."""
+        yields ``WAITING`` (engine.decode.loop) while it waits for the batch's next step.
+        Under the rolling-window policy a reply that fills the context slides the window
+        along, keeping the first ``sink`` ids (the system prompt) (engine.decode.rolling)."""
         validate_sampling(params.sampling)  # before the cache is touched
         prompt_ids = list(media.ids if media is not None else prompt_ids)
         if not prompt_ids:
@@ -258,10 +262,23 @@ class ChatSession:
         limit = self.context_length
         if params.context_policy is not None and limit and len(prompt_ids) < limit:
             context_full = params.max_tokens > limit - len(prompt_ids)  # the reply stops where the context does
+        whole_reply = params.max_tokens
         params = fit_context(params, len(prompt_ids), self.context_length)
         drafter = self._drafter(params, prompt_ids)  # refuses before the cache is touched
         keys: list[Hashable] = list(media.keys) if media is not None else list(prompt_ids)
         keep = self._reuse(prompt_ids, keys, media.spans if media is not None else ())
+        rolling = None
+        if (
+            context_full
+            and params.context_policy == "rolling"
+            and media is None
+            and batch is None
+            and drafter is None
+            and can_slide(self.cache)
+        ):
+            # The window slides along during the reply instead of stopping at the context.
+            rolling = RollingWindow(limit, min(sink, len(prompt_ids) - 1))
+            params, context_full = replace(params, max_tokens=whole_reply), False
         generated: list[int] = []
         try:
             inputs = self._prompt_inputs(media, keep) if media is not None and media.spans else None
@@ -285,6 +302,7 @@ class ChatSession:
                 drafter=drafter,
                 inputs=inputs,
                 batch=batch,
+                rolling=rolling,
             ):
                 if isinstance(item, GenerationResult):
                     generated = item.token_ids
@@ -297,7 +315,11 @@ class ChatSession:
         finally:
             # Whatever happened (done, cancelled, closed early), record what the caches
             # hold; after an error they were dropped above.
-            self._record(prompt_ids + generated, keys + list(generated))
+            if rolling is not None and rolling.held is not None:  # the window slid: it holds these
+                held = rolling.cache_ids(prompt_ids, generated)
+                self._record(held, list(held))
+            else:
+                self._record(prompt_ids + generated, keys + list(generated))
             getattr(drafter, "close", lambda: None)()  # an MTP drafter stops following the model
 
     def _diffuse(self, prompt_ids: list[int], params: GenerationParams, cancel, reasoning, media):
@@ -348,9 +370,13 @@ class ChatSession:
     ) -> Iterator[Piece | GenerationResult]:
         from engine.media.parts import split_media
 
-        dropped = 0
+        dropped, kept = 0, None
         if params.context_policy in ("truncate_middle", "rolling") and self.context_length:
-            messages, dropped = self._fit(messages, params, tools, add_generation_prompt, template_kwargs)
+            fitted, dropped = self._fit(messages, params, tools, add_generation_prompt, template_kwargs)
+            if dropped:
+                held = {id(m) for m in fitted}
+                kept = [i for i, m in enumerate(messages) if id(m) in held]
+            messages = fitted
         messages, items = split_media(messages, media)
         if params.pan_and_scan is not None:
             items = [m if m.pan_and_scan is not None else replace(m, pan_and_scan=params.pan_and_scan) for m in items]
@@ -362,12 +388,28 @@ class ChatSession:
         prompt = self.media_prompt(text, items) if items else None
         ids = prompt.ids if prompt is not None else self.encode_rendered(text)
         check_fits(len(ids), self.context_length, "chat")
+        sink = SINK_TOKENS
+        if params.context_policy == "rolling" and messages and messages[0].get("role") in ("system", "developer"):
+            # The system prompt stays at the start of a sliding window.
+            try:
+                head = self.render(messages[:1], tools=tools, add_generation_prompt=False, **template_kwargs)
+                sink = max(sink, common_prefix_length(self.encode_rendered(head), ids))
+            except EngineError:  # a template that wants a user turn: the sink tokens only
+                pass
         for item in self.stream_ids(
-            ids, params, cancel=cancel, on_progress=on_progress, reasoning=reasoning, media=prompt, batch=batch
+            ids,
+            params,
+            cancel=cancel,
+            on_progress=on_progress,
+            reasoning=reasoning,
+            media=prompt,
+            batch=batch,
+            sink=sink,
         ):
             if isinstance(item, GenerationResult):
                 item.dropped_messages = dropped
                 item.notes = list(prompt.notes) if prompt is not None else []
+                item.kept_messages = kept
             yield item
 
     def _fit(

@@ -244,6 +244,8 @@ class EngineWorker:
         host = self._host
         if not isinstance(command, Generate | Complete) or not host.loaded or command.params.speculative:
             return False
+        if command.params.context_policy == "rolling":  # its window may slide mid-reply: on its own
+            return False
         if isinstance(command, Generate):
             from engine.media.parts import media_kinds
 
@@ -344,8 +346,18 @@ class EngineWorker:
     def _publish_status(self) -> None:
         host = self._host
         self._status = EngineStatus(
-            model_loaded=bool(host.loaded), tower_loaded=bool(host.tower_loaded), decoding=len(self._jobs)
+            model_loaded=bool(host.loaded),
+            tower_loaded=bool(host.tower_loaded),
+            decoding=len(self._jobs),
+            budget_bytes=self._budget if host.loaded else 0,
+            kv_allowance_bytes=self._kv_allowance(),
         )
+
+    def _kv_allowance(self) -> int:
+        """What the budget leaves for KV caches beside the weights (0: no budget)."""
+        if not self._host.loaded or not self._budget:
+            return 0
+        return max(0, self._budget - self._host.weights_bytes())
 
     def _handle(self, rid: int, command: Command, cancel: threading.Event) -> Any:
         host = self._host
@@ -488,5 +500,6 @@ class EngineWorker:
                 kv_bytes=self._host.kv_bytes(),
                 budget_bytes=self._budget,
                 total_bytes=total_memory(),
+                kv_allowance_bytes=self._kv_allowance(),
             )
         )

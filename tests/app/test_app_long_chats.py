@@ -224,7 +224,10 @@ def test_overflow_policies_at_the_edge_of_a_256_token_context(qtbot, make_window
     result, _ = _send_and_save(qtbot, window, "and the last question")
     footer = window.chat_view.widgets[window.store.thread(window.chat.conversation_id)[-1].id].stats_label.text()
     assert result.finish_reason == "length" and result.error is None
-    assert result.stats.prompt_tokens + result.stats.generated_tokens <= 256
+    if policy == "rolling":  # the window slides along during the reply
+        assert result.stats.generated_tokens == 400 and not result.context_full
+    else:
+        assert result.stats.prompt_tokens + result.stats.generated_tokens <= 256
     if policy == "stop":
         assert result.dropped_messages == 0 and result.context_full
         assert "stopped at the context limit" in footer
@@ -270,3 +273,49 @@ def test_context_length_in_settings_caps_chats_and_the_planner_says_what_fits(
     )
     assert "Lower the context length to" in shown, shown
     assert window.bridge.model_info is not None and window.bridge.model_info.context_advice.limit == 64
+
+
+def _entry_keys(window) -> list:
+    return [e.key for e in window.chat_view.entries]
+
+
+@pytest.mark.parametrize("policy", ["truncate_middle", "rolling"])
+def test_the_transcript_marks_where_the_models_memory_begins(qtbot, make_window, run_async, short_model, policy):
+    """With turns left out, a line "N earlier messages are outside the model's context" sits
+    just above the first message the model still read after them (the N left-out messages
+    above it, after the kept first exchange for truncate-the-middle), moves with each reply,
+    and is there again when the chat is reopened."""
+    window = make_window()
+    _load(window, run_async, short_model)
+    _long_chat(window, 12)
+    conv = window.chat.conversation_id
+    settings = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True, "context_overflow": policy}
+    window.store.update_conversation(conv, settings=settings)
+    view = window.chat_view
+    head = 2 if policy == "truncate_middle" else 0  # the first exchange stays
+    for turn in range(2):
+        result, _ = _send_and_save(qtbot, window, f"and the last question {turn}")
+        thread = window.store.thread(conv)
+        dropped = result.dropped_messages
+        assert dropped > 0 and result.kept_messages[head] == head + dropped
+        keys = _entry_keys(window)
+        first_read = thread[head + dropped].id
+        assert keys.count("context_divider") == 1
+        assert keys.index("context_divider") == head + dropped and keys[head + dropped + 1] == first_read
+        assert keys[: head + dropped] == [m.id for m in thread[: head + dropped]]
+        assert thread[-1].stats["context_start"] == first_read
+        if turn == 0:
+            before = dropped
+    assert dropped > before  # the line moved down with the second reply
+    view.verticalScrollBar().setValue(0)  # scrolled up to it, the line is a real widget
+    view.verticalScrollBar().setValue(view.verticalScrollBar().maximum() // 2)
+    qtbot.waitUntil(lambda: view.divider is not None and view.divider.isVisible(), timeout=10_000)
+    text = f"{dropped} earlier messages are outside the model's context"
+    assert view.divider.text() == text + (" (it still reads the first exchange)" if head else "")
+
+    other = window.store.create_conversation()
+    window.open_conversation(other)
+    assert "context_divider" not in _entry_keys(window)
+    window.open_conversation(conv)  # reopened: the line is where the last reply left it
+    keys = _entry_keys(window)
+    assert keys.index("context_divider") == head + dropped and keys[head + dropped + 1] == first_read

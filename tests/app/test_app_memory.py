@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.memory_units import fmt_bytes
 from app.qt import Qt
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
@@ -59,3 +60,25 @@ def test_gauge_figures_and_overflow_warning(qtbot, make_window, run_async, tiny_
 
     window.settings.inputs["max_tokens"].setValue(40)
     assert gauge.level == "ok" and gauge.warning == ""
+
+
+def test_gauge_shows_the_enforced_kv_allowance_and_what_happens_at_it(qtbot, make_window, run_async, tiny_model):
+    """The label shows the KV caches against what the budget leaves them beside the weights
+    (the figure the engine evicts idle chats' caches at), and the tooltip says so."""
+    window = make_window()
+    assert run_async(window.load_model(str(tiny_model)))
+    weights = window.bridge.model_info.plan.weights_bytes
+    budget = weights + 3 * 1024**2
+    assert run_async(window.load_model(str(tiny_model), memory_budget=budget))
+    status = window.bridge._worker.status
+    assert status.budget_bytes == budget and status.kv_allowance_bytes == budget - weights
+    window.store.update_conversation(window.chat.conversation_id, settings={"max_tokens": 4, "ignore_eos": True})
+    window.composer.edit.setPlainText("hello")
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000):
+        qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    gauge = window.gauge
+    assert gauge.figures["kv_allowance_bytes"] == budget - weights  # from the engine's MemoryEvent
+    assert f"of {fmt_bytes(budget - weights)}" in gauge.label.text().split("·")[1]
+    tip = gauge.toolTip()
+    assert "The budget is enforced" in tip and "refused before it loads" in tip
+    assert f"may hold {fmt_bytes(budget - weights)}" in tip and "least recently used" in tip

@@ -9,6 +9,7 @@ import pytest
 from engine.api import GenerationParams
 from engine.runtime.host import ModelHost
 from engine.runtime.kv_eviction import session_kv_bytes
+from tests.soak import HAS_RSS, rss_bytes, slope
 from tests.tiny_models import make_tiny_llama
 
 PROMPT = list(range(5, 205))  # 200 tokens
@@ -73,20 +74,8 @@ def test_the_recently_used_chat_is_kept_over_an_older_one(model):
     host.unload()
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-def _slope(ys: list[float]) -> float:
-    """Least-squares slope of ys against their index."""
-    n = len(ys)
-    mx_, my = (n - 1) / 2, sum(ys) / n
-    return sum((i - mx_) * (y - my) for i, y in enumerate(ys)) / sum((i - mx_) ** 2 for i in range(n))
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+@pytest.mark.skipif(not HAS_RSS, reason="reads RSS from /proc")
 def test_soak_500_turns_across_chats_keeps_memory_flat(model):
     """500 turns over 25 chats under a budget with room for a few caches: the KV bytes stay
     within the budget and neither they nor the process's RSS grow with the turns (a slope
@@ -108,13 +97,13 @@ def test_soak_500_turns_across_chats_keeps_memory_flat(model):
         result = host.generate_ids(ids, GREEDY, session_id=sid)
         history[sid] = ids + result.token_ids
         kv.append(host.kv_bytes())
-        rss.append(_rss_bytes())
+        rss.append(rss_bytes())
         active.append(mx.get_active_memory())
         assert kv[-1] <= allowance + 2 * one_chat, f"turn {turn}: KV {kv[-1]} past the budget"
     half = slice(250, 500)
-    rss_slope = _slope([float(v) for v in rss[half]])
-    kv_slope = _slope([float(v) for v in kv[half]])
-    active_slope = _slope([float(v) for v in active[half]])
+    rss_slope = slope([float(v) for v in rss[half]])
+    kv_slope = slope([float(v) for v in kv[half]])
+    active_slope = slope([float(v) for v in active[half]])
     print(
         f"\nsoak: RSS slope {rss_slope / 1024:.1f} KB/turn, KV slope {kv_slope / 1024:.2f} KB/turn, "
         f"MLX active slope {active_slope / 1024:.2f} KB/turn, KV at most {max(kv) / 1024:.0f} KB"

@@ -73,6 +73,10 @@ def test_dropping_policies_fit_the_prompt_and_equal_a_chat_of_what_was_kept(host
         if policy == "truncate_middle"
         else messages[:1] + messages[1 + result.dropped_messages :]
     )
+    # The result names the messages the prompt held: the transcript marks the gap by them.
+    head = 3 if policy == "truncate_middle" else 1
+    assert result.kept_messages == list(range(head)) + list(range(head + result.dropped_messages, len(messages)))
+    assert [messages[i] for i in result.kept_messages] == kept
     plain = host.generate(f"b-{policy}", kept, _params(None))
     assert plain.token_ids == result.token_ids and plain.stats.prompt_tokens == result.stats.prompt_tokens
 
@@ -82,6 +86,7 @@ def test_stop_caps_the_reply_at_the_limit_and_says_so(host):
     result = host.generate("stop", messages, _params("stop", max_tokens=1000))
     assert result.stats.prompt_tokens < LIMIT
     assert result.dropped_messages == 0 and result.finish_reason == "length" and result.context_full
+    assert result.kept_messages is None  # nothing dropped
     assert result.stats.prompt_tokens + result.stats.generated_tokens == LIMIT
     short = host.generate("stop2", messages, _params("stop", max_tokens=5))
     assert short.finish_reason == "length" and not short.context_full
