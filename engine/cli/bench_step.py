@@ -1,0 +1,311 @@
+"""``python -m engine bench --step``: one decode step taken apart, ours next to mlx-lm's.
+
+The plain bench says which loop decodes faster; this says where a step's time goes.
+After a ``-p`` token prompt is in both caches, it times ``-g`` decode steps, pipelined as
+the decode loops run them (step n+1 is queued before token n is read), for
+
+* ``engine compiled``: our compiled step (engine/decode/compiled_step.py),
+* ``engine plain``: our model's forward pass,
+* ``mlx-lm``: mlx-lm's model's forward pass on the same weights (``--vs mlx-lm``),
+
+with each step's op count (the primitives in its graph that do work, views left out:
+close to the kernels a GPU launches), and, for the compiled step, the time its traced
+layer functions take apart from what runs outside them (cache writes and attention).
+Then the parts of one layer (its attention, and for mixture-of-experts layers the
+router, the routed and the shared experts), each timed alone on both models, times how
+many layers have it: where the two steps differ, one of these rows says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import EngineError
+
+# Primitives that make views (no kernel of their own on contiguous inputs).
+_VIEWS = frozenset(
+    {"Reshape", "Slice", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Unflatten", "Flatten", "Split"}
+    | {"StopGradient", "AsStrided", "Depends"}
+)
+
+
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--step",
+        action="store_true",
+        help="take one decode step apart: ours (compiled and plain) next to mlx-lm's, part by part",
+    )
+
+
+def op_count(outputs: Any) -> dict[str, int]:
+    """The primitives in the graph that computes ``outputs`` (not yet evaluated), views
+    left out, by name."""
+    import mlx.core as mx
+
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, outputs)
+        with open(path) as f:
+            labels = re.findall(r'\[label ?= ?"([^"]*)", shape=rectangle\]', f.read())
+    finally:
+        os.unlink(path)
+    return dict(collections.Counter(x for x in labels if x not in _VIEWS))
+
+
+def _rewind(cache: list[Any], offset: int) -> None:
+    for c in cache:
+        c.trim(c.offset - offset)
+
+
+def time_steps(forward: Callable[[Any], Any], first: Any, n: int) -> tuple[float, list[int]]:
+    """Seconds per step over ``n`` greedy steps fed back into ``forward`` (tokens [1] ->
+    logits [1, vocab]), queued one ahead as the decode loops do; and the tokens."""
+    import mlx.core as mx
+
+    def step(tok):
+        return mx.argmax(forward(tok), axis=-1)
+
+    y = step(first)
+    mx.async_eval(y)
+    tokens = []
+    start = time.perf_counter()
+    for i in range(n):
+        nxt = step(y) if i + 1 < n else None
+        if nxt is not None:
+            mx.async_eval(nxt)
+        tokens.append(int(y.item()))
+        y = nxt
+    return (time.perf_counter() - start) / n, tokens
+
+
+def time_calls(fn: Callable[[], Any], n: int, after: Callable[[], None] = lambda: None) -> float:
+    """Seconds per call of ``fn``, each evaluated before the next (``after`` undoes what
+    a call left in a cache); the best of three rounds."""
+    import mlx.core as mx
+
+    for _ in range(3):
+        mx.eval(fn())
+        after()
+    best = float("inf")
+    for _ in range(3):
+        total = 0.0
+        for _ in range(n):
+            start = time.perf_counter()
+            mx.eval(fn())
+            total += time.perf_counter() - start
+            after()
+        best = min(best, total / n)
+    return best
+
+
+class _Split:
+    """The compiled step run piece by piece: the traced layer functions timed apart from
+    the cache writes and attention between them."""
+
+    def __init__(self, decoder: Any, layers: list[Any]):
+        self.decoder, self.layers = decoder, layers
+
+    def __call__(self, tokens: Any, cache: list[Any]) -> tuple[float, float]:
+        import mlx.core as mx
+
+        fns = self.decoder._fns
+        pos = mx.array(cache[0].offset, dtype=mx.int32)
+        masks = self.decoder.masks(cache, int(tokens.shape[0]))
+        traced = outside = 0.0
+        h, attn = tokens[None], None
+        for i, (layer, c, mask) in enumerate(zip(self.layers, cache, masks or [None] * len(cache))):
+            start = time.perf_counter()
+            h, q, k, v = fns[0](h, pos) if i == 0 else fns[i](h, attn, pos)
+            mx.eval(h, q, k, v)
+            mid = time.perf_counter()
+            k, v = c.update_and_fetch(k, v)
+            attn = layer.self_attn.attend(q, k, v, mask)
+            mx.eval(attn)
+            traced, outside = traced + mid - start, outside + time.perf_counter() - mid
+        start = time.perf_counter()
+        mx.eval(fns[-1](h, attn))
+        return traced + time.perf_counter() - start, outside
+
+
+def _layer_parts(
+    ours: Any, theirs: Any | None, x: Any
+) -> dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]]:
+    """One layer's parts, each a call on both models with the same input."""
+    import mlx.core as mx
+
+    parts: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {}
+    mlp, their_mlp = ours.mlp, (theirs.mlp if theirs is not None else None)
+    if "gate" in mlp and "switch_mlp" in mlp:
+        chosen, _ = mlp.gate(x)
+        mx.eval(chosen)
+        parts["router"] = (lambda: mlp.gate(x), (lambda: their_mlp.gate(x)) if their_mlp is not None else None)
+        parts["routed experts"] = (
+            lambda: mlp.switch_mlp(x, chosen),
+            (lambda: their_mlp.switch_mlp(x, chosen)) if their_mlp is not None else None,
+        )
+        if "shared_experts" in mlp:
+            shared = their_mlp.shared_experts if their_mlp is not None and "shared_experts" in their_mlp else None
+            parts["shared experts"] = (
+                lambda: mlp.shared_experts(x),
+                (lambda: shared(x)) if shared is not None else None,
+            )
+        parts["moe block"] = (lambda: mlp(x), (lambda: their_mlp(x)) if their_mlp is not None else None)
+    else:
+        parts["dense mlp"] = (lambda: mlp(x), (lambda: their_mlp(x)) if their_mlp is not None else None)
+    return parts
+
+
+def run_step(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from engine.cli.bench import SHAPES, build_model, mlx_lm_twin
+    from engine.decode.compiled_step import compiled_decoder
+    from engine.models.kv_cache import make_prompt_cache
+
+    if args.shape not in SHAPES:
+        raise EngineError(f"--step takes a text shape ({', '.join(sorted(SHAPES))}), not {args.shape}")
+    if args.prompt_tokens < 1 or args.generation_tokens < 2:
+        raise EngineError("bench --step needs -p >= 1 and -g >= 2")
+    if args.vs == "mlx-lm":
+        import importlib.util
+
+        if importlib.util.find_spec("mlx_lm") is None:
+            raise EngineError("--vs mlx-lm needs mlx-lm installed: pip install 'mlx-desk[bench]' (or mlx-lm)")
+    if args.mode != "affine":
+        from engine.artifacts.mlx_quant import MODES
+
+        args.bits, args.group_size = MODES[args.mode].default
+    model, config, quantized = build_model(args.shape, args.bits, args.group_size, args.seed, args.mode)
+    twin = mlx_lm_twin(model, config, quantized) if args.vs == "mlx-lm" else None
+    decoder = compiled_decoder(model)
+    if decoder is not None and not decoder.prepare():
+        decoder = None
+    p, g = args.prompt_tokens, args.generation_tokens
+    prompt = mx.random.randint(0, config["vocab_size"], (p,), key=mx.random.key(args.seed)).astype(mx.uint32)
+
+    ours_cache = make_prompt_cache(model)
+    model(prompt[None], cache=ours_cache)
+    mx.eval([c.state for c in ours_cache])
+    their_cache = None
+    if twin is not None:
+        from mlx_lm.models.cache import make_prompt_cache as mlx_lm_cache
+
+        their_cache = mlx_lm_cache(twin)
+        twin(prompt[None], cache=their_cache)
+        mx.eval([c.state for c in their_cache])
+    print(
+        f"{args.shape} ({args.bits}-bit g{args.group_size}, random weights) on {mx.default_device()}: "
+        f"one decode step after a {p}-token prompt, {g} steps per run, {args.repeat} run(s)",
+        flush=True,
+    )
+
+    first = prompt[-1:]
+    loops: dict[str, tuple[Callable[[Any], Any], list[Any]]] = {}
+    if decoder is not None:
+        loops["engine compiled"] = (lambda t: decoder(t, ours_cache), ours_cache)
+    loops["engine plain"] = (lambda t: model(t[None], cache=ours_cache)[:, -1], ours_cache)
+    if twin is not None:
+        loops["mlx-lm"] = (lambda t: twin(t[None], cache=their_cache)[:, -1], their_cache)
+
+    steps: dict[str, dict[str, Any]] = {}
+    ids: dict[str, list[int]] = {}  # each loop's greedy tokens: the loops must agree
+    for name, (forward, cache) in loops.items():
+        graph = forward(first)
+        ops = op_count(graph)
+        mx.eval(graph)
+        _rewind(cache, p)
+        time_steps(forward, first, 2)  # warm-up (traces, kernels)
+        _rewind(cache, p)
+        runs, tokens = [], []
+        for _ in range(max(1, args.repeat)):
+            seconds, tokens = time_steps(forward, first, g)
+            runs.append(seconds)
+            _rewind(cache, p)
+        steps[name] = {"ms": 1000 * min(runs), "median_ms": 1000 * statistics.median(runs), "ops": sum(ops.values())}
+        steps[name]["op_kinds"] = ops
+        ids[name] = tokens
+    for name, s in steps.items():
+        print(f"{name:<16} {s['ms']:8.3f} ms/step (median {s['median_ms']:8.3f})   {s['ops']:5d} ops/step", flush=True)
+
+    out: dict[str, Any] = {"shape": args.shape, "prompt_tokens": p, "steps": steps}
+    if decoder is not None:
+        split = _Split(decoder, list(model.layers))
+        traced, outside = zip(*[split(first, ours_cache) for _ in range(3)])
+        _rewind(ours_cache, p)
+        out["compiled_split_ms"] = {"traced": 1000 * min(traced), "outside": 1000 * min(outside)}
+        print(
+            f"compiled step, synced per layer: traced functions {out['compiled_split_ms']['traced']:.3f} ms, "
+            f"cache writes + attention outside them {out['compiled_split_ms']['outside']:.3f} ms",
+            flush=True,
+        )
+
+    out["parts_ms"] = part_rows(model, twin, ours_cache, their_cache, p, max(8, g // 4))
+    if "engine compiled" in ids:
+        out["compiled_matches_plain"] = ids["engine compiled"] == ids["engine plain"]
+    if "mlx-lm" in ids:
+        out["same_tokens_as_mlx_lm"] = ids["engine plain"] == ids["mlx-lm"]
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+def part_rows(
+    model: Any, twin: Any | None, ours_cache: list[Any], their_cache: list[Any] | None, p: int, n: int
+) -> dict[str, dict[str, Any]]:
+    """Each part of a layer timed alone on both models (ms per call), times the number of
+    layers that have it; the first layer of each kind stands for the rest."""
+    import mlx.core as mx
+
+    layers = list(model.layers)
+    their_layers = list(twin.layers) if twin is not None else [None] * len(layers)
+    hidden = model.args.hidden_size
+    x = (mx.random.normal((1, 1, hidden), key=mx.random.key(1)) * 0.5).astype(mx.bfloat16)
+    mx.eval(x)
+    rows: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, count: int, ours: Callable[[], Any], theirs: Callable[[], Any] | None, after=None) -> None:
+        row: dict[str, Any] = {"layers": count, "engine": count * 1000 * time_calls(ours, n, after or (lambda: None))}
+        if theirs is not None:
+            their_after = (lambda: _rewind(their_cache, p)) if after is not None else (lambda: None)
+            row["mlx-lm"] = count * 1000 * time_calls(theirs, n, their_after)
+        rows[name] = row
+
+    # Attention: every layer has one, each on its own cache of p tokens.
+    attn, their_attn = layers[-1].self_attn, their_layers[-1].self_attn if twin is not None else None
+    oc, tc = ours_cache[-1], their_cache[-1] if their_cache is not None else None
+    add(
+        "attention",
+        len(layers),
+        lambda: attn(x, None, oc),
+        (lambda: their_attn(x, None, tc)) if their_attn is not None else None,
+        after=lambda: _rewind(ours_cache, p),
+    )
+    kinds: dict[str, list[int]] = collections.defaultdict(list)
+    for i, layer in enumerate(layers):
+        kinds["moe" if "gate" in layer.mlp and "switch_mlp" in layer.mlp else "dense"].append(i)
+    for kind, indices in kinds.items():
+        i = indices[0]
+        for name, (ours, theirs) in _layer_parts(layers[i], their_layers[i], x).items():
+            add(name, len(indices), ours, theirs)
+    norm, their_norm = model.model.norm, twin.model.norm if twin is not None else None
+    add(
+        "final norm + head",
+        1,
+        lambda: model.logits(norm(x)),
+        (lambda: twin.lm_head(their_norm(x))) if twin is not None and "lm_head" in twin else None,
+    )
+    print(f"{'part (x layers)':<24} {'engine ms':>10} {'mlx-lm ms':>10}")
+    for name, row in rows.items():
+        theirs = f"{row['mlx-lm']:10.3f}" if "mlx-lm" in row else f"{'-':>10}"
+        print(f"{name + ' x' + str(row['layers']):<24} {row['engine']:10.3f} {theirs}", flush=True)
+    return rows

@@ -1,0 +1,35 @@
+"""``python -m engine bench --step`` on the tiny MLA shape, run as a subprocess."""
+
+from __future__ import annotations
+
+import pytest
+from test_cli import last_json, run
+
+
+def test_one_step_taken_apart_next_to_mlx_lm():
+    pytest.importorskip("mlx_lm")
+    args = ["bench", "--shape", "tiny-mla", "--bits", "4", "--group-size", "32", "-p", "24", "-g", "6"]
+    proc = run(*args, "--vs", "mlx-lm", "--step", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = last_json(proc.stdout)
+    steps = out["steps"]
+    assert set(steps) == {"engine compiled", "engine plain", "mlx-lm"}
+    for s in steps.values():
+        assert s["ms"] > 0 and s["median_ms"] >= s["ms"]
+        assert s["ops"] == sum(s["op_kinds"].values()) > 0
+        assert not {"Reshape", "Transpose", "Slice"} & set(s["op_kinds"])  # views are not work
+    # Compiling fuses elementwise ops: fewer primitives than the plain pass, same tokens.
+    assert steps["engine compiled"]["ops"] < steps["engine plain"]["ops"]
+    assert out["compiled_matches_plain"] is True
+    assert isinstance(out["same_tokens_as_mlx_lm"], bool)
+    assert out["compiled_split_ms"]["traced"] > 0 and out["compiled_split_ms"]["outside"] > 0
+    parts = out["parts_ms"]
+    assert {"attention", "router", "routed experts", "shared experts", "moe block", "dense mlp"} <= set(parts)
+    assert parts["attention"]["layers"] == 2 and parts["router"]["layers"] == 1  # first layer dense
+    assert all(row["engine"] > 0 and row["mlx-lm"] > 0 for name, row in parts.items() if name != "final norm + head")
+    assert "ms/step" in proc.stdout and "routed experts x1" in proc.stdout
+
+
+def test_step_needs_a_text_shape_and_two_steps():
+    proc = run("bench", "--shape", "tiny-mla", "--bits", "16", "-p", "4", "-g", "1", "--step")
+    assert proc.returncode != 0 and "-g >= 2" in proc.stderr and proc.stderr.count("\n") == 1
