@@ -8,9 +8,10 @@ the decode loops run them (step n+1 is queued before token n is read), for
 * ``engine plain``: our model's forward pass,
 * ``mlx-lm``: mlx-lm's model's forward pass on the same weights (``--vs mlx-lm``),
 
-with each step's op count (the primitives in its graph that do work, views left out:
-close to the kernels a GPU launches), and, for the compiled step, the time its traced
-layer functions take apart from what runs outside them (cache writes and attention).
+with the host's share of each step (building its graph, handing it to the device), its
+op count (the primitives in its graph that do work, views left out: close to the kernels
+a GPU launches), and, for the compiled step, the time its traced layer functions take
+apart from what runs outside them (cache writes and attention).
 Then the parts of one layer (its attention, and for mixture-of-experts layers the
 router, the routed and the shared experts), each timed alone on both models, times how
 many layers have it: where the two steps differ, one of these rows says so.
@@ -67,25 +68,35 @@ def _rewind(cache: list[Any], offset: int) -> None:
         c.trim(c.offset - offset)
 
 
-def time_steps(forward: Callable[[Any], Any], first: Any, n: int) -> tuple[float, list[int]]:
+def time_steps(forward: Callable[[Any], Any], first: Any, n: int) -> tuple[dict[str, float], list[int]]:
     """Seconds per step over ``n`` greedy steps fed back into ``forward`` (tokens [1] ->
-    logits [1, vocab]), queued one ahead as the decode loops do; and the tokens."""
+    logits [1, vocab]), queued one ahead as the decode loops do, and the tokens. Besides
+    the step (``step``), the host's share of it: building its graph (``build``) and
+    handing it to the device (``launch``, what ``async_eval`` takes); when their sum is
+    close to the step, the step waits on the host, not on the device."""
     import mlx.core as mx
 
+    build = launch = 0.0
+
     def step(tok):
-        return mx.argmax(forward(tok), axis=-1)
+        nonlocal build, launch
+        start = time.perf_counter()
+        y = mx.argmax(forward(tok), axis=-1)
+        mid = time.perf_counter()
+        mx.async_eval(y)
+        build, launch = build + mid - start, launch + time.perf_counter() - mid
+        return y
 
     y = step(first)
-    mx.async_eval(y)
+    build = launch = 0.0
     tokens = []
     start = time.perf_counter()
     for i in range(n):
         nxt = step(y) if i + 1 < n else None
-        if nxt is not None:
-            mx.async_eval(nxt)
         tokens.append(int(y.item()))
         y = nxt
-    return (time.perf_counter() - start) / n, tokens
+    total = time.perf_counter() - start
+    return {"step": total / n, "build": build / max(n - 1, 1), "launch": launch / max(n - 1, 1)}, tokens
 
 
 def time_calls(fn: Callable[[], Any], n: int, after: Callable[[], None] = lambda: None) -> float:
@@ -228,14 +239,25 @@ def run_step(args: argparse.Namespace) -> int:
         _rewind(cache, p)
         runs, tokens = [], []
         for _ in range(max(1, args.repeat)):
-            seconds, tokens = time_steps(forward, first, g)
-            runs.append(seconds)
+            times, tokens = time_steps(forward, first, g)
+            runs.append(times)
             _rewind(cache, p)
-        steps[name] = {"ms": 1000 * min(runs), "median_ms": 1000 * statistics.median(runs), "ops": sum(ops.values())}
+        best = min(runs, key=lambda t: t["step"])
+        steps[name] = {
+            "ms": 1000 * best["step"],
+            "median_ms": 1000 * statistics.median(t["step"] for t in runs),
+            "build_ms": 1000 * best["build"],
+            "launch_ms": 1000 * best["launch"],
+            "ops": sum(ops.values()),
+        }
         steps[name]["op_kinds"] = ops
         ids[name] = tokens
     for name, s in steps.items():
-        print(f"{name:<16} {s['ms']:8.3f} ms/step (median {s['median_ms']:8.3f})   {s['ops']:5d} ops/step", flush=True)
+        print(
+            f"{name:<16} {s['ms']:8.3f} ms/step (median {s['median_ms']:8.3f}; host: build {s['build_ms']:.3f}, "
+            f"launch {s['launch_ms']:.3f})   {s['ops']:5d} ops/step",
+            flush=True,
+        )
 
     out: dict[str, Any] = {"shape": args.shape, "prompt_tokens": p, "steps": steps}
     if decoder is not None:

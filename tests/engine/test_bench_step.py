@@ -16,6 +16,7 @@ def test_one_step_taken_apart_next_to_mlx_lm():
     assert set(steps) == {"engine compiled", "engine plain", "mlx-lm"}
     for s in steps.values():
         assert s["ms"] > 0 and s["median_ms"] >= s["ms"]
+        assert 0 < s["build_ms"] and 0 < s["launch_ms"]
         assert s["ops"] == sum(s["op_kinds"].values()) > 0
         assert not {"Reshape", "Transpose", "Slice"} & set(s["op_kinds"])  # views are not work
     # Compiling fuses elementwise ops: fewer primitives than the plain pass, same tokens.
