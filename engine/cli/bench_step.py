@@ -63,9 +63,38 @@ def op_count(outputs: Any) -> dict[str, int]:
     return dict(collections.Counter(x for x in labels if x not in _VIEWS))
 
 
-def _rewind(cache: list[Any], offset: int) -> None:
-    for c in cache:
-        c.trim(c.offset - offset)
+class _Prompted:
+    """A model's cache holding the prompt (``cache``, a list kept as the same object), put
+    back there after use: trimmed where every layer's cache can be, else filled again
+    (sliding-window caches that have wrapped around cannot be trimmed)."""
+
+    def __init__(self, model: Any, make: Callable[[], list[Any]], prompt: Any):
+        self.model, self.make, self.prompt = model, make, prompt
+        self.cache: list[Any] = []
+        self.fill()
+
+    def fill(self) -> None:
+        import mlx.core as mx
+
+        self.cache[:] = self.make()
+        self.model(self.prompt[None], cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+
+    def trimmable(self) -> bool:
+        return all(getattr(c, "is_trimmable", lambda: True)() for c in self.cache)
+
+    def rewind(self) -> None:
+        if self.trimmable():
+            self.trim()
+        else:
+            self.fill()
+
+    def trim(self) -> None:
+        """Back to the prompt where trimming can; else left as it is (a ring buffer stays
+        the same size, so what runs on it costs the same)."""
+        if self.trimmable():
+            for c in self.cache:
+                c.trim(c.offset - int(self.prompt.size))
 
 
 def time_steps(forward: Callable[[Any], Any], first: Any, n: int) -> tuple[dict[str, float], list[int]]:
@@ -204,16 +233,15 @@ def run_step(args: argparse.Namespace) -> int:
     p, g = args.prompt_tokens, args.generation_tokens
     prompt = mx.random.randint(0, config["vocab_size"], (p,), key=mx.random.key(args.seed)).astype(mx.uint32)
 
-    ours_cache = make_prompt_cache(model)
-    model(prompt[None], cache=ours_cache)
-    mx.eval([c.state for c in ours_cache])
-    their_cache = None
+    ours = _Prompted(model, lambda: make_prompt_cache(model), prompt)
+    theirs = None
     if twin is not None:
         from mlx_lm.models.cache import make_prompt_cache as mlx_lm_cache
 
-        their_cache = mlx_lm_cache(twin)
-        twin(prompt[None], cache=their_cache)
-        mx.eval([c.state for c in their_cache])
+        theirs = _Prompted(twin, lambda: mlx_lm_cache(twin), prompt)
+    if decoder is not None and decoder.masks(ours.cache, 1) is None:
+        print("(the compiled step does not take this model's caches: plain passes only)", flush=True)
+        decoder = None
     print(
         f"{args.shape} ({args.bits}-bit g{args.group_size}, random weights) on {mx.default_device()}: "
         f"one decode step after a {p}-token prompt, {g} steps per run, {args.repeat} run(s)",
@@ -221,27 +249,27 @@ def run_step(args: argparse.Namespace) -> int:
     )
 
     first = prompt[-1:]
-    loops: dict[str, tuple[Callable[[Any], Any], list[Any]]] = {}
+    loops: dict[str, tuple[Callable[[Any], Any], _Prompted]] = {}
     if decoder is not None:
-        loops["engine compiled"] = (lambda t: decoder(t, ours_cache), ours_cache)
-    loops["engine plain"] = (lambda t: model(t[None], cache=ours_cache)[:, -1], ours_cache)
-    if twin is not None:
-        loops["mlx-lm"] = (lambda t: twin(t[None], cache=their_cache)[:, -1], their_cache)
+        loops["engine compiled"] = (lambda t: decoder(t, ours.cache), ours)
+    loops["engine plain"] = (lambda t: model(t[None], cache=ours.cache)[:, -1], ours)
+    if theirs is not None:
+        loops["mlx-lm"] = (lambda t: twin(t[None], cache=theirs.cache)[:, -1], theirs)
 
     steps: dict[str, dict[str, Any]] = {}
     ids: dict[str, list[int]] = {}  # each loop's greedy tokens: the loops must agree
-    for name, (forward, cache) in loops.items():
+    for name, (forward, prompted) in loops.items():
         graph = forward(first)
         ops = op_count(graph)
         mx.eval(graph)
-        _rewind(cache, p)
+        prompted.rewind()
         time_steps(forward, first, 2)  # warm-up (traces, kernels)
-        _rewind(cache, p)
+        prompted.rewind()
         runs, tokens = [], []
         for _ in range(max(1, args.repeat)):
             times, tokens = time_steps(forward, first, g)
             runs.append(times)
-            _rewind(cache, p)
+            prompted.rewind()
         best = min(runs, key=lambda t: t["step"])
         steps[name] = {
             "ms": 1000 * best["step"],
@@ -262,8 +290,11 @@ def run_step(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"shape": args.shape, "prompt_tokens": p, "steps": steps}
     if decoder is not None:
         split = _Split(decoder, list(model.layers))
-        traced, outside = zip(*[split(first, ours_cache) for _ in range(3)])
-        _rewind(ours_cache, p)
+        times = []
+        for _ in range(3):
+            times.append(split(first, ours.cache))
+            ours.rewind()
+        traced, outside = zip(*times)
         out["compiled_split_ms"] = {"traced": 1000 * min(traced), "outside": 1000 * min(outside)}
         print(
             f"compiled step, synced per layer: traced functions {out['compiled_split_ms']['traced']:.3f} ms, "
@@ -271,7 +302,7 @@ def run_step(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    out["parts_ms"] = part_rows(model, twin, ours_cache, their_cache, p, max(8, g // 4))
+    out["parts_ms"] = part_rows(model, twin, ours, theirs, max(8, g // 4))
     if "engine compiled" in ids:
         out["compiled_matches_plain"] = ids["engine compiled"] == ids["engine plain"]
     if "mlx-lm" in ids:
@@ -282,7 +313,7 @@ def run_step(args: argparse.Namespace) -> int:
 
 
 def part_rows(
-    model: Any, twin: Any | None, ours_cache: list[Any], their_cache: list[Any] | None, p: int, n: int
+    model: Any, twin: Any | None, ours: _Prompted, theirs: _Prompted | None, n: int
 ) -> dict[str, dict[str, Any]]:
     """Each part of a layer timed alone on both models (ms per call), times the number of
     layers that have it; the first layer of each kind stands for the rest."""
@@ -295,23 +326,27 @@ def part_rows(
     mx.eval(x)
     rows: dict[str, dict[str, Any]] = {}
 
-    def add(name: str, count: int, ours: Callable[[], Any], theirs: Callable[[], Any] | None, after=None) -> None:
-        row: dict[str, Any] = {"layers": count, "engine": count * 1000 * time_calls(ours, n, after or (lambda: None))}
-        if theirs is not None:
-            their_after = (lambda: _rewind(their_cache, p)) if after is not None else (lambda: None)
-            row["mlx-lm"] = count * 1000 * time_calls(theirs, n, their_after)
+    def add(name: str, count: int, fn: Callable[[], Any], their_fn: Callable[[], Any] | None, cached=False) -> None:
+        row: dict[str, Any] = {
+            "layers": count,
+            "engine": count * 1000 * time_calls(fn, n, ours.trim if cached else lambda: None),
+        }
+        if their_fn is not None and theirs is not None:
+            row["mlx-lm"] = count * 1000 * time_calls(their_fn, n, theirs.trim if cached else lambda: None)
         rows[name] = row
 
-    # Attention: every layer has one, each on its own cache of p tokens.
+    # Attention: every layer has one, each on its own cache holding the prompt.
     attn, their_attn = layers[-1].self_attn, their_layers[-1].self_attn if twin is not None else None
-    oc, tc = ours_cache[-1], their_cache[-1] if their_cache is not None else None
     add(
         "attention",
         len(layers),
-        lambda: attn(x, None, oc),
-        (lambda: their_attn(x, None, tc)) if their_attn is not None else None,
-        after=lambda: _rewind(ours_cache, p),
+        lambda: attn(x, None, ours.cache[-1]),
+        (lambda: their_attn(x, None, theirs.cache[-1])) if their_attn is not None and theirs is not None else None,
+        cached=True,
     )
+    ours.rewind()
+    if theirs is not None:
+        theirs.rewind()
     kinds: dict[str, list[int]] = collections.defaultdict(list)
     for i, layer in enumerate(layers):
         kinds["moe" if "gate" in layer.mlp and "switch_mlp" in layer.mlp else "dense"].append(i)
