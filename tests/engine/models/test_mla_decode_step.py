@@ -1,0 +1,90 @@
+"""The compiled decode step of latent-attention models: leaner, and still the plain pass.
+
+Its traced functions compute the first query projection and ``kv_a_proj_with_mqa`` in one
+matmul and hand the query parts to attention as a pair (scale applied inside); the
+router holds its weight in float32. Each must leave the tokens and log-probs of the
+plain forward pass as they were, with and without a query LoRA, biased or not, in
+float32 and in mlx-lm's 4-bit layout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from model_goldens import GOLDEN, load_golden
+
+from engine.decode.compiled_step import compiled_decoder
+from engine.decode.loop import generate_step
+from engine.models.routed_moe import GroupLimitedRouter, _route
+from engine.models.stacked import stacked_output
+
+MLX_LAYOUTS = GOLDEN.parent / "mlx_layouts"
+
+
+def _both(model, prompt: list[int], n: int = 10):
+    def run(compiled: bool):
+        pairs = list(
+            generate_step(
+                mx.array(prompt, dtype=mx.uint32),
+                model,
+                model.make_cache(),
+                max_tokens=n,
+                logprobs=True,
+                compiled=compiled,
+            )
+        )
+        return [t for t, _ in pairs], [lp for _, lp in pairs]
+
+    return run(False), run(True)
+
+
+def _assert_stacked(model) -> None:
+    """Every latent attention layer computes its two input projections in one matmul."""
+    x = mx.zeros((1, 1, model.args.hidden_size), dtype=mx.float32)
+    for layer in model.layers:
+        attn = layer.self_attn
+        first = "q_proj" if attn.q_lora_rank is None else "q_a_proj"
+        both = stacked_output(attn, (first, "kv_a_proj_with_mqa"), x.astype(attn.kv_a_proj_with_mqa(x).dtype))
+        assert both is not None
+        assert both.shape[-1] == getattr(attn, first)(x).shape[-1] + attn.kv_lora_rank + attn.rope_dims
+
+
+@pytest.mark.parametrize("name", ["moonlight", "kimi_k2", "deepseek_v3"])
+def test_compiled_step_equals_plain_pass(name):
+    """moonlight: no query LoRA; kimi_k2: a query LoRA; deepseek_v3: biased projections."""
+    model, expected = load_golden(name)
+    assert compiled_decoder(model).prepare()
+    _assert_stacked(model)
+    (plain_ids, plain_lp), (fast_ids, fast_lp) = _both(model, expected["prompt_ids"])
+    assert plain_ids == fast_ids == expected["greedy_ids"][: len(plain_ids)]
+    assert max(abs(a - b) for a, b in zip(plain_lp, fast_lp)) < 1e-5
+
+
+def test_compiled_step_equals_plain_pass_in_mlx_lm_4bit_layout():
+    from engine.runtime.loading import load_model
+
+    folder = MLX_LAYOUTS / "moonlight"
+    model = load_model(folder, memory_budget=10**9).model
+    expected = json.loads((folder / "expected.json").read_text())
+    assert compiled_decoder(model).prepare()
+    _assert_stacked(model)
+    (plain_ids, plain_lp), (fast_ids, fast_lp) = _both(model, expected["prompt_ids"], len(expected["greedy_ids"]))
+    assert plain_ids == fast_ids == expected["greedy_ids"]
+    assert max(abs(a - b) for a, b in zip(plain_lp, fast_lp)) < 1e-5
+
+
+def test_router_holds_float32_and_routes_as_a_cast_per_call_did():
+    model, _ = load_golden("kimi_k2")
+    router = next(m.mlp.gate for m in model.layers if isinstance(getattr(m.mlp, "gate", None), GroupLimitedRouter))
+    bf16 = router.weight.astype(mx.bfloat16)
+    router.weight = bf16  # as a bf16 checkpoint hands it over
+    assert router.weight.dtype == mx.float32
+    router.set_dtype(mx.bfloat16)  # as casting a whole model does
+    assert router.weight.dtype == mx.float32 and router.e_score_correction_bias.dtype == mx.bfloat16
+    x = mx.random.normal((5, model.args.hidden_size), key=mx.random.key(0)).astype(mx.bfloat16)
+    settings = (router.top_k, router.n_group, router.topk_group, router.norm_topk_prob, router.scaling)
+    chosen, weights = router(x)
+    before_chosen, before_weights = _route(x, bf16, router.e_score_correction_bias, *settings)
+    assert mx.array_equal(chosen, before_chosen).item() and mx.array_equal(weights, before_weights).item()
