@@ -39,6 +39,10 @@ _VIEWS = frozenset(
 )
 
 
+# Prompts go in in chunks of this many tokens, as the plain bench's loops take them.
+PREFILL_CHUNK = 2048
+
+
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--step",
@@ -77,8 +81,9 @@ class _Prompted:
         import mlx.core as mx
 
         self.cache[:] = self.make()
-        self.model(self.prompt[None], cache=self.cache)
-        mx.eval([c.state for c in self.cache])
+        for start in range(0, int(self.prompt.size), PREFILL_CHUNK):
+            self.model(self.prompt[None, start : start + PREFILL_CHUNK], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
 
     def trimmable(self) -> bool:
         return all(getattr(c, "is_trimmable", lambda: True)() for c in self.cache)
