@@ -88,3 +88,20 @@ def test_router_holds_float32_and_routes_as_a_cast_per_call_did():
     chosen, weights = router(x)
     before_chosen, before_weights = _route(x, bf16, router.e_score_correction_bias, *settings)
     assert mx.array_equal(chosen, before_chosen).item() and mx.array_equal(weights, before_weights).item()
+
+
+def test_compiled_verification_of_a_few_tokens_equals_the_plain_pass():
+    """Speculative verification feeds a few tokens at once: the causal mask then applies
+    to the query pair."""
+    model, expected = load_golden("kimi_k2")
+    decoder = compiled_decoder(model)
+    assert decoder.prepare()
+    prompt = mx.array([expected["prompt_ids"]])
+    drafts = mx.array([3, 14, 15, 92])
+    plain_cache, fast_cache = model.make_cache(), model.make_cache()
+    model(prompt, cache=plain_cache)
+    model(prompt, cache=fast_cache)
+    plain = model(drafts[None], cache=plain_cache)[0]
+    fast = decoder(drafts, fast_cache)
+    assert fast is not None and fast.shape == plain.shape
+    assert mx.allclose(fast, plain, atol=1e-5, rtol=0).item()
