@@ -51,6 +51,23 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_mla_attention_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mla-attention",
+        choices=["fused", "composed"],
+        help="latent-attention models: MLX's fused attention call, or the few-kernel composed "
+        "form (default: composed except on Metal)",
+    )
+
+
+def apply_mla_attention(args: argparse.Namespace) -> None:
+    choice = getattr(args, "mla_attention", None)
+    if choice is not None:
+        from engine.models import mla
+
+        mla.COMPOSE = choice == "composed"
+
+
 def op_count(outputs: Any) -> dict[str, int]:
     """The primitives in the graph that computes ``outputs`` (not yet evaluated), views
     left out, by name."""
@@ -352,6 +369,8 @@ def part_rows(
     ours.rewind()
     if theirs is not None:
         theirs.rewind()
+    if hasattr(attn, "latent_attention"):
+        _latent_attention_forms(add, attn, ours, len(layers))
     kinds: dict[str, list[int]] = collections.defaultdict(list)
     for i, layer in enumerate(layers):
         kinds["moe" if "gate" in layer.mlp and "switch_mlp" in layer.mlp else "dense"].append(i)
@@ -366,8 +385,29 @@ def part_rows(
         lambda: model.logits(norm(x)),
         (lambda: twin.lm_head(their_norm(x))) if twin is not None and "lm_head" in twin else None,
     )
-    print(f"{'part (x layers)':<24} {'engine ms':>10} {'mlx-lm ms':>10}")
+    print(f"{'part (x layers)':<32} {'engine ms':>10} {'mlx-lm ms':>10}")
     for name, row in rows.items():
         theirs = f"{row['mlx-lm']:10.3f}" if "mlx-lm" in row else f"{'-':>10}"
-        print(f"{name + ' x' + str(row['layers']):<24} {row['engine']:10.3f} {theirs}", flush=True)
+        print(f"{name + ' x' + str(row['layers']):<32} {row['engine']:10.3f} {theirs}", flush=True)
     return rows
+
+
+def _latent_attention_forms(add: Callable[..., None], attn: Any, ours: _Prompted, count: int) -> None:
+    """Latent attention alone over the prompt's cached latents, through MLX's fused call
+    and through the composed form (``mla.composed_latent_attention``), ours only."""
+    import mlx.core as mx
+
+    from engine.models import mla
+
+    latent, k_pe = ours.cache[-1].held()
+    k = iter(mx.random.split(mx.random.key(2), 2))
+    q_latent = mx.random.normal((1, attn.n_heads, 1, attn.kv_lora_rank), key=next(k)).astype(latent.dtype)
+    q_pe = mx.random.normal((1, attn.n_heads, 1, attn.rope_dims), key=next(k)).astype(latent.dtype)
+    mx.eval(q_latent, q_pe)
+    saved = mla.COMPOSE
+    try:
+        for name, compose in (("latent attention fused", False), ("latent attention composed", True)):
+            mla.COMPOSE = compose
+            add(name, count, lambda: attn.latent_attention(q_latent, q_pe, latent, k_pe, None, True), None)
+    finally:
+        mla.COMPOSE = saved

@@ -87,6 +87,21 @@ class QuantizedMultiLinear(nn.Module):
         )
 
 
+# Which absorbed attention to run: None picks by backend (composed_latent_attention); the
+# bench sets it to compare the two on one machine.
+COMPOSE: bool | None = None
+
+
+def composed_latent_attention() -> bool:
+    """Whether absorbed attention composes its own few kernels instead of calling MLX's fused
+    attention. The fused call has no kernel for kv_lora_rank-sized heads (512) with an
+    additive mask on the CUDA and CPU backends (MLX 0.32) and falls back to five separate
+    ops there; Metal keeps the fused call, whose kernels may cover the case."""
+    if COMPOSE is not None:
+        return COMPOSE
+    return not mx.metal.is_available()
+
+
 def mla_rope(args: Any) -> RoPE:
     """RoPE over the ``qk_rope_head_dim`` features; DeepSeek's checkpoints pair adjacent
     features (``rope_interleave``, the default), which is MLX's "traditional" layout."""
@@ -190,9 +205,19 @@ class MLAttention(nn.Module):
     def latent_attention(self, q_latent, q_pe, latent, k_pe, keep, scaled: bool = False) -> mx.array:
         """The absorbed form: queries already in the latent space [B, heads, L, kv_lora_rank]
         attend over the latents as one shared key/value head; the result stays there."""
-        return mx.fast.scaled_dot_product_attention(
-            q_latent, latent, latent, scale=self.scale, mask=self.rope_scores(q_pe, k_pe, keep, scaled)
+        mask = self.rope_scores(q_pe, k_pe, keep, scaled)
+        if not composed_latent_attention():
+            return mx.fast.scaled_dot_product_attention(q_latent, latent, latent, scale=self.scale, mask=mask)
+        # What MLX's fused call falls back to for these head sizes, in fewer kernels: all
+        # heads' queries as the rows of one product with the shared latents, the scale and
+        # the RoPE scores added in that product's epilogue (``addmm``), then softmax and
+        # the weighted sum. Same math; scores rounded once instead of three times.
+        b, h, n, r = q_latent.shape
+        scores = mx.addmm(
+            mask.reshape(b, 1, h * n, -1), q_latent.reshape(b, 1, h * n, r), latent.swapaxes(-1, -2), alpha=self.scale
         )
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        return (weights @ latent).reshape(b, h, n, r)
 
     def output(self, heads: mx.array) -> mx.array:
         """The output projection of per-head values [B, heads, L, v_head_dim]."""

@@ -105,3 +105,28 @@ def test_compiled_verification_of_a_few_tokens_equals_the_plain_pass():
     fast = decoder(drafts, fast_cache)
     assert fast is not None and fast.shape == plain.shape
     assert mx.allclose(fast, plain, atol=1e-5, rtol=0).item()
+
+
+@pytest.mark.parametrize("n_queries", [1, 5])
+def test_composed_absorbed_attention_equals_the_fused_call(n_queries, monkeypatch):
+    """The few-kernel absorbed attention computes what MLX's fused call computes, causal
+    mask included (several queries: speculative verification)."""
+    from engine.models.mla import causal_keep
+
+    model, _ = load_golden("moonlight")
+    attn = model.layers[0].self_attn
+    heads, keys = attn.n_heads, 37
+    k = iter(mx.random.split(mx.random.key(3), 4))
+    q_latent = mx.random.normal((1, heads, n_queries, attn.kv_lora_rank), key=next(k))
+    q_pe = mx.random.normal((1, heads, n_queries, attn.rope_dims), key=next(k))
+    latent = mx.random.normal((1, 1, keys, attn.kv_lora_rank), key=next(k))
+    k_pe = mx.random.normal((1, 1, keys, attn.rope_dims), key=next(k))
+    keep = causal_keep("causal" if n_queries > 1 else None, n_queries, keys)
+
+    def run(composed: bool) -> mx.array:
+        monkeypatch.setattr("engine.models.mla.composed_latent_attention", lambda: composed)
+        return attn.latent_attention(q_latent, q_pe, latent, k_pe, keep)
+
+    fused, composed = run(False), run(True)
+    assert composed.shape == fused.shape == (1, heads, n_queries, attn.kv_lora_rank)
+    assert mx.allclose(composed, fused, atol=1e-5, rtol=1e-5).item()
