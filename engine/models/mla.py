@@ -13,11 +13,14 @@ speculative verification) use the absorbed form: queries move into the latent sp
 (``q_nope @ W_k``), attend over the cached latents directly as one shared key/value head,
 and the result leaves it through ``unembed_out``. A long prompt expands the latents
 instead, which costs less when there are about as many queries as keys. The RoPE part of
-the scores is computed separately and enters the fused attention as its additive mask.
+the scores is computed separately and enters the fused attention as its additive mask
+(or, where MLX has no fused kernel for these head sizes, the epilogue of the one product
+of the composed form: ``composed_latent_attention``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -99,7 +102,12 @@ def composed_latent_attention() -> bool:
     ops there; Metal keeps the fused call, whose kernels may cover the case."""
     if COMPOSE is not None:
         return COMPOSE
-    return not mx.metal.is_available()
+    return not _on_metal()
+
+
+@functools.cache
+def _on_metal() -> bool:
+    return mx.metal.is_available()
 
 
 def mla_rope(args: Any) -> RoPE:
