@@ -212,17 +212,26 @@ class MLAttention(nn.Module):
 
     def latent_attention(self, q_latent, q_pe, latent, k_pe, keep, scaled: bool = False) -> mx.array:
         """The absorbed form: queries already in the latent space [B, heads, L, kv_lora_rank]
-        attend over the latents as one shared key/value head; the result stays there."""
-        mask = self.rope_scores(q_pe, k_pe, keep, scaled)
+        attend over the latents as one shared key/value head; the result stays there.
+        ``scaled``: ``q_pe`` is already multiplied by the softmax scale."""
         if not composed_latent_attention():
+            mask = self.rope_scores(q_pe, k_pe, keep, scaled)
             return mx.fast.scaled_dot_product_attention(q_latent, latent, latent, scale=self.scale, mask=mask)
         # What MLX's fused call falls back to for these head sizes, in fewer kernels: all
-        # heads' queries as the rows of one product with the shared latents, the scale and
-        # the RoPE scores added in that product's epilogue (``addmm``), then softmax and
-        # the weighted sum. Same math; scores rounded once instead of three times.
+        # heads' queries as the rows of one product with the shared latents, with the
+        # scale and the RoPE scores applied in that product's epilogue (``addmm``: alpha
+        # and beta), then softmax and the weighted sum. Same math, no separate multiply or
+        # add; the scores are rounded once instead of three times.
+        pe = q_pe @ k_pe.swapaxes(-1, -2)
+        if keep is not None:
+            pe = mx.where(keep, pe, mx.array(mx.finfo(pe.dtype).min, pe.dtype))
         b, h, n, r = q_latent.shape
         scores = mx.addmm(
-            mask.reshape(b, 1, h * n, -1), q_latent.reshape(b, 1, h * n, r), latent.swapaxes(-1, -2), alpha=self.scale
+            pe.reshape(b, 1, h * n, -1),
+            q_latent.reshape(b, 1, h * n, r),
+            latent.swapaxes(-1, -2),
+            alpha=self.scale,
+            beta=1.0 if scaled else self.scale,
         )
         weights = mx.softmax(scores, axis=-1, precise=True)
         return (weights @ latent).reshape(b, h, n, r)
@@ -247,12 +256,12 @@ class MLAttention(nn.Module):
 
 class LatentAttention(MLAttention):
     """MLA cut into the compiled decode step's pieces (``engine/decode/compiled_step.py``):
-    ``qkv`` (the queries, moved into the latent space, and their rotated part already
-    scaled, as a pair; the new latents; the new rope keys), ``attend`` over what the cache
-    returns, and ``out``. Everything ``qkv`` does runs in the step's traced functions;
-    what ``attend`` does runs outside them, every op there launched on its own, so
-    ``qkv`` leaves it only the two products with the cache and no copies: the query
-    parts stay apart (no concatenation to slice again) and the scale is applied inside.
+    ``qkv`` (the queries, moved into the latent space, and their rotated part, as a pair;
+    the new latents; the new rope keys), ``attend`` over what the cache returns, and
+    ``out``. Everything ``qkv`` does runs in the step's traced functions; what ``attend``
+    does runs outside them, every op there launched on its own, so ``qkv`` leaves it no
+    copies or elementwise work: the query parts stay apart (no concatenation to slice
+    again) and any scaling of them happens inside.
     For a few rows the first query projection and ``kv_a_proj_with_mqa``, which read the
     same input, are one matmul (``models.stacked``).
     (DSA layers do not take this path: their attention also depends on other layers.)"""
@@ -264,12 +273,16 @@ class LatentAttention(MLAttention):
         q_in, kv = project(self, (first, "kv_a_proj_with_mqa"), x)
         q_nope, q_pe, _ = self.queries(x, offset, q_in)
         latent, k_pe = self.latents(x, offset, kv)
-        return (self.embed_q(q_nope), q_pe * self.scale), latent, k_pe
+        # The fused call takes the RoPE scores ready-made, so they are scaled here, inside
+        # the trace; the composed form scales them in its product for free. What the trace
+        # did is remembered for ``attend``, which runs outside it.
+        self.q_pe_scaled = not composed_latent_attention()
+        return (self.embed_q(q_nope), q_pe * self.scale if self.q_pe_scaled else q_pe), latent, k_pe
 
     def attend(self, q: tuple[mx.array, mx.array], latent: mx.array, k_pe: mx.array, mask) -> mx.array:
         q_latent, q_pe = q
         keep = causal_keep(mask, q_latent.shape[2], latent.shape[2])
-        return self.latent_attention(q_latent, q_pe, latent, k_pe, keep, scaled=True)
+        return self.latent_attention(q_latent, q_pe, latent, k_pe, keep, scaled=getattr(self, "q_pe_scaled", False))
 
     def out(self, attn: mx.array) -> mx.array:
         return self.output(self.unembed_out(attn))

@@ -107,10 +107,12 @@ def test_compiled_verification_of_a_few_tokens_equals_the_plain_pass():
     assert mx.allclose(fast, plain, atol=1e-5, rtol=0).item()
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("n_queries", [1, 5])
-def test_composed_absorbed_attention_equals_the_fused_call(n_queries, monkeypatch):
+def test_composed_absorbed_attention_equals_the_fused_call(n_queries, scaled, monkeypatch):
     """The few-kernel absorbed attention computes what MLX's fused call computes, causal
-    mask included (several queries: speculative verification)."""
+    mask included (several queries: speculative verification), whether the RoPE queries
+    come scaled or not."""
     from engine.models.mla import causal_keep
 
     model, _ = load_golden("moonlight")
@@ -125,7 +127,7 @@ def test_composed_absorbed_attention_equals_the_fused_call(n_queries, monkeypatc
 
     def run(composed: bool) -> mx.array:
         monkeypatch.setattr("engine.models.mla.composed_latent_attention", lambda: composed)
-        return attn.latent_attention(q_latent, q_pe, latent, k_pe, keep)
+        return attn.latent_attention(q_latent, q_pe * attn.scale if scaled else q_pe, latent, k_pe, keep, scaled)
 
     fused, composed = run(False), run(True)
     assert composed.shape == fused.shape == (1, heads, n_queries, attn.kv_lora_rank)
