@@ -4,8 +4,9 @@ The plain bench says which loop decodes faster; this says where a step's time go
 After a ``-p`` token prompt is in both caches, it times ``-g`` decode steps, pipelined as
 the decode loops run them (step n+1 is queued before token n is read), for
 
-* ``engine compiled``: our compiled step (engine/decode/compiled_step.py),
-* ``engine plain``: our model's forward pass,
+* ``engine compiled``: our compiled step (engine/decode/compiled_step.py), also for
+  models whose decoding takes the plain pass by default (latent attention),
+* ``engine plain``: our model's forward pass (with the projections stacked),
 * ``mlx-lm``: mlx-lm's model's forward pass on the same weights (``--vs mlx-lm``),
 
 with the host's share of each step (building its graph, handing it to the device), its
@@ -249,6 +250,11 @@ def run_step(args: argparse.Namespace) -> int:
         args.bits, args.group_size = MODES[args.mode].default
     model, config, quantized = build_model(args.shape, args.bits, args.group_size, args.seed, args.mode)
     twin = mlx_lm_twin(model, config, quantized) if args.vs == "mlx-lm" else None
+    # Layers that decode through the plain pass by default (``compiled_decode = False``,
+    # latent attention) take the compiled step here anyway, so the two can be compared.
+    for layer in model.layers:
+        if not getattr(getattr(layer, "self_attn", None), "compiled_decode", True):
+            layer.self_attn.compiled_decode = True
     decoder = compiled_decoder(model)
     if decoder is not None and not decoder.prepare():
         decoder = None

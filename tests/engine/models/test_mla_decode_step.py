@@ -1,10 +1,12 @@
-"""The compiled decode step of latent-attention models: leaner, and still the plain pass.
+"""Decoding latent-attention models: the plain pass by default, the compiled step kept exact.
 
-Its traced functions compute the first query projection and ``kv_a_proj_with_mqa`` in one
-matmul and hand the query parts to attention as a pair (scale applied inside); the
-router holds its weight in float32. Each must leave the tokens and log-probs of the
-plain forward pass as they were, with and without a query LoRA, biased or not, in
-float32 and in mlx-lm's 4-bit layout.
+Latent attention decodes through the plain pass (``LatentAttention.compiled_decode``:
+the compiled step measured slower on a GPU), with the first query projection and
+``kv_a_proj_with_mqa`` stacked into one matmul for a few rows; the compiled step, still
+there for layers that opt in, hands the query parts to attention as a pair. The router
+holds its weight in float32, and absorbed attention is composed in a few kernels where
+MLX has no fused one. Each must leave tokens and log-probs as they were, with and
+without a query LoRA, biased or not, in float32 and in mlx-lm's 4-bit layout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from model_goldens import GOLDEN, load_golden
 
 from engine.decode.compiled_step import compiled_decoder
 from engine.decode.loop import generate_step
+from engine.models.mla import LatentAttention
 from engine.models.routed_moe import GroupLimitedRouter, _route
 from engine.models.stacked import stacked_output
 
@@ -51,9 +54,40 @@ def _assert_stacked(model) -> None:
         assert both.shape[-1] == getattr(attn, first)(x).shape[-1] + attn.kv_lora_rank + attn.rope_dims
 
 
+@pytest.fixture
+def compiled_mla(monkeypatch):
+    """Latent attention opted in to the compiled step."""
+    monkeypatch.setattr(LatentAttention, "compiled_decode", True)
+
+
 @pytest.mark.parametrize("name", ["moonlight", "kimi_k2", "deepseek_v3"])
-def test_compiled_step_equals_plain_pass(name):
+def test_plain_pass_by_default_with_stacked_projections(name):
     """moonlight: no query LoRA; kimi_k2: a query LoRA; deepseek_v3: biased projections."""
+    model, expected = load_golden(name)
+    unstacked = list(
+        generate_step(
+            mx.array(expected["prompt_ids"], dtype=mx.uint32),
+            model,
+            model.make_cache(),
+            max_tokens=8,
+            logprobs=True,
+            compiled=False,
+        )
+    )
+    decoder = compiled_decoder(model)
+    assert decoder is not None and not decoder.prepare()  # no compiled step, but stacked
+    _assert_stacked(model)
+    stacked = list(
+        generate_step(
+            mx.array(expected["prompt_ids"], dtype=mx.uint32), model, model.make_cache(), max_tokens=8, logprobs=True
+        )
+    )
+    assert [t for t, _ in stacked] == [t for t, _ in unstacked] == expected["greedy_ids"][:8]
+    assert max(abs(a[1] - b[1]) for a, b in zip(stacked, unstacked)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["moonlight", "kimi_k2", "deepseek_v3"])
+def test_compiled_step_equals_plain_pass(name, compiled_mla):
     model, expected = load_golden(name)
     assert compiled_decoder(model).prepare()
     _assert_stacked(model)
@@ -62,7 +96,7 @@ def test_compiled_step_equals_plain_pass(name):
     assert max(abs(a - b) for a, b in zip(plain_lp, fast_lp)) < 1e-5
 
 
-def test_compiled_step_equals_plain_pass_in_mlx_lm_4bit_layout():
+def test_compiled_step_equals_plain_pass_in_mlx_lm_4bit_layout(compiled_mla):
     from engine.runtime.loading import load_model
 
     folder = MLX_LAYOUTS / "moonlight"
@@ -90,7 +124,7 @@ def test_router_holds_float32_and_routes_as_a_cast_per_call_did():
     assert mx.array_equal(chosen, before_chosen).item() and mx.array_equal(weights, before_weights).item()
 
 
-def test_compiled_verification_of_a_few_tokens_equals_the_plain_pass():
+def test_compiled_verification_of_a_few_tokens_equals_the_plain_pass(compiled_mla):
     """Speculative verification feeds a few tokens at once: the causal mask then applies
     to the query pair."""
     model, expected = load_golden("kimi_k2")

@@ -253,12 +253,15 @@ def test_bench_mla_shape_builds_and_matches_mlx_lm(composed, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
-def test_compiled_decode_step_equals_the_plain_one(name):
-    """Latent attention takes the compiled decode step (queries absorbed into the latent
-    space inside the traced function); GLM-5's layers, which hand the indexer's choice on,
-    keep the plain pass."""
+def test_compiled_decode_step_equals_the_plain_one(name, monkeypatch):
+    """Latent attention, opted in to the compiled decode step (it decodes through the plain
+    pass by default), takes it exactly (queries absorbed into the latent space inside the
+    traced function); GLM-5's layers, which hand the indexer's choice on, keep the plain pass."""
     from engine.decode.compiled_step import compiled_decoder
     from engine.decode.loop import generate_step
+    from engine.models.mla import LatentAttention
+
+    monkeypatch.setattr(LatentAttention, "compiled_decode", True)
 
     model, expected = load_golden(name)
     assert compiled_decoder(model).prepare()
