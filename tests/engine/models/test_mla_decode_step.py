@@ -166,3 +166,23 @@ def test_composed_absorbed_attention_equals_the_fused_call(n_queries, scaled, mo
     fused, composed = run(False), run(True)
     assert composed.shape == fused.shape == (1, heads, n_queries, attn.kv_lora_rank)
     assert mx.allclose(composed, fused, atol=1e-5, rtol=1e-5).item()
+
+
+def test_a_stack_is_set_aside_once_a_layer_gains_an_array():
+    """The per-call check that a stack still holds is a few lookups; an array added to one
+    of its layers (a bias) still sets it aside."""
+    from engine.models.base import GATE_UP, GatedMLP
+    from engine.models.stacked import project, stack_projections
+
+    mlp = GatedMLP(32, 48)
+    mx.eval(mlp.parameters())
+    assert stack_projections(mlp) == 1
+    x = mx.random.normal((1, 1, 32), key=mx.random.key(5))
+    assert stacked_output(mlp, GATE_UP, x) is not None
+    mlp.gate_proj.bias = mx.ones((48,))
+    assert stacked_output(mlp, GATE_UP, x) is None
+    gate, _ = project(mlp, GATE_UP, x)
+    assert (
+        mx.allclose(gate, mlp.gate_proj(x)).item()
+        and mx.allclose(gate - 1, x @ mlp.gate_proj.weight.T, atol=1e-6).item()
+    )
