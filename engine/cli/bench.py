@@ -454,6 +454,9 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     try:
         # mlx-lm drops built-in MTP layers (mtp.*): its twin runs without them.
         weights = [(nest + k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith("mtp.")]
+        # In the dtype mlx-lm would load them in (ours holds a few in float32, e.g. MoE routers).
+        theirs = dict(tree_flatten(twin.parameters()))
+        weights = [(k, v.astype(theirs[k].dtype) if k in theirs and v.dtype == mx.float32 else v) for k, v in weights]
         twin.load_weights(weights, strict=True)
     except ValueError as e:
         raise EngineError(f"mlx-lm's {config['model_type']} does not take our weights: {e}") from None

@@ -227,11 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.cli.bench import add_arguments
     from engine.cli.bench_concurrent import add_concurrent_arguments
     from engine.cli.bench_speculative import add_speculative_arguments
+    from engine.cli.bench_step import add_mla_attention_argument, add_step_arguments
 
     bench = sub.add_parser("bench", help="speed on random weights of a real model shape")
     add_arguments(bench)
     add_speculative_arguments(bench)
     add_concurrent_arguments(bench)
+    add_step_arguments(bench)
+    add_mla_attention_argument(bench)
     _add_convert(sub)
 
     _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
@@ -541,7 +544,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine.cli.bench import run_bench
     from engine.cli.bench_concurrent import run_concurrent
     from engine.cli.bench_speculative import run_speculative
+    from engine.cli.bench_step import apply_mla_attention, run_step
 
+    apply_mla_attention(args)
+    if args.step:
+        return run_step(args)
     return run_bench(args, speculative=run_speculative, concurrent=run_concurrent)
 
 

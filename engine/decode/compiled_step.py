@@ -47,7 +47,14 @@ def _layer_ok(layer: Any) -> bool:
         and hasattr(layer, "input_layernorm")
         # RoPE variants that pick settings from the position need it as a Python int.
         and type(getattr(attn, "rope", None)) is RoPE
+        # Attention that measured slower compiled than plain says so (latent attention).
+        and getattr(attn, "compiled_decode", True)
     )
+
+
+def _declines(layer: Any) -> bool:
+    """Whether the layer's attention opts out of the compiled step (``compiled_decode``)."""
+    return not getattr(getattr(layer, "self_attn", None), "compiled_decode", True)
 
 
 class CompiledDecoder:
@@ -64,6 +71,9 @@ class CompiledDecoder:
             and len(model.layers) > 0
             and all(_layer_ok(layer) for layer in model.layers)
         )
+        # Models whose layers opt out still get their projections stacked by ``prepare``
+        # (which then returns False): their plain pass uses the stacks for a few rows.
+        self.stack_only = not self.supported and any(_declines(layer) for layer in getattr(model, "layers", []))
         self._links: list[tuple[Any, Any, Any]] = []  # what the traces were built from
         self._signature = ""
         self._fns: list[Any] = []
@@ -76,6 +86,8 @@ class CompiledDecoder:
         generation, not per token. Before tracing, q/k/v and gate/up are stacked into
         one matmul each (``models.fused``). Returns whether compiled decoding is available."""
         if not self.supported:
+            if self.stack_only:
+                self._stack_for_plain_pass()
             return False
         model = self._model()
         # Switching adapters changes what a layer computes without replacing any array.
@@ -87,6 +99,13 @@ class CompiledDecoder:
             self._links, self._signature = _links(model), signature
             self._fns = self._build()
         return True
+
+    def _stack_for_plain_pass(self) -> None:
+        model = self._model()
+        signature = active_signature(model)
+        if signature != self._signature or not _links_hold(model, self._links):
+            stack_projections(model)
+            self._links, self._signature = _links(model), signature
 
     def _build(self) -> list[Any]:
         ref = self._model
@@ -263,4 +282,4 @@ def compiled_decoder(model: Any) -> CompiledDecoder | None:
             object.__setattr__(model, "_compiled_decoder", decoder)
         except AttributeError:
             pass
-    return decoder if decoder.supported else None
+    return decoder if decoder.supported or decoder.stack_only else None

@@ -13,11 +13,14 @@ speculative verification) use the absorbed form: queries move into the latent sp
 (``q_nope @ W_k``), attend over the cached latents directly as one shared key/value head,
 and the result leaves it through ``unembed_out``. A long prompt expands the latents
 instead, which costs less when there are about as many queries as keys. The RoPE part of
-the scores is computed separately and enters the fused attention as its additive mask.
+the scores is computed separately and enters the fused attention as its additive mask
+(or, where MLX has no fused kernel for these head sizes, the epilogue of the one product
+of the composed form: ``composed_latent_attention``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -26,6 +29,7 @@ import mlx.nn as nn
 
 from engine.models.base import RoPE, make_rope
 from engine.models.mla_cache import MLALatentCache
+from engine.models.stacked import project
 
 # Up to this many queries per step attend in the latent space (the absorbed form).
 ABSORB_MAX_QUERIES = 8
@@ -84,6 +88,26 @@ class QuantizedMultiLinear(nn.Module):
             bits=self.bits,
             mode=self.mode,
         )
+
+
+# Which absorbed attention to run: None picks by backend (composed_latent_attention); the
+# bench sets it to compare the two on one machine.
+COMPOSE: bool | None = None
+
+
+def composed_latent_attention() -> bool:
+    """Whether absorbed attention composes its own few kernels instead of calling MLX's fused
+    attention. The fused call has no kernel for kv_lora_rank-sized heads (512) with an
+    additive mask on the CUDA and CPU backends (MLX 0.32) and falls back to five separate
+    ops there; Metal keeps the fused call, whose kernels may cover the case."""
+    if COMPOSE is not None:
+        return COMPOSE
+    return not _on_metal()
+
+
+@functools.cache
+def _on_metal() -> bool:
+    return mx.metal.is_available()
 
 
 def mla_rope(args: Any) -> RoPE:
@@ -145,48 +169,78 @@ class MLAttention(nn.Module):
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
         offset = cache.offset if cache is not None else 0
-        q_nope, q_pe, _ = self.queries(x, offset)
-        latent, k_pe = self.latents(x, offset)
+        first, kv = self.input_projections(x)
+        q_nope, q_pe, _ = self.queries(x, offset, first)
+        latent, k_pe = self.latents(x, offset, kv)
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
         return self.attend_all(q_nope, q_pe, latent, k_pe, causal_keep(mask, x.shape[1], latent.shape[2]))
 
-    def queries(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array | None]:
+    def input_projections(self, x: mx.array) -> tuple[mx.array | None, mx.array | None]:
+        """``x``'s first query projection and ``kv_a_proj_with_mqa(x)`` when computed
+        together (see ``LatentAttention``); here (None, None): each is computed where used."""
+        return None, None
+
+    def queries(self, x: mx.array, offset, first: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
         """No-RoPE and rotated query parts [B, heads, L, dims], and the query latent
-        (``q_a_layernorm(q_a_proj(x))``, None without a query LoRA) that DSA indexers read."""
+        (``q_a_layernorm(q_a_proj(x))``, None without a query LoRA) that DSA indexers read.
+        ``first`` is ``x``'s first query projection (``q_proj`` or ``q_a_proj``) when
+        already computed."""
         b, n, _ = x.shape
         if self.q_lora_rank is None:
-            resid, q = None, self.q_proj(x)
+            resid, q = None, self.q_proj(x) if first is None else first
         else:
-            resid = self.q_a_layernorm(self.q_a_proj(x))
+            resid = self.q_a_layernorm(self.q_a_proj(x) if first is None else first)
             q = self.q_b_proj(resid)
         q = q.reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
         q_nope, q_pe = mx.split(q, [self.nope_dims], axis=-1)
         return q_nope, self.rope(q_pe, offset), resid
 
-    def latents(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+    def latents(self, x: mx.array, offset, kv: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """What the cache keeps for the new tokens: normed latents [B, 1, L, kv_lora_rank]
-        and rotated shared keys [B, 1, L, qk_rope_head_dim]."""
+        and rotated shared keys [B, 1, L, qk_rope_head_dim]. ``kv`` is
+        ``kv_a_proj_with_mqa(x)`` when already computed."""
         b, n, _ = x.shape
-        latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
+        kv = self.kv_a_proj_with_mqa(x) if kv is None else kv
+        latent, k_pe = mx.split(kv, [self.kv_lora_rank], axis=-1)
         latent = self.kv_a_layernorm(latent).reshape(b, 1, n, self.kv_lora_rank)
         k_pe = self.rope(k_pe.reshape(b, 1, n, self.rope_dims), offset)
         return latent, k_pe
 
-    def rope_scores(self, q_pe, k_pe, keep) -> mx.array:
+    def rope_scores(self, q_pe, k_pe, keep, scaled: bool = False) -> mx.array:
         """The RoPE part of the scores [B, heads, L, keys], scaled, with -inf-like values
-        where ``keep`` says no: the fused attention's additive mask."""
-        scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
+        where ``keep`` says no: the fused attention's additive mask. ``scaled``: ``q_pe``
+        is already multiplied by the softmax scale."""
+        scores = (q_pe if scaled else q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
         if keep is not None:
             scores = mx.where(keep, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         return scores
 
-    def latent_attention(self, q_latent, q_pe, latent, k_pe, keep) -> mx.array:
+    def latent_attention(self, q_latent, q_pe, latent, k_pe, keep, scaled: bool = False) -> mx.array:
         """The absorbed form: queries already in the latent space [B, heads, L, kv_lora_rank]
-        attend over the latents as one shared key/value head; the result stays there."""
-        return mx.fast.scaled_dot_product_attention(
-            q_latent, latent, latent, scale=self.scale, mask=self.rope_scores(q_pe, k_pe, keep)
+        attend over the latents as one shared key/value head; the result stays there.
+        ``scaled``: ``q_pe`` is already multiplied by the softmax scale."""
+        if not composed_latent_attention():
+            mask = self.rope_scores(q_pe, k_pe, keep, scaled)
+            return mx.fast.scaled_dot_product_attention(q_latent, latent, latent, scale=self.scale, mask=mask)
+        # What MLX's fused call falls back to for these head sizes, in fewer kernels: all
+        # heads' queries as the rows of one product with the shared latents, with the
+        # scale and the RoPE scores applied in that product's epilogue (``addmm``: alpha
+        # and beta), then softmax and the weighted sum. Same math, no separate multiply or
+        # add; the scores are rounded once instead of three times.
+        pe = q_pe @ k_pe.swapaxes(-1, -2)
+        if keep is not None:
+            pe = mx.where(keep, pe, mx.array(mx.finfo(pe.dtype).min, pe.dtype))
+        b, h, n, r = q_latent.shape
+        scores = mx.addmm(
+            pe.reshape(b, 1, h * n, -1),
+            q_latent.reshape(b, 1, h * n, r),
+            latent.swapaxes(-1, -2),
+            alpha=self.scale,
+            beta=1.0 if scaled else self.scale,
         )
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        return (weights @ latent).reshape(b, h, n, r)
 
     def output(self, heads: mx.array) -> mx.array:
         """The output projection of per-head values [B, heads, L, v_head_dim]."""
@@ -207,19 +261,43 @@ class MLAttention(nn.Module):
 
 
 class LatentAttention(MLAttention):
-    """MLA cut into the compiled decode step's pieces (``engine/decode/compiled_step.py``): ``qkv``
-    (queries moved into the latent space, with their rotated part appended; the new
-    latents; the new rope keys), ``attend`` over what the cache returns, and ``out``.
+    """MLA cut into the compiled decode step's pieces (``engine/decode/compiled_step.py``):
+    ``qkv`` (the queries, moved into the latent space, and their rotated part, as a pair;
+    the new latents; the new rope keys), ``attend`` over what the cache returns, and
+    ``out``. Everything ``qkv`` does runs in the step's traced functions; what ``attend``
+    does runs outside them, every op there launched on its own, so ``qkv`` leaves it no
+    copies or elementwise work: the query parts stay apart (no concatenation to slice
+    again) and any scaling of them happens inside.
+    For a few rows the first query projection and ``kv_a_proj_with_mqa``, which read the
+    same input, are one matmul (``models.stacked``).
     (DSA layers do not take this path: their attention also depends on other layers.)"""
 
-    def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
-        q_nope, q_pe, _ = self.queries(x, offset)
-        latent, k_pe = self.latents(x, offset)
-        return mx.concatenate([self.embed_q(q_nope), q_pe], axis=-1), latent, k_pe
+    stacked_projections = (("q_proj", "kv_a_proj_with_mqa"), ("q_a_proj", "kv_a_proj_with_mqa"))
+    # Measured on an H200 (MLX 0.32.4 CUDA, moonlight-16b-a3b 4-bit, 512-token prompt): the
+    # compiled step took 13.1 ms a token where the plain pass took 10.5 (mlx-lm 10.1), the
+    # traces and the attention between them costing more than the fusion saves for these
+    # layers. So decoding runs the plain pass, with the stacked projections below.
+    compiled_decode = False
 
-    def attend(self, q: mx.array, latent: mx.array, k_pe: mx.array, mask) -> mx.array:
-        keep = causal_keep(mask, q.shape[2], latent.shape[2])
-        return self.latent_attention(q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank :], latent, k_pe, keep)
+    def input_projections(self, x: mx.array) -> tuple[mx.array | None, mx.array | None]:
+        first = "q_proj" if self.q_lora_rank is None else "q_a_proj"
+        q_in, kv = project(self, (first, "kv_a_proj_with_mqa"), x)  # one matmul for a few rows
+        return q_in, kv
+
+    def qkv(self, x: mx.array, offset) -> tuple[tuple[mx.array, mx.array], mx.array, mx.array]:
+        q_in, kv = self.input_projections(x)
+        q_nope, q_pe, _ = self.queries(x, offset, q_in)
+        latent, k_pe = self.latents(x, offset, kv)
+        # The fused call takes the RoPE scores ready-made, so they are scaled here, inside
+        # the trace; the composed form scales them in its product for free. What the trace
+        # did is remembered for ``attend``, which runs outside it.
+        self.q_pe_scaled = not composed_latent_attention()
+        return (self.embed_q(q_nope), q_pe * self.scale if self.q_pe_scaled else q_pe), latent, k_pe
+
+    def attend(self, q: tuple[mx.array, mx.array], latent: mx.array, k_pe: mx.array, mask) -> mx.array:
+        q_latent, q_pe = q
+        keep = causal_keep(mask, q_latent.shape[2], latent.shape[2])
+        return self.latent_attention(q_latent, q_pe, latent, k_pe, keep, scaled=getattr(self, "q_pe_scaled", False))
 
     def out(self, attn: mx.array) -> mx.array:
         return self.output(self.unembed_out(attn))

@@ -38,6 +38,7 @@ class _Stack:
     views: tuple[dict[str, mx.array], ...]  # the arrays each layer was given
     stacked: dict[str, mx.array]
     splits: list[int]  # output offsets where the second, third ... layer's rows start
+    sizes: tuple[int, ...] = ()  # how many entries each layer held once given its views
 
     def __call__(self, x: mx.array) -> mx.array:
         """The layers' outputs side by side on the last axis."""
@@ -76,13 +77,14 @@ def _current(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
     stack = stacks.by_names.get(names) if stacks is not None else None
     if stack is None:
         return None
-    for name, base, views in zip(names, stack.layers, stack.views):
+    for name, base, views, size in zip(names, stack.layers, stack.views, stack.sizes):
         layer = module.get(name)
         if layer is not base:
             if not isinstance(layer, LoRAHost) or layer.base is not base or layer._deltas.active:
                 return None
-        held = _arrays(base)
-        if held.keys() != views.keys() or any(held[k] is not v for k, v in views.items()):
+        # Runs before every stacked matmul, so kept to lookups: the layer holds exactly
+        # what it held when stacked (each view, and as many entries: none added).
+        if len(base) != size or any(base.get(k) is not v for k, v in views.items()):
             return None
     return stack
 
@@ -134,7 +136,7 @@ def _build(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
     for layer, arrays in zip(layers, views):
         for k, a in arrays.items():
             layer[k] = a  # the layer's old buffer goes once nothing else holds it
-    return _Stack(tuple(layers), views, stacked, starts[1:-1])
+    return _Stack(tuple(layers), views, stacked, starts[1:-1], tuple(len(layer) for layer in layers))
 
 
 def stack_projections(model: nn.Module) -> int:
