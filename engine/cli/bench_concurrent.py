@@ -52,7 +52,8 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
         "--row-floor",
         type=int,
         metavar="N",
-        help="with --concurrent: run a batch step's matmuls on at least N rows (default: 8 on CUDA, else 0)",
+        default=0,
+        help="with --concurrent: run a batch step's matmuls on at least N rows, zero rows padding (default 0: off)",
     )
     p.add_argument(
         "--attention-runs",
@@ -119,7 +120,7 @@ def run_ours(
     gen: int,
     chunk: int = 2048,
     compiled: bool | None = None,
-    row_floor: int | None = None,
+    row_floor: int = 0,
     stagger: int = 0,
     attention_runs: int = 0,
 ) -> Concurrent:
@@ -289,7 +290,7 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
     ours = functools.partial(
         run_ours,
         compiled=False if args.no_compile else None,
-        row_floor=getattr(args, "row_floor", None),
+        row_floor=getattr(args, "row_floor", 0) or 0,
         stagger=stagger,
         attention_runs=max(0, getattr(args, "attention_runs", 0) or 0),
     )

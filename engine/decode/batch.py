@@ -23,8 +23,7 @@ The rows' positions differ, so RoPE takes one offset per row and the attention m
 hides each row's left padding (no mask at all when no row is padded, as when prompts of
 one length prefill together). Greedy ids equal the sequence's ids alone (the masked
 padding adds exact zeros; only the summation order of a wider matmul can differ). On a
-GPU the step runs through the compiled decoder (``CompiledDecoder.rows``); on CUDA a step
-of 2-7 rows runs its matmuls on 8 rows (``row_floor``).
+GPU the step runs through the compiled decoder (``CompiledDecoder.rows``).
 
 Before a sequence starts to prefill, its KV cache at full length (its prompt plus its
 token budget) must fit the room the memory budget leaves (``Batch.kv_room``); otherwise
@@ -66,17 +65,6 @@ BATCHABLE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
 
 # Sequences prefilling together at most (mlx-lm's server prefills 8 at a time too).
 PREFILL_ROWS = 8
-
-# On CUDA a batch of 2-7 rows runs its matmuls on 8 (CompiledDecoder.rows says why).
-CUDA_ROW_FLOOR = 8
-
-
-def default_row_floor(model: Any) -> int:
-    cuda = getattr(mx, "cuda", None)
-    if cuda is None or not cuda.is_available():
-        return 0
-    # Zero rows would still be routed to experts: each one could load experts no real row needs.
-    return 0 if getattr(model, "model_type", None) == "qwen3_moe" else CUDA_ROW_FLOOR
 
 
 def batchable(model: Any) -> bool:
@@ -303,7 +291,7 @@ class Batch:
         kv_room: Callable[[int], int] | None = None,
         kv_bytes_per_token: int = 0,
         prefill_rows: int = PREFILL_ROWS,
-        row_floor: int | None = None,
+        row_floor: int = 0,
         attention_runs: int = 0,
     ) -> None:
         """``compiled`` as in ``generate_step``: steps run through the model's compiled
@@ -311,7 +299,8 @@ class Batch:
         ``kv_room(needed)`` gives the bytes the memory budget leaves for the batch's KV
         caches (freeing idle ones when that is short of ``needed``) and ``kv_bytes_per_token``
         what one token costs; without them nothing is checked. ``row_floor``: the fewest
-        rows a compiled step's matmuls run on (None: 8 on CUDA for dense models, else none).
+        rows a compiled step's matmuls run on (CompiledDecoder.rows; 0, the default: as many
+        as there are).
         ``attention_runs``: when the rows' left paddings form at most this many runs, a
         compiled step attends run by run without a mask (CompiledDecoder.rows); 0: never."""
         self.model = model
@@ -319,7 +308,7 @@ class Batch:
         self.kv_room = kv_room
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_rows = max(1, prefill_rows)
-        self.row_floor = default_row_floor(model) if row_floor is None else row_floor
+        self.row_floor = row_floor
         self.attention_runs = attention_runs
         self._decoder: Any = None  # the CompiledDecoder, prepared for this batch's run
         self.rows: list[_Row] = []  # decoding, in cache row order
