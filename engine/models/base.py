@@ -270,7 +270,8 @@ def rotated_qkv(attn: nn.Module, x: mx.array, offset) -> tuple[mx.array, mx.arra
 
 
 # Up to this many queries (a decode step, a verify pass) attention reads a quantized KV
-# cache as stored; longer passes (prefill) dequantize it once for the fast kernel.
+# cache as stored, where the backend does that well (quantized_kv_cache.READS_CODES);
+# longer passes (prefill) dequantize it once for the fast kernel.
 QUANTIZED_READ_QUERIES = 32
 
 
@@ -284,6 +285,7 @@ def cached_attention(attn: AttentionSteps, q: mx.array, k: mx.array, v: mx.array
     if (
         q.shape[2] <= QUANTIZED_READ_QUERIES
         and type(attn).attend is AttentionSteps.attend
+        and getattr(cache, "reads_codes", False)
         and hasattr(cache, "attends_quantized")
         and cache.attends_quantized(k, v)
     ):

@@ -2,11 +2,13 @@
 
 Keys and values are quantized as they arrive (``mx.quantize``, the same affine scheme as
 MLX's quantized weights and mlx-lm's QuantizedKVCache: per group of ``group_size``
-values along the head dimension, a scale and a bias) and stored packed. A decode step or
-a verify pass (up to 32 queries, plain attention) reads the codes directly with quantized
-matmuls, as mlx-lm does; longer passes and attentions with their own twists (sinks, soft
-caps) read them dequantized, so every family's attention runs unchanged. At 8 bits with groups of 64 the cache takes ~0.53 of bf16's
-bytes, at 4 bits ~0.28.
+values along the head dimension, a scale and a bias) and stored packed. On Metal a decode
+step or a verify pass (up to 32 queries, plain attention) reads the codes directly with
+quantized matmuls, as mlx-lm does there; longer passes, attentions with their own twists
+(sinks, soft caps) and the other backends read them dequantized, so every family's
+attention runs unchanged (on an H200, MLX's CUDA quantized matmul over a 32k-token cache
+decoded at half the speed of dequantizing first: 29 against 59 tok/s at 4 bits). At 8 bits
+with groups of 64 the cache takes ~0.53 of bf16's bytes, at 4 bits ~0.28.
 
 Only full-attention layers are quantized (``quantize_caches``): a sliding-window layer's
 cache is small and fixed already, and latent (MLA) and recurrent caches are not keys
@@ -28,6 +30,10 @@ from engine.errors import EngineError
 from engine.models.kv_cache import DEFAULT_STEP, KVCache, _mask_for, register_cache_kind
 
 BITS = (4, 8)
+# Whether short passes attend over the stored codes (``QuantizedKVCache.attend``): on Metal,
+# whose quantized matmuls mlx-lm's quantized attention runs on; elsewhere dequantizing first
+# was faster where measured (CUDA), so the codes are read only where they pay.
+READS_CODES = mx.metal.is_available()
 GROUP_SIZES = (32, 64, 128)
 KV_CONFIG = "kv_config.json"
 
@@ -131,6 +137,10 @@ class QuantizedKVCache:
         for buf, part in zip((*self.keys, *self.values), (*qk, *qv)):
             buf[..., prev : prev + n, :] = part
         self.offset = prev + n
+
+    @property
+    def reads_codes(self) -> bool:
+        return READS_CODES
 
     def attends_quantized(self, keys: mx.array, values: mx.array) -> bool:
         """Whether ``attend`` can read keys/values shaped like these as stored: each head

@@ -174,8 +174,8 @@ def test_kv_config_json_sets_layers_and_the_plan_counts_it(folder, tmp_path):
 
 
 def test_same_greedy_ids_as_mlx_lms_quantized_kv_cache(folder):
-    """Both attend over the packed codes with quantized matmuls in decode (the prompt's
-    pass differs: we dequantize it for the fast kernel), so greedy ids agree and log-probs
+    """mlx-lm attends over its packed codes with quantized matmuls; we do so on Metal and
+    dequantize elsewhere. The stored codes are the same, so greedy ids agree and log-probs
     stay within 2e-3."""
     mlx_lm = pytest.importorskip("mlx_lm")
     from mlx_lm.generate import generate_step
@@ -216,8 +216,11 @@ def test_attending_over_the_codes_equals_attending_over_the_dequantized_cache(bi
 
 
 def test_decode_steps_read_the_quantized_cache_without_dequantizing_it(folder, monkeypatch):
-    """Each decode step attends through ``QuantizedKVCache.attend``; only the prompt's pass
-    dequantizes (for the fast kernel)."""
+    """Where the codes are read (Metal: forced here), each decode step attends through
+    ``QuantizedKVCache.attend``; only the prompt's pass dequantizes (for the fast kernel)."""
+    from engine.models import quantized_kv_cache
+
+    monkeypatch.setattr(quantized_kv_cache, "READS_CODES", True)
     calls = {"attend": 0, "fetch": 0}
     attend, fetch = QuantizedKVCache.attend, QuantizedKVCache.update_and_fetch
 
