@@ -283,10 +283,9 @@ def cached_attention(attn: AttentionSteps, q: mx.array, k: mx.array, v: mx.array
     if cache is None:
         return attn.attend(q, k, v, mask)
     if (
-        q.shape[2] <= QUANTIZED_READ_QUERIES
+        getattr(cache, "reads_codes", False)  # first: other caches' queries may not be one array (MLA)
         and type(attn).attend is AttentionSteps.attend
-        and getattr(cache, "reads_codes", False)
-        and hasattr(cache, "attends_quantized")
+        and q.shape[2] <= QUANTIZED_READ_QUERIES
         and cache.attends_quantized(k, v)
     ):
         cache.store(k, v)
