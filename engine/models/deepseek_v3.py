@@ -22,7 +22,7 @@ from engine.models.deepseek_mtp import attach_mtp, nextn_part
 from engine.models.deepseek_mtp import left_out as _left_out
 from engine.models.mla import LatentAttention, latent_caches, split_kv_b
 from engine.models.mla_cache import latent_bytes_per_token
-from engine.models.routed_moe import RoutedMoE, stack_experts
+from engine.models.routed_moe import RoutedMoE, held_in_float32, stack_experts  # noqa: F401  (held_in_float32: the plan asks the family)
 
 
 @dataclass

@@ -13,7 +13,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models import llama
-from engine.models.routed_moe import RoutedMoE, drop_nextn_layers, nextn_index, stack_experts
+from engine.models.routed_moe import (  # noqa: F401  (held_in_float32: the plan asks the family)
+    RoutedMoE,
+    drop_nextn_layers,
+    held_in_float32,
+    nextn_index,
+    stack_experts,
+)
 
 
 @dataclass

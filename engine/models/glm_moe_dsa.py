@@ -162,3 +162,4 @@ class Model(deepseek_v3.Model):
 
 
 resident_weight = deepseek_v3.resident_weight  # its MTP layer loads as DeepSeek V3's does
+held_in_float32 = deepseek_v3.held_in_float32

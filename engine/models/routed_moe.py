@@ -21,6 +21,12 @@ from engine.models.switch import SwitchGLU
 from engine.models.switch import stack_expert_weights as stack_experts  # noqa: F401  (the families import it from here)
 
 
+def held_in_float32(name: str) -> bool:
+    """Whether a stored weight is the router's (``*.mlp.gate.weight``), which is held in
+    float32 whatever its stored dtype (``GroupLimitedRouter``): the memory plan counts it so."""
+    return name.endswith(".mlp.gate.weight")
+
+
 class GroupLimitedRouter(nn.Module):
     """HF's ``mlp.gate``: ``weight`` [experts, hidden] and ``e_score_correction_bias``.
     Plain arrays, not a Linear: routing runs in float32 and is never quantized."""

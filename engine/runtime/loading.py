@@ -208,6 +208,9 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
     held = _resident(config, headers)
     size = weights_bytes({n: t for n, t in headers.items() if held(n)}, cast)
     mtp = weights_bytes({n: t for n, t in headers.items() if held(n) == "mtp"}, cast)
+    widened = _widened_to_float32(config, headers, cast)  # routers held in float32
+    size += sum(extra for n, extra in widened.items() if held(n))
+    mtp += sum(extra for n, extra in widened.items() if held(n) == "mtp")
     source = _Source(path, name, config, size, target, files, set(headers), gguf=False)
     source.mtp_bytes, source.left_out_bytes = mtp, weights_bytes(headers, cast) - size
     return source
@@ -227,6 +230,25 @@ def _resident(config: ModelConfig, headers: dict[str, Any]) -> Callable[[str], s
     if rule is None or not isinstance(n_layers, int):
         return lambda name: "model"
     return lambda name: rule(name, n_layers)
+
+
+def _widened_to_float32(config: ModelConfig, headers: dict[str, Any], cast: int | None) -> dict[str, int]:
+    """Bytes each float weight the family holds in float32 (its ``held_in_float32``: MoE
+    routers) takes beyond what it would take as stored or cast."""
+    from engine import models
+    from engine.artifacts.weights import FLOAT_DTYPES
+
+    try:
+        rule = getattr(models.get_family(config.model_type), "held_in_float32", None)
+    except EngineError:
+        return {}
+    if rule is None:
+        return {}
+    return {
+        n: t.numel * 4 - (t.numel * cast if cast else t.nbytes)
+        for n, t in headers.items()
+        if t.dtype in FLOAT_DTYPES and rule(n)
+    }
 
 
 def _sanitize(model: Any, weights: dict[str, Any], source: _Source) -> dict[str, Any]:
