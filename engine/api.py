@@ -350,6 +350,15 @@ class ContextAdvice:
     note: str = ""  # one line for people: the recommendation and why
 
 
+@dataclass(frozen=True)
+class VideoLimits:
+    """How the loaded model's video processor samples a clip: ``fps`` frames a second, at
+    most ``max_frames`` (a longer clip is spread over that many)."""
+
+    fps: float
+    max_frames: int
+
+
 @dataclass
 class ModelInfo:
     path: str  # folder or .gguf file
@@ -363,6 +372,7 @@ class ModelInfo:
     vision: bool = False
     audio: bool = False
     video: bool = False  # takes video parts (Qwen3-VL)
+    video_limits: VideoLimits | None = None  # its video processor's sampling; None without video
     chat_template: bool = True  # False: a base model, prompted as plain running text
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order
