@@ -100,8 +100,10 @@ class GenerationResult:
     # When messages were dropped: the indices (into the request's messages) of those the
     # prompt held, so a transcript can mark where the model's memory begins.
     kept_messages: list[int] | None = None
-    # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks.
+    # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks,
+    # and block by block (an early stop shows as a block that took fewer).
     denoising_steps: int | None = None
+    denoising_steps_per_block: list[int] | None = None
     # One line each about how the prompt's media was taken (a long video sampled to the
     # model's frame limit, audio cut to what the model hears).
     notes: list[str] = field(default_factory=list)

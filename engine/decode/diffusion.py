@@ -301,7 +301,7 @@ def stream_diffusion(
     texts = {"answer": "", "reasoning": ""}
     start = time.perf_counter()
     finish = "length"
-    steps = 0
+    per_block: list[int] = []  # denoising steps of each finished block
 
     def pieces(text: str, tokens: list[int]) -> Iterator[Piece]:
         parts = reasoning.feed(text) if reasoning is not None else [("answer", text)]
@@ -344,7 +344,7 @@ def stream_diffusion(
         if not ids:
             stats.time_to_first_token = time.perf_counter() - start
         ids += block.tokens
-        steps += block.steps
+        per_block.append(block.steps)
         stats.generated_tokens = len(ids)
         stats.generation_tps = len(ids) / max(time.perf_counter() - start, 1e-9)
         text = "".join(detok.add(t) for t in block.tokens) if detok is not None else ""
@@ -364,6 +364,7 @@ def stream_diffusion(
         token_logprobs=None,
         finish_reason=finish,
         stats=stats.snapshot(),
-        denoising_steps=steps,
+        denoising_steps=sum(per_block),
+        denoising_steps_per_block=per_block,
     )
     yield result

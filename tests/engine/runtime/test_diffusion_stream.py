@@ -207,3 +207,49 @@ def test_drafts_show_each_block_refining_then_its_settled_text(tmp_path, monkeyp
     )
     assert [d.step for d in again if isinstance(d, Draft)] == [1] * len(settled)
     assert again[-1].token_ids == result.token_ids
+
+
+def test_the_steps_are_reported_block_by_block_as_transformers_took_them(monkeypatch):
+    """Fed transformers' own random draws (tests/golden/diffusion_gemma, float32 as they
+    were made), the reply's blocks took the steps transformers' generation took."""
+    from engine.decode import diffusion
+    from tests.engine.models.test_diffusion_gemma import load as load_float32
+    from tests.engine.models.test_diffusion_gemma import replay, settings_of
+
+    model, expected, _ = load_float32(GOLDEN.name)
+    monkeypatch.setattr(diffusion, "RandomNoise", lambda seed: replay(expected))
+    result = list(
+        stream_diffusion(
+            model,
+            None,
+            expected["prompt_ids"],
+            None,
+            GenerationParams(max_tokens=expected["generation"]["max_new_tokens"]),
+            eos_token_ids=[1],
+            settings=settings_of(expected),
+        )
+    )[-1]
+    assert result.denoising_steps_per_block == expected["steps_per_block"] == [3, 2]
+    assert result.denoising_steps == 5
+
+
+def test_generate_json_reports_the_steps_of_each_block(tmp_path, capsys):
+    """The CLI's --json: one entry per block (three blocks of 8 for 24 tokens), summing to
+    the total; under the golden's early-stop settings the blocks need not all take the most."""
+    from engine.cli.main import main
+    from tests.tiny_diffusion_gemma import make_tiny_diffusion_gemma
+
+    folder = make_tiny_diffusion_gemma(tmp_path / "dg")
+    g = json.loads((GOLDEN / "diffusion.json").read_text())["generation"]
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(
+        {k: g[k] for k in ("max_denoising_steps", "t_min", "t_max", "confidence_threshold", "stability_threshold")}
+    )
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    argv = ["generate", "--model", str(folder), "--prompt", "hello there", "--max-tokens", "24"]
+    assert main([*argv, "--ignore-eos", "--seed", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    per_block = out["denoising_steps_per_block"]
+    assert len(per_block) == 3 and len(out["token_ids"]) == 24
+    assert sum(per_block) == out["denoising_steps"] and all(1 <= s <= g["max_denoising_steps"] for s in per_block)
+    assert min(per_block) < g["max_denoising_steps"]  # an early stop: not the most times the blocks
