@@ -155,12 +155,14 @@ class TokenEvent:
 class DraftEvent:
     """Block diffusion (DiffusionGemma): the block being denoised, as its text stands after
     ``step`` of at most ``steps`` denoising steps. Not settled: each DraftEvent replaces the
-    one before, and the block's TokenEvent (its settled text) ends it."""
+    one before, and the block's TokenEvent (its settled text) ends it. Split as settled text
+    is: ``text`` the answer part, ``reasoning`` the thinking part, markers left out."""
 
     request_id: int
     text: str
     step: int
     steps: int
+    reasoning: str = ""
 
 
 @dataclass
