@@ -26,7 +26,8 @@ class EngineUnavailable(RuntimeError):
 
 class EngineBridge(QObject):
     token = Signal(int, str, str)  # request id, text, channel ("answer" | "reasoning")
-    draft = Signal(int, str)  # request id, the diffusion block still refining (replaces the last)
+    # request id, the diffusion block still refining (replaces the last): its answer part, its thinking part
+    draft = Signal(int, str, str)
     progress = Signal(int, str, float, float, str)  # request id, stage, done, total, message
     memory = Signal(dict)  # MemoryEvent fields
     error = Signal(int, str)  # request id, one readable line
@@ -309,7 +310,7 @@ class EngineBridge(QObject):
             self._live = (event.request_id, event.stats)
             emit(self.token, event.request_id, event.text, event.channel)
         elif isinstance(event, api.DraftEvent):
-            emit(self.draft, event.request_id, event.text)
+            emit(self.draft, event.request_id, event.text, event.reasoning)
         elif isinstance(event, api.ProgressEvent):
             emit(
                 self.progress,

@@ -100,8 +100,10 @@ class GenerationResult:
     # When messages were dropped: the indices (into the request's messages) of those the
     # prompt held, so a transcript can mark where the model's memory begins.
     kept_messages: list[int] | None = None
-    # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks.
+    # Block diffusion (DiffusionGemma): the denoising steps the reply took, over all blocks,
+    # and block by block (an early stop shows as a block that took fewer).
     denoising_steps: int | None = None
+    denoising_steps_per_block: list[int] | None = None
     # One line each about how the prompt's media was taken (a long video sampled to the
     # model's frame limit, audio cut to what the model hears).
     notes: list[str] = field(default_factory=list)
@@ -153,12 +155,14 @@ class TokenEvent:
 class DraftEvent:
     """Block diffusion (DiffusionGemma): the block being denoised, as its text stands after
     ``step`` of at most ``steps`` denoising steps. Not settled: each DraftEvent replaces the
-    one before, and the block's TokenEvent (its settled text) ends it."""
+    one before, and the block's TokenEvent (its settled text) ends it. Split as settled text
+    is: ``text`` the answer part, ``reasoning`` the thinking part, markers left out."""
 
     request_id: int
     text: str
     step: int
     steps: int
+    reasoning: str = ""
 
 
 @dataclass
@@ -350,6 +354,15 @@ class ContextAdvice:
     note: str = ""  # one line for people: the recommendation and why
 
 
+@dataclass(frozen=True)
+class VideoLimits:
+    """How the loaded model's video processor samples a clip: ``fps`` frames a second, at
+    most ``max_frames`` (a longer clip is spread over that many)."""
+
+    fps: float
+    max_frames: int
+
+
 @dataclass
 class ModelInfo:
     path: str  # folder or .gguf file
@@ -363,6 +376,7 @@ class ModelInfo:
     vision: bool = False
     audio: bool = False
     video: bool = False  # takes video parts (Qwen3-VL)
+    video_limits: VideoLimits | None = None  # its video processor's sampling; None without video
     chat_template: bool = True  # False: a base model, prompted as plain running text
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     adapters: list[AdapterInfo] = field(default_factory=list)  # mounted, in mount order

@@ -102,6 +102,7 @@ class ChatView(QScrollArea):
         self._answer = ""
         self._reasoning = ""
         self._draft = ""  # block diffusion: the block still refining, shown after the answer
+        self._draft_reasoning = ""  # its thinking part, shown in the reasoning section
         self._dirty = False
         self._follow = True
         self._timer = QTimer(self)
@@ -199,7 +200,7 @@ class ChatView(QScrollArea):
         self.streaming = self.add_message(message, versions)
         self.streaming.stats_label.setText("Reading the prompt…")
         self._answer, self._reasoning = message.content, message.reasoning
-        self._draft = ""
+        self._draft = self._draft_reasoning = ""
         self._dirty = False
         self._timer.start()
 
@@ -208,12 +209,14 @@ class ChatView(QScrollArea):
             self._reasoning += text
         else:
             self._answer += text
-        self._draft = ""  # settled text ends the block that was refining
+        self._draft = self._draft_reasoning = ""  # settled text ends the block that was refining
         self._dirty = True
 
-    def set_draft(self, text: str) -> None:
-        """Replace the refining block's text (block diffusion); the next ``append`` settles it."""
-        self._draft = text
+    def set_draft(self, text: str, reasoning: str = "") -> None:
+        """Replace the refining block's text (block diffusion): ``text``, its answer part, muted
+        after the answer; ``reasoning``, its thinking part, after the reasoning so far (the
+        engine has split it as settled text, markers out). The next ``append`` settles it."""
+        self._draft, self._draft_reasoning = text, reasoning
         self._dirty = True
 
     def set_answer(self, text: str) -> None:
@@ -230,7 +233,7 @@ class ChatView(QScrollArea):
                 self.streaming.stats_label.setText(footer)
         if self._dirty:
             self._dirty = False
-            self.streaming.set_text(self._answer, self._reasoning)
+            self.streaming.set_text(self._answer, self._reasoning + self._draft_reasoning)
             self.streaming.set_draft(self._draft)
             i = self._find(self.streaming.message_id)
             if i is not None:
@@ -240,8 +243,8 @@ class ChatView(QScrollArea):
             emit(self.repainted)
 
     def stop_streaming(self) -> None:
-        if self._draft:  # a block cut short (Stop) never settles: only settled text stays
-            self._draft = ""
+        if self._draft or self._draft_reasoning:  # a block cut short (Stop) never settles: only settled text stays
+            self._draft = self._draft_reasoning = ""
             self._dirty = True
         self._flush()
         self._timer.stop()

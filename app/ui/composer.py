@@ -61,6 +61,7 @@ from app.resources import resource_path
 from app.ui.attachment_strip import THUMB, AttachmentStrip, ImagePreview
 from app.ui.images import ImageCheck, check_image, in_background
 from app.ui.video import VideoCheck, check_video, duration_text, play
+from engine.api import VideoLimits
 
 MIN_EDIT_HEIGHT = 48
 METER_INTERVAL_MS = 80
@@ -138,6 +139,7 @@ class Composer(QFrame):
         self.vision: bool | None = None  # None: no model loaded
         self.audio = False
         self.video = False
+        self.video_limits: VideoLimits | None = None  # the loaded model's, for the long-clip note
         self.busy = False
         # Images being checked, by path, each with the token of its latest check: a
         # result whose token is no longer here (removed, or attached again) is dropped.
@@ -226,9 +228,12 @@ class Composer(QFrame):
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)
 
-    def set_capabilities(self, image: bool | None, audio: bool, video: bool = False) -> None:
+    def set_capabilities(
+        self, image: bool | None, audio: bool, video: bool = False, video_limits: VideoLimits | None = None
+    ) -> None:
         """What the loaded model takes (``image`` None: no model loaded)."""
         self.vision, self.audio, self.video = image, audio, video
+        self.video_limits = video_limits
         self.mic_button.setToolTip(
             "Record a voice message" if audio else "Record a voice message (transcribed to text for this model)"
         )
@@ -309,7 +314,13 @@ class Composer(QFrame):
     def _check(self, path: str) -> None:
         token = object()
         self._checks[path] = token
-        check = check_video if media_kind(path) == "video" else check_image
+        limits = self.video_limits  # the loaded model's, for a long clip's note
+
+        def check(path: str, size: int, ratio: float) -> ImageCheck | VideoCheck:
+            if media_kind(path) == "video":
+                return check_video(path, size, ratio, limits=limits)
+            return check_image(path, size, ratio)
+
         in_background(
             self, check, path, THUMB, self.devicePixelRatioF(), then=lambda result: self._checked(result, token)
         )

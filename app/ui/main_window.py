@@ -375,7 +375,7 @@ class MainWindow(QMainWindow):
         self.check_memory()
         self.settings.set_draft(None)
         self.settings.set_mtp(getattr(info, "mtp", False), getattr(info, "mtp_note", ""))
-        self.composer.set_capabilities(info.vision, info.audio, info.video)
+        self.composer.set_capabilities(info.vision, info.audio, info.video, getattr(info, "video_limits", None))
         self.template_notice.setVisible(not info.chat_template)
 
     def _show_held_model(self, info) -> None:

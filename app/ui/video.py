@@ -14,8 +14,10 @@ from pathlib import Path
 
 from app.qt import QDesktopServices, QDialog, QImage, QUrl, QVBoxLayout, QWidget
 from app.ui.images import _decoders, _rounded_square
+from engine.api import VideoLimits
 
-# Qwen3-VL's video processor defaults: 2 frames a second, at most 768 frames.
+# Qwen3-VL's video processor defaults (2 frames a second, at most 768 frames): the note's
+# figures only when the engine has not said what the loaded model's processor takes.
 SAMPLE_FPS = 2.0
 MAX_FRAMES = 768
 
@@ -25,13 +27,15 @@ def duration_text(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def sampling_note(name: str, seconds: float) -> str | None:
-    """What the model will see of a long clip (None: every sampled second of it)."""
-    if seconds * SAMPLE_FPS <= MAX_FRAMES:
+def sampling_note(name: str, seconds: float, limits: VideoLimits | None = None) -> str | None:
+    """What the model will see of a long clip (None: every sampled second of it), by the
+    loaded model's video limits (ModelInfo.video_limits)."""
+    fps, max_frames = (limits.fps, limits.max_frames) if limits is not None else (SAMPLE_FPS, MAX_FRAMES)
+    if seconds * fps <= max_frames:
         return None
     return (
-        f"{name} is {duration_text(seconds)} long: the model sees {MAX_FRAMES} frames spread evenly over it "
-        f"(its limit), not {SAMPLE_FPS:g} a second."
+        f"{name} is {duration_text(seconds)} long: the model sees {max_frames} frames spread evenly over it "
+        f"(its limit), not {fps:g} a second."
     )
 
 
@@ -48,9 +52,11 @@ class VideoCheck:
     note: str | None = None
 
 
-def check_video(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8) -> VideoCheck:
+def check_video(
+    path: str | Path, size: int, ratio: float = 1.0, radius: int = 8, limits: VideoLimits | None = None
+) -> VideoCheck:
     """Read the clip's facts and first frame (the engine's check); slow for a large
-    file: run it with ``in_background``."""
+    file: run it with ``in_background``. ``limits``: the loaded model's, for the note."""
     from engine.errors import MediaError
     from engine.media.video import poster
 
@@ -70,7 +76,7 @@ def check_video(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8
         None,
         _rounded_square(image, px, ratio, radius),
         info.seconds,
-        sampling_note(Path(path).name, info.seconds),
+        sampling_note(Path(path).name, info.seconds, limits),
     )
 
 

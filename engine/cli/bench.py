@@ -533,24 +533,44 @@ Loop = Callable[[Any, Any, int], Iterator[int]]
 
 
 def measure_interleaved(
-    loops: Sequence[tuple[Loop, Any]], prompt: Any, gen: int, repeat: int
-) -> list[tuple[Timing, list[Timing]]]:
+    loops: Sequence[tuple[Loop, Any]], prompt: Any, gen: int, repeat: int, errors: dict[int, str] | None = None
+) -> list[tuple[Timing, list[Timing]] | None]:
     """Time each ``(loop, model)`` ``repeat`` times, interleaved: every repeat runs all of
     them, in reverse order every other time (A B, B A, ...), so clock and thermal drift
-    fall on all alike instead of on whichever ran last. Returns (best, every run) per loop."""
-    for loop, model in loops:
-        time_loop(loop, model, prompt, min(gen, 4))  # warm-up: kernels for these shapes
+    fall on all alike instead of on whichever ran last. Returns (best, every run) per loop.
+
+    With ``errors``, a loop after the first (a peer's) that raises is dropped instead of
+    ending the bench: its one-line reason goes to ``errors[i]`` and its entry is None, so
+    the engine's figures survive a peer that cannot run the shape (mlx-lm's quantized KV
+    cache on MLX's CUDA build: "[quantized_matmul] No implementation for problem shape")."""
+    failed: set[int] = set()
+
+    def timed(i: int, tokens: int) -> Timing | None:
+        loop, model = loops[i]
+        if errors is None or i == 0:
+            return time_loop(loop, model, prompt, tokens)
+        try:
+            return time_loop(loop, model, prompt, tokens)
+        except Exception as e:  # noqa: BLE001 - any failure of the peer's own code
+            errors[i] = f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(": ")
+            failed.add(i)
+            return None
+
+    for i in range(len(loops)):
+        timed(i, min(gen, 4))  # warm-up: kernels for these shapes
     runs: list[list[Timing]] = [[] for _ in loops]
     order = list(range(len(loops)))
     for r in range(max(1, repeat)):
         for i in order if r % 2 == 0 else order[::-1]:
-            loop, model = loops[i]
-            runs[i].append(time_loop(loop, model, prompt, gen))
-    return [(_best(each), each) for each in runs]
+            if i not in failed and (t := timed(i, gen)) is not None:
+                runs[i].append(t)
+    return [None if i in failed else (_best(each), each) for i, each in enumerate(runs)]
 
 
 def measure(loop: Loop, model: Any, prompt: Any, gen: int, repeat: int) -> Timing:
-    return measure_interleaved([(loop, model)], prompt, gen, repeat)[0][0]
+    best = measure_interleaved([(loop, model)], prompt, gen, repeat)[0]
+    assert best is not None  # the first loop's failure is raised, never dropped
+    return best[0]
 
 
 def with_runs(best: Timing, runs: list[Timing]) -> dict[str, Any]:
@@ -658,11 +678,19 @@ def run_bench(
                 )
             twin.bench_kv = {"kv_bits": kv_bits, "kv_group_size": args.kv_group_size, "quantized_kv_start": 0}
         loops.append((_theirs, twin))
-    timed = measure_interleaved(loops, prompt, args.generation_tokens, args.repeat)
+    errors: dict[int, str] = {}
+    timed = measure_interleaved(loops, prompt, args.generation_tokens, args.repeat, errors)
+    assert timed[0] is not None  # the engine's own failure ends the bench
     ours = timed[0][0]
     print(_row("engine", ours), flush=True)
     out["engine"] = with_runs(*timed[0])
-    if args.vs == "mlx-lm":
+    if args.vs == "mlx-lm" and timed[1] is None:
+        # The engine's rows stand; --json stays one valid object that says why the peer's are missing.
+        print(f"mlx-lm   could not run this shape: {errors[1]}", flush=True)
+        out["mlx_lm"] = None
+        out["mlx_lm_error"] = errors[1]
+        out["ratio"] = None
+    elif args.vs == "mlx-lm":
         theirs = timed[1][0]
         print(_row("mlx-lm", theirs), flush=True)
         ratio = {

@@ -384,6 +384,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out["notes"] = result.notes
         if result.denoising_steps is not None:  # block diffusion
             out["denoising_steps"] = result.denoising_steps
+            out["denoising_steps_per_block"] = result.denoising_steps_per_block
         if params.speculative is not None:
             out["draft_tokens"] = stats.draft_tokens
             out["accepted_draft_tokens"] = stats.accepted_draft_tokens

@@ -28,6 +28,7 @@ to transformers' ids for the same draws.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -250,11 +251,26 @@ DRAFT_INTERVAL_S = 0.05
 @dataclass
 class Draft:
     """The block being denoised, as text: not settled. Each draft replaces the one before;
-    the block's own Piece (its settled text) follows the last one."""
+    the block's own Piece (its settled text) follows the last one. Split as the settled
+    text is: ``text`` is the answer part, ``reasoning`` the thinking part, markers left out."""
 
     text: str
     step: int  # denoising steps taken on this block
     steps: int  # the most it may take
+    reasoning: str = ""
+
+
+def split_draft(reasoning: Any, text: str) -> tuple[str, str]:
+    """A refining block's text split as its settled text will be: (answer, reasoning), the
+    thinking markers left out. The splitter is fed on a copy: a draft is not settled, so it
+    must not move the reply's splitter on (the block's settled text does that). A tail that
+    may still grow into a marker is held back, as for settled text."""
+    if reasoning is None:
+        return text, ""
+    parts = {"answer": "", "reasoning": ""}
+    for channel, part in copy.deepcopy(reasoning).feed(text):
+        parts[channel] += part
+    return parts["answer"], parts["reasoning"]
 
 
 def is_diffusion_model(model: Any) -> bool:
@@ -301,7 +317,7 @@ def stream_diffusion(
     texts = {"answer": "", "reasoning": ""}
     start = time.perf_counter()
     finish = "length"
-    steps = 0
+    per_block: list[int] = []  # denoising steps of each finished block
 
     def pieces(text: str, tokens: list[int]) -> Iterator[Piece]:
         parts = reasoning.feed(text) if reasoning is not None else [("answer", text)]
@@ -339,12 +355,13 @@ def stream_diffusion(
                 drafted = now
                 canvas = [int(t) for t in block.ids.tolist()]
                 end = next((i for i, t in enumerate(canvas) if t in eos), len(canvas))
-                yield Draft(tokenizer.decode(canvas[:end]), block.step, block.steps)
+                answer, thought = split_draft(reasoning, tokenizer.decode(canvas[:end]))
+                yield Draft(answer, block.step, block.steps, thought)
             continue
         if not ids:
             stats.time_to_first_token = time.perf_counter() - start
         ids += block.tokens
-        steps += block.steps
+        per_block.append(block.steps)
         stats.generated_tokens = len(ids)
         stats.generation_tps = len(ids) / max(time.perf_counter() - start, 1e-9)
         text = "".join(detok.add(t) for t in block.tokens) if detok is not None else ""
@@ -364,6 +381,7 @@ def stream_diffusion(
         token_logprobs=None,
         finish_reason=finish,
         stats=stats.snapshot(),
-        denoising_steps=steps,
+        denoising_steps=sum(per_block),
+        denoising_steps_per_block=per_block,
     )
     yield result

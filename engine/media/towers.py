@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.api import MediaInput
+from engine.api import MediaInput, VideoLimits
 from engine.errors import MediaError
 from engine.media.encoded_cache import EncodedMediaCache
 from engine.media.prompt import MediaEncoder, PreparedMedia
@@ -248,6 +248,21 @@ class MediaTowers:
         except MediaError:
             return None
         return default if isinstance(default, bool) else None
+
+    def video_limits(self) -> VideoLimits | None:
+        """How this model's video processor samples a clip (for the note at the drop); None
+        when it takes no video (or its processor config is unreadable: video will say why).
+        Reads the processor's settings only: the tower's weights stay unloaded."""
+        if "video" not in self.kinds:
+            return None
+        try:
+            processor = getattr(self.encoder("video"), "processor", None)
+        except MediaError:
+            return None
+        fps, max_frames = getattr(processor, "fps", None), getattr(processor, "max_frames", None)
+        if not isinstance(fps, int | float) or not isinstance(max_frames, int) or fps <= 0 or max_frames <= 0:
+            return None
+        return VideoLimits(float(fps), max_frames)
 
     def placeholders(self) -> dict[str, str]:
         return {k: e.placeholder for k, e in self._encoders.items()}

@@ -68,6 +68,7 @@ def assemble(
     info.vision = "image" in towers.kinds
     info.audio = "audio" in towers.kinds
     info.video = "video" in towers.kinds
+    info.video_limits = towers.video_limits()
     info.pan_and_scan = towers.pan_and_scan()
     info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
     template = load_template(tokenizer)

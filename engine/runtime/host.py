@@ -592,7 +592,7 @@ def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int
 
 def token_event(piece: Piece | Draft, request_id: int) -> TokenEvent | DraftEvent:
     if isinstance(piece, Draft):  # a diffusion block still refining
-        return DraftEvent(request_id, piece.text, piece.step, piece.steps)
+        return DraftEvent(request_id, piece.text, piece.step, piece.steps, piece.reasoning)
     return TokenEvent(
         request_id, piece.text, piece.channel, piece.token_ids, piece.stats, piece.logprobs, piece.top_logprobs
     )

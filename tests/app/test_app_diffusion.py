@@ -42,9 +42,10 @@ def test_blocks_refine_in_place_then_settle_to_the_engines_text(qtbot, make_wind
 
     shown: list[tuple[str, str]] = []  # (settled answer, refining block) as the view drew them
 
-    def on_draft(_rid: int, text: str) -> None:  # runs after the controller handed it to the view
+    def on_draft(_rid: int, text: str, reasoning: str) -> None:  # runs after the controller handed it to the view
         view = window.chat_view
         view._flush()
+        assert reasoning == ""  # the template does not think
         assert view.streaming is not None and view.streaming.draft_label.text() == text
         assert view.streaming.draft_label.isVisibleTo(view.streaming) == bool(text)
         shown.append((view.streaming.content, text))
@@ -65,6 +66,46 @@ def test_blocks_refine_in_place_then_settle_to_the_engines_text(qtbot, make_wind
     widget = window.chat_view.widgets[reply_id]
     assert not widget.draft_label.isVisibleTo(widget) and widget.content == result.text
     assert window.store.message(reply_id).content == result.text
+
+
+def test_a_thinking_templates_drafts_refine_in_the_reasoning_without_markers(
+    qtbot, make_window, run_async, tmp_path, monkeypatch
+):
+    """A template whose generation prompt opens ``<think>``: the model's text is thinking,
+    and so is each refining canvas. It grows the reasoning section (settled thinking, then
+    the block refining), never the muted answer line, and no marker is shown."""
+    from engine.decode import diffusion
+    from tests.tiny_models import CHATML_TEMPLATE
+
+    monkeypatch.setattr(diffusion, "DRAFT_INTERVAL_S", 0.0)
+    folder = make_tiny_diffusion_gemma(tmp_path / "thinking-diffusion-gemma", steps=4)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHATML_TEMPLATE.replace("assistant\n' }}", "assistant\n<think>\n' }}")
+    assert config["chat_template"] != CHATML_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    window = make_window()
+    _ready(window, run_async, folder, seed=SEED, max_tokens=16, ignore_eos=True)
+
+    shown: list[tuple[str, str]] = []  # (settled reasoning, refining thinking)
+
+    def on_draft(_rid: int, text: str, reasoning: str) -> None:
+        view = window.chat_view
+        view._flush()
+        widget = view.streaming
+        assert text == "" and not widget.draft_label.isVisibleTo(widget)  # nothing in the answer's muted line
+        settled = window.chat._reasoning
+        assert reasoning and widget.reasoning == settled + reasoning
+        assert "<think>" not in widget.reasoning and widget.reasoning_toggle.isVisibleTo(widget)
+        shown.append((settled, reasoning))
+
+    window.bridge.draft.connect(on_draft)
+    reply_id, result = _send(qtbot, window, PROMPT)
+    assert result.text == "" and result.reasoning and "<think>" not in result.reasoning
+    assert len(shown) == result.denoising_steps == 8  # two blocks, four steps each
+    assert shown[0][0] == "" and shown[-1][0] != ""  # the second block refines after the first settled
+    widget = window.chat_view.widgets[reply_id]
+    assert widget.reasoning == result.reasoning and not widget.draft_label.isVisibleTo(widget)
+    assert window.store.message(reply_id).reasoning == result.reasoning
 
 
 def test_a_photo_goes_to_diffusion_gemma_and_the_reply_is_the_engines(

@@ -15,6 +15,7 @@ import pytest
 from app.attachments import refusal
 from app.qt import Qt
 from app.ui import video
+from engine.api import VideoLimits
 from tests.app.test_app_images import GEMMA, _load, drop, shown, url_mime
 
 pytest.importorskip("av")
@@ -126,7 +127,29 @@ def test_a_damaged_video_is_refused_by_the_check(qtbot, make_window, run_async, 
 def test_a_long_video_gets_a_note_about_its_sampling():
     assert video.sampling_note("short.mp4", 60.0) is None
     note = video.sampling_note("talk.mp4", 15 * 60.0)
-    assert "talk.mp4" in note and "15:00" in note and "768 frames" in note
+    assert "talk.mp4" in note and "15:00" in note and "768 frames" in note  # the defaults when the engine is silent
+    assert video.sampling_note("short.mp4", 60.0, VideoLimits(1.0, 30)) == (
+        "short.mp4 is 1:00 long: the model sees 30 frames spread evenly over it (its limit), not 1 a second."
+    )
+
+
+def test_the_drop_note_uses_the_loaded_models_own_frame_limit(qtbot, make_window, run_async, video_model, tmp_path):
+    """The tiny Qwen3-VL's processor config takes at most 8 frames (Qwen3-VL's default is
+    768): a 30 s clip, 60 frames at its 2 a second, is noted at the drop as seen in 8."""
+    from tests.engine.media.clips import make_long_clip
+
+    clip = make_long_clip(tmp_path / "walk.mp4", seconds=30)
+    window = make_window()
+    _load(window, run_async, video_model)
+    limits = window.bridge.model_info.video_limits
+    assert (limits.fps, limits.max_frames) == (2.0, 8)
+    assert not window.bridge.engine_status()["tower_loaded"]  # read from its config, no weights
+    with qtbot.wait_signal(window.composer.notice, timeout=30_000) as blocker:
+        assert drop(window.composer, url_mime(clip)).isAccepted()
+    assert (
+        blocker.args[0]
+        == "walk.mp4 is 0:30 long: the model sees 8 frames spread evenly over it (its limit), not 2 a second."
+    )
 
 
 def test_a_long_video_is_sent_sampled_and_the_status_bar_says_how(qtbot, make_window, run_async, video_model, tmp_path):

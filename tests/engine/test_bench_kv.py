@@ -31,3 +31,29 @@ def test_bench_reopen_times_a_saved_cache_against_a_full_prefill():
     out = _bench("--reopen", "--kv-bits", "4")
     reopen = out["reopen"]
     assert reopen["cache_file_bytes"] > 0 and reopen["prefill_ttft_s"] > 0 and reopen["reopen_ttft_s"] > 0
+
+
+def test_bench_keeps_the_engines_figures_when_mlx_lm_cannot_run(monkeypatch, capsys):
+    """On MLX's CUDA build mlx-lm's quantized KV cache has no quantized_matmul kernel for
+    some shapes: its failure is reported in one line and the engine's rows and a valid
+    --json object survive (mlx_lm null, the reason beside it)."""
+    import pytest
+
+    generate = pytest.importorskip("mlx_lm.generate")
+    from engine.cli.main import main
+
+    why = "[quantized_matmul] No implementation for problem shape: 2047x32767x128x32"
+
+    def no_kernel(*_args, **_kwargs):
+        raise ValueError(why)
+        yield  # a generator, as mlx-lm's is
+
+    monkeypatch.setattr(generate, "generate_step", no_kernel)
+    argv = ["bench", "--shape", "tiny-qwen3.5", "-p", "64", "-g", "4", "--kv-bits", "8", "--kv-group-size", "32"]
+    assert main([*argv, "--vs", "mlx-lm", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["engine"]["generated_tokens"] == 4 and out["engine"]["generation_tps"] > 0
+    assert out["mlx_lm"] is None and out["mlx_lm_error"] == f"ValueError: {why}" and out["ratio"] is None
+    assert any(line.startswith("engine ") for line in lines)
+    assert f"mlx-lm   could not run this shape: ValueError: {why}" in lines

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.api import GenerationParams
+from engine.api import GenerationParams, VideoLimits
 from engine.media.parts import split_media
 from engine.runtime.host import ModelHost
 
@@ -58,6 +58,9 @@ def test_the_tower_is_qwen3_vl_s_without_deepstack_and_takes_video():
     assert host.towers.kinds == {"image", "video"}
     assert host.towers.encoder("image").vision_config.deepstack_visual_indexes == ()
     assert {"qwen3_5", "qwen3_5_moe"} <= set(families_for("video"))
+    # The app's note at the drop: its processor config's 8 frames (not Qwen3-VL's default 768),
+    # known at load without the tower's weights.
+    assert host.info.video_limits == VideoLimits(fps=2.0, max_frames=8) and not host.towers.loaded
 
 
 @pytest.mark.parametrize("case", ["image", "video", "both"])
@@ -197,6 +200,7 @@ def published_folder(tmp_path_factory) -> Path:
 
 def test_published_config_and_mlx_vlm_weights_give_the_same_replies(published_folder, shared_data, clip):
     host = load_float32(published_folder)
+    assert host.info.video_limits == VideoLimits(fps=2.0, max_frames=8)  # from video_preprocessor_config.json
     for case in ("image", "video"):
         exp = expected("qwen3_5")[case]
         params = GenerationParams(max_tokens=len(exp["token_ids"]), logprobs=True, ignore_eos=True)

@@ -207,3 +207,106 @@ def test_drafts_show_each_block_refining_then_its_settled_text(tmp_path, monkeyp
     )
     assert [d.step for d in again if isinstance(d, Draft)] == [1] * len(settled)
     assert again[-1].token_ids == result.token_ids
+
+
+def test_the_steps_are_reported_block_by_block_as_transformers_took_them(monkeypatch):
+    """Fed transformers' own random draws (tests/golden/diffusion_gemma, float32 as they
+    were made), the reply's blocks took the steps transformers' generation took."""
+    from engine.decode import diffusion
+    from tests.engine.models.test_diffusion_gemma import load as load_float32
+    from tests.engine.models.test_diffusion_gemma import replay, settings_of
+
+    model, expected, _ = load_float32(GOLDEN.name)
+    monkeypatch.setattr(diffusion, "RandomNoise", lambda seed: replay(expected))
+    result = list(
+        stream_diffusion(
+            model,
+            None,
+            expected["prompt_ids"],
+            None,
+            GenerationParams(max_tokens=expected["generation"]["max_new_tokens"]),
+            eos_token_ids=[1],
+            settings=settings_of(expected),
+        )
+    )[-1]
+    assert result.denoising_steps_per_block == expected["steps_per_block"] == [3, 2]
+    assert result.denoising_steps == 5
+
+
+def test_generate_json_reports_the_steps_of_each_block(tmp_path, capsys):
+    """The CLI's --json: one entry per block (three blocks of 8 for 24 tokens), summing to
+    the total; under the golden's early-stop settings the blocks need not all take the most."""
+    from engine.cli.main import main
+    from tests.tiny_diffusion_gemma import make_tiny_diffusion_gemma
+
+    folder = make_tiny_diffusion_gemma(tmp_path / "dg")
+    g = json.loads((GOLDEN / "diffusion.json").read_text())["generation"]
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(
+        {k: g[k] for k in ("max_denoising_steps", "t_min", "t_max", "confidence_threshold", "stability_threshold")}
+    )
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    argv = ["generate", "--model", str(folder), "--prompt", "hello there", "--max-tokens", "24"]
+    assert main([*argv, "--ignore-eos", "--seed", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    per_block = out["denoising_steps_per_block"]
+    assert len(per_block) == 3 and len(out["token_ids"]) == 24
+    assert sum(per_block) == out["denoising_steps"] and all(1 <= s <= g["max_denoising_steps"] for s in per_block)
+    assert min(per_block) < g["max_denoising_steps"]  # an early stop: not the most times the blocks
+
+
+def _drafts_and_pieces(items):
+    """Drafts grouped by the block they refine, and each block's settled pieces."""
+    drafts: list[list] = [[]]
+    settled: list[list[Piece]] = [[]]
+    for item in items[:-1]:
+        if isinstance(item, Piece):
+            settled[-1].append(item)
+        else:
+            if settled[-1]:  # a draft after settled text: the next block refining
+                drafts.append([])
+                settled.append([])
+            drafts[-1].append(item)
+    return drafts, settled
+
+
+def test_drafts_go_through_the_reasoning_split_as_settled_text_does(tmp_path, monkeypatch):
+    """A template that thinks: the refining canvas never shows the markers. The close marker
+    here is text the tiny model writes in its first block, so the block's drafts really hold
+    it: the last draft splits as the settled block does, thinking before it, answer after."""
+    from engine.decode import diffusion
+    from engine.runtime.loading import load_model
+    from engine.text.markers import ReasoningSplitter
+    from engine.text.tokenizer import Tokenizer
+    from tests.tiny_diffusion_gemma import make_tiny_diffusion_gemma
+
+    monkeypatch.setattr(diffusion, "DRAFT_INTERVAL_S", 0.0)
+    folder = make_tiny_diffusion_gemma(tmp_path / "dg", steps=5)
+    model, tokenizer = load_model(folder).model, Tokenizer.from_dir(folder)
+    prompt = tokenizer.encode("hello there")
+    params = GenerationParams(max_tokens=16, sampling=SamplingParams(seed=1))
+
+    def run(reasoning=None):
+        return list(stream_diffusion(model, tokenizer, prompt, None, params, reasoning=reasoning))
+
+    raw = [d.text for d in _drafts_and_pieces(run())[0][0]]  # the first block's canvases, unsplit
+    first_block = raw[-1]
+    # Two characters of the settled block that its first canvas lacks: drafts without and with it.
+    close = next(first_block[i : i + 2] for i in range(1, len(first_block) - 2) if first_block[i : i + 2] not in raw[0])
+    assert "\n" not in close and close.strip()
+    at = first_block.index(close)
+    items = run(ReasoningSplitter("<never-opened>", close, starts_in_reasoning=True))
+    drafts, settled = _drafts_and_pieces(items)
+    assert len(drafts[0]) == len(raw) == 5
+    for text, draft in zip(raw, drafts[0]):  # the same draws: the same canvases, now split
+        if close in text:
+            i = text.index(close)
+            assert (draft.reasoning, draft.text) == (text[:i], text[i + len(close) :].lstrip("\n"))
+        else:  # still thinking (a last character that may begin the marker is held back)
+            assert draft.text == "" and text.startswith(draft.reasoning) and len(text) - len(draft.reasoning) <= 1
+    assert any(close not in text for text in raw) and any(close in text for text in raw)
+    last = drafts[0][-1]
+    assert (last.reasoning, last.text) == (first_block[:at], first_block[at + 2 :].lstrip("\n"))
+    by_channel = {c: "".join(p.text for p in settled[0] if p.channel == c) for c in ("reasoning", "answer")}
+    assert by_channel == {"reasoning": last.reasoning, "answer": last.text}
+    assert items[-1].reasoning == first_block[:at]
