@@ -24,135 +24,83 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.cli.bench_shapes import SHAPES
 from engine.errors import EngineError
 
-# What Qwen3.5's text configs share (gated DeltaNet layers, every 4th full attention).
-_QWEN3_5_LAYOUT: dict[str, Any] = dict(
-    full_attention_interval=4,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
+
+def _text_part(name: str, **changes: Any) -> dict[str, Any]:
+    """A text shape of engine/cli/bench_shapes.py by name, as a vision model's text_config (its
+    model_type is the vision model's), with what the multimodal release changes."""
+    return {**{k: v for k, v in SHAPES[name].items() if k != "model_type"}, **changes}
+
+
+# Qwen3-VL-4B's vision tower (Qwen3.5-4B's is the same without deepstack taps), and the
+# same at toy size.
+_VISION_4B: dict[str, Any] = dict(
+    depth=24,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_heads=16,
+    out_hidden_size=2560,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[5, 11, 17],
+    hidden_act="gelu_pytorch_tanh",
 )
-# Published shapes (text and vision): Qwen/Qwen3-VL-4B-Instruct, Qwen/Qwen3.5-4B; and tiny
-# ones for CPU checks.
+_VISION_TINY: dict[str, Any] = {
+    **_VISION_4B,
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0],
+}
+# Published shapes (text and vision): Qwen/Qwen3-VL-4B-Instruct, whose text part is
+# Qwen3-4B's with a longer mRoPE; Qwen/Qwen3.5-4B, whose text part is bench's qwen3.5-4b.
+# And tiny ones for CPU checks.
 MEDIA_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-vl-4b": {
         "model_type": "qwen3_vl",
-        "text": dict(
-            hidden_size=2560,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=9728,
-            vocab_size=151936,
-            rms_norm_eps=1e-6,
+        "text": _text_part(
+            "qwen3-4b",
             rope_theta=5000000.0,
             max_position_embeddings=262144,
-            tie_word_embeddings=True,
             rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
         ),
-        "vision": dict(
-            depth=24,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_heads=16,
-            out_hidden_size=2560,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=2304,
-            deepstack_visual_indexes=[5, 11, 17],
-            hidden_act="gelu_pytorch_tanh",
-        ),
+        "vision": _VISION_4B,
     },
     "qwen3-vl-tiny": {
         "model_type": "qwen3_vl",
-        "text": dict(
-            hidden_size=64,
+        "text": _text_part(
+            "tiny",
             num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=16,
             intermediate_size=96,
-            vocab_size=256,
             rms_norm_eps=1e-6,
-            rope_theta=10000.0,
             max_position_embeddings=65536,
             tie_word_embeddings=True,
             rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
         ),
-        "vision": dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0],
-            hidden_act="gelu_pytorch_tanh",
-        ),
+        "vision": _VISION_TINY,
     },
     "qwen3.5-4b": {
         "model_type": "qwen3_5",
-        "text": dict(
-            hidden_size=2560,
-            num_hidden_layers=32,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            head_dim=256,
-            intermediate_size=9216,
-            vocab_size=248320,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=262144,
-            tie_word_embeddings=True,
-            **_QWEN3_5_LAYOUT,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000000,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [11, 11, 10],
-                "mrope_interleaved": True,
-            },
-        ),
-        "vision": dict(
-            depth=24,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_heads=16,
-            out_hidden_size=2560,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=2304,
-            deepstack_visual_indexes=[],
-            hidden_act="gelu_pytorch_tanh",
-        ),
+        "text": _text_part("qwen3.5-4b"),
+        "vision": {**_VISION_4B, "deepstack_visual_indexes": []},
     },
     "qwen3.5-tiny": {
         "model_type": "qwen3_5",
-        "text": dict(
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
+        "text": _text_part(
+            "tiny-qwen3.5",
             intermediate_size=96,
-            vocab_size=256,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=65536,
-            tie_word_embeddings=True,
-            full_attention_interval=2,
-            linear_conv_kernel_dim=4,
             linear_key_head_dim=16,
             linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
+            max_position_embeddings=65536,
+            tie_word_embeddings=True,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10000000,
@@ -161,19 +109,7 @@ MEDIA_SHAPES: dict[str, dict[str, Any]] = {
                 "mrope_interleaved": True,
             },
         ),
-        "vision": dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[],
-            hidden_act="gelu_pytorch_tanh",
-        ),
+        "vision": {**_VISION_TINY, "deepstack_visual_indexes": []},
     },
 }
 # Qwen3-VL's published processor settings.
