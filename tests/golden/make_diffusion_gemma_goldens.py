@@ -23,13 +23,12 @@ and the published repos' ``global_head_dim`` / ``num_global_key_value_heads``.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
+from golden_common import save_checkpoint, write_config
 from make_gemma4_goldens import VISION, published
 from safetensors.torch import save_file
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
@@ -258,17 +257,10 @@ def make(name: str) -> None:
         raise SystemExit(f"{name}: no prompt showed every path")
 
     folder = OUT / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        shutil.copy(Path(tmp) / "model.safetensors", folder / "model.safetensors")
-        config = json.loads((Path(tmp) / "config.json").read_text())
+    config = save_checkpoint(model, folder)
     if spelled_published:
         config = published(config)
-    config["torch_dtype"] = "float32"
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_config(folder, config)
 
     # The references come from what transformers reads back from the files as written.
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=torch.float32)

@@ -25,48 +25,35 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
+from golden_common import fast_tokenizer, pretrained_files, template_in_tokenizer_config, write_config
 from make_diffusion_gemma_goldens import CANVAS, GENERATION, MARGIN, TEXT, build, generate
-from make_gemma4_media_goldens import AUDIO_CFG, IMAGE, IMAGE_CFG, MEDIA, SPECIALS, TEMPLATE, rounded, tokenizer
+from make_gemma4_media_goldens import (
+    AUDIO_CFG,
+    IMAGE,
+    IMAGE_CFG,
+    MEDIA,
+    SPECIALS,
+    TEMPLATE,
+    VISION,
+    rounded,
+    tokenizer,
+)
 from PIL import Image
 from safetensors.torch import save_file
 from transformers import DiffusionGemmaForBlockDiffusion
 
 OUT = Path(__file__).resolve().parent / "diffusion_gemma" / "diffusion_gemma_image"
 SETTINGS = dict(GENERATION, stability_threshold=0)  # confidence alone stops a block (see the text goldens)
-VISION = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    patch_size=16,
-    pooling_kernel_size=2,
-    position_embedding_size=64,
-    rms_norm_eps=1e-5,
-    use_clipped_linears=True,
-    standardize=True,
-    rope_parameters={"rope_type": "axial", "rope_theta": 50.0},
-)
 PROMPT = "What is in this picture?"
 
 
 def processor_and_tokenizer(folder: Path):
     tok = tokenizer()
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save(str(Path(tmp) / "tokenizer.json"))
-        hf_tok = transformers.PreTrainedTokenizerFast(
-            tokenizer_file=str(Path(tmp) / "tokenizer.json"),
-            bos_token="<bos>",
-            eos_token="<eos>",
-            pad_token="<pad>",
-            extra_special_tokens=MEDIA,
-        )
+    hf_tok = fast_tokenizer(tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", extra_special_tokens=MEDIA)
     processor = transformers.Gemma4Processor(
         feature_extractor=transformers.Gemma4AudioFeatureExtractor(**AUDIO_CFG),
         image_processor=transformers.Gemma4ImageProcessorPil(**IMAGE_CFG),
@@ -75,10 +62,7 @@ def processor_and_tokenizer(folder: Path):
         chat_template=TEMPLATE,
     )
     processor.save_pretrained(folder)
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    template_in_tokenizer_config(folder, TEMPLATE)
     return processor, hf_tok, {s: tok.token_to_id(s) for s in SPECIALS}
 
 
@@ -139,12 +123,10 @@ def main() -> None:
     else:
         sys.exit("no seed gave two blocks without a near-tie")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        shutil.copy(Path(tmp) / "model.safetensors", OUT / "model.safetensors")
-        config = json.loads((Path(tmp) / "config.json").read_text())
-    config["torch_dtype"] = "float32"
-    (OUT / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config, tmp = pretrained_files(model)
+    shutil.copy(tmp / "model.safetensors", OUT / "model.safetensors")
+    shutil.rmtree(tmp)
+    write_config(OUT, config)
 
     # The references come from what transformers reads back from the files as written.
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(OUT, dtype=torch.float32).eval()

@@ -31,10 +31,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from golden_common import greedy_record
 from make_model_goldens import COMMON, OUT, build, find_seed, reference
 
 LAYOUTS = Path(__file__).resolve().parent / "mlx_layouts"
@@ -194,16 +194,7 @@ def _write(folder: Path, config: dict, expected: dict, files: Path | None = None
 
 
 def _expected(seed, prompt, generated, logprobs, margins, spelling: str) -> dict:
-    return {
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "seed": seed,
-        "prompt_ids": prompt,
-        "greedy_ids": generated,
-        "logprobs": logprobs,
-        "min_top2_margin": min(margins),
-        "config_spelling": spelling,
-    }
+    return greedy_record(seed, prompt, generated, logprobs, margins, config_spelling=spelling)
 
 
 def make(name: str) -> None:

@@ -33,7 +33,15 @@ import tempfile
 from pathlib import Path
 
 import torch
-import transformers
+from golden_common import (
+    folder_kb,
+    greedy_record,
+    save_checkpoint,
+    search_seed,
+    uncached_greedy,
+    write_config,
+    write_json,
+)
 from make_model_goldens import NEW_TOKENS, PROMPT_LEN, reference
 from transformers import (
     AutoConfig,
@@ -190,37 +198,22 @@ def published(config: dict) -> dict:
     return config
 
 
-def uncached_greedy(model, prompt: list[int], generated: list[int]) -> list[int]:
-    """Greedy picks from one forward pass over prompt + continuation, without a cache."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + generated]), use_cache=False).logits[0]
-    return logits[len(prompt) - 1 : -1].argmax(-1).tolist()
-
-
 def make(name: str) -> None:
     settings, spelled_published = VARIANTS[name]
-    for seed in range(200):
-        model = build(settings, spelled_published, seed)
-        gen = torch.Generator().manual_seed(1000 + seed)
-        prompt = torch.randint(3, settings["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
-        generated, logprobs, margins = reference(model, prompt)
-        if min(margins) > 5e-3 and len(set(generated)) >= 5:
-            break
-    else:
-        raise SystemExit(f"{name}: no seed gave clear greedy margins")
+    model, seed, prompt, generated, logprobs, margins = search_seed(
+        name,
+        lambda s: build(settings, spelled_published, s),
+        reference,
+        PROMPT_LEN,
+        seeds=200,
+        vocab=settings["vocab_size"],
+    )
 
     folder = OUT / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        shutil.copy(Path(tmp) / "model.safetensors", folder / "model.safetensors")
-        config = json.loads((Path(tmp) / "config.json").read_text())
+    config = save_checkpoint(model, folder)
     if spelled_published:
         config = published(config)
-    config["torch_dtype"] = "float32"
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_config(folder, config)
 
     # The reference comes from what transformers reads back from the files as written.
     model = (Gemma4ForConditionalGeneration if spelled_published else AutoModelForCausalLM).from_pretrained(
@@ -230,21 +223,11 @@ def make(name: str) -> None:
     generated2, logprobs, margins = reference(model, prompt)
     assert generated2 == generated, f"{name}: the saved spelling changes transformers' output"
     assert uncached_greedy(model, prompt, generated) == generated, f"{name}: cached != uncached in transformers"
-    expected = {
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "seed": seed,
-        "prompt_ids": prompt,
-        "greedy_ids": generated,
-        "logprobs": logprobs,
-        "min_top2_margin": min(margins),
-        "spelling": "published (global_head_dim, gemma4 wrapper)"
-        if spelled_published
-        else "transformers 5 (per_layer_config)",
-    }
-    (folder / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"{name}: seed {seed}, {size // 1024} KB, greedy {generated}")
+    spelling = (
+        "published (global_head_dim, gemma4 wrapper)" if spelled_published else "transformers 5 (per_layer_config)"
+    )
+    write_json(folder / "expected.json", greedy_record(seed, prompt, generated, logprobs, margins, spelling=spelling))
+    print(f"{name}: seed {seed}, {folder_kb(folder)} KB, greedy {generated}")
 
 
 # ---- the MLX layout ------------------------------------------------------------------

@@ -26,19 +26,23 @@ expected.json records, for ../shared/data/images/chelsea.png and ../shared/data/
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 import sys
-import tempfile
 import wave
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+from golden_common import (
+    bpe_tokenizer,
+    digest,
+    fast_tokenizer,
+    media_greedy,
+    saved_and_reloaded,
+    template_in_tokenizer_config,
+)
 from PIL import Image
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "gemma4_media"
@@ -79,18 +83,27 @@ IMAGE_CFG = {"patch_size": 16, "max_soft_tokens": 70, "pooling_kernel_size": 2}
 AUDIO_CFG = {"feature_size": 128, "sampling_rate": 16000}
 
 
-def tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=240,
-        special_tokens=SPECIALS,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
+# The image tower (GQA, 2 x 2 pooling, clipped linears, standardised soft tokens); DiffusionGemma's
+# image goldens use the same.
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    patch_size=16,
+    pooling_kernel_size=2,
+    position_embedding_size=64,
+    rms_norm_eps=1e-5,
+    use_clipped_linears=True,
+    standardize=True,
+    rope_parameters={"rope_type": "axial", "rope_theta": 50.0},
+)
+
+
+def tokenizer():
+    return bpe_tokenizer(SPECIALS, CORPUS)
 
 
 def config(ids: dict[str, int]) -> transformers.Gemma4Config:
@@ -120,21 +133,7 @@ def config(ids: dict[str, int]) -> transformers.Gemma4Config:
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
         },
     )
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        patch_size=16,
-        pooling_kernel_size=2,
-        position_embedding_size=64,
-        rms_norm_eps=1e-5,
-        use_clipped_linears=True,
-        standardize=True,
-        rope_parameters={"rope_type": "axial", "rope_theta": 50.0},
-    )
+    vision = dict(VISION)
     audio = dict(
         hidden_size=32,
         num_hidden_layers=2,
@@ -187,15 +186,6 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(torch.empty_like(b).uniform_(0.5, 1.5))
 
 
-def digest(a) -> dict:
-    x = np.ascontiguousarray(np.asarray(a, dtype=np.float32))
-    return {
-        "sha256": hashlib.sha256(x.tobytes()).hexdigest(),
-        "sum": float(x.astype(np.float64).sum()),
-        "shape": list(x.shape),
-    }
-
-
 def rounded(a) -> list:
     """Seven significant digits: far below the tests' tolerance, and a small file."""
     return [[float(f"{v:.7g}") for v in row] for row in np.asarray(a, dtype=np.float64).tolist()]
@@ -210,27 +200,7 @@ def read_wav(path: Path) -> np.ndarray:
 
 
 def greedy(model, inputs) -> tuple[list[int], list[float], list[float]]:
-    n = inputs["input_ids"].shape[1]
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False, pad_token_id=0)
-    ids = out.sequences[0, n:].tolist()
-    if plain[0, n:].tolist() != ids:
-        sys.exit("transformers' cached and uncached greedy disagree")
-    lps, margins = [], []
-    for logits, t in zip(out.logits, ids):
-        lp = torch.log_softmax(logits[0].float(), -1)
-        top = torch.topk(lp, 2).values
-        lps.append(lp[t].item())
-        margins.append((top[0] - top[1]).item())
-    return ids, lps, margins
+    return media_greedy(model, inputs, NEW_TOKENS)
 
 
 def build(folder: Path, seed: int) -> dict:
@@ -240,20 +210,8 @@ def build(folder: Path, seed: int) -> dict:
     torch.manual_seed(0)
     model = transformers.Gemma4ForConditionalGeneration(cfg).eval().float()
     randomize(model, seed)
-    if folder.exists():
-        shutil.rmtree(folder)
-    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
-    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    (folder / "generation_config.json").unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save(str(Path(tmp) / "tokenizer.json"))
-        hf_tok = transformers.PreTrainedTokenizerFast(
-            tokenizer_file=str(Path(tmp) / "tokenizer.json"),
-            bos_token="<bos>",
-            eos_token="<eos>",
-            pad_token="<pad>",
-            extra_special_tokens=MEDIA,
-        )
+    model = saved_and_reloaded(model, transformers.Gemma4ForConditionalGeneration, folder)
+    hf_tok = fast_tokenizer(tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", extra_special_tokens=MEDIA)
     processor = transformers.Gemma4Processor(
         feature_extractor=transformers.Gemma4AudioFeatureExtractor(**AUDIO_CFG),
         image_processor=transformers.Gemma4ImageProcessorPil(**IMAGE_CFG),
@@ -262,10 +220,7 @@ def build(folder: Path, seed: int) -> dict:
         chat_template=TEMPLATE,
     )
     processor.save_pretrained(folder)
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    template_in_tokenizer_config(folder, TEMPLATE)
 
     image = Image.open(IMAGE).convert("RGB")
     speech = read_wav(AUDIO)

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-import transformers
+from golden_common import folder_kb, greedy_record, save_checkpoint, search_seed, write_config, write_json
 from make_model_goldens import NEW_TOKENS
 from make_model_goldens import reference as greedy_reference
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -292,40 +292,17 @@ def mlx_lm_reference(folder: Path, prompt: list[int]) -> dict:
 
 def make(name: str) -> None:
     overrides = VARIANTS[name]
-    for seed in range(100):
-        model = build(overrides, seed)
-        gen = torch.Generator().manual_seed(1000 + seed)
-        prompt = torch.randint(3, model.config.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
-        generated, logprobs, margins = reference(model, prompt)
-        if min(margins) > 5e-3 and len(set(generated)) >= 5:
-            break
-    else:
-        raise SystemExit(f"{name}: no seed gave clear greedy margins")
+    model, seed, prompt, generated, logprobs, margins = search_seed(
+        name, lambda s: build(overrides, s), reference, PROMPT_LEN
+    )
 
     folder = OUT / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        shutil.copy(Path(tmp) / "model.safetensors", folder / "model.safetensors")
-        config = json.loads((Path(tmp) / "config.json").read_text())
-    config["torch_dtype"] = "float32"  # compute dtype of the reference
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (folder / "config.published.json").write_text(json.dumps(published(name, config), indent=2, sort_keys=True) + "\n")
-    expected = {
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "seed": seed,
-        "prompt_ids": prompt,
-        "greedy_ids": generated,
-        "logprobs": logprobs,
-        "min_top2_margin": min(margins),
-    }
-    (folder / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
+    config = save_checkpoint(model, folder)
+    write_config(folder, config)
+    write_json(folder / "config.published.json", published(name, config), sort_keys=True)
+    write_json(folder / "expected.json", greedy_record(seed, prompt, generated, logprobs, margins))
     mlx = mlx_lm_reference(folder, prompt)
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    print(f"{name}: seed {seed}, {size // 1024} KB, greedy {generated}, mlx-lm 4-bit {mlx['greedy_ids']}")
+    print(f"{name}: seed {seed}, {folder_kb(folder)} KB, greedy {generated}, mlx-lm 4-bit {mlx['greedy_ids']}")
 
 
 if __name__ == "__main__":

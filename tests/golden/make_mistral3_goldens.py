@@ -22,14 +22,13 @@ import hashlib
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+from golden_common import bpe_tokenizer, fast_tokenizer, media_greedy, template_in_tokenizer_config
 from PIL import Image
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "mistral3"
@@ -52,18 +51,7 @@ IMAGE_CFG = {"size": {"longest_edge": 64}, "patch_size": {"height": 8, "width": 
 def main() -> None:
     if not IMAGE.is_file():
         sys.exit(f"{IMAGE} is missing")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        CORPUS,
-        trainers.BpeTrainer(
-            vocab_size=240,
-            special_tokens=SPECIALS,
-            show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
+    tok = bpe_tokenizer(SPECIALS, CORPUS)
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     config = transformers.Mistral3Config(
         text_config={
@@ -116,11 +104,7 @@ def main() -> None:
     (folder / "generation_config.json").unlink(missing_ok=True)
     model = transformers.Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save(str(Path(tmp) / "tokenizer.json"))
-        hf_tok = transformers.PreTrainedTokenizerFast(
-            tokenizer_file=str(Path(tmp) / "tokenizer.json"), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-        )
+    hf_tok = fast_tokenizer(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     processor = transformers.PixtralProcessor(
         image_processor=transformers.PixtralImageProcessorPil(**IMAGE_CFG),
         tokenizer=hf_tok,
@@ -129,11 +113,7 @@ def main() -> None:
         chat_template=TEMPLATE,
     )
     processor.save_pretrained(folder)
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = TEMPLATE
-    tok_cfg["add_bos_token"] = False
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    template_in_tokenizer_config(folder, TEMPLATE, add_bos_token=False)
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}]
     text = hf_tok.apply_chat_template(messages, tokenize=False, chat_template=TEMPLATE)
@@ -145,25 +125,8 @@ def main() -> None:
         feats = model.model.get_image_features(
             inputs["pixel_values"], inputs["image_sizes"], vision_feature_layer=-2
         ).pooler_output[0]
-        n = inputs["input_ids"].shape[1]
-        out = model.generate(
-            **inputs,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False, pad_token_id=0)
-    token_ids = out.sequences[0, n:].tolist()
-    if plain[0, n:].tolist() != token_ids:
-        sys.exit("transformers' cached and uncached greedy disagree")
-    lps, margins = [], []
-    for logits, t in zip(out.logits, token_ids):
-        lp = torch.log_softmax(logits[0].float(), -1)
-        top = torch.topk(lp, 2).values
-        lps.append(lp[t].item())
-        margins.append((top[0] - top[1]).item())
+    n = inputs["input_ids"].shape[1]
+    token_ids, lps, margins = media_greedy(model, inputs, NEW_TOKENS)
     expected = {
         "image": IMAGE.name,
         "messages": messages,

@@ -14,14 +14,19 @@ must leave them out).
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
-import transformers
+from golden_common import (
+    folder_kb,
+    fresh_folder,
+    greedy_record,
+    pretrained_files,
+    search_seed,
+    write_config,
+    write_json,
+)
 from make_model_goldens import NEW_TOKENS, OUT, PROMPT_LEN, build, reference
 from safetensors.torch import load_file, save_file
 
@@ -340,29 +345,30 @@ def mtp_standins(config: dict, n: int) -> dict[str, torch.Tensor]:
 
 def make(name: str) -> None:
     overrides, rewrite, mtp = VARIANTS[name]
-    for seed in range(100):
+    found = {}
+
+    def accept(seed, model, prompt, generated, logprobs) -> bool:
+        gap = uncached_agrees(model, prompt, generated, logprobs)
+        found["margin"] = index_margin(model, prompt + generated)
+        if gap < 1e-4 and found["margin"] > 1e-3:
+            return True
+        print(f"{name}: seed {seed}: cached/uncached gap {gap}, indexer margin {found['margin']}; next seed")
+        return False
+
+    def make_model(seed: int):
         model = build(name, overrides, seed)
         randomise_buffers(model)
-        gen = torch.Generator().manual_seed(2000 + seed)
-        prompt = torch.randint(3, model.config.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
-        generated, logprobs, margins = reference(model, prompt)
-        if min(margins) > 5e-3 and len(set(generated)) >= 5:
-            gap = uncached_agrees(model, prompt, generated, logprobs)
-            margin = index_margin(model, prompt + generated)
-            if gap < 1e-4 and margin > 1e-3:
-                break
-            print(f"{name}: seed {seed}: cached/uncached gap {gap}, indexer margin {margin}; next seed")
-    else:
-        raise SystemExit(f"{name}: no seed gave clear greedy margins")
+        return model
 
-    folder = OUT / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        config = json.loads((Path(tmp) / "config.json").read_text())
-        tensors = load_file(str(Path(tmp) / "model.safetensors"))
+    model, seed, prompt, generated, logprobs, margins = search_seed(
+        name, make_model, reference, PROMPT_LEN, prompt_seed=2000, accept=accept
+    )
+    margin = found["margin"]
+
+    folder = fresh_folder(OUT / name)
+    config, tmp = pretrained_files(model)
+    tensors = load_file(str(tmp / "model.safetensors"))
+    shutil.rmtree(tmp)
     if mtp:
         tensors.update(mtp_standins(config, mtp))
         config["num_nextn_predict_layers"] = mtp
@@ -371,24 +377,20 @@ def make(name: str) -> None:
     )
     if rewrite is not None:
         config = rewrite(config)
-    config["torch_dtype"] = "float32"
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    expected = {
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "seed": seed,
-        "prompt_ids": prompt,
-        "greedy_ids": generated,
-        "logprobs": logprobs,
-        "min_top2_margin": min(margins),
-        "rope_spelling": "rope_parameters" if rewrite is None else "rope_theta+rope_scaling",
-        "new_tokens": NEW_TOKENS,
-    }
+    write_config(folder, config)
+    expected = greedy_record(
+        seed,
+        prompt,
+        generated,
+        logprobs,
+        margins,
+        rope_spelling="rope_parameters" if rewrite is None else "rope_theta+rope_scaling",
+        new_tokens=NEW_TOKENS,
+    )
     if margin != float("inf"):
         expected["min_index_margin"] = margin
-    (folder / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"{name}: seed {seed}, {size // 1024} KB, greedy {generated}")
+    write_json(folder / "expected.json", expected)
+    print(f"{name}: seed {seed}, {folder_kb(folder)} KB, greedy {generated}")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,11 @@ greedy continuation and the log-probability of each chosen token.
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-import transformers
+from golden_common import folder_kb, greedy_record, save_checkpoint, search_seed, write_config, write_json
 from transformers import AutoConfig, AutoModelForCausalLM
 
 OUT = Path(__file__).resolve().parent / "models"
@@ -203,17 +200,7 @@ def reference(model, prompt: list[int]):
 def find_seed(name: str, make_model):
     """(model, seed, prompt, greedy ids, log-probs, top-2 margins) for the first seed whose
     ``make_model(seed)`` decodes clearly."""
-    for seed in range(100):
-        model = make_model(seed)
-        gen = torch.Generator().manual_seed(1000 + seed)
-        vocab = model.config.get_text_config().vocab_size
-        prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()
-        generated, logprobs, margins = reference(model, prompt)
-        # Refuse near-ties (a 1e-5 difference in float32 could flip such a greedy pick) and
-        # continuations stuck on one token (they would exercise little).
-        if min(margins) > 5e-3 and len(set(generated)) >= 5:
-            return model, seed, prompt, generated, logprobs, margins
-    raise SystemExit(f"{name}: no seed gave clear greedy margins")
+    return search_seed(name, make_model, reference, PROMPT_LEN)
 
 
 def make(name: str) -> None:
@@ -221,33 +208,18 @@ def make(name: str) -> None:
     model, seed, prompt, generated, logprobs, margins = find_seed(name, lambda s: build(name, overrides, s))
 
     folder = OUT / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-        shutil.copy(Path(tmp) / "model.safetensors", folder / "model.safetensors")
-        config = json.loads((Path(tmp) / "config.json").read_text())
+    config = save_checkpoint(model, folder)
     if legacy_rope:
         params = config.pop("rope_parameters", None) or {}
         config["rope_theta"] = params.pop("rope_theta", 10000.0)
         if params.get("rope_type", "default") != "default":
             config["rope_scaling"] = params
-    config["torch_dtype"] = "float32"  # compute dtype of the reference
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    expected = {
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "seed": seed,
-        "prompt_ids": prompt,
-        "greedy_ids": generated,
-        "logprobs": logprobs,
-        "min_top2_margin": min(margins),
-        "rope_spelling": "rope_theta+rope_scaling" if legacy_rope else "rope_parameters",
-    }
-    (folder / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"{name}: seed {seed}, {size // 1024} KB, greedy {generated}")
+    write_config(folder, config)
+    spelling = "rope_theta+rope_scaling" if legacy_rope else "rope_parameters"
+    write_json(
+        folder / "expected.json", greedy_record(seed, prompt, generated, logprobs, margins, rope_spelling=spelling)
+    )
+    print(f"{name}: seed {seed}, {folder_kb(folder)} KB, greedy {generated}")
 
 
 if __name__ == "__main__":

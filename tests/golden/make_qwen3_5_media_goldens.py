@@ -23,7 +23,6 @@ prompt ids, 3-D position ids, greedy ids with log-probabilities and top-2 margin
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,7 @@ import transformers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from golden_common import saved_and_reloaded  # noqa: E402
 from make_qwen3_vl_goldens import (  # noqa: E402  (a sibling script, found through the path just set)
     IMAGE,
     IMAGES,
@@ -120,13 +120,8 @@ def build(name: str, folder: Path, clip: Path) -> dict:
         for layer in model.model.language_model.layers:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.A_log.uniform_(-1.0, 0.5)
-    if folder.exists():
-        shutil.rmtree(folder)
-    # bf16 on disk; the references run in float32 on the model read back from it.
-    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
-    model = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    model = saved_and_reloaded(model, cls, folder)
     model.config._attn_implementation = "eager"
-    (folder / "generation_config.json").unlink(missing_ok=True)
     hf_tok = hf_tokenizer(tok)
     save_processor(folder, hf_tok)
     # The classes transformers maps this model_type to, the image processor on its PIL

@@ -25,22 +25,26 @@ Also the processors' output on the shared photos at the published Qwen3-VL setti
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 import transformers
 from PIL import Image
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "engine" / "media"))
 from clips import make_clip  # noqa: E402  (found through the path set just above)
+from golden_common import (  # noqa: E402
+    bpe_tokenizer,
+    digest,
+    fast_tokenizer,
+    media_greedy,
+    saved_and_reloaded,
+    template_in_tokenizer_config,
+)
 
 OUT = HERE / "qwen3_vl"
 IMAGES = HERE.parents[1].parent / "shared" / "data" / "images"
@@ -106,18 +110,8 @@ PUBLISHED_IMAGE = {
 }
 
 
-def tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=240,
-        special_tokens=SPECIALS,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
+def tokenizer():
+    return bpe_tokenizer(SPECIALS, CORPUS)
 
 
 def randomize(model: torch.nn.Module, seed: int, scale: float) -> None:
@@ -130,39 +124,6 @@ def randomize(model: torch.nn.Module, seed: int, scale: float) -> None:
                 p.normal_(0.0, 0.2)
             else:
                 p.mul_(scale)
-
-
-def digest(a: torch.Tensor) -> dict:
-    x = a.detach().float().contiguous().numpy()
-    return {
-        "sha256": hashlib.sha256(x.tobytes()).hexdigest(),
-        "sum": float(x.astype(np.float64).sum()),
-        "shape": list(x.shape),
-    }
-
-
-def greedy(model, inputs) -> tuple[list[int], list[float], list[float]]:
-    n = inputs["input_ids"].shape[1]
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False, pad_token_id=0)
-    ids = out.sequences[0, n:].tolist()
-    if plain[0, n:].tolist() != ids:
-        sys.exit("transformers' cached and uncached greedy disagree")
-    lps, margins = [], []
-    for logits, t in zip(out.logits, ids):
-        lp = torch.log_softmax(logits[0].float(), -1)
-        top = torch.topk(lp, 2).values
-        lps.append(lp[t].item())
-        margins.append((top[0] - top[1]).item())
-    return ids, lps, margins
 
 
 def config(name: str, ids: dict[str, int]):
@@ -226,25 +187,15 @@ def build(name: str, folder: Path, clip: Path) -> dict:
     model = cls(cfg).eval().float()
     model.config._attn_implementation = "eager"
     randomize(model, 5, scale=4.0)
-    if folder.exists():
-        shutil.rmtree(folder)
-    # bf16 on disk; the references run in float32 on the model read back from it (casting
-    # in place would also round the rotary inv_freq buffers).
-    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
-    model = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    model = saved_and_reloaded(model, cls, folder)
     model.config._attn_implementation = "eager"
-    (folder / "generation_config.json").unlink(missing_ok=True)
     hf_tok = hf_tokenizer(tok)
     processor = save_processor(folder, hf_tok)
     return record_cases(name, model, processor, hf_tok, clip)
 
 
-def hf_tokenizer(tok: Tokenizer) -> transformers.PreTrainedTokenizerFast:
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save(str(Path(tmp) / "tokenizer.json"))
-        return transformers.PreTrainedTokenizerFast(
-            tokenizer_file=str(Path(tmp) / "tokenizer.json"), eos_token="<|im_end|>", pad_token="<|endoftext|>"
-        )
+def hf_tokenizer(tok) -> transformers.PreTrainedTokenizerFast:
+    return fast_tokenizer(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def save_processor(folder: Path, hf_tok) -> transformers.Qwen3VLProcessor:
@@ -257,10 +208,7 @@ def save_processor(folder: Path, hf_tok) -> transformers.Qwen3VLProcessor:
         chat_template=TEMPLATE,
     )
     processor.save_pretrained(folder)
-    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    template_in_tokenizer_config(folder, TEMPLATE)
     return processor
 
 
@@ -306,7 +254,7 @@ def record_cases(name: str, model, processor, hf_tok, clip: Path) -> dict:
             positions, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], **kwargs)
         record["position_ids"] = positions[:, 0].tolist()
         record["rope_delta"] = int(delta[0, 0])
-        record["token_ids"], record["token_logprobs"], record["margins"] = greedy(model, inputs)
+        record["token_ids"], record["token_logprobs"], record["margins"] = media_greedy(model, inputs, NEW_TOKENS)
         out[case] = record
         print(
             f"{name} {case}: {len(record['prompt_ids'])} prompt ids, greedy {record['token_ids']}, "
