@@ -40,6 +40,7 @@ from make_qwen3_vl_goldens import (  # noqa: E402  (a sibling script, found thro
     TEMPLATE,
     hf_tokenizer,
     make_clip,
+    marker_ids,
     randomize,
     record_cases,
     save_processor,
@@ -91,12 +92,7 @@ def config(name: str, ids: dict[str, int]):
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
     )
-    common = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
+    common = marker_ids(ids)
     if name == "qwen3_5":
         return transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **common)
     del text["intermediate_size"]

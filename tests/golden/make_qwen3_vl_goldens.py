@@ -126,6 +126,16 @@ def randomize(model: torch.nn.Module, seed: int, scale: float) -> None:
                 p.mul_(scale)
 
 
+def marker_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The image and video placeholders' and the vision markers' ids, as the configs name them."""
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
 def config(name: str, ids: dict[str, int]):
     vision = dict(
         depth=3,
@@ -160,12 +170,7 @@ def config(name: str, ids: dict[str, int]):
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
     )
-    common = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
+    common = marker_ids(ids)
     if name == "qwen3_vl":
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **common)
     text.update(
