@@ -142,14 +142,14 @@ class ChatView(QScrollArea):
         self.entries = self.entries[:same] + wanted[same:]
         self.empty_label.setVisible(not self.entries)
         self._follow = True
-        self._sync()
+        self._sync(at_least=min(AT_ONCE, len(wanted) - same) if same else AT_ONCE)  # what changed, at once
         self._scroll_to_bottom()
 
     def add_message(self, message: Message, versions: tuple[int, int] = (1, 1)) -> MessageWidget:
         self.entries.append(_Entry(message, versions))
         self.empty_label.setVisible(False)
         self._follow = True
-        self._sync()
+        self._sync(at_least=1)
         return self.widgets[message.id]
 
     def update_message(
@@ -189,12 +189,17 @@ class ChatView(QScrollArea):
         if i > dropped:
             text += " (it still reads the first exchange)"
         self.entries.insert(i, _Entry(None, divider=text))
-        self._sync()
+        self._sync(at_least=1)
 
     def set_busy(self, busy: bool) -> None:
         self._busy = busy
         for w in self.widgets.values():
             w.set_busy(busy)
+
+    @property
+    def filling(self) -> bool:
+        """Whether passes are still due: widgets to build near the viewport, or to measure."""
+        return self._sync_timer.isActive()
 
     @property
     def live_widgets(self) -> int:
