@@ -29,14 +29,17 @@ SETTINGS = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
 MAX_LIVE_WIDGETS = 40
 RSS_SLOPE = 128 * 1024  # bytes a turn; the report's leak was 970 KB a turn
 STALL_SLOPE_MS = 0.5  # per turn, over ten chats: a chat grows by one exchange every ten turns
-# The GUI thread's longest stall, in ms. Measured on a 2-core CPU machine shared with other
-# test runs, over several runs at load average 2.4-3.6: a turn (switch, send, stream, save)
-# median 23-31, 95th percentile 36-39, longest 68-87; switching chats median 19-25, 95th
-# percentile 23-55, longest 84-106; at load 5.5 a turn's median 37, 95th percentile 62,
-# longest 159. Building a screenful at once made every switch 60-240 ms. The bounds leave
-# room for a loaded CI machine: the typical stall under 50 ms, one in twenty under 80, and
-# none as long as the 250 ms the report saw.
-MEDIAN_STALL_MS, P95_STALL_MS, LONGEST_STALL_MS = 50, 80, 250
+# The GUI thread's stalls, in ms: (median, 95th percentile, longest). Measured on a 2-core
+# CPU machine shared with other test runs, several runs:
+#   load 2.4-3.6: a turn (switch, send, stream, save) 23-31 / 36-39 / 68-87; switching chats
+#                 19-25 / 23-28 / 84-106 before the collector's full passes were moved off
+#                 the long-lived objects (those passes took 60-80 ms each);
+#   load 5.5-8.6: a turn 37-44 / 62 / 159-171; switching 28 / 44 / 61; scrolling 22 / 45 / 116.
+# Building a screenful at once (the code before) measured, at load 7.7, switching 63 / 100 /
+# 123 and scrolling 43 / 69 / 100; the report saw 250 ms. The bounds leave room for a loaded
+# CI machine; a turn also shares the CPU with the engine's worker thread.
+WINDOW_STALLS = (50, 80, 250)
+TURN_STALLS = (60, 100, 250)
 
 
 @pytest.fixture
@@ -57,11 +60,11 @@ def _spread(ms: list[float]) -> str:
     return f"median {median:.0f} ms, 95% {p95:.0f} ms, longest {longest:.0f} ms"
 
 
-def _assert_smooth(what: str, ms: list[float]) -> None:
+def _assert_smooth(what: str, ms: list[float], bounds: tuple[float, float, float]) -> None:
     median, p95, longest = _quantiles(ms)
-    assert median < MEDIAN_STALL_MS, f"{what}: the median stall is {median:.0f} ms"
-    assert p95 < P95_STALL_MS, f"{what}: one stall in twenty is over {p95:.0f} ms"
-    assert longest < LONGEST_STALL_MS, f"{what}: the longest stall is {longest:.0f} ms"
+    assert median < bounds[0], f"{what}: the median stall is {median:.0f} ms"
+    assert p95 < bounds[1], f"{what}: one stall in twenty is {p95:.0f} ms or more"
+    assert longest < bounds[2], f"{what}: the longest stall is {longest:.0f} ms"
 
 
 class Heartbeat:
@@ -136,7 +139,7 @@ def test_500_turns_across_chats_keep_stalls_memory_and_widgets_flat(qtbot, make_
     # a few microseconds a message; a transcript that lays out its messages again costs
     # milliseconds a message.
     assert stall_trend < STALL_SLOPE_MS, f"the GUI stall grows {stall_trend:.3f} ms a turn"
-    _assert_smooth("a turn", stalls[half])
+    _assert_smooth("a turn", stalls[half], TURN_STALLS)
     # The chats themselves grow (each turn adds ~35 tokens to a live chat's KV cache, ids and
     # rows: ~45 KB a turn measured, flat for the window alone, see below).
     assert rss_trend < RSS_SLOPE, f"RSS grows {rss_trend / 1024:.0f} KB a turn"
@@ -182,5 +185,5 @@ def test_switching_chats_and_scrolling_keep_memory_widgets_and_stalls_flat(qtbot
     )
     assert switching < 4 * 1024 and scrolling < 4 * 1024
     assert max(live) <= MAX_LIVE_WIDGETS
-    _assert_smooth("switching chats", switch_stalls[1:])  # the first builds the window's fonts and caches
-    _assert_smooth("scrolling", scroll_stalls)
+    _assert_smooth("switching chats", switch_stalls[1:], WINDOW_STALLS)  # the first warms fonts and caches
+    _assert_smooth("scrolling", scroll_stalls, WINDOW_STALLS)
