@@ -461,18 +461,28 @@ def _message(row: sqlite3.Row) -> Message:
         content=row["content"],
         reasoning=row["reasoning"],
         status=row["status"],
-        stats=json.loads(row["stats"] or "{}"),
+        stats=_loads(row["stats"] or "{}"),
         model=row["model"],
         adapters=_scales(row["adapters"]),
         created_at=row["created_at"],
         updated_at=row["updated_at"],
-        tool_turns=json.loads(row["tool_turns"] or "[]"),
+        tool_turns=_loads(row["tool_turns"] or "[]"),
     )
+
+
+_EMPTY = {"{}": dict, "[]": list}
+
+
+def _loads(text: str) -> Any:
+    """JSON, where the empty values most rows hold skip the parser: a thread is read whole
+    when a chat opens and at each turn, three columns a message."""
+    make = _EMPTY.get(text)
+    return make() if make is not None else json.loads(text)
 
 
 def _scales(text: str | None) -> dict[str, float]:
     """Adapters as name -> scale; an older row's plain list of names means scale 1."""
-    value = json.loads(text or "{}")
+    value = _loads(text or "{}")
     if isinstance(value, list):
         return {str(name): 1.0 for name in value}
     return {str(k): float(v) for k, v in value.items()}

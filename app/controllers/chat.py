@@ -234,7 +234,7 @@ class ChatController(QObject):
                 self.conversation_id = self.store.create_conversation()
                 self._free_old_sessions(self.conversation_id)
             conv = self.store.conversation(self.conversation_id)
-            if not self.store.thread(conv.id):
+            if conv.leaf_id is None:  # its first message (no need to read the thread)
                 self.store.rename_conversation(conv.id, _title_from(text, kept))
                 emit(self.conversations_changed)
             user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)

@@ -16,6 +16,7 @@ live tail while streaming).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -36,7 +37,14 @@ from app.ui.message_widget import MessageWidget
 REPAINT_INTERVAL_MS = 33
 SPACING = 20  # between messages
 MARGIN_Y = 24  # above the first message and below the last
-BUILD_PER_PASS = 3  # new message widgets per pass (each costs milliseconds of Markdown layout)
+# Building a message widget costs milliseconds (Markdown, style, layout); a screenful built
+# at once stalled the window for 100-240 ms. A call from the app builds AT_ONCE widgets (when
+# following the bottom: the last question and its answer, so the latest exchange is there in
+# the first frame); the rest are built in passes of the event loop, newest first, each
+# building for at most SLICE_MS (one widget at least), so that a pass with the layout and
+# paint that follow it stays within a frame or two.
+AT_ONCE = 2
+SLICE_MS = 6.0
 DIVIDER = "context_divider"  # the entry key of the "outside the model's context" line
 
 
@@ -113,7 +121,7 @@ class ChatView(QScrollArea):
         self._sync_timer = QTimer(self)
         self._sync_timer.setSingleShot(True)
         self._sync_timer.setInterval(0)
-        self._sync_timer.timeout.connect(self._sync)
+        self._sync_timer.timeout.connect(lambda: self._sync(SLICE_MS, 1))
         self.verticalScrollBar().rangeChanged.connect(self._keep_at_bottom)
         self.verticalScrollBar().valueChanged.connect(self._note_scroll)
 
@@ -135,14 +143,14 @@ class ChatView(QScrollArea):
         self.entries = self.entries[:same] + wanted[same:]
         self.empty_label.setVisible(not self.entries)
         self._follow = True
-        self._sync()
+        self._sync(at_least=min(AT_ONCE, len(wanted) - same) if same else AT_ONCE)  # what changed, at once
         self._scroll_to_bottom()
 
     def add_message(self, message: Message, versions: tuple[int, int] = (1, 1)) -> MessageWidget:
         self.entries.append(_Entry(message, versions))
         self.empty_label.setVisible(False)
         self._follow = True
-        self._sync()
+        self._sync(at_least=1)
         return self.widgets[message.id]
 
     def update_message(
@@ -182,12 +190,17 @@ class ChatView(QScrollArea):
         if i > dropped:
             text += " (it still reads the first exchange)"
         self.entries.insert(i, _Entry(None, divider=text))
-        self._sync()
+        self._sync(at_least=1)
 
     def set_busy(self, busy: bool) -> None:
         self._busy = busy
         for w in self.widgets.values():
             w.set_busy(busy)
+
+    @property
+    def filling(self) -> bool:
+        """Whether passes are still due: widgets to build near the viewport, or to measure."""
+        return self._sync_timer.isActive()
 
     @property
     def live_widgets(self) -> int:
@@ -293,10 +306,12 @@ class ChatView(QScrollArea):
         entry.height = hint if hint > 0 else widget.sizeHint().height()
         entry.width = width
 
-    def _sync(self) -> None:
-        """Build the entries near the viewport as widgets, free the others, and size the
-        spacers for what is not built; keep the first visible entry where it was."""
+    def _sync(self, slice_ms: float = 0.0, at_least: int = AT_ONCE) -> None:
+        """Build the entries near the viewport as widgets (``at_least`` of them, more for up
+        to ``slice_ms``; the rest in the next pass), free the others, and size the spacers
+        for what is not built; keep the first visible entry where it was."""
         self._sync_timer.stop()
+        deadline = time.perf_counter() + slice_ms / 1000  # computing the window counts too
         n = len(self.entries)
         if n == 0:
             self._set_spacer(self._above, 0)
@@ -328,7 +343,9 @@ class ChatView(QScrollArea):
         vhi = next((i for i in range(first, n) if tops[i] >= view_top + view_h), n)
         tlo = next((i for i in range(n) if tops[i] + heights[i] >= view_top - view_h), first)
         thi = max(vhi, next((i for i in range(vhi, n) if tops[i] > view_top + 2 * view_h), n))
-        lo, hi = self._grow(n - 1 if self._follow else first, (first, max(vhi, first + 1)), (tlo, thi))
+        lo, hi = self._grow(
+            n - 1 if self._follow else first, (first, max(vhi, first + 1)), (tlo, thi), deadline, at_least
+        )
         self._rebuild(lo, hi)
         self._set_spacer(self._above, tops[lo] - MARGIN_Y - SPACING if lo > 0 else 0)
         gap_end = n - 1 if hi < n else hi  # the last entry is always built
@@ -346,23 +363,42 @@ class ChatView(QScrollArea):
         ):
             self._sync_timer.start()  # more to build, or new widgets to measure once laid out
 
-    def _grow(self, seed: int, visible: tuple[int, int], wanted: tuple[int, int]) -> tuple[int, int]:
-        """The entries to have built: a run from ``seed`` over the visible ones (all of
-        them: what is on screen is never a blank), then over the wanted margin, building
-        at most BUILD_PER_PASS new widgets there (those already built cost nothing), so that
-        no single pass stalls the window for long."""
-        lo, hi = min(seed, visible[0]), max(seed + 1, visible[1])
-        budget = BUILD_PER_PASS
+    def _grow(
+        self, seed: int, visible: tuple[int, int], wanted: tuple[int, int], deadline: float, at_least: int
+    ) -> tuple[int, int]:
+        """The entries to have built: a run from ``seed`` (always built) over the visible
+        ones, below the seed first, then above it (following the bottom, the seed is the
+        newest message: the screen fills newest first), then over the wanted margin on
+        both sides. Entries already built cost nothing; ``at_least`` new ones are built,
+        then more until ``deadline``."""
+        if self._built(self.entries[seed]) is None:
+            self._build(self.entries[seed])
+            at_least -= 1
 
-        def cost(i: int) -> int:
-            return 0 if self._built(self.entries[i]) is not None else 1
+        def take(i: int) -> bool:
+            nonlocal at_least
+            if self._built(self.entries[i]) is not None:
+                return True
+            if at_least <= 0 and time.perf_counter() >= deadline:
+                return False
+            at_least -= 1
+            self._build(self.entries[i])
+            return True
 
-        while lo > wanted[0] and (budget > 0 or not cost(lo - 1)):
-            lo -= 1
-            budget -= cost(lo)
-        while hi < wanted[1] and (budget > 0 or not cost(hi)):
-            budget -= cost(hi)
+        lo, hi = seed, seed + 1
+        while hi < visible[1] and take(hi):
             hi += 1
+        while lo > visible[0] and take(lo - 1):
+            lo -= 1
+        if lo > visible[0] or hi < visible[1]:
+            return lo, hi  # what is on screen comes first; the margin waits
+        grew = True
+        while grew:
+            grew = False
+            if lo > wanted[0] and take(lo - 1):
+                lo, grew = lo - 1, True
+            if hi < wanted[1] and take(hi):
+                hi, grew = hi + 1, True
         return lo, hi
 
     def _built(self, entry: _Entry) -> QWidget | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from app.qt import QTextCharFormat, QTextCursor, QTextDocument, QUrl
 
@@ -51,6 +52,13 @@ def split_blocks(text: str) -> list[Block]:
     return [b for b in blocks if b.kind == "code" or b.text.strip()]
 
 
+# Rendering is a pure function of the text, and the same messages are rendered again each
+# time a chat is opened or scrolled back into view: the last few hundred renderings are kept
+# (a bounded number, so memory stays flat however long the chats).
+RENDER_CACHE = 256
+
+
+@lru_cache(maxsize=RENDER_CACHE)
 def highlight_html(code: str, language: str, dark: bool) -> str:
     """Code as coloured HTML for a QLabel/QTextBrowser (a <pre> block)."""
     try:
@@ -102,6 +110,7 @@ def prose_document(text: str) -> QTextDocument:
     return doc
 
 
+@lru_cache(maxsize=RENDER_CACHE)
 def prose_html(text: str) -> str:
     """Markdown prose as rich text for a QLabel (its own fonts and colours apply)."""
     out = prose_document(text).toHtml()

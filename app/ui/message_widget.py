@@ -159,23 +159,16 @@ class MessageWidget(QFrame):
         self.role_label = QLabel("You" if role == "user" else (name or "Assistant"), objectName="roleLabel")
         self.role_label.setTextFormat(Qt.TextFormat.PlainText)  # a model's name is not HTML
         outer.addWidget(self.role_label)
-
-        self.reasoning_toggle = QToolButton(objectName="reasoningToggle")
-        self.reasoning_toggle.setCheckable(True)
-        self.reasoning_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
-        self.reasoning_toggle.setArrowType(Qt.ArrowType.RightArrow)
-        self.reasoning_toggle.setText("Thinking")
-        self.reasoning_toggle.toggled.connect(self._toggle_reasoning)
-        self.reasoning_label = _label("", "reasoningText")
-        self.reasoning_label.setTextFormat(Qt.TextFormat.PlainText)  # never guessed as HTML
-        self.reasoning_label.setVisible(False)
-        self.reasoning_toggle.setVisible(False)
-        outer.addWidget(self.reasoning_toggle)
-        outer.addWidget(self.reasoning_label)
+        # Parts most messages never show (reasoning, the block still refining, "show more",
+        # the version arrows) are made the first time one is needed: a chat opens a
+        # screenful of messages at once, and every widget made costs its share of that.
+        self._reasoning_parts: tuple[QToolButton, QLabel] | None = None
+        self._draft_label: QLabel | None = None
+        self._more_button: QToolButton | None = None
+        self._version_parts: tuple[QToolButton, QLabel, QToolButton] | None = None
 
         # Attached images and clips sit above the words, as in messaging apps.
         self.attachment_row: AttachmentRow | None = None
-        self._attachments_at = outer.count()
 
         self.bubble = QFrame(objectName="bubble")
         self.body = QVBoxLayout(self.bubble)
@@ -186,45 +179,99 @@ class MessageWidget(QFrame):
             self.body.setContentsMargins(0, 0, 0, 0)
         self.body.setSpacing(8)
         outer.addWidget(self.bubble)
-        # Block diffusion: the block still being denoised, muted, until its text settles.
-        self.draft_label = _label("", "draftText")
-        self.draft_label.setTextFormat(Qt.TextFormat.PlainText)  # an unsettled canvas is not Markdown
-        self.draft_label.setVisible(False)
-        outer.addWidget(self.draft_label)
-        self.more_button = QToolButton(objectName="actionButton")
-        self.more_button.setVisible(False)
-        self.more_button.clicked.connect(self.show_all)
-        outer.addWidget(self.more_button)
         if role == "user":
             self.role_label.setAlignment(Qt.AlignmentFlag.AlignRight)
 
         self.editor: QPlainTextEdit | None = None
-        footer = QHBoxLayout()
-        footer.setContentsMargins(2, 0, 2, 0)
-        footer.setSpacing(4)
-        self.prev_button = QToolButton(text="‹", objectName="versionButton")
-        self.next_button = QToolButton(text="›", objectName="versionButton")
-        self.version_label = QLabel("", objectName="versionLabel")
-        self.prev_button.clicked.connect(lambda: emit(self.version_requested, self.message_id, -1))
-        self.next_button.clicked.connect(lambda: emit(self.version_requested, self.message_id, +1))
-        for w in (self.prev_button, self.version_label, self.next_button):
-            footer.addWidget(w)
+        self.footer = QHBoxLayout()
+        self.footer.setContentsMargins(2, 0, 2, 0)
+        self.footer.setSpacing(4)
         self.stats_label = QLabel("", objectName="statsLabel")
         self.stats_label.setTextFormat(Qt.TextFormat.PlainText)  # adapter names are not HTML
-        footer.addWidget(self.stats_label)
-        footer.addStretch(1)
+        self.footer.addWidget(self.stats_label)
+        self.footer.addStretch(1)
         self.copy_button = QToolButton(text="Copy", objectName="actionButton")
         self.copy_button.clicked.connect(lambda: QApplication.clipboard().setText(self.content))
-        footer.addWidget(self.copy_button)
+        self.footer.addWidget(self.copy_button)
         if role == "user":
             self.action_button = QToolButton(text="Edit", objectName="actionButton")
             self.action_button.clicked.connect(self.start_edit)
         else:
             self.action_button = QToolButton(text="Regenerate", objectName="actionButton")
             self.action_button.clicked.connect(lambda: emit(self.regenerate_requested, self.message_id))
-        footer.addWidget(self.action_button)
-        outer.addLayout(footer)
-        self.set_versions(1, 1)
+        self.footer.addWidget(self.action_button)
+        outer.addLayout(self.footer)
+
+    # ---- parts made when first needed ---------------------------------------------------
+
+    @property
+    def reasoning_toggle(self) -> QToolButton:
+        return self._reasoning()[0]
+
+    @property
+    def reasoning_label(self) -> QLabel:
+        return self._reasoning()[1]
+
+    def _reasoning(self) -> tuple[QToolButton, QLabel]:
+        if self._reasoning_parts is None:
+            toggle = QToolButton(objectName="reasoningToggle")
+            toggle.setCheckable(True)
+            toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+            toggle.setArrowType(Qt.ArrowType.RightArrow)
+            toggle.setText("Thinking")
+            toggle.toggled.connect(self._toggle_reasoning)
+            label = _label("", "reasoningText")
+            label.setTextFormat(Qt.TextFormat.PlainText)  # never guessed as HTML
+            label.setVisible(False)
+            toggle.setVisible(False)
+            self.layout().insertWidget(1, toggle)  # under the name, above attachments and words
+            self.layout().insertWidget(2, label)
+            self._reasoning_parts = (toggle, label)
+        return self._reasoning_parts
+
+    @property
+    def draft_label(self) -> QLabel:
+        """Block diffusion: the block still being denoised, muted, until its text settles."""
+        if self._draft_label is None:
+            self._draft_label = _label("", "draftText")
+            self._draft_label.setTextFormat(Qt.TextFormat.PlainText)  # an unsettled canvas is not Markdown
+            self._draft_label.setVisible(False)
+            self.layout().insertWidget(self.layout().indexOf(self.bubble) + 1, self._draft_label)
+        return self._draft_label
+
+    @property
+    def more_button(self) -> QToolButton:
+        if self._more_button is None:
+            self._more_button = QToolButton(objectName="actionButton")
+            self._more_button.setVisible(False)
+            self._more_button.clicked.connect(self.show_all)
+            self.layout().insertWidget(self.layout().count() - 1, self._more_button)  # above the footer
+        return self._more_button
+
+    @property
+    def prev_button(self) -> QToolButton:
+        return self._version_nav()[0]
+
+    @property
+    def version_label(self) -> QLabel:
+        return self._version_nav()[1]
+
+    @property
+    def next_button(self) -> QToolButton:
+        return self._version_nav()[2]
+
+    def _version_nav(self) -> tuple[QToolButton, QLabel, QToolButton]:
+        if self._version_parts is None:
+            prev = QToolButton(text="‹", objectName="versionButton")
+            label = QLabel("", objectName="versionLabel")
+            after = QToolButton(text="›", objectName="versionButton")
+            prev.clicked.connect(lambda: emit(self.version_requested, self.message_id, -1))
+            after.clicked.connect(lambda: emit(self.version_requested, self.message_id, +1))
+            for i, w in enumerate((prev, label, after)):
+                w.setVisible(False)
+                self.footer.insertWidget(i, w)
+            self._version_parts = (prev, label, after)
+        return self._version_parts
 
     # ---- content --------------------------------------------------------------------
 
@@ -235,20 +282,22 @@ class MessageWidget(QFrame):
             self.attachment_row = None
         if attachments:
             self.attachment_row = AttachmentRow(attachments, self)
-            self.layout().insertWidget(self._attachments_at, self.attachment_row)
+            self.layout().insertWidget(self.layout().indexOf(self.bubble), self.attachment_row)
 
     def set_text(self, content: str, reasoning: str = "") -> None:
         """Re-render only the blocks that changed (the tail, while streaming)."""
         self.content = content
         if reasoning != self.reasoning:
             self.reasoning = reasoning
-            self.reasoning_label.setText(breakable(reasoning))
-            self.reasoning_toggle.setVisible(bool(reasoning))
+            toggle, label = self._reasoning()
+            label.setText(breakable(reasoning))
+            toggle.setVisible(bool(reasoning))
         hidden = 0 if self._show_all else max(0, len(content) - MAX_SHOWN_CHARS)
         if hidden:
             content = content[:MAX_SHOWN_CHARS]
             self.more_button.setText(f"Show {hidden:,} more characters (Copy takes them all)")
-        self.more_button.setVisible(bool(hidden))
+        if hidden or self._more_button is not None:
+            self.more_button.setVisible(bool(hidden))
         blocks = split_blocks(content) if self.role != "user" else [Block("prose", content)]
         keep = 0
         while keep < len(blocks) and keep < len(self._rendered) and blocks[keep] == self._rendered[keep]:
@@ -266,6 +315,8 @@ class MessageWidget(QFrame):
 
     def set_draft(self, text: str) -> None:
         """Show ``text`` as the block still refining (empty: none)."""
+        if not text and self._draft_label is None:
+            return
         if text != self.draft_label.text():
             self.draft_label.setText(text)
         self.draft_label.setVisible(bool(text))
@@ -298,8 +349,9 @@ class MessageWidget(QFrame):
         return _label(prose_html(block.text), "prose", rich=True)
 
     def _toggle_reasoning(self, shown: bool) -> None:
-        self.reasoning_label.setVisible(shown)
-        self.reasoning_toggle.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+        toggle, label = self._reasoning()
+        label.setVisible(shown)
+        toggle.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
 
     def set_stats(self, stats: dict, status: str = "complete", adapters: dict[str, float] | None = None) -> None:
         parts, details = [], []
@@ -355,11 +407,14 @@ class MessageWidget(QFrame):
     def set_versions(self, index: int, count: int) -> None:
         """Show ‹ index/count › when a message has more than one version."""
         many = count > 1
-        for w in (self.prev_button, self.version_label, self.next_button):
+        if not many and self._version_parts is None:
+            return
+        prev, label, after = self._version_nav()
+        for w in (prev, label, after):
             w.setVisible(many)
-        self.version_label.setText(f"{index}/{count}")
-        self.prev_button.setEnabled(index > 1)
-        self.next_button.setEnabled(index < count)
+        label.setText(f"{index}/{count}")
+        prev.setEnabled(index > 1)
+        after.setEnabled(index < count)
 
     def set_busy(self, busy: bool) -> None:
         self.action_button.setEnabled(not busy)
