@@ -97,7 +97,7 @@ def test_the_windows_chat_decodes_beside_a_server_stream(qtbot, make_window, run
         with openai.OpenAI(base_url=menu.controller.address, api_key="none", max_retries=0, timeout=120) as c:
             for chunk in c.chat.completions.create(
                 model="tiny-llama",
-                max_tokens=400,
+                max_tokens=1500,
                 temperature=0,
                 stream=True,
                 messages=[{"role": "user", "content": "tell me a story"}],
@@ -108,6 +108,10 @@ def test_the_windows_chat_decodes_beside_a_server_stream(qtbot, make_window, run
 
     threading.Thread(target=stream, daemon=True).start()
     qtbot.waitUntil(started.is_set, timeout=30_000)
+    # A short reply (the default, sampled up to 512 tokens, could outlast the stream).
+    window.store.update_conversation(
+        window.chat.conversation_id, settings={"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    )
     window.composer.edit.setFocus()
     qtbot.keyClicks(window.composer.edit, "hello")
     with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000):
