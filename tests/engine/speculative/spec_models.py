@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_map
 
 from engine.models import get_family
@@ -47,3 +48,13 @@ def plain_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
     logits = model(mx.array([prompt + tokens[:-1]]))[0, len(prompt) - 1 :].astype(mx.float32)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return [float(lp[i, t].item()) for i, t in enumerate(tokens)]
+
+
+def assert_mtp_run_is_plain(model, prompt: list[int], want: list[int], got: list, stats) -> None:
+    """An MTP-drafted run gave plain greedy's tokens and log-probs, verified its drafts
+    (random MTP weights: few are accepted) and left no listener on the model."""
+    assert [t for t, _ in got] == want
+    np.testing.assert_allclose([lp for _, lp in got], plain_logprobs(model, prompt, want), atol=1e-4)
+    assert stats.draft_tokens > 0
+    assert 0 <= stats.accepted_draft_tokens <= stats.draft_tokens
+    assert model.hidden_listener is None
