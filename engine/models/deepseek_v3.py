@@ -17,12 +17,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.errors import UnsupportedModelError
+from engine.models import routed_moe
 from engine.models.base import BaseModelArgs, CausalLM, DecoderStack, GatedMLP, activation
 from engine.models.deepseek_mtp import attach_mtp, nextn_part
 from engine.models.deepseek_mtp import left_out as _left_out
 from engine.models.mla import LatentAttention, latent_caches, split_kv_b
 from engine.models.mla_cache import latent_bytes_per_token
-from engine.models.routed_moe import RoutedMoE, held_in_float32, stack_experts  # noqa: F401  (held_in_float32: the plan asks the family)
+from engine.models.routed_moe import RoutedMoE, stack_experts
 
 
 @dataclass
@@ -88,6 +89,10 @@ class ModelArgs(BaseModelArgs):
         """Every layer caches its latent and rope key, not per-head keys and values."""
         per_layer = latent_bytes_per_token(self.kv_lora_rank, self.qk_rope_head_dim, dtype_bytes)
         return self.num_hidden_layers * per_layer
+
+
+# The memory plan asks the family which stored weights it holds in float32 (its routers).
+held_in_float32 = routed_moe.held_in_float32
 
 
 def resident_weight(name: str, n_layers: int) -> str | None:

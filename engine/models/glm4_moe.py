@@ -12,14 +12,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models import llama
-from engine.models.routed_moe import (  # noqa: F401  (held_in_float32: the plan asks the family)
-    RoutedMoE,
-    drop_nextn_layers,
-    held_in_float32,
-    nextn_index,
-    stack_experts,
-)
+from engine.models import llama, routed_moe
+from engine.models.routed_moe import RoutedMoE, drop_nextn_layers, nextn_index, stack_experts
 
 
 @dataclass
@@ -87,6 +81,10 @@ class Model(llama.Model):
         for i in range(self.args.num_hidden_layers):
             stack_experts(weights, f"model.layers.{i}.mlp", self.args.n_routed_experts or 0)
         return weights
+
+
+# The memory plan asks the family which stored weights it holds in float32 (its routers).
+held_in_float32 = routed_moe.held_in_float32
 
 
 def resident_weight(name: str, n_layers: int) -> str | None:
