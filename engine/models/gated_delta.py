@@ -5,7 +5,8 @@ are the conv state), L2-normalised q and k, then the gated delta rule on a matri
 S [value heads, Dv, Dk]:  S <- g*S;  S <- S + beta * k (v - S k)^T;  y = S q / sqrt(Dk).
 ``mx.fast.gated_delta_update`` runs the rule; it walks the tokens in order, so a pass cut
 into chunks gives exactly the same numbers as one pass (chunked prefill equals a single
-pass). The output goes through an RMSNorm gated by silu(z) and the output projection.
+pass). On CUDA, where that walk is not a fused kernel, prompts take the chunked matrix form
+of ``engine.models.delta_chunks`` instead (equal to float32 rounding). The output goes through an RMSNorm gated by silu(z) and the output projection.
 
 The recurrent state stays float32, as in transformers' reference kernels.
 """
@@ -17,6 +18,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models.delta_chunks import MIN_TOKENS, chunked_delta_rule, chunked_pays
 from engine.models.recurrent_cache import RecurrentCache, conv_after
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA library's convention): x / sqrt(sum(x^2) + eps)
@@ -52,11 +54,17 @@ def _qk_normalise(q: mx.array, k: mx.array, scale: mx.array) -> tuple[mx.array, 
 
 
 @partial(mx.compile, shapeless=True)
-def _gates(b: mx.array, a: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
-    """(beta, decay) = (sigmoid(b), exp(-exp(A_log) * softplus(a + dt_bias))), in float32."""
+def _log_gates(b: mx.array, a: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """(beta, log decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)), in float32."""
     beta = mx.sigmoid(b.astype(mx.float32))
-    decay = mx.exp(-mx.exp(a_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + dt_bias))
-    return beta, decay
+    return beta, -mx.exp(a_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + dt_bias)
+
+
+@partial(mx.compile, shapeless=True)
+def _gates(b: mx.array, a: mx.array, a_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """(beta, decay), the decay in linear space as ``mx.fast.gated_delta_update`` takes it."""
+    beta, log_decay = _log_gates(b, a, a_log, dt_bias)
+    return beta, mx.exp(log_decay)
 
 
 class GatedDeltaNet(nn.Module):
@@ -133,9 +141,15 @@ class GatedDeltaNet(nn.Module):
             mx.array(self.head_k_dim**-0.5),
         )
         v = v.reshape(b, n, self.num_v_heads, self.head_v_dim).astype(mx.float32)
-        beta, decay = _gates(beta_in, a, self.A_log, self.dt_bias)
         if state is None:
             state = mx.zeros((b, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        if not each and n >= MIN_TOKENS and chunked_pays():
+            # A prompt on CUDA: the fused kernel walks tokens one by one there (see delta_chunks).
+            beta, log_decay = _log_gates(beta_in, a, self.A_log, self.dt_bias)
+            y, state = chunked_delta_rule(q, k, v, log_decay, beta, state)
+            y = self.norm(y.astype(x.dtype), z)
+            return self.out_proj(y.reshape(b, n, -1)), padded, [state]
+        beta, decay = _gates(beta_in, a, self.A_log, self.dt_bias)
         if each:
             # One token at a time (the kernel's own order, so the same numbers as one pass).
             ys, states = [], []
