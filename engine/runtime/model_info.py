@@ -44,7 +44,7 @@ def inspect_model(
     plan = plan_memory(
         source.config,
         budget=budget,
-        weights_bytes=source.weights_bytes,
+        weights_bytes=source.weights_bytes - source.mtp_bytes,  # the MTP layer loads only with --mtp
         dtype_bytes=DTYPE_BYTES[source.dtype],
         mtp_bytes=source.mtp_bytes,
         left_out_bytes=source.left_out_bytes,
@@ -98,8 +98,13 @@ def format_inspect(info: ModelInfo) -> str:
             "memory plan",
             f"  weights       {format_bytes(plan.weights_bytes)}",
         ]
-        if plan.mtp_bytes:  # loaded with the model: what MTP drafting (--mtp) runs
+        if plan.mtp_bytes and plan.mtp_loaded:
             lines.append(f"  MTP layer     {format_bytes(plan.mtp_bytes)} of the weights (built-in drafting, --mtp)")
+        elif plan.mtp_bytes:  # read only when MTP drafting asks for it
+            lines.append(
+                f"  MTP layer     {format_bytes(plan.mtp_bytes)} more, loaded only for built-in drafting (--mtp): "
+                f"{format_bytes(plan.weights_bytes + plan.mtp_bytes)} of weights then"
+            )
         if plan.left_out_bytes:
             lines.append(
                 f"  not loaded    {format_bytes(plan.left_out_bytes)} stored but never loaded "
