@@ -143,9 +143,12 @@ def format_inspect(info: ModelInfo) -> str:
 def _bits_per_weight(info: ModelInfo) -> str:
     """Stored bits per parameter, scales and biases included (mlx-lm's figure: affine 4-bit
     g64 is 4.5, mxfp4 4.25, nvfp4 4.5, plus whatever layers stay in bf16)."""
-    if info.plan is None or not info.parameters:
+    plan = info.plan
+    if plan is None or not info.parameters:
         return ""
-    return f" ({8 * info.plan.weights_bytes / info.parameters:.2f} bits per weight)"
+    # The parameters count every stored tensor: so do the bytes, loaded or not.
+    stored = plan.weights_bytes + (0 if plan.mtp_loaded else plan.mtp_bytes) + plan.left_out_bytes
+    return f" ({8 * stored / info.parameters:.2f} bits per weight)"
 
 
 def _count(n: int) -> str:

@@ -77,6 +77,7 @@ def test_the_plan_counts_the_mtp_layer_only_once_it_loads(tmp_path, name):
     assert info.plan.left_out_bytes > 2 * vocab * hidden * 2
     text = format_inspect(info)
     assert "MTP layer" in text and "loaded only for built-in drafting" in text and "not loaded" in text
+    assert "(16.00 bits per weight)" in text  # bf16 on disk: every stored tensor counted alike
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
