@@ -504,25 +504,39 @@ class ModelHost:
 
     def _mtp_for(self, params: GenerationParams) -> None:
         """Read the built-in MTP layer, set apart at load, when a request first drafts with
-        it (it then stays, counted in the weights); refused when the budget cannot hold it."""
+        it (it then stays, counted in the weights, and chats may grow only as far as the KV
+        cache still fits); refused when the budget cannot hold it."""
         state = self._need()
         if params.speculative != "mtp" or state.mtp_apart is None:
             return
+        from engine.runtime.context_planner import after_more_weights
         from engine.runtime.loading import attach_mtp_apart
         from engine.runtime.memory import format_bytes
 
-        plan, apart = state.info.plan, state.mtp_apart
-        if plan is not None and self.weights_bytes() + apart.nbytes >= plan.budget_bytes:
-            raise OutOfMemoryBudget(
-                f"The built-in MTP layer ({format_bytes(apart.nbytes)}) does not fit beside the weights "
-                f"({format_bytes(self.weights_bytes())}) in the memory budget ({format_bytes(plan.budget_bytes)}); "
-                "draft with n-grams instead, or raise the memory budget."
-            )
+        info, apart = state.info, state.mtp_apart
+        plan = advice = None
+        if info.plan is not None:
+            if self.weights_bytes() + apart.nbytes >= info.plan.budget_bytes:
+                raise OutOfMemoryBudget(
+                    f"The built-in MTP layer ({format_bytes(apart.nbytes)}) does not fit beside the weights "
+                    f"({format_bytes(self.weights_bytes())}) in the memory budget "
+                    f"({format_bytes(info.plan.budget_bytes)}); draft with n-grams instead, or raise the memory budget."
+                )
+            plan = replace(info.plan, weights_bytes=info.plan.weights_bytes + apart.nbytes, mtp_loaded=True)
+            if info.context_advice is not None:
+                try:
+                    advice = after_more_weights(info.context_advice, plan, info.name)
+                except OutOfMemoryBudget as e:
+                    raise OutOfMemoryBudget(
+                        f"With its built-in MTP layer ({format_bytes(apart.nbytes)}): {e}"
+                    ) from None
         attach_mtp_apart(state.model, apart)
         state.mtp_apart = None
         if plan is not None:
-            plan = replace(plan, weights_bytes=plan.weights_bytes + apart.nbytes, mtp_loaded=True)
-            state.info = replace(state.info, plan=plan)
+            state.info = replace(info, plan=plan, context_advice=advice or info.context_advice)
+        if advice is not None and advice.limit:
+            for chat in state.sessions.values():
+                chat.context_length = min(chat.context_length or advice.limit, advice.limit)
 
     @property
     def batch(self) -> Any:

@@ -125,3 +125,24 @@ def test_a_family_that_runs_no_mtp_layer_counts_none(tmp_path):
     assert info.plan.weights_bytes == held_bytes(model)
     assert info.plan.mtp_bytes == 0 and info.plan.left_out_bytes > 0
     assert "MTP layer " not in format_inspect(info)
+
+
+def test_once_the_mtp_layer_is_read_chats_grow_only_as_far_as_the_kv_cache_still_fits(tmp_path, tiny_model_dir):
+    """The budget holds the model's whole 64-token context beside the weights, and 40 tokens
+    once the MTP layer is read too: from then on a chat stops at 40. A context cap the
+    budget no longer holds with the layer refuses MTP drafting instead (the cap is the user's)."""
+    folder = with_tokenizer(folder_with_mtp(tmp_path, "deepseek_v3", layers=1), tiny_model_dir)
+    plan = inspect_model(folder, memory_budget=1 << 34).plan
+    budget = plan.weights_bytes + plan.mtp_bytes + plan.kv_bytes(40)
+    params = GenerationParams(max_tokens=100, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    host = ModelHost()
+    assert host.load(str(folder), budget=budget).context_advice.limit == 64
+    host.generate_ids([1, 2, 3], params, session_id="before")
+    drafted = host.generate_ids([1, 2, 3], replace(params, speculative="mtp", num_draft_tokens=2))
+    assert drafted.finish_reason == "length" and 3 + len(drafted.token_ids) == 40
+    assert host.info.context_advice.limit == 40 and host.session("before").context_length == 40
+
+    host.load(str(folder), budget=budget, context_cap=60)
+    with pytest.raises(OutOfMemoryBudget, match="With its built-in MTP layer .*Lower the context length to 40"):
+        host.generate_ids([1, 2, 3], replace(params, speculative="mtp"))
+    assert "mtp" not in host.model and host.info.context_advice.limit == 60
