@@ -9,6 +9,7 @@ stored but not loaded.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
@@ -94,11 +95,18 @@ def test_without_mtp_the_layer_is_not_resident_until_a_request_drafts_with_it(tm
     plain = host.generate_ids(prompt, greedy)
     assert "mtp" not in host.model  # plain decoding never reads it
 
-    before = mx.get_active_memory()
-    drafted = host.generate_ids(prompt, replace(greedy, speculative="mtp", num_draft_tokens=2))
+    gc.collect()  # earlier tests' garbage must not be freed inside the measurement
+    gc.disable()
+    try:
+        before = mx.get_active_memory()
+        drafted = host.generate_ids(prompt, replace(greedy, speculative="mtp", num_draft_tokens=2))
+        grown = mx.get_active_memory() - before
+    finally:
+        gc.enable()
     assert "mtp" in host.model and held_bytes(host.model.mtp) == plan.mtp_bytes
-    # Its arrays were read now, not at load: the memory they hold was allocated by this request.
-    assert mx.get_active_memory() - before >= plan.mtp_bytes
+    # Its arrays were read now, not at load: the memory they hold was allocated by this request
+    # (less a few hundred bytes the request frees; read at load, it grew by under 1 KB).
+    assert grown > 0.9 * plan.mtp_bytes
     assert drafted.token_ids == plain.token_ids and drafted.stats.draft_tokens > 0
     after = host.info.plan
     assert after.mtp_loaded and after.weights_bytes == plan.weights_bytes + plan.mtp_bytes == held_bytes(host.model)
