@@ -255,8 +255,10 @@ class MemoryPlan:
     # Recurrent layers (Qwen3.5's DeltaNet, LFM2's convolutions): a fixed state from the
     # first token on, whatever the context length, with the snapshots kept for prefix reuse.
     state_bytes: int = 0
-    # Of weights_bytes: a built-in multi-token-prediction layer, loaded for MTP drafting.
+    # A built-in multi-token-prediction layer: loaded only when MTP drafting asks for it,
+    # and part of weights_bytes only then (``mtp_loaded``).
     mtp_bytes: int = 0
+    mtp_loaded: bool = False
     # Stored in the files but never loaded, so not in weights_bytes (further MTP layers,
     # the MTP layer's copies of the embedding and output head).
     left_out_bytes: int = 0

@@ -361,7 +361,7 @@ class ChatController(QObject):
                 self._note_speed(info.path, params.speculative, status, stats)
                 if getattr(result, "dropped_messages", 0):
                     stats["dropped_messages"] = result.dropped_messages
-                    start = _context_start(history[: cut + 1], offset, result.kept_messages)
+                    start = _context_start(history[: cut + 1], offset, result.kept_messages, self.reply_id)
                     if start is not None:
                         stats["context_start"] = start
                 if getattr(result, "context_full", False):
@@ -598,17 +598,21 @@ class ChatController(QObject):
         spawn(self.regenerate(message_id))
 
 
-def _context_start(thread: list[Message], offset: int, kept: list[int] | None) -> int | None:
+def _context_start(thread: list[Message], offset: int, kept: list[int] | None, reply: int | None) -> int | None:
     """The id of the first message of ``thread`` the model still read after those it left out
-    (``kept``: the request's message indices the prompt held; the thread's messages start at
-    ``offset`` in the request, after a system prompt). None when nothing was left out."""
-    if not kept:
+    (``kept``: the request's message indices the model still reads; the thread's messages
+    start at ``offset`` in the request, after a system prompt); the ``reply``'s when it
+    reads none of them (a rolling window that slid past them during the reply). None when
+    nothing was left out."""
+    if kept is None:
         return None
     held = set(kept)
     gap = next((i for i in range(offset, offset + len(thread)) if i not in held), None)
-    after = next((i for i in kept if gap is not None and i > gap), None)
-    if after is None or not offset <= after < offset + len(thread):
+    if gap is None:
         return None
+    after = next((i for i in kept if i > gap), None)
+    if after is None or after >= offset + len(thread):
+        return reply
     return thread[after - offset].id
 
 

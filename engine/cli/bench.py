@@ -226,13 +226,18 @@ Loop = Callable[[Any, Any, int], Iterator[int]]
 
 
 def measure_interleaved(
-    loops: Sequence[tuple[Loop, Any]], prompt: Any, gen: int, repeat: int, errors: dict[int, str] | None = None
+    loops: Sequence[tuple[Loop, Any]],
+    prompt: Any,
+    gen: int,
+    repeat: int,
+    errors: dict[int, str] | None = None,
+    peers_from: int = 1,
 ) -> list[tuple[Timing, list[Timing]] | None]:
     """Time each ``(loop, model)`` ``repeat`` times, interleaved: every repeat runs all of
     them, in reverse order every other time (A B, B A, ...), so clock and thermal drift
     fall on all alike instead of on whichever ran last. Returns (best, every run) per loop.
 
-    With ``errors``, a loop after the first (a peer's) that raises is dropped instead of
+    With ``errors``, a loop from ``peers_from`` on (a peer's) that raises is dropped instead of
     ending the bench: its one-line reason goes to ``errors[i]`` and its entry is None, so
     the engine's figures survive a peer that cannot run the shape (mlx-lm's quantized KV
     cache on MLX's CUDA build: "[quantized_matmul] No implementation for problem shape")."""
@@ -240,7 +245,7 @@ def measure_interleaved(
 
     def timed(i: int, tokens: int) -> Timing | None:
         loop, model = loops[i]
-        if errors is None or i == 0:
+        if errors is None or i < peers_from:
             return time_loop(loop, model, prompt, tokens)
         try:
             return time_loop(loop, model, prompt, tokens)

@@ -49,21 +49,6 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
         "--concurrent", metavar="N,N,...", help="streams decoding together, e.g. 1,2,4,8 (continuous batching)"
     )
     p.add_argument(
-        "--row-floor",
-        type=int,
-        metavar="N",
-        default=0,
-        help="with --concurrent: run a batch step's matmuls on at least N rows, zero rows padding (default 0: off)",
-    )
-    p.add_argument(
-        "--attention-runs",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with --concurrent: a padded batch step attends run by run (rows of equal padding, no mask) "
-        "when there are at most N runs (default 0: one masked attention)",
-    )
-    p.add_argument(
         "--stagger",
         type=int,
         default=0,
@@ -120,9 +105,7 @@ def run_ours(
     gen: int,
     chunk: int = 2048,
     compiled: bool | None = None,
-    row_floor: int = 0,
     stagger: int = 0,
-    attention_runs: int = 0,
 ) -> Concurrent:
     """The engine's batch at token level (what the worker drives, without the text layer);
     with ``stagger``, stream i arrives at round i * stagger."""
@@ -131,7 +114,7 @@ def run_ours(
     from engine.decode.batch import Batch
     from engine.models.kv_cache import make_prompt_cache
 
-    batch = Batch(model, compiled=compiled, row_floor=row_floor, attention_runs=attention_runs)
+    batch = Batch(model, compiled=compiled)
     start = time.perf_counter()
     sequences: dict[int, Any] = {}
     arrivals = [start] * len(prompts)
@@ -181,7 +164,6 @@ def _our_profile(batch: Any, callers: float) -> dict[str, float]:
         "sample_ms": 1000 * t.sample_s / steps,
         "queue_ms": 1000 * t.queue_s / steps,
         "masked_steps": t.masked,
-        "run_steps": t.run_steps,
         "settle_ms": 1000 * t.settle_s / steps,
         "callers_ms": 1000 * callers / steps,
         "prefill_passes": t.prefills,
@@ -263,8 +245,7 @@ def _profile_row(name: str, c: Concurrent) -> str:
             f"  {name} x{c.streams}: {p['decode_steps']:.0f} steps of {p['mean_rows']:.2f} rows: "
             f"launch {p['launch_ms']:.3f} ms (sample {p['sample_ms']:.3f}, queue {p['queue_ms']:.3f}), "
             f"settle {p['settle_ms']:.3f} ms, callers {p['callers_ms']:.3f} ms per step, "
-            f"{p['masked_steps']:.0f} steps masked, {p['run_steps']:.0f} attended run by run; "
-            f"{p['prefill_passes']:.0f} prefill passes of "
+            f"{p['masked_steps']:.0f} steps masked; {p['prefill_passes']:.0f} prefill passes of "
             f"{p['prefill_tokens_per_pass']:.0f} tokens, {p['prefill_ms']:.3f} ms each on the host"
         )
     return (
@@ -290,9 +271,7 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
     ours = functools.partial(
         run_ours,
         compiled=False if args.no_compile else None,
-        row_floor=getattr(args, "row_floor", 0) or 0,
         stagger=stagger,
-        attention_runs=max(0, getattr(args, "attention_runs", 0) or 0),
     )
     loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", ours, model)]
     if args.vs == "mlx-lm":

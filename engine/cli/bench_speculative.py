@@ -287,7 +287,9 @@ def run_speculative(
         if draft is not None:
             draft_twin = twin if draft is model else mlx_lm_twin(draft, draft_config, draft_quantized)
             loops.append((_theirs_speculative(draft_twin, k, from_draft), twin))
-    timed = measure_interleaved(loops, prompt, gen, repeat)
+    errors: dict[int, str] = {}  # mlx-lm's loops that could not run, and why (the engine's figures stand)
+    timed = measure_interleaved(loops, prompt, gen, repeat, errors, peers_from=2)
+    assert timed[0] is not None and timed[1] is not None  # the engine's own failure ends the bench
     plain, spec = timed[0][0], timed[1][0]
     print(_row("engine", plain), flush=True)
     print(_row(f"engine+{mode}", spec), flush=True)
@@ -318,12 +320,18 @@ def run_speculative(
     }
     if args.vs != "mlx-lm":
         return out
+    if timed[2] is None:
+        print(f"{'mlx-lm':<16} could not run this shape: {errors[2]}", flush=True)
+        return {**out, "mlx_lm": None, "mlx_lm_error": errors[2]}
     theirs = timed[2][0]
     print(_row("mlx-lm", theirs), flush=True)
     out["mlx_lm"] = with_runs(*timed[2])
     if draft is None:
         print(f"{'':<16} mlx-lm has no {mode} drafting: its plain loop only", flush=True)
         return out
+    if timed[3] is None:
+        print(f"{'mlx-lm+' + mode:<16} could not run this shape: {errors[3]}", flush=True)
+        return {**out, "mlx_lm_speculative": None, "mlx_lm_error": errors[3], "ratio_speculative": None}
     theirs_spec = timed[3][0]
     print(_row(f"mlx-lm+{mode}", theirs_spec), flush=True)
     ratio = spec.generation_tps / max(theirs_spec.generation_tps, 1e-9)

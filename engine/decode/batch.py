@@ -261,8 +261,7 @@ class StepTimes:
     settle_s: float = 0.0  # waiting for a step's tokens and handing them out
     sample_s: float = 0.0  # of launch_s: building the picking (argmax, samplers, log-probs)
     queue_s: float = 0.0  # of launch_s: handing the step to the device (mx.async_eval)
-    masked: int = 0  # decode steps whose rows had left padding, attended with a mask (a slower path)
-    run_steps: int = 0  # padded decode steps attended run by run without a mask (``attention_runs``)
+    masked: int = 0  # decode steps whose rows had left padding (an array mask: a slower attention path)
     prefills: int = 0
     prefill_s: float = 0.0  # prefill passes on the host: building, queueing, waiting for the pass before
     prefill_tokens: int = 0
@@ -291,25 +290,17 @@ class Batch:
         kv_room: Callable[[int], int] | None = None,
         kv_bytes_per_token: int = 0,
         prefill_rows: int = PREFILL_ROWS,
-        row_floor: int = 0,
-        attention_runs: int = 0,
     ) -> None:
         """``compiled`` as in ``generate_step``: steps run through the model's compiled
         decoder (same results, less per-step overhead); None = on a GPU only.
         ``kv_room(needed)`` gives the bytes the memory budget leaves for the batch's KV
         caches (freeing idle ones when that is short of ``needed``) and ``kv_bytes_per_token``
-        what one token costs; without them nothing is checked. ``row_floor``: the fewest
-        rows a compiled step's matmuls run on (CompiledDecoder.rows; 0, the default: as many
-        as there are).
-        ``attention_runs``: when the rows' left paddings form at most this many runs, a
-        compiled step attends run by run without a mask (CompiledDecoder.rows); 0: never."""
+        what one token costs; without them nothing is checked."""
         self.model = model
         self.compiled = mx.default_device() == mx.gpu if compiled is None else compiled
         self.kv_room = kv_room
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_rows = max(1, prefill_rows)
-        self.row_floor = row_floor
-        self.attention_runs = attention_runs
         self._decoder: Any = None  # the CompiledDecoder, prepared for this batch's run
         self.rows: list[_Row] = []  # decoding, in cache row order
         self.layers: list[BatchKVCache] = []
@@ -441,9 +432,7 @@ class Batch:
         rows = list(self.rows)
         tokens = self._next
         assert tokens is not None
-        logits, runs = None, self._runs()
-        if self._decoder is not None:
-            logits = self._decoder.rows(tokens, self.layers, self.row_floor, runs)
+        logits = self._decoder.rows(tokens, self.layers) if self._decoder is not None else None
         if logits is None:
             logits = self.model(tokens, cache=self.layers)[:, -1, :]
         self.steps += 1
@@ -464,23 +453,7 @@ class Batch:
         t.launch_s += end - start
         t.sample_s += queued - picked
         t.queue_s += end - queued
-        padded = any(self.layers[0].left)
-        t.masked += padded and (runs is None or self._decoder is None)
-        t.run_steps += padded and runs is not None and self._decoder is not None
-
-    def _runs(self) -> list[tuple[int, int, int]] | None:
-        """The rows as runs of equal left padding, when padded and few enough to attend
-        run by run (``attention_runs``); None: one masked attention (or none needed)."""
-        left = self.layers[0].left
-        if not self.attention_runs or not any(left):
-            return None
-        runs: list[tuple[int, int, int]] = []
-        for i, pad in enumerate(left):
-            if runs and runs[-1][2] == pad:
-                runs[-1] = (runs[-1][0], i + 1, pad)
-            else:
-                runs.append((i, i + 1, pad))
-        return runs if len(runs) <= self.attention_runs else None
+        t.masked += any(self.layers[0].left)
 
     def _pick(self, rows: list[_Row], tokens: mx.array, logits: mx.array) -> _Step:
         """Each row's next token: one argmax for the plain rows, their own sampler and

@@ -128,7 +128,7 @@ class CompiledDecoder:
 
         def boundary(i: int):
             def fn(h, attn, pos):
-                return start(i, end(i - 1, h, _pad_rows(attn, h.shape[0])), pos)
+                return start(i, end(i - 1, h, attn), pos)
 
             return fn
 
@@ -136,7 +136,7 @@ class CompiledDecoder:
             return ref().head(end(n_layers - 1, h, attn))[0]
 
         def last_rows(h, attn):
-            return ref().head(end(n_layers - 1, h, _pad_rows(attn, h.shape[0])))[:, -1]
+            return ref().head(end(n_layers - 1, h, attn))[:, -1]
 
         # Traced functions capture no model object, only (through the trace) its arrays.
         self._last_rows = mx.compile(last_rows)
@@ -184,22 +184,12 @@ class CompiledDecoder:
             attn = cached_attention(layer.self_attn, q, k, v, c, mask)
         return self._fns[-1](h, attn)
 
-    def rows(
-        self, tokens: mx.array, cache: Sequence[Any], floor: int = 0, runs: Sequence[tuple[int, int, int]] | None = None
-    ) -> mx.array | None:
+    def rows(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
         """Logits [rows, vocab] for one new token per row (``tokens`` [rows, 1]) through a
         batch cache (engine.decode.batch.BatchKVCache: one RoPE offset per row, a mask for
         the rows' left padding); None when the plain pass must run. Each number of rows is
-        traced once.
-
-        ``floor``: from 2 rows up, the layers' matmuls run on at least this many rows, the
-        extra ones zeros whose results are dropped (attention and the cache see only the
-        real rows). Off by default: on an H200 a step of 2 or 4 rows padded to 8 ran at a third
-        and at 0.6 of the unpadded step's speed (kept for ``bench --row-floor`` comparisons).
-
-        ``runs`` ((first row, end row, left padding) covering the rows in order): attention
-        runs once per run of rows with the same left padding, on their keys without the
-        padding and without a mask (the fast kernel's path), instead of once with a mask."""
+        traced once. The matmuls run on the real rows only: padding 2-7 rows to 8 (for
+        CUDA's tiled quantized matmul) made 2 and 4 streams slower on an H200."""
         b = tokens.shape[0]
         if not self._fns or len(cache) != len(self._fns) - 1 or b > MAX_STACKED_ROWS:
             return None
@@ -208,34 +198,16 @@ class CompiledDecoder:
             return None
         mask = cache[0].make_mask(1)
         pos = cache[0].offset
-        pad = floor - b if 1 < b < floor else 0
-        h: mx.array = _pad_rows(tokens, b + pad)
-        pos = _pad_rows(pos, b + pad)
+        h: mx.array = tokens
         attn = None
         for i, (layer, c) in enumerate(zip(layers, cache)):
             if i == 0:
                 h, q, k, v = self._fns[0](h, pos)
             else:
                 h, q, k, v = self._fns[i](h, attn, pos)
-            if pad:
-                q, k, v = q[:b], k[:b], v[:b]
             k, v = c.update_and_fetch(k, v)
-            if runs is None:
-                attn = layer.self_attn.attend(q, k, v, mask)
-            else:
-                parts = [
-                    layer.self_attn.attend(q[s:e], k[s:e, :, left:], v[s:e, :, left:], None) for s, e, left in runs
-                ]
-                attn = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        logits = self._last_rows(h, attn)
-        return logits[:b] if pad else logits
-
-
-def _pad_rows(a: mx.array, rows: int) -> mx.array:
-    """``a`` with zero rows appended up to ``rows`` (inside the traces: one fused copy)."""
-    if a.shape[0] >= rows:
-        return a
-    return mx.concatenate([a, mx.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
+            attn = layer.self_attn.attend(q, k, v, mask)
+        return self._last_rows(h, attn)
 
 
 def _links(model: Any) -> list[tuple[Any, Any, Any]]:

@@ -48,12 +48,25 @@ class RollingWindow:
         self.since = 0  # reply tokens generated before the last slide
         self.slides = 0
 
+    def _sizes(self) -> tuple[int, int]:
+        """(ids kept at a slide, of which the sink): a quarter of the context is left free."""
+        keep = self.limit - max(1, self.limit // 4)
+        return keep, min(self.sink, keep // 2)
+
     def kept(self, ids: Sequence[int]) -> list[int]:
         """The window kept from ``ids`` (prompt and reply so far): the sink, then the latest
         tokens, leaving a quarter of the context free for the reply to go on."""
-        keep = self.limit - max(1, self.limit // 4)
-        sink = min(self.sink, keep // 2)
+        keep, sink = self._sizes()
         return list(ids[:sink]) + list(ids[len(ids) - (keep - sink) :])
+
+    def still_read(self, prompt_length: int) -> tuple[int, int] | None:
+        """After a slide: (the sink's length, where the latest tokens kept begin), positions
+        in the prompt's and reply's ids; the model reads nothing in between any more. None
+        while the window has not slid."""
+        if self.held is None:
+            return None
+        keep, sink = self._sizes()
+        return sink, prompt_length + self.since - (keep - sink)
 
     def cache_ids(self, prompt_ids: Sequence[int], generated: Sequence[int]) -> list[int]:
         """The ids the cache holds the keys and values of, in order, once the reply is done."""

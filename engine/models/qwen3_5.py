@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.artifacts import config_spellings
-from engine.models import stacked
+from engine.models import qwen3_5_mtp, stacked
 from engine.models.base import (
     NESTED_LM_PREFIXES,
     QKV,
@@ -345,3 +345,7 @@ class Model(CausalLM):
                 if isinstance(getattr(layer, "mlp", None), nn.Module) and "switch_mlp" in layer.mlp:
                     stack_expert_weights(weights, f"mtp.layers.{i}.mlp", self.args.num_experts)
         return super().sanitize(weights)
+
+
+# The memory plan asks the family how each stored weight is held (its MTP layer: only with MTP drafting).
+resident_weight = qwen3_5_mtp.resident_weight

@@ -47,3 +47,6 @@ class MoeModel(qwen3_5.HybridModel):
 
 class Model(qwen3_5.Model):
     model_class = MoeModel
+
+
+resident_weight = qwen3_5.resident_weight  # its MTP layer loads as Qwen3.5's does

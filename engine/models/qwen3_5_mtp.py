@@ -12,11 +12,21 @@ converted checkpoint has none (``has_mtp`` is then False).
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import mlx.nn as nn
 
 # (1 + w) norms of the MTP layer, besides those its decoder layer shares with the family.
 MTP_ONE_CENTRED = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
+# The MTP layer's weights as checkpoints name them: top level, or under the language model.
+_MTP_NAME = re.compile(r"^(model\.)?(language_model\.)?(model\.)?mtp\.")
+
+
+def resident_weight(name: str, n_layers: int) -> str:
+    """How a stored weight is held once loaded (the memory plan asks): "mtp" for the MTP
+    layer's, loaded only when MTP drafting asks for it, "model" for the rest."""
+    return "mtp" if _MTP_NAME.match(name) else "model"
 
 
 class MTPHead(nn.Module):

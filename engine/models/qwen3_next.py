@@ -103,3 +103,6 @@ class NextModel(qwen3_5.HybridModel):
 
 class Model(qwen3_5.Model):
     model_class = NextModel
+
+
+resident_weight = qwen3_5.resident_weight  # its MTP layer loads as Qwen3.5's does

@@ -35,6 +35,7 @@ class ModelParts:
     eos_token_ids: list[int]
     info: ModelInfo
     towers: Any  # MediaTowers: which media the model takes; loads towers on first use
+    mtp_apart: Any = None  # loading.MTPApart: the built-in MTP layer, read when MTP drafting first asks
 
 
 def _checked_progress(progress: LoadProgress | None, cancel: threading.Event | None, what: str, message: str):
@@ -77,7 +78,7 @@ def assemble(
     info.tool_format = _tool_format(template)
     if getattr(loaded, "embedding", None) is not None:
         info.embedding_dimensions = loaded.embedding.dimensions
-    return ModelParts(loaded.model, config, str(loaded.path), tokenizer, template, eos, info, towers)
+    return ModelParts(loaded.model, config, str(loaded.path), tokenizer, template, eos, info, towers, loaded.mtp_apart)
 
 
 def assemble_draft(
@@ -148,10 +149,11 @@ def reasoning_factory(template: Any) -> Callable[[str], Any]:
 
 
 def _mtp_support(loaded: Any) -> tuple[bool, str]:
-    """Whether the model carries its multi-token-prediction layers, and if not, why (for a
-    family that has them: Qwen3.5, Qwen3-Next, DeepSeek V3, GLM-5)."""
+    """Whether the model carries its multi-token-prediction layers (loaded, or set apart until
+    MTP drafting asks for them), and if not, why (for a family that has them: Qwen3.5,
+    Qwen3-Next, DeepSeek V3, GLM-5)."""
     model = loaded.model
-    if getattr(model, "mtp", None) is not None:
+    if getattr(model, "mtp", None) is not None or getattr(loaded, "mtp_apart", None) is not None:
         return True, ""
     if not hasattr(model, "hidden_listener") or getattr(model.args, "num_nextn_predict_layers", None) == 0:
         return False, "This model has no built-in multi-token-prediction layers."

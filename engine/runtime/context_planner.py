@@ -13,6 +13,7 @@ cap the budget cannot hold is refused at load, with what would fit (``check_cap`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from engine.api import UNLIMITED_CONTEXT, ContextAdvice, MemoryPlan, ModelInfo
@@ -123,3 +124,11 @@ def check_cap(cap: int | None, loaded: MemoryPlan, options: Mapping[int | None, 
     if better is not None:
         message += f", or hold the KV cache at {better} bits (the whole cap fits)"
     raise OutOfMemoryBudget(message + ", or raise the memory budget.")
+
+
+def after_more_weights(advice: ContextAdvice, plan: MemoryPlan, name: str) -> ContextAdvice:
+    """``advice`` once more weights joined the loaded model (``plan``, weights included: a
+    built-in MTP layer read for drafting): its limit lowered to what the KV cache still
+    holds; OutOfMemoryBudget, before anything is read, when the user's cap no longer fits."""
+    check_cap(advice.cap, plan, {}, name)
+    return replace(advice, limit=_least(advice.limit, usable_tokens(plan)))

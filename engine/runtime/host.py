@@ -32,7 +32,7 @@ from engine.api import (
 )
 from engine.decode.diffusion import Draft
 from engine.decode.loop import Piece
-from engine.errors import EngineError, WrongModelKind
+from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
 from engine.runtime.session import ChatSession
@@ -69,6 +69,7 @@ class _Loaded:
     draft: _Draft | None = None
     batch: Any = None  # engine.decode.batch.Batch, made on first use; False where the family cannot batch
     weights_digest: str | None = None  # saved_cache.weights_fingerprint, taken on first use
+    mtp_apart: Any = None  # loading.MTPApart: the built-in MTP layer, read on the first MTP request
 
 
 class ModelHost:
@@ -183,6 +184,7 @@ class ModelHost:
             eos_token_ids=parts.eos_token_ids,
             info=info,
             towers=parts.towers,
+            mtp_apart=parts.mtp_apart,
         )
         return info
 
@@ -451,6 +453,7 @@ class ModelHost:
         yields WAITING (engine.decode.loop) while it waits for a step."""
         self._check_thread()
         self.check_media(messages, media)
+        self._mtp_for(params)
         chat = self.session(session_id)
         return chat.stream(
             messages,
@@ -493,10 +496,47 @@ class ModelHost:
     ) -> Iterator[Piece | GenerationResult | object]:
         """``generate_ids``'s stream, not yet run (``batch`` as in ``open_generate``)."""
         self._check_thread()
+        self._mtp_for(params)
         chat = self.session(session_id)
         return chat.stream_ids(
             prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id), batch=batch
         )
+
+    def _mtp_for(self, params: GenerationParams) -> None:
+        """Read the built-in MTP layer, set apart at load, when a request first drafts with
+        it (it then stays, counted in the weights, and chats may grow only as far as the KV
+        cache still fits); refused when the budget cannot hold it."""
+        state = self._need()
+        if params.speculative != "mtp" or state.mtp_apart is None:
+            return
+        from engine.runtime.context_planner import after_more_weights
+        from engine.runtime.loading import attach_mtp_apart
+        from engine.runtime.memory import format_bytes
+
+        info, apart = state.info, state.mtp_apart
+        plan = advice = None
+        if info.plan is not None:
+            if self.weights_bytes() + apart.nbytes >= info.plan.budget_bytes:
+                raise OutOfMemoryBudget(
+                    f"The built-in MTP layer ({format_bytes(apart.nbytes)}) does not fit beside the weights "
+                    f"({format_bytes(self.weights_bytes())}) in the memory budget "
+                    f"({format_bytes(info.plan.budget_bytes)}); draft with n-grams instead, or raise the memory budget."
+                )
+            plan = replace(info.plan, weights_bytes=info.plan.weights_bytes + apart.nbytes, mtp_loaded=True)
+            if info.context_advice is not None:
+                try:
+                    advice = after_more_weights(info.context_advice, plan, info.name)
+                except OutOfMemoryBudget as e:
+                    raise OutOfMemoryBudget(
+                        f"With its built-in MTP layer ({format_bytes(apart.nbytes)}): {e}"
+                    ) from None
+        attach_mtp_apart(state.model, apart)
+        state.mtp_apart = None
+        if plan is not None:
+            state.info = replace(info, plan=plan, context_advice=advice or info.context_advice)
+        if advice is not None and advice.limit:
+            for chat in state.sessions.values():
+                chat.context_length = min(chat.context_length or advice.limit, advice.limit)
 
     @property
     def batch(self) -> Any:

@@ -55,6 +55,20 @@ class LoadedModel:
     gguf_metadata: dict[str, Any] | None = None  # tokenizer and more, for GGUF files
     tokenizer_path: Path | None = None  # folder with tokenizer.json & co. (None for GGUF)
     embedding: EmbeddingSpec | None = None  # a sentence-transformers folder: the model embeds
+    mtp_apart: MTPApart | None = None  # the built-in MTP layer, set apart unread (attach_mtp_apart)
+
+
+@dataclass
+class MTPApart:
+    """A built-in multi-token-prediction layer set apart at load, unread: its module (built
+    and quantized as the checkpoint says) and its weights, lazy arrays over the files, so
+    nothing is read or allocated until MTP drafting asks for it (``attach_mtp_apart``). A
+    671B-class checkpoint's MTP layer is a whole MoE decoder layer, gigabytes."""
+
+    head: Any
+    weights: dict[str, Any]  # its parameter names (without "mtp.") -> lazy arrays
+    nbytes: int  # what it holds once loaded (the memory plan's mtp_bytes)
+    name: str  # the model's, for messages
 
 
 @dataclass
@@ -80,12 +94,15 @@ def load_model(
     dtype: str | None = None,
     progress: Progress | None = None,
     context_tokens: int = 0,
+    mtp: bool = False,
 ) -> LoadedModel:
     """Load a model, refusing before any weight is read when it does not fit the budget.
 
     ``dtype`` casts floating weights ("bfloat16", "float16", "float32"); by default they
     stay as stored. ``progress(done, total)`` is called as layers are materialised; it
-    may raise to cancel the load, and the exception propagates unchanged.
+    may raise to cancel the load, and the exception propagates unchanged. A built-in MTP
+    layer loads only with ``mtp``; otherwise it is set apart unread (``mtp_apart``) and
+    the plan's weights leave it out.
     """
     from engine import models
     from engine.runtime.memory import check_fits, default_budget, plan_memory
@@ -119,9 +136,10 @@ def load_model(
     plan = plan_memory(
         config,
         budget=budget,
-        weights_bytes=source.weights_bytes,
+        weights_bytes=source.weights_bytes - (0 if mtp else source.mtp_bytes),
         dtype_bytes=DTYPE_BYTES[source.dtype],
         mtp_bytes=source.mtp_bytes,
+        mtp_loaded=mtp,
         left_out_bytes=source.left_out_bytes,
     )
     check_fits(plan, context_tokens=context_tokens, name=source.name, budget_reason=reason)
@@ -153,6 +171,7 @@ def load_model(
         _check_complete(model, weights, source)
         if dtype is not None:
             weights = cast_floats(weights, dtype)
+        apart = None if mtp else _set_mtp_apart(model, weights, source)
         fill_weights(model, weights, name=source.name)
         del weights
         materialise(model, progress)
@@ -167,13 +186,36 @@ def load_model(
         config=config,
         path=source.path,
         name=source.name,
-        weights_bytes=source.weights_bytes,
+        weights_bytes=plan.weights_bytes,
         plan=plan,
         dtype=source.dtype,
         gguf_metadata=gguf_metadata,
         tokenizer_path=None if source.gguf else source.path,
         embedding=embedding,
+        mtp_apart=apart,
     )
+
+
+def _set_mtp_apart(model: Any, weights: dict[str, Any], source: _Source) -> MTPApart | None:
+    """Take the MTP layer the family's sanitize built (``model.mtp``, weights ``mtp.*``) off
+    the model, its weights still unread."""
+    if getattr(model, "mtp", None) is None:
+        return None
+    head = model.mtp
+    del model.mtp
+    taken = {k[len("mtp.") :]: weights.pop(k) for k in [k for k in weights if k.startswith("mtp.")]}
+    return MTPApart(head, taken, source.mtp_bytes, source.name)
+
+
+def attach_mtp_apart(model: Any, apart: MTPApart) -> None:
+    """Read the MTP layer set apart at load and put it on the model (``model.mtp``)."""
+    fill_weights(apart.head, apart.weights, name=apart.name)
+    try:
+        materialise(apart.head, None)
+    except BaseException:
+        _release()
+        raise
+    model.mtp = apart.head
 
 
 def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _Source:
@@ -227,6 +269,11 @@ def _resident(config: ModelConfig, headers: dict[str, Any]) -> Callable[[str], s
         family = None
     rule = getattr(family, "resident_weight", None)
     n_layers = config.raw.get("num_hidden_layers")
+    if rule is not None and not isinstance(n_layers, int):  # nested under text_config (Qwen3.5's published)
+        try:
+            n_layers = family.ModelArgs.from_dict(config.raw).num_hidden_layers
+        except (EngineError, AttributeError, TypeError):
+            n_layers = None
     if rule is None or not isinstance(n_layers, int):
         return lambda name: "model"
     return lambda name: rule(name, n_layers)

@@ -108,6 +108,7 @@ def plan_memory(
     weights_bytes: int | None = None,
     dtype_bytes: int = 2,
     mtp_bytes: int = 0,
+    mtp_loaded: bool = False,
     left_out_bytes: int = 0,
 ) -> MemoryPlan:
     """What a model needs: ``headers`` (name -> TensorInfo) or ``weights_bytes`` for the weights.
@@ -127,6 +128,7 @@ def plan_memory(
         kv_windows=kv_windows(config, dtype_bytes),
         state_bytes=state_bytes(config, dtype_bytes),
         mtp_bytes=int(mtp_bytes),
+        mtp_loaded=bool(mtp_loaded and mtp_bytes),
         left_out_bytes=int(left_out_bytes),
     )
 

@@ -44,7 +44,7 @@ def inspect_model(
     plan = plan_memory(
         source.config,
         budget=budget,
-        weights_bytes=source.weights_bytes,
+        weights_bytes=source.weights_bytes - source.mtp_bytes,  # the MTP layer loads only with --mtp
         dtype_bytes=DTYPE_BYTES[source.dtype],
         mtp_bytes=source.mtp_bytes,
         left_out_bytes=source.left_out_bytes,
@@ -98,8 +98,13 @@ def format_inspect(info: ModelInfo) -> str:
             "memory plan",
             f"  weights       {format_bytes(plan.weights_bytes)}",
         ]
-        if plan.mtp_bytes:  # loaded with the model: what MTP drafting (--mtp) runs
+        if plan.mtp_bytes and plan.mtp_loaded:
             lines.append(f"  MTP layer     {format_bytes(plan.mtp_bytes)} of the weights (built-in drafting, --mtp)")
+        elif plan.mtp_bytes:  # read only when MTP drafting asks for it
+            lines.append(
+                f"  MTP layer     {format_bytes(plan.mtp_bytes)} more, loaded only for built-in drafting (--mtp): "
+                f"{format_bytes(plan.weights_bytes + plan.mtp_bytes)} of weights then"
+            )
         if plan.left_out_bytes:
             lines.append(
                 f"  not loaded    {format_bytes(plan.left_out_bytes)} stored but never loaded "
@@ -138,9 +143,12 @@ def format_inspect(info: ModelInfo) -> str:
 def _bits_per_weight(info: ModelInfo) -> str:
     """Stored bits per parameter, scales and biases included (mlx-lm's figure: affine 4-bit
     g64 is 4.5, mxfp4 4.25, nvfp4 4.5, plus whatever layers stay in bf16)."""
-    if info.plan is None or not info.parameters:
+    plan = info.plan
+    if plan is None or not info.parameters:
         return ""
-    return f" ({8 * info.plan.weights_bytes / info.parameters:.2f} bits per weight)"
+    # The parameters count every stored tensor: so do the bytes, loaded or not.
+    stored = plan.weights_bytes + (0 if plan.mtp_loaded else plan.mtp_bytes) + plan.left_out_bytes
+    return f" ({8 * stored / info.parameters:.2f} bits per weight)"
 
 
 def _count(n: int) -> str:

@@ -94,6 +94,7 @@ class ChatSession:
             Hashable
         ] = []  # one per cached token: its id, or for a media token the media's content key
         self.context_length = 0  # the model's context (0: unknown), for GenerationParams.context_policy
+        self.window: RollingWindow | None = None  # the last reply's rolling window (rolling policy)
 
     # ---- prompt -----------------------------------------------------------------
 
@@ -252,6 +253,7 @@ class ChatSession:
         Under the rolling-window policy a reply that fills the context slides the window
         along, keeping the first ``sink`` ids (the system prompt) (engine.decode.rolling)."""
         validate_sampling(params.sampling)  # before the cache is touched
+        self.window = None
         prompt_ids = list(media.ids if media is not None else prompt_ids)
         if not prompt_ids:
             raise EngineError("The prompt is empty: give at least one token.")
@@ -277,7 +279,7 @@ class ChatSession:
             and can_slide(self.cache)
         ):
             # The window slides along during the reply instead of stopping at the context.
-            rolling = RollingWindow(limit, min(sink, len(prompt_ids) - 1))
+            rolling = self.window = RollingWindow(limit, min(sink, len(prompt_ids) - 1))
             params, context_full = replace(params, max_tokens=whole_reply), False
         generated: list[int] = []
         try:
@@ -370,7 +372,7 @@ class ChatSession:
     ) -> Iterator[Piece | GenerationResult]:
         from engine.media.parts import split_media
 
-        dropped, kept = 0, None
+        dropped, kept, asked = 0, None, len(messages)
         if params.context_policy in ("truncate_middle", "rolling") and self.context_length:
             fitted, dropped = self._fit(messages, params, tools, add_generation_prompt, template_kwargs)
             if dropped:
@@ -407,10 +409,47 @@ class ChatSession:
             sink=sink,
         ):
             if isinstance(item, GenerationResult):
+                read = self.window.still_read(len(ids)) if self.window is not None else None
+                if read is not None:  # the window slid mid-reply: the model reads fewer messages now
+                    index = kept if kept is not None else list(range(len(messages)))
+                    kept = [index[j] for j in self._messages_read(messages, ids, read, tools, template_kwargs)]
+                    dropped = asked - len(kept)
                 item.dropped_messages = dropped
                 item.notes = list(prompt.notes) if prompt is not None else []
                 item.kept_messages = kept
             yield item
+
+    def _messages_read(
+        self,
+        messages: list[Mapping[str, Any]],
+        ids: Sequence[int],
+        read: tuple[int, int],
+        tools: Any,
+        template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """Which of the prompt's ``messages`` (rendered as ``ids``) the model still reads once
+        the rolling window slid (``read``: the sink's length, where the kept latest ids
+        begin): those within the sink (a system prompt) and those ending after the kept
+        ids begin. A message ends where the ids of the messages up to it stop agreeing
+        with the prompt's; a template that cannot render a prefix keeps the message."""
+        sink, start = read
+
+        def end(j: int) -> int:
+            if j == len(messages) - 1:
+                return len(ids)
+            try:
+                text = self.render(messages[: j + 1], tools=tools, add_generation_prompt=False, **template_kwargs)
+            except EngineError:
+                return len(ids)
+            return common_prefix_length(self.encode_rendered(text), ids)
+
+        first = len(messages)  # the first message the kept latest ids reach into
+        while first > 0 and end(first - 1) > start:
+            first -= 1
+        head = 0  # messages wholly within the sink
+        while head < first and end(head) <= sink:
+            head += 1
+        return list(range(head)) + list(range(first, len(messages)))
 
     def _fit(
         self,

@@ -226,6 +226,18 @@ def test_overflow_policies_at_the_edge_of_a_256_token_context(qtbot, make_window
     assert result.finish_reason == "length" and result.error is None
     if policy == "rolling":  # the window slides along during the reply
         assert result.stats.generated_tokens == 400 and not result.context_full
+        # It slid past every earlier message (its kept 3/4 of the context is all reply by the
+        # end): the line says so, just above the reply, and is there again on reopening.
+        thread = window.store.thread(window.chat.conversation_id)
+        reply = thread[-1]
+        assert result.kept_messages == [] and result.dropped_messages == len(thread) - 1
+        assert reply.stats["context_start"] == reply.id
+        for _ in range(2):
+            keys = _entry_keys(window)
+            assert keys.count("context_divider") == 1 and keys.index("context_divider") == len(thread) - 1
+            assert keys[-1] == reply.id
+            window.open_conversation(window.store.create_conversation())
+            window.open_conversation(reply.conversation_id)
     else:
         assert result.stats.prompt_tokens + result.stats.generated_tokens <= 256
     if policy == "stop":

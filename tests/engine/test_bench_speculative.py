@@ -49,3 +49,35 @@ def test_repeats_are_interleaved_and_each_run_is_reported():
     for entry in (spec["plain"], spec["engine"], data["mlx_lm"], data["mlx_lm_speculative"]):
         assert len(entry["runs"]) == 2
         assert entry["generation_tps"] == max(r["generation_tps"] for r in entry["runs"])
+
+
+@pytest.mark.parametrize("failing", ["speculative_generate_step", "generate_step"])
+def test_the_engines_figures_stand_when_mlx_lm_cannot_run(monkeypatch, capsys, failing):
+    """mlx-lm fails on some shapes on MLX's CUDA build: its failure (speculative loop, or its
+    plain loop and so both) is one line, and the engine's rows and a valid --json object stay."""
+    import json
+
+    generate = pytest.importorskip("mlx_lm.generate")
+    from engine.cli.main import main
+
+    why = "[quantized_matmul] No implementation for problem shape: 5x2048x64x32"
+
+    def no_kernel(*_args, **_kwargs):
+        raise ValueError(why)
+        yield  # a generator, as mlx-lm's are
+
+    monkeypatch.setattr(generate, failing, no_kernel)
+    assert main([*BENCH, "--speculative", "draft", "--vs", "mlx-lm"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    spec = out["speculative"]
+    assert spec["plain"]["generated_tokens"] == spec["engine"]["generated_tokens"] == 12
+    assert any(line.startswith("engine ") for line in lines) and any(line.startswith("engine+draft ") for line in lines)
+    assert out["mlx_lm_error"] == f"ValueError: {why}"
+    if failing == "generate_step":
+        assert out["mlx_lm"] is None and "mlx_lm_speculative" not in out
+        assert f"{'mlx-lm':<16} could not run this shape: ValueError: {why}" in lines
+    else:
+        assert out["mlx_lm"]["generated_tokens"] == 12 and any(line.startswith("mlx-lm ") for line in lines)
+        assert out["mlx_lm_speculative"] is None and out["ratio_speculative"] is None
+        assert f"{'mlx-lm+draft':<16} could not run this shape: ValueError: {why}" in lines

@@ -117,6 +117,9 @@ def test_mtp_through_the_cli(folders, tmp_path):
     plain = generate(hub)
     mtp = generate(hub, "--mtp", "--num-draft", "2")
     assert mtp["token_ids"] == plain["token_ids"] and mtp["draft_tokens"] > 0
+    # The MTP layer (nested under the published spelling's text_config) loads only with --mtp.
+    report = run("inspect", str(hub))
+    assert report.returncode == 0 and "loaded only for built-in drafting (--mtp)" in report.stdout, report.stderr
 
     prompt = ",".join(map(str, json.loads((folders["qwen3_5"] / "expected.json").read_text())["prompt_ids"][:8]))
     proc = run("generate", "--model", str(folders["qwen3_5"]), "--prompt-ids", prompt, "--mtp", timeout=300)

@@ -189,8 +189,7 @@ def test_families_whose_caches_do_not_batch_say_so(family):
     assert not batchable(model)
 
 
-@pytest.mark.parametrize("attention_runs", [0, 2])
-def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch, attention_runs):
+def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch):
     # The compiled decoder is what a GPU uses; forced here on the CPU (slow to trace, so
     # one family and few tokens).
     from engine.decode.compiled_step import CompiledDecoder
@@ -205,20 +204,17 @@ def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch, attention_runs):
     compiled_steps = []
     rows = CompiledDecoder.rows
 
-    def counted(self, tokens, cache, floor=0, runs=None):
-        out = rows(self, tokens, cache, floor, runs)
-        compiled_steps.append((out is not None, tokens.shape[0], floor, runs))
+    def counted(self, tokens, cache):
+        out = rows(self, tokens, cache)
+        compiled_steps.append((out is not None, tokens.shape[0]))
         return out
 
     monkeypatch.setattr(CompiledDecoder, "rows", counted)
-    # Two rows run their matmuls on 4 (as CUDA runs 2-7 rows on 8): the padding changes nothing;
-    # nor does attending the two rows (of different lengths) one by one without a mask.
-    defaults = {**Batch.__init__.__kwdefaults__, "compiled": True, "row_floor": 4, "attention_runs": attention_runs}
+    defaults = {**Batch.__init__.__kwdefaults__, "compiled": True}
     monkeypatch.setattr("engine.decode.batch.Batch.__init__.__kwdefaults__", defaults)
     got, _ = run_batched(model, jobs, starts=[0, 2])
-    assert compiled_steps and all(ok for ok, *_ in compiled_steps)  # every step compiled, padded rows too
-    assert {(rows, floor) for _, rows, floor, _ in compiled_steps} == {(1, 4), (2, 4)}
-    assert any(runs for *_, runs in compiled_steps) == bool(attention_runs)
+    assert compiled_steps and all(ok for ok, _ in compiled_steps)  # every step ran compiled, padded rows included
+    assert {n for _, n in compiled_steps} == {1, 2}
     for ours, ref in zip(got, plain, strict=True):
         assert ours.token_ids == ref.token_ids
         assert np.allclose(ours.token_logprobs, ref.token_logprobs, atol=1e-4)

@@ -82,3 +82,36 @@ def test_without_the_rolling_policy_the_reply_stops_at_the_context(host):
     result = host.generate("stop", MESSAGES, _params("stop", 400))
     assert result.finish_reason == "length" and result.context_full
     assert result.stats.prompt_tokens + result.stats.generated_tokens == LIMIT
+
+
+def test_after_a_slide_the_result_names_the_messages_the_model_still_reads(host):
+    """A slide mid-reply drops the oldest turns from what the model reads: the result's
+    kept_messages / dropped_messages say so (the system prompt, kept as the sink, and the
+    turns the kept latest tokens reach into), as they do for turns dropped before the reply."""
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} about the fox and the dog"}
+        for i in range(7)
+    ]
+    messages = [MESSAGES[0], *turns]
+    session = host.session("turns-probe")
+    prompt = session.encode_rendered(session.render(messages))
+    sink = common_prefix_length(
+        session.encode_rendered(session.render(messages[:1], add_generation_prompt=False)), prompt
+    )
+    # Each message starts at its <|im_start|> (the template's one special token per message).
+    marker = session.encode_rendered("<|im_start|>")[-1]
+    starts = [i for i, t in enumerate(prompt) if t == marker]
+    assert len(starts) == len(messages) + 1  # and the generation prompt's
+    ends = starts[1:-1] + [len(prompt)]
+    # One slide, a few tokens before the reply ends: the kept latest tokens begin at ``first``.
+    room = LIMIT - len(prompt)
+    assert room > LIMIT // 4  # nothing is dropped before the reply
+    first = LIMIT - (len(RollingWindow(LIMIT, sink).kept(list(range(LIMIT)))) - sink)
+    read = [0] + [j for j in range(1, len(messages)) if ends[j] > first]
+    assert 1 < len(read) < len(messages)  # some turns still read, some not
+
+    plain = host.generate("turns-plain", messages, _params("rolling", room))  # fits: nothing slides
+    assert plain.dropped_messages == 0 and plain.kept_messages is None
+    result = host.generate("turns", messages, _params("rolling", room + 10))
+    assert result.stats.generated_tokens == room + 10
+    assert result.kept_messages == read and result.dropped_messages == len(messages) - len(read)
