@@ -207,16 +207,25 @@ class FramePatches:
 
     def put(self, k: int, frame: np.ndarray) -> None:
         """Frame ``k`` of the clip, uint8 (H, W, C)."""
+        self.write(k, self.resize(frame))
+
+    def resize(self, frame: np.ndarray) -> np.ndarray:
+        """A frame of the clip at the size the model sees."""
         if frame.shape[:2] != self.source_size:
             raise MediaError(
                 f"The video changes its frame size mid-clip ({self.source_size[1]}x{self.source_size[0]} to "
                 f"{frame.shape[1]}x{frame.shape[0]}); re-encode it at one size."
             )
         h, w = self.size
-        if (h, w) != self.source_size:
-            # transformers resizes video with torchvision's kernels; Pillow's bicubic is close
-            # to them but not bit-equal.
-            frame = np.asarray(Image.fromarray(frame).resize((w, h), resample=self.processor.resample))
+        if (h, w) == self.source_size:
+            return frame
+        # transformers resizes video with torchvision's kernels; Pillow's bicubic is close
+        # to them but not bit-equal.
+        return np.asarray(Image.fromarray(frame).resize((w, h), resample=self.processor.resample))
+
+    def write(self, k: int, frame: np.ndarray) -> None:
+        """Frame ``k``, already resized: normalised into its patches."""
+        h, w = self.size
         p, m = self.processor.patch_size, self.processor.merge_size
         blocks = frame.reshape(h // p // m, m, p, w // p // m, m, p, frame.shape[2]).transpose(0, 3, 1, 4, 6, 2, 5)
         slot = self.slot(k)
