@@ -176,7 +176,13 @@ def decoded_frames(source: str | Path | bytes, indices: Sequence[int], *, seek: 
         stream = _stream(container, name)
         # Frame threads: the same pictures as one thread gives, several decoded at once.
         stream.thread_type = "AUTO"
-        frames = (_seek_frames if seek else _decode_frames)(container, stream, wanted)
+        if seek:
+            frames = _seek_frames(container, stream, wanted)
+        else:
+            plan = _packet_plan(source, wanted)
+            frames = (
+                _decode_frames(container, stream, wanted) if plan is None else _decode_planned(container, stream, *plan)
+            )
         while True:
             try:
                 frame = next(frames)
@@ -202,6 +208,58 @@ def _decode_frames(container, stream, wanted: list[int]) -> Iterator:
             break
         if i in keep:
             yield frame
+
+
+def _packet_plan(source: str | Path | bytes, wanted: list[int]) -> tuple[set[int], set[int]] | None:
+    """Which packets the wanted frames need (numbered in file order): each wanted frame's,
+    and those from the keyframe before it; and the wanted frames' times. None unless frame
+    i is plainly packet i: every packet timed, times rising (no B-frames, so nothing is
+    reordered), as many as the header says, the first a keyframe. Then a packet after the
+    last wanted frame of a keyframe interval need not be decoded at all."""
+    container = _open(source)
+    times: list[int] = []
+    keyframes: list[bool] = []
+    try:
+        stream = container.streams.video[0]
+        for packet in container.demux(stream):
+            if not packet.size:
+                continue
+            if packet.pts is None or packet.is_discard or packet.is_corrupt or (times and packet.pts <= times[-1]):
+                return None
+            times.append(packet.pts)
+            keyframes.append(packet.is_keyframe)
+            if len(times) > wanted[-1] and len(times) > int(stream.frames or 0):
+                return None
+        if not times or not keyframes[0] or len(times) != int(stream.frames or 0):
+            return None
+    except _errors():
+        return None
+    finally:
+        container.close()
+    need: set[int] = set()
+    keyframe = 0
+    targets = set(wanted)
+    for i in range(min(wanted[-1] + 1, len(times))):
+        keyframe = i if keyframes[i] else keyframe
+        if i in targets:
+            need.update(range(keyframe, i + 1))
+    return need, {times[i] for i in wanted if i < len(times)}
+
+
+def _decode_planned(container, stream, need: set[int], times: set[int]) -> Iterator:
+    """The frames at ``times``, decoding only the packets in ``need`` (see _packet_plan):
+    the pictures are those of decoding every packet, as each decoded run starts at a keyframe."""
+    decoder = stream.codec_context
+    last, i = max(need), -1
+    for packet in container.demux(stream):
+        if not packet.size:
+            continue
+        i += 1
+        if i in need:
+            yield from (f for f in decoder.decode(packet) if f.pts in times)
+        if i >= last:
+            break
+    yield from (f for f in decoder.decode(None) if f.pts in times)
 
 
 def _seek_frames(container, stream, wanted: list[int]) -> Iterator:

@@ -1,5 +1,9 @@
 """The fast video path gives the numbers of the plain one.
 
+Where each packet is plainly one frame (no B-frames), only the packets the sampled frames
+need are decoded (from the keyframe before each); checked on an H.264 clip without
+B-frames, against the same loader.
+
 ``VideoProcessor.from_clip`` decodes with FFmpeg's frame threads and turns each frame into
 its patches on a pool of threads as it comes out of the decoder. Checked here on an H.264
 clip with B-frames (decoded out of order, so frame threads have work to reorder) whose
@@ -28,13 +32,12 @@ av = pytest.importorskip("av")
 SIZE, FPS, FRAMES = (200, 120), 10, 45  # 4.5 s: 9 frames at 2 a second
 
 
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory) -> Path:
+def h264_clip(path: Path, b_frames: int) -> Path:
     if "libx264" not in av.codecs_available:
         pytest.skip("this FFmpeg build has no libx264 encoder")
-    path = tmp_path_factory.mktemp("h264") / "clip.mp4"
     out = av.open(str(path), "w", format="mp4")
-    stream = out.add_stream("libx264", rate=FPS, options={"preset": "ultrafast", "g": "12", "bf": "2"})
+    options = {"preset": "ultrafast", "g": "12", "bf": str(b_frames), "x264-params": "scenecut=0"}
+    stream = out.add_stream("libx264", rate=FPS, options=options)
     stream.width, stream.height, stream.pix_fmt = SIZE[0], SIZE[1], "yuv420p"
     rng = np.random.default_rng(7)
     base = rng.integers(0, 256, (SIZE[1], SIZE[0], 3), dtype=np.uint8)
@@ -46,6 +49,16 @@ def clip(tmp_path_factory) -> Path:
         out.mux(packet)
     out.close()
     return path
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    return h264_clip(tmp_path_factory.mktemp("h264") / "clip.mp4", b_frames=2)
+
+
+@pytest.fixture(scope="module")
+def plain_clip(tmp_path_factory) -> Path:
+    return h264_clip(tmp_path_factory.mktemp("h264") / "plain.mp4", b_frames=0)
 
 
 def transformers_frames(path: Path, indices) -> np.ndarray:
@@ -137,3 +150,24 @@ def test_each_frame_is_handed_over_once_and_errors_reach_the_caller(clip):
 
     with pytest.raises(MediaError, match="frame 3 refused"):
         convert_frames(clip, range(FRAMES), refuse)
+
+
+def test_without_b_frames_only_the_packets_the_samples_need_are_decoded(clip, plain_clip):
+    from engine.media.video import _packet_plan
+
+    processor = VideoProcessor()
+    indices = processor.sample(FRAMES, FPS).tolist()
+    assert indices == [0, 6, 11, 16, 22, 28, 33, 38, 44]
+    assert _packet_plan(clip, indices) is None  # B-frames: every frame is decoded
+    container = av.open(str(plain_clip))
+    keyframes = [i for i, p in enumerate(p for p in container.demux(video=0) if p.size) if p.is_keyframe]
+    container.close()
+    assert keyframes == [0, 12, 24, 36]
+    need, _ = _packet_plan(plain_clip, indices)
+    # 23 follows frame 22 and 34, 35 frame 33 before the next keyframe: no sample needs them.
+    assert need == set(range(FRAMES)) - {23, 34, 35}
+    assert len(need) < FRAMES
+    want = transformers_frames(plain_clip, indices)
+    np.testing.assert_array_equal(read_frames(plain_clip, indices), want)
+    fast = processor.from_clip(plain_clip, indices, FPS)
+    np.testing.assert_array_equal(fast.pixel_values, whole_clip_patches(processor, want))
