@@ -13,8 +13,8 @@ once, in the layout mlx-vlm's converted checkpoints use (``language_model.*``,
 and quantizes its language model as the engine's, then times mlx-vlm's ``generate_step``
 to its first token (its tower, its embedding merge and mRoPE positions, its prefill) on the
 same pixel values and prompt ids. A clip's preprocessing is timed on each side as each
-does it: the engine's (PyAV with frame threads, frames patched on a thread pool as they
-decode), and mlx-vlm's (its ``load_video``, OpenCV seeking to each sampled frame, then its
+does it: the engine's (PyAV with frame threads, only the packets the samples need, frames
+patched on a thread pool as they decode), and mlx-vlm's (its ``load_video``, OpenCV seeking to each sampled frame, then its
 numpy port of the Qwen3-VL video processor); the bench prints how far mlx-vlm's pixel
 values are from the engine's, and both models then run on the engine's, so the first
 tokens must agree. Without OpenCV (mlx-vlm's video loader needs it) mlx-vlm's side is
