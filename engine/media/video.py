@@ -36,6 +36,10 @@ COUNT_PACKETS_UP_TO_S = 20 * 60
 # usually lands nearer the frame than the decoder already is.
 SEEK_GAP_FRAMES = 250
 
+# How far past the last wanted frame packet times are checked for B-frames: H.264 and HEVC
+# reorder at most 16 pictures.
+REORDER_WINDOW = 16
+
 # Threads that convert (and the caller's work on) decoded frames; frames waiting for one
 # are held to a few per thread, so a fast decoder does not pile up a clip's pictures.
 MAX_WORKERS = 8
@@ -214,8 +218,9 @@ def _packet_plan(source: str | Path | bytes, wanted: list[int]) -> tuple[set[int
     """Which packets the wanted frames need (numbered in file order): each wanted frame's,
     and those from the keyframe before it; and the wanted frames' times. None unless frame
     i is plainly packet i: every packet timed, times rising (no B-frames, so nothing is
-    reordered), as many as the header says, the first a keyframe. Then a packet after the
-    last wanted frame of a keyframe interval need not be decoded at all."""
+    reordered) up to the last wanted frame and a reorder window past it, the first a
+    keyframe. Then a packet after the last wanted frame of a keyframe interval need not be
+    decoded at all. Only the packets up to there are read (a poster reads one or so)."""
     container = _open(source)
     times: list[int] = []
     keyframes: list[bool] = []
@@ -228,9 +233,9 @@ def _packet_plan(source: str | Path | bytes, wanted: list[int]) -> tuple[set[int
                 return None
             times.append(packet.pts)
             keyframes.append(packet.is_keyframe)
-            if len(times) > wanted[-1] and len(times) > int(stream.frames or 0):
-                return None
-        if not times or not keyframes[0] or len(times) != int(stream.frames or 0):
+            if len(times) > wanted[-1] + REORDER_WINDOW:
+                break
+        if not times or not keyframes[0]:
             return None
     except _errors():
         return None
@@ -243,6 +248,8 @@ def _packet_plan(source: str | Path | bytes, wanted: list[int]) -> tuple[set[int
         keyframe = i if keyframes[i] else keyframe
         if i in targets:
             need.update(range(keyframe, i + 1))
+    if not need:  # every wanted frame past the packets: let the plain decode say so
+        return None
     return need, {times[i] for i in wanted if i < len(times)}
 
 

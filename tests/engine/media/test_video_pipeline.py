@@ -159,6 +159,8 @@ def test_without_b_frames_only_the_packets_the_samples_need_are_decoded(clip, pl
     indices = processor.sample(FRAMES, FPS).tolist()
     assert indices == [0, 6, 11, 16, 22, 28, 33, 38, 44]
     assert _packet_plan(clip, indices) is None  # B-frames: every frame is decoded
+    assert _packet_plan(clip, [0]) is None  # even when they come only after the wanted frame
+    assert _packet_plan(plain_clip, [0])[0] == {0}  # a poster: one packet
     container = av.open(str(plain_clip))
     keyframes = [i for i, p in enumerate(p for p in container.demux(video=0) if p.size) if p.is_keyframe]
     container.close()
