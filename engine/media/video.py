@@ -2,7 +2,10 @@
 frames at chosen numbers, decoded in order as transformers' PyAV loader does (every
 frame up to the last one wanted is decoded; the wanted ones are kept as RGB), or, for
 a clip sampled sparsely over a long duration, by seeking to each wanted frame (from
-the keyframe before it), so a 3-hour video costs about the frames sampled.
+the keyframe before it), so a 3-hour video costs about the frames sampled. In order,
+where each packet is plainly one frame (no B-frames), the packets that no wanted frame
+needs (those after the last wanted one of a keyframe interval) are not decoded at all:
+each run decoded starts at a keyframe, so its pictures are those of decoding everything.
 
 Decoding uses FFmpeg's frame threads (several pictures at once; its threaded decoding
 gives the same pictures as one thread), and ``convert_frames`` hands each wanted frame
