@@ -2,7 +2,15 @@
 frames at chosen numbers, decoded in order as transformers' PyAV loader does (every
 frame up to the last one wanted is decoded; the wanted ones are kept as RGB), or, for
 a clip sampled sparsely over a long duration, by seeking to each wanted frame (from
-the keyframe before it), so a 3-hour video costs about the frames sampled.
+the keyframe before it), so a 3-hour video costs about the frames sampled. In order,
+where each packet is plainly one frame (no B-frames), the packets that no wanted frame
+needs (those after the last wanted one of a keyframe interval) are not decoded at all:
+each run decoded starts at a keyframe, so its pictures are those of decoding everything.
+
+Decoding uses FFmpeg's frame threads (several pictures at once; its threaded decoding
+gives the same pictures as one thread), and ``convert_frames`` hands each wanted frame
+to a pool of threads (conversion to RGB, and the caller's resizing and normalising, all
+release the GIL) while the next ones decode.
 
 Every failure is a MediaError with one line: not a video, no video stream, corrupt.
 """
@@ -10,7 +18,11 @@ Every failure is a MediaError with one line: not a video, no video stream, corru
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import os
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +38,14 @@ COUNT_PACKETS_UP_TO_S = 20 * 60
 # before it) rather than by decoding on: x264's default keyframe interval, so a seek
 # usually lands nearer the frame than the decoder already is.
 SEEK_GAP_FRAMES = 250
+
+# How far past the last wanted frame packet times are checked for B-frames: H.264 and HEVC
+# reorder at most 16 pictures.
+REORDER_WINDOW = 16
+
+# Threads that convert (and the caller's work on) decoded frames; frames waiting for one
+# are held to a few per thread, so a fast decoder does not pile up a clip's pictures.
+MAX_WORKERS = 8
 
 
 @dataclass
@@ -120,41 +140,147 @@ def read_frames(source: str | Path | bytes, indices: Sequence[int], *, seek: boo
     """The frames numbered ``indices`` (ascending), uint8 (n, H, W, 3) RGB. Decoded in
     order from the start, or with ``seek`` by seeking to each one (for frames far apart:
     the cost is then a keyframe interval per frame, not the whole clip)."""
+    with closing(decoded_frames(source, indices, seek=seek)) as frames:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in frames])
+
+
+def convert_frames(
+    source: str | Path | bytes,
+    indices: Sequence[int],
+    work: Callable[[int, np.ndarray], object],
+    *,
+    seek: bool = False,
+) -> int:
+    """Decode the frames numbered ``indices`` (as ``read_frames``) and call ``work(k, rgb)``
+    for the k-th of them (uint8 (H, W, 3) RGB) on a pool of threads, while the next ones
+    decode. Returns how many frames there were; an error in ``work`` is raised here."""
+    workers = max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+    pending: deque[Future] = deque()
+    count = 0
+    with ThreadPoolExecutor(workers, thread_name_prefix="video-frames") as pool:
+        with closing(decoded_frames(source, indices, seek=seek)) as frames:
+            for count, frame in enumerate(frames, 1):
+                pending.append(pool.submit(_convert, work, count - 1, frame))
+                while len(pending) > 2 * workers:
+                    pending.popleft().result()
+        while pending:
+            pending.popleft().result()
+    return count
+
+
+def _convert(work: Callable[[int, np.ndarray], object], k: int, frame) -> None:
+    work(k, frame.to_ndarray(format="rgb24"))
+
+
+def decoded_frames(source: str | Path | bytes, indices: Sequence[int], *, seek: bool = False) -> Iterator:
+    """The frames numbered ``indices`` as PyAV frames (not yet converted), in order. A clip
+    that breaks off after some of them gives those; one that gives none is a MediaError."""
     name = _name(source)
     wanted = sorted({int(i) for i in indices})
     container = _open(source)
-    frames: list[np.ndarray] = []
+    count = 0
     try:
         stream = _stream(container, name)
-        (_seek_frames if seek else _decode_frames)(container, stream, wanted, frames)  # fills ``frames``
-    except _errors() as e:
-        if not frames:
-            raise MediaError(f"Video {name} is corrupt or truncated ({_reason(e)}).") from None
+        # Frame threads: the same pictures as one thread gives, several decoded at once.
+        stream.thread_type = "AUTO"
+        if seek:
+            frames = _seek_frames(container, stream, wanted)
+        else:
+            plan = _packet_plan(source, wanted)
+            frames = (
+                _decode_frames(container, stream, wanted) if plan is None else _decode_planned(container, stream, *plan)
+            )
+        while True:
+            try:
+                frame = next(frames)
+            except StopIteration:
+                break
+            except _errors() as e:
+                if count:
+                    break
+                raise MediaError(f"Video {name} is corrupt or truncated ({_reason(e)}).") from None
+            count += 1
+            yield frame
     finally:
         container.close()
-    if not frames:
+    if not count:
         raise MediaError(f"Video {name} has no frames that can be decoded.")
-    return np.stack(frames)
 
 
-def _decode_frames(container, stream, wanted: list[int], frames: list[np.ndarray]) -> None:
+def _decode_frames(container, stream, wanted: list[int]) -> Iterator:
     """Every frame up to the last wanted one, in order (transformers' PyAV loader)."""
     keep, last = set(wanted), wanted[-1]
-    for i, frame in enumerate(container.decode(video=0)):
+    for i, frame in enumerate(container.decode(stream)):
         if i > last:
             break
         if i in keep:
-            frames.append(frame.to_ndarray(format="rgb24"))
+            yield frame
 
 
-def _seek_frames(container, stream, wanted: list[int], frames: list[np.ndarray]) -> None:
+def _packet_plan(source: str | Path | bytes, wanted: list[int]) -> tuple[set[int], set[int]] | None:
+    """Which packets the wanted frames need (numbered in file order): each wanted frame's,
+    and those from the keyframe before it; and the wanted frames' times. None unless frame
+    i is plainly packet i: every packet timed, times rising (no B-frames, so nothing is
+    reordered) up to the last wanted frame and a reorder window past it, the first a
+    keyframe. Then a packet after the last wanted frame of a keyframe interval need not be
+    decoded at all. Only the packets up to there are read (a poster reads one or so)."""
+    container = _open(source)
+    times: list[int] = []
+    keyframes: list[bool] = []
+    try:
+        stream = container.streams.video[0]
+        for packet in container.demux(stream):
+            if not packet.size:
+                continue
+            if packet.pts is None or packet.is_discard or packet.is_corrupt or (times and packet.pts <= times[-1]):
+                return None
+            times.append(packet.pts)
+            keyframes.append(packet.is_keyframe)
+            if len(times) > wanted[-1] + REORDER_WINDOW:
+                break
+        if not times or not keyframes[0]:
+            return None
+    except _errors():
+        return None
+    finally:
+        container.close()
+    need: set[int] = set()
+    keyframe = 0
+    targets = set(wanted)
+    for i in range(min(wanted[-1] + 1, len(times))):
+        keyframe = i if keyframes[i] else keyframe
+        if i in targets:
+            need.update(range(keyframe, i + 1))
+    if not need:  # every wanted frame past the packets: let the plain decode say so
+        return None
+    return need, {times[i] for i in wanted if i < len(times)}
+
+
+def _decode_planned(container, stream, need: set[int], times: set[int]) -> Iterator:
+    """The frames at ``times``, decoding only the packets in ``need`` (see _packet_plan):
+    the pictures are those of decoding every packet, as each decoded run starts at a keyframe."""
+    decoder = stream.codec_context
+    last, i = max(need), -1
+    for packet in container.demux(stream):
+        if not packet.size:
+            continue
+        i += 1
+        if i in need:
+            yield from (f for f in decoder.decode(packet) if f.pts in times)
+        if i >= last:
+            break
+    yield from (f for f in decoder.decode(None) if f.pts in times)
+
+
+def _seek_frames(container, stream, wanted: list[int]) -> Iterator:
     """Each wanted frame by its time (frame n of a clip at r frames a second starts at
     n / r s): one far ahead is reached by seeking to the keyframe before it, one near by
     decoding on; either way decoding stops at the first frame at its time."""
     fps = float(stream.average_rate or 0)
     base = stream.time_base
     if not fps or base is None:
-        return _decode_frames(container, stream, wanted, frames)
+        yield from _decode_frames(container, stream, wanted)
+        return
     start = int(stream.start_time or 0)
     half = 0.5 / fps / base  # pts rounding in the container: within half a frame is the frame
     decoded, position = None, None  # the decoder, and the number of the next frame it gives
@@ -171,7 +297,7 @@ def _seek_frames(container, stream, wanted: list[int], frames: list[np.ndarray])
         if chosen is None:  # past the end (a header longer than the stream): the rest too
             break
         position = n + 1
-        frames.append(chosen.to_ndarray(format="rgb24"))
+        yield chosen
 
 
 def poster(source: str | Path | bytes) -> tuple[np.ndarray, VideoInfo]:

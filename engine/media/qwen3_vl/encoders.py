@@ -25,7 +25,7 @@ from engine.media.prompt import PreparedMedia
 from engine.media.qwen3_vl.processor import VideoProcessor
 from engine.media.qwen3_vl.tower import RENAMES, VisionConfig, VisionModel, sanitize
 from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_preprocessor
-from engine.media.video import duration_text, probe, read_frames
+from engine.media.video import duration_text, probe
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -172,8 +172,7 @@ class VideoEncoder(_Encoder):
         # Past the processor's frame limit the samples lie far apart: seek to each rather
         # than decode the whole clip (within it, decode in order as transformers does).
         sampled = self.processor.wanted(info.frames, info.fps) > self.processor.max_frames
-        frames = read_frames(item.source, indices, seek=sampled)
-        patches = self.processor(frames, indices[: len(frames)], info.fps)
+        patches = self.processor.from_clip(item.source, indices, info.fps, seek=sampled)
         groups, h, w = patches.grid
         m = self.processor.merge_size
         per_group = h * w
@@ -193,7 +192,7 @@ class VideoEncoder(_Encoder):
                 )
             )
             text.append(f"<{seconds:.1f} seconds>{VISION_START}{VIDEO_PAD * n}{VISION_END}")
-        note = _sampled_note(info.seconds, len(frames), self.processor.fps) if sampled else ""
+        note = _sampled_note(info.seconds, len(patches.indices), self.processor.fps) if sampled else ""
         return PreparedMedia(
             kind="video", key=key, n_tokens=n * groups, text="".join(text), data=None, views=views, note=note
         )

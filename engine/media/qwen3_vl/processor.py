@@ -8,6 +8,11 @@ form: (x - mean * 255) / (std * 255) in float32) and flattened into patches with
 merge block contiguous. Each temporal patch (two frames) becomes one run of tokens in
 the prompt, after the timestamp of its frames' midpoint: ``<1.5 seconds>``.
 
+Each frame is written into its place among the patches on its own (resized, normalised
+and moved in one pass, in the same float32 operations as on the whole clip), so
+``from_clip`` does it on the decoder's threads as frames come out of the decoder, and
+no copy of the whole clip is made on the way.
+
 Images go through the Qwen2-VL image processor (engine/media/image_processors.py) with
 the model's settings. No MLX here.
 """
@@ -15,8 +20,10 @@ the model's settings. No MLX here.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -139,27 +146,102 @@ class VideoProcessor:
         n, height, width = frames.shape[:3]
         if n < 1:
             raise MediaError("The video has no frames to show the model.")
-        h, w = self.frame_size(n, height, width)
-        if (h, w) != (height, width):
-            # transformers resizes video with torchvision's kernels; Pillow's bicubic is close
-            # to them but not bit-equal.
-            frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=self.resample)) for f in frames])
-        scale = np.float32(1.0 / self.rescale_factor)
-        mean = np.asarray(self.image_mean, dtype=np.float32) * scale
-        std = np.asarray(self.image_std, dtype=np.float32) * scale
-        x = (frames.astype(np.float32) - mean) / std  # (n, h, w, C)
-        x = x.transpose(0, 3, 1, 2)  # (n, C, h, w)
-        t = self.temporal_patch_size
-        if pad := -n % t:
-            x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
-        p, m = self.patch_size, self.merge_size
-        groups, c = x.shape[0] // t, x.shape[1]
-        gh, gw = h // p, w // p
-        x = x.reshape(groups, t, c, gh // m, m, p, gw // m, m, p)
-        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (groups, gh/m, gw/m, m, m, C, T, p, p)
-        patches = np.ascontiguousarray(x).reshape(groups * gh * gw, c * t * p * p)
-        return VideoPatches(patches, (groups, gh, gw), self.timestamps(indices, fps), [int(i) for i in indices])
+        patches = FramePatches(self, n, height, width, frames.shape[3])
+        for k, frame in enumerate(frames):
+            patches.put(k, frame)
+        return patches.finish(n, indices, fps)
+
+    def from_clip(
+        self, source: str | Path | bytes, indices: Sequence[int], fps: float, *, seek: bool = False
+    ) -> VideoPatches:
+        """The frames numbered ``indices`` of a video file, decoded and turned into patches
+        as they come (``self(read_frames(source, indices), indices, fps)``, the same numbers)."""
+        from engine.media.video import convert_frames, read_frames
+
+        made: list[FramePatches] = []
+        lock = threading.Lock()
+
+        def put(k: int, rgb: np.ndarray) -> None:
+            with lock:  # the first frame says the clip's size
+                if not made:
+                    made.append(FramePatches(self, len(indices), *rgb.shape))
+            made[0].put(k, rgb)
+
+        n = convert_frames(source, indices, put, seek=seek)
+        if not made or (n < len(indices) and self.frame_size(n, *made[0].source_size) != made[0].size):
+            # A clip that broke off early: fewer frames may take a larger size.
+            frames = read_frames(source, indices, seek=seek)
+            return self(frames, list(indices)[: len(frames)], fps)
+        return made[0].finish(n, list(indices)[:n], fps)
 
     def limited(self, total: int, fps: float) -> bool:
         """Whether a clip this long gets fewer frames than ``fps`` asks for (``max_frames``)."""
         return self.wanted(total, fps) > self.max_frames
+
+
+class FramePatches:
+    """The patches of a clip of ``n`` frames, filled a frame at a time, from any thread.
+
+    Patches are laid out (groups, h/m, w/m, m, m, C, T, p, p): a frame is one temporal
+    slot of its group, so each frame is resized, normalised and written there alone.
+    The normalisation is transformers' fused form in float32, (x - mean * 255) / (std * 255),
+    the same operations, value for value, as on the whole clip at once.
+    """
+
+    def __init__(self, processor: VideoProcessor, n: int, height: int, width: int, channels: int):
+        self.processor = processor
+        self.source_size = (height, width)
+        self.size = processor.frame_size(n, height, width)
+        t, p, m = processor.temporal_patch_size, processor.patch_size, processor.merge_size
+        h, w = self.size
+        groups = -(-n // t)
+        self.out = np.empty((groups, h // p // m, w // p // m, m, m, channels, t, p, p), dtype=np.float32)
+        scale = np.float32(1.0 / processor.rescale_factor)
+        self.mean = (np.asarray(processor.image_mean, dtype=np.float32) * scale)[:, None, None]
+        self.std = (np.asarray(processor.image_std, dtype=np.float32) * scale)[:, None, None]
+
+    def slot(self, k: int) -> np.ndarray:
+        """Where frame ``k`` goes: (h/m, w/m, m, m, C, p, p)."""
+        t = self.processor.temporal_patch_size
+        return self.out[k // t, :, :, :, :, :, k % t]
+
+    def put(self, k: int, frame: np.ndarray) -> None:
+        """Frame ``k`` of the clip, uint8 (H, W, C)."""
+        self.write(k, self.resize(frame))
+
+    def resize(self, frame: np.ndarray) -> np.ndarray:
+        """A frame of the clip at the size the model sees."""
+        if frame.shape[:2] != self.source_size:
+            raise MediaError(
+                f"The video changes its frame size mid-clip ({self.source_size[1]}x{self.source_size[0]} to "
+                f"{frame.shape[1]}x{frame.shape[0]}); re-encode it at one size."
+            )
+        h, w = self.size
+        if (h, w) == self.source_size:
+            return frame
+        # transformers resizes video with torchvision's kernels; Pillow's bicubic is close
+        # to them but not bit-equal.
+        return np.asarray(Image.fromarray(frame).resize((w, h), resample=self.processor.resample))
+
+    def write(self, k: int, frame: np.ndarray) -> None:
+        """Frame ``k``, already resized: normalised into its patches."""
+        h, w = self.size
+        p, m = self.processor.patch_size, self.processor.merge_size
+        blocks = frame.reshape(h // p // m, m, p, w // p // m, m, p, frame.shape[2]).transpose(0, 3, 1, 4, 6, 2, 5)
+        slot = self.slot(k)
+        np.subtract(blocks, self.mean, out=slot, dtype=np.float32)
+        np.divide(slot, self.std, out=slot)
+
+    def finish(self, n: int, indices: Sequence[int], fps: float) -> VideoPatches:
+        """The patches of the first ``n`` frames (all put), the last one repeated to fill its
+        temporal patch."""
+        t = self.processor.temporal_patch_size
+        groups = -(-n // t)
+        for k in range(n, groups * t):
+            self.slot(k)[...] = self.slot(n - 1)
+        out = self.out[:groups]
+        gh, gw = (side // self.processor.patch_size for side in self.size)
+        pixels = out.reshape(groups * gh * gw, -1)
+        return VideoPatches(
+            pixels, (groups, gh, gw), self.processor.timestamps(indices, fps), [int(i) for i in indices]
+        )
