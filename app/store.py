@@ -219,7 +219,7 @@ class _Chat:
 
 # Chats whose messages stay in memory after another is opened; older ones are read again
 # when next asked for (only once their writes have landed).
-KEPT_CHATS = 8
+KEPT_CHATS = 16
 
 
 class HistoryStore:
