@@ -25,6 +25,7 @@ import queue
 import sqlite3
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -255,6 +256,9 @@ class HistoryStore:
         self.on_failure: Callable[[StoreError], None] | None = None
         self.last_write: Future | None = None  # the Future of the write queued last
         self._writer = _Writer(self.path, self._failed)
+        # A store never closed (an exception on the way out) still commits what is queued
+        # when the interpreter exits, before the writer's daemon thread is stopped.
+        self._close_writer = weakref.finalize(self, self._writer.close)
 
     def _migrate(self) -> None:
         """Bring a history written by an earlier version up to this schema."""
@@ -283,7 +287,7 @@ class HistoryStore:
 
     def close(self) -> None:
         """Commit everything queued, then close both connections."""
-        self._writer.close()
+        self._close_writer()
         self._reader.close()
 
     # ---- the writer -------------------------------------------------------------------

@@ -291,3 +291,21 @@ def test_closing_commits_what_is_queued_and_a_failed_message_is_taken_back(tmp_p
     assert db.execute("SELECT content FROM messages").fetchall() == [("kept 199",)]
     assert db.execute("SELECT leaf_id FROM conversations").fetchone() == (user,)
     db.close()
+
+
+def test_a_store_never_closed_still_commits_its_queue_at_exit(tmp_path):
+    """An app leaving through an exception never reaches close(): what was queued still lands."""
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        f"import sys; sys.path.insert(0, {str(root)!r})\n"
+        "from app.store import HistoryStore\n"
+        f"store = HistoryStore({str(tmp_path)!r})\n"
+        "cid = store.create_conversation()\n"
+        "for i in range(300):\n"
+        "    store.add_message(cid, 'user', f'message {i}', None)\n"
+        "raise SystemExit(3)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 3
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    assert db.execute("SELECT COUNT(*), MAX(content) FROM messages").fetchone() == (300, "message 99")
+    db.close()
