@@ -124,6 +124,26 @@ def emit(signal, *args) -> None:
         _incref(result)
 
 
+def _void_call_drops_a_reference() -> bool:
+    """The same bug in a wider form: PySide6 6.12 returns None from every C++ void method
+    (``setText``, ``hide``, ...) without a reference, and qasync's thread-safe wake-up emits
+    without paying True back. Each call takes one reference from None, so an app that sets
+    labels often aborts ("none_dealloc") once the calls outrun the references the rest of the
+    program holds. Probe once."""
+    probe = QObject()
+    before = sys.getrefcount(None)
+    for _ in range(16):
+        probe.setObjectName("probe")
+    return before - sys.getrefcount(None) >= 16
+
+
+if _void_call_drops_a_reference() and sys.version_info < (3, 12):
+    # Python 3.12 made these singletons immortal (their count is never checked); do the same
+    # here: a count no run can spend (2**40 calls). The count is the object's first field.
+    for _singleton in (None, True, False):
+        ctypes.c_ssize_t.from_address(id(_singleton)).value += 1 << 40
+
+
 # Qt messages that say nothing to a user: the offscreen platform (smoke tests, CI) cannot
 # resize windows to their size hints, and says so for every window shown.
 _NOISE = ("This plugin does not support propagateSizeHints()",)

@@ -3,6 +3,8 @@
 Order matters for crash safety: the user message is committed before the engine
 is asked for anything, the assistant message exists (status "streaming") before
 the first token, and its text is committed at least once a second while it grows.
+The store commits on its own thread; this controller awaits the commits it depends on
+(the GUI thread is free meanwhile) and lets the partial saves go without waiting.
 """
 
 from __future__ import annotations
@@ -229,16 +231,18 @@ class ChatController(QObject):
             return False
         finally:
             self._keeping = False
+        if self.conversation_id is None:
+            self.conversation_id = self.store.create_conversation()
+            self._free_old_sessions(self.conversation_id)
+        conv = self.store.conversation(self.conversation_id)
+        if conv.leaf_id is None:  # its first message (no need to read the thread)
+            self.store.rename_conversation(conv.id, _title_from(text, kept))
+            emit(self.conversations_changed)
+        user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
         try:
-            if self.conversation_id is None:
-                self.conversation_id = self.store.create_conversation()
-                self._free_old_sessions(self.conversation_id)
-            conv = self.store.conversation(self.conversation_id)
-            if conv.leaf_id is None:  # its first message (no need to read the thread)
-                self.store.rename_conversation(conv.id, _title_from(text, kept))
-                emit(self.conversations_changed)
-            user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
+            await asyncio.wrap_future(self.store.last_write)
         except StoreError as exc:  # the message is not sent unsaved; the composer keeps it
+            self.store.take_back(user_id)
             emit(self.failed, f"{exc} Your message was not sent; it is still in the box.")
             return False
         self.refresh()
@@ -313,17 +317,20 @@ class ChatController(QObject):
         if tools and conv.settings.get("tool_choice") == "required":  # the first answer must be a call
             params.constraint = forced_call(FORMATS[info.tool_format], tools)
 
+        self.reply_id = self.store.add_message(
+            conv.id,
+            "assistant",
+            "",
+            parent_id,
+            status="streaming",
+            model=info.name,
+            adapters=adapters,
+        )
         try:
-            self.reply_id = self.store.add_message(
-                conv.id,
-                "assistant",
-                "",
-                parent_id,
-                status="streaming",
-                model=info.name,
-                adapters=adapters,
-            )
+            await asyncio.wrap_future(self.store.last_write)
         except StoreError as exc:
+            self.store.take_back(self.reply_id)
+            self.reply_id = None
             emit(self.failed, f"{exc} No reply was asked for.")
             return
         self._answer = self._reasoning = ""
@@ -464,11 +471,8 @@ class ChatController(QObject):
         """Show the calls as they stand and save them (a crash keeps what ran)."""
         self._answer = tool_turns.record(self._rounds)
         self.view.set_answer(self._answer)
-        if self.reply_id is not None:
-            try:
-                self.store.update_message(self.reply_id, content=self._answer, tool_turns=self._rounds)
-            except StoreError as exc:  # the final save tries again
-                emit(self.status, str(exc))
+        if self.reply_id is not None:  # a failure is told by the store; the final save tries again
+            self.store.update_message(self.reply_id, content=self._answer, tool_turns=self._rounds)
 
     def _engine_messages(self, history: list[Message], info: api.ModelInfo) -> list[dict[str, Any]]:
         """The thread as the engine reads it: attachments become media parts (by their stored
@@ -562,34 +566,42 @@ class ChatController(QObject):
     def _save_partial(self) -> None:
         now = (len(self._answer), len(self._reasoning))
         if self.reply_id is not None and now != self._saved_len:
-            try:
-                self.store.update_message(self.reply_id, content=self._answer, reasoning=self._reasoning)
-            except StoreError as exc:  # tried again on the next tick; the reply streams on
-                emit(self.status, str(exc))
-                return
             self._saved_len = now
+            spawn(
+                self._partial_saved(
+                    self.store.update_message(self.reply_id, content=self._answer, reasoning=self._reasoning)
+                )
+            )
+
+    async def _partial_saved(self, written: Any) -> None:
+        try:
+            await asyncio.wrap_future(written)
+        except StoreError as exc:  # tried again on the next tick; the reply streams on
+            self._saved_len = (-1, -1)
+            emit(self.status, str(exc))
 
     def _save(self, message_id: int, **fields: Any) -> None:
-        """A reply's final save; when it cannot land (full disk) the reply stays on screen
-        and the save is tried again every few seconds until it does."""
+        """A reply's final save (in memory at once, so the history shows it); when it cannot
+        land (full disk) the reply stays on screen and the save is tried again every few
+        seconds until it does."""
+        spawn(self._final_saved(message_id, fields, self.store.update_message(message_id, **fields)))
+
+    async def _final_saved(self, message_id: int, fields: dict[str, Any], written: Any) -> None:
         try:
-            self.store.update_message(message_id, **fields)
+            await asyncio.wrap_future(written)
         except StoreError as exc:
+            if message_id not in self._unsaved:
+                emit(self.failed, f"{exc} The reply stays on screen and is saved as soon as it can be.")
             self._unsaved[message_id] = fields
             self._retry_timer.start()
-            emit(self.failed, f"{exc} The reply stays on screen and is saved as soon as it can be.")
         else:
-            self._unsaved.pop(message_id, None)
+            if self._unsaved.pop(message_id, None) is not None:
+                emit(self.status, "The chat history is saved again.")
 
     def _retry_saves(self) -> None:
+        self._retry_timer.stop()  # each save starts it again should it fail
         for message_id, fields in list(self._unsaved.items()):
-            try:
-                self.store.update_message(message_id, **fields)
-            except StoreError:
-                return
-            del self._unsaved[message_id]
-            emit(self.status, "The chat history is saved again.")
-        self._retry_timer.stop()
+            self._save(message_id, **fields)
 
     def _edit_slot(self, message_id: int, text: str) -> None:
         spawn(self.edit(message_id, text))

@@ -10,14 +10,19 @@ under, and skips a damaged file (the turn is prefilled in full and the file repl
 The files share a disk budget (Settings, default 10 GB): after each save the least
 recently used files go first until the rest fit. A file's modification time is its last
 use: saving writes it, restoring touches it.
+
+The GUI thread never reads the folder: listing it, stating the files and enforcing the
+budget run on a helper thread (a slow or busy disk stalled the window), and the window
+shows the sizes found by the last scan (``known``), rescanned after every change.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
 from app.memory_units import GB
 from app.qt import QObject, Signal, emit
 
@@ -30,6 +35,7 @@ class SavedCaches(QObject):
     status = Signal(str)  # a readable line for the status bar
     changed = Signal()  # files were written or removed (sizes in the sidebar's tooltips)
     saved = Signal(int, int)  # conversation id, bytes written (0: nothing worth saving)
+    _scanned = Signal(int, object)  # from the scanning thread: which scan, conversation id -> bytes
 
     def __init__(self, bridge: EngineBridge, store, parent: QObject | None = None):
         super().__init__(parent)
@@ -37,6 +43,11 @@ class SavedCaches(QObject):
         self.folder = Path(store.data_dir) / FOLDER
         self._unsaved: set[int] = set()  # conversations with a reply not saved yet
         self.last_restore: dict[int, object] = {}  # conversation id -> SessionRestore
+        self.known: dict[int, int] = {}  # the sizes the last scan found (what the window shows)
+        self._scans = 0  # scans asked for; only the latest one's result is taken
+        self._scan_lock = threading.Lock()  # one scan at a time: a budget is kept, then read
+        self._scanned.connect(self._took_scan)
+        self.rescan()
 
     # ---- the budget (an app-wide preference) -------------------------------------------
 
@@ -46,10 +57,10 @@ class SavedCaches(QObject):
         return DEFAULT_BUDGET if value is None else max(0, int(value))
 
     def set_budget(self, nbytes: int | None) -> None:
-        """None: back to the default. Files over the new budget go at once."""
+        """None: back to the default. Files over the new budget go at once (on the helper
+        thread; ``changed`` follows)."""
         self.store.set_preference(BUDGET_KEY, None if nbytes is None else int(nbytes))
-        if self.enforce_budget():
-            emit(self.changed)
+        self.rescan(enforce=True)
 
     # ---- files ---------------------------------------------------------------------------
 
@@ -69,6 +80,31 @@ class SavedCaches(QObject):
     def total_bytes(self) -> int:
         return sum(self.sizes().values())
 
+    def rescan(self, enforce: bool = False, keep: int | None = None) -> None:
+        """Scan the folder on a helper thread (first enforcing the budget, with ``keep``
+        last to go); ``known`` takes the sizes and ``changed`` is emitted on the GUI thread."""
+        budget = self.budget  # read here: the store is the GUI thread's
+        self._scans += 1
+        ticket = self._scans
+
+        def scan() -> None:
+            with self._scan_lock:
+                if enforce:
+                    self._enforce(budget, keep)
+                sizes = self.sizes()
+            try:
+                emit(self._scanned, ticket, sizes)
+            except RuntimeError:  # the window closed while it scanned: nobody to tell
+                pass
+
+        threading.Thread(target=scan, daemon=True, name="mlx-desk-cache-scan").start()
+
+    def _took_scan(self, ticket: int, sizes: dict[int, int]) -> None:
+        if ticket != self._scans:  # a later scan (after a later change) is on its way
+            return
+        self.known = sizes
+        emit(self.changed)
+
     def _files(self) -> list[Path]:
         if not self.folder.is_dir():
             return []
@@ -78,6 +114,8 @@ class SavedCaches(QObject):
         """The conversation is gone: so is its cache."""
         self.path_for(conversation_id).unlink(missing_ok=True)
         self._unsaved.discard(conversation_id)
+        self.known.pop(conversation_id, None)
+        self._scans += 1  # a scan under way found it: its result is stale
         emit(self.changed)
 
     def clear(self) -> int:
@@ -90,12 +128,17 @@ class SavedCaches(QObject):
             except OSError:
                 continue
             freed += size
+        self.known = {}
+        self._scans += 1  # a scan under way found them: its result is stale
         emit(self.changed)
         return freed
 
     def enforce_budget(self, keep: int | None = None) -> list[int]:
         """Delete the least recently used files until the rest fit the budget; ``keep``
         (the file just written) goes last. Returns the conversations whose cache went."""
+        return self._enforce(self.budget, keep)
+
+    def _enforce(self, budget: int, keep: int | None) -> list[int]:
         entries = []
         for path in self._files():
             try:
@@ -106,7 +149,7 @@ class SavedCaches(QObject):
         total = sum(size for _, _, size, _ in entries)
         removed = []
         for _, _, size, path in sorted(entries, key=lambda e: (e[0], e[1])):
-            if total <= self.budget:
+            if total <= budget:
                 break
             try:
                 path.unlink()
@@ -122,7 +165,7 @@ class SavedCaches(QObject):
         """Offer the conversation's saved cache to the engine; returns the tokens it took.
         Never fails the turn: a refused or unreadable file only means a full prefill."""
         path = self.path_for(conversation_id)
-        if not path.is_file() or not self.bridge.running:
+        if not self.bridge.running or not await run_in_thread(path.is_file):
             return 0
         try:
             restored = await self.bridge.restore_session(conversation_id, str(path))
@@ -131,10 +174,7 @@ class SavedCaches(QObject):
             return 0
         self.last_restore[conversation_id] = restored
         if restored.tokens:
-            try:
-                os.utime(path)  # recently used: last out under the budget
-            except OSError:
-                pass
+            await run_in_thread(_touch, path)  # recently used: last out under the budget
         return restored.tokens
 
     async def save(self, conversation_id: int) -> int:
@@ -150,9 +190,9 @@ class SavedCaches(QObject):
             emit(self.saved, conversation_id, 0)
             return 0
         self._unsaved.discard(conversation_id)
-        self.enforce_budget(keep=conversation_id)
+        self.known[conversation_id] = written
         emit(self.saved, conversation_id, written)
-        emit(self.changed)
+        self.rescan(enforce=True, keep=conversation_id)  # ``changed`` once the budget is kept
         return written
 
     def is_unsaved(self, conversation_id: int) -> bool:
@@ -169,3 +209,10 @@ class SavedCaches(QObject):
         for conversation_id in sorted(self._unsaved):
             self.bridge.save_session_soon(conversation_id, str(self.path_for(conversation_id)))
         self._unsaved.clear()
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass

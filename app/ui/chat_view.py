@@ -11,7 +11,9 @@ two spacers stand in for them above and below, so the scrollbar spans the whole 
 stays honest. Scrolling builds the widgets coming into view and frees those leaving it;
 appending a message adds one widget and leaves the others' layout alone; showing another
 chat frees every widget of the last one. The last message is always a real widget (the
-live tail while streaming).
+live tail while streaming). Freed message widgets are kept (a few of each role) and filled
+with the next messages to show: switching chats or scrolling mostly refills widgets
+rather than making new ones.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ MARGIN_Y = 24  # above the first message and below the last
 AT_ONCE = 2
 SLICE_MS = 6.0
 DIVIDER = "context_divider"  # the entry key of the "outside the model's context" line
+SPARE_PER_ROLE = 8  # freed widgets kept for reuse, per role: about a screenful in all
 
 
 @dataclass
@@ -99,6 +102,7 @@ class ChatView(QScrollArea):
         self.setWidget(inner)
         self.entries: list[_Entry] = []
         self.widgets: dict[int, MessageWidget] = {}  # the messages built as widgets now
+        self._spare: dict[str, list[MessageWidget]] = {}  # role -> freed widgets, hidden, to refill
         self.divider: QLabel | None = None  # the context line, while built
         self._window = (0, 0)  # entries[lo:hi] are built (and always the last one)
         self._anchor: tuple[int, int] | None = None  # (entry, its top minus the view's top)
@@ -204,7 +208,8 @@ class ChatView(QScrollArea):
 
     @property
     def live_widgets(self) -> int:
-        """Message widgets alive now (those built, and freed ones not yet deleted by Qt)."""
+        """Message widgets alive now (those built, the spares kept for reuse, and freed ones
+        not yet deleted by Qt)."""
         return len(self.widget().findChildren(MessageWidget))
 
     # ---- streaming tail ------------------------------------------------------------------
@@ -433,10 +438,16 @@ class ChatView(QScrollArea):
             self.divider.setTextFormat(Qt.TextFormat.PlainText)
             return self.divider
         m = entry.message
-        w = MessageWidget(m.id, m.role, self.dark, m.model)
-        w.edit_submitted.connect(self.edit_submitted)
-        w.regenerate_requested.connect(self.regenerate_requested)
-        w.version_requested.connect(self.version_requested)
+        spare = self._spare.get(m.role)
+        reused = bool(spare)
+        if spare:
+            w = spare.pop()
+            w.reuse(m.id, m.model, self.dark)
+        else:
+            w = MessageWidget(m.id, m.role, self.dark, m.model)
+            w.edit_submitted.connect(self.edit_submitted)
+            w.regenerate_requested.connect(self.regenerate_requested)
+            w.version_requested.connect(self.version_requested)
         w.set_attachments(m.attachments)
         w.set_text(m.content, m.reasoning)
         if m.status != "streaming":
@@ -449,6 +460,8 @@ class ChatView(QScrollArea):
             w.start_edit()
             w.editor.setPlainText(entry.draft)
             entry.draft = None
+        if reused:  # hidden when it was freed; shown here, so a pass's time budget counts it
+            w.show()
         self.widgets[m.id] = w
         return w
 
@@ -469,7 +482,11 @@ class ChatView(QScrollArea):
             self.setFocus(Qt.FocusReason.OtherFocusReason)
         self.column.removeWidget(w)
         w.hide()
-        w.deleteLater()
+        spare = self._spare.setdefault(w.role, []) if isinstance(w, MessageWidget) else None
+        if spare is not None and len(spare) < SPARE_PER_ROLE:
+            spare.append(w)  # hidden, out of the layout, until a message of its role needs it
+        else:
+            w.deleteLater()
 
     def _free_all(self) -> None:
         for entry in self.entries:

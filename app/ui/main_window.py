@@ -34,6 +34,7 @@ from app.qt import (
     QVBoxLayout,
     QWidget,
     Signal,
+    emit,
 )
 from app.store import HistoryStore
 from app.ui.adapters_menu import AdaptersMenu
@@ -52,12 +53,15 @@ class MainWindow(QMainWindow):
     model_loaded = Signal(object)  # ModelInfo
     load_failed = Signal(str)  # the readable reason
     transcription_finished = Signal(str)  # the transcript put in the box ("" when none)
+    _history_failed = Signal(str)  # from the store's writer thread: a write that did not land
 
     def __init__(self, store: HistoryStore, bridge: EngineBridge, dark: bool = False):
         super().__init__()
         self.setWindowTitle("MLX Desk")
         self.resize(1280, 820)
         self.store, self.bridge = store, bridge
+        self._history_failed.connect(self.notify)
+        store.on_failure = self._tell_history_failed
         # Debug aid for docs and end-to-end tests: save the window mid-reply (each reply).
         self.screenshot_path = os.environ.get("MLX_DESK_SCREENSHOT", "")
         self.screenshot_chars = int(os.environ.get("MLX_DESK_SCREENSHOT_CHARS", "60"))
@@ -75,7 +79,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatController(store, bridge, self.chat_view, self)
         self.caches = SavedCaches(bridge, store, self)
         self.chat.caches = self.caches
-        self.sidebar.cache_sizes = self.caches.sizes
+        self.sidebar.cache_sizes = lambda: self.caches.known  # as last scanned, off this thread
         self.adapter_control = AdapterController(store, bridge, self.chat, self.load_setup, self)
         self.models = ModelController(bridge, self.load_setup, self.adapter_control, self)
         self.transcription = TranscriptionController(store, bridge, self)
@@ -240,6 +244,13 @@ class MainWindow(QMainWindow):
 
     def notify(self, text: str) -> None:
         self.statusBar().showMessage(text, 8000)
+
+    def _tell_history_failed(self, exc: Exception) -> None:
+        """On the store's writer thread: the line goes to the status bar through a queued signal."""
+        try:
+            emit(self._history_failed, str(exc))
+        except RuntimeError:  # the window is gone
+            pass
 
     def show_error(self, text: str) -> None:
         """A failure the user must see: banner in the top bar and the status bar."""

@@ -273,6 +273,23 @@ class MessageWidget(QFrame):
             self._version_parts = (prev, label, after)
         return self._version_parts
 
+    def reuse(self, message_id: int, name: str = "", dark: bool = False) -> None:
+        """Become a fresh widget for another message of the same role: the transcript keeps
+        the widgets it frees and builds the next messages from them (making a widget costs
+        more than filling one). The caller then sets the text, stats and versions."""
+        self.end_edit()
+        self.message_id, self.dark = message_id, dark
+        if self.role != "user":
+            self.role_label.setText(name or "Assistant")
+        self._show_all = False
+        self.set_draft("")
+        if self._reasoning_parts is not None:
+            self._reasoning_parts[0].setChecked(False)  # folded, as in a new widget
+        self.stats_label.setText("")
+        self.stats_label.setToolTip("")
+        self.adapters = {}
+        self.set_versions(1, 1)
+
     # ---- content --------------------------------------------------------------------
 
     def set_attachments(self, attachments: list[tuple[str, str]]) -> None:
@@ -301,6 +318,15 @@ class MessageWidget(QFrame):
         blocks = split_blocks(content) if self.role != "user" else [Block("prose", content)]
         keep = 0
         while keep < len(blocks) and keep < len(self._rendered) and blocks[keep] == self._rendered[keep]:
+            keep += 1
+        # A prose block that changed keeps its label and takes the new text (the streaming
+        # tail; a reused widget's words): setting a label's text costs less than a new label.
+        while (
+            keep < min(len(blocks), len(self._rendered), self.body.count())
+            and blocks[keep].kind == self._rendered[keep].kind == "prose"
+            and self.editor is None
+        ):
+            self.body.itemAt(keep).widget().setText(self._prose_text(blocks[keep].text))
             keep += 1
         while self.body.count() > keep:
             item = self.body.takeAt(keep)
@@ -343,10 +369,13 @@ class MessageWidget(QFrame):
             return CodeBlock(block, self.dark)
         # User text is shown as typed; replies are Markdown with raw HTML shown as text.
         if self.role == "user":
-            label = _label(breakable(block.text), "prose")
+            label = _label(self._prose_text(block.text), "prose")
             label.setTextFormat(Qt.TextFormat.PlainText)
             return label
-        return _label(prose_html(block.text), "prose", rich=True)
+        return _label(self._prose_text(block.text), "prose", rich=True)
+
+    def _prose_text(self, text: str) -> str:
+        return breakable(text) if self.role == "user" else prose_html(text)
 
     def _toggle_reasoning(self, shown: bool) -> None:
         toggle, label = self._reasoning()

@@ -436,8 +436,7 @@ class SettingsPanel(QFrame):
         self.reasoning_choice = choice if accepts_reasoning(self.reasoning_control, choice) else None
         self._show_reasoning()
         self._loading = False
-        if settings == {}:
-            self._emit()
+        # Showing a chat's settings writes nothing back: only the user's edits are changes.
 
     def values(self, everything: bool = False) -> dict[str, Any]:
         """What the user set; values equal to the model's defaults are left out so a

@@ -19,10 +19,11 @@ def _ready(window, run_async, tiny_model) -> None:
 def test_full_disk_refuses_the_message_and_keeps_it_in_the_box(qtbot, make_window, run_async, tiny_model):
     window = make_window()
     _ready(window, run_async, tiny_model)
-    db = window.store._db
-    # SQLite's own "database or disk is full": the file may not grow by one page.
-    (pages,) = db.execute("PRAGMA page_count").fetchone()
-    db.execute(f"PRAGMA max_page_count={pages}")
+    store = window.store
+    # SQLite's own "database or disk is full": the file may not grow by one page (set on the
+    # connection that writes, the store's writer thread's).
+    (pages,) = store.on_writer(lambda db: db.execute("PRAGMA page_count").fetchone())
+    store.on_writer(lambda db: db.execute(f"PRAGMA max_page_count={pages}"))
     long_text = "a long message that needs new pages " * 200
     window.composer.edit.setPlainText(long_text)
     with qtbot.wait_signal(window.chat.failed, timeout=10_000) as blocker:
@@ -33,7 +34,7 @@ def test_full_disk_refuses_the_message_and_keeps_it_in_the_box(qtbot, make_windo
     assert not window.chat.busy
 
     # Space again: the same message goes out and is answered.
-    db.execute("PRAGMA max_page_count=1073741823")
+    store.on_writer(lambda db: db.execute("PRAGMA max_page_count=1073741823"))
     with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000):
         qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
     roles = [m.role for m in window.store.thread(window.chat.conversation_id)]
@@ -44,12 +45,12 @@ def test_reply_that_cannot_be_saved_stays_and_is_saved_later(qtbot, make_window,
     window = make_window()
     _ready(window, run_async, tiny_model)
     window.chat._retry_timer.setInterval(50)
-    db = window.store._db
+    store = window.store
     failures: list[str] = []
     window.chat.failed.connect(failures.append)
 
     def lock_on_first_token(*_):
-        db.execute("PRAGMA query_only=ON")  # every write now fails, as on a read-only drive
+        store.on_writer(lambda db: db.execute("PRAGMA query_only=ON"))  # as on a read-only drive
 
     window.bridge.token.connect(lock_on_first_token)
     window.composer.edit.setPlainText("hello there")
@@ -57,12 +58,17 @@ def test_reply_that_cannot_be_saved_stays_and_is_saved_later(qtbot, make_window,
         qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
     message_id, result = blocker.args
     window.bridge.token.disconnect(lock_on_first_token)
-    assert any("read-only" in f and "saved as soon as it can be" in f for f in failures)
+    qtbot.waitUntil(lambda: any("read-only" in f and "saved as soon as it can be" in f for f in failures))
     assert window.chat_view.widgets[message_id].isVisible()
-    assert window.store.message(message_id).status == "streaming"  # the final save did not land
+    on_disk = store.on_writer(lambda db: db.execute("SELECT status FROM messages WHERE id=?", (message_id,)).fetchone())
+    assert on_disk == ("streaming",)  # the final save did not land
 
-    db.execute("PRAGMA query_only=OFF")
+    store.on_writer(lambda db: db.execute("PRAGMA query_only=OFF"))
     with qtbot.wait_signal(window.chat.status, timeout=5_000, check_params_cb=lambda text: "saved again" in text):
         pass
     saved = window.store.message(message_id)
     assert saved.content == result.text and saved.status == "complete"
+    on_disk = store.on_writer(
+        lambda db: db.execute("SELECT content, status FROM messages WHERE id=?", (message_id,)).fetchone()
+    )
+    assert on_disk == (result.text, "complete")

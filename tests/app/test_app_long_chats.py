@@ -56,7 +56,7 @@ def test_three_turns_across_a_restart_prefill_only_the_new_tokens(qtbot, make_wi
 
     again = make_window(data)  # as after quitting the app
     assert again.chat.conversation_id == conv
-    assert "Saved cache:" in again.sidebar.list.currentItem().toolTip()
+    qtbot.waitUntil(lambda: "Saved cache:" in again.sidebar.list.currentItem().toolTip())  # scanned off the GUI thread
     _load(again, run_async, tiny_model)
     third, _ = _send_and_save(qtbot, again, "tell me a story")
     restored = again.caches.last_restore[conv]
@@ -110,6 +110,8 @@ def test_disk_budget_drops_least_recently_used_and_clear_empties(qtbot, make_win
         path = caches.path_for(cid)
         path.write_bytes(b"x" * 1000)
         os.utime(path, (1_000_000 + age, 1_000_000 + age))
+    caches.rescan()  # the folder is read off the GUI thread; the window shows what it found
+    qtbot.waitUntil(lambda: sorted(caches.known) == sorted(ids))
     window.sidebar.reload()
     tips = [window.sidebar.list.item(i).toolTip() for i in range(window.sidebar.list.count())]
     assert sum("Saved cache:" in t for t in tips) == 3
@@ -118,10 +120,12 @@ def test_disk_budget_drops_least_recently_used_and_clear_empties(qtbot, make_win
     assert window.store.preference("kv_cache_budget_bytes") == 3 * 1024**3
     assert sorted(caches.sizes()) == sorted(ids)
     caches.set_budget(2500)
-    assert sorted(caches.sizes()) == sorted(ids[1:])  # the least recently used went first
+    qtbot.waitUntil(lambda: sorted(caches.known) == sorted(ids[1:]))  # the least recently used went first
+    assert sorted(caches.sizes()) == sorted(ids[1:])
     assert caches.enforce_budget(keep=ids[1]) == []
 
     caches.set_budget(1500)
+    qtbot.waitUntil(lambda: sorted(caches.known) == [ids[2]])
     assert sorted(caches.sizes()) == [ids[2]]
     action = next(a for a in window.menuBar().actions()[0].menu().actions() if a.text() == "Clear saved caches")
     action.trigger()

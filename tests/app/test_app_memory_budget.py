@@ -120,11 +120,11 @@ def test_a_budget_the_history_cannot_save_is_said_and_not_shown_as_kept(qtbot, m
     window.settings_toggle.setChecked(True)
     messages: list[str] = []
     window.statusBar().messageChanged.connect(messages.append)
-    window.store._db.execute("PRAGMA query_only=ON")  # every write fails, as on a read-only drive
+    window.store.on_writer(lambda db: db.execute("PRAGMA query_only=ON"))  # as on a read-only drive
     _choose(window, 3.0)
     assert any("read-only" in m and "not remembered" in m for m in messages)
     assert window.settings.budget_mode.currentIndex() == 0  # back to what is remembered
-    window.store._db.execute("PRAGMA query_only=OFF")
+    window.store.on_writer(lambda db: db.execute("PRAGMA query_only=OFF"))
 
 
 def test_a_draft_model_that_does_not_fit_says_how_to_make_room(

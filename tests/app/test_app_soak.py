@@ -12,6 +12,7 @@ switching chats and scrolling."""
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import pytest
@@ -25,7 +26,9 @@ pytestmark = [
     pytest.mark.skipif(not HAS_RSS, reason="reads RSS from /proc"),
 ]
 
-TURNS = 500
+# MLX_DESK_SOAK_TURNS shortens the run to compare stalls before and after a change (the
+# slope and memory asserts want the full run).
+TURNS = int(os.environ.get("MLX_DESK_SOAK_TURNS", "500"))
 CHATS = 10
 SETTINGS = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
 MAX_LIVE_WIDGETS = 40
@@ -44,9 +47,15 @@ STALL_SLOPE_MS = 0.5  # per turn, over ten chats: a chat grows by one exchange e
 # and at most); the wall-clock 95th percentile and longest are printed, as they follow the
 # machine's load (at load 5-9: a turn's 95th percentile 86-220 ms, longest 324-596 ms, while
 # the GUI thread's own work in a stall measured median 19, 95th percentile 29, longest 34 ms
-# for a turn; 14 / 22 / 28 switching chats; 13 / 17 / 20 scrolling).
+# for a turn; 14 / 22 / 28 switching chats; 13 / 17 / 20 scrolling). With the history
+# written on its own thread, the caches' folder read on another and freed widgets refilled,
+# the GUI thread's work in a turn's stall measured 6-10 / 10-14 / 13-20 at load 4-6.5 (before:
+# 15-23 / 24-31 / 25-44); the wall clock, 20-24 / 40-89 / 86-395 (before: 28-51 / 49-184 /
+# 75-360); switching chats 9 / 12 / 22, scrolling 12 / 18 / 21. At load 2-2.5 a turn's wall
+# clock measured 12 / 14 / 21 (work 11 / 13 / 14); before, 24 / 32 / 48 (work 21 / 29 / 33).
+# A turn's bound on the work is the 50 ms the window promises.
 WINDOW_STALLS = (50, 40, 100)
-TURN_STALLS = (60, 50, 100)
+TURN_STALLS = (60, 30, 50)
 
 
 @pytest.fixture

@@ -229,3 +229,83 @@ def test_adapters_per_conversation_and_per_reply_and_older_histories(tmp_path):
     store.update_conversation(conv.id, adapters={"gamma": 2.0})
     assert store.conversation(conv.id).adapters == {"gamma": 2.0}
     store.close()
+
+
+def test_writes_never_wait_for_the_disk_and_land_in_order(tmp_path):
+    """The writer thread is held (a slow disk): every write returns at once and reads see
+    it from memory; once the disk is back, the file holds all of it, in order, and a
+    history opened afresh reads the same thread."""
+    import threading
+
+    store = HistoryStore(tmp_path)
+    disk_free = threading.Event()
+    held = store._writer.call(lambda _db: disk_free.wait(30))  # the writer is stuck behind this
+    started = time.monotonic()
+    cid = store.create_conversation("slow disk")
+    user = store.add_message(cid, "user", "q", None, attachments=[("image", "/pics/cat.png")])
+    reply = store.add_message(cid, "assistant", "", user, status="streaming")
+    for n in range(1, 30):  # a reply growing, saved as it goes
+        store.update_message(reply, content="word " * n)
+    last = store.update_message(reply, content="the end", status="complete", stats={"generated_tokens": 2})
+    store.update_conversation(cid, settings={"temperature": 0.5})
+    assert time.monotonic() - started < 1.0  # nothing above waited for the held writer
+    assert not last.done()
+    thread = store.thread(cid)
+    assert [(m.role, m.content, m.status) for m in thread] == [
+        ("user", "q", "complete"),
+        ("assistant", "the end", "complete"),
+    ]
+    assert thread[0].attachments == [("image", "/pics/cat.png")] and thread[1].stats == {"generated_tokens": 2}
+    assert store.conversation(cid).settings == {"temperature": 0.5}
+    assert store.siblings(reply) == [reply] and store.versions(cid, thread)[reply] == (1, 1)
+
+    disk_free.set()
+    held.result(10)
+    last.result(10)
+    store.close()
+    again = HistoryStore(tmp_path)
+    assert [(m.id, m.content, m.status, m.stats, m.attachments) for m in again.thread(cid)] == [
+        (m.id, m.content, m.status, m.stats, m.attachments) for m in thread
+    ]
+    assert again.conversation(cid).settings == {"temperature": 0.5}
+    new = again.create_conversation()  # ids go on from the file's, never reused
+    assert new > cid and again.add_message(new, "user", "hi", None) > reply
+    again.close()
+
+
+def test_closing_commits_what_is_queued_and_a_failed_message_is_taken_back(tmp_path):
+    store = HistoryStore(tmp_path)
+    cid = store.create_conversation()
+    user = store.add_message(cid, "user", "kept", None)
+    store.on_writer(lambda db: db.execute("PRAGMA query_only=ON"))  # a drive that refuses writes
+    failed = store.add_message(cid, "assistant", "lost", user)
+    with pytest.raises(Exception, match="read-only"):
+        store.last_write.result(10)
+    store.take_back(failed)
+    assert [m.content for m in store.thread(cid)] == ["kept"] and store.message(failed) is None
+    store.on_writer(lambda db: db.execute("PRAGMA query_only=OFF"))
+    for n in range(200):  # queued faster than they commit; close waits for them
+        store.update_message(user, content=f"kept {n}")
+    store.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    assert db.execute("SELECT content FROM messages").fetchall() == [("kept 199",)]
+    assert db.execute("SELECT leaf_id FROM conversations").fetchone() == (user,)
+    db.close()
+
+
+def test_a_store_never_closed_still_commits_its_queue_at_exit(tmp_path):
+    """An app leaving through an exception never reaches close(): what was queued still lands."""
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        f"import sys; sys.path.insert(0, {str(root)!r})\n"
+        "from app.store import HistoryStore\n"
+        f"store = HistoryStore({str(tmp_path)!r})\n"
+        "cid = store.create_conversation()\n"
+        "for i in range(300):\n"
+        "    store.add_message(cid, 'user', f'message {i}', None)\n"
+        "raise SystemExit(3)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 3
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    assert db.execute("SELECT COUNT(*), MAX(content) FROM messages").fetchone() == (300, "message 99")
+    db.close()
