@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from engine.decode.compiled_hybrid import compiled_decoder  # attention-only or hybrid stacks
 from engine.decode.draft_depth import AUTO_MAX_DRAFT
@@ -126,6 +127,22 @@ class DraftModelDrafter:
                 return logits[-1]
         return self.model(tokens[None], cache=self.cache)[0, -1]
 
+    def decoder(self) -> Any:
+        """The compiled step the draft model runs through (None: not used yet, or none)."""
+        return self._decoder or None
+
+    def behind(self, history: list[int]) -> int:
+        """How many ids of ``history`` the draft model has not been fed."""
+        return max(0, len(history) - self.offset) if self.usable else 0
+
+    def relative_cost(self, target: Any) -> float:
+        """What feeding an id costs the draft model, as a share of what it costs ``target``:
+        their weights' sizes (a prefill reads every weight once per chunk, and computes in
+        proportion); 1 for the target drafting for itself."""
+        if self.model is target:
+            return 1.0
+        return _weight_bytes(self.model) / max(1, _weight_bytes(target))
+
     def catch_up(self, history: list[int]) -> bool:
         """Feed what the cache has not seen of ``history`` but its last id, by chunked prefill
         (evaluated), when that is more than a round's usual one or two ids: after a new prompt
@@ -172,6 +189,10 @@ class DraftModelDrafter:
             self.usable = False
 
 
+def _weight_bytes(model: Any) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
 def _embedding_rows(model: Any) -> int | None:
     """How many ids the model's embedding table holds (None: cannot tell)."""
     table = getattr(model, "embed_tokens", None)
@@ -185,12 +206,14 @@ def _embedding_rows(model: Any) -> int | None:
 
 def decoder_for(model: Any, compiled: bool | None) -> Any:
     """The model's compiled one-token step, prepared, or None (plain forward passes)."""
-    if getattr(model, "hidden_listener", None) is not None:
-        return None  # an MTP drafter follows the model's passes: they must go through __call__
     if compiled is None:
         compiled = mx.default_device() == mx.gpu
     decoder = compiled_decoder(model) if compiled else None
-    return decoder if decoder is not None and decoder.prepare() else None
+    if decoder is None or not decoder.prepare():
+        return None
+    if getattr(model, "hidden_listener", None) is not None and not getattr(decoder, "feeds_listener", False):
+        return None  # an MTP drafter follows the model's passes, which this step would not show it
+    return decoder
 
 
 def make_drafter(

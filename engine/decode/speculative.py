@@ -40,6 +40,8 @@ from engine.errors import EngineError
 from engine.models.kv_cache import trim_prompt_cache
 
 DepthPolicy = DraftDepth | FixedDepth
+# A prefill of at least this many ids says what the next ones cost (fewer: mostly overhead).
+_RATE_IDS = 32
 
 
 def _fit(q: mx.array, vocab: int) -> mx.array:
@@ -170,6 +172,7 @@ def speculative_step(
         return model(fed[None], cache=cache, **positions(fed.shape[0]))[0, -n:]
 
     prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
+    began = time.perf_counter()
     if not prefill(
         model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
     ):
@@ -178,17 +181,32 @@ def speculative_step(
     speculate = depth.k_max > 0
     produced = 0
     carried: tuple[Any, Any] | None = None  # drafts a plain run's lookup found
-    started = [0.0]  # when the drafts of the round being verified were asked for
+    # When the drafts of the round being verified were asked for, and how many pass sizes the
+    # compiled decoders had traced then (a round that traces a new one is slow once only).
+    started = [0.0, 0]
     catch_up = getattr(drafter, "catch_up", None)
+    drafter_decoder = getattr(drafter, "decoder", lambda: None)
+
+    def traces() -> int:
+        return sum(getattr(d, "traces", 0) for d in (decoder, drafter_decoder()) if d is not None)
+
+    if catch_up is not None and hasattr(depth, "watch_catch_up"):
+        # A draft model must be fed the ids it has not seen (the prompt first) before it
+        # drafts: guess each at what the target's prefill just cost one, scaled to the draft.
+        fed = int(prompt_head.size)
+        guess = (time.perf_counter() - began) / fed * drafter.relative_cost(model) if fed >= _RATE_IDS else None
+        depth.watch_catch_up(lambda: drafter.behind(context), guess)
 
     def ask(k: int) -> tuple[Any, Any]:
-        """The drafter's proposal; a draft model's catching up on ids it has not seen (after
-        plain tokens) is timed apart from the round, as the cost of having stopped drafting."""
+        """The drafter's proposal; a draft model's catching up on ids it has not seen (the
+        prompt, then plain tokens) is timed apart from the round, as the cost of having
+        stopped drafting."""
         if catch_up is not None:
+            behind = drafter.behind(context)
             t = time.perf_counter()
             if catch_up(context):
-                depth.overhead(time.perf_counter() - t)
-        started[0] = time.perf_counter()
+                depth.overhead(time.perf_counter() - t, behind)
+        started[0], started[1] = time.perf_counter(), traces()
         return drafter.propose(context, k, pick)
 
     while produced < max_tokens:
@@ -257,7 +275,7 @@ def speculative_step(
         check_finite(values[-1])
         accepted, last = int(values[0]), int(values[1])
         if m:
-            depth.round(m, accepted, time.perf_counter() - started[0])
+            depth.round(m, accepted, time.perf_counter() - started[0], fresh=traces() != started[1])
         draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
         emitted = draft_ids[:accepted] + [last]
         trim_prompt_cache(cache, m - accepted)  # drop the rejected drafts' keys/values
