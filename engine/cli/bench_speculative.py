@@ -288,12 +288,17 @@ def _theirs_speculative(draft: Any, num_draft: int, from_draft: list[int]):
 
 
 def _depths(depth: Any) -> str:
-    """What the adaptive depth chose in the last run: rounds per depth, and plain tokens."""
+    """What the adaptive depth chose in the last run: how often it asked for each depth, and
+    how many rounds were verified."""
     from collections import Counter
 
-    rounds = Counter(depth.chosen)
-    shown = ", ".join(f"{n} x {k}" for k, n in sorted(rounds.items())) or "none"
-    return f"auto depth: rounds {shown} drafts; acceptance estimate {depth.acceptance:.0%}"
+    asked = Counter(depth.chosen)
+    shown = ", ".join(f"{n} x {k}" for k, n in sorted(asked.items())) or "none"
+    # An n-gram lookup that finds nothing asked for is no round: it decodes plainly on.
+    return (
+        f"auto depth: drafts asked for {shown}, {depth.spent.rounds} rounds verified; "
+        f"acceptance estimate {depth.acceptance:.0%}"
+    )
 
 
 def _row(name: str, t: Timing) -> str:

@@ -49,3 +49,21 @@ def test_repeats_are_interleaved_and_each_run_is_reported():
     for entry in (spec["plain"], spec["engine"], data["mlx_lm"], data["mlx_lm_speculative"]):
         assert len(entry["runs"]) == 2
         assert entry["generation_tps"] == max(r["generation_tps"] for r in entry["runs"])
+
+
+@pytest.mark.parametrize("mode", ["self", "ngram"])
+def test_auto_depth_says_where_the_time_went(mode):
+    proc = run(*BENCH[:-3], "--num-draft", "auto", "--json", "--speculative", mode)
+    assert proc.returncode == 0, proc.stderr
+    spec = last_json(proc.stdout)["speculative"]
+    assert spec["num_draft"] == "auto" and spec["warm_up_ms"] > 0
+    b = spec["breakdown"]
+    # The last run's tokens after the first: plain ones and what rounds yielded (a round's
+    # last tokens may lie past the end).
+    assert b["plain_tokens"] + b["round_tokens"] >= spec["engine"]["generated_tokens"] - 1
+    assert b["plain_tokens"] == 0 or b["plain_ms_per_token"] > 0
+    assert b["plain_loop_ms_per_token"] > 0 and b["generation_ms"] > 0
+    assert 0 <= b["first_use_rounds"] <= b["rounds"]
+    for line in ("where the time went", "plain tokens", "rounds", "catching up", "unaccounted"):
+        assert line in proc.stdout
+    assert "warm-up: rounds of 1-6 drafts" in proc.stdout
