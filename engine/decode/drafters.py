@@ -44,6 +44,8 @@ class NgramDrafter:
 
     n: int = 3
     max_draft: int = 4
+    # A lookup often finds nothing: the speculative loop keeps a plain step queued meanwhile.
+    may_miss = True
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_draft < 1:

@@ -188,3 +188,26 @@ def test_rounds_that_trace_a_new_verify_size_are_marked(target):
     assert fresh[2][0] and fresh[3][0]
     assert not any(fresh[3][1:]) and not fresh[2][-1]
     assert depth.spent.first_uses == sum(f for _, f in depth.rounds) >= 2
+
+
+def test_a_probe_by_a_model_drafter_drops_no_queued_step(target, monkeypatch):
+    """The depth is asked before the plain step after a token is queued: when it wants drafts
+    from a model (which always has some), no step is queued that the round would drop."""
+    import engine.decode.speculative as spec
+
+    cache = make_prompt_cache(target)
+    trims = []
+    real = spec.trim_prompt_cache
+
+    def trim(c, n):
+        if c is cache and n:
+            trims.append(n)
+        return real(c, n)
+
+    monkeypatch.setattr(spec, "trim_prompt_cache", trim)
+    depth = Recording([0, 0, 0, 2])
+    got = [t for t, _ in speculative_step(PROMPT, target, cache, DraftModelDrafter(target), max_tokens=30, depth=depth)]
+    assert got == plain_greedy(target, PROMPT, 30)
+    assert len(depth.rounds) >= 4  # probes after plain stretches
+    assert depth.spent.round_tokens == 3 * len(depth.rounds)  # drafting for itself: all accepted
+    assert trims == []  # nothing fed to the target was taken back
