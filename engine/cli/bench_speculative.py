@@ -55,6 +55,12 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ngram-size", type=int, default=3, help="ids matched by n-gram lookup (default 3)")
     p.add_argument("--draft-layers", type=int, help="layers of the draft model (default 2, 1 for a 2-layer shape)")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="decode through the compiled step on a CPU too (the default on a GPU only): each new "
+        "size of pass then compiles on first use, as kernels are built on a GPU",
+    )
 
 
 def repeated_passage_prompt(vocab: int, length: int, seed: int) -> tuple[Any, int]:
@@ -160,15 +166,23 @@ def _recording(
     return run
 
 
-def _ours_plain(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+def _ours_plain(model: Any, prompt: Any, gen: int, compiled: bool | None = None) -> Iterator[int]:
     from engine.decode.loop import generate_step
     from engine.models.kv_cache import make_prompt_cache
 
-    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=gen, prefill_chunk=2048):
+    for token, _ in generate_step(
+        prompt, model, make_prompt_cache(model), max_tokens=gen, prefill_chunk=2048, compiled=compiled
+    ):
         yield token
 
 
-def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out: list[Any], auto: bool = False):
+def _ours_speculative(
+    make_drafter: Callable[[], Any],
+    num_draft: int,
+    stats_out: list[Any],
+    auto: bool = False,
+    compiled: bool | None = None,
+):
     def run(model: Any, prompt: Any, gen: int) -> Iterator[int]:
         from engine.decode.draft_depth import DraftDepth
         from engine.decode.speculative import speculative_step
@@ -190,6 +204,7 @@ def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out
                 stats=stats,
                 prefill_chunk=2048,
                 depth=depth,
+                compiled=compiled,
             ):
                 yield token
         finally:
@@ -198,7 +213,9 @@ def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out
     return run
 
 
-def warm_rounds(model: Any, prompt: Any, make_drafter: Callable[[], Any], depths: range) -> float:
+def warm_rounds(
+    model: Any, prompt: Any, make_drafter: Callable[[], Any], depths: range, compiled: bool | None = None
+) -> float:
     """Decode a few rounds at each of ``depths`` once, untimed, and return how long that took.
 
     A verify pass of k + 1 tokens (and a draft model's passes) runs through the compiled step,
@@ -221,6 +238,7 @@ def warm_rounds(model: Any, prompt: Any, make_drafter: Callable[[], Any], depths
                 max_tokens=3 * (k + 1),  # two rounds: a draft model then feeds two ids a pass
                 num_draft_tokens=k,
                 prefill_chunk=2048,
+                compiled=compiled,
             ):
                 pass
         finally:
@@ -320,6 +338,8 @@ def run_speculative(
     from engine.errors import EngineError
 
     mode, k, gen, repeat = args.speculative, args.num_draft, args.generation_tokens, args.repeat
+    # --no-compile: the plain forward pass only; --compiled: the compiled step on a CPU too.
+    compiled = False if args.no_compile else (True if args.compiled else None)
     auto = k == "auto"
     if auto:  # drafts per round chosen as the run goes, up to this many
         k = AUTO_MAX_DRAFT
@@ -350,8 +370,8 @@ def run_speculative(
     spec_ids: list[int] = []
     stats: list[Any] = []
     loops = [
-        (_recording(_ours_plain, plain_ids), model),
-        (_recording(_ours_speculative(make_drafter, k, stats, auto), spec_ids), model),
+        (_recording(lambda m, p, g: _ours_plain(m, p, g, compiled), plain_ids), model),
+        (_recording(_ours_speculative(make_drafter, k, stats, auto, compiled), spec_ids), model),
     ]
     from_draft: list[int] = [0]
     if args.vs == "mlx-lm":  # every loop runs in each repeat, in alternating order
@@ -360,7 +380,7 @@ def run_speculative(
         if draft is not None:
             draft_twin = twin if draft is model else mlx_lm_twin(draft, draft_config, draft_quantized)
             loops.append((_theirs_speculative(draft_twin, k, from_draft), twin))
-    warm = warm_rounds(model, prompt, make_drafter, range(1, k + 1) if auto else range(k, k + 1))
+    warm = warm_rounds(model, prompt, make_drafter, range(1, k + 1) if auto else range(k, k + 1), compiled)
     print(
         f"warm-up: rounds of {'1-' if auto and k > 1 else ''}{k} drafts once, untimed: {warm * 1000:.0f} ms", flush=True
     )

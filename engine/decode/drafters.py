@@ -121,17 +121,18 @@ class DraftModelDrafter:
 
     def _step(self, tokens: mx.array) -> mx.array:
         """Lazy logits [V] after the last of ``tokens`` (shape [n], n small)."""
-        if self._decoder is False:
-            self._decoder = decoder_for(self.model, self.compiled)
-        if self._decoder is not None:
-            logits = self._decoder(tokens, self.cache)
+        decoder = self.decoder()
+        if decoder is not None:
+            logits = decoder(tokens, self.cache)
             if logits is not None:
                 return logits[-1]
         return self.model(tokens[None], cache=self.cache)[0, -1]
 
     def decoder(self) -> Any:
-        """The compiled step the draft model runs through (None: not used yet, or none)."""
-        return self._decoder or None
+        """The compiled step the draft model runs through, or None (plain forward passes)."""
+        if self._decoder is False:
+            self._decoder = decoder_for(self.model, self.compiled)
+        return self._decoder
 
     def behind(self, history: list[int]) -> int:
         """How many ids of ``history`` the draft model has not been fed."""

@@ -188,7 +188,8 @@ def speculative_step(
     drafter_decoder = getattr(drafter, "decoder", lambda: None)
 
     def traces() -> int:
-        return sum(getattr(d, "traces", 0) for d in (decoder, drafter_decoder()) if d is not None)
+        both = {id(d): d for d in (decoder, drafter_decoder()) if d is not None}  # one, drafting for itself
+        return sum(getattr(d, "traces", 0) for d in both.values())
 
     if catch_up is not None and hasattr(depth, "watch_catch_up"):
         # A draft model must be fed the ids it has not seen (the prompt first) before it

@@ -51,9 +51,10 @@ def test_repeats_are_interleaved_and_each_run_is_reported():
         assert entry["generation_tps"] == max(r["generation_tps"] for r in entry["runs"])
 
 
-@pytest.mark.parametrize("mode", ["self", "ngram"])
-def test_auto_depth_says_where_the_time_went(mode):
-    proc = run(*BENCH[:-3], "--num-draft", "auto", "--json", "--speculative", mode)
+@pytest.mark.parametrize("mode, compiled", [("self", True), ("ngram", False)])
+def test_auto_depth_says_where_the_time_went(mode, compiled):
+    extra = ["--compiled"] if compiled else []
+    proc = run(*BENCH[:-3], "--num-draft", "auto", "--json", "--speculative", mode, *extra)
     assert proc.returncode == 0, proc.stderr
     spec = last_json(proc.stdout)["speculative"]
     assert spec["num_draft"] == "auto" and spec["warm_up_ms"] > 0
@@ -67,3 +68,5 @@ def test_auto_depth_says_where_the_time_went(mode):
     for line in ("where the time went", "plain tokens", "rounds", "catching up", "unaccounted"):
         assert line in proc.stdout
     assert "warm-up: rounds of 1-6 drafts" in proc.stdout
+    if compiled:  # every verify size was compiled in the warm-up, none in the timed runs
+        assert b["rounds"] > 0 and b["first_use_rounds"] == 0
