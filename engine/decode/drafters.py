@@ -193,7 +193,16 @@ class DraftModelDrafter:
 
 
 def _weight_bytes(model: Any) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    """The model's weights' size, counted once per model object (flattening an 8B model's
+    parameters takes milliseconds; a guess of relative cost needs no update for adapters)."""
+    size = getattr(model, "_weight_bytes", None)
+    if size is None:
+        size = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        try:
+            object.__setattr__(model, "_weight_bytes", size)
+        except AttributeError:
+            pass
+    return size
 
 
 def _embedding_rows(model: Any) -> int | None:
