@@ -144,7 +144,7 @@ class DraftModelDrafter:
         proportion); 1 for the target drafting for itself."""
         if self.model is target:
             return 1.0
-        return _weight_bytes(self.model) / max(1, _weight_bytes(target))
+        return weight_bytes(self.model) / max(1, weight_bytes(target))
 
     def catch_up(self, history: list[int]) -> bool:
         """Feed what the cache has not seen of ``history`` but its last id, by chunked prefill
@@ -192,7 +192,7 @@ class DraftModelDrafter:
             self.usable = False
 
 
-def _weight_bytes(model: Any) -> int:
+def weight_bytes(model: Any) -> int:
     """The model's weights' size, counted once per model object (flattening an 8B model's
     parameters takes milliseconds; a guess of relative cost needs no update for adapters)."""
     size = getattr(model, "_weight_bytes", None)
