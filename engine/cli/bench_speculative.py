@@ -55,6 +55,12 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ngram-size", type=int, default=3, help="ids matched by n-gram lookup (default 3)")
     p.add_argument("--draft-layers", type=int, help="layers of the draft model (default 2, 1 for a 2-layer shape)")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="decode through the compiled step on a CPU too (the default on a GPU only): each new "
+        "size of pass then compiles on first use, as kernels are built on a GPU",
+    )
 
 
 def repeated_passage_prompt(vocab: int, length: int, seed: int) -> tuple[Any, int]:
@@ -160,15 +166,23 @@ def _recording(
     return run
 
 
-def _ours_plain(model: Any, prompt: Any, gen: int) -> Iterator[int]:
+def _ours_plain(model: Any, prompt: Any, gen: int, compiled: bool | None = None) -> Iterator[int]:
     from engine.decode.loop import generate_step
     from engine.models.kv_cache import make_prompt_cache
 
-    for token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=gen, prefill_chunk=2048):
+    for token, _ in generate_step(
+        prompt, model, make_prompt_cache(model), max_tokens=gen, prefill_chunk=2048, compiled=compiled
+    ):
         yield token
 
 
-def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out: list[Any], auto: bool = False):
+def _ours_speculative(
+    make_drafter: Callable[[], Any],
+    num_draft: int,
+    stats_out: list[Any],
+    auto: bool = False,
+    compiled: bool | None = None,
+):
     def run(model: Any, prompt: Any, gen: int) -> Iterator[int]:
         from engine.decode.draft_depth import DraftDepth
         from engine.decode.speculative import speculative_step
@@ -190,12 +204,84 @@ def _ours_speculative(make_drafter: Callable[[], Any], num_draft: int, stats_out
                 stats=stats,
                 prefill_chunk=2048,
                 depth=depth,
+                compiled=compiled,
             ):
                 yield token
         finally:
             getattr(drafter, "close", lambda: None)()  # an MTP drafter stops following the model
 
     return run
+
+
+def warm_rounds(
+    model: Any, prompt: Any, make_drafter: Callable[[], Any], depths: range, compiled: bool | None = None
+) -> float:
+    """Decode a few rounds at each of ``depths`` once, untimed, and return how long that took.
+
+    A verify pass of k + 1 tokens (and a draft model's passes) runs through the compiled step,
+    which traces each size on its first use (on a GPU, building its kernels too): a timed run
+    would otherwise pay that once, in whichever run first chose the depth."""
+    import time
+
+    from engine.decode.speculative import speculative_step
+    from engine.models.kv_cache import make_prompt_cache
+
+    began = time.perf_counter()
+    for k in depths:
+        drafter = make_drafter()
+        try:
+            for _ in speculative_step(
+                prompt.tolist(),
+                model,
+                make_prompt_cache(model),
+                drafter,
+                max_tokens=3 * (k + 1),  # two rounds: a draft model then feeds two ids a pass
+                num_draft_tokens=k,
+                prefill_chunk=2048,
+                compiled=compiled,
+            ):
+                pass
+        finally:
+            getattr(drafter, "close", lambda: None)()
+    return time.perf_counter() - began
+
+
+def breakdown(spent: Any, spec: Timing, plain: Timing) -> dict[str, float]:
+    """Where the adaptive run's decoding went (``engine.decode.draft_depth.Spent``), next to
+    the plain loop's cost per token, in milliseconds. ``unaccounted``: the generation time that
+    no plain token, round or catching up measured (the consumer, and switching between them)."""
+    generation = (spec.generated_tokens - 1) / spec.generation_tps if spec.generation_tps > 0 else 0.0
+    per_plain = 1 / plain.generation_tps if plain.generation_tps > 0 else 0.0
+    ms = 1000.0
+    return {
+        "generation_ms": generation * ms,
+        "plain_tokens": spent.plain_tokens,
+        "plain_ms": spent.plain_seconds * ms,
+        "plain_ms_per_token": spent.plain_seconds / max(1, spent.plain_tokens) * ms,
+        "plain_loop_ms_per_token": per_plain * ms,
+        "rounds": spent.rounds,
+        "round_tokens": spent.round_tokens,
+        "round_ms": spent.round_seconds * ms,
+        "catch_up_ids": spent.catch_up_ids,
+        "catch_up_ms": spent.catch_up_seconds * ms,
+        "first_use_rounds": spent.first_uses,
+        "first_use_ms": spent.first_use_seconds * ms,
+        "unaccounted_ms": (generation - spent.seconds) * ms,
+        "as_plain_ms": (spec.generated_tokens - 1) * per_plain * ms,
+    }
+
+
+def _breakdown_lines(b: dict[str, float]) -> list[str]:
+    return [
+        f"where the time went ({b['generation_ms']:.1f} ms after the first token; plain decoding took "
+        f"{b['as_plain_ms']:.1f} ms):",
+        f"  plain tokens   {b['plain_tokens']:>5} in {b['plain_ms']:8.1f} ms, {b['plain_ms_per_token']:.2f} ms each "
+        f"(the plain loop: {b['plain_loop_ms_per_token']:.2f} ms)",
+        f"  rounds         {b['rounds']:>5} in {b['round_ms']:8.1f} ms, yielding {b['round_tokens']} tokens "
+        f"({b['first_use_rounds']} first use of a pass size: {b['first_use_ms']:.1f} ms)",
+        f"  catching up    {b['catch_up_ids']:>5} ids in {b['catch_up_ms']:8.1f} ms",
+        f"  unaccounted          {b['unaccounted_ms']:8.1f} ms",
+    ]
 
 
 def _theirs_plain(model: Any, prompt: Any, gen: int) -> Iterator[int]:
@@ -220,12 +306,17 @@ def _theirs_speculative(draft: Any, num_draft: int, from_draft: list[int]):
 
 
 def _depths(depth: Any) -> str:
-    """What the adaptive depth chose in the last run: rounds per depth, and plain tokens."""
+    """What the adaptive depth chose in the last run: how often it asked for each depth, and
+    how many rounds were verified."""
     from collections import Counter
 
-    rounds = Counter(depth.chosen)
-    shown = ", ".join(f"{n} x {k}" for k, n in sorted(rounds.items())) or "none"
-    return f"auto depth: rounds {shown} drafts; acceptance estimate {depth.acceptance:.0%}"
+    asked = Counter(depth.chosen)
+    shown = ", ".join(f"{n} x {k}" for k, n in sorted(asked.items())) or "none"
+    # An n-gram lookup that finds nothing asked for is no round: it decodes plainly on.
+    return (
+        f"auto depth: drafts asked for {shown}, {depth.spent.rounds} rounds verified; "
+        f"acceptance estimate {depth.acceptance:.0%}"
+    )
 
 
 def _row(name: str, t: Timing) -> str:
@@ -247,6 +338,8 @@ def run_speculative(
     from engine.errors import EngineError
 
     mode, k, gen, repeat = args.speculative, args.num_draft, args.generation_tokens, args.repeat
+    # --no-compile: the plain forward pass only; --compiled: the compiled step on a CPU too.
+    compiled = False if args.no_compile else (True if args.compiled else None)
     auto = k == "auto"
     if auto:  # drafts per round chosen as the run goes, up to this many
         k = AUTO_MAX_DRAFT
@@ -277,8 +370,8 @@ def run_speculative(
     spec_ids: list[int] = []
     stats: list[Any] = []
     loops = [
-        (_recording(_ours_plain, plain_ids), model),
-        (_recording(_ours_speculative(make_drafter, k, stats, auto), spec_ids), model),
+        (_recording(lambda m, p, g: _ours_plain(m, p, g, compiled), plain_ids), model),
+        (_recording(_ours_speculative(make_drafter, k, stats, auto, compiled), spec_ids), model),
     ]
     from_draft: list[int] = [0]
     if args.vs == "mlx-lm":  # every loop runs in each repeat, in alternating order
@@ -287,6 +380,10 @@ def run_speculative(
         if draft is not None:
             draft_twin = twin if draft is model else mlx_lm_twin(draft, draft_config, draft_quantized)
             loops.append((_theirs_speculative(draft_twin, k, from_draft), twin))
+    warm = warm_rounds(model, prompt, make_drafter, range(1, k + 1) if auto else range(k, k + 1), compiled)
+    print(
+        f"warm-up: rounds of {'1-' if auto and k > 1 else ''}{k} drafts once, untimed: {warm * 1000:.0f} ms", flush=True
+    )
     errors: dict[int, str] = {}  # mlx-lm's loops that could not run, and why (the engine's figures stand)
     timed = measure_interleaved(loops, prompt, gen, repeat, errors, peers_from=2)
     assert timed[0] is not None and timed[1] is not None  # the engine's own failure ends the bench
@@ -295,8 +392,13 @@ def run_speculative(
     print(_row(f"engine+{mode}", spec), flush=True)
     s, depth = stats
     same = spec_ids == plain_ids
+    spent = None
     if depth is not None:
         print(f"{'':<16} {_depths(depth)}", flush=True)
+        # The last speculative run's figures, against the plain loop's last run.
+        spent = breakdown(depth.spent, timed[1][1][-1], timed[0][1][-1])
+        for line in _breakdown_lines(spent):
+            print(f"{'':<16} {line}", flush=True)
     print(
         f"{'':<16} {s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted ({s.acceptance_rate:.0%}), "
         f"speed-up {spec.generation_tps / max(plain.generation_tps, 1e-9):.2f}x, "
@@ -308,6 +410,8 @@ def run_speculative(
             "mode": mode,
             "num_draft": "auto" if auto else k,
             "depths_chosen": list(depth.chosen) if depth is not None else None,
+            "breakdown": spent,
+            "warm_up_ms": warm * 1000,
             "note": note,
             "plain": with_runs(*timed[0]),
             "engine": with_runs(*timed[1]),

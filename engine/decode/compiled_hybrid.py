@@ -53,7 +53,10 @@ def _layer_ok(layer: Any) -> bool:
 class HybridDecoder:
     """``decoder(tokens, cache)`` -> logits [n, vocab] for n new tokens, or None when the
     plain forward pass must run (the caller then runs it). Same interface as
-    ``CompiledDecoder``; each number of tokens is traced once, on first use."""
+    ``CompiledDecoder``; each number of tokens is traced once, on first use. Like the model's
+    own pass, it shows an MTP drafter (``hidden_listener``) the final hidden states."""
+
+    feeds_listener = True
 
     def __init__(self, model: Any):
         self._model = weakref.ref(model)  # the decoder lives on the model: no cycle
@@ -70,6 +73,7 @@ class HybridDecoder:
         self._links: list[tuple[Any, Any, Any]] = []
         self._signature = ""
         self._fns: dict[int, list[Any]] = {}  # tokens per pass -> one function per piece
+        self.traces = 0  # sizes of pass traced so far (each slow on first use)
 
     def prepare(self) -> bool:
         if not self.supported:
@@ -139,6 +143,7 @@ class HybridDecoder:
         fns = self._fns.get(n)
         if fns is None:
             fns = self._fns[n] = self._build(n)
+            self.traces += 1
         start = cache[0].offset
         pos = mx.array(start, dtype=mx.int32)
         h = model.model.embed(tokens[None])

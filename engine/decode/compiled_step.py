@@ -78,6 +78,10 @@ class CompiledDecoder:
         self._signature = ""
         self._fns: list[Any] = []
         self._last_rows: Any = None
+        # Sizes of passes run since the last trace, and how many sizes were ever traced: a new
+        # size is traced (and, on a GPU, its kernels built) on first use, so its pass is slow.
+        self._sizes: set[int] = set()
+        self.traces = 0
 
     # -- building -------------------------------------------------------------------
 
@@ -94,7 +98,7 @@ class CompiledDecoder:
         signature = active_signature(model)
         if signature != self._signature or not _links_hold(model, self._links):
             # Drop the old traces first: they hold the arrays that stacking replaces.
-            self._fns, self._links = [], []
+            self._fns, self._links, self._sizes = [], [], set()
             stack_projections(model)
             self._links, self._signature = _links(model), signature
             self._fns = self._build()
@@ -167,9 +171,13 @@ class CompiledDecoder:
         ``shift`` moves the positions off the cache offset: after an image, multimodal
         RoPE (Qwen2.5-VL, Qwen3-VL) continues text at offset + the prompt's delta, with
         the three position ids equal, which is plain RoPE at that position."""
-        masks = self.masks(cache, int(tokens.shape[0]))
+        n = int(tokens.shape[0])
+        masks = self.masks(cache, n)
         if masks is None:
             return None
+        if n not in self._sizes:
+            self._sizes.add(n)
+            self.traces += 1
         layers = self._model().layers
         pos = mx.array(cache[0].offset + shift, dtype=mx.int32)
         h: mx.array = tokens[None]

@@ -22,6 +22,7 @@ import argparse
 import statistics
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # Speculate only when the model predicts at least this speed-up over plain steps: below it a
 # wrong guess (noise in the timings, acceptance about to fall) costs more than it could gain.
@@ -92,6 +93,32 @@ def best_depth(
     return best
 
 
+@dataclass
+class Spent:
+    """Where a request's decoding went, as the speculative loop measured it (host wall time,
+    the consumer's share left out), so a bench can say where the time goes. The first token
+    (right after the prefill) is apart; ``first_use`` rounds (a verify or draft pass of a size
+    never run before: compiled on first use) are among the rounds, and the one-off prefill of
+    the ids a draft model had not seen among the catching up."""
+
+    first_token_seconds: float = 0.0
+    plain_tokens: int = 0
+    plain_seconds: float = 0.0
+    rounds: int = 0
+    round_tokens: int = 0  # what the rounds yielded: accepted drafts and the target's token
+    round_seconds: float = 0.0
+    catch_ups: int = 0
+    catch_up_ids: int = 0
+    catch_up_seconds: float = 0.0
+    first_uses: int = 0
+    first_use_seconds: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Everything measured after the first token."""
+        return self.plain_seconds + self.round_seconds + self.catch_up_seconds
+
+
 class FixedDepth:
     """Always ``k`` drafts a round (the user chose a number)."""
 
@@ -104,10 +131,10 @@ class FixedDepth:
     def plain(self, seconds: float) -> None:
         pass
 
-    def round(self, drafted: int, accepted: int, seconds: float) -> None:
+    def round(self, drafted: int, accepted: int, seconds: float, fresh: bool = False) -> None:
         pass
 
-    def overhead(self, seconds: float) -> None:
+    def overhead(self, seconds: float, ids: int | None = None) -> None:
         pass
 
 
@@ -116,14 +143,21 @@ class DraftDepth:
 
     The speculative loop asks ``next(room)`` before each round or plain token (0: decode a plain
     token) and reports what it measured: ``plain(seconds)`` per plain token, ``round(drafted,
-    accepted, seconds)`` per verified round, ``overhead(seconds)`` for a drafter's catching up
-    before a round (a draft model feeding the ids decoded plainly). ``chosen`` records every
-    non-zero answer (tests and benches read it).
+    accepted, seconds, fresh)`` per verified round (``fresh``: it ran a pass of a size never run
+    before, whose compiling on first use says nothing about later rounds' cost),
+    ``overhead(seconds, ids)`` for a drafter's catching up on ``ids`` it had not seen before a
+    round (a draft model feeding the prompt, then the ids decoded plainly). ``chosen`` records
+    every non-zero answer, ``spent`` where the time went (tests and benches read them).
 
     Probes are budgeted: what they cost beyond the plain steps they replace (their catching up
-    included) stays within ``PROBE_BUDGET`` of the time spent on plain tokens. A draft model
-    on a CPU, whose catching up after n plain tokens costs about n/3 steps, so probes rarely;
-    on a GPU, where that prefill is cheap, the doubling intervals rule."""
+    included) stays within ``PROBE_BUDGET`` of the time spent on plain tokens, the first round
+    too. A draft model must first catch up on the whole prompt: ``watch_catch_up`` tells how
+    far behind the drafter is and what an id may cost it (the target's own prefill, scaled to
+    the draft's size), so a first round whose prefill would cost more than the budget waits
+    until the plain tokens' time covers it (a model drafting for itself never catches up in a
+    short reply: it could not pay anyway). After that, catching up costs what it measured per
+    id: a draft model on a CPU, whose catching up after n plain tokens costs about n/3 steps,
+    probes rarely; on a GPU, where that prefill is cheap, the doubling intervals rule."""
 
     def __init__(self, k_max: int = AUTO_MAX_DRAFT):
         self.k_max = max(0, k_max)
@@ -137,13 +171,25 @@ class DraftDepth:
         self.plain_total = 0.0  # seconds of plain tokens in this request
         self.since_round = 0  # plain tokens since the last round
         self.pending_overhead = 0.0  # catching up before the coming round
+        self.pending_ids = 0  # the ids it fed
         self.probe_spent = 0.0  # what probes cost beyond the plain steps they replaced
         # The last probe's cost beyond the plain steps it replaced, and its catching up per
-        # plain token before it (a draft model's prefill; none for n-gram or MTP drafting).
+        # id it fed (a draft model's prefill; none for n-gram or MTP drafting).
         self.last_probe: tuple[float, float] | None = None
+        # How many ids the drafter has not seen (None: it follows by itself), and a guess of
+        # what catching up costs an id until one is measured (``watch_catch_up``).
+        self.behind: Callable[[], int] | None = None
+        self.catch_up_guess: float | None = None
+        self.catch_up_rate: float | None = None  # seconds per id, as last measured
         self.warmed = False  # a plain token has been decoded (the first is not timed)
         self.rounds_in_a_row = 0
         self.chosen: list[int] = []
+        self.spent = Spent()
+
+    def watch_catch_up(self, behind: Callable[[], int], seconds_per_id: float | None) -> None:
+        """The drafter must be fed the ids it has not seen (``behind()`` of them) before it
+        drafts; ``seconds_per_id`` guesses what each costs (None: unknown)."""
+        self.behind, self.catch_up_guess = behind, seconds_per_id
 
     # -- what was measured ------------------------------------------------------------------
 
@@ -153,22 +199,44 @@ class DraftDepth:
         self.rounds_in_a_row = 0
         if self.warmed:
             self.plain_times.append(seconds)
+            self.spent.plain_tokens += 1
+            self.spent.plain_seconds += seconds
+        else:
+            self.spent.first_token_seconds += seconds
         self.warmed = True
 
-    def overhead(self, seconds: float) -> None:
+    def overhead(self, seconds: float, ids: int | None = None) -> None:
+        """Catching up before the coming round: ``ids`` fed (default: the plain tokens since the
+        last round) in ``seconds``."""
+        ids = self.since_round if ids is None else ids
         self.pending_overhead += seconds
+        self.pending_ids += ids
+        self.spent.catch_ups += 1
+        self.spent.catch_up_ids += ids
+        self.spent.catch_up_seconds += seconds
 
-    def round(self, drafted: int, accepted: int, seconds: float) -> None:
+    def round(self, drafted: int, accepted: int, seconds: float, fresh: bool = False) -> None:
         if drafted <= 0:
             return
+        if self.pending_ids:  # a prefill of that many ids: its rate holds for the next ones
+            self.catch_up_rate = self.pending_overhead / self.pending_ids
+        spent = self.spent
+        spent.rounds += 1
+        spent.round_tokens += accepted + 1
+        spent.round_seconds += seconds
+        if fresh:
+            spent.first_uses += 1
+            spent.first_use_seconds += seconds
         if self.probing:
             plain = self.plain_seconds() or 0.0
-            excess = max(0.0, seconds - (accepted + 1) * plain)
+            # A fresh round's compiling is paid once per process, not per probe.
+            excess = 0.0 if fresh else max(0.0, seconds - (accepted + 1) * plain)
             self.probe_spent += self.pending_overhead + excess
-            self.last_probe = (excess, self.pending_overhead / max(1, self.since_round))
-        self.probing, self.pending_overhead, self.since_round = False, 0.0, 0
+            self.last_probe = (excess, self._per_id() or 0.0)
+        self.probing, self.pending_overhead, self.pending_ids, self.since_round = False, 0.0, 0, 0
         self.rounds_in_a_row += 1
-        self.round_times.setdefault(drafted, deque(maxlen=KEPT)).append(seconds)
+        if not fresh:
+            self.round_times.setdefault(drafted, deque(maxlen=KEPT)).append(seconds)
         # A run of accepted drafts, then a rejection unless all were accepted.
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
@@ -214,6 +282,9 @@ class DraftDepth:
             # A first round, of one draft (the cheapest where drafting turns out not to pay), to
             # measure a round's cost; deeper rounds' costs are extrapolated from it until measured.
             # Like a probe, what it costs beyond plain steps counts against the probe budget.
+            if not self._can_afford_probe():
+                self.plain_left = PROBE_FIRST - 1
+                return 0
             self.probing = True
             return 1
         if self.probe_due:  # one round at the best depth, gain or not, to measure afresh
@@ -239,9 +310,16 @@ class DraftDepth:
     def _can_afford_probe(self) -> bool:
         """Whether a probe now keeps all probes' cost within PROBE_BUDGET of the plain time,
         guessing its cost from the last probe's: the round's excess, and catching up on the
-        plain tokens since the last round at the last probe's rate."""
-        if self.last_probe is None:
-            return True
-        excess, per_token = self.last_probe
-        predicted = excess + per_token * self.since_round
+        ids the drafter has not seen (the plain tokens since the last round, unless told) at
+        the last probe's rate per id, or at the guessed rate before any was measured."""
+        per_id = self._per_id()
+        if self.last_probe is None and (per_id is None or self.behind is None):
+            return True  # nothing to guess from: the first round measures
+        excess = self.last_probe[0] if self.last_probe is not None else 0.0
+        behind = self.behind() if self.behind is not None else self.since_round
+        predicted = excess + (per_id or 0.0) * behind
         return self.probe_spent + predicted <= PROBE_BUDGET * self.plain_total
+
+    def _per_id(self) -> float | None:
+        """What catching up costs an id: as last measured, else as guessed."""
+        return self.catch_up_rate if self.catch_up_rate is not None else self.catch_up_guess

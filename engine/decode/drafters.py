@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from engine.decode.compiled_hybrid import compiled_decoder  # attention-only or hybrid stacks
 from engine.decode.draft_depth import AUTO_MAX_DRAFT
@@ -43,6 +44,8 @@ class NgramDrafter:
 
     n: int = 3
     max_draft: int = 4
+    # A lookup often finds nothing: the speculative loop keeps a plain step queued meanwhile.
+    may_miss = True
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_draft < 1:
@@ -118,13 +121,30 @@ class DraftModelDrafter:
 
     def _step(self, tokens: mx.array) -> mx.array:
         """Lazy logits [V] after the last of ``tokens`` (shape [n], n small)."""
-        if self._decoder is False:
-            self._decoder = decoder_for(self.model, self.compiled)
-        if self._decoder is not None:
-            logits = self._decoder(tokens, self.cache)
+        decoder = self.decoder()
+        if decoder is not None:
+            logits = decoder(tokens, self.cache)
             if logits is not None:
                 return logits[-1]
         return self.model(tokens[None], cache=self.cache)[0, -1]
+
+    def decoder(self) -> Any:
+        """The compiled step the draft model runs through, or None (plain forward passes)."""
+        if self._decoder is False:
+            self._decoder = decoder_for(self.model, self.compiled)
+        return self._decoder
+
+    def behind(self, history: list[int]) -> int:
+        """How many ids of ``history`` the draft model has not been fed."""
+        return max(0, len(history) - self.offset) if self.usable else 0
+
+    def relative_cost(self, target: Any) -> float:
+        """What feeding an id costs the draft model, as a share of what it costs ``target``:
+        their weights' sizes (a prefill reads every weight once per chunk, and computes in
+        proportion); 1 for the target drafting for itself."""
+        if self.model is target:
+            return 1.0
+        return weight_bytes(self.model) / max(1, weight_bytes(target))
 
     def catch_up(self, history: list[int]) -> bool:
         """Feed what the cache has not seen of ``history`` but its last id, by chunked prefill
@@ -172,6 +192,19 @@ class DraftModelDrafter:
             self.usable = False
 
 
+def weight_bytes(model: Any) -> int:
+    """The model's weights' size, counted once per model object (flattening an 8B model's
+    parameters takes milliseconds; a guess of relative cost needs no update for adapters)."""
+    size = getattr(model, "_weight_bytes", None)
+    if size is None:
+        size = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        try:
+            object.__setattr__(model, "_weight_bytes", size)
+        except AttributeError:
+            pass
+    return size
+
+
 def _embedding_rows(model: Any) -> int | None:
     """How many ids the model's embedding table holds (None: cannot tell)."""
     table = getattr(model, "embed_tokens", None)
@@ -185,12 +218,14 @@ def _embedding_rows(model: Any) -> int | None:
 
 def decoder_for(model: Any, compiled: bool | None) -> Any:
     """The model's compiled one-token step, prepared, or None (plain forward passes)."""
-    if getattr(model, "hidden_listener", None) is not None:
-        return None  # an MTP drafter follows the model's passes: they must go through __call__
     if compiled is None:
         compiled = mx.default_device() == mx.gpu
     decoder = compiled_decoder(model) if compiled else None
-    return decoder if decoder is not None and decoder.prepare() else None
+    if decoder is None or not decoder.prepare():
+        return None
+    if getattr(model, "hidden_listener", None) is not None and not getattr(decoder, "feeds_listener", False):
+        return None  # an MTP drafter follows the model's passes, which this step would not show it
+    return decoder
 
 
 def make_drafter(

@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.decode.drafters import weight_bytes
 from engine.decode.loop import HISTORY_WINDOW
 from engine.errors import EngineError
 from engine.models.kv_cache import KVCache
@@ -35,6 +36,8 @@ from engine.models.kv_cache import KVCache
 _EVAL_AFTER = 16
 # Positions seen but not yet made into entries beyond this are made into entries at once.
 _CATCH_UP_AFTER = 256
+# Entries to make before a draft up to this many are made in the drafting graph itself.
+_LAZY_ENTRIES = 8
 
 
 class MTPDrafter:
@@ -145,6 +148,28 @@ class MTPDrafter:
                 for s0, h, x in self._passes
                 if s0 + h.shape[1] > keep_from
             ]
+
+    # -- catching up, apart from a round -----------------------------------------------
+
+    def behind(self, history: list[int]) -> int:
+        """Positions the target's passes showed that have no entry yet (made before a draft)."""
+        return max(0, self._seen()[1] - 1 - self._made)
+
+    def catch_up(self, history: list[int]) -> bool:
+        """Make the entries ``propose`` would make first, when there are more than a round's
+        usual one or two: after the prompt (the MTP layer's own prefill of it) or a run of
+        plain tokens. Done apart, the speculative loop times it apart from the round, as the
+        cost of having stopped drafting. Returns whether anything was made."""
+        if self.behind(history) <= _LAZY_ENTRIES:
+            return False
+        self._cut(len(history) - 1)  # as propose does: nothing past the settled ids
+        self._catch_up()
+        mx.eval([c.state for c in self.cache])
+        return True
+
+    def relative_cost(self, target: Any) -> float:
+        """What an entry costs the MTP layer, as a share of what a position costs ``target``."""
+        return weight_bytes(self.head) / max(1, weight_bytes(target))
 
     # -- drafting -----------------------------------------------------------------------
 

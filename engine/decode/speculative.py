@@ -40,6 +40,8 @@ from engine.errors import EngineError
 from engine.models.kv_cache import trim_prompt_cache
 
 DepthPolicy = DraftDepth | FixedDepth
+# A prefill of at least this many ids says what the next ones cost (fewer: mostly overhead).
+_RATE_IDS = 32
 
 
 def _fit(q: mx.array, vocab: int) -> mx.array:
@@ -170,6 +172,7 @@ def speculative_step(
         return model(fed[None], cache=cache, **positions(fed.shape[0]))[0, -n:]
 
     prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
+    began = time.perf_counter()
     if not prefill(
         model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
     ):
@@ -178,17 +181,33 @@ def speculative_step(
     speculate = depth.k_max > 0
     produced = 0
     carried: tuple[Any, Any] | None = None  # drafts a plain run's lookup found
-    started = [0.0]  # when the drafts of the round being verified were asked for
+    # When the drafts of the round being verified were asked for, and how many pass sizes the
+    # compiled decoders had traced then (a round that traces a new one is slow once only).
+    started = [0.0, 0]
     catch_up = getattr(drafter, "catch_up", None)
+    drafter_decoder = getattr(drafter, "decoder", lambda: None)
+
+    def traces() -> int:
+        both = {id(d): d for d in (decoder, drafter_decoder()) if d is not None}  # one, drafting for itself
+        return sum(getattr(d, "traces", 0) for d in both.values())
+
+    if catch_up is not None and hasattr(depth, "watch_catch_up"):
+        # A draft model must be fed the ids it has not seen (the prompt first) before it
+        # drafts: guess each at what the target's prefill just cost one, scaled to the draft.
+        fed = int(prompt_head.size)
+        guess = (time.perf_counter() - began) / fed * drafter.relative_cost(model) if fed >= _RATE_IDS else None
+        depth.watch_catch_up(lambda: drafter.behind(context), guess)
 
     def ask(k: int) -> tuple[Any, Any]:
-        """The drafter's proposal; a draft model's catching up on ids it has not seen (after
-        plain tokens) is timed apart from the round, as the cost of having stopped drafting."""
+        """The drafter's proposal; a draft model's catching up on ids it has not seen (the
+        prompt, then plain tokens) is timed apart from the round, as the cost of having
+        stopped drafting."""
         if catch_up is not None:
+            behind = drafter.behind(context)
             t = time.perf_counter()
             if catch_up(context):
-                depth.overhead(time.perf_counter() - t)
-        started[0] = time.perf_counter()
+                depth.overhead(time.perf_counter() - t, behind)
+        started[0], started[1] = time.perf_counter(), traces()
         return drafter.propose(context, k, pick)
 
     while produced < max_tokens:
@@ -209,10 +228,7 @@ def speculative_step(
         if speculate and on_host and not proposed:
             # Nothing to verify (the depth chose a plain token, or a lookup found nothing):
             # decode plainly, a step ahead, until the depth asks for drafts and they are found.
-            def lookup(n_left: int) -> tuple[Any, Any] | None:
-                k_next = depth.next(n_left - 1)
-                if k_next <= 0:
-                    return None
+            def fetch(k_next: int) -> tuple[Any, Any] | None:
                 found = ask(k_next)
                 return found if len(found[0]) else None  # host ids, or a device array (MTP)
 
@@ -222,11 +238,13 @@ def speculative_step(
                 pick,
                 logprobs,
                 cache,
-                lookup,
+                depth.next,
+                fetch,
                 max_tokens - produced,
                 cancel,
                 processed=bool(processors),
                 timed=depth.plain,
+                may_miss=getattr(drafter, "may_miss", False),
             )
             produced += n
             pending = context[-1:]
@@ -257,7 +275,7 @@ def speculative_step(
         check_finite(values[-1])
         accepted, last = int(values[0]), int(values[1])
         if m:
-            depth.round(m, accepted, time.perf_counter() - started[0])
+            depth.round(m, accepted, time.perf_counter() - started[0], fresh=traces() != started[1])
         draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
         emitted = draft_ids[:accepted] + [last]
         trim_prompt_cache(cache, m - accepted)  # drop the rejected drafts' keys/values
@@ -292,23 +310,28 @@ def _lookahead_run(
     pick: Pick,
     logprobs: bool,
     cache: Sequence[Any],
-    lookup: Callable[[int], tuple[list[int], None] | None],
+    decide: Callable[[int], int],
+    fetch: Callable[[int], tuple[Any, Any] | None],
     budget: int,
     cancel: threading.Event | None,
     *,
     processed: bool,
     timed: Callable[[float], None] | None = None,
-) -> Generator[tuple[int, float | None], None, tuple[tuple[list[int], None] | None, int]]:
-    """Plain decoding for as long as a host drafter (n-gram lookup) finds nothing to draft.
+    may_miss: bool = False,
+) -> Generator[tuple[int, float | None], None, tuple[tuple[Any, Any] | None, int]]:
+    """Plain decoding until the depth asks for drafts (``decide(room)`` > 0, asked once per
+    token) and the drafter finds some (``fetch(k)``); returns them, with how many tokens were
+    yielded.
 
-    As in the plain loop, step n+1 is queued before token n is read, so a lookup that keeps
-    missing costs no extra wait on the device. After each token the lookup runs again; when
-    it finds drafts, the queued step is trimmed off (the verification round feeds that token
-    with its drafts) and the drafts are returned for it, with how many tokens were yielded.
-    Leaves the caches holding every id before the last yielded one (``context[-1]``), as a
-    verification round would. Tokens are appended to ``context``. Each token's raw logit (or
-    log-prob) is checked for NaN, as in the plain loop; ``timed(seconds)`` gets each token's
-    time, the consumer's share left out."""
+    As in the plain loop, step n+1 is queued before token n is read, so the device never
+    waits for Python. The depth is asked before the step is queued: when it wants drafts
+    next and the drafter always has some (a model), nothing is queued that the round would
+    drop. A drafter that ``may_miss`` (n-gram lookup) keeps the step queued, so a lookup that
+    finds nothing costs no wait; when it finds drafts, the queued step is trimmed off (the
+    verification round feeds that token with its drafts). Leaves the caches holding every id
+    before the last yielded one (``context[-1]``), as a verification round would. Tokens are
+    appended to ``context``. Each token's raw logit (or log-prob) is checked for NaN, as in
+    the plain loop; ``timed(seconds)`` gets each token's time, the consumer's share left out."""
     n = 0
 
     def step(token: mx.array, unread: mx.array | None = None) -> tuple[mx.array, mx.array]:
@@ -333,8 +356,9 @@ def _lookahead_run(
     began = clock()
     y, lp = step(mx.array(context[-1:], dtype=mx.uint32))
     while True:
-        ahead = n + 1 < budget and all(room_to_trim(c, 1) for c in cache)
-        queued = step(y, unread=y) if ahead else None  # feeds y to the caches
+        more = n + 1 < budget and all(room_to_trim(c, 1) for c in cache)
+        k_next = decide(budget - n - 2) if more else 0  # drafts for the token after this one
+        queued = step(y, unread=y) if more and (k_next <= 0 or may_miss) else None  # feeds y
         token_f, value = lp.tolist()
         token = int(token_f)
         check_finite(value)  # NaN logits: damaged weights, as the plain loop says
@@ -349,9 +373,12 @@ def _lookahead_run(
             raise
         n += 1
         began = clock()
-        stop = queued is None or (cancel is not None and cancel.is_set())
-        found = None if stop else lookup(budget - n)
-        if stop or found is not None:
+        found = None
+        if more and not (cancel is not None and cancel.is_set()) and k_next > 0:
+            found = fetch(k_next)
+            if found is None and queued is None:  # no drafts after all: this token's step, now
+                queued = step(y, unread=y)
+        if found is not None or queued is None or (cancel is not None and cancel.is_set()):
             if queued is not None:
                 trim_prompt_cache(cache, 1)
             return found, n

@@ -81,3 +81,24 @@ def test_the_engines_figures_stand_when_mlx_lm_cannot_run(monkeypatch, capsys, f
         assert out["mlx_lm"]["generated_tokens"] == 12 and any(line.startswith("mlx-lm ") for line in lines)
         assert out["mlx_lm_speculative"] is None and out["ratio_speculative"] is None
         assert f"{'mlx-lm+draft':<16} could not run this shape: ValueError: {why}" in lines
+
+
+@pytest.mark.parametrize("mode, compiled", [("self", True), ("ngram", False)])
+def test_auto_depth_says_where_the_time_went(mode, compiled):
+    extra = ["--compiled"] if compiled else []
+    proc = run(*BENCH[:-3], "--num-draft", "auto", "--json", "--speculative", mode, *extra)
+    assert proc.returncode == 0, proc.stderr
+    spec = last_json(proc.stdout)["speculative"]
+    assert spec["num_draft"] == "auto" and spec["warm_up_ms"] > 0
+    b = spec["breakdown"]
+    # The last run's tokens after the first: plain ones and what rounds yielded (a round's
+    # last tokens may lie past the end).
+    assert b["plain_tokens"] + b["round_tokens"] >= spec["engine"]["generated_tokens"] - 1
+    assert b["plain_tokens"] == 0 or b["plain_ms_per_token"] > 0
+    assert b["plain_loop_ms_per_token"] > 0 and b["generation_ms"] > 0
+    assert 0 <= b["first_use_rounds"] <= b["rounds"]
+    for line in ("where the time went", "plain tokens", "rounds", "catching up", "unaccounted"):
+        assert line in proc.stdout
+    assert "warm-up: rounds of 1-6 drafts" in proc.stdout
+    if compiled:  # every verify size was compiled in the warm-up, none in the timed runs
+        assert b["rounds"] > 0 and b["first_use_rounds"] == 0

@@ -173,10 +173,10 @@ class Scripted:
     def plain(self, seconds: float) -> None:
         pass
 
-    def round(self, drafted: int, accepted: int, seconds: float) -> None:
+    def round(self, drafted: int, accepted: int, seconds: float, fresh: bool = False) -> None:
         pass
 
-    def overhead(self, seconds: float) -> None:
+    def overhead(self, seconds: float, ids: int | None = None) -> None:
         pass
 
 
@@ -227,7 +227,7 @@ class Costed(DraftDepth):
         self.reports += 1
         super().plain(1.0)
 
-    def round(self, drafted: int, accepted: int, seconds: float) -> None:
+    def round(self, drafted: int, accepted: int, seconds: float, fresh: bool = False) -> None:
         self.reports += 1
         cheap = self.reports <= self.switch
         super().round(drafted, accepted, 1.0 + 0.02 * drafted if cheap else drafted + 1.0)

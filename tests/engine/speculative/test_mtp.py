@@ -7,11 +7,13 @@ stored as the Hub stores them (``mtp.*``, (1 + w) norms as w). What is checked:
 * the drafter follows the target exactly: after rounds with rejections, its next draft's
   logits equal those of the MTP layer run afresh over the whole history (entry i: the
   target's hidden state h_i and token x_{i+1}), so no entry of a rejected draft survives;
+* plain tokens between rounds go through the compiled step while the drafter listens;
 * a checkpoint without MTP layers (mlx-lm's conversions drop them) is refused in one line.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -21,6 +23,9 @@ import pytest
 from mlx.utils import tree_flatten
 from spec_models import assert_mtp_run_is_plain, plain_greedy
 
+from engine.decode.compiled_hybrid import compiled_decoder
+from engine.decode.draft_depth import FixedDepth
+from engine.decode.drafters import decoder_for
 from engine.decode.mtp_drafter import MTPDrafter
 from engine.decode.speculative import speculative_step
 from engine.decode.stats import StatsCounter
@@ -129,3 +134,48 @@ def test_a_checkpoint_without_mtp_layers_is_refused():
     plain, _ = build("qwen3_5")
     with pytest.raises(EngineError, match="no built-in multi-token-prediction"):
         MTPDrafter(plain)
+
+
+class PlainThenDrafts(FixedDepth):
+    """``plain`` plain tokens, then a round of ``k`` drafts, in turn: the adaptive depth's
+    pattern when drafting does not pay (plain stretches between probes)."""
+
+    def __init__(self, k: int, plain: int):
+        super().__init__(k)
+        self.script = itertools.cycle([0] * plain + [k])
+
+    def next(self, room: int) -> int:
+        return min(next(self.script), max(room, 0))
+
+
+def test_plain_stretches_run_compiled_while_the_drafter_follows(qwen):
+    """An MTP drafter listening must not send plain tokens to the slower uncompiled pass: the
+    compiled hybrid step shows it the hidden states as the model's own pass does. Output is
+    plain greedy's, the compiled step ran one-token steps and verify passes, and the drafts
+    after the plain stretches come from entries made over every position."""
+    target, expected = qwen
+    prompt = expected["prompt_ids"][:30]
+    want = plain_greedy(target, prompt, N)
+    decoder = compiled_decoder(target)
+    assert decoder is not None and decoder.prepare()
+    stats = StatsCounter()
+    drafter = MTPDrafter(target, 2)
+    try:
+        assert decoder_for(target, True) is decoder  # the listener does not turn it off
+        got = list(
+            speculative_step(
+                prompt,
+                target,
+                target.make_cache(),
+                drafter,
+                max_tokens=N,
+                stats=stats,
+                logprobs=True,
+                depth=PlainThenDrafts(2, 3),
+                compiled=True,
+            )
+        )
+    finally:
+        drafter.close()
+    assert_mtp_run_is_plain(target, prompt, want, got, stats)
+    assert {1, 3} <= set(decoder._fns)  # one-token steps and verify passes of 1 + 2 drafts
