@@ -502,13 +502,13 @@ class ModelHost:
             prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id), batch=batch
         )
 
-    def _mtp_for(self, params: GenerationParams) -> None:
+    def _mtp_for(self, params: GenerationParams | None) -> None:
         """Read the built-in MTP layer, set apart at load, when a request first drafts with
         it (it then stays, counted in the weights, and chats may grow only as far as the KV
         cache still fits); refused when the budget cannot hold it."""
         state = self._need()
-        if params.speculative != "mtp" or state.mtp_apart is None:
-            return
+        if params is None or params.speculative != "mtp" or state.mtp_apart is None:
+            return  # no params: the session's defaults, which never draft
         from engine.runtime.context_planner import after_more_weights
         from engine.runtime.loading import attach_mtp_apart
         from engine.runtime.memory import format_bytes
