@@ -34,6 +34,9 @@ class PreparedMedia:
     # What the user should know about how the item was taken (a long video sampled to the
     # model's frame limit, audio cut to what the model hears); "" when nothing.
     note: str = ""
+    # The tower's output when it is already known (a follow-up turn about media seen
+    # before, engine/media/towers.py): then ``data`` is None and the tower is not run.
+    encoded: Any = None
 
     def runs(self) -> list[PreparedMedia]:
         """The runs of soft tokens this item puts in the prompt, in order, each with its own
