@@ -16,6 +16,7 @@ in the cache and runs neither the decoder nor the tower.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, is_dataclass, replace
@@ -218,7 +219,7 @@ def prepare_settings(encoder: Any) -> dict[str, Any]:
 
 def _without_input(item: PreparedMedia) -> PreparedMedia:
     """What a follow-up turn needs of a prepared item: all but the tower's input."""
-    return replace(item, data=None, encoded=None, views=[_without_input(v) for v in item.views])
+    return replace(item, data=None, encoded=None, again=None, views=[_without_input(v) for v in item.views])
 
 
 def _text_bytes(item: PreparedMedia) -> int:
@@ -288,18 +289,28 @@ class MediaTowers:
 
     def _prepare(self, item: MediaInput) -> PreparedMedia:
         """One item as its encoder prepares it, or, when the same bytes were prepared under
-        the same settings and the tower's output for each of its runs is still cached, that
-        preparation again with the output attached (no decoding, no tower)."""
+        the same settings, that preparation again: each run carries the tower's output when
+        it is still cached (no decoding, no tower), else a way to prepare the item afresh,
+        taken only if the tower must run for it (a run inside the KV cache's prefix never
+        needs it; a clip is then decoded once for all its runs)."""
         encoder = self.encoder(item.kind)
         settings = {"kind": item.kind, "pan_and_scan": item.pan_and_scan, **prepare_settings(encoder)}
         key = media_key(item.source, settings)
         known = self.prepared.get(key)
-        if known is not None:
-            encoded = [self.cache.get(run.key) for run in known.runs()]
-            if all(e is not None for e in encoded):
-                if not known.views:
-                    return replace(known, encoded=encoded[0])
-                return replace(known, views=[replace(v, encoded=e) for v, e in zip(known.views, encoded)])
+        if known is None:
+            return self._prepare_afresh(encoder, item, key)
+        fresh = functools.cache(lambda: self._prepare_afresh(encoder, item, key))
+
+        def remembered(run: PreparedMedia, index: int) -> PreparedMedia:
+            encoded = self.cache.get(run.key)
+            again = None if encoded is not None else lambda: fresh().runs()[index]
+            return replace(run, encoded=encoded, again=again)
+
+        if not known.views:
+            return remembered(known, 0)
+        return replace(known, views=[remembered(v, i) for i, v in enumerate(known.views)])
+
+    def _prepare_afresh(self, encoder: MediaEncoder, item: MediaInput, key: str) -> PreparedMedia:
         prepared = encoder.prepare(item)
         self.prepare_calls += 1
         self.prepared.put(key, _without_input(prepared))
@@ -341,7 +352,17 @@ class MediaTowers:
         """The tower's output for one item (n_tokens, hidden), from the cache when seen before."""
         if item.encoded is not None:  # a follow-up turn's item carries it (see _prepare)
             return item.encoded
-        return self.cache.get_or_compute(item.key, lambda: self._encode(item))
+        return self.cache.get_or_compute(item.key, lambda: self._encode(self._with_input(item)))
+
+    def _with_input(self, item: PreparedMedia) -> PreparedMedia:
+        """The item with its tower input: a remembered one whose output was evicted is
+        prepared afresh (and must still be the same content)."""
+        if item.data is not None or item.again is None:
+            return item
+        fresh = item.again()
+        if fresh.key != item.key:
+            raise MediaError(f"The {item.kind} file changed while it was being read; attach it again.")
+        return fresh
 
     def _encode(self, item: PreparedMedia) -> Any:
         import mlx.core as mx

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.api import GenerationParams, MediaInput
+from engine.errors import MediaError
 from engine.runtime.host import ModelHost
 
 pytest.importorskip("av")
@@ -125,16 +126,41 @@ def test_a_rewritten_file_of_the_same_name_is_prepared_afresh(clip, shared_data,
     assert all(span.item.data is not None and span.item.encoded is None for span in after.spans)
 
 
-def test_a_clip_whose_features_were_evicted_is_prepared_again(clip, opens):
+def test_a_file_rewritten_while_a_request_reads_it_is_one_line(clip, shared_data):
+    host = load_float32(QWEN)
+    chat = host.session("race")
+    text = chat.render(first_turn(QWEN, "video"))
+    video = [MediaInput("video", str(clip))]
+    for span in chat.media_prompt(text, video).spans:
+        host.towers.features(span.item)
+    host.towers.cache.clear()
+    remembered = chat.media_prompt(text, video)  # known, but its features must be made again
+    make_clip(clip, shared_data / "images", reverse=True)
+    with pytest.raises(MediaError, match="changed while it was being read") as info:
+        host.towers.features(remembered.spans[0].item)
+    assert "\n" not in str(info.value)
+
+
+def test_a_clip_whose_features_were_evicted_is_decoded_only_when_the_tower_must_run(clip, opens):
+    """The features cache lost the clip (other media filled its budget): a follow-up in the
+    same chat still needs nothing (the clip is in the KV cache's prefix); another chat
+    prepares it afresh, once for all its frame groups, and replies as a fresh model does."""
     host = load_float32(QWEN)
     video = [MediaInput("video", str(clip))]
     first = first_turn(QWEN, "video")
     reply = host.generate("a", first, PARAMS, media=video)
-    host.towers.cache.clear()  # the features went (another chat's media filled the budget)
+    second = follow_up(first, reply.text)
+    encodes = host.towers.encode_calls
+    host.towers.cache.clear()
     opens.clear()
-    again = host.generate("b", follow_up(first, reply.text), PARAMS, media=video)  # a new chat: no KV to reuse
+
+    host.generate("a", second, PARAMS, media=video)
+    assert opens == [] and host.towers.prepare_calls == 1 and host.towers.encode_calls == encodes
+
+    again = host.generate("b", second, PARAMS, media=video)  # a new chat: no KV to reuse
     assert opens and host.towers.prepare_calls == 2
-    fresh = load_float32(QWEN).generate("fresh", follow_up(first, reply.text), PARAMS, media=video)
+    assert host.towers.encode_calls == 2 * encodes  # every frame group once more
+    fresh = load_float32(QWEN).generate("fresh", second, PARAMS, media=video)
     assert again.token_ids == fresh.token_ids
 
 
