@@ -208,8 +208,9 @@ def prepare_settings(encoder: Any) -> dict[str, Any]:
     }
     for name in ("processor", "features", "config", "vision_config", "tokens"):
         part = getattr(encoder, name, None)
-        if callable(getattr(part, "settings", None)):
-            out[name] = part.settings()
+        settings = getattr(part, "settings", None)
+        if callable(settings):
+            out[name] = settings()
         elif is_dataclass(part) and not isinstance(part, type):
             out[name] = asdict(part)
         elif isinstance(part, int | float | str):
