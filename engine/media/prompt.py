@@ -10,7 +10,7 @@ and its index, so prefix reuse can tell two photos apart although their ids agre
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +34,10 @@ class PreparedMedia:
     # What the user should know about how the item was taken (a long video sampled to the
     # model's frame limit, audio cut to what the model hears); "" when nothing.
     note: str = ""
+    # A follow-up turn about media seen before (engine/media/towers.py) carries no ``data``
+    # but the tower's output when it is still cached, else ``again``: preparing it afresh.
+    encoded: Any = None
+    again: Callable[[], PreparedMedia] | None = None
 
     def runs(self) -> list[PreparedMedia]:
         """The runs of soft tokens this item puts in the prompt, in order, each with its own

@@ -5,19 +5,27 @@ config and this registry) without reading a byte of tower weights. The first req
 with an image builds the encoder and loads its weights from the model's own safetensors
 files; text-only chats never do. Encoded features are kept in an ``EncodedMediaCache``
 keyed by content hash, so a regenerated or continued chat does not encode again.
+
+Preparing an item (decoding a clip, sampling, resizing and patching its frames; decoding
+audio into features) is remembered too: what the prompt needs of it (soft-token counts,
+grids, the text with its timestamps, the content keys) is kept without the tower's input,
+under a hash of the file's bytes and every setting that changes the result. A follow-up
+turn about the same clip hashes the file (cheap next to decoding it), finds the features
+in the cache and runs neither the decoder nor the tower.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engine.api import MediaInput, VideoLimits
 from engine.errors import MediaError
-from engine.media.encoded_cache import EncodedMediaCache
+from engine.media.encoded_cache import EncodedMediaCache, media_key
 from engine.media.prompt import MediaEncoder, PreparedMedia
 
 # model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder
@@ -46,6 +54,11 @@ SUGGESTIONS = {
 }
 
 DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
+# Prepared items kept for follow-up turns, counted by their prompt text (a 30 s clip at
+# Qwen3-VL's settings writes ~100 KB of it): 16 MiB holds a long chat's worth. Their
+# pixels and audio features are never kept (a 30 s 720p clip's patches are ~300 MB); the
+# tower's output they stand for stays in the features cache above, whose budget bounds it.
+PREPARED_CACHE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -180,6 +193,40 @@ class LazyTowerEncoder:
         return self.run(module, item)
 
 
+def prepare_settings(encoder: Any) -> dict[str, Any]:
+    """Everything besides an item's bytes that changes what ``encoder.prepare`` gives: the
+    encoder (its family and kind), the model folder, and its processor's settings (frame
+    rate and limits, pixel budgets, mel bins...). An encoder may say so itself with a
+    ``prepare_settings()`` method."""
+    own = getattr(encoder, "prepare_settings", None)
+    if callable(own):
+        return dict(own())
+    source = getattr(encoder, "source", None)
+    out: dict[str, Any] = {
+        "encoder": f"{type(encoder).__module__}.{type(encoder).__qualname__}",
+        "model": str(getattr(source, "path", "")),
+    }
+    for name in ("processor", "features", "config", "vision_config", "tokens"):
+        part = getattr(encoder, name, None)
+        settings = getattr(part, "settings", None)
+        if callable(settings):
+            out[name] = settings()
+        elif is_dataclass(part) and not isinstance(part, type):
+            out[name] = asdict(part)
+        elif isinstance(part, int | float | str):
+            out[name] = part
+    return out
+
+
+def _without_input(item: PreparedMedia) -> PreparedMedia:
+    """What a follow-up turn needs of a prepared item: all but the tower's input."""
+    return replace(item, data=None, encoded=None, again=None, views=[_without_input(v) for v in item.views])
+
+
+def _text_bytes(item: PreparedMedia) -> int:
+    return len(item.text) + len(item.key) + 256 + sum(_text_bytes(v) for v in item.views)
+
+
 def families_for(kind: str) -> list[str]:
     """The model_types whose towers take ``kind``, for refusals that say where to go."""
     return sorted(t for t, kinds in TOWERS.items() if kind in kinds)
@@ -203,6 +250,9 @@ class MediaTowers:
         )
         self._encoders: dict[str, MediaEncoder] = {}
         self.cache: EncodedMediaCache[Any] = EncodedMediaCache(cache_bytes)
+        # Prepared items without their tower input, by content and settings (see the top).
+        self.prepared: EncodedMediaCache[PreparedMedia] = EncodedMediaCache(PREPARED_CACHE_BYTES, _text_bytes)
+        self.prepare_calls = 0  # items prepared afresh (decoded, resized, patched)
 
     @property
     def name(self) -> str:
@@ -236,7 +286,36 @@ class MediaTowers:
 
     def prepare(self, items: Sequence[MediaInput]) -> list[PreparedMedia]:
         self.check(m.kind for m in items)
-        return [self.encoder(m.kind).prepare(m) for m in items]
+        return [self._prepare(m) for m in items]
+
+    def _prepare(self, item: MediaInput) -> PreparedMedia:
+        """One item as its encoder prepares it, or, when the same bytes were prepared under
+        the same settings, that preparation again: each run carries the tower's output when
+        it is still cached (no decoding, no tower), else a way to prepare the item afresh,
+        taken only if the tower must run for it (a run inside the KV cache's prefix never
+        needs it; a clip is then decoded once for all its runs)."""
+        encoder = self.encoder(item.kind)
+        settings = {"kind": item.kind, "pan_and_scan": item.pan_and_scan, **prepare_settings(encoder)}
+        key = media_key(item.source, settings)
+        known = self.prepared.get(key)
+        if known is None:
+            return self._prepare_afresh(encoder, item, key)
+        fresh = functools.cache(lambda: self._prepare_afresh(encoder, item, key))
+
+        def remembered(run: PreparedMedia, index: int) -> PreparedMedia:
+            encoded = self.cache.get(run.key)
+            again = None if encoded is not None else lambda: fresh().runs()[index]
+            return replace(run, encoded=encoded, again=again)
+
+        if not known.views:
+            return remembered(known, 0)
+        return replace(known, views=[remembered(v, i) for i, v in enumerate(known.views)])
+
+    def _prepare_afresh(self, encoder: MediaEncoder, item: MediaInput, key: str) -> PreparedMedia:
+        prepared = encoder.prepare(item)
+        self.prepare_calls += 1
+        self.prepared.put(key, _without_input(prepared))
+        return prepared
 
     def pan_and_scan(self) -> bool | None:
         """Whether this model's images are pan-and-scanned by default; None when its image
@@ -272,7 +351,19 @@ class MediaTowers:
 
     def features(self, item: PreparedMedia) -> Any:
         """The tower's output for one item (n_tokens, hidden), from the cache when seen before."""
-        return self.cache.get_or_compute(item.key, lambda: self._encode(item))
+        if item.encoded is not None:  # a follow-up turn's item carries it (see _prepare)
+            return item.encoded
+        return self.cache.get_or_compute(item.key, lambda: self._encode(self._with_input(item)))
+
+    def _with_input(self, item: PreparedMedia) -> PreparedMedia:
+        """The item with its tower input: a remembered one whose output was evicted is
+        prepared afresh (and must still be the same content)."""
+        if item.data is not None or item.again is None:
+            return item
+        fresh = item.again()
+        if fresh.key != item.key:
+            raise MediaError(f"The {item.kind} file changed while it was being read; attach it again.")
+        return fresh
 
     def _encode(self, item: PreparedMedia) -> Any:
         import mlx.core as mx
@@ -286,3 +377,4 @@ class MediaTowers:
     def unload(self) -> None:
         self._encoders.clear()
         self.cache.clear()
+        self.prepared.clear()

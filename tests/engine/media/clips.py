@@ -33,13 +33,15 @@ def clip_frames(images: Path) -> list[np.ndarray]:
     return frames
 
 
-def make_clip(path: Path, images: Path) -> Path:
+def make_clip(path: Path, images: Path, *, reverse: bool = False) -> Path:
+    """The clip; with ``reverse`` its frames run backwards (other bytes, the same size)."""
     import av
 
     out = av.open(str(path), "w", format="mov")
     stream = out.add_stream("png", rate=FPS)
     stream.width, stream.height, stream.pix_fmt = SIZE[0], SIZE[1], "rgb24"
-    for frame in clip_frames(images):
+    frames = clip_frames(images)
+    for frame in frames[::-1] if reverse else frames:
         for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
             out.mux(packet)
     for packet in stream.encode():

@@ -167,11 +167,12 @@ def test_the_model_config_turns_it_on_and_a_request_turns_it_off(tmp_path, files
 def test_each_view_has_its_own_key_and_encoding(host, files):
     """Crops of one picture never share an encoding, in the cache or in prefix reuse; the
     whole image keys as it does without crops (same pixels), so toggling reuses it."""
+    host.towers.cache.clear()  # encoded and prepared before: prepare afresh, pixels and all
+    host.towers.prepared.clear()
     item = host.towers.prepare([MediaInput("image", files["tall"], pan_and_scan=True)])[0]
     plain = host.towers.prepare([MediaInput("image", files["tall"], pan_and_scan=False)])[0]
     keys = [run.key for run in item.runs()]
     assert len(set(keys)) == len(keys) == 5 and keys[0] == plain.key
-    host.towers.cache.clear()
     calls = host.towers.encode_calls
     features = [np.array(host.towers.features(run)) for run in item.runs()]
     assert host.towers.encode_calls == calls + 5

@@ -69,6 +69,7 @@ def test_pixels_features_prompt_and_positions_match_transformers(loaded, shared_
     exp = expected(name)[case]
     chat = host.session("prompt")
     messages, items = split_media(exp["messages"], media_for(case, shared_data, clip))
+    host.towers.prepared.clear()  # prepared afresh, pixels and all (a follow-up keeps none)
     prompt = chat.media_prompt(chat.render(messages), items)
     assert prompt.ids == exp["prompt_ids"]
     positions = host.model.rope_index(prompt.ids, [(s.start, s.end, s.item.grid) for s in prompt.spans])

@@ -418,5 +418,6 @@ def test_media_bench_runs_on_a_tiny_shape():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])["engine"]
     assert out["runs"] == 2  # 4 frames (min_frames), two per temporal patch
+    assert set(out["follow_up"]) == {"prepare_s", "follow_up_s"}  # the follow-up found the clip by content
     parts = out["preprocess_s"] + out["tower_s"] + out["prefill_s"]
     assert out["ttft_s"] == pytest.approx(parts, rel=1e-6)

@@ -1,0 +1,192 @@
+"""A follow-up turn about media already in the chat neither decodes nor encodes it again.
+
+Every turn renders the whole conversation, so the clip (or photo, or voice note) of the
+first message comes back with each follow-up question. Its preparation is remembered by
+the file's content and the processor's settings (engine/media/towers.py): the second
+turn must open no decoder and run no tower, give the very prompt the first preparation
+gave, and reply as a fresh model does; a file rewritten under the same name is prepared
+afresh. Tiny Qwen3-VL and Gemma 4 checkpoints (tests/golden), loaded in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.api import GenerationParams, MediaInput
+from engine.errors import MediaError
+from engine.runtime.host import ModelHost
+
+pytest.importorskip("av")
+
+from tests.engine.media.clips import make_clip
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
+QWEN = GOLDEN / "qwen3_vl" / "qwen3_vl"
+GEMMA = GOLDEN / "gemma4_media"
+PARAMS = GenerationParams(max_tokens=3, ignore_eos=True)
+
+
+def load_float32(path: Path) -> ModelHost:
+    from engine.runtime import loading as loader
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "load_model", functools.partial(loader.load_model, dtype="float32"))
+        host = ModelHost()
+        host.load(str(path))
+    return host
+
+
+def first_turn(path: Path, kind: str) -> list[dict]:
+    return json.loads((path / "expected.json").read_text())[kind]["messages"]
+
+
+def follow_up(messages: list[dict], reply: str) -> list[dict]:
+    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "And after that?"}]
+
+
+@pytest.fixture
+def opens(monkeypatch) -> list[str]:
+    """The video files opened for reading (probe and decoding both open through _open)."""
+    from engine.media import video
+
+    seen: list[str] = []
+    real = video._open
+
+    def counted(source):
+        seen.append(str(source))
+        return real(source)
+
+    monkeypatch.setattr(video, "_open", counted)
+    return seen
+
+
+@pytest.fixture
+def clip(tmp_path, shared_data) -> Path:
+    return make_clip(tmp_path / "clip.mov", shared_data / "images")
+
+
+def test_a_follow_up_about_a_clip_opens_no_decoder_and_replies_as_a_fresh_model(clip, opens):
+    host = load_float32(QWEN)
+    video = [MediaInput("video", str(clip))]
+    first = first_turn(QWEN, "video")
+    reply = host.generate("chat", first, PARAMS, media=video)
+    towers = host.towers
+    assert opens and towers.prepare_calls == 1
+    encodes = towers.encode_calls
+    opens.clear()
+
+    second = follow_up(first, reply.text)
+    again = host.generate("chat", second, PARAMS, media=video)
+    assert opens == []  # neither probed nor decoded
+    assert towers.prepare_calls == 1 and towers.encode_calls == encodes
+    assert again.stats.cached_tokens > 0  # the clip's tokens came from the KV cache as before
+
+    fresh = load_float32(QWEN).generate("fresh", second, PARAMS, media=video)
+    assert (again.token_ids, again.stats.prompt_tokens) == (fresh.token_ids, fresh.stats.prompt_tokens)
+
+
+def test_a_remembered_clip_gives_the_first_preparations_prompt(clip, opens):
+    host = load_float32(QWEN)
+    chat = host.session("prompt")
+    text = chat.render(first_turn(QWEN, "video"))
+    video = [MediaInput("video", str(clip))]
+    prepared = chat.media_prompt(text, video)
+    features = [host.towers.features(span.item) for span in prepared.spans]
+    opens.clear()
+
+    remembered = chat.media_prompt(text, video)
+    assert opens == []
+    assert (remembered.ids, remembered.keys, remembered.notes) == (prepared.ids, prepared.keys, prepared.notes)
+    for old, new, encoded in zip(prepared.spans, remembered.spans, features, strict=True):
+        assert (new.start, new.end, new.item.key, new.item.grid) == (old.start, old.end, old.item.key, old.item.grid)
+        assert new.item.data is None  # no pixels kept for it
+        assert host.towers.features(new.item) is encoded
+    assert host.towers.prepared.stats().bytes < 64 * 1024  # text and keys, not ~100 KB of patches
+
+
+def test_a_rewritten_file_of_the_same_name_is_prepared_afresh(clip, shared_data, opens):
+    host = load_float32(QWEN)
+    chat = host.session("rewrite")
+    text = chat.render(first_turn(QWEN, "video"))
+    video = [MediaInput("video", str(clip))]
+    before = chat.media_prompt(text, video)
+    for span in before.spans:
+        host.towers.features(span.item)
+    make_clip(clip, shared_data / "images", reverse=True)  # same name, the frames backwards
+    opens.clear()
+
+    after = chat.media_prompt(text, video)
+    assert opens and host.towers.prepare_calls == 2
+    assert after.ids == before.ids  # the same size and length: the same placeholders...
+    assert after.keys != before.keys  # ...standing for other content
+    assert all(span.item.data is not None and span.item.encoded is None for span in after.spans)
+
+
+def test_a_file_rewritten_while_a_request_reads_it_is_one_line(clip, shared_data):
+    host = load_float32(QWEN)
+    chat = host.session("race")
+    text = chat.render(first_turn(QWEN, "video"))
+    video = [MediaInput("video", str(clip))]
+    for span in chat.media_prompt(text, video).spans:
+        host.towers.features(span.item)
+    host.towers.cache.clear()
+    remembered = chat.media_prompt(text, video)  # known, but its features must be made again
+    make_clip(clip, shared_data / "images", reverse=True)
+    with pytest.raises(MediaError, match="changed while it was being read") as info:
+        host.towers.features(remembered.spans[0].item)
+    assert "\n" not in str(info.value)
+
+
+def test_a_clip_whose_features_were_evicted_is_decoded_only_when_the_tower_must_run(clip, opens):
+    """The features cache lost the clip (other media filled its budget): a follow-up in the
+    same chat still needs nothing (the clip is in the KV cache's prefix); another chat
+    prepares it afresh, once for all its frame groups, and replies as a fresh model does."""
+    host = load_float32(QWEN)
+    video = [MediaInput("video", str(clip))]
+    first = first_turn(QWEN, "video")
+    reply = host.generate("a", first, PARAMS, media=video)
+    second = follow_up(first, reply.text)
+    encodes = host.towers.encode_calls
+    host.towers.cache.clear()
+    opens.clear()
+
+    host.generate("a", second, PARAMS, media=video)
+    assert opens == [] and host.towers.prepare_calls == 1 and host.towers.encode_calls == encodes
+
+    again = host.generate("b", second, PARAMS, media=video)  # a new chat: no KV to reuse
+    assert opens and host.towers.prepare_calls == 2
+    assert host.towers.encode_calls == 2 * encodes  # every frame group once more
+    fresh = load_float32(QWEN).generate("fresh", second, PARAMS, media=video)
+    assert again.token_ids == fresh.token_ids
+
+
+def test_images_and_voice_notes_are_remembered_too(shared_data, monkeypatch):
+    """Gemma 4: a photo and a voice note in one message; the follow-up decodes neither."""
+    from engine.media import audio
+    from engine.media.gemma4 import vision
+
+    expected = json.loads((GEMMA / "expected.json").read_text())
+    media = [
+        MediaInput("image", str(shared_data / "images" / expected["image_file"])),
+        MediaInput("audio", str(shared_data / "audio" / expected["audio_file"])),
+    ]
+    host = load_float32(GEMMA)
+    first = expected["both"]["messages"]
+    reply = host.generate("chat", first, PARAMS, media=media)
+    loads: list[str] = []
+    for module, name in ((vision, "load_image"), (audio, "load_audio_source")):
+
+        def counted(source, *args, _real=getattr(module, name), **kwargs):
+            loads.append(str(source))
+            return _real(source, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    encodes = host.towers.encode_calls
+    again = host.generate("chat", follow_up(first, reply.text), PARAMS, media=media)
+    assert loads == [] and host.towers.prepare_calls == 2 and host.towers.encode_calls == encodes
+    fresh = load_float32(GEMMA).generate("fresh", follow_up(first, reply.text), PARAMS, media=media)
+    assert again.token_ids == fresh.token_ids
