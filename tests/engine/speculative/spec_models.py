@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
+from engine.decode.mtp_drafter import MTPDrafter
+from engine.decode.speculative import speculative_step
+from engine.decode.stats import StatsCounter
 from engine.models import get_family
 from engine.models.kv_cache import make_prompt_cache
 
@@ -58,3 +64,25 @@ def assert_mtp_run_is_plain(model, prompt: list[int], want: list[int], got: list
     assert stats.draft_tokens > 0
     assert 0 <= stats.accepted_draft_tokens <= stats.draft_tokens
     assert model.hidden_listener is None
+
+
+def check_mtp_drafting(
+    model, prompt: list[int], n: int, k: int, during: Callable[[], None] | None = None, **options: Any
+) -> None:
+    """Decode ``n`` tokens drafted by the model's own MTP layer (at most ``k`` a round;
+    ``options`` go to ``speculative_step``) and check the run is plain greedy's
+    (``assert_mtp_run_is_plain``). ``during()`` runs while the drafter follows the model."""
+    want = plain_greedy(model, prompt, n)
+    stats = StatsCounter()
+    drafter = MTPDrafter(model, k)
+    try:
+        if during is not None:
+            during()
+        got = list(
+            speculative_step(
+                prompt, model, model.make_cache(), drafter, max_tokens=n, stats=stats, logprobs=True, **options
+            )
+        )
+    finally:
+        drafter.close()
+    assert_mtp_run_is_plain(model, prompt, want, got, stats)

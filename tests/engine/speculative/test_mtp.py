@@ -21,14 +21,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from spec_models import assert_mtp_run_is_plain, plain_greedy
+from spec_models import check_mtp_drafting
 
 from engine.decode.compiled_hybrid import compiled_decoder
 from engine.decode.draft_depth import FixedDepth
 from engine.decode.drafters import decoder_for
 from engine.decode.mtp_drafter import MTPDrafter
 from engine.decode.speculative import speculative_step
-from engine.decode.stats import StatsCounter
 from engine.errors import EngineError
 from engine.models.kv_cache import KVCache
 from engine.models.qwen3_5_mtp import MTPHead
@@ -80,26 +79,7 @@ def test_sanitize_builds_the_mtp_layer_only_when_the_checkpoint_has_one(qwen):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_mtp_greedy_equals_plain(qwen, k):
     target, expected = qwen
-    prompt = expected["prompt_ids"][:30]
-    want = plain_greedy(target, prompt, N)
-    stats = StatsCounter()
-    drafter = MTPDrafter(target, k)
-    try:
-        got = list(
-            speculative_step(
-                prompt,
-                target,
-                target.make_cache(),
-                drafter,
-                max_tokens=N,
-                stats=stats,
-                logprobs=True,
-                num_draft_tokens=k,
-            )
-        )
-    finally:
-        drafter.close()
-    assert_mtp_run_is_plain(target, prompt, want, got, stats)
+    check_mtp_drafting(target, expected["prompt_ids"][:30], N, k, num_draft_tokens=k)
 
 
 def test_the_drafter_follows_the_target_exactly(qwen):
@@ -154,28 +134,19 @@ def test_plain_stretches_run_compiled_while_the_drafter_follows(qwen):
     plain greedy's, the compiled step ran one-token steps and verify passes, and the drafts
     after the plain stretches come from entries made over every position."""
     target, expected = qwen
-    prompt = expected["prompt_ids"][:30]
-    want = plain_greedy(target, prompt, N)
     decoder = compiled_decoder(target)
     assert decoder is not None and decoder.prepare()
-    stats = StatsCounter()
-    drafter = MTPDrafter(target, 2)
-    try:
-        assert decoder_for(target, True) is decoder  # the listener does not turn it off
-        got = list(
-            speculative_step(
-                prompt,
-                target,
-                target.make_cache(),
-                drafter,
-                max_tokens=N,
-                stats=stats,
-                logprobs=True,
-                depth=PlainThenDrafts(2, 3),
-                compiled=True,
-            )
-        )
-    finally:
-        drafter.close()
-    assert_mtp_run_is_plain(target, prompt, want, got, stats)
+
+    def listener_keeps_the_compiled_step() -> None:
+        assert decoder_for(target, True) is decoder
+
+    check_mtp_drafting(
+        target,
+        expected["prompt_ids"][:30],
+        N,
+        2,
+        during=listener_keeps_the_compiled_step,
+        depth=PlainThenDrafts(2, 3),
+        compiled=True,
+    )
     assert {1, 3} <= set(decoder._fns)  # one-token steps and verify passes of 1 + 2 drafts

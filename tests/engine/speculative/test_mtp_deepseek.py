@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from spec_models import assert_mtp_run_is_plain, plain_greedy
+from spec_models import check_mtp_drafting, plain_greedy
 
 from engine.decode.draft_depth import DraftDepth
 from engine.decode.mtp_drafter import MTPDrafter
@@ -100,28 +100,15 @@ def test_a_layer_stored_in_part_is_left_out(name):
 @pytest.mark.parametrize("k", [1, 2, 4, "auto"])
 def test_mtp_greedy_equals_plain(loaded, k):
     target, expected = loaded
-    prompt = expected["prompt_ids"][:20]
-    want = plain_greedy(target, prompt, N)
-    stats = StatsCounter()
-    drafter = MTPDrafter(target, 4 if k == "auto" else k)
-    depth = DraftDepth(4) if k == "auto" else None
-    try:
-        got = list(
-            speculative_step(
-                prompt,
-                target,
-                target.make_cache(),
-                drafter,
-                max_tokens=N,
-                stats=stats,
-                logprobs=True,
-                num_draft_tokens=None if k == "auto" else k,
-                depth=depth,
-            )
-        )
-    finally:
-        drafter.close()
-    assert_mtp_run_is_plain(target, prompt, want, got, stats)
+    auto = k == "auto"
+    check_mtp_drafting(
+        target,
+        expected["prompt_ids"][:20],
+        N,
+        4 if auto else k,
+        num_draft_tokens=None if auto else k,
+        depth=DraftDepth(4) if auto else None,
+    )
 
 
 def test_the_drafter_follows_the_target_exactly(loaded):
