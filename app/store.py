@@ -21,7 +21,6 @@ This module imports no Qt so that it can be used (and killed) on its own.
 from __future__ import annotations
 
 import json
-import queue
 import sqlite3
 import threading
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from app.attachments import mime_type
+from app.history_writer import Statement, StoreError, Writer, transaction
 
 DB_NAME = "history.sqlite3"
 
@@ -116,96 +116,6 @@ class Message:
     tool_turns: list[dict[str, Any]] = field(default_factory=list)
 
 
-class StoreError(Exception):
-    """A write the history could not take (full disk, read-only or failing drive); the
-    transaction was rolled back, so what was saved before is intact."""
-
-
-def _write_failure(exc: sqlite3.Error) -> StoreError:
-    text = str(exc).lower()
-    if "full" in text:
-        why = "the disk is full. Free some space"
-    elif "readonly" in text or "read-only" in text:
-        why = "the data folder is read-only. Make it writable"
-    else:
-        why = f"the drive reported an error ({exc}). Check the disk"
-    return StoreError(f"Could not save to the chat history: {why}; nothing saved before is lost.")
-
-
-Statement = tuple[str, tuple]
-
-
-class _Writer:
-    """The one thread that writes the history, on its own connection: queued work runs in
-    the order it came, and each Future says how it went."""
-
-    def __init__(self, path: Path, failed: Callable[[StoreError], None]):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._failed = failed
-        self._open = threading.Event()
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, args=(path,), daemon=True, name="mlx-desk-history")
-        self._thread.start()
-        self._open.wait()
-        if self._error is not None:
-            raise self._error
-
-    def write(self, statements: list[Statement]) -> Future:
-        """Run ``statements`` as one transaction; a failure rolls them all back (StoreError)."""
-        return self.call(lambda db: _transaction(db, statements))
-
-    def call(self, work: Callable[[sqlite3.Connection], Any]) -> Future:
-        done: Future = Future()
-        if self._closed:  # a late write (a window closing after its store): said, never hung on
-            done.set_exception(StoreError("Could not save to the chat history: it is closed."))
-        else:
-            self._jobs.put((work, done))
-        return done
-
-    def flush(self) -> None:
-        """Wait until everything queued so far has run."""
-        self.call(lambda _db: None).result()
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._jobs.put(None)
-            self._thread.join()
-
-    def _run(self, path: Path) -> None:
-        try:
-            db = sqlite3.connect(path, isolation_level=None)
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA foreign_keys=ON")
-        except BaseException as exc:  # noqa: BLE001 - raised on the opening thread
-            self._error = exc
-            self._open.set()
-            return
-        self._open.set()
-        while (job := self._jobs.get()) is not None:
-            work, done = job
-            try:
-                done.set_result(work(db))
-            except StoreError as exc:
-                done.set_exception(exc)
-                self._failed(exc)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
-                done.set_exception(exc)
-        db.close()
-
-
-def _transaction(db: sqlite3.Connection, statements: list[Statement]) -> None:
-    """BEGIN ... COMMIT, or ROLLBACK and a StoreError when the write cannot land."""
-    try:
-        with db:
-            db.execute("BEGIN")
-            for sql, args in statements:
-                db.execute(sql, args)
-    except (sqlite3.OperationalError, sqlite3.DatabaseError) as exc:
-        raise _write_failure(exc) from exc
-
-
 @dataclass
 class _Chat:
     """One conversation's messages in memory: by id, and each parent's children in id order."""
@@ -255,7 +165,7 @@ class HistoryStore:
         # Called on the writer thread for every write that failed (the window says it).
         self.on_failure: Callable[[StoreError], None] | None = None
         self.last_write: Future | None = None  # the Future of the write queued last
-        self._writer = _Writer(self.path, self._failed)
+        self._writer = Writer(self.path, self._failed)
         # A store never closed (an exception on the way out) still commits what is queued
         # when the interpreter exits, before the writer's daemon thread is stopped.
         self._close_writer = weakref.finalize(self, self._writer.close)
@@ -273,7 +183,7 @@ class HistoryStore:
 
     def _setup(self, sql: str) -> None:
         """A write made while opening, before the writer thread starts."""
-        _transaction(self._reader, [(sql, ())])
+        transaction(self._reader, [(sql, ())])
 
     def _last_id(self, table: str) -> int:
         """The highest id the table ever handed out (AUTOINCREMENT never hands one out twice)."""
