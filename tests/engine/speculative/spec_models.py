@@ -86,3 +86,26 @@ def check_mtp_drafting(
     finally:
         drafter.close()
     assert_mtp_run_is_plain(model, prompt, want, got, stats)
+
+
+def first_draft_logits(model, prompt: list[int], n: int = 9, k: int = 3) -> tuple[mx.array, list[int]]:
+    """Decode ``n`` tokens drafted by the model's MTP layer (``k`` a round), feed the pending
+    token, and return the logits of the drafter's next first draft with the ids they follow
+    (the history and the target's next token), for a test to compute afresh."""
+    drafter = MTPDrafter(model, k)
+    cache = model.make_cache()
+    seen = []
+
+    def pick(logits, recent):
+        seen.append(logits)
+        return mx.argmax(logits, keepdims=True).astype(mx.uint32), None
+
+    try:
+        out = speculative_step(prompt, model, cache, drafter, max_tokens=n, num_draft_tokens=k)
+        history = prompt + [t for t, _ in out]
+        model(mx.array([history[-1:]]), cache=cache)  # the target's pass over the pending token
+        nxt = int(mx.argmax(model.logits(drafter._passes[-1][1])[0, -1]).item())
+        drafter.propose(history + [nxt], 1, pick)
+    finally:
+        drafter.close()
+    return seen[0], history + [nxt]

@@ -21,13 +21,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from spec_models import check_mtp_drafting
+from spec_models import check_mtp_drafting, first_draft_logits
 
 from engine.decode.compiled_hybrid import compiled_decoder
 from engine.decode.draft_depth import FixedDepth
 from engine.decode.drafters import decoder_for
 from engine.decode.mtp_drafter import MTPDrafter
-from engine.decode.speculative import speculative_step
 from engine.errors import EngineError
 from engine.models.kv_cache import KVCache
 from engine.models.qwen3_5_mtp import MTPHead
@@ -84,30 +83,13 @@ def test_mtp_greedy_equals_plain(qwen, k):
 
 def test_the_drafter_follows_the_target_exactly(qwen):
     target, expected = qwen
-    prompt = expected["prompt_ids"][:30]
-    drafter = MTPDrafter(target, 3)
-    cache = target.make_cache()
-    try:
-        out = [t for t, _ in speculative_step(prompt, target, cache, drafter, max_tokens=9, num_draft_tokens=3)]
-        history = prompt + out
-        seen = []
-
-        def pick(logits, recent):
-            seen.append(logits)
-            return mx.argmax(logits, keepdims=True).astype(mx.uint32), None
-
-        # The target's pass over the pending token, then the drafter's first draft.
-        target(mx.array([history[-1:]]), cache=cache)
-        drafter.propose(history + [int(mx.argmax(target.logits(drafter._passes[-1][1])[0, -1]).item())], 1, pick)
-    finally:
-        drafter.close()
+    drafted, full = first_draft_logits(target, expected["prompt_ids"][:30])
     # Afresh: the target's hidden states over the whole history, the MTP layer over all of it.
-    full = history + [int(mx.argmax(target.logits(drafter._passes[-1][1])[0, -1]).item())]
     hidden = target.model(mx.array([full[:-1]]))
     mtp_cache = [KVCache() for _ in target.mtp.layers]
     out_h = target.mtp(hidden, target.embed(mx.array([full[1:]])), mtp_cache)
     reference = target.logits(out_h)[0, -1]
-    assert mx.allclose(seen[0], reference, atol=1e-4).item()
+    assert mx.allclose(drafted, reference, atol=1e-4).item()
 
 
 def test_a_checkpoint_without_mtp_layers_is_refused():

@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from spec_models import check_mtp_drafting, plain_greedy
+from spec_models import check_mtp_drafting, first_draft_logits, plain_greedy
 
 from engine.decode.draft_depth import DraftDepth
 from engine.decode.mtp_drafter import MTPDrafter
@@ -113,27 +113,10 @@ def test_mtp_greedy_equals_plain(loaded, k):
 
 def test_the_drafter_follows_the_target_exactly(loaded):
     target, expected = loaded
-    prompt = expected["prompt_ids"][:20]
-    drafter = MTPDrafter(target, 3)
-    cache = target.make_cache()
-    try:
-        out = [t for t, _ in speculative_step(prompt, target, cache, drafter, max_tokens=9, num_draft_tokens=3)]
-        history = prompt + out
-        seen = []
-
-        def pick(logits, recent):
-            seen.append(logits)
-            return mx.argmax(logits, keepdims=True).astype(mx.uint32), None
-
-        target(mx.array([history[-1:]]), cache=cache)  # the target's pass over the pending token
-        nxt = int(mx.argmax(target.logits(drafter._passes[-1][1])[0, -1]).item())
-        drafter.propose(history + [nxt], 1, pick)
-    finally:
-        drafter.close()
+    drafted, full = first_draft_logits(target, expected["prompt_ids"][:20])
     # Afresh, the module as DeepSeek-V3 defines it: for every position i, the target's final
     # hidden state h_i and the embedding of x_{i+1}, each normalised, projected, through the
     # MTP decoder layer (causal over all positions), then shared_head.norm and the head.
-    full = history + [nxt]
     hidden = target.model(mx.array([full[:-1]]))
     mtp = target.mtp
     x = mtp.eh_proj(mx.concatenate([mtp.enorm(target.embed(mx.array([full[1:]]))), mtp.hnorm(hidden)], axis=-1))
@@ -141,7 +124,7 @@ def test_the_drafter_follows_the_target_exactly(loaded):
     out = mtp.layers[0](x, "causal", cache[0])
     out = out[0] if isinstance(out, tuple) else out
     reference = target.lm_head(mtp.shared_head.norm(out))[0, -1]
-    assert mx.allclose(seen[0], reference, atol=1e-4).item()
+    assert mx.allclose(drafted, reference, atol=1e-4).item()
 
 
 def test_greedy_is_plain_while_the_depth_changes_every_round(loaded):
