@@ -10,6 +10,8 @@ turn, each fading into the next.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -35,13 +37,23 @@ def clip_frames(images: Path) -> list[np.ndarray]:
 
 def make_clip(path: Path, images: Path, *, reverse: bool = False) -> Path:
     """The clip; with ``reverse`` its frames run backwards (other bytes, the same size)."""
+    frames = clip_frames(images)
+    return write_clip(path, "mov", "png", "rgb24", FPS, frames[::-1] if reverse else frames)
+
+
+def write_clip(
+    path: Path, container: str, codec: str, pix_fmt: str, fps: int, frames: Iterable[np.ndarray], **options: str
+) -> Path:
+    """Encode RGB ``frames`` [H, W, 3] (uint8) into ``path``; ``options`` go to the encoder."""
     import av
 
-    out = av.open(str(path), "w", format="mov")
-    stream = out.add_stream("png", rate=FPS)
-    stream.width, stream.height, stream.pix_fmt = SIZE[0], SIZE[1], "rgb24"
-    frames = clip_frames(images)
-    for frame in frames[::-1] if reverse else frames:
+    frames = iter(frames)
+    first = next(frames)
+    out = av.open(str(path), "w", format=container)
+    stream = out.add_stream(codec, rate=fps, options=options or None)
+    stream.height, stream.width = first.shape[:2]
+    stream.pix_fmt = pix_fmt
+    for frame in itertools.chain([first], frames):
         for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
             out.mux(packet)
     for packet in stream.encode():

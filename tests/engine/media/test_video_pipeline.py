@@ -26,6 +26,7 @@ from PIL import Image
 from engine.errors import MediaError
 from engine.media.qwen3_vl.processor import VideoProcessor
 from engine.media.video import convert_frames, probe, read_frames
+from tests.engine.media.clips import write_clip
 
 av = pytest.importorskip("av")
 
@@ -35,20 +36,12 @@ SIZE, FPS, FRAMES = (200, 120), 10, 45  # 4.5 s: 9 frames at 2 a second
 def h264_clip(path: Path, b_frames: int) -> Path:
     if "libx264" not in av.codecs_available:
         pytest.skip("this FFmpeg build has no libx264 encoder")
-    out = av.open(str(path), "w", format="mp4")
     options = {"preset": "ultrafast", "g": "12", "bf": str(b_frames), "x264-params": "scenecut=0"}
-    stream = out.add_stream("libx264", rate=FPS, options=options)
-    stream.width, stream.height, stream.pix_fmt = SIZE[0], SIZE[1], "yuv420p"
     rng = np.random.default_rng(7)
     base = rng.integers(0, 256, (SIZE[1], SIZE[0], 3), dtype=np.uint8)
-    for i in range(FRAMES):
-        frame = np.roll(base, 5 * i, axis=1) // 2 + np.uint8(3 * i)  # moving, and brightening
-        for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
-    out.close()
-    return path
+    # Moving, and brightening.
+    frames = (np.roll(base, 5 * i, axis=1) // 2 + np.uint8(3 * i) for i in range(FRAMES))
+    return write_clip(path, "mp4", "libx264", "yuv420p", FPS, frames, **options)
 
 
 @pytest.fixture(scope="module")
