@@ -2,13 +2,15 @@
 
 Keys and values are quantized as they arrive (``mx.quantize``, the same affine scheme as
 MLX's quantized weights and mlx-lm's QuantizedKVCache: per group of ``group_size``
-values along the head dimension, a scale and a bias) and stored packed. On Metal a decode
-step or a verify pass (up to 32 queries, plain attention) reads the codes directly with
-quantized matmuls, as mlx-lm does there; longer passes, attentions with their own twists
-(sinks, soft caps) and the other backends read them dequantized, so every family's
-attention runs unchanged (on an H200, MLX's CUDA quantized matmul over a 32k-token cache
-decoded at half the speed of dequantizing first: 29 against 59 tok/s at 4 bits). At 8 bits
-with groups of 64 the cache takes ~0.53 of bf16's bytes, at 4 bits ~0.28.
+values along the head dimension, a scale and a bias) and stored packed. A decode step or a
+verify pass (up to 32 queries, plain attention) reads the codes directly: on Metal with
+quantized matmuls, as mlx-lm does there; on CUDA with fused kernels of our own
+(models.quantized_attention_cuda), since MLX's CUDA quantized matmul over a 32k-token cache
+decoded at half the speed of dequantizing first (29 against 59 tok/s at 4 bits, H200), and
+dequantizing first at a third of a full-precision cache's speed. Longer passes, attentions
+with their own twists (sinks, soft caps) and the CPU read them dequantized, so every
+family's attention runs unchanged. At 8 bits with groups of 64 the cache takes ~0.53 of
+bf16's bytes, at 4 bits ~0.28.
 
 Only full-attention layers are quantized (``quantize_caches``): a sliding-window layer's
 cache is small and fixed already, and latent (MLA) and recurrent caches are not keys
@@ -27,13 +29,14 @@ from typing import Any
 import mlx.core as mx
 
 from engine.errors import EngineError
+from engine.models import quantized_attention_cuda as fused_cuda
 from engine.models.kv_cache import DEFAULT_STEP, KVCache, _mask_for, register_cache_kind
 
 BITS = (4, 8)
-# Whether short passes attend over the stored codes (``QuantizedKVCache.attend``): on Metal,
-# whose quantized matmuls mlx-lm's quantized attention runs on; elsewhere dequantizing first
-# was faster where measured (CUDA), so the codes are read only where they pay.
-READS_CODES = mx.metal.is_available()
+# Whether short passes attend over the stored codes (``QuantizedKVCache.attend``): on Metal
+# with quantized matmuls (mlx-lm's quantized attention), on CUDA with our fused kernels
+# (models.quantized_attention_cuda); the CPU dequantizes first.
+READS_CODES = mx.metal.is_available() or fused_cuda.available()
 GROUP_SIZES = (32, 64, 128)
 KV_CONFIG = "kv_config.json"
 
@@ -149,16 +152,24 @@ class QuantizedKVCache:
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
         """Plain softmax attention of ``queries`` [B, heads, L, D] over everything stored,
-        reading the codes with quantized matmuls (mlx-lm's quantized attention): for a few
-        queries this reads the cache once, where dequantizing first reads it, writes it
-        out at full precision and reads it again (about 3x slower decode at 32k context).
+        reading the codes: with fused kernels on CUDA (models.quantized_attention_cuda; a
+        shape or mask they do not take is dequantized), with quantized matmuls on Metal
+        (mlx-lm's quantized attention). For a few queries this reads the cache once, where
+        dequantizing first reads it, writes it out at full precision and reads it again.
 
-        The matmuls take the whole buffer, not a slice up to ``offset``: a slice of it is
+        On Metal the matmuls take the whole buffer, not a slice up to ``offset``: a slice of it is
         strided across heads, which MLX's CUDA kernels do not take; the few positions past
         ``offset`` (under one growth step) are masked out, and their codes are finite
         (zeros, or trimmed tokens), so they add exact zeros."""
         b, n_heads, n_q, d = queries.shape
         n_kv, capacity = self.keys[0].shape[1], self.keys[0].shape[2]
+        if fused_cuda.available():  # the fused kernels, or dequantize where they do not fit
+            if fused_cuda.fits(n_heads, n_kv, n_q, d, self._groups, mask):
+                held = tuple(a[..., : self.offset, :] for a in (*self.keys, *self.values))
+                return fused_cuda.attend(queries, scale, held[:3], held[3:], self.bits, self._groups)
+            keys = self._read(self.keys, self._groups[0], self._packed[0], self.offset)
+            values = self._read(self.values, self._groups[1], self._packed[1], self.offset)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         rep = n_heads // n_kv
         q = (queries * scale).reshape(b, n_kv, rep, n_q, d)
         keys = tuple(a[:, :, None] for a in self.keys)
