@@ -128,6 +128,8 @@ class ChatController(QObject):
         self._retry_timer.timeout.connect(self._retry_saves)
         bridge.token.connect(self._on_token)
         bridge.draft.connect(self._on_draft)
+        bridge.progress.connect(self._on_progress)
+        self._reading = ""  # weights read before the reply starts (the MTP layer), and how far
         view.edit_submitted.connect(self._edit_slot)
         view.regenerate_requested.connect(self._regenerate_slot)
         view.version_requested.connect(self.switch_version)
@@ -333,7 +335,7 @@ class ChatController(QObject):
             self.reply_id = None
             emit(self.failed, f"{exc} No reply was asked for.")
             return
-        self._answer = self._reasoning = ""
+        self._answer = self._reasoning = self._reading = ""
         self._rounds = []
         self._saved_len = (0, 0)
         reply = self.store.message(self.reply_id)
@@ -541,6 +543,8 @@ class ChatController(QObject):
         """Tokens, speed and time so far, for the message being streamed."""
         elapsed = time.monotonic() - self._started
         stats = self.bridge.live_stats(self.bridge.active_generation)
+        if self._reading:
+            return f"{self._reading}  ·  {elapsed:.1f} s"
         if stats is None or not stats.generated_tokens:
             return f"Reading the prompt…  {elapsed:.1f} s"
         parts = [f"{stats.generated_tokens} tokens"]
@@ -557,6 +561,15 @@ class ChatController(QObject):
         else:
             self._answer += text
         self.view.append(text, channel)
+
+    def _on_progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
+        """Weights the engine reads before this reply can start (the built-in MTP layer, on the
+        first reply that drafts with it): said once in the status bar, followed in the footer."""
+        if self.reply_id is None or request_id != self.bridge.active_generation or stage != "load":
+            return
+        if done == 0:
+            emit(self.status, message)
+        self._reading = f"{message} {100 * done / total:.0f}%" if 0 < total and done < total else ""
 
     def _on_draft(self, request_id: int, text: str, reasoning: str = "") -> None:
         # A diffusion block still refining: shown, never saved (only settled text is the reply).

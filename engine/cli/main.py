@@ -303,7 +303,7 @@ def _mount_adapters(host: Any, adapters: list[tuple[str, float]]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.api import TokenEvent
+    from engine.api import ProgressEvent, TokenEvent
     from engine.runtime.host import ModelHost
 
     if args.system is not None and not args.chat:
@@ -338,6 +338,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not args.json and isinstance(event, TokenEvent):
             sys.stdout.write(event.text)
             sys.stdout.flush()
+        elif isinstance(event, ProgressEvent) and event.stage == "load" and event.done == 0:
+            print(event.message, file=sys.stderr, flush=True)  # weights read mid-request (the MTP layer)
 
     if args.cache_file is not None:
         _check_cache_file(args.cache_file)

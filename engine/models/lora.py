@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -325,24 +326,41 @@ def _short(path: str) -> str:
     return path.rsplit(".", 1)[-1]
 
 
-def _model_path(model: nn.Module, path: str) -> str:
+def _find(model: nn.Module, path: str, unread: Mapping[str, nn.Module]) -> tuple[object, str | int, nn.Module] | None:
+    """``_resolve`` in the model, else in a part of it set apart unread (``unread``: its name on
+    the model -> its module, e.g. a built-in MTP layer read only when drafting asks for it)."""
+    found = _resolve(model, path)
+    if found is None and path.split(".", 1)[0] in unread:
+        found = _resolve(dict(unread), path)
+    return found
+
+
+def _model_path(model: nn.Module, path: str, unread: Mapping[str, nn.Module]) -> str:
     """The module path in this model: as written, or renamed the way the family renames checkpoint
     weights (e.g. a multimodal wrapper's ``language_model.model.`` prefix)."""
-    if _resolve(model, path) is not None or not hasattr(model, "sanitize"):
+    if _find(model, path, unread) is not None or not hasattr(model, "sanitize"):
         return path
+    # A family's sanitize may build a module the names call for (Qwen3.5 its MTP layer, with
+    # random weights): the probe must leave the model as it was.
+    before = set(model)
     try:
         renamed = list(model.sanitize({path + ".weight": mx.zeros((1, 1))}))
     except Exception:  # a family's sanitize may expect real checkpoint shapes; keep the path as given
-        return path
+        renamed = []
+    finally:
+        for added in set(model) - before:
+            del model[added]
     if len(renamed) == 1 and renamed[0].endswith(".weight"):
         candidate = renamed[0][: -len(".weight")]
-        if _resolve(model, candidate) is not None:
+        if _find(model, candidate, unread) is not None:
             return candidate
     return path
 
 
-def _check_target(model: nn.Module, path: str, delta: _Delta, parsed: _Parsed, name: str) -> nn.Module:
-    found = _resolve(model, path)
+def _check_target(
+    model: nn.Module, path: str, delta: _Delta, parsed: _Parsed, name: str, unread: Mapping[str, nn.Module]
+) -> nn.Module:
+    found = _find(model, path, unread)
     hint = f" ({parsed.base_model}?)" if parsed.base_model else ""
     if found is None:
         raise AdapterError(
@@ -397,6 +415,9 @@ class AdapterSet:
     def __init__(self) -> None:
         self.mounted: dict[str, MountedAdapter] = {}
         self.active: dict[str, float] = {}
+        # Per adapter, the deltas of layers in a part of the model set apart unread when it was
+        # mounted: module path -> (delta, kind), put in place by ``mount_waiting`` once it is read.
+        self.waiting: dict[str, dict[str, tuple[_Delta, AdapterKind]]] = {}
 
 
 def adapter_set(model: nn.Module) -> AdapterSet:
@@ -420,8 +441,20 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def mount(model: nn.Module, adapter_dir: str | Path, name: str | None = None) -> MountedAdapter:
-    """Read an adapter folder and attach it to ``model`` (inactive until ``activate``)."""
+def mount(
+    model: nn.Module,
+    adapter_dir: str | Path,
+    name: str | None = None,
+    *,
+    unread: Mapping[str, nn.Module] | None = None,
+) -> MountedAdapter:
+    """Read an adapter folder and attach it to ``model`` (inactive until ``activate``).
+
+    ``unread`` names parts of the model set apart with their weights not yet read (its name on
+    the model -> the module, built as it will be: a built-in MTP layer). Targets inside one are
+    checked against it now and mounted by ``mount_waiting`` once it is on the model, with its
+    real weights (a DoRA gain reads them), as if it had been loaded with the model."""
+    unread = unread or {}
     folder = Path(adapter_dir).expanduser()
     name = name or folder.resolve().name
     state = adapter_set(model)
@@ -433,18 +466,15 @@ def mount(model: nn.Module, adapter_dir: str | Path, name: str | None = None) ->
     if not parsed.deltas:
         raise AdapterError(f"{parsed.weights_file} holds no LoRA tensors; there is nothing to mount")
     # Check every target before changing anything, so a refused adapter leaves the model as it was.
-    parsed.deltas = {_model_path(model, p): d for p, d in parsed.deltas.items()}
+    parsed.deltas = {_model_path(model, p, unread): d for p, d in parsed.deltas.items()}
     paths = sorted(parsed.deltas, key=_natural)  # report the first mismatch in model order
-    bases = {path: _check_target(model, path, parsed.deltas[path], parsed, name) for path in paths}
+    for path in paths:
+        _check_target(model, path, parsed.deltas[path], parsed, name, unread)
     for path, delta in parsed.deltas.items():
-        if parsed.kind == "dora":
-            delta.dora_gain = _dora_gain(bases[path], delta)
-        _to_compute_dtype(delta, bases[path])
-        parent, key, layer = _resolve(model, path)  # type: ignore[misc]
-        if not isinstance(layer, LoRAHost):
-            layer = LoRAHost(layer)
-            _set_child(parent, key, layer)
-        layer._deltas.by_name[name] = delta
+        if _resolve(model, path) is None:  # in a part not read yet
+            state.waiting.setdefault(name, {})[path] = (delta, parsed.kind)
+        else:
+            _put_in_place(model, path, delta, parsed.kind, name)
     info = MountedAdapter(
         name=name,
         path=str(folder),
@@ -457,6 +487,36 @@ def mount(model: nn.Module, adapter_dir: str | Path, name: str | None = None) ->
     )
     state.mounted[name] = info
     return info
+
+
+def _put_in_place(model: nn.Module, path: str, delta: _Delta, kind: AdapterKind, name: str) -> None:
+    """Wrap the layer at ``path`` in a LoRAHost (once) and add the adapter's delta to it."""
+    parent, key, layer = _resolve(model, path)  # type: ignore[misc]
+    base = layer.base if isinstance(layer, LoRAHost) else layer
+    if kind == "dora":
+        delta.dora_gain = _dora_gain(base, delta)
+    _to_compute_dtype(delta, base)
+    if not isinstance(layer, LoRAHost):
+        layer = LoRAHost(layer)
+        _set_child(parent, key, layer)
+    layer._deltas.by_name[name] = delta
+
+
+def mount_waiting(model: nn.Module) -> int:
+    """Mount the targets adapters hold for a part of the model that was set apart unread when
+    they were mounted and is on the model now (``mount``'s ``unread``), in the order the
+    adapters were mounted, with their active multipliers. Returns how many layers took one."""
+    state = adapter_set(model)
+    placed = 0
+    for name, held in state.waiting.items():
+        for path in [p for p in held if _resolve(model, p) is not None]:
+            delta, kind = held.pop(path)
+            _put_in_place(model, path, delta, kind, name)
+            placed += 1
+    state.waiting = {n: held for n, held in state.waiting.items() if held}
+    if placed:
+        _apply(model, state)
+    return placed
 
 
 def activate(model: nn.Module, scales: dict[str, float]) -> None:
@@ -487,6 +547,7 @@ def unmount(model: nn.Module, name: str) -> None:
         have = ", ".join(state.mounted) or "none"
         raise AdapterError(f"adapter '{name}' is not mounted (mounted: {have})")
     state.active.pop(name, None)
+    state.waiting.pop(name, None)
     for path, host in _hosts(model).items():
         host._deltas.by_name.pop(name, None)
         if not host._deltas.by_name:

@@ -226,7 +226,9 @@ class ModelHost:
         from engine.models import lora as adapters
 
         self._check_thread()
-        return _adapter_info(adapters.mount(self.model, path, name))
+        apart = self._need().mtp_apart  # an adapter may name modules of the MTP layer not read yet
+        unread = {"mtp": apart.head} if apart is not None else None
+        return _adapter_info(adapters.mount(self.model, path, name, unread=unread))
 
     def set_active_adapters(self, scales: Mapping[str, float]) -> None:
         """Make exactly these mounted adapters active, each with its scale (1.0 = as trained).
@@ -453,7 +455,7 @@ class ModelHost:
         yields WAITING (engine.decode.loop) while it waits for a step."""
         self._check_thread()
         self.check_media(messages, media)
-        self._mtp_for(params)
+        self._mtp_for(params, on_event, request_id)
         chat = self.session(session_id)
         return chat.stream(
             messages,
@@ -496,19 +498,21 @@ class ModelHost:
     ) -> Iterator[Piece | GenerationResult | object]:
         """``generate_ids``'s stream, not yet run (``batch`` as in ``open_generate``)."""
         self._check_thread()
-        self._mtp_for(params)
+        self._mtp_for(params, on_event, request_id)
         chat = self.session(session_id)
         return chat.stream_ids(
             prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id), batch=batch
         )
 
-    def _mtp_for(self, params: GenerationParams | None) -> None:
+    def _mtp_for(self, params: GenerationParams | None, on_event: EventSink | None = None, request_id: int = 0) -> None:
         """Read the built-in MTP layer, set apart at load, when a request first drafts with
         it (it then stays, counted in the weights, and chats may grow only as far as the KV
-        cache still fits); refused when the budget cannot hold it."""
+        cache still fits); refused when the budget cannot hold it. The read is the request's
+        "load" progress, and adapters mounted before it take their targets inside it."""
         state = self._need()
         if params is None or params.speculative != "mtp" or state.mtp_apart is None:
             return  # no params: the session's defaults, which never draft
+        from engine.models import lora as adapters
         from engine.runtime.context_planner import after_more_weights
         from engine.runtime.loading import attach_mtp_apart
         from engine.runtime.memory import format_bytes
@@ -530,8 +534,10 @@ class ModelHost:
                     raise OutOfMemoryBudget(
                         f"With its built-in MTP layer ({format_bytes(apart.nbytes)}): {e}"
                     ) from None
-        attach_mtp_apart(state.model, apart)
+        reading = f"Reading the built-in MTP layer ({format_bytes(apart.nbytes)})…"
+        attach_mtp_apart(state.model, apart, _progress_sink(on_event, request_id, "load", reading))
         state.mtp_apart = None
+        adapters.mount_waiting(state.model)
         if plan is not None:
             state.info = replace(info, plan=plan, context_advice=advice or info.context_advice)
         if advice is not None and advice.limit:
@@ -624,10 +630,12 @@ def _adapter_info(a: Any) -> AdapterInfo:
     )
 
 
-def _progress_sink(on_event: EventSink | None, request_id: int) -> Callable[[int, int], None] | None:
+def _progress_sink(
+    on_event: EventSink | None, request_id: int, stage: str = "prefill", message: str = ""
+) -> Callable[[int, int], None] | None:
     if on_event is None:
         return None
-    return lambda done, total: on_event(ProgressEvent(request_id, "prefill", float(done), float(total)))
+    return lambda done, total: on_event(ProgressEvent(request_id, stage, float(done), float(total), message))
 
 
 def token_event(piece: Piece | Draft, request_id: int) -> TokenEvent | DraftEvent:

@@ -41,6 +41,7 @@ Progress = Callable[[int, int], None]
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
 _LAYER = re.compile(r"^(.*?layers\.\d+)\.")
+READ_CHUNK_BYTES = 64 << 20  # the MTP layer's read reports progress after each run of about this
 
 
 @dataclass
@@ -207,11 +208,13 @@ def _set_mtp_apart(model: Any, weights: dict[str, Any], source: _Source) -> MTPA
     return MTPApart(head, taken, source.mtp_bytes, source.name)
 
 
-def attach_mtp_apart(model: Any, apart: MTPApart) -> None:
-    """Read the MTP layer set apart at load and put it on the model (``model.mtp``)."""
+def attach_mtp_apart(model: Any, apart: MTPApart, progress: Progress | None = None) -> None:
+    """Read the MTP layer set apart at load and put it on the model (``model.mtp``).
+    ``progress(bytes read, bytes in all)`` follows the read, about ``READ_CHUNK_BYTES`` at a
+    time: a large MoE checkpoint's layer is gigabytes, read while a request waits."""
     fill_weights(apart.head, apart.weights, name=apart.name)
     try:
-        materialise(apart.head, None)
+        materialise(apart.head, progress, chunk_bytes=READ_CHUNK_BYTES)
     except BaseException:
         _release()
         raise
@@ -325,23 +328,33 @@ def _where_missing(source: _Source) -> str:
     return "; the weight files are incomplete: download the model again"
 
 
-def materialise(model: Any, progress: Progress | None) -> None:
-    """Evaluate the parameters one layer at a time, reporting progress between layers."""
+def materialise(model: Any, progress: Progress | None, chunk_bytes: int | None = None) -> None:
+    """Evaluate the parameters one layer at a time, reporting progress between layers; with
+    ``chunk_bytes``, in runs of parameters of about that many bytes, progress in bytes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    groups: dict[str, list[Any]] = {}
+    groups: dict[str | int, list[Any]] = {}
+    run = held = 0
     for key, value in tree_flatten(model.parameters()):
-        m = _LAYER.match(key)
-        groups.setdefault(m.group(1) if m else key.rsplit(".", 1)[0], []).append(value)
-    total = len(groups)
+        if chunk_bytes is None:
+            m = _LAYER.match(key)
+            group: str | int = m.group(1) if m else key.rsplit(".", 1)[0]
+        else:  # consecutive runs of about chunk_bytes
+            if held >= chunk_bytes:
+                run, held = run + 1, 0
+            group, held = run, held + value.nbytes
+        groups.setdefault(group, []).append(value)
+    sizes = [sum(a.nbytes for a in arrays) if chunk_bytes else 1 for arrays in groups.values()]
+    total, done = sum(sizes), 0
     if progress is not None:
         progress(0, total)
-    for done, arrays in enumerate(groups.values(), start=1):
+    for size, arrays in zip(sizes, groups.values()):
         try:
             mx.eval(arrays)
         except Exception as e:  # a file that changed or vanished since its header was read
             raise ModelLoadError(f"reading weights failed: {one_line(e)}; download the model again") from None
+        done += size
         if progress is not None:
             progress(done, total)
 

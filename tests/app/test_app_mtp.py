@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from test_app_adapters import _ready, _regenerate, _send
 
+from engine.runtime.memory import format_bytes
+
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 
 
@@ -88,3 +90,35 @@ def test_mtp_choice_follows_the_model(qtbot, make_window, run_async, tiny_model,
         ):
             window.chat_view.widgets[mtp_id].action_button.click()
     assert done.args[1].stats.draft_tokens == 0
+
+
+def test_the_first_mtp_reply_shows_the_layer_being_read(qtbot, make_window, run_async, tiny_model, tmp_path):
+    """The MTP layer is read on the first reply that drafts with it: the status bar says so
+    once, and the reply's footer follows the read; later replies draft at once."""
+    window = make_window()
+    _ready(window, run_async, hybrid_folder(tiny_model, tmp_path / "hybrid-mtp", True), max_tokens=8)
+    said: list[str] = []
+    window.chat.status.connect(lambda text: said.append(text) if "MTP layer" in text else None)
+    footers: list[str] = []
+
+    def shown(request_id: int, stage: str, done: float, total: float, message: str) -> None:
+        # After the controller took the event (it connected first): the footer as painted.
+        if stage == "load":
+            window.chat_view._flush()
+            footers.append(window.chat_view.streaming.stats_label.text())
+
+    window.bridge.progress.connect(shown)
+    plain_id, _ = _send(qtbot, window)
+    assert said == [] and footers == []  # plain decoding never reads it
+
+    window.settings.speculative_box.setCurrentIndex(3)
+    first_id, first = _regenerate(qtbot, window, plain_id)
+    size = window.bridge.model_info.plan.mtp_bytes
+    assert said == [f"Reading the built-in MTP layer ({format_bytes(size)})…"]
+    assert footers[0].startswith(f"Reading the built-in MTP layer ({format_bytes(size)})… 0%  ·  ")
+    assert not footers[-1].startswith("Reading the built-in")  # read: back to the prompt's progress
+    assert first.stats.draft_tokens > 0
+
+    seen = len(footers)
+    _, second = _regenerate(qtbot, window, first_id)
+    assert len(said) == 1 and len(footers) == seen and second.stats.draft_tokens > 0

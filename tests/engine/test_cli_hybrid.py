@@ -31,6 +31,10 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 def generate(folder: Path, *extra: str) -> dict:
+    return last_json(generate_run(folder, *extra).stdout)
+
+
+def generate_run(folder: Path, *extra: str):
     prompt = json.loads((folder / "expected.json").read_text())["prompt_ids"][:24] * 2
     proc = run(
         "generate",
@@ -46,7 +50,7 @@ def generate(folder: Path, *extra: str) -> dict:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    return last_json(proc.stdout)
+    return proc
 
 
 def test_speculative_greedy_equals_plain_through_the_cli(folders):
@@ -114,9 +118,14 @@ def test_mtp_through_the_cli(folders, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(folders["qwen3_5"] / f, hub / f)
     shutil.copy(folders["qwen3_5"] / "expected.json", hub / "expected.json")
-    plain = generate(hub)
-    mtp = generate(hub, "--mtp", "--num-draft", "2")
-    assert mtp["token_ids"] == plain["token_ids"] and mtp["draft_tokens"] > 0
+    plain = generate_run(hub)
+    drafted = generate_run(hub, "--mtp", "--num-draft", "2")
+    mtp = last_json(drafted.stdout)
+    assert mtp["token_ids"] == last_json(plain.stdout)["token_ids"] and mtp["draft_tokens"] > 0
+    # The layer is read when the request first drafts with it: one line on stderr says so.
+    reading = [line for line in drafted.stderr.splitlines() if "built-in MTP layer" in line]
+    assert len(reading) == 1 and reading[0].startswith("Reading the built-in MTP layer (") and "KB)" in reading[0]
+    assert "MTP layer" not in drafted.stdout and "MTP layer" not in plain.stderr
     # The MTP layer (nested under the published spelling's text_config) loads only with --mtp.
     report = run("inspect", str(hub))
     assert report.returncode == 0 and "loaded only for built-in drafting (--mtp)" in report.stdout, report.stderr

@@ -38,6 +38,23 @@ def make_llama(seed: int, vocab: int = 96, hidden: int = 32, layers: int = 2, sh
     return model
 
 
+def mtp_hub_weights(model, seed: int = 7) -> dict[str, mx.array]:
+    """Random weights for a Qwen3.5-family model's MTP layer, named and laid out as the Hub
+    stores them (``mtp.*``; the (1 + w) norms as w), float32."""
+    from mlx.utils import tree_flatten
+
+    from engine.models.qwen3_5_mtp import MTPHead
+
+    head = MTPHead(model.args, model.model.layer_class)
+    rng = np.random.default_rng(seed)
+    return {
+        "mtp." + key: mx.array(
+            ((0.1 if value.ndim == 1 else 0.15) * rng.standard_normal(value.shape)).astype(np.float32)
+        )
+        for key, value in tree_flatten(head.parameters())
+    }
+
+
 def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
     """One token per forward pass, argmax each time: the reference speculative greedy must match."""
     cache = make_prompt_cache(model)

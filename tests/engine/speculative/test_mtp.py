@@ -18,10 +18,8 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-from spec_models import check_mtp_drafting, first_draft_logits
+from spec_models import check_mtp_drafting, first_draft_logits, mtp_hub_weights
 
 from engine.decode.compiled_hybrid import compiled_decoder
 from engine.decode.draft_depth import FixedDepth
@@ -29,7 +27,6 @@ from engine.decode.drafters import decoder_for
 from engine.decode.mtp_drafter import MTPDrafter
 from engine.errors import EngineError
 from engine.models.kv_cache import KVCache
-from engine.models.qwen3_5_mtp import MTPHead
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_hybrid_families import GOLDEN, build  # noqa: E402
@@ -44,15 +41,7 @@ def with_mtp(name: str):
     from engine.models import get_family
 
     model, expected = build(name)
-    head = MTPHead(model.args, model.model.layer_class)
-    rng = np.random.default_rng(7)
-    mtp = {}
-    for key, value in tree_flatten(head.parameters()):
-        if value.ndim == 1:  # norms as the Hub stores them: w of (1 + w)
-            arr = 0.1 * rng.standard_normal(value.shape)
-        else:
-            arr = 0.15 * rng.standard_normal(value.shape)
-        mtp["mtp." + key] = mx.array(arr.astype(np.float32))
+    mtp = mtp_hub_weights(model)
     config = json.loads((GOLDEN / name / "config.json").read_text())
     family = get_family(config["model_type"])
     target = family.Model(family.ModelArgs.from_dict(config))
