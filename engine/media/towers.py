@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.api import MediaInput, VideoLimits
 from engine.errors import MediaError
-from engine.media.encoded_cache import EncodedMediaCache, media_key
+from engine.media.encoded_cache import EncodedMediaCache, HashedInput, content_digest, media_key
 from engine.media.prompt import MediaEncoder, PreparedMedia
 
 # model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder
@@ -296,10 +296,14 @@ class MediaTowers:
         needs it; a clip is then decoded once for all its runs)."""
         encoder = self.encoder(item.kind)
         settings = {"kind": item.kind, "pan_and_scan": item.pan_and_scan, **prepare_settings(encoder)}
-        key = media_key(item.source, settings)
+        # The file is read for hashing once: the encoder keys its features by this digest.
+        hashed = HashedInput(item.kind, item.source, item.pan_and_scan, digest=content_digest(item.source))
+        key = media_key(hashed, settings)
         known = self.prepared.get(key)
         if known is None:
-            return self._prepare_afresh(encoder, item, key)
+            return self._prepare_afresh(encoder, hashed, key)
+        # Prepared again later (its features evicted), the file is hashed again: what is
+        # read then must be what this key stands for (``_with_input`` checks).
         fresh = functools.cache(lambda: self._prepare_afresh(encoder, item, key))
 
         def remembered(run: PreparedMedia, index: int) -> PreparedMedia:

@@ -104,8 +104,8 @@ class _Encoder:
         self.calls += 1
         return self.tower.encode(item)
 
-    def _key(self, source: Any, settings: dict[str, Any]) -> str:
-        return media_key(source, {**settings, "model": str(self.source.path), "tower": "qwen3_vl"})
+    def _key(self, item: MediaInput, settings: dict[str, Any]) -> str:
+        return media_key(item, {**settings, "model": str(self.source.path), "tower": "qwen3_vl"})
 
 
 class ImageEncoder(_Encoder):
@@ -128,7 +128,7 @@ class ImageEncoder(_Encoder):
         n = t * h * w // (m * m)
         return PreparedMedia(
             kind="image",
-            key=self._key(item.source, self.processor.settings()),
+            key=self._key(item, self.processor.settings()),
             n_tokens=n,
             text=IMAGE_PAD * n,
             data=(vision.pixel_values, (t, h, w)),
@@ -177,7 +177,7 @@ class VideoEncoder(_Encoder):
         m = self.processor.merge_size
         per_group = h * w
         n = per_group // (m * m)
-        key = self._key(item.source, self.processor.settings())
+        key = self._key(item, self.processor.settings())
         views, text = [], []
         for g, seconds in enumerate(patches.timestamps):
             pixels = patches.pixel_values[g * per_group : (g + 1) * per_group]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,48 @@ def opens(monkeypatch) -> list[str]:
 @pytest.fixture
 def clip(tmp_path, shared_data) -> Path:
     return make_clip(tmp_path / "clip.mov", shared_data / "images")
+
+
+@pytest.fixture
+def hashed(monkeypatch) -> Callable[[bytes], int]:
+    """How many sha256 hashers were fed a file's bytes (each is one read of it for hashing):
+    hashlib.sha256 wrapped with a recorder, the hashing itself unchanged."""
+    import hashlib
+
+    fed: list[bytearray] = []
+    real = hashlib.sha256
+
+    class Recorded:
+        def __init__(self, data: bytes = b"", **kwargs):
+            self._hash = real(data, **kwargs)
+            self._seen = bytearray(data)
+            fed.append(self._seen)
+
+        def update(self, data) -> None:
+            self._seen += data
+            self._hash.update(data)
+
+        def __getattr__(self, name: str):  # digest, hexdigest, copy, name...
+            return getattr(self._hash, name)
+
+    monkeypatch.setattr(hashlib, "sha256", Recorded)
+    return lambda data: sum(1 for seen in fed if seen.startswith(data))
+
+
+@pytest.mark.parametrize("case", ["video", "both"])
+def test_media_seen_for_the_first_time_is_hashed_once(case, clip, shared_data, hashed):
+    """The prepared-items cache and the features cache key one file under different
+    settings; both keys come from one read of its bytes."""
+    host = load_float32(QWEN)
+    photo = shared_data / "images" / "chelsea.png"
+    media = [MediaInput("video", str(clip))]
+    if case == "both":
+        media.insert(0, MediaInput("image", str(photo)))
+    host.generate("chat", first_turn(QWEN, case), PARAMS, media=media)
+    assert host.towers.prepare_calls == len(media) and host.towers.encode_calls > 0
+    assert hashed(clip.read_bytes()) == 1
+    if case == "both":
+        assert hashed(photo.read_bytes()) == 1
 
 
 def test_a_follow_up_about_a_clip_opens_no_decoder_and_replies_as_a_fresh_model(clip, opens):
