@@ -24,7 +24,7 @@ from engine.media.image import Qwen2VLImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
 from engine.media.qwen3_vl.processor import VideoProcessor
 from engine.media.qwen3_vl.tower import RENAMES, VisionConfig, VisionModel, sanitize
-from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_preprocessor
+from engine.media.towers import LazyTowerEncoder, TowerSource, dtype_bytes, read_image_preprocessor
 from engine.media.video import duration_text, probe
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
@@ -104,6 +104,18 @@ class _Encoder:
         self.calls += 1
         return self.tower.encode(item)
 
+    def max_tokens(self) -> int:
+        """Soft tokens of the largest item the processor makes (its pixel budget)."""
+        raise NotImplementedError
+
+    def max_feature_bytes(self) -> int:
+        """The tower's output for the largest item: its tokens, each out_hidden wide once
+        for the merger and once per DeepStack layer, in the language model's dtype. The
+        features cache is sized by it (engine/media/towers.py)."""
+        cfg = self.vision_config
+        width = cfg.out_hidden_size * (1 + len(cfg.deepstack_visual_indexes))
+        return self.max_tokens() * width * dtype_bytes(self.source.dtype)
+
     def _key(self, item: MediaInput, settings: dict[str, Any]) -> str:
         return media_key(item, {**settings, "model": str(self.source.path), "tower": "qwen3_vl"})
 
@@ -120,6 +132,10 @@ class ImageEncoder(_Encoder):
         pre.setdefault("merge_size", cfg.spatial_merge_size)
         pre.setdefault("temporal_patch_size", cfg.temporal_patch_size)
         self.processor = Qwen2VLImageProcessor.from_config(pre)
+
+    def max_tokens(self) -> int:
+        p = self.processor
+        return p.max_pixels // (p.patch_size * p.merge_size) ** 2
 
     def prepare(self, item: MediaInput) -> PreparedMedia:
         vision = self.processor([load_image(item.source)])
@@ -165,6 +181,11 @@ class VideoEncoder(_Encoder):
         pre.setdefault("merge_size", cfg.spatial_merge_size)
         pre.setdefault("temporal_patch_size", cfg.temporal_patch_size)
         self.processor = VideoProcessor.from_config(pre)
+
+    def max_tokens(self) -> int:
+        # The pixel budget counts every frame; each temporal patch of frames is one group.
+        p = self.processor
+        return p.max_pixels // ((p.patch_size * p.merge_size) ** 2 * p.temporal_patch_size)
 
     def prepare(self, item: MediaInput) -> PreparedMedia:
         info = probe(item.source)
