@@ -136,7 +136,10 @@ class ChatController(QObject):
         view.footer_source = self._live_footer
         self._started = 0.0
         self.tools: ToolsController | None = None  # MCP tools offered to the model, if any
-        self._stop_tools = False  # Stop pressed between generations (during a tool call)
+        # Stop pressed during this reply: honoured where no generation runs to cancel, before
+        # the first one (its placeholder still committing, the saved cache being read) and
+        # between tool rounds.
+        self._stopped = False
         self.caches: Any = None  # SavedCaches: each conversation's KV cache kept between runs
         self._recent: list[int] = []  # opened chats, most recent last (LIVE_SESSIONS of them)
 
@@ -272,9 +275,12 @@ class ChatController(QObject):
         if self._waiting is not None:  # stop waiting; the load itself carries on
             self._waiting.cancel()
             return True
-        if self.reply_id is not None:
-            self._stop_tools = True  # no further tool round, should the stop land between two
-        return self.reply_id is not None and (self.bridge.cancel() or self._stop_tools)
+        if self.reply_id is None:
+            return False
+        self._stopped = True
+        if self.bridge.active_generation is not None:
+            self.bridge.cancel(self.bridge.active_generation)
+        return True
 
     # ---- streaming one reply -------------------------------------------------------------
 
@@ -328,6 +334,7 @@ class ChatController(QObject):
             model=info.name,
             adapters=adapters,
         )
+        self._stopped = False
         try:
             await asyncio.wrap_future(self.store.last_write)
         except StoreError as exc:
@@ -351,13 +358,16 @@ class ChatController(QObject):
             if self.caches is not None:
                 self.caches.note_reply(conv.id)
                 await self.caches.restore(conv.id)  # before this engine's first turn of the chat
-            result = await self.bridge.generate(conv.id, messages, params, tools=tools)
-            if tools:
-                result = await self._tool_rounds(conv.id, messages, params, tools, info, result)
-            status = "cancelled" if result.finish_reason == "cancelled" else "complete"
-            if result.finish_reason == "error":
-                status = "error"
-                emit(self.failed, result.error or "The reply failed.")
+            if self._stopped:  # Stop came before the generation could: none is asked for
+                status = "cancelled"
+            else:
+                result = await self.bridge.generate(conv.id, messages, params, tools=tools)
+                if tools:
+                    result = await self._tool_rounds(conv.id, messages, params, tools, info, result)
+                status = "cancelled" if result.finish_reason == "cancelled" else "complete"
+                if result.finish_reason == "error":
+                    status = "error"
+                    emit(self.failed, result.error or "The reply failed.")
         except (EngineRequestError, EngineUnavailable) as exc:
             emit(self.failed, str(exc))
         finally:
@@ -431,7 +441,6 @@ class ChatController(QObject):
         assert self.tools is not None
         fmt = FORMATS[info.tool_format]
         rounds = self._rounds
-        self._stop_tools = False
         for _ in range(MAX_TOOL_ROUNDS):
             if result.finish_reason not in ("stop", "length"):
                 break
@@ -457,7 +466,7 @@ class ChatController(QObject):
                 self._show_rounds()
             messages += tool_turns.engine_messages("", [turn], fmt.arguments_as_text)
             params.constraint = None  # a forced call is forced once; the answer is the model's
-            if self._stop_tools:
+            if self._stopped:
                 result = replace(result, text="", finish_reason="cancelled")
                 break
             result = await self.bridge.generate(conv_id, messages, params, tools=tools)

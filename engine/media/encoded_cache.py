@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from engine.api import MediaInput
+
 T = TypeVar("T")
 
 
-def media_key(data: bytes | str | Path, settings: Mapping[str, Any] | None = None) -> str:
-    """sha256 over the media bytes (or the file at a path) and the canonical JSON of ``settings``."""
+def content_digest(data: bytes | str | Path) -> str:
+    """sha256 of the media bytes (or of the file at a path): the one read of a file for
+    hashing. Keys under any settings are made from it (``media_key``)."""
     h = hashlib.sha256()
     if isinstance(data, (str, Path)):
         with open(data, "rb") as f:
@@ -28,7 +31,28 @@ def media_key(data: bytes | str | Path, settings: Mapping[str, Any] | None = Non
                 h.update(block)
     else:
         h.update(data)
-    # A separator that cannot occur in JSON text keeps bytes and settings apart.
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class HashedInput(MediaInput):
+    """A MediaInput whose bytes were hashed already (``digest``, by ``content_digest``):
+    keys for it under any settings come without reading the file again. An input's key is
+    made from the digest taken when the same request read it, so a file rewritten later is
+    hashed afresh by the next request that prepares it."""
+
+    digest: str = ""
+
+
+def media_key(data: bytes | str | Path | MediaInput, settings: Mapping[str, Any] | None = None) -> str:
+    """sha256 over the content digest of the media (its bytes, the file at a path, or an
+    input's source; a HashedInput's own digest) and the canonical JSON of ``settings``."""
+    if isinstance(data, HashedInput) and data.digest:
+        digest = data.digest
+    else:
+        digest = content_digest(data.source if isinstance(data, MediaInput) else data)
+    h = hashlib.sha256(digest.encode())
+    # A separator that cannot occur in JSON text keeps the digest and settings apart.
     h.update(b"\x00settings\x00")
     h.update(json.dumps(settings or {}, sort_keys=True, default=str).encode())
     return h.hexdigest()

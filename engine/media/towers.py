@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.api import MediaInput, VideoLimits
+from engine.api import MediaInput, MemoryPlan, VideoLimits
 from engine.errors import MediaError
-from engine.media.encoded_cache import EncodedMediaCache, media_key
+from engine.media.encoded_cache import EncodedMediaCache, HashedInput, content_digest, media_key
 from engine.media.prompt import MediaEncoder, PreparedMedia
 
 # model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder
@@ -53,12 +53,37 @@ SUGGESTIONS = {
     "video": ("cannot watch video", "pick a model of a family that can: {families}"),
 }
 
+# The features cache's budget follows the loaded model (``features_cache_bytes``): room for
+# FEATURE_ITEMS items of the largest its towers give, as their encoders estimate it from
+# their settings (at Qwen3-VL-4B's a 30 s 720p clip's features, DeepStack included, are
+# ~240 MB, a photo at the pixel limit ~335 MB), and never less than the DEFAULT_CACHE_BYTES
+# every model had before (towers that give no estimate keep it); but never more than
+# FEATURES_SHARE of the memory budget, nor ROOM_SHARE of what the budget leaves beside the
+# weights, which is the KV cache's room.
 DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
+FEATURE_ITEMS = 3  # two clips in a chat and a photo
+FEATURES_SHARE = 0.1
+ROOM_SHARE = 0.25
 # Prepared items kept for follow-up turns, counted by their prompt text (a 30 s clip at
 # Qwen3-VL's settings writes ~100 KB of it): 16 MiB holds a long chat's worth. Their
 # pixels and audio features are never kept (a 30 s 720p clip's patches are ~300 MB); the
 # tower's output they stand for stays in the features cache above, whose budget bounds it.
 PREPARED_CACHE_BYTES = 16 * 1024 * 1024
+
+
+def features_cache_bytes(item_bytes: int, plan: MemoryPlan | None) -> int:
+    """The features cache's budget (the rule above) for a model whose largest item gives
+    ``item_bytes`` of features (0: unknown), under its memory ``plan`` (None: no bound)."""
+    want = max(DEFAULT_CACHE_BYTES, FEATURE_ITEMS * int(item_bytes))
+    if plan is None or plan.budget_bytes <= 0:
+        return want
+    room = max(0, plan.budget_bytes - plan.weights_bytes)
+    return int(min(want, FEATURES_SHARE * plan.budget_bytes, ROOM_SHARE * room))
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per value of an activation dtype named as TowerSource.dtype names it."""
+    return 4 if dtype == "float32" else 2
 
 
 @dataclass
@@ -243,12 +268,18 @@ def supported_kinds(config: Any) -> set[str]:
 
 
 class MediaTowers:
-    def __init__(self, source: TowerSource | None, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(
+        self, source: TowerSource | None, *, plan: MemoryPlan | None = None, cache_bytes: int | None = None
+    ) -> None:
+        """``plan``: the loaded model's memory plan, which bounds the features cache (see
+        ``features_cache_bytes``); ``cache_bytes`` sets that budget outright instead."""
         self.source = source
         self.kinds: frozenset[str] = frozenset(
             supported_kinds(source.config) if source is not None and source.path.is_dir() else ()
         )
         self._encoders: dict[str, MediaEncoder] = {}
+        if cache_bytes is None:
+            cache_bytes = features_cache_bytes(self.largest_item_bytes(), plan)
         self.cache: EncodedMediaCache[Any] = EncodedMediaCache(cache_bytes)
         # Prepared items without their tower input, by content and settings (see the top).
         self.prepared: EncodedMediaCache[PreparedMedia] = EncodedMediaCache(PREPARED_CACHE_BYTES, _text_bytes)
@@ -275,6 +306,19 @@ class MediaTowers:
             self._encoders[kind] = enc
         return enc
 
+    def largest_item_bytes(self) -> int:
+        """The most features one item can give, over the kinds this model takes, as their
+        encoders estimate it from their settings (``max_feature_bytes``; no weights read);
+        0 when none does."""
+        sizes = [0]
+        for kind in sorted(self.kinds):
+            try:
+                estimate = getattr(self.encoder(kind), "max_feature_bytes", None)
+                sizes.append(int(estimate()) if callable(estimate) else 0)
+            except Exception:  # noqa: BLE001 - a tower that cannot be set up says why when first used
+                continue
+        return max(sizes)
+
     @property
     def loaded(self) -> bool:
         """Whether any tower's weights are in memory."""
@@ -296,10 +340,14 @@ class MediaTowers:
         needs it; a clip is then decoded once for all its runs)."""
         encoder = self.encoder(item.kind)
         settings = {"kind": item.kind, "pan_and_scan": item.pan_and_scan, **prepare_settings(encoder)}
-        key = media_key(item.source, settings)
+        # The file is read for hashing once: the encoder keys its features by this digest.
+        hashed = HashedInput(item.kind, item.source, item.pan_and_scan, digest=content_digest(item.source))
+        key = media_key(hashed, settings)
         known = self.prepared.get(key)
         if known is None:
-            return self._prepare_afresh(encoder, item, key)
+            return self._prepare_afresh(encoder, hashed, key)
+        # Prepared again later (its features evicted), the file is hashed again: what is
+        # read then must be what this key stands for (``_with_input`` checks).
         fresh = functools.cache(lambda: self._prepare_afresh(encoder, item, key))
 
         def remembered(run: PreparedMedia, index: int) -> PreparedMedia:

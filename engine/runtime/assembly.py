@@ -191,4 +191,4 @@ def _make_towers(loaded: Any) -> Any:
         model=loaded.model,
         dtype=getattr(loaded, "dtype", "float32"),
     )
-    return MediaTowers(source)
+    return MediaTowers(source, plan=getattr(loaded, "plan", None))

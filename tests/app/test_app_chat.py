@@ -85,6 +85,60 @@ def test_stop_mid_reply_keeps_partial_text(qtbot, make_window, run_async, tiny_m
     assert "stopped" in window.chat_view.widgets[message_id].stats_label.text()
 
 
+def test_stop_while_the_reply_placeholder_commits_asks_for_no_reply(
+    qtbot, make_window, run_async, tiny_model, monkeypatch
+):
+    """Stop lands in the moment between Send and the generation: the reply's placeholder is
+    queued to the history's writer thread, not yet committed. No generation may follow; the
+    placeholder ends as a stopped, empty reply and the window is ready for the next Send."""
+    import threading
+
+    window = make_window()
+    _load(window, run_async, tiny_model)
+    _configure(window, max_tokens=50, ignore_eos=True)
+    started: list[str] = []
+    window.bridge.started.connect(lambda rid, kind: started.append(kind))
+    tokens: list[str] = []
+    window.bridge.token.connect(lambda rid, text, channel: tokens.append(text))
+
+    # A job queued on the writer just ahead of the placeholder holds its commit until released.
+    gate = threading.Event()
+    add_message = window.store.add_message
+
+    def held_add_message(conversation_id, role, *args, **kwargs):
+        if role == "assistant" and not gate.is_set():
+            window.store._writer.call(lambda _db: gate.wait(30))
+        return add_message(conversation_id, role, *args, **kwargs)
+
+    monkeypatch.setattr(window.store, "add_message", held_add_message)
+    window.composer.edit.setPlainText("never mind")
+    window.composer.send_button.click()
+    qtbot.waitUntil(lambda: window.chat.reply_id is not None, timeout=10_000)
+    assert not window.store.last_write.done()  # the placeholder's commit is still held
+    with qtbot.wait_signal(window.chat.reply_finished, timeout=60_000) as blocker:
+        window.stop()  # what the Stop button and Esc call
+        gate.set()
+    message_id, result = blocker.args
+
+    assert "generate" not in started and tokens == []  # the worker was never asked for a reply
+    assert result is None
+    saved = window.store.message(message_id)
+    assert (saved.role, saved.content, saved.status) == ("assistant", "", "cancelled")
+    assert "stopped" in window.chat_view.widgets[message_id].stats_label.text()
+    assert not window.chat.busy and window.composer.send_button.text() == "Send"
+
+    _, again = _type_and_send(qtbot, window, "and now?")  # the window answers the next Send
+    assert again.finish_reason == "length" and again.stats.generated_tokens == 50
+    assert started.count("generate") == 1
+    thread = window.store.thread(window.chat.conversation_id)
+    assert [(m.role, m.status) for m in thread] == [
+        ("user", "complete"),
+        ("assistant", "cancelled"),
+        ("user", "complete"),
+        ("assistant", "complete"),
+    ]
+
+
 def test_regenerate_and_switch_versions(qtbot, make_window, run_async, tiny_model):
     window = make_window()
     _load(window, run_async, tiny_model)

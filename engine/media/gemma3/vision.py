@@ -129,7 +129,7 @@ class Gemma3VisionEncoder(LazyTowerEncoder):
             processor = replace(processor, pan_and_scan=item.pan_and_scan)
         boxes: list[tuple[int, int, int, int] | None] = [None, *processor.crop_boxes(image.width, image.height)]
         settings = {**processor.settings(), "model": str(self.source.path), "tower": "gemma3"}
-        whole = media_key(item.source, settings)
+        whole = media_key(item, settings)
         sequence = f"\n\n{BOI}{SOFT * self.tokens}{EOI}\n\n"
         views = []
         for box in boxes:

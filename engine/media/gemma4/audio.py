@@ -367,7 +367,7 @@ class Gemma4AudioEncoder(LazyTowerEncoder):
         samples = load_audio_source(item.source, self.features.sampling_rate)
         feats, mask = self.features(samples)
         n = audio_soft_tokens(mask)
-        key = media_key(item.source, {**self.features.settings(), "model": str(self.source.path), "tower": "gemma4"})
+        key = media_key(item, {**self.features.settings(), "model": str(self.source.path), "tower": "gemma4"})
         return PreparedMedia(
             kind="audio",
             key=key,

@@ -320,7 +320,7 @@ class Gemma4VisionEncoder(LazyTowerEncoder):
     def prepare(self, item: MediaInput) -> PreparedMedia:
         vision = self.processor(load_image(item.source))
         n = vision.soft_tokens
-        key = media_key(item.source, {**self.processor.settings(), "model": str(self.source.path), "tower": "gemma4"})
+        key = media_key(item, {**self.processor.settings(), "model": str(self.source.path), "tower": "gemma4"})
         return PreparedMedia(kind="image", key=key, n_tokens=n, text=f"{BOI}{IMAGE * n}{EOI}", data=vision)
 
     def build(self) -> Gemma4Vision:

@@ -243,7 +243,7 @@ class PixtralEncoder(LazyTowerEncoder):
         pixels = self.processor(load_image(item.source))
         b = self.processor.block
         rows, cols = pixels.shape[1] // b, pixels.shape[2] // b
-        key = media_key(item.source, {**self.processor.settings(), "model": str(self.source.path), "tower": "pixtral"})
+        key = media_key(item, {**self.processor.settings(), "model": str(self.source.path), "tower": "pixtral"})
         views = [
             PreparedMedia(kind="image", key=f"{key}:{r}", n_tokens=cols, text="", data=(key, pixels, r, cols))
             for r in range(rows)

@@ -266,7 +266,7 @@ class QwenVisionEncoder(LazyTowerEncoder):
         settings = {**self.processor.settings(), "model": str(self.source.path), "tower": "qwen2_5_vl"}
         return PreparedMedia(
             kind="image",
-            key=media_key(item.source, settings),
+            key=media_key(item, settings),
             n_tokens=n,
             text=PAD * n,
             data=(vision.pixel_values, (t, h, w)),

@@ -233,7 +233,7 @@ class Qwen2AudioEncoder:
             "seconds": WHISPER_CHUNK_SECONDS,
         }
         return PreparedMedia(
-            kind="audio", key=media_key(item.source, settings), n_tokens=n, text=AUDIO_PAD * n, data=(feats, frames)
+            kind="audio", key=media_key(item, settings), n_tokens=n, text=AUDIO_PAD * n, data=(feats, frames)
         )
 
     def load(self) -> Qwen2AudioTower:

@@ -24,7 +24,7 @@ from engine.media.image import Qwen2VLImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
 from engine.media.qwen3_vl.processor import VideoProcessor
 from engine.media.qwen3_vl.tower import RENAMES, VisionConfig, VisionModel, sanitize
-from engine.media.towers import LazyTowerEncoder, TowerSource, read_image_preprocessor
+from engine.media.towers import LazyTowerEncoder, TowerSource, dtype_bytes, read_image_preprocessor
 from engine.media.video import duration_text, probe
 
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
@@ -104,8 +104,20 @@ class _Encoder:
         self.calls += 1
         return self.tower.encode(item)
 
-    def _key(self, source: Any, settings: dict[str, Any]) -> str:
-        return media_key(source, {**settings, "model": str(self.source.path), "tower": "qwen3_vl"})
+    def max_tokens(self) -> int:
+        """Soft tokens of the largest item the processor makes (its pixel budget)."""
+        raise NotImplementedError
+
+    def max_feature_bytes(self) -> int:
+        """The tower's output for the largest item: its tokens, each out_hidden wide once
+        for the merger and once per DeepStack layer, in the language model's dtype. The
+        features cache is sized by it (engine/media/towers.py)."""
+        cfg = self.vision_config
+        width = cfg.out_hidden_size * (1 + len(cfg.deepstack_visual_indexes))
+        return self.max_tokens() * width * dtype_bytes(self.source.dtype)
+
+    def _key(self, item: MediaInput, settings: dict[str, Any]) -> str:
+        return media_key(item, {**settings, "model": str(self.source.path), "tower": "qwen3_vl"})
 
 
 class ImageEncoder(_Encoder):
@@ -121,6 +133,10 @@ class ImageEncoder(_Encoder):
         pre.setdefault("temporal_patch_size", cfg.temporal_patch_size)
         self.processor = Qwen2VLImageProcessor.from_config(pre)
 
+    def max_tokens(self) -> int:
+        p = self.processor
+        return p.max_pixels // (p.patch_size * p.merge_size) ** 2
+
     def prepare(self, item: MediaInput) -> PreparedMedia:
         vision = self.processor([load_image(item.source)])
         t, h, w = (int(v) for v in vision.image_grid_thw[0])
@@ -128,7 +144,7 @@ class ImageEncoder(_Encoder):
         n = t * h * w // (m * m)
         return PreparedMedia(
             kind="image",
-            key=self._key(item.source, self.processor.settings()),
+            key=self._key(item, self.processor.settings()),
             n_tokens=n,
             text=IMAGE_PAD * n,
             data=(vision.pixel_values, (t, h, w)),
@@ -166,6 +182,11 @@ class VideoEncoder(_Encoder):
         pre.setdefault("temporal_patch_size", cfg.temporal_patch_size)
         self.processor = VideoProcessor.from_config(pre)
 
+    def max_tokens(self) -> int:
+        # The pixel budget counts every frame; each temporal patch of frames is one group.
+        p = self.processor
+        return p.max_pixels // ((p.patch_size * p.merge_size) ** 2 * p.temporal_patch_size)
+
     def prepare(self, item: MediaInput) -> PreparedMedia:
         info = probe(item.source)
         indices = self.processor.sample(info.frames, info.fps)
@@ -177,7 +198,7 @@ class VideoEncoder(_Encoder):
         m = self.processor.merge_size
         per_group = h * w
         n = per_group // (m * m)
-        key = self._key(item.source, self.processor.settings())
+        key = self._key(item, self.processor.settings())
         views, text = [], []
         for g, seconds in enumerate(patches.timestamps):
             pixels = patches.pixel_values[g * per_group : (g + 1) * per_group]

@@ -206,9 +206,7 @@ class VoxtralEncoder(LazyTowerEncoder):
             "rate": WHISPER_SAMPLE_RATE,
             "seconds": WHISPER_CHUNK_SECONDS,
         }
-        return PreparedMedia(
-            kind="audio", key=media_key(item.source, settings), n_tokens=n, text=AUDIO_PAD * n, data=feats
-        )
+        return PreparedMedia(kind="audio", key=media_key(item, settings), n_tokens=n, text=AUDIO_PAD * n, data=feats)
 
     def build(self) -> VoxtralTower:
         return VoxtralTower(self.config, self.text_hidden, self.projector_act)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from engine.api import GenerationParams, MediaInput
+from engine.api import GenerationParams, MediaInput, MemoryPlan
 from engine.errors import MediaError
+from engine.media.towers import DEFAULT_CACHE_BYTES, FEATURES_SHARE, ROOM_SHARE, MediaTowers, TowerSource
 from engine.runtime.host import ModelHost
 
 pytest.importorskip("av")
@@ -30,13 +33,13 @@ GEMMA = GOLDEN / "gemma4_media"
 PARAMS = GenerationParams(max_tokens=3, ignore_eos=True)
 
 
-def load_float32(path: Path) -> ModelHost:
+def load_float32(path: Path, budget: int | None = None) -> ModelHost:
     from engine.runtime import loading as loader
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loader, "load_model", functools.partial(loader.load_model, dtype="float32"))
         host = ModelHost()
-        host.load(str(path))
+        host.load(str(path), budget)
     return host
 
 
@@ -67,6 +70,48 @@ def opens(monkeypatch) -> list[str]:
 @pytest.fixture
 def clip(tmp_path, shared_data) -> Path:
     return make_clip(tmp_path / "clip.mov", shared_data / "images")
+
+
+@pytest.fixture
+def hashed(monkeypatch) -> Callable[[bytes], int]:
+    """How many sha256 hashers were fed a file's bytes (each is one read of it for hashing):
+    hashlib.sha256 wrapped with a recorder, the hashing itself unchanged."""
+    import hashlib
+
+    fed: list[bytearray] = []
+    real = hashlib.sha256
+
+    class Recorded:
+        def __init__(self, data: bytes = b"", **kwargs):
+            self._hash = real(data, **kwargs)
+            self._seen = bytearray(data)
+            fed.append(self._seen)
+
+        def update(self, data) -> None:
+            self._seen += data
+            self._hash.update(data)
+
+        def __getattr__(self, name: str):  # digest, hexdigest, copy, name...
+            return getattr(self._hash, name)
+
+    monkeypatch.setattr(hashlib, "sha256", Recorded)
+    return lambda data: sum(1 for seen in fed if seen.startswith(data))
+
+
+@pytest.mark.parametrize("case", ["video", "both"])
+def test_media_seen_for_the_first_time_is_hashed_once(case, clip, shared_data, hashed):
+    """The prepared-items cache and the features cache key one file under different
+    settings; both keys come from one read of its bytes."""
+    host = load_float32(QWEN)
+    photo = shared_data / "images" / "chelsea.png"
+    media = [MediaInput("video", str(clip))]
+    if case == "both":
+        media.insert(0, MediaInput("image", str(photo)))
+    host.generate("chat", first_turn(QWEN, case), PARAMS, media=media)
+    assert host.towers.prepare_calls == len(media) and host.towers.encode_calls > 0
+    assert hashed(clip.read_bytes()) == 1
+    if case == "both":
+        assert hashed(photo.read_bytes()) == 1
 
 
 def test_a_follow_up_about_a_clip_opens_no_decoder_and_replies_as_a_fresh_model(clip, opens):
@@ -190,3 +235,91 @@ def test_images_and_voice_notes_are_remembered_too(shared_data, monkeypatch):
     assert loads == [] and host.towers.prepare_calls == 2 and host.towers.encode_calls == encodes
     fresh = load_float32(GEMMA).generate("fresh", follow_up(first, reply.text), PARAMS, media=media)
     assert again.token_ids == fresh.token_ids
+
+
+# ---- the features cache's budget follows the model (engine/media/towers.py) ----------------
+
+
+def qwen3_vl_4b(folder: Path, plan: MemoryPlan | None) -> MediaTowers:
+    """MediaTowers for Qwen3-VL-4B's published tower and processor settings (the bench's
+    shapes). No weights: the budget is made from settings before any tower loads."""
+    from engine.artifacts.config import config_from_dict
+    from engine.cli.bench_media import IMAGE_SETTINGS, MEDIA_SHAPES, VIDEO_SETTINGS
+
+    folder.mkdir()
+    settings = {"image_processor": IMAGE_SETTINGS, "video_processor": VIDEO_SETTINGS}
+    (folder / "processor_config.json").write_text(json.dumps(settings))
+    shape = MEDIA_SHAPES["qwen3-vl-4b"]
+    raw = {"model_type": shape["model_type"], "text_config": shape["text"], "vision_config": shape["vision"]}
+    return MediaTowers(TowerSource("Qwen3-VL-4B", folder, config_from_dict(raw), None, "bfloat16"), plan=plan)
+
+
+def budget(plan_bytes: float, weights: float) -> MemoryPlan:
+    return MemoryPlan(int(weights), 0, int(plan_bytes), int(plan_bytes))
+
+
+@dataclass
+class Features:
+    """A stand-in for a tower's output of ``nbytes`` (the cache counts its bytes only)."""
+
+    nbytes: int
+
+
+WIDTH = 2560 * 4 * 2  # bytes a token: 2,560 wide for the merger and its 3 DeepStack layers, bfloat16
+
+
+def clip_feature_bytes(towers: MediaTowers, seconds: int, width: int, height: int) -> int:
+    """A clip's features at Qwen3-VL-4B's settings, as its video processor sizes the frames
+    (2 frames a second, a temporal patch of 2 frames per group of tokens)."""
+    frames = seconds * 2
+    h, w = towers.encoder("video").processor.frame_size(frames, height, width)
+    return frames // 2 * (h // 16) * (w // 16) // 4 * WIDTH
+
+
+def photo_feature_bytes(towers: MediaTowers, width: int, height: int) -> int:
+    h, w = towers.encoder("image").processor.target_size(height, width)
+    return (h // 32) * (w // 32) * WIDTH
+
+
+def test_two_clips_and_a_photo_stay_cached_at_qwen3_vl_4b_size(tmp_path):
+    """At Qwen3-VL-4B's size a 30 s 720p clip's features are ~240 MB (near the most a clip
+    can give: the processor's pixel budget) and a 4K photo's ~166 MB: under the fixed
+    512 MiB two clips filled the cache and a photo beside them evicted one."""
+    towers = qwen3_vl_4b(tmp_path / "4b", budget(16e9, 2.5e9))  # 4-bit weights on a 16 GB budget
+    clip = clip_feature_bytes(towers, 30, 1280, 720)
+    photo = photo_feature_bytes(towers, 3840, 2160)
+    assert 230e6 < clip < 260e6 and 150e6 < photo < 180e6
+    assert 2 * clip + photo > DEFAULT_CACHE_BYTES
+    assert towers.cache.stats().max_bytes >= 2 * towers.encoder("video").max_feature_bytes() + photo
+    for key, size in (("first clip", clip), ("second clip", clip), ("photo", photo)):
+        towers.cache.put(key, Features(size))
+    assert all(key in towers.cache for key in ("first clip", "second clip", "photo"))
+    assert towers.cache.stats().evictions == 0
+
+
+def test_the_features_budget_shrinks_with_a_small_memory_budget(tmp_path):
+    roomy = qwen3_vl_4b(tmp_path / "roomy", budget(16e9, 2.5e9)).cache.stats().max_bytes
+    small = qwen3_vl_4b(tmp_path / "small", budget(4e9, 3e9)).cache.stats().max_bytes
+    assert small <= ROOM_SHARE * 1e9  # most of the 1 GB beside the weights stays the KV cache's
+    tiny = qwen3_vl_4b(tmp_path / "tiny", budget(1e9, 0.1e9)).cache.stats().max_bytes
+    assert tiny <= FEATURES_SHARE * 1e9
+    assert roomy > small > 0 and roomy > tiny > 0
+    unbounded = qwen3_vl_4b(tmp_path / "unbounded", None).cache.stats().max_bytes  # no plan: the items' room
+    assert unbounded >= roomy
+
+
+def test_the_features_estimate_is_the_towers_real_output_and_the_load_bounds_it(clip, shared_data):
+    """The tiny Qwen3-VL: its tower's real output per token is what the estimate counts
+    (out_hidden, once per DeepStack layer too, float32 here), no item exceeds the estimated
+    largest, and a load under a small memory budget gets a smaller features cache."""
+    small = 500_000_000
+    host = load_float32(QWEN, budget=small)
+    towers = host.towers
+    for item in (MediaInput("video", str(clip)), MediaInput("image", str(shared_data / "images" / "chelsea.png"))):
+        encoder = towers.encoder(item.kind)
+        prepared = towers.prepare([item])[0]
+        assert 0 < prepared.n_tokens <= encoder.max_tokens()
+        run = prepared.runs()[0]
+        assert towers.features(run).nbytes == run.n_tokens * encoder.max_feature_bytes() // encoder.max_tokens()
+    assert towers.largest_item_bytes() == max(towers.encoder(k).max_feature_bytes() for k in ("image", "video"))
+    assert towers.cache.stats().max_bytes <= FEATURES_SHARE * small < DEFAULT_CACHE_BYTES
