@@ -5,14 +5,16 @@ Without it a CUDA decode step dequantized the whole cache to full precision ever
 then ran the fast attention kernel on that copy: the cache was read as codes, written out
 at full precision and read again, and a 32k-token chat decoded at a third of the speed of a
 full-precision cache (48 tok/s at 8 bits, 59 at 4 bits, against 181, qwen3-4b on an H200).
-Here the codes are read once, dequantized in registers and never written back.
+Here the codes are read once, dequantized in registers and never written back: 93-108 tok/s
+at 8 bits and 100 at 4 bits against 193 (the rest of the gap is mostly the cache write,
+a quantize and six slice updates a layer, ~1.9 ms a token).
 
 The work is split-K ("flash decoding"): the first kernel gives each block one KV head and
-one slice of the cached tokens; each of its warps walks a share of the slice a few keys at
-a time, lanes across the head dimension, keeping an online softmax (running maximum, sum
-and weighted values) for every query row that reads this KV head (the grouped query heads
-times the queries of the pass). The block's warps merge in shared memory and write one
-partial result per slice; the second kernel merges the slices. Exponentials are base 2 with
+one slice of the cached tokens; each lane group of its warps walks a share of the slice a
+few keys at a time, lanes across the head dimension, keeping an online softmax (running
+maximum, sum and weighted values) for every query row that reads this KV head (the grouped
+query heads times the queries of the pass). The block's lane groups merge in shared memory
+and write one partial result per slice; the second kernel merges the slices. Exponentials are base 2 with
 the scale folded in, as the fast attention kernels do.
 
 Only plain causal attention is fused: no mask (one query) or the "causal" string (the last
@@ -32,12 +34,14 @@ import mlx.core as mx
 # first kernel, a whole warp per key, spent its time there: 5.2 ms a token over 36 layers at
 # 32k where the fast full-precision kernel takes 1.6 ms).
 WARPS = 4
-# Floats a lane may hold per query row, and for its loaded keys (registers, not memory).
+# Floats a lane may hold per query row, and registers for the keys it loads ahead (as
+# codes: dequantized at use, so 4x as many keys are in flight as holding floats would allow).
 LANE_ROW_FLOATS = 64
-LANE_KEY_FLOATS = 32
-# Blocks to aim for across all KV heads: a few per streaming multiprocessor (an H200 has
-# 132), so every multiprocessor has warps waiting on memory while others compute.
-TARGET_BLOCKS = 528
+LANE_LOAD_REGS = 48
+# Blocks to aim for across all KV heads: two per streaming multiprocessor of an H200 (132).
+# At 32k tokens, 264 was as fast as or faster than 528 and 1,056 (more, smaller slices
+# cost more in partial results than they gain in warps waiting on memory).
+TARGET_BLOCKS = 264
 # Fewest keys per slice: below this the partial results cost more than the slice's work.
 MIN_SLICE = 64
 # Query rows times head dimension a block can take: every row's running sums in registers
@@ -102,49 +106,88 @@ _PARTIAL = """
   const long vsbase = (long)b * vs_strides[0] + (long)h * vs_strides[1];
   const int kgroup = (sub * DPL) / GK, vgroup = (sub * DPL) / GV;
 
+  // This lane's share of a row: DPL codes from bit `lead` on, in WPL words; with under a
+  // word each (4-bit codes, few dimensions a lane) it starts inside its one word.
+  constexpr int WPL = (DPL * BITS + 31) / 32;
+  constexpr bool WHOLE = DPL * BITS >= 32;
+  const int lead = sub * DPL * BITS;
+  const int w0 = lead >> 5, lead_shift = lead & 31;
+
   // Every lane runs the same iterations (the shuffles below take the whole warp); a lane
   // group past its keys computes on a repeated key and masks it out.
   for (int j0 = first + warp * G * KPL; j0 < stop; j0 += NW * G * KPL) {
-    float kf[KPL][DPL], vf[KPL][DPL];
+    // Load KPL keys' codes and scales first (loads in flight together), dequantize at use.
+    uint32_t kc[KPL][WPL], vc[KPL][WPL];
+    float k_scale[KPL], k_bias[KPL], v_scale[KPL], v_bias[KPL];
 #pragma unroll
     for (int u = 0; u < KPL; ++u) {
       const int j = min(j0 + u * G + grp, stop - 1);
-      const uint32_t* krow = kw + kbase + (long)j * kw_strides[2];
-      const uint32_t* vrow = vw + vbase + (long)j * vw_strides[2];
-      const float k_scale = static_cast<float>(ks[ksbase + (long)j * ks_strides[2] + kgroup]);
-      const float k_bias = static_cast<float>(kb[ksbase + (long)j * ks_strides[2] + kgroup]);
-      const float v_scale = static_cast<float>(vs[vsbase + (long)j * vs_strides[2] + vgroup]);
-      const float v_bias = static_cast<float>(vb[vsbase + (long)j * vs_strides[2] + vgroup]);
+      const uint32_t* krow = kw + kbase + (long)j * kw_strides[2] + w0;
+      const uint32_t* vrow = vw + vbase + (long)j * vw_strides[2] + w0;
+      if constexpr (WPL == 4) {
+        const uint4 kq = *reinterpret_cast<const uint4*>(krow);
+        const uint4 vq = *reinterpret_cast<const uint4*>(vrow);
+        kc[u][0] = kq.x; kc[u][1] = kq.y; kc[u][2] = kq.z; kc[u][3] = kq.w;
+        vc[u][0] = vq.x; vc[u][1] = vq.y; vc[u][2] = vq.z; vc[u][3] = vq.w;
+      } else if constexpr (WPL == 2) {
+        const uint2 kq = *reinterpret_cast<const uint2*>(krow);
+        const uint2 vq = *reinterpret_cast<const uint2*>(vrow);
+        kc[u][0] = kq.x; kc[u][1] = kq.y;
+        vc[u][0] = vq.x; vc[u][1] = vq.y;
+      } else {
 #pragma unroll
-      for (int d = 0; d < DPL; ++d) {
-        const int bit = (sub * DPL + d) * BITS;
-        kf[u][d] = static_cast<float>((krow[bit >> 5] >> (bit & 31)) & CODE) * k_scale + k_bias;
-        vf[u][d] = static_cast<float>((vrow[bit >> 5] >> (bit & 31)) & CODE) * v_scale + v_bias;
+        for (int w = 0; w < WPL; ++w) {
+          kc[u][w] = krow[w];
+          vc[u][w] = vrow[w];
+        }
       }
+      k_scale[u] = static_cast<float>(ks[ksbase + (long)j * ks_strides[2] + kgroup]);
+      k_bias[u] = static_cast<float>(kb[ksbase + (long)j * ks_strides[2] + kgroup]);
+      v_scale[u] = static_cast<float>(vs[vsbase + (long)j * vs_strides[2] + vgroup]);
+      v_bias[u] = static_cast<float>(vb[vsbase + (long)j * vs_strides[2] + vgroup]);
     }
 #pragma unroll
     for (int u = 0; u < KPL; ++u) {
       const int j = j0 + u * G + grp;
+      float kf[DPL], s[R];
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) {
+        const int bit = WHOLE ? d * BITS : lead_shift + d * BITS;
+        kf[d] = static_cast<float>((kc[u][WHOLE ? bit >> 5 : 0] >> (bit & 31)) & CODE) * k_scale[u] + k_bias[u];
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        float s = 0.f;
+        s[r] = 0.f;
 #pragma unroll
-        for (int d = 0; d < DPL; ++d) s += qv[r][d] * kf[u][d];
+        for (int d = 0; d < DPL; ++d) s[r] += qv[r][d] * kf[d];
+      }
+      // The rows' sums interleave: each shuffle round serves every row at once.
 #pragma unroll
-        for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+      for (int o = LPK / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
+      }
+      float vf[DPL];
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) {
+        const int bit = WHOLE ? d * BITS : lead_shift + d * BITS;
+        vf[d] = static_cast<float>((vc[u][WHOLE ? bit >> 5 : 0] >> (bit & 31)) & CODE) * v_scale[u] + v_bias[u];
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
         // Past the slice, or a key after this query (causal: query l sees keys up to its own).
         if (j >= stop || j > n_keys - L + (r % L)) continue;
-        if (s > m[r]) {
-          const float fade = exp2f(m[r] - s);
-          m[r] = s;
+        if (s[r] > m[r]) {
+          const float fade = exp2f(m[r] - s[r]);
+          m[r] = s[r];
           s_sum[r] *= fade;
 #pragma unroll
           for (int d = 0; d < DPL; ++d) acc[r][d] *= fade;
         }
-        const float p = exp2f(s - m[r]);
+        const float p = exp2f(s[r] - m[r]);
         s_sum[r] += p;
 #pragma unroll
-        for (int d = 0; d < DPL; ++d) acc[r][d] += p * vf[u][d];
+        for (int d = 0; d < DPL; ++d) acc[r][d] += p * vf[d];
       }
     }
   }
@@ -249,6 +292,13 @@ def _lanes_per_key(rows: int, head_dim: int) -> int:
     return 32
 
 
+def _keys_per_load(dims_per_lane: int, bits: int) -> int:
+    """Keys a lane group loads before computing: as many as LANE_LOAD_REGS registers hold
+    (each key: its codes' words for keys and values, and two scales and two biases)."""
+    words = (dims_per_lane * bits + 31) // 32
+    return max(1, min(8, LANE_LOAD_REGS // (2 * words + 4)))
+
+
 def fits(n_heads: int, n_kv: int, n_queries: int, head_dim: int, groups: tuple[int, int], mask) -> bool:
     """Whether the fused kernels take this pass (else the caller dequantizes)."""
     rows = (n_heads // n_kv) * n_queries
@@ -291,7 +341,7 @@ def attend(
         ("REP", rep),
         ("NW", WARPS),
         ("LPK", lanes),
-        ("KPL", max(1, LANE_KEY_FLOATS // (d // lanes))),
+        ("KPL", _keys_per_load(d // lanes, bits)),
     ]
     partial, merge = _kernels()
     part_acc, part_max, part_sum = partial(
