@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from engine.cli.bench import Timing, measure_interleaved, mlx_lm_twin, with_runs
@@ -214,7 +214,7 @@ def _ours_speculative(
 
 
 def warm_rounds(
-    model: Any, prompt: Any, make_drafter: Callable[[], Any], depths: range, compiled: bool | None = None
+    model: Any, prompt: Any, make_drafter: Callable[[], Any], depths: Sequence[int], compiled: bool | None = None
 ) -> float:
     """Decode a few rounds at each of ``depths`` once, untimed, and return how long that took.
 
@@ -333,7 +333,7 @@ def run_speculative(
     and return the figures for ``--json``."""
     import mlx.core as mx
 
-    from engine.decode.draft_depth import AUTO_MAX_DRAFT
+    from engine.decode.draft_depth import AUTO_MAX_DRAFT, auto_depths
     from engine.decode.drafters import DraftModelDrafter, NgramDrafter
     from engine.errors import EngineError
 
@@ -380,10 +380,9 @@ def run_speculative(
         if draft is not None:
             draft_twin = twin if draft is model else mlx_lm_twin(draft, draft_config, draft_quantized)
             loops.append((_theirs_speculative(draft_twin, k, from_draft), twin))
-    warm = warm_rounds(model, prompt, make_drafter, range(1, k + 1) if auto else range(k, k + 1), compiled)
-    print(
-        f"warm-up: rounds of {'1-' if auto and k > 1 else ''}{k} drafts once, untimed: {warm * 1000:.0f} ms", flush=True
-    )
+    depths = auto_depths(k) if auto else (k,)  # the depths the run may choose
+    warm = warm_rounds(model, prompt, make_drafter, depths, compiled)
+    print(f"warm-up: rounds of {', '.join(map(str, depths))} drafts once, untimed: {warm * 1000:.0f} ms", flush=True)
     errors: dict[int, str] = {}  # mlx-lm's loops that could not run, and why (the engine's figures stand)
     timed = measure_interleaved(loops, prompt, gen, repeat, errors, peers_from=2)
     assert timed[0] is not None and timed[1] is not None  # the engine's own failure ends the bench
