@@ -391,6 +391,10 @@ def run_speculative(
     print(_row(f"engine+{mode}", spec), flush=True)
     s, depth = stats
     same = spec_ids == plain_ids
+    # The first generated token (0-based) where the runs part, for a bf16 check on a GPU.
+    diverged = next(
+        (i for i, (a, b) in enumerate(zip(spec_ids, plain_ids)) if a != b), min(len(spec_ids), len(plain_ids))
+    )
     spent = None
     if depth is not None:
         print(f"{'':<16} {_depths(depth)}", flush=True)
@@ -401,7 +405,7 @@ def run_speculative(
     print(
         f"{'':<16} {s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted ({s.acceptance_rate:.0%}), "
         f"speed-up {spec.generation_tps / max(plain.generation_tps, 1e-9):.2f}x, "
-        f"tokens identical to plain greedy: {'yes' if same else 'no'}",
+        f"tokens identical to plain greedy: {'yes' if same else f'no, first differing at token {diverged}'}",
         flush=True,
     )
     out: dict[str, Any] = {
@@ -418,6 +422,7 @@ def run_speculative(
             "accepted_draft_tokens": s.accepted_draft_tokens,
             "acceptance_rate": s.acceptance_rate,
             "identical_to_plain": same,
+            "first_difference": None if same else diverged,
             "speedup": spec.generation_tps / max(plain.generation_tps, 1e-9),
         }
     }
