@@ -99,6 +99,6 @@ def test_auto_depth_says_where_the_time_went(mode, compiled):
     assert 0 <= b["first_use_rounds"] <= b["rounds"]
     for line in ("where the time went", "plain tokens", "rounds", "catching up", "unaccounted"):
         assert line in proc.stdout
-    assert "warm-up: rounds of 1-6 drafts" in proc.stdout
+    assert "warm-up: rounds of 1, 2, 4 drafts" in proc.stdout  # the depths auto may choose without Metal
     if compiled:  # every verify size was compiled in the warm-up, none in the timed runs
         assert b["rounds"] > 0 and b["first_use_rounds"] == 0
