@@ -89,6 +89,19 @@ def test_ngram_and_self_drafted_greedy_is_plain_greedy_in_bf16(name, compiled):
     assert stats.accepted_draft_tokens == stats.draft_tokens >= N // 2
 
 
+@pytest.mark.parametrize("k", [8, 12])
+@pytest.mark.parametrize("name", LATENT)
+def test_deep_verify_passes_attend_in_the_steps_form(name, k):
+    """A verify pass of 9 or more queries took latent attention's expanded form (a prompt's),
+    which rounds otherwise than a step's absorbed form: DeepSeek V3 drafting for itself with
+    8 drafts rejected 7 of its own 49 and its output parted from plain greedy at token 5."""
+    model, expected = load(name, mtp=False)
+    prompt = expected["prompt_ids"][:12] * 3
+    got, stats = speculative(model, prompt, DraftModelDrafter(model, model.make_cache(), k), num_draft_tokens=k)
+    assert got == plain(model, prompt, False)
+    assert stats.accepted_draft_tokens == stats.draft_tokens > 0
+
+
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("name", HYBRID + LATENT)
 def test_mtp_greedy_is_plain_greedy_in_bf16(name, k):
@@ -98,3 +111,34 @@ def test_mtp_greedy_is_plain_greedy_in_bf16(name, k):
     got, stats = speculative(model, prompt, MTPDrafter(model, k), num_draft_tokens=k, compiled=True)
     assert got == want
     assert stats.draft_tokens > stats.accepted_draft_tokens  # random MTP weights: rejected, rolled back
+
+
+def test_a_verify_pass_routes_its_tokens_as_steps_do(monkeypatch):
+    """8 tokens x 8 experts (Qwen3.5-35B-A3B's top-8, a pass of 7 drafts) sorted the tokens by
+    expert, which on a GPU runs other expert kernels than a step's unsorted gather; passes of
+    up to 32 tokens stay unsorted, longer ones (prefill) still sort."""
+    from engine.models.switch import SwitchGLU, SwitchLinear
+
+    glu = SwitchGLU(32, 16, 16)
+    seen = []
+    call = SwitchLinear.__call__
+    monkeypatch.setattr(
+        SwitchLinear,
+        "__call__",
+        lambda self, x, idx, sorted_indices=False: seen.append(sorted_indices) or call(self, x, idx, sorted_indices),
+    )
+    for tokens, sorts in ((1, False), (8, False), (32, False), (33, True)):
+        seen.clear()
+        chosen = mx.argsort(mx.random.normal((1, tokens, 16), key=mx.random.key(tokens)), axis=-1)[..., :8]
+        mx.eval(glu(mx.random.normal((1, tokens, 32)), chosen.astype(mx.uint32)))
+        assert seen == [sorts] * 3, tokens
+
+
+@pytest.mark.parametrize("name", LATENT)
+def test_nine_verified_rows_are_nine_steps_bitwise(name):
+    from engine.cli.bench_verify import compare
+
+    model, expected = load(name, mtp=False)
+    ids = mx.array((expected["prompt_ids"] * 3)[:49], dtype=mx.uint32)
+    rows = dict(compare(model, ids[:40], ids[40:]))
+    assert rows["logits (whole pass)"] == 0.0 and max(rows.values()) == 0.0, rows
