@@ -166,6 +166,13 @@ def _recording(
     return run
 
 
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first generated token (0-based) where two runs part, None when they are equal."""
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
 def _ours_plain(model: Any, prompt: Any, gen: int, compiled: bool | None = None) -> Iterator[int]:
     from engine.decode.loop import generate_step
     from engine.models.kv_cache import make_prompt_cache
@@ -390,11 +397,8 @@ def run_speculative(
     print(_row("engine", plain), flush=True)
     print(_row(f"engine+{mode}", spec), flush=True)
     s, depth = stats
-    same = spec_ids == plain_ids
-    # The first generated token (0-based) where the runs part, for a bf16 check on a GPU.
-    diverged = next(
-        (i for i, (a, b) in enumerate(zip(spec_ids, plain_ids)) if a != b), min(len(spec_ids), len(plain_ids))
-    )
+    diverged = first_difference(spec_ids, plain_ids)
+    same = diverged is None
     spent = None
     if depth is not None:
         print(f"{'':<16} {_depths(depth)}", flush=True)
@@ -422,7 +426,7 @@ def run_speculative(
             "accepted_draft_tokens": s.accepted_draft_tokens,
             "acceptance_rate": s.acceptance_rate,
             "identical_to_plain": same,
-            "first_difference": None if same else diverged,
+            "first_difference": diverged,
             "speedup": spec.generation_tps / max(plain.generation_tps, 1e-9),
         }
     }
