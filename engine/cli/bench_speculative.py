@@ -61,6 +61,13 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         help="decode through the compiled step on a CPU too (the default on a GPU only): each new "
         "size of pass then compiles on first use, as kernels are built on a GPU",
     )
+    p.add_argument(
+        "--verify-rows-alone",
+        action="store_true",
+        help="diagnostic: every matmul and attention of a verify pass runs one row at a time, as a "
+        "one-token step runs it (engine/cli/verify_rows.py), to see whether MLX's row-count-dependent "
+        "kernels are what part speculative from plain greedy in bf16, and what exactness would cost",
+    )
 
 
 def repeated_passage_prompt(vocab: int, length: int, seed: int) -> tuple[Any, int]:
@@ -338,6 +345,18 @@ def run_speculative(
 ) -> dict[str, Any]:
     """Time plain and speculative decoding (and mlx-lm's, with ``--vs mlx-lm``); print the table
     and return the figures for ``--json``."""
+    if getattr(args, "verify_rows_alone", False):
+        from engine.cli.verify_rows import rows_alone
+
+        print("verify passes run each row alone (--verify-rows-alone)", flush=True)
+        with rows_alone():  # before anything is traced: the compiled steps keep what they trace
+            return _run(args, model, config, quantized, prompt)
+    return _run(args, model, config, quantized, prompt)
+
+
+def _run(
+    args: argparse.Namespace, model: Any, config: dict[str, Any], quantized: set[str], prompt: Any
+) -> dict[str, Any]:
     import mlx.core as mx
 
     from engine.decode.draft_depth import AUTO_MAX_DRAFT, auto_depths

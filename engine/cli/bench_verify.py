@@ -287,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--tokens", type=int, default=5, help="tokens in the verify pass (default 5)")
     p.add_argument("--compiled", action="store_true", help="also check the compiled decode step (GPU decoding)")
     p.add_argument(
+        "--rows-alone",
+        action="store_true",
+        help="run each row of the verify pass alone, as a step does (engine/cli/verify_rows.py)",
+    )
+    p.add_argument(
         "--primitives",
         action="store_true",
         help="check each MLX primitive a step runs, n rows at once against n one-row calls (no model built)",
@@ -309,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(shape["vocab_size"])
     ids = mx.random.randint(0, vocab, (args.prompt_tokens + args.tokens,), key=mx.random.key(7))
     print(f"{args.shape} on {mx.default_device()}: {args.tokens} tokens after {args.prompt_tokens}", flush=True)
-    for what, rel in compare(model, ids[: args.prompt_tokens], ids[args.prompt_tokens :], args.compiled):
+    from contextlib import nullcontext
+
+    from engine.cli.verify_rows import rows_alone
+
+    with rows_alone() if args.rows_alone else nullcontext():
+        rows = compare(model, ids[: args.prompt_tokens], ids[args.prompt_tokens :], args.compiled)
+    for what, rel in rows:
         print(f"{what:<28} {rel:.2e}" if rel or "argmax" not in what else what, flush=True)
     return 0
 
