@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from engine.cli.bench import Timing, measure_interleaved, mlx_lm_twin, with_runs
@@ -60,6 +60,13 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decode through the compiled step on a CPU too (the default on a GPU only): each new "
         "size of pass then compiles on first use, as kernels are built on a GPU",
+    )
+    p.add_argument(
+        "--verify-rows-alone",
+        action="store_true",
+        help="diagnostic: every matmul and attention of a verify pass runs one row at a time, as a "
+        "one-token step runs it (engine/cli/verify_rows.py), to see whether MLX's row-count-dependent "
+        "kernels are what part speculative from plain greedy in bf16, and what exactness would cost",
     )
 
 
@@ -166,6 +173,13 @@ def _recording(
     return run
 
 
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first generated token (0-based) where two runs part, None when they are equal."""
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
 def _ours_plain(model: Any, prompt: Any, gen: int, compiled: bool | None = None) -> Iterator[int]:
     from engine.decode.loop import generate_step
     from engine.models.kv_cache import make_prompt_cache
@@ -214,7 +228,7 @@ def _ours_speculative(
 
 
 def warm_rounds(
-    model: Any, prompt: Any, make_drafter: Callable[[], Any], depths: range, compiled: bool | None = None
+    model: Any, prompt: Any, make_drafter: Callable[[], Any], depths: Sequence[int], compiled: bool | None = None
 ) -> float:
     """Decode a few rounds at each of ``depths`` once, untimed, and return how long that took.
 
@@ -331,9 +345,21 @@ def run_speculative(
 ) -> dict[str, Any]:
     """Time plain and speculative decoding (and mlx-lm's, with ``--vs mlx-lm``); print the table
     and return the figures for ``--json``."""
+    if getattr(args, "verify_rows_alone", False):
+        from engine.cli.verify_rows import rows_alone
+
+        print("verify passes run each row alone (--verify-rows-alone)", flush=True)
+        with rows_alone():  # before anything is traced: the compiled steps keep what they trace
+            return _run(args, model, config, quantized, prompt)
+    return _run(args, model, config, quantized, prompt)
+
+
+def _run(
+    args: argparse.Namespace, model: Any, config: dict[str, Any], quantized: set[str], prompt: Any
+) -> dict[str, Any]:
     import mlx.core as mx
 
-    from engine.decode.draft_depth import AUTO_MAX_DRAFT
+    from engine.decode.draft_depth import AUTO_MAX_DRAFT, auto_depths
     from engine.decode.drafters import DraftModelDrafter, NgramDrafter
     from engine.errors import EngineError
 
@@ -380,10 +406,9 @@ def run_speculative(
         if draft is not None:
             draft_twin = twin if draft is model else mlx_lm_twin(draft, draft_config, draft_quantized)
             loops.append((_theirs_speculative(draft_twin, k, from_draft), twin))
-    warm = warm_rounds(model, prompt, make_drafter, range(1, k + 1) if auto else range(k, k + 1), compiled)
-    print(
-        f"warm-up: rounds of {'1-' if auto and k > 1 else ''}{k} drafts once, untimed: {warm * 1000:.0f} ms", flush=True
-    )
+    depths = auto_depths(k) if auto else (k,)  # the depths the run may choose
+    warm = warm_rounds(model, prompt, make_drafter, depths, compiled)
+    print(f"warm-up: rounds of {', '.join(map(str, depths))} drafts once, untimed: {warm * 1000:.0f} ms", flush=True)
     errors: dict[int, str] = {}  # mlx-lm's loops that could not run, and why (the engine's figures stand)
     timed = measure_interleaved(loops, prompt, gen, repeat, errors, peers_from=2)
     assert timed[0] is not None and timed[1] is not None  # the engine's own failure ends the bench
@@ -391,7 +416,8 @@ def run_speculative(
     print(_row("engine", plain), flush=True)
     print(_row(f"engine+{mode}", spec), flush=True)
     s, depth = stats
-    same = spec_ids == plain_ids
+    diverged = first_difference(spec_ids, plain_ids)
+    same = diverged is None
     spent = None
     if depth is not None:
         print(f"{'':<16} {_depths(depth)}", flush=True)
@@ -402,7 +428,7 @@ def run_speculative(
     print(
         f"{'':<16} {s.accepted_draft_tokens}/{s.draft_tokens} drafts accepted ({s.acceptance_rate:.0%}), "
         f"speed-up {spec.generation_tps / max(plain.generation_tps, 1e-9):.2f}x, "
-        f"tokens identical to plain greedy: {'yes' if same else 'no'}",
+        f"tokens identical to plain greedy: {'yes' if same else f'no, first differing at token {diverged}'}",
         flush=True,
     )
     out: dict[str, Any] = {
@@ -419,6 +445,7 @@ def run_speculative(
             "accepted_draft_tokens": s.accepted_draft_tokens,
             "acceptance_rate": s.acceptance_rate,
             "identical_to_plain": same,
+            "first_difference": diverged,
             "speedup": spec.generation_tps / max(plain.generation_tps, 1e-9),
         }
     }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 # Speculate only when the model predicts at least this speed-up over plain steps: below it a
@@ -50,6 +50,31 @@ KEPT = 8
 AUTO_MAX_DRAFT = 6
 
 
+def _on_metal() -> bool:
+    """Whether MLX runs on Metal (imported here, so this module stays importable without mlx)."""
+    import mlx.core as mx
+
+    return bool(mx.metal.is_available())
+
+
+def auto_depths(k_max: int) -> tuple[int, ...]:
+    """The drafts per round auto mode may choose, up to ``k_max``.
+
+    Each depth is a verify pass of its own size, and a size runs compiled kernels built on
+    first use. On Metal that takes well under a second, so every depth is open. On CUDA it
+    took about 8 s a size on an H200 (48.6 s for depths 1-6), paid in the middle of a reply:
+    there only powers of two, 1, 2 and 4 up to the default maximum (passes of 2, 3 and 5
+    tokens). They keep the three regimes apart (drafts mostly rejected: one; about half
+    accepted: two; long accepted runs: four) at half the first-use cost, and what depths
+    5-6 would add over 4 is small: at acceptance 0.7 a round of 6 yields 3.06 tokens where
+    4 yields 2.77 (10% more), for a verify pass that costs more too."""
+    if k_max < 1:
+        return ()
+    if _on_metal():
+        return tuple(range(1, k_max + 1))
+    return tuple(2**i for i in range(k_max.bit_length()) if 2**i <= k_max)
+
+
 def draft_count(text: str) -> int | str:
     """A command line's drafts per round: a whole number, or "auto"."""
     if text.strip().lower() == "auto":
@@ -74,16 +99,18 @@ def best_depth(
     round_seconds: Callable[[int], float],
     k_max: int,
     margin: float = MARGIN,
+    depths: Iterable[int] | None = None,
 ) -> int:
     """The number of drafts per round that decodes fastest, or 0 when plain steps are as fast.
 
     ``acceptance``: the chance that a draft is accepted (given the ones before it were);
     ``plain_seconds``: one plain decode step; ``round_seconds(k)``: drafting k tokens and
-    verifying them. Speculation must beat plain by ``margin`` to be chosen."""
+    verifying them. Speculation must beat plain by ``margin`` to be chosen. ``depths``: the
+    candidates (default every depth from 1 to ``k_max``)."""
     if plain_seconds <= 0 or k_max < 1:
         return 0
     best, best_speedup = 0, margin
-    for k in range(1, k_max + 1):
+    for k in range(1, k_max + 1) if depths is None else sorted(d for d in depths if 1 <= d <= k_max):
         cost = round_seconds(k)
         if cost <= 0:
             continue
@@ -157,10 +184,14 @@ class DraftDepth:
     until the plain tokens' time covers it (a model drafting for itself never catches up in a
     short reply: it could not pay anyway). After that, catching up costs what it measured per
     id: a draft model on a CPU, whose catching up after n plain tokens costs about n/3 steps,
-    probes rarely; on a GPU, where that prefill is cheap, the doubling intervals rule."""
+    probes rarely; on a GPU, where that prefill is cheap, the doubling intervals rule.
 
-    def __init__(self, k_max: int = AUTO_MAX_DRAFT):
+    ``depths`` are the drafts per round it may choose (default ``auto_depths(k_max)``: fewer
+    sizes of verify pass where each one's kernels are built slowly on first use)."""
+
+    def __init__(self, k_max: int = AUTO_MAX_DRAFT, depths: Iterable[int] | None = None):
         self.k_max = max(0, k_max)
+        self.depths = auto_depths(self.k_max) if depths is None else tuple(sorted(set(depths)))
         self.plain_times: deque[float] = deque(maxlen=2 * KEPT)
         self.round_times: dict[int, deque[float]] = {}
         self.accepted, self.rejected = PRIOR
@@ -292,12 +323,13 @@ class DraftDepth:
                 self.plain_left = self.probe_gap - 1
                 return 0
             self.probe_due, self.probing = False, True
-            return min(room, max(1, best_depth(self.acceptance, plain, self.round_seconds, self.k_max, margin=0.0)))
+            best = best_depth(self.acceptance, plain, self.round_seconds, self.k_max, 0.0, self.depths)
+            return self._fit(max(1, best), room)
         if self.rounds_in_a_row >= RECHECK:  # time a few plain tokens again
             self.rounds_in_a_row = 0
             self.plain_left = RECHECK_TOKENS - 1
             return 0
-        k = best_depth(self.acceptance, plain, self.round_seconds, self.k_max)
+        k = best_depth(self.acceptance, plain, self.round_seconds, self.k_max, depths=self.depths)
         if k == 0:
             # Plain until the next probe; each probe that finds no gain waits twice as long.
             self.plain_left = self.probe_gap - 1
@@ -305,7 +337,13 @@ class DraftDepth:
             self.probe_due = True
             return 0
         self.probe_gap = PROBE_FIRST
-        return min(room, k)
+        return self._fit(k, room)
+
+    def _fit(self, k: int, room: int) -> int:
+        """The deepest allowed depth up to ``k`` that fits ``room`` (near a reply's end a
+        smaller one, never a size of pass the allowed depths would not run)."""
+        fits = [d for d in self.depths if d <= min(k, room)]
+        return fits[-1] if fits else min(k, room)
 
     def _can_afford_probe(self) -> bool:
         """Whether a probe now keeps all probes' cost within PROBE_BUDGET of the plain time,

@@ -31,8 +31,14 @@ from engine.models.base import RoPE, make_rope
 from engine.models.mla_cache import MLALatentCache
 from engine.models.stacked import project
 
-# Up to this many queries per step attend in the latent space (the absorbed form).
-ABSORB_MAX_QUERIES = 8
+# Up to this many queries per pass attend in the latent space (the absorbed form): every
+# decode step and every speculative verify pass (as for stacked projections and quantized
+# KV reads, 32 rows), so a verify pass computes its rows in a step's form; the expanded one
+# rounds otherwise, and with 8 drafts (9 queries) bf16 greedy output parted from plain
+# greedy. The absorbed form also costs less there: per key and head it reads
+# kv_lora_rank + rope dims per query, where expanding costs 2 x kv_lora_rank x head dims
+# per key whatever the queries (DeepSeek V3's sizes: equal near 170 queries).
+ABSORB_MAX_QUERIES = 32
 
 
 class MultiLinear(nn.Module):

@@ -17,6 +17,11 @@ from engine.errors import ModelLoadError
 # Sorting tokens by expert pays off once there are enough of them (prefill), since each
 # expert's weights are then read once for a run of tokens.
 SORT_THRESHOLD = 64
+# Passes of at most this many tokens (a decode step, a speculative verify pass: 32 rows, as
+# for stacked projections) never sort: a GPU runs other expert kernels for sorted tokens, whose
+# sums round otherwise, and a verify pass must give each token what a one-token step gives
+# (8 tokens x 8 experts would sort, where a step never does).
+UNSORTED_TOKENS = 32
 # nvfp4's per-tensor scale maps amax onto the largest value an e4m3 group scale (448) times
 # an e2m1 weight (6) can hold.
 NVFP4_RANGE = 448.0 * 6.0
@@ -154,7 +159,7 @@ class SwitchGLU(nn.Module):
         k = indices.shape[-1]
         lead = indices.shape[:-1]
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, dims]
-        do_sort = indices.size >= SORT_THRESHOLD
+        do_sort = indices.size >= SORT_THRESHOLD and indices.size // k > UNSORTED_TOKENS
         idx = indices
         if do_sort:
             flat = indices.flatten()

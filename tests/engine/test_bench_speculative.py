@@ -18,6 +18,9 @@ def test_plain_next_to_speculative(mode):
     assert spec["engine"]["generation_tps"] > 0 and spec["speedup"] > 0
     assert 0 <= spec["accepted_draft_tokens"] <= spec["draft_tokens"] > 0
     assert isinstance(spec["identical_to_plain"], bool)
+    # Where the runs part, for a bf16 check on a GPU (none here: the CPU build is exact).
+    assert spec["identical_to_plain"] and spec["first_difference"] is None
+    assert "tokens identical to plain greedy: yes" in proc.stdout
     assert spec["note"] in proc.stdout and "speed-up" in proc.stdout
     if mode == "ngram":
         assert "random passage repeated" in spec["note"]
@@ -99,6 +102,14 @@ def test_auto_depth_says_where_the_time_went(mode, compiled):
     assert 0 <= b["first_use_rounds"] <= b["rounds"]
     for line in ("where the time went", "plain tokens", "rounds", "catching up", "unaccounted"):
         assert line in proc.stdout
-    assert "warm-up: rounds of 1-6 drafts" in proc.stdout
+    assert "warm-up: rounds of 1, 2, 4 drafts" in proc.stdout  # the depths auto may choose without Metal
     if compiled:  # every verify size was compiled in the warm-up, none in the timed runs
         assert b["rounds"] > 0 and b["first_use_rounds"] == 0
+
+
+def test_first_difference_names_where_runs_part():
+    from engine.cli.bench_speculative import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 4, 5], [1, 2, 3, 5]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # one run stopped early

@@ -240,7 +240,8 @@ def test_bench_mla_shape_builds_and_matches_mlx_lm(composed, monkeypatch):
     model, config, quantized = build_model("tiny-mla", 4, 32)
     twin = mlx_lm_twin(model, config, quantized)
     ours, theirs = model.make_cache(), mlx_lm_cache(twin)
-    prompt = mx.array([[(7 * i + 3) % 250 for i in range(12)]])
+    # Longer than a verify pass (mla.ABSORB_MAX_QUERIES): a prompt's expanded form, as mlx-lm's.
+    prompt = mx.array([[(7 * i + 3) % 250 for i in range(40)]])
     assert mx.array_equal(model(prompt, cache=ours), twin(prompt, cache=theirs)).item()
     for token in (5, 17, 101):
         step = mx.array([[token]])

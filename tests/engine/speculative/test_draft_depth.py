@@ -18,6 +18,7 @@ import itertools
 import pytest
 from spec_models import make_llama, plain_greedy
 
+from engine.decode import draft_depth
 from engine.decode.draft_depth import (
     CALIBRATION,
     PROBE_BUDGET,
@@ -70,6 +71,27 @@ def test_a_gain_below_the_margin_stays_plain():
     assert best_depth(0.1, 1.0, lambda k: 1.0 + 0.05 * k, 1, margin=1.0) == 1
 
 
+@pytest.mark.parametrize("metal", [False, True])
+def test_auto_depths_are_fewer_without_metal(monkeypatch, metal):
+    # Only the backend check is replaced: each verify size is compiled on first use, slowly on CUDA.
+    monkeypatch.setattr(draft_depth, "_on_metal", lambda: metal)
+    want = (1, 2, 3, 4, 5, 6) if metal else (1, 2, 4)
+    assert draft_depth.auto_depths(6) == want
+    assert DraftDepth(6).depths == want
+    assert draft_depth.auto_depths(3) == ((1, 2, 3) if metal else (1, 2))
+    assert draft_depth.auto_depths(0) == ()
+
+
+def test_without_metal_the_controller_runs_only_the_allowed_verify_sizes(monkeypatch):
+    monkeypatch.setattr(draft_depth, "_on_metal", lambda: False)
+    depth = DraftDepth(6)
+    # Every draft accepted on a cheap verify pass: it would draft 6 (and 3 or 5 near the end).
+    answers = feed(depth, 1.0, lambda k: 1.0 + 0.02 * k, lambda k: k, 61)
+    assert set(answers) <= {0, 1, 2, 4}
+    assert answers.count(4) > 5
+    assert best_depth(0.9, 1.0, lambda k: 1.0 + 0.02 * k, 6, depths=(1, 2, 4)) == 4
+
+
 def feed(depth: DraftDepth, plain: float, round_cost, accept, tokens: int, catch_up: float = 0.0) -> list[int]:
     """Drive the controller as the loop does for ``tokens`` tokens: each answer is a plain
     token (timed ``plain``) or a round of k drafts (timed ``round_cost(k)``, ``accept(k)``
@@ -95,7 +117,7 @@ def feed(depth: DraftDepth, plain: float, round_cost, accept, tokens: int, catch
 
 
 def test_the_controller_calibrates_then_drafts_where_it_pays():
-    depth = DraftDepth(6)
+    depth = DraftDepth(6, depths=range(1, 7))  # every depth open, as on Metal
     answers = feed(depth, 1.0, lambda k: 1.0 + 0.02 * k, lambda k: k, 60)  # every draft accepted
     assert answers[:CALIBRATION] == [0] * CALIBRATION  # plain steps measure what a round competes with
     assert answers[CALIBRATION] == 1  # a first round of one draft, to measure a round's cost
@@ -139,7 +161,7 @@ def test_probes_cost_at_most_their_budget(catch_up):
 
 
 def test_the_controller_resumes_drafting_when_it_pays_again():
-    depth = DraftDepth(4)
+    depth = DraftDepth(4, depths=range(1, 5))
     feed(depth, 1.0, lambda k: 1.0 + 0.05 * k, lambda k: 0, 40)  # nothing accepted: plain
     assert depth.next(10) == 0
     wait = depth.plain_left  # plain tokens until the next probe
