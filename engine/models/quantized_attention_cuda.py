@@ -5,7 +5,7 @@ Without it a CUDA decode step dequantized the whole cache to full precision ever
 then ran the fast attention kernel on that copy: the cache was read as codes, written out
 at full precision and read again, and a 32k-token chat decoded at a third of the speed of a
 full-precision cache (48 tok/s at 8 bits, 59 at 4 bits, against 181, qwen3-4b on an H200).
-Here the codes are read once, dequantized in registers and never written back: 93-108 tok/s
+Here the codes are read once, dequantized in registers and never written back: 143 tok/s
 at 8 bits and 100 at 4 bits against 193 (the rest of the gap is mostly the cache write,
 a quantize and six slice updates a layer, ~1.9 ms a token).
 
@@ -44,10 +44,10 @@ LANE_LOAD_REGS = 48
 TARGET_BLOCKS = 264
 # Fewest keys per slice: below this the partial results cost more than the slice's work.
 MIN_SLICE = 64
-# Query rows times head dimension a block can take: every row's running sums in registers
-# (at most LANE_ROW_FLOATS a lane with a whole warp on a key), and in the merge, in shared
-# memory, at 32 KB a block.
-MAX_ROW_FLOATS = 32 * LANE_ROW_FLOATS
+# Query rows a block takes (grouped heads times the pass's queries; more are split across
+# blocks): their running sums stay in registers at 16 lanes a key for a head of 128, and
+# in shared memory for the merge (32 KB a block at most).
+ROWS_PER_BLOCK = 8
 
 _HEADER = """
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
@@ -59,11 +59,12 @@ __device__ __forceinline__ float warp_sum(float x) {
 """
 
 # Template constants: InT (the activations' dtype), D (head dim), BITS, GK/GV (key/value
-# group sizes), L (queries in the pass), REP (query heads per KV head), NW (warps), LPK
+# group sizes), L (queries in the pass), REP (query heads per KV head), RB (query rows a
+# block takes), NW (warps), LPK
 # (lanes per key: a warp reads 32 / LPK keys at once), KPL (keys each lane group loads
 # before computing), NKV (KV heads; merge only). A model compiles a few: one per L.
 _PARTIAL = """
-  constexpr int R = REP * L;
+  constexpr int R = REP * L;  // query rows reading this KV head; this block takes RB of them
   constexpr int DPL = D / LPK;
   constexpr int G = 32 / LPK;
   constexpr unsigned CODE = (1u << BITS) - 1u;
@@ -74,7 +75,8 @@ _PARTIAL = """
   const int walker = warp * G + grp;  // this lane group's share of the slice
   const int split = blockIdx.y;
   const int n_splits = gridDim.y;
-  const int bh = blockIdx.z;
+  const int bh = blockIdx.z / (R / RB);
+  const int row0 = (blockIdx.z % (R / RB)) * RB;
   const int n_kv = kw_shape[1];
   const int b = bh / n_kv, h = bh % n_kv;
   const int n_keys = kw_shape[2];
@@ -83,17 +85,17 @@ _PARTIAL = """
   const int stop = min(first + chunk, n_keys);
   const float scale = sc[0] * 1.44269504088896340736f;  // log2(e): exp2 below
 
-  float qv[R][DPL];
+  float qv[RB][DPL];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int head = h * REP + r / L, l = r % L;
+  for (int r = 0; r < RB; ++r) {
+    const int head = h * REP + (row0 + r) / L, l = (row0 + r) % L;
     const InT* row = q + (((long)b * (n_kv * REP) + head) * L + l) * D + sub * DPL;
 #pragma unroll
     for (int d = 0; d < DPL; ++d) qv[r][d] = static_cast<float>(row[d]) * scale;
   }
-  float m[R], s_sum[R], acc[R][DPL];
+  float m[RB], s_sum[RB], acc[RB][DPL];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RB; ++r) {
     m[r] = NEG;
     s_sum[r] = 0.f;
 #pragma unroll
@@ -149,14 +151,14 @@ _PARTIAL = """
 #pragma unroll
     for (int u = 0; u < KPL; ++u) {
       const int j = j0 + u * G + grp;
-      float kf[DPL], s[R];
+      float kf[DPL], s[RB];
 #pragma unroll
       for (int d = 0; d < DPL; ++d) {
         const int bit = WHOLE ? d * BITS : lead_shift + d * BITS;
         kf[d] = static_cast<float>((kc[u][WHOLE ? bit >> 5 : 0] >> (bit & 31)) & CODE) * k_scale[u] + k_bias[u];
       }
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < RB; ++r) {
         s[r] = 0.f;
 #pragma unroll
         for (int d = 0; d < DPL; ++d) s[r] += qv[r][d] * kf[d];
@@ -165,7 +167,7 @@ _PARTIAL = """
 #pragma unroll
       for (int o = LPK / 2; o > 0; o >>= 1) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
+        for (int r = 0; r < RB; ++r) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
       }
       float vf[DPL];
 #pragma unroll
@@ -174,9 +176,9 @@ _PARTIAL = """
         vf[d] = static_cast<float>((vc[u][WHOLE ? bit >> 5 : 0] >> (bit & 31)) & CODE) * v_scale[u] + v_bias[u];
       }
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < RB; ++r) {
         // Past the slice, or a key after this query (causal: query l sees keys up to its own).
-        if (j >= stop || j > n_keys - L + (r % L)) continue;
+        if (j >= stop || j > n_keys - L + ((row0 + r) % L)) continue;
         if (s[r] > m[r]) {
           const float fade = exp2f(m[r] - s[r]);
           m[r] = s[r];
@@ -193,11 +195,11 @@ _PARTIAL = """
   }
 
   // Merge the block's lane groups (NW * G partial softmaxes) through shared memory.
-  __shared__ float sh_m[NW * G][R];
-  __shared__ float sh_sum[NW * G][R];
-  __shared__ float sh_acc[NW * G][R][D];
+  __shared__ float sh_m[NW * G][RB];
+  __shared__ float sh_sum[NW * G][RB];
+  __shared__ float sh_acc[NW * G][RB][D];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RB; ++r) {
 #pragma unroll
     for (int d = 0; d < DPL; ++d) sh_acc[walker][r][sub * DPL + d] = acc[r][d];
     if (sub == 0) {
@@ -206,8 +208,8 @@ _PARTIAL = """
     }
   }
   __syncthreads();
-  const long out_row = ((long)bh * n_splits + split) * R;
-  for (int i = threadIdx.x; i < R * D; i += NW * 32) {
+  const long out_row = ((long)bh * n_splits + split) * R + row0;
+  for (int i = threadIdx.x; i < RB * D; i += NW * 32) {
     const int r = i / D, d = i % D;
     float top = NEG;
     for (int w = 0; w < NW * G; ++w) top = fmaxf(top, sh_m[w][r]);
@@ -299,15 +301,21 @@ def _keys_per_load(dims_per_lane: int, bits: int) -> int:
     return max(1, min(8, LANE_LOAD_REGS // (2 * words + 4)))
 
 
+def _rows_per_block(rows: int) -> int:
+    """The most query rows one block takes (at most ROWS_PER_BLOCK, dividing ``rows``): a
+    verify pass with more rows splits them across blocks, each reading the slice again."""
+    return max(n for n in range(1, min(rows, ROWS_PER_BLOCK) + 1) if rows % n == 0)
+
+
 def fits(n_heads: int, n_kv: int, n_queries: int, head_dim: int, groups: tuple[int, int], mask) -> bool:
     """Whether the fused kernels take this pass (else the caller dequantizes)."""
-    rows = (n_heads // n_kv) * n_queries
+    if n_kv == 0 or n_heads % n_kv:
+        return False
+    rows = _rows_per_block((n_heads // n_kv) * n_queries)
     return (
         (mask is None or (isinstance(mask, str) and mask == "causal"))
-        and n_heads % n_kv == 0
         and head_dim % 32 == 0
         and head_dim <= 256
-        and rows * head_dim <= MAX_ROW_FLOATS
         # a lane's dimensions share one scale
         and all(head_dim // _lanes_per_key(rows, head_dim) <= g for g in groups)
     )
@@ -328,9 +336,11 @@ def attend(
     n_kv, n_keys = keys[0].shape[1], keys[0].shape[2]
     rep = n_heads // n_kv
     q = mx.contiguous(queries)
-    splits = max(1, min(math.ceil(TARGET_BLOCKS / (b * n_kv)), math.ceil(n_keys / MIN_SLICE)))
     rows = rep * n_q
-    lanes = _lanes_per_key(rows, d)
+    block_rows = _rows_per_block(rows)
+    row_groups = rows // block_rows
+    splits = max(1, min(math.ceil(TARGET_BLOCKS / (b * n_kv * row_groups)), math.ceil(n_keys / MIN_SLICE)))
+    lanes = _lanes_per_key(block_rows, d)
     template = [
         ("InT", queries.dtype),
         ("D", d),
@@ -339,6 +349,7 @@ def attend(
         ("GV", groups[1]),
         ("L", n_q),
         ("REP", rep),
+        ("RB", block_rows),
         ("NW", WARPS),
         ("LPK", lanes),
         ("KPL", _keys_per_load(d // lanes, bits)),
@@ -347,7 +358,7 @@ def attend(
     part_acc, part_max, part_sum = partial(
         inputs=[q, _scale_array(scale), *keys, *values],
         template=template,
-        grid=(WARPS * 32, splits, b * n_kv),
+        grid=(WARPS * 32, splits, b * n_kv * row_groups),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(b * n_kv, splits, rows, d), (b * n_kv, splits, rows), (b * n_kv, splits, rows)],
         output_dtypes=[mx.float32] * 3,
