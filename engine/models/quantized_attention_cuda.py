@@ -5,7 +5,7 @@ Without it a CUDA decode step dequantized the whole cache to full precision ever
 then ran the fast attention kernel on that copy: the cache was read as codes, written out
 at full precision and read again, and a 32k-token chat decoded at a third of the speed of a
 full-precision cache (48 tok/s at 8 bits, 59 at 4 bits, against 181, qwen3-4b on an H200).
-Here the codes are read once, dequantized in registers and never written back: 143 tok/s
+Here the codes are read once, dequantized in registers and never written back: 93-143 tok/s
 at 8 bits and 100 at 4 bits against 193 (the rest of the gap is mostly the cache write,
 a quantize and six slice updates a layer, ~1.9 ms a token).
 
