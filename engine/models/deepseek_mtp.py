@@ -40,6 +40,23 @@ def nextn_part(name: str, n_layers: int) -> tuple[int, str] | None:
     return int(m.group(1)) - n_layers, m.group(2)
 
 
+def mtp_name(rest: str) -> str:
+    """Where a name inside the first stored MTP layer (``model.layers.N.<rest>``) lives on the
+    model: the module's own parts under ``mtp.``, its decoder layer under ``mtp.layers.0.``."""
+    own = rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head")
+    return ("mtp." if own else "mtp.layers.0.") + rest
+
+
+def mtp_module_path(path: str, n_layers: int) -> str | None:
+    """The path on the model (``mtp.*``) of a module that an adapter names as the checkpoints
+    store the first MTP layer (``model.layers.N.self_attn.q_a_proj``, N = ``n_layers``), else
+    None (not that layer; or one of its copies of the embedding and head, never loaded)."""
+    part = nextn_part(path, n_layers)
+    if part is None or part[0] > 0 or (part[1] + ".").startswith(SHARED_COPIES):
+        return None
+    return mtp_name(part[1])
+
+
 def left_out(name: str, n_layers: int) -> bool:
     """Stored but never loaded: MTP layers after the first (the drafter chains the first on
     itself), and the first one's copies of the embedding and head."""
@@ -117,10 +134,7 @@ def attach_mtp(model: Any, weights: dict[str, mx.array], prepare_layer) -> dict[
         return weights
     full = mtp_args(args, {f"model.layers.{n}.{k}": v for k, v in first.items()})
     head = NextNHead(args, model.model.layer_class(full, n), model.logits)
-    moved = {
-        ("mtp." + k if k.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head") else "mtp.layers.0." + k): v
-        for k, v in first.items()
-    }
+    moved = {mtp_name(k): v for k, v in first.items()}
     try:
         prepare_layer(moved, "mtp.layers.0")
     except (MissingExperts, KeyError):

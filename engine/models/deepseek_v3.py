@@ -19,7 +19,7 @@ import mlx.nn as nn
 from engine.errors import UnsupportedModelError
 from engine.models import routed_moe
 from engine.models.base import BaseModelArgs, CausalLM, DecoderStack, GatedMLP, activation
-from engine.models.deepseek_mtp import attach_mtp, nextn_part
+from engine.models.deepseek_mtp import attach_mtp, mtp_module_path, nextn_part
 from engine.models.deepseek_mtp import left_out as _left_out
 from engine.models.mla import LatentAttention, latent_caches, split_kv_b
 from engine.models.mla_cache import latent_bytes_per_token
@@ -157,6 +157,13 @@ class Model(CausalLM):
         for i in range(self.args.num_hidden_layers):
             self._prepare_layer(weights, f"model.layers.{i}")
         return weights
+
+    def adapter_module(self, path: str) -> str | None:
+        """Where a module an adapter names lives here when its name alone cannot say: adapters
+        trained on the checkpoint's layout name the MTP layer ``model.layers.N.*`` (N =
+        num_hidden_layers), which loads (or waits unread) as ``mtp.*``; sanitize leaves a lone
+        tensor of it out, as it would a layer stored only in part."""
+        return mtp_module_path(path, self.args.num_hidden_layers)
 
     def make_cache(self) -> list:
         return latent_caches(len(self.layers))

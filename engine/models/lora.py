@@ -336,9 +336,15 @@ def _find(model: nn.Module, path: str, unread: Mapping[str, nn.Module]) -> tuple
 
 
 def _model_path(model: nn.Module, path: str, unread: Mapping[str, nn.Module]) -> str:
-    """The module path in this model: as written, or renamed the way the family renames checkpoint
-    weights (e.g. a multimodal wrapper's ``language_model.model.`` prefix)."""
-    if _find(model, path, unread) is not None or not hasattr(model, "sanitize"):
+    """The module path in this model: as written, as the family places it (``adapter_module``), or
+    renamed the way the family renames checkpoint weights (e.g. a multimodal wrapper's
+    ``language_model.model.`` prefix)."""
+    if _find(model, path, unread) is not None:
+        return path
+    moved = _family_path(model, path)
+    if moved is not None and _find(model, moved, unread) is not None:
+        return moved
+    if not hasattr(model, "sanitize"):
         return path
     # A family's sanitize may build a module the names call for (Qwen3.5 its MTP layer, with
     # random weights): the probe must leave the model as it was.
@@ -357,11 +363,23 @@ def _model_path(model: nn.Module, path: str, unread: Mapping[str, nn.Module]) ->
     return path
 
 
+def _family_path(model: nn.Module, path: str) -> str | None:
+    """The family's own answer (its ``adapter_module``) for a name that sanitize's renaming of a
+    lone tensor cannot place: DeepSeek V3's and GLM-5's MTP layer, stored as one more layer."""
+    rule = getattr(model, "adapter_module", None)
+    return rule(path) if callable(rule) else None
+
+
 def _check_target(
     model: nn.Module, path: str, delta: _Delta, parsed: _Parsed, name: str, unread: Mapping[str, nn.Module]
 ) -> nn.Module:
     found = _find(model, path, unread)
     hint = f" ({parsed.base_model}?)" if parsed.base_model else ""
+    if found is None and (_family_path(model, path) or "").startswith("mtp."):
+        raise AdapterError(
+            f"adapter '{name}' targets {path}, in the built-in MTP layer, which this model's weights do not hold "
+            f"(mlx-lm's conversions drop it): mount it on the original checkpoint{hint}"
+        )
     if found is None:
         raise AdapterError(
             f"adapter '{name}' targets {path}, which this model does not have: "
@@ -466,7 +484,13 @@ def mount(
     if not parsed.deltas:
         raise AdapterError(f"{parsed.weights_file} holds no LoRA tensors; there is nothing to mount")
     # Check every target before changing anything, so a refused adapter leaves the model as it was.
-    parsed.deltas = {_model_path(model, p, unread): d for p, d in parsed.deltas.items()}
+    spelled: dict[str, str] = {}  # module path here -> as the adapter names it
+    for p in list(parsed.deltas):
+        here = _model_path(model, p, unread)
+        if here in spelled:  # e.g. the MTP layer both as model.layers.N and as mtp
+            raise AdapterError(f"adapter '{name}' names {here} twice, as {spelled[here]} and as {p}; keep one")
+        spelled[here] = p
+    parsed.deltas = {here: parsed.deltas[p] for here, p in spelled.items()}
     paths = sorted(parsed.deltas, key=_natural)  # report the first mismatch in model order
     for path in paths:
         _check_target(model, path, parsed.deltas[path], parsed, name, unread)

@@ -36,8 +36,8 @@ def held_bytes(module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
-def folder_with_mtp(tmp_path: Path, name: str, layers: int) -> Path:
-    """The golden folder with ``layers`` complete MTP layers appended, bf16 on disk."""
+def folder_with_mtp(tmp_path: Path, name: str, layers: int, dtype=mx.bfloat16) -> Path:
+    """The golden folder with ``layers`` complete MTP layers appended, bf16 on disk (or ``dtype``)."""
     src = GOLDEN / name
     dst = tmp_path / name
     dst.mkdir()
@@ -49,7 +49,7 @@ def folder_with_mtp(tmp_path: Path, name: str, layers: int) -> Path:
         weights.update({k.replace(f"model.layers.{n}.", f"model.layers.{n + i}."): v for k, v in extra.items()})
     config["num_nextn_predict_layers"] = layers
     (dst / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(dst / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    mx.save_safetensors(str(dst / "model.safetensors"), {k: v.astype(dtype) for k, v in weights.items()})
     return dst
 
 
