@@ -68,11 +68,13 @@ class MTPApart:
     671B-class checkpoint's MTP layer is a whole MoE decoder layer, gigabytes."""
 
     head: Any
-    weights: dict[str, Any]  # its parameter names (without "mtp.") -> lazy arrays
+    weights: dict[str, Any] | None  # its parameter names (without "mtp.") -> lazy arrays; None: see unread
     nbytes: int  # what it holds once loaded (the memory plan's mtp_bytes)
     name: str  # the model's, for messages
-    # The same weights afresh, lazy again: an array once evaluated keeps its data, so a read
-    # given up half-way (``attach_mtp_apart`` cancelled) sets the layer apart anew from these.
+    # The same weights afresh, lazy again. An array once evaluated keeps its data, so a read
+    # given up half-way (``attach_mtp_apart`` cancelled) lets its weights go at once, and the
+    # next read takes them anew from here (the files' headers and the family's sanitize, no
+    # data: seconds at most on the largest checkpoints, paid by that read, not by the Stop).
     unread: Callable[[], dict[str, Any]]
 
 
@@ -238,6 +240,8 @@ def attach_mtp_apart(
     time: a large MoE checkpoint's layer is gigabytes, read while a request waits. ``cancel``
     is checked between those chunks; once set, the read stops and False is returned with the
     layer still apart and unread (what was read is let go), the model as it was."""
+    if apart.weights is None:  # an earlier read was given up
+        apart.weights = apart.unread()
     blank = apart.head.parameters()  # the head as built: lazy, nothing allocated
     fill_weights(apart.head, apart.weights, name=apart.name)
     try:
@@ -247,7 +251,7 @@ def attach_mtp_apart(
         raise
     if not read:
         apart.head.update(blank)
-        apart.weights = apart.unread()
+        apart.weights = None
         _release()
         return False
     model.mtp = apart.head

@@ -45,6 +45,8 @@ def reads(events: list[object]) -> list[ProgressEvent]:
 
 
 def in_use() -> int:
+    """Bytes MLX holds now. A layer let go may hold less than at load: the lazy graph's own
+    constants (the + 1 of the one-centred norms) go with it."""
     gc.collect()
     mx.clear_cache()
     return mx.get_active_memory()
@@ -86,7 +88,7 @@ def test_a_stop_during_the_read_leaves_the_layer_apart_and_the_next_request_read
     assert not [e for e in events if isinstance(e, ProgressEvent) and e.stage != "load"]  # no prefill
     # The model as before the read: the layer apart and unread, nothing of it held.
     assert "mtp" not in host.model and host._loaded.mtp_apart is not None
-    assert in_use() == before
+    assert in_use() <= before
     assert host.info.plan == plan and not host.info.plan.mtp_loaded and host.info.context_advice == advice
 
     events.clear()
@@ -115,7 +117,7 @@ def test_a_request_stopped_before_the_read_reads_nothing(folder, monkeypatch):
     result = host.generate_ids(PROMPT, MTP, events.append, cancel)
     assert result.finish_reason == "cancelled" and result.token_ids == []
     assert [e.done for e in reads(events)] == [0]
-    assert "mtp" not in host.model and in_use() == before
+    assert "mtp" not in host.model and in_use() <= before
     assert host.generate_ids(PROMPT, MTP).stats.draft_tokens > 0  # and a later request drafts
 
 
