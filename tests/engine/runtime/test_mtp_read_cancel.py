@@ -28,7 +28,7 @@ from engine.media.towers import ROOM_SHARE, features_cache_bytes
 from engine.runtime import loading
 from engine.runtime.host import ModelHost
 
-from .test_memory_plan_mtp import held_bytes
+from .test_memory_plan_mtp import folder_with_mtp, held_bytes
 from .test_mtp_first_read import GREEDY, MTP, PROMPT, first_draft_logits, loaded, mtp_hub_weights, qwen_folder
 
 MEDIA_GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "qwen3_5_media" / "qwen3_5"
@@ -121,10 +121,15 @@ def test_a_request_stopped_before_the_read_reads_nothing(folder, monkeypatch):
     assert host.generate_ids(PROMPT, MTP).stats.draft_tokens > 0  # and a later request drafts
 
 
-def test_the_weights_set_apart_afresh_are_those_set_apart_at_load(folder):
-    """What a stopped read falls back on is the checkpoint's layer as the load prepared it."""
-    apart = loading.load_model(folder, memory_budget=1 << 34).mtp_apart
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v3", "glm_moe_dsa"])
+def test_the_weights_set_apart_afresh_are_those_set_apart_at_load(folder, tmp_path, name):
+    """What the read after a stopped one takes is the checkpoint's layer as the load prepared
+    it (each family's sanitize, on a scratch model: the loaded one gains no second head)."""
+    path = folder if name == "qwen3_5" else folder_with_mtp(tmp_path, name, layers=2)
+    model = loading.load_model(path, memory_budget=1 << 34)
+    apart = model.mtp_apart
     again = apart.unread()
+    assert "mtp" not in model.model
     assert again.keys() == apart.weights.keys()
     for key, value in apart.weights.items():
         assert again[key] is not value and again[key].dtype == value.dtype
