@@ -278,12 +278,20 @@ class MediaTowers:
             supported_kinds(source.config) if source is not None and source.path.is_dir() else ()
         )
         self._encoders: dict[str, MediaEncoder] = {}
+        self._budget_set = cache_bytes is not None  # outright: it stays whatever the plan
         if cache_bytes is None:
             cache_bytes = features_cache_bytes(self.largest_item_bytes(), plan)
         self.cache: EncodedMediaCache[Any] = EncodedMediaCache(cache_bytes)
         # Prepared items without their tower input, by content and settings (see the top).
         self.prepared: EncodedMediaCache[PreparedMedia] = EncodedMediaCache(PREPARED_CACHE_BYTES, _text_bytes)
         self.prepare_calls = 0  # items prepared afresh (decoded, resized, patched)
+
+    def follow_plan(self, plan: MemoryPlan | None) -> None:
+        """The loaded model's memory plan changed (its built-in MTP layer was read: more
+        weights, less room beside them): the features cache's budget follows, the least
+        recently used features evicted where they no longer fit."""
+        if not self._budget_set:
+            self.cache.resize(features_cache_bytes(self.largest_item_bytes(), plan))
 
     @property
     def name(self) -> str:

@@ -20,7 +20,6 @@ from engine.api import UNLIMITED_CONTEXT, ContextAdvice, MemoryPlan, ModelInfo
 from engine.errors import OutOfMemoryBudget
 from engine.runtime.memory import format_bytes, with_kv_settings
 
-HEADROOM = 0.9  # of the room beside the weights the KV cache may take; the rest: a step's working set
 USEFUL_TOKENS = 32_768  # a long chat or a large document: worth full or 8-bit precision over 4-bit
 PRECISIONS: tuple[int | None, ...] = (None, 8, 4)  # best first
 

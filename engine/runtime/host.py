@@ -455,7 +455,7 @@ class ModelHost:
         yields WAITING (engine.decode.loop) while it waits for a step."""
         self._check_thread()
         self.check_media(messages, media)
-        self._mtp_for(params, on_event, request_id)
+        params = self._mtp_for(params, on_event, request_id, cancel)
         chat = self.session(session_id)
         return chat.stream(
             messages,
@@ -498,20 +498,30 @@ class ModelHost:
     ) -> Iterator[Piece | GenerationResult | object]:
         """``generate_ids``'s stream, not yet run (``batch`` as in ``open_generate``)."""
         self._check_thread()
-        self._mtp_for(params, on_event, request_id)
+        params = self._mtp_for(params, on_event, request_id, cancel)
         chat = self.session(session_id)
         return chat.stream_ids(
             prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id), batch=batch
         )
 
-    def _mtp_for(self, params: GenerationParams | None, on_event: EventSink | None = None, request_id: int = 0) -> None:
+    def _mtp_for(
+        self,
+        params: GenerationParams,
+        on_event: EventSink | None = None,
+        request_id: int = 0,
+        cancel: threading.Event | None = None,
+    ) -> GenerationParams:
         """Read the built-in MTP layer, set apart at load, when a request first drafts with
         it (it then stays, counted in the weights, and chats may grow only as far as the KV
-        cache still fits); refused when the budget cannot hold it. The read is the request's
-        "load" progress, and adapters mounted before it take their targets inside it."""
+        cache still fits; the media features cache shrinks to the room left); refused when
+        the budget cannot hold it. The read is the request's "load" progress, and adapters
+        mounted before it take their targets inside it. Returns the params the request runs
+        with: a request stopped during the read (``cancel``, checked between chunks) leaves
+        the layer apart and unread and goes on without drafting, to end as any request
+        stopped before its prefill does ("cancelled", nothing generated)."""
         state = self._need()
         if params is None or params.speculative != "mtp" or state.mtp_apart is None:
-            return  # no params: the session's defaults, which never draft
+            return params  # no params: the session's defaults, which never draft
         from engine.models import lora as adapters
         from engine.runtime.context_planner import after_more_weights
         from engine.runtime.loading import attach_mtp_apart
@@ -535,14 +545,17 @@ class ModelHost:
                         f"With its built-in MTP layer ({format_bytes(apart.nbytes)}): {e}"
                     ) from None
         reading = f"Reading the built-in MTP layer ({format_bytes(apart.nbytes)})…"
-        attach_mtp_apart(state.model, apart, _progress_sink(on_event, request_id, "load", reading))
+        if not attach_mtp_apart(state.model, apart, _progress_sink(on_event, request_id, "load", reading), cancel):
+            return replace(params, speculative=None)  # stopped: the plan and the limits stay as they were
         state.mtp_apart = None
         adapters.mount_waiting(state.model)
         if plan is not None:
             state.info = replace(info, plan=plan, context_advice=advice or info.context_advice)
+            state.towers.follow_plan(plan)
         if advice is not None and advice.limit:
             for chat in state.sessions.values():
                 chat.context_length = min(chat.context_length or advice.limit, advice.limit)
+        return params
 
     @property
     def batch(self) -> Any:

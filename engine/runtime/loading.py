@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +68,14 @@ class MTPApart:
     671B-class checkpoint's MTP layer is a whole MoE decoder layer, gigabytes."""
 
     head: Any
-    weights: dict[str, Any]  # its parameter names (without "mtp.") -> lazy arrays
+    weights: dict[str, Any] | None  # its parameter names (without "mtp.") -> lazy arrays; None: see unread
     nbytes: int  # what it holds once loaded (the memory plan's mtp_bytes)
     name: str  # the model's, for messages
+    # The same weights afresh, lazy again. An array once evaluated keeps its data, so a read
+    # given up half-way (``attach_mtp_apart`` cancelled) lets its weights go at once, and the
+    # next read takes them anew from here (the files' headers and the family's sanitize, no
+    # data: seconds at most on the largest checkpoints, paid by that read, not by the Stop).
+    unread: Callable[[], dict[str, Any]]
 
 
 @dataclass
@@ -172,7 +178,7 @@ def load_model(
         _check_complete(model, weights, source)
         if dtype is not None:
             weights = cast_floats(weights, dtype)
-        apart = None if mtp else _set_mtp_apart(model, weights, source)
+        apart = None if mtp else _set_mtp_apart(model, weights, source, args, dtype)
         fill_weights(model, weights, name=source.name)
         del weights
         materialise(model, progress)
@@ -197,7 +203,9 @@ def load_model(
     )
 
 
-def _set_mtp_apart(model: Any, weights: dict[str, Any], source: _Source) -> MTPApart | None:
+def _set_mtp_apart(
+    model: Any, weights: dict[str, Any], source: _Source, args: Any, dtype: str | None
+) -> MTPApart | None:
     """Take the MTP layer the family's sanitize built (``model.mtp``, weights ``mtp.*``) off
     the model, its weights still unread."""
     if getattr(model, "mtp", None) is None:
@@ -205,20 +213,49 @@ def _set_mtp_apart(model: Any, weights: dict[str, Any], source: _Source) -> MTPA
     head = model.mtp
     del model.mtp
     taken = {k[len("mtp.") :]: weights.pop(k) for k in [k for k in weights if k.startswith("mtp.")]}
-    return MTPApart(head, taken, source.mtp_bytes, source.name)
+    return MTPApart(head, taken, source.mtp_bytes, source.name, lambda: _mtp_weights_afresh(source, args, dtype))
 
 
-def attach_mtp_apart(model: Any, apart: MTPApart, progress: Progress | None = None) -> None:
+def _mtp_weights_afresh(source: _Source, args: Any, dtype: str | None) -> dict[str, Any]:
+    """The MTP layer's weights as ``load_model`` set them apart, lazy over the files again:
+    read, cast and sanitized alike. Sanitize runs on a scratch model (its parameters lazy,
+    never allocated): the families build their MTP head on the model they sanitize for, and
+    the loaded one must not get another."""
+    from engine import models
+
+    weights = load_weights(source.files)
+    if dtype is not None:
+        weights = cast_floats(weights, dtype)
+    weights = _sanitize(models.get_family(source.config.model_type).Model(args), weights, source)
+    if dtype is not None:
+        weights = cast_floats(weights, dtype)
+    return {k[len("mtp.") :]: v for k, v in weights.items() if k.startswith("mtp.")}
+
+
+def attach_mtp_apart(
+    model: Any, apart: MTPApart, progress: Progress | None = None, cancel: threading.Event | None = None
+) -> bool:
     """Read the MTP layer set apart at load and put it on the model (``model.mtp``).
     ``progress(bytes read, bytes in all)`` follows the read, about ``READ_CHUNK_BYTES`` at a
-    time: a large MoE checkpoint's layer is gigabytes, read while a request waits."""
+    time: a large MoE checkpoint's layer is gigabytes, read while a request waits. ``cancel``
+    is checked between those chunks; once set, the read stops and False is returned with the
+    layer still apart and unread (what was read is let go), the model as it was."""
+    if apart.weights is None:  # an earlier read was given up
+        apart.weights = apart.unread()
+    blank = apart.head.parameters()  # the head as built: lazy, nothing allocated
     fill_weights(apart.head, apart.weights, name=apart.name)
     try:
-        materialise(apart.head, progress, chunk_bytes=READ_CHUNK_BYTES)
+        read = materialise(apart.head, progress, chunk_bytes=READ_CHUNK_BYTES, cancel=cancel)
     except BaseException:
         _release()
         raise
+    if not read:
+        apart.head.update(blank)
+        apart.weights = None
+        _release()
+        return False
     model.mtp = apart.head
+    return True
 
 
 def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _Source:
@@ -328,9 +365,12 @@ def _where_missing(source: _Source) -> str:
     return "; the weight files are incomplete: download the model again"
 
 
-def materialise(model: Any, progress: Progress | None, chunk_bytes: int | None = None) -> None:
+def materialise(
+    model: Any, progress: Progress | None, chunk_bytes: int | None = None, cancel: threading.Event | None = None
+) -> bool:
     """Evaluate the parameters one layer at a time, reporting progress between layers; with
-    ``chunk_bytes``, in runs of parameters of about that many bytes, progress in bytes."""
+    ``chunk_bytes``, in runs of parameters of about that many bytes, progress in bytes.
+    False when ``cancel`` was set before a layer or run (those before it are evaluated)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -350,6 +390,8 @@ def materialise(model: Any, progress: Progress | None, chunk_bytes: int | None =
     if progress is not None:
         progress(0, total)
     for size, arrays in zip(sizes, groups.values()):
+        if cancel is not None and cancel.is_set():
+            return False
         try:
             mx.eval(arrays)
         except Exception as e:  # a file that changed or vanished since its header was read
@@ -357,6 +399,7 @@ def materialise(model: Any, progress: Progress | None, chunk_bytes: int | None =
         done += size
         if progress is not None:
             progress(done, total)
+    return True
 
 
 def _release() -> None:
