@@ -51,18 +51,13 @@ ROWS_PER_BLOCK = 8
 
 _HEADER = """
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
-  return x;
-}
 """
 
 # Template constants: InT (the activations' dtype), D (head dim), BITS, GK/GV (key/value
 # group sizes), L (queries in the pass), REP (query heads per KV head), RB (query rows a
-# block takes), NW (warps), LPK
-# (lanes per key: a warp reads 32 / LPK keys at once), KPL (keys each lane group loads
-# before computing), NKV (KV heads; merge only). A model compiles a few: one per L.
+# block takes), NW (warps), LPK (lanes per key: a warp reads 32 / LPK keys at once), KPL
+# (keys each lane group loads before computing), NKV (KV heads; merge only). A model
+# compiles a few: one per L.
 _PARTIAL = """
   constexpr int R = REP * L;  // query rows reading this KV head; this block takes RB of them
   constexpr int DPL = D / LPK;
