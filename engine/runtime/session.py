@@ -282,8 +282,11 @@ class ChatSession:
             rolling = self.window = RollingWindow(limit, min(sink, len(prompt_ids) - 1))
             params, context_full = replace(params, max_tokens=whole_reply), False
         generated: list[int] = []
+        # Stopped already: nothing will be prefilled (the prefill checks before its first
+        # chunk, and a cancel stays set), so the towers need not encode (seconds for a clip).
+        stopped = cancel is not None and cancel.is_set()
         try:
-            inputs = self._prompt_inputs(media, keep) if media is not None and media.spans else None
+            inputs = self._prompt_inputs(media, keep) if media is not None and media.spans and not stopped else None
         except Exception:
             self.reset()  # the cache was trimmed for a prompt that will not run
             getattr(drafter, "close", lambda: None)()

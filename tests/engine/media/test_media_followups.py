@@ -114,6 +114,24 @@ def test_media_seen_for_the_first_time_is_hashed_once(case, clip, shared_data, h
         assert hashed(photo.read_bytes()) == 1
 
 
+def test_a_request_stopped_before_its_prefill_encodes_nothing(clip):
+    """Stop pressed before the prefill starts: the reply ends cancelled without the towers
+    encoding the clip, and the chat's next request is a fresh model's."""
+    import threading
+
+    host = load_float32(QWEN)
+    video = [MediaInput("video", str(clip))]
+    first = first_turn(QWEN, "video")
+    stopped = threading.Event()
+    stopped.set()
+    result = host.generate("chat", first, PARAMS, cancel=stopped, media=video)
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+    assert host.towers.encode_calls == 0
+    again = host.generate("chat", first, PARAMS, media=video)
+    assert host.towers.encode_calls > 0
+    assert again.token_ids == load_float32(QWEN).generate("chat", first, PARAMS, media=video).token_ids
+
+
 def test_a_follow_up_about_a_clip_opens_no_decoder_and_replies_as_a_fresh_model(clip, opens):
     host = load_float32(QWEN)
     video = [MediaInput("video", str(clip))]
