@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-from engine.api import GenerationParams, SamplingParams
 from engine.errors import AdapterError
 from engine.models import lora
 from engine.models.lora import adapter_set
@@ -38,11 +36,9 @@ from model_goldens import GOLDEN  # noqa: E402
 from spec_models import first_draft_logits  # noqa: E402
 
 from .test_memory_plan_mtp import folder_with_mtp, with_tokenizer  # noqa: E402
-from .test_mtp_first_read import adapted_layers, loaded, peft_adapter  # noqa: E402
+from .test_mtp_first_read import GREEDY, MTP, adapted_layers, loaded, peft_adapter, read_then_mount  # noqa: E402
 
 NAMES = ["deepseek_v3", "glm_moe_dsa"]
-GREEDY = GenerationParams(max_tokens=10, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
-MTP = replace(GREEDY, speculative="mtp", num_draft_tokens=2)
 # The MTP layer's own projection, its attention (the two input projections stacked into one
 # matmul when no adapter acts on them), its shared expert and, for GLM-5, its indexer; and
 # one projection of an ordinary layer, which must stay where it is.
@@ -105,14 +101,9 @@ def test_an_adapter_naming_the_stored_layer_covers_the_mtp_layer(family, tmp_pat
     want_mtp, want_body = set(in_mtp(name)), {ORDINARY}
 
     # The layer read first, then the adapter mounted: the reference.
-    after = loaded(folder)
-    after.generate_ids(ids, MTP)
-    plain_drafts, _ = first_draft_logits(after.model, ids)
-    after.mount_adapter(str(stored), "tuned")
-    after.set_active_adapters({"tuned": 1.0})
+    after, plain_drafts, reference = read_then_mount(folder, stored, "tuned", ids)
     assert adapted_layers(after.model.mtp) == want_mtp
     assert adapted_layers(after.model) - {"mtp." + p for p in want_mtp} == want_body
-    reference, _ = first_draft_logits(after.model, ids)
     assert not mx.allclose(reference, plain_drafts, atol=1e-2).item()  # the adapter moves the drafts
 
     # The adapter mounted first, then the layer read by the first MTP request.

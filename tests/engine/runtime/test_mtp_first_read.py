@@ -140,17 +140,25 @@ MTP_TARGETS = ["mtp.layers.0.self_attn.q_proj", "mtp.fc"]
 IN_MTP = {p.removeprefix("mtp.") for p in MTP_TARGETS}
 
 
+def read_then_mount(folder: Path, adapter: Path, name: str, ids: list[int]) -> tuple[ModelHost, mx.array, mx.array]:
+    """The reference for an adapter covering the MTP layer: the layer read first (by an MTP
+    request), then the adapter mounted and made active. Returns the host and its first
+    drafts' logits before and after the mount."""
+    host = loaded(folder)
+    host.generate_ids(ids, MTP)
+    plain, _ = first_draft_logits(host.model, ids)
+    host.mount_adapter(str(adapter), name)
+    host.set_active_adapters({name: 1.0})
+    reference, _ = first_draft_logits(host.model, ids)
+    return host, plain, reference
+
+
 @pytest.mark.parametrize("dora, spelled", [(False, ""), (True, "model.")], ids=["lora", "dora-model.mtp"])
 def test_an_adapter_mounted_before_the_read_covers_the_mtp_layer(folder, shapes, tmp_path, dora, spelled):
     adapter = peft_adapter(tmp_path, MTP_TARGETS, shapes, dora=dora, spelled=spelled)
     # The layer read first, then the adapter mounted: the reference.
-    after = loaded(folder)
-    after.generate_ids(PROMPT, MTP)
-    plain_drafts, _ = first_draft_logits(after.model, PROMPT)
-    after.mount_adapter(str(adapter), "mtp-tuned")
-    after.set_active_adapters({"mtp-tuned": 1.0})
+    after, plain_drafts, reference = read_then_mount(folder, adapter, "mtp-tuned", PROMPT)
     assert adapted_layers(after.model.mtp) == IN_MTP
-    reference, _ = first_draft_logits(after.model, PROMPT)
     assert not mx.allclose(reference, plain_drafts, atol=1e-2).item()  # the adapter moves the drafts
 
     # The adapter mounted first, then the layer read by the first MTP request.
