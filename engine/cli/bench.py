@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time to first token reopening a -p token chat from its saved cache vs prefilling it",
     )
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="also print bytes read per decoded token, the measured copy bandwidth, the ceiling and each loop's share",
+    )
     add_media_arguments(p)
 
 
@@ -405,6 +410,21 @@ def run_bench(
                 f"medians  prompt {out['ratio_of_medians']['prompt_tps']:.2f}x   "
                 f"generation {out['ratio_of_medians']['generation_tps']:.2f}x (of {args.repeat} runs each)"
             )
+    if getattr(args, "roofline", False):
+        _roofline(model, config, prompt, out, ours, None if args.vs != "mlx-lm" or timed[1] is None else timed[1][0])
     if args.json:
         print(json.dumps(out))
     return 0
+
+
+def _roofline(
+    model: Any, config: dict[str, Any], prompt: Any, out: dict[str, Any], ours: Timing, theirs: Timing | None
+) -> None:
+    """Measured after the timed runs, so its prefill and copies disturb none of them."""
+    from engine.cli import roofline
+
+    line = roofline.measure(model, config, prompt).with_rates(
+        ours.generation_tps, None if theirs is None else theirs.generation_tps
+    )
+    print(line.row(), flush=True)
+    out["roofline"] = line.as_json()
