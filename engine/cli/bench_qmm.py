@@ -1,0 +1,140 @@
+"""``python -m engine.cli.bench_qmm --shape qwen3-4b --rows 1,2,4,6,8,16``: what a quantized
+matrix product of a few rows costs against the floor of reading its weights once.
+
+Decode steps, batch steps and speculative verify passes multiply a handful of rows by
+every weight matrix of the model. Memory-bound, each should cost about one read of the
+matrix whatever the row count up to 16; a kernel that costs several reads for 2-6 rows is
+what makes a verify pass cost several steps and a batch of 8 streams barely faster than one.
+
+For each of the shape's projections (attention's q, the MLP's gate and up as one matrix,
+its down) and each row count, the product is timed two ways on random inputs:
+
+- ``single``: one call per evaluation, so the figure includes one launch and one wait (what
+  an uncompiled step pays per matrix);
+- ``batched``: ``--calls`` independent products in one evaluation, divided by that count
+  (the kernel's own time, launches overlapped).
+
+``floor`` is the matrix's bytes (codes, scales and biases) at the copy bandwidth measured in
+the same run (bytes read and written per second, as ``bench --roofline`` measures it).
+``--json`` prints every figure as one object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from engine.cli.bench_shapes import SHAPES
+
+
+def projections(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """name -> (inputs, outputs) of the shape's dense projections."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config.get("intermediate_size") or config.get("moe_intermediate_size")
+    return {
+        f"q {hidden}->{heads * head_dim}": (hidden, heads * head_dim),
+        f"gate+up {hidden}->{2 * inter}": (hidden, 2 * inter),
+        f"down {inter}->{hidden}": (inter, hidden),
+    }
+
+
+def _time(fn: Any, repeat: int) -> float:
+    import mlx.core as mx
+
+    mx.eval(fn())  # builds the kernel for this shape
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        mx.eval(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_matrix(
+    inputs: int, outputs: int, rows: list[int], bits: int, group_size: int, mode: str, calls: int, repeat: int
+) -> dict[str, Any]:
+    import mlx.core as mx
+
+    w = (mx.random.normal((outputs, inputs)) * inputs**-0.5).astype(mx.bfloat16)
+    q = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+    wq, scales, biases = q[0], q[1], (q[2] if len(q) > 2 else None)
+    mx.eval(wq, scales, *(() if biases is None else (biases,)))
+    nbytes = wq.nbytes + scales.nbytes + (0 if biases is None else biases.nbytes)
+    out: dict[str, Any] = {"bytes": nbytes, "single_us": {}, "batched_us": {}}
+    for n in rows:
+        xs = [mx.random.normal((n, inputs)).astype(mx.bfloat16) for _ in range(calls)]
+        mx.eval(xs)
+
+        def product(x: Any) -> Any:
+            return mx.quantized_matmul(
+                x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+            )
+
+        out["single_us"][n] = _time(lambda: product(xs[0]), repeat) * 1e6
+        out["batched_us"][n] = _time(lambda: [product(x) for x in xs], repeat) / calls * 1e6
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.cli.bench_qmm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
+    p.add_argument("--rows", default="1,2,4,6,8,16", help="row counts, comma separated")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine")
+    p.add_argument("--calls", type=int, default=32, help="independent products in one evaluation (batched)")
+    p.add_argument("--repeat", type=int, default=5, help="timed evaluations; the best is kept")
+    p.add_argument("--copy-mb", type=int, default=1024, help="buffer size for the bandwidth measurement")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        print(f"error: --rows takes whole numbers separated by commas, not {args.rows!r}", file=sys.stderr)
+        return 2
+    if not rows or min(rows) < 1 or min(args.calls, args.repeat, args.copy_mb) < 1:
+        print("error: --rows, --calls, --repeat and --copy-mb must be at least 1", file=sys.stderr)
+        return 2
+    if args.mode != "affine":
+        from engine.artifacts.mlx_quant import MODES
+
+        args.bits, args.group_size = MODES[args.mode].default
+
+    import mlx.core as mx
+
+    from engine.cli.roofline import copy_bandwidth
+
+    bandwidth = copy_bandwidth(args.copy_mb)
+    result: dict[str, Any] = {
+        "shape": args.shape,
+        "device": str(mx.default_device()),
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "mode": args.mode,
+        "bandwidth_bytes_per_s": bandwidth,
+        "matrices": {},
+    }
+    print(
+        f"{args.shape}, {args.mode} {args.bits}-bit g{args.group_size} on {mx.default_device()}: "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; microseconds per product, best of {args.repeat}"
+    )
+    print(f"{'matrix':<26}{'timing':<9}" + "".join(f"{n:>9}" for n in rows) + f"{'floor':>9}")
+    for name, (inputs, outputs) in projections(SHAPES[args.shape]).items():
+        t = time_matrix(inputs, outputs, rows, args.bits, args.group_size, args.mode, args.calls, args.repeat)
+        t["floor_us"] = t["bytes"] / bandwidth * 1e6
+        result["matrices"][name] = t
+        for kind in ("single", "batched"):
+            cells = "".join(f"{t[f'{kind}_us'][n]:9.1f}" for n in rows)
+            print(f"{name:<26}{kind:<9}{cells}{t['floor_us']:9.1f}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
