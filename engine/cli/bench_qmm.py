@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine")
     p.add_argument("--calls", type=int, default=32, help="independent products in one evaluation (batched)")
     p.add_argument("--repeat", type=int, default=5, help="timed evaluations; the best is kept")
-    p.add_argument("--copy-mb", type=int, default=1024, help="buffer size for the bandwidth measurement")
+    p.add_argument("--copy-mb", type=int, help="buffer size for the bandwidth measurement (1 GiB on a GPU)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"error: --rows takes whole numbers separated by commas, not {args.rows!r}", file=sys.stderr)
         return 2
-    if not rows or min(rows) < 1 or min(args.calls, args.repeat, args.copy_mb) < 1:
+    if not rows or min(rows) < 1 or min(args.calls, args.repeat, args.copy_mb or 1) < 1:
         print("error: --rows, --calls, --repeat and --copy-mb must be at least 1", file=sys.stderr)
         return 2
     if args.mode != "affine":
