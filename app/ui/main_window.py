@@ -58,7 +58,7 @@ class MainWindow(QMainWindow):
     def __init__(self, store: HistoryStore, bridge: EngineBridge, dark: bool = False):
         super().__init__()
         self.setWindowTitle("MLX Desk")
-        self.resize(1280, 820)
+        self._fit_to_screen(1280, 820)
         self.store, self.bridge = store, bridge
         self._history_failed.connect(self.notify)
         store.on_failure = self._tell_history_failed
@@ -110,7 +110,6 @@ class MainWindow(QMainWindow):
         split.setStretchFactor(1, 1)
         split.setSizes([250, 800, 290])
         self.sidebar.setMinimumWidth(200)
-        self.settings.setMinimumWidth(300)
         self.setCentralWidget(split)
         self.statusBar().addPermanentWidget(self.gauge)
         self._menus()
@@ -179,6 +178,15 @@ class MainWindow(QMainWindow):
         else:
             self.new_chat()
         self.notify("Ready. Pick a model to start.")
+
+    def _fit_to_screen(self, width: int, height: int) -> None:
+        """Start at ``width`` x ``height``, or the screen's free area when that is smaller
+        (a 1280x800 laptop less its menu bar and dock)."""
+        screen = self.screen() or QApplication.primaryScreen()
+        if screen is not None:
+            free = screen.availableGeometry()
+            width, height = min(width, free.width()), min(height, free.height())
+        self.resize(width, height)
 
     def _menus(self) -> None:
         bar = self.menuBar()
