@@ -101,10 +101,11 @@ class HistoryStore:
         # the writer thread has its own.
         self._reader = sqlite3.connect(self.path, isolation_level=None)
         self._reader.row_factory = sqlite3.Row
+        # First, before anything is written: a newer app's file is refused untouched.
+        bring_up_to_date(self._reader)  # an older history gains what it lacks
         self._reader.execute("PRAGMA journal_mode=WAL")
         self._reader.execute("PRAGMA synchronous=NORMAL")
         self._reader.execute("PRAGMA foreign_keys=ON")
-        bring_up_to_date(self._reader)  # an older history gains what it lacks; a newer one is refused
         # A reply that was streaming when the app died is whatever was saved last.
         self._setup("UPDATE messages SET status='interrupted' WHERE status='streaming'")
         rows = self._reader.execute("SELECT * FROM conversations").fetchall()

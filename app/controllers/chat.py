@@ -258,6 +258,11 @@ class ChatController(QObject):
         msg = self.store.message(assistant_id)
         if msg is None or self.busy or msg.parent_id is None:
             return
+        # The new version takes the old one's place on screen (‹ › brings it back), not a
+        # place below it: show the thread up to the question before the reply starts.
+        thread = self.store.thread(msg.conversation_id)
+        cut = next((i for i, m in enumerate(thread) if m.id == msg.parent_id), len(thread) - 1)
+        self.view.show_thread(thread[: cut + 1], self._versions(thread[: cut + 1]))
         await self._reply(msg.parent_id)
 
     async def edit(self, user_id: int, text: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from app import tasks
+from app import model_prefs, tasks
 from app.bridge import EngineBridge, run_in_thread
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
@@ -13,6 +13,7 @@ from app.controllers.models import ModelController
 from app.controllers.saved_caches import SavedCaches
 from app.controllers.tools import ToolsController
 from app.controllers.transcription import WHISPER_KEY, TranscriptionController
+from app.history_writer import StoreError
 from app.qt import (
     QApplication,
     QEvent,
@@ -332,10 +333,26 @@ class MainWindow(QMainWindow):
 
     # ---- models --------------------------------------------------------------------------------
 
+    def known_model_places(self) -> list[str]:
+        """Beyond the Hugging Face cache: the folders added in the browser, the models loaded
+        lately (a folder given on the command line included) and the one loaded now."""
+        places = model_prefs.added_folders(self.store) + model_prefs.recent_models(self.store)
+        if self.bridge.model_info is not None:
+            places.append(self.bridge.model_info.path)
+        return list(dict.fromkeys(places))
+
+    def _remember(self, change, *args) -> None:
+        """Keep a choice in the history's preferences; a history that cannot take it says so."""
+        try:
+            change(self.store, *args)
+        except StoreError as exc:
+            self.notify(str(exc))
+
     def open_model_browser(self, first_run: bool = False) -> ModelBrowser:
-        browser = ModelBrowser(self.bridge, parent=self)
+        browser = ModelBrowser(self.bridge, extra_dirs=self.known_model_places(), parent=self)
         browser.budget = self.load_setup.budget_for_load()
         browser.load_requested.connect(lambda path: tasks.spawn(self.load_model(path)))
+        browser.folder_added.connect(lambda folder: self._remember(model_prefs.add_folder, folder))
         browser.notice.connect(self.notify)
         if first_run:
             browser.show_recommended(first_run=True)
@@ -350,7 +367,7 @@ class MainWindow(QMainWindow):
         from engine.artifacts import hub  # the cache scan reads folders only: no mlx
 
         try:
-            found = await run_in_thread(hub.scan_local_models, [])
+            found = await run_in_thread(hub.scan_local_models, self.known_model_places())
         except Exception:  # noqa: BLE001 - an unreadable cache counts as empty
             found = []
         if any(m.error is None for m in found):
@@ -361,6 +378,19 @@ class MainWindow(QMainWindow):
 
     async def load_model(self, path: str, memory_budget: int | None = None) -> bool:
         return await self.models.load(path, memory_budget)
+
+    async def reload_last_model(self) -> bool:
+        """At start, load the model loaded last time (if it is still there). Returns whether
+        one was asked for."""
+        path = model_prefs.last_model(self.store)
+        if path is None:
+            return False
+        if not os.path.exists(path):
+            self._remember(model_prefs.forget_model, path)
+            self.notify(f"The model loaded last time is gone ({path}): pick another.")
+            return False
+        await self.load_model(path)
+        return True
 
     def _show_loading(self, name: str) -> None:
         self.error_banner.setVisible(False)
@@ -377,6 +407,7 @@ class MainWindow(QMainWindow):
         self.cancel_load.setVisible(False)
 
     def _show_model(self, info) -> None:
+        self._remember(model_prefs.note_loaded_model, info.path)  # listed, and loaded at the next start
         self.model_button.setText(f"{info.name}  ▾")
         self.chat_view.empty_label.setText(
             f"{info.name} is ready: say hello.\nEnter sends · Shift+Enter adds a line · Esc stops"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from app.bridge import EngineBridge, run_in_thread
@@ -56,6 +57,29 @@ def fits_badge(info: Any, budget: int | None = None) -> str:
     return f"✓ fits ({plan.max_context:,} tok)"
 
 
+def _same_path(a: Any, b: Any) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return str(a) == str(b)
+
+
+def _unique(found: list[Any]) -> list[Any]:
+    """One row a model: a folder added and remembered as loaded, or a cache snapshot also
+    added by hand, is listed once (the first, the cache's, with its repo id)."""
+    seen: set[str] = set()
+    rows = []
+    for model in found:
+        try:
+            key = str(Path(model.path).resolve())
+        except (OSError, RuntimeError, ValueError):
+            key = str(model.path)
+        if key not in seen:
+            seen.add(key)
+            rows.append(model)
+    return rows
+
+
 def _hub():
     from engine.artifacts import hub  # imported on demand: the catalogue is optional at start
 
@@ -68,6 +92,7 @@ class ModelBrowser(QDialog):
     refreshed = Signal()
     searched = Signal(int)  # number of hub results shown
     downloaded = Signal(str)  # repo id, once its files are all in the cache
+    folder_added = Signal(str)  # a folder the person added (the window remembers it)
     _download_progress = Signal(float, float)  # from the download thread
 
     def __init__(self, bridge: EngineBridge, extra_dirs: list[str] | None = None, parent: QWidget | None = None):
@@ -98,7 +123,7 @@ class ModelBrowser(QDialog):
         self.table.doubleClicked.connect(lambda _: self._load_selected())
         lv.addWidget(self.table)
         row = QHBoxLayout()
-        add = QPushButton("Add folder…")
+        add = QPushButton("Add folder…", objectName="addFolder")
         add.clicked.connect(self._add_folder)
         self.delete_button = QPushButton("Delete")
         self.delete_button.clicked.connect(self._delete_selected)
@@ -162,7 +187,7 @@ class ModelBrowser(QDialog):
         except Exception as exc:  # noqa: BLE001 - shown to the user
             emit(self.notice, f"Could not list local models: {exc}")
             found = []
-        self.local = [(m, None) for m in found]
+        self.local = [(m, None) for m in _unique(found)]
         self._fill_local()  # headers are quick: show the list, then add the memory plans
         for i, (model, _) in enumerate(self.local):
             if model.error:
@@ -187,11 +212,22 @@ class ModelBrowser(QDialog):
                 f"{m.context_length:,}" if m.context_length else "—",
                 badge,
             ]
-            tip = m.error or str(m.path)
+            loaded = self._is_loaded(m.path)
+            tip = m.error or (f"{m.path} (loaded now)" if loaded else str(m.path))
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setToolTip(tip)
+                if loaded:  # the model in use stands out, and is where the selection starts
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
                 self.table.setItem(r, c, item)
+            if loaded and self.table.currentRow() < 0:
+                self.table.selectRow(r)
+
+    def _is_loaded(self, path: Any) -> bool:
+        info = self.bridge.model_info
+        return info is not None and _same_path(info.path, path)
 
     def _selected_local(self) -> str | None:
         row = self.table.currentRow()
@@ -207,6 +243,7 @@ class ModelBrowser(QDialog):
         folder = QFileDialog.getExistingDirectory(self, "Add a model folder")
         if folder:
             self.extra_dirs.append(folder)
+            emit(self.folder_added, folder)
             spawn(self.refresh())
 
     def _delete_selected(self) -> None:
