@@ -68,6 +68,7 @@ class MainWindow(QMainWindow):
         self.screenshot_chars = int(os.environ.get("MLX_DESK_SCREENSHOT_CHARS", "60"))
         self._shot_for: int | None = None
         self.browser: ModelBrowser | None = None
+        self._loading_name = ""
 
         self.sidebar = Sidebar(store)
         self.chat_view = ChatView()
@@ -179,6 +180,8 @@ class MainWindow(QMainWindow):
         else:
             self.new_chat()
         self.notify("Ready. Pick a model to start.")
+        if self.tools.config_problem:
+            self.notify(f"MCP tools are off: {self.tools.config_problem} (Chat → Tools).")
 
     def _fit_to_screen(self, width: int, height: int) -> None:
         """Start at ``width`` x ``height``, or the screen's free area when that is smaller
@@ -395,6 +398,7 @@ class MainWindow(QMainWindow):
     def _show_loading(self, name: str) -> None:
         self.error_banner.setVisible(False)
         self.template_notice.setVisible(False)
+        self._loading_name = name
         self.model_button.setText(f"Loading {name}…")
         self.model_button.setEnabled(False)
         self.load_bar.setRange(0, 0)
@@ -492,8 +496,11 @@ class MainWindow(QMainWindow):
             self.composer.set_transcribe_progress(done, total)
             return
         if request_id == self.bridge.active_load and total > 0:
+            share = min(1.0, done / total)
             self.load_bar.setRange(0, 1000)
-            self.load_bar.setValue(int(1000 * done / total))
+            self.load_bar.setValue(int(1000 * share))
+            # The share in words beside the bar, where the eye already is.
+            self.model_button.setText(f"Loading {self._loading_name}… {int(100 * share)}%")
             if message:
                 self.notify(message)
 

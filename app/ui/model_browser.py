@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from app.bridge import EngineBridge, run_in_thread
 from app.memory_units import fmt_bytes, machine_memory
@@ -31,6 +35,23 @@ from app.qt import (
 )
 from app.recommended import recommended_models
 from app.tasks import spawn
+
+CONNECT_TIMEOUT_S = 4.0  # the Hub's address must take a connection this fast
+SEARCH_TIMEOUT_S = 20.0  # and the search answer within this
+
+
+def reachable(endpoint: str | None, timeout: float) -> None:
+    """Raise OSError (one readable line) unless the Hub's host takes a TCP connection."""
+    url = urlsplit(endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return  # through a proxy the host itself may be out of reach: the search's deadline decides
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise OSError(f"{host} cannot be reached ({exc.strerror or exc})") from None
+
 
 COLUMNS = ["Model", "Family", "Params", "Quant", "Size", "Context", "Fits"]
 
@@ -90,7 +111,7 @@ class ModelBrowser(QDialog):
     load_requested = Signal(str)  # model path
     notice = Signal(str)
     refreshed = Signal()
-    searched = Signal(int)  # number of hub results shown
+    searched = Signal(int)  # number of hub results shown (-1: the search failed)
     downloaded = Signal(str)  # repo id, once its files are all in the cache
     folder_added = Signal(str)  # a folder the person added (the window remembers it)
     _download_progress = Signal(float, float)  # from the download thread
@@ -107,6 +128,8 @@ class ModelBrowser(QDialog):
         self._cancel_download: threading.Event | None = None
         # The Hub to talk to; None means huggingface_hub's default (HF_ENDPOINT or the real one).
         self.endpoint: str | None = None
+        self.connect_timeout_s = CONNECT_TIMEOUT_S
+        self.search_timeout_s = SEARCH_TIMEOUT_S
         layout = QVBoxLayout(self)
         tabs = QTabWidget()
         layout.addWidget(tabs)
@@ -310,10 +333,30 @@ class ModelBrowser(QDialog):
         if not query:
             self.show_recommended()
             return
+        self.results_title.setText(f"Searching the Hugging Face Hub for “{query}”…")
+        self._fill_results([])
         try:
-            found = await run_in_thread(_hub().search_hub, query, 50, endpoint=self.endpoint)
-        except Exception as exc:  # noqa: BLE001 - shown to the user
-            emit(self.notice, f"Hub search failed: {exc}")
+            # Offline, the Hub client retries for close to a minute: a quick look at the
+            # address first, and a deadline on the whole search, answer in seconds instead.
+            await asyncio.wait_for(
+                run_in_thread(reachable, self.endpoint, self.connect_timeout_s), self.search_timeout_s
+            )
+            found = await asyncio.wait_for(
+                run_in_thread(_hub().search_hub, query, 50, endpoint=self.endpoint), self.search_timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - shown to the user, in the browser and the status bar
+            why = (
+                f"no answer within {self.search_timeout_s:.0f} s"
+                if isinstance(exc, asyncio.TimeoutError)
+                else " ".join(str(exc).split())
+            )
+            line = (
+                f"Hub search failed: {why}. Searching needs the internet; models already on this "
+                "computer are under “On this computer”."
+            )
+            self.results_title.setText(line)
+            emit(self.notice, line)
+            emit(self.searched, -1)
             return
         self.results_title.setText(f"{len(found)} models on the Hub match “{query}”:")
         self._fill_results(
