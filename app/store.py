@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from app.attachments import mime_type
-from app.history_schema import bring_up_to_date
+from app.history_schema import SCHEMA, bring_up_to_date  # noqa: F401 - SCHEMA stays importable from here
 from app.history_writer import Statement, StoreError, Writer, transaction
 
 DB_NAME = "history.sqlite3"
