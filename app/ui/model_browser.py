@@ -72,10 +72,12 @@ def fits_badge(info: Any, budget: int | None = None) -> str:
         plan = replace(plan, budget_bytes=budget)
     if not plan.fits:
         return "✗ too big"
+    context = getattr(info, "context_length", 0)
     if not plan.kv_limits_context:  # every layer keeps a fixed window: any context fits
-        context = getattr(info, "context_length", 0)
         return f"✓ fits ({context:,} tok)" if context else "✓ fits (any length)"
-    return f"✓ fits ({plan.max_context:,} tok)"
+    # Memory for more tokens than the model reads is no use: say the smaller of the two.
+    tokens = min(plan.max_context, context) if context else plan.max_context
+    return f"✓ fits ({tokens:,} tok)"
 
 
 def _same_path(a: Any, b: Any) -> bool:
@@ -140,6 +142,8 @@ class ModelBrowser(QDialog):
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        # "✓ fits (32,768 tok)" whole: the answer the person opened the list for.
+        self.table.horizontalHeader().setSectionResizeMode(len(COLUMNS) - 1, QHeaderView.ResizeMode.ResizeToContents)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
@@ -169,6 +173,7 @@ class ModelBrowser(QDialog):
         srow.addWidget(self.query, 1)
         hv.addLayout(srow)
         self.results_title = QLabel("", objectName="fieldTitle")
+        self.results_title.setWordWrap(True)  # a long failure wraps instead of widening the dialog
         hv.addWidget(self.results_title)
         self.results = QTableWidget(0, 3)
         self.results.setHorizontalHeaderLabels(["Repository", "Size", "About"])

@@ -212,6 +212,10 @@ def test_browser_remembers_models_and_a_restart_reloads_the_last(qtbot, make_win
     browser = window.open_model_browser()
     qtbot.waitUntil(lambda: "first-model" in _rows(browser), timeout=30_000)
     assert _rows(browser)["first-model"] is True  # the loaded model, marked
+    qtbot.waitUntil(lambda: browser.table.item(0, 6).text() != "…", timeout=30_000)  # inspected
+    assert (
+        browser.table.item(0, 6).text() == "✓ fits (2,048 tok)"
+    )  # as far as the model reads, not what memory would hold
     monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(shelf))
     browser.findChild(QPushButton, "addFolder").click()
     qtbot.waitUntil(lambda: "shelf-model" in _rows(browser), timeout=30_000)

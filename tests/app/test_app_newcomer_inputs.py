@@ -191,6 +191,7 @@ def test_hub_search_offline_gives_up_fast_and_says_so(qtbot, make_window, monkey
     assert blocker.args == [-1] and time.perf_counter() - started < 5
     assert "Hub search failed" in browser.results_title.text()
     assert "cannot be reached" in browser.results_title.text()
+    assert browser.minimumSizeHint().width() < 1000  # the line wraps; the dialog keeps its width
     assert "Hub search failed" in window.statusBar().currentMessage()
 
     # A host that takes the connection and never answers: the search's deadline ends it.
