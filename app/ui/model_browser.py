@@ -399,6 +399,8 @@ class ModelBrowser(QDialog):
             emit(self._download_progress, float(done), float(total))
 
         try:
+            # Offline, say so in seconds rather than after the Hub client's retries.
+            await run_in_thread(reachable, self.endpoint, self.connect_timeout_s)
             path = await run_in_thread(
                 _hub().download, repo_id, progress=progress, cancel=cancel, endpoint=self.endpoint
             )

@@ -194,6 +194,14 @@ def test_hub_search_offline_gives_up_fast_and_says_so(qtbot, make_window, monkey
     assert browser.minimumSizeHint().width() < 1000  # the line wraps; the dialog keeps its width
     assert "Hub search failed" in window.statusBar().currentMessage()
 
+    # Downloading is told as quickly.
+    notices: list[str] = []
+    browser.notice.connect(notices.append)
+    started = time.perf_counter()
+    spawn(browser.download("tiny-org/tiny-model"))
+    qtbot.waitUntil(lambda: any("Download of tiny-org/tiny-model failed" in n for n in notices), timeout=15_000)
+    assert time.perf_counter() - started < 5 and "cannot be reached" in notices[-1]
+
     # A host that takes the connection and never answers: the search's deadline ends it.
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
