@@ -126,6 +126,8 @@ class ServerMenu(QMenu):
 
 def _say_state(window: Any, address: str) -> None:
     if not address:
+        if window.error_banner.text().startswith("Server listening on"):  # no longer true
+            window.error_banner.setVisible(False)
         window.notify("Server stopped")
     elif window.bridge.model_info is None:  # it listens, but every request would get a 503
         window.show_error(

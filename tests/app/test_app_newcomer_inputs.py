@@ -228,6 +228,7 @@ def test_start_server_with_no_model_says_so(qtbot, make_window, run_async, tiny_
         assert window.error_banner.isVisible() and "no model is loaded" in window.error_banner.text()
     finally:
         menu.toggle()
+    assert not window.error_banner.isVisible()  # stopped: the line no longer holds
     assert run_async(window.load_model(str(tiny_model)))
     menu.port.setValue(_closed_port())
     menu.toggle()
