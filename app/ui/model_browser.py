@@ -1,4 +1,10 @@
-"""Model browser: models on disk (with fits badge), hub search, download, delete, load."""
+"""Model browser: models on disk (with fits badge), hub search, download, delete, load.
+
+"On this computer" lists the Hugging Face cache and the places the window passes in
+(``extra_dirs``: folders the person added, models loaded lately, the one loaded now, which
+is marked), each model once. Offline, a search or a download says so within seconds: the
+Hub's host must take a connection first, and the search has a deadline.
+"""
 
 from __future__ import annotations
 
