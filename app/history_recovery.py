@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.history_schema import NewerHistory
 from app.store import DB_NAME, HistoryStore
 
 TABLES = ("conversations", "messages", "attachments", "preferences")
@@ -30,7 +31,7 @@ TABLES = ("conversations", "messages", "attachments", "preferences")
 
 @dataclass
 class HistoryProblem:
-    kind: str  # "damaged" | "read-only" | "unreachable"
+    kind: str  # "damaged" | "newer" | "read-only" | "unreachable"
     data_dir: Path
     detail: str
 
@@ -42,6 +43,12 @@ class HistoryProblem:
                 f"The chat history in {where} is damaged ({self.detail}). You can start a fresh "
                 "history (the damaged file is kept beside it, renamed with today's date), salvage "
                 "what can still be read into a new one, or choose another folder."
+            )
+        if self.kind == "newer":
+            return (
+                f"The chat history in {where} was written by a newer version of MLX Desk ({self.detail}). "
+                "Open it with that version, or start a fresh history here (the file is kept beside it, "
+                "renamed with today's date) or salvage what this version can read into a new one."
             )
         if self.kind == "read-only":
             return (
@@ -57,6 +64,8 @@ class HistoryProblem:
 def _classify(exc: BaseException, data_dir: Path) -> HistoryProblem:
     text = " ".join(str(exc).split()) or "no details"
     low = text.lower()
+    if isinstance(exc, NewerHistory):
+        return HistoryProblem("newer", data_dir, text)
     if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return HistoryProblem("read-only", data_dir, text)
     if "readonly" in low or "read-only" in low or "read only" in low:
@@ -92,10 +101,10 @@ def _stamp() -> str:
     return time.strftime("%Y-%m-%d-%H%M%S")
 
 
-def set_aside(data_dir: Path) -> Path:
-    """Rename the history (and its WAL files) to history-damaged-<date>.sqlite3; returns it."""
+def set_aside(data_dir: Path, why: str = "damaged") -> Path:
+    """Rename the history (and its WAL files) to history-<why>-<date>.sqlite3; returns it."""
     db = data_dir / DB_NAME
-    kept = data_dir / f"{db.stem}-damaged-{_stamp()}{db.suffix}"
+    kept = data_dir / f"{db.stem}-{why}-{_stamp()}{db.suffix}"
     for suffix in ("", "-wal", "-shm"):
         part = Path(str(db) + suffix)
         if part.exists():
@@ -123,10 +132,10 @@ def _readable_rows(old: sqlite3.Connection, table: str) -> list[tuple]:
     return rows
 
 
-def salvage(data_dir: Path) -> tuple[Path, dict[str, int]]:
-    """Copy what can be read into a new history; the damaged one is set aside. Returns the
+def salvage(data_dir: Path, why: str = "damaged") -> tuple[Path, dict[str, int]]:
+    """Copy what can be read into a new history; the old one is set aside. Returns the
     kept file and how many rows of each table came across."""
-    kept = set_aside(data_dir)
+    kept = set_aside(data_dir, why)
     counts: dict[str, int] = {}
     old = sqlite3.connect(f"file:{kept}?mode=ro", uri=True)
     try:
@@ -179,11 +188,11 @@ def open_history(
         if action == "folder" and folder is not None:
             data_dir = Path(folder)
         elif action == "fresh":
-            kept = set_aside(data_dir)
-            notes.append(f"Started a fresh history; the damaged one is kept as {kept.name}.")
+            kept = set_aside(data_dir, opened.kind)
+            notes.append(f"Started a fresh history; the {opened.kind} one is kept as {kept.name}.")
         elif action == "salvage":
-            kept, counts = salvage(data_dir)
+            kept, counts = salvage(data_dir, opened.kind)
             notes.append(
                 f"Salvaged {counts.get('conversations', 0)} chats and {counts.get('messages', 0)} "
-                f"messages; the damaged history is kept as {kept.name}."
+                f"messages; the {opened.kind} history is kept as {kept.name}."
             )

@@ -128,3 +128,49 @@ def _write(store: HistoryStore, model_path: str, entries: list[dict[str, str]]) 
     else:
         table.pop(model_path, None)
     store.set_preference(ADAPTERS_KEY, table or None)
+
+
+# ---- the models this app has met ------------------------------------------------------------
+
+FOLDERS_KEY = "model_folders"  # folders added in the model browser ("Add folder…"), in order
+RECENT_KEY = "recent_models"  # paths of the models loaded lately, most recent first
+RECENT_KEPT = 12  # the browser lists these beside the cache; more would crowd it with old trials
+
+
+def _paths(store: HistoryStore, key: str) -> list[str]:
+    value = store.preference(key, []) or []
+    return [str(p) for p in value if isinstance(p, str) and p] if isinstance(value, list) else []
+
+
+def added_folders(store: HistoryStore) -> list[str]:
+    return _paths(store, FOLDERS_KEY)
+
+
+def add_folder(store: HistoryStore, folder: str) -> None:
+    folders = added_folders(store)
+    if folder not in folders:
+        store.set_preference(FOLDERS_KEY, folders + [folder])
+
+
+def recent_models(store: HistoryStore) -> list[str]:
+    """Models loaded lately, most recent first (some may have been moved or deleted since)."""
+    return _paths(store, RECENT_KEY)
+
+
+def note_loaded_model(store: HistoryStore, path: str) -> None:
+    """A model loaded: it heads the recent list, and is the one loaded at the next start."""
+    recent = [path] + [p for p in recent_models(store) if p != path]
+    if recent != recent_models(store):
+        store.set_preference(RECENT_KEY, recent[:RECENT_KEPT])
+
+
+def last_model(store: HistoryStore) -> str | None:
+    recent = recent_models(store)
+    return recent[0] if recent else None
+
+
+def forget_model(store: HistoryStore, path: str) -> None:
+    """A remembered model that is gone (moved, deleted): no longer offered or reloaded."""
+    recent = recent_models(store)
+    if path in recent:
+        store.set_preference(RECENT_KEY, [p for p in recent if p != path] or None)

@@ -33,54 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from app.attachments import mime_type
+from app.history_schema import SCHEMA, bring_up_to_date  # noqa: F401 - SCHEMA stays importable from here
 from app.history_writer import Statement, StoreError, Writer, transaction
 
 DB_NAME = "history.sqlite3"
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    title TEXT NOT NULL DEFAULT 'New chat',
-    system_prompt TEXT NOT NULL DEFAULT '',
-    settings TEXT NOT NULL DEFAULT '{}',
-    model TEXT NOT NULL DEFAULT '',
-    adapters TEXT NOT NULL DEFAULT '{}',
-    leaf_id INTEGER,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS messages (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,
-    version INTEGER NOT NULL DEFAULT 1,
-    role TEXT NOT NULL,
-    content TEXT NOT NULL DEFAULT '',
-    reasoning TEXT NOT NULL DEFAULT '',
-    status TEXT NOT NULL DEFAULT 'complete',
-    stats TEXT NOT NULL DEFAULT '{}',
-    model TEXT NOT NULL DEFAULT '',
-    adapters TEXT NOT NULL DEFAULT '[]',
-    tool_turns TEXT NOT NULL DEFAULT '[]',
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
-CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(parent_id);
-CREATE TABLE IF NOT EXISTS attachments (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
-    kind TEXT NOT NULL,
-    path TEXT NOT NULL,
-    mime TEXT NOT NULL DEFAULT '',
-    created_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id);
-CREATE TABLE IF NOT EXISTS preferences (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-"""
 
 
 @dataclass
@@ -145,11 +101,11 @@ class HistoryStore:
         # the writer thread has its own.
         self._reader = sqlite3.connect(self.path, isolation_level=None)
         self._reader.row_factory = sqlite3.Row
+        # First, before anything is written: a newer app's file is refused untouched.
+        bring_up_to_date(self._reader)  # an older history gains what it lacks
         self._reader.execute("PRAGMA journal_mode=WAL")
         self._reader.execute("PRAGMA synchronous=NORMAL")
         self._reader.execute("PRAGMA foreign_keys=ON")
-        self._reader.executescript(SCHEMA)
-        self._migrate()
         # A reply that was streaming when the app died is whatever was saved last.
         self._setup("UPDATE messages SET status='interrupted' WHERE status='streaming'")
         rows = self._reader.execute("SELECT * FROM conversations").fetchall()
@@ -169,17 +125,6 @@ class HistoryStore:
         # A store never closed (an exception on the way out) still commits what is queued
         # when the interpreter exits, before the writer's daemon thread is stopped.
         self._close_writer = weakref.finalize(self, self._writer.close)
-
-    def _migrate(self) -> None:
-        """Bring a history written by an earlier version up to this schema."""
-        cols = {r["name"] for r in self._reader.execute("PRAGMA table_info(conversations)")}
-        if "adapters" not in cols:
-            self._setup("ALTER TABLE conversations ADD COLUMN adapters TEXT NOT NULL DEFAULT '{}'")
-        # A reply's tool calls and results, kept apart from its text (app.controllers.tool_turns);
-        # older replies hold them in their text only, and are read as text.
-        cols = {r["name"] for r in self._reader.execute("PRAGMA table_info(messages)")}
-        if "tool_turns" not in cols:
-            self._setup("ALTER TABLE messages ADD COLUMN tool_turns TEXT NOT NULL DEFAULT '[]'")
 
     def _setup(self, sql: str) -> None:
         """A write made while opening, before the writer thread starts."""

@@ -10,6 +10,7 @@ The store commits on its own thread; this controller awaits the commits it depen
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -258,6 +259,11 @@ class ChatController(QObject):
         msg = self.store.message(assistant_id)
         if msg is None or self.busy or msg.parent_id is None:
             return
+        # The new version takes the old one's place on screen (‹ › brings it back), not a
+        # place below it: show the thread up to the question before the reply starts.
+        thread = self.store.thread(msg.conversation_id)
+        cut = next((i for i, m in enumerate(thread) if m.id == msg.parent_id), len(thread) - 1)
+        self.view.show_thread(thread[: cut + 1], self._versions(thread[: cut + 1]))
         await self._reply(msg.parent_id)
 
     async def edit(self, user_id: int, text: str) -> None:
@@ -494,13 +500,24 @@ class ChatController(QObject):
         if skipped:
             what = " and ".join(sorted("audio" if k == "audio" else f"{k}s" for k in skipped))
             emit(self.status, f"Earlier {what} in this chat are left out: {info.name} cannot take them.")
+        # Files gone from the attachments folder (deleted, moved, a restored backup without
+        # them): those messages go as their text, so one lost photo does not fail every turn.
+        gone = {path for m in history for kind, path in m.attachments if kind in kinds and not os.path.exists(path)}
+        if gone:
+            emit(
+                self.status,
+                f"{len(gone)} earlier attachment{'s' if len(gone) > 1 else ''} of this chat "
+                "are no longer on disk (the attachments folder was moved or deleted): the model "
+                "reads those messages without them.",
+            )
         as_text = getattr(FORMATS.get(getattr(info, "tool_format", None) or ""), "arguments_as_text", False)
         out: list[dict[str, Any]] = []
         for m in history:
             if m.role == "assistant" and m.tool_turns:  # its calls and results as the template writes them
                 out += tool_turns.engine_messages(m.content, m.tool_turns, as_text)
             else:
-                out.append({"role": m.role, "content": message_content(m.content, m.attachments, kinds)})
+                kept = [(kind, path) for kind, path in m.attachments if path not in gone]
+                out.append({"role": m.role, "content": message_content(m.content, kept, kinds)})
         return out
 
     async def apply_adapter_choice(self, chosen: dict[str, float]) -> dict[str, float]:

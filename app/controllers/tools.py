@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import shutil
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -52,15 +54,34 @@ class McpServer:
         return self.url or self.command
 
 
-def load_servers(data_dir: Path) -> list[McpServer]:
+def read_config(data_dir: Path) -> tuple[dict[str, Any], str | None]:
+    """``mcp.json`` as a dict, and what is wrong with it in one line (None: nothing). A file
+    that cannot be used reads as empty: the problem is said, the file is left as it is."""
     path = Path(data_dir) / CONFIG_NAME
+    if not path.is_file():
+        return {}, None
     try:
-        raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, ValueError):
-        return []
-    servers = []
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        return {}, f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+    except UnicodeDecodeError:
+        return {}, f"{path} is not UTF-8 text"
+    except OSError as exc:
+        return {}, f"{path} cannot be read ({exc.strerror or exc})"
+    if not isinstance(raw, dict):
+        return {}, f'{path} must hold a JSON object with "mcpServers" in it'
+    if not isinstance(raw.get("mcpServers", {}), dict):
+        return {}, f'"mcpServers" in {path} must be an object of servers by name'
+    return raw, None
+
+
+def read_servers(data_dir: Path) -> tuple[list[McpServer], str | None]:
+    """The servers ``mcp.json`` names, and what is wrong with the file or its entries."""
+    raw, problem = read_config(data_dir)
+    servers, bad = [], []
     for name, entry in (raw.get("mcpServers") or {}).items():
-        if not isinstance(entry, dict):
+        if not isinstance(entry, dict) or not (entry.get("command") or entry.get("url")):
+            bad.append(str(name))
             continue
         command = " ".join(shlex.quote(str(p)) for p in [entry.get("command", ""), *(entry.get("args") or [])] if p)
         servers.append(
@@ -72,24 +93,55 @@ def load_servers(data_dir: Path) -> list[McpServer]:
                 not entry.get("disabled", False),
             )
         )
-    return servers
+    if bad and problem is None:
+        path = Path(data_dir) / CONFIG_NAME
+        problem = f'{path}: {", ".join(bad)} has neither a "command" nor a "url", so it is left out'
+    return servers, problem
 
 
-def save_servers(data_dir: Path, servers: list[McpServer]) -> None:
+def load_servers(data_dir: Path) -> list[McpServer]:
+    return read_servers(data_dir)[0]
+
+
+def save_servers(data_dir: Path, servers: list[McpServer]) -> Path | None:
+    """Write ``servers`` into ``mcp.json``, keeping what this app does not edit (other keys,
+    a server's ``env``). The file before is kept as ``mcp.json.bak``; one that could not be
+    read is kept under a dated name (returned), never overwritten."""
+    path = Path(data_dir) / CONFIG_NAME
+    raw, problem = read_config(data_dir)
+    kept: Path | None = None
+    if path.exists():
+        if problem is not None:
+            kept = path.with_name(f"mcp-unreadable-{time.strftime('%Y-%m-%d-%H%M%S')}.json")
+            shutil.copy2(path, kept)
+        else:
+            shutil.copy2(path, path.with_name(CONFIG_NAME + ".bak"))
+    before = raw.get("mcpServers") or {}
     entries: dict[str, Any] = {}
     for s in servers:
+        entry = (
+            {k: v for k, v in before.get(s.name, {}).items() if k not in _EDITED}
+            if isinstance(before.get(s.name), dict)
+            else {}
+        )
         if s.url:
-            entry: dict[str, Any] = {"url": s.url}
+            entry["url"] = s.url
         else:
             parts = shlex.split(s.command)
-            entry = {"command": parts[0] if parts else "", "args": parts[1:]}
+            entry.update(command=parts[0] if parts else "", args=parts[1:])
         if s.always_allow:
             entry["alwaysAllow"] = sorted(s.always_allow)
         if not s.enabled:
             entry["disabled"] = True
         entries[s.name] = entry
-    path = Path(data_dir) / CONFIG_NAME
-    path.write_text(json.dumps({"mcpServers": entries}, indent=2), encoding="utf-8")
+    partial = path.with_name(CONFIG_NAME + ".part")
+    partial.write_text(json.dumps({**raw, "mcpServers": entries}, indent=2), encoding="utf-8")
+    partial.replace(path)  # never a half-written mcp.json
+    return kept
+
+
+# The keys of a server entry this app writes; any other (env, cwd, headers...) is kept.
+_EDITED = ("command", "args", "url", "alwaysAllow", "disabled")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -221,7 +273,8 @@ class ToolsController(QObject):
         super().__init__(parent)
         self.data_dir = Path(data_dir)
         self.timeout_s = timeout_s
-        self.servers = load_servers(self.data_dir)
+        # What is wrong with mcp.json, if anything: the window and the Tools dialog say it.
+        self.servers, self.config_problem = read_servers(self.data_dir)
         self._links: dict[str, _Link] = {}
         self._owners: dict[str, str] = {}  # tool name -> server name (from the last listing)
         # How the window asks the user about a call: (server, tool, arguments) -> decision.
@@ -237,7 +290,17 @@ class ToolsController(QObject):
             if new is None or not new.enabled or (new.command, new.url) != (old.command, old.url):
                 self._links.pop(name).close()
         self.servers = list(servers)
-        save_servers(self.data_dir, self.servers)
+        try:
+            kept = save_servers(self.data_dir, self.servers)
+        except OSError as exc:
+            emit(self.failed, f"Could not save the MCP servers to {CONFIG_NAME}: {exc.strerror or exc}.")
+            return
+        if kept is not None:
+            emit(
+                self.status,
+                f"{CONFIG_NAME} could not be read, so it is kept as {kept.name}; a new one lists these servers.",
+            )
+        self.config_problem = None
         emit(self.servers_changed)
 
     def add_server(self, name: str, target: str) -> McpServer:

@@ -20,6 +20,7 @@ from app.qt import (
     QLabel,
     QPixmap,
     QScrollArea,
+    QSize,
     Qt,
     QTimer,
     QToolButton,
@@ -144,12 +145,32 @@ class AttachmentStrip(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("attachmentStrip")
-        self.row = QHBoxLayout(self)
+        # However many are attached, the strip keeps the composer's width and scrolls
+        # sideways: the window never grows past the screen (Send stays in reach).
+        outer = QHBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        self.scroll = QScrollArea(objectName="attachmentScroll")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.body = QWidget(objectName="attachmentBody")
+        self.scroll.setWidget(self.body)
+        outer.addWidget(self.scroll)
+        self.row = QHBoxLayout(self.body)
         self.row.setContentsMargins(0, 2, 0, 4)
         self.row.setSpacing(8)
         self.row.addStretch(1)
         self.items: list[QWidget] = []
         self.setVisible(False)
+
+    def sizeHint(self) -> QSize:  # noqa: N802 - Qt override
+        """As tall as a row of thumbnails and its scroll bar; as wide as the composer lets it."""
+        bar = self.scroll.horizontalScrollBar().sizeHint().height()
+        return QSize(THUMB, self.body.sizeHint().height() + bar)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt override
+        return QSize(THUMB, self.sizeHint().height())
 
     def set_items(self, attachments: list[tuple[str, str]]) -> None:
         kept = {(h.item.kind, h.item.path): h for h in self.items}
@@ -175,7 +196,7 @@ class AttachmentStrip(QWidget):
         return any(h.item.path == path and h.item.pending for h in self.items)
 
     def _holder(self, kind: str, path: str) -> QWidget:
-        holder = QWidget(self)
+        holder = QWidget(self.body)
         holder.setObjectName("attachmentHolder")
         item = _Item(kind, path, THUMB, holder, load=False)
         item.clicked.connect(lambda p=path, k=kind: k == "image" and emit(self.preview_requested, p))

@@ -20,6 +20,7 @@ little sense without it.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,19 @@ from app.ui.video import VideoCheck, check_video, duration_text, play
 from engine.api import VideoLimits
 
 MIN_EDIT_HEIGHT = 48
+
+# Attachments one message takes. Each image costs hundreds of prompt tokens (a video, many
+# frames), so beyond a few dozen a message outgrows any small model's context and takes
+# minutes to read; the person hears it at once instead of a failure after the wait.
+MAX_ATTACHMENTS = 20
 METER_INTERVAL_MS = 80
+# Text one message takes: about 100k tokens, as much as a large context holds. A bigger paste
+# is refused before the box lays it out (5 MB froze the window for seconds, and the engine
+# refused it only after tokenizing all of it).
+MAX_MESSAGE_CHARS = 400_000
+# A run this long without a space or line break (encoded data, a minified file) takes the
+# box seconds to lay out, growing with the square of its length.
+MAX_UNBROKEN = 30_000
 WAITING_FOR_CHECK = "Checking the attached images… the message goes as soon as they are verified (Esc cancels)."
 
 
@@ -80,10 +93,27 @@ PICK_FILTER = (
 )
 
 
+def text_refusal(text: str, already: int = 0) -> str | None:
+    """Why pasted ``text`` (with ``already`` characters in the box) is not taken, or None."""
+    total = already + len(text)
+    if total > MAX_MESSAGE_CHARS:
+        return (
+            f"That text is too long for one message: {total:,} characters, and a message takes up to "
+            f"{MAX_MESSAGE_CHARS:,} (about 100,000 tokens). Paste a shorter part."
+        )
+    if len(text) > MAX_UNBROKEN and re.search(rf"\S{{{MAX_UNBROKEN + 1}}}", text):
+        return (
+            f"That text holds a run of more than {MAX_UNBROKEN:,} characters without a space or line "
+            "break (encoded data?); the message box cannot show it. Paste a shorter part."
+        )
+    return None
+
+
 class MessageEdit(QPlainTextEdit):
     submit = Signal()
     escape = Signal()
     media_received = Signal(object)  # QMimeData with files or an image: the composer takes it
+    text_refused = Signal(str)  # pasted or dropped text too large to take: why
 
     def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt override
         key, mods = event.key(), event.modifiers()
@@ -103,8 +133,23 @@ class MessageEdit(QPlainTextEdit):
     def insertFromMimeData(self, source) -> None:  # noqa: N802 - Qt override
         if carries_media(source):
             emit(self.media_received, source)
+            return
+        # Measured before Qt lays the text out: refusing is instant, taking it would not be.
+        selected = len(self.textCursor().selectedText())
+        already = self.document().characterCount() - 1 - selected
+        why = text_refusal(source.text(), already) if source.hasText() else None
+        if why is not None:
+            emit(self.text_refused, why)
         else:
             super().insertFromMimeData(source)
+
+
+def too_many(added: int, left_out: int) -> str:
+    """The line for files beyond MAX_ATTACHMENTS: how many went in, how many did not."""
+    return (
+        f"A message takes at most {MAX_ATTACHMENTS} attachments: {left_out} of the "
+        f"{added + left_out} files were not attached. Send these first, then attach the rest."
+    )
 
 
 def carries_media(mime: Any) -> bool:
@@ -189,6 +234,7 @@ class Composer(QFrame):
         self.edit.submit.connect(self._submit)
         self.edit.escape.connect(self.stop_requested)
         self.edit.media_received.connect(self.add_mime)
+        self.edit.text_refused.connect(lambda why: emit(self.refused, why))
         self.edit.installEventFilter(self)
         self.send_button = QPushButton("Send", objectName="sendButton")
         self.send_button.setCursor(Qt.CursorShape.PointingHandCursor)
@@ -248,6 +294,9 @@ class Composer(QFrame):
         text = self.edit.toPlainText().strip()
         if self.busy or not (text or self.attachments):
             return
+        if len(text) > MAX_MESSAGE_CHARS:  # refused here at once, not by the engine after tokenizing it
+            emit(self.refused, text_refusal(text))
+            return
         if any(kind == "image" for kind, _ in self.attachments) and not self.vision:
             # The model changed since the images were attached: keep everything, say why.
             emit(self.refused, NO_VISION)
@@ -284,7 +333,11 @@ class Composer(QFrame):
         without audio input goes to transcription. Images are attached at once and
         checked in the background (a damaged one is taken off again, with the reason)."""
         added: list[tuple[str, str]] = []
+        left_out = 0
         for path in paths:
+            if len(self.attachments) >= MAX_ATTACHMENTS:
+                left_out += 1
+                continue
             why = refusal(path, self.vision, self.video if self.vision is not None else None)
             if why is not None:
                 emit(self.refused, why)
@@ -299,6 +352,8 @@ class Composer(QFrame):
             if (kind, path) not in self.attachments:
                 self.attachments.append((kind, path))
                 added.append((kind, path))
+        if left_out:
+            emit(self.refused, too_many(len(added), left_out))
         if added:
             self.strip.set_items(self.attachments)
             for kind, path in added:

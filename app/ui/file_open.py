@@ -37,12 +37,12 @@ class FileOpenHandler(QObject):
 async def open_paths(window, paths: list[Path], model: str | None = None) -> None:
     """Files named at launch: the model (``model``, else the last model file among them)
     loads first, so media it can take is attached rather than refused; with no model at
-    all the first-run offer of models appears."""
+    all, the model loaded last time loads again, else the first-run offer of models appears."""
     files = [p for p in paths if not is_model(p)]
     model = model or next((str(p) for p in reversed(paths) if is_model(p)), None)
     if model:
         await window.load_model(model)
-    else:
+    elif not await window.reload_last_model():
         await window.offer_models_on_first_run()
     if files:
         window.composer.add_files([str(p) for p in files])

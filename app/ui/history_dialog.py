@@ -22,7 +22,7 @@ class HistoryDialog(QDialog):
         self.buttons: dict[str, QPushButton] = {}
         actions = (
             [("fresh", "Start a fresh history"), ("salvage", "Salvage what can be read")]
-            if problem.kind == "damaged"
+            if problem.kind in ("damaged", "newer")
             else [("retry", "Try again")]
         )
         actions += [("folder", "Choose another folder…"), ("quit", "Quit")]

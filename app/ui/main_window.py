@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from app import tasks
+from app import model_prefs, tasks
 from app.bridge import EngineBridge, run_in_thread
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
@@ -13,6 +13,7 @@ from app.controllers.models import ModelController
 from app.controllers.saved_caches import SavedCaches
 from app.controllers.tools import ToolsController
 from app.controllers.transcription import WHISPER_KEY, TranscriptionController
+from app.history_writer import StoreError
 from app.qt import (
     QApplication,
     QEvent,
@@ -58,7 +59,7 @@ class MainWindow(QMainWindow):
     def __init__(self, store: HistoryStore, bridge: EngineBridge, dark: bool = False):
         super().__init__()
         self.setWindowTitle("MLX Desk")
-        self.resize(1280, 820)
+        self._fit_to_screen(1280, 820)
         self.store, self.bridge = store, bridge
         self._history_failed.connect(self.notify)
         store.on_failure = self._tell_history_failed
@@ -67,6 +68,7 @@ class MainWindow(QMainWindow):
         self.screenshot_chars = int(os.environ.get("MLX_DESK_SCREENSHOT_CHARS", "60"))
         self._shot_for: int | None = None
         self.browser: ModelBrowser | None = None
+        self._loading_name = ""
 
         self.sidebar = Sidebar(store)
         self.chat_view = ChatView()
@@ -110,7 +112,6 @@ class MainWindow(QMainWindow):
         split.setStretchFactor(1, 1)
         split.setSizes([250, 800, 290])
         self.sidebar.setMinimumWidth(200)
-        self.settings.setMinimumWidth(300)
         self.setCentralWidget(split)
         self.statusBar().addPermanentWidget(self.gauge)
         self._menus()
@@ -179,6 +180,17 @@ class MainWindow(QMainWindow):
         else:
             self.new_chat()
         self.notify("Ready. Pick a model to start.")
+        if self.tools.config_problem:
+            self.notify(f"MCP tools are off: {self.tools.config_problem} (Chat → Tools).")
+
+    def _fit_to_screen(self, width: int, height: int) -> None:
+        """Start at ``width`` x ``height``, or the screen's free area when that is smaller
+        (a 1280x800 laptop less its menu bar and dock)."""
+        screen = self.screen() or QApplication.primaryScreen()
+        if screen is not None:
+            free = screen.availableGeometry()
+            width, height = min(width, free.width()), min(height, free.height())
+        self.resize(width, height)
 
     def _menus(self) -> None:
         bar = self.menuBar()
@@ -324,10 +336,26 @@ class MainWindow(QMainWindow):
 
     # ---- models --------------------------------------------------------------------------------
 
+    def known_model_places(self) -> list[str]:
+        """Beyond the Hugging Face cache: the folders added in the browser, the models loaded
+        lately (a folder given on the command line included) and the one loaded now."""
+        places = model_prefs.added_folders(self.store) + model_prefs.recent_models(self.store)
+        if self.bridge.model_info is not None:
+            places.append(self.bridge.model_info.path)
+        return list(dict.fromkeys(places))
+
+    def _remember(self, change, *args) -> None:
+        """Keep a choice in the history's preferences; a history that cannot take it says so."""
+        try:
+            change(self.store, *args)
+        except StoreError as exc:
+            self.notify(str(exc))
+
     def open_model_browser(self, first_run: bool = False) -> ModelBrowser:
-        browser = ModelBrowser(self.bridge, parent=self)
+        browser = ModelBrowser(self.bridge, extra_dirs=self.known_model_places(), parent=self)
         browser.budget = self.load_setup.budget_for_load()
         browser.load_requested.connect(lambda path: tasks.spawn(self.load_model(path)))
+        browser.folder_added.connect(lambda folder: self._remember(model_prefs.add_folder, folder))
         browser.notice.connect(self.notify)
         if first_run:
             browser.show_recommended(first_run=True)
@@ -342,7 +370,7 @@ class MainWindow(QMainWindow):
         from engine.artifacts import hub  # the cache scan reads folders only: no mlx
 
         try:
-            found = await run_in_thread(hub.scan_local_models, [])
+            found = await run_in_thread(hub.scan_local_models, self.known_model_places())
         except Exception:  # noqa: BLE001 - an unreadable cache counts as empty
             found = []
         if any(m.error is None for m in found):
@@ -354,9 +382,23 @@ class MainWindow(QMainWindow):
     async def load_model(self, path: str, memory_budget: int | None = None) -> bool:
         return await self.models.load(path, memory_budget)
 
+    async def reload_last_model(self) -> bool:
+        """At start, load the model loaded last time (if it is still there). Returns whether
+        one was asked for."""
+        path = model_prefs.last_model(self.store)
+        if path is None:
+            return False
+        if not os.path.exists(path):
+            self._remember(model_prefs.forget_model, path)
+            self.notify(f"The model loaded last time is gone ({path}): pick another.")
+            return False
+        await self.load_model(path)
+        return True
+
     def _show_loading(self, name: str) -> None:
         self.error_banner.setVisible(False)
         self.template_notice.setVisible(False)
+        self._loading_name = name
         self.model_button.setText(f"Loading {name}…")
         self.model_button.setEnabled(False)
         self.load_bar.setRange(0, 0)
@@ -369,6 +411,7 @@ class MainWindow(QMainWindow):
         self.cancel_load.setVisible(False)
 
     def _show_model(self, info) -> None:
+        self._remember(model_prefs.note_loaded_model, info.path)  # listed, and loaded at the next start
         self.model_button.setText(f"{info.name}  ▾")
         self.chat_view.empty_label.setText(
             f"{info.name} is ready: say hello.\nEnter sends · Shift+Enter adds a line · Esc stops"
@@ -453,8 +496,11 @@ class MainWindow(QMainWindow):
             self.composer.set_transcribe_progress(done, total)
             return
         if request_id == self.bridge.active_load and total > 0:
+            share = min(1.0, done / total)
             self.load_bar.setRange(0, 1000)
-            self.load_bar.setValue(int(1000 * done / total))
+            self.load_bar.setValue(int(1000 * share))
+            # The share in words beside the bar, where the eye already is.
+            self.model_button.setText(f"Loading {self._loading_name}… {int(100 * share)}%")
             if message:
                 self.notify(message)
 

@@ -1,7 +1,8 @@
 """Message text to display pieces: Markdown prose and highlighted code blocks.
 
 Prose is Markdown rendered by Qt's own parser (GitHub dialect) with raw HTML turned
-off: whatever a model or a user writes (``std::vector<int>``, ``<s>``, ``<div>``,
+off, and a single newline kept as a line break (as chat apps show text, not as Markdown
+joins lines): whatever a model or a user writes (``std::vector<int>``, ``<s>``, ``<div>``,
 ``<span style=...>``) is shown as the characters it is, never obeyed. Only http(s)
 links stay links. Fenced code blocks are cut out so each can get its own frame, a
 copy button and syntax colours (Pygments when installed, plain monospace otherwise).
@@ -99,12 +100,23 @@ def breakable(text: str) -> str:
     return _LONG_RUN.sub(cut, text)
 
 
+# A line ending in text, followed by another line: Markdown would join the two with a space.
+_SOFT_BREAK = re.compile(r"(?<=[^\s\\])[ \t]?\n(?=[^\n])")
+
+
+def keep_line_breaks(text: str) -> str:
+    """Make each single newline a line break (two trailing spaces), as chat apps show text:
+    a poem's or a story's lines stay lines. Blank lines still part paragraphs."""
+    return _SOFT_BREAK.sub("  \n", text)
+
+
 def prose_document(text: str) -> QTextDocument:
-    """Markdown as a QTextDocument: raw HTML shown as text, only http(s) links live,
-    long runs breakable (the breaks go into the text, never into a link's address)."""
+    """Markdown as a QTextDocument: single newlines kept as line breaks, raw HTML shown as
+    text, only http(s) links live, long runs breakable (the breaks go into the text, never
+    into a link's address)."""
     doc = QTextDocument()
     features = QTextDocument.MarkdownFeature
-    doc.setMarkdown(text, features.MarkdownDialectGitHub | features.MarkdownNoHTML)
+    doc.setMarkdown(keep_line_breaks(text), features.MarkdownDialectGitHub | features.MarkdownNoHTML)
     _unlink_unsafe(doc)
     _break_long_runs(doc)
     return doc

@@ -1,10 +1,21 @@
-"""Model browser: models on disk (with fits badge), hub search, download, delete, load."""
+"""Model browser: models on disk (with fits badge), hub search, download, delete, load.
+
+"On this computer" lists the Hugging Face cache and the places the window passes in
+(``extra_dirs``: folders the person added, models loaded lately, the one loaded now, which
+is marked), each model once. Offline, a search or a download says so within seconds: the
+Hub's host must take a connection first, and the search has a deadline.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from app.bridge import EngineBridge, run_in_thread
 from app.memory_units import fmt_bytes, machine_memory
@@ -31,6 +42,23 @@ from app.qt import (
 from app.recommended import recommended_models
 from app.tasks import spawn
 
+CONNECT_TIMEOUT_S = 4.0  # the Hub's address must take a connection this fast
+SEARCH_TIMEOUT_S = 20.0  # and the search answer within this
+
+
+def reachable(endpoint: str | None, timeout: float) -> None:
+    """Raise OSError (one readable line) unless the Hub's host takes a TCP connection."""
+    url = urlsplit(endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return  # through a proxy the host itself may be out of reach: the search's deadline decides
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise OSError(f"{host} cannot be reached ({exc.strerror or exc})") from None
+
+
 COLUMNS = ["Model", "Family", "Params", "Quant", "Size", "Context", "Fits"]
 
 
@@ -50,10 +78,35 @@ def fits_badge(info: Any, budget: int | None = None) -> str:
         plan = replace(plan, budget_bytes=budget)
     if not plan.fits:
         return "✗ too big"
+    context = getattr(info, "context_length", 0)
     if not plan.kv_limits_context:  # every layer keeps a fixed window: any context fits
-        context = getattr(info, "context_length", 0)
         return f"✓ fits ({context:,} tok)" if context else "✓ fits (any length)"
-    return f"✓ fits ({plan.max_context:,} tok)"
+    # Memory for more tokens than the model reads is no use: say the smaller of the two.
+    tokens = min(plan.max_context, context) if context else plan.max_context
+    return f"✓ fits ({tokens:,} tok)"
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return str(a) == str(b)
+
+
+def _unique(found: list[Any]) -> list[Any]:
+    """One row a model: a folder added and remembered as loaded, or a cache snapshot also
+    added by hand, is listed once (the first, the cache's, with its repo id)."""
+    seen: set[str] = set()
+    rows = []
+    for model in found:
+        try:
+            key = str(Path(model.path).resolve())
+        except (OSError, RuntimeError, ValueError):
+            key = str(model.path)
+        if key not in seen:
+            seen.add(key)
+            rows.append(model)
+    return rows
 
 
 def _hub():
@@ -66,8 +119,9 @@ class ModelBrowser(QDialog):
     load_requested = Signal(str)  # model path
     notice = Signal(str)
     refreshed = Signal()
-    searched = Signal(int)  # number of hub results shown
+    searched = Signal(int)  # number of hub results shown (-1: the search failed)
     downloaded = Signal(str)  # repo id, once its files are all in the cache
+    folder_added = Signal(str)  # a folder the person added (the window remembers it)
     _download_progress = Signal(float, float)  # from the download thread
 
     def __init__(self, bridge: EngineBridge, extra_dirs: list[str] | None = None, parent: QWidget | None = None):
@@ -82,6 +136,8 @@ class ModelBrowser(QDialog):
         self._cancel_download: threading.Event | None = None
         # The Hub to talk to; None means huggingface_hub's default (HF_ENDPOINT or the real one).
         self.endpoint: str | None = None
+        self.connect_timeout_s = CONNECT_TIMEOUT_S
+        self.search_timeout_s = SEARCH_TIMEOUT_S
         layout = QVBoxLayout(self)
         tabs = QTabWidget()
         layout.addWidget(tabs)
@@ -92,13 +148,15 @@ class ModelBrowser(QDialog):
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        # "✓ fits (32,768 tok)" whole: the answer the person opened the list for.
+        self.table.horizontalHeader().setSectionResizeMode(len(COLUMNS) - 1, QHeaderView.ResizeMode.ResizeToContents)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
         self.table.doubleClicked.connect(lambda _: self._load_selected())
         lv.addWidget(self.table)
         row = QHBoxLayout()
-        add = QPushButton("Add folder…")
+        add = QPushButton("Add folder…", objectName="addFolder")
         add.clicked.connect(self._add_folder)
         self.delete_button = QPushButton("Delete")
         self.delete_button.clicked.connect(self._delete_selected)
@@ -121,6 +179,7 @@ class ModelBrowser(QDialog):
         srow.addWidget(self.query, 1)
         hv.addLayout(srow)
         self.results_title = QLabel("", objectName="fieldTitle")
+        self.results_title.setWordWrap(True)  # a long failure wraps instead of widening the dialog
         hv.addWidget(self.results_title)
         self.results = QTableWidget(0, 3)
         self.results.setHorizontalHeaderLabels(["Repository", "Size", "About"])
@@ -162,7 +221,7 @@ class ModelBrowser(QDialog):
         except Exception as exc:  # noqa: BLE001 - shown to the user
             emit(self.notice, f"Could not list local models: {exc}")
             found = []
-        self.local = [(m, None) for m in found]
+        self.local = [(m, None) for m in _unique(found)]
         self._fill_local()  # headers are quick: show the list, then add the memory plans
         for i, (model, _) in enumerate(self.local):
             if model.error:
@@ -187,11 +246,22 @@ class ModelBrowser(QDialog):
                 f"{m.context_length:,}" if m.context_length else "—",
                 badge,
             ]
-            tip = m.error or str(m.path)
+            loaded = self._is_loaded(m.path)
+            tip = m.error or (f"{m.path} (loaded now)" if loaded else str(m.path))
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setToolTip(tip)
+                if loaded:  # the model in use stands out, and is where the selection starts
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
                 self.table.setItem(r, c, item)
+            if loaded and self.table.currentRow() < 0:
+                self.table.selectRow(r)
+
+    def _is_loaded(self, path: Any) -> bool:
+        info = self.bridge.model_info
+        return info is not None and _same_path(info.path, path)
 
     def _selected_local(self) -> str | None:
         row = self.table.currentRow()
@@ -207,6 +277,7 @@ class ModelBrowser(QDialog):
         folder = QFileDialog.getExistingDirectory(self, "Add a model folder")
         if folder:
             self.extra_dirs.append(folder)
+            emit(self.folder_added, folder)
             spawn(self.refresh())
 
     def _delete_selected(self) -> None:
@@ -273,10 +344,30 @@ class ModelBrowser(QDialog):
         if not query:
             self.show_recommended()
             return
+        self.results_title.setText(f"Searching the Hugging Face Hub for “{query}”…")
+        self._fill_results([])
         try:
-            found = await run_in_thread(_hub().search_hub, query, 50, endpoint=self.endpoint)
-        except Exception as exc:  # noqa: BLE001 - shown to the user
-            emit(self.notice, f"Hub search failed: {exc}")
+            # Offline, the Hub client retries for close to a minute: a quick look at the
+            # address first, and a deadline on the whole search, answer in seconds instead.
+            await asyncio.wait_for(
+                run_in_thread(reachable, self.endpoint, self.connect_timeout_s), self.search_timeout_s
+            )
+            found = await asyncio.wait_for(
+                run_in_thread(_hub().search_hub, query, 50, endpoint=self.endpoint), self.search_timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - shown to the user, in the browser and the status bar
+            why = (
+                f"no answer within {self.search_timeout_s:.0f} s"
+                if isinstance(exc, asyncio.TimeoutError)
+                else " ".join(str(exc).split())
+            )
+            line = (
+                f"Hub search failed: {why}. Searching needs the internet; models already on this "
+                "computer are under “On this computer”."
+            )
+            self.results_title.setText(line)
+            emit(self.notice, line)
+            emit(self.searched, -1)
             return
         self.results_title.setText(f"{len(found)} models on the Hub match “{query}”:")
         self._fill_results(
@@ -314,6 +405,8 @@ class ModelBrowser(QDialog):
             emit(self._download_progress, float(done), float(total))
 
         try:
+            # Offline, say so in seconds rather than after the Hub client's retries.
+            await run_in_thread(reachable, self.endpoint, self.connect_timeout_s)
             path = await run_in_thread(
                 _hub().download, repo_id, progress=progress, cancel=cancel, endpoint=self.endpoint
             )

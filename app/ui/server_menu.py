@@ -124,14 +124,26 @@ class ServerMenu(QMenu):
         self.network_action.setEnabled(not running)
 
 
+def _say_state(window: Any, address: str) -> None:
+    if not address:
+        if window.error_banner.text().startswith("Server listening on"):  # no longer true
+            window.error_banner.setVisible(False)
+        window.notify("Server stopped")
+    elif window.bridge.model_info is None:  # it listens, but every request would get a 503
+        window.show_error(
+            f"Server listening on {address}, but no model is loaded: clients get “no model loaded” "
+            "until you load one (Model → Models…)."
+        )
+    else:
+        window.notify(f"Server listening on {address}")
+
+
 def install_server_menu(window: Any) -> ServerMenu:
     """Add the Server menu to ``window``'s menu bar, over its bridge and store; the server
     stops with the window. Failures reach the window's error display."""
     controller = ServerController(window.bridge, window)
     menu = ServerMenu(controller, window.store, window)
     controller.failed.connect(window.show_error)
-    controller.changed.connect(
-        lambda address: window.notify(f"Server listening on {address}" if address else "Server stopped")
-    )
+    controller.changed.connect(lambda address: _say_state(window, address))
     window.menuBar().addMenu(menu)
     return menu

@@ -20,6 +20,8 @@ from app.qt import (
     QLineEdit,
     QPlainTextEdit,
     QPushButton,
+    QScrollArea,
+    QSize,
     QSpinBox,
     Qt,
     QVBoxLayout,
@@ -81,7 +83,18 @@ class SettingsPanel(QFrame):
         self.user_presets_path = Path(data_dir) / "presets.json"
         self.defaults: dict[str, Any] = {}
         self._loading = False
-        layout = QVBoxLayout(self)
+        # The fields scroll inside the panel: it never asks the window for more height than
+        # the screen has (a laptop's 800 pixels), and squeezed fields keep their own height.
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        self.scroll = QScrollArea(objectName="settingsScroll")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        body = QWidget(objectName="settingsBody")
+        self.scroll.setWidget(body)
+        outer.addWidget(self.scroll)
+        layout = QVBoxLayout(body)
         layout.setContentsMargins(14, 14, 14, 14)
         layout.setSpacing(10)
         layout.addWidget(QLabel("Chat settings", objectName="panelTitle"))
@@ -210,8 +223,16 @@ class SettingsPanel(QFrame):
         reset.clicked.connect(lambda: self.load(self.system_edit.toPlainText(), {}))
         layout.addWidget(reset)
         layout.addStretch(1)
+        for box in body.findChildren(QComboBox):  # a long choice elides instead of widening the panel
+            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            box.setMinimumContentsLength(12)
         self.presets = self._read_presets()
         self._fill_presets()
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt override
+        """As narrow as the fields allow (beside the scroll bar); any height: the fields scroll."""
+        body = self.scroll.widget().minimumSizeHint().width()
+        return QSize(body + self.scroll.verticalScrollBar().sizeHint().width() + 2, 120)
 
     def _reasoning_section(self, layout: QVBoxLayout) -> None:
         """Per chat, for models whose chat template has a reasoning switch: on/off, or an effort."""

@@ -18,6 +18,7 @@ from app.qt import (
     QMenu,
     QMessageBox,
     QPushButton,
+    QStandardPaths,
     Qt,
     QVBoxLayout,
     QWidget,
@@ -143,7 +144,7 @@ class Sidebar(QFrame):
             path, _ = QFileDialog.getSaveFileName(
                 self,
                 "Export chat",
-                f"{safe}.{fmt}",
+                str(export_folder() / f"{safe}.{fmt}"),
                 "Markdown (*.md)" if fmt == "md" else "JSON (*.json)",
             )
             if not path:
@@ -159,3 +160,12 @@ class Sidebar(QFrame):
             emit(self.notice, f"Could not export to {path}: {exc.strerror or exc}")
             return
         emit(self.notice, f"Exported to {path}")
+
+
+def export_folder() -> Path:
+    """Where an export is offered to go: the user's Documents folder (not the folder the app
+    happened to start in), else their home."""
+    documents = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+    if documents and Path(documents).is_dir():
+        return Path(documents)
+    return Path.home()

@@ -58,6 +58,10 @@ class ToolsDialog(QDialog):
         self.remove_button.clicked.connect(self._remove)
         self.forget_button.clicked.connect(self._forget)
         self.reload()
+        if tools.config_problem:  # an empty list must not look like "no servers"
+            self.error.setText(
+                f"{tools.config_problem}. Fix the file, or add a server here (the file is kept as a backup first)."
+            )
 
     def reload(self) -> None:
         self.list.clear()

@@ -104,12 +104,12 @@ def test_adapters_menu_toggles_scales_and_remembers_per_conversation(
     # Scale 0 leaves the base model's output; untick gives it back exactly too.
     menu.rows["alpha"].scale.setValue(0.0)
     qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {"alpha": 0.0}, timeout=10_000)
-    _, zero = _regenerate(qtbot, window, on_id)
+    zero_id, zero = _regenerate(qtbot, window, on_id)
     assert zero.text == base.text
     menu.rows["alpha"].scale.setValue(1.0)
     menu.rows["alpha"].check.click()
     qtbot.waitUntil(lambda: window.bridge.model_info.active_adapters == {}, timeout=10_000)
-    off_id, off = _regenerate(qtbot, window, on_id)
+    off_id, off = _regenerate(qtbot, window, zero_id)  # the reply on screen (one version shows)
     assert off.text == base.text and window.store.message(off_id).adapters == {}
     assert "adapters" not in window.chat_view.widgets[off_id].stats_label.text()
 
