@@ -197,19 +197,14 @@ class EngineBridge(QObject):
         result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
         return result
 
-    async def transcribe(self, path: str, model_path: str | None = None, language: str | None = None) -> Any:
+    async def transcribe(self, path: str, model_path: str | None = None, language: str | None = None) -> api.Transcript:
         """Speech to text with a Whisper model (progress on ``progress``, stage as the
-        engine names it); resolves with the engine's Transcript (``.text``, ``.language``,
-        ``.duration_s``, ``.segments``). Cancel with ``cancel(bridge.active_transcription)``."""
-        command = getattr(api, "Transcribe", None)
-        if command is None:  # an engine from before speech-to-text
-            raise EngineRequestError(
-                "This engine cannot transcribe audio yet: load an audio model such as "
-                "Qwen2-Audio, or type the message.",
-                "MediaError",
-            )
-        rid, fut = self._request(command(path=path, model_path=model_path, language=language), "transcribe")
-        return await self._while_active(rid, fut, "active_transcription")
+        engine names it); resolves with the engine's Transcript. Cancel with
+        ``cancel(bridge.active_transcription)``."""
+        command = api.Transcribe(path=path, model_path=model_path, language=language)
+        rid, fut = self._request(command, "transcribe")
+        transcript: api.Transcript = await self._while_active(rid, fut, "active_transcription")
+        return transcript
 
     async def _while_active(self, rid: int, fut: asyncio.Future[Any], attr: str) -> Any:
         """Await a cancellable request, with its id in ``attr`` meanwhile; cancelling the

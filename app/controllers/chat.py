@@ -300,19 +300,19 @@ class ChatController(QObject):
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
         offset = len(messages) - (cut + 1)  # where the thread starts among the request's messages
-        params = build_params(conv.settings, info.generation_defaults or {}, getattr(info, "reasoning_control", None))
-        if params.speculative == "draft" and not getattr(info, "draft_model", None):
+        params = build_params(conv.settings, info.generation_defaults or {}, info.reasoning_control)
+        if params.speculative == "draft" and not info.draft_model:
             emit(
                 self.status,
                 "No draft model is loaded, so this reply decodes without one: "
                 "choose one under Settings → Speculative decoding.",
             )
             params.speculative = None
-        if params.speculative == "mtp" and not getattr(info, "mtp", False):
+        if params.speculative == "mtp" and not info.mtp:
             emit(
                 self.status,
                 "This reply decodes without MTP drafting: "
-                + (getattr(info, "mtp_note", "") or "the model has no built-in MTP layers."),
+                + (info.mtp_note or "the model has no built-in MTP layers."),
             )
             params.speculative = None
         try:
@@ -376,14 +376,14 @@ class ChatController(QObject):
             if result is not None:
                 # The engine's final text wins over the sum of the pieces (stop strings trimmed).
                 self._answer, self._reasoning = result.text, result.reasoning
-                adapters = dict(getattr(result, "adapters", adapters))
+                adapters = dict(result.adapters)
                 self._note_speed(info.path, params.speculative, status, stats)
-                if getattr(result, "dropped_messages", 0):
+                if result.dropped_messages:
                     stats["dropped_messages"] = result.dropped_messages
                     start = _context_start(history[: cut + 1], offset, result.kept_messages, self.reply_id)
                     if start is not None:
                         stats["context_start"] = start
-                if getattr(result, "context_full", False):
+                if result.context_full:
                     stats["context_full"] = True
             reply_id, self.reply_id = self.reply_id, None
             if result is not None and self.caches is not None:
@@ -417,7 +417,7 @@ class ChatController(QObject):
         in a format the parser knows."""
         if self.tools is None or not self.tools.enabled:
             return None
-        if getattr(info, "tool_format", None) not in FORMATS:
+        if info.tool_format not in FORMATS:
             emit(
                 self.status,
                 f"{info.name}'s chat template does not describe tool calls, so this reply has no MCP tools.",
@@ -494,7 +494,8 @@ class ChatController(QObject):
         if skipped:
             what = " and ".join(sorted("audio" if k == "audio" else f"{k}s" for k in skipped))
             emit(self.status, f"Earlier {what} in this chat are left out: {info.name} cannot take them.")
-        as_text = getattr(FORMATS.get(getattr(info, "tool_format", None) or ""), "arguments_as_text", False)
+        fmt = FORMATS.get(info.tool_format or "")
+        as_text = fmt.arguments_as_text if fmt is not None else False
         out: list[dict[str, Any]] = []
         for m in history:
             if m.role == "assistant" and m.tool_turns:  # its calls and results as the template writes them
@@ -507,9 +508,9 @@ class ChatController(QObject):
         """Make the conversation's adapter choice the worker's active set (only adapters
         mounted on this model count). Returns the set the reply will run under."""
         info = self.bridge.model_info
-        mounted = {a.name for a in getattr(info, "adapters", None) or []}
+        mounted = {a.name for a in info.adapters} if info is not None else set()
         wanted = {name: scale for name, scale in chosen.items() if name in mounted}
-        if mounted and wanted != dict(getattr(info, "active_adapters", None) or {}):
+        if info is not None and mounted and wanted != info.active_adapters:
             info = await self.bridge.set_active_adapters(wanted)
         return wanted
 

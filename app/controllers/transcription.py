@@ -74,16 +74,16 @@ class TranscriptionController(QObject):
             return None
         finally:
             emit(self.ended)
-        if getattr(transcript, "finish_reason", "stop") == "cancelled":
+        if transcript.finish_reason == "cancelled":
             emit(self.status, f"Stopped transcribing {name}.")
             return None
-        text = (getattr(transcript, "text", "") or "").strip()
+        text = transcript.text.strip()
         if not text:
             emit(self.status, f"No speech was found in {name}.")
             return None
         emit(self.transcribed, text)
-        length = getattr(transcript, "duration_s", 0.0) or 0.0
-        language = getattr(transcript, "language", "") or ""
+        length = transcript.duration_s
+        language = transcript.language or ""
         extra = ", ".join(x for x in (f"{length:.0f} s" if length else "", language) if x)
         emit(self.status, f"Transcribed {name}{f' ({extra})' if extra else ''}: check the text, then send.")
         return text

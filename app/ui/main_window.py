@@ -377,16 +377,16 @@ class MainWindow(QMainWindow):
         meta = [info.family, fmt_params(info.parameters), info.quantization, f"{info.context_length:,} ctx"]
         self.model_meta.setText("  ·  ".join(m for m in meta if m))
         self.settings.set_model_defaults(info.generation_defaults or {})
-        self.settings.set_pan_and_scan_default(getattr(info, "pan_and_scan", None))
-        self.settings.set_reasoning_control(getattr(info, "reasoning_control", None))
+        self.settings.set_pan_and_scan_default(info.pan_and_scan)
+        self.settings.set_reasoning_control(info.reasoning_control)
         conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id else None
         if conv is not None:
             self.settings.load(conv.system_prompt, conv.settings)
         self.gauge.set_plan(info.plan)
         self.check_memory()
         self.settings.set_draft(None)
-        self.settings.set_mtp(getattr(info, "mtp", False), getattr(info, "mtp_note", ""))
-        self.composer.set_capabilities(info.vision, info.audio, info.video, getattr(info, "video_limits", None))
+        self.settings.set_mtp(info.mtp, info.mtp_note)
+        self.composer.set_capabilities(info.vision, info.audio, info.video, info.video_limits)
         self.template_notice.setVisible(not info.chat_template)
 
     def _show_held_model(self, info) -> None:

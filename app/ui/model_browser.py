@@ -30,6 +30,7 @@ from app.qt import (
 )
 from app.recommended import recommended_models
 from app.tasks import spawn
+from engine.api import ModelInfo
 
 COLUMNS = ["Model", "Family", "Params", "Quant", "Size", "Context", "Fits"]
 
@@ -40,10 +41,10 @@ def fmt_params(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
-def fits_badge(info: Any, budget: int | None = None) -> str:
+def fits_badge(info: ModelInfo, budget: int | None = None) -> str:
     """Whether the model fits the memory budget (``budget``: the one chosen in Settings;
     None: the engine's automatic one, which its plan was made under)."""
-    plan = getattr(info, "plan", None)
+    plan = info.plan
     if plan is None:
         return "?"
     if budget:
@@ -51,7 +52,7 @@ def fits_badge(info: Any, budget: int | None = None) -> str:
     if not plan.fits:
         return "✗ too big"
     if not plan.kv_limits_context:  # every layer keeps a fixed window: any context fits
-        context = getattr(info, "context_length", 0)
+        context = info.context_length
         return f"✓ fits ({context:,} tok)" if context else "✓ fits (any length)"
     return f"✓ fits ({plan.max_context:,} tok)"
 
