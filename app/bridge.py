@@ -11,11 +11,11 @@ can appear before the heavy imports run.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
+from app.ops import Op
 from app.qt import QObject, Qt, Signal, emit
 from engine import api
 
@@ -339,27 +339,7 @@ class EngineRequestError(Exception):
         self.kind = kind
 
 
-def run_in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
-    """Run blocking non-MLX work (hub search, downloads, disk scans) off the GUI thread."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def work() -> None:
-        try:
-            value = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, fut, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, fut, value, None)
-
-    threading.Thread(target=work, daemon=True, name=f"mlx-desk-{fn.__name__}").start()
-    return fut
-
-
-def _settle(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(value)
+def run_in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Op[Any]:
+    """``await run_in_thread(fn, ...)``: the older spelling of ``await Op(fn, ...)`` (app.ops),
+    for blocking non-MLX work (hub search, downloads, disk scans) off the GUI thread."""
+    return Op(fn, *args, **kwargs)

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.controllers import tool_turns
 from app.controllers.tools import ToolCall, ToolError, ToolsController
+from app.ops import Op
 from app.qt import QObject, QTimer, Signal, emit
 from app.store import HistoryStore, Message, StoreError
 from app.tasks import spawn
@@ -226,7 +227,7 @@ class ChatController(QObject):
         # Hashing and copying a large recording or photo would stall the window.
         self._keeping = True
         try:
-            kept = await run_in_thread(keep_all) if attachments else []
+            kept = await Op(keep_all) if attachments else []
         except OSError as exc:
             emit(
                 self.failed,
@@ -245,7 +246,7 @@ class ChatController(QObject):
             emit(self.conversations_changed)
         user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
         try:
-            await asyncio.wrap_future(self.store.last_write)
+            await Op.of_future(self.store.last_write)
         except StoreError as exc:  # the message is not sent unsaved; the composer keeps it
             self.store.take_back(user_id)
             emit(self.failed, f"{exc} Your message was not sent; it is still in the box.")
@@ -336,7 +337,7 @@ class ChatController(QObject):
         )
         self._stopped = False
         try:
-            await asyncio.wrap_future(self.store.last_write)
+            await Op.of_future(self.store.last_write)
         except StoreError as exc:
             self.store.take_back(self.reply_id)
             self.reply_id = None
@@ -590,36 +591,35 @@ class ChatController(QObject):
         now = (len(self._answer), len(self._reasoning))
         if self.reply_id is not None and now != self._saved_len:
             self._saved_len = now
-            spawn(
-                self._partial_saved(
-                    self.store.update_message(self.reply_id, content=self._answer, reasoning=self._reasoning)
-                )
-            )
+            written = self.store.update_message(self.reply_id, content=self._answer, reasoning=self._reasoning)
+            Op.of_future(written).failure(self._partial_failed).run(self)
 
-    async def _partial_saved(self, written: Any) -> None:
-        try:
-            await asyncio.wrap_future(written)
-        except StoreError as exc:  # tried again on the next tick; the reply streams on
-            self._saved_len = (-1, -1)
-            emit(self.status, str(exc))
+    def _partial_failed(self, exc: Exception) -> None:
+        if not isinstance(exc, StoreError):
+            raise exc
+        self._saved_len = (-1, -1)  # tried again on the next tick; the reply streams on
+        emit(self.status, str(exc))
 
     def _save(self, message_id: int, **fields: Any) -> None:
         """A reply's final save (in memory at once, so the history shows it); when it cannot
         land (full disk) the reply stays on screen and the save is tried again every few
         seconds until it does."""
-        spawn(self._final_saved(message_id, fields, self.store.update_message(message_id, **fields)))
+        written = self.store.update_message(message_id, **fields)
+        Op.of_future(written).success(lambda _: self._final_saved(message_id)).failure(
+            lambda exc: self._final_failed(message_id, fields, exc)
+        ).run(self)
 
-    async def _final_saved(self, message_id: int, fields: dict[str, Any], written: Any) -> None:
-        try:
-            await asyncio.wrap_future(written)
-        except StoreError as exc:
-            if message_id not in self._unsaved:
-                emit(self.failed, f"{exc} The reply stays on screen and is saved as soon as it can be.")
-            self._unsaved[message_id] = fields
-            self._retry_timer.start()
-        else:
-            if self._unsaved.pop(message_id, None) is not None:
-                emit(self.status, "The chat history is saved again.")
+    def _final_saved(self, message_id: int) -> None:
+        if self._unsaved.pop(message_id, None) is not None:
+            emit(self.status, "The chat history is saved again.")
+
+    def _final_failed(self, message_id: int, fields: dict[str, Any], exc: Exception) -> None:
+        if not isinstance(exc, StoreError):
+            raise exc
+        if message_id not in self._unsaved:
+            emit(self.failed, f"{exc} The reply stays on screen and is saved as soon as it can be.")
+        self._unsaved[message_id] = fields
+        self._retry_timer.start()
 
     def _retry_saves(self) -> None:
         self._retry_timer.stop()  # each save starts it again should it fail

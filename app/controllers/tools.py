@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from app.controllers.mcp_process import ServerProcess, stdio_transport
+from app.ops import Op
 from app.qt import QObject, Signal, emit
 
 CONFIG_NAME = "mcp.json"
@@ -267,7 +268,7 @@ class ToolsController(QObject):
 
     async def _on(self, server: McpServer, what: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
         link = self._link(server)
-        return await asyncio.wrap_future(link.submit(link.run(what, call, self.timeout_s)))
+        return await Op.of_future(link.submit(link.run(what, call, self.timeout_s)))  # on the link's own loop
 
     # ---- tools offered to the model ------------------------------------------------------
 

@@ -6,13 +6,14 @@ import asyncio
 import os
 
 from app import tasks
-from app.bridge import EngineBridge, run_in_thread
+from app.bridge import EngineBridge
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
 from app.controllers.models import ModelController
 from app.controllers.saved_caches import SavedCaches
 from app.controllers.tools import ToolsController
 from app.controllers.transcription import WHISPER_KEY, TranscriptionController
+from app.ops import Op
 from app.qt import (
     QApplication,
     QEvent,
@@ -342,7 +343,7 @@ class MainWindow(QMainWindow):
         from engine.artifacts import hub  # the cache scan reads folders only: no mlx
 
         try:
-            found = await run_in_thread(hub.scan_local_models, [])
+            found = await Op(hub.scan_local_models, [])
         except Exception:  # noqa: BLE001 - an unreadable cache counts as empty
             found = []
         if any(m.error is None for m in found):
