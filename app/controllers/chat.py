@@ -11,22 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.controllers import tool_turns
 from app.controllers.tools import ToolCall, ToolError, ToolsController
+from app.history_writer import StoreError
 from app.ops import Op
 from app.qt import QObject, QTimer, Signal, emit
-from app.store import HistoryStore, Message, StoreError
+from app.store import Conversation, HistoryStore, Message
 from app.tasks import spawn
 from engine import api
 from engine.text.tool_calls import FORMATS, forced_call, parse_tool_calls
 
+# A chat's "context_overflow" setting as the engine's GenerationParams.context_policy.
+CONTEXT_POLICIES: dict[str, Literal["stop", "truncate_middle", "rolling"]] = {
+    "stop": "stop",
+    "truncate_middle": "truncate_middle",
+    "rolling": "rolling",
+}
 MAX_TOOL_ROUNDS = 8  # calls and answers in one reply before the model must answer in words
 
 
@@ -46,7 +53,13 @@ class TranscriptView(Protocol):
     def set_answer(self, text: str) -> None: ...
     def stop_streaming(self) -> None: ...
     def update_message(
-        self, message_id: int, content: str, reasoning: str, stats: dict, status: str, adapters: dict[str, float]
+        self,
+        message_id: int,
+        content: str,
+        reasoning: str,
+        stats: dict[str, Any],
+        status: str,
+        adapters: dict[str, float],
     ) -> None: ...
     def set_context_start(self, dropped: int, before_id: int | None) -> None: ...
     def set_busy(self, busy: bool) -> None: ...
@@ -86,8 +99,8 @@ def build_params(
     if isinstance(merged.get("pan_and_scan"), bool):  # unset: the model's own setting
         params.pan_and_scan = merged["pan_and_scan"]
     policy = merged.get("context_overflow") or DEFAULT_OVERFLOW
-    if policy in ("stop", "truncate_middle", "rolling"):
-        params.context_policy = policy
+    if policy in CONTEXT_POLICIES:
+        params.context_policy = CONTEXT_POLICIES[policy]
     if accepts_reasoning(reasoning_control, settings.get("reasoning")):
         params.reasoning = settings["reasoning"]
     return params
@@ -112,7 +125,7 @@ class ChatController(QObject):
         self.store, self.bridge, self.view = store, bridge, view
         self.conversation_id: int | None = None
         self.reply_id: int | None = None  # the assistant message being streamed
-        self._waiting: asyncio.Future | None = None  # a send waiting for the model to load
+        self._waiting: asyncio.Future[api.ModelInfo | None] | None = None  # a send waiting for the model to load
         self._keeping = False  # a send copying its attachments into the data folder
         self.plain_tps: dict[str, float] = {}  # model path -> last plain decoding speed
         self._answer = ""
@@ -180,8 +193,17 @@ class ChatController(QObject):
         if last is not None and last.stats.get("context_start") is not None:
             self.view.set_context_start(last.stats.get("dropped_messages", 0), last.stats["context_start"])
 
+    def _conversation(self, conversation_id: int | None) -> Conversation:
+        """The conversation this controller made or opened (it is in the history)."""
+        conv = self.store.conversation(conversation_id) if conversation_id is not None else None
+        if conv is None:
+            raise LookupError(f"Conversation {conversation_id} is not in the history.")
+        return conv
+
     def _versions(self, thread: list[Message]) -> dict[int, tuple[int, int]]:
-        return self.store.versions(self.conversation_id, thread) if thread else {}
+        if not thread or self.conversation_id is None:
+            return {}
+        return self.store.versions(self.conversation_id, thread)
 
     def context_tokens(self) -> int:
         """Tokens the conversation's prompt holds now: the last reply's counted prompt and
@@ -240,7 +262,7 @@ class ChatController(QObject):
         if self.conversation_id is None:
             self.conversation_id = self.store.create_conversation()
             self._free_old_sessions(self.conversation_id)
-        conv = self.store.conversation(self.conversation_id)
+        conv = self._conversation(self.conversation_id)
         if conv.leaf_id is None:  # its first message (no need to read the thread)
             self.store.rename_conversation(conv.id, _title_from(text, kept))
             emit(self.conversations_changed)
@@ -286,7 +308,7 @@ class ChatController(QObject):
     # ---- streaming one reply -------------------------------------------------------------
 
     async def _reply(self, parent_id: int) -> None:
-        conv = self.store.conversation(self.conversation_id)
+        conv = self._conversation(self.conversation_id)
         info = self.bridge.model_info
         if self.bridge.loading:
             info = await self._wait_for_model()
@@ -324,7 +346,7 @@ class ChatController(QObject):
         info = self.bridge.model_info or info
         tools = await self._offered_tools(info)
         if tools and conv.settings.get("tool_choice") == "required":  # the first answer must be a call
-            params.constraint = forced_call(FORMATS[info.tool_format], tools)
+            params.constraint = forced_call(FORMATS[info.tool_format or ""], tools)
 
         self.reply_id = self.store.add_message(
             conv.id,
@@ -347,6 +369,7 @@ class ChatController(QObject):
         self._rounds = []
         self._saved_len = (0, 0)
         reply = self.store.message(self.reply_id)
+        assert reply is not None  # added just above, in memory at once
         sibs = self.store.siblings(self.reply_id)
         self.view.start_streaming(reply, (len(sibs), len(sibs)))
         self.view.set_busy(True)
@@ -440,7 +463,7 @@ class ChatController(QObject):
         as the reply's tool rounds (saved as they go); the transcript shows their record
         in place of the raw markers."""
         assert self.tools is not None
-        fmt = FORMATS[info.tool_format]
+        fmt = FORMATS[info.tool_format or ""]  # offered tools only where it is one of them
         rounds = self._rounds
         for _ in range(MAX_TOOL_ROUNDS):
             if result.finish_reason not in ("stop", "length"):
@@ -651,7 +674,7 @@ def _context_start(thread: list[Message], offset: int, kept: list[int] | None, r
     return thread[after - offset].id
 
 
-def _title_from(text: str, attachments: list[tuple[str, str]] = ()) -> str:
+def _title_from(text: str, attachments: Sequence[tuple[str, str]] = ()) -> str:
     if not text.strip() and attachments:
         kind = attachments[0][0]
         return "Image" if kind == "image" else "Voice message"

@@ -26,6 +26,7 @@ from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.memory_units import GB
 from app.ops import Op
 from app.qt import QObject, Signal, emit
+from app.store import HistoryStore
 
 FOLDER = "kv-cache"
 BUDGET_KEY = "kv_cache_budget_bytes"
@@ -37,7 +38,7 @@ class SavedCaches(QObject):
     changed = Signal()  # files were written or removed (sizes in the sidebar's tooltips)
     saved = Signal(int, int)  # conversation id, bytes written (0: nothing worth saving)
 
-    def __init__(self, bridge: EngineBridge, store, parent: QObject | None = None):
+    def __init__(self, bridge: EngineBridge, store: HistoryStore, parent: QObject | None = None):
         super().__init__(parent)
         self.bridge, self.store = bridge, store
         self.folder = Path(store.data_dir) / FOLDER
