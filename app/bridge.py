@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from app.ops import Op
@@ -22,6 +22,18 @@ from engine import api
 
 class EngineUnavailable(RuntimeError):
     """The engine could not be started (import failure, worker died)."""
+
+
+@dataclass(frozen=True)
+class RequestEvents:
+    """What one request's consumer hears while it runs, on the GUI thread and in order: only
+    that request's events, so the consumer need not filter the bridge's signals (which every
+    request's events still pass, for observers) by request id. Nothing arrives once the
+    awaited call has returned or been cancelled."""
+
+    token: Callable[[str, str], None] | None = None  # text, channel ("answer" | "reasoning")
+    draft: Callable[[str, str], None] | None = None  # the refining diffusion block: answer, thinking
+    progress: Callable[[str, float, float, str], None] | None = None  # stage, done, total, message
 
 
 class EngineBridge(QObject):
@@ -41,6 +53,7 @@ class EngineBridge(QObject):
         self._worker: Any = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._kinds: dict[int, str] = {}
+        self._listeners: dict[int, RequestEvents] = {}  # request id -> its consumer's callbacks
         self.active_generation: int | None = None
         self.active_load: int | None = None
         self.active_transcription: int | None = None
@@ -184,9 +197,10 @@ class EngineBridge(QObject):
         messages: list[dict[str, Any]],
         params: api.GenerationParams | None = None,
         tools: list[dict[str, Any]] | None = None,
+        events: RequestEvents | None = None,
     ) -> api.GenerationResult:
-        """Stream a reply; tokens arrive on ``token``. Resolves with the final result.
-        ``tools`` (OpenAI function entries) go to the chat template."""
+        """Stream a reply: its pieces go to ``events`` (and to the ``token`` signal). Resolves
+        with the final result. ``tools`` (OpenAI function entries) go to the chat template."""
         cmd = api.Generate(
             session_id=str(conversation_id),
             messages=messages,
@@ -194,7 +208,12 @@ class EngineBridge(QObject):
             tools=tools or None,
         )
         rid, fut = self._request(cmd, "generate")
-        result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
+        if events is not None:
+            self._listeners[rid] = events  # before any event: they reach this thread queued
+        try:
+            result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
+        finally:
+            self._listeners.pop(rid, None)
         return result
 
     async def transcribe(self, path: str, model_path: str | None = None, language: str | None = None) -> api.Transcript:
@@ -301,12 +320,19 @@ class EngineBridge(QObject):
         emit(self._event, event)
 
     def _dispatch(self, event: Any) -> None:
+        listener = self._listeners.get(getattr(event, "request_id", 0))
         if isinstance(event, api.TokenEvent):
             self._live = (event.request_id, event.stats)
+            if listener is not None and listener.token is not None:
+                listener.token(event.text, event.channel)
             emit(self.token, event.request_id, event.text, event.channel)
         elif isinstance(event, api.DraftEvent):
+            if listener is not None and listener.draft is not None:
+                listener.draft(event.text, event.reasoning)
             emit(self.draft, event.request_id, event.text, event.reasoning)
         elif isinstance(event, api.ProgressEvent):
+            if listener is not None and listener.progress is not None:
+                listener.progress(event.stage, float(event.done), float(event.total), event.message)
             emit(
                 self.progress,
                 event.request_id,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.controllers import tool_turns
 from app.controllers.tools import ToolCall, ToolError, ToolsController
 from app.history_writer import StoreError
@@ -140,9 +140,8 @@ class ChatController(QObject):
         self._retry_timer = QTimer(self)
         self._retry_timer.setInterval(RETRY_SAVE_MS)
         self._retry_timer.timeout.connect(self._retry_saves)
-        bridge.token.connect(self._on_token)
-        bridge.draft.connect(self._on_draft)
-        bridge.progress.connect(self._on_progress)
+        # The reply's own events (each generate call routes only its request's here).
+        self._events = RequestEvents(token=self._on_token, draft=self._on_draft, progress=self._on_progress)
         self._reading = ""  # weights read before the reply starts (the MTP layer), and how far
         view.edit_submitted.connect(self._edit_slot)
         view.regenerate_requested.connect(self._regenerate_slot)
@@ -385,7 +384,7 @@ class ChatController(QObject):
             if self._stopped:  # Stop came before the generation could: none is asked for
                 status = "cancelled"
             else:
-                result = await self.bridge.generate(conv.id, messages, params, tools=tools)
+                result = await self.bridge.generate(conv.id, messages, params, tools=tools, events=self._events)
                 if tools:
                     result = await self._tool_rounds(conv.id, messages, params, tools, info, result)
                 status = "cancelled" if result.finish_reason == "cancelled" else "complete"
@@ -493,7 +492,7 @@ class ChatController(QObject):
             if self._stopped:
                 result = replace(result, text="", finish_reason="cancelled")
                 break
-            result = await self.bridge.generate(conv_id, messages, params, tools=tools)
+            result = await self.bridge.generate(conv_id, messages, params, tools=tools, events=self._events)
         if rounds:
             result = replace(result, text=tool_turns.record(rounds) + result.text)
         return result
@@ -587,8 +586,8 @@ class ChatController(QObject):
         parts.append(f"{elapsed:.1f} s")
         return "  ·  ".join(parts)
 
-    def _on_token(self, request_id: int, text: str, channel: str) -> None:
-        if self.reply_id is None or request_id != self.bridge.active_generation:
+    def _on_token(self, text: str, channel: str) -> None:
+        if self.reply_id is None:
             return
         if channel == "reasoning":
             self._reasoning += text
@@ -596,18 +595,18 @@ class ChatController(QObject):
             self._answer += text
         self.view.append(text, channel)
 
-    def _on_progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
+    def _on_progress(self, stage: str, done: float, total: float, message: str) -> None:
         """Weights the engine reads before this reply can start (the built-in MTP layer, on the
         first reply that drafts with it): said once in the status bar, followed in the footer."""
-        if self.reply_id is None or request_id != self.bridge.active_generation or stage != "load":
+        if self.reply_id is None or stage != "load":
             return
         if done == 0:
             emit(self.status, message)
         self._reading = f"{message} {100 * done / total:.0f}%" if 0 < total and done < total else ""
 
-    def _on_draft(self, request_id: int, text: str, reasoning: str = "") -> None:
+    def _on_draft(self, text: str, reasoning: str = "") -> None:
         # A diffusion block still refining: shown, never saved (only settled text is the reply).
-        if self.reply_id is not None and request_id == self.bridge.active_generation:
+        if self.reply_id is not None:
             self.view.set_draft(text, reasoning)
 
     def _save_partial(self) -> None:
