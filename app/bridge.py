@@ -108,11 +108,13 @@ class EngineBridge(QObject):
         prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
         kv_bits: int | None = None,
         context_cap: int | None = None,
+        events: RequestEvents | None = None,
     ) -> api.ModelInfo:
-        """Load a model. ``prepare(info)`` runs once it has loaded (re-mounting adapters, say);
-        until it is done the load still counts as under way, so ``wait_for_load`` waits too."""
+        """Load a model (its progress to ``events``). ``prepare(info)`` runs once it has loaded
+        (re-mounting adapters, say); until it is done the load still counts as under way, so
+        ``wait_for_load`` waits too."""
         command = api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits, context_cap=context_cap)
-        rid, fut = self._request(command, "load")
+        rid, fut = self._request(command, "load", events)
         self.active_load = rid
         ready = asyncio.get_running_loop().create_future()
         self._loading = ready
@@ -207,21 +209,22 @@ class EngineBridge(QObject):
             params=params or api.GenerationParams(),
             tools=tools or None,
         )
-        rid, fut = self._request(cmd, "generate")
-        if events is not None:
-            self._listeners[rid] = events  # before any event: they reach this thread queued
-        try:
-            result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
-        finally:
-            self._listeners.pop(rid, None)
+        rid, fut = self._request(cmd, "generate", events)
+        result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
         return result
 
-    async def transcribe(self, path: str, model_path: str | None = None, language: str | None = None) -> api.Transcript:
-        """Speech to text with a Whisper model (progress on ``progress``, stage as the
-        engine names it); resolves with the engine's Transcript. Cancel with
+    async def transcribe(
+        self,
+        path: str,
+        model_path: str | None = None,
+        language: str | None = None,
+        events: RequestEvents | None = None,
+    ) -> api.Transcript:
+        """Speech to text with a Whisper model (progress to ``events``, stage as the engine
+        names it); resolves with the engine's Transcript. Cancel with
         ``cancel(bridge.active_transcription)``."""
         command = api.Transcribe(path=path, model_path=model_path, language=language)
-        rid, fut = self._request(command, "transcribe")
+        rid, fut = self._request(command, "transcribe", events)
         transcript: api.Transcript = await self._while_active(rid, fut, "active_transcription")
         return transcript
 
@@ -232,6 +235,7 @@ class EngineBridge(QObject):
         try:
             return await fut
         except asyncio.CancelledError:
+            self._listeners.pop(rid, None)  # nobody listens any more, though the engine may still send
             self._submit_quiet(api.Cancel(target=rid))
             raise
         finally:
@@ -282,13 +286,15 @@ class EngineBridge(QObject):
 
     # ---- plumbing ------------------------------------------------------------------
 
-    def _request(self, command: Any, kind: str) -> tuple[int, asyncio.Future[Any]]:
+    def _request(self, command: Any, kind: str, events: RequestEvents | None = None) -> tuple[int, asyncio.Future[Any]]:
         if self._worker is None:
             self.start()
         fut = asyncio.get_running_loop().create_future()
         rid = self._worker.submit(command)
         self._pending[rid] = fut
         self._kinds[rid] = kind
+        if events is not None:  # before any event: they reach this thread queued
+            self._listeners[rid] = events
         emit(self.started, rid, kind)
         return rid, fut
 
@@ -345,12 +351,14 @@ class EngineBridge(QObject):
             emit(self.memory, asdict(event))
         elif isinstance(event, api.DoneEvent):
             self._kinds.pop(event.request_id, None)
+            self._listeners.pop(event.request_id, None)
             fut = self._pending.pop(event.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(event.result)
             emit(self.finished, event.request_id, event.result)
         elif isinstance(event, api.ErrorEvent):
             self._kinds.pop(event.request_id, None)
+            self._listeners.pop(event.request_id, None)
             fut = self._pending.pop(event.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_exception(EngineRequestError(event.message, event.kind))

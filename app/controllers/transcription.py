@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from app.attachments import NO_WHISPER
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.qt import QObject, Signal, emit
 from app.store import HistoryStore
 
@@ -24,6 +24,7 @@ class TranscriptionController(QObject):
     ended = Signal()
     transcribed = Signal(str)  # text for the message box
     finished = Signal(str)  # the transcript put in the box ("" when none), after every attempt
+    progress = Signal(float, float)  # done, total (the engine's units)
 
     def __init__(self, store: HistoryStore, bridge: EngineBridge, parent: QObject | None = None):
         super().__init__(parent)
@@ -68,7 +69,11 @@ class TranscriptionController(QObject):
             return None
         emit(self.started, name)
         try:
-            transcript = await self.bridge.transcribe(path, whisper)
+            transcript = await self.bridge.transcribe(
+                path,
+                whisper,
+                events=RequestEvents(progress=lambda _stage, done, total, _m: emit(self.progress, done, total)),
+            )
         except (EngineRequestError, EngineUnavailable) as exc:
             emit(self.failed, f"Could not transcribe {name}: {exc}")
             return None

@@ -169,7 +169,8 @@ class MainWindow(QMainWindow):
         self.adapters_menu.mount_requested.connect(self._pick_adapter)
         self.adapters_menu.unmount_requested.connect(lambda name: tasks.spawn(self.unmount_adapter(name)))
         bridge.memory.connect(self.gauge.update_figures)
-        bridge.progress.connect(self._progress)
+        self.models.progress.connect(self._load_progress)
+        self.transcription.progress.connect(self.composer.set_transcribe_progress)
         tasks.set_reporter(self.notify)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
 
@@ -449,11 +450,8 @@ class MainWindow(QMainWindow):
         self.error_banner.setVisible(False)
         self.composer.show_transcribing(name)
 
-    def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
-        if request_id == self.bridge.active_transcription:
-            self.composer.set_transcribe_progress(done, total)
-            return
-        if request_id == self.bridge.active_load and total > 0:
+    def _load_progress(self, done: float, total: float, message: str) -> None:
+        if total > 0:
             self.load_bar.setRange(0, 1000)
             self.load_bar.setValue(int(1000 * done / total))
             if message:

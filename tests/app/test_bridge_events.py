@@ -72,3 +72,20 @@ def test_a_cancelled_call_hears_nothing_after_it_returned(qtbot, run_async, tiny
     finally:
         bridge.shutdown()
     assert stopped_at >= 1 and len(heard) == stopped_at
+
+
+def test_a_load_s_progress_goes_to_its_caller(qtbot, run_async, tiny_model):
+    bridge = EngineBridge()
+    heard: list[tuple[str, float, float]] = []
+    try:
+
+        async def go() -> api.ModelInfo:
+            events = RequestEvents(progress=lambda stage, done, total, _message: heard.append((stage, done, total)))
+            return await bridge.load_model(str(tiny_model), events=events)
+
+        info = run_async(go())
+    finally:
+        bridge.shutdown()
+    assert info.name
+    assert heard and {stage for stage, _, _ in heard} == {"load"}
+    assert heard[-1][1] == heard[-1][2] > 0  # it ends with the whole of it read
