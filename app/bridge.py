@@ -2,7 +2,10 @@
 
 The worker calls ``_on_worker_event`` on its own thread. That method only emits a
 signal; the queued connection moves the event onto the GUI thread, where futures
-are resolved and the public signals fire. Nothing here touches a widget.
+are resolved, the request's own ``RequestEvents`` hear it (what the caller of
+``generate``, ``load_model`` or ``transcribe`` passed), and the public signals fire for
+observers. Nothing here touches a widget. Slow work that is not the engine's is an
+``app.ops.Op``, not a bridge call.
 
 engine.runtime.worker (and with it mlx) is imported lazily, on ``start()``, so the window
 can appear before the heavy imports run.
@@ -98,6 +101,7 @@ class EngineBridge(QObject):
             if not fut.done():
                 fut.set_exception(EngineUnavailable("The engine was shut down."))
         self._pending.clear()
+        self._listeners.clear()
 
     # ---- awaitable calls ------------------------------------------------------------
 
