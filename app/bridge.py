@@ -2,7 +2,10 @@
 
 The worker calls ``_on_worker_event`` on its own thread. That method only emits a
 signal; the queued connection moves the event onto the GUI thread, where futures
-are resolved and the public signals fire. Nothing here touches a widget.
+are resolved, the request's own ``RequestEvents`` hear it (what the caller of
+``generate``, ``load_model`` or ``transcribe`` passed), and the public signals fire for
+observers. Nothing here touches a widget. Slow work that is not the engine's is an
+``app.ops.Op``, not a bridge call.
 
 engine.runtime.worker (and with it mlx) is imported lazily, on ``start()``, so the window
 can appear before the heavy imports run.
@@ -11,9 +14,8 @@ can appear before the heavy imports run.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from app.qt import QObject, Qt, Signal, emit
@@ -22,6 +24,18 @@ from engine import api
 
 class EngineUnavailable(RuntimeError):
     """The engine could not be started (import failure, worker died)."""
+
+
+@dataclass(frozen=True)
+class RequestEvents:
+    """What one request's consumer hears while it runs, on the GUI thread and in order: only
+    that request's events, so the consumer need not filter the bridge's signals (which every
+    request's events still pass, for observers) by request id. Nothing arrives once the
+    awaited call has returned or been cancelled."""
+
+    token: Callable[[str, str], None] | None = None  # text, channel ("answer" | "reasoning")
+    draft: Callable[[str, str], None] | None = None  # the refining diffusion block: answer, thinking
+    progress: Callable[[str, float, float, str], None] | None = None  # stage, done, total, message
 
 
 class EngineBridge(QObject):
@@ -41,6 +55,7 @@ class EngineBridge(QObject):
         self._worker: Any = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._kinds: dict[int, str] = {}
+        self._listeners: dict[int, RequestEvents] = {}  # request id -> its consumer's callbacks
         self.active_generation: int | None = None
         self.active_load: int | None = None
         self.active_transcription: int | None = None
@@ -85,6 +100,7 @@ class EngineBridge(QObject):
             if not fut.done():
                 fut.set_exception(EngineUnavailable("The engine was shut down."))
         self._pending.clear()
+        self._listeners.clear()
 
     # ---- awaitable calls ------------------------------------------------------------
 
@@ -95,11 +111,13 @@ class EngineBridge(QObject):
         prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
         kv_bits: int | None = None,
         context_cap: int | None = None,
+        events: RequestEvents | None = None,
     ) -> api.ModelInfo:
-        """Load a model. ``prepare(info)`` runs once it has loaded (re-mounting adapters, say);
-        until it is done the load still counts as under way, so ``wait_for_load`` waits too."""
+        """Load a model (its progress to ``events``). ``prepare(info)`` runs once it has loaded
+        (re-mounting adapters, say); until it is done the load still counts as under way, so
+        ``wait_for_load`` waits too."""
         command = api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits, context_cap=context_cap)
-        rid, fut = self._request(command, "load")
+        rid, fut = self._request(command, "load", events)
         self.active_load = rid
         ready = asyncio.get_running_loop().create_future()
         self._loading = ready
@@ -184,32 +202,34 @@ class EngineBridge(QObject):
         messages: list[dict[str, Any]],
         params: api.GenerationParams | None = None,
         tools: list[dict[str, Any]] | None = None,
+        events: RequestEvents | None = None,
     ) -> api.GenerationResult:
-        """Stream a reply; tokens arrive on ``token``. Resolves with the final result.
-        ``tools`` (OpenAI function entries) go to the chat template."""
+        """Stream a reply: its pieces go to ``events`` (and to the ``token`` signal). Resolves
+        with the final result. ``tools`` (OpenAI function entries) go to the chat template."""
         cmd = api.Generate(
             session_id=str(conversation_id),
             messages=messages,
             params=params or api.GenerationParams(),
             tools=tools or None,
         )
-        rid, fut = self._request(cmd, "generate")
+        rid, fut = self._request(cmd, "generate", events)
         result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
         return result
 
-    async def transcribe(self, path: str, model_path: str | None = None, language: str | None = None) -> Any:
-        """Speech to text with a Whisper model (progress on ``progress``, stage as the
-        engine names it); resolves with the engine's Transcript (``.text``, ``.language``,
-        ``.duration_s``, ``.segments``). Cancel with ``cancel(bridge.active_transcription)``."""
-        command = getattr(api, "Transcribe", None)
-        if command is None:  # an engine from before speech-to-text
-            raise EngineRequestError(
-                "This engine cannot transcribe audio yet: load an audio model such as "
-                "Qwen2-Audio, or type the message.",
-                "MediaError",
-            )
-        rid, fut = self._request(command(path=path, model_path=model_path, language=language), "transcribe")
-        return await self._while_active(rid, fut, "active_transcription")
+    async def transcribe(
+        self,
+        path: str,
+        model_path: str | None = None,
+        language: str | None = None,
+        events: RequestEvents | None = None,
+    ) -> api.Transcript:
+        """Speech to text with a Whisper model (progress to ``events``, stage as the engine
+        names it); resolves with the engine's Transcript. Cancel with
+        ``cancel(bridge.active_transcription)``."""
+        command = api.Transcribe(path=path, model_path=model_path, language=language)
+        rid, fut = self._request(command, "transcribe", events)
+        transcript: api.Transcript = await self._while_active(rid, fut, "active_transcription")
+        return transcript
 
     async def _while_active(self, rid: int, fut: asyncio.Future[Any], attr: str) -> Any:
         """Await a cancellable request, with its id in ``attr`` meanwhile; cancelling the
@@ -218,6 +238,7 @@ class EngineBridge(QObject):
         try:
             return await fut
         except asyncio.CancelledError:
+            self._listeners.pop(rid, None)  # nobody listens any more, though the engine may still send
             self._submit_quiet(api.Cancel(target=rid))
             raise
         finally:
@@ -268,13 +289,15 @@ class EngineBridge(QObject):
 
     # ---- plumbing ------------------------------------------------------------------
 
-    def _request(self, command: Any, kind: str) -> tuple[int, asyncio.Future[Any]]:
+    def _request(self, command: Any, kind: str, events: RequestEvents | None = None) -> tuple[int, asyncio.Future[Any]]:
         if self._worker is None:
             self.start()
         fut = asyncio.get_running_loop().create_future()
         rid = self._worker.submit(command)
         self._pending[rid] = fut
         self._kinds[rid] = kind
+        if events is not None:  # before any event: they reach this thread queued
+            self._listeners[rid] = events
         emit(self.started, rid, kind)
         return rid, fut
 
@@ -306,12 +329,19 @@ class EngineBridge(QObject):
         emit(self._event, event)
 
     def _dispatch(self, event: Any) -> None:
+        listener = self._listeners.get(getattr(event, "request_id", 0))
         if isinstance(event, api.TokenEvent):
             self._live = (event.request_id, event.stats)
+            if listener is not None and listener.token is not None:
+                listener.token(event.text, event.channel)
             emit(self.token, event.request_id, event.text, event.channel)
         elif isinstance(event, api.DraftEvent):
+            if listener is not None and listener.draft is not None:
+                listener.draft(event.text, event.reasoning)
             emit(self.draft, event.request_id, event.text, event.reasoning)
         elif isinstance(event, api.ProgressEvent):
+            if listener is not None and listener.progress is not None:
+                listener.progress(event.stage, float(event.done), float(event.total), event.message)
             emit(
                 self.progress,
                 event.request_id,
@@ -324,12 +354,14 @@ class EngineBridge(QObject):
             emit(self.memory, asdict(event))
         elif isinstance(event, api.DoneEvent):
             self._kinds.pop(event.request_id, None)
+            self._listeners.pop(event.request_id, None)
             fut = self._pending.pop(event.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(event.result)
             emit(self.finished, event.request_id, event.result)
         elif isinstance(event, api.ErrorEvent):
             self._kinds.pop(event.request_id, None)
+            self._listeners.pop(event.request_id, None)
             fut = self._pending.pop(event.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_exception(EngineRequestError(event.message, event.kind))
@@ -342,29 +374,3 @@ class EngineRequestError(Exception):
     def __init__(self, message: str, kind: str = "EngineError"):
         super().__init__(message)
         self.kind = kind
-
-
-def run_in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
-    """Run blocking non-MLX work (hub search, downloads, disk scans) off the GUI thread."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def work() -> None:
-        try:
-            value = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, fut, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, fut, value, None)
-
-    threading.Thread(target=work, daemon=True, name=f"mlx-desk-{fn.__name__}").start()
-    return fut
-
-
-def _settle(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(value)

@@ -1,4 +1,5 @@
-"""Fire-and-forget coroutines from Qt slots, with failures reported, never lost."""
+"""Fire-and-forget coroutines from Qt slots, with failures reported, never lost; and the
+count of background work still under way (tasks and app.ops Ops), which tests wait on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-_running: set[asyncio.Future] = set()
+_running: set[object] = set()  # spawned tasks, and app.ops work not yet settled on the GUI thread
 _reporter: Callable[[str], None] | None = None
 
 
@@ -29,10 +30,26 @@ def _finished(task: asyncio.Future) -> None:
     if task.cancelled() or task.exception() is None:
         return
     exc = task.exception()
+    assert exc is not None
+    report(exc)
+
+
+def report(exc: BaseException) -> None:
+    """An unexpected failure of background work: the log, and the status bar when set."""
     traceback.print_exception(type(exc), exc, exc.__traceback__)
     if _reporter is not None:
         _reporter(f"Something went wrong: {exc}")
 
 
+def hold(work: object) -> None:
+    """Count ``work`` (an app.ops Op under way) as pending until ``release``."""
+    _running.add(work)
+
+
+def release(work: object) -> None:
+    _running.discard(work)
+
+
 def pending() -> int:
+    """Background work not finished yet: spawned tasks and Ops whose callbacks have not run."""
     return len(_running)

@@ -41,7 +41,7 @@ class AdapterController(QObject):
         """Tell the menus what is mounted and what this chat chose."""
         info = self.bridge.model_info
         conv = self._conversation()
-        mounted = list(getattr(info, "adapters", None) or [])
+        mounted = list(info.adapters) if info is not None else []
         emit(self.shown, mounted, conv.adapters if conv is not None else {}, info is not None)
 
     async def apply(self) -> None:

@@ -12,21 +12,29 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.controllers import tool_turns
 from app.controllers.tools import ToolCall, ToolError, ToolsController
+from app.history_writer import StoreError
+from app.ops import Op
 from app.qt import QObject, QTimer, Signal, emit
-from app.store import HistoryStore, Message, StoreError
+from app.store import Conversation, HistoryStore, Message
 from app.tasks import spawn
 from engine import api
 from engine.text.tool_calls import FORMATS, forced_call, parse_tool_calls
 
+# A chat's "context_overflow" setting as the engine's GenerationParams.context_policy.
+CONTEXT_POLICIES: dict[str, Literal["stop", "truncate_middle", "rolling"]] = {
+    "stop": "stop",
+    "truncate_middle": "truncate_middle",
+    "rolling": "rolling",
+}
 MAX_TOOL_ROUNDS = 8  # calls and answers in one reply before the model must answer in words
 
 
@@ -46,7 +54,13 @@ class TranscriptView(Protocol):
     def set_answer(self, text: str) -> None: ...
     def stop_streaming(self) -> None: ...
     def update_message(
-        self, message_id: int, content: str, reasoning: str, stats: dict, status: str, adapters: dict[str, float]
+        self,
+        message_id: int,
+        content: str,
+        reasoning: str,
+        stats: dict[str, Any],
+        status: str,
+        adapters: dict[str, float],
     ) -> None: ...
     def set_context_start(self, dropped: int, before_id: int | None) -> None: ...
     def set_busy(self, busy: bool) -> None: ...
@@ -86,8 +100,8 @@ def build_params(
     if isinstance(merged.get("pan_and_scan"), bool):  # unset: the model's own setting
         params.pan_and_scan = merged["pan_and_scan"]
     policy = merged.get("context_overflow") or DEFAULT_OVERFLOW
-    if policy in ("stop", "truncate_middle", "rolling"):
-        params.context_policy = policy
+    if policy in CONTEXT_POLICIES:
+        params.context_policy = CONTEXT_POLICIES[policy]
     if accepts_reasoning(reasoning_control, settings.get("reasoning")):
         params.reasoning = settings["reasoning"]
     return params
@@ -112,7 +126,7 @@ class ChatController(QObject):
         self.store, self.bridge, self.view = store, bridge, view
         self.conversation_id: int | None = None
         self.reply_id: int | None = None  # the assistant message being streamed
-        self._waiting: asyncio.Future | None = None  # a send waiting for the model to load
+        self._waiting: asyncio.Future[api.ModelInfo | None] | None = None  # a send waiting for the model to load
         self._keeping = False  # a send copying its attachments into the data folder
         self.plain_tps: dict[str, float] = {}  # model path -> last plain decoding speed
         self._answer = ""
@@ -127,9 +141,8 @@ class ChatController(QObject):
         self._retry_timer = QTimer(self)
         self._retry_timer.setInterval(RETRY_SAVE_MS)
         self._retry_timer.timeout.connect(self._retry_saves)
-        bridge.token.connect(self._on_token)
-        bridge.draft.connect(self._on_draft)
-        bridge.progress.connect(self._on_progress)
+        # The reply's own events (each generate call routes only its request's here).
+        self._events = RequestEvents(token=self._on_token, draft=self._on_draft, progress=self._on_progress)
         self._reading = ""  # weights read before the reply starts (the MTP layer), and how far
         view.edit_submitted.connect(self._edit_slot)
         view.regenerate_requested.connect(self._regenerate_slot)
@@ -180,8 +193,17 @@ class ChatController(QObject):
         if last is not None and last.stats.get("context_start") is not None:
             self.view.set_context_start(last.stats.get("dropped_messages", 0), last.stats["context_start"])
 
+    def _conversation(self, conversation_id: int | None) -> Conversation:
+        """The conversation this controller made or opened (it is in the history)."""
+        conv = self.store.conversation(conversation_id) if conversation_id is not None else None
+        if conv is None:
+            raise LookupError(f"Conversation {conversation_id} is not in the history.")
+        return conv
+
     def _versions(self, thread: list[Message]) -> dict[int, tuple[int, int]]:
-        return self.store.versions(self.conversation_id, thread) if thread else {}
+        if not thread or self.conversation_id is None:
+            return {}
+        return self.store.versions(self.conversation_id, thread)
 
     def context_tokens(self) -> int:
         """Tokens the conversation's prompt holds now: the last reply's counted prompt and
@@ -227,7 +249,7 @@ class ChatController(QObject):
         # Hashing and copying a large recording or photo would stall the window.
         self._keeping = True
         try:
-            kept = await run_in_thread(keep_all) if attachments else []
+            kept = await Op(keep_all) if attachments else []
         except OSError as exc:
             emit(
                 self.failed,
@@ -240,13 +262,13 @@ class ChatController(QObject):
         if self.conversation_id is None:
             self.conversation_id = self.store.create_conversation()
             self._free_old_sessions(self.conversation_id)
-        conv = self.store.conversation(self.conversation_id)
+        conv = self._conversation(self.conversation_id)
         if conv.leaf_id is None:  # its first message (no need to read the thread)
             self.store.rename_conversation(conv.id, _title_from(text, kept))
             emit(self.conversations_changed)
         user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
         try:
-            await asyncio.wrap_future(self.store.last_write)
+            await Op.of_future(self.store.last_write)
         except StoreError as exc:  # the message is not sent unsaved; the composer keeps it
             self.store.take_back(user_id)
             emit(self.failed, f"{exc} Your message was not sent; it is still in the box.")
@@ -291,7 +313,7 @@ class ChatController(QObject):
     # ---- streaming one reply -------------------------------------------------------------
 
     async def _reply(self, parent_id: int) -> None:
-        conv = self.store.conversation(self.conversation_id)
+        conv = self._conversation(self.conversation_id)
         info = self.bridge.model_info
         if self.bridge.loading:
             info = await self._wait_for_model()
@@ -306,19 +328,19 @@ class ChatController(QObject):
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
         offset = len(messages) - (cut + 1)  # where the thread starts among the request's messages
-        params = build_params(conv.settings, info.generation_defaults or {}, getattr(info, "reasoning_control", None))
-        if params.speculative == "draft" and not getattr(info, "draft_model", None):
+        params = build_params(conv.settings, info.generation_defaults or {}, info.reasoning_control)
+        if params.speculative == "draft" and not info.draft_model:
             emit(
                 self.status,
                 "No draft model is loaded, so this reply decodes without one: "
                 "choose one under Settings → Speculative decoding.",
             )
             params.speculative = None
-        if params.speculative == "mtp" and not getattr(info, "mtp", False):
+        if params.speculative == "mtp" and not info.mtp:
             emit(
                 self.status,
                 "This reply decodes without MTP drafting: "
-                + (getattr(info, "mtp_note", "") or "the model has no built-in MTP layers."),
+                + (info.mtp_note or "the model has no built-in MTP layers."),
             )
             params.speculative = None
         try:
@@ -329,7 +351,7 @@ class ChatController(QObject):
         info = self.bridge.model_info or info
         tools = await self._offered_tools(info)
         if tools and conv.settings.get("tool_choice") == "required":  # the first answer must be a call
-            params.constraint = forced_call(FORMATS[info.tool_format], tools)
+            params.constraint = forced_call(FORMATS[info.tool_format or ""], tools)
 
         self.reply_id = self.store.add_message(
             conv.id,
@@ -342,7 +364,7 @@ class ChatController(QObject):
         )
         self._stopped = False
         try:
-            await asyncio.wrap_future(self.store.last_write)
+            await Op.of_future(self.store.last_write)
         except StoreError as exc:
             self.store.take_back(self.reply_id)
             self.reply_id = None
@@ -352,6 +374,7 @@ class ChatController(QObject):
         self._rounds = []
         self._saved_len = (0, 0)
         reply = self.store.message(self.reply_id)
+        assert reply is not None  # added just above, in memory at once
         sibs = self.store.siblings(self.reply_id)
         self.view.start_streaming(reply, (len(sibs), len(sibs)))
         self.view.set_busy(True)
@@ -367,7 +390,7 @@ class ChatController(QObject):
             if self._stopped:  # Stop came before the generation could: none is asked for
                 status = "cancelled"
             else:
-                result = await self.bridge.generate(conv.id, messages, params, tools=tools)
+                result = await self.bridge.generate(conv.id, messages, params, tools=tools, events=self._events)
                 if tools:
                     result = await self._tool_rounds(conv.id, messages, params, tools, info, result)
                 status = "cancelled" if result.finish_reason == "cancelled" else "complete"
@@ -382,14 +405,14 @@ class ChatController(QObject):
             if result is not None:
                 # The engine's final text wins over the sum of the pieces (stop strings trimmed).
                 self._answer, self._reasoning = result.text, result.reasoning
-                adapters = dict(getattr(result, "adapters", adapters))
+                adapters = dict(result.adapters)
                 self._note_speed(info.path, params.speculative, status, stats)
-                if getattr(result, "dropped_messages", 0):
+                if result.dropped_messages:
                     stats["dropped_messages"] = result.dropped_messages
                     start = _context_start(history[: cut + 1], offset, result.kept_messages, self.reply_id)
                     if start is not None:
                         stats["context_start"] = start
-                if getattr(result, "context_full", False):
+                if result.context_full:
                     stats["context_full"] = True
             reply_id, self.reply_id = self.reply_id, None
             if result is not None and self.caches is not None:
@@ -423,7 +446,7 @@ class ChatController(QObject):
         in a format the parser knows."""
         if self.tools is None or not self.tools.enabled:
             return None
-        if getattr(info, "tool_format", None) not in FORMATS:
+        if info.tool_format not in FORMATS:
             emit(
                 self.status,
                 f"{info.name}'s chat template does not describe tool calls, so this reply has no MCP tools.",
@@ -445,7 +468,7 @@ class ChatController(QObject):
         as the reply's tool rounds (saved as they go); the transcript shows their record
         in place of the raw markers."""
         assert self.tools is not None
-        fmt = FORMATS[info.tool_format]
+        fmt = FORMATS[info.tool_format or ""]  # offered tools only where it is one of them
         rounds = self._rounds
         for _ in range(MAX_TOOL_ROUNDS):
             if result.finish_reason not in ("stop", "length"):
@@ -475,7 +498,7 @@ class ChatController(QObject):
             if self._stopped:
                 result = replace(result, text="", finish_reason="cancelled")
                 break
-            result = await self.bridge.generate(conv_id, messages, params, tools=tools)
+            result = await self.bridge.generate(conv_id, messages, params, tools=tools, events=self._events)
         if rounds:
             result = replace(result, text=tool_turns.record(rounds) + result.text)
         return result
@@ -510,7 +533,8 @@ class ChatController(QObject):
                 "are no longer on disk (the attachments folder was moved or deleted): the model "
                 "reads those messages without them.",
             )
-        as_text = getattr(FORMATS.get(getattr(info, "tool_format", None) or ""), "arguments_as_text", False)
+        fmt = FORMATS.get(info.tool_format or "")
+        as_text = fmt.arguments_as_text if fmt is not None else False
         out: list[dict[str, Any]] = []
         for m in history:
             if m.role == "assistant" and m.tool_turns:  # its calls and results as the template writes them
@@ -524,9 +548,9 @@ class ChatController(QObject):
         """Make the conversation's adapter choice the worker's active set (only adapters
         mounted on this model count). Returns the set the reply will run under."""
         info = self.bridge.model_info
-        mounted = {a.name for a in getattr(info, "adapters", None) or []}
+        mounted = {a.name for a in info.adapters} if info is not None else set()
         wanted = {name: scale for name, scale in chosen.items() if name in mounted}
-        if mounted and wanted != dict(getattr(info, "active_adapters", None) or {}):
+        if info is not None and mounted and wanted != info.active_adapters:
             info = await self.bridge.set_active_adapters(wanted)
         return wanted
 
@@ -579,8 +603,8 @@ class ChatController(QObject):
         parts.append(f"{elapsed:.1f} s")
         return "  ·  ".join(parts)
 
-    def _on_token(self, request_id: int, text: str, channel: str) -> None:
-        if self.reply_id is None or request_id != self.bridge.active_generation:
+    def _on_token(self, text: str, channel: str) -> None:
+        if self.reply_id is None:
             return
         if channel == "reasoning":
             self._reasoning += text
@@ -588,54 +612,53 @@ class ChatController(QObject):
             self._answer += text
         self.view.append(text, channel)
 
-    def _on_progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
+    def _on_progress(self, stage: str, done: float, total: float, message: str) -> None:
         """Weights the engine reads before this reply can start (the built-in MTP layer, on the
         first reply that drafts with it): said once in the status bar, followed in the footer."""
-        if self.reply_id is None or request_id != self.bridge.active_generation or stage != "load":
+        if self.reply_id is None or stage != "load":
             return
         if done == 0:
             emit(self.status, message)
         self._reading = f"{message} {100 * done / total:.0f}%" if 0 < total and done < total else ""
 
-    def _on_draft(self, request_id: int, text: str, reasoning: str = "") -> None:
+    def _on_draft(self, text: str, reasoning: str = "") -> None:
         # A diffusion block still refining: shown, never saved (only settled text is the reply).
-        if self.reply_id is not None and request_id == self.bridge.active_generation:
+        if self.reply_id is not None:
             self.view.set_draft(text, reasoning)
 
     def _save_partial(self) -> None:
         now = (len(self._answer), len(self._reasoning))
         if self.reply_id is not None and now != self._saved_len:
             self._saved_len = now
-            spawn(
-                self._partial_saved(
-                    self.store.update_message(self.reply_id, content=self._answer, reasoning=self._reasoning)
-                )
-            )
+            written = self.store.update_message(self.reply_id, content=self._answer, reasoning=self._reasoning)
+            Op.of_future(written).failure(self._partial_failed).run(self)
 
-    async def _partial_saved(self, written: Any) -> None:
-        try:
-            await asyncio.wrap_future(written)
-        except StoreError as exc:  # tried again on the next tick; the reply streams on
-            self._saved_len = (-1, -1)
-            emit(self.status, str(exc))
+    def _partial_failed(self, exc: Exception) -> None:
+        if not isinstance(exc, StoreError):
+            raise exc
+        self._saved_len = (-1, -1)  # tried again on the next tick; the reply streams on
+        emit(self.status, str(exc))
 
     def _save(self, message_id: int, **fields: Any) -> None:
         """A reply's final save (in memory at once, so the history shows it); when it cannot
         land (full disk) the reply stays on screen and the save is tried again every few
         seconds until it does."""
-        spawn(self._final_saved(message_id, fields, self.store.update_message(message_id, **fields)))
+        written = self.store.update_message(message_id, **fields)
+        Op.of_future(written).success(lambda _: self._final_saved(message_id)).failure(
+            lambda exc: self._final_failed(message_id, fields, exc)
+        ).run(self)
 
-    async def _final_saved(self, message_id: int, fields: dict[str, Any], written: Any) -> None:
-        try:
-            await asyncio.wrap_future(written)
-        except StoreError as exc:
-            if message_id not in self._unsaved:
-                emit(self.failed, f"{exc} The reply stays on screen and is saved as soon as it can be.")
-            self._unsaved[message_id] = fields
-            self._retry_timer.start()
-        else:
-            if self._unsaved.pop(message_id, None) is not None:
-                emit(self.status, "The chat history is saved again.")
+    def _final_saved(self, message_id: int) -> None:
+        if self._unsaved.pop(message_id, None) is not None:
+            emit(self.status, "The chat history is saved again.")
+
+    def _final_failed(self, message_id: int, fields: dict[str, Any], exc: Exception) -> None:
+        if not isinstance(exc, StoreError):
+            raise exc
+        if message_id not in self._unsaved:
+            emit(self.failed, f"{exc} The reply stays on screen and is saved as soon as it can be.")
+        self._unsaved[message_id] = fields
+        self._retry_timer.start()
 
     def _retry_saves(self) -> None:
         self._retry_timer.stop()  # each save starts it again should it fail
@@ -667,7 +690,7 @@ def _context_start(thread: list[Message], offset: int, kept: list[int] | None, r
     return thread[after - offset].id
 
 
-def _title_from(text: str, attachments: list[tuple[str, str]] = ()) -> str:
+def _title_from(text: str, attachments: Sequence[tuple[str, str]] = ()) -> str:
     if not text.strip() and attachments:
         kind = attachments[0][0]
         return "Image" if kind == "image" else "Voice message"

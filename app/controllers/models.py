@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.qt import QObject, Signal, emit
 
 
@@ -23,6 +23,7 @@ class ModelController(QObject):
     ready = Signal(object)  # ModelInfo, once its adapters are applied too
     load_failed = Signal(str)  # the reason
     now_holding = Signal(object)  # after a failed load: the ModelInfo still loaded, or None
+    progress = Signal(float, float, str)  # the load's: done, total, what it is reading
 
     def __init__(self, bridge: EngineBridge, load_setup: Any, adapters: Any, parent: QObject | None = None):
         super().__init__(parent)
@@ -43,6 +44,9 @@ class ModelController(QObject):
                 prepare=self.load_setup.remount,
                 kv_bits=self.load_setup.kv_bits_for_load(),
                 context_cap=self.load_setup.context_cap_for_load(),
+                events=RequestEvents(
+                    progress=lambda _stage, done, total, message: emit(self.progress, done, total, message)
+                ),
             )
         except (EngineRequestError, EngineUnavailable) as exc:
             reason = str(exc)

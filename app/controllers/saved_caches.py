@@ -22,9 +22,11 @@ import os
 import threading
 from pathlib import Path
 
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.memory_units import GB
+from app.ops import Op
 from app.qt import QObject, Signal, emit
+from app.store import HistoryStore
 
 FOLDER = "kv-cache"
 BUDGET_KEY = "kv_cache_budget_bytes"
@@ -35,9 +37,8 @@ class SavedCaches(QObject):
     status = Signal(str)  # a readable line for the status bar
     changed = Signal()  # files were written or removed (sizes in the sidebar's tooltips)
     saved = Signal(int, int)  # conversation id, bytes written (0: nothing worth saving)
-    _scanned = Signal(int, object)  # from the scanning thread: which scan, conversation id -> bytes
 
-    def __init__(self, bridge: EngineBridge, store, parent: QObject | None = None):
+    def __init__(self, bridge: EngineBridge, store: HistoryStore, parent: QObject | None = None):
         super().__init__(parent)
         self.bridge, self.store = bridge, store
         self.folder = Path(store.data_dir) / FOLDER
@@ -46,7 +47,6 @@ class SavedCaches(QObject):
         self.known: dict[int, int] = {}  # the sizes the last scan found (what the window shows)
         self._scans = 0  # scans asked for; only the latest one's result is taken
         self._scan_lock = threading.Lock()  # one scan at a time: a budget is kept, then read
-        self._scanned.connect(self._took_scan)
         self.rescan()
 
     # ---- the budget (an app-wide preference) -------------------------------------------
@@ -87,17 +87,14 @@ class SavedCaches(QObject):
         self._scans += 1
         ticket = self._scans
 
-        def scan() -> None:
-            with self._scan_lock:
-                if enforce:
-                    self._enforce(budget, keep)
-                sizes = self.sizes()
-            try:
-                emit(self._scanned, ticket, sizes)
-            except RuntimeError:  # the window closed while it scanned: nobody to tell
-                pass
+        Op(self._scan, budget, keep, enforce).success(lambda sizes: self._took_scan(ticket, sizes)).run(self)
 
-        threading.Thread(target=scan, daemon=True, name="mlx-desk-cache-scan").start()
+    def _scan(self, budget: int, keep: int | None, enforce: bool) -> dict[int, int]:
+        """On a helper thread: keep the budget if asked, then list the sizes."""
+        with self._scan_lock:
+            if enforce:
+                self._enforce(budget, keep)
+            return self.sizes()
 
     def _took_scan(self, ticket: int, sizes: dict[int, int]) -> None:
         if ticket != self._scans:  # a later scan (after a later change) is on its way
@@ -165,7 +162,7 @@ class SavedCaches(QObject):
         """Offer the conversation's saved cache to the engine; returns the tokens it took.
         Never fails the turn: a refused or unreadable file only means a full prefill."""
         path = self.path_for(conversation_id)
-        if not self.bridge.running or not await run_in_thread(path.is_file):
+        if not self.bridge.running or not await Op(path.is_file):
             return 0
         try:
             restored = await self.bridge.restore_session(conversation_id, str(path))
@@ -174,7 +171,7 @@ class SavedCaches(QObject):
             return 0
         self.last_restore[conversation_id] = restored
         if restored.tokens:
-            await run_in_thread(_touch, path)  # recently used: last out under the budget
+            await Op(_touch, path)  # recently used: last out under the budget
         return restored.tokens
 
     async def save(self, conversation_id: int) -> int:

@@ -21,13 +21,14 @@ import shlex
 import shutil
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from app.controllers.mcp_process import ServerProcess, stdio_transport
+from app.ops import Op
 from app.qt import QObject, Signal, emit
 
 CONFIG_NAME = "mcp.json"
@@ -167,10 +168,10 @@ class _Link:
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
 
-    def submit(self, coro: Awaitable[Any]) -> Future:
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def _hold(self, ready: asyncio.Future) -> None:
+    async def _hold(self, ready: asyncio.Future[Any]) -> None:
         """Open the client and keep it open (the SDK's scopes must close in the task that opened them)."""
         from mcp import Client
 
@@ -196,7 +197,7 @@ class _Link:
     async def _connected(self) -> Any:
         if self._client is not None and self._task is not None and not self._task.done():
             return self._client
-        ready: asyncio.Future = self.loop.create_future()
+        ready: asyncio.Future[Any] = self.loop.create_future()
         self._task = self.loop.create_task(self._hold(ready))
         try:
             return await asyncio.wait_for(ready, START_TIMEOUT_S)
@@ -330,7 +331,7 @@ class ToolsController(QObject):
 
     async def _on(self, server: McpServer, what: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
         link = self._link(server)
-        return await asyncio.wrap_future(link.submit(link.run(what, call, self.timeout_s)))
+        return await Op.of_future(link.submit(link.run(what, call, self.timeout_s)))  # on the link's own loop
 
     # ---- tools offered to the model ------------------------------------------------------
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from app.attachments import NO_WHISPER
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.qt import QObject, Signal, emit
 from app.store import HistoryStore
 
@@ -24,6 +24,7 @@ class TranscriptionController(QObject):
     ended = Signal()
     transcribed = Signal(str)  # text for the message box
     finished = Signal(str)  # the transcript put in the box ("" when none), after every attempt
+    progress = Signal(float, float)  # done, total (the engine's units)
 
     def __init__(self, store: HistoryStore, bridge: EngineBridge, parent: QObject | None = None):
         super().__init__(parent)
@@ -68,22 +69,26 @@ class TranscriptionController(QObject):
             return None
         emit(self.started, name)
         try:
-            transcript = await self.bridge.transcribe(path, whisper)
+            transcript = await self.bridge.transcribe(
+                path,
+                whisper,
+                events=RequestEvents(progress=lambda _stage, done, total, _m: emit(self.progress, done, total)),
+            )
         except (EngineRequestError, EngineUnavailable) as exc:
             emit(self.failed, f"Could not transcribe {name}: {exc}")
             return None
         finally:
             emit(self.ended)
-        if getattr(transcript, "finish_reason", "stop") == "cancelled":
+        if transcript.finish_reason == "cancelled":
             emit(self.status, f"Stopped transcribing {name}.")
             return None
-        text = (getattr(transcript, "text", "") or "").strip()
+        text = transcript.text.strip()
         if not text:
             emit(self.status, f"No speech was found in {name}.")
             return None
         emit(self.transcribed, text)
-        length = getattr(transcript, "duration_s", 0.0) or 0.0
-        language = getattr(transcript, "language", "") or ""
+        length = transcript.duration_s
+        language = transcript.language or ""
         extra = ", ".join(x for x in (f"{length:.0f} s" if length else "", language) if x)
         emit(self.status, f"Transcribed {name}{f' ({extra})' if extra else ''}: check the text, then send.")
         return text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.ops import Op
 from app.qt import (
     QApplication,
     QDialog,
@@ -29,7 +30,7 @@ from app.qt import (
     Signal,
     emit,
 )
-from app.ui.images import in_background, read_image, thumbnail_image
+from app.ui.images import read_image, thumbnail_image
 from app.ui.video import VideoCheck, check_video, duration_text, play
 
 THUMB = 64  # composer strip
@@ -81,9 +82,9 @@ class _Item(QFrame):
             self.picture.setText(SPINNER[0])
             self._spin.start()
             if load and kind == "image":
-                in_background(self, thumbnail_image, path, size, self.ratio(), self.radius, then=self.set_thumbnail)
+                Op(thumbnail_image, path, size, self.ratio(), self.radius).success(self.set_thumbnail).run(self)
             elif load:
-                in_background(self, check_video, path, size, self.ratio(), self.radius, then=self.set_video)
+                Op(check_video, path, size, self.ratio(), self.radius).success(self.set_video).run(self)
         else:
             self.picture.setObjectName("audioChip")
             self.picture.setText(f"♪  {_short(Path(path).name)}")
@@ -260,7 +261,7 @@ class ImagePreview(QDialog):
         layout.setContentsMargins(8, 8, 8, 8)
         layout.addWidget(scroll)
         self.resize(320, 240)
-        in_background(self, read_image, path, fit, then=self._show)
+        Op(read_image, path, fit).success(self._show).run(self)
 
     def _show(self, image: QImage) -> None:
         if image.isNull():

@@ -36,6 +36,7 @@ from app.attachments import (
     media_kind,
     refusal,
 )
+from app.ops import Op
 from app.qt import (
     QBuffer,
     QEvent,
@@ -60,7 +61,7 @@ from app.qt import (
 )
 from app.resources import resource_path
 from app.ui.attachment_strip import THUMB, AttachmentStrip, ImagePreview
-from app.ui.images import ImageCheck, check_image, in_background
+from app.ui.images import ImageCheck, check_image
 from app.ui.video import VideoCheck, check_video, duration_text, play
 from engine.api import VideoLimits
 
@@ -376,9 +377,7 @@ class Composer(QFrame):
                 return check_video(path, size, ratio, limits=limits)
             return check_image(path, size, ratio)
 
-        in_background(
-            self, check, path, THUMB, self.devicePixelRatioF(), then=lambda result: self._checked(result, token)
-        )
+        Op(check, path, THUMB, self.devicePixelRatioF()).success(lambda result: self._checked(result, token)).run(self)
 
     def _checked(self, result: ImageCheck | VideoCheck, token: object) -> None:
         if self._checks.get(result.path) is not token:
@@ -438,7 +437,7 @@ class Composer(QFrame):
     def _keep_then_attach(self, data: bytes, ext: str) -> None:
         """Write pasted or recorded bytes into the attachments folder off the GUI thread (a
         large picture or a long take must not stall typing), then attach the kept file."""
-        in_background(self, keep_bytes, self._folder(), data, ext, then=lambda path: self.add_files([str(path)]))
+        Op(keep_bytes, self._folder(), data, ext).success(lambda path: self.add_files([str(path)])).run(self)
 
     def add_mime(self, mime: Any) -> None:
         files = [u.toLocalFile() for u in mime.urls() if u.isLocalFile()] if mime.hasUrls() else []

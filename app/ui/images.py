@@ -4,29 +4,25 @@ Images are read by Qt (PNG, JPEG, WebP, GIF, BMP), with Pillow as the fallback f
 Qt lacks (HEIC/HEIF via pillow-heif, AVIF), through the engine's own opener so a photo is
 turned upright exactly as the model sees it. Decoding a phone photo takes a noticeable
 fraction of a second (a HEIC longer), so none of it runs on the GUI thread: everything
-here makes QImages, which Qt lets any thread build and paint, and ``in_background``
-runs such work on a thread and hands the result back to the GUI thread. The engine's
+here makes QImages, which Qt lets any thread build and paint, and an ``app.ops.Op`` runs
+such work on a helper thread and hands the result back to the GUI thread. The engine's
 opener is Pillow only: importing it never brings in mlx.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from app.qt import (
     QImage,
     QImageReader,
-    QObject,
     QPainter,
     QPainterPath,
     QRectF,
     QSize,
     Qt,
-    isValid,
 )
 
 # Full-size decodes at once: a dozen photos dropped together wait their turn instead of
@@ -174,7 +170,7 @@ def check_image(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8
     """Decode the image in full (the engine's check), then make its thumbnail; the
     thumbnail is skipped for a damaged file, which Qt's decoders would only complain
     about. A format only Pillow reads (HEIC, AVIF) is thumbnailed from the checked
-    bitmap instead of being decoded twice. Slow: run it with ``in_background``."""
+    bitmap instead of being decoded twice. Slow: run it as an ``app.ops.Op``."""
     from app.attachments import PILLOW_ONLY_EXT
 
     px = max(1, round(size * ratio))
@@ -191,18 +187,3 @@ def check_image(path: str | Path, size: int, ratio: float = 1.0, radius: int = 8
     else:
         thumb = thumbnail_image(path, size, ratio, radius)
     return ImageCheck(str(path), problem, thumb)
-
-
-def in_background(owner: QObject, fn: Callable[..., Any], *args: Any, then: Callable[[Any], None]):
-    """Run ``fn(*args)`` on a thread, then ``then(result)`` on the GUI thread, unless
-    ``owner`` (the widget that asked) was deleted meanwhile. Returns the task; an
-    exception in ``fn`` reaches the status bar through ``app.tasks``."""
-    from app import tasks
-    from app.bridge import run_in_thread
-
-    async def job() -> None:
-        value = await run_in_thread(fn, *args)
-        if isValid(owner):
-            then(value)
-
-    return tasks.spawn(job())

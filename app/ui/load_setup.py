@@ -101,7 +101,7 @@ class LoadSetup(QObject):
         line = f"Memory budget: {fmt_bytes(setting.effective)}"
         line += "." if custom is not None else " (automatic)."
         info = self.bridge.model_info
-        plan = getattr(info, "plan", None)
+        plan = info.plan if info is not None else None
         if plan is not None and plan.budget_bytes != setting.effective:
             line += (
                 f" {info.name} keeps its {fmt_bytes(plan.budget_bytes)} until it is loaded "
@@ -118,7 +118,7 @@ class LoadSetup(QObject):
         """A load succeeded under ``budget`` (None: automatic): learn the machine's figures."""
         self._save(model_prefs.note_loaded_plan, self.store, info.plan, automatic=budget is None)
         self._show_budget()
-        self.settings.show_context_advice(getattr(info, "context_advice", None), info.name)
+        self.settings.show_context_advice(info.context_advice, info.name)
 
     def _show_budget(self) -> None:
         setting = self.setting()

@@ -6,7 +6,7 @@ import asyncio
 import os
 
 from app import model_prefs, tasks
-from app.bridge import EngineBridge, run_in_thread
+from app.bridge import EngineBridge
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
 from app.controllers.models import ModelController
@@ -14,6 +14,7 @@ from app.controllers.saved_caches import SavedCaches
 from app.controllers.tools import ToolsController
 from app.controllers.transcription import WHISPER_KEY, TranscriptionController
 from app.history_writer import StoreError
+from app.ops import Op
 from app.qt import (
     QApplication,
     QEvent,
@@ -169,7 +170,8 @@ class MainWindow(QMainWindow):
         self.adapters_menu.mount_requested.connect(self._pick_adapter)
         self.adapters_menu.unmount_requested.connect(lambda name: tasks.spawn(self.unmount_adapter(name)))
         bridge.memory.connect(self.gauge.update_figures)
-        bridge.progress.connect(self._progress)
+        self.models.progress.connect(self._load_progress)
+        self.transcription.progress.connect(self.composer.set_transcribe_progress)
         tasks.set_reporter(self.notify)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
 
@@ -370,7 +372,7 @@ class MainWindow(QMainWindow):
         from engine.artifacts import hub  # the cache scan reads folders only: no mlx
 
         try:
-            found = await run_in_thread(hub.scan_local_models, self.known_model_places())
+            found = await Op(hub.scan_local_models, self.known_model_places())
         except Exception:  # noqa: BLE001 - an unreadable cache counts as empty
             found = []
         if any(m.error is None for m in found):
@@ -420,16 +422,16 @@ class MainWindow(QMainWindow):
         meta = [info.family, fmt_params(info.parameters), info.quantization, f"{info.context_length:,} ctx"]
         self.model_meta.setText("  ·  ".join(m for m in meta if m))
         self.settings.set_model_defaults(info.generation_defaults or {})
-        self.settings.set_pan_and_scan_default(getattr(info, "pan_and_scan", None))
-        self.settings.set_reasoning_control(getattr(info, "reasoning_control", None))
+        self.settings.set_pan_and_scan_default(info.pan_and_scan)
+        self.settings.set_reasoning_control(info.reasoning_control)
         conv = self.store.conversation(self.chat.conversation_id) if self.chat.conversation_id else None
         if conv is not None:
             self.settings.load(conv.system_prompt, conv.settings)
         self.gauge.set_plan(info.plan)
         self.check_memory()
         self.settings.set_draft(None)
-        self.settings.set_mtp(getattr(info, "mtp", False), getattr(info, "mtp_note", ""))
-        self.composer.set_capabilities(info.vision, info.audio, info.video, getattr(info, "video_limits", None))
+        self.settings.set_mtp(info.mtp, info.mtp_note)
+        self.composer.set_capabilities(info.vision, info.audio, info.video, info.video_limits)
         self.template_notice.setVisible(not info.chat_template)
 
     def _show_held_model(self, info) -> None:
@@ -491,11 +493,8 @@ class MainWindow(QMainWindow):
         self.error_banner.setVisible(False)
         self.composer.show_transcribing(name)
 
-    def _progress(self, request_id: int, stage: str, done: float, total: float, message: str) -> None:
-        if request_id == self.bridge.active_transcription:
-            self.composer.set_transcribe_progress(done, total)
-            return
-        if request_id == self.bridge.active_load and total > 0:
+    def _load_progress(self, done: float, total: float, message: str) -> None:
+        if total > 0:
             share = min(1.0, done / total)
             self.load_bar.setRange(0, 1000)
             self.load_bar.setValue(int(1000 * share))

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from app.bridge import EngineBridge, run_in_thread
+from app.bridge import EngineBridge
 from app.memory_units import fmt_bytes, machine_memory
+from app.ops import Op
 from app.qt import (
     QAbstractItemView,
     QDialog,
@@ -41,6 +42,7 @@ from app.qt import (
 )
 from app.recommended import recommended_models
 from app.tasks import spawn
+from engine.api import ModelInfo
 
 CONNECT_TIMEOUT_S = 4.0  # the Hub's address must take a connection this fast
 SEARCH_TIMEOUT_S = 20.0  # and the search answer within this
@@ -68,17 +70,17 @@ def fmt_params(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
-def fits_badge(info: Any, budget: int | None = None) -> str:
+def fits_badge(info: ModelInfo, budget: int | None = None) -> str:
     """Whether the model fits the memory budget (``budget``: the one chosen in Settings;
     None: the engine's automatic one, which its plan was made under)."""
-    plan = getattr(info, "plan", None)
+    plan = info.plan
     if plan is None:
         return "?"
     if budget:
         plan = replace(plan, budget_bytes=budget)
     if not plan.fits:
         return "✗ too big"
-    context = getattr(info, "context_length", 0)
+    context = info.context_length
     if not plan.kv_limits_context:  # every layer keeps a fixed window: any context fits
         return f"✓ fits ({context:,} tok)" if context else "✓ fits (any length)"
     # Memory for more tokens than the model reads is no use: say the smaller of the two.
@@ -217,7 +219,7 @@ class ModelBrowser(QDialog):
     async def refresh(self) -> None:
         """Scan the HF cache and added folders, then inspect each (memory plan, fits)."""
         try:
-            found = await run_in_thread(_hub().scan_local_models, self.extra_dirs)
+            found = await Op(_hub().scan_local_models, self.extra_dirs)
         except Exception as exc:  # noqa: BLE001 - shown to the user
             emit(self.notice, f"Could not list local models: {exc}")
             found = []
@@ -307,7 +309,7 @@ class ModelBrowser(QDialog):
 
     async def delete(self, repo_id: str) -> None:
         try:
-            await run_in_thread(_hub().delete_local_model, repo_id)
+            await Op(_hub().delete_local_model, repo_id)
         except Exception as exc:  # noqa: BLE001 - shown to the user
             emit(self.notice, f"Could not delete {repo_id}: {exc}")
             return
@@ -349,11 +351,9 @@ class ModelBrowser(QDialog):
         try:
             # Offline, the Hub client retries for close to a minute: a quick look at the
             # address first, and a deadline on the whole search, answer in seconds instead.
-            await asyncio.wait_for(
-                run_in_thread(reachable, self.endpoint, self.connect_timeout_s), self.search_timeout_s
-            )
+            await asyncio.wait_for(Op(reachable, self.endpoint, self.connect_timeout_s), self.search_timeout_s)
             found = await asyncio.wait_for(
-                run_in_thread(_hub().search_hub, query, 50, endpoint=self.endpoint), self.search_timeout_s
+                Op(_hub().search_hub, query, 50, endpoint=self.endpoint), self.search_timeout_s
             )
         except Exception as exc:  # noqa: BLE001 - shown to the user, in the browser and the status bar
             why = (
@@ -406,10 +406,8 @@ class ModelBrowser(QDialog):
 
         try:
             # Offline, say so in seconds rather than after the Hub client's retries.
-            await run_in_thread(reachable, self.endpoint, self.connect_timeout_s)
-            path = await run_in_thread(
-                _hub().download, repo_id, progress=progress, cancel=cancel, endpoint=self.endpoint
-            )
+            await Op(reachable, self.endpoint, self.connect_timeout_s)
+            path = await Op(_hub().download, repo_id, progress=progress, cancel=cancel, endpoint=self.endpoint)
         except Exception as exc:  # noqa: BLE001 - shown to the user
             emit(
                 self.notice,

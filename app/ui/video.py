@@ -56,7 +56,7 @@ def check_video(
     path: str | Path, size: int, ratio: float = 1.0, radius: int = 8, limits: VideoLimits | None = None
 ) -> VideoCheck:
     """Read the clip's facts and first frame (the engine's check); slow for a large
-    file: run it with ``in_background``. ``limits``: the loaded model's, for the note."""
+    file: run it as an ``app.ops.Op``. ``limits``: the loaded model's, for the note."""
     from engine.errors import MediaError
     from engine.media.video import poster
 

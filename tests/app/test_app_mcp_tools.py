@@ -111,11 +111,11 @@ def _spy(window, offered: list | None = None):
     sent: list[list[dict]] = []
     original = window.bridge.generate
 
-    async def generate(conv, messages, params=None, tools=None):
+    async def generate(conv, messages, params=None, tools=None, **passed):
         sent.append([dict(m) for m in messages])
         if offered is not None:
             offered.append(tools)
-        return await original(conv, messages, params, tools=tools)
+        return await original(conv, messages, params, tools=tools, **passed)
 
     window.bridge.generate = generate
     return sent

@@ -47,14 +47,31 @@ def test_installed_package_carries_resources(tmp_path):
     )
     assert built.returncode == 0, built.stderr
     wheel = next((tmp_path / "wheel").glob("*.whl"))
+    here_before = _project_in_this_venv()
     prefix = tmp_path / "prefix"
+    # --ignore-installed: without it pip takes the project's own editable install in this
+    # venv for an older copy and uninstalls it, and `make run` after `make test` finds no
+    # mlx-desk. The prefix is a place of its own; nothing in the venv changes.
     installed = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            "--prefix",
+            str(prefix),
+            str(wheel),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert installed.returncode == 0, installed.stderr
+    assert _project_in_this_venv() == here_before, "installing the wheel elsewhere changed this venv's mlx-desk"
     site = next(prefix.glob("lib/python*/site-packages"))
     probe = subprocess.run(
         [sys.executable, "-c", PROBE],
@@ -65,6 +82,22 @@ def test_installed_package_carries_resources(tmp_path):
     )
     assert probe.returncode == 0, probe.stdout + probe.stderr
     assert Path(probe.stdout.strip()) == prefix / "share" / "mlx-desk" / "resources"
+
+
+def _project_in_this_venv() -> str | None:
+    """Where this interpreter's own mlx-desk distribution lives (None when only the source tree is on the path)."""
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.metadata as m\ntry: print(m.distribution('mlx-desk')._path)\nexcept m.PackageNotFoundError: pass",
+        ],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    return found.stdout.strip() or None
 
 
 def test_frozen_bundle_finds_resources(tmp_path, monkeypatch):
