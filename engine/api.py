@@ -239,6 +239,27 @@ class KVWindow:
 
 
 @dataclass
+class ExpertResidency:
+    """How much of an MoE model's routed experts stays in memory: each MoE layer holds
+    ``slots`` of its ``experts`` in a slab; the rest are read from the files when routed."""
+
+    total_bytes: int  # every routed expert, as held in memory
+    slab_bytes: int  # what the slabs hold (all layers)
+    layers: int  # MoE layers
+    experts: int  # routed experts per layer
+    slots: int  # slab slots per layer
+    top_k: int  # experts a token is routed to
+
+    @property
+    def streamed(self) -> bool:
+        return self.slots < self.experts
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.total_bytes - self.slab_bytes
+
+
+@dataclass
 class MemoryPlan:
     """What a model needs, computed from file headers before any weight loads.
 
@@ -262,6 +283,9 @@ class MemoryPlan:
     # Stored in the files but never loaded, so not in weights_bytes (further MTP layers,
     # the MTP layer's copies of the embedding and output head).
     left_out_bytes: int = 0
+    # An MoE model's experts partly read from disk (weights_bytes then counts the slabs,
+    # not every expert); None when every expert is held.
+    experts: ExpertResidency | None = None
 
     @property
     def kv_window_bytes(self) -> int:
