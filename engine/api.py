@@ -283,8 +283,8 @@ class MemoryPlan:
     # Stored in the files but never loaded, so not in weights_bytes (further MTP layers,
     # the MTP layer's copies of the embedding and output head).
     left_out_bytes: int = 0
-    # An MoE model's experts partly read from disk (weights_bytes then counts the slabs,
-    # not every expert); None when every expert is held.
+    # An MoE model's routed experts: how many are held (weights_bytes counts the slabs, not
+    # every expert, when some are read from disk); None for a dense model.
     experts: ExpertResidency | None = None
 
     @property
@@ -441,6 +441,9 @@ class LoadModel:
     # The longest context a chat may reach (tokens); None: as long as the model and the
     # budget allow. A cap the budget cannot hold is refused at load, with what would fit.
     context_cap: int | None = None
+    # An MoE model's share of experts kept in memory (the rest read from disk when routed);
+    # None: what the memory plan gives (all of them when the model fits).
+    resident_experts: float | None = None
 
 
 @dataclass

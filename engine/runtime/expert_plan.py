@@ -58,8 +58,8 @@ def plan_residency(
     context_tokens: int = 0,
     name: str = "This model",
 ) -> MemoryPlan:
-    """``plan`` with its experts' residency decided (unchanged for a dense model, or one
-    that fits and is not forced). ``expert_bytes``: every routed expert of the loaded
+    """``plan`` with its experts' residency decided (unchanged for a dense model; every
+    expert resident for one that fits and is not forced). ``expert_bytes``: every routed expert of the loaded
     layers as held in memory; ``layers``: the MoE layers holding them."""
     experts = expert_count(args)
     if not expert_bytes or not experts or not layers:
@@ -80,9 +80,8 @@ def plan_residency(
         slots = experts if forced >= 1 else max(1, min(experts, round(forced * experts)))
     else:
         kv = plan.kv_bytes(max(context_tokens, min(DEFAULT_CONTEXT, plan.max_context or DEFAULT_CONTEXT)))
-        if plan.weights_bytes + kv < plan.budget_bytes:
-            return plan
-        slots = min(experts, int((plan.budget_bytes - rest - kv) // per_slot))
+        fits = plan.weights_bytes + kv < plan.budget_bytes
+        slots = experts if fits else min(experts, int((plan.budget_bytes - rest - kv) // per_slot))
         if slots < top_k:
             from engine.runtime.memory import format_bytes
 
@@ -92,9 +91,66 @@ def plan_residency(
                 f"{format_bytes(kv)} for the KV cache; the memory budget is {format_bytes(plan.budget_bytes)}. "
                 "Pick a smaller or more quantized model, or raise --memory-budget."
             )
-    slab = int(round(slots * per_slot))
+    slab = expert_bytes if slots == experts else int(round(slots * per_slot))
     residency = ExpertResidency(expert_bytes, slab, layers, experts, slots, top_k)
     return replace(plan, weights_bytes=rest + slab, experts=residency)
+
+
+def residency_for_inspect(plan: MemoryPlan, source: Any, forced: float | None, context_tokens: int) -> MemoryPlan:
+    """``inspect``'s plan: as a load would make it; one a load would refuse stays as it was
+    (the report then says the weights do not fit)."""
+    if getattr(source, "gguf", True) or not source.expert_bytes:
+        return plan
+    from engine import models
+
+    try:
+        args = models.get_family(source.config.model_type).ModelArgs.from_dict(source.config.raw)
+        return plan_residency(
+            plan, source.expert_bytes, source.expert_layers, args, forced=forced, context_tokens=context_tokens
+        )
+    except OutOfMemoryBudget:
+        return plan
+
+
+def describe_residency(plan: MemoryPlan, path: str = "") -> list[str]:
+    """``inspect``'s lines on the experts: resident, slab, streamed bytes and the speed share."""
+    from engine.runtime.memory import format_bytes
+
+    r = plan.experts
+    if r is None:
+        return []
+    if not r.streamed:
+        return [f"  experts       {format_bytes(r.total_bytes)} of the weights, all resident ({r.experts} per layer)"]
+    rate = disk_rate(path)
+    share = speed_share(r, plan.weights_bytes, rate)
+    where = f"a disk read at {format_bytes(rate)}/s measured" if rate else "an assumed SSD"
+    return [
+        f"  resident      {format_bytes(plan.weights_bytes - r.slab_bytes)} non-expert weights",
+        f"  expert slab   {format_bytes(r.slab_bytes)}: {r.slots} of {r.experts} experts in each of {r.layers} layers",
+        f"  streamed      {format_bytes(r.streamed_bytes)} of experts read from disk when routed",
+        f"  speed         about {share:.0%} of fully resident decoding (with {where})",
+    ]
+
+
+_DISK_RATES: dict[int, float] = {}
+
+
+def disk_rate(path: str) -> float | None:
+    """Random read rate of the disk holding ``path``'s weights, measured once per disk."""
+    from pathlib import Path
+
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    largest = max(files, key=lambda f: f.stat().st_size)
+    device = largest.stat().st_dev
+    if device not in _DISK_RATES:
+        try:
+            _DISK_RATES[device] = measure_disk(str(largest), nbytes=32 << 20)[1]
+        except OSError:
+            return None
+    return _DISK_RATES[device]
 
 
 def expert_layers(names: Any) -> int:
@@ -173,6 +229,13 @@ def start_streaming(model: Any, store: Any) -> None:
     for attr in ("_compiled_decoder", "_hybrid_decoder"):
         object.__setattr__(model, attr, _NoCompiledStep())
     object.__setattr__(model, "_expert_store", store)
+
+
+def stop_streaming(model: Any) -> None:
+    """Stop a streamed model's readers and close its files (it is being unloaded)."""
+    store = expert_store(model)
+    if store is not None:
+        store.close()
 
 
 def expert_store(model: Any) -> Any:

@@ -368,6 +368,7 @@ class EngineWorker:
                 kv_bits=command.kv_bits,
                 kv_group_size=command.kv_group_size,
                 context_cap=command.context_cap,
+                resident_experts=command.resident_experts,
                 progress=lambda done, total, message="": self._emit(
                     ProgressEvent(rid, "load", float(done), float(total), message)
                 ),
