@@ -170,6 +170,12 @@ class EngineWorker:
         with self._lock:
             self._cancels.pop(rid, None)
         self._emit(ErrorEvent(rid, message, kind))
+        if kind == "ExpertFileChanged" and self._host.loaded:
+            # Experts streamed from a file that changed or vanished: nothing more can be read
+            # from it, so the model goes (its reply keeps the text it had).
+            self._host.unload()
+            self._publish_status()
+            self._emit_memory()
 
     def _next_command(self) -> Any:
         """The next command to take in, or None when the batch should step first."""
