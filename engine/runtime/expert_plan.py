@@ -56,11 +56,14 @@ def plan_residency(
     *,
     forced: float | None,
     context_tokens: int = 0,
+    model_context: int = 0,
     name: str = "This model",
 ) -> MemoryPlan:
     """``plan`` with its experts' residency decided (unchanged for a dense model; every
     expert resident for one that fits and is not forced). ``expert_bytes``: every routed expert of the loaded
-    layers as held in memory; ``layers``: the MoE layers holding them."""
+    layers as held in memory; ``layers``: the MoE layers holding them. The KV cache kept
+    room for is that of ``context_tokens``, at least the model's context up to
+    ``DEFAULT_CONTEXT``."""
     experts = expert_count(args)
     if not expert_bytes or not experts or not layers:
         return plan
@@ -79,7 +82,7 @@ def plan_residency(
             raise ModelLoadError(f"--resident-experts must be above 0 (got {forced})")
         slots = experts if forced >= 1 else max(1, min(experts, round(forced * experts)))
     else:
-        kv = plan.kv_bytes(max(context_tokens, min(DEFAULT_CONTEXT, plan.max_context or DEFAULT_CONTEXT)))
+        kv = plan.kv_bytes(max(context_tokens, min(DEFAULT_CONTEXT, model_context or DEFAULT_CONTEXT)))
         fits = plan.weights_bytes + kv < plan.budget_bytes
         slots = experts if fits else min(experts, int((plan.budget_bytes - rest - kv) // per_slot))
         if slots < top_k:
@@ -106,7 +109,13 @@ def residency_for_inspect(plan: MemoryPlan, source: Any, forced: float | None, c
     try:
         args = models.get_family(source.config.model_type).ModelArgs.from_dict(source.config.raw)
         return plan_residency(
-            plan, source.expert_bytes, source.expert_layers, args, forced=forced, context_tokens=context_tokens
+            plan,
+            source.expert_bytes,
+            source.expert_layers,
+            args,
+            forced=forced,
+            context_tokens=context_tokens,
+            model_context=source.config.context_length or 0,
         )
     except OutOfMemoryBudget:
         return plan

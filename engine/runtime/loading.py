@@ -165,6 +165,7 @@ def load_model(
             args,
             forced=resident_experts,
             context_tokens=context_tokens,
+            model_context=config.context_length or 0,
             name=source.name,
         )
     check_fits(plan, context_tokens=context_tokens, name=source.name, budget_reason=reason)

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from engine.runtime.loading import load_model
 from tests.engine.models.model_goldens import greedy
-from tests.tiny_models import make_tokenizer
+from tests.tiny_models import CHATML_TEMPLATE, make_tokenizer
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 
@@ -56,7 +56,9 @@ def model_folder(tmp: Path, name: str) -> Path:
             shutil.copy(f, folder / f.name)
     make_tokenizer().save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"})
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML_TEMPLATE}
+        )
     )
     return folder
 
