@@ -13,8 +13,8 @@ import pytest
 from mlx.utils import tree_flatten
 from safetensors.numpy import save_file
 
-from tests.engine.experts.moe_folders import run_greedy, store_of
 from engine.runtime.loading import load_model
+from tests.engine.experts.moe_folders import run_greedy, store_of
 
 EXPERTS, HIDDEN, INNER, LAYERS = 64, 64, 256, 2
 # Arrays a model holds that are not parameters (RoPE frequencies and the like).
