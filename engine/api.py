@@ -203,6 +203,10 @@ class MemoryEvent:
     # What the budget leaves beside the weights for KV caches: past it, the caches of the
     # least recently used other chats are dropped (engine.runtime.kv_eviction). 0: no budget.
     kv_allowance_bytes: int = 0
+    # An MoE model whose experts are partly read from disk: the slab of experts it holds
+    # (part of weights_bytes) and the share of routed experts found there (0 slab: none).
+    expert_slab_bytes: int = 0
+    expert_hit_rate: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,8 @@ class ExpertResidency:
     experts: int  # routed experts per layer
     slots: int  # slab slots per layer
     top_k: int  # experts a token is routed to
+    # Expected share of fully resident decode speed (engine.runtime.expert_plan.speed_share).
+    speed_share: float = 1.0
 
     @property
     def streamed(self) -> bool:

@@ -48,6 +48,9 @@ def fits_badge(info: Any, budget: int | None = None) -> str:
         return "?"
     if budget:
         plan = replace(plan, budget_bytes=budget)
+    experts = getattr(plan, "experts", None)
+    if plan.fits and experts is not None and experts.streamed:
+        return f"runs with experts from disk (about {experts.speed_share:.0%} of full speed)"
     if not plan.fits:
         return "✗ too big"
     if not plan.kv_limits_context:  # every layer keeps a fixed window: any context fits

@@ -88,6 +88,7 @@ class ExpertStats:
         self.lookups = 0
         self.hits = 0
         self.read_bytes = 0
+        self.read_ahead = 0  # misses whose bytes a reader had fetched before they were asked for
 
     @property
     def hit_rate(self) -> float:
@@ -213,6 +214,14 @@ class ExpertStore:
     def slab_bytes(self) -> int:
         return sum(layer.slab_bytes for layer in self.layers)
 
+    def read_ahead(self, on: bool) -> None:
+        """Switch reading ahead on or off (off: the guesses not yet used are dropped)."""
+        self.prefetch = on
+        if not on:
+            for future in self._pending.values():
+                future.cancel()
+            self._pending.clear()
+
     def add_layer(self, glu: Any, num_experts: int, slots: int, sources: dict[str, ExpertSource]) -> ExpertLayer:
         layer = ExpertLayer(self, len(self.layers), glu, num_experts, slots, sources)
         self.layers.append(layer)
@@ -244,6 +253,7 @@ class ExpertStore:
         futures = []
         for e in experts:
             future = self._pending.pop((layer.index, e), None)
+            self.stats.read_ahead += future is not None
             if future is None:
                 future = (
                     self._pool.submit(self._read, layer, e) if self._pool is not None else _done(self._read(layer, e))

@@ -96,6 +96,7 @@ def plan_residency(
             )
     slab = expert_bytes if slots == experts else int(round(slots * per_slot))
     residency = ExpertResidency(expert_bytes, slab, layers, experts, slots, top_k)
+    residency.speed_share = speed_share(residency, rest + slab)
     return replace(plan, weights_bytes=rest + slab, experts=residency)
 
 
@@ -108,7 +109,7 @@ def residency_for_inspect(plan: MemoryPlan, source: Any, forced: float | None, c
 
     try:
         args = models.get_family(source.config.model_type).ModelArgs.from_dict(source.config.raw)
-        return plan_residency(
+        planned = plan_residency(
             plan,
             source.expert_bytes,
             source.expert_layers,
@@ -119,6 +120,10 @@ def residency_for_inspect(plan: MemoryPlan, source: Any, forced: float | None, c
         )
     except OutOfMemoryBudget:
         return plan
+    if planned.experts is not None and planned.experts.streamed:  # the estimate with this disk's own speed
+        rate = disk_rate(str(source.path))
+        planned.experts.speed_share = speed_share(planned.experts, planned.weights_bytes, rate)
+    return planned
 
 
 def describe_residency(plan: MemoryPlan, path: str = "") -> list[str]:
@@ -130,14 +135,13 @@ def describe_residency(plan: MemoryPlan, path: str = "") -> list[str]:
         return []
     if not r.streamed:
         return [f"  experts       {format_bytes(r.total_bytes)} of the weights, all resident ({r.experts} per layer)"]
-    rate = disk_rate(path)
-    share = speed_share(r, plan.weights_bytes, rate)
+    rate = _DISK_RATES.get(_device(path) or -1)
     where = f"a disk read at {format_bytes(rate)}/s measured" if rate else "an assumed SSD"
     return [
         f"  resident      {format_bytes(plan.weights_bytes - r.slab_bytes)} non-expert weights",
         f"  expert slab   {format_bytes(r.slab_bytes)}: {r.slots} of {r.experts} experts in each of {r.layers} layers",
         f"  streamed      {format_bytes(r.streamed_bytes)} of experts read from disk when routed",
-        f"  speed         about {share:.0%} of fully resident decoding (with {where})",
+        f"  speed         about {r.speed_share:.0%} of fully resident decoding (with {where})",
     ]
 
 
@@ -160,6 +164,13 @@ def disk_rate(path: str) -> float | None:
         except OSError:
             return None
     return _DISK_RATES[device]
+
+
+def _device(path: str) -> int | None:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
 
 
 def expert_layers(names: Any) -> int:

@@ -494,10 +494,12 @@ class EngineWorker:
         return result
 
     def _emit_memory(self) -> None:
+        from engine.runtime.expert_plan import expert_store
         from engine.runtime.memory import live_memory, total_memory
 
         live = live_memory()
         weights = self._host.weights_bytes()
+        store = expert_store(self._host.model) if self._host.loaded else None
         self._emit(
             MemoryEvent(
                 active_bytes=live["active"],
@@ -508,5 +510,7 @@ class EngineWorker:
                 budget_bytes=self._budget,
                 total_bytes=total_memory(),
                 kv_allowance_bytes=self._kv_allowance(),
+                expert_slab_bytes=store.slab_bytes if store is not None else 0,
+                expert_hit_rate=store.stats.hit_rate if store is not None else 1.0,
             )
         )

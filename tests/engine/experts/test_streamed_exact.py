@@ -55,3 +55,16 @@ def test_one_slot_reads_on_every_miss_and_counts_hits():
 def test_full_residency_streams_nothing():
     model = load(golden("qwen3_moe"), 1.0)
     assert store_of(model) is None
+
+
+def test_the_reader_reads_ahead_what_the_next_layers_pick():
+    """gpt-oss routes every layer; after a few tokens, misses are found already read."""
+    model = load(golden("gpt_oss"), 0.25)
+    store = store_of(model)
+    run_greedy(model, n=16)
+    assert store.stats.read_ahead > 0
+    store.read_ahead(False)
+    before = store.stats.read_ahead
+    run_greedy(model, n=4)
+    assert store.stats.read_ahead == before
+    store.close()
