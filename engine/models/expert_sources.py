@@ -15,10 +15,13 @@ tensors these come from, tried in this order:
   is the first half of each expert's run, up the second; ``down_proj`` as it is.
 
 Every source is expert-major, so an expert's bytes are one contiguous range per tensor.
+Names are matched from ``layers.N.`` on when the stored prefix differs from the module
+path (a multimodal checkpoint's ``model.language_model.layers.N`` for ``model.layers.N``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import mlx.core as mx
@@ -27,11 +30,38 @@ from engine.artifacts.weights import TensorInfo
 from engine.models.expert_store import ExpertSource
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_LAYER = re.compile(r"(?:^|\.)(layers\.\d+\..*)$")
 _ALIASES = {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_proj": ("down_proj", "w2")}
 
 
 class NoSource(ValueError):
     """A parameter of a streamed layer whose stored bytes this module cannot locate."""
+
+
+class ByLayer(dict):
+    """Stored tensors by name, also found by the part of the name from ``layers.N.`` on."""
+
+    def __init__(self, headers: dict[str, TensorInfo]):
+        super().__init__(headers)
+        self.tails = {t: info for name, info in headers.items() if (t := _tail(name))}
+
+    def get(self, name, default=None):
+        found = super().get(name)
+        return found if found is not None else self.tails.get(_tail(name) or "", default)
+
+    def __contains__(self, name) -> bool:
+        return self.get(name) is not None
+
+    def __getitem__(self, name):
+        found = self.get(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+
+def _tail(name: str) -> str | None:
+    m = _LAYER.search(name)
+    return m.group(1) if m else None
 
 
 def expert_sources(
@@ -41,6 +71,7 @@ def expert_sources(
     sanitized stacked array, whose shape and dtype the slab takes); NoSource when one is
     not found or would not give the slab's shape."""
     out = {}
+    headers = headers if isinstance(headers, ByLayer) else ByLayer(headers)
     for name, array in params.items():
         proj, leaf = name.split(".")
         source = _find(path, proj, leaf, num_experts, headers)

@@ -200,7 +200,7 @@ def stream_experts(
     ExpertStore that fills the slabs; None when every expert stays resident."""
     import mlx.core as mx
 
-    from engine.models.expert_sources import NoSource, expert_sources
+    from engine.models.expert_sources import ByLayer, NoSource, expert_sources
     from engine.models.expert_store import ExpertStore
     from engine.models.switch import SwitchGLU
 
@@ -210,6 +210,7 @@ def stream_experts(
     glus.sort(key=lambda pm: [int(t) if t.isdigit() else 0 for t in pm[0].split(".")])
     files = sorted({str(info.file) for info in headers.values()})
     store = ExpertStore(files, residency.top_k)
+    headers = ByLayer(headers)
     for path, glu in glus:
         params = {
             f"{proj}.{leaf}": weights[f"{path}.{proj}.{leaf}"]

@@ -38,7 +38,17 @@ FAMILIES = {
     "qwen3_moe_mixed": "quant/qwen3_moe_mixed_4_6",
     "qwen3_moe_mxfp8": "quant/qwen3_moe_mxfp8",
     "qwen3_moe_nvfp4": "quant/qwen3_moe_nvfp4_global_scale",  # per-expert global scales
+    "qwen3_moe_mxfp4": "quant/qwen3_moe_mxfp4",
+    "qwen3_next": "models/qwen3_next",
+    "glm4_moe_lite": "models/glm4_moe_lite",
+    "glm4_moe_lite_nvfp4": "mlx_layouts/glm4_moe_lite_nvfp4",
+    "moonlight": "models/moonlight",
+    "kimi_k2_mxfp4": "mlx_layouts/kimi_k2_mxfp4",
+    "gemma4_moe_multimodal": "models/gemma4_moe",  # model.language_model.layers.N...
+    "gpt_oss_mlx_q4": "mlx_layouts/gpt_oss_mlx_q4",
 }
+# Families whose goldens are in transformers' layout only: converted to mlx-lm's (4-bit).
+CONVERTED = ["qwen3_5_moe", "lfm2_moe", "gemma4_moe", "deepseek_v3", "glm4_moe"]
 
 PROMPT = [1, 5, 9, 23, 7, 40, 3, 11, 60, 2, 33, 17]
 

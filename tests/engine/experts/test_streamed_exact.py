@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine.experts.moe_folders import FAMILIES, golden, load, run_greedy, store_of
+from tests.engine.experts.moe_folders import CONVERTED, FAMILIES, golden, load, run_greedy, store_of
 
 RESIDENCIES = [0.5, 0.25, 0.01]  # 0.01: one slot per layer
 
@@ -68,3 +68,19 @@ def test_the_reader_reads_ahead_what_the_next_layers_pick():
     run_greedy(model, n=4)
     assert store.stats.read_ahead == before
     store.close()
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_mlx_layout_streams_like_resident(name, tmp_path):
+    """mlx-lm's layout (stacked, quantized) of the families whose goldens are transformers'."""
+    from engine.cli.convert import convert
+
+    folder = tmp_path / name
+    convert(str(golden(name)), str(folder), quantize_bits=4, group_size=32)
+    want_ids, want_lp = run_greedy(load(folder))
+    for fraction in (0.5, 0.01):
+        model = load(folder, fraction)
+        ids, lp = run_greedy(model)
+        assert ids == want_ids
+        np.testing.assert_allclose(lp, want_lp, atol=1e-5, rtol=0)
+        store_of(model).close()
