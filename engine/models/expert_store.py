@@ -38,7 +38,7 @@ from engine.errors import ModelLoadError
 
 # How far ahead the reader looks (layers) and how many experts per layer it guesses.
 PREFETCH_LAYERS = 2
-# Read-ahead buffers kept at most, per layer, before the oldest guess is dropped.
+# Read-ahead buffers kept at most per layer: past it the oldest guess is dropped.
 MAX_PREFETCHED = 64
 # Each call multiplies the routing counts by this: "recent" frequency.
 FREQUENCY_DECAY = 0.8
@@ -110,6 +110,7 @@ class ExpertLayer:
         self.store, self.index, self.glu = store, index, glu
         self.num_experts, self.slots = num_experts, slots
         self.sources = sources
+        self.files = sorted({file for source in sources.values() for file, _ in source.offsets})
         self.slot_of = np.full(num_experts, -1, dtype=np.int32)
         self.held = np.full(slots, -1, dtype=np.int64)  # the expert in each slot, -1 for none
         self.recent: OrderedDict[int, None] = OrderedDict()  # resident experts, least recent first
@@ -208,7 +209,7 @@ class ExpertStore:
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="expert-reader")
-        self._pending: dict[tuple[int, int], Future] = {}
+        self._pending: dict[int, OrderedDict[int, Future]] = {}  # layer -> expert -> its read
 
     @property
     def slab_bytes(self) -> int:
@@ -218,8 +219,9 @@ class ExpertStore:
         """Switch reading ahead on or off (off: the guesses not yet used are dropped)."""
         self.prefetch = on
         if not on:
-            for future in self._pending.values():
-                future.cancel()
+            for waiting in self._pending.values():
+                for future in waiting.values():
+                    future.cancel()
             self._pending.clear()
 
     def add_layer(self, glu: Any, num_experts: int, slots: int, sources: dict[str, ExpertSource]) -> ExpertLayer:
@@ -241,18 +243,22 @@ class ExpertStore:
         if not self.prefetch or self._pool is None:
             return
         for ahead in self.layers[layer.index + 1 : layer.index + 1 + PREFETCH_LAYERS]:
+            waiting = self._pending.setdefault(ahead.index, OrderedDict())
             for e in ahead.guesses(self.top_k):
-                key = (ahead.index, e)
-                if key not in self._pending and len(self._pending) < MAX_PREFETCHED * len(self.layers):
-                    self._pending[key] = self._pool.submit(self._read, ahead, e)
+                if e in waiting:
+                    continue
+                if len(waiting) >= MAX_PREFETCHED:  # the oldest guess goes
+                    waiting.popitem(last=False)[1].cancel()
+                waiting[e] = self._pool.submit(self._read, ahead, e)
 
     def fetch(self, layer: ExpertLayer, experts: Sequence[int]) -> dict[str, np.ndarray]:
         """Each source's bytes for ``experts`` [n, nbytes]: read-ahead ones when ready, the
         rest read now (in parallel)."""
-        self.check_files()
+        self.check_files(layer.files)
+        waiting = self._pending.get(layer.index, {})
         futures = []
         for e in experts:
-            future = self._pending.pop((layer.index, e), None)
+            future = waiting.pop(e, None)
             self.stats.read_ahead += future is not None
             if future is None:
                 future = (
@@ -262,14 +268,7 @@ class ExpertStore:
         parts = [f.result() for f in futures]
         for part in parts:
             self.stats.read_bytes += sum(a.nbytes for a in part.values())
-        self._drop_stale(layer)
         return {name: np.stack([part[name] for part in parts]) for name in layer.sources}
-
-    def _drop_stale(self, layer: ExpertLayer) -> None:
-        # Guesses for this layer that it did not use stay only while few.
-        mine = [k for k in self._pending if k[0] == layer.index]
-        for key in mine[: max(0, len(mine) - MAX_PREFETCHED)]:
-            self._pending.pop(key).cancel()
 
     def _read(self, layer: ExpertLayer, expert: int) -> dict[str, np.ndarray]:
         """One expert's bytes of every source (runs on a reader thread: file I/O only)."""
@@ -304,9 +303,11 @@ class ExpertStore:
             done += n
         return buf
 
-    def check_files(self) -> None:
-        """Raise ExpertFileChanged when a checkpoint file is not the one loaded."""
-        for file, before in self._files.items():
+    def check_files(self, files: Sequence[str] | None = None) -> None:
+        """Raise ExpertFileChanged when a checkpoint file (of ``files``, else any) is not the
+        one loaded. A stat each: cheap beside a read, so it runs before every read."""
+        for file in files if files is not None else self._files:
+            before = self._files[file]
             now = _identity(file)
             if now != before:
                 raise ExpertFileChanged(_changed(file, "it vanished" if now is None else "it was modified"))
