@@ -239,7 +239,7 @@ class ExpertStore:
     def routed(self, layer: ExpertLayer, ids: np.ndarray) -> None:
         """A router chose ``ids`` in ``layer``: count them and read the next layers' likely experts."""
         layer.frequency *= FREQUENCY_DECAY
-        np.add.at(layer.frequency, ids.reshape(-1), 1.0)
+        layer.frequency += np.bincount(ids.reshape(-1), minlength=layer.num_experts)
         if not self.prefetch or self._pool is None:
             return
         for ahead in self.layers[layer.index + 1 : layer.index + 1 + PREFETCH_LAYERS]:

@@ -66,6 +66,8 @@ def plan_residency(
     ``DEFAULT_CONTEXT``."""
     experts = expert_count(args)
     if not expert_bytes or not experts or not layers:
+        if forced is not None and forced < 1:
+            raise ModelLoadError(f"{name} is not a mixture-of-experts model: --resident-experts does not apply to it")
         return plan
     top_k = max(
         1,
