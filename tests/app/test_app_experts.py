@@ -25,6 +25,8 @@ def test_browser_and_gauge_show_experts_from_disk(make_window, run_async, tmp_pa
     assert info.plan.experts is not None and info.plan.experts.streamed
     badge = fits_badge(info)
     assert badge.startswith("runs with experts from disk (about ") and badge.endswith("% of full speed)")
+    status = window.statusBar().currentMessage()
+    assert status.startswith("Loaded qwen3_moe.") and "It runs with experts from disk" in status
     assert run_async(window.chat.send("hello there"))
     text = window.gauge.label.text()
     assert "experts" in text and "slab" in text and "hits" in text
