@@ -43,6 +43,7 @@ MAX_PREFETCHED = 64
 # Each call multiplies the routing counts by this: "recent" frequency.
 FREQUENCY_DECAY = 0.8
 READER_THREADS = 4
+WARM_BATCH = 16  # experts read at a time while the slabs are first filled
 
 _MX_DTYPES = {
     "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32,
@@ -229,11 +230,16 @@ class ExpertStore:
         self.layers.append(layer)
         return layer
 
-    def warm(self) -> None:
+    def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Fill every slab with its layer's first experts, so the resident share is held
-        (and counted) from the start; routing then decides which stay."""
-        for layer in self.layers:
-            layer.load(list(range(layer.slots)))
+        (and counted) from the start; routing then decides which stay. ``progress(done,
+        total)`` after each layer (it may raise to cancel); reads go ``WARM_BATCH`` experts
+        at a time, so the buffers in flight stay small beside the slab."""
+        for i, layer in enumerate(self.layers):
+            for start in range(0, layer.slots, WARM_BATCH):
+                layer.load(list(range(start, min(layer.slots, start + WARM_BATCH))))
+            if progress is not None:
+                progress(i + 1, len(self.layers))
         self.stats.read_bytes = 0
 
     def routed(self, layer: ExpertLayer, ids: np.ndarray) -> None:

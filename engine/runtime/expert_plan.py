@@ -246,9 +246,10 @@ class _NoCompiledStep:
     stack_only = False
 
 
-def start_streaming(model: Any, store: Any) -> None:
-    """Fill the slabs and keep the store on the model (for its figures and its unload)."""
-    store.warm()
+def start_streaming(model: Any, store: Any, progress: Any = None) -> None:
+    """Fill the slabs (``progress(done, total)`` by layer) and keep the store on the model
+    (for its figures and its unload)."""
+    store.warm(progress)
     for attr in ("_compiled_decoder", "_hybrid_decoder"):
         object.__setattr__(model, attr, _NoCompiledStep())
     object.__setattr__(model, "_expert_store", store)

@@ -205,7 +205,7 @@ def load_model(
         del weights
         materialise(model, progress)
         if store is not None:
-            start_streaming(model, store)
+            start_streaming(model, store, progress)
     except BaseException:
         if store is not None:
             store.close()

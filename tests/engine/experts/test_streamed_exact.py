@@ -84,3 +84,20 @@ def test_mlx_layout_streams_like_resident(name, tmp_path):
         assert ids == want_ids
         np.testing.assert_allclose(lp, want_lp, atol=1e-5, rtol=0)
         store_of(model).close()
+
+
+def test_a_load_cancelled_while_filling_the_slabs_leaves_no_reader():
+    import threading
+
+    from engine.runtime.loading import load_model
+
+    class Stop(Exception):
+        pass
+
+    def progress(done: int, total: int) -> None:
+        if total == 1 and done == 1:  # the slabs' stage: qwen3_moe's one MoE layer
+            raise Stop
+
+    with pytest.raises(Stop):
+        load_model(golden("qwen3_moe"), resident_experts=0.5, progress=progress)
+    assert not [t for t in threading.enumerate() if t.name.startswith("expert-reader")]
