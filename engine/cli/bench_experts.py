@@ -52,9 +52,11 @@ def drop_cached(file: Path) -> None:
         os.close(fd)
 
 
-def run_once(folder: Path, fraction: float, prompt: Any, gen: int) -> dict[str, Any]:
+def run_once(folder: Path, fraction: float, prompt: Any, gen: int, compiled: bool | None = None) -> dict[str, Any]:
     """Load ``folder`` keeping ``fraction`` of the experts, decode ``gen`` tokens, and
-    report speed and streaming figures of the decode alone (the prefill's reads apart)."""
+    report speed and streaming figures of the decode alone (the prefill's reads apart).
+    ``compiled`` as generate_step takes it (None: the compiled step where it applies, which
+    a streamed model declines)."""
     import mlx.core as mx
 
     from engine.decode.loop import generate_step
@@ -66,7 +68,7 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int) -> dict[str, 
     model = loaded.model
     store = expert_store(model)
     try:
-        _decode(model, prompt, min(gen, 4))  # warm-up: kernels, and the slab takes its first experts
+        _decode(model, prompt, min(gen, 4), compiled)  # warm-up: kernels, and the slab takes its first experts
         drop_cached(folder / "model.safetensors")
         mx.reset_peak_memory()
         marks: list[tuple[float, int, int, int]] = []
@@ -77,7 +79,10 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int) -> dict[str, 
 
         mark()
         n = 0
-        for _token, _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=gen, prefill_chunk=2048):
+        steps = generate_step(
+            prompt, model, make_prompt_cache(model), max_tokens=gen, prefill_chunk=2048, compiled=compiled
+        )
+        for _token, _ in steps:
             n += 1
             if n == 1:
                 mark()
@@ -100,24 +105,28 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int) -> dict[str, 
     }
 
 
-def best_runs(folder: Path, fractions: list[float], prompt: Any, gen: int, repeat: int) -> list[dict[str, Any]]:
+def best_runs(
+    folder: Path, fractions: list[float], prompt: Any, gen: int, repeat: int, compiled: bool | None = None
+) -> list[dict[str, Any]]:
     """Each residency's fastest of ``repeat`` runs, the residencies taken in turn each time
     (in reverse every other time) so drift on a shared machine falls on all alike."""
     best: dict[int, dict[str, Any]] = {}
     order = list(range(len(fractions)))
     for r in range(repeat):
         for i in order if r % 2 == 0 else order[::-1]:
-            row = run_once(folder, fractions[i], prompt, gen)
+            row = run_once(folder, fractions[i], prompt, gen, compiled)
             if i not in best or row["generation_tps"] > best[i]["generation_tps"]:
                 best[i] = row
     return [best[i] for i in order]
 
 
-def _decode(model: Any, prompt: Any, n: int) -> None:
+def _decode(model: Any, prompt: Any, n: int, compiled: bool | None = None) -> None:
     from engine.decode.loop import generate_step
     from engine.models.kv_cache import make_prompt_cache
 
-    for _ in generate_step(prompt, model, make_prompt_cache(model), max_tokens=n, prefill_chunk=2048):
+    for _ in generate_step(
+        prompt, model, make_prompt_cache(model), max_tokens=n, prefill_chunk=2048, compiled=compiled
+    ):
         pass
 
 
@@ -148,7 +157,8 @@ def run_experts_bench(args: argparse.Namespace, build_model: Any) -> int:
             flush=True,
         )
         print(f"disk     sequential {seq / 1e9:6.2f} GB/s   random 1 MB reads {rnd / 1e9:6.2f} GB/s", flush=True)
-        rows = best_runs(scratch, args.resident_experts, prompt, args.generation_tokens, max(1, args.repeat))
+        compiled = False if getattr(args, "no_compile", False) else None
+        rows = best_runs(scratch, args.resident_experts, prompt, args.generation_tokens, max(1, args.repeat), compiled)
         full = next((row["generation_tps"] for row in rows if row["resident_experts"] >= 1), None)
         for row in rows:
             per_token = row["read_bytes_per_token"]
