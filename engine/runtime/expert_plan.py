@@ -62,8 +62,8 @@ def plan_residency(
     """``plan`` with its experts' residency decided (unchanged for a dense model; every
     expert resident for one that fits and is not forced). ``expert_bytes``: every routed expert of the loaded
     layers as held in memory; ``layers``: the MoE layers holding them. The KV cache kept
-    room for is that of ``context_tokens``, at least the model's context up to
-    ``DEFAULT_CONTEXT``."""
+    room for is that of ``context_tokens`` (the context chats may reach), else of the
+    model's context up to ``DEFAULT_CONTEXT``."""
     experts = expert_count(args)
     if not expert_bytes or not experts or not layers:
         if forced is not None and forced < 1:
@@ -84,7 +84,7 @@ def plan_residency(
             raise ModelLoadError(f"--resident-experts must be above 0 (got {forced})")
         slots = experts if forced >= 1 else max(1, min(experts, round(forced * experts)))
     else:
-        kv = plan.kv_bytes(max(context_tokens, min(DEFAULT_CONTEXT, model_context or DEFAULT_CONTEXT)))
+        kv = plan.kv_bytes(context_tokens or min(DEFAULT_CONTEXT, model_context or DEFAULT_CONTEXT))
         fits = plan.weights_bytes + kv < plan.budget_bytes
         slots = experts if fits else min(experts, int((plan.budget_bytes - rest - kv) // per_slot))
         if slots < top_k:

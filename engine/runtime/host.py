@@ -163,7 +163,7 @@ class ModelHost:
                 refuse_cap=True,
             )
         self.unload()
-        parts = assemble(path, budget, progress, cancel, resident_experts=resident_experts)
+        parts = assemble(path, budget, progress, cancel, resident_experts=resident_experts, context_cap=context_cap)
         settings = kv_settings_for(parts.model, parts.path, kv_bits, kv_group_size)
         if settings:
             from engine.models.quantized_kv_cache import KVQuantization

@@ -107,6 +107,7 @@ def load_model(
     context_tokens: int = 0,
     mtp: bool = False,
     resident_experts: float | None = None,
+    context_cap: int | None = None,
 ) -> LoadedModel:
     """Load a model, refusing before any weight is read when it does not fit the budget.
 
@@ -116,7 +117,8 @@ def load_model(
     layer loads only with ``mtp``; otherwise it is set apart unread (``mtp_apart``) and
     the plan's weights leave it out. An MoE model that does not fit, or is asked to keep
     only ``resident_experts`` of its experts, streams the rest from its files
-    (engine.runtime.expert_plan).
+    (engine.runtime.expert_plan), its slab sized beside the KV cache of ``context_cap``
+    tokens (the longest context chats may reach) when one is given.
     """
     from engine import models
     from engine.runtime.expert_plan import plan_residency, start_streaming, stream_experts
@@ -164,7 +166,7 @@ def load_model(
             source.expert_layers,
             args,
             forced=resident_experts,
-            context_tokens=context_tokens,
+            context_tokens=max(context_tokens, context_cap or 0),
             model_context=config.context_length or 0,
             name=source.name,
         )

@@ -68,6 +68,9 @@ def test_short_budget_streams_and_too_short_refuses(folder):
     streamed = generate_json(folder, "--memory-budget", "262000")  # 2 slots of 4
     e = streamed["experts"]
     assert e["resident_bytes"] == e["total_bytes"] // 2 and e["read_bytes"] > 0
+    # A shorter context leaves the slab more: 16 KB of KV for 64 tokens, 3 slots in 220 KB.
+    capped = generate_json(folder, "--memory-budget", "220000", "--context-length", "64")
+    assert capped["experts"]["resident_bytes"] == capped["experts"]["total_bytes"] * 3 // 4
     out = cli("generate", "--model", str(folder), "--prompt-ids", "1,2", "--memory-budget", "240000")
     assert out.returncode != 0
     line = out.stderr.strip()
