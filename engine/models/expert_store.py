@@ -39,7 +39,7 @@ from engine.errors import ModelLoadError
 # How far ahead the reader looks (layers) and how many experts per layer it guesses.
 PREFETCH_LAYERS = 2
 # Read-ahead buffers kept at most per layer: past it the oldest guess is dropped.
-MAX_PREFETCHED = 64
+MAX_PREFETCHED = 16
 # Each call multiplies the routing counts by this: "recent" frequency.
 FREQUENCY_DECAY = 0.8
 READER_THREADS = 4
@@ -129,6 +129,12 @@ class ExpertLayer:
         """The experts' outputs for ``indices`` (expert ids), computed over the slab."""
         ids = np.array(indices).astype(np.int64)
         self.store.routed(self, ids)
+        try:
+            return self._run(x, ids)
+        finally:
+            self.store.forget_guesses(self)  # read for this pass or never: the next pass guesses anew
+
+    def _run(self, x: mx.array, ids: np.ndarray) -> mx.array:
         chosen = np.unique(ids)
         if len(chosen) <= self.slots:
             self.ensure(chosen)
@@ -256,6 +262,13 @@ class ExpertStore:
                 if len(waiting) >= MAX_PREFETCHED:  # the oldest guess goes
                     waiting.popitem(last=False)[1].cancel()
                 waiting[e] = self._pool.submit(self._read, ahead, e)
+
+    def forget_guesses(self, layer: ExpertLayer) -> None:
+        """Drop what was read ahead for ``layer`` and not used by its pass: guesses live one
+        pass, so at most ``PREFETCH_LAYERS`` layers' guesses are held at a time."""
+        waiting = self._pending.pop(layer.index, None)
+        for future in (waiting or {}).values():
+            future.cancel()
 
     def fetch(self, layer: ExpertLayer, experts: Sequence[int]) -> dict[str, np.ndarray]:
         """Each source's bytes for ``experts`` [n, nbytes]: read-ahead ones when ready, the
