@@ -116,6 +116,7 @@ class ExpertLayer:
         self.held = np.full(slots, -1, dtype=np.int64)  # the expert in each slot, -1 for none
         self.recent: OrderedDict[int, None] = OrderedDict()  # resident experts, least recent first
         self.frequency = np.zeros(num_experts, dtype=np.float64)
+        self.slot_experts = mx.zeros((slots,), dtype=mx.int32)  # self.held for the device
 
     @property
     def slab_bytes(self) -> int:
@@ -123,7 +124,20 @@ class ExpertLayer:
 
     def _slab(self, name: str) -> mx.array:
         proj, leaf = name.split(".")
-        return self.glu[proj][leaf]
+        return self._projection(proj)[leaf]
+
+    def _projection(self, proj: str) -> Any:
+        """The stacked projection itself, under the adapter host mounted on it if any."""
+        module = self.glu[proj]
+        return getattr(module, "base", module)
+
+    def _point_adapters(self) -> None:
+        # Adapters on the experts (lora.SwitchLoRAHost) gather their deltas by expert: tell
+        # them which expert each slot holds (an empty slot reads as expert 0; nothing routes there).
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            module = self.glu[proj]
+            if hasattr(module, "slot_experts"):  # a plain attribute, not a parameter of the model
+                object.__setattr__(module, "slot_experts", self.slot_experts)
 
     def run(self, x: mx.array, indices: mx.array) -> mx.array:
         """The experts' outputs for ``indices`` (expert ids), computed over the slab."""
@@ -138,6 +152,7 @@ class ExpertLayer:
         chosen = np.unique(ids)
         if len(chosen) <= self.slots:
             self.ensure(chosen)
+            self._point_adapters()
             return self.glu.routed(x, mx.array(self.slot_of[ids]))
         # More experts than slots: a group at a time, each pair (token, expert) taking its
         # own group's output; evaluated before the next group rewrites the slab.
@@ -145,6 +160,7 @@ class ExpertLayer:
         for start in range(0, len(chosen), self.slots):
             group = chosen[start : start + self.slots]
             self.ensure(group)
+            self._point_adapters()
             lookup = np.zeros(self.num_experts, dtype=np.int32)
             lookup[group] = self.slot_of[group]
             part = self.glu.routed(x, mx.array(lookup[ids]))
@@ -187,6 +203,7 @@ class ExpertLayer:
             self.held[slot] = e
             self.slot_of[e] = slot
             self.recent[e] = None
+        self.slot_experts = mx.array(np.maximum(self.held, 0).astype(np.int32))
 
     def _claim(self, n: int, keep: set[int] | frozenset[int]) -> list[int]:
         free = [int(s) for s in np.flatnonzero(self.held < 0)[:n]]

@@ -229,6 +229,8 @@ def stream_experts(
                 "load it with every expert resident (--resident-experts 1) or convert it with mlx-lm"
             ) from None
         slots = min(residency.slots, n)
+        for proj in ("gate_proj", "up_proj", "down_proj"):  # adapters on the experts check their count
+            object.__setattr__(glu[proj], "stored_experts", n)
         for key, array in params.items():
             proj, leaf = key.split(".")
             slab = mx.zeros((slots, *array.shape[1:]), dtype=array.dtype)

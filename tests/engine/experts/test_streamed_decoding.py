@@ -121,3 +121,53 @@ def test_adapter_on_router_and_attention(tmp_path):
     assert got[0] == want[0]
     np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0)
     store_of(streamed).close()
+
+
+def write_expert_adapter(folder, experts: int = 4, hidden: int = 64, inner: int = 32) -> dict:
+    """mlx-lm LoRA on layer 0's stacked experts (``LoRASwitchLinear``: lora_a [E, r, in],
+    lora_b [E, out, r]), on gate_proj and down_proj."""
+    folder.mkdir()
+    keys = ["mlp.switch_mlp.gate_proj", "mlp.switch_mlp.down_proj"]
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4, "scale": 8.0, "keys": keys}}
+        )
+    )
+    rng = np.random.default_rng(7)
+    shapes = {"gate_proj": (hidden, inner), "down_proj": (inner, hidden)}
+    tensors = {}
+    for proj, (n_in, n_out) in shapes.items():
+        p = f"model.layers.0.mlp.switch_mlp.{proj}."
+        tensors[p + "lora_a"] = (rng.standard_normal((experts, 4, n_in)) * 0.3).astype(np.float32)
+        tensors[p + "lora_b"] = (rng.standard_normal((experts, n_out, 4)) * 0.3).astype(np.float32)
+    save_file(tensors, str(folder / "adapters.safetensors"))
+    return tensors
+
+
+def test_adapter_on_the_experts_matches_mlx_lm_and_streams(tmp_path):
+    """An adapter on the routed experts themselves: ours equals mlx-lm's LoRASwitchLinear on
+    the same model, and the streamed model with it equals the resident one."""
+    import mlx.core as mx
+
+    tuner = pytest.importorskip("mlx_lm.tuner.lora")
+    tensors = write_expert_adapter(tmp_path / "adapter")
+    referee = load(golden("qwen3_moe"))
+    plain, _ = run_greedy(referee)
+    glu = referee.model.layers[0].mlp.switch_mlp
+    for proj in ("gate_proj", "down_proj"):
+        a = mx.array(tensors[f"model.layers.0.mlp.switch_mlp.{proj}.lora_a"])
+        b = mx.array(tensors[f"model.layers.0.mlp.switch_mlp.{proj}.lora_b"])
+        wrapped = tuner.LoRASwitchLinear(a.shape[2], b.shape[1], a.shape[0], r=4, scale=8.0)
+        wrapped.linear, wrapped.lora_a, wrapped.lora_b = glu[proj], a, b
+        setattr(glu, proj, wrapped)
+    want = run_greedy(referee)
+    assert want[0] != plain  # the adapter changes the output
+    for fraction in (None, 0.5, 0.01):
+        model = load(golden("qwen3_moe"), fraction)
+        lora.mount(model, tmp_path / "adapter", "experts")
+        lora.activate(model, {"experts": 1.0})
+        got = run_greedy(model)
+        assert got[0] == want[0], fraction
+        np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=0)
+        if store_of(model) is not None:
+            store_of(model).close()
