@@ -2,7 +2,9 @@
 
 Mounting wraps each targeted linear layer (``nn.Linear`` or ``nn.QuantizedLinear``; a quantized
 base stays quantized) in a ``LoRAHost`` that keeps the original layer and the low-rank deltas of
-every mounted adapter. Which adapters act, and how strongly, is switched with ``activate`` without
+every mounted adapter; a stacked expert projection (``SwitchLinear``) takes mlx-lm's
+``LoRASwitchLinear`` deltas (``lora_a`` [experts, r, in], ``lora_b`` [experts, out, r]) in a
+``SwitchLoRAHost``. Which adapters act, and how strongly, is switched with ``activate`` without
 touching the base weights; ``unmount`` puts the original layer object back once no adapter is
 left on it, so the model computes exactly what it computed before.
 
