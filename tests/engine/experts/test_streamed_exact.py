@@ -101,3 +101,24 @@ def test_a_load_cancelled_while_filling_the_slabs_leaves_no_reader():
     with pytest.raises(Stop):
         load_model(golden("qwen3_moe"), resident_experts=0.5, progress=progress)
     assert not [t for t in threading.enumerate() if t.name.startswith("expert-reader")]
+
+
+def test_a_prefill_reads_each_missing_expert_once():
+    """A 40-token pass over a one-slot slab needs every expert of the layer, many tokens
+    each: each is looked up once and read at most once, not once per token."""
+    import mlx.core as mx
+
+    from engine.models.kv_cache import make_prompt_cache
+
+    model = load(golden("qwen3_moe"), 0.01)
+    store = store_of(model)
+    (layer,) = store.layers
+    expert_bytes = sum(s.nbytes for s in layer.sources.values())
+    before = (store.stats.lookups, store.stats.read_bytes)
+    prompt = mx.array([[(7 * i + 3) % 200 + 3 for i in range(40)]])
+    mx.eval(model(prompt, cache=make_prompt_cache(model)))
+    lookups, read = store.stats.lookups - before[0], store.stats.read_bytes - before[1]
+    assert lookups == layer.num_experts  # 40 tokens x 2 experts, grouped by expert
+    # Each read at most once (the one the slot already held not at all).
+    assert (layer.num_experts - 1) * expert_bytes <= read <= layer.num_experts * expert_bytes
+    store.close()
