@@ -331,7 +331,7 @@ class ExpertStore:
         done = 0
         while done < nbytes:
             try:
-                n = os.preadv(fd, [view[done:]], offset + done)
+                n = _read_into(fd, view[done:], offset + done)
             except OSError as e:
                 raise ExpertFileChanged(_changed(file, e.strerror or str(e))) from None
             if n <= 0:
@@ -364,6 +364,15 @@ class ExpertStore:
             self.close()
         except Exception:  # interpreter shutdown: nothing left to release
             pass
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read at ``offset`` into ``view`` (no copy where the system has preadv)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
 
 
 def _identity(file: str) -> tuple[int, int, int] | None:
