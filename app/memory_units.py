@@ -15,6 +15,18 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 1024:.0f} KB"
 
 
+def experts_note(plan: object) -> str:
+    """A sentence on an MoE model's experts read from disk ("" when all are held)."""
+    experts = getattr(plan, "experts", None)
+    if experts is None or not experts.streamed:
+        return ""
+    return (
+        f"It runs with experts from disk: {fmt_bytes(experts.slab_bytes)} of its "
+        f"{fmt_bytes(experts.total_bytes)} of experts held, {fmt_bytes(experts.streamed_bytes)} read when "
+        f"routed (about {experts.speed_share:.0%} of full speed)."
+    )
+
+
 def machine_memory() -> int:
     """Physical memory, known before the engine starts (0 where the OS will not say)."""
     try:

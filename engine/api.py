@@ -203,6 +203,10 @@ class MemoryEvent:
     # What the budget leaves beside the weights for KV caches: past it, the caches of the
     # least recently used other chats are dropped (engine.runtime.kv_eviction). 0: no budget.
     kv_allowance_bytes: int = 0
+    # An MoE model whose experts are partly read from disk: the slab of experts it holds
+    # (part of weights_bytes) and the share of routed experts found there (0 slab: none).
+    expert_slab_bytes: int = 0
+    expert_hit_rate: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,29 @@ class KVWindow:
 
 
 @dataclass
+class ExpertResidency:
+    """How much of an MoE model's routed experts stays in memory: each MoE layer holds
+    ``slots`` of its ``experts`` in a slab; the rest are read from the files when routed."""
+
+    total_bytes: int  # every routed expert, as held in memory
+    slab_bytes: int  # what the slabs hold (all layers)
+    layers: int  # MoE layers
+    experts: int  # routed experts per layer
+    slots: int  # slab slots per layer
+    top_k: int  # experts a token is routed to
+    # Expected share of fully resident decode speed (engine.runtime.expert_plan.speed_share).
+    speed_share: float = 1.0
+
+    @property
+    def streamed(self) -> bool:
+        return self.slots < self.experts
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.total_bytes - self.slab_bytes
+
+
+@dataclass
 class MemoryPlan:
     """What a model needs, computed from file headers before any weight loads.
 
@@ -262,6 +289,9 @@ class MemoryPlan:
     # Stored in the files but never loaded, so not in weights_bytes (further MTP layers,
     # the MTP layer's copies of the embedding and output head).
     left_out_bytes: int = 0
+    # An MoE model's routed experts: how many are held (weights_bytes counts the slabs, not
+    # every expert, when some are read from disk); None for a dense model.
+    experts: ExpertResidency | None = None
 
     @property
     def kv_window_bytes(self) -> int:
@@ -417,6 +447,9 @@ class LoadModel:
     # The longest context a chat may reach (tokens); None: as long as the model and the
     # budget allow. A cap the budget cannot hold is refused at load, with what would fit.
     context_cap: int | None = None
+    # An MoE model's share of experts kept in memory (the rest read from disk when routed);
+    # None: what the memory plan gives (all of them when the model fits).
+    resident_experts: float | None = None
 
 
 @dataclass

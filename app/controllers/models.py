@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
+from app.memory_units import experts_note
 from app.qt import QObject, Signal, emit
 
 
@@ -62,7 +63,8 @@ class ModelController(QObject):
         emit(self.loaded, info)
         await self.adapters.apply()
         mounted = [a.name for a in (self.bridge.model_info or info).adapters]
-        emit(self.status, f"Loaded {info.name}" + (f" with its adapters {', '.join(mounted)}." if mounted else "."))
+        loaded = f"Loaded {info.name}" + (f" with its adapters {', '.join(mounted)}." if mounted else ".")
+        emit(self.status, " ".join(filter(None, (loaded, experts_note(info.plan)))))
         if self.load_setup.skipped:
             emit(self.failed, self.load_setup.skipped)
         emit(self.ready, info)

@@ -144,10 +144,12 @@ class MemoryGauge(QWidget):
         self.bar.projected = self.projected_need() if self.plan is not None else 0
         self.bar.parts = {"weights": weights, "kv": kv, "other": max(0, active - weights - kv), "cache": cache}
         used = max(active, weights + kv)
+        slab = f.get("expert_slab_bytes", 0)
+        experts = f"  ·  experts {fmt_bytes(slab)} slab, {f.get('expert_hit_rate', 1.0):.0%} hits" if slab else ""
         if budget:
             self.label.setText(
                 f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)} of {fmt_bytes(allowance)}  ·  "
-                f"{fmt_bytes(used)} of {fmt_bytes(budget)}"
+                f"{fmt_bytes(used)} of {fmt_bytes(budget)}{experts}"
             )
         else:
             parts = ["no model"]
@@ -168,6 +170,11 @@ class MemoryGauge(QWidget):
             else "Budget: set when a model loads",
             f"Machine: {fmt_bytes(total)}",
         ]
+        if slab:
+            lines.append(
+                f"Experts: {fmt_bytes(slab)} of them held (part of the weights); the others are read from "
+                f"the model's files when routed. {f.get('expert_hit_rate', 1.0):.1%} of routed experts were held."
+            )
         if budget:
             lines.append(
                 f"The budget is enforced. A model that does not fit in it is refused before it loads. "

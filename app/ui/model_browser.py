@@ -78,6 +78,9 @@ def fits_badge(info: ModelInfo, budget: int | None = None) -> str:
         return "?"
     if budget:
         plan = replace(plan, budget_bytes=budget)
+    experts = plan.experts
+    if plan.fits and experts is not None and experts.streamed:
+        return f"runs with experts from disk (about {experts.speed_share:.0%} of full speed)"
     if not plan.fits:
         return "✗ too big"
     context = info.context_length

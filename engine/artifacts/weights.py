@@ -38,6 +38,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     nbytes: int
     file: Path
+    offset: int = 0  # where the tensor's bytes start in ``file`` (header included)
 
     @property
     def numel(self) -> int:
@@ -125,7 +126,7 @@ def read_header(file: str | Path) -> dict[str, TensorInfo]:
             raise ModelLoadError(
                 f"{file.name} is corrupt: {name} holds {nbytes} bytes but {dtype}{list(shape)} needs {expected}"
             )
-        tensors[name] = TensorInfo(dtype=dtype, shape=shape, nbytes=nbytes, file=file)
+        tensors[name] = TensorInfo(dtype=dtype, shape=shape, nbytes=nbytes, file=file, offset=8 + length + begin)
         end = max(end, stop)
     expected_size = 8 + length + end
     if size < expected_size:

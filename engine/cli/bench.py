@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.cli.bench_shapes import FIXED_QUANTIZATION, SHAPES
+from engine.cli.experts import add_resident_experts
 from engine.errors import EngineError
 
 
@@ -78,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also print bytes read per decoded token, the measured copy bandwidth, the ceiling and each loop's share",
     )
     add_media_arguments(p)
+    add_resident_experts(p, many=True)
 
 
 def build_model(
@@ -304,6 +306,10 @@ def run_bench(
         return run_media_bench(args)
     if args.prompt_tokens < 1 or args.generation_tokens < 2:
         raise EngineError("bench needs -p >= 1 and -g >= 2")
+    if getattr(args, "resident_experts", None):
+        from engine.cli.bench_experts import run_experts_bench
+
+        return run_experts_bench(args, build_model)
     diffusion = SHAPES[args.shape]["model_type"] == "diffusion_gemma"
     if (args.vs == "mlx-vlm") != (diffusion and args.vs is not None):
         raise EngineError(

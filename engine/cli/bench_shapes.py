@@ -308,6 +308,26 @@ SHAPES["tiny-qwen3.5-moe"] = {
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64,
 }
+# An MoE whose experts are most of its weights, at a size the CPU build decodes in
+# milliseconds: the expert-streaming bench's CPU figures (--resident-experts).
+SHAPES["small-moe"] = dict(
+    model_type="qwen3_moe",
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    num_experts=64,
+    num_experts_per_tok=4,
+    moe_intermediate_size=256,
+    norm_topk_prob=True,
+    vocab_size=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 # Modules a shape quantizes its own way whatever --bits says, as its published
 # checkpoints do: gpt-oss ships its experts in MXFP4 (the rest follows --bits; 16 keeps

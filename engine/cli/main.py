@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from engine.cli.experts import add_resident_experts, json_experts
 from engine.errors import EngineError, backend_hint
 
 
@@ -75,6 +76,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(p)
+    add_resident_experts(p)
     p.add_argument(
         "--cache-file",
         metavar="FILE.safetensors",
@@ -173,6 +175,7 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("path")
     p.add_argument("--memory-budget", type=_budget)
     _add_kv_arguments(p)
+    add_resident_experts(p)
 
 
 def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
@@ -327,6 +330,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         context_cap=args.context_length,
+        resident_experts=args.resident_experts,
     )
     _mount_adapters(host, args.adapter)
     if args.draft_model is not None:
@@ -382,6 +386,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }
         if args.cache_file is not None:
             out["cached_tokens"] = stats.cached_tokens
+        if (experts := json_experts(host)) is not None:
+            out["experts"] = experts
         if result.notes:
             out["notes"] = result.notes
         if result.denoising_steps is not None:  # block diffusion
@@ -487,7 +493,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     kwargs = {"memory_budget": args.memory_budget} if args.memory_budget else {}
     info = inspect_model(
-        args.path, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, context_cap=args.context_length, **kwargs
+        args.path,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        context_cap=args.context_length,
+        resident_experts=args.resident_experts,
+        **kwargs,
     )
     print(format_inspect(info))
     return 0
@@ -574,6 +585,7 @@ def _add_serve(parser: Any) -> None:
     )
     parser.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(parser)
+    add_resident_experts(parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 
 Mounting wraps each targeted linear layer (``nn.Linear`` or ``nn.QuantizedLinear``; a quantized
 base stays quantized) in a ``LoRAHost`` that keeps the original layer and the low-rank deltas of
-every mounted adapter. Which adapters act, and how strongly, is switched with ``activate`` without
+every mounted adapter; a stacked expert projection (``SwitchLinear``) takes mlx-lm's
+``LoRASwitchLinear`` deltas (``lora_a`` [experts, r, in], ``lora_b`` [experts, out, r]) in a
+``SwitchLoRAHost``. Which adapters act, and how strongly, is switched with ``activate`` without
 touching the base weights; ``unmount`` puts the original layer object back once no adapter is
 left on it, so the model computes exactly what it computed before.
 
@@ -42,6 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.errors import AdapterError
+from engine.models.switch import QuantizedSwitchLinear, SwitchLinear
 
 AdapterFormat = Literal["mlx-lm", "peft"]
 AdapterKind = Literal["lora", "dora"]
@@ -101,6 +104,31 @@ class LoRAHost(nn.Module):
         for delta, mult in self._deltas.active:
             out = out + _delta_output(self.base, delta, x, y, mult)
         return out
+
+
+class SwitchLoRAHost(LoRAHost):
+    """A stacked expert projection (``SwitchLinear``) with adapters in mlx-lm's
+    ``LoRASwitchLinear`` format: expert e's change is ``s * (x @ a[e]) @ b[e]``, held as
+    a [E, in, r] and b [E, r, out] (one ``gather_mm`` each). When the experts stream from
+    disk the layer's indices are slab slots; the streamed layer then sets ``slot_experts``
+    (the expert in each slot) and the deltas, resident whole, are gathered by expert."""
+
+    slot_experts: mx.array | None = None
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = self.base(x, indices, sorted_indices)
+        experts = indices if self.slot_experts is None else self.slot_experts[indices]
+        out = y
+        for d, mult in self._deltas.active:
+            low = _gather_mm(_gather_mm(x, d.a, experts, sorted_indices), d.b, experts, sorted_indices)
+            out = out + (mult * d.scale * low).astype(y.dtype)
+        return out
+
+
+def _gather_mm(x: mx.array, w: mx.array, experts: mx.array, sorted_indices: bool) -> mx.array:
+    if mx.default_device() == mx.cpu and (x.dtype != mx.float32 or w.dtype != mx.float32):
+        x, w = x.astype(mx.float32), w.astype(mx.float32)  # MLX's CPU gather_mm: float32 only
+    return mx.gather_mm(x, w, rhs_indices=experts, sorted_indices=sorted_indices)
 
 
 def _delta_output(base: nn.Module, d: _Delta, x: mx.array, y: mx.array, mult: float) -> mx.array:
@@ -198,11 +226,15 @@ def _parse_mlxlm(folder: Path, config: dict) -> _Parsed:
         if kind == "dora" and "m" not in parts:
             raise AdapterError(f"{weights_file.name} is a DoRA adapter without the magnitude '{path}.m'")
         a, b = parts["lora_a"], parts["lora_b"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        if a.ndim == 3 and b.ndim == 3:  # stacked experts (LoRASwitchLinear): [E, r, in], [E, out, r]
+            if kind != "lora":
+                raise AdapterError(f"{path}: DoRA on stacked experts cannot be mounted; use a LoRA adapter")
+            a, b = a.swapaxes(-1, -2), b.swapaxes(-1, -2)
+        if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
             raise AdapterError(
                 f"{path}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not chain; the file is damaged"
             )
-        rank = max(rank, a.shape[1])
+        rank = max(rank, a.shape[-1])
         deltas[path] = _Delta(a=a, b=b, scale=scale, magnitude=parts.get("m") if kind == "dora" else None)
     return _Parsed("mlx-lm", kind, deltas, rank, weights_file, _base_hint(config.get("model")))
 
@@ -298,9 +330,9 @@ def _set_child(parent: object, key: str | int, module: nn.Module) -> None:
 
 
 def _dims(layer: nn.Module) -> tuple[int, int]:
-    """(in, out) of a linear or quantized linear layer."""
-    out_dims, packed = layer.weight.shape
-    if isinstance(layer, nn.QuantizedLinear):
+    """(in, out) of a linear or quantized linear layer (of each expert, for stacked ones)."""
+    out_dims, packed = layer.weight.shape[-2:]
+    if isinstance(layer, (nn.QuantizedLinear, QuantizedSwitchLinear)):
         return packed * 32 // layer.bits, out_dims
     return packed, out_dims
 
@@ -387,12 +419,22 @@ def _check_target(
         )
     layer = found[2]
     base = layer.base if isinstance(layer, LoRAHost) else layer
-    if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
+    stacked = isinstance(base, (SwitchLinear, QuantizedSwitchLinear))
+    if not isinstance(base, (nn.Linear, nn.QuantizedLinear)) and not stacked:
         raise AdapterError(
             f"adapter '{name}' targets {path}, a {type(base).__name__}; only linear layers take adapters"
         )
+    if stacked != (delta.a.ndim == 3):
+        what = "stacked experts" if stacked else "one linear layer"
+        raise AdapterError(
+            f"adapter '{name}' does not match {path} ({what}): it was trained for a different model{hint}"
+        )
     in_dims, out_dims = _dims(base)
-    want_in, want_out = delta.a.shape[0], delta.b.shape[1]
+    want_in, want_out = delta.a.shape[-2], delta.b.shape[-1]
+    # A streamed layer's stack holds slab slots; ``stored_experts`` says how many experts it has.
+    experts = getattr(base, "stored_experts", base.weight.shape[0]) if stacked else 0
+    if stacked and delta.a.shape[0] != experts:
+        raise AdapterError(f"adapter '{name}' has {delta.a.shape[0]} experts for {path}, the model {experts}{hint}")
     if (want_in, want_out) != (in_dims, out_dims):
         raise AdapterError(
             f"adapter '{name}' expects {_short(path)} {want_in}->{want_out} but the model has "
@@ -408,7 +450,7 @@ def _check_target(
 
 def _to_compute_dtype(d: _Delta, base: nn.Module) -> None:
     """Store the adapter in the dtype the layer computes in, so no cast runs per token."""
-    dtype = (base.scales if isinstance(base, nn.QuantizedLinear) else base.weight).dtype
+    dtype = (base.scales if "scales" in base else base.weight).dtype
     if not mx.issubdtype(dtype, mx.floating):
         return
     for attr in ("a", "b", "b_bias", "dora_gain"):
@@ -521,7 +563,7 @@ def _put_in_place(model: nn.Module, path: str, delta: _Delta, kind: AdapterKind,
         delta.dora_gain = _dora_gain(base, delta)
     _to_compute_dtype(delta, base)
     if not isinstance(layer, LoRAHost):
-        layer = LoRAHost(layer)
+        layer = SwitchLoRAHost(layer) if isinstance(layer, (SwitchLinear, QuantizedSwitchLinear)) else LoRAHost(layer)
         _set_child(parent, key, layer)
     layer._deltas.by_name[name] = delta
 

@@ -154,8 +154,18 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(hidden_dims, dims, num_experts, bias)
         self.activation = activation
 
+    # Set when the experts stream from disk (engine.models.expert_store.ExpertLayer): the
+    # stacked arrays then hold a slab of slots, and expert ids become slot ids first.
+    streamed = None
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [..., dims], indices [..., k] -> [..., k, dims] (one output per chosen expert)."""
+        if self.streamed is not None:
+            return self.streamed.run(x, indices)
+        return self.routed(x, indices)
+
+    def routed(self, x: mx.array, indices: mx.array) -> mx.array:
+        """The experts' outputs, ``indices`` naming rows of the stacked arrays."""
         k = indices.shape[-1]
         lead = indices.shape[:-1]
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, dims]

@@ -50,13 +50,25 @@ def _checked_progress(progress: LoadProgress | None, cancel: threading.Event | N
 
 
 def assemble(
-    path: str, budget: int | None, progress: LoadProgress | None = None, cancel: threading.Event | None = None
+    path: str,
+    budget: int | None,
+    progress: LoadProgress | None = None,
+    cancel: threading.Event | None = None,
+    *,
+    resident_experts: float | None = None,
+    context_cap: int | None = None,
 ) -> ModelParts:
-    """Load ``path`` with its tokenizer, template, end ids, description and towers."""
+    """Load ``path`` with its tokenizer, template, end ids, description and towers;
+    ``resident_experts``: an MoE model's share of experts held (engine.runtime.expert_plan),
+    ``context_cap``: the context its slab leaves room for."""
     from engine.runtime.loading import load_model
 
     loaded = load_model(
-        path, memory_budget=budget, progress=_checked_progress(progress, cancel, "Loading", "loading weights")
+        path,
+        memory_budget=budget,
+        progress=_checked_progress(progress, cancel, "Loading", "loading weights"),
+        resident_experts=resident_experts,
+        context_cap=context_cap,
     )
     if cancel is not None and cancel.is_set():
         raise LoadCancelled("Loading was cancelled.")

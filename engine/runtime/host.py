@@ -34,6 +34,7 @@ from engine.decode.diffusion import Draft
 from engine.decode.loop import Piece
 from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
+from engine.runtime.expert_plan import stop_streaming
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
 from engine.runtime.session import ChatSession
 
@@ -136,6 +137,7 @@ class ModelHost:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         context_cap: int | None = None,
+        resident_experts: float | None = None,
     ) -> ModelInfo:
         """Load a model folder, HF repo id (already cached) or .gguf file, replacing any
         loaded model. Refuses before allocating when it cannot fit ``budget``. ``kv_bits``
@@ -161,7 +163,7 @@ class ModelHost:
                 refuse_cap=True,
             )
         self.unload()
-        parts = assemble(path, budget, progress, cancel)
+        parts = assemble(path, budget, progress, cancel, resident_experts=resident_experts, context_cap=context_cap)
         settings = kv_settings_for(parts.model, parts.path, kv_bits, kv_group_size)
         if settings:
             from engine.models.quantized_kv_cache import KVQuantization
@@ -210,6 +212,7 @@ class ModelHost:
         if self._loaded is None:
             return
         self._loaded.towers.unload()
+        stop_streaming(self._loaded.model)  # experts read from disk: their readers and files
         self._loaded = None
         import gc
 

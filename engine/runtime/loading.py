@@ -37,6 +37,7 @@ from engine.decode.diffusion import DiffusionSettings, is_diffusion_model
 from engine.errors import EngineError, ModelLoadError, UnsupportedModelError
 from engine.models.checkpoint import MX_DTYPE_NAMES, cast_floats, fill_weights, one_line, quantize_like_checkpoint
 from engine.models.switch import MissingExperts
+from engine.runtime.expert_plan import expert_layers, is_routed_expert
 
 Progress = Callable[[int, int], None]
 
@@ -92,6 +93,9 @@ class _Source:
     gguf: bool
     mtp_bytes: int = 0  # of weights_bytes: the built-in MTP layer (DeepSeek V3, GLM)
     left_out_bytes: int = 0  # stored but not loaded (further MTP layers, copies of embedding and head)
+    headers: dict[str, Any] | None = None  # safetensors tensors by name (byte ranges for streamed experts)
+    expert_bytes: int = 0  # of weights_bytes: the routed experts of the model's MoE layers
+    expert_layers: int = 0  # MoE layers holding them
 
 
 def load_model(
@@ -102,6 +106,8 @@ def load_model(
     progress: Progress | None = None,
     context_tokens: int = 0,
     mtp: bool = False,
+    resident_experts: float | None = None,
+    context_cap: int | None = None,
 ) -> LoadedModel:
     """Load a model, refusing before any weight is read when it does not fit the budget.
 
@@ -109,9 +115,13 @@ def load_model(
     stay as stored. ``progress(done, total)`` is called as layers are materialised; it
     may raise to cancel the load, and the exception propagates unchanged. A built-in MTP
     layer loads only with ``mtp``; otherwise it is set apart unread (``mtp_apart``) and
-    the plan's weights leave it out.
+    the plan's weights leave it out. An MoE model that does not fit, or is asked to keep
+    only ``resident_experts`` of its experts, streams the rest from its files
+    (engine.runtime.expert_plan), its slab sized beside the KV cache of ``context_cap``
+    tokens (the longest context chats may reach) when one is given.
     """
     from engine import models
+    from engine.runtime.expert_plan import plan_residency, start_streaming, stream_experts
     from engine.runtime.memory import check_fits, default_budget, plan_memory
 
     if dtype is not None and dtype not in DTYPE_BYTES:
@@ -149,6 +159,17 @@ def load_model(
         mtp_loaded=mtp,
         left_out_bytes=source.left_out_bytes,
     )
+    if not source.gguf:
+        plan = plan_residency(
+            plan,
+            source.expert_bytes,
+            source.expert_layers,
+            args,
+            forced=resident_experts,
+            context_tokens=max(context_tokens, context_cap or 0),
+            model_context=config.context_length or 0,
+            name=source.name,
+        )
     check_fits(plan, context_tokens=context_tokens, name=source.name, budget_reason=reason)
 
     gguf_metadata = None
@@ -165,6 +186,7 @@ def load_model(
         model = Embedder(family, args, embedding)
     else:
         model = family.Model(args)
+    store = None
     try:
         if dtype is not None:
             # Before sanitize too: what it computes (Qwen3.5's 1 + w norms) then rounds to the
@@ -179,10 +201,16 @@ def load_model(
         if dtype is not None:
             weights = cast_floats(weights, dtype)
         apart = None if mtp else _set_mtp_apart(model, weights, source, args, dtype)
+        if plan.experts is not None:  # before the fill: the stored experts are never read whole
+            store = stream_experts(model, weights, source.headers or {}, plan.experts, source.name)
         fill_weights(model, weights, name=source.name)
         del weights
         materialise(model, progress)
+        if store is not None:
+            start_streaming(model, store, progress)
     except BaseException:
+        if store is not None:
+            store.close()
         _release()
         raise
     model.eval()
@@ -295,6 +323,12 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
     mtp += sum(extra for n, extra in widened.items() if held(n) == "mtp")
     source = _Source(path, name, config, size, target, files, set(headers), gguf=False)
     source.mtp_bytes, source.left_out_bytes = mtp, weights_bytes(headers, cast) - size
+    experts = {n: t for n, t in headers.items() if held(n) == "model" and is_routed_expert(n)}
+    source.headers, source.expert_bytes, source.expert_layers = (
+        headers,
+        weights_bytes(experts, cast),
+        expert_layers(experts),
+    )
     return source
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from engine.api import ModelInfo
 from engine.artifacts.hub import describe, resolve_model_path
 from engine.runtime.context_planner import advise_context, check_cap, precision_options
+from engine.runtime.expert_plan import describe_residency, residency_for_inspect
 from engine.runtime.loading import DTYPE_BYTES, inspect_source
 from engine.runtime.memory import (
     default_budget,
@@ -27,6 +28,7 @@ def inspect_model(
     kv_config: bool = True,
     context_cap: int | None = None,
     refuse_cap: bool = False,
+    resident_experts: float | None = None,
 ) -> ModelInfo:
     """Describe a model folder, cached repo id or .gguf file without loading weights; the
     memory plan counts a quantized KV cache (``kv_bits``, else with ``kv_config`` the
@@ -49,6 +51,7 @@ def inspect_model(
         mtp_bytes=source.mtp_bytes,
         left_out_bytes=source.left_out_bytes,
     )
+    plan = residency_for_inspect(plan, source, resident_experts, context_cap or 0)
     config = source.config
     info = ModelInfo(
         path=str(resolved),
@@ -105,6 +108,7 @@ def format_inspect(info: ModelInfo) -> str:
                 f"  MTP layer     {format_bytes(plan.mtp_bytes)} more, loaded only for built-in drafting (--mtp): "
                 f"{format_bytes(plan.weights_bytes + plan.mtp_bytes)} of weights then"
             )
+        lines += describe_residency(plan, info.path)
         if plan.left_out_bytes:
             lines.append(
                 f"  not loaded    {format_bytes(plan.left_out_bytes)} stored but never loaded "
@@ -148,6 +152,7 @@ def _bits_per_weight(info: ModelInfo) -> str:
         return ""
     # The parameters count every stored tensor: so do the bytes, loaded or not.
     stored = plan.weights_bytes + (0 if plan.mtp_loaded else plan.mtp_bytes) + plan.left_out_bytes
+    stored += plan.experts.streamed_bytes if plan.experts is not None else 0
     return f" ({8 * stored / info.parameters:.2f} bits per weight)"
 
 

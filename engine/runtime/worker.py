@@ -170,6 +170,12 @@ class EngineWorker:
         with self._lock:
             self._cancels.pop(rid, None)
         self._emit(ErrorEvent(rid, message, kind))
+        if kind == "ExpertFileChanged" and self._host.loaded:
+            # Experts streamed from a file that changed or vanished: nothing more can be read
+            # from it, so the model goes (its reply keeps the text it had).
+            self._host.unload()
+            self._publish_status()
+            self._emit_memory()
 
     def _next_command(self) -> Any:
         """The next command to take in, or None when the batch should step first."""
@@ -368,6 +374,7 @@ class EngineWorker:
                 kv_bits=command.kv_bits,
                 kv_group_size=command.kv_group_size,
                 context_cap=command.context_cap,
+                resident_experts=command.resident_experts,
                 progress=lambda done, total, message="": self._emit(
                     ProgressEvent(rid, "load", float(done), float(total), message)
                 ),
@@ -487,10 +494,12 @@ class EngineWorker:
         return result
 
     def _emit_memory(self) -> None:
+        from engine.runtime.expert_plan import expert_store
         from engine.runtime.memory import live_memory, total_memory
 
         live = live_memory()
         weights = self._host.weights_bytes()
+        store = expert_store(self._host.model) if self._host.loaded else None
         self._emit(
             MemoryEvent(
                 active_bytes=live["active"],
@@ -501,5 +510,7 @@ class EngineWorker:
                 budget_bytes=self._budget,
                 total_bytes=total_memory(),
                 kv_allowance_bytes=self._kv_allowance(),
+                expert_slab_bytes=store.slab_bytes if store is not None else 0,
+                expert_hit_rate=store.stats.hit_rate if store is not None else 1.0,
             )
         )

@@ -122,6 +122,7 @@ def run_command(args: Any) -> int:
                 "kv_bits": args.kv_bits,
                 "kv_group_size": args.kv_group_size,
                 "context_cap": args.context_length,
+                "resident_experts": getattr(args, "resident_experts", None),
             },
         )
     except KeyboardInterrupt:

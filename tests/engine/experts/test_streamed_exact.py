@@ -1,0 +1,124 @@
+"""Experts read from the file give the fully resident model's output exactly.
+
+For each MoE family and stored layout: greedy ids identical and log-probs within 1e-5 of
+the fully resident model with half, a quarter and one slot per layer of the experts held
+(one slot is fewer than a token's experts: a pass then runs its experts in groups).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engine.experts.moe_folders import CONVERTED, FAMILIES, golden, load, run_greedy, store_of
+
+RESIDENCIES = [0.5, 0.25, 0.01]  # 0.01: one slot per layer
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = run_greedy(load(golden(name)))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_streamed_equals_resident(name, reference):
+    want_ids, want_lp = reference(name)
+    for fraction in RESIDENCIES:
+        model = load(golden(name), fraction)
+        store = store_of(model)
+        assert store is not None and store.layers, "the experts were not streamed"
+        assert all(layer.slots < layer.num_experts for layer in store.layers)
+        ids, lp = run_greedy(model)
+        assert ids == want_ids, f"{name} at {fraction}"
+        np.testing.assert_allclose(lp, want_lp, atol=1e-5, rtol=0)
+        assert store.stats.read_bytes > 0  # something was really read from the file
+        store.close()
+
+
+def test_one_slot_reads_on_every_miss_and_counts_hits():
+    model = load(golden("qwen3_moe"), 0.01)
+    store = store_of(model)
+    run_greedy(model, n=6)
+    stats = store.stats
+    assert 0 <= stats.hits < stats.lookups
+    assert stats.read_bytes >= (stats.lookups - stats.hits) * sum(s.nbytes for s in store.layers[0].sources.values())
+    store.close()
+
+
+def test_full_residency_streams_nothing():
+    model = load(golden("qwen3_moe"), 1.0)
+    assert store_of(model) is None
+
+
+def test_the_reader_reads_ahead_what_the_next_layers_pick():
+    """gpt-oss routes every layer; after a few tokens, misses are found already read."""
+    model = load(golden("gpt_oss"), 0.25)
+    store = store_of(model)
+    run_greedy(model, n=16)
+    assert store.stats.read_ahead > 0
+    store.read_ahead(False)
+    before = store.stats.read_ahead
+    run_greedy(model, n=4)
+    assert store.stats.read_ahead == before
+    store.close()
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_mlx_layout_streams_like_resident(name, tmp_path):
+    """mlx-lm's layout (stacked, quantized) of the families whose goldens are transformers'."""
+    from engine.cli.convert import convert
+
+    folder = tmp_path / name
+    convert(str(golden(name)), str(folder), quantize_bits=4, group_size=32)
+    want_ids, want_lp = run_greedy(load(folder))
+    for fraction in (0.5, 0.01):
+        model = load(folder, fraction)
+        ids, lp = run_greedy(model)
+        assert ids == want_ids
+        np.testing.assert_allclose(lp, want_lp, atol=1e-5, rtol=0)
+        store_of(model).close()
+
+
+def test_a_load_cancelled_while_filling_the_slabs_leaves_no_reader():
+    import threading
+
+    from engine.runtime.loading import load_model
+
+    class Stop(Exception):
+        pass
+
+    def progress(done: int, total: int) -> None:
+        if total == 1 and done == 1:  # the slabs' stage: qwen3_moe's one MoE layer
+            raise Stop
+
+    with pytest.raises(Stop):
+        load_model(golden("qwen3_moe"), resident_experts=0.5, progress=progress)
+    assert not [t for t in threading.enumerate() if t.name.startswith("expert-reader")]
+
+
+def test_a_prefill_reads_each_missing_expert_once():
+    """A 40-token pass over a one-slot slab needs every expert of the layer, many tokens
+    each: each is looked up once and read at most once, not once per token."""
+    import mlx.core as mx
+
+    from engine.models.kv_cache import make_prompt_cache
+
+    model = load(golden("qwen3_moe"), 0.01)
+    store = store_of(model)
+    (layer,) = store.layers
+    expert_bytes = sum(s.nbytes for s in layer.sources.values())
+    before = (store.stats.lookups, store.stats.read_bytes)
+    prompt = mx.array([[(7 * i + 3) % 200 + 3 for i in range(40)]])
+    mx.eval(model(prompt, cache=make_prompt_cache(model)))
+    lookups, read = store.stats.lookups - before[0], store.stats.read_bytes - before[1]
+    assert lookups == layer.num_experts  # 40 tokens x 2 experts, grouped by expert
+    # Each read at most once (the one the slot already held not at all).
+    assert (layer.num_experts - 1) * expert_bytes <= read <= layer.num_experts * expert_bytes
+    store.close()
