@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from engine.api import FinishReason, GenerationParams, GenerationResult, GenerationStats
+from engine.api import FinishReason, GenerationParams, GenerationResult, GenerationStats, ToolCall
 from engine.decode import speculative
 from engine.decode.compiled_hybrid import compiled_decoder  # attention-only or hybrid stacks
 from engine.decode.draft_depth import DraftDepth
@@ -152,14 +152,16 @@ WAITING = Signal.WAITING
 @dataclass
 class Piece:
     """A run of new text on one channel, with the token ids that produced it (and, when
-    asked for, their log-probs): every generated token is carried by exactly one piece."""
+    asked for, their log-probs): every generated token is carried by exactly one piece.
+    On the "tool" channel (engine.decode.tool_channel) it carries a call instead of text."""
 
     text: str
-    channel: Literal["answer", "reasoning"]
+    channel: Literal["answer", "reasoning", "tool"]
     token_ids: list[int]
     stats: GenerationStats
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    tool_call: ToolCall | None = None
 
 
 class StopStrings:

@@ -75,7 +75,7 @@ def assemble(
     template = load_template(tokenizer)
     info.reasoning_control = _reasoning_control(template)
     info.mtp, info.mtp_note = _mtp_support(loaded)
-    info.tool_format = _tool_format(template)
+    info.tool_format, info.tool_arguments_as_text = _tool_format(template)
     if getattr(loaded, "embedding", None) is not None:
         info.embedding_dimensions = loaded.embedding.dimensions
     return ModelParts(loaded.model, config, str(loaded.path), tokenizer, template, eos, info, towers, loaded.mtp_apart)
@@ -171,11 +171,13 @@ def _reasoning_control(template: Any) -> Any:
     return find_reasoning_control(template) if isinstance(template, ChatTemplate) else None
 
 
-def _tool_format(template: Any) -> str | None:
+def _tool_format(template: Any) -> tuple[str | None, bool]:
+    """How the template's model writes tool calls, found once per load: (the format's name,
+    a key of engine.text.tool_calls.FORMATS, or None; whether its arguments are text)."""
     from engine.text.tool_calls import detect_tool_format
 
     fmt = detect_tool_format(getattr(template, "source", None))
-    return fmt.name if fmt is not None else None
+    return (fmt.name, fmt.arguments_as_text) if fmt is not None else (None, False)
 
 
 def _make_towers(loaded: Any) -> Any:

@@ -36,6 +36,7 @@ from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
 from engine.runtime.session import ChatSession
+from engine.text.tool_calls import FORMATS
 
 EventSink = Callable[[Event], None]
 
@@ -333,6 +334,7 @@ class ModelHost:
                 reasoning_factory=reasoning_factory(state.template),
                 reasoning_control=state.info.reasoning_control,
                 towers=state.towers if state.towers.kinds else None,
+                tool_format=FORMATS.get(state.info.tool_format or ""),
             )
             chat.draft_model = state.draft.model if state.draft is not None else None
             advice = state.info.context_advice  # the model's context, the user's cap, the budget
@@ -655,7 +657,14 @@ def token_event(piece: Piece | Draft, request_id: int) -> TokenEvent | DraftEven
     if isinstance(piece, Draft):  # a diffusion block still refining
         return DraftEvent(request_id, piece.text, piece.step, piece.steps, piece.reasoning)
     return TokenEvent(
-        request_id, piece.text, piece.channel, piece.token_ids, piece.stats, piece.logprobs, piece.top_logprobs
+        request_id,
+        piece.text,
+        piece.channel,
+        piece.token_ids,
+        piece.stats,
+        piece.logprobs,
+        piece.top_logprobs,
+        piece.tool_call,
     )
 
 

@@ -43,10 +43,24 @@ from engine.decode.loop import Piece, stream_generate
 from engine.decode.prefill import ProgressCallback, PromptInputs
 from engine.decode.rolling import SINK_TOKENS, RollingWindow, can_slide
 from engine.decode.sampling import validate_sampling
+from engine.decode.tool_channel import tool_channel
 from engine.errors import EngineError, MediaError
 from engine.models.kv_cache import cache_length, checkpoint, make_prompt_cache, rewind_point, trim_prompt_cache
 from engine.models.lora import active_adapters, active_signature
 from engine.text.reasoning_switch import reasoning_variables
+
+
+def _forced_call(params: GenerationParams, fmt: Any, tools: Sequence[Mapping[str, Any]]) -> GenerationParams:
+    """``params`` whose reply is one call to one of ``tools``, in the model's markers (a
+    grammar constraint); unchanged for a format that has no plain-JSON call to force."""
+    from engine.text.tool_calls import forced_call
+
+    forced = forced_call(fmt, [dict(t) for t in tools])
+    if forced is None:
+        return params
+    if params.constraint is not None:
+        raise EngineError("A structured response format and a required tool call cannot be combined.")
+    return replace(params, constraint=forced)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -71,6 +85,7 @@ class ChatSession:
         reasoning_factory: Callable[[str], Any] | None = None,
         reasoning_control: ReasoningControl | None = None,
         towers: Any = None,
+        tool_format: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -82,6 +97,10 @@ class ChatSession:
         # switch changes the rendered ids and the cache keeps only what still agrees.
         self.reasoning_control = reasoning_control
         self.towers = towers  # MediaTowers, or None for a text-only model
+        # How the model writes tool calls (an engine.text.tool_calls.ToolCallFormat the load
+        # found in the template), or None: a request with tools gets its calls apart from
+        # the answer (engine.decode.tool_channel).
+        self.tool_format = tool_format
         self.context_length = 0  # the model's context, a hard limit (0: unknown, none)
         self.cache: list[Any] | None = None
         self.ids: list[int] = []  # exactly the tokens held by self.cache
@@ -388,6 +407,9 @@ class ChatSession:
         if items and self.towers is not None:
             self.towers.check(m.kind for m in items)  # refuse before rendering or touching the cache
         template_kwargs = {**reasoning_variables(self.reasoning_control, params.reasoning), **template_kwargs}
+        calls_format = self.tool_format if tools else None
+        if calls_format is not None and params.tool_choice == "required":
+            params = _forced_call(params, calls_format, tools)
         text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
         reasoning = self.reasoning_factory(text) if self.reasoning_factory else None
         prompt = self.media_prompt(text, items) if items else None
@@ -401,7 +423,7 @@ class ChatSession:
                 sink = max(sink, common_prefix_length(self.encode_rendered(head), ids))
             except EngineError:  # a template that wants a user turn: the sink tokens only
                 pass
-        for item in self.stream_ids(
+        stream = self.stream_ids(
             ids,
             params,
             cancel=cancel,
@@ -410,7 +432,8 @@ class ChatSession:
             media=prompt,
             batch=batch,
             sink=sink,
-        ):
+        )
+        for item in tool_channel(stream, calls_format) if calls_format is not None else stream:
             if isinstance(item, GenerationResult):
                 read = self.window.still_read(len(ids)) if self.window is not None else None
                 if read is not None:  # the window slid mid-reply: the model reads fewer messages now
