@@ -57,12 +57,14 @@ from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback
 from engine.decode.sampling import LogitsProcessor, Sampler
 from engine.decode.signals import Signal, Token
 from engine.errors import OutOfKVRoom
+from engine.models.families import FAMILIES
 from engine.models.kv_cache import DEFAULT_STEP, KVCache, make_prompt_cache
 
 WAIT = Signal.WAITING  # "nothing yet": the sequence waits for a step
 
-# Families whose layers all take a per-row RoPE offset and a padding mask.
-BATCHABLE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+# Families whose layers all take a per-row RoPE offset and a padding mask (the family
+# manifest's ``batches``).
+BATCHABLE_TYPES = frozenset(t for t, f in FAMILIES.items() if f.batches)
 
 # Sequences prefilling together at most (mlx-lm's server prefills 8 at a time too).
 PREFILL_ROWS = 8
