@@ -392,8 +392,12 @@ class VideoLimits:
     max_frames: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInfo:
+    """What a loaded (or inspected) model is and what the engine can feed it. Built once per
+    load from what the load read; frozen: a change (adapters, the MTP layer read) is a new
+    one (``dataclasses.replace``)."""
+
     path: str  # folder or .gguf file
     name: str
     family: str  # config's model_type
