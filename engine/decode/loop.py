@@ -5,11 +5,15 @@ n+1 (``mx.async_eval``) before it waits for token n, builds only the ops a reque
 (no log-softmax unless log-probs are asked for or the sampler needs them), and never
 synchronises except to read the one token it yields.
 
-``stream_generate`` wraps it with text: streaming detokenization, stop strings (held
-back while they may still be forming), end-of-sequence ids, reasoning channels,
-cancellation and statistics; its last item is the typed ``GenerationResult``. Given a
-``Batch`` (engine.decode.batch) it takes its tokens from the batch instead, and yields
-``WAITING`` whenever the batch has none for it yet: whoever drives it steps the batch.
+``token_source`` is the one place that picks where a request's tokens come from: a
+``Batch`` row (engine.decode.batch), speculative decoding (engine.decode.speculative), the
+rolling window (engine.decode.rolling) or ``generate_step``.
+
+``stream_generate`` only turns those tokens into text: streaming detokenization, stop
+strings (held back while they may still be forming), end-of-sequence ids, reasoning
+channels, cancellation and statistics; its last item is the typed ``GenerationResult``.
+In a batch it yields ``WAITING`` (``Signal.WAITING``, engine.decode.signals) whenever the
+batch has no token for it yet: whoever drives it steps the batch.
 """
 
 from __future__ import annotations
