@@ -52,9 +52,9 @@ def tool_channel(stream: Iterable[Any], fmt: ToolCallFormat) -> Iterator[Any]:
         elif isinstance(item, GenerationResult):
             if latest is not None:
                 yield from release(parser.flush())
-            if held:  # ids whose text never became anything (a held marker that ended the reply)
-                yield _carrying(held, "", "answer", latest)
-                held.clear()
+                if held:  # ids whose text never became anything (a held marker that ended the reply)
+                    yield _carrying(held, "", "answer", latest)
+                    held.clear()
             item.text = "".join(answer)
             item.tool_calls = list(calls)
             yield item
