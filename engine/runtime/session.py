@@ -40,6 +40,7 @@ from engine.decode.draft_depth import AUTO_MAX_DRAFT
 from engine.decode.drafters import drafter_for
 from engine.decode.guards import check_fits, fit_context
 from engine.decode.loop import Piece, stream_generate
+from engine.decode.media_inputs import prompt_inputs
 from engine.decode.prefill import ProgressCallback, PromptInputs
 from engine.decode.rolling import SINK_TOKENS, RollingWindow, can_slide
 from engine.decode.sampling import validate_sampling
@@ -214,36 +215,8 @@ class ChatSession:
 
     def _prompt_inputs(self, media: Any, keep: int) -> PromptInputs:
         """Embeddings (media features spliced in), positions and bidirectional blocks for
-        the ids from ``keep`` on. Media wholly inside the cached prefix is not encoded."""
-        import mlx.core as mx
-        import numpy as np
-
-        ids = media.ids
-        pending = [s for s in media.spans if s.end > keep]
-        embeddings = None
-        if pending:
-            text = self.model.embed(mx.array(ids[keep:], dtype=mx.uint32)[None])[0]
-            pieces, cursor = [], keep
-            for span in pending:
-                pieces.append(text[cursor - keep : span.start - keep])
-                pieces.append(self.towers.features(span.item).astype(text.dtype))
-                cursor = span.end
-            pieces.append(text[cursor - keep :])
-            # Qwen3-VL's features carry DeepStack rows beside the embedding: text rows get zeros there.
-            width = max(p.shape[-1] for p in pieces)
-            pieces = [p if p.shape[-1] == width else mx.pad(p, [(0, 0), (0, width - p.shape[-1])]) for p in pieces]
-            embeddings = mx.concatenate(pieces, axis=0)
-        positions, delta = None, 0
-        rope_index = getattr(self.model, "rope_index", None)
-        if rope_index is not None and media.spans:
-            full = np.asarray(rope_index(ids, [(s.start, s.end, s.item.grid) for s in media.spans]))
-            delta = int(full.max()) + 1 - len(ids)
-            positions = mx.array(full[:, keep:], dtype=mx.int32)
-        blocks = []
-        if getattr(self.model, "bidirectional_media", False):
-            # Images (and video frames) attend both ways; audio stays causal (Gemma 4).
-            blocks = [(s.start - keep, s.end - keep) for s in pending if s.item.kind != "audio"]
-        return PromptInputs(embeddings=embeddings, positions=positions, position_delta=delta, blocks=blocks)
+        the ids from ``keep`` on (engine.decode.media_inputs)."""
+        return prompt_inputs(self.model, self.towers, media, keep)
 
     # ---- generation -------------------------------------------------------------
 
