@@ -231,6 +231,7 @@ class _Reply:
         self.lps: list[float] | None = [] if params.logprobs else None
         self.top_rows: list[list[tuple[int, float]]] = []
         self.carried = 0  # ids[:carried] went out with earlier pieces
+        self.first_at = 0.0  # when the first id came
 
     def take(self, token: int, lp: float | None, now: float, start: float, prompt_tokens: int) -> None:
         """Record one generated id (its stats timed from ``start``, the request's start)."""
