@@ -7,10 +7,27 @@ import this module without importing mlx.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+def new_call_id() -> str:
+    """Nine letters and digits: the one id shape every template accepts (Mistral's insist)."""
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return "".join(secrets.choice(alphabet) for _ in range(9))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model wrote in its own markers (engine.text.tool_calls parses them), for a
+    request that offered tools."""
+
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=new_call_id)
 
 
 @dataclass
@@ -59,6 +76,10 @@ class GenerationParams:
     # and drops the oldest turns after it, "rolling" drops the oldest turns. None: neither
     # (the engine's own limits apply).
     context_policy: Literal["stop", "truncate_middle", "rolling"] | None = None
+    # With tools offered: "required" makes the reply one call to one of them, in the model's
+    # own markers (a grammar constraint); formats without a plain-JSON call, like "auto",
+    # leave the model to choose.
+    tool_choice: Literal["auto", "required"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -107,6 +128,9 @@ class GenerationResult:
     # One line each about how the prompt's media was taken (a long video sampled to the
     # model's frame limit, audio cut to what the model hears).
     notes: list[str] = field(default_factory=list)
+    # With tools offered: the calls the reply made, in order; ``text`` is then the answer
+    # without their markers.
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -140,15 +164,18 @@ class Transcript:
 
 @dataclass
 class TokenEvent:
-    """New text. ``channel`` is "answer" or "reasoning" (thinking blocks)."""
+    """New text. ``channel`` is "answer" or "reasoning" (thinking blocks), or "tool": with
+    tools offered, a call the model wrote (``tool_call``; ``text`` empty, its markers never
+    reach the answer)."""
 
     request_id: int
     text: str
-    channel: Literal["answer", "reasoning"]
+    channel: Literal["answer", "reasoning", "tool"]
     token_ids: list[int]
     stats: GenerationStats
     logprobs: list[float] | None = None  # of token_ids, with GenerationParams.logprobs
     top_logprobs: list[list[tuple[int, float]]] | None = None  # with GenerationParams.top_logprobs
+    tool_call: ToolCall | None = None
 
 
 @dataclass
@@ -395,8 +422,12 @@ class VideoLimits:
     max_frames: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInfo:
+    """What a loaded (or inspected) model is and what the engine can feed it. Built once per
+    load from what the load read; frozen: a change (adapters, the MTP layer read) is a new
+    one (``dataclasses.replace``)."""
+
     path: str  # folder or .gguf file
     name: str
     family: str  # config's model_type
@@ -427,6 +458,8 @@ class ModelInfo:
     embedding_dimensions: int | None = None
     # How the chat template's model writes tool calls (a key of engine.text.tool_calls.FORMATS); None: unknown.
     tool_format: str | None = None
+    # Its template writes a call's arguments as text (DeepSeek) rather than as a JSON object.
+    tool_arguments_as_text: bool = False
     # How the KV cache is held: "" full precision, "8-bit g64", "per layer ..." (kv_config.json).
     kv_cache: str = ""
     # The context the chat can reach in the budget, and the recommended context and KV bits.

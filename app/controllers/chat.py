@@ -27,7 +27,6 @@ from app.qt import QObject, QTimer, Signal, emit
 from app.store import Conversation, HistoryStore, Message
 from app.tasks import spawn
 from engine import api
-from engine.text.tool_calls import FORMATS, forced_call, parse_tool_calls
 
 # A chat's "context_overflow" setting as the engine's GenerationParams.context_policy.
 CONTEXT_POLICIES: dict[str, Literal["stop", "truncate_middle", "rolling"]] = {
@@ -351,7 +350,7 @@ class ChatController(QObject):
         info = self.bridge.model_info or info
         tools = await self._offered_tools(info)
         if tools and conv.settings.get("tool_choice") == "required":  # the first answer must be a call
-            params.constraint = forced_call(FORMATS[info.tool_format or ""], tools)
+            params.tool_choice = "required"
 
         self.reply_id = self.store.add_message(
             conv.id,
@@ -446,7 +445,7 @@ class ChatController(QObject):
         in a format the parser knows."""
         if self.tools is None or not self.tools.enabled:
             return None
-        if info.tool_format not in FORMATS:
+        if info.tool_format is None:
             emit(
                 self.status,
                 f"{info.name}'s chat template does not describe tool calls, so this reply has no MCP tools.",
@@ -468,12 +467,11 @@ class ChatController(QObject):
         as the reply's tool rounds (saved as they go); the transcript shows their record
         in place of the raw markers."""
         assert self.tools is not None
-        fmt = FORMATS[info.tool_format or ""]  # offered tools only where it is one of them
         rounds = self._rounds
         for _ in range(MAX_TOOL_ROUNDS):
             if result.finish_reason not in ("stop", "length"):
                 break
-            text, calls = parse_tool_calls(fmt, result.text)
+            text, calls = result.text, result.tool_calls  # the engine's tool-call channel
             if not calls:
                 break
             turn = tool_turns.new_round(text, [(c.id, c.name, c.arguments) for c in calls])
@@ -493,8 +491,8 @@ class ChatController(QObject):
                         tool_turns.settle(entry, tool_turns.FAILED, f"Error: {exc}", f"⚠ {exc}")
                         emit(self.status, str(exc))
                 self._show_rounds()
-            messages += tool_turns.engine_messages("", [turn], fmt.arguments_as_text)
-            params.constraint = None  # a forced call is forced once; the answer is the model's
+            messages += tool_turns.engine_messages("", [turn], info.tool_arguments_as_text)
+            params.tool_choice = "auto"  # a forced call is forced once; the answer is the model's
             if self._stopped:
                 result = replace(result, text="", finish_reason="cancelled")
                 break
@@ -533,8 +531,7 @@ class ChatController(QObject):
                 "are no longer on disk (the attachments folder was moved or deleted): the model "
                 "reads those messages without them.",
             )
-        fmt = FORMATS.get(info.tool_format or "")
-        as_text = fmt.arguments_as_text if fmt is not None else False
+        as_text = info.tool_arguments_as_text
         out: list[dict[str, Any]] = []
         for m in history:
             if m.role == "assistant" and m.tool_turns:  # its calls and results as the template writes them

@@ -111,7 +111,7 @@ def run_ours(
     with ``stagger``, stream i arrives at round i * stagger."""
     import mlx.core as mx
 
-    from engine.decode.batch import Batch
+    from engine.decode.batch import WAIT, Batch
     from engine.models.kv_cache import make_prompt_cache
 
     batch = Batch(model, compiled=compiled)
@@ -138,9 +138,10 @@ def run_ours(
         rounds += 1
         began = time.perf_counter()
         for i, seq in list(sequences.items()):
-            for token, _ in seq:
-                if token < 0:  # WAIT
+            for item in seq:
+                if item is WAIT:
                     break
+                token, _ = item
                 now = time.perf_counter()
                 firsts[i] = firsts[i] or now
                 stamps.append(now)

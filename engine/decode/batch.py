@@ -55,13 +55,16 @@ import mlx.core as mx
 from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback
 from engine.decode.sampling import LogitsProcessor, Sampler
+from engine.decode.signals import Signal, Token
 from engine.errors import OutOfKVRoom
+from engine.models.families import FAMILIES
 from engine.models.kv_cache import DEFAULT_STEP, KVCache, make_prompt_cache
 
-WAIT: tuple[int, float | None] = (-1, None)  # "nothing yet": the sequence waits for a step
+WAIT = Signal.WAITING  # "nothing yet": the sequence waits for a step
 
-# Families whose layers all take a per-row RoPE offset and a padding mask.
-BATCHABLE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+# Families whose layers all take a per-row RoPE offset and a padding mask (the family
+# manifest's ``batches``).
+BATCHABLE_TYPES = frozenset(t for t, f in FAMILIES.items() if f.batches)
 
 # Sequences prefilling together at most (mlx-lm's server prefills 8 at a time too).
 PREFILL_ROWS = 8
@@ -84,7 +87,7 @@ def batchable(model: Any) -> bool:
 
 
 # Queued in place of a token when a row's logits are NaN or infinite.
-NON_FINITE = (-2, None)
+NON_FINITE = Signal.NON_FINITE
 
 
 class BatchKVCache:
@@ -241,7 +244,7 @@ class _Row:
     need_bytes: int = 0  # its KV cache at full length (admission)
     done: int = 0  # prompt ids prefilled so far
     queued: int = 0  # tokens it was given steps for (delivered or under way)
-    out: deque[tuple[int, float | None]] = field(default_factory=deque)
+    out: deque[Token | Signal] = field(default_factory=deque)
     first: bool = True  # its first input is the prompt's last token, already in ``recent``
     where: str = "waiting"  # waiting, prefill, decode, gone
     error: Exception | None = None  # refused before it started (raised by its sequence)
@@ -589,7 +592,7 @@ class Batch:
         history: mx.array | None = None,
         top_logprobs: int = 0,
         top_sink: list[tuple[mx.array, mx.array]] | None = None,
-    ) -> Iterator[tuple[int, float | None]]:
+    ) -> Iterator[Token | Signal]:
         """``generate_step``'s counterpart in a batch: yields ``(token, logprob)`` as the
         batch produces them, and ``WAIT`` while there is none yet."""
         if max_tokens <= 0:

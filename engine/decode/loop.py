@@ -5,24 +5,28 @@ n+1 (``mx.async_eval``) before it waits for token n, builds only the ops a reque
 (no log-softmax unless log-probs are asked for or the sampler needs them), and never
 synchronises except to read the one token it yields.
 
-``stream_generate`` wraps it with text: streaming detokenization, stop strings (held
-back while they may still be forming), end-of-sequence ids, reasoning channels,
-cancellation and statistics; its last item is the typed ``GenerationResult``. Given a
-``Batch`` (engine.decode.batch) it takes its tokens from the batch instead, and yields
-``WAITING`` whenever the batch has none for it yet: whoever drives it steps the batch.
+``token_source`` is the one place that picks where a request's tokens come from: a
+``Batch`` row (engine.decode.batch), speculative decoding (engine.decode.speculative), the
+rolling window (engine.decode.rolling) or ``generate_step``.
+
+``stream_generate`` only turns those tokens into text: streaming detokenization, stop
+strings (held back while they may still be forming), end-of-sequence ids, reasoning
+channels, cancellation and statistics; its last item is the typed ``GenerationResult``.
+In a batch it yields ``WAITING`` (``Signal.WAITING``, engine.decode.signals) whenever the
+batch has no token for it yet: whoever drives it steps the batch.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import mlx.core as mx
 
-from engine.api import FinishReason, GenerationParams, GenerationResult, GenerationStats
+from engine.api import FinishReason, GenerationParams, GenerationResult, GenerationStats, ToolCall
 from engine.decode import speculative
 from engine.decode.compiled_hybrid import compiled_decoder  # attention-only or hybrid stacks
 from engine.decode.draft_depth import DraftDepth
@@ -31,6 +35,7 @@ from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
 from engine.decode.rolling import RollingWindow, rolling_tokens
 from engine.decode.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from engine.decode.signals import Signal, Token
 from engine.decode.stats import StatsCounter
 from engine.errors import EngineError
 
@@ -145,20 +150,22 @@ def generate_step(
 # ---- text around the token loop -----------------------------------------------
 
 # Yielded by stream_generate in a batch while its sequence waits for the batch's next step.
-WAITING = object()
+WAITING = Signal.WAITING
 
 
 @dataclass
 class Piece:
     """A run of new text on one channel, with the token ids that produced it (and, when
-    asked for, their log-probs): every generated token is carried by exactly one piece."""
+    asked for, their log-probs): every generated token is carried by exactly one piece.
+    On the "tool" channel (engine.decode.tool_channel) it carries a call instead of text."""
 
     text: str
-    channel: Literal["answer", "reasoning"]
+    channel: Literal["answer", "reasoning", "tool"]
     token_ids: list[int]
     stats: GenerationStats
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    tool_call: ToolCall | None = None
 
 
 class StopStrings:
@@ -201,6 +208,98 @@ class _Collector:
         (self.reasoning if channel == "reasoning" else self.answer).append(text)
 
 
+class _Reply:
+    """The text side of one reply: the ids as they come, their log-probs and top
+    alternatives, streaming detokenization, stop strings, the reasoning split, the text
+    per channel and the statistics. Every id rides on exactly one ``Piece``."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        params: GenerationParams,
+        reasoning: Any,
+        stats: StatsCounter,
+        tops: list[tuple[mx.array, mx.array]] | None,
+    ) -> None:
+        self.detok = tokenizer.detokenizer() if tokenizer is not None else None
+        self.stops = StopStrings(params.stop_strings)
+        self.reasoning = reasoning
+        self.stats = stats
+        self.tops = tops
+        self.collected = _Collector()
+        self.ids: list[int] = []
+        self.lps: list[float] | None = [] if params.logprobs else None
+        self.top_rows: list[list[tuple[int, float]]] = []
+        self.carried = 0  # ids[:carried] went out with earlier pieces
+        self.first_at = 0.0  # when the first id came
+
+    def take(self, token: int, lp: float | None, now: float, start: float, prompt_tokens: int) -> None:
+        """Record one generated id (its stats timed from ``start``, the request's start)."""
+        stats, ids = self.stats, self.ids
+        if not ids:
+            self.first_at = now
+            stats.time_to_first_token = now - start
+            stats.prompt_tps = prompt_tokens / max(now - start, 1e-9)
+        ids.append(token)
+        if self.lps is not None and lp is not None:
+            self.lps.append(lp)
+        if self.tops is not None and len(self.tops) >= len(ids):  # the plain loop fills it, drafting does not
+            top_ids, top_lps = self.tops[len(ids) - 1]
+            self.top_rows.append(list(zip(top_ids.tolist(), top_lps.tolist(), strict=True)))
+        stats.generated_tokens = len(ids)
+        if len(ids) > 1:
+            stats.generation_tps = (len(ids) - 1) / max(now - self.first_at, 1e-9)
+
+    def text_of(self, token: int) -> tuple[str, bool]:
+        """The text ``token`` adds that is safe to emit, and whether a stop string completed."""
+        return self.stops.push(self.detok.add(token) if self.detok is not None else "")
+
+    def piece(self, text: str, channel: Any) -> Piece:
+        # The tokens since the last piece (text held back, an end-of-turn id) ride on this one.
+        start, self.carried = self.carried, len(self.ids)
+        return Piece(
+            text,
+            channel,
+            self.ids[start:],
+            self.stats.snapshot(),
+            logprobs=self.lps[start:] if self.lps is not None else None,
+            top_logprobs=self.top_rows[start:] if self.tops is not None else None,
+        )
+
+    def emit(self, text: str) -> Iterator[Piece]:
+        parts = self.reasoning.feed(text) if self.reasoning is not None else [("answer", text)]
+        for channel, part in parts:
+            if part:
+                self.collected.add(channel, part)
+                yield self.piece(part, channel)
+
+    def close(self, by_stop_string: bool) -> Iterator[Piece]:
+        """The text still held: bytes the detokenizer holds, text held back as a possible
+        stop string that never completed, and what the reasoning splitter holds."""
+        if not by_stop_string:
+            text, by_stop_string = self.stops.push(self.detok.finalize() if self.detok is not None else "")
+            if not by_stop_string:
+                text += self.stops.flush()
+            if text:
+                yield from self.emit(text)
+        if self.reasoning is not None:
+            for channel, part in self.reasoning.flush():
+                if part:
+                    self.collected.add(channel, part)
+                    yield self.piece(part, channel)
+
+    def result(self, finish: FinishReason) -> GenerationResult:
+        return GenerationResult(
+            text="".join(self.collected.answer),
+            reasoning="".join(self.collected.reasoning),
+            token_ids=self.ids,
+            token_logprobs=self.lps,
+            finish_reason=finish,
+            stats=self.stats.snapshot(),
+            top_logprobs=self.top_rows if self.tops is not None else None,
+        )
+
+
 def stream_generate(
     model: Any,
     tokenizer: Any,
@@ -218,7 +317,7 @@ def stream_generate(
     inputs: PromptInputs | None = None,
     batch: Any = None,
     rolling: RollingWindow | None = None,
-) -> Iterator[Piece | GenerationResult | object]:
+) -> Iterator[Piece | GenerationResult | Signal]:
     """Generate from ``prompt_ids`` (the ids not yet in ``cache``; ``cached_tokens`` more
     are already there). Yields ``Piece`` items as text forms; the last item is the
     ``GenerationResult``. ``tokenizer`` may be None (ids only, no text). ``reasoning`` is
@@ -242,57 +341,106 @@ def stream_generate(
         # Last, so it masks what the other processors left: the output always matches.
         processors.append(make_constraint_processor(params.constraint, tokenizer, sorted(eos)))
     tops: list[tuple[mx.array, mx.array]] | None = [] if params.logprobs and params.top_logprobs > 0 else None
-    detok = tokenizer.detokenizer() if tokenizer is not None else None
-    stops = StopStrings(params.stop_strings)
-    collected = _Collector()
-
     stats = StatsCounter(prompt_tokens=len(prompt_ids) + cached_tokens, cached_tokens=cached_tokens)
-    ids: list[int] = []
-    lps: list[float] | None = [] if params.logprobs else None
-    top_rows: list[list[tuple[int, float]]] = []
+    reply = _Reply(tokenizer, params, reasoning, stats, tops)
     finish: FinishReason = "length"
     mx.reset_peak_memory()
     start = time.perf_counter()
-    first_at = start
+    tokens = token_source(
+        model,
+        cache,
+        prompt_ids,
+        params,
+        sampler=sampler,
+        processors=processors,
+        stats=stats,
+        tops=tops,
+        cancel=cancel,
+        on_progress=on_progress,
+        context_ids=context_ids,
+        drafter=drafter,
+        inputs=inputs,
+        batch=batch,
+        rolling=rolling,
+    )
+    by_stop_string = False
+    for item in tokens:
+        if item is Signal.WAITING:  # a batched sequence waiting for the batch's next step
+            yield WAITING
+            continue
+        token, lp = item
+        reply.take(token, lp, time.perf_counter(), start, len(prompt_ids))
+        if token in eos:
+            finish = "stop"
+            break
+        text, by_stop_string = reply.text_of(token)
+        if text:
+            yield from reply.emit(text)
+        if by_stop_string:
+            finish = "stop"
+            break
+        if cancel.is_set():
+            finish = "cancelled"
+            break
+    else:
+        if cancel.is_set() and len(reply.ids) < params.max_tokens:
+            finish = "cancelled"
+    tokens.close()
+    yield from reply.close(by_stop_string)
+    stats.peak_memory_bytes = int(mx.get_peak_memory())
+    yield reply.result(finish)
 
-    carried = [0]  # ids[:carried[0]] went out with earlier pieces
 
-    def piece(text: str, channel: Any) -> Piece:
-        # The tokens since the last piece (text held back, an end-of-turn id) ride on this one.
-        start, carried[0] = carried[0], len(ids)
-        return Piece(
-            text,
-            channel,
-            ids[start:],
-            stats.snapshot(),
-            logprobs=lps[start:] if lps is not None else None,
-            top_logprobs=top_rows[start:] if tops is not None else None,
-        )
+def token_source(
+    model: Any,
+    cache: Sequence[Any],
+    prompt_ids: Sequence[int],
+    params: GenerationParams,
+    *,
+    sampler: Sampler,
+    processors: list[LogitsProcessor],
+    stats: StatsCounter,
+    tops: list[tuple[mx.array, mx.array]] | None,
+    cancel: threading.Event,
+    on_progress: ProgressCallback | None,
+    context_ids: Sequence[int] | None,
+    drafter: Any,
+    inputs: PromptInputs | None,
+    batch: Any,
+    rolling: RollingWindow | None,
+) -> Generator[Token | Signal, None, None]:
+    """The one place that picks where a request's tokens come from (each a generator: the
+    ones not picked are never built):
 
-    def emit(text: str) -> Iterator[Piece]:
-        parts = reasoning.feed(text) if reasoning is not None else [("answer", text)]
-        for channel, part in parts:
-            if part:
-                collected.add(channel, part)
-                yield piece(part, channel)
+    * a batch row (``batch``: plain text prompts, no drafter), which also yields
+      ``Signal.WAITING`` while the batch has no token for it yet;
+    * speculative decoding (``drafter``, or one ``params.speculative`` names): drafts
+      verified by the target, drafts counted in ``stats``. Constrained output decodes
+      plainly: the grammar matcher follows one token at a time and cannot take drafts back.
+      Media that only replaces prompt embeddings (Gemma 3 images, audio) goes into the
+      target's prefill; drafters work on the ids, placeholders included; after multimodal
+      RoPE (Qwen2.5-VL, Qwen3-VL) verification passes take the shifted positions;
+    * the rolling window (``rolling``, a text prompt decoded plainly): the reply slides
+      the window along when it fills the context (engine.decode.rolling);
+    * the plain loop (``generate_step``).
 
+    Diffusion models decode whole blocks, not tokens: the session gives their requests
+    to ``engine.decode.diffusion.stream_diffusion`` instead."""
     if drafter is None and params.speculative is not None:
         drafter = drafter_for(params)
     if params.constraint is not None:
-        # The grammar matcher follows one token at a time; drafts it would have to take back
-        # are not modelled, so constrained output decodes plainly.
         drafter = None
     prompt = mx.array(list(prompt_ids), dtype=mx.uint32)
     history = mx.array(list(context_ids), dtype=mx.uint32) if context_ids else None
     if batch is not None:
         if drafter is not None or inputs is not None:
             raise EngineError("speculative decoding and media prompts decode one request at a time")
-        tokens = batch.sequence(
+        return batch.sequence(
             prompt,
             cache,
             max_tokens=params.max_tokens,
             sampler=sampler,
-            greedy=sp.temperature <= 0,
+            greedy=params.sampling.temperature <= 0,
             logits_processors=processors,
             logprobs=params.logprobs,
             prefill_chunk=params.prefill_chunk,
@@ -302,154 +450,58 @@ def stream_generate(
             top_logprobs=params.top_logprobs,
             top_sink=tops,
         )
-    else:
-
-        def plain(prompt: mx.array, max_tokens: int, history: mx.array | None) -> Iterator[tuple[int, float | None]]:
-            return generate_step(
-                prompt,
-                model,
-                cache,
-                max_tokens=max_tokens,
-                sampler=sampler,
-                logits_processors=processors,
-                logprobs=params.logprobs,
-                prefill_chunk=params.prefill_chunk,
-                cancel=cancel,
-                on_progress=on_progress,
-                history=history,
-                inputs=inputs,
-                top_logprobs=params.top_logprobs,
-                top_sink=tops,
-            )
-
-        if rolling is not None and drafter is None and inputs is None:
-            # The reply slides the window along when it fills the context (engine.decode.rolling).
-            whole = list(context_ids) if context_ids else list(prompt_ids)
-            tokens = rolling_tokens(
-                rolling,
-                whole,
-                params.max_tokens,
-                plain(prompt, min(params.max_tokens, rolling.limit - len(whole)), history),
-                lambda kept, cached, room: plain(
-                    mx.array(kept[cached:], dtype=mx.uint32), room, mx.array(kept, dtype=mx.uint32)
-                ),
-                list(cache),
-                cancel,
-            )
-        else:
-            tokens = plain(prompt, params.max_tokens, history)
-    # Speculative decoding stands in for the plain loop (a generator: never started, costs
-    # nothing). Media that only replaces prompt embeddings (Gemma 3 images, audio) goes into
-    # the target's prefill; drafters work on the ids, placeholders included. After multimodal
-    # RoPE (Qwen2.5-VL, Qwen3-VL) verification passes take the shifted positions.
     if drafter is not None:
-        tokens = _speculative_tokens(
-            prompt_ids,
+        return speculative.speculative_step(
+            list(prompt_ids),
             model,
             cache,
             drafter,
-            params,
-            processors,
-            stats,
-            cancel,
-            on_progress,
-            context_ids,
-            inputs,
+            max_tokens=params.max_tokens,
+            sampling=params.sampling,
+            logits_processors=processors,
+            logprobs=params.logprobs,
+            num_draft_tokens=params.num_draft_tokens,
+            depth=DraftDepth(drafter.max_draft) if params.num_draft_tokens is None else None,
+            stats=stats,
+            prefill_chunk=params.prefill_chunk,
+            cancel=cancel,
+            history=list(context_ids) if context_ids else None,
+            on_progress=on_progress,
+            inputs=inputs,
         )
-    by_stop_string = False
-    for token, lp in tokens:
-        if token < 0:  # a batched sequence waiting for the batch's next step
-            yield WAITING
-            continue
-        now = time.perf_counter()
-        if not ids:
-            first_at = now
-            stats.time_to_first_token = now - start
-            stats.prompt_tps = len(prompt_ids) / max(now - start, 1e-9)
-        ids.append(token)
-        if lps is not None and lp is not None:
-            lps.append(lp)
-        if tops is not None and len(tops) >= len(ids):  # the plain loop fills it, drafting does not
-            top_ids, top_lps = tops[len(ids) - 1]
-            top_rows.append(list(zip(top_ids.tolist(), top_lps.tolist(), strict=True)))
-        stats.generated_tokens = len(ids)
-        if len(ids) > 1:
-            stats.generation_tps = (len(ids) - 1) / max(now - first_at, 1e-9)
-        if token in eos:
-            finish = "stop"
-            break
-        text, by_stop_string = stops.push(detok.add(token) if detok is not None else "")
-        if text:
-            yield from emit(text)
-        if by_stop_string:
-            finish = "stop"
-            break
-        if cancel.is_set():
-            finish = "cancelled"
-            break
-    else:
-        if cancel.is_set() and len(ids) < params.max_tokens:
-            finish = "cancelled"
-    tokens.close()
 
-    if not by_stop_string:
-        # Bytes the detokenizer still holds, and text held back as a possible stop string
-        # that never completed.
-        text, by_stop_string = stops.push(detok.finalize() if detok is not None else "")
-        if not by_stop_string:
-            text += stops.flush()
-        if text:
-            yield from emit(text)
-    if reasoning is not None:
-        for channel, part in reasoning.flush():
-            if part:
-                collected.add(channel, part)
-                yield piece(part, channel)
+    def plain(prompt: mx.array, max_tokens: int, history: mx.array | None) -> Iterator[Token]:
+        return generate_step(
+            prompt,
+            model,
+            cache,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+            logprobs=params.logprobs,
+            prefill_chunk=params.prefill_chunk,
+            cancel=cancel,
+            on_progress=on_progress,
+            history=history,
+            inputs=inputs,
+            top_logprobs=params.top_logprobs,
+            top_sink=tops,
+        )
 
-    stats.peak_memory_bytes = int(mx.get_peak_memory())
-    yield GenerationResult(
-        text="".join(collected.answer),
-        reasoning="".join(collected.reasoning),
-        token_ids=ids,
-        token_logprobs=lps,
-        finish_reason=finish,
-        stats=stats.snapshot(),
-        top_logprobs=top_rows if tops is not None else None,
-    )
-
-
-def _speculative_tokens(
-    prompt_ids: Sequence[int],
-    model: Any,
-    cache: Sequence[Any],
-    drafter: Any,
-    params: GenerationParams,
-    processors: Sequence[LogitsProcessor],
-    stats: StatsCounter,
-    cancel: threading.Event | None,
-    on_progress: ProgressCallback | None,
-    context_ids: Sequence[int] | None,
-    inputs: PromptInputs | None,
-) -> Iterator[tuple[int, float | None]]:
-    """The speculative counterpart of ``generate_step``: same yields, drafts counted in ``stats``."""
-    return speculative.speculative_step(
-        list(prompt_ids),
-        model,
-        cache,
-        drafter,
-        max_tokens=params.max_tokens,
-        sampling=params.sampling,
-        logits_processors=processors,
-        logprobs=params.logprobs,
-        num_draft_tokens=params.num_draft_tokens,
-        depth=DraftDepth(drafter.max_draft) if params.num_draft_tokens is None else None,
-        stats=stats,
-        prefill_chunk=params.prefill_chunk,
-        cancel=cancel,
-        history=list(context_ids) if context_ids else None,
-        on_progress=on_progress,
-        inputs=inputs,
-    )
+    if rolling is not None and inputs is None:
+        whole = list(context_ids) if context_ids else list(prompt_ids)
+        return rolling_tokens(
+            rolling,
+            whole,
+            params.max_tokens,
+            plain(prompt, min(params.max_tokens, rolling.limit - len(whole)), history),
+            lambda kept, cached, room: plain(
+                mx.array(kept[cached:], dtype=mx.uint32), room, mx.array(kept, dtype=mx.uint32)
+            ),
+            list(cache),
+            cancel,
+        )
+    return plain(prompt, params.max_tokens, history)
 
 
 def generate(

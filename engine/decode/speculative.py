@@ -54,6 +54,135 @@ def _fit(q: mx.array, vocab: int) -> mx.array:
     return mx.concatenate([q, mx.zeros((*q.shape[:-1], vocab - have), q.dtype)], axis=-1)
 
 
+class _Target:
+    """The target model's side of a round: its forward passes (a media prompt's last row
+    first, then the compiled step where it applies, multimodal RoPE's shifted positions),
+    the request's logits processors and its sampling distribution and draws."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache: Sequence[Any],
+        params: SamplingParams,
+        processors: list[LogitsProcessor],
+        inputs: PromptInputs | None,
+        compiled: bool | None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.params = params
+        self.greedy = params.temperature <= 0
+        self.processors = processors
+        self.decoder = decoder_for(model, compiled)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._key = mx.random.key(seed)
+        # The prompt's last id is fed by the first pass (a verification or a plain step); its
+        # embedding may be part of a media run, so that pass takes embeddings, not ids.
+        self._head_row = inputs.embeddings[-1:] if inputs is not None and inputs.embeddings is not None else None
+        self._shift = inputs.position_delta if inputs is not None and inputs.positions is not None else None
+
+    def next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def process(self, logits: mx.array, recent: mx.array) -> mx.array:
+        if not self.processors:
+            return logits
+        out = logits[None]
+        for proc in self.processors:
+            out = proc(recent, out)
+        return out[0]
+
+    def distribution(self, processed: mx.array) -> mx.array:
+        return mx.softmax(filter_logits(processed.astype(mx.float32), self.params), axis=-1)
+
+    def pick(self, logits: mx.array, recent: mx.array) -> tuple[mx.array, mx.array | None]:
+        processed = self.process(logits, recent)
+        if self.greedy:
+            return mx.argmax(processed, axis=-1, keepdims=True).astype(mx.uint32), None
+        q = self.distribution(processed)
+        token = mx.random.categorical(mx.log(q), key=self.next_key())
+        return token.reshape(1).astype(mx.uint32), q
+
+    def positions(self, n: int) -> dict[str, mx.array]:
+        """Multimodal RoPE's position ids for ``n`` text tokens fed at the cache offset."""
+        if self._shift is None:
+            return {}
+        start = int(self.cache[0].offset) + self._shift
+        return {"position_ids": mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32)[None, None], (3, 1, n))}
+
+    def forward(self, fed: mx.array, n: int) -> mx.array:
+        """Lazy logits [n, V] for the last ``n`` of the fed ids."""
+        model, cache = self.model, self.cache
+        if self._head_row is not None:
+            embeddings, self._head_row = self._head_row, None
+            if fed.shape[0] > 1:  # the drafts after it are text (zeros where media rows are wider)
+                drafts = model.embed(fed[None, 1:])[0]
+                drafts = mx.pad(drafts, [(0, 0), (0, embeddings.shape[-1] - drafts.shape[-1])])
+                embeddings = mx.concatenate([embeddings, drafts])
+            return model(fed[None], cache=cache, input_embeddings=embeddings[None], **self.positions(fed.shape[0]))[
+                0, -n:
+            ]
+        if self.decoder is not None and n == fed.shape[0]:
+            out = self.decoder(fed, cache, self._shift or 0)  # a one-token step, or the drafts' verification
+            if out is not None:
+                return out
+        return model(fed[None], cache=cache, **self.positions(fed.shape[0]))[0, -n:]
+
+
+class _Drafting:
+    """The drafter's side of a request: asks it for drafts (a draft model first catching up
+    on the ids it has not seen, timed apart as the cost of having stopped drafting), and
+    times each round from the ask, noting whether a compiled decoder traced a new pass size
+    meanwhile (a round that traces one is slow once only)."""
+
+    def __init__(self, drafter: Drafter, depth: DepthPolicy, target: _Target, context: list[int]) -> None:
+        self.drafter = drafter
+        self.depth = depth
+        self.target = target
+        self.context = context
+        self._catch_up = getattr(drafter, "catch_up", None)
+        self._drafter_decoder = getattr(drafter, "decoder", lambda: None)
+        self.asked_at = 0.0
+        self._traces_then = 0
+
+    def traces(self) -> int:
+        both = {
+            id(d): d for d in (self.target.decoder, self._drafter_decoder()) if d is not None
+        }  # one, drafting for itself
+        return sum(getattr(d, "traces", 0) for d in both.values())
+
+    def watch_catch_up(self, fed: int, prefill_s: float) -> None:
+        """A draft model must be fed the ids it has not seen (the prompt first) before it
+        drafts: the depth guesses each at what the target's prefill just cost one (``fed``
+        ids in ``prefill_s``), scaled to the draft."""
+        if self._catch_up is None or not hasattr(self.depth, "watch_catch_up"):
+            return
+        drafter = self.drafter
+        guess = prefill_s / fed * drafter.relative_cost(self.target.model) if fed >= _RATE_IDS else None
+        self.depth.watch_catch_up(lambda: drafter.behind(self.context), guess)
+
+    def ask(self, k: int) -> tuple[Any, Any]:
+        """The drafter's proposal of up to ``k`` drafts."""
+        if self._catch_up is not None:
+            behind = self.drafter.behind(self.context)
+            t = time.perf_counter()
+            if self._catch_up(self.context):
+                self.depth.overhead(time.perf_counter() - t, behind)
+        self.asked_at, self._traces_then = time.perf_counter(), self.traces()
+        return self.drafter.propose(self.context, k, self.target.pick)
+
+    def found(self, k: int) -> tuple[Any, Any] | None:
+        """``ask``, or None when the drafter found nothing (host ids, or a device array: MTP)."""
+        proposal = self.ask(k)
+        return proposal if len(proposal[0]) else None
+
+    def timed_round(self, drafted: int, accepted: int) -> None:
+        self.depth.round(
+            drafted, accepted, time.perf_counter() - self.asked_at, fresh=self.traces() != self._traces_then
+        )
+
+
 def speculative_step(
     prompt: Sequence[int],
     model: Any,
@@ -107,69 +236,15 @@ def speculative_step(
         raise EngineError("nothing to generate from: the prompt has no tokens")
     if max_tokens <= 0:
         return
-    params = sampling or SamplingParams()
-    greedy = params.temperature <= 0
     processors = list(logits_processors)
     if depth is None:
         depth = FixedDepth(num_draft_tokens if num_draft_tokens is not None else drafter.max_draft)
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-    key = [mx.random.key(seed)]
     context = list(history) if history is not None else list(ids)
     if context[-len(ids) :] != ids:
         context = context + ids
     if isinstance(drafter, DraftModelDrafter) and drafter.compiled is None:
         drafter.compiled = compiled
-    decoder = decoder_for(model, compiled)
-
-    def next_key() -> mx.array:
-        key[0], sub = mx.random.split(key[0])
-        return sub
-
-    def process(logits: mx.array, recent: mx.array) -> mx.array:
-        if not processors:
-            return logits
-        out = logits[None]
-        for proc in processors:
-            out = proc(recent, out)
-        return out[0]
-
-    def distribution(processed: mx.array) -> mx.array:
-        return mx.softmax(filter_logits(processed.astype(mx.float32), params), axis=-1)
-
-    def pick(logits: mx.array, recent: mx.array) -> tuple[mx.array, mx.array | None]:
-        processed = process(logits, recent)
-        if greedy:
-            return mx.argmax(processed, axis=-1, keepdims=True).astype(mx.uint32), None
-        q = distribution(processed)
-        token = mx.random.categorical(mx.log(q), key=next_key())
-        return token.reshape(1).astype(mx.uint32), q
-
-    # The prompt's last id is fed by the first pass (a verification or a plain step); its
-    # embedding may be part of a media run, so that pass takes embeddings, not ids.
-    head_row = [inputs.embeddings[-1:] if inputs is not None and inputs.embeddings is not None else None]
-    shift = inputs.position_delta if inputs is not None and inputs.positions is not None else None
-
-    def positions(n: int) -> dict[str, mx.array]:
-        """Multimodal RoPE's position ids for ``n`` text tokens fed at the cache offset."""
-        if shift is None:
-            return {}
-        start = int(cache[0].offset) + shift
-        return {"position_ids": mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32)[None, None], (3, 1, n))}
-
-    def forward(fed: mx.array, n: int) -> mx.array:
-        """Lazy logits [n, V] for the last ``n`` of the fed ids."""
-        if head_row[0] is not None:
-            embeddings, head_row[0] = head_row[0], None
-            if fed.shape[0] > 1:  # the drafts after it are text (zeros where media rows are wider)
-                drafts = model.embed(fed[None, 1:])[0]
-                drafts = mx.pad(drafts, [(0, 0), (0, embeddings.shape[-1] - drafts.shape[-1])])
-                embeddings = mx.concatenate([embeddings, drafts])
-            return model(fed[None], cache=cache, input_embeddings=embeddings[None], **positions(fed.shape[0]))[0, -n:]
-        if decoder is not None and n == fed.shape[0]:
-            out = decoder(fed, cache, shift or 0)  # a one-token step, or the drafts' verification
-            if out is not None:
-                return out
-        return model(fed[None], cache=cache, **positions(fed.shape[0]))[0, -n:]
+    target = _Target(model, cache, sampling or SamplingParams(), processors, inputs, compiled)
 
     prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
     began = time.perf_counter()
@@ -177,38 +252,12 @@ def speculative_step(
         model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
     ):
         return
+    drafting = _Drafting(drafter, depth, target, context)
+    drafting.watch_catch_up(int(prompt_head.size), time.perf_counter() - began)
     pending = ids[-1:]  # ids whose keys/values the target has not computed yet
     speculate = depth.k_max > 0
     produced = 0
     carried: tuple[Any, Any] | None = None  # drafts a plain run's lookup found
-    # When the drafts of the round being verified were asked for, and how many pass sizes the
-    # compiled decoders had traced then (a round that traces a new one is slow once only).
-    started = [0.0, 0]
-    catch_up = getattr(drafter, "catch_up", None)
-    drafter_decoder = getattr(drafter, "decoder", lambda: None)
-
-    def traces() -> int:
-        both = {id(d): d for d in (decoder, drafter_decoder()) if d is not None}  # one, drafting for itself
-        return sum(getattr(d, "traces", 0) for d in both.values())
-
-    if catch_up is not None and hasattr(depth, "watch_catch_up"):
-        # A draft model must be fed the ids it has not seen (the prompt first) before it
-        # drafts: guess each at what the target's prefill just cost one, scaled to the draft.
-        fed = int(prompt_head.size)
-        guess = (time.perf_counter() - began) / fed * drafter.relative_cost(model) if fed >= _RATE_IDS else None
-        depth.watch_catch_up(lambda: drafter.behind(context), guess)
-
-    def ask(k: int) -> tuple[Any, Any]:
-        """The drafter's proposal; a draft model's catching up on ids it has not seen (the
-        prompt, then plain tokens) is timed apart from the round, as the cost of having
-        stopped drafting."""
-        if catch_up is not None:
-            behind = drafter.behind(context)
-            t = time.perf_counter()
-            if catch_up(context):
-                depth.overhead(time.perf_counter() - t, behind)
-        started[0], started[1] = time.perf_counter(), traces()
-        return drafter.propose(context, k, pick)
 
     while produced < max_tokens:
         if cancel is not None and cancel.is_set():
@@ -222,24 +271,19 @@ def speculative_step(
             k = depth.next(max_tokens - produced - 1) if speculate else 0
             if k > 0 and not all(room_to_trim(c, len(pending) + k) for c in cache):
                 speculate, k = False, 0  # plain decoding from here on
-            proposed, q_rows = ask(k) if k > 0 else ([], None)
+            proposed, q_rows = drafting.ask(k) if k > 0 else ([], None)
         carried = None
-        on_host = isinstance(proposed, list)
-        if speculate and on_host and not proposed:
+        if speculate and isinstance(proposed, list) and not proposed:
             # Nothing to verify (the depth chose a plain token, or a lookup found nothing):
             # decode plainly, a step ahead, until the depth asks for drafts and they are found.
-            def fetch(k_next: int) -> tuple[Any, Any] | None:
-                found = ask(k_next)
-                return found if len(found[0]) else None  # host ids, or a device array (MTP)
-
             carried, n = yield from _lookahead_run(
                 context,
-                forward,
-                pick,
+                target.forward,
+                target.pick,
                 logprobs,
                 cache,
                 depth.next,
-                fetch,
+                drafting.found,
                 max_tokens - produced,
                 cancel,
                 processed=bool(processors),
@@ -249,46 +293,10 @@ def speculative_step(
             produced += n
             pending = context[-1:]
             continue
-        drafts = mx.array(proposed[:k], dtype=mx.uint32) if on_host else proposed[:k]
-        m = int(drafts.shape[0])
-        fed = mx.concatenate([mx.array(pending, dtype=mx.uint32), drafts]) if m else mx.array(pending, dtype=mx.uint32)
-        logits = forward(fed, m + 1)
-        if processors:  # each position sees the context up to its own draft
-            recent = mx.array(context[-HISTORY_WINDOW:], dtype=mx.uint32)
-            rows = [process(logits[0], recent)]
-            rows += [
-                process(logits[i], mx.concatenate([recent, drafts[:i]])[-HISTORY_WINDOW:]) for i in range(1, m + 1)
-            ]
-            logits_p = mx.stack(rows)
-        else:
-            logits_p = logits
-        accepted_a, last_a = _verify(logits_p, drafts, q_rows, greedy, distribution, next_key)
-        # One read per round: [accepted, last, drafts..., log-probs...] as float32 (token ids
-        # below 2**24 are exact there).
-        parts = [accepted_a.reshape(1), last_a.reshape(1)]
-        if not on_host:
-            parts.append(drafts)
-        if logprobs:
-            parts.append(_logprobs(logits, drafts, accepted_a, last_a))
-        parts.append(mx.max(logits[:1]).reshape(1))  # last: NaN or inf means damaged weights
-        values = mx.concatenate([a.astype(mx.float32) for a in parts]).tolist()
-        check_finite(values[-1])
-        accepted, last = int(values[0]), int(values[1])
-        if m:
-            depth.round(m, accepted, time.perf_counter() - started[0], fresh=traces() != started[1])
-        draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
-        emitted = draft_ids[:accepted] + [last]
-        trim_prompt_cache(cache, m - accepted)  # drop the rejected drafts' keys/values
-        if stats is not None:
-            stats.draft_tokens += m
-            stats.accepted_draft_tokens += accepted
-        lp_start = 2 + (0 if on_host else m)
-        lps: list[float | None] = (
-            list(values[lp_start : lp_start + len(emitted)]) if logprobs else [None] * len(emitted)
-        )
+        emitted, lps = _verify_round(target, drafting, proposed, q_rows, k, pending, logprobs, stats)
         base = len(context)
         context.extend(emitted)
-        pending = [last]
+        pending = emitted[-1:]
         drafter.rewind(len(context) - 1)
         for j, (token, lp) in enumerate(zip(emitted, lps)):
             try:
@@ -302,6 +310,61 @@ def speculative_step(
             produced += 1
             if produced >= max_tokens:
                 return
+
+
+def _verify_round(
+    target: _Target,
+    drafting: _Drafting,
+    proposed: Any,
+    q_rows: Any,
+    k: int,
+    pending: list[int],
+    logprobs: bool,
+    stats: StatsCounter | None,
+) -> tuple[list[int], list[float | None]]:
+    """One round: the target scores ``pending`` and the first ``k`` drafts in one pass, the
+    acceptable run is kept plus the target's own next token, and the rejected drafts' keys
+    and values are trimmed off. Returns the emitted ids and their log-probs (None each
+    without ``logprobs``). The round waits for the device once: drafting, verification and
+    acceptance are one lazy graph, and a single array of results comes back."""
+    context = drafting.context
+    on_host = isinstance(proposed, list)
+    drafts = mx.array(proposed[:k], dtype=mx.uint32) if on_host else proposed[:k]
+    m = int(drafts.shape[0])
+    fed = mx.concatenate([mx.array(pending, dtype=mx.uint32), drafts]) if m else mx.array(pending, dtype=mx.uint32)
+    logits = target.forward(fed, m + 1)
+    if target.processors:  # each position sees the context up to its own draft
+        recent = mx.array(context[-HISTORY_WINDOW:], dtype=mx.uint32)
+        rows = [target.process(logits[0], recent)]
+        rows += [
+            target.process(logits[i], mx.concatenate([recent, drafts[:i]])[-HISTORY_WINDOW:]) for i in range(1, m + 1)
+        ]
+        logits_p = mx.stack(rows)
+    else:
+        logits_p = logits
+    accepted_a, last_a = _verify(logits_p, drafts, q_rows, target.greedy, target.distribution, target.next_key)
+    # One read per round: [accepted, last, drafts..., log-probs...] as float32 (token ids
+    # below 2**24 are exact there).
+    parts = [accepted_a.reshape(1), last_a.reshape(1)]
+    if not on_host:
+        parts.append(drafts)
+    if logprobs:
+        parts.append(_logprobs(logits, drafts, accepted_a, last_a))
+    parts.append(mx.max(logits[:1]).reshape(1))  # last: NaN or inf means damaged weights
+    values = mx.concatenate([a.astype(mx.float32) for a in parts]).tolist()
+    check_finite(values[-1])
+    accepted, last = int(values[0]), int(values[1])
+    if m:
+        drafting.timed_round(m, accepted)
+    draft_ids = list(proposed[:k]) if on_host else [int(v) for v in values[2 : 2 + m]]
+    emitted = draft_ids[:accepted] + [last]
+    trim_prompt_cache(target.cache, m - accepted)  # drop the rejected drafts' keys/values
+    if stats is not None:
+        stats.draft_tokens += m
+        stats.accepted_draft_tokens += accepted
+    lp_start = 2 + (0 if on_host else m)
+    lps: list[float | None] = list(values[lp_start : lp_start + len(emitted)]) if logprobs else [None] * len(emitted)
+    return emitted, lps
 
 
 def _lookahead_run(

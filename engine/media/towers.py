@@ -27,24 +27,12 @@ from engine.api import MediaInput, MemoryPlan, VideoLimits
 from engine.errors import MediaError
 from engine.media.encoded_cache import EncodedMediaCache, HashedInput, content_digest, media_key
 from engine.media.prompt import MediaEncoder, PreparedMedia
+from engine.models.families import FAMILIES
 
-# model_type -> {kind: module}; the module offers make_encoder(source) -> MediaEncoder
-# ("module:function" names another factory in it).
-_QWEN3_VL = {"image": "engine.media.qwen3_vl.encoders", "video": "engine.media.qwen3_vl.encoders:make_video_encoder"}
-_QWEN3_5 = {"image": "engine.media.qwen3_5.encoders", "video": "engine.media.qwen3_5.encoders:make_video_encoder"}
-TOWERS: dict[str, dict[str, str]] = {
-    "gemma3": {"image": "engine.media.gemma3.vision"},
-    "gemma4": {"image": "engine.media.gemma4.vision", "audio": "engine.media.gemma4.audio"},
-    "diffusion_gemma": {"image": "engine.media.gemma4.diffusion"},
-    "qwen2_5_vl": {"image": "engine.media.qwen2_5_vl.vision"},
-    "mistral3": {"image": "engine.media.pixtral.tower"},
-    "qwen3_vl": _QWEN3_VL,
-    "qwen3_vl_moe": _QWEN3_VL,
-    "qwen3_5": _QWEN3_5,
-    "qwen3_5_moe": _QWEN3_5,
-    "qwen2_audio": {"audio": "engine.media.qwen2_audio.tower"},
-    "voxtral": {"audio": "engine.media.voxtral.tower"},
-}
+# model_type -> {kind: module}, from the family manifest (engine.models.families); the
+# module offers make_encoder(source) -> MediaEncoder ("module:function" names another
+# factory in it).
+TOWERS: dict[str, dict[str, str]] = {t: dict(f.towers) for t, f in FAMILIES.items() if f.towers}
 
 # What to suggest when a model cannot take a kind of media.
 SUGGESTIONS = {

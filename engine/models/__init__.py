@@ -1,4 +1,5 @@
-"""Model families, looked up by config.json's ``model_type``.
+"""Model families, looked up by config.json's ``model_type`` in the family manifest
+(``engine.models.families``).
 
 Each family module exposes ``ModelArgs`` (``ModelArgs.from_dict(config)``) and
 ``Model`` (``Model(args)``; ``model(inputs, cache=None, input_embeddings=None)`` ->
@@ -11,43 +12,10 @@ import importlib
 from types import ModuleType
 
 from engine.errors import UnsupportedModelError
+from engine.models.families import FAMILIES
 
-# model_type -> module in this package
-SUPPORTED: dict[str, str] = {
-    "deepseek_v3": "deepseek_v3",
-    "diffusion_gemma": "diffusion_gemma",
-    "gemma2": "gemma2",
-    "gemma3": "gemma3",
-    "gemma3_text": "gemma3",
-    "gemma4": "gemma4",
-    "gemma4_text": "gemma4",
-    "gpt_oss": "gpt_oss",
-    "glm4_moe": "glm4_moe",
-    "glm4_moe_lite": "glm4_moe_lite",
-    "glm_moe_dsa": "glm_moe_dsa",
-    "kimi_k2": "deepseek_v3",
-    "lfm2": "lfm2",
-    "lfm2_moe": "lfm2_moe",
-    "llama": "llama",
-    "ministral3": "ministral3",
-    "mistral": "llama",
-    "mistral3": "mistral3",
-    "phi3": "phi3",
-    "qwen2": "qwen2",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen2_audio": "qwen2_audio",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "smollm3": "smollm3",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_vl_moe": "qwen3_vl_moe",
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",
-    "qwen3_next": "qwen3_next",
-    "voxtral": "voxtral",
-}
+# model_type -> module in this package (the family manifest's ``module``)
+SUPPORTED: dict[str, str] = {model_type: family.module for model_type, family in FAMILIES.items()}
 
 
 def get_family(model_type: str) -> ModuleType:

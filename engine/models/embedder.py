@@ -23,9 +23,10 @@ import mlx.nn as nn
 from engine.artifacts.sentence_transformers import DenseSpec, EmbeddingSpec
 from engine.errors import UnsupportedModelError
 from engine.models.base import attention_mask
+from engine.models.families import FAMILIES
 
 # model_type -> the published models built on it: the families that embed.
-EMBEDDING_FAMILIES = {"qwen3": "Qwen3-Embedding", "gemma3_text": "EmbeddingGemma"}
+EMBEDDING_FAMILIES = {t: f.embeds for t, f in FAMILIES.items() if f.embeds}  # the family manifest's ``embeds``
 
 _ACTIVATIONS = {"identity": lambda x: x, "tanh": mx.tanh, "relu": nn.relu, "gelu": nn.gelu, "sigmoid": mx.sigmoid}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.api import ModelInfo
@@ -75,21 +75,28 @@ def assemble(
     tokenizer = load_tokenizer(loaded)
     config = loaded.config
     eos = _union(getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_ids", None))
-    info = _describe(loaded, budget)
     towers = _make_towers(loaded)
-    # ModelInfo says what the engine can feed this model, not only what its config names.
-    info.vision = "image" in towers.kinds
-    info.audio = "audio" in towers.kinds
-    info.video = "video" in towers.kinds
-    info.video_limits = towers.video_limits()
-    info.pan_and_scan = towers.pan_and_scan()
-    info.chat_template = bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None))
     template = load_template(tokenizer)
-    info.reasoning_control = _reasoning_control(template)
-    info.mtp, info.mtp_note = _mtp_support(loaded)
-    info.tool_format = _tool_format(template)
-    if getattr(loaded, "embedding", None) is not None:
-        info.embedding_dimensions = loaded.embedding.dimensions
+    mtp, mtp_note = _mtp_support(loaded)
+    tool_format, arguments_as_text = _tool_format(template)
+    embedding = getattr(loaded, "embedding", None)
+    # Built once, from the files the load read and what was assembled: ModelInfo says what
+    # the engine can feed this model, not only what its config names.
+    info = replace(
+        _describe(loaded, budget),
+        vision="image" in towers.kinds,
+        audio="audio" in towers.kinds,
+        video="video" in towers.kinds,
+        video_limits=towers.video_limits(),
+        pan_and_scan=towers.pan_and_scan(),
+        chat_template=bool(getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "mistral_format", None)),
+        reasoning_control=_reasoning_control(template),
+        mtp=mtp,
+        mtp_note=mtp_note,
+        tool_format=tool_format,
+        tool_arguments_as_text=arguments_as_text,
+        embedding_dimensions=embedding.dimensions if embedding is not None else None,
+    )
     return ModelParts(loaded.model, config, str(loaded.path), tokenizer, template, eos, info, towers, loaded.mtp_apart)
 
 
@@ -110,9 +117,8 @@ def assemble_draft(
 def _describe(loaded: Any, budget: int | None) -> ModelInfo:
     from engine.runtime.model_info import inspect_model
 
-    info = inspect_model(str(loaded.path), memory_budget=budget, kv_config=False)
-    info.plan = getattr(loaded, "plan", None) or info.plan
-    return info
+    # The load planned from these files already: its plan stands.
+    return inspect_model(str(loaded.path), memory_budget=budget, kv_config=False, plan=getattr(loaded, "plan", None))
 
 
 def _union(*groups: Sequence[int] | None) -> list[int]:
@@ -183,11 +189,13 @@ def _reasoning_control(template: Any) -> Any:
     return find_reasoning_control(template) if isinstance(template, ChatTemplate) else None
 
 
-def _tool_format(template: Any) -> str | None:
+def _tool_format(template: Any) -> tuple[str | None, bool]:
+    """How the template's model writes tool calls, found once per load: (the format's name,
+    a key of engine.text.tool_calls.FORMATS, or None; whether its arguments are text)."""
     from engine.text.tool_calls import detect_tool_format
 
     fmt = detect_tool_format(getattr(template, "source", None))
-    return fmt.name if fmt is not None else None
+    return (fmt.name, fmt.arguments_as_text) if fmt is not None else (None, False)
 
 
 def _make_towers(loaded: Any) -> Any:

@@ -7,7 +7,11 @@ for speculative decoding, and the Whisper model for transcription. Every method 
 the thread that owns MLX.
 
 Adapters stay mounted across generations and go with the model when it is unloaded; so
-does the draft model, which was checked against this model's vocabulary.
+does the draft model, which was checked against this model's vocabulary. The services
+live in their own modules and the host only hands them its loaded state: adapters
+(runtime/adapters.py), sentence embeddings (runtime/embeddings.py), the Whisper model
+(runtime/transcription.py), and the built-in MTP layer's read and re-plan
+(runtime/mtp_attach.py).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from typing import Any
 
 from engine.api import (
     AdapterInfo,
+    Complete,
     DraftEvent,
     Embeddings,
     Event,
+    Generate,
     GenerationParams,
     GenerationResult,
     MediaInput,
@@ -32,21 +38,18 @@ from engine.api import (
 )
 from engine.decode.diffusion import Draft
 from engine.decode.loop import Piece
-from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
+from engine.errors import EngineError, WrongModelKind
+from engine.runtime import adapters
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
+from engine.runtime.embeddings import embed
 from engine.runtime.expert_plan import stop_streaming
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
+from engine.runtime.request_errors import Cancelled, NoModelLoaded  # noqa: F401  (Cancelled: part of the host's API)
 from engine.runtime.session import ChatSession
+from engine.runtime.transcription import WhisperSlot
+from engine.text.tool_calls import FORMATS
 
 EventSink = Callable[[Event], None]
-
-
-class NoModelLoaded(EngineError):
-    """A request that needs a model arrived before any was loaded."""
-
-
-class Cancelled(EngineError):
-    """The request was cancelled before it finished."""
 
 
 @dataclass
@@ -77,7 +80,7 @@ class ModelHost:
     def __init__(self) -> None:
         self._loaded: _Loaded | None = None
         self._owner: threading.Thread | None = None
-        self._transcriber: Any = None  # the last Whisper used, kept for the next request
+        self._whisper = WhisperSlot()  # the last Whisper used, kept for the next request
 
     # ---- one thread touches MLX ------------------------------------------------
 
@@ -226,37 +229,26 @@ class ModelHost:
     def mount_adapter(self, path: str, name: str | None = None) -> AdapterInfo:
         """Mount an mlx-lm or PEFT adapter folder on the loaded model (inactive until
         ``set_active_adapters``); refused with what does not match."""
-        from engine.models import lora as adapters
-
         self._check_thread()
-        apart = self._need().mtp_apart  # an adapter may name modules of the MTP layer not read yet
-        unread = {"mtp": apart.head} if apart is not None else None
-        return _adapter_info(adapters.mount(self.model, path, name, unread=unread))
+        state = self._need()
+        return adapters.mount(state.model, state.mtp_apart, path, name)
 
     def set_active_adapters(self, scales: Mapping[str, float]) -> None:
         """Make exactly these mounted adapters active, each with its scale (1.0 = as trained).
         Sessions notice the change through the adapters' signature and do not reuse KV
         computed under the previous set."""
-        from engine.models import lora as adapters
-
         self._check_thread()
-        adapters.activate(self.model, dict(scales))
+        adapters.activate(self.model, scales)
 
     def unmount_adapter(self, name: str) -> None:
-        from engine.models import lora as adapters
-
         self._check_thread()
         adapters.unmount(self.model, name)
 
     def adapters(self) -> list[AdapterInfo]:
-        from engine.models import lora as adapters
-
-        return [_adapter_info(a) for a in adapters.mounted(self.model)]
+        return adapters.mounted(self.model)
 
     def active_adapters(self) -> dict[str, float]:
-        from engine.models import lora as adapters
-
-        return adapters.active_adapters(self.model)
+        return adapters.active(self.model)
 
     # ---- draft model ----------------------------------------------------------------
 
@@ -304,18 +296,7 @@ class ModelHost:
     def transcriber(self, path: str, progress: LoadProgress | None = None) -> Any:
         """The Whisper Transcriber for ``path``, loaded once and kept (one at a time)."""
         self._check_thread()
-        from engine.artifacts.hub import resolve_model_path
-        from engine.media.whisper.transcribe import Transcriber
-
-        folder = str(resolve_model_path(path))
-        if self._transcriber is None or self._transcriber.path != folder:
-            self._transcriber = None
-            if progress is not None:
-                progress(0, 1, "loading the Whisper model")
-            self._transcriber = Transcriber.load(folder)
-            if progress is not None:
-                progress(1, 1, "loading the Whisper model")
-        return self._transcriber
+        return self._whisper.get(path, progress)
 
     # ---- sessions -----------------------------------------------------------------
 
@@ -336,6 +317,7 @@ class ModelHost:
                 reasoning_factory=reasoning_factory(state.template),
                 reasoning_control=state.info.reasoning_control,
                 towers=state.towers if state.towers.kinds else None,
+                tool_format=FORMATS.get(state.info.tool_format or ""),
             )
             chat.draft_model = state.draft.model if state.draft is not None else None
             advice = state.info.context_advice  # the model's context, the user's cap, the budget
@@ -408,6 +390,57 @@ class ModelHost:
 
     # ---- generation ---------------------------------------------------------------
 
+    def open_request(
+        self,
+        command: Generate | Complete,
+        on_event: EventSink | None = None,
+        cancel: threading.Event | None = None,
+        *,
+        request_id: int = 0,
+        session_id: str | None = None,
+        batch: Any = None,
+        **template_kwargs: Any,
+    ) -> Iterator[Piece | GenerationResult | object]:
+        """The one generate entry: a conversation (``Generate``) or plain text or ids
+        (``Complete``), as a stream not yet run, in the session the command names (or
+        ``session_id``). With ``batch`` it decodes in the batch and yields WAITING
+        (engine.decode.loop) while it waits for a step. Progress goes to ``on_event``; a
+        request drafting with the built-in MTP layer reads it first (runtime/mtp_attach.py)."""
+        self._check_thread()
+        sid = command.session_id if session_id is None else session_id
+        progress = _progress_sink(on_event, request_id)
+        if isinstance(command, Complete):
+            prompt = command.prompt
+            ids = self.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+            params = self._mtp_for(command.params, on_event, request_id, cancel)
+            return self.session(sid).stream_ids(ids, params, cancel=cancel, on_progress=progress, batch=batch)
+        self.check_media(command.messages, command.media)
+        params = self._mtp_for(command.params, on_event, request_id, cancel)
+        return self.session(sid).stream(
+            command.messages,
+            params,
+            tools=command.tools,
+            add_generation_prompt=command.add_generation_prompt,
+            cancel=cancel,
+            on_progress=progress,
+            media=command.media,
+            batch=batch,
+            **template_kwargs,
+        )
+
+    def run_request(
+        self,
+        command: Generate | Complete,
+        on_event: EventSink | None = None,
+        cancel: threading.Event | None = None,
+        *,
+        request_id: int = 0,
+        **template_kwargs: Any,
+    ) -> GenerationResult:
+        """``open_request`` run to its end: TokenEvent and ProgressEvent go to ``on_event``."""
+        stream = self.open_request(command, on_event, cancel, request_id=request_id, **template_kwargs)
+        return _drain(stream, on_event, request_id)
+
     def generate(
         self,
         session_id: str,
@@ -454,23 +487,16 @@ class ModelHost:
         batch: Any = None,
         **template_kwargs: Any,
     ) -> Iterator[Piece | GenerationResult | object]:
-        """``generate``'s stream, not yet run: with ``batch`` it decodes in the batch and
-        yields WAITING (engine.decode.loop) while it waits for a step."""
-        self._check_thread()
-        self.check_media(messages, media)
-        params = self._mtp_for(params, on_event, request_id, cancel)
-        chat = self.session(session_id)
-        return chat.stream(
-            messages,
+        """``generate``'s stream, not yet run (``open_request`` with a ``Generate``)."""
+        command = Generate(
+            session_id,
+            list(messages),
             params,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
-            cancel=cancel,
-            on_progress=_progress_sink(on_event, request_id),
-            media=media,
-            batch=batch,
-            **template_kwargs,
+            media=list(media),
         )
+        return self.open_request(command, on_event, cancel, request_id=request_id, batch=batch, **template_kwargs)
 
     def generate_ids(
         self,
@@ -499,13 +525,9 @@ class ModelHost:
         session_id: str = "",
         batch: Any = None,
     ) -> Iterator[Piece | GenerationResult | object]:
-        """``generate_ids``'s stream, not yet run (``batch`` as in ``open_generate``)."""
-        self._check_thread()
-        params = self._mtp_for(params, on_event, request_id, cancel)
-        chat = self.session(session_id)
-        return chat.stream_ids(
-            prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id), batch=batch
-        )
+        """``generate_ids``'s stream, not yet run (``open_request`` with a ``Complete``)."""
+        command = Complete(session_id, list(prompt_ids), params)
+        return self.open_request(command, on_event, cancel, request_id=request_id, batch=batch)
 
     def _mtp_for(
         self,
@@ -522,43 +544,15 @@ class ModelHost:
         with: a request stopped during the read (``cancel``, checked between chunks) leaves
         the layer apart and unread and goes on without drafting, to end as any request
         stopped before its prefill does ("cancelled", nothing generated)."""
-        state = self._need()
-        if params is None or params.speculative != "mtp" or state.mtp_apart is None:
-            return params  # no params: the session's defaults, which never draft
-        from engine.models import lora as adapters
-        from engine.runtime.context_planner import after_more_weights
-        from engine.runtime.loading import attach_mtp_apart
-        from engine.runtime.memory import format_bytes
+        from engine.runtime.mtp_attach import attach_mtp
 
-        info, apart = state.info, state.mtp_apart
-        plan = advice = None
-        if info.plan is not None:
-            if self.weights_bytes() + apart.nbytes >= info.plan.budget_bytes:
-                raise OutOfMemoryBudget(
-                    f"The built-in MTP layer ({format_bytes(apart.nbytes)}) does not fit beside the weights "
-                    f"({format_bytes(self.weights_bytes())}) in the memory budget "
-                    f"({format_bytes(info.plan.budget_bytes)}); draft with n-grams instead, or raise the memory budget."
-                )
-            plan = replace(info.plan, weights_bytes=info.plan.weights_bytes + apart.nbytes, mtp_loaded=True)
-            if info.context_advice is not None:
-                try:
-                    advice = after_more_weights(info.context_advice, plan, info.name)
-                except OutOfMemoryBudget as e:
-                    raise OutOfMemoryBudget(
-                        f"With its built-in MTP layer ({format_bytes(apart.nbytes)}): {e}"
-                    ) from None
-        reading = f"Reading the built-in MTP layer ({format_bytes(apart.nbytes)})…"
-        if not attach_mtp_apart(state.model, apart, _progress_sink(on_event, request_id, "load", reading), cancel):
-            return replace(params, speculative=None)  # stopped: the plan and the limits stay as they were
-        state.mtp_apart = None
-        adapters.mount_waiting(state.model)
-        if plan is not None:
-            state.info = replace(info, plan=plan, context_advice=advice or info.context_advice)
-            state.towers.follow_plan(plan)
-        if advice is not None and advice.limit:
-            for chat in state.sessions.values():
-                chat.context_length = min(chat.context_length or advice.limit, advice.limit)
-        return params
+        return attach_mtp(
+            self._need(),
+            params,
+            self.weights_bytes,
+            lambda message: _progress_sink(on_event, request_id, "load", message),
+            cancel,
+        )
 
     @property
     def batch(self) -> Any:
@@ -599,31 +593,9 @@ class ModelHost:
     def embed(self, inputs: Sequence[str | Sequence[int]], cancel: threading.Event | None = None) -> Embeddings:
         """Embed each text (tokenized and truncated as sentence-transformers does) or list of
         token ids (truncated alike) with the loaded sentence embedding model."""
-        from engine.models.embedder import embedding_families
-
         self._check_thread()
         state = self._need()
-        if state.info.embedding_dimensions is None:
-            raise WrongModelKind(
-                f"{state.info.name} is a chat model, not a sentence embedding model. Load an embedding model "
-                f"(a sentence-transformers folder) of one of the families that embed: {embedding_families()}."
-            )
-        import mlx.core as mx
-
-        # sentence-transformers' limit, else the model's own context (an unlimited text would not fit)
-        limit = state.model.spec.max_seq_length or getattr(state.model.args, "max_position_embeddings", None)
-        vectors, tokens = [], 0
-        for item in inputs:
-            if cancel is not None and cancel.is_set():
-                raise Cancelled("The embedding request was cancelled.")
-            ids = state.tokenizer.encode_truncated(item, limit) if isinstance(item, str) else list(item)[:limit]
-            if not ids:
-                raise EngineError("An input to embed is empty; give at least one token.")
-            vector = state.model(ids)
-            mx.eval(vector)
-            vectors.append(vector.tolist())
-            tokens += len(ids)
-        return Embeddings(vectors, tokens)
+        return embed(state.model, state.tokenizer, state.info, inputs, cancel)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt tokenized as the tokenizer's own settings say (BOS when it adds one)."""
@@ -632,18 +604,6 @@ class ModelHost:
     def chat_prompt_ids(self, messages: list[Mapping[str, Any]], **kw: Any) -> list[int]:
         chat = self.session("")
         return chat.encode_rendered(chat.render(messages, **kw))
-
-
-def _adapter_info(a: Any) -> AdapterInfo:
-    return AdapterInfo(
-        name=a.name,
-        path=a.path,
-        format=a.format,
-        kind=a.kind,
-        rank=a.rank,
-        targets=len(a.targets),
-        base_model=a.base_model,
-    )
 
 
 def _progress_sink(
@@ -658,7 +618,14 @@ def token_event(piece: Piece | Draft, request_id: int) -> TokenEvent | DraftEven
     if isinstance(piece, Draft):  # a diffusion block still refining
         return DraftEvent(request_id, piece.text, piece.step, piece.steps, piece.reasoning)
     return TokenEvent(
-        request_id, piece.text, piece.channel, piece.token_ids, piece.stats, piece.logprobs, piece.top_logprobs
+        request_id,
+        piece.text,
+        piece.channel,
+        piece.token_ids,
+        piece.stats,
+        piece.logprobs,
+        piece.top_logprobs,
+        piece.tool_call,
     )
 
 

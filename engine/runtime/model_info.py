@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from engine.api import ModelInfo
+from engine.api import MemoryPlan, ModelInfo
 from engine.artifacts.hub import describe, resolve_model_path
 from engine.runtime.context_planner import advise_context, check_cap, precision_options
 from engine.runtime.expert_plan import describe_residency, residency_for_inspect
@@ -29,12 +29,14 @@ def inspect_model(
     context_cap: int | None = None,
     refuse_cap: bool = False,
     resident_experts: float | None = None,
+    plan: MemoryPlan | None = None,
 ) -> ModelInfo:
     """Describe a model folder, cached repo id or .gguf file without loading weights; the
     memory plan counts a quantized KV cache (``kv_bits``, else with ``kv_config`` the
     folder's kv_config.json; the host applies its own when it loads) and advises on the
     context (engine.runtime.context_planner); with ``refuse_cap``, a ``context_cap`` the
-    budget cannot hold raises OutOfMemoryBudget."""
+    budget cannot hold raises OutOfMemoryBudget. ``plan``: the plan a load already made from
+    the same files, which stands (the files are not planned twice in one load)."""
     resolved = resolve_model_path(path)
     source = inspect_source(resolved)
     entry = describe(resolved, source="gguf" if resolved.is_file() else "folder")
@@ -42,16 +44,17 @@ def inspect_model(
         from engine.errors import ModelLoadError
 
         raise ModelLoadError(entry.error)
-    budget = memory_budget if memory_budget is not None else default_budget()[0]
-    plan = plan_memory(
-        source.config,
-        budget=budget,
-        weights_bytes=source.weights_bytes - source.mtp_bytes,  # the MTP layer loads only with --mtp
-        dtype_bytes=DTYPE_BYTES[source.dtype],
-        mtp_bytes=source.mtp_bytes,
-        left_out_bytes=source.left_out_bytes,
-    )
-    plan = residency_for_inspect(plan, source, resident_experts, context_cap or 0)
+    if plan is None:
+        budget = memory_budget if memory_budget is not None else default_budget()[0]
+        plan = plan_memory(
+            source.config,
+            budget=budget,
+            weights_bytes=source.weights_bytes - source.mtp_bytes,  # the MTP layer loads only with --mtp
+            dtype_bytes=DTYPE_BYTES[source.dtype],
+            mtp_bytes=source.mtp_bytes,
+            left_out_bytes=source.left_out_bytes,
+        )
+        plan = residency_for_inspect(plan, source, resident_experts, context_cap or 0)
     config = source.config
     info = ModelInfo(
         path=str(resolved),

@@ -40,21 +40,28 @@ from engine.decode.draft_depth import AUTO_MAX_DRAFT
 from engine.decode.drafters import drafter_for
 from engine.decode.guards import check_fits, fit_context
 from engine.decode.loop import Piece, stream_generate
+from engine.decode.media_inputs import prompt_inputs
 from engine.decode.prefill import ProgressCallback, PromptInputs
 from engine.decode.rolling import SINK_TOKENS, RollingWindow, can_slide
 from engine.decode.sampling import validate_sampling
+from engine.decode.tool_channel import tool_channel
 from engine.errors import EngineError, MediaError
-from engine.models.kv_cache import cache_length, checkpoint, make_prompt_cache, rewind_point, trim_prompt_cache
 from engine.models.lora import active_adapters, active_signature
+from engine.runtime.prefix_cache import PrefixCache, common_prefix_length
 from engine.text.reasoning_switch import reasoning_variables
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _forced_call(params: GenerationParams, fmt: Any, tools: Sequence[Mapping[str, Any]]) -> GenerationParams:
+    """``params`` whose reply is one call to one of ``tools``, in the model's markers (a
+    grammar constraint); unchanged for a format that has no plain-JSON call to force."""
+    from engine.text.tool_calls import forced_call
+
+    forced = forced_call(fmt, [dict(t) for t in tools])
+    if forced is None:
+        return params
+    if params.constraint is not None:
+        raise EngineError("A structured response format and a required tool call cannot be combined.")
+    return replace(params, constraint=forced)
 
 
 class ChatSession:
@@ -71,6 +78,7 @@ class ChatSession:
         reasoning_factory: Callable[[str], Any] | None = None,
         reasoning_control: ReasoningControl | None = None,
         towers: Any = None,
+        tool_format: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -82,17 +90,14 @@ class ChatSession:
         # switch changes the rendered ids and the cache keeps only what still agrees.
         self.reasoning_control = reasoning_control
         self.towers = towers  # MediaTowers, or None for a text-only model
+        # How the model writes tool calls (an engine.text.tool_calls.ToolCallFormat the load
+        # found in the template), or None: a request with tools gets its calls apart from
+        # the answer (engine.decode.tool_channel).
+        self.tool_format = tool_format
         self.context_length = 0  # the model's context, a hard limit (0: unknown, none)
-        self.cache: list[Any] | None = None
-        self.ids: list[int] = []  # exactly the tokens held by self.cache
-        self.signature = ""  # the active adapters self.cache was filled under
+        self.prefix = PrefixCache(model)  # the model's cache and the ids (and keys) it holds
         self.draft_model: Any = None  # set by the host when a draft model is loaded
-        self._draft_cache: list[Any] | None = None
-        self._draft_ids: list[int] = []  # exactly the tokens held by self._draft_cache
-        self._draft_owner: Any = None  # the draft model self._draft_cache belongs to
-        self.token_keys: list[
-            Hashable
-        ] = []  # one per cached token: its id, or for a media token the media's content key
+        self._draft: PrefixCache | None = None  # the draft model's, once a request drafts with it
         self.context_length = 0  # the model's context (0: unknown), for GenerationParams.context_policy
         self.window: RollingWindow | None = None  # the last reply's rolling window (rolling policy)
 
@@ -122,35 +127,58 @@ class ChatSession:
 
     # ---- cache ------------------------------------------------------------------
 
+    # The target's prefix cache, as the host and saved caches read and set it.
+    @property
+    def cache(self) -> list[Any] | None:
+        return self.prefix.cache
+
+    @cache.setter
+    def cache(self, value: list[Any] | None) -> None:
+        self.prefix.cache = value
+
+    @property
+    def ids(self) -> list[int]:
+        """Exactly the tokens held by ``cache``."""
+        return self.prefix.ids
+
+    @ids.setter
+    def ids(self, value: list[int]) -> None:
+        self.prefix.ids = value
+
+    @property
+    def token_keys(self) -> list[Hashable]:
+        """One per cached token: its id, or for a media token the media's content key."""
+        return self.prefix.keys
+
+    @token_keys.setter
+    def token_keys(self, value: list[Hashable]) -> None:
+        self.prefix.keys = value
+
+    @property
+    def signature(self) -> str:
+        """The active adapters ``cache`` was filled under."""
+        return self.prefix.signature
+
+    @signature.setter
+    def signature(self, value: str) -> None:
+        self.prefix.signature = value
+
     @property
     def draft_cache(self) -> list[Any] | None:
-        return self._draft_cache
+        return self._draft.cache if self._draft is not None else None
+
+    @property
+    def _draft_ids(self) -> list[int]:
+        return self._draft.ids if self._draft is not None else []
 
     def reset(self) -> None:
-        self.cache = None
-        self.ids = []
-        self._draft_cache, self._draft_ids, self._draft_owner = None, [], None
-        self.token_keys = []
+        self.prefix.reset()
+        self._draft = None
 
     def _reuse(self, prompt_ids: Sequence[int], keys: Sequence[Hashable], spans: Sequence[Any] = ()) -> int:
-        """Bring the cache to the longest prefix it shares with ``keys`` (leaving at least
-        one token to feed, whose logits start generation, and never ending inside a media
-        item); return its length."""
-        signature = active_signature(self.model)
-        if self.cache is None or signature != self.signature:
-            self.cache, self.ids, self.token_keys, self.signature = make_prompt_cache(self.model), [], [], signature
-        held = self.token_keys if len(self.token_keys) == len(self.ids) else self.ids  # ids set from outside
-        keep = min(common_prefix_length(held, keys), len(keys) - 1)
-        for span in spans:
-            if span.start < keep < span.end:
-                keep = span.start
-        keep = rewind_point(self.cache, keep)
-        drop = len(self.ids) - keep
-        if trim_prompt_cache(self.cache, drop) != drop:
-            self.cache, self.ids, self.token_keys, keep = make_prompt_cache(self.model), [], [], 0
-        self.ids = list(prompt_ids[:keep])
-        self.token_keys = list(keys[:keep])
-        return keep
+        """The target's cache brought to the prefix it shares with ``keys`` (PrefixCache.reuse),
+        under the adapters active now; its length."""
+        return self.prefix.reuse(prompt_ids, keys, spans, active_signature(self.model))
 
     def _drafter(self, params: GenerationParams, prompt_ids: Sequence[int]) -> Any:
         """The request's drafter; for a draft model, its cache trimmed to the prefix it
@@ -161,31 +189,17 @@ class ChatSession:
             return MTPDrafter(self.model, params.num_draft_tokens or AUTO_MAX_DRAFT)
         if params.speculative != "draft" or self.draft_model is None:
             return drafter_for(params)
-        if self._draft_cache is None or self._draft_owner is not self.draft_model:
-            self._draft_cache, self._draft_ids = make_prompt_cache(self.draft_model), []
-            self._draft_owner = self.draft_model
-        keep = min(common_prefix_length(self._draft_ids, prompt_ids), len(prompt_ids) - 1)
-        keep = rewind_point(self._draft_cache, keep)
-        drop = len(self._draft_ids) - keep
-        if trim_prompt_cache(self._draft_cache, drop) != drop:
-            self._draft_cache, keep = make_prompt_cache(self.draft_model), 0
-        self._draft_ids = list(prompt_ids[:keep])
-        return drafter_for(params, draft_model=self.draft_model, draft_cache=self._draft_cache)
+        if self._draft is None or self._draft.model is not self.draft_model:
+            self._draft = PrefixCache(self.draft_model)
+        self._draft.reuse(prompt_ids)
+        return drafter_for(params, draft_model=self.draft_model, draft_cache=self._draft.cache)
 
     def _record(self, known: list[int], known_keys: list[Hashable]) -> None:
         """After a request: note which of ``known`` (prompt + generated) the caches hold."""
-        for cache_attr, ids_attr in (("cache", "ids"), ("_draft_cache", "_draft_ids")):
-            cache = getattr(self, cache_attr)
-            if cache is None:
-                continue
-            held = cache_length(cache)
-            if held > len(known):  # cannot tell which tokens went in: start afresh next time
-                self.reset()
-                return
-            setattr(self, ids_attr, known[:held])
-            if cache_attr == "cache":
-                self.token_keys = known_keys[:held]
-            checkpoint(cache)  # the end of a reply: where the next turn continues
+        if not self.prefix.record(known, known_keys):
+            self.reset()  # cannot tell which tokens went in: start afresh next time
+        elif self._draft is not None and not self._draft.record(known, list(known)):
+            self.reset()
 
     # ---- media --------------------------------------------------------------------
 
@@ -201,36 +215,8 @@ class ChatSession:
 
     def _prompt_inputs(self, media: Any, keep: int) -> PromptInputs:
         """Embeddings (media features spliced in), positions and bidirectional blocks for
-        the ids from ``keep`` on. Media wholly inside the cached prefix is not encoded."""
-        import mlx.core as mx
-        import numpy as np
-
-        ids = media.ids
-        pending = [s for s in media.spans if s.end > keep]
-        embeddings = None
-        if pending:
-            text = self.model.embed(mx.array(ids[keep:], dtype=mx.uint32)[None])[0]
-            pieces, cursor = [], keep
-            for span in pending:
-                pieces.append(text[cursor - keep : span.start - keep])
-                pieces.append(self.towers.features(span.item).astype(text.dtype))
-                cursor = span.end
-            pieces.append(text[cursor - keep :])
-            # Qwen3-VL's features carry DeepStack rows beside the embedding: text rows get zeros there.
-            width = max(p.shape[-1] for p in pieces)
-            pieces = [p if p.shape[-1] == width else mx.pad(p, [(0, 0), (0, width - p.shape[-1])]) for p in pieces]
-            embeddings = mx.concatenate(pieces, axis=0)
-        positions, delta = None, 0
-        rope_index = getattr(self.model, "rope_index", None)
-        if rope_index is not None and media.spans:
-            full = np.asarray(rope_index(ids, [(s.start, s.end, s.item.grid) for s in media.spans]))
-            delta = int(full.max()) + 1 - len(ids)
-            positions = mx.array(full[:, keep:], dtype=mx.int32)
-        blocks = []
-        if getattr(self.model, "bidirectional_media", False):
-            # Images (and video frames) attend both ways; audio stays causal (Gemma 4).
-            blocks = [(s.start - keep, s.end - keep) for s in pending if s.item.kind != "audio"]
-        return PromptInputs(embeddings=embeddings, positions=positions, position_delta=delta, blocks=blocks)
+        the ids from ``keep`` on (engine.decode.media_inputs)."""
+        return prompt_inputs(self.model, self.towers, media, keep)
 
     # ---- generation -------------------------------------------------------------
 
@@ -388,6 +374,9 @@ class ChatSession:
         if items and self.towers is not None:
             self.towers.check(m.kind for m in items)  # refuse before rendering or touching the cache
         template_kwargs = {**reasoning_variables(self.reasoning_control, params.reasoning), **template_kwargs}
+        calls_format = self.tool_format if tools else None
+        if calls_format is not None and params.tool_choice == "required":
+            params = _forced_call(params, calls_format, tools)
         text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
         reasoning = self.reasoning_factory(text) if self.reasoning_factory else None
         prompt = self.media_prompt(text, items) if items else None
@@ -401,7 +390,7 @@ class ChatSession:
                 sink = max(sink, common_prefix_length(self.encode_rendered(head), ids))
             except EngineError:  # a template that wants a user turn: the sink tokens only
                 pass
-        for item in self.stream_ids(
+        stream = self.stream_ids(
             ids,
             params,
             cancel=cancel,
@@ -410,7 +399,8 @@ class ChatSession:
             media=prompt,
             batch=batch,
             sink=sink,
-        ):
+        )
+        for item in tool_channel(stream, calls_format) if calls_format is not None else stream:
             if isinstance(item, GenerationResult):
                 read = self.window.still_read(len(ids)) if self.window is not None else None
                 if read is not None:  # the window slid mid-reply: the model reads fewer messages now

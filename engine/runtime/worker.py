@@ -267,24 +267,7 @@ class EngineWorker:
         if any(job.session_id == sid for job in self._jobs.values()):
             sid, private = f"{sid}\x1fbatch-{rid}", True
         try:
-            if isinstance(command, Complete):
-                prompt = command.prompt
-                ids = host.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-                stream = host.open_generate_ids(
-                    ids, command.params, self._emit, cancel, request_id=rid, session_id=sid, batch=batch
-                )
-            else:
-                stream = host.open_generate(
-                    sid,
-                    command.messages,
-                    command.params,
-                    self._emit,
-                    cancel,
-                    request_id=rid,
-                    tools=command.tools,
-                    add_generation_prompt=command.add_generation_prompt,
-                    batch=batch,
-                )
+            stream = host.open_request(command, self._emit, cancel, request_id=rid, session_id=sid, batch=batch)
         except Exception as exc:  # noqa: BLE001 - refused before it started: ends only this request
             if private:
                 host.drop_session(sid)
@@ -440,25 +423,7 @@ class EngineWorker:
                     last[0] = now
                     self._emit_memory()
 
-        if isinstance(command, Complete):
-            prompt = command.prompt
-            ids = self._host.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-            result = self._host.generate_ids(
-                ids, command.params, on_event, cancel, request_id=rid, session_id=command.session_id
-            )
-            self._emit_memory()
-            return result
-        result = self._host.generate(
-            command.session_id,
-            command.messages,
-            command.params,
-            on_event,
-            cancel,
-            request_id=rid,
-            tools=command.tools,
-            add_generation_prompt=command.add_generation_prompt,
-            media=command.media,
-        )
+        result = self._host.run_request(command, on_event, cancel, request_id=rid)
         self._emit_memory()
         return result
 

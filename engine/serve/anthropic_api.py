@@ -176,7 +176,7 @@ def messages(handler: Handler, body: Any) -> None:
     msgs = chat_messages(body, backend.tool_format)
     stream = field(body, "stream", bool, False)
     command = Generate(backend.session(session_key(msgs)), msgs, params, tools=tools)
-    reply = Reply(backend.tool_format if tools else None)
+    reply = Reply()
     mid = new_id("msg_")
 
     if not stream:

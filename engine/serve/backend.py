@@ -90,11 +90,12 @@ class Backend:
 
     @property
     def tool_format(self) -> Any:
-        """The loaded template's tool-call format (engine.text.tool_calls), if it has one."""
-        from engine.text.tool_calls import detect_tool_format
+        """The loaded template's tool-call format (engine.text.tool_calls), if it has one: the
+        load found it once (ModelInfo.tool_format)."""
+        from engine.text.tool_calls import FORMATS
 
-        template = self.host.template if self.host.loaded else None
-        return detect_tool_format(getattr(template, "source", None))
+        info = self.info
+        return FORMATS.get(info.tool_format or "") if info is not None else None
 
     @property
     def default_params(self) -> Any:

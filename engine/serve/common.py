@@ -12,9 +12,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engine.api import DoneEvent, ErrorEvent, GenerationParams, GenerationResult, TokenEvent
+from engine.api import DoneEvent, ErrorEvent, GenerationParams, GenerationResult, TokenEvent, ToolCall
 from engine.serve.http import ApiError, engine_error
-from engine.text.tool_calls import ToolCall, ToolCallFormat
 
 DEFAULT_MAX_TOKENS = 4096
 _MISSING = object()
@@ -230,10 +229,10 @@ def run(handler: Any, command: Any, on_token: Callable[[TokenEvent], None]) -> G
 
 class Reply:
     """The reply as it streams: ``feed`` a TokenEvent, get ``(kind, value)`` items, kind
-    "reasoning" / "text" (strings) or "tool" (a ToolCall); ``finish`` flushes."""
+    "reasoning" / "text" (strings) or "tool" (a ToolCall: the engine puts a request's calls
+    on their own channel when it offered tools); ``finish`` flushes."""
 
-    def __init__(self, tool_format: ToolCallFormat | None):
-        self.parser = tool_format.parser() if tool_format is not None else None
+    def __init__(self) -> None:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
@@ -242,18 +241,13 @@ class Reply:
         if event.channel == "reasoning":
             self.reasoning.append(event.text)
             return [("reasoning", event.text)] if event.text else []
-        return self._items(self.parser.feed(event.text) if self.parser else [event.text])
+        if event.channel == "tool" and event.tool_call is not None:
+            self.calls.append(event.tool_call)
+            return [("tool", event.tool_call)]
+        if event.text:
+            self.text.append(event.text)
+            return [("text", event.text)]
+        return []
 
     def finish(self) -> list[tuple[str, Any]]:
-        return self._items(self.parser.flush()) if self.parser else []
-
-    def _items(self, pieces: list[str | ToolCall]) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        for piece in pieces:
-            if isinstance(piece, ToolCall):
-                self.calls.append(piece)
-                out.append(("tool", piece))
-            elif piece:
-                self.text.append(piece)
-                out.append(("text", piece))
-        return out
+        return []  # nothing is held here: the engine's stream ends with the reply's last text

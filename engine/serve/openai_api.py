@@ -229,7 +229,7 @@ def chat_completions(handler: Handler, body: Any) -> None:
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))
     command = Generate(backend.session(session_key(messages)), messages, params, tools=tools)
-    reply = Reply(backend.tool_format if tools else None)
+    reply = Reply()
     cid, created = new_id("chatcmpl-"), now()
 
     if not stream:

@@ -25,25 +25,14 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from engine.api import ToolCall
+from engine.api import new_call_id as new_call_id  # the id shape lives with ToolCall in the api
+
 Parsed = list[tuple[str, Any]]  # (name, arguments as a JSON value)
-
-
-def new_call_id() -> str:
-    """Nine letters and digits: the one id shape every template accepts (Mistral's insist)."""
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-    return "".join(secrets.choice(alphabet) for _ in range(9))
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text of an object
-    id: str = field(default_factory=new_call_id)
 
 
 def _json(text: str) -> Any:
