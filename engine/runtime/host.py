@@ -32,7 +32,7 @@ from engine.api import (
 )
 from engine.decode.diffusion import Draft
 from engine.decode.loop import Piece
-from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
+from engine.errors import EngineError, InvalidTokenIds, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
 from engine.runtime.session import ChatSession
@@ -498,8 +498,9 @@ class ModelHost:
     ) -> Iterator[Piece | GenerationResult | object]:
         """``generate_ids``'s stream, not yet run (``batch`` as in ``open_generate``)."""
         self._check_thread()
+        chat = self.session(session_id)  # an embedding model is refused here, first
+        prompt_ids = self.check_token_ids(prompt_ids)
         params = self._mtp_for(params, on_event, request_id, cancel)
-        chat = self.session(session_id)
         return chat.stream_ids(
             prompt_ids, params, cancel=cancel, on_progress=_progress_sink(on_event, request_id), batch=batch
         )
@@ -562,6 +563,8 @@ class ModelHost:
         """The loaded model's Batch for decoding requests together; None where its family's
         caches cannot be batched (those requests run one at a time)."""
         state = self._need()
+        if state.info.embedding_dimensions is not None:
+            return None  # an embedding model has no decoder to batch (and cannot generate)
         if state.batch is None:
             from engine.decode.batch import Batch, batchable
 
@@ -613,7 +616,11 @@ class ModelHost:
         for item in inputs:
             if cancel is not None and cancel.is_set():
                 raise Cancelled("The embedding request was cancelled.")
-            ids = state.tokenizer.encode_truncated(item, limit) if isinstance(item, str) else list(item)[:limit]
+            ids = (
+                state.tokenizer.encode_truncated(item, limit)
+                if isinstance(item, str)
+                else self.check_token_ids(item)[:limit]
+            )
             if not ids:
                 raise EngineError("An input to embed is empty; give at least one token.")
             vector = state.model(ids)
@@ -621,6 +628,30 @@ class ModelHost:
             vectors.append(vector.tolist())
             tokens += len(ids)
         return Embeddings(vectors, tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's token embedding (its config's vocab_size); 0 when unknown."""
+        args = getattr(self._need().model, "args", None)
+        return int(getattr(args, "vocab_size", 0) or 0)
+
+    def check_token_ids(self, ids: Sequence[Any]) -> list[int]:
+        """``ids`` as a list of ints, each a row of the embedding: an id past it would read
+        outside the table (MLX does not check; the batched step crashes the process)."""
+        vocab = self.vocab_size
+        out: list[int] = []
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (vocab and i >= vocab):
+                shown = i if isinstance(i, int) and not isinstance(i, bool) else repr(i)
+                raise InvalidTokenIds(
+                    f"Token id {shown} is outside this model's vocabulary (0 to {vocab - 1})."
+                    if vocab
+                    else f"Token id {shown} is not a non-negative integer."
+                )
+            out.append(i)
+        if not out:
+            raise InvalidTokenIds("The prompt holds no token ids; give at least one.")
+        return out
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt tokenized as the tokenizer's own settings say (BOS when it adds one)."""

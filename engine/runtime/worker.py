@@ -126,7 +126,7 @@ class EngineWorker:
             self._emit(DoneEvent(rid, None))
             return rid
         if self._dead is not None:
-            self._finish_error(rid, f"The engine stopped earlier ({self._dead}); restart the app.")
+            self._finish_error(rid, f"The engine stopped earlier ({self._dead}); restart the app.", "Fatal")
             return rid
         self._queue.put((rid, command))
         return rid
@@ -147,6 +147,11 @@ class EngineWorker:
         """The frozen status the worker thread published last (one reference read: safe
         from any thread)."""
         return self._status
+
+    @property
+    def dead(self) -> str | None:
+        """Why the worker's loop stopped for good (every later command is refused), or None."""
+        return self._dead
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -254,7 +259,10 @@ class EngineWorker:
                     return False
             except Exception:  # noqa: BLE001 - malformed parts: the plain path says what is wrong
                 return False
-        batch = host.batch
+        try:
+            batch = host.batch
+        except Exception:  # noqa: BLE001 - a model the batch cannot take runs (or is refused) on its own
+            return False
         if batch is None:
             return False
         sid, private = command.session_id, False

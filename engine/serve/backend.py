@@ -33,10 +33,11 @@ from engine.api import (
 )
 from engine.errors import EngineError
 from engine.runtime.worker import EngineWorker
-from engine.serve.http import ClientGone, ModelLoading
+from engine.serve.http import ClientGone, EngineDown, ModelLoading
 
 POLL_S = 0.2  # how often a waiting request checks that its client is still there
 MAX_SESSIONS = 4  # conversations whose KV caches are kept for prefix reuse
+MAX_RESTARTS = 3  # fresh engines started after the engine's loop stopped; then requests are refused
 
 
 class Backend:
@@ -63,6 +64,9 @@ class Backend:
         self._sessions: OrderedDict[str, str] = OrderedDict()  # conversation key -> session id, LRU
         self._session_ids = itertools.count(1)
         self.max_sessions = max(1, max_sessions)  # each holds a KV cache: memory, traded for reuse
+        self._load_command: LoadModel | None = None  # what start() loaded: a restart loads it again
+        self.restarts = 0
+        self.last_stop: str | None = None  # why the engine last stopped, when it did
 
     @classmethod
     def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None], max_sessions: int = 2) -> Backend:
@@ -105,7 +109,38 @@ class Backend:
         """One token's text (log-prob listings). The tokenizer is Rust code, not MLX: safe here."""
         return self.host.tokenizer.decode([token_id])
 
+    @property
+    def stopped(self) -> str | None:
+        """Why the engine's loop stopped for good (it refuses every command since), or None."""
+        return self.worker.dead
+
+    def revive(self) -> bool:
+        """When the engine this backend owns has stopped: start a fresh one and load the model
+        again in the background, at most MAX_RESTARTS times. True when one is starting (or
+        already running); False when the engine stays stopped (a shared one, or too many)."""
+        with self._lock:
+            reason = self.worker.dead
+            if reason is None:
+                return True
+            if not self.owned or self._load_command is None or self.restarts >= MAX_RESTARTS:
+                return False
+            self.restarts += 1
+            self.last_stop = reason
+            self.worker = EngineWorker(self.route)
+            self._info, self.load_error = None, None
+            self.loaded.clear()
+            self._sessions.clear()  # their caches died with the old engine
+            self.worker.start()
+            command = self._load_command
+        threading.Thread(target=self._load, args=(command,), name="serve-reload", daemon=True).start()
+        return True
+
     def require_model(self) -> ModelInfo:
+        reason = self.stopped
+        if reason is not None:
+            if self.revive():
+                raise ModelLoading(f"The engine stopped ({reason}); it is restarting: try again in a moment.")
+            raise EngineDown(f"The engine stopped ({reason}) and was not restarted; restart the server.")
         info = self.info
         if info is None:
             if self.load_error is not None:
@@ -120,7 +155,7 @@ class Backend:
         ``options`` are LoadModel's (kv_bits, kv_group_size, context_cap)."""
         self.model_arg = model
         self.worker.start()
-        command = LoadModel(model, memory_budget, **options)
+        command = self._load_command = LoadModel(model, memory_budget, **options)
         threading.Thread(target=self._load, args=(command,), name="serve-load", daemon=True).start()
 
     def _load(self, command: LoadModel) -> None:

@@ -22,6 +22,11 @@ class ServeError(EngineError):
 
 def health(handler: Handler, _: Any) -> None:
     backend = handler.server.backend
+    stopped = backend.stopped
+    if stopped is not None:  # the engine's loop has stopped: say so, and start a fresh one if we may
+        if backend.revive():
+            raise ApiError(503, f"The engine stopped ({stopped}); it is restarting with the model.", "server_error")
+        raise ApiError(503, f"The engine stopped ({stopped}) and was not restarted.", "server_error")
     if backend.info is not None:
         # "decoding": the requests generating together right now (the batch's rows).
         handler.send_json(200, {"status": "ok", "model": backend.info.name, "decoding": backend.decoding})
