@@ -27,15 +27,17 @@ from engine.api import (
     MediaInput,
     ModelInfo,
     ProgressEvent,
+    PromptScores,
     SamplingParams,
     TokenEvent,
 )
 from engine.decode.diffusion import Draft
 from engine.decode.loop import Piece
-from engine.errors import EngineError, InvalidTokenIds, OutOfMemoryBudget, WrongModelKind
+from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assemble_draft, reasoning_factory  # noqa: F401  (LoadCancelled: part of the host's API)
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
 from engine.runtime.session import ChatSession
+from engine.runtime.token_ids import check_token_ids, vocab_size
 
 EventSink = Callable[[Event], None]
 
@@ -629,29 +631,21 @@ class ModelHost:
             tokens += len(ids)
         return Embeddings(vectors, tokens)
 
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the model's token embedding (its config's vocab_size); 0 when unknown."""
-        args = getattr(self._need().model, "args", None)
-        return int(getattr(args, "vocab_size", 0) or 0)
-
     def check_token_ids(self, ids: Sequence[Any]) -> list[int]:
-        """``ids`` as a list of ints, each a row of the embedding: an id past it would read
-        outside the table (MLX does not check; the batched step crashes the process)."""
-        vocab = self.vocab_size
-        out: list[int] = []
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (vocab and i >= vocab):
-                shown = i if isinstance(i, int) and not isinstance(i, bool) else repr(i)
-                raise InvalidTokenIds(
-                    f"Token id {shown} is outside this model's vocabulary (0 to {vocab - 1})."
-                    if vocab
-                    else f"Token id {shown} is not a non-negative integer."
-                )
-            out.append(i)
-        if not out:
-            raise InvalidTokenIds("The prompt holds no token ids; give at least one.")
-        return out
+        """Ids given as they are, each refused unless it names a row of the embedding."""
+        return check_token_ids(ids, vocab_size(self._need().model))
+
+    def score_prompt(
+        self, ids: Sequence[int], top_logprobs: int = 0, cancel: threading.Event | None = None
+    ) -> PromptScores:
+        """Each token's log-probability given those before it, on a fresh cache (no session's)."""
+        from engine.decode.scoring import score_tokens
+
+        self._check_thread()
+        self.session("")  # an embedding model is refused here, as for generation
+        ids = self.check_token_ids(ids)
+        logprobs, top = score_tokens(self.model, ids, top_logprobs=top_logprobs, cancel=cancel)
+        return PromptScores(ids, logprobs, top)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt tokenized as the tokenizer's own settings say (BOS when it adds one)."""

@@ -48,6 +48,7 @@ from engine.api import (
     ProgressEvent,
     RestoreSession,
     SaveSession,
+    ScorePrompt,
     SessionRestore,
     SetActiveAdapters,
     TokenEvent,
@@ -424,6 +425,10 @@ class EngineWorker:
             return info
         if isinstance(command, Transcribe):
             return self._transcribe(rid, command, cancel)
+        if isinstance(command, ScorePrompt):
+            prompt = command.prompt
+            ids = host.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            return host.score_prompt(ids, command.top_logprobs, cancel)
         if isinstance(command, Embed):
             result = host.embed(command.inputs, cancel)
             self._emit_memory()

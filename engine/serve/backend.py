@@ -106,8 +106,31 @@ class Backend:
         return self.host.default_params() if self.host.loaded else None
 
     def token_text(self, token_id: int) -> str:
-        """One token's text (log-prob listings). The tokenizer is Rust code, not MLX: safe here."""
-        return self.host.tokenizer.decode([token_id])
+        """One token's text as it reads inside running text (log-prob listings), so a reply's
+        tokens join to its text: decoded after an anchor token and the anchor's text taken
+        off, since a SentencePiece decoder drops a lone token's leading space ("▁the" ->
+        "the"). The tokenizer is Rust code, not MLX: safe on any thread."""
+        tokenizer = self.host.tokenizer
+        anchor = self._anchor(tokenizer)
+        if anchor is None:
+            return tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        head = tokenizer.decode([anchor], clean_up_tokenization_spaces=False)
+        both = tokenizer.decode([anchor, token_id], clean_up_tokenization_spaces=False)
+        if both.startswith(head):
+            return both[len(head) :]
+        return tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+
+    @staticmethod
+    def _anchor(tokenizer: Any) -> int | None:
+        ids = tokenizer.encode("a", add_special_tokens=False)
+        return ids[-1] if ids else None
+
+    def special_texts(self) -> frozenset[str]:
+        """The special tokens' literal texts (``<|endoftext|>``, ``<s>``), which replies leave
+        out unless the request asks for them (``skip_special_tokens: false``)."""
+        tokenizer = self.host.tokenizer
+        texts = (tokenizer.id_to_token(i) for i in tokenizer.special_token_ids)
+        return frozenset(t for t in texts if t)
 
     @property
     def stopped(self) -> str | None:

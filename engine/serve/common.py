@@ -17,6 +17,7 @@ from engine.serve.http import ApiError, engine_error
 from engine.text.tool_calls import ToolCall, ToolCallFormat
 
 DEFAULT_MAX_TOKENS = 4096
+MAX_CHOICES = 16  # n: replies per request (each one generation)
 _MISSING = object()
 
 
@@ -195,6 +196,39 @@ def session_key(messages: list[dict[str, Any]] | str | list[int]) -> str:
     return "chat:" + "\x00".join(head)
 
 
+def without_specials(text: str, hidden: frozenset[str]) -> str:
+    """``text`` without the literal special tokens in ``hidden`` (a model that writes
+    ``<|endoftext|>`` mid-reply); a special token's text comes whole in one piece."""
+    for token in hidden:
+        if token in text:
+            text = text.replace(token, "")
+    return text
+
+
+def hidden_specials(body: Mapping[str, Any], backend: Any) -> frozenset[str]:
+    """The special tokens a reply leaves out: all of them, unless ``skip_special_tokens``
+    is false (vLLM's name for asking to see them)."""
+    return backend.special_texts() if field(body, "skip_special_tokens", bool, True) else frozenset()
+
+
+def choice_count(body: Mapping[str, Any]) -> int:
+    """``n``: how many replies to write for each prompt (1 to MAX_CHOICES)."""
+    n = field(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_CHOICES}.", param="n")
+    return n
+
+
+def choice_params(params: GenerationParams, j: int) -> GenerationParams:
+    """The settings of the ``j``-th of n replies: a seeded request gives each reply its own
+    seed (seed + j), so the n differ yet the request stays reproducible."""
+    if j == 0 or params.sampling.seed is None:
+        return params
+    out = copy.deepcopy(params)
+    out.sampling.seed = params.sampling.seed + j
+    return out
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
@@ -232,8 +266,9 @@ class Reply:
     """The reply as it streams: ``feed`` a TokenEvent, get ``(kind, value)`` items, kind
     "reasoning" / "text" (strings) or "tool" (a ToolCall); ``finish`` flushes."""
 
-    def __init__(self, tool_format: ToolCallFormat | None):
+    def __init__(self, tool_format: ToolCallFormat | None, hidden: frozenset[str] = frozenset()):
         self.parser = tool_format.parser() if tool_format is not None else None
+        self.hidden = hidden  # literal special tokens kept out of the text (see without_specials)
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
@@ -253,7 +288,7 @@ class Reply:
             if isinstance(piece, ToolCall):
                 self.calls.append(piece)
                 out.append(("tool", piece))
-            elif piece:
+            elif piece and (piece := without_specials(piece, self.hidden)):
                 self.text.append(piece)
                 out.append(("text", piece))
         return out
