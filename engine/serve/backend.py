@@ -67,6 +67,7 @@ class Backend:
         self._load_command: LoadModel | None = None  # what start() loaded: a restart loads it again
         self.restarts = 0
         self.last_stop: str | None = None  # why the engine last stopped, when it did
+        self._longest: tuple[Any, int] = (None, 0)  # (tokenizer, its longest token's length)
 
     @classmethod
     def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None], max_sessions: int = 2) -> Backend:
@@ -124,6 +125,15 @@ class Backend:
     def _anchor(tokenizer: Any) -> int | None:
         ids = tokenizer.encode("a", add_special_tokens=False)
         return ids[-1] if ids else None
+
+    def longest_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token (byte-level tokens spell one byte a
+        character): no text of N characters takes fewer than N / this tokens."""
+        tokenizer = self.host.tokenizer
+        if self._longest[0] is not tokenizer:
+            vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+            self._longest = (tokenizer, max((len(t) for t in vocab), default=0))
+        return self._longest[1]
 
     def special_texts(self) -> frozenset[str]:
         """The special tokens' literal texts (``<|endoftext|>``, ``<s>``), which replies leave

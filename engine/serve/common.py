@@ -196,6 +196,34 @@ def session_key(messages: list[dict[str, Any]] | str | list[int]) -> str:
     return "chat:" + "\x00".join(head)
 
 
+def check_text_size(backend: Any, texts: Any) -> None:
+    """Refuse, before anything is tokenized, text that cannot fit the model's context: more
+    characters than the context's tokens could hold even if each were the vocabulary's
+    longest token. Tokenizing a huge text costs seconds on the engine's thread, which every
+    other request waits behind."""
+    info = backend.info
+    advice = getattr(info, "context_advice", None)
+    limit = (advice.limit if advice is not None else 0) or getattr(info, "context_length", 0)
+    chars = sum(len(t) for t in texts)
+    longest = backend.longest_token_chars()
+    if limit and longest and chars > limit * longest:
+        raise ApiError(
+            400,
+            f"The prompt is {chars:,} characters, more than the model's context of {limit:,} tokens can hold; shorten it.",
+            code="context_length_exceeded",
+        )
+
+
+def message_texts(messages: list[dict[str, Any]]) -> Any:
+    """The text in chat messages (string contents and text parts)."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
 def without_specials(text: str, hidden: frozenset[str]) -> str:
     """``text`` without the literal special tokens in ``hidden`` (a model that writes
     ``<|endoftext|>`` mid-reply); a special token's text comes whole in one piece."""

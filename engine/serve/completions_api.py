@@ -20,6 +20,7 @@ from engine.api import Complete, GenerationParams, GenerationResult, PromptScore
 from engine.serve.common import (
     check_body,
     check_model,
+    check_text_size,
     choice_count,
     choice_params,
     field,
@@ -143,6 +144,8 @@ def completions(handler: Handler, body: Any) -> None:
     echo = field(body, "echo", bool, False)
     params, top = _settings(body, backend)
     batch = prompts(body)
+    for prompt in batch:  # each prompt is its own context
+        check_text_size(backend, [prompt] if isinstance(prompt, str) else [])
     hidden = hidden_specials(body, backend)
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))

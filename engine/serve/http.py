@@ -166,11 +166,13 @@ class Handler(BaseHTTPRequestHandler):
                 self._check_target()
                 self._check_host()
                 route = self.server.routes.get((method, path))
+                if route is None and path.count("/") > 1:  # /v1/models/{id}: a route ending in "/*"
+                    route = self.server.routes.get((method, path.rsplit("/", 1)[0] + "/*"))
                 if route is None:
                     if any(p == path for _, p in self.server.routes):
                         raise ApiError(405, f"{method} is not allowed on {path}.")
                     raise ApiError(404, f"No such endpoint: {method} {path}.", code="not_found")
-                if path != "/health":
+                if path not in ("/health", "/openapi.json"):  # neither says anything private
                     self._check_key()
                 body = self._read_json() if method == "POST" else None
                 route(self, body)

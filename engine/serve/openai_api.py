@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from engine.api import Generate, GenerationParams, GenerationResult, TokenEvent
 from engine.serve.common import (
     Reply,
     check_body,
     check_model,
+    check_text_size,
     choice_count,
     choice_params,
     constraint,
@@ -21,6 +24,7 @@ from engine.serve.common import (
     force_tool_call,
     generation_params,
     hidden_specials,
+    message_texts,
     new_id,
     now,
     reasoning,
@@ -32,12 +36,40 @@ from engine.serve.http import ApiError, Handler
 MAX_TOP_LOGPROBS = 20
 
 
+def model_entry(info: Any, created: int) -> dict[str, Any]:
+    """The loaded model as both clients list it: OpenAI's id/object/created/owned_by and
+    Anthropic's type/id/display_name/created_at (each client reads its own keys)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "mlx-desk",
+        "type": "model",
+        "display_name": info.name,
+        "created_at": stamp,
+    }
+
+
 def models(handler: Handler, _: Any) -> None:
     info = handler.server.backend.require_model()
+    entry = model_entry(info, now())
     handler.send_json(
         200,
-        {"object": "list", "data": [{"id": info.name, "object": "model", "created": now(), "owned_by": "mlx-desk"}]},
+        {"object": "list", "data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]},
     )
+
+
+def model(handler: Handler, _: Any) -> None:
+    """GET /v1/models/{id}: the loaded model, by its id or path (404 for any other)."""
+    backend = handler.server.backend
+    info = backend.require_model()
+    name = unquote(urlsplit(handler.path).path.rstrip("/").split("/v1/models/", 1)[1])
+    if name not in (info.name, info.path, backend.model_arg or info.name):
+        raise ApiError(
+            404, f"The model '{name}' does not exist here; this server runs '{info.name}'.", code="model_not_found"
+        )
+    handler.send_json(200, model_entry(info, now()))
 
 
 # ---- requests ----------------------------------------------------------------------
@@ -235,6 +267,7 @@ def chat_completions(handler: Handler, body: Any) -> None:
     if forced:
         force_tool_call(params, backend, forced)
     messages = chat_messages(body.get("messages"), backend.tool_format)
+    check_text_size(backend, message_texts(messages))
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))
     hidden = hidden_specials(body, backend)

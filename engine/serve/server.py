@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from engine.errors import EngineError
-from engine.serve import anthropic_api, completions_api, embeddings_api, openai_api
+from engine.serve import anthropic_api, completions_api, embeddings_api, openai_api, openapi
 from engine.serve.http import DEFAULT_MAX_BODY, LOOPBACK_HOSTS, ApiError, ApiServer, Handler
 
 
@@ -39,6 +39,9 @@ def health(handler: Handler, _: Any) -> None:
 ROUTES = {
     ("GET", "/health"): health,
     ("GET", "/v1/models"): openai_api.models,
+    ("GET", "/v1/models/*"): openai_api.model,
+    ("POST", "/v1/messages/count_tokens"): anthropic_api.count_tokens,
+    ("GET", "/openapi.json"): openapi.document,
     ("POST", "/v1/chat/completions"): openai_api.chat_completions,
     ("POST", "/v1/completions"): completions_api.completions,
     ("POST", "/v1/embeddings"): embeddings_api.embeddings,
