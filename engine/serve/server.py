@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.serve import anthropic_api, completions_api, embeddings_api, openai_api, openapi
-from engine.serve.http import DEFAULT_MAX_BODY, LOOPBACK_HOSTS, ApiError, ApiServer, Handler
+from engine.serve.http import BODY_TIMEOUT_S, DEFAULT_MAX_BODY, LOOPBACK_HOSTS, ApiError, ApiServer, Handler
 
 
 class ServeError(EngineError):
@@ -65,11 +65,18 @@ def make_server(
     api_key: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     on_request: Any = None,
+    body_timeout: float = BODY_TIMEOUT_S,
 ) -> ApiServer:
     check_exposure(host, api_key)
     try:
         return ApiServer(
-            (host, port), backend, api_key=api_key, max_body=max_body, routes=ROUTES, on_request=on_request
+            (host, port),
+            backend,
+            api_key=api_key,
+            max_body=max_body,
+            routes=ROUTES,
+            on_request=on_request,
+            body_timeout=body_timeout,
         )
     except OSError as e:
         raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror or e}. Pick another port.") from None
