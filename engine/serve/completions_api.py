@@ -108,15 +108,20 @@ def _echo(handler: Handler, prompt: str | list[int], choice: _Choice) -> int:
     """Put the prompt (and, with logprobs, its scores) first in ``choice``; its token count."""
     backend = handler.server.backend
     if choice.top is None:  # the text alone: no forward pass
-        if isinstance(prompt, str):
-            choice.text = prompt
-            return len(backend.host.tokenizer.encode(prompt))
-        choice.text = backend.host.tokenizer.decode(backend.host.check_token_ids(prompt))
-        return len(prompt)
+        count = _count(backend, prompt)  # (ids checked before the tokenizer reads them)
+        choice.text = prompt if isinstance(prompt, str) else backend.host.tokenizer.decode(prompt)
+        return count
     scores: PromptScores = run(handler, ScorePrompt(prompt, choice.top or 0), lambda e: None)
     choice.text = prompt if isinstance(prompt, str) else backend.host.tokenizer.decode(scores.token_ids)
     choice.add(scores.token_ids, scores.logprobs, scores.top_logprobs)
     return len(scores.token_ids)
+
+
+def _count(backend: Any, prompt: str | list[int]) -> int:
+    """The prompt's tokens, without running the model (ids are checked against the vocabulary)."""
+    if isinstance(prompt, str):
+        return len(backend.host.tokenizer.encode(prompt))
+    return len(backend.host.check_token_ids(prompt))
 
 
 def _streamer(chunk: Any, index: int, hidden: frozenset[str]) -> Any:
@@ -175,6 +180,10 @@ def completions(handler: Handler, body: Any) -> None:
                 prompt_tokens = result.stats.prompt_tokens
                 usage["completion_tokens"] += result.stats.generated_tokens
                 usage["cached"] += result.stats.cached_tokens
+            if (
+                result is None and not echo
+            ):  # nothing written, nothing echoed: the prompt is still counted (and checked)
+                prompt_tokens = _count(backend, prompt)
             if j == 0:
                 usage["prompt_tokens"] += prompt_tokens
             if stream:
