@@ -260,7 +260,7 @@ class Handler(BaseHTTPRequestHandler):
         if ctype != "application/json":
             raise ApiError(415, "Send the request body as JSON (Content-Type: application/json).")
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, RecursionError) as e:
             raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
         if _SURROGATE_ESCAPE.search(raw):  # rare: only then walk the body for a lone half of a pair
@@ -371,6 +371,11 @@ class Handler(BaseHTTPRequestHandler):
             return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
+
+
+def _no_constant(name: str) -> Any:
+    """JSON has no NaN or Infinity (Python's parser takes them): refused as not JSON."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def host_name(host: str) -> str:

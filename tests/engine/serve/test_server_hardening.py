@@ -89,6 +89,13 @@ BAD_BODIES = {
     ),
     "surrogate key": ("/v1/completions", b'{"model":"tiny-chat","prompt":"hi","\\ud800":1}'),
     # fields with the wrong range or type
+    "NaN": ("/v1/completions", b'{"model": "tiny-chat", "prompt": "hi", "temperature": NaN}'),
+    "Infinity": (
+        "/v1/chat/completions",
+        b'{"model":"tiny-chat","messages":[{"role":"user","content":"hi"}],"top_p":-Infinity}',
+    ),
+    "seed 2**64": ("/v1/completions", {**GREEDY, "seed": 2**64}),
+    "max_tokens 1e400": ("/v1/completions", b'{"model": "tiny-chat", "prompt": "hi", "max_tokens": 1e400}'),
     "n zero": ("/v1/completions", {**GREEDY, "n": 0}),
     "n huge": ("/v1/chat/completions", {**_chat("hi"), "n": 10**6}),
     "negative max_tokens": ("/v1/completions", {**GREEDY, "max_tokens": -1}),
