@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from pathlib import Path
 
 import anthropic
 import openai
@@ -14,7 +13,7 @@ import pytest
 
 from engine.serve.server import ROUTES
 
-from .conftest import API_KEY, start_server
+from .conftest import API_KEY
 
 HELLO = [{"role": "user", "content": "hello there"}]
 GREEDY = {"temperature": 0}
@@ -110,44 +109,3 @@ def test_openapi_document_describes_every_endpoint(server):
     assert refs and all(
         name in doc["components"]["schemas"] for name in ("ChatRequest", "CompletionRequest", "MessagesRequest")
     )
-
-
-def test_sentencepiece_token_texts_join_to_the_text(shared_data, tmp_path):
-    """A real SentencePiece model (stories260K): each token's text keeps its leading space."""
-    srv = start_server(shared_data / "tiny_llm" / "stories260K.gguf", tmp_path / "server.log")
-    try:
-        with openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=120) as c:
-            out = c.completions.create(
-                model="stories260K", prompt="Once upon a time", max_tokens=12, logprobs=1, **GREEDY
-            )
-            chat_free = out.choices[0]
-        assert " " in chat_free.text and "".join(chat_free.logprobs.tokens) == chat_free.text
-        assert any(t.startswith(" ") for t in chat_free.logprobs.tokens)
-    finally:
-        srv.stop()
-
-
-GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "embeddings"
-
-
-def test_chat_to_an_embedding_model_is_a_400_and_the_engine_stays(tmp_path):
-    srv = start_server(GOLDEN / "qwen3_embedding", tmp_path / "server.log")
-    try:
-        with openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=120) as c:
-            for call in (
-                lambda: c.chat.completions.create(model="qwen3_embedding", messages=HELLO, max_tokens=2),
-                lambda: c.completions.create(model="qwen3_embedding", prompt="hi", max_tokens=2),
-                lambda: c.completions.create(model="qwen3_embedding", prompt="hi", max_tokens=0, echo=True, logprobs=1),
-            ):
-                with pytest.raises(openai.BadRequestError) as e:
-                    call()
-                assert "sentence embedding model" in e.value.message and "/v1/embeddings" in e.value.message
-            with pytest.raises(openai.BadRequestError) as e:
-                c.embeddings.create(model="qwen3_embedding", input=[10**9])
-            assert "outside this model's vocabulary" in e.value.message
-            vector = c.embeddings.create(model="qwen3_embedding", input="still here", encoding_format="float")
-        assert len(vector.data[0].embedding) > 0
-        with urllib.request.urlopen(srv.base + "/health", timeout=30) as r:
-            assert json.loads(r.read())["status"] == "ok"
-    finally:
-        srv.stop()
