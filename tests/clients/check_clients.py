@@ -259,6 +259,54 @@ def lm_eval_generate() -> None:
     assert text == direct.choices[0].message.content, (text, direct.choices[0].message.content)
 
 
+@check("instructor", "structured output (JSON schema mode)")
+def instructor_structured() -> None:
+    import instructor
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        population: int
+
+    client = instructor.from_openai(_openai(), mode=instructor.Mode.JSON_SCHEMA)
+    city = client.chat.completions.create(
+        model=MODEL,
+        response_model=City,
+        messages=[{"role": "user", "content": "A city, as JSON."}],
+        max_tokens=60,
+        max_retries=0,
+    )
+    assert isinstance(city, City)
+
+
+@check("pydantic-ai", "agent run (plain text)")
+def pydantic_ai_run() -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=BASE + "/v1", api_key=KEY))
+    result = Agent(model, model_settings={"max_tokens": 8, "temperature": 0}).run_sync("hello there")
+    assert isinstance(result.output, str)
+
+
+@check("openai-agents", "Runner on the chat completions model")
+def openai_agents_run() -> None:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no traces sent anywhere
+    client = AsyncOpenAI(base_url=BASE + "/v1", api_key=KEY, max_retries=0)
+    agent = Agent(
+        name="local",
+        instructions="Answer briefly.",
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(max_tokens=8, temperature=0),
+    )
+    result = Runner.run_sync(agent, "hello there")
+    assert isinstance(result.final_output, str)
+
+
 @check("openapi", "/openapi.json is a valid OpenAPI 3.1 document")
 def openapi_valid() -> None:
     from openapi_spec_validator import validate

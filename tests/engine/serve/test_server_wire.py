@@ -8,6 +8,7 @@ import json
 import urllib.request
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 
@@ -105,6 +106,19 @@ def test_openapi_document_describes_every_endpoint(server):
         for method, op in item.items():
             assert (method.upper(), path.replace("{model_id}", "*")) in ROUTES
             assert "200" in op["responses"]
+    # The request schemas take what the server takes and refuse what it refuses.
+    schemas = doc["components"]["schemas"]
+
+    def valid(name: str, body: dict) -> bool:
+        schema = {**schemas[name], "components": doc["components"]}
+        return jsonschema.validators.Draft202012Validator(schema).is_valid(body)
+
+    assert valid("CompletionRequest", {"model": "m", "prompt": [[1, 2], "text"], "max_tokens": 0, "echo": True})
+    assert not valid("CompletionRequest", {"model": "m", "prompt": [], "max_tokens": 0})
+    assert not valid("CompletionRequest", {"model": "m", "prompt": [-1]})
+    assert valid("ChatRequest", {"model": "m", "messages": HELLO, "n": 2, "top_logprobs": 3})
+    assert not valid("ChatRequest", {"model": "m", "messages": HELLO, "temperature": 3})
+    assert not valid("MessagesRequest", {"model": "m", "messages": HELLO})  # max_tokens is required
     refs = json.dumps(doc).count('"$ref"')
     assert refs and all(
         name in doc["components"]["schemas"] for name in ("ChatRequest", "CompletionRequest", "MessagesRequest")
