@@ -143,6 +143,13 @@ class Handler(BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:
         self._dispatch("PATCH")
 
+    def __getattr__(self, name: str) -> Any:
+        """Any other method (TRACE, HEAD, ...) is answered as an unknown route is: a 404 or
+        405 in the JSON error shape rather than the standard library's 501."""
+        if name.startswith("do_") and name[3:].isalpha():
+            return lambda: self._dispatch(name[3:])
+        raise AttributeError(name)
+
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own refusals (a malformed request line, an unknown method,
         an oversized header) in the API's JSON error shape rather than an HTML page; the
@@ -161,6 +168,8 @@ class Handler(BaseHTTPRequestHandler):
         self.status = 0
         self.anthropic = path.startswith("/v1/messages")
         self.streaming = False
+        if method == "HEAD":  # the answer has a body, which a HEAD client does not read: no reuse
+            self.close_connection = True
         try:
             try:
                 self._check_target()

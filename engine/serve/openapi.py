@@ -232,7 +232,20 @@ def _get(summary: str, answer: str, *codes: int) -> dict[str, Any]:
     }
 
 
-def spec() -> dict[str, Any]:
+def _with_model(schemas: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The request schemas with ``model`` limited to the names the loaded model answers to."""
+    out = {}
+    for key, schema in schemas.items():
+        props = schema.get("properties", {})
+        if "model" in props and key.endswith("Request"):
+            schema = {**schema, "properties": {**props, "model": {"type": "string", "enum": names}}}
+        out[key] = schema
+    return out
+
+
+def spec(model_names: list[str] | None = None) -> dict[str, Any]:
+    """The document; with ``model_names`` (the loaded model's id and path) the requests'
+    ``model`` takes only those, as the server does."""
     model_get = _get("The loaded model, by its id.", "Model", 401, 404, 503)
     model_get["get"]["parameters"] = [{"name": "model_id", "in": "path", "required": True, "schema": _STR}]
     return {
@@ -244,7 +257,7 @@ def spec() -> dict[str, Any]:
         },
         "servers": [{"url": "/"}],
         "components": {
-            "schemas": _SCHEMAS,
+            "schemas": _with_model(_SCHEMAS, model_names) if model_names else _SCHEMAS,
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
@@ -281,4 +294,7 @@ def spec() -> dict[str, Any]:
 
 
 def document(handler: Handler, _: Any) -> None:
-    handler.send_json(200, spec())
+    backend = handler.server.backend
+    info = backend.info if backend.stopped is None else None
+    names = sorted({info.name, info.path, backend.model_arg or info.name}) if info is not None else None
+    handler.send_json(200, spec(names))

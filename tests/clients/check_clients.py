@@ -261,19 +261,22 @@ def lm_eval_generate() -> None:
 
 @check("instructor", "structured output (JSON schema mode)")
 def instructor_structured() -> None:
-    import instructor
-    from pydantic import BaseModel
+    from typing import Literal
 
-    class City(BaseModel):
-        name: str
-        population: int
+    import instructor
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):  # bounded fields: a tiny random model would otherwise write on to max_tokens
+        name: Literal["Paris", "Rome", "Oslo"]
+        population: int = Field(ge=0, le=999)
 
     client = instructor.from_openai(_openai(), mode=instructor.Mode.JSON_SCHEMA)
     city = client.chat.completions.create(
         model=MODEL,
         response_model=City,
         messages=[{"role": "user", "content": "A city, as JSON."}],
-        max_tokens=60,
+        max_tokens=200,
+        temperature=0,
         max_retries=0,
     )
     assert isinstance(city, City)
@@ -313,6 +316,24 @@ def openapi_valid() -> None:
 
     with urllib.request.urlopen(BASE + "/openapi.json", timeout=30) as r:
         validate(json.loads(r.read()))
+
+
+@check("schemathesis", "fuzzing from /openapi.json: no 5xx, server still up")
+def schemathesis_fuzz() -> None:
+    import shutil
+    import subprocess
+
+    st = shutil.which("st") or str(Path(sys.executable).with_name("st"))
+    if not Path(st).exists():
+        raise ModuleNotFoundError(name="schemathesis")
+    run = subprocess.run(
+        [st, "run", BASE + "/openapi.json", "-H", f"Authorization: Bearer {KEY}", "--checks", "not_a_server_error",
+         "--phases", "fuzzing,stateful", "--max-examples", "12", "--request-timeout", "60", "--workers", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-1500:]
+    with urllib.request.urlopen(BASE + "/health", timeout=30) as r:
+        assert json.loads(r.read())["status"] == "ok"
 
 
 if __name__ == "__main__":
