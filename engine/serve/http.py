@@ -192,6 +192,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._discard_body()
                 self.send_error_body(ApiError(503, str(e), "server_error"))
             except EngineError as e:
+                self._discard_body()
                 self.send_error_body(ApiError(400, str(e)))
         except ClientGone:
             self.close_connection = True
@@ -251,7 +252,7 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(411, "Send the request body with a Content-Length (chunked bodies are not taken).")
         lengths = self.headers.get_all("Content-Length") or []
         text = (lengths[0] if lengths else "0").strip()
-        if len(set(lengths)) > 1 or not text.isdigit():
+        if len(set(lengths)) > 1 or not (text.isascii() and text.isdigit()):
             self.close_connection = True  # where this body ends is unknown: the connection cannot be reused
             raise ApiError(
                 400, f"The Content-Length header must be one non-negative number (got {', '.join(lengths)})."
@@ -309,7 +310,9 @@ class Handler(BaseHTTPRequestHandler):
         if self._body_read or self.close_connection:
             return
         text = (self.headers.get("Content-Length") or "0").strip()
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower() or not text.isdigit():
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower() or not (
+            text.isascii() and text.isdigit()
+        ):
             self.close_connection = True
             return
         length = int(text)
@@ -392,12 +395,12 @@ def host_name(host: str) -> str:
     name with an optional numeric port (userinfo, a path, a second colon)."""
     if host.startswith("["):
         end = host.find("]")
-        name, rest = host[1:end], host[end + 1 :] if end > 0 else ""
         if end < 0:
             return ""
+        name, rest = host[1:end], host[end + 1 :]
     else:
-        name, _, port = host.partition(":")
-        rest = ":" + port if _ else ""
+        name, colon, port = host.partition(":")
+        rest = colon + port
     if rest and not (rest.startswith(":") and rest[1:].isdigit()):
         return ""
     if any(c in name for c in "@/\\?# ") or not name:

@@ -113,12 +113,13 @@ def test_openapi_document_describes_every_endpoint(server):
         schema = {**schemas[name], "components": doc["components"]}
         return jsonschema.validators.Draft202012Validator(schema).is_valid(body)
 
-    assert valid("CompletionRequest", {"model": "m", "prompt": [[1, 2], "text"], "max_tokens": 0, "echo": True})
-    assert not valid("CompletionRequest", {"model": "m", "prompt": [], "max_tokens": 0})
-    assert not valid("CompletionRequest", {"model": "m", "prompt": [-1]})
-    assert valid("ChatRequest", {"model": "m", "messages": HELLO, "n": 2, "top_logprobs": 3})
-    assert not valid("ChatRequest", {"model": "m", "messages": HELLO, "temperature": 3})
-    assert not valid("MessagesRequest", {"model": "m", "messages": HELLO})  # max_tokens is required
+    assert valid("CompletionRequest", {"model": "tiny-chat", "prompt": [[1, 2], "text"], "max_tokens": 0, "echo": True})
+    assert not valid("CompletionRequest", {"model": "tiny-chat", "prompt": [], "max_tokens": 0})
+    assert not valid("CompletionRequest", {"model": "tiny-chat", "prompt": [-1]})
+    assert valid("ChatRequest", {"model": "tiny-chat", "messages": HELLO, "n": 2, "top_logprobs": 3})
+    assert not valid("ChatRequest", {"model": "tiny-chat", "messages": HELLO, "temperature": 3})
+    assert not valid("MessagesRequest", {"model": "tiny-chat", "messages": HELLO})  # max_tokens is required
+    assert not valid("ChatRequest", {"model": "gpt-4", "messages": HELLO})  # only the loaded model's names
     refs = json.dumps(doc).count('"$ref"')
     assert refs and all(
         name in doc["components"]["schemas"] for name in ("ChatRequest", "CompletionRequest", "MessagesRequest")
