@@ -68,6 +68,7 @@ class Backend:
         self.restarts = 0
         self.last_stop: str | None = None  # why the engine last stopped, when it did
         self._longest: tuple[Any, int] = (None, 0)  # (tokenizer, its longest token's length)
+        self._texts: tuple[Any, int | None, dict[int, str]] = (None, None, {})  # (tokenizer, anchor, id -> text)
 
     @classmethod
     def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None], max_sessions: int = 2) -> Backend:
@@ -110,21 +111,25 @@ class Backend:
         """One token's text as it reads inside running text (log-prob listings), so a reply's
         tokens join to its text: decoded after an anchor token and the anchor's text taken
         off, since a SentencePiece decoder drops a lone token's leading space ("▁the" ->
-        "the"). The tokenizer is Rust code, not MLX: safe on any thread."""
+        "the"). Kept per token id. The tokenizer is Rust code, not MLX: safe on any thread."""
         tokenizer = self.host.tokenizer
-        anchor = self._anchor(tokenizer)
-        if anchor is None:
-            return tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
-        head = tokenizer.decode([anchor], clean_up_tokenization_spaces=False)
-        both = tokenizer.decode([anchor, token_id], clean_up_tokenization_spaces=False)
-        if both.startswith(head):
-            return both[len(head) :]
-        return tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        if self._texts[0] is not tokenizer:
+            anchor = tokenizer.encode("a", add_special_tokens=False)
+            self._texts = (tokenizer, anchor[-1] if anchor else None, {})
+        _, anchor_id, texts = self._texts
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self._decode_in_text(tokenizer, anchor_id, token_id)
+        return text
 
     @staticmethod
-    def _anchor(tokenizer: Any) -> int | None:
-        ids = tokenizer.encode("a", add_special_tokens=False)
-        return ids[-1] if ids else None
+    def _decode_in_text(tokenizer: Any, anchor: int | None, token_id: int) -> str:
+        alone = tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        if anchor is None:
+            return alone
+        head = tokenizer.decode([anchor], clean_up_tokenization_spaces=False)
+        both = tokenizer.decode([anchor, token_id], clean_up_tokenization_spaces=False)
+        return both[len(head) :] if both.startswith(head) else alone
 
     def longest_token_chars(self) -> int:
         """Characters in the vocabulary's longest token (byte-level tokens spell one byte a
