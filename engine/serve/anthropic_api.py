@@ -17,6 +17,7 @@ from engine.serve.common import (
     field,
     force_tool_call,
     generation_params,
+    hidden_specials,
     message_texts,
     new_id,
     reasoning,
@@ -194,7 +195,7 @@ def messages(handler: Handler, body: Any) -> None:
     check_text_size(backend, message_texts(msgs))
     stream = field(body, "stream", bool, False)
     command = Generate(backend.session(session_key(msgs)), msgs, params, tools=tools)
-    reply = Reply(backend.tool_format if tools else None, backend.special_texts())
+    reply = Reply(backend.tool_format if tools else None, hidden_specials(body, backend))
     mid = new_id("msg_")
 
     if not stream:
