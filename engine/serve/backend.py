@@ -31,7 +31,6 @@ from engine.api import (
     LoadModel,
     ModelInfo,
 )
-from engine.errors import EngineError
 from engine.runtime.worker import EngineWorker
 from engine.serve.http import ClientGone, EngineDown, ModelLoading
 
@@ -182,7 +181,7 @@ class Backend:
         info = self.info
         if info is None:
             if self.load_error is not None:
-                raise EngineError(f"The model failed to load: {self.load_error}")
+                raise EngineDown(f"The model failed to load: {self.load_error}")
             if not self.owned:
                 raise ModelLoading("No model is loaded in the app yet; pick one there first.")
             raise ModelLoading("The model is still loading; try again in a moment.")

@@ -40,7 +40,8 @@ class ModelLoading(EngineError):
 
 
 class EngineDown(EngineError):
-    """The engine stopped and will not be restarted: every model request is refused (503)."""
+    """The engine cannot serve: it stopped and was not restarted, or its model failed to
+    load. Every model request is refused (503)."""
 
 
 class ClientGone(Exception):
