@@ -184,7 +184,11 @@ class Handler(BaseHTTPRequestHandler):
                     raise ApiError(404, f"No such endpoint: {method} {path}.", code="not_found")
                 if path not in ("/health", "/openapi.json"):  # neither says anything private
                     self._check_key()
-                body = self._read_json() if method == "POST" else None
+                if method == "POST":
+                    body = self._read_json()
+                else:  # a body on a GET means nothing here, but must not be read as the next request
+                    body = None
+                    self._discard_body()
                 route(self, body)
             except ApiError as e:
                 self._discard_body()
