@@ -16,7 +16,7 @@ import pytest
 from engine.serve.backend import Backend
 from engine.serve.server import make_server
 
-from .conftest import API_KEY
+from .conftest import API_KEY, start_server
 
 AUTH = f"Authorization: Bearer {API_KEY}\r\n"
 GREEDY = {"model": "tiny-chat", "prompt": "the quick brown", "max_tokens": 8, "temperature": 0}
@@ -236,3 +236,32 @@ def test_a_short_body_times_out_and_frees_its_thread(tiny_model):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_30_mb_message_is_refused_at_once_and_blocks_no_one(tiny_model, tmp_path):
+    """At the default body limit (32 MB), a 30 MB message is refused before it reaches the
+    engine (it could not fit the context), in well under the seconds tokenizing it would
+    take, and a small request sent meanwhile is answered at once."""
+    srv = start_server(tiny_model, tmp_path / "server.log")
+    try:
+        port = _port(srv)
+        huge = json.dumps(_chat("hello there " * 2_500_000)).encode()
+        assert len(huge) > 30_000_000
+        answers: dict = {}
+
+        def send_huge() -> None:
+            started = time.monotonic()
+            answers["huge"] = _exchange(port, _post("/v1/chat/completions", huge)), time.monotonic() - started
+
+        thread = threading.Thread(target=send_huge)
+        thread.start()
+        time.sleep(0.05)
+        started = time.monotonic()
+        [(status, _)] = _exchange(port, _post("/v1/completions", GREEDY))
+        small_took = time.monotonic() - started
+        thread.join(timeout=60)
+        [(huge_status, body)], huge_took = answers["huge"]
+        assert huge_status == 400 and body["error"]["code"] == "context_length_exceeded"
+        assert status == 200 and small_took < 5 and huge_took < 10
+    finally:
+        srv.stop()
