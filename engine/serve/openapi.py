@@ -179,7 +179,7 @@ _SCHEMAS: dict[str, Any] = {
     },
     "Health": {
         "type": "object",
-        "properties": {"status": _STR, "model": _STR, "decoding": _INT},
+        "properties": {"status": _STR, "model": _STR, "decoding": _INT, "restarts": _INT},
         "required": ["status"],
     },
     "CountTokens": {"type": "object", "properties": {"input_tokens": _INT}, "required": ["input_tokens"]},

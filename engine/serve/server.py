@@ -29,7 +29,11 @@ def health(handler: Handler, _: Any) -> None:
         raise ApiError(503, f"The engine stopped ({stopped}) and was not restarted.", "server_error")
     if backend.info is not None:
         # "decoding": the requests generating together right now (the batch's rows).
-        handler.send_json(200, {"status": "ok", "model": backend.info.name, "decoding": backend.decoding})
+        # "restarts": fresh engines started since the server began (see Backend.revive).
+        handler.send_json(
+            200,
+            {"status": "ok", "model": backend.info.name, "decoding": backend.decoding, "restarts": backend.restarts},
+        )
     elif backend.load_error is not None:
         raise ApiError(503, f"The model failed to load: {backend.load_error}", "server_error")
     else:

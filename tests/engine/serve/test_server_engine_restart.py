@@ -79,6 +79,7 @@ def test_a_stopped_engine_is_reported_and_restarted(served):
     assert status == 503 and "restarting" in body["error"]["message"]
     _wait_healthy(base)
     assert backend.restarts == 1 and "simulated fault" in backend.last_stop
+    assert _call(base + "/health")[1]["restarts"] == 1
     status, after = _call(base + "/v1/completions", GREEDY)
     assert status == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]
 
