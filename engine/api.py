@@ -568,6 +568,27 @@ class Embeddings:
 
 
 @dataclass
+class ScorePrompt:
+    """The log-probability of each token of ``prompt`` given the tokens before it (text
+    tokenized as the tokenizer's own settings say, or ids fed as they are): what a
+    completion's ``echo`` with ``logprobs`` reports, and lm-eval's loglikelihood reads.
+    With ``top_logprobs``: also that many most likely tokens at each position. Done with
+    PromptScores."""
+
+    prompt: str | list[int]
+    top_logprobs: int = 0
+
+
+@dataclass
+class PromptScores:
+    token_ids: list[int]
+    # One per token; the first is None (nothing comes before it to predict it).
+    logprobs: list[float | None]
+    # With ScorePrompt.top_logprobs: per token, the most likely (id, logprob), best first; the first empty.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
 class Cancel:
     target: int  # the request id to stop
 
@@ -646,6 +667,7 @@ Command = (
     | Complete
     | Transcribe
     | Embed
+    | ScorePrompt
     | Cancel
     | DropSession
     | GetModelInfo

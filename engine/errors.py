@@ -42,6 +42,10 @@ class WrongModelKind(EngineError):
     """The loaded model cannot do what was asked: chat with an embedding model, or embed with a chat model."""
 
 
+class InvalidTokenIds(EngineError):
+    """Token ids given as they are (a prompt of ids, ids to embed) name no row of the model's vocabulary."""
+
+
 def backend_hint(exc: BaseException) -> str | None:
     """A readable line for an import failure of MLX itself, or None for any other error.
 

@@ -4,7 +4,7 @@ as sentence-transformers does (or a list of ids, truncated alike), one vector ea
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.api import Embeddings, ModelInfo
@@ -18,8 +18,10 @@ def embed(
     info: ModelInfo,
     inputs: Sequence[str | Sequence[int]],
     cancel: threading.Event | None = None,
+    check_ids: Callable[[Sequence[int]], list[int]] = list,
 ) -> Embeddings:
-    """Embed each of ``inputs``; a chat model is refused, naming the families that embed."""
+    """Embed each of ``inputs``; a chat model is refused, naming the families that embed, and
+    ids given as they are pass ``check_ids`` (the host refuses those outside the vocabulary)."""
     from engine.models.embedder import embedding_families
 
     if info.embedding_dimensions is None:
@@ -35,7 +37,7 @@ def embed(
     for item in inputs:
         if cancel is not None and cancel.is_set():
             raise Cancelled("The embedding request was cancelled.")
-        ids = tokenizer.encode_truncated(item, limit) if isinstance(item, str) else list(item)[:limit]
+        ids = tokenizer.encode_truncated(item, limit) if isinstance(item, str) else check_ids(item)[:limit]
         if not ids:
             raise EngineError("An input to embed is empty; give at least one token.")
         vector = model(ids)

@@ -33,6 +33,7 @@ from engine.api import (
     MediaInput,
     ModelInfo,
     ProgressEvent,
+    PromptScores,
     SamplingParams,
     TokenEvent,
 )
@@ -46,6 +47,7 @@ from engine.runtime.expert_plan import stop_streaming
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
 from engine.runtime.request_errors import Cancelled, NoModelLoaded  # noqa: F401  (Cancelled: part of the host's API)
 from engine.runtime.session import ChatSession
+from engine.runtime.token_ids import check_token_ids, vocab_size
 from engine.runtime.transcription import WhisperSlot
 from engine.text.tool_calls import FORMATS
 
@@ -410,10 +412,11 @@ class ModelHost:
         sid = command.session_id if session_id is None else session_id
         progress = _progress_sink(on_event, request_id)
         if isinstance(command, Complete):
+            chat = self.session(sid)  # an embedding model is refused here, first
             prompt = command.prompt
-            ids = self.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+            ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
             params = self._mtp_for(command.params, on_event, request_id, cancel)
-            return self.session(sid).stream_ids(ids, params, cancel=cancel, on_progress=progress, batch=batch)
+            return chat.stream_ids(ids, params, cancel=cancel, on_progress=progress, batch=batch)
         self.check_media(command.messages, command.media)
         params = self._mtp_for(command.params, on_event, request_id, cancel)
         return self.session(sid).stream(
@@ -559,6 +562,8 @@ class ModelHost:
         """The loaded model's Batch for decoding requests together; None where its family's
         caches cannot be batched (those requests run one at a time)."""
         state = self._need()
+        if state.info.embedding_dimensions is not None:
+            return None  # an embedding model has no decoder to batch (and cannot generate)
         if state.batch is None:
             from engine.decode.batch import Batch, batchable
 
@@ -595,7 +600,23 @@ class ModelHost:
         token ids (truncated alike) with the loaded sentence embedding model."""
         self._check_thread()
         state = self._need()
-        return embed(state.model, state.tokenizer, state.info, inputs, cancel)
+        return embed(state.model, state.tokenizer, state.info, inputs, cancel, self.check_token_ids)
+
+    def check_token_ids(self, ids: Sequence[Any]) -> list[int]:
+        """Ids given as they are, each refused unless it names a row of the embedding."""
+        return check_token_ids(ids, vocab_size(self._need().model))
+
+    def score_prompt(
+        self, ids: Sequence[int], top_logprobs: int = 0, cancel: threading.Event | None = None
+    ) -> PromptScores:
+        """Each token's log-probability given those before it, on a fresh cache (no session's)."""
+        from engine.decode.scoring import score_tokens
+
+        self._check_thread()
+        self.session("")  # an embedding model is refused here, as for generation
+        ids = self.check_token_ids(ids)
+        logprobs, top = score_tokens(self.model, ids, top_logprobs=top_logprobs, cancel=cancel)
+        return PromptScores(ids, logprobs, top)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt tokenized as the tokenizer's own settings say (BOS when it adds one)."""

@@ -48,6 +48,7 @@ from engine.api import (
     ProgressEvent,
     RestoreSession,
     SaveSession,
+    ScorePrompt,
     SessionRestore,
     SetActiveAdapters,
     TokenEvent,
@@ -126,7 +127,7 @@ class EngineWorker:
             self._emit(DoneEvent(rid, None))
             return rid
         if self._dead is not None:
-            self._finish_error(rid, f"The engine stopped earlier ({self._dead}); restart the app.")
+            self._finish_error(rid, f"The engine stopped earlier ({self._dead}); restart the app.", "Fatal")
             return rid
         self._queue.put((rid, command))
         return rid
@@ -147,6 +148,11 @@ class EngineWorker:
         """The frozen status the worker thread published last (one reference read: safe
         from any thread)."""
         return self._status
+
+    @property
+    def dead(self) -> str | None:
+        """Why the worker's loop stopped for good (every later command is refused), or None."""
+        return self._dead
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -260,7 +266,10 @@ class EngineWorker:
                     return False
             except Exception:  # noqa: BLE001 - malformed parts: the plain path says what is wrong
                 return False
-        batch = host.batch
+        try:
+            batch = host.batch
+        except Exception:  # noqa: BLE001 - a model the batch cannot take runs (or is refused) on its own
+            return False
         if batch is None:
             return False
         sid, private = command.session_id, False
@@ -406,6 +415,10 @@ class EngineWorker:
             return info
         if isinstance(command, Transcribe):
             return self._transcribe(rid, command, cancel)
+        if isinstance(command, ScorePrompt):
+            prompt = command.prompt
+            ids = host.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            return host.score_prompt(ids, command.top_logprobs, cancel)
         if isinstance(command, Embed):
             result = host.embed(command.inputs, cancel)
             self._emit_memory()

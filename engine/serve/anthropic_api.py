@@ -11,11 +11,14 @@ from engine.serve.common import (
     Reply,
     check_body,
     check_model,
+    check_text_size,
     constraint,
     decode_base64,
     field,
     force_tool_call,
     generation_params,
+    hidden_specials,
+    message_texts,
     new_id,
     reasoning,
     run,
@@ -135,10 +138,25 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[dict
     return out, None
 
 
-def _stop_reason(result: GenerationResult, calls: bool) -> str:
+def _stop_reason(result: GenerationResult, calls: bool, stop: str | None = None) -> str:
     if result.finish_reason == "length":
         return "max_tokens"
-    return "tool_use" if calls else "end_turn"
+    if calls:
+        return "tool_use"
+    return "stop_sequence" if stop is not None else "end_turn"
+
+
+def matched_stop(backend: Any, result: GenerationResult, stops: list[str]) -> str | None:
+    """Which of ``stops`` ended the reply, if one did: the reply stopped without writing
+    an end-of-turn token, at the first place any stop sequence appears in what the model
+    wrote (the decoded tokens, stop sequence included, which the reply's text leaves out)."""
+    if result.finish_reason != "stop" or not stops or not result.token_ids:
+        return None
+    if result.token_ids[-1] in backend.host.eos_token_ids:
+        return None
+    written = backend.host.tokenizer.decode(result.token_ids)
+    found = [(written.find(s), -len(s), s) for s in stops if s in written]
+    return min(found)[2] if found else None
 
 
 def _usage(result: GenerationResult) -> dict[str, Any]:
@@ -174,14 +192,16 @@ def messages(handler: Handler, body: Any) -> None:
     if forced:
         force_tool_call(params, backend, forced)
     msgs = chat_messages(body, backend.tool_format)
+    check_text_size(backend, message_texts(msgs))
     stream = field(body, "stream", bool, False)
     command = Generate(backend.session(session_key(msgs)), msgs, params, tools=tools)
-    reply = Reply()
+    reply = Reply(hidden_specials(body, backend))
     mid = new_id("msg_")
 
     if not stream:
         result = run(handler, command, reply.feed)
         reply.finish()
+        stop = matched_stop(backend, result, params.stop_strings)
         content: list[dict[str, Any]] = []
         if reply.reasoning:
             content.append({"type": "thinking", "thinking": "".join(reply.reasoning), "signature": ""})
@@ -196,8 +216,8 @@ def messages(handler: Handler, body: Any) -> None:
                 "role": "assistant",
                 "model": model,
                 "content": content,
-                "stop_reason": _stop_reason(result, bool(reply.calls)),
-                "stop_sequence": None,
+                "stop_reason": _stop_reason(result, bool(reply.calls), stop),
+                "stop_sequence": stop,
                 "usage": _usage(result),
             },
         )
@@ -271,11 +291,30 @@ def messages(handler: Handler, body: Any) -> None:
     start()
     send(reply.finish())
     close_block()
+    stop = matched_stop(backend, result, params.stop_strings)
     event(
         "message_delta",
         {
-            "delta": {"stop_reason": _stop_reason(result, bool(reply.calls)), "stop_sequence": None},
+            "delta": {"stop_reason": _stop_reason(result, bool(reply.calls), stop), "stop_sequence": stop},
             "usage": _usage(result),
         },
     )
     event("message_stop", {})
+
+
+def count_tokens(handler: Handler, body: Any) -> None:
+    """POST /v1/messages/count_tokens: the prompt tokens a /v1/messages request with these
+    messages, system and tools would read (as the chat template writes them; an image
+    counts as its placeholder here, while generating it takes the tokens its size needs)."""
+    backend = handler.server.backend
+    body = check_body(body)
+    check_model(body, backend)
+    msgs = chat_messages(body, backend.tool_format)
+    check_text_size(backend, message_texts(msgs))
+    tools, _ = _tools(body)
+    template = backend.host.template
+    if template is None:
+        raise ApiError(400, "This model has no chat template, so it takes no messages; send a plain prompt instead.")
+    text = template.render(msgs, tools=tools, add_generation_prompt=True)
+    ids = backend.host.tokenizer.encode(text, add_special_tokens=False)
+    handler.send_json(200, {"input_tokens": len(ids)})

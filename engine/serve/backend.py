@@ -31,12 +31,12 @@ from engine.api import (
     LoadModel,
     ModelInfo,
 )
-from engine.errors import EngineError
 from engine.runtime.worker import EngineWorker
-from engine.serve.http import ClientGone, ModelLoading
+from engine.serve.http import ClientGone, EngineDown, ModelLoading
 
 POLL_S = 0.2  # how often a waiting request checks that its client is still there
 MAX_SESSIONS = 4  # conversations whose KV caches are kept for prefix reuse
+MAX_RESTARTS = 3  # fresh engines started after the engine's loop stopped; then requests are refused
 
 
 class Backend:
@@ -63,6 +63,11 @@ class Backend:
         self._sessions: OrderedDict[str, str] = OrderedDict()  # conversation key -> session id, LRU
         self._session_ids = itertools.count(1)
         self.max_sessions = max(1, max_sessions)  # each holds a KV cache: memory, traded for reuse
+        self._load_command: LoadModel | None = None  # what start() loaded: a restart loads it again
+        self.restarts = 0
+        self.last_stop: str | None = None  # why the engine last stopped, when it did
+        self._longest: tuple[Any, int] = (None, 0)  # (tokenizer, its longest token's length)
+        self._texts: tuple[Any, int | None, dict[int, str]] = (None, None, {})  # (tokenizer, anchor, id -> text)
 
     @classmethod
     def shared(cls, worker: EngineWorker, model_info: Callable[[], ModelInfo | None], max_sessions: int = 2) -> Backend:
@@ -103,14 +108,81 @@ class Backend:
         return self.host.default_params() if self.host.loaded else None
 
     def token_text(self, token_id: int) -> str:
-        """One token's text (log-prob listings). The tokenizer is Rust code, not MLX: safe here."""
-        return self.host.tokenizer.decode([token_id])
+        """One token's text as it reads inside running text (log-prob listings), so a reply's
+        tokens join to its text: decoded after an anchor token and the anchor's text taken
+        off, since a SentencePiece decoder drops a lone token's leading space ("▁the" ->
+        "the"). Kept per token id. The tokenizer is Rust code, not MLX: safe on any thread."""
+        tokenizer = self.host.tokenizer
+        if self._texts[0] is not tokenizer:
+            anchor = tokenizer.encode("a", add_special_tokens=False)
+            self._texts = (tokenizer, anchor[-1] if anchor else None, {})
+        _, anchor_id, texts = self._texts
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self._decode_in_text(tokenizer, anchor_id, token_id)
+        return text
+
+    @staticmethod
+    def _decode_in_text(tokenizer: Any, anchor: int | None, token_id: int) -> str:
+        alone = tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        if anchor is None:
+            return alone
+        head = tokenizer.decode([anchor], clean_up_tokenization_spaces=False)
+        both = tokenizer.decode([anchor, token_id], clean_up_tokenization_spaces=False)
+        return both[len(head) :] if both.startswith(head) else alone
+
+    def longest_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token (byte-level tokens spell one byte a
+        character): no text of N characters takes fewer than N / this tokens."""
+        tokenizer = self.host.tokenizer
+        if self._longest[0] is not tokenizer:
+            vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+            self._longest = (tokenizer, max((len(t) for t in vocab), default=0))
+        return self._longest[1]
+
+    def special_texts(self) -> frozenset[str]:
+        """The special tokens' literal texts (``<|endoftext|>``, ``<s>``), which replies leave
+        out unless the request asks for them (``skip_special_tokens: false``)."""
+        tokenizer = self.host.tokenizer
+        texts = (tokenizer.id_to_token(i) for i in tokenizer.special_token_ids)
+        return frozenset(t for t in texts if t)
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the engine's loop stopped for good (it refuses every command since), or None."""
+        return self.worker.dead
+
+    def revive(self) -> bool:
+        """When the engine this backend owns has stopped: start a fresh one and load the model
+        again in the background, at most MAX_RESTARTS times. True when one is starting (or
+        already running); False when the engine stays stopped (a shared one, or too many)."""
+        with self._lock:
+            reason = self.worker.dead
+            if reason is None:
+                return True
+            if not self.owned or self._load_command is None or self.restarts >= MAX_RESTARTS:
+                return False
+            self.restarts += 1
+            self.last_stop = reason
+            self.worker = EngineWorker(self.route)
+            self._info, self.load_error = None, None
+            self.loaded.clear()
+            self._sessions.clear()  # their caches died with the old engine
+            self.worker.start()
+            command = self._load_command
+        threading.Thread(target=self._load, args=(command,), name="serve-reload", daemon=True).start()
+        return True
 
     def require_model(self) -> ModelInfo:
+        reason = self.stopped
+        if reason is not None:
+            if self.revive():
+                raise ModelLoading(f"The engine stopped ({reason}); it is restarting: try again in a moment.")
+            raise EngineDown(f"The engine stopped ({reason}) and was not restarted; restart the server.")
         info = self.info
         if info is None:
             if self.load_error is not None:
-                raise EngineError(f"The model failed to load: {self.load_error}")
+                raise EngineDown(f"The model failed to load: {self.load_error}")
             if not self.owned:
                 raise ModelLoading("No model is loaded in the app yet; pick one there first.")
             raise ModelLoading("The model is still loading; try again in a moment.")
@@ -121,7 +193,7 @@ class Backend:
         ``options`` are LoadModel's (kv_bits, kv_group_size, context_cap)."""
         self.model_arg = model
         self.worker.start()
-        command = LoadModel(model, memory_budget, **options)
+        command = self._load_command = LoadModel(model, memory_budget, **options)
         threading.Thread(target=self._load, args=(command,), name="serve-load", daemon=True).start()
 
     def _load(self, command: LoadModel) -> None:

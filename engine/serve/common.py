@@ -16,6 +16,7 @@ from engine.api import DoneEvent, ErrorEvent, GenerationParams, GenerationResult
 from engine.serve.http import ApiError, engine_error
 
 DEFAULT_MAX_TOKENS = 4096
+MAX_CHOICES = 16  # n: replies per request (each one generation)
 _MISSING = object()
 
 
@@ -194,6 +195,67 @@ def session_key(messages: list[dict[str, Any]] | str | list[int]) -> str:
     return "chat:" + "\x00".join(head)
 
 
+def check_text_size(backend: Any, texts: Any) -> None:
+    """Refuse, before anything is tokenized, text that cannot fit the model's context: more
+    characters than the context's tokens could hold even if each were the vocabulary's
+    longest token. Tokenizing a huge text costs seconds on the engine's thread, which every
+    other request waits behind."""
+    info = backend.info
+    advice = getattr(info, "context_advice", None)
+    limit = (advice.limit if advice is not None else 0) or getattr(info, "context_length", 0)
+    chars = sum(len(t) for t in texts)
+    longest = backend.longest_token_chars()
+    if limit and longest and chars > limit * longest:
+        raise ApiError(
+            400,
+            f"The prompt is {chars:,} characters, more than the model's context of {limit:,} tokens can hold; shorten it.",
+            code="context_length_exceeded",
+        )
+
+
+def message_texts(messages: list[dict[str, Any]]) -> Any:
+    """The text in chat messages (string contents and text parts)."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def without_specials(text: str, hidden: frozenset[str]) -> str:
+    """``text`` without the literal special tokens in ``hidden`` (a model that writes
+    ``<|endoftext|>`` mid-reply); a special token's text comes whole in one piece."""
+    for token in hidden:
+        if token in text:
+            text = text.replace(token, "")
+    return text
+
+
+def hidden_specials(body: Mapping[str, Any], backend: Any) -> frozenset[str]:
+    """The special tokens a reply leaves out: all of them, unless ``skip_special_tokens``
+    is false (vLLM's name for asking to see them)."""
+    return backend.special_texts() if field(body, "skip_special_tokens", bool, True) else frozenset()
+
+
+def choice_count(body: Mapping[str, Any]) -> int:
+    """``n``: how many replies to write for each prompt (1 to MAX_CHOICES)."""
+    n = field(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_CHOICES}.", param="n")
+    return n
+
+
+def choice_params(params: GenerationParams, j: int) -> GenerationParams:
+    """The settings of the ``j``-th of n replies: a seeded request gives each reply its own
+    seed (seed + j), so the n differ yet the request stays reproducible."""
+    if j == 0 or params.sampling.seed is None:
+        return params
+    out = copy.deepcopy(params)
+    out.sampling.seed = params.sampling.seed + j
+    return out
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
@@ -232,7 +294,8 @@ class Reply:
     "reasoning" / "text" (strings) or "tool" (a ToolCall: the engine puts a request's calls
     on their own channel when it offered tools); ``finish`` flushes."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: frozenset[str] = frozenset()):
+        self.hidden = hidden  # literal special tokens kept out of the text (see without_specials)
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
@@ -244,9 +307,9 @@ class Reply:
         if event.channel == "tool" and event.tool_call is not None:
             self.calls.append(event.tool_call)
             return [("tool", event.tool_call)]
-        if event.text:
-            self.text.append(event.text)
-            return [("text", event.text)]
+        if event.text and (text := without_specials(event.text, self.hidden)):
+            self.text.append(text)
+            return [("text", text)]
         return []
 
     def finish(self) -> list[tuple[str, Any]]:

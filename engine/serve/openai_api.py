@@ -4,20 +4,27 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
-from engine.api import Complete, Generate, GenerationParams, GenerationResult, TokenEvent
+from engine.api import Generate, GenerationParams, GenerationResult, TokenEvent
 from engine.serve.common import (
     Reply,
     check_body,
     check_model,
+    check_text_size,
+    choice_count,
+    choice_params,
     constraint,
     decode_base64,
     decode_data_url,
     field,
     force_tool_call,
     generation_params,
+    hidden_specials,
+    message_texts,
     new_id,
     now,
     reasoning,
@@ -29,12 +36,40 @@ from engine.serve.http import ApiError, Handler
 MAX_TOP_LOGPROBS = 20
 
 
+def model_entry(info: Any, created: int) -> dict[str, Any]:
+    """The loaded model as both clients list it: OpenAI's id/object/created/owned_by and
+    Anthropic's type/id/display_name/created_at (each client reads its own keys)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "mlx-desk",
+        "type": "model",
+        "display_name": info.name,
+        "created_at": stamp,
+    }
+
+
 def models(handler: Handler, _: Any) -> None:
     info = handler.server.backend.require_model()
+    entry = model_entry(info, now())
     handler.send_json(
         200,
-        {"object": "list", "data": [{"id": info.name, "object": "model", "created": now(), "owned_by": "mlx-desk"}]},
+        {"object": "list", "data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]},
     )
+
+
+def model(handler: Handler, _: Any) -> None:
+    """GET /v1/models/{id}: the loaded model, by its id or path (404 for any other)."""
+    backend = handler.server.backend
+    info = backend.require_model()
+    name = unquote(urlsplit(handler.path).path.rstrip("/").split("/v1/models/", 1)[1])
+    if name not in (info.name, info.path, backend.model_arg or info.name):
+        raise ApiError(
+            404, f"The model '{name}' does not exist here; this server runs '{info.name}'.", code="model_not_found"
+        )
+    handler.send_json(200, model_entry(info, now()))
 
 
 # ---- requests ----------------------------------------------------------------------
@@ -175,13 +210,15 @@ def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, list[d
 # ---- responses -----------------------------------------------------------------------
 
 
-def _usage(result: GenerationResult) -> dict[str, Any]:
-    s = result.stats
+def _usage(results: list[GenerationResult]) -> dict[str, Any]:
+    """The request's usage over its n choices: the prompt once, every reply's tokens."""
+    first = results[0].stats
+    generated = sum(r.stats.generated_tokens for r in results)
     return {
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.generated_tokens,
-        "total_tokens": s.prompt_tokens + s.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": first.prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
@@ -197,7 +234,12 @@ def _token_entry(backend: Any, token_id: int, logprob: float) -> dict[str, Any]:
 
 
 def _entry(backend: Any, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
-    return {**_token_entry(backend, token_id, logprob), "top_logprobs": [_token_entry(backend, t, v) for t, v in top]}
+    """A token's log-prob entry; its alternatives best first, as the API lists them."""
+    ranked = sorted(top, key=lambda pair: -pair[1])
+    return {
+        **_token_entry(backend, token_id, logprob),
+        "top_logprobs": [_token_entry(backend, t, v) for t, v in ranked],
+    }
 
 
 def chat_logprobs(backend: Any, result: GenerationResult) -> dict[str, Any] | None:
@@ -216,8 +258,7 @@ def chat_completions(handler: Handler, body: Any) -> None:
     backend = handler.server.backend
     body = check_body(body)
     model = check_model(body, backend)
-    if field(body, "n", int, 1) != 1:
-        raise ApiError(400, "Only n=1 is supported.", param="n")
+    n = choice_count(body)
     params = generation_params(body, backend, max_tokens_keys=("max_tokens", "max_completion_tokens"), stop_key="stop")
     _logprob_settings(body, params, legacy=False)
     params.constraint = _response_format(body)
@@ -226,20 +267,37 @@ def chat_completions(handler: Handler, body: Any) -> None:
     if forced:
         force_tool_call(params, backend, forced)
     messages = chat_messages(body.get("messages"), backend.tool_format)
+    check_text_size(backend, message_texts(messages))
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))
-    command = Generate(backend.session(session_key(messages)), messages, params, tools=tools)
-    reply = Reply()
+    hidden = hidden_specials(body, backend)
+    session = backend.session(session_key(messages))
     cid, created = new_id("chatcmpl-"), now()
-
-    if not stream:
+    results: list[GenerationResult] = []
+    choices: list[dict[str, Any]] = []
+    for j in range(n):
+        command = Generate(session, messages, choice_params(params, j), tools=tools)
+        reply = Reply(hidden)
+        if stream:
+            results.append(_stream_choice(handler, command, reply, j, (cid, created, model, include_usage)))
+            continue
         result = run(handler, command, reply.feed)
         reply.finish()
+        results.append(result)
         message: dict[str, Any] = {"role": "assistant", "content": "".join(reply.text) or (None if reply.calls else "")}
         if reply.reasoning:
             message["reasoning_content"] = "".join(reply.reasoning)
         if reply.calls:
             message["tool_calls"] = [_call_json(c) for c in reply.calls]
+        choices.append(
+            {
+                "index": j,
+                "message": message,
+                "logprobs": chat_logprobs(backend, result),
+                "finish_reason": _finish(result, bool(reply.calls)),
+            }
+        )
+    if not stream:
         handler.send_json(
             200,
             {
@@ -247,20 +305,31 @@ def chat_completions(handler: Handler, body: Any) -> None:
                 "object": "chat.completion",
                 "created": created,
                 "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": message,
-                        "logprobs": chat_logprobs(backend, result),
-                        "finish_reason": _finish(result, bool(reply.calls)),
-                    }
-                ],
-                "usage": _usage(result),
+                "choices": choices,
+                "usage": _usage(results),
             },
         )
         return
+    if include_usage:
+        handler.send_event(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": _usage(results),
+            }
+        )
+    handler.send_event("[DONE]")
 
+
+def _stream_choice(handler: Handler, command: Generate, reply: Reply, index: int, head: tuple) -> GenerationResult:
+    """Stream one choice's chunks (its role first, its finish_reason last); its result."""
+    backend = handler.server.backend
+    cid, created, model, include_usage = head
     unsent: list[dict[str, Any]] = []  # log-prob entries of tokens no chunk has carried yet
+    started = [False]
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> None:
         logprobs = {"content": list(unsent)} if unsent and (delta or finish) else None
@@ -271,11 +340,16 @@ def chat_completions(handler: Handler, body: Any) -> None:
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }
         if include_usage:
             payload["usage"] = None
         handler.send_event(payload)
+
+    def begin() -> None:
+        if not started[0]:
+            started[0] = True
+            chunk({"role": "assistant", "content": ""})
 
     def send(items: list[tuple[str, Any]]) -> None:
         for kind, value in items:
@@ -287,8 +361,7 @@ def chat_completions(handler: Handler, body: Any) -> None:
                 chunk({"tool_calls": [{"index": reply.calls.index(value), **_call_json(value)}]})
 
     def on_token(event: TokenEvent) -> None:
-        if not handler.streaming:
-            chunk({"role": "assistant", "content": ""})
+        begin()
         if event.logprobs is not None:
             tops = event.top_logprobs or [[] for _ in event.token_ids]
             unsent.extend(
@@ -297,123 +370,11 @@ def chat_completions(handler: Handler, body: Any) -> None:
         send(reply.feed(event))
 
     result = run(handler, command, on_token)
-    if not handler.streaming:
-        chunk({"role": "assistant", "content": ""})
+    begin()
     send(reply.finish())
     chunk({}, _finish(result, bool(reply.calls)))  # with the log-probs of tokens that wrote no text
-    if include_usage:
-        handler.send_event(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(result),
-            }
-        )
-    handler.send_event("[DONE]")
+    return result
 
 
 def _call_json(call: Any) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-# ---- /v1/completions --------------------------------------------------------------------
-
-
-def _prompt(body: Mapping[str, Any]) -> str | list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and i >= 0 for i in prompt):
-        return prompt
-    raise ApiError(
-        400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request).", param="prompt"
-    )
-
-
-def _completion_logprobs(backend: Any, result: GenerationResult) -> dict[str, Any] | None:
-    if result.token_logprobs is None:
-        return None
-    tokens = [backend.token_text(t) for t in result.token_ids]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    tops = result.top_logprobs
-    return {
-        "tokens": tokens,
-        "token_logprobs": result.token_logprobs,
-        "text_offset": offsets,
-        "top_logprobs": [{backend.token_text(t): v for t, v in row} for row in tops] if tops else None,
-    }
-
-
-def completions(handler: Handler, body: Any) -> None:
-    backend = handler.server.backend
-    body = check_body(body)
-    model = check_model(body, backend)
-    if field(body, "n", int, 1) != 1 or field(body, "best_of", int, 1) != 1:
-        raise ApiError(400, "Only n=1 (and best_of=1) is supported.", param="n")
-    if field(body, "echo", bool, False) or field(body, "suffix", str):
-        raise ApiError(400, "'echo' and 'suffix' are not supported.", param="echo")
-    params = generation_params(body, backend, max_tokens_keys=("max_tokens",), stop_key="stop")
-    params.max_tokens = field(body, "max_tokens", int, 16)  # the completions API's own default
-    if params.max_tokens < 1:
-        raise ApiError(400, "'max_tokens' must be at least 1.", param="max_tokens")
-    _logprob_settings(body, params, legacy=True)
-    prompt = _prompt(body)
-    stream = field(body, "stream", bool, False)
-    include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))
-    command = Complete(backend.session(session_key(prompt)), prompt, params)
-    cid, created = new_id("cmpl-"), now()
-
-    def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> None:
-        handler.send_event(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-            }
-        )
-
-    if not stream:
-        result = run(handler, command, lambda e: None)
-        handler.send_json(
-            200,
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": result.text,
-                        "logprobs": _completion_logprobs(backend, result),
-                        "finish_reason": _finish(result, False),
-                    }
-                ],
-                "usage": _usage(result),
-            },
-        )
-        return
-    result = run(handler, command, lambda e: chunk(e.text) if e.text else None)
-    chunk("", _finish(result, False), _completion_logprobs(backend, result))
-    if include_usage:
-        handler.send_event(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(result),
-            }
-        )
-    handler.send_event("[DONE]")

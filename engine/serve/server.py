@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 from engine.errors import EngineError
-from engine.serve import anthropic_api, embeddings_api, openai_api
-from engine.serve.http import DEFAULT_MAX_BODY, LOOPBACK_HOSTS, ApiError, ApiServer, Handler
+from engine.serve import anthropic_api, completions_api, embeddings_api, openai_api, openapi
+from engine.serve.http import BODY_TIMEOUT_S, DEFAULT_MAX_BODY, LOOPBACK_HOSTS, ApiError, ApiServer, Handler
 
 
 class ServeError(EngineError):
@@ -22,9 +22,18 @@ class ServeError(EngineError):
 
 def health(handler: Handler, _: Any) -> None:
     backend = handler.server.backend
+    stopped = backend.stopped
+    if stopped is not None:  # the engine's loop has stopped: say so, and start a fresh one if we may
+        if backend.revive():
+            raise ApiError(503, f"The engine stopped ({stopped}); it is restarting with the model.", "server_error")
+        raise ApiError(503, f"The engine stopped ({stopped}) and was not restarted.", "server_error")
     if backend.info is not None:
         # "decoding": the requests generating together right now (the batch's rows).
-        handler.send_json(200, {"status": "ok", "model": backend.info.name, "decoding": backend.decoding})
+        # "restarts": fresh engines started since the server began (see Backend.revive).
+        handler.send_json(
+            200,
+            {"status": "ok", "model": backend.info.name, "decoding": backend.decoding, "restarts": backend.restarts},
+        )
     elif backend.load_error is not None:
         raise ApiError(503, f"The model failed to load: {backend.load_error}", "server_error")
     else:
@@ -34,8 +43,11 @@ def health(handler: Handler, _: Any) -> None:
 ROUTES = {
     ("GET", "/health"): health,
     ("GET", "/v1/models"): openai_api.models,
+    ("GET", "/v1/models/*"): openai_api.model,
+    ("POST", "/v1/messages/count_tokens"): anthropic_api.count_tokens,
+    ("GET", "/openapi.json"): openapi.document,
     ("POST", "/v1/chat/completions"): openai_api.chat_completions,
-    ("POST", "/v1/completions"): openai_api.completions,
+    ("POST", "/v1/completions"): completions_api.completions,
     ("POST", "/v1/embeddings"): embeddings_api.embeddings,
     ("POST", "/v1/messages"): anthropic_api.messages,
 }
@@ -57,11 +69,18 @@ def make_server(
     api_key: str | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     on_request: Any = None,
+    body_timeout: float = BODY_TIMEOUT_S,
 ) -> ApiServer:
     check_exposure(host, api_key)
     try:
         return ApiServer(
-            (host, port), backend, api_key=api_key, max_body=max_body, routes=ROUTES, on_request=on_request
+            (host, port),
+            backend,
+            api_key=api_key,
+            max_body=max_body,
+            routes=ROUTES,
+            on_request=on_request,
+            body_timeout=body_timeout,
         )
     except OSError as e:
         raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror or e}. Pick another port.") from None
