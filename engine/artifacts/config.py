@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.artifacts.config_spellings import normalise_rope, text_config_or_none
+from engine.artifacts.config_values import check_generation_settings, check_model_settings
 from engine.errors import ModelLoadError
+from engine.files import SETTINGS_LIMIT, read_text_bounded
 
 # generation_config.json keys that become default sampling settings.
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -98,7 +100,7 @@ def _spellings(module_path: str) -> list[str]:
 def read_json(path: Path) -> Any:
     """Parse a JSON file; a syntax error names the file and the line."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_bounded(path, SETTINGS_LIMIT, "a model's settings", ModelLoadError)
     except UnicodeDecodeError as e:
         raise ModelLoadError(f"{path} is not UTF-8 text ({e.reason}): download it again") from None
     except OSError as e:
@@ -131,8 +133,8 @@ def read_config(path: str | Path) -> ModelConfig:
     generation: dict[str, Any] = {}
     generation_file = folder / "generation_config.json"
     if generation_file.is_file():
-        loaded = read_json(generation_file)
-        generation = loaded if isinstance(loaded, dict) else {}
+        generation = read_json(generation_file)
+        check_generation_settings(generation, str(generation_file))
     return config_from_dict(raw, generation, path=folder)
 
 
@@ -148,11 +150,17 @@ def config_from_dict(
         raise ModelLoadError(f"{where} has no model_type, so the model family is unknown; re-download the model")
 
     normalise_rope(raw)
+    check_model_settings(raw, where)
     text = text_config_or_none(raw)
     if text is not None:
         normalise_rope(text)
+        check_model_settings(text, f"{where} (text_config)")
     else:
         text = raw
+    if generation:
+        check_generation_settings(
+            generation, "generation_config.json" if path is None else f"{path / 'generation_config.json'}"
+        )
 
     quant, foreign = _quantization(raw)
     eos = _ids(raw.get("eos_token_id")) + _ids(text.get("eos_token_id")) + _ids(generation.get("eos_token_id"))

@@ -13,11 +13,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from engine.cli.numbers import Parser, memory_bytes
 from engine.errors import EngineError, backend_hint
 
 
 class CliError(EngineError):
     """A command line that cannot be carried out as written."""
+
+
+MAX_NGRAM = 256  # ids an n-gram lookup matches; prompt lookup uses 2-5
+MAX_DRAFTS = 64  # drafts verified in one pass; past ~16 none are accepted anyway
 
 
 def _ids(text: str) -> list[int]:
@@ -43,15 +48,6 @@ def _adapter(text: str) -> tuple[str, float]:
     return text, 1.0
 
 
-def _budget(text: str) -> int:
-    from engine.runtime.memory import parse_budget
-
-    try:
-        return parse_budget(text)
-    except EngineError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _add_generate(sub: Any) -> None:
     from engine.decode.draft_depth import draft_count  # mlx-free
 
@@ -73,7 +69,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+    p.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(p)
     p.add_argument(
         "--cache-file",
@@ -171,7 +167,7 @@ def _add_template(sub: Any) -> None:
 def _add_inspect(sub: Any) -> None:
     p = sub.add_parser("inspect", help="config, family, quantization, memory plan")
     p.add_argument("path")
-    p.add_argument("--memory-budget", type=_budget)
+    p.add_argument("--memory-budget", type=memory_bytes)
     _add_kv_arguments(p)
 
 
@@ -212,13 +208,13 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("source", help="Hugging Face model folder (or cached repo id)")
     p.add_argument("output", help="folder to write")
     p.add_argument("-q", "--quantize", action="store_true")
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=4)
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="MLX Desk engine")
+    parser = Parser(prog="python -m engine", description="MLX Desk engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_template(sub)
@@ -269,8 +265,8 @@ def _params(args: argparse.Namespace) -> Any:
         reasoning={"on": True, "off": False}.get(args.thinking, args.thinking),
     )
     if args.ngram is not None:
-        if args.ngram < 1:
-            raise CliError(f"--ngram must be at least 1 (got {args.ngram})")
+        if not 1 <= args.ngram <= MAX_NGRAM:
+            raise CliError(f"--ngram must be at least 1 and at most {MAX_NGRAM} (got {args.ngram})")
         params.speculative, params.ngram_size = "ngram", args.ngram
     elif args.draft_model is not None:
         params.speculative = "draft"
@@ -279,8 +275,8 @@ def _params(args: argparse.Namespace) -> Any:
     if args.num_draft is not None:
         if params.speculative is None:
             raise CliError("--num-draft needs --draft-model, --ngram or --mtp")
-        if args.num_draft != "auto" and args.num_draft < 1:
-            raise CliError(f"--num-draft must be at least 1 (got {args.num_draft})")
+        if args.num_draft != "auto" and not 1 <= args.num_draft <= MAX_DRAFTS:
+            raise CliError(f"--num-draft must be at least 1 and at most {MAX_DRAFTS} (got {args.num_draft})")
         params.num_draft_tokens = None if args.num_draft == "auto" else args.num_draft
     return params
 
@@ -572,7 +568,7 @@ def _add_serve(parser: Any) -> None:
         default=DEFAULT_MAX_BODY,
         help=f"largest request body taken (default {DEFAULT_MAX_BODY}); larger ones get 413",
     )
-    parser.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+    parser.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(parser)
 
 
@@ -600,7 +596,10 @@ def _fail(message: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a refused command line (one line already printed), or --help
+        return e.code if isinstance(e.code, int) else 2
     try:
         return COMMANDS[args.command](args)
     except EngineError as e:

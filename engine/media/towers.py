@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.api import MediaInput, MemoryPlan, VideoLimits
 from engine.errors import MediaError
+from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.media.encoded_cache import EncodedMediaCache, HashedInput, content_digest, media_key
 from engine.media.prompt import MediaEncoder, PreparedMedia
 
@@ -148,7 +149,7 @@ def read_preprocessor(source: TowerSource) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "a processor's settings", MediaError))
     except (OSError, ValueError) as e:
         raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
     return data if isinstance(data, dict) else {}
@@ -169,7 +170,7 @@ def read_nested_preprocessor(source: TowerSource, part: str) -> dict[str, Any]:
     path = source.path / "processor_config.json"
     if path.is_file():
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "a processor's settings", MediaError))
         except (OSError, ValueError) as e:
             raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
         nested = data.get(part) if isinstance(data, dict) else None
