@@ -405,6 +405,26 @@ def _check_cache_file(path: str) -> None:
         raise CliError(f"--cache-file {path} is a folder; give a file name")
     if not target.parent.exists():
         raise CliError(f"--cache-file: the folder {target.parent} does not exist")
+    if target.is_file() and _is_other_safetensors(target):
+        raise CliError(
+            f"--cache-file {path} holds tensors that are not a saved KV cache (model or adapter weights?); "
+            "it is left as it is: give a new file name"
+        )
+
+
+def _is_other_safetensors(path: Any) -> bool:
+    """A readable safetensors file without the token ids every saved cache carries: weights
+    that a save would overwrite. A damaged cache reads as False, so it is replaced as before."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(length, 100 * 1024 * 1024)))
+    except (OSError, ValueError, struct.error):
+        return False
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(header, dict) and not (isinstance(metadata, dict) and "token_ids" in metadata)
 
 
 def _media(args: argparse.Namespace) -> list[Any]:

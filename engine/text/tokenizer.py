@@ -252,7 +252,13 @@ class Tokenizer:
             data = _read_json(json_file)
             if isinstance(data, Mapping) and data.get("chat_template"):
                 return pick_template(data["chat_template"], str(json_file))
-        if config.get("chat_template"):
+        value = config.get("chat_template")
+        if value and not isinstance(value, (str, list)):
+            raise ModelLoadError(
+                f"{path / 'tokenizer_config.json'} says chat_template is {value!r}; it must be the template's "
+                "text or a list of named templates: the file is damaged"
+            )
+        if value:
             try:
                 return pick_template(config["chat_template"], str(path / "tokenizer_config.json"))
             except TemplateError:

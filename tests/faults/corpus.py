@@ -424,6 +424,12 @@ SETTINGS_CASES = [
     ("generation max_new_tokens -1", _gen("generation_max_new"), "max_new_tokens is -1"),
     ("generation penalty inf", _gen("generation_penalty_inf"), "repetition_penalty is inf"),
     ("generation a list", ["inspect", "{generation_list}"], "must hold a JSON object, not list"),
+    ("chat_template a number", _gen("template_number", "--chat"), "says chat_template is 5; it must be"),
+    (
+        "cache file that is an adapter's weights",
+        _gen("model", "--cache-file", "{adapter}/adapters.safetensors"),
+        "holds tensors that are not a saved KV cache",
+    ),
     # Adapters: ranks, alphas and scales that cannot be, and files cut short.
     ("PEFT r=0", _with_adapter("{peft_r0}"), "says r is 0; a LoRA rank is a whole number of at least 1"),
     ("PEFT r negative", _with_adapter("{peft_r_negative}"), "says r is -4"),

@@ -113,6 +113,7 @@ VARIANTS = {
     "tokenizer_config_40gb": _sparse("tokenizer_config.json"),
     "template_40gb": _sparse("chat_template.jinja"),
     "index_40gb": _sparse("model.safetensors.index.json"),
+    "template_number": _template(5),
 }
 
 
