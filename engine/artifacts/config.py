@@ -162,7 +162,7 @@ def config_from_dict(
             generation, "generation_config.json" if path is None else f"{path / 'generation_config.json'}"
         )
 
-    quant, foreign = _quantization(raw)
+    quant, foreign = _quantization(raw, where)
     eos = _ids(raw.get("eos_token_id")) + _ids(text.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
     bos = _first_id(raw.get("bos_token_id"), text.get("bos_token_id"), generation.get("bos_token_id"))
 
@@ -184,7 +184,17 @@ def config_from_dict(
     )
 
 
-def _quantization(raw: dict[str, Any]) -> tuple[QuantizationSpec | None, str | None]:
+def _whole_setting(block: dict[str, Any], key: str, where: str) -> int:
+    value = block[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise ModelLoadError(
+            f"{where} says quantization.{key} is {value!r}; it must be a whole number such as 4 or 64: "
+            "the file is damaged or mistyped"
+        )
+    return int(value)
+
+
+def _quantization(raw: dict[str, Any], where: str) -> tuple[QuantizationSpec | None, str | None]:
     block = raw.get("quantization")
     if block is None:
         block = raw.get("quantization_config")
@@ -202,8 +212,8 @@ def _quantization(raw: dict[str, Any]) -> tuple[QuantizationSpec | None, str | N
     overrides = {k: v for k, v in block.items() if isinstance(v, (dict, bool))}
     return (
         QuantizationSpec(
-            bits=int(block["bits"]),
-            group_size=int(block["group_size"]),
+            bits=_whole_setting(block, "bits", where),
+            group_size=_whole_setting(block, "group_size", where),
             mode=str(block.get("mode", "affine")),
             overrides=overrides,
         ),

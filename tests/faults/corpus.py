@@ -424,6 +424,7 @@ SETTINGS_CASES = [
     ("generation max_new_tokens -1", _gen("generation_max_new"), "max_new_tokens is -1"),
     ("generation penalty inf", _gen("generation_penalty_inf"), "repetition_penalty is inf"),
     ("generation a list", ["inspect", "{generation_list}"], "must hold a JSON object, not list"),
+    ("quantization bits as a word", _gen("quantization_text"), "quantization.bits is 'four'; it must be a whole"),
     ("chat_template a number", _gen("template_number", "--chat"), "says chat_template is 5; it must be"),
     (
         "cache file that is an adapter's weights",

@@ -114,6 +114,7 @@ VARIANTS = {
     "template_40gb": _sparse("chat_template.jinja"),
     "index_40gb": _sparse("model.safetensors.index.json"),
     "template_number": _template(5),
+    "quantization_text": _config(quantization={"bits": "four", "group_size": 64}),
 }
 
 
