@@ -123,3 +123,40 @@ def check_generation_settings(generation: Any, where: str) -> None:
         ids = value if isinstance(value, list) else [value]
         if value is not None and not all(v is None or _is_whole(v) for v in ids):
             raise _refuse(where, key, value, "a token id (a whole number) or a list of them")
+
+
+# preprocessor_config.json / processor_config.json: sizes and rates a processor divides or
+# resizes by. A zero or negative one ends as a division by zero or an empty image far away.
+_PROCESSOR_POSITIVE = (
+    "patch_size", "merge_size", "spatial_merge_size", "temporal_patch_size", "min_pixels", "max_pixels",
+    "pooling_kernel_size", "max_soft_tokens", "image_seq_length", "sampling_rate", "n_fft", "hop_length",
+    "feature_size", "chunk_length", "num_mel_bins", "fps", "min_frames", "max_frames", "num_frames",
+    "rescale_factor",
+)  # fmt: skip
+_PROCESSOR_SIZES = ("size", "crop_size", "pad_size")
+
+
+def check_processor_settings(settings: Mapping[str, Any], where: str) -> None:
+    """A media processor's settings: positive sizes and rates, finite means, non-zero spreads."""
+    for key in _PROCESSOR_POSITIVE:
+        value = settings.get(key)
+        if value is not None and not (_is_number(value) and value > 0):
+            raise _refuse(where, key, value, "a positive number")
+    for key in _PROCESSOR_SIZES:
+        value = settings.get(key)
+        if isinstance(value, Mapping):
+            parts = list(value.items())
+        elif isinstance(value, list):
+            parts = [(str(i), v) for i, v in enumerate(value)]
+        else:
+            parts = [(None, value)]
+        for part, size in parts:
+            if size is not None and not (_is_number(size) and size > 0):
+                name = key if part is None else f"{key}.{part}"
+                raise _refuse(where, name, size, "a positive number of pixels")
+    for key, low in (("image_mean", None), ("image_std", 0)):
+        value = settings.get(key)
+        values = value if isinstance(value, list) else [value]
+        if value is not None and not all(_is_number(v) and (low is None or v > low) for v in values):
+            rule = "a list of numbers" if low is None else "a list of positive numbers"
+            raise _refuse(where, key, value, rule)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.api import MediaInput, MemoryPlan, VideoLimits
+from engine.artifacts.config_values import check_processor_settings
 from engine.errors import MediaError
 from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.media.encoded_cache import EncodedMediaCache, HashedInput, content_digest, media_key
@@ -152,6 +153,8 @@ def read_preprocessor(source: TowerSource) -> dict[str, Any]:
         data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "a processor's settings", MediaError))
     except (OSError, ValueError) as e:
         raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
+    if isinstance(data, dict):
+        check_processor_settings(data, str(path))
     return data if isinstance(data, dict) else {}
 
 
@@ -175,6 +178,7 @@ def read_nested_preprocessor(source: TowerSource, part: str) -> dict[str, Any]:
             raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
         nested = data.get(part) if isinstance(data, dict) else None
         if isinstance(nested, dict):
+            check_processor_settings(nested, f"{path} ({part})")
             return nested
     return read_preprocessor(source)
 

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.api import MediaInput
+from engine.artifacts.config_values import check_processor_settings
 from engine.errors import MediaError
 from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.media.encoded_cache import media_key
@@ -166,6 +167,7 @@ def read_video_preprocessor(source: TowerSource) -> dict[str, Any]:
             raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
         data = data.get(nested) if nested and isinstance(data, dict) else data
         if isinstance(data, dict):
+            check_processor_settings(data, str(path))
             return data
     return {}
 

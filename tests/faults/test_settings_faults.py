@@ -1,0 +1,75 @@
+"""The readers under the CLI, checked directly: a bounded read still takes a pipe, and a
+media processor's settings that mean nothing are refused in one line naming the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.artifacts.config_values import check_processor_settings
+from engine.errors import EngineError, ModelLoadError
+from engine.files import read_bytes_bounded
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_pipe_is_read_up_to_the_bound(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen([sys.executable, "-c", f"open({str(fifo)!r}, 'wb').write(b'x' * 5000)"])
+    with pytest.raises(EngineError, match="larger than 4,096 bytes, too large to be a test"):
+        read_bytes_bounded(fifo, 4096, "a test")
+    writer.wait(timeout=30)
+
+
+def test_messages_from_stdin_still_render(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "template", "--template", str(template), "--messages", "/dev/stdin"],
+        input=json.dumps({"messages": [{"role": "user", "content": "piped"}]}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[piped]"
+
+
+PROCESSOR_CASES = [
+    ({"patch_size": 0}, "patch_size is 0; it must be a positive number"),
+    ({"merge_size": -2}, "merge_size is -2"),
+    ({"max_pixels": float("nan")}, "max_pixels is nan"),
+    ({"size": {"height": -64, "width": 64}}, "size.height is -64; it must be a positive number of pixels"),
+    ({"size": -1}, "size is -1"),
+    ({"crop_size": [224, 0]}, "crop_size.1 is 0"),
+    ({"image_std": [0.5, 0.0, 0.5]}, "image_std is [0.5, 0.0, 0.5]"),
+    ({"image_mean": ["a"]}, "image_mean is ['a']"),
+    ({"sampling_rate": 0}, "sampling_rate is 0"),
+    ({"fps": "fast"}, "fps is 'fast'"),
+]
+
+
+@pytest.mark.parametrize("settings,needle", PROCESSOR_CASES, ids=[c[1].split(" is ")[0] for c in PROCESSOR_CASES])
+def test_processor_settings_that_mean_nothing(settings, needle):
+    with pytest.raises(ModelLoadError) as caught:
+        check_processor_settings(settings, "preprocessor_config.json")
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_real_processor_settings_pass():
+    qwen2_vl = {
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "rescale_factor": 0.00392156862745098, "size": {"shortest_edge": 3136, "longest_edge": 12845056},
+    }  # fmt: skip
+    whisper = {"feature_size": 80, "sampling_rate": 16000, "hop_length": 160, "chunk_length": 30, "n_fft": 400}
+    gemma3 = {"size": {"height": 896, "width": 896}, "image_seq_length": 256, "crop_size": None, "resample": 2}
+    for settings in (qwen2_vl, whisper, gemma3):
+        check_processor_settings(settings, "preprocessor_config.json")
