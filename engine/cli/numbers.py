@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -22,7 +23,11 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (exit status 2, as argparse's)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
+        line = " ".join(message.split())
+        named = re.match(r"argument (\S+): (.*)", line)
+        if named and any(flag in named[2] for flag in named[1].split("/")):
+            line = named[2]  # our parsers name the flag already: "argument --x: --x must ..." says it twice
+        self.exit(2, f"error: {line} (see {self.prog} --help)\n")
 
 
 def _whole_text(text: str) -> int | None:
