@@ -65,12 +65,13 @@ def check_model_settings(cfg: Mapping[str, Any], where: str) -> None:
         ids = value if isinstance(value, list) else [value]
         if value is not None and not all(v is None or _is_whole(v) for v in ids):
             raise _refuse(where, key, value, "a token id (a whole number) or a list of them")
-    check_rope_scaling(cfg.get("rope_scaling"), where)
+    check_rope_scaling(cfg.get("rope_scaling"), where, outer_length=cfg.get("original_max_position_embeddings"))
 
 
-def check_rope_scaling(block: Any, where: str) -> None:
+def check_rope_scaling(block: Any, where: str, *, outer_length: Any = None) -> None:
     """``rope_scaling``: null, or an object whose numbers are positive and finite, with the
-    pretraining length its type's formula needs."""
+    pretraining length its type's formula needs (in the block, or beside it in the config:
+    ``outer_length``, Phi-3's spelling, which config_spellings.rope_settings also reads)."""
     if block is None:
         return
     if not isinstance(block, Mapping):
@@ -85,7 +86,7 @@ def check_rope_scaling(block: Any, where: str) -> None:
     original = block.get("original_max_position_embeddings")
     if original is not None and not (_is_whole(original) and 1 <= original <= _MAX_POSITIONS):
         raise _refuse(where, "rope_scaling.original_max_position_embeddings", original, "a whole number of tokens")
-    if kind in _NEEDS_ORIGINAL_LENGTH and original is None:
+    if kind in _NEEDS_ORIGINAL_LENGTH and original is None and outer_length is None:
         raise ModelLoadError(
             f"{where} asks for {kind} RoPE scaling without rope_scaling.original_max_position_embeddings "
             "(the pretraining context it scales from): the file is damaged or incomplete"
@@ -127,33 +128,29 @@ def check_generation_settings(generation: Any, where: str) -> None:
 
 # preprocessor_config.json / processor_config.json: sizes and rates a processor divides or
 # resizes by. A zero or negative one ends as a division by zero or an empty image far away.
+# Each may be a number, or per side ({"height": 8, "width": 8}, Pixtral's patch_size) or a list.
 _PROCESSOR_POSITIVE = (
     "patch_size", "merge_size", "spatial_merge_size", "temporal_patch_size", "min_pixels", "max_pixels",
     "pooling_kernel_size", "max_soft_tokens", "image_seq_length", "sampling_rate", "n_fft", "hop_length",
     "feature_size", "chunk_length", "num_mel_bins", "fps", "min_frames", "max_frames", "num_frames",
-    "rescale_factor",
+    "rescale_factor", "size", "crop_size", "pad_size",
 )  # fmt: skip
-_PROCESSOR_SIZES = ("size", "crop_size", "pad_size")
+
+
+def _parts(key: str, value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        return [(f"{key}.{part}", v) for part, v in value.items()]
+    if isinstance(value, list):
+        return [(f"{key}.{i}", v) for i, v in enumerate(value)]
+    return [(key, value)]
 
 
 def check_processor_settings(settings: Mapping[str, Any], where: str) -> None:
     """A media processor's settings: positive sizes and rates, finite means, non-zero spreads."""
     for key in _PROCESSOR_POSITIVE:
-        value = settings.get(key)
-        if value is not None and not (_is_number(value) and value > 0):
-            raise _refuse(where, key, value, "a positive number")
-    for key in _PROCESSOR_SIZES:
-        value = settings.get(key)
-        if isinstance(value, Mapping):
-            parts = list(value.items())
-        elif isinstance(value, list):
-            parts = [(str(i), v) for i, v in enumerate(value)]
-        else:
-            parts = [(None, value)]
-        for part, size in parts:
-            if size is not None and not (_is_number(size) and size > 0):
-                name = key if part is None else f"{key}.{part}"
-                raise _refuse(where, name, size, "a positive number of pixels")
+        for name, value in _parts(key, settings.get(key)):
+            if value is not None and not (_is_number(value) and value > 0):
+                raise _refuse(where, name, value, "a positive number")
     for key, low in (("image_mean", None), ("image_std", 0)):
         value = settings.get(key)
         values = value if isinstance(value, list) else [value]

@@ -46,8 +46,9 @@ PROCESSOR_CASES = [
     ({"patch_size": 0}, "patch_size is 0; it must be a positive number"),
     ({"merge_size": -2}, "merge_size is -2"),
     ({"max_pixels": float("nan")}, "max_pixels is nan"),
-    ({"size": {"height": -64, "width": 64}}, "size.height is -64; it must be a positive number of pixels"),
+    ({"size": {"height": -64, "width": 64}}, "size.height is -64; it must be a positive number"),
     ({"size": -1}, "size is -1"),
+    ({"patch_size": {"height": 8, "width": 0}}, "patch_size.width is 0"),
     ({"crop_size": [224, 0]}, "crop_size.1 is 0"),
     ({"image_std": [0.5, 0.0, 0.5]}, "image_std is [0.5, 0.0, 0.5]"),
     ({"image_mean": ["a"]}, "image_mean is ['a']"),
@@ -71,5 +72,6 @@ def test_real_processor_settings_pass():
     }  # fmt: skip
     whisper = {"feature_size": 80, "sampling_rate": 16000, "hop_length": 160, "chunk_length": 30, "n_fft": 400}
     gemma3 = {"size": {"height": 896, "width": 896}, "image_seq_length": 256, "crop_size": None, "resample": 2}
-    for settings in (qwen2_vl, whisper, gemma3):
+    pixtral = {"patch_size": {"height": 16, "width": 16}, "size": {"longest_edge": 1540}, "image_std": [0.26, 0.26]}
+    for settings in (qwen2_vl, whisper, gemma3, pixtral):
         check_processor_settings(settings, "preprocessor_config.json")
