@@ -34,6 +34,14 @@ def _gguf_alignment_zero(path: Path) -> None:
     )
 
 
+def _gguf_huge_array(path: Path) -> None:
+    """One metadata value: an array of 2**40 uint8 (type 9 of type 0) in a 60-byte file."""
+    key = b"tokenizer.ggml.scores"
+    path.write_bytes(
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 0, 2**40)
+    )
+
+
 @pytest.fixture(scope="module")
 def places(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("faults")
@@ -56,6 +64,7 @@ def places(tmp_path_factory) -> dict[str, str]:
     _wav(root / "one_hz.wav", 1)
     _wav(root / "zero_hz.wav", 0)
     _gguf_alignment_zero(root / "align0.gguf")
+    _gguf_huge_array(root / "huge_array.gguf")
     return out
 
 
