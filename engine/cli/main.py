@@ -413,8 +413,9 @@ def _check_cache_file(path: str) -> None:
 
 
 def _is_other_safetensors(path: Any) -> bool:
-    """A readable safetensors file without the token ids every saved cache carries: weights
-    that a save would overwrite. A damaged cache reads as False, so it is replaced as before."""
+    """A readable safetensors file whose header does not name the engine's cache format:
+    weights that a save would overwrite. A damaged cache reads as False, so it is replaced
+    as before."""
     import struct
 
     try:
@@ -424,7 +425,9 @@ def _is_other_safetensors(path: Any) -> bool:
     except (OSError, ValueError, struct.error):
         return False
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    return isinstance(header, dict) and not (isinstance(metadata, dict) and "token_ids" in metadata)
+    # models.kv_cache writes format "mlx-desk-prompt-cache/N" into every cache it saves.
+    ours = isinstance(metadata, dict) and str(metadata.get("format", "")).startswith("mlx-desk-prompt-cache")
+    return isinstance(header, dict) and not ours
 
 
 def _media(args: argparse.Namespace) -> list[Any]:
