@@ -124,6 +124,8 @@ def resolve_model_path(name_or_path: str | Path, cache_dir: Path | None = None) 
         if path.name == "config.json":
             return path.parent
         raise ModelLoadError(f"{path} is a file but not a .gguf model; point at the model's folder instead")
+    if path.exists():  # a device, a pipe or a socket: nothing a model is made of
+        raise ModelLoadError(f"{path} is not a file or folder; give a model folder, a .gguf file, or a repo id")
     if _REPO_ID.match(text) and not text.startswith((".", "/")):
         snap = snapshot_path(text, cache_dir)
         if snap is not None:

@@ -398,6 +398,7 @@ BOUNDED_READ_CASES = [
     ("tokenizer_config.json 40 GB", _gen("tokenizer_config_40gb"), "too large to be a tokenizer's settings"),
     ("chat_template.jinja 40 GB", _gen("template_40gb", "--chat"), "too large to be a chat template"),
     ("adapter_config.json 40 GB", _with_adapter("{adapter_config_40gb}"), "too large to be an adapter's settings"),
+    ("a device as the model", ["inspect", "/dev/zero"], "/dev/zero is not a file or folder"),
     ("GGUF array of 2**40 items", ["inspect", "{tmp}/huge_array.gguf"], "huge_array.gguf is truncated inside its GGUF"),
 ]
 
