@@ -24,6 +24,7 @@ TEMPLATE_LIMIT = 16 * MiB  # a chat template, or a tokenizer_config.json that ho
 MESSAGES_LIMIT = 64 * MiB  # a conversation handed to ``template --messages``
 TOKENIZER_LIMIT = 512 * MiB  # tokenizer.json / tekken.json of the largest vocabularies are ~40 MB
 IMAGE_FILE_LIMIT = 512 * MiB  # 120 megapixels (image_limits.MAX_PIXELS) as an uncompressed TIFF is 360 MB
+_CHUNK = MiB  # what a pipe or device is read in
 
 
 def _size_text(limit: int) -> str:
@@ -58,14 +59,27 @@ def read_bytes_bounded(path: str | Path, limit: int, what: str, error: type[Engi
     OSError (missing file, a folder, no permission) passes through for the caller to word.
     """
     path = Path(path)
+    chunks: list[bytes] = []
+    held = 0
     with open(path, "rb") as f:
         info = os.fstat(f.fileno())
         if stat.S_ISREG(info.st_mode) and info.st_size > limit:
             raise _too_large(path, limit, what, error)
-        data = f.read(limit + 1)
-    if len(data) > limit:
+        # A regular file in one read of its size (plus one byte, to see it grew); anything
+        # else in pieces, since read(limit + 1) reserves the whole limit up front.
+        regular = stat.S_ISREG(info.st_mode)
+        step = info.st_size + 1 if regular else _CHUNK
+        while held <= limit:
+            asked = min(step, limit + 1 - held)
+            chunk = f.read(asked)
+            chunks.append(chunk)
+            held += len(chunk)
+            if not chunk or (regular and len(chunk) < asked):  # a short read of a file is its end
+                break
+            step = _CHUNK
+    if held > limit:
         raise _too_large(path, limit, what, error)
-    return data
+    return b"".join(chunks)
 
 
 def read_text_bounded(path: str | Path, limit: int, what: str, error: type[EngineError] = EngineError) -> str:

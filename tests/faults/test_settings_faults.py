@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,17 @@ def test_a_pipe_is_read_up_to_the_bound(tmp_path):
     with pytest.raises(EngineError, match="larger than 4,096 bytes, too large to be a test"):
         read_bytes_bounded(fifo, 4096, "a test")
     writer.wait(timeout=30)
+
+
+def test_a_small_file_costs_its_size_not_the_bound(tmp_path):
+    small = tmp_path / "config.json"
+    small.write_text('{"model_type": "llama"}' * 40)
+    tracemalloc.start()
+    data = read_bytes_bounded(small, 512 * 1024 * 1024, "a test")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert data == small.read_bytes()
+    assert peak < 256 * 1024, f"reading {len(data)} bytes reserved {peak:,}"
 
 
 def test_messages_from_stdin_still_render(tmp_path):
