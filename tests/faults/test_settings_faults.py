@@ -87,3 +87,21 @@ def test_real_processor_settings_pass():
     pixtral = {"patch_size": {"height": 16, "width": 16}, "size": {"longest_edge": 1540}, "image_std": [0.26, 0.26]}
     for settings in (qwen2_vl, whisper, gemma3, pixtral):
         check_processor_settings(settings, "preprocessor_config.json")
+
+
+def test_the_number_parsers_take_what_people_write():
+    from engine.cli.numbers import frame_size, memory_bytes, real, whole
+
+    assert whole("--repeat", 1, 1000)("3") == 3
+    assert whole("-p", 1, 1 << 20)("2,048") == 2048 == whole("-p", 1, 1 << 20)("2_048")
+    assert whole("-p", 1, 1 << 20)("1e3") == 1000
+    assert real("--media-seconds", 0, 3600, above=True)("0.5") == 0.5
+    assert frame_size("--media-size", 8192)("1280X720") == (1280, 720)
+    assert memory_bytes("12GB") == 12 * 10**9 and memory_bytes("800mb") == 800 * 10**6
+
+
+def test_help_still_exits_zero(capsys):
+    from engine.cli.main import main
+
+    assert main(["--help"]) == 0
+    assert "generate" in capsys.readouterr().out
