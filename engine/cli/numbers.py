@@ -27,6 +27,8 @@ class Parser(argparse.ArgumentParser):
         named = re.match(r"argument (\S+): (.*)", line)
         if named and any(flag in named[2] for flag in named[1].split("/")):
             line = named[2]  # our parsers name the flag already: "argument --x: --x must ..." says it twice
+        if line.endswith("expected one argument"):  # argparse took a value like -64x-64 for a flag
+            line += "; a value that starts with '-' is written --flag=VALUE"
         self.exit(2, f"error: {line} (see {self.prog} --help)\n")
 
 

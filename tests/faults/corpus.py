@@ -381,6 +381,7 @@ NUMBER_CASES = [
         _bench("--media", "video", "--media-size=-64x-64"),
         "--media-size takes WIDTHxHEIGHT in pixels",
     ),
+    ("bench frame size read as a flag", _bench("--media", "video", "--media-size", "-64x-64"), "written --flag=VALUE"),
     ("bench negative clip", _bench("--media", "video", "--media-seconds", "-5"), "--media-seconds must be a finite"),
     ("bench NaN clip", _bench("--media", "video", "--media-seconds", "nan"), "--media-seconds must be a finite"),
     ("convert 7 bits", ["convert", "{model}", "{tmp}/out7", "-q", "--bits", "7"], "argument --bits: invalid choice"),
