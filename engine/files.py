@@ -24,6 +24,7 @@ TEMPLATE_LIMIT = 16 * MiB  # a chat template, or a tokenizer_config.json that ho
 MESSAGES_LIMIT = 64 * MiB  # a conversation handed to ``template --messages``
 TOKENIZER_LIMIT = 512 * MiB  # tokenizer.json / tekken.json of the largest vocabularies are ~40 MB
 IMAGE_FILE_LIMIT = 512 * MiB  # 120 megapixels (image_limits.MAX_PIXELS) as an uncompressed TIFF is 360 MB
+WAV_FILE_LIMIT = 4 * 1024 * MiB  # a RIFF file's own 32-bit size field
 _CHUNK = MiB  # what a pipe or device is read in
 
 
@@ -50,6 +51,18 @@ def check_size(path: str | Path, limit: int, what: str, error: type[EngineError]
         raise error(f"{path} is not a regular file, so it cannot be {what}: check the path")
     if info.st_size > limit:
         raise _too_large(path, limit, what, error)
+
+
+def require_regular_file(path: str | Path, what: str, error: type[EngineError] = EngineError) -> None:
+    """Refuse a device or pipe where a file is read to its end (hashed, decoded): /dev/zero
+    as an image would be read forever."""
+    path = Path(path)
+    try:
+        info = os.stat(path)
+    except OSError:
+        return  # missing or unreadable: the reader that follows words that itself
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{path} is not a regular file, so it cannot be {what}: check the path")
 
 
 def read_bytes_bounded(path: str | Path, limit: int, what: str, error: type[EngineError] = EngineError) -> bytes:

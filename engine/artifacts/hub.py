@@ -28,6 +28,7 @@ from engine.artifacts.hub_resume import (
     partial_path,
 )
 from engine.errors import EngineError, ModelLoadError
+from engine.files import read_text_bounded
 
 # What a model download fetches by default: weights, configs, tokenizer, templates.
 # Never code (*.py): models' code is not run here.
@@ -100,7 +101,7 @@ def snapshot_path(repo_id: str, cache_dir: Path | None = None, revision: str = "
     snapshots = folder / "snapshots"
     ref = folder / "refs" / revision
     if ref.is_file():
-        candidate = snapshots / ref.read_text().strip()
+        candidate = snapshots / read_text_bounded(ref, 4096, "a cache ref (a commit hash)", ModelLoadError).strip()
         if candidate.is_dir():
             return candidate
     if (snapshots / revision).is_dir():  # a commit hash given as the revision

@@ -105,3 +105,11 @@ def test_help_still_exits_zero(capsys):
 
     assert main(["--help"]) == 0
     assert "generate" in capsys.readouterr().out
+
+
+def test_a_device_as_media_is_refused_not_hashed_forever():
+    from engine.errors import MediaError
+    from engine.media.encoded_cache import content_digest
+
+    with pytest.raises(MediaError, match="/dev/zero is not a regular file, so it cannot be a media file"):
+        content_digest("/dev/zero")
