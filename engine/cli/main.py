@@ -312,8 +312,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--image, --audio and --video need --chat (the chat template places the media)")
     from engine.decode.guards import check_utf8
 
-    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", s) for s in args.stop)):
         check_utf8(text, flag)
+    if args.thinking is not None and not args.chat:
+        raise CliError("--thinking needs --chat (it is the chat template's reasoning switch)")
+    if args.pan_and_scan and not args.image:
+        raise CliError("--pan-and-scan needs --image (it crops images)")
     params = _params(args)
     media = _media(args)
     host = ModelHost()

@@ -204,6 +204,17 @@ ENGINE_CASES = [
         ["generate", "--model", "{model}", "--chat", "--prompt", "hi", "--system", "\udcfe"],
         "--system is not valid UTF-8",
     ),
+    (
+        "invalid UTF-8 stop",
+        ["generate", "--model", "{model}", "--prompt", "hi", "--stop", "\udcff"],
+        "--stop is not valid",
+    ),
+    ("thinking without chat", ["generate", "--model", "{model}", "--prompt", "hi", "--thinking", "on"], "needs --chat"),
+    (
+        "pan and scan without an image",
+        ["generate", "--model", "{model}", "--prompt", "hi", "--pan-and-scan"],
+        "needs --image",
+    ),
     # Garbage weights are named.
     (
         "NaN weights",
