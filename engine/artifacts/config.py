@@ -3,7 +3,9 @@
 Checkpoints spell the same facts several ways (``rope_scaling``/``rope_theta`` versus
 the newer ``rope_parameters``; ``quantization`` versus ``quantization_config``; an int or
 a list for ``eos_token_id``). Everything downstream reads ``ModelConfig`` and never the
-raw files, so the spellings are settled here once.
+raw files, so the spellings are settled here once, and the values that cannot mean
+anything (a negative epsilon, a RoPE base of 0, a NaN temperature) are refused here too,
+by config_values.py, before anything is built from them.
 """
 
 from __future__ import annotations
@@ -133,8 +135,7 @@ def read_config(path: str | Path) -> ModelConfig:
     generation: dict[str, Any] = {}
     generation_file = folder / "generation_config.json"
     if generation_file.is_file():
-        generation = read_json(generation_file)
-        check_generation_settings(generation, str(generation_file))
+        generation = read_json(generation_file)  # checked, whatever it holds, in config_from_dict
     return config_from_dict(raw, generation, path=folder)
 
 
