@@ -3,7 +3,9 @@
 Checkpoints spell the same facts several ways (``rope_scaling``/``rope_theta`` versus
 the newer ``rope_parameters``; ``quantization`` versus ``quantization_config``; an int or
 a list for ``eos_token_id``). Everything downstream reads ``ModelConfig`` and never the
-raw files, so the spellings are settled here once.
+raw files, so the spellings are settled here once, and the values that cannot mean
+anything (a negative epsilon, a RoPE base of 0, a NaN temperature) are refused here too,
+by config_values.py, before anything is built from them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.artifacts.config_spellings import normalise_rope, text_config_or_none
+from engine.artifacts.config_values import check_generation_settings, check_model_settings
 from engine.errors import ModelLoadError
+from engine.files import SETTINGS_LIMIT, read_text_bounded
 
 # generation_config.json keys that become default sampling settings.
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -98,7 +102,7 @@ def _spellings(module_path: str) -> list[str]:
 def read_json(path: Path) -> Any:
     """Parse a JSON file; a syntax error names the file and the line."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_bounded(path, SETTINGS_LIMIT, "a model's settings", ModelLoadError)
     except UnicodeDecodeError as e:
         raise ModelLoadError(f"{path} is not UTF-8 text ({e.reason}): download it again") from None
     except OSError as e:
@@ -131,8 +135,7 @@ def read_config(path: str | Path) -> ModelConfig:
     generation: dict[str, Any] = {}
     generation_file = folder / "generation_config.json"
     if generation_file.is_file():
-        loaded = read_json(generation_file)
-        generation = loaded if isinstance(loaded, dict) else {}
+        generation = read_json(generation_file)  # checked, whatever it holds, in config_from_dict
     return config_from_dict(raw, generation, path=folder)
 
 
@@ -148,13 +151,19 @@ def config_from_dict(
         raise ModelLoadError(f"{where} has no model_type, so the model family is unknown; re-download the model")
 
     normalise_rope(raw)
+    check_model_settings(raw, where)
     text = text_config_or_none(raw)
     if text is not None:
         normalise_rope(text)
+        check_model_settings(text, f"{where} (text_config)")
     else:
         text = raw
+    if generation:
+        check_generation_settings(
+            generation, "generation_config.json" if path is None else f"{path / 'generation_config.json'}"
+        )
 
-    quant, foreign = _quantization(raw)
+    quant, foreign = _quantization(raw, where)
     eos = _ids(raw.get("eos_token_id")) + _ids(text.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
     bos = _first_id(raw.get("bos_token_id"), text.get("bos_token_id"), generation.get("bos_token_id"))
 
@@ -176,7 +185,17 @@ def config_from_dict(
     )
 
 
-def _quantization(raw: dict[str, Any]) -> tuple[QuantizationSpec | None, str | None]:
+def _whole_setting(block: dict[str, Any], key: str, where: str) -> int:
+    value = block[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise ModelLoadError(
+            f"{where} says quantization.{key} is {value!r}; it must be a whole number such as 4 or 64: "
+            "the file is damaged or mistyped"
+        )
+    return int(value)
+
+
+def _quantization(raw: dict[str, Any], where: str) -> tuple[QuantizationSpec | None, str | None]:
     block = raw.get("quantization")
     if block is None:
         block = raw.get("quantization_config")
@@ -194,8 +213,8 @@ def _quantization(raw: dict[str, Any]) -> tuple[QuantizationSpec | None, str | N
     overrides = {k: v for k, v in block.items() if isinstance(v, (dict, bool))}
     return (
         QuantizationSpec(
-            bits=int(block["bits"]),
-            group_size=int(block["group_size"]),
+            bits=_whole_setting(block, "bits", where),
+            group_size=_whole_setting(block, "group_size", where),
             mode=str(block.get("mode", "affine")),
             overrides=overrides,
         ),

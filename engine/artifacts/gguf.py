@@ -92,10 +92,14 @@ class GGUFHeader:
 
 
 class _Reader:
-    def __init__(self, f: BinaryIO, path: Path):
-        self.f, self.path = f, path
+    def __init__(self, f: BinaryIO, path: Path, size: int):
+        self.f, self.path, self.size = f, path, size
 
     def take(self, n: int) -> bytes:
+        # A count in the header (an array of 2**40 items) is checked against the bytes the
+        # file has left before anything is allocated for it.
+        if n > self.size - self.f.tell():
+            raise ModelLoadError(f"{self.path.name} is truncated inside its GGUF header: download it again")
         data = self.f.read(n)
         if len(data) < n:
             raise ModelLoadError(f"{self.path.name} is truncated inside its GGUF header: download it again")
@@ -131,7 +135,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
-            r = _Reader(f, path)
+            r = _Reader(f, path, size)
             if r.take(4) != b"GGUF":
                 raise ModelLoadError(f"{path.name} is not a GGUF file (bad magic bytes)")
             version = r.scalar("<I")

@@ -28,6 +28,7 @@ from engine.artifacts.hub_resume import (
     partial_path,
 )
 from engine.errors import EngineError, ModelLoadError
+from engine.files import read_text_bounded
 
 # What a model download fetches by default: weights, configs, tokenizer, templates.
 # Never code (*.py): models' code is not run here.
@@ -100,7 +101,7 @@ def snapshot_path(repo_id: str, cache_dir: Path | None = None, revision: str = "
     snapshots = folder / "snapshots"
     ref = folder / "refs" / revision
     if ref.is_file():
-        candidate = snapshots / ref.read_text().strip()
+        candidate = snapshots / read_text_bounded(ref, 4096, "a cache ref (a commit hash)", ModelLoadError).strip()
         if candidate.is_dir():
             return candidate
     if (snapshots / revision).is_dir():  # a commit hash given as the revision
@@ -124,6 +125,8 @@ def resolve_model_path(name_or_path: str | Path, cache_dir: Path | None = None) 
         if path.name == "config.json":
             return path.parent
         raise ModelLoadError(f"{path} is a file but not a .gguf model; point at the model's folder instead")
+    if path.exists():  # a device, a pipe or a socket: nothing a model is made of
+        raise ModelLoadError(f"{path} is not a file or folder; give a model folder, a .gguf file, or a repo id")
     if _REPO_ID.match(text) and not text.startswith((".", "/")):
         snap = snapshot_path(text, cache_dir)
         if snap is not None:

@@ -89,3 +89,21 @@ def check_model_files(
     )
     check_config_sizes(config.text, where)
     check_against_headers(config.text, shapes, where, quantized=gguf or config.quantization is not None, packed=packed)
+    if not gguf and config.quantization is None and config.foreign_quantization is None:
+        # Packed weights beside their .scales are MLX-quantized without a config block:
+        # the checkpoint loader names that case itself.
+        plain = frozenset(n for n in packed if f"{n.rpartition('.')[0]}.scales" not in shapes)
+        check_float_weights(plain, config.name)
+
+
+def check_float_weights(integer_tensors: frozenset[str], model: str) -> None:
+    """An unquantized checkpoint computes in floating point: a weight or bias stored as
+    integers (an int32 export, a half-finished conversion) cannot be multiplied as it is
+    and would fail deep inside MLX. ``integer_tensors`` names the integer-typed tensors."""
+    bad = sorted(n for n in integer_tensors if n.rpartition(".")[2] in ("weight", "bias"))
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise ModelLoadError(
+            f"{model} stores {bad[0]}{more} as integers, but its config.json declares no quantization: "
+            "the weights must be float16, bfloat16 or float32 (re-export or re-download them)"
+        )

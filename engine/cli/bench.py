@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.cli.bench_shapes import FIXED_QUANTIZATION, SHAPES
 from engine.cli.experts import add_resident_experts
+from engine.cli.numbers import whole
 from engine.errors import EngineError
 
 
@@ -40,30 +41,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--shape", choices=sorted(set(SHAPES) | set(MEDIA_SHAPES)), default="qwen3-4b")
     p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--group-size", type=int, choices=[16, 32, 64, 128], default=64)
     p.add_argument(
         "--mode",
         choices=["affine", "mxfp4", "mxfp8", "nvfp4"],
         default="affine",
         help="quantization mode; mxfp4, mxfp8 and nvfp4 set their own bits and group size",
     )
-    p.add_argument("-p", "--prompt-tokens", type=int, default=512)
-    p.add_argument("-g", "--generation-tokens", type=int, default=128)
+    p.add_argument("-p", "--prompt-tokens", type=whole("-p", 1, 1 << 20), default=512)
+    p.add_argument("-g", "--generation-tokens", type=whole("-g", 2, 1 << 20), default=128)
     p.add_argument(
         "--vs",
         choices=["mlx-lm", "mlx-vlm"],
         help="also time mlx-lm on the same weights (mlx-vlm: with --media, or for the DiffusionGemma shapes)",
     )
     p.add_argument(
-        "--denoising-steps", type=int, default=48, help="DiffusionGemma shapes: the most steps a block takes"
+        "--denoising-steps",
+        type=whole("--denoising-steps", 1, 10_000),
+        default=48,
+        help="DiffusionGemma shapes: the most steps a block takes",
     )
     p.add_argument(
         "--repeat",
-        type=int,
+        type=whole("--repeat", 1, 1000),
         default=1,
         help="timed runs per loop, interleaved; each figure is reported at its best and as a median",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=whole("--seed", 0, 2**32 - 1), default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--no-compile", action="store_true", help="decode with the plain forward pass only")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], help="hold the KV cache quantized (both loops)")

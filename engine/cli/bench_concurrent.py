@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engine.cli.numbers import whole
 from engine.errors import EngineError
 
 
@@ -50,7 +51,7 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stagger",
-        type=int,
+        type=whole("--stagger", 0, 1 << 20),
         default=0,
         metavar="K",
         help="with --concurrent: stream i arrives after i*K decode steps (rows of different lengths: "

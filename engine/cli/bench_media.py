@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli.bench_shapes import SHAPES
+from engine.cli.numbers import frame_size, real
 from engine.errors import EngineError
 
 
@@ -154,8 +155,18 @@ def add_media_arguments(p: Any) -> None:
         choices=["image", "video"],
         help="time to first token for one image or clip on a vision model's shape (--shape qwen3-vl-4b, qwen3.5-4b)",
     )
-    p.add_argument("--media-seconds", type=float, default=30.0, help="the clip's length (with --media video)")
-    p.add_argument("--media-size", default="1280x720", help="the clip's frame size WxH (with --media video)")
+    p.add_argument(
+        "--media-seconds",
+        type=real("--media-seconds", 0, 3600, above=True),
+        default=30.0,
+        help="the clip's length (with --media video)",
+    )
+    p.add_argument(
+        "--media-size",
+        type=frame_size("--media-size", 8192),
+        default=(1280, 720),
+        help="the clip's frame size WxH (with --media video)",
+    )
 
 
 def _clip(path: Path, seconds: float, width: int, height: int, fps: int = 30) -> Path:
@@ -257,7 +268,7 @@ def run_media_bench(args: Any) -> int:
             source: Any = np.random.default_rng(args.seed).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
             what = "one 1024x1024 image"
         else:
-            width, height = (int(v) for v in args.media_size.lower().split("x"))
+            width, height = args.media_size
             source = _clip(Path(tmp) / "clip.mp4", args.media_seconds, width, height)
             what = f"one {args.media_seconds:g} s {width}x{height} clip"
         print(f"{args.shape} (random weights) on {mx.default_device()}: time to first token for {what}", flush=True)

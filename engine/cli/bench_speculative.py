@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from engine.cli.bench import Timing, measure_interleaved, mlx_lm_twin, with_runs
+from engine.cli.numbers import whole
 
 NOTES = {
     "self": "self: the model drafts for itself; greedy drafts are all accepted (the upper bound)",
@@ -53,8 +54,14 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N|auto",
         help="drafts verified per pass (default 4), or auto: chosen each round from measured costs",
     )
-    p.add_argument("--ngram-size", type=int, default=3, help="ids matched by n-gram lookup (default 3)")
-    p.add_argument("--draft-layers", type=int, help="layers of the draft model (default 2, 1 for a 2-layer shape)")
+    p.add_argument(
+        "--ngram-size", type=whole("--ngram-size", 1, 256), default=3, help="ids matched by n-gram lookup (default 3)"
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=whole("--draft-layers", 1, 1024),
+        help="layers of the draft model (default 2, 1 for a 2-layer shape)",
+    )
     p.add_argument(
         "--compiled",
         action="store_true",

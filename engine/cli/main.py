@@ -14,11 +14,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.cli.experts import add_resident_experts, json_experts
+from engine.cli.numbers import Parser, memory_bytes
 from engine.errors import EngineError, backend_hint
 
 
 class CliError(EngineError):
     """A command line that cannot be carried out as written."""
+
+
+MAX_NGRAM = 256  # ids an n-gram lookup matches; prompt lookup uses 2-5
+MAX_DRAFTS = 64  # drafts verified in one pass (auto picks at most 6); more only lengthens each pass
 
 
 def _ids(text: str) -> list[int]:
@@ -44,15 +49,6 @@ def _adapter(text: str) -> tuple[str, float]:
     return text, 1.0
 
 
-def _budget(text: str) -> int:
-    from engine.runtime.memory import parse_budget
-
-    try:
-        return parse_budget(text)
-    except EngineError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _add_generate(sub: Any) -> None:
     from engine.decode.draft_depth import draft_count  # mlx-free
 
@@ -74,7 +70,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+    p.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(p)
     add_resident_experts(p)
     p.add_argument(
@@ -173,7 +169,7 @@ def _add_template(sub: Any) -> None:
 def _add_inspect(sub: Any) -> None:
     p = sub.add_parser("inspect", help="config, family, quantization, memory plan")
     p.add_argument("path")
-    p.add_argument("--memory-budget", type=_budget)
+    p.add_argument("--memory-budget", type=memory_bytes)
     _add_kv_arguments(p)
     add_resident_experts(p)
 
@@ -215,13 +211,13 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("source", help="Hugging Face model folder (or cached repo id)")
     p.add_argument("output", help="folder to write")
     p.add_argument("-q", "--quantize", action="store_true")
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=4)
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="MLX Desk engine")
+    parser = Parser(prog="python -m engine", description="MLX Desk engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_template(sub)
@@ -272,8 +268,8 @@ def _params(args: argparse.Namespace) -> Any:
         reasoning={"on": True, "off": False}.get(args.thinking, args.thinking),
     )
     if args.ngram is not None:
-        if args.ngram < 1:
-            raise CliError(f"--ngram must be at least 1 (got {args.ngram})")
+        if not 1 <= args.ngram <= MAX_NGRAM:
+            raise CliError(f"--ngram must be at least 1 and at most {MAX_NGRAM} (got {args.ngram})")
         params.speculative, params.ngram_size = "ngram", args.ngram
     elif args.draft_model is not None:
         params.speculative = "draft"
@@ -282,8 +278,8 @@ def _params(args: argparse.Namespace) -> Any:
     if args.num_draft is not None:
         if params.speculative is None:
             raise CliError("--num-draft needs --draft-model, --ngram or --mtp")
-        if args.num_draft != "auto" and args.num_draft < 1:
-            raise CliError(f"--num-draft must be at least 1 (got {args.num_draft})")
+        if args.num_draft != "auto" and not 1 <= args.num_draft <= MAX_DRAFTS:
+            raise CliError(f"--num-draft must be at least 1 and at most {MAX_DRAFTS} (got {args.num_draft})")
         params.num_draft_tokens = None if args.num_draft == "auto" else args.num_draft
     return params
 
@@ -319,8 +315,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--image, --audio and --video need --chat (the chat template places the media)")
     from engine.decode.guards import check_utf8
 
-    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", s) for s in args.stop)):
         check_utf8(text, flag)
+    if args.thinking is not None and not args.chat:
+        raise CliError("--thinking needs --chat (it is the chat template's reasoning switch)")
+    if args.pan_and_scan and not args.image:
+        raise CliError("--pan-and-scan needs --image (it crops images)")
     params = _params(args)
     media = _media(args)
     host = ModelHost()
@@ -415,6 +415,29 @@ def _check_cache_file(path: str) -> None:
         raise CliError(f"--cache-file {path} is a folder; give a file name")
     if not target.parent.exists():
         raise CliError(f"--cache-file: the folder {target.parent} does not exist")
+    if target.is_file() and _is_other_safetensors(target):
+        raise CliError(
+            f"--cache-file {path} holds tensors that are not a saved KV cache (model or adapter weights?); "
+            "it is left as it is: give a new file name"
+        )
+
+
+def _is_other_safetensors(path: Any) -> bool:
+    """A readable safetensors file whose header does not name the engine's cache format:
+    weights that a save would overwrite. A damaged cache reads as False, so it is replaced
+    as before."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(length, 100 * 1024 * 1024)))
+    except (OSError, ValueError, struct.error):
+        return False
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    # models.kv_cache writes format "mlx-desk-prompt-cache/N" into every cache it saves.
+    ours = isinstance(metadata, dict) and str(metadata.get("format", "")).startswith("mlx-desk-prompt-cache")
+    return isinstance(header, dict) and not ours
 
 
 def _media(args: argparse.Namespace) -> list[Any]:
@@ -583,7 +606,7 @@ def _add_serve(parser: Any) -> None:
         default=DEFAULT_MAX_BODY,
         help=f"largest request body taken (default {DEFAULT_MAX_BODY}); larger ones get 413",
     )
-    parser.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
+    parser.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(parser)
     add_resident_experts(parser)
 
@@ -612,7 +635,10 @@ def _fail(message: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a refused command line (one line already printed), or --help
+        return e.code if isinstance(e.code, int) else 2
     try:
         return COMMANDS[args.command](args)
     except EngineError as e:

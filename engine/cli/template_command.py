@@ -12,12 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from engine.errors import EngineError, TemplateError
+from engine.files import MESSAGES_LIMIT, TEMPLATE_LIMIT, read_text_bounded
 from engine.text.chat_template import ChatTemplate, load_template
 
 
 def _read_messages(path: Path) -> tuple[list, list | None]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_bounded(path, MESSAGES_LIMIT, "a conversation", TemplateError))
     except FileNotFoundError:
         raise TemplateError(f"Messages file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -37,7 +38,7 @@ def _config_special_tokens(path: Path) -> dict[str, str]:
     if path.suffix.lower() != ".json":
         return {}
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(read_text_bounded(path, TEMPLATE_LIMIT, "a chat template", TemplateError))
     except (OSError, ValueError):
         return {}
     found = {}

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import MediaError
+from engine.files import WAV_FILE_LIMIT, read_bytes_bounded
 from engine.media.mel import log_mel_spectrogram  # noqa: F401  (part of this module's API)
 from engine.media.resample import resample
 
@@ -130,7 +131,7 @@ def _pcm_to_float(raw: bytes, width: int, channels: int) -> np.ndarray:
 
 
 def _read_float_wav(path: Path) -> DecodedAudio:
-    data = path.read_bytes()
+    data = read_bytes_bounded(path, WAV_FILE_LIMIT, "a WAV file", MediaError)
     fmt, payload = None, None
     pos = 12
     while pos + 8 <= len(data):

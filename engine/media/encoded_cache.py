@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from engine.api import MediaInput
+from engine.errors import MediaError
+from engine.files import require_regular_file
 
 T = TypeVar("T")
 
@@ -26,6 +28,7 @@ def content_digest(data: bytes | str | Path) -> str:
     hashing. Keys under any settings are made from it (``media_key``)."""
     h = hashlib.sha256()
     if isinstance(data, (str, Path)):
+        require_regular_file(data, "a media file", MediaError)
         with open(data, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)

@@ -19,6 +19,7 @@ from pathlib import Path
 from PIL import Image, ImageOps, UnidentifiedImageError, features
 
 from engine.errors import MediaError
+from engine.files import IMAGE_FILE_LIMIT, read_bytes_bounded
 from engine.media.image_limits import check_pixels, draft_reduced, reduced
 from engine.media.image_processors import (  # noqa: F401  (part of this module's API)
     Gemma3ImageProcessor,
@@ -86,7 +87,7 @@ def load_image(source: str | Path | bytes) -> Image.Image:
         path = Path(source)
         name = path.name
         try:
-            data = path.read_bytes()
+            data = read_bytes_bounded(path, IMAGE_FILE_LIMIT, "an image", MediaError)
         except FileNotFoundError:
             raise MediaError(f"Image file not found: {path}") from None
         except OSError as e:

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.api import MediaInput, MemoryPlan, VideoLimits
+from engine.artifacts.config_values import check_processor_settings
 from engine.errors import MediaError
+from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.media.encoded_cache import EncodedMediaCache, HashedInput, content_digest, media_key
 from engine.media.prompt import MediaEncoder, PreparedMedia
 from engine.models.families import FAMILIES
@@ -136,9 +138,11 @@ def read_preprocessor(source: TowerSource) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "a processor's settings", MediaError))
     except (OSError, ValueError) as e:
         raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
+    if isinstance(data, dict):
+        check_processor_settings(data, str(path))
     return data if isinstance(data, dict) else {}
 
 
@@ -157,11 +161,12 @@ def read_nested_preprocessor(source: TowerSource, part: str) -> dict[str, Any]:
     path = source.path / "processor_config.json"
     if path.is_file():
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "a processor's settings", MediaError))
         except (OSError, ValueError) as e:
             raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
         nested = data.get(part) if isinstance(data, dict) else None
         if isinstance(nested, dict):
+            check_processor_settings(nested, f"{path} ({part})")
             return nested
     return read_preprocessor(source)
 

@@ -43,7 +43,8 @@ from typing import Literal
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.errors import AdapterError
+from engine.errors import AdapterError, ModelLoadError
+from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.models.switch import QuantizedSwitchLinear, SwitchLinear
 
 AdapterFormat = Literal["mlx-lm", "peft"]
@@ -160,7 +161,7 @@ class _Parsed:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "an adapter's settings", AdapterError))
     except (OSError, ValueError) as exc:
         raise AdapterError(f"cannot read {path}: {exc}; the adapter folder looks damaged") from None
     if not isinstance(data, dict):
@@ -168,7 +169,37 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+# An adapter's own scale (mlx-lm's lora_parameters.scale, PEFT's alpha / r) is about 1-64 in
+# practice; a multiplier (how strongly a mounted adapter acts) is about 0-2. Far past either,
+# the model's output is noise or infinity, so such numbers are refused as damage or typos.
+MAX_ADAPTER_SCALE = 1e4
+MAX_MULTIPLIER = 100.0
+
+
+def _number(value: object, what: str, where: Path, *, low: float, high: float) -> float:
+    """A finite number within [low, high] from an adapter's config, or a one-line refusal."""
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(number) and low <= number <= high):
+        raise AdapterError(
+            f"{where} says {what} is {value!r}; it must be a number from {low:g} to {high:g}: "
+            "the adapter's config is damaged"
+        )
+    return number
+
+
+def _rank(value: object, what: str, where: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AdapterError(f"{where} says {what} is {value!r}; a LoRA rank is a whole number of at least 1")
+    return value
+
+
 def _load_safetensors(path: Path) -> dict[str, mx.array]:
+    from engine.artifacts.weights import read_header
+
+    try:
+        read_header(path)  # a bounded header read: refuses a truncated or foreign file in one line
+    except ModelLoadError as exc:
+        raise AdapterError(f"{exc} (the adapter weights look damaged)") from None
     try:
         return dict(mx.load(str(path)))
     except Exception as exc:  # MLX raises plain RuntimeError/ValueError for bad files
@@ -206,7 +237,11 @@ def _parse_mlxlm(folder: Path, config: dict) -> _Parsed:
     params = config.get("lora_parameters") or {}
     if "scale" not in params:
         raise AdapterError(f"{folder}/adapter_config.json has no lora_parameters.scale; re-save it with mlx-lm")
-    scale = float(params["scale"])
+    config_file = folder / "adapter_config.json"
+    scale = _number(
+        params["scale"], "lora_parameters.scale", config_file, low=-MAX_ADAPTER_SCALE, high=MAX_ADAPTER_SCALE
+    )
+    declared_rank = _rank(params["rank"], "lora_parameters.rank", config_file) if "rank" in params else None
     weights_file = folder / "adapters.safetensors"
     weights = _load_safetensors(weights_file)
     groups: dict[str, dict[str, mx.array]] = {}
@@ -233,6 +268,11 @@ def _parse_mlxlm(folder: Path, config: dict) -> _Parsed:
         if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
             raise AdapterError(
                 f"{path}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not chain; the file is damaged"
+            )
+        if declared_rank is not None and a.shape[-1] != declared_rank:
+            raise AdapterError(
+                f"{path}: lora_a has rank {a.shape[-1]} but adapter_config.json says rank {declared_rank}; "
+                "the config and the weights are from different adapters"
             )
         rank = max(rank, a.shape[-1])
         deltas[path] = _Delta(a=a, b=b, scale=scale, magnitude=parts.get("m") if kind == "dora" else None)
@@ -265,7 +305,13 @@ def _parse_peft(folder: Path, config: dict) -> _Parsed:
         )
     kind: AdapterKind = "dora" if config.get("use_dora") else "lora"
     rslora = bool(config.get("use_rslora"))
-    alpha = float(config.get("lora_alpha", config.get("r", 8)))
+    config_file = folder / "adapter_config.json"
+    declared_rank = _rank(config.get("r", 8), "r", config_file)
+    alpha = _number(config.get("lora_alpha", declared_rank), "lora_alpha", config_file, low=-1e6, high=1e6)
+    for key, value in (config.get("rank_pattern") or {}).items():
+        _rank(value, f"rank_pattern[{key!r}]", config_file)
+    for key, value in (config.get("alpha_pattern") or {}).items():
+        _number(value, f"alpha_pattern[{key!r}]", config_file, low=-1e6, high=1e6)
     weights_file = folder / "adapter_model.safetensors"
     weights = _load_safetensors(weights_file)
     groups: dict[str, dict[str, mx.array]] = {}
@@ -289,9 +335,20 @@ def _parse_peft(folder: Path, config: dict) -> _Parsed:
                 f"{path}: lora_A {tuple(a_t.shape)} and lora_B {tuple(b_t.shape)} do not chain; the file is damaged"
             )
         r = a_t.shape[0]
+        expected = _pattern_value(config.get("rank_pattern"), path, declared_rank)
+        if r != expected:
+            raise AdapterError(
+                f"{path}: lora_A has rank {r} but adapter_config.json says r={expected}; "
+                "the config and the weights are from different adapters"
+            )
         rank = max(rank, r)
         a_val = _pattern_value(config.get("alpha_pattern"), path, alpha)
         scale = a_val / math.sqrt(r) if rslora else a_val / r
+        if abs(scale) > MAX_ADAPTER_SCALE:
+            raise AdapterError(
+                f"{config_file} gives {path} a scale of {scale:g} (lora_alpha / r); more than "
+                f"{MAX_ADAPTER_SCALE:g} turns the model's output into noise: the config is damaged"
+            )
         magnitude = parts.get("lora_magnitude_vector", parts.get("lora_magnitude_vector.weight"))
         if kind == "dora" and magnitude is None:
             raise AdapterError(f"{weights_file.name} is a DoRA adapter without lora_magnitude_vector for {path}")
@@ -595,6 +652,11 @@ def activate(model: nn.Module, scales: dict[str, float]) -> None:
     for n, s in scales.items():
         if not math.isfinite(float(s)):
             raise AdapterError(f"adapter '{n}' got scale {s}; use a finite number such as 1.0")
+        if abs(float(s)) > MAX_MULTIPLIER:
+            raise AdapterError(
+                f"adapter '{n}' got scale {float(s):g}; use a multiplier from -{MAX_MULTIPLIER:g} to "
+                f"{MAX_MULTIPLIER:g} (1.0 is the adapter as trained)"
+            )
     state.active = {n: float(s) for n, s in scales.items()}
     _apply(model, state)
 

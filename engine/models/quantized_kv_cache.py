@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.errors import EngineError
+from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.models import quantized_attention_cuda as fused_cuda
 from engine.models.kv_cache import DEFAULT_STEP, KVCache, _mask_for, register_cache_kind
 
@@ -319,7 +320,7 @@ def kv_layer_settings(folder: str | Path, layers: int) -> list[LayerSetting] | N
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "a KV cache setting", EngineError))
     except (OSError, ValueError) as exc:
         raise EngineError(f"Cannot read {path}: {exc}. Fix or delete it.") from None
 

@@ -35,6 +35,7 @@ from engine.artifacts.weights import (
 )
 from engine.decode.diffusion import DiffusionSettings, is_diffusion_model
 from engine.errors import EngineError, ModelLoadError, UnsupportedModelError
+from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.models.checkpoint import MX_DTYPE_NAMES, cast_floats, fill_weights, one_line, quantize_like_checkpoint
 from engine.models.switch import MissingExperts
 from engine.runtime.expert_plan import expert_layers, is_routed_expert
@@ -482,7 +483,7 @@ def _gguf_loaded_bytes(tensor: gguf_io.GGUFTensor, dtype: str) -> int:
 def _diffusion_settings(path: Any) -> DiffusionSettings:
     file = Path(path) / "generation_config.json"
     try:
-        generation = json.loads(file.read_text()) if file.is_file() else {}
+        generation = json.loads(read_text_bounded(file, SETTINGS_LIMIT, "a model's settings")) if file.is_file() else {}
     except (OSError, ValueError) as exc:
         raise EngineError(f"{file} is not readable JSON: {exc}") from exc
     return DiffusionSettings.from_generation_config(generation if isinstance(generation, dict) else {})

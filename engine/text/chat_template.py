@@ -24,6 +24,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import TemplateError
+from engine.files import TEMPLATE_LIMIT, read_text_bounded
 from engine.text.template_limits import GuardedSandbox, compile_guarded, render_limited
 
 # Names a message's reasoning may arrive under; templates read the first one
@@ -247,7 +248,7 @@ def load_template(path: str | Path) -> str:
     """Template text from a ``.jinja`` file, a ``chat_template.json`` or a ``tokenizer_config.json``."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_bounded(path, TEMPLATE_LIMIT, "a chat template", TemplateError)
     except FileNotFoundError:
         raise TemplateError(f"Template file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:

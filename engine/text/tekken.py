@@ -30,6 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelLoadError
+from engine.files import TOKENIZER_LIMIT, read_text_bounded
 
 # Before format v7 a file may omit its special tokens: these were the first twenty.
 _LEGACY_SPECIALS = (
@@ -121,7 +122,7 @@ def _merges(ranked: list[bytes]) -> list[tuple[str, str]]:
 def read_tekken(path: str | Path) -> TekkenVocab:
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_bounded(path, TOKENIZER_LIMIT, "a tokenizer", ModelLoadError))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _fail(path, " ".join(str(exc).split())) from None
     config = data.get("config") if isinstance(data, Mapping) else None

@@ -29,6 +29,7 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelLoadError, TemplateError
+from engine.files import TEMPLATE_LIMIT, TOKENIZER_LIMIT, check_size, read_text_bounded
 from engine.text.chat_template import pick_template
 from engine.text.cleanup import clean_up_tokenization
 from engine.text.detokenizer import StreamingDetokenizer
@@ -47,7 +48,7 @@ def _token_text(value: Any) -> str | None:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text_bounded(path, TEMPLATE_LIMIT, "a tokenizer's settings", ModelLoadError))
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"Cannot read {path}: {exc}. Check the file or download the model again.") from None
     except json.JSONDecodeError as exc:
@@ -103,6 +104,7 @@ class Tokenizer:
                 f"No tokenizer.json in {path}. The engine needs the fast-tokenizer file; "
                 "download the full model repository (tokenizer.model alone is not enough)."
             )
+        check_size(tok_file, TOKENIZER_LIMIT, "a tokenizer", ModelLoadError)
         try:
             hf = HFTokenizer.from_file(str(tok_file))
         except Exception as exc:  # the library raises plain Exceptions for bad files
@@ -241,13 +243,22 @@ class Tokenizer:
     def _find_template(path: Path, config: Mapping[str, Any]) -> str | None:
         jinja = path / "chat_template.jinja"
         if jinja.is_file():
-            return jinja.read_text(encoding="utf-8")
+            try:
+                return read_text_bounded(jinja, TEMPLATE_LIMIT, "a chat template", ModelLoadError)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ModelLoadError(f"Cannot read {jinja}: {' '.join(str(exc).split())}") from None
         json_file = path / "chat_template.json"
         if json_file.is_file():
             data = _read_json(json_file)
             if isinstance(data, Mapping) and data.get("chat_template"):
                 return pick_template(data["chat_template"], str(json_file))
-        if config.get("chat_template"):
+        value = config.get("chat_template")
+        if value and not isinstance(value, (str, list)):
+            raise ModelLoadError(
+                f"{path / 'tokenizer_config.json'} says chat_template is {value!r}; it must be the template's "
+                "text or a list of named templates: the file is damaged"
+            )
+        if value:
             try:
                 return pick_template(config["chat_template"], str(path / "tokenizer_config.json"))
             except TemplateError:

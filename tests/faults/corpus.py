@@ -204,6 +204,17 @@ ENGINE_CASES = [
         ["generate", "--model", "{model}", "--chat", "--prompt", "hi", "--system", "\udcfe"],
         "--system is not valid UTF-8",
     ),
+    (
+        "invalid UTF-8 stop",
+        ["generate", "--model", "{model}", "--prompt", "hi", "--stop", "\udcff"],
+        "--stop is not valid",
+    ),
+    ("thinking without chat", ["generate", "--model", "{model}", "--prompt", "hi", "--thinking", "on"], "needs --chat"),
+    (
+        "pan and scan without an image",
+        ["generate", "--model", "{model}", "--prompt", "hi", "--pan-and-scan"],
+        "needs --image",
+    ),
     # Garbage weights are named.
     (
         "NaN weights",
@@ -339,6 +350,115 @@ ENGINE_CASES = [
         "claims a sample rate of 0 Hz",
     ),
 ]
+
+
+def _gen(model: str, *extra: str) -> list[str]:
+    return ["generate", "--model", "{" + model + "}", "--prompt", "hi", "--max-tokens", "4", *extra]
+
+
+def _with_adapter(adapter: str) -> list[str]:
+    return _gen("model", "--adapter", adapter)
+
+
+def _bench(*extra: str) -> list[str]:
+    return ["bench", "--shape", "tiny", "-p", "8", "-g", "4", *extra]
+
+
+def _template(template: str, messages: str) -> list[str]:
+    return ["template", "--template", template, "--messages", messages]
+
+
+# Numbers on the command line: refused by the flag's own parser, before anything loads.
+NUMBER_CASES = [
+    ("memory budget 1e400", _gen("model", "--memory-budget", "1e400"), "--memory-budget must be a size"),
+    ("memory budget nan", _gen("model", "--memory-budget", "nan"), "--memory-budget must be a size"),
+    ("memory budget inf (inspect)", ["inspect", "{model}", "--memory-budget", "inf"], "--memory-budget must be"),
+    (
+        "max tokens as words",
+        ["generate", "--model", "{model}", "--prompt", "hi", "--max-tokens", "lots"],
+        "--max-tokens",
+    ),
+    ("seed 1.5", _gen("model", "--seed", "1.5"), "argument --seed: invalid int value: '1.5'"),
+    ("ngram 10**20", _gen("model", "--ngram", str(10**20)), "--ngram must be at least 1 and at most 256"),
+    ("num-draft 10**20", _gen("model", "--ngram", "2", "--num-draft", str(10**20)), "--num-draft must be at least"),
+    ("adapter multiplier 1e30", _gen("model", "--adapter", "{adapter}:1e30"), "use a multiplier from -100 to 100"),
+    ("bench repeat 0", _bench("--repeat", "0"), "--repeat must be a whole number from 1 to 1,000"),
+    ("bench prompt -5", _bench("-p", "-5"), "-p must be a whole number from 1"),
+    ("bench group size 0", _bench("--group-size", "0"), "argument --group-size: invalid choice: 0"),
+    ("bench stagger -1", _bench("--concurrent", "2", "--stagger", "-1"), "--stagger must be a whole number"),
+    ("bench ngram size 0", _bench("--speculative", "ngram", "--ngram-size", "0"), "--ngram-size must be a whole"),
+    (
+        "bench negative frame size",
+        _bench("--media", "video", "--media-size=-64x-64"),
+        "--media-size takes WIDTHxHEIGHT in pixels",
+    ),
+    ("bench frame size read as a flag", _bench("--media", "video", "--media-size", "-64x-64"), "written --flag=VALUE"),
+    ("bench negative clip", _bench("--media", "video", "--media-seconds", "-5"), "--media-seconds must be a finite"),
+    ("bench NaN clip", _bench("--media", "video", "--media-seconds", "nan"), "--media-seconds must be a finite"),
+    ("convert 7 bits", ["convert", "{model}", "{tmp}/out7", "-q", "--bits", "7"], "argument --bits: invalid choice"),
+]
+
+# Files read whole are read with a bound: a device, a pipe or a 40 GB file is refused at once.
+BOUNDED_READ_CASES = [
+    ("messages from /dev/zero", _template("{tmp}/nested.jinja", "/dev/zero"), "too large to be a conversation"),
+    ("messages 40 GB", _template("{tmp}/nested.jinja", "{tmp}/huge.json"), "too large to be a conversation"),
+    ("template from /dev/zero", _template("/dev/zero", "{tmp}/messages.json"), "too large to be a chat template"),
+    ("config.json 40 GB", ["inspect", "{config_40gb}"], "too large to be a model's settings"),
+    ("generation_config.json 40 GB", _gen("generation_40gb"), "too large to be a model's settings"),
+    ("index 40 GB", ["inspect", "{index_40gb}"], "too large to be a model's settings"),
+    ("tokenizer.json 40 GB", _gen("tokenizer_40gb"), "too large to be a tokenizer"),
+    ("tokenizer_config.json 40 GB", _gen("tokenizer_config_40gb"), "too large to be a tokenizer's settings"),
+    ("chat_template.jinja 40 GB", _gen("template_40gb", "--chat"), "too large to be a chat template"),
+    ("adapter_config.json 40 GB", _with_adapter("{adapter_config_40gb}"), "too large to be an adapter's settings"),
+    ("a device as the model", ["inspect", "/dev/zero"], "/dev/zero is not a file or folder"),
+    ("GGUF array of 2**40 items", ["inspect", "{tmp}/huge_array.gguf"], "huge_array.gguf is truncated inside its GGUF"),
+]
+
+# Settings that mean nothing are refused when the folder is read, by the artifacts layer.
+SETTINGS_CASES = [
+    ("int32 weights", _gen("int32_weights"), "as integers, but its config.json declares no quantization"),
+    ("int32 weights (convert)", ["convert", "{int32_weights}", "{tmp}/out_int32", "-q"], "as integers"),
+    ("rms_norm_eps negative", _gen("eps_negative"), "rms_norm_eps is -1.0; it must be a small positive number"),
+    ("rms_norm_eps text", _gen("eps_text"), "rms_norm_eps is 'tiny'"),
+    ("rope_scaling garbage", _gen("rope_garbage"), "rope_scaling is 'garbage'; it must be null or an object"),
+    ("rope_scaling a list", ["inspect", "{rope_list}"], "rope_scaling is [1, 2, 3]"),
+    ("rope factor negative", _gen("rope_factor_negative"), "rope_scaling.factor is -2; it must be a positive number"),
+    ("yarn without its length", _gen("yarn_without_length"), "without rope_scaling.original_max_position_embeddings"),
+    ("rope_theta 0", _gen("theta_0"), "rope_theta is 0; it must be a positive number"),
+    ("rope_theta negative", _gen("theta_negative"), "rope_theta is -5"),
+    ("rope_theta text", ["inspect", "{theta_text}"], "rope_theta is 'big'"),
+    ("max_position_embeddings 0", _gen("positions_0"), "max_position_embeddings is 0; it must be a whole number"),
+    ("max_position_embeddings negative", ["inspect", "{positions_negative}"], "max_position_embeddings is -7"),
+    ("tie_word_embeddings text", _gen("tie_text"), "tie_word_embeddings is 'yes'; it must be true or false"),
+    ("eos_token_id text", _gen("eos_text"), "eos_token_id is 'end'; it must be a token id"),
+    ("generation temperature NaN", _gen("generation_nan"), "generation_config.json says temperature is nan"),
+    ("generation top_p 5", _gen("generation_top_p"), "top_p is 5; it must be a number in (0, 1]"),
+    ("generation top_k -3", _gen("generation_top_k"), "top_k is -3"),
+    ("generation temperature text", _gen("generation_text"), "temperature is 'hot'"),
+    ("generation max_new_tokens -1", _gen("generation_max_new"), "max_new_tokens is -1"),
+    ("generation penalty inf", _gen("generation_penalty_inf"), "repetition_penalty is inf"),
+    ("generation a list", ["inspect", "{generation_list}"], "must hold a JSON object, not list"),
+    ("quantization bits as a word", _gen("quantization_text"), "quantization.bits is 'four'; it must be a whole"),
+    ("chat_template a number", _gen("template_number", "--chat"), "says chat_template is 5; it must be"),
+    (
+        "cache file that is an adapter's weights",
+        _gen("model", "--cache-file", "{adapter}/adapters.safetensors"),
+        "holds tensors that are not a saved KV cache",
+    ),
+    # Adapters: ranks, alphas and scales that cannot be, and files cut short.
+    ("PEFT r=0", _with_adapter("{peft_r0}"), "says r is 0; a LoRA rank is a whole number of at least 1"),
+    ("PEFT r negative", _with_adapter("{peft_r_negative}"), "says r is -4"),
+    ("PEFT r disagrees with the weights", _with_adapter("{peft_r_mismatch}"), "lora_A has rank 4 but"),
+    ("PEFT alpha text", _with_adapter("{peft_alpha_text}"), "says lora_alpha is 'x'"),
+    ("PEFT alpha 1e300", _with_adapter("{peft_alpha_huge}"), "says lora_alpha is 1e+300"),
+    ("mlx-lm scale text", _with_adapter("{mlx_scale_text}"), "lora_parameters.scale is 'big'"),
+    ("mlx-lm scale NaN", _with_adapter("{mlx_scale_nan}"), "lora_parameters.scale is nan"),
+    ("mlx-lm scale 1e30", _with_adapter("{mlx_scale_1e30}"), "lora_parameters.scale is 1e+30"),
+    ("mlx-lm rank disagrees", _with_adapter("{mlx_rank_mismatch}"), "lora_a has rank 4 but"),
+    ("adapter weights truncated", _with_adapter("{adapter_truncated}"), "adapters.safetensors is truncated"),
+]
+
+ENGINE_CASES += NUMBER_CASES + BOUNDED_READ_CASES + SETTINGS_CASES
 
 
 # ---- The app: what a message sent in the window gets ---------------------------------

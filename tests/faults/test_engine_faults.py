@@ -15,8 +15,8 @@ import pytest
 
 from engine.cli.main import main
 from tests.faults.corpus import ENGINE_CASES, FILES
-from tests.faults.variants import VARIANTS
-from tests.tiny_models import make_tiny_llama
+from tests.faults.variants import ADAPTER_VARIANTS, VARIANTS
+from tests.tiny_models import make_tiny_adapter, make_tiny_llama
 
 
 def _wav(path: Path, rate: int, seconds_of_samples: int = 16000) -> None:
@@ -34,6 +34,14 @@ def _gguf_alignment_zero(path: Path) -> None:
     )
 
 
+def _gguf_huge_array(path: Path) -> None:
+    """One metadata value: an array of 2**40 uint8 (type 9 of type 0) in a 60-byte file."""
+    key = b"tokenizer.ggml.scores"
+    path.write_bytes(
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 0, 2**40)
+    )
+
+
 @pytest.fixture(scope="module")
 def places(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("faults")
@@ -43,11 +51,20 @@ def places(tmp_path_factory) -> dict[str, str]:
         shutil.copytree(model, root / name)
         change(root / name)
         out[name] = str(root / name)
+    adapter = make_tiny_adapter(root / "adapter")
+    out["adapter"] = str(adapter)
+    for name, change in ADAPTER_VARIANTS.items():
+        shutil.copytree(adapter, root / name)
+        change(root / name)
+        out[name] = str(root / name)
     for name, text in FILES.items():
         (root / name).write_text(text)
+    with open(root / "huge.json", "wb") as f:
+        f.truncate(40 * 2**30)  # a hole: 40 GB to a reader, nothing on disk
     _wav(root / "one_hz.wav", 1)
     _wav(root / "zero_hz.wav", 0)
     _gguf_alignment_zero(root / "align0.gguf")
+    _gguf_huge_array(root / "huge_array.gguf")
     return out
 
 
@@ -126,3 +143,10 @@ def test_the_nan_check_does_not_fire_on_good_weights(places, capsys):
             == 0
         )
         assert _json(capsys)["generated_tokens"] == 24
+
+
+def test_the_adapter_checks_do_not_fire_on_a_good_peft_adapter(places, capsys):
+    code = main(["generate", "--model", places["model"], "--prompt", "hi", "--max-tokens", "3", "--adapter",
+                 places["peft_good"], "--json"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert _json(capsys)["generated_tokens"] >= 1

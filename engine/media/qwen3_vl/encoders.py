@@ -18,7 +18,9 @@ from typing import Any
 import mlx.core as mx
 
 from engine.api import MediaInput
+from engine.artifacts.config_values import check_processor_settings
 from engine.errors import MediaError
+from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.media.encoded_cache import media_key
 from engine.media.image import Qwen2VLImageProcessor, load_image
 from engine.media.prompt import PreparedMedia
@@ -160,11 +162,12 @@ def read_video_preprocessor(source: TowerSource) -> dict[str, Any]:
         if not path.is_file():
             continue
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "a processor's settings", MediaError))
         except (OSError, ValueError) as e:
             raise MediaError(f"{path} cannot be read ({e}); download the model again.") from None
         data = data.get(nested) if nested and isinstance(data, dict) else data
         if isinstance(data, dict):
+            check_processor_settings(data, str(path))
             return data
     return {}
 
