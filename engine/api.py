@@ -572,6 +572,31 @@ class SessionRestore:
     reason: str = ""  # why not, when nothing was ("no saved cache", "another adapters", ...)
 
 
+@dataclass
+class Decide:
+    """Score candidate answers after one prompt (decision scoring). The prompt is plain
+    text (tokenized as the tokenizer's own settings say), token ids fed as they are, or
+    ``messages`` rendered with the chat template and its generation prompt (media parts
+    as in ``Generate``). A text candidate's tokens are those the prompt + candidate
+    tokenize to beyond the prompt's own; id candidates are fed as they are. Done with
+    Decision."""
+
+    candidates: list[str] | list[list[int]]
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    media: list[MediaInput] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    candidates: list[str]  # each candidate's text (id candidates: their decoded text)
+    candidate_ids: list[list[int]]  # the tokens scored for each
+    logprobs: list[float]  # each candidate's log-probability given the prompt (sum over its tokens)
+    probabilities: list[float]  # the softmax over the candidates' log-probabilities
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+
+
 Command = (
     LoadModel
     | UnloadModel
@@ -580,6 +605,7 @@ Command = (
     | Complete
     | Transcribe
     | Embed
+    | Decide
     | Cancel
     | DropSession
     | GetModelInfo

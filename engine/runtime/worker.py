@@ -31,6 +31,7 @@ from engine.api import (
     Cancel,
     Command,
     Complete,
+    Decide,
     DoneEvent,
     DropSession,
     Embed,
@@ -205,7 +206,8 @@ class EngineWorker:
                 if self._start_job(rid, command, cancel):
                     rid = 0
                     continue
-                if self._jobs and not isinstance(command, DropSession | GetModelInfo):
+                # A decision uses caches of its own: it runs between the batch's steps.
+                if self._jobs and not isinstance(command, DropSession | GetModelInfo | Decide):
                     self._held, rid = item, 0  # runs once the batch has drained
                     continue
                 try:
@@ -416,6 +418,10 @@ class EngineWorker:
             return info
         if isinstance(command, Transcribe):
             return self._transcribe(rid, command, cancel)
+        if isinstance(command, Decide):
+            from engine.runtime.decide import decide
+
+            return decide(host, command, cancel)
         if isinstance(command, Embed):
             result = host.embed(command.inputs, cancel)
             self._emit_memory()
