@@ -197,6 +197,15 @@ class EngineBridge(QObject):
         result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
         return result
 
+    async def decide(
+        self, messages: list[dict[str, Any]], candidates: list[str], media: list[api.MediaInput] | None = None
+    ) -> api.Decision:
+        """Score each candidate answer after ``messages`` (decision scoring); it runs on the
+        worker between generation steps, on caches of its own."""
+        _, fut = self._request(api.Decide(candidates=candidates, messages=messages, media=media or []), "decide")
+        result: api.Decision = await fut
+        return result
+
     async def transcribe(self, path: str, model_path: str | None = None, language: str | None = None) -> Any:
         """Speech to text with a Whisper model (progress on ``progress``, stage as the
         engine names it); resolves with the engine's Transcript (``.text``, ``.language``,

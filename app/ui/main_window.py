@@ -39,6 +39,7 @@ from app.qt import (
 from app.store import HistoryStore
 from app.ui.adapters_menu import AdaptersMenu
 from app.ui.chat_view import ChatView
+from app.ui.choices import ChoicesResult
 from app.ui.composer import Composer
 from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
@@ -95,6 +96,8 @@ class MainWindow(QMainWindow):
         cv.addWidget(self._top_bar())
         cv.addWidget(self.chat_view, 1)
         cv.addWidget(self.tool_approval)
+        self.choices_result = ChoicesResult()
+        cv.addWidget(self.choices_result)
         holder = QWidget()
         hl = QHBoxLayout(holder)
         hl.setContentsMargins(28, 8, 28, 18)
@@ -122,6 +125,9 @@ class MainWindow(QMainWindow):
         self.sidebar.notice.connect(self.notify)
         self.composer.send_requested.connect(lambda text, att: tasks.spawn(self._send(text, att)))
         self.composer.send_requested.connect(lambda text, _att: self.check_memory(len(text) // 4))
+        self.composer.choices_requested.connect(
+            lambda text, options, att: tasks.spawn(self.ask_with_choices(text, options, att))
+        )
         self.composer.stop_requested.connect(self.stop)
         self.composer.notice.connect(self.notify)
         self.composer.refused.connect(self.show_error)
@@ -310,6 +316,31 @@ class MainWindow(QMainWindow):
     async def _send(self, text: str, attachments: list[tuple[str, str]]) -> None:
         if not await self.chat.send(text, attachments):  # refused: the reason is already shown
             self.composer.restore(text, attachments)
+
+    async def ask_with_choices(self, text: str, options: list[str], attachments: list[tuple[str, str]]) -> None:
+        """Score the typed options as answers to the question (attachments included) and
+        show their probabilities under it; a refusal is shown and the input given back."""
+        from engine.api import MediaInput
+
+        if self.bridge.model_info is None:
+            self.show_error("Load a model first to ask with choices.")
+            self.composer.restore(text, attachments)
+            return
+        # Parts only with media: a text-only template may take nothing but a string.
+        parts = [{"type": kind} for kind, _ in attachments] + [{"type": "text", "text": text}]
+        content = parts if attachments else text
+        media = [MediaInput(kind, path) for kind, path in attachments]  # type: ignore[arg-type]
+        self.choices_result.show_waiting(text)
+        try:
+            decision = await self.bridge.decide([{"role": "user", "content": content}], options, media)
+        except Exception as exc:  # noqa: BLE001 - every failure reaches the user as one line
+            self.choices_result.setVisible(False)
+            self.show_error(str(exc))
+            self.composer.restore(text, attachments)
+            return
+        self.choices_result.show_result(text, options, decision.probabilities)
+        best = max(range(len(options)), key=lambda i: decision.probabilities[i])
+        self.notify(f"Most likely: {options[best]} ({decision.probabilities[best]:.0%})")
 
     def stop(self) -> None:
         if self.composer.cancel_waiting_send():  # Esc first takes back a send still waiting
