@@ -239,8 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
     from engine.cli.decide_command import add_decide
+    from engine.cli.train_command import add_train
 
     add_decide(sub)
+    add_train(sub)
     return parser
 
 
@@ -594,6 +596,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "serve": cmd_serve,
     "decide": lambda args: _decide(args),
+    "train": lambda args: _train(args),
 }
 
 
@@ -601,6 +604,12 @@ def _decide(args: argparse.Namespace) -> int:
     from engine.cli.decide_command import cmd_decide
 
     return cmd_decide(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from engine.cli.train_command import cmd_train
+
+    return cmd_train(args)
 
 
 def _fail(message: str) -> int:
