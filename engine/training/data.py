@@ -163,8 +163,10 @@ def load_rows(
 
 
 def batches(rows: Sequence[Row], batch_size: int, order: str, seed: int) -> Any:
-    """Endless batches of ``batch_size`` rows: consecutive rows in file order, cycling
-    (``file``), or each pass over the rows shuffled by ``seed`` (``shuffle``)."""
+    """Endless batches of ``batch_size`` rows. ``file``: consecutive rows in file order,
+    cycling. ``shuffle``: as mlx-lm batches, rows sorted by length and cut into batches
+    (so a batch pads little), the batches taken in an order shuffled by ``seed`` on every
+    pass; every row is in one batch (the last may be smaller when the rows do not divide)."""
     import random
 
     n = len(rows)
@@ -173,12 +175,9 @@ def batches(rows: Sequence[Row], batch_size: int, order: str, seed: int) -> Any:
         while True:
             yield [rows[(start + j) % n] for j in range(batch_size)]
             start = (start + batch_size) % n
+    by_length = sorted(range(n), key=lambda i: len(rows[i].ids))
+    groups = [by_length[i : i + batch_size] for i in range(0, n, batch_size)]
     rng = random.Random(seed)
-    pool: list[int] = []
     while True:
-        while len(pool) < batch_size:
-            fresh = list(range(n))
-            rng.shuffle(fresh)
-            pool.extend(fresh)
-        chosen, pool = pool[:batch_size], pool[batch_size:]
-        yield [rows[i] for i in chosen]
+        for g in rng.sample(range(len(groups)), len(groups)):
+            yield [rows[i] for i in groups[g]]

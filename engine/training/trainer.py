@@ -31,6 +31,7 @@ from engine.training.adapters import AdapterSpec, TrainingError, save_adapter
 from engine.training.data import Row, batches
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+PAD_TO = 32
 
 
 @dataclass
@@ -46,6 +47,7 @@ class TrainSettings:
     seed: int = 0
     steps_per_eval: int = 0  # 0: validate only before and after
     save_every: int = 100
+    compile: bool = True  # trace the step once per padded batch width (PAD_TO keeps those few)
 
 
 @dataclass
@@ -90,8 +92,10 @@ def make_optimizer(settings: TrainSettings) -> optim.Optimizer:
 
 
 def pack(rows: Sequence[Row]) -> tuple[mx.array, mx.array, mx.array]:
-    """(inputs, targets, mask) for a batch, right-padded to its longest row."""
-    width = max(len(r.ids) for r in rows)
+    """(inputs, targets, mask) for a batch, right-padded to one past a multiple of PAD_TO
+    (so a compiled step meets few shapes; padding is masked out of the loss)."""
+    longest = max(len(r.ids) for r in rows)
+    width = 1 + PAD_TO * ((longest - 1 + PAD_TO - 1) // PAD_TO)
     ids = [r.ids + [0] * (width - len(r.ids)) for r in rows]
     keep = [[1.0 if t else 0.0 for t in r.targets] + [0.0] * (width - len(r.ids)) for r in rows]
     batch = mx.array(ids, dtype=mx.int32)
@@ -160,14 +164,16 @@ def train(
     loss_and_grad = nn.value_and_grad(model, batch_loss)
     state = [model.state, optimizer.state]
 
-    # Not compiled: every batch width would trace the model again, which costs far more
-    # on the CPU than the step itself.
     def micro_step(inputs: mx.array, targets: mx.array, mask: mx.array) -> tuple[mx.array, mx.array, Any]:
         (loss, count), grads = loss_and_grad(model, inputs, targets, mask)
         return loss, count, grads
 
     def update(grads: Any) -> None:
         optimizer.update(model, grads)
+
+    if settings.compile:
+        micro_step = mx.compile(micro_step, inputs=state, outputs=state)
+        update = mx.compile(update, inputs=state, outputs=state)
 
     report = TrainReport(train_losses=[], val_loss=None)
     stream = batches(train_rows, settings.batch_size, settings.order, settings.seed)

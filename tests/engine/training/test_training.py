@@ -76,7 +76,7 @@ def test_batch_orders(host, tmp_path):
     again = [[r.line for r in b] for b, _ in zip(batches(rows, 2, "shuffle", 7), range(5))]
     other = [[r.line for r in b] for b, _ in zip(batches(rows, 2, "shuffle", 8), range(5))]
     assert first == again != other
-    assert sorted(sum(first, [])[:5]) == [1, 2, 3, 4, 5]  # each pass takes every row once
+    assert sorted(sum(first[:3], [])) == [1, 2, 3, 4, 5]  # each pass takes every row once
 
 
 def _run(host, tmp_path, **kw) -> object:
