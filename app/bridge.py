@@ -33,6 +33,7 @@ class EngineBridge(QObject):
     error = Signal(int, str)  # request id, one readable line
     finished = Signal(int, object)  # request id, GenerationResult | ModelInfo | None
     started = Signal(int, str)  # request id, kind ("generate", "load", "inspect", ...)
+    train_progress = Signal(object)  # api.TrainProgress: an iteration or a validation pass done
     _event = Signal(object)  # worker thread -> GUI thread
 
     def __init__(self, parent: QObject | None = None, worker_factory: Callable[..., Any] | None = None):
@@ -44,6 +45,7 @@ class EngineBridge(QObject):
         self.active_generation: int | None = None
         self.active_load: int | None = None
         self.active_transcription: int | None = None
+        self.active_training: int | None = None
         self.model_info: api.ModelInfo | None = None
         self._loading: asyncio.Future[Any] | None = None  # the load under way, if any
         self._live: tuple[int, api.GenerationStats] | None = None  # latest token's stats
@@ -206,6 +208,13 @@ class EngineBridge(QObject):
         result: api.Decision = await fut
         return result
 
+    async def train(self, command: api.Train) -> api.TrainResult:
+        """Train an adapter on the loaded model; progress arrives on ``train_progress``.
+        ``cancel(active_training)`` stops it with the adapter trained so far saved."""
+        rid, fut = self._request(command, "train")
+        result: api.TrainResult = await self._while_active(rid, fut, "active_training")
+        return result
+
     async def transcribe(self, path: str, model_path: str | None = None, language: str | None = None) -> Any:
         """Speech to text with a Whisper model (progress on ``progress``, stage as the
         engine names it); resolves with the engine's Transcript (``.text``, ``.language``,
@@ -331,6 +340,8 @@ class EngineBridge(QObject):
             )
         elif isinstance(event, api.MemoryEvent):
             emit(self.memory, asdict(event))
+        elif isinstance(event, api.TrainProgress):
+            emit(self.train_progress, event)
         elif isinstance(event, api.DoneEvent):
             self._kinds.pop(event.request_id, None)
             fut = self._pending.pop(event.request_id, None)

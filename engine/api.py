@@ -216,7 +216,7 @@ class EngineStatus:
     kv_allowance_bytes: int = 0  # of it, what KV caches may hold (MemoryEvent.kv_allowance_bytes)
 
 
-Event = TokenEvent | DraftEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent
+Event = TokenEvent | DraftEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent  # and TrainProgress (below)
 
 
 # ---- model descriptions -----------------------------------------------------
@@ -597,6 +597,56 @@ class Decision:
     seconds: float = 0.0
 
 
+@dataclass
+class Train:
+    """Train a LoRA (or DoRA) adapter on the loaded model (engine.training). ``data`` is a
+    .jsonl file or a folder with train.jsonl / valid.jsonl in mlx-lm's row shapes. Reports
+    TrainProgress events as it goes; a Cancel stops it between iterations with the adapter
+    trained so far saved. Done with TrainResult. Other requests wait until it ends."""
+
+    data: str
+    adapter_out: str
+    iters: int = 100
+    batch_size: int = 4
+    lr: float = 1e-4
+    optimizer: str = "adam"
+    rank: int = 8
+    scale: float = 20.0
+    layers: int = 16
+    keys: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    mask_prompt: bool = False
+    grad_checkpoint: bool = False
+    steps_per_eval: int = 0
+    save_every: int = 10
+    seed: int = 0
+
+
+@dataclass
+class TrainProgress:
+    """One training iteration done (``loss`` set) or a validation pass (``val_loss`` set)."""
+
+    request_id: int
+    iteration: int
+    iters: int
+    loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_second: float = 0.0
+    seconds: float = 0.0
+    peak_memory_bytes: int = 0
+    skipped_rows: list[str] = field(default_factory=list)  # bad data rows, with their line numbers (first event)
+
+
+@dataclass
+class TrainResult:
+    adapter: str
+    train_losses: list[float]
+    val_loss: float | None
+    trained_tokens: int
+    seconds: float
+    stopped: bool  # cancelled: the adapter holds what was trained so far
+    skipped_rows: list[str] = field(default_factory=list)
+
+
 Command = (
     LoadModel
     | UnloadModel
@@ -606,6 +656,7 @@ Command = (
     | Transcribe
     | Embed
     | Decide
+    | Train
     | Cancel
     | DropSession
     | GetModelInfo

@@ -48,6 +48,7 @@ from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
 from app.ui.tool_approval import ToolApprovalBar
 from app.ui.tools_dialog import ToolsDialog
+from app.ui.train_dialog import TrainDialog
 
 
 class MainWindow(QMainWindow):
@@ -172,6 +173,7 @@ class MainWindow(QMainWindow):
         self.settings.draft_cleared.connect(lambda: tasks.spawn(self.set_draft_model(None)))
         self.adapters_menu.changed.connect(lambda scales: tasks.spawn(self.choose_adapters(scales)))
         self.adapters_menu.mount_requested.connect(self._pick_adapter)
+        self.adapters_menu.train_requested.connect(self.open_training)
         self.adapters_menu.unmount_requested.connect(lambda name: tasks.spawn(self.unmount_adapter(name)))
         bridge.memory.connect(self.gauge.update_figures)
         bridge.progress.connect(self._progress)
@@ -442,6 +444,19 @@ class MainWindow(QMainWindow):
 
     async def choose_adapters(self, scales: dict[str, float]) -> None:
         await self.adapter_control.choose(scales)
+
+    def open_training(self) -> TrainDialog:
+        """Adapters → Train…: the dialog; its adapter is mounted and on for this chat when done."""
+        dialog = TrainDialog(self)
+        dialog.finished_training.connect(lambda folder, name: tasks.spawn(self._use_trained(folder, name)))
+        dialog.show()
+        return dialog
+
+    async def _use_trained(self, folder: str, name: str) -> None:
+        if await self.mount_adapter(folder, name):
+            chosen = dict(self.adapters_menu.choice())
+            chosen[name] = 1.0
+            await self.choose_adapters(chosen)
 
     def _pick_adapter(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Mount an adapter folder")

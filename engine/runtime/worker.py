@@ -52,6 +52,7 @@ from engine.api import (
     SessionRestore,
     SetActiveAdapters,
     TokenEvent,
+    Train,
     Transcribe,
     UnloadModel,
     UnmountAdapter,
@@ -422,6 +423,12 @@ class EngineWorker:
             from engine.runtime.decide import decide
 
             return decide(host, command, cancel)
+        if isinstance(command, Train):
+            from engine.runtime.train_job import run_train
+
+            result = run_train(host, command, rid, cancel, self._emit)
+            self._emit_memory()
+            return result
         if isinstance(command, Embed):
             result = host.embed(command.inputs, cancel)
             self._emit_memory()
