@@ -144,3 +144,14 @@ def test_the_memory_plan_refuses_with_numbers(host):
     assert "weights" in message and "activations" in message and "--grad-checkpoint" in message
     assert "--batch-size 4" in message and "\n" not in message
     check_plan(plan, plan.total_bytes, batch_size=8, length=2048, grad_checkpoint=False)
+
+
+def test_warm_up_rises_linearly_then_holds():
+    from engine.training.trainer import make_optimizer
+
+    opt = make_optimizer(TrainSettings(lr=1e-2, warmup=4, optimizer="adamw"))
+    schedule = opt._schedulers["learning_rate"]
+    rates = [float(schedule(mx.array(step))) for step in range(7)]
+    assert rates[0] == 0.0 and rates[2] == pytest.approx(5e-3) and rates[4:] == pytest.approx([1e-2] * 3)
+    with pytest.raises(TrainingError, match="--optimizer must be one of"):
+        make_optimizer(TrainSettings(optimizer="lion"))
