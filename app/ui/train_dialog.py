@@ -1,7 +1,7 @@
 """Adapters → Train…: train a LoRA adapter on the loaded model from chats or a data file.
 
-The dialog picks the data (selected conversations, their assistant turns as targets, or
-a .jsonl file / folder in mlx-lm's shapes), the settings (sensible defaults), and an
+The dialog picks the data (selected conversations, their assistant turns as targets, a
+.jsonl file or folder in mlx-lm's shapes, or a folder of .txt/.md files), the settings (sensible defaults), and an
 adapter name; Start runs the engine's training on its worker, and the dialog shows a
 live loss chart (train and validation), tokens/s, time left and peak memory. Stop ends
 it between iterations and keeps the adapter trained so far. When training ends the
@@ -129,11 +129,15 @@ class TrainDialog(QDialog):
         layout.addWidget(self.chats)
         row = QHBoxLayout()
         self.data_file = QLineEdit(objectName="trainDataFile")
-        self.data_file.setPlaceholderText("…or a .jsonl file / folder with train.jsonl (mlx-lm's shapes)")
-        browse = QPushButton("Browse…")
+        self.data_file.setPlaceholderText("…or a .jsonl file, a folder with train.jsonl, or a folder of .txt/.md")
+        browse = QPushButton("File…")
         browse.clicked.connect(self._browse)
+        folder = QPushButton("Folder…")
+        folder.setToolTip("A folder with train.jsonl (and valid.jsonl), or of .txt / .md files")
+        folder.clicked.connect(self._browse_folder)
         row.addWidget(self.data_file, 1)
         row.addWidget(browse)
+        row.addWidget(folder)
         layout.addLayout(row)
         form = QFormLayout()
         self.name = QLineEdit(time.strftime("trained-%Y%m%d-%H%M"), objectName="trainName")
@@ -167,6 +171,11 @@ class TrainDialog(QDialog):
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Training data", "", "JSON Lines (*.jsonl)")
+        if path:
+            self.data_file.setText(path)
+
+    def _browse_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Training data folder")
         if path:
             self.data_file.setText(path)
 

@@ -55,13 +55,40 @@ class Encoder:
     eos_id: int | None
 
 
+TEXT_SUFFIXES = (".txt", ".md")
+
+
+def text_folder_rows(folder: Path) -> str:
+    """The .txt and .md files of a folder as ``{"text"}`` rows, one per paragraph (runs of
+    lines between blank lines), files in name order: the JSON Lines text of them."""
+    lines = []
+    for file in sorted(p for p in folder.iterdir() if p.suffix.lower() in TEXT_SUFFIXES and p.is_file()):
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TrainingError(f"Cannot read {file}: {exc}") from None
+        for paragraph in text.replace("\r\n", "\n").split("\n\n"):
+            if paragraph.strip():
+                lines.append(json.dumps({"text": paragraph.strip()}, ensure_ascii=False))
+    return "".join(line + "\n" for line in lines)
+
+
 def data_files(path: str | Path) -> tuple[Path, Path | None]:
-    """(train file, validation file or None) for a .jsonl file or a folder."""
+    """(train file, validation file or None) for a .jsonl file, a folder with train.jsonl,
+    or a folder of .txt/.md files (written as rows to a train.jsonl beside them in a
+    ``.mlx-desk-rows`` subfolder, so the rows a problem names can be read)."""
     path = Path(path)
     if path.is_dir():
         train = path / "train.jsonl"
+        if not train.is_file() and any(p.suffix.lower() in TEXT_SUFFIXES for p in path.iterdir()):
+            rows = path / ".mlx-desk-rows"
+            rows.mkdir(exist_ok=True)
+            (rows / "train.jsonl").write_text(text_folder_rows(path), encoding="utf-8")
+            return rows / "train.jsonl", None
         if not train.is_file():
-            raise TrainingError(f"--data {path} is a folder without train.jsonl; add one (and valid.jsonl).")
+            raise TrainingError(
+                f"--data {path} is a folder without train.jsonl or .txt/.md files; add train.jsonl (and valid.jsonl)."
+            )
         valid = path / "valid.jsonl"
         return train, valid if valid.is_file() else None
     if not path.is_file():

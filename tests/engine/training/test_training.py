@@ -155,3 +155,16 @@ def test_warm_up_rises_linearly_then_holds():
     assert rates[0] == 0.0 and rates[2] == pytest.approx(5e-3) and rates[4:] == pytest.approx([1e-2] * 3)
     with pytest.raises(TrainingError, match="--optimizer must be one of"):
         make_optimizer(TrainSettings(optimizer="lion"))
+
+
+def test_a_folder_of_text_files_trains_one_row_per_paragraph(host, tmp_path):
+    from engine.training.data import data_files
+
+    (tmp_path / "a.md").write_text("# the fox\n\nthe quick brown fox\njumps over the dog\n\n\n")
+    (tmp_path / "b.txt").write_text("hello there how are you")
+    (tmp_path / "skip.bin").write_bytes(b"\x00\x01")
+    train, valid = data_files(tmp_path)
+    rows, bad, _ = load_rows(train, encoder_for(host.tokenizer, host.template))
+    assert valid is None and not bad
+    texts = [host.tokenizer.decode(r.ids[:-1]) for r in rows]
+    assert texts == ["# the fox", "the quick brown fox\njumps over the dog", "hello there how are you"]
