@@ -75,14 +75,15 @@ def text_folder_rows(folder: Path) -> str:
 
 def data_files(path: str | Path) -> tuple[Path, Path | None]:
     """(train file, validation file or None) for a .jsonl file, a folder with train.jsonl,
-    or a folder of .txt/.md files (written as rows to a train.jsonl beside them in a
-    ``.mlx-desk-rows`` subfolder, so the rows a problem names can be read)."""
+    or a folder of .txt/.md files (written as rows to a temporary train.jsonl, never into
+    the user's folder)."""
     path = Path(path)
     if path.is_dir():
         train = path / "train.jsonl"
         if not train.is_file() and any(p.suffix.lower() in TEXT_SUFFIXES for p in path.iterdir()):
-            rows = path / ".mlx-desk-rows"
-            rows.mkdir(exist_ok=True)
+            import tempfile
+
+            rows = Path(tempfile.mkdtemp(prefix="text-rows-"))
             (rows / "train.jsonl").write_text(text_folder_rows(path), encoding="utf-8")
             return rows / "train.jsonl", None
         if not train.is_file():
