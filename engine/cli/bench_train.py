@@ -70,10 +70,12 @@ def engine_run(model: str, data: Path, out: Path, args: argparse.Namespace) -> d
     request = TrainRequest(
         data=str(data), adapter_out=str(out), spec=AdapterSpec(rank=8, scale=20.0, layers=layers), settings=settings
     )
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     report = run_training(host.model, host.tokenizer, host.template, request)
     return {
         "seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - cpu,
+        "trained_tokens": report.trained_tokens,
         "tokens_per_second": report.tokens_per_second,
         "peak_memory_bytes": report.peak_memory_bytes,
         "val_before": report.val_losses[0][1],
@@ -141,15 +143,17 @@ def mlx_lm_run(model: Path, data: Path, out: Path, layers: int, args: argparse.N
         steps_per_eval=args.iters, steps_per_save=args.iters, adapter_file=str(out / "adapters.safetensors"),
     )  # fmt: skip
     mx.reset_peak_memory()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     train(net, optim.Adam(learning_rate=args.lr), CacheDataset(train_set), CacheDataset(valid_set), args=settings,
           training_callback=Listen())  # fmt: skip
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     config = {"fine_tune_type": "lora", "num_layers": layers,
               "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0, "keys": keys}}  # fmt: skip
     (out / "adapter_config.json").write_text(json.dumps(config))
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu,
+        "trained_tokens": int(reports["train"]["trained_tokens"]),
         "tokens_per_second": reports["train"]["tokens_per_second"],
         "peak_memory_bytes": int(mx.get_peak_memory()),
         "val_before": reports["val"][0] if reports["val"] else None,
