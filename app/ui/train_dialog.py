@@ -1,12 +1,13 @@
 """Adapters → Train…: train a LoRA adapter on the loaded model from chats or a data file.
 
 The dialog picks the data (selected conversations, their assistant turns as targets, a
-.jsonl file or folder in mlx-lm's shapes, or a folder of .txt/.md files), the settings (sensible defaults), and an
-adapter name; Start runs the engine's training on its worker, and the dialog shows a
-live loss chart (train and validation), tokens/s, time left and peak memory. Stop ends
-it between iterations and keeps the adapter trained so far. When training ends the
-adapter is mounted and turned on for the chat at once (``finished`` carries its folder
-and name for the window to do that).
+.jsonl file or folder in mlx-lm's shapes, or a folder of .txt/.md files), the settings
+(sensible defaults), and an adapter name; Start runs the engine's training on its
+worker, and the dialog shows a live loss chart (train and validation), tokens/s, time
+left and peak memory. Stop ends it between iterations and keeps the adapter trained so
+far. When training ends the adapter is mounted and turned on for the chat at once
+(``finished_training`` carries its folder and name for the window to do that), and one
+click (Compare) answers a prompt without and with it, side by side.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from app.qt import (
     QListWidgetItem,
     QPainter,
     QPen,
+    QPlainTextEdit,
     QPointF,
     QPushButton,
     QSpinBox,
@@ -167,7 +169,68 @@ class TrainDialog(QDialog):
         buttons.addWidget(self.start_button)
         buttons.addWidget(self.stop_button)
         layout.addLayout(buttons)
+        layout.addWidget(self._compare_row())
         window.bridge.train_progress.connect(self._progress)
+
+    def _compare_row(self) -> QWidget:
+        """One prompt answered without and with the trained adapter, side by side."""
+        box = QWidget(objectName="trainCompare")
+        outer = QVBoxLayout(box)
+        outer.setContentsMargins(0, 0, 0, 0)
+        row = QHBoxLayout()
+        self.compare_prompt = QLineEdit(objectName="comparePrompt")
+        self.compare_prompt.setPlaceholderText("A prompt to answer without and with the adapter")
+        self.compare_button = QPushButton("Compare", objectName="compareButton")
+        self.compare_button.setEnabled(False)
+        self.compare_button.clicked.connect(self.start_compare)
+        row.addWidget(self.compare_prompt, 1)
+        row.addWidget(self.compare_button)
+        outer.addLayout(row)
+        answers = QHBoxLayout()
+        self.without_answer = QPlainTextEdit(objectName="withoutAnswer", readOnly=True)
+        self.with_answer = QPlainTextEdit(objectName="withAnswer", readOnly=True)
+        self.without_answer.setPlaceholderText("Without the adapter")
+        self.with_answer.setPlaceholderText("With the adapter")
+        answers.addWidget(self.without_answer)
+        answers.addWidget(self.with_answer)
+        outer.addLayout(answers)
+        self.trained_name: str | None = None
+        self.comparisons = 0  # comparisons finished (either way)
+        return box
+
+    def start_compare(self) -> None:
+        from app import tasks
+
+        tasks.spawn(self.compare())
+
+    async def compare(self) -> None:
+        """Greedy answers to the prompt with the adapters off, then with only the trained one
+        on; the chat's own choice of adapters is put back afterwards."""
+        from engine.api import GenerationParams, SamplingParams
+
+        bridge, name = self.window_.bridge, self.trained_name
+        prompt = self.compare_prompt.text().strip()
+        if name is None or not prompt:
+            return
+        if self.window_.chat.busy:
+            self.stats.setText("Wait for the reply to finish, then compare.")
+            return
+        chosen = self.window_.adapters_menu.choice()
+        messages = [{"role": "user", "content": prompt}]
+        params = GenerationParams(max_tokens=96, sampling=SamplingParams(temperature=0.0))
+        self.compare_button.setEnabled(False)
+        try:
+            for scales, view in (({}, self.without_answer), ({name: 1.0}, self.with_answer)):
+                view.setPlainText("…")
+                await bridge.set_active_adapters(scales)
+                result = await bridge.generate(f"compare-{bool(scales)}", messages, params)
+                view.setPlainText(result.text)
+        except Exception as exc:  # noqa: BLE001 - every failure reaches the user as one line
+            self.stats.setText(f"Could not compare: {exc}")
+        finally:
+            await bridge.set_active_adapters(chosen)
+            self.compare_button.setEnabled(True)
+            self.comparisons += 1
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Training data", "", "JSON Lines (*.jsonl)")
@@ -236,7 +299,18 @@ class TrainDialog(QDialog):
         self.stats.setText(
             f"{how} after {len(result.train_losses)} iterations; the adapter {name} is mounted and on for this chat."
         )
+        self.trained_name = name
+        self.compare_button.setEnabled(True)
+        if not self.compare_prompt.text():
+            self.compare_prompt.setText(self._first_question())
         emit(self.finished_training, result.adapter, name)
+
+    def _first_question(self) -> str:
+        for cid in self.checked_chats():
+            for message in self.window_.store.thread(cid):
+                if message.role == "user" and message.content:
+                    return str(message.content)
+        return ""
 
     def stop(self) -> None:
         bridge = self.window_.bridge

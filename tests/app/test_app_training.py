@@ -1,6 +1,7 @@
 """Adapters → Train… on the real engine worker and a tiny random llama: training from two
 chats updates the loss chart, Stop keeps the adapter trained so far, and the adapter is
-mounted and on for the chat when training ends."""
+mounted and on for the chat when training ends, and Compare answers a prompt without
+and with it."""
 
 from __future__ import annotations
 
@@ -48,3 +49,12 @@ def test_train_from_two_chats_stop_keeps_the_adapter_and_it_mounts(qtbot, make_w
     assert "Stopped" in dialog.stats.text()
     qtbot.waitUntil(lambda: "from-chats" in window.adapters_menu.choice(), timeout=30_000)
     assert window.store.conversation(first).adapters == {"from-chats": 1.0}
+    # One click: a trained chat's first question answered without and with the adapter.
+    assert dialog.compare_prompt.text() in ("tell me about the fox", "what is the capital of france")
+    assert dialog.compare_button.isEnabled()
+    qtbot.mouseClick(dialog.compare_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dialog.comparisons == 1, timeout=60_000)
+    assert "…" not in (dialog.without_answer.toPlainText(), dialog.with_answer.toPlainText())
+    assert dialog.without_answer.toPlainText()  # the base model's greedy answer (it does not stop at once)
+    assert "Could not compare" not in dialog.stats.text()
+    assert window.bridge.model_info.active_adapters == {"from-chats": 1.0}  # the chat's choice is back
