@@ -606,6 +606,7 @@ class Train:
 
     data: str
     adapter_out: str
+    adapter_init: str | None = None  # continue from this adapter (mlx-lm or PEFT folder)
     iters: int = 100
     batch_size: int = 4
     lr: float = 1e-4

@@ -453,6 +453,9 @@ class MainWindow(QMainWindow):
         return dialog
 
     async def _use_trained(self, folder: str, name: str) -> None:
+        info = self.bridge.model_info
+        if info is not None and any(a.name == name for a in info.adapters):  # a resumed run: mount it afresh
+            await self.unmount_adapter(name)
         if await self.mount_adapter(folder, name):
             chosen = dict(self.adapters_menu.choice())
             chosen[name] = 1.0

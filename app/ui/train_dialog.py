@@ -5,7 +5,7 @@ The dialog picks the data (selected conversations, their assistant turns as targ
 (sensible defaults), and an adapter name; Start runs the engine's training on its
 worker, and the dialog shows a live loss chart (train and validation), tokens/s, time
 left and peak memory. Stop ends it between iterations and keeps the adapter trained so
-far. When training ends the adapter is mounted and turned on for the chat at once
+far, and Start (now Resume) continues from it. When training ends the adapter is mounted and turned on for the chat at once
 (``finished_training`` carries its folder and name for the window to do that), and one
 click (Compare) answers a prompt without and with it, side by side.
 """
@@ -195,6 +195,7 @@ class TrainDialog(QDialog):
         answers.addWidget(self.with_answer)
         outer.addLayout(answers)
         self.trained_name: str | None = None
+        self.stopped_name: str | None = None  # the run Start resumes (same name, stopped early)
         self.comparisons = 0  # comparisons finished (either way)
         return box
 
@@ -277,8 +278,11 @@ class TrainDialog(QDialog):
         if data is None:
             self.stats.setText("Tick chats that have replies, or give a data file.")
             return
+        folder = self._adapter_folder(name)
+        # Resume: a run of this name that was stopped goes on from the adapter it saved.
+        resume = name == self.stopped_name and (folder / "adapters.safetensors").is_file()
         command = Train(
-            data=data, adapter_out=str(self._adapter_folder(name)), iters=self.iters.value(),
+            data=data, adapter_out=str(folder), adapter_init=str(folder) if resume else None, iters=self.iters.value(),
             batch_size=self.batch.value(), lr=self.lr.value(), rank=self.rank.value(), layers=self.layers.value(),
             mask_prompt=self.mask.isChecked(), save_every=10,
         )  # fmt: skip
@@ -300,6 +304,8 @@ class TrainDialog(QDialog):
             f"{how} after {len(result.train_losses)} iterations; the adapter {name} is mounted and on for this chat."
         )
         self.trained_name = name
+        self.stopped_name = name if result.stopped else None
+        self.start_button.setText("Resume" if result.stopped else "Start")
         self.compare_button.setEnabled(True)
         if not self.compare_prompt.text():
             self.compare_prompt.setText(self._first_question())

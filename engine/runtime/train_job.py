@@ -4,8 +4,10 @@ Training runs on the thread that owns MLX, instead of other requests: the worker
 nothing else until it ends (a chat sent meanwhile waits in the queue and runs after).
 Each iteration is a TrainProgress event; a Cancel stops between iterations, and the
 adapter trained so far is saved (``TrainResult.stopped``). The model's own weights are
-never changed, so chats' cached prefixes stay valid; the new adapter is mounted like
-any other afterwards.
+never changed, so chats' cached prefixes stay valid; adapters already mounted stay
+mounted but off while it trains (and on again after), and the new adapter is mounted
+like any other afterwards. ``adapter_init`` continues from a saved adapter (a stopped
+run's, say).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.api import Train, TrainProgress, TrainResult
-from engine.errors import EngineError
 
 
 def run_train(host: Any, command: Train, rid: int, cancel: threading.Event, emit: Callable[[Any], None]) -> TrainResult:
@@ -24,8 +25,6 @@ def run_train(host: Any, command: Train, rid: int, cancel: threading.Event, emit
     from engine.training.run import TrainRequest, run_training
     from engine.training.trainer import TrainSettings
 
-    if host.adapters():
-        raise EngineError("Unmount the adapters (Adapters menu) before training: a new one trains on the bare model.")
     plan = host.info.plan
     budget = plan.budget_bytes if plan is not None else default_budget()[0]
     skipped: list[str] = []
@@ -49,6 +48,7 @@ def run_train(host: Any, command: Train, rid: int, cancel: threading.Event, emit
     request = TrainRequest(
         data=command.data,
         adapter_out=command.adapter_out,
+        adapter_init=command.adapter_init,
         spec=AdapterSpec(rank=command.rank, scale=command.scale, layers=command.layers, keys=list(command.keys)),
         settings=TrainSettings(
             iters=command.iters,
@@ -63,16 +63,22 @@ def run_train(host: Any, command: Train, rid: int, cancel: threading.Event, emit
         mask_prompt=command.mask_prompt,
         base_model=host.info.name,
     )
-    report = run_training(
-        host.model,
-        host.tokenizer,
-        host.template,
-        request,
-        budget=budget,
-        on_step=on_step,
-        on_bad_row=lambda bad: skipped.append(str(bad)),
-        cancel=cancel,
-    )
+    # Mounted adapters stay mounted but off while the new one trains on the bare model.
+    active = host.active_adapters()
+    host.set_active_adapters({})
+    try:
+        report = run_training(
+            host.model,
+            host.tokenizer,
+            host.template,
+            request,
+            budget=budget,
+            on_step=on_step,
+            on_bad_row=lambda bad: skipped.append(str(bad)),
+            cancel=cancel,
+        )
+    finally:
+        host.set_active_adapters(active)
     return TrainResult(
         adapter=report.adapter,
         train_losses=report.train_losses,

@@ -106,8 +106,25 @@ def _matches(path: str, key: str) -> bool:
     return path == key or path.endswith("." + key)
 
 
-def add_adapters(model: nn.Module, spec: AdapterSpec) -> dict[str, nn.Module]:
-    """Freeze ``model`` and wrap the chosen linear layers; returns {module path: adapter layer}."""
+class AdapterLayers(dict):
+    """{module path: adapter layer}, and where each layer sits: ``homes[path]`` is (block
+    index, path inside the block), which is the path itself or, on a layer that already
+    carries mounted adapters (engine.models.lora.LoRAHost), its ``base`` inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.homes: dict[str, tuple[int, str]] = {}
+
+
+def _is_mount_host(module: nn.Module) -> bool:
+    return hasattr(module, "adapter_names") and isinstance(
+        getattr(module, "base", None), nn.Linear | nn.QuantizedLinear
+    )
+
+
+def add_adapters(model: nn.Module, spec: AdapterSpec) -> AdapterLayers:
+    """Freeze ``model`` and wrap the chosen linear layers; returns {module path: adapter layer}.
+    A layer with mounted adapters is trained underneath them: they should be off meanwhile."""
     if spec.rank < 1:
         raise TrainingError(f"--rank must be at least 1 (got {spec.rank})")
     blocks = _blocks(model)
@@ -117,17 +134,24 @@ def add_adapters(model: nn.Module, spec: AdapterSpec) -> dict[str, nn.Module]:
     model.freeze()
     wrap = DoRALinear if spec.dora else LoRALinear
     first = len(blocks) - len(chosen)
-    found: dict[str, nn.Module] = {}
+    found = AdapterLayers()
     full_keys: set[str] = set()
+    prefix = _block_prefix(model)
     for index, block in enumerate(chosen, first):
         swaps = []
         for path, module in block.named_modules():
-            if isinstance(module, nn.Linear | nn.QuantizedLinear) and any(_matches(path, k) for k in spec.keys):
-                swaps.append((path, wrap(module, spec.rank, spec.scale)))
-                full_keys.add(path)
-        for path, layer in swaps:
-            replace_module(block, path, layer)
-            found[f"{_block_prefix(model)}.{index}.{path}"] = layer
+            if not any(_matches(path, k) for k in spec.keys):
+                continue
+            if isinstance(module, nn.Linear | nn.QuantizedLinear):
+                swaps.append((path, path, module))
+            elif _is_mount_host(module):
+                swaps.append((path, f"{path}.base", module.base))
+        for path, home, linear in swaps:
+            layer = wrap(linear, spec.rank, spec.scale)
+            replace_module(block, home, layer)
+            found[f"{prefix}.{index}.{path}"] = layer
+            found.homes[f"{prefix}.{index}.{path}"] = (index, home)
+            full_keys.add(path)
     if not found:
         raise TrainingError(
             f"No linear layer matches --keys {','.join(spec.keys)} in the last {len(chosen)} blocks; "

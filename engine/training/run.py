@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from engine.training.adapters import AdapterSpec, TrainingError, add_adapters, init_from
+from engine.training.adapters import AdapterLayers, AdapterSpec, TrainingError, add_adapters, init_from, replace_module
 from engine.training.data import BadRow, Encoder, data_files, load_rows
 from engine.training.memory import check_plan, plan_training
 from engine.training.trainer import StepReport, TrainReport, TrainSettings, train
@@ -50,18 +50,12 @@ def encoder_for(tokenizer: Any, template: Any) -> Encoder:
     )
 
 
-def remove_adapters(model: nn.Module, found: dict[str, nn.Module]) -> None:
+def remove_adapters(model: nn.Module, found: AdapterLayers) -> None:
     """Put each wrapped linear layer back where its adapter layer was."""
-    from engine.training.adapters import replace_module
-
     blocks = list(model.layers)
-    prefix_len = None
     for path, layer in found.items():
-        parts = path.split(".")
-        if prefix_len is None:  # "<prefix>.<index>.<path in block>": find the index
-            prefix_len = next(i for i, p in enumerate(parts) if p.isdigit())
-        block = blocks[int(parts[prefix_len])]
-        replace_module(block, ".".join(parts[prefix_len + 1 :]), layer.linear)
+        index, home = found.homes[path]
+        replace_module(blocks[index], home, layer.linear)
 
 
 def run_training(

@@ -49,6 +49,18 @@ def test_train_from_two_chats_stop_keeps_the_adapter_and_it_mounts(qtbot, make_w
     assert "Stopped" in dialog.stats.text()
     qtbot.waitUntil(lambda: "from-chats" in window.adapters_menu.choice(), timeout=30_000)
     assert window.store.conversation(first).adapters == {"from-chats": 1.0}
+    # Start is now Resume: it continues from the stopped run's adapter (mounted, but off
+    # while training) and mounts the result again under the same name.
+    first_run = list(dialog.chart.train)
+    assert dialog.start_button.text() == "Resume"
+    qtbot.mouseClick(dialog.start_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not dialog.start_button.isEnabled(), timeout=10_000)  # the new run began
+    qtbot.waitUntil(lambda: len(dialog.chart.train) >= 2, timeout=60_000)
+    assert dialog.chart.train[0][1] < first_run[0][1]  # it starts from what was learnt, not afresh
+    with qtbot.wait_signal(dialog.finished_training, timeout=60_000):
+        qtbot.mouseClick(dialog.stop_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "from-chats" in window.adapters_menu.choice(), timeout=30_000)
+    assert [a.name for a in window.bridge.model_info.adapters] == ["from-chats"]
     # One click: a trained chat's first question answered without and with the adapter.
     assert dialog.compare_prompt.text() in ("tell me about the fox", "what is the capital of france")
     assert dialog.compare_button.isEnabled()

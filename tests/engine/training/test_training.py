@@ -168,3 +168,19 @@ def test_a_folder_of_text_files_trains_one_row_per_paragraph(host, tmp_path):
     assert valid is None and not bad
     texts = [host.tokenizer.decode(r.ids[:-1]) for r in rows]
     assert texts == ["# the fox", "the quick brown fox\njumps over the dog", "hello there how are you"]
+
+
+def test_training_under_mounted_adapters_leaves_them_in_place(tmp_path):
+    h = ModelHost()
+    h.load(str(GOLDEN / "model"))
+    h.mount_adapter(str(GOLDEN / "init_adapter"), "peft")
+    h.set_active_adapters({"peft": 1.0})
+    x = mx.array([[5, 6, 7]])
+    with_peft = h.model(x)
+    h.set_active_adapters({})  # as the worker does while training
+    report = _run(h, tmp_path)
+    assert report.train_losses[-1] < report.train_losses[0]
+    h.set_active_adapters({"peft": 1.0})
+    assert mx.allclose(h.model(x), with_peft).item()
+    h.mount_adapter(report.adapter, "new")  # the trained adapter targets the same layers
+    assert {a.name for a in h.adapters()} == {"peft", "new"}
