@@ -74,3 +74,33 @@ def test_mlx_lm_loads_the_adapter_and_generates_the_engines_ids(trained):
         for (token, _), _ in zip(generate_step(mx.array(EXPECTED["prompt_ids"]), model, max_tokens=n), range(n))
     ]
     assert ids == _engine_greedy(adapter) == EXPECTED["greedy_ids"]
+
+
+def test_a_dora_adapter_gives_mlx_lm_the_engines_logits(tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from engine.runtime.host import ModelHost
+    from engine.training.adapters import AdapterSpec
+    from engine.training.run import TrainRequest, run_training
+    from engine.training.trainer import TrainSettings
+
+    host = ModelHost()
+    host.load(str(GOLDEN / "model"))
+    request = TrainRequest(
+        data=str(GOLDEN / "train.jsonl"),
+        adapter_out=str(tmp_path / "dora"),
+        spec=AdapterSpec(rank=4, layers=2, keys=["q_proj", "v_proj", "down_proj"], dora=True),
+        settings=TrainSettings(iters=3, batch_size=2, lr=1e-2, order="file"),
+    )
+    report = run_training(host.model, host.tokenizer, host.template, request)
+    host.mount_adapter(report.adapter, "dora")
+    host.set_active_adapters({"dora": 1.0})
+    ids = mx.array([EXPECTED["prompt_ids"]])
+    ours = host.model(ids)
+    model, _ = load(str(GOLDEN / "model"), adapter_path=report.adapter)
+    theirs = model(ids)
+    base = ModelHost()
+    base.load(str(GOLDEN / "model"))
+    assert mx.abs(ours - theirs).max().item() < 1e-4
+    assert mx.abs(ours - base.model(ids)).max().item() > 1e-3  # the adapter changed the model
