@@ -53,3 +53,43 @@ def test_decide_over_http(tiny_model, tmp_path):
             assert status == 400 and words in message and "\n" not in message, err
     finally:
         srv.stop()
+
+
+def test_decisions_have_their_own_admission_pool(tiny_model):
+    import threading
+
+    from engine.serve import decide_api
+    from engine.serve.backend import Backend
+    from engine.serve.server import make_server
+
+    backend = Backend()
+    backend.start(str(tiny_model))
+    assert backend.loaded.wait(60) and backend.load_error is None
+    server = make_server(backend, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    body = {"model": backend.info.name, "prompt": "the quick", "candidates": [" fox", " dog"]}
+    pool = decide_api._pool(server)
+    try:
+        for _ in range(decide_api.MAX_DECISIONS):  # as many decisions as the pool holds, in flight
+            assert pool.acquire(blocking=False)
+        status, err = post(base, body)
+        assert status == 429 and "decision requests are already waiting" in err["error"]["message"]
+        # Generation is admitted apart: a completion still runs while decisions are full.
+        request = urllib.request.Request(
+            base + "/v1/completions",
+            json.dumps({"model": backend.info.name, "prompt": "hi", "max_tokens": 2}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            assert r.status == 200
+        pool.release()
+        status, out = post(base, body)
+        assert status == 200 and len(out["probabilities"]) == 2
+    finally:
+        for _ in range(decide_api.MAX_DECISIONS - 1):
+            pool.release()
+        server.shutdown()
+        server.server_close()
+        backend.shutdown()
