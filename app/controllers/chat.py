@@ -26,6 +26,7 @@ from app.tasks import spawn
 from engine import api
 from engine.text.tool_calls import FORMATS, forced_call, parse_tool_calls
 
+TRAINING = "An adapter is training on this model: wait for it (or Stop it in Adapters → Train…), then send."
 MAX_TOOL_ROUNDS = 8  # calls and answers in one reply before the model must answer in words
 
 
@@ -211,6 +212,9 @@ class ChatController(QObject):
         text = text.strip()
         attachments = list(attachments or [])
         if not (text or attachments) or self.busy:
+            return False
+        if getattr(self.bridge, "active_training", None) is not None:  # the model is busy learning
+            emit(self.failed, TRAINING)
             return False
         info = self.bridge.model_info
         if any(kind == "image" for kind, _ in attachments) and info is not None and not info.vision:

@@ -324,8 +324,10 @@ class MainWindow(QMainWindow):
         show their probabilities under it; a refusal is shown and the input given back."""
         from engine.api import MediaInput
 
-        if self.bridge.model_info is None:
-            self.show_error("Load a model first to ask with choices.")
+        if self.bridge.model_info is None or self.bridge.active_training is not None:
+            from app.controllers.chat import TRAINING
+
+            self.show_error(TRAINING if self.bridge.model_info else "Load a model first to ask with choices.")
             self.composer.restore(text, attachments)
             return
         # Parts only with media: a text-only template may take nothing but a string.

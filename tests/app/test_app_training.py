@@ -1,5 +1,5 @@
 """Adapters → Train… on the real engine worker and a tiny random llama: training from two
-chats updates the loss chart, Stop keeps the adapter trained so far, and the adapter is
+chats updates the loss chart (a chat message meanwhile is refused with a line), Stop keeps the adapter trained so far, and the adapter is
 mounted and on for the chat when training ends, and Compare answers a prompt without
 and with it."""
 
@@ -40,6 +40,13 @@ def test_train_from_two_chats_stop_keeps_the_adapter_and_it_mounts(qtbot, make_w
     qtbot.mouseClick(dialog.start_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: len(dialog.chart.train) >= 3, timeout=60_000)
     assert "tok/s" in dialog.stats.text() and "left" in dialog.stats.text()
+    # A message sent while the model trains is refused with a line, and kept in the composer.
+    window.composer.edit.setFocus()
+    qtbot.keyClicks(window.composer.edit, "are you there")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: "training" in window.error_banner.text(), timeout=10_000)
+    qtbot.waitUntil(lambda: window.composer.edit.toPlainText() == "are you there", timeout=10_000)
+    window.composer.edit.clear()
     dialog.chart.grab()  # paints the line without error
     with qtbot.wait_signal(dialog.finished_training, timeout=60_000) as blocker:
         qtbot.mouseClick(dialog.stop_button, Qt.MouseButton.LeftButton)
