@@ -47,6 +47,7 @@ class EngineBridge(QObject):
     error = Signal(int, str)  # request id, one readable line
     finished = Signal(int, object)  # request id, GenerationResult | ModelInfo | None
     started = Signal(int, str)  # request id, kind ("generate", "load", "inspect", ...)
+    train_progress = Signal(object)  # api.TrainProgress: an iteration or a validation pass done
     _event = Signal(object)  # worker thread -> GUI thread
 
     def __init__(self, parent: QObject | None = None, worker_factory: Callable[..., Any] | None = None):
@@ -59,6 +60,7 @@ class EngineBridge(QObject):
         self.active_generation: int | None = None
         self.active_load: int | None = None
         self.active_transcription: int | None = None
+        self.active_training: int | None = None
         self.model_info: api.ModelInfo | None = None
         self._loading: asyncio.Future[Any] | None = None  # the load under way, if any
         self._live: tuple[int, api.GenerationStats] | None = None  # latest token's stats
@@ -216,6 +218,22 @@ class EngineBridge(QObject):
         result: api.GenerationResult = await self._while_active(rid, fut, "active_generation")
         return result
 
+    async def decide(
+        self, messages: list[dict[str, Any]], candidates: list[str], media: list[api.MediaInput] | None = None
+    ) -> api.Decision:
+        """Score each candidate answer after ``messages`` (decision scoring); it runs on the
+        worker between generation steps, on caches of its own."""
+        _, fut = self._request(api.Decide(candidates=candidates, messages=messages, media=media or []), "decide")
+        result: api.Decision = await fut
+        return result
+
+    async def train(self, command: api.Train) -> api.TrainResult:
+        """Train an adapter on the loaded model; progress arrives on ``train_progress``.
+        ``cancel(active_training)`` stops it with the adapter trained so far saved."""
+        rid, fut = self._request(command, "train")
+        result: api.TrainResult = await self._while_active(rid, fut, "active_training")
+        return result
+
     async def transcribe(
         self,
         path: str,
@@ -352,6 +370,8 @@ class EngineBridge(QObject):
             )
         elif isinstance(event, api.MemoryEvent):
             emit(self.memory, asdict(event))
+        elif isinstance(event, api.TrainProgress):
+            emit(self.train_progress, event)
         elif isinstance(event, api.DoneEvent):
             self._kinds.pop(event.request_id, None)
             self._listeners.pop(event.request_id, None)

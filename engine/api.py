@@ -247,7 +247,7 @@ class EngineStatus:
     kv_allowance_bytes: int = 0  # of it, what KV caches may hold (MemoryEvent.kv_allowance_bytes)
 
 
-Event = TokenEvent | DraftEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent
+Event = TokenEvent | DraftEvent | ProgressEvent | DoneEvent | ErrorEvent | MemoryEvent  # and TrainProgress (below)
 
 
 # ---- model descriptions -----------------------------------------------------
@@ -659,6 +659,82 @@ class SessionRestore:
     reason: str = ""  # why not, when nothing was ("no saved cache", "another adapters", ...)
 
 
+@dataclass
+class Decide:
+    """Score candidate answers after one prompt (decision scoring). The prompt is plain
+    text (tokenized as the tokenizer's own settings say), token ids fed as they are, or
+    ``messages`` rendered with the chat template and its generation prompt (media parts
+    as in ``Generate``). A text candidate's tokens are those the prompt + candidate
+    tokenize to beyond the prompt's own; id candidates are fed as they are. Done with
+    Decision."""
+
+    candidates: list[str] | list[list[int]]
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    media: list[MediaInput] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    candidates: list[str]  # each candidate's text (id candidates: their decoded text)
+    candidate_ids: list[list[int]]  # the tokens scored for each
+    logprobs: list[float]  # each candidate's log-probability given the prompt (sum over its tokens)
+    probabilities: list[float]  # the softmax over the candidates' log-probabilities
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Train:
+    """Train a LoRA (or DoRA) adapter on the loaded model (engine.training). ``data`` is a
+    .jsonl file or a folder with train.jsonl / valid.jsonl in mlx-lm's row shapes. Reports
+    TrainProgress events as it goes; a Cancel stops it between iterations with the adapter
+    trained so far saved. Done with TrainResult. Other requests wait until it ends."""
+
+    data: str
+    adapter_out: str
+    adapter_init: str | None = None  # continue from this adapter (mlx-lm or PEFT folder)
+    iters: int = 100
+    batch_size: int = 4
+    lr: float = 1e-4
+    optimizer: str = "adam"
+    rank: int = 8
+    scale: float = 20.0
+    layers: int = 16
+    keys: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    mask_prompt: bool = False
+    grad_checkpoint: bool = False
+    steps_per_eval: int = 0
+    save_every: int = 10
+    seed: int = 0
+
+
+@dataclass
+class TrainProgress:
+    """One training iteration done (``loss`` set) or a validation pass (``val_loss`` set)."""
+
+    request_id: int
+    iteration: int
+    iters: int
+    loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_second: float = 0.0
+    seconds: float = 0.0
+    peak_memory_bytes: int = 0
+    skipped_rows: list[str] = field(default_factory=list)  # bad data rows, with their line numbers (first event)
+
+
+@dataclass
+class TrainResult:
+    adapter: str
+    train_losses: list[float]
+    val_loss: float | None
+    trained_tokens: int
+    seconds: float
+    stopped: bool  # cancelled: the adapter holds what was trained so far
+    skipped_rows: list[str] = field(default_factory=list)
+
+
 Command = (
     LoadModel
     | UnloadModel
@@ -668,6 +744,8 @@ Command = (
     | Transcribe
     | Embed
     | ScorePrompt
+    | Decide
+    | Train
     | Cancel
     | DropSession
     | GetModelInfo

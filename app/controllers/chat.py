@@ -34,6 +34,7 @@ CONTEXT_POLICIES: dict[str, Literal["stop", "truncate_middle", "rolling"]] = {
     "truncate_middle": "truncate_middle",
     "rolling": "rolling",
 }
+TRAINING = "An adapter is training on this model: wait for it (or Stop it in Adapters → Train…), then send."
 MAX_TOOL_ROUNDS = 8  # calls and answers in one reply before the model must answer in words
 
 
@@ -233,6 +234,9 @@ class ChatController(QObject):
         text = text.strip()
         attachments = list(attachments or [])
         if not (text or attachments) or self.busy:
+            return False
+        if getattr(self.bridge, "active_training", None) is not None:  # the model is busy learning
+            emit(self.failed, TRAINING)
             return False
         info = self.bridge.model_info
         if any(kind == "image" for kind, _ in attachments) and info is not None and not info.vision:

@@ -51,6 +51,7 @@ class AdapterRow(QWidget):
 class AdaptersMenu(QMenu):
     changed = Signal(dict)  # the chosen active set: name -> scale
     mount_requested = Signal()
+    train_requested = Signal()
     unmount_requested = Signal(str)
 
     def __init__(self, parent: QWidget | None = None):
@@ -85,6 +86,9 @@ class AdaptersMenu(QMenu):
         self.mount_action = self.addAction("Mount adapter…")
         self.mount_action.setEnabled(model_loaded)
         self.mount_action.triggered.connect(lambda: emit(self.mount_requested))
+        self.train_action = self.addAction("Train…")
+        self.train_action.setEnabled(model_loaded)
+        self.train_action.triggered.connect(lambda: emit(self.train_requested))
         self.unmount_menu = self.addMenu("Unmount")
         self.unmount_menu.setEnabled(bool(mounted))
         for adapter in mounted:

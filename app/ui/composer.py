@@ -61,6 +61,7 @@ from app.qt import (
 )
 from app.resources import resource_path
 from app.ui.attachment_strip import THUMB, AttachmentStrip, ImagePreview
+from app.ui.choices import ChoicesRow
 from app.ui.images import ImageCheck, check_image
 from app.ui.video import VideoCheck, check_video, duration_text, play
 from engine.api import VideoLimits
@@ -175,6 +176,8 @@ class Composer(QFrame):
     refused = Signal(str)  # an attachment refused: a line the user must see
     transcribe_requested = Signal(str)  # an audio file for a model without audio input
     cancel_transcription = Signal()
+    # Ask with choices: the question, the options typed, [(kind, path), ...]
+    choices_requested = Signal(str, list, list)
 
     def __init__(self, data_dir: str | Path | None = None, parent: QWidget | None = None):
         super().__init__(parent)
@@ -257,11 +260,20 @@ class Composer(QFrame):
         self.transcribe_row.setVisible(False)
 
         layout.addWidget(self.transcribe_row)
+        self.choices = ChoicesRow(self)
+        self.choices.setVisible(False)
+        self.choices.edit.returnPressed.connect(self._submit)
+        layout.addWidget(self.choices)
         layout.addWidget(self.edit)
+        self.choices_button = QToolButton(text="Choices", objectName="choicesButton")
+        self.choices_button.setCheckable(True)
+        self.choices_button.setToolTip("Ask with choices: type options; the model scores how likely each answer is")
+        self.choices_button.toggled.connect(self.choices.setVisible)
         row = QHBoxLayout()
         row.setSpacing(4)
         row.addWidget(self.attach_button)
         row.addWidget(self.mic_button)
+        row.addWidget(self.choices_button)
         row.addWidget(self.level_bar)
         row.addWidget(self.rec_label)
         row.addStretch(1)
@@ -310,11 +322,18 @@ class Composer(QFrame):
                 self.send_waiting = True
                 emit(self.notice, WAITING_FOR_CHECK)
             return
+        options = self.choices.options() if self.choices_button.isChecked() else []
+        if self.choices_button.isChecked() and not (text and options):
+            emit(self.refused, "Ask with choices needs a question and at least one option (split options with |).")
+            return
         self.send_waiting = False
         self.edit.clear()
         attachments = self.attachments
         self.attachments = []
         self.strip.set_items([])
+        if options:
+            emit(self.choices_requested, text, options, attachments)
+            return
         emit(self.send_requested, text, attachments)
 
     def restore(self, text: str, attachments: list[tuple[str, str]]) -> None:

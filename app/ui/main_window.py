@@ -41,6 +41,7 @@ from app.qt import (
 from app.store import HistoryStore
 from app.ui.adapters_menu import AdaptersMenu
 from app.ui.chat_view import ChatView
+from app.ui.choices import ChoicesResult
 from app.ui.composer import Composer
 from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
@@ -49,6 +50,7 @@ from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
 from app.ui.tool_approval import ToolApprovalBar
 from app.ui.tools_dialog import ToolsDialog
+from app.ui.train_dialog import TrainDialog
 
 
 class MainWindow(QMainWindow):
@@ -98,6 +100,8 @@ class MainWindow(QMainWindow):
         cv.addWidget(self._top_bar())
         cv.addWidget(self.chat_view, 1)
         cv.addWidget(self.tool_approval)
+        self.choices_result = ChoicesResult()
+        cv.addWidget(self.choices_result)
         holder = QWidget()
         hl = QHBoxLayout(holder)
         hl.setContentsMargins(28, 8, 28, 18)
@@ -124,6 +128,9 @@ class MainWindow(QMainWindow):
         self.sidebar.notice.connect(self.notify)
         self.composer.send_requested.connect(lambda text, att: tasks.spawn(self._send(text, att)))
         self.composer.send_requested.connect(lambda text, _att: self.check_memory(len(text) // 4))
+        self.composer.choices_requested.connect(
+            lambda text, options, att: tasks.spawn(self.ask_with_choices(text, options, att))
+        )
         self.composer.stop_requested.connect(self.stop)
         self.composer.notice.connect(self.notify)
         self.composer.refused.connect(self.show_error)
@@ -168,6 +175,7 @@ class MainWindow(QMainWindow):
         self.settings.draft_cleared.connect(lambda: tasks.spawn(self.set_draft_model(None)))
         self.adapters_menu.changed.connect(lambda scales: tasks.spawn(self.choose_adapters(scales)))
         self.adapters_menu.mount_requested.connect(self._pick_adapter)
+        self.adapters_menu.train_requested.connect(self.open_training)
         self.adapters_menu.unmount_requested.connect(lambda name: tasks.spawn(self.unmount_adapter(name)))
         bridge.memory.connect(self.gauge.update_figures)
         self.models.progress.connect(self._load_progress)
@@ -325,6 +333,33 @@ class MainWindow(QMainWindow):
         if not await self.chat.send(text, attachments):  # refused: the reason is already shown
             self.composer.restore(text, attachments)
 
+    async def ask_with_choices(self, text: str, options: list[str], attachments: list[tuple[str, str]]) -> None:
+        """Score the typed options as answers to the question (attachments included) and
+        show their probabilities under it; a refusal is shown and the input given back."""
+        from engine.api import MediaInput
+
+        if self.bridge.model_info is None or self.bridge.active_training is not None:
+            from app.controllers.chat import TRAINING
+
+            self.show_error(TRAINING if self.bridge.model_info else "Load a model first to ask with choices.")
+            self.composer.restore(text, attachments)
+            return
+        # Parts only with media: a text-only template may take nothing but a string.
+        parts = [{"type": kind} for kind, _ in attachments] + [{"type": "text", "text": text}]
+        content = parts if attachments else text
+        media = [MediaInput(kind, path) for kind, path in attachments]  # type: ignore[arg-type]
+        self.choices_result.show_waiting(text)
+        try:
+            decision = await self.bridge.decide([{"role": "user", "content": content}], options, media)
+        except Exception as exc:  # noqa: BLE001 - every failure reaches the user as one line
+            self.choices_result.setVisible(False)
+            self.show_error(str(exc))
+            self.composer.restore(text, attachments)
+            return
+        self.choices_result.show_result(text, options, decision.probabilities)
+        best = max(range(len(options)), key=lambda i: decision.probabilities[i])
+        self.notify(f"Most likely: {options[best]} ({decision.probabilities[best]:.0%})")
+
     def stop(self) -> None:
         if self.composer.cancel_waiting_send():  # Esc first takes back a send still waiting
             return
@@ -456,6 +491,22 @@ class MainWindow(QMainWindow):
 
     async def choose_adapters(self, scales: dict[str, float]) -> None:
         await self.adapter_control.choose(scales)
+
+    def open_training(self) -> TrainDialog:
+        """Adapters → Train…: the dialog; its adapter is mounted and on for this chat when done."""
+        dialog = TrainDialog(self)
+        dialog.finished_training.connect(lambda folder, name: tasks.spawn(self._use_trained(folder, name)))
+        dialog.show()
+        return dialog
+
+    async def _use_trained(self, folder: str, name: str) -> None:
+        info = self.bridge.model_info
+        if info is not None and any(a.name == name for a in info.adapters):  # a resumed run: mount it afresh
+            await self.unmount_adapter(name)
+        if await self.mount_adapter(folder, name):
+            chosen = dict(self.adapters_menu.choice())
+            chosen[name] = 1.0
+            await self.choose_adapters(chosen)
 
     def _pick_adapter(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Mount an adapter folder")

@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {generate,template,inspect,transcribe,bench,convert,serve}``.
+"""Command line: ``python -m engine {generate,template,inspect,transcribe,bench,convert,serve,decide,train}``.
 
 The flags are a contract (DESIGN.md, "Engine CLI"). Every failure exits non-zero
 with one line on stderr and no traceback.
@@ -237,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
 
     _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
+    from engine.cli.decide_command import add_decide
+    from engine.cli.train_command import add_train
+
+    add_decide(sub)
+    add_train(sub)
     return parser
 
 
@@ -625,7 +630,21 @@ COMMANDS = {
     "convert": cmd_convert,
     "bench": cmd_bench,
     "serve": cmd_serve,
+    "decide": lambda args: _decide(args),
+    "train": lambda args: _train(args),
 }
+
+
+def _decide(args: argparse.Namespace) -> int:
+    from engine.cli.decide_command import cmd_decide
+
+    return cmd_decide(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from engine.cli.train_command import cmd_train
+
+    return cmd_train(args)
 
 
 def _fail(message: str) -> int:

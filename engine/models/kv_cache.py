@@ -458,3 +458,33 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
         raise EngineError(f"The prompt cache {path} is damaged ({exc}); delete it.") from None
     metadata = {k[len("user.") :]: v for k, v in header.items() if k.startswith("user.")}
     return cache, metadata
+
+
+def copy_prompt_cache(cache: Sequence[Any], rows: int = 1) -> list:
+    """A new cache holding what ``cache`` (one sequence) holds, repeated for ``rows``
+    sequences: what each layer saves (``state``/``meta_state``, or a recurrent layer's
+    ``arrays``) rebuilt in a fresh object, so feeding the copy never changes ``cache``.
+    Decision scoring gives every candidate its own copy of the prompt's keys and values."""
+
+    from mlx.utils import tree_map
+
+    def widen(a: Any) -> Any:  # an array, or the nested tuples a quantized layer saves
+        if a is None or rows == 1:
+            return a
+        return tree_map(lambda x: mx.repeat(x, rows, axis=0), a)
+
+    copies = []
+    for c in cache:
+        meta = c.meta_state
+        fresh = _empty_like(type(c), meta)
+        if hasattr(c, "arrays"):  # a recurrent layer: its live state slots
+            fresh.arrays = [widen(a) for a in c.arrays]
+            fresh.meta_state = meta
+        else:
+            fresh.meta_state = meta
+            state = tuple(c.state or ())
+            if state:
+                fresh.state = tuple(widen(a) for a in state)
+                fresh.meta_state = meta
+        copies.append(fresh)
+    return copies

@@ -31,6 +31,7 @@ from engine.api import (
     Cancel,
     Command,
     Complete,
+    Decide,
     DoneEvent,
     DropSession,
     Embed,
@@ -52,6 +53,7 @@ from engine.api import (
     SessionRestore,
     SetActiveAdapters,
     TokenEvent,
+    Train,
     Transcribe,
     UnloadModel,
     UnmountAdapter,
@@ -217,7 +219,8 @@ class EngineWorker:
                 if self._start_job(rid, command, cancel):
                     rid = 0
                     continue
-                if self._jobs and not isinstance(command, DropSession | GetModelInfo):
+                # A decision uses caches of its own: it runs between the batch's steps.
+                if self._jobs and not isinstance(command, DropSession | GetModelInfo | Decide):
                     self._held, rid = item, 0  # runs once the batch has drained
                     continue
                 try:
@@ -419,6 +422,16 @@ class EngineWorker:
             prompt = command.prompt
             ids = host.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
             return host.score_prompt(ids, command.top_logprobs, cancel)
+        if isinstance(command, Decide):
+            from engine.runtime.decide import decide
+
+            return decide(host, command, cancel)
+        if isinstance(command, Train):
+            from engine.runtime.train_job import run_train
+
+            result = run_train(host, command, rid, cancel, self._emit)
+            self._emit_memory()
+            return result
         if isinstance(command, Embed):
             result = host.embed(command.inputs, cancel)
             self._emit_memory()

@@ -114,6 +114,34 @@ _SCHEMAS: dict[str, Any] = {
         },
         "required": ["model", "input"],
     },
+    "DecideRequest": {
+        "type": "object",
+        "properties": {
+            "model": _STR,
+            "prompt": {"oneOf": [_STR, _TOKEN_IDS]},
+            "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+            "candidates": {
+                "type": "array",
+                "items": {"oneOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]},
+                "minItems": 1,
+                "maxItems": 256,
+            },
+        },
+        "required": ["candidates"],
+    },
+    "Decision": {
+        "type": "object",
+        "properties": {
+            "object": {"const": "decision"},
+            "model": _STR,
+            "candidates": {"type": "array"},
+            "logprobs": {"type": "array", "items": _NUM},
+            "probabilities": {"type": "array", "items": _NUM},
+            "candidate_ids": {"type": "array", "items": {"type": "array", "items": _INT}},
+            "usage": {"type": "object", "properties": {"prompt_tokens": _INT}},
+        },
+        "required": ["object", "candidates", "logprobs", "probabilities"],
+    },
     "MessagesRequest": {
         "type": "object",
         "properties": {
@@ -278,6 +306,12 @@ def spec(model_names: list[str] | None = None) -> dict[str, Any]:
                 "OpenAI embeddings (sentence embedding models).", "EmbeddingRequest", streams=False
             ),
             "/v1/messages": _post("Anthropic Messages.", "MessagesRequest"),
+            "/v1/decide": _post(
+                "Decision scoring: each candidate's log-probability after the prompt, and their softmax.",
+                "DecideRequest",
+                "Decision",
+                streams=False,
+            ),
             "/v1/messages/count_tokens": _post(
                 "Anthropic token count of a Messages request.", "CountTokensRequest", "CountTokens", streams=False
             ),

@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from engine.errors import EngineError
-from engine.serve import anthropic_api, completions_api, embeddings_api, openai_api, openapi
+from engine.serve import anthropic_api, completions_api, decide_api, embeddings_api, openai_api, openapi
 from engine.serve.http import BODY_TIMEOUT_S, DEFAULT_MAX_BODY, LOOPBACK_HOSTS, ApiError, ApiServer, Handler
 
 
@@ -50,6 +50,7 @@ ROUTES = {
     ("POST", "/v1/completions"): completions_api.completions,
     ("POST", "/v1/embeddings"): embeddings_api.embeddings,
     ("POST", "/v1/messages"): anthropic_api.messages,
+    ("POST", "/v1/decide"): decide_api.decide,
 }
 
 
