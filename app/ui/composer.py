@@ -63,6 +63,7 @@ from app.ui.attachment_strip import THUMB, AttachmentStrip, ImagePreview
 from app.ui.images import ImageCheck, check_image, in_background
 from app.ui.video import VideoCheck, check_video, duration_text, play
 from engine.api import VideoLimits
+from engine.documents.limits import DOCUMENT_EXT, is_document
 
 MIN_EDIT_HEIGHT = 48
 
@@ -89,7 +90,8 @@ def _patterns(exts: set[str]) -> str:
 
 PICK_FILTER = (
     f"Images, audio and video ({_patterns(IMAGE_EXT)} {_patterns(AUDIO_EXT)} {_patterns(VIDEO_EXT)});;"
-    f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)});;Video ({_patterns(VIDEO_EXT)})"
+    f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)});;Video ({_patterns(VIDEO_EXT)});;"
+    f"Documents, read into the chat ({_patterns(DOCUMENT_EXT)})"
 )
 
 
@@ -173,6 +175,7 @@ class Composer(QFrame):
     notice = Signal(str)  # a readable line for the status bar
     refused = Signal(str)  # an attachment refused: a line the user must see
     transcribe_requested = Signal(str)  # an audio file for a model without audio input
+    documents_dropped = Signal(list)  # documents and folders, for the chat's index
     cancel_transcription = Signal()
 
     def __init__(self, data_dir: str | Path | None = None, parent: QWidget | None = None):
@@ -334,7 +337,10 @@ class Composer(QFrame):
         checked in the background (a damaged one is taken off again, with the reason)."""
         added: list[tuple[str, str]] = []
         left_out = 0
-        for path in paths:
+        documents = [p for p in paths if is_document(p) or Path(p).is_dir()]
+        if documents:
+            emit(self.documents_dropped, documents)
+        for path in (p for p in paths if p not in documents):
             if len(self.attachments) >= MAX_ATTACHMENTS:
                 left_out += 1
                 continue

@@ -9,6 +9,7 @@ from app import model_prefs, tasks
 from app.bridge import EngineBridge, run_in_thread
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
+from app.controllers.documents import DocumentsController
 from app.controllers.models import ModelController
 from app.controllers.saved_caches import SavedCaches
 from app.controllers.tools import ToolsController
@@ -89,6 +90,8 @@ class MainWindow(QMainWindow):
         self.tools = ToolsController(store.data_dir, self)
         self.tools.approve = self.tool_approval.ask
         self.chat.tools = self.tools
+        self.documents = DocumentsController(store.data_dir, self)
+        self.chat.documents = self.documents
 
         center = QWidget(objectName="center")
         cv = QVBoxLayout(center)
@@ -128,6 +131,10 @@ class MainWindow(QMainWindow):
         self.composer.refused.connect(self.show_error)
         self.composer.transcribe_requested.connect(lambda path: tasks.spawn(self.transcribe(path)))
         self.composer.cancel_transcription.connect(self.transcription.cancel)
+        self.composer.documents_dropped.connect(lambda paths: tasks.spawn(self.add_documents(paths)))
+        self.documents.progress.connect(self.notify)
+        self.documents.finished.connect(lambda _cid, line: self.notify(line))
+        self.documents.failed.connect(self.show_error)
         self.settings.whisper_requested.connect(self._pick_whisper)
         self.settings.tools_requested.connect(self.open_tools)
         self.settings.whisper_cleared.connect(lambda: self.set_whisper_model(None))
@@ -302,8 +309,19 @@ class MainWindow(QMainWindow):
         if self.bridge.model_info is not None:
             tasks.spawn(self.apply_adapters())
 
+    async def add_documents(self, paths: list[str]) -> list[str]:
+        """Index dropped documents into this chat (a new one, named after them, if none)."""
+        cid = self.chat.conversation_id
+        if cid is None:
+            cid = self.store.create_conversation()
+            self.store.rename_conversation(cid, os.path.basename(paths[0].rstrip("/")))
+            self.sidebar.reload(cid)
+            self.open_conversation(cid)
+        return await self.documents.add(cid, paths)
+
     def _deleted(self, cid: int) -> None:
         self.bridge.drop_session(cid)
+        self.documents.forget(cid)
         self.caches.forget(cid)
         if cid == self.chat.conversation_id:
             self.chat.conversation_id = None
@@ -329,6 +347,8 @@ class MainWindow(QMainWindow):
         self.tool_approval.withdraw()  # a call still waiting for approval is denied
         if self.chat.stop():
             self.notify("Stopping…")
+        elif self.documents.cancel():
+            self.notify("Stopping the indexing; the files read so far are kept.")
         elif self.bridge.active_transcription is not None:  # as the Cancel button beside its bar
             self.transcription.cancel()
         elif self.bridge.active_load is not None:

@@ -20,7 +20,7 @@ class DocumentError(EngineError):
 
 @dataclass(frozen=True)
 class DocumentLimits:
-    max_file_bytes: int = 64 * 1024 * 1024  # a 2 GB file is refused from its size alone
+    max_file_bytes: int = 100_000_000  # a 2 GB file is refused from its size alone
     max_pages: int = 2000
     max_files: int = 1000  # per drop, a folder counted file by file
     max_total_bytes: int = 512 * 1024 * 1024

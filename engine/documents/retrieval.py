@@ -7,13 +7,14 @@ of Cormack et al., which keeps one list's top from drowning the other's).
 
 ``build_context`` returns the sources and the text block for the prompt: when every
 document's text fits the budget, all of it goes in, section by section, each with its
-source; otherwise the top ``k`` retrieved chunks. The block numbers the sources [1], [2],
+source; otherwise the top ``k`` retrieved chunks, as many as fit the budget. The block numbers the sources [1], [2],
 ... and asks the model to cite them that way; the same numbers label the reply's cards.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from engine.documents.index import DocumentIndex, Hit
@@ -48,6 +49,7 @@ class Context:
     sources: list[Source]
     text: str  # the block to put before the question
     whole: bool  # True when every document went in whole
+    top: list[Source]  # the best few chunks for the question: the cards of a reply citing none
 
 
 def fuse(*rankings: list[Hit], k: int = RRF_K) -> list[Hit]:
@@ -78,13 +80,28 @@ def build_context(
     k: int = 5,
     query_vec: list[float] | None = None,
     model: str = "",
+    cards: int = 3,
 ) -> Context:
+    top = retrieve(index, question, max(k, cards), query_vec, model)
     if index.total_chars() <= budget_chars:
         hits, whole = _merge_pages(index.all_chunks()), True
-    else:
-        hits, whole = retrieve(index, question, k, query_vec, model), False
+    else:  # the best k, as many of them as fit the budget (the best one always)
+        hits, whole, used = [], False, 0
+        for h in top[:k]:
+            if hits and used + len(h.text) > budget_chars:
+                break
+            hits.append(h)
+            used += len(h.text)
     sources = [Source(i + 1, h.path, h.page, h.heading, h.text) for i, h in enumerate(hits)]
-    return Context(sources, format_block(sources), whole)
+    best = [Source(0, h.path, h.page, h.heading, h.text) for h in top[:cards]]
+    return Context(sources, format_block(sources), whole, best)
+
+
+def cards(ctx: Context, answer: str, passage_chars: int = 400) -> list[dict]:
+    """The source cards under a reply: the sources it cites as [n], else the best chunks."""
+    cited = {int(n) for n in re.findall(r"\[(\d+)\]", answer)}
+    chosen = [s for s in ctx.sources if s.number in cited] or ctx.top
+    return [{**s.to_dict(), "passage": s.passage[:passage_chars]} for s in chosen]
 
 
 def format_block(sources: list[Source]) -> str:

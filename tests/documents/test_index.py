@@ -115,8 +115,12 @@ def test_all_of_it_goes_in_when_it_fits(tmp_path):
     whole = build_context(ix, "magic string", budget_chars=10**6)
     assert whole.whole and [s.page for s in whole.sources] == list(range(1, 18))
     assert "[9] shared-mime-info-spec.pdf, page 9\n" in whole.text
-    some = build_context(ix, "What magic string does the magic file start with?", budget_chars=1000, k=3)
+    question = "What magic string does the magic file start with?"
+    some = build_context(ix, question, budget_chars=4000, k=3)
     assert not some.whole and len(some.sources) == 3 and 9 in [s.page for s in some.sources]
+    assert sum(len(s.passage) for s in some.sources) <= 4000
+    one = build_context(ix, question, budget_chars=100, k=3)  # the best chunk, whatever its size
+    assert len(one.sources) == 1 and [s.page for s in one.top] == [s.page for s in some.top]
     assert "cite" in some.text.lower()
 
 

@@ -1,0 +1,111 @@
+"""Documents in a chat: dropped files and folders indexed per chat, and read into replies.
+
+Each chat's index is ``<data dir>/documents/<chat id>/index.sqlite`` (engine/documents),
+deleted with the chat. Indexing is plain file and SQLite work, no MLX, so it runs on a
+thread of its own, one drop at a time, while the engine keeps answering; it reports
+"indexing 1,240 pages, 40 s left" as it goes and stops between files on ``cancel()``,
+keeping what it finished. Before a reply, ``context`` gives the sources block for the
+prompt: every document whole when they fit a third of the model's context (at ~3
+characters a token), else the top chunks by BM25. No widgets here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from pathlib import Path
+
+from app.bridge import run_in_thread
+from app.qt import QObject, Signal, emit
+from engine.documents.index import DocumentIndex
+from engine.documents.limits import DocumentError, is_document
+from engine.documents.retrieval import Context, build_context
+
+DOCUMENTS_DIR = "documents"
+
+
+class DocumentsController(QObject):
+    progress = Signal(str)  # "indexing 1,240 pages, 40 s left (file 3 of 12)"
+    finished = Signal(int, str)  # chat id, the summary line (notes included)
+    failed = Signal(str)  # a drop refused as a whole, in one line
+
+    def __init__(self, data_dir: str | Path, parent: QObject | None = None):
+        super().__init__(parent)
+        self.root = Path(data_dir) / DOCUMENTS_DIR
+        self._cancel: threading.Event | None = None
+        self._indexing: int | None = None  # the chat whose drop is being indexed
+
+    @staticmethod
+    def wanted(path: str) -> bool:
+        """Whether a dropped path is for the index (a document or a folder), not an attachment."""
+        return Path(path).is_dir() or is_document(path)
+
+    def index_file(self, conversation_id: int) -> Path:
+        return self.root / str(conversation_id) / "index.sqlite"
+
+    def has_documents(self, conversation_id: int | None) -> bool:
+        return conversation_id is not None and self.index_file(conversation_id).exists()
+
+    @property
+    def busy(self) -> bool:
+        return self._cancel is not None
+
+    def cancel(self) -> bool:
+        if self._cancel is None:
+            return False
+        self._cancel.set()
+        return True
+
+    async def add(self, conversation_id: int, paths: list[str]) -> list[str]:
+        """Index the drop into the chat's index; the files indexed (all, on success)."""
+        if self._cancel is not None:
+            emit(self.failed, "Documents are being indexed; wait for them or cancel first.")
+            return []
+        cancel = self._cancel = threading.Event()
+        self._indexing = conversation_id
+        loop = asyncio.get_running_loop()
+
+        def work() -> tuple[str, list[str], bool]:
+            ix = DocumentIndex(self.index_file(conversation_id))
+            try:
+                last = None
+                for last in ix.index_paths([Path(p) for p in paths], cancelled=cancel.is_set):
+                    loop.call_soon_threadsafe(emit, self.progress, last.line())
+                files = [f["path"] for f in ix.files()]
+            finally:
+                ix.close()
+            if last is None:
+                return "", files, cancel.is_set()
+            summary = last.line() if not cancel.is_set() else f"Indexing cancelled; {len(files)} files kept"
+            return " · ".join([summary, *last.notes]), files, cancel.is_set()
+
+        try:
+            summary, files, _stopped = await run_in_thread(work)
+        except (DocumentError, OSError) as exc:
+            emit(self.failed, str(exc))
+            return []
+        finally:
+            self._cancel = self._indexing = None
+        emit(self.finished, conversation_id, summary)
+        return files
+
+    def forget(self, conversation_id: int) -> None:
+        """The chat is deleted: its index goes too (a drop still indexing it is stopped)."""
+        if self._indexing == conversation_id:
+            self.cancel()
+        shutil.rmtree(self.root / str(conversation_id), ignore_errors=True)
+
+    async def context(self, conversation_id: int, question: str, context_tokens: int) -> Context | None:
+        if not self.has_documents(conversation_id) or self._indexing == conversation_id:
+            return None
+        budget = max(2000, context_tokens)  # a third of the context, at ~3 characters a token
+
+        def work() -> Context:
+            ix = DocumentIndex(self.index_file(conversation_id))
+            try:
+                return build_context(ix, question, budget)
+            finally:
+                ix.close()
+
+        return await run_in_thread(work)
