@@ -236,11 +236,14 @@ class DocumentIndex:
             if not rows:
                 return []
             ids = np.array([r[0] for r in rows], dtype=np.int64)
-            self._matrix[model] = (ids, np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]))
+            mat = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float32).reshape(len(rows), -1)
+            # Normalised once per load, so a query is one matrix-vector product (cosine).
+            self._matrix[model] = (ids, mat / (np.linalg.norm(mat, axis=1, keepdims=True) + 1e-12))
         ids, mat = self._matrix[model]
         q = np.asarray(query_vec, dtype=np.float32)
-        scores = mat @ q / (np.linalg.norm(mat, axis=1) * (np.linalg.norm(q) or 1.0) + 1e-12)
-        top = np.argsort(-scores)[:k]
+        scores = mat @ (q / (np.linalg.norm(q) or 1.0))
+        top = np.argpartition(-scores, min(k, len(scores)) - 1)[:k] if len(scores) > k else np.arange(len(scores))
+        top = top[np.argsort(-scores[top])]
         by_id = {int(ids[i]): float(scores[i]) for i in top}
         placeholders = ",".join("?" * len(by_id))
         rows = self.db.execute(_HIT_SQL + f" WHERE c.id IN ({placeholders})", list(by_id)).fetchall()
