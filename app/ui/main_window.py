@@ -9,6 +9,7 @@ from app import model_prefs, tasks
 from app.bridge import EngineBridge, run_in_thread
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
+from app.controllers.compare import CompareController
 from app.controllers.documents import DocumentsController
 from app.controllers.models import ModelController
 from app.controllers.saved_caches import SavedCaches
@@ -41,6 +42,7 @@ from app.qt import (
 from app.store import HistoryStore
 from app.ui.adapters_menu import AdaptersMenu
 from app.ui.chat_view import ChatView
+from app.ui.compare_view import CompareView
 from app.ui.composer import Composer
 from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
@@ -92,6 +94,8 @@ class MainWindow(QMainWindow):
         self.chat.tools = self.tools
         self.documents = DocumentsController(store.data_dir, self)
         self.chat.documents = self.documents
+        self.compare = CompareController(self.chat, bridge, self)
+        self.compare_view: CompareView | None = None
 
         center = QWidget(objectName="center")
         cv = QVBoxLayout(center)
@@ -135,6 +139,7 @@ class MainWindow(QMainWindow):
         self.documents.progress.connect(self.notify)
         self.documents.finished.connect(lambda _cid, line: self.notify(line))
         self.documents.failed.connect(self.show_error)
+        self.compare.failed.connect(self.show_error)
         self.settings.whisper_requested.connect(self._pick_whisper)
         self.settings.tools_requested.connect(self.open_tools)
         self.settings.whisper_cleared.connect(lambda: self.set_whisper_model(None))
@@ -204,6 +209,7 @@ class MainWindow(QMainWindow):
         chat = bar.addMenu("&Chat")
         chat.addAction("New chat", QKeySequence.StandardKey.New, self.new_chat)
         chat.addAction("Stop reply (Esc)", self.stop)
+        chat.addAction("Compare with and without adapters…", lambda: tasks.spawn(self.compare_prompt()))
         chat.addAction("Clear saved caches", self.clear_saved_caches)
         chat.addSeparator()
         chat.addAction("Settings", QKeySequence("Ctrl+,"), self.settings_toggle.toggle)
@@ -308,6 +314,19 @@ class MainWindow(QMainWindow):
         self.check_memory()
         if self.bridge.model_info is not None:
             tasks.spawn(self.apply_adapters())
+
+    async def compare_prompt(self) -> bool:
+        """The message in the box answered twice, side by side (see CompareController)."""
+        text = self.composer.edit.toPlainText().strip()
+        if not text:
+            self.show_error("Type the message to compare in the box first.")
+            return False
+        if self.compare_view is None:
+            self.compare_view = CompareView(self.compare, self)
+            self.compare_view.accepted.connect(self.composer.edit.clear)  # kept: it is in the chat now
+        self.compare_view.start()
+        self.compare_view.show()
+        return await self.compare.run(text)
 
     async def add_documents(self, paths: list[str]) -> list[str]:
         """Index dropped documents into this chat (a new one, named after them, if none)."""
