@@ -4,9 +4,12 @@ Each chat's index is ``<data dir>/documents/<chat id>/index.sqlite`` (engine/doc
 deleted with the chat. Indexing is plain file and SQLite work, no MLX, so it runs on a
 thread of its own, one drop at a time, while the engine keeps answering; it reports
 "indexing 1,240 pages, 40 s left" as it goes and stops between files on ``cancel()``,
-keeping what it finished. Before a reply, ``context`` gives the sources block for the
-prompt: every document whole when they fit a third of the model's context (at ~3
-characters a token), else the top chunks by BM25. No widgets here.
+keeping what it finished. With an embedding model loaded beside the chat model
+(``use_embedder``), the new chunks are then embedded on the engine thread, a batch per
+request so replies interleave, with progress and the same cancel. Before a reply,
+``context`` gives the sources block for the prompt: every document whole when they fit
+a third of the model's context (at ~3 characters a token), else the top chunks by BM25,
+fused with the vector ranking when there is an embedder. No widgets here.
 """
 
 from __future__ import annotations
@@ -14,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from app.bridge import run_in_thread
+from app.bridge import EngineRequestError, EngineUnavailable, run_in_thread
 from app.qt import QObject, Signal, emit
 from engine.documents.index import DocumentIndex
 from engine.documents.limits import DocumentError, is_document
 from engine.documents.retrieval import Context, build_context
 
 DOCUMENTS_DIR = "documents"
+EMBED_BATCH = 8  # chunks per engine request: small enough that a reply waits little
 
 
 class DocumentsController(QObject):
@@ -35,6 +41,12 @@ class DocumentsController(QObject):
         self.root = Path(data_dir) / DOCUMENTS_DIR
         self._cancel: threading.Event | None = None
         self._indexing: int | None = None  # the chat whose drop is being indexed
+        self.embedder: str | None = None  # the embedding model's name, keying its vectors
+        self._embed: Callable[[list[str]], Awaitable[list[list[float]]]] | None = None
+
+    def use_embedder(self, name: str | None, embed: Callable[[list[str]], Awaitable[list[list[float]]]] | None) -> None:
+        """Vectors from this model from now on (None: lexical retrieval only)."""
+        self.embedder, self._embed = (name, embed) if name and embed else (None, None)
 
     @staticmethod
     def wanted(path: str) -> bool:
@@ -81,14 +93,51 @@ class DocumentsController(QObject):
             return " · ".join([summary, *last.notes]), files, cancel.is_set()
 
         try:
-            summary, files, _stopped = await run_in_thread(work)
+            summary, files, stopped = await run_in_thread(work)
+            if self._embed is not None and not stopped:
+                note = await self._embed_new(conversation_id, cancel)
+                summary = f"{summary} · {note}" if note else summary
         except (DocumentError, OSError) as exc:
             emit(self.failed, str(exc))
             return []
+        except (EngineRequestError, EngineUnavailable) as exc:  # the embedder failed: the lexical index stands
+            summary = f"{summary} · embedding stopped ({exc}); answers use the words' index"
         finally:
             self._cancel = self._indexing = None
         emit(self.finished, conversation_id, summary)
         return files
+
+    async def _embed_new(self, conversation_id: int, cancel: threading.Event) -> str:
+        """Embed the chunks without a vector from the current embedder; a note, or ""."""
+        model, embed, path = self.embedder or "", self._embed, self.index_file(conversation_id)
+        assert embed is not None
+
+        def read() -> list[tuple[int, str]]:
+            ix = DocumentIndex(path)
+            try:
+                return ix.missing_vectors(model)
+            finally:
+                ix.close()
+
+        def write(ids: list[int], vectors: list[list[float]]) -> None:
+            ix = DocumentIndex(path)
+            try:
+                ix.put_vectors(model, ids, vectors)
+            finally:
+                ix.close()
+
+        rows = await run_in_thread(read)
+        start = time.monotonic()
+        for done in range(0, len(rows), EMBED_BATCH):
+            if cancel.is_set():
+                return f"embedding cancelled after {done:,} of {len(rows):,} chunks"
+            elapsed = time.monotonic() - start
+            left = f", {elapsed * (len(rows) - done) / done:.0f} s left" if done else ""
+            emit(self.progress, f"embedding {len(rows):,} chunks with {model}{left}")
+            part = rows[done : done + EMBED_BATCH]
+            vectors = await embed([text for _, text in part])
+            await run_in_thread(write, [cid for cid, _ in part], vectors)
+        return f"{len(rows):,} chunks embedded with {model}" if rows else ""
 
     def forget(self, conversation_id: int) -> None:
         """The chat is deleted: its index goes too (a drop still indexing it is stopped)."""
@@ -100,11 +149,17 @@ class DocumentsController(QObject):
         if not self.has_documents(conversation_id) or self._indexing == conversation_id:
             return None
         budget = max(2000, context_tokens)  # a third of the context, at ~3 characters a token
+        query_vec = None
+        if self._embed is not None:
+            try:
+                query_vec = (await self._embed([question]))[0]
+            except (EngineRequestError, EngineUnavailable):  # the embedder went away: words alone answer
+                query_vec = None
 
         def work() -> Context:
             ix = DocumentIndex(self.index_file(conversation_id))
             try:
-                return build_context(ix, question, budget)
+                return build_context(ix, question, budget, query_vec=query_vec, model=self.embedder or "")
             finally:
                 ix.close()
 

@@ -6,7 +6,7 @@ import asyncio
 import os
 
 from app import model_prefs, tasks
-from app.bridge import EngineBridge, run_in_thread
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, run_in_thread
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
 from app.controllers.compare import CompareController
@@ -219,6 +219,7 @@ class MainWindow(QMainWindow):
         model = bar.addMenu("&Model")
         model.addAction("Models…", QKeySequence("Ctrl+L"), self.open_model_browser)
         model.addAction("Draft model for speculative decoding…", self._pick_draft)
+        model.addAction("Embedding model for documents…", self._pick_embedder)
         self.adapters_menu = AdaptersMenu(self)
         bar.addMenu(self.adapters_menu)
         self.adapters_menu.set_adapters([], {}, model_loaded=False)
@@ -327,6 +328,22 @@ class MainWindow(QMainWindow):
         self.compare_view.start()
         self.compare_view.show()
         return await self.compare.run(text)
+
+    def _pick_embedder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Embedding model folder (e.g. Qwen3-Embedding-0.6B)")
+        if path:
+            tasks.spawn(self.set_embedder(path))
+
+    async def set_embedder(self, path: str | None) -> bool:
+        """Load an embedding model beside the chat model; documents then rank by meaning too."""
+        try:
+            info = await self.bridge.load_embedder(path)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"The embedding model was not loaded: {exc}")
+            return False
+        self.documents.use_embedder(info.name if info else None, self.bridge.embed_beside)
+        self.notify(f"Documents are ranked with {info.name} too." if info else "Documents are ranked by their words.")
+        return True
 
     async def add_documents(self, paths: list[str]) -> list[str]:
         """Index dropped documents into this chat (a new one, named after them, if none)."""

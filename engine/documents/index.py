@@ -163,19 +163,26 @@ class DocumentIndex:
 
     def embed_missing(self, embed: Embedder, model: str, batch: int = 16) -> int:
         """Embed every chunk that has no vector from ``model`` yet; how many were embedded."""
-        rows = self.db.execute(
-            "SELECT id, text FROM chunks WHERE id NOT IN (SELECT chunk_id FROM vectors WHERE model = ?)", (model,)
-        ).fetchall()
+        rows = self.missing_vectors(model)
         for start in range(0, len(rows), batch):
             part = rows[start : start + batch]
-            vecs = embed([text for _, text in part])
-            with self.db:
-                self.db.executemany(
-                    "INSERT OR REPLACE INTO vectors (chunk_id, model, vec) VALUES (?,?,?)",
-                    [(cid, model, np.asarray(v, dtype=np.float32).tobytes()) for (cid, _), v in zip(part, vecs)],
-                )
-        self._matrix.pop(model, None)
+            self.put_vectors(model, [cid for cid, _ in part], embed([text for _, text in part]))
         return len(rows)
+
+    def missing_vectors(self, model: str) -> list[tuple[int, str]]:
+        """(chunk id, text) of each chunk without a vector from ``model``, in document order."""
+        return self.db.execute(
+            "SELECT id, text FROM chunks WHERE id NOT IN (SELECT chunk_id FROM vectors WHERE model = ?) ORDER BY id",
+            (model,),
+        ).fetchall()
+
+    def put_vectors(self, model: str, chunk_ids: list[int], vectors: list[list[float]]) -> None:
+        with self.db:
+            self.db.executemany(
+                "INSERT OR REPLACE INTO vectors (chunk_id, model, vec) VALUES (?,?,?)",
+                [(cid, model, np.asarray(v, dtype=np.float32).tobytes()) for cid, v in zip(chunk_ids, vectors)],
+            )
+        self._matrix.pop(model, None)
 
     def refresh(self) -> list[str]:
         """Re-index files that changed on disk, drop those that are gone; a line for each."""

@@ -5,8 +5,10 @@ folder indexed with progress and cancelled; bad drops refused in one line, the a
 from __future__ import annotations
 
 import shutil
+import sqlite3
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from app.qt import QDesktopServices, QObject, Qt, QUrl, Slot
@@ -130,3 +132,41 @@ def test_bad_drops_refused_in_one_line_and_the_app_stays_up(qtbot, make_window, 
     assert blocker.args == ["many: over 1,000 documents is more than one drop takes; drop a smaller folder."]
     assert window.error_banner.text() == blocker.args[0]
     assert window.isVisible() and not window.documents.busy
+
+
+GOLDEN_EMBEDDER = Path(__file__).resolve().parents[1] / "golden" / "embeddings" / "qwen3_embedding"
+
+
+def test_an_embedding_model_beside_the_chat_model_embeds_the_chunks_on_the_engine_thread(
+    qtbot, make_window, run_async, tiny_model
+):
+    """The tiny (random) Qwen3-Embedding next to the tiny llama: every chunk gets a vector
+    through the worker, equal to the engine embedding the text alone, and a question's
+    sources come from the fused ranking (the lexical best still among them)."""
+    window = make_window()
+    assert run_async(window.load_model(str(tiny_model)))
+    assert not run_async(window.set_embedder(str(tiny_model)))  # a chat model cannot embed
+    assert "not a sentence embedding model" in window.error_banner.text()
+    assert run_async(window.set_embedder(str(GOLDEN_EMBEDDER)))
+    assert window.bridge.model_info.name == "tiny-llama"  # the chat model is still the one loaded
+    lines: list[str] = []
+    window.documents.progress.connect(lines.append)
+    cid, summary = _drop(qtbot, window, [DATA / "shared-mime-info-spec.pdf"])
+    assert summary.startswith("indexed 17 pages from 1 files · ") and summary.endswith(
+        "chunks embedded with qwen3_embedding"
+    )
+    assert any(line.startswith("embedding ") for line in lines)
+
+    db = sqlite3.connect(window.documents.index_file(cid))
+    chunks = db.execute("SELECT count(*) FROM chunks").fetchone()[0]
+    first = db.execute(
+        "SELECT c.text, v.vec FROM chunks c JOIN vectors v ON v.chunk_id = c.id ORDER BY c.id"
+    ).fetchone()
+    assert db.execute("SELECT count(*) FROM vectors WHERE model = 'qwen3_embedding'").fetchone()[0] == chunks
+    db.close()
+    alone = run_async(window.bridge.embed_beside([first[0]]))[0]
+    assert np.allclose(np.frombuffer(first[1], dtype=np.float32), alone, atol=1e-6)
+
+    ctx = run_async(window.documents.context(cid, "What magic string does the magic file start with?", 2048))
+    assert ctx is not None and not ctx.whole
+    assert 9 in [s.page for s in ctx.top]  # BM25's right page survives fusion with random vectors
