@@ -7,7 +7,7 @@ thread of its own, one drop at a time, while the engine keeps answering; it repo
 keeping what it finished. With an embedding model loaded beside the chat model
 (``use_embedder``), the new chunks are then embedded on the engine thread, a batch per
 request so replies interleave, with progress and the same cancel. Before a reply,
-``context`` gives the sources block for the prompt: every document whole when they fit
+``context`` reads again the files changed on disk since (dropping those gone), then gives the sources block for the prompt: every document whole when they fit
 a third of the model's context (at ~3 characters a token), else the top chunks by BM25,
 fused with the vector ranking when there is an embedder. No widgets here.
 """
@@ -156,11 +156,15 @@ class DocumentsController(QObject):
             except (EngineRequestError, EngineUnavailable):  # the embedder went away: words alone answer
                 query_vec = None
 
-        def work() -> Context:
+        def work() -> tuple[Context, list[str]]:
             ix = DocumentIndex(self.index_file(conversation_id))
             try:
-                return build_context(ix, question, budget, query_vec=query_vec, model=self.embedder or "")
+                changed = ix.refresh()  # files edited since: read again; files gone: out
+                return build_context(ix, question, budget, query_vec=query_vec, model=self.embedder or ""), changed
             finally:
                 ix.close()
 
-        return await run_in_thread(work)
+        ctx, changed = await run_in_thread(work)
+        if changed:
+            emit(self.progress, " · ".join(changed))
+        return ctx

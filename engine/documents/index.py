@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.documents.chunking import chunk_document
 from engine.documents.extract import extract
-from engine.documents.limits import DEFAULT_LIMITS, DocumentError, DocumentLimits, collect
+from engine.documents.limits import DEFAULT_LIMITS, DocumentError, DocumentLimits, check_file, collect
 
 Embedder = Callable[[list[str]], list[list[float]]]
 
@@ -101,6 +101,7 @@ class DocumentIndex:
     def add(self, path: str | Path, embed: Embedder | None = None, model: str = "") -> tuple[int, list[str]]:
         """Index one file (again only if it changed); its page count and notes."""
         p = Path(path).resolve()
+        check_file(p, self.limits)  # gone, empty, too big, not a document: refused before reading
         st = p.stat()
         row = self.db.execute(
             "SELECT id, size, mtime_ns, sha256, pages, notes FROM files WHERE path = ?", (str(p),)
@@ -158,6 +159,8 @@ class DocumentIndex:
                 notes.extend(f"{f.name}: {n}" for n in file_notes)
             except DocumentError as exc:
                 notes.append(str(exc))
+            except OSError as exc:  # unreadable (permissions, a disk error): the rest goes on
+                notes.append(f"{f.name}: cannot be read ({exc.strerror or exc}).")
             done_bytes += size
         yield Progress(len(files), len(files), pages, 0.0, "", notes)
 
@@ -198,6 +201,8 @@ class DocumentIndex:
                 self.add(p)
             except DocumentError as exc:
                 lines.append(str(exc))
+            except OSError as exc:
+                lines.append(f"{p.name}: cannot be read ({exc.strerror or exc}).")
         self._matrix.clear()
         return lines
 

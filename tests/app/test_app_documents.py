@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -113,16 +114,27 @@ def test_bad_drops_refused_in_one_line_and_the_app_stays_up(qtbot, make_window, 
     with open(tmp_path / "huge.pdf", "wb") as fh:
         fh.truncate(2 * 1024**3)
     (tmp_path / "page.html").write_text("<script>alert('x')</script><p>Plain words.</p>")
+    with zipfile.ZipFile(tmp_path / "bomb.docx", "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open("word/document.xml", "w", force_zip64=True) as fh:
+            for _ in range(200):
+                fh.write(bytes(1 << 20))  # 200 MB of zeros in ~200 KB
     cid, summary = _drop(
-        qtbot, window, [tmp_path / n for n in ("empty.txt", "locked.pdf", "scan.pdf", "huge.pdf", "page.html")]
+        qtbot,
+        window,
+        [tmp_path / n for n in ("empty.txt", "locked.pdf", "scan.pdf", "huge.pdf", "bomb.docx", "page.html")],
     )
     assert summary.split(" · ") == [
-        "indexed 4 pages from 5 files",
+        "indexed 4 pages from 6 files",
         "empty.txt: the file is empty (0 bytes).",
         "locked.pdf: the PDF is encrypted; save an unlocked copy and drop that.",
         "scan.pdf: page 2 has no text layer",
         "huge.pdf: 2.1 GB is over the 100 MB limit for one document; split it or pick the part you need.",
+        "bomb.docx: unpacks to 210 MB (a zip bomb?); refused.",
     ]
+    db = sqlite3.connect(window.documents.index_file(cid))
+    html = db.execute("SELECT c.text FROM chunks c JOIN files f ON f.id = c.file_id WHERE f.path LIKE '%page.html'")
+    assert [r[0] for r in html] == ["Plain words."]  # the script is gone, unrun
+    db.close()
     many = tmp_path / "many"
     many.mkdir()
     for i in range(50_000):
