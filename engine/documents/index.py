@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from engine.documents.chunking import chunk_document
 from engine.documents.extract import extract
@@ -85,7 +84,7 @@ class DocumentIndex:
         self.db = sqlite3.connect(str(self.db_path))
         self.db.execute("PRAGMA foreign_keys = ON")
         self.db.executescript(_SCHEMA)
-        self._matrix: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._matrix: dict[str, tuple[Any, Any]] = {}  # model -> (chunk ids, unit vectors), numpy
 
     def close(self) -> None:
         self.db.close()
@@ -180,6 +179,8 @@ class DocumentIndex:
         ).fetchall()
 
     def put_vectors(self, model: str, chunk_ids: list[int], vectors: list[list[float]]) -> None:
+        import numpy as np  # only when there are vectors: the app's first window goes without it
+
         with self.db:
             self.db.executemany(
                 "INSERT OR REPLACE INTO vectors (chunk_id, model, vec) VALUES (?,?,?)",
@@ -243,6 +244,8 @@ class DocumentIndex:
         return [Hit(r[0], r[1], r[2], r[3], r[4], -r[5]) for r in rows]
 
     def search_vector(self, query_vec: list[float], model: str, k: int = 8) -> list[Hit]:
+        import numpy as np
+
         if model not in self._matrix:
             rows = self.db.execute("SELECT chunk_id, vec FROM vectors WHERE model = ?", (model,)).fetchall()
             if not rows:
