@@ -8,6 +8,8 @@ part of a long one), play on click, and are refused at the drop by a model that 
 watch video, naming the families that can. Audio
 goes with the message when the model listens to audio; otherwise it is handed on for
 transcription (``transcribe_requested``) and the transcript lands here, editable.
+Documents (PDF, text, Markdown, HTML, code, .docx, .epub) and folders are not attached:
+they go to the chat's documents (``documents_dropped``), read into every reply.
 
 An image is attached at once and checked in the background: decoded in full by the
 engine's opener, then thumbnailed. A damaged one is taken off again with the engine's
@@ -211,7 +213,9 @@ class Composer(QFrame):
         self.attach_button = QToolButton(objectName="attachButton")
         self.attach_button.setIcon(QIcon(str(resource_path("icons/attach.svg"))))
         self.attach_button.setIconSize(QSize(18, 18))
-        self.attach_button.setToolTip("Attach images, audio or video (or drop / paste them here)")
+        self.attach_button.setToolTip(
+            "Attach images, audio or video, or add documents to the chat (or drop / paste them here)"
+        )
         self.attach_button.clicked.connect(self._pick_files)
         self.mic_button = QToolButton(objectName="micButton")
         self.mic_button.setIcon(QIcon(str(resource_path("icons/mic.svg"))))
@@ -470,7 +474,7 @@ class Composer(QFrame):
         return self.data_dir
 
     def _pick_files(self) -> None:
-        paths, _ = QFileDialog.getOpenFileNames(self, "Attach images, audio or video", "", PICK_FILTER)
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach media or add documents", "", PICK_FILTER)
         self.add_files(paths)
 
     def dragEnterEvent(self, event) -> None:  # noqa: N802 - Qt override
