@@ -1,8 +1,11 @@
-"""Compare: one prompt answered twice on the loaded model, with two adapter sets (one
-may be none), streamed into two columns; one answer can be kept as the chat's reply.
+"""Compare: one prompt answered twice, streamed into two columns, one answer kept as the
+chat's reply: the loaded model with two adapter sets (one may be none), or the loaded
+model against another model.
 
 The two runs share the engine's one thread, so the second column waits for the first
-(its header says so) and runs after it. Each run has a session of its own, dropped
+(its header says so) and runs after it. The engine holds one chat model, so a second
+model is loaded for its column and the chat's model loaded back afterwards (``load``,
+the window's own loading, which remounts its adapters). Each run has a session of its own, dropped
 afterwards, so neither touches the chat's cache; the chat's adapter choice is put back
 when both are done. The chat's documents go in as they do for a normal reply. Keeping a
 column adds the question and that answer to the chat, stats and adapters included. No
@@ -11,7 +14,9 @@ widgets here.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
@@ -31,9 +36,16 @@ class CompareController(QObject):
     finished = Signal()
     failed = Signal(str)
 
-    def __init__(self, chat: ChatController, bridge: EngineBridge, parent: QObject | None = None):
+    def __init__(
+        self,
+        chat: ChatController,
+        bridge: EngineBridge,
+        load: Callable[[str], Awaitable[bool]] | None = None,
+        parent: QObject | None = None,
+    ):
         super().__init__(parent)
-        self.chat, self.bridge = chat, bridge
+        self.chat, self.bridge, self.load = chat, bridge, load
+        self.models: list[str | None] = [None, None]  # a column's model path; None: the loaded one
         self.question = ""
         self.variants: list[dict[str, float]] = []
         self.results: list[tuple[str, dict[str, Any]]] = []
@@ -49,13 +61,20 @@ class CompareController(QObject):
         chosen = {n: s for n, s in (conv.adapters if conv else {}).items() if n in mounted and s}
         return [chosen or {n: 1.0 for n in mounted}, {}]
 
-    async def run(self, question: str, variants: list[dict[str, float]] | None = None) -> bool:
+    async def run(
+        self, question: str, variants: list[dict[str, float]] | None = None, other_model: str | None = None
+    ) -> bool:
         info = self.bridge.model_info
         if info is None:
             emit(self.failed, "Load a model first: Compare answers with it twice.")
             return False
-        variants = variants or self.default_variants()
-        if variants[0] == variants[1]:
+        if other_model is not None:
+            variants = variants or [dict(info.active_adapters or {}), {}]
+            self.models = [None, other_model]
+        else:
+            variants = variants or self.default_variants()
+            self.models = [None, None]
+        if variants[0] == variants[1] and other_model is None:
             emit(self.failed, "Mount an adapter first (Adapters menu): Compare runs with and without it.")
             return False
         if self.running or self.chat.busy:
@@ -72,12 +91,18 @@ class CompareController(QObject):
             if sources is not None and sources.text:
                 messages[-1]["content"] = f"{sources.text}\n\nQuestion: {self.question}"
         params = build_params(conv.settings if conv else {}, info.generation_defaults or {})
-        emit(self.header, 0, variant_name(variants[0]))
-        emit(self.header, 1, f"{variant_name(variants[1])} (waits, then runs after the first)")
+        home = info.path
+        names = [self._column_name(col, variants[col], info.name) for col in range(2)]
+        emit(self.header, 0, names[0])
+        emit(self.header, 1, f"{names[1]} (waits, then runs after the first)")
         try:
             for col, scales in enumerate(variants):
+                if self.models[col] is not None:
+                    if self.load is None or not await self.load(self.models[col]):
+                        emit(self.failed, f"Compare stopped: {names[col]} did not load.")
+                        return False
                 await self.bridge.set_active_adapters(scales)
-                emit(self.header, col, variant_name(scales))
+                emit(self.header, col, names[col])
                 self._column = col
                 result = await self.bridge.generate(f"compare-{col}", messages, params)
                 self._column = None
@@ -93,12 +118,20 @@ class CompareController(QObject):
         finally:
             self._column = None
             self.running = False
+            if any(self.models) and self.load is not None:  # the chat's own model back
+                await self.load(home)
             if conv is not None:
                 await self.chat.apply_adapter_choice(conv.adapters)
             else:
                 await self.bridge.set_active_adapters({})
         emit(self.finished)
         return True
+
+    def _column_name(self, col: int, scales: dict[str, float], loaded: str) -> str:
+        model = Path(self.models[col]).name if self.models[col] else loaded
+        if not any(self.models):
+            return variant_name(scales)
+        return f"{model}, {variant_name(scales)}" if scales else model
 
     def keep(self, column: int) -> int | None:
         """The question and this column's answer become the chat's next turn; the reply's id."""
@@ -117,7 +150,7 @@ class CompareController(QObject):
             text,
             user_id,
             status="complete",
-            model=info.name if info else "",
+            model=Path(self.models[column]).name if self.models[column] else (info.name if info else ""),
             adapters=self.variants[column],
         )
         store.update_message(reply_id, stats=stats)

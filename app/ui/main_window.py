@@ -94,7 +94,7 @@ class MainWindow(QMainWindow):
         self.chat.tools = self.tools
         self.documents = DocumentsController(store.data_dir, self)
         self.chat.documents = self.documents
-        self.compare = CompareController(self.chat, bridge, self)
+        self.compare = CompareController(self.chat, bridge, self.load_model, self)
         self.compare_view: CompareView | None = None
 
         center = QWidget(objectName="center")
@@ -210,6 +210,7 @@ class MainWindow(QMainWindow):
         chat.addAction("New chat", QKeySequence.StandardKey.New, self.new_chat)
         chat.addAction("Stop reply (Esc)", self.stop)
         chat.addAction("Compare with and without adapters…", lambda: tasks.spawn(self.compare_prompt()))
+        chat.addAction("Compare with another model…", self._pick_compare_model)
         chat.addAction("Clear saved caches", self.clear_saved_caches)
         chat.addSeparator()
         chat.addAction("Settings", QKeySequence("Ctrl+,"), self.settings_toggle.toggle)
@@ -316,7 +317,12 @@ class MainWindow(QMainWindow):
         if self.bridge.model_info is not None:
             tasks.spawn(self.apply_adapters())
 
-    async def compare_prompt(self) -> bool:
+    def _pick_compare_model(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "The model to compare with")
+        if path:
+            tasks.spawn(self.compare_prompt(path))
+
+    async def compare_prompt(self, other_model: str | None = None) -> bool:
         """The message in the box answered twice, side by side (see CompareController)."""
         text = self.composer.edit.toPlainText().strip()
         if not text:
@@ -327,7 +333,7 @@ class MainWindow(QMainWindow):
             self.compare_view.accepted.connect(self.composer.edit.clear)  # kept: it is in the chat now
         self.compare_view.start()
         self.compare_view.show()
-        return await self.compare.run(text)
+        return await self.compare.run(text, other_model=other_model)
 
     def _pick_embedder(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Embedding model folder (e.g. Qwen3-Embedding-0.6B)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.app.test_app_adapters import GREEDY, PROMPT, _engine_cli
-from tests.tiny_models import make_tiny_adapter
+from tests.tiny_models import make_tiny_adapter, make_tiny_llama
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
 
@@ -53,3 +53,28 @@ def test_with_and_without_an_adapter_side_by_side_and_one_kept(qtbot, make_windo
     assert thread[1].adapters == {"alpha": 1.0} and thread[1].stats["generated_tokens"] == GREEDY["max_tokens"]
     assert window.chat_view.widgets[thread[1].id].content == with_adapter
     assert window.composer.edit.toPlainText() == "" and not view.isVisible()
+
+
+def test_against_another_model_the_second_runs_after_the_first_and_the_chats_model_comes_back(
+    qtbot, make_window, run_async, tiny_model, tmp_path_factory
+):
+    other = make_tiny_llama(tmp_path_factory.mktemp("other") / "tiny-other", seed=7)
+    window = make_window()
+    assert run_async(window.load_model(str(tiny_model)))
+    cid = window.chat.conversation_id
+    window.store.update_conversation(cid, settings=GREEDY)
+    window.composer.edit.setPlainText(PROMPT)
+    headers: list[tuple[int, str]] = []
+    window.compare.header.connect(lambda col, line: headers.append((col, line)))
+    assert run_async(window.compare_prompt(str(other)), timeout=120_000)
+
+    view = window.compare_view
+    assert view.texts[0].toPlainText() == _engine_cli(tiny_model)
+    assert view.texts[1].toPlainText() == _engine_cli(other)
+    assert (1, "tiny-other (waits, then runs after the first)") in headers
+    assert [h.text() for h in view.headers] == ["tiny-llama", "tiny-other"]
+    assert window.bridge.model_info.path == str(tiny_model)  # the chat's model is loaded again
+
+    view.keep_buttons[1].click()
+    reply = window.store.thread(cid)[-1]
+    assert (reply.content, reply.model) == (view.texts[1].toPlainText(), "tiny-other")
