@@ -146,7 +146,10 @@ class DocumentsController(QObject):
         shutil.rmtree(self.root / str(conversation_id), ignore_errors=True)
 
     async def context(self, conversation_id: int, question: str, context_tokens: int) -> Context | None:
-        if not self.has_documents(conversation_id) or self._indexing == conversation_id:
+        if not self.has_documents(conversation_id):
+            return None
+        if self._indexing == conversation_id:
+            emit(self.progress, "The documents are still being indexed: this reply reads none of them.")
             return None
         budget = max(2000, context_tokens)  # a third of the context, at ~3 characters a token
         query_vec = None

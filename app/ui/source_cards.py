@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from app.qt import QDesktopServices, QFrame, QPushButton, QUrl, QVBoxLayout, QWidget
+from app.qt import QDesktopServices, QFrame, QPushButton, QSizePolicy, QUrl, QVBoxLayout, QWidget
 
 
 def source_url(path: str, page: int | None) -> QUrl:
@@ -25,8 +25,8 @@ def card_text(source: dict) -> str:
     head = f"[{source['number']}] " if source.get("number") else ""
     name = os.path.basename(source["path"])
     passage = " ".join(source.get("passage", "").split())
-    if len(passage) > 160:
-        passage = passage[:157] + "…"
+    if len(passage) > 110:
+        passage = passage[:107] + "…"
     return f"{head}{name}{' · ' + where if where else ''}\n{passage}"
 
 
@@ -47,6 +47,10 @@ class SourceCards(QFrame):
         for source in sources:
             card = QPushButton(card_text(source), objectName="sourceCard")
             card.setToolTip(f"Open {source['path']}")
+            card.setStyleSheet("text-align: left; padding: 4px 8px;")
+            # The passage is cut to fit the reply's width: a card never widens the transcript.
+            card.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+            card.setMinimumWidth(0)
             url = source_url(source["path"], source.get("page"))
             card.clicked.connect(lambda _=False, url=url: QDesktopServices.openUrl(url))
             self._layout.addWidget(card)
