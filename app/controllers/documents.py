@@ -139,6 +139,26 @@ class DocumentsController(QObject):
             await run_in_thread(write, [cid for cid, _ in part], vectors)
         return f"{len(rows):,} chunks embedded with {model}" if rows else ""
 
+    def listing(self, conversation_id: int | None) -> list[dict]:
+        """The chat's documents (path, kind, pages, notes), in the order they were added."""
+        if not self.has_documents(conversation_id):
+            return []
+        ix = DocumentIndex(self.index_file(conversation_id))  # type: ignore[arg-type]
+        try:
+            return ix.files()
+        finally:
+            ix.close()
+
+    def remove(self, conversation_id: int, path: str) -> None:
+        """Take one document out of the chat (the file itself stays where it is)."""
+        if self._indexing == conversation_id or not self.has_documents(conversation_id):
+            return
+        ix = DocumentIndex(self.index_file(conversation_id))
+        try:
+            ix.remove(path)
+        finally:
+            ix.close()
+
     def forget(self, conversation_id: int) -> None:
         """The chat is deleted: its index goes too (a drop still indexing it is stopped)."""
         if self._indexing == conversation_id:

@@ -44,6 +44,7 @@ from app.ui.adapters_menu import AdaptersMenu
 from app.ui.chat_view import ChatView
 from app.ui.compare_view import CompareView
 from app.ui.composer import Composer
+from app.ui.documents_button import DocumentsButton
 from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
@@ -120,6 +121,8 @@ class MainWindow(QMainWindow):
         split.setSizes([250, 800, 290])
         self.sidebar.setMinimumWidth(200)
         self.setCentralWidget(split)
+        self.documents_button = DocumentsButton(self.documents)
+        self.statusBar().addPermanentWidget(self.documents_button)
         self.statusBar().addPermanentWidget(self.gauge)
         self._menus()
 
@@ -138,6 +141,7 @@ class MainWindow(QMainWindow):
         self.composer.documents_dropped.connect(lambda paths: tasks.spawn(self.add_documents(paths)))
         self.documents.progress.connect(self.notify)
         self.documents.finished.connect(lambda _cid, line: self.notify(line))
+        self.documents.finished.connect(lambda cid, _line: self.documents_button.show_chat(cid))
         self.documents.failed.connect(self.show_error)
         self.compare.failed.connect(self.show_error)
         self.settings.whisper_requested.connect(self._pick_whisper)
@@ -312,6 +316,7 @@ class MainWindow(QMainWindow):
         if conv is None:
             return
         self.chat.open(cid)
+        self.documents_button.show_chat(cid)
         self.settings.load(conv.system_prompt, conv.settings)
         self.check_memory()
         if self.bridge.model_info is not None:
@@ -364,6 +369,8 @@ class MainWindow(QMainWindow):
     def _deleted(self, cid: int) -> None:
         self.bridge.drop_session(cid)
         self.documents.forget(cid)
+        if cid == self.documents_button.conversation_id:
+            self.documents_button.show_chat(None)
         self.caches.forget(cid)
         if cid == self.chat.conversation_id:
             self.chat.conversation_id = None
