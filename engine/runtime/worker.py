@@ -34,7 +34,6 @@ from engine.api import (
     DoneEvent,
     DropSession,
     Embed,
-    LoadEmbedder,
     EngineStatus,
     ErrorEvent,
     Event,
@@ -43,6 +42,7 @@ from engine.api import (
     GetModelInfo,
     InspectModel,
     LoadDraftModel,
+    LoadEmbedder,
     LoadModel,
     MemoryEvent,
     MountAdapter,
@@ -56,7 +56,7 @@ from engine.api import (
     UnloadModel,
     UnmountAdapter,
 )
-from engine.errors import EngineError, WrongModelKind
+from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.host import ModelHost, token_event
 
 MEMORY_INTERVAL_S = 0.5
@@ -438,17 +438,29 @@ class EngineWorker:
             self._emit_memory()
             return None
         embedder = ModelHost()
-        info = embedder.load(
-            command.path,
-            budget=self._kv_allowance() or None,
-            progress=lambda done, total, message="": self._emit(
-                ProgressEvent(rid, "load", float(done), float(total), message)
-            ),
-            cancel=cancel,
-        )
+        left = self._kv_allowance() or None
+        try:
+            info = embedder.load(
+                command.path,
+                budget=left,
+                progress=lambda done, total, message="": self._emit(
+                    ProgressEvent(rid, "load", float(done), float(total), message)
+                ),
+                cancel=cancel,
+            )
+        except OutOfMemoryBudget as exc:
+            from engine.runtime.memory import format_bytes
+
+            need = str(exc).split(";")[0]  # "<name> needs <size> for its weights"
+            raise OutOfMemoryBudget(
+                f"{need}, and beside {self._host.info.name} the memory budget has {format_bytes(left or 0)} left: "
+                "pick a smaller embedding model, unload the chat model, or raise the budget."
+            ) from None
         if info.embedding_dimensions is None:
             embedder.unload()
-            raise WrongModelKind(f"{info.name} is a chat model, not a sentence embedding model; pick an embedding model.")
+            raise WrongModelKind(
+                f"{info.name} is a chat model, not a sentence embedding model; pick an embedding model."
+            )
         self._embedder = embedder
         self._emit_memory()
         return info
