@@ -213,6 +213,7 @@ class MainWindow(QMainWindow):
         chat = bar.addMenu("&Chat")
         chat.addAction("New chat", QKeySequence.StandardKey.New, self.new_chat)
         chat.addAction("Stop reply (Esc)", self.stop)
+        chat.addAction("Add a folder of documents…", self._pick_document_folder)
         chat.addAction("Compare with and without adapters…", lambda: tasks.spawn(self.compare_prompt()))
         chat.addAction("Compare with another model…", self._pick_compare_model)
         chat.addAction("Clear saved caches", self.clear_saved_caches)
@@ -339,6 +340,11 @@ class MainWindow(QMainWindow):
         self.compare_view.start()
         self.compare_view.show()
         return await self.compare.run(text, other_model=other_model)
+
+    def _pick_document_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "A folder of documents for this chat")
+        if path:
+            tasks.spawn(self.add_documents([path]))
 
     def _pick_embedder(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Embedding model folder (e.g. Qwen3-Embedding-0.6B)")
