@@ -2,6 +2,7 @@
 without vectors from a tiny (random-weight) embedding model.
 
     PYTHONPATH=. python tests/documents/measure.py [EMBEDDING_MODEL_DIR]
+    PYTHONPATH=. python tests/documents/measure.py --scale   # 40 copies: 1,060 pages
 
 Without an argument the vectors come from tests/golden/embeddings/qwen3_embedding (a
 tiny random Qwen3-Embedding: its vectors carry no meaning, so this checks the plumbing
@@ -83,5 +84,32 @@ def rate_vec_only(ix: DocumentIndex, questions: list[dict], qvecs: dict, model: 
     return good / len(questions)
 
 
+def scale(copies: int = 20) -> None:
+    """Indexing and BM25 at ~1,000 pages: the manuals copied (each copy's bytes differ)."""
+    questions = json.loads((DATA / "questions.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        for i in range(copies):
+            for m in MANUALS:
+                (src / f"{i:02}-{m.name}").write_bytes(m.read_bytes() + f"\n%{i}\n".encode())
+        ix = DocumentIndex(Path(tmp) / "index.sqlite")
+        t0 = time.perf_counter()
+        last = list(ix.index_paths([src]))[-1]
+        dt = time.perf_counter() - t0
+        n_chunks = len(ix.all_chunks())
+        print(f"{last.line()} in {dt:.1f} s = {last.pages_done / dt:.0f} pages/s ({n_chunks} chunks)")
+        t0 = time.perf_counter()
+        for q in questions:
+            retrieve(ix, q["q"], 5)
+        print(f"BM25 over {n_chunks} chunks: {(time.perf_counter() - t0) / len(questions) * 1000:.1f} ms per question")
+        t0 = time.perf_counter()
+        ix.refresh()
+        print(f"refresh, nothing changed ({copies * len(MANUALS)} files): {(time.perf_counter() - t0) * 1000:.0f} ms")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--scale"]:
+        scale()
+    else:
+        main()
