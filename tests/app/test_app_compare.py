@@ -4,12 +4,16 @@ and the kept column becoming the chat's reply."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.app.test_app_adapters import GREEDY, PROMPT, _engine_cli
 from tests.tiny_models import make_tiny_adapter, make_tiny_llama
 
 pytestmark = pytest.mark.qt_log_ignore("propagateSizeHints")  # offscreen plugin noise
+
+DATA = Path(__file__).resolve().parents[1] / "documents" / "data"
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +82,21 @@ def test_against_another_model_the_second_runs_after_the_first_and_the_chats_mod
     view.keep_buttons[1].click()
     reply = window.store.thread(cid)[-1]
     assert (reply.content, reply.model) == (view.texts[1].toPlainText(), "tiny-other")
+
+
+def test_both_columns_show_the_chats_documents_sources(qtbot, make_window, run_async, tiny_model, adapter):
+    window = make_window()
+    assert run_async(window.load_model(str(tiny_model)))
+    assert run_async(window.mount_adapter(str(adapter)))
+    cid = window.chat.conversation_id
+    window.store.update_conversation(cid, settings=GREEDY)
+    run_async(window.add_documents([str(DATA / "libtasn1.pdf")]))
+    window.composer.edit.setPlainText("Which asn1Decoding options give strict DER decoding?")
+    assert run_async(window.compare_prompt(), timeout=120_000)
+    view = window.compare_view
+    for col in range(2):
+        assert view.cards[col].cards[0].text().startswith("libtasn1.pdf · page 10")
+    view.keep_buttons[1].click()
+    reply = window.store.thread(cid)[-1]
+    assert reply.stats["sources"][0]["page"] == 10 and reply.adapters == {}
+    assert window.chat_view.widgets[reply.id].source_cards.cards[0].text().startswith("libtasn1.pdf · page 10")

@@ -79,6 +79,11 @@ def test_pdf_dropped_question_answered_with_a_card_for_the_right_page(qtbot, mak
     assert not window.documents_button.isVisibleTo(window)
     window.open_conversation(cid)
     assert window.documents_button.isVisibleTo(window)
+    take_out = window.documents_button.menu().actions()[0].menu().actions()[1]
+    assert take_out.text() == "Take out of this chat"
+    take_out.trigger()
+    assert not window.documents_button.isVisibleTo(window) and window.documents.listing(cid) == []
+    assert (DATA / "libtasn1.pdf").exists()  # the file itself is untouched
 
     # Deleting the chat deletes its index.
     index = window.documents.index_file(cid)
