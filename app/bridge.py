@@ -187,6 +187,19 @@ class EngineBridge(QObject):
         await self.refresh_model_info()
         return draft
 
+    async def load_embedder(self, path: str | None) -> api.ModelInfo | None:
+        """Load a sentence embedding model beside the chat model, for documents (None unloads it)."""
+        _, fut = self._request(api.LoadEmbedder(path=path), "embedder")
+        info: api.ModelInfo | None = await fut
+        return info
+
+    async def embed_beside(self, texts: list[str]) -> list[list[float]]:
+        """Vectors from the embedding model loaded beside the chat model (one request: the
+        worker takes other requests between two calls)."""
+        _, fut = self._request(api.Embed(inputs=list(texts), beside=True), "embed")
+        result: api.Embeddings = await fut
+        return result.vectors
+
     async def refresh_model_info(self) -> api.ModelInfo | None:
         _, fut = self._request(api.GetModelInfo(), "info")
         info: api.ModelInfo | None = await fut

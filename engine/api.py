@@ -556,9 +556,19 @@ class Transcribe:
 @dataclass
 class Embed:
     """Embed each input (a text, tokenized as the model's tokenizer says, or token ids) with
-    the loaded sentence embedding model. Done with Embeddings."""
+    the loaded sentence embedding model (``beside``: the one loaded by LoadEmbedder next to
+    the chat model). Done with Embeddings."""
 
     inputs: list[str | list[int]]
+    beside: bool = False
+
+
+@dataclass
+class LoadEmbedder:
+    """Load a sentence embedding model beside the chat model, within what the chat model's
+    budget leaves (None unloads it), for documents. Done with its ModelInfo, or None."""
+
+    path: str | None
 
 
 @dataclass
@@ -746,6 +756,7 @@ Command = (
     | ScorePrompt
     | Decide
     | Train
+    | LoadEmbedder
     | Cancel
     | DropSession
     | GetModelInfo

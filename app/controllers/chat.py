@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.controllers import tool_turns
+from app.controllers.documents import DocumentsController
 from app.controllers.tools import ToolCall, ToolError, ToolsController
 from app.history_writer import StoreError
 from app.ops import Op
@@ -27,6 +28,7 @@ from app.qt import QObject, QTimer, Signal, emit
 from app.store import Conversation, HistoryStore, Message
 from app.tasks import spawn
 from engine import api
+from engine.documents.retrieval import Context, cards
 
 # A chat's "context_overflow" setting as the engine's GenerationParams.context_policy.
 CONTEXT_POLICIES: dict[str, Literal["stop", "truncate_middle", "rolling"]] = {
@@ -150,6 +152,7 @@ class ChatController(QObject):
         view.footer_source = self._live_footer
         self._started = 0.0
         self.tools: ToolsController | None = None  # MCP tools offered to the model, if any
+        self.documents: DocumentsController | None = None  # the chats' dropped documents
         # Stop pressed during this reply: honoured where no generation runs to cancel, before
         # the first one (its placeholder still committing, the saved cache being read) and
         # between tool rounds.
@@ -331,6 +334,7 @@ class ChatController(QObject):
         if conv.system_prompt.strip():
             messages.insert(0, {"role": "system", "content": conv.system_prompt})
         offset = len(messages) - (cut + 1)  # where the thread starts among the request's messages
+        sources = await self._read_documents(conv.id, messages, history[cut], info)
         params = build_params(conv.settings, info.generation_defaults or {}, info.reasoning_control)
         if params.speculative == "draft" and not info.draft_model:
             emit(
@@ -418,6 +422,8 @@ class ChatController(QObject):
                 if result.context_full:
                     stats["context_full"] = True
             reply_id, self.reply_id = self.reply_id, None
+            if sources is not None:
+                stats["sources"] = cards(sources, self._answer)
             if result is not None and self.caches is not None:
                 spawn(self.caches.save(conv.id))
             self._save(
@@ -441,6 +447,24 @@ class ChatController(QObject):
             if result is not None and result.notes and self._sent_media(parent_id):
                 emit(self.status, " ".join(result.notes))  # a long video sampled, audio cut: said once
             emit(self.reply_finished, reply_id, result)
+
+    # ---- documents --------------------------------------------------------------------------
+
+    async def _read_documents(
+        self, conversation_id: int, messages: list[dict[str, Any]], question: Message, info: api.ModelInfo
+    ) -> Context | None:
+        """The chat's documents (whole, or the chunks best matching it) before the question."""
+        if self.documents is None or question.role != "user":
+            return None
+        ctx = await self.documents.context(conversation_id, question.content, info.context_length)
+        if ctx is None or not ctx.text:
+            return None
+        content = messages[-1]["content"]
+        if isinstance(content, str):
+            messages[-1]["content"] = f"{ctx.text}\n\nQuestion: {content}"
+        else:
+            messages[-1]["content"] = [{"type": "text", "text": ctx.text + "\n\n"}, *content]
+        return ctx
 
     # ---- MCP tools ---------------------------------------------------------------------------
 

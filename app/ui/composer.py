@@ -8,6 +8,8 @@ part of a long one), play on click, and are refused at the drop by a model that 
 watch video, naming the families that can. Audio
 goes with the message when the model listens to audio; otherwise it is handed on for
 transcription (``transcribe_requested``) and the transcript lands here, editable.
+Documents (PDF, text, Markdown, HTML, code, .docx, .epub) and folders are not attached:
+they go to the chat's documents (``documents_dropped``), read into every reply.
 
 An image is attached at once and checked in the background: decoded in full by the
 engine's opener, then thumbnailed. A damaged one is taken off again with the engine's
@@ -65,6 +67,7 @@ from app.ui.choices import ChoicesRow
 from app.ui.images import ImageCheck, check_image
 from app.ui.video import VideoCheck, check_video, duration_text, play
 from engine.api import VideoLimits
+from engine.documents.limits import DOCUMENT_EXT, is_document
 
 MIN_EDIT_HEIGHT = 48
 
@@ -91,7 +94,8 @@ def _patterns(exts: set[str]) -> str:
 
 PICK_FILTER = (
     f"Images, audio and video ({_patterns(IMAGE_EXT)} {_patterns(AUDIO_EXT)} {_patterns(VIDEO_EXT)});;"
-    f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)});;Video ({_patterns(VIDEO_EXT)})"
+    f"Images ({_patterns(IMAGE_EXT)});;Audio ({_patterns(AUDIO_EXT)});;Video ({_patterns(VIDEO_EXT)});;"
+    f"Documents, read into the chat ({_patterns(DOCUMENT_EXT)})"
 )
 
 
@@ -175,6 +179,7 @@ class Composer(QFrame):
     notice = Signal(str)  # a readable line for the status bar
     refused = Signal(str)  # an attachment refused: a line the user must see
     transcribe_requested = Signal(str)  # an audio file for a model without audio input
+    documents_dropped = Signal(list)  # documents and folders, for the chat's index
     cancel_transcription = Signal()
     # Ask with choices: the question, the options typed, [(kind, path), ...]
     choices_requested = Signal(str, list, list)
@@ -212,7 +217,9 @@ class Composer(QFrame):
         self.attach_button = QToolButton(objectName="attachButton")
         self.attach_button.setIcon(QIcon(str(resource_path("icons/attach.svg"))))
         self.attach_button.setIconSize(QSize(18, 18))
-        self.attach_button.setToolTip("Attach images, audio or video (or drop / paste them here)")
+        self.attach_button.setToolTip(
+            "Attach images, audio or video, or add documents to the chat (or drop / paste them here)"
+        )
         self.attach_button.clicked.connect(self._pick_files)
         self.mic_button = QToolButton(objectName="micButton")
         self.mic_button.setIcon(QIcon(str(resource_path("icons/mic.svg"))))
@@ -354,7 +361,10 @@ class Composer(QFrame):
         checked in the background (a damaged one is taken off again, with the reason)."""
         added: list[tuple[str, str]] = []
         left_out = 0
-        for path in paths:
+        documents = [p for p in paths if is_document(p) or Path(p).is_dir()]
+        if documents:
+            emit(self.documents_dropped, documents)
+        for path in (p for p in paths if p not in documents):
             if len(self.attachments) >= MAX_ATTACHMENTS:
                 left_out += 1
                 continue
@@ -482,7 +492,7 @@ class Composer(QFrame):
         return self.data_dir
 
     def _pick_files(self) -> None:
-        paths, _ = QFileDialog.getOpenFileNames(self, "Attach images, audio or video", "", PICK_FILTER)
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach media or add documents", "", PICK_FILTER)
         self.add_files(paths)
 
     def dragEnterEvent(self, event) -> None:  # noqa: N802 - Qt override

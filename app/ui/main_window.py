@@ -6,9 +6,11 @@ import asyncio
 import os
 
 from app import model_prefs, tasks
-from app.bridge import EngineBridge
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
 from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
+from app.controllers.compare import CompareController
+from app.controllers.documents import DocumentsController
 from app.controllers.models import ModelController
 from app.controllers.saved_caches import SavedCaches
 from app.controllers.tools import ToolsController
@@ -42,7 +44,9 @@ from app.store import HistoryStore
 from app.ui.adapters_menu import AdaptersMenu
 from app.ui.chat_view import ChatView
 from app.ui.choices import ChoicesResult
+from app.ui.compare_view import CompareView
 from app.ui.composer import Composer
+from app.ui.documents_button import DocumentsButton
 from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
@@ -92,6 +96,10 @@ class MainWindow(QMainWindow):
         self.tools = ToolsController(store.data_dir, self)
         self.tools.approve = self.tool_approval.ask
         self.chat.tools = self.tools
+        self.documents = DocumentsController(store.data_dir, self)
+        self.chat.documents = self.documents
+        self.compare = CompareController(self.chat, bridge, self.load_model, self)
+        self.compare_view: CompareView | None = None
 
         center = QWidget(objectName="center")
         cv = QVBoxLayout(center)
@@ -118,6 +126,8 @@ class MainWindow(QMainWindow):
         split.setSizes([250, 800, 290])
         self.sidebar.setMinimumWidth(200)
         self.setCentralWidget(split)
+        self.documents_button = DocumentsButton(self.documents)
+        self.statusBar().addPermanentWidget(self.documents_button)
         self.statusBar().addPermanentWidget(self.gauge)
         self._menus()
 
@@ -136,6 +146,12 @@ class MainWindow(QMainWindow):
         self.composer.refused.connect(self.show_error)
         self.composer.transcribe_requested.connect(lambda path: tasks.spawn(self.transcribe(path)))
         self.composer.cancel_transcription.connect(self.transcription.cancel)
+        self.composer.documents_dropped.connect(lambda paths: tasks.spawn(self.add_documents(paths)))
+        self.documents.progress.connect(self.notify)
+        self.documents.finished.connect(lambda _cid, line: self.notify(line))
+        self.documents.finished.connect(lambda cid, _line: self.documents_button.show_chat(cid))
+        self.documents.failed.connect(self.show_error)
+        self.compare.failed.connect(self.show_error)
         self.settings.whisper_requested.connect(self._pick_whisper)
         self.settings.tools_requested.connect(self.open_tools)
         self.settings.whisper_cleared.connect(lambda: self.set_whisper_model(None))
@@ -207,6 +223,9 @@ class MainWindow(QMainWindow):
         chat = bar.addMenu("&Chat")
         chat.addAction("New chat", QKeySequence.StandardKey.New, self.new_chat)
         chat.addAction("Stop reply (Esc)", self.stop)
+        chat.addAction("Add a folder of documents…", self._pick_document_folder)
+        chat.addAction("Compare with and without adapters…", lambda: tasks.spawn(self.compare_prompt()))
+        chat.addAction("Compare with another model…", self._pick_compare_model)
         chat.addAction("Clear saved caches", self.clear_saved_caches)
         chat.addSeparator()
         chat.addAction("Settings", QKeySequence("Ctrl+,"), self.settings_toggle.toggle)
@@ -216,6 +235,7 @@ class MainWindow(QMainWindow):
         model = bar.addMenu("&Model")
         model.addAction("Models…", QKeySequence("Ctrl+L"), self.open_model_browser)
         model.addAction("Draft model for speculative decoding…", self._pick_draft)
+        model.addAction("Embedding model for documents…", self._pick_embedder)
         self.adapters_menu = AdaptersMenu(self)
         bar.addMenu(self.adapters_menu)
         self.adapters_menu.set_adapters([], {}, model_loaded=False)
@@ -307,13 +327,66 @@ class MainWindow(QMainWindow):
         if conv is None:
             return
         self.chat.open(cid)
+        self.documents_button.show_chat(cid)
         self.settings.load(conv.system_prompt, conv.settings)
         self.check_memory()
         if self.bridge.model_info is not None:
             tasks.spawn(self.apply_adapters())
 
+    def _pick_compare_model(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "The model to compare with")
+        if path:
+            tasks.spawn(self.compare_prompt(path))
+
+    async def compare_prompt(self, other_model: str | None = None) -> bool:
+        """The message in the box answered twice, side by side (see CompareController)."""
+        text = self.composer.edit.toPlainText().strip()
+        if not text:
+            self.show_error("Type the message to compare in the box first.")
+            return False
+        if self.compare_view is None:
+            self.compare_view = CompareView(self.compare, self)
+            self.compare_view.accepted.connect(self.composer.edit.clear)  # kept: it is in the chat now
+        self.compare_view.start()
+        self.compare_view.show()
+        return await self.compare.run(text, other_model=other_model)
+
+    def _pick_document_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "A folder of documents for this chat")
+        if path:
+            tasks.spawn(self.add_documents([path]))
+
+    def _pick_embedder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Embedding model folder (e.g. Qwen3-Embedding-0.6B)")
+        if path:
+            tasks.spawn(self.set_embedder(path))
+
+    async def set_embedder(self, path: str | None) -> bool:
+        """Load an embedding model beside the chat model; documents then rank by meaning too."""
+        try:
+            info = await self.bridge.load_embedder(path)
+        except (EngineRequestError, EngineUnavailable) as exc:
+            self.show_error(f"The embedding model was not loaded: {exc}")
+            return False
+        self.documents.use_embedder(info.name if info else None, self.bridge.embed_beside)
+        self.notify(f"Documents are ranked with {info.name} too." if info else "Documents are ranked by their words.")
+        return True
+
+    async def add_documents(self, paths: list[str]) -> list[str]:
+        """Index dropped documents into this chat (a new one, named after them, if none)."""
+        cid = self.chat.conversation_id
+        if cid is None:
+            cid = self.store.create_conversation()
+            self.store.rename_conversation(cid, os.path.basename(paths[0].rstrip("/")))
+            self.sidebar.reload(cid)
+            self.open_conversation(cid)
+        return await self.documents.add(cid, paths)
+
     def _deleted(self, cid: int) -> None:
         self.bridge.drop_session(cid)
+        self.documents.forget(cid)
+        if cid == self.documents_button.conversation_id:
+            self.documents_button.show_chat(None)
         self.caches.forget(cid)
         if cid == self.chat.conversation_id:
             self.chat.conversation_id = None
@@ -366,6 +439,8 @@ class MainWindow(QMainWindow):
         self.tool_approval.withdraw()  # a call still waiting for approval is denied
         if self.chat.stop():
             self.notify("Stopping…")
+        elif self.documents.cancel():
+            self.notify("Stopping the indexing; the files read so far are kept.")
         elif self.bridge.active_transcription is not None:  # as the Cancel button beside its bar
             self.transcription.cancel()
         elif self.bridge.active_load is not None:

@@ -31,6 +31,7 @@ from app.ui.markdown import (
     prose_html,
     split_blocks,
 )
+from app.ui.source_cards import SourceCards
 
 
 def open_link(parent: QWidget, url: str) -> bool:
@@ -169,6 +170,7 @@ class MessageWidget(QFrame):
 
         # Attached images and clips sit above the words, as in messaging apps.
         self.attachment_row: AttachmentRow | None = None
+        self.source_cards: SourceCards | None = None
 
         self.bubble = QFrame(objectName="bubble")
         self.body = QVBoxLayout(self.bubble)
@@ -287,6 +289,7 @@ class MessageWidget(QFrame):
             self._reasoning_parts[0].setChecked(False)  # folded, as in a new widget
         self.stats_label.setText("")
         self.stats_label.setToolTip("")
+        self.set_sources([])
         self.adapters = {}
         self.set_versions(1, 1)
 
@@ -382,7 +385,17 @@ class MessageWidget(QFrame):
         label.setVisible(shown)
         toggle.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
 
+    def set_sources(self, sources: list[dict]) -> None:
+        """Source cards above the footer, made the first time a reply has any."""
+        if self.source_cards is None and sources:
+            self.source_cards = SourceCards()
+            outer = self.layout()
+            outer.insertWidget(outer.count() - 1, self.source_cards)  # just above the footer
+        if self.source_cards is not None:
+            self.source_cards.set_sources(sources)
+
     def set_stats(self, stats: dict, status: str = "complete", adapters: dict[str, float] | None = None) -> None:
+        self.set_sources(stats.get("sources") or [])
         parts, details = [], []
         if stats.get("generated_tokens"):
             parts.append(f"{stats['generated_tokens']} tokens")

@@ -43,6 +43,7 @@ from engine.api import (
     GetModelInfo,
     InspectModel,
     LoadDraftModel,
+    LoadEmbedder,
     LoadModel,
     MemoryEvent,
     MountAdapter,
@@ -58,7 +59,7 @@ from engine.api import (
     UnloadModel,
     UnmountAdapter,
 )
-from engine.errors import EngineError
+from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.host import ModelHost, token_event
 
 MEMORY_INTERVAL_S = 0.5
@@ -93,6 +94,7 @@ class EngineWorker:
     ) -> None:
         self._on_event = on_event
         self._host = host or ModelHost()
+        self._embedder: ModelHost | None = None  # a sentence embedding model beside it, for documents
         # The Whisper model Transcribe uses when the command names none.
         self.whisper_path = whisper_path
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -358,7 +360,8 @@ class EngineWorker:
         """What the budget leaves for KV caches beside the weights (0: no budget)."""
         if not self._host.loaded or not self._budget:
             return 0
-        return max(0, self._budget - self._host.weights_bytes())
+        beside = self._embedder.weights_bytes() if self._embedder is not None and self._embedder.loaded else 0
+        return max(0, self._budget - self._host.weights_bytes() - beside)
 
     def _handle(self, rid: int, command: Command, cancel: threading.Event) -> Any:
         host = self._host
@@ -432,11 +435,51 @@ class EngineWorker:
             result = run_train(host, command, rid, cancel, self._emit)
             self._emit_memory()
             return result
+        if isinstance(command, LoadEmbedder):
+            return self._load_embedder(rid, command, cancel)
         if isinstance(command, Embed):
-            result = host.embed(command.inputs, cancel)
+            if command.beside and (self._embedder is None or not self._embedder.loaded):
+                raise EngineError("No embedding model is loaded beside the chat model: pick one first.")
+            result = (self._embedder if command.beside else host).embed(command.inputs, cancel)
             self._emit_memory()
             return result
         raise EngineError(f"Unknown command {type(command).__name__}.")
+
+    def _load_embedder(self, rid: int, command: LoadEmbedder, cancel: threading.Event) -> Any:
+        """An embedding model beside the chat model, in what the chat model's budget leaves."""
+        if self._embedder is not None:
+            self._embedder.unload()
+            self._embedder = None
+        if command.path is None:
+            self._emit_memory()
+            return None
+        embedder = ModelHost()
+        left = self._kv_allowance() or None
+        try:
+            info = embedder.load(
+                command.path,
+                budget=left,
+                progress=lambda done, total, message="": self._emit(
+                    ProgressEvent(rid, "load", float(done), float(total), message)
+                ),
+                cancel=cancel,
+            )
+        except OutOfMemoryBudget as exc:
+            from engine.runtime.memory import format_bytes
+
+            need = str(exc).split(";")[0]  # "<name> needs <size> for its weights"
+            raise OutOfMemoryBudget(
+                f"{need}, and beside {self._host.info.name} the memory budget has {format_bytes(left or 0)} left: "
+                "pick a smaller embedding model, unload the chat model, or raise the budget."
+            ) from None
+        if info.embedding_dimensions is None:
+            embedder.unload()
+            raise WrongModelKind(
+                f"{info.name} is a chat model, not a sentence embedding model; pick an embedding model."
+            )
+        self._embedder = embedder
+        self._emit_memory()
+        return info
 
     def _generate(self, rid: int, command: Generate | Complete, cancel: threading.Event) -> Any:
         last = [time.monotonic()]

@@ -31,6 +31,7 @@ from engine.serve.common import (
     run,
     session_key,
 )
+from engine.serve.documents_api import FILE_PARTS, file_part, read_documents
 from engine.serve.http import ApiError, Handler
 
 MAX_TOP_LOGPROBS = 20
@@ -122,9 +123,11 @@ def _content(content: Any, role: str) -> Any:
             if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
                 raise ApiError(400, "An input_audio part needs input_audio.data (base64).", param="messages")
             parts.append({"type": "audio", "audio": decode_base64(audio["data"], "audio")})
+        elif kind in FILE_PARTS and role == "user":
+            parts.append(file_part(part))
         else:
             raise ApiError(
-                400, f"Unknown content part type {kind!r}; use text, image_url or input_audio.", param="messages"
+                400, f"Unknown content part type {kind!r}; use text, image_url, input_audio or file.", param="messages"
             )
     if all(p["type"] == "text" for p in parts):  # text-only templates expect a plain string
         return "".join(p["text"] for p in parts)
@@ -267,6 +270,7 @@ def chat_completions(handler: Handler, body: Any) -> None:
     if forced:
         force_tool_call(params, backend, forced)
     messages = chat_messages(body.get("messages"), backend.tool_format)
+    read_documents(messages, backend.info.context_length if backend.info else 4096)
     check_text_size(backend, message_texts(messages))
     stream = field(body, "stream", bool, False)
     include_usage = bool((field(body, "stream_options", dict) or {}).get("include_usage"))

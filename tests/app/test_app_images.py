@@ -224,12 +224,17 @@ def test_drop_image_data_paste_and_remove(qtbot, make_window, run_async, vision_
     assert [p for _, p in composer.attachments] == [kept, str(second)]
     assert len(composer.strip.items) == 2
 
-    # Only images and audio are taken.
+    # Only images and audio are attached; a document goes to the chat's documents instead.
+    blob = photo.with_name("notes.bin")
+    blob.write_bytes(b"hello")
+    with qtbot.wait_signal(composer.refused) as blocker:
+        drop(composer, url_mime(blob))
+    assert "not an image, audio or video file" in blocker.args[0]
     notes = photo.with_name("notes.txt")
     notes.write_text("hello")
-    with qtbot.wait_signal(composer.refused) as blocker:
+    with qtbot.wait_signal(composer.documents_dropped) as blocker:
         drop(composer, url_mime(notes))
-    assert "not an image, audio or video file" in blocker.args[0]
+    assert blocker.args == [[str(notes)]]
     assert len(composer.attachments) == 2
 
 
