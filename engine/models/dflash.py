@@ -99,6 +99,7 @@ class DFlashArgs:
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
     denoising_steps: int = 1
+    quantization: dict[str, Any] | None = None  # MLX's: bits, group_size, mode
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "the DFlash drafter") -> DFlashArgs:
@@ -146,6 +147,7 @@ class DFlashArgs:
                 final_logit_softcapping=_setting(config, "final_logit_softcapping"),
                 input_embedding_scale=float(_setting(config, "input_embedding_scale", 1.0)),
                 denoising_steps=max(1, int(_setting(config, "denoising_steps", 1))),
+                quantization=config.get("quantization") or None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{name}: config.json is incomplete or malformed ({one_line(e)})") from None
@@ -329,7 +331,7 @@ def load_dflash(path: str | Path, target: Any) -> DFlashDraft:
             ) from None
     weights = {k.removeprefix("model."): v for k, v in weights.items() if "rotary_emb" not in k}
     model = DFlashDraft(args)
-    quant = config.get("quantization")
+    quant = args.quantization
     if quant:
         from engine.artifacts.config import QuantizationSpec
 

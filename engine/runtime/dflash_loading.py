@@ -53,7 +53,8 @@ def load_dflash_drafter(
     if progress is not None:
         progress(1, 1, "loading the DFlash drafter")
     params = tree_flatten(model.parameters())
-    quant = "4-bit" if any(k.endswith(".scales") for k, _ in params) else str(params[0][1].dtype).split(".")[-1]
+    spec = model.args.quantization
+    quant = f"{spec['bits']}-bit g{spec['group_size']}" if spec else str(params[0][1].dtype).split(".")[-1]
     info = ModelInfo(
         path=str(folder),
         name=folder.name,

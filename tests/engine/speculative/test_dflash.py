@@ -190,3 +190,54 @@ def test_a_target_whose_layers_cannot_be_read_is_refused(qwen):
 
     with pytest.raises(EngineError, match="DFlash drafting needs a target"):
         DFlashDrafter(Opaque(), make_drafter(qwen))
+
+
+def test_a_quantized_drafter_loads_and_keeps_plain_greedy(tmp_path):
+    """An MLX-quantized drafter (config "quantization", scales beside the packed weights)
+    loads as stored and drafts for a target; the output stays plain greedy's."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    target = make_llama(4, vocab=64, hidden=64, layers=2, sharpen=3.0, model_type="qwen3")
+    config = {**drafter_config(target, layer_ids=(0, 1), block=5), "quantization": {"group_size": 32, "bits": 4}}
+    draft = make_drafter(target, layer_ids=(0, 1), block=5)
+    nn.quantize(
+        draft,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0,
+    )
+    folder = tmp_path / "q4"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(draft.parameters())))
+    loaded = load_dflash(folder, target)
+    assert loaded.layers[0].self_attn.q_proj.bits == 4
+    prompt = [3, 5, 1, 2, 4, 3, 5, 1, 2]
+    want = plain_greedy(target, prompt, 12)
+    drafter = DFlashDrafter(target, loaded, 4)
+    try:
+        got = [t for t, _ in speculative_step(prompt, target, target.make_cache(), drafter, max_tokens=12)]
+    finally:
+        drafter.close()
+    assert got == want
+
+
+def test_a_drafter_with_denoising_steps_runs_them_and_keeps_plain_greedy():
+    target = make_llama(4, vocab=6, hidden=24, layers=3, sharpen=3.0, model_type="llama")
+    one = make_drafter(target, layer_ids=(0, 2), block=5, seed=6)
+    two = make_drafter(target, layer_ids=(0, 2), block=5, seed=6, denoising_steps=2)
+    assert two.args.denoising_steps == 2
+    prompt = [3, 5, 1, 2, 4, 3, 5, 1, 2]
+    blocks = []
+    for draft in (one, two):
+        drafter = DFlashDrafter(target, draft, 4)
+        try:
+            target(mx.array([prompt[:-1]]), cache=make_prompt_cache(target))
+            drafter._add_rows(len(prompt) - 1)
+            blocks.append(np.array(drafter.block_logits(prompt[-1])))
+            got = [t for t, _ in speculative_step(prompt, target, target.make_cache(), drafter, max_tokens=16)]
+        finally:
+            drafter.close()
+        assert got == plain_greedy(target, prompt, 16)
+    assert not np.allclose(blocks[0], blocks[1])  # the second pass read the first one's guesses
