@@ -19,11 +19,12 @@ from engine.errors import OutOfMemoryBudget
 def is_dflash_drafter(path: str) -> bool:
     """Is ``path`` (a folder, or a Hub name already downloaded) a DFlash drafter?"""
     from engine.artifacts.hub import resolve_model_path
+    from engine.errors import EngineError
     from engine.models.dflash import is_dflash_dir
 
     try:
         return is_dflash_dir(resolve_model_path(path))
-    except Exception:  # not resolvable here: the ordinary draft loader says why
+    except (EngineError, OSError, ValueError):  # not resolvable here: the ordinary draft loader says why
         return False
 
 
