@@ -39,8 +39,10 @@ def load_dflash_drafter(
     from mlx.utils import tree_flatten
 
     from engine.artifacts.hub import resolve_model_path
+    from engine.decode.dflash_drafter import check_target
     from engine.models.dflash import load_dflash
 
+    check_target(target)  # before reading anything: a family whose layers cannot be read
     folder = Path(resolve_model_path(path))
     if progress is not None:
         progress(0, 1, "loading the DFlash drafter")
