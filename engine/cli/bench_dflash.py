@@ -9,8 +9,9 @@ layers spaced as z-lab's ``build_target_layer_ids``), both quantized at ``--bits
 * plain step: one token through the model, as plain decoding runs it (the compiled step
   where it applies);
 * DFlash round: the drafter's block pass (``--block`` positions) and the target's verify pass
-  over the block, with the target's layers read for the drafter (the tap on), evaluated
-  together, the block's cache entries trimmed after;
+  over the block (the compiled step where it applies, as the speculative loop runs it), with
+  the target's layers read for the drafter (the tap on), evaluated together, the block's
+  cache entries trimmed after;
 * break-even: the tokens a round must yield (accepted drafts + 1) to match plain steps, and
   the per-draft acceptance that gives it (the geometric model of ``engine.decode.draft_depth``);
 * upper bound: tokens/s when every draft is accepted (the drafter drafting the target's own
@@ -110,7 +111,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             logits = drafter.block_logits(history[-1])
             drafts = mx.argmax(logits, axis=-1).astype(mx.uint32)
             block = mx.concatenate([token, drafts])
-            verified = mx.argmax(model(block[None], cache=cache)[0], axis=-1)
+            out = decoder(block, cache) if decoder is not None else None  # as the speculative loop verifies
+            verified = mx.argmax(out if out is not None else model(block[None], cache=cache)[0], axis=-1)
             return verified, drafts
 
         def undo() -> None:

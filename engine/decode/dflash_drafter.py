@@ -46,7 +46,11 @@ _LAZY_ROWS = 8
 def check_target(target: Any) -> None:
     """Refuse, in one line, a target whose layer loop cannot show its hidden states."""
     stack = getattr(target, "model", None)
-    if not isinstance(stack, DecoderStack) or type(stack).run is not DecoderStack.run:
+    if (
+        not isinstance(stack, DecoderStack)
+        or type(stack).run is not DecoderStack.run
+        or type(stack).__call__ is not DecoderStack.__call__  # a pass that may not go through run
+    ):
         raise EngineError(
             f"DFlash drafting needs a target of a family whose layers it can read "
             f"(Llama, Qwen2, Qwen3, Mistral); {getattr(target, 'model_type', type(target).__name__)} is not one: "

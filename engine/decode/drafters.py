@@ -225,8 +225,6 @@ def decoder_for(model: Any, compiled: bool | None) -> Any:
         return None
     if getattr(model, "hidden_listener", None) is not None and not getattr(decoder, "feeds_listener", False):
         return None  # an MTP drafter follows the model's passes, which this step would not show it
-    if getattr(getattr(model, "model", None), "layer_tap", None) is not None:
-        return None  # a DFlash drafter reads the layers' outputs, which this step would not show it
     return decoder
 
 

@@ -70,7 +70,6 @@ def test_speculative_greedy_equals_plain_greedy(model_type, k):
     stats = StatsCounter()
     drafter = DFlashDrafter(target, draft, k)
     try:
-        assert decoder_for(target, True) is None  # the compiled step would not show the layers
         got = list(
             speculative_step(
                 prompt, target, target.make_cache(), drafter, max_tokens=24, stats=stats, num_draft_tokens=k
@@ -241,3 +240,48 @@ def test_a_drafter_with_denoising_steps_runs_them_and_keeps_plain_greedy():
             drafter.close()
         assert got == plain_greedy(target, prompt, 16)
     assert not np.allclose(blocks[0], blocks[1])  # the second pass read the first one's guesses
+
+
+def test_the_compiled_step_shows_the_drafter_the_same_layers():
+    """Plain steps and verify passes through the compiled step hand the tap what the plain
+    pass would: the run is plain greedy's and the drafter's context rows equal a plain
+    prefill's. A tap naming the last layer (read after the final norm) takes the plain pass."""
+    target = make_llama(4, vocab=6, hidden=24, layers=3, sharpen=3.0, model_type="qwen3")
+    draft = make_drafter(target, layer_ids=(0, 1), block=5, seed=6)
+    prompt = [3, 5, 1, 2, 4, 3, 5, 1, 2]
+    want = plain_greedy(target, prompt, 16)
+    for compiled in (True, False):
+        drafter = DFlashDrafter(target, draft, 3)
+        stats = StatsCounter()
+        try:
+            decoder = decoder_for(target, True)
+            assert decoder is not None
+            traced = decoder.traces
+            got = [
+                t
+                for t, _ in speculative_step(
+                    prompt, target, target.make_cache(), drafter, max_tokens=16, stats=stats, compiled=compiled
+                )
+            ]
+            assert (decoder.traces > traced) is compiled  # the steps went through the traces, or not
+            history = prompt + got
+            drafter._add_rows(len(history) - 1)
+            rows = [np.array(c.state[0]) for c in drafter.cache]
+        finally:
+            drafter.close()
+        assert got == want and stats.accepted_draft_tokens > 0
+        fresh = DFlashDrafter(target, draft, 3)
+        try:
+            target(mx.array([history[:-1]]), cache=make_prompt_cache(target))
+            fresh._add_rows(len(history) - 1)
+            for a, b in zip(rows, [np.array(c.state[0]) for c in fresh.cache]):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+        finally:
+            fresh.close()
+    last = DFlashDrafter(target, make_drafter(target, layer_ids=(0, 2), block=5), 3)
+    try:
+        cache = make_prompt_cache(target)
+        target(mx.array([prompt]), cache=cache)
+        assert decoder_for(target, True)(mx.array([1], dtype=mx.uint32), cache) is None
+    finally:
+        last.close()
