@@ -285,3 +285,32 @@ def test_the_compiled_step_shows_the_drafter_the_same_layers():
         assert decoder_for(target, True)(mx.array([1], dtype=mx.uint32), cache) is None
     finally:
         last.close()
+
+
+def test_an_adapted_target_is_drafted_for_from_its_adapted_layers():
+    """With an adapter active on the target (the drafter reads whatever the adapted layers
+    compute), the output is the adapted target's greedy output, compiled step or not."""
+    from test_speculative_adapters import GOLDEN as ADAPTERS
+    from test_speculative_adapters import load_base
+
+    from engine.models import lora as adapters
+
+    target = load_base()
+    adapters.mount(target, ADAPTERS / "peft_vo_mlp", name="vo")
+    adapters.activate(target, {"vo": 1.0})
+    draft = make_drafter(target, layer_ids=(0,), block=5)
+    prompt = [1, 7, 42, 99, 3, 64]
+    want = plain_greedy(target, prompt, 20)
+    for compiled in (True, False):
+        drafter = DFlashDrafter(target, draft, 4)
+        stats = StatsCounter()
+        try:
+            got = [
+                t
+                for t, _ in speculative_step(
+                    prompt, target, make_prompt_cache(target), drafter, max_tokens=20, stats=stats, compiled=compiled
+                )
+            ]
+        finally:
+            drafter.close()
+        assert got == want and stats.draft_tokens > 0
