@@ -56,3 +56,30 @@ def test_a_dflash_drafter_for_another_target_is_refused_in_one_line(folders):
         run("generate", "--model", str(folders["model"]), *PROMPT, "--draft-model", str(folders["other"]))
     )
     assert "made for a target with 4 layers" in err
+
+
+def test_prefix_reuse_with_a_dflash_drafter_keeps_plain_greedy(folders):
+    """Through the host: a second request sharing the first's prefix reuses the target's
+    cache; the drafter starts its context where that request's passes start, and both
+    replies are plain greedy's."""
+    from engine.api import GenerationParams, SamplingParams
+    from engine.runtime.host import ModelHost
+
+    host = ModelHost()
+    host.load(str(folders["model"]))
+    first = host.encode_prompt("Once upon a time there was a little robot.")
+    second = first + host.encode_prompt(" Once upon a time")
+    greedy = GenerationParams(max_tokens=10, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    plain = [host.generate_ids(ids, greedy, session_id="plain").token_ids for ids in (first, second)]
+    info = host.load_draft(str(folders["dflash"]))
+    assert info is not None and info.family == "dflash" and host.info.draft_model == info.path
+    drafting = GenerationParams(
+        max_tokens=10,
+        ignore_eos=True,
+        sampling=SamplingParams(temperature=0.0),
+        speculative="draft",
+        num_draft_tokens=4,
+    )
+    results = [host.generate_ids(ids, drafting, session_id="drafted") for ids in (first, second)]
+    assert [r.token_ids for r in results] == plain
+    assert results[1].stats.cached_tokens > 0 and results[1].stats.draft_tokens > 0
