@@ -234,7 +234,7 @@ class MainWindow(QMainWindow):
         chat.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
         model = bar.addMenu("&Model")
         model.addAction("Models…", QKeySequence("Ctrl+L"), self.open_model_browser)
-        model.addAction("Draft model for speculative decoding…", self._pick_draft)
+        model.addAction("Draft model or DFlash drafter for speculative decoding…", self._pick_draft)
         model.addAction("Embedding model for documents…", self._pick_embedder)
         self.adapters_menu = AdaptersMenu(self)
         bar.addMenu(self.adapters_menu)
@@ -595,7 +595,7 @@ class MainWindow(QMainWindow):
         await self.adapter_control.unmount(name)
 
     def _pick_draft(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Choose a draft model folder")
+        folder = QFileDialog.getExistingDirectory(self, "Choose a draft model or DFlash drafter folder")
         if folder:
             tasks.spawn(self.set_draft_model(folder))
 

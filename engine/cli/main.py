@@ -88,7 +88,9 @@ def _add_generate(sub: Any) -> None:
         help="LoRA adapter folder (mlx-lm or PEFT), active with SCALE (default 1); repeatable",
     )
     spec = p.add_mutually_exclusive_group()
-    spec.add_argument("--draft-model", metavar="PATH", help="speculative decoding with this draft model")
+    spec.add_argument(
+        "--draft-model", metavar="PATH", help="speculative decoding with this draft model (or DFlash drafter folder)"
+    )
     spec.add_argument("--ngram", type=int, metavar="N", help="speculative decoding by N-gram prompt lookup")
     spec.add_argument(
         "--mtp", action="store_true", help="speculative decoding with the checkpoint's own multi-token-prediction layer"

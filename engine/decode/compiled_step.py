@@ -175,21 +175,33 @@ class CompiledDecoder:
         masks = self.masks(cache, n)
         if masks is None:
             return None
+        layers = self._model().layers
+        # A DFlash drafter's tap (models.base.DecoderStack.layer_tap) reads layer outputs,
+        # which the traces hand back between layers; the last layer's (normed) stays inside
+        # the head's trace, so a tap naming it takes the plain pass.
+        tap = getattr(getattr(self._model(), "model", None), "layer_tap", None)
+        if tap is not None and len(layers) - 1 in tap.layer_ids:
+            return None
         if n not in self._sizes:
             self._sizes.add(n)
             self.traces += 1
-        layers = self._model().layers
-        pos = mx.array(cache[0].offset + shift, dtype=mx.int32)
+        start = cache[0].offset
+        pos = mx.array(start + shift, dtype=mx.int32)
         h: mx.array = tokens[None]
         attn = None
+        taken = []
         for i, (layer, c, mask) in enumerate(zip(layers, cache, masks)):
             if i == 0:
                 h, q, k, v = self._fns[0](h, pos)
             else:
-                h, q, k, v = self._fns[i](h, attn, pos)
+                h, q, k, v = self._fns[i](h, attn, pos)  # h: layer i - 1's output
+                if tap is not None and i - 1 in tap.layer_ids:
+                    taken.append(h)
             # The cache write stays outside: a write at a traced position is a dynamic
             # update, which cannot always reuse the buffer in place.
             attn = cached_attention(layer.self_attn, q, k, v, c, mask)
+        if tap is not None:
+            tap(taken, start)
         return self._fns[-1](h, attn)
 
     def rows(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:

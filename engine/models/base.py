@@ -493,6 +493,11 @@ class DecoderStack(nn.Module):
     window), and the final norm. Families build the layers (``make_layers``)."""
 
     norm_class = nn.RMSNorm
+    # A DFlash drafter's hook (engine.decode.dflash_drafter): when set, every cached pass
+    # hands it the outputs of the layers it names (``layer_ids``, in ascending order; the
+    # last layer's after the final norm, as transformers reports it) and the pass's first
+    # position. Off (None) unless a request drafts with DFlash.
+    layer_tap: Any = None
 
     def __init__(self, args):
         super().__init__()
@@ -523,9 +528,21 @@ class DecoderStack(nn.Module):
         for layer, c in zip(self.layers, cache):
             if layer.window not in masks:  # one mask per window size, before any update
                 masks[layer.window] = make_mask(n, c, layer.window)
-        for layer, c in zip(self.layers, cache):
+        tap = self.layer_tap
+        if tap is None or cache[0] is None:
+            for layer, c in zip(self.layers, cache):
+                h = layer(h, masks[layer.window], c, **layer_kwargs)
+            return self.norm(h)
+        start, taken = cache[0].offset, []
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, masks[layer.window], c, **layer_kwargs)
-        return self.norm(h)
+            if i in tap.layer_ids:
+                taken.append(h)
+        out = self.norm(h)
+        if len(self.layers) - 1 in tap.layer_ids:  # transformers' last hidden state is the normed one
+            taken[-1] = out
+        tap(taken, start)
+        return out
 
 
 class CausalLM(nn.Module):

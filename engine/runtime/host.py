@@ -278,6 +278,12 @@ class ModelHost:
         plan = state.info.plan
         budget = max(1, plan.budget_bytes - plan.weights_bytes) if plan is not None else None
 
+        from engine.runtime.dflash_loading import is_dflash_drafter, load_dflash_drafter
+
+        if is_dflash_drafter(path):  # a block drafter reading this model's layers, in its vocabulary
+            model, info = load_dflash_drafter(path, state.model, budget, progress, cancel)
+            self._set_draft(state, _Draft(model, state.tokenizer, info))
+            return info
         model, tokenizer, info = assemble_draft(path, budget, progress, cancel)
         check_draft_compatible(state.tokenizer, tokenizer)
         self._set_draft(state, _Draft(model, tokenizer, info))

@@ -189,6 +189,10 @@ class ChatSession:
             return MTPDrafter(self.model, params.num_draft_tokens or AUTO_MAX_DRAFT)
         if params.speculative != "draft" or self.draft_model is None:
             return drafter_for(params)
+        if getattr(self.draft_model, "mask_token_id", None) is not None:  # a DFlash block drafter
+            from engine.decode.dflash_drafter import DFlashDrafter
+
+            return DFlashDrafter(self.model, self.draft_model, params.num_draft_tokens)
         if self._draft is None or self._draft.model is not self.draft_model:
             self._draft = PrefixCache(self.draft_model)
         self._draft.reuse(prompt_ids)
