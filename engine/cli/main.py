@@ -75,6 +75,9 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(p)
+    from engine.cli.shard_command import add_shard_arguments
+
+    add_shard_arguments(p)
     p.add_argument(
         "--cache-file",
         metavar="FILE.safetensors",
@@ -238,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
 
     _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
+    from engine.cli.shard_command import add_node
+
+    add_node(sub)
     return parser
 
 
@@ -319,6 +325,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
         check_utf8(text, flag)
     params = _params(args)
+    if args.hosts or args.shard:
+        if not args.hosts:
+            raise CliError("--shard needs --hosts H1,H2[,...] (the machines to split the model across)")
+        from engine.cli.shard_command import generate
+
+        return generate(args, params)
     media = _media(args)
     host = ModelHost()
     host.load(
@@ -576,6 +588,12 @@ def _add_serve(parser: Any) -> None:
     _add_kv_arguments(parser)
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    from engine.cli.shard_command import cmd_node as run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine.serve.server import run_command
 
@@ -590,6 +608,7 @@ COMMANDS = {
     "convert": cmd_convert,
     "bench": cmd_bench,
     "serve": cmd_serve,
+    "node": cmd_node,
 }
 
 

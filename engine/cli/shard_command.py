@@ -1,0 +1,126 @@
+"""``generate --hosts H1,H2 --shard pipeline|tensor`` and ``node``: sharded inference.
+
+``generate`` with ``--hosts`` starts one rank per host (engine.runtime.shard_group),
+waits for every rank to load its share, hands rank 0 the request and prints what rank 0
+streams back, as the single-machine ``generate`` does; ``--json`` adds ``ranks``. A
+lost rank ends the reply with one line naming it; the text so far stays printed. Ctrl-C
+stops the reply on every rank, then ends them. ``node`` is a rank itself (what the
+launcher starts on each host; see docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from engine.errors import EngineError
+
+MODES = ("pipeline", "tensor")
+BACKENDS = ("ring", "jaccl", "nccl", "any")
+# What a rank cannot do (yet): each refused in one line before any rank starts.
+_REFUSED = (
+    ("adapter", "--adapter"),
+    ("draft_model", "--draft-model"),
+    ("ngram", "--ngram"),
+    ("mtp", "--mtp"),
+    ("image", "--image"),
+    ("audio", "--audio"),
+    ("video", "--video"),
+    ("cache_file", "--cache-file"),
+    ("kv_bits", "--kv-bits"),
+)
+
+
+def add_shard_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hosts",
+        metavar="H1,H2[,...]|FILE.json",
+        help="run the model across these machines (one rank each; 127.0.0.1 repeated: local processes), "
+        "or an mlx hostfile",
+    )
+    p.add_argument("--shard", choices=MODES, help="how to split the model across --hosts (default pipeline)")
+    p.add_argument("--backend", choices=BACKENDS, default="any", help="MLX distributed backend (default: MLX's pick)")
+
+
+def add_node(sub: Any) -> None:
+    from engine.cli.main import _budget
+
+    p = sub.add_parser("node", help="one rank of a sharded model (started on each machine by --hosts)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--shard", choices=MODES, default="pipeline")
+    p.add_argument("--hosts", required=True, help="every rank's host, in rank order")
+    p.add_argument("--backend", choices=BACKENDS, default="any")
+    p.add_argument("--memory-budget", type=_budget, help="this machine's room for its share")
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from engine.runtime.shard_rank import NodeOptions, run_node
+
+    hosts = [h for h in args.hosts.split(",") if h]
+    return run_node(NodeOptions(args.model, args.shard, hosts, args.memory_budget, args.backend))
+
+
+def check_request(args: argparse.Namespace) -> None:
+    for attr, flag in _REFUSED:
+        if getattr(args, attr, None):
+            raise EngineError(f"{flag} does not run sharded yet; leave it out or drop --hosts")
+
+
+def node_args(args: argparse.Namespace) -> list[str]:
+    out = ["--model", args.model, "--shard", args.shard or "pipeline"]
+    if args.memory_budget is not None:
+        out += ["--memory-budget", str(args.memory_budget)]
+    return out
+
+
+def generate(args: argparse.Namespace, params: Any) -> int:
+    """The sharded ``generate``: rank 0's reply printed here."""
+    from engine.runtime.shard_group import RankGroup
+
+    check_request(args)
+    group = RankGroup(args.hosts, node_args(args), backend=args.backend)
+    cmd: dict[str, Any] = {"op": "generate_ids", "params": dataclasses.asdict(params)}
+    if args.chat:
+        messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+        cmd = {"op": "generate", "messages": [*messages, {"role": "user", "content": args.prompt}], **cmd}
+    elif args.prompt_ids is not None:
+        cmd["ids"] = args.prompt_ids
+    else:
+        cmd["prompt"] = args.prompt
+    group.start()
+    try:
+        ranks = group.wait_ready()
+        result = _stream(group, cmd, args.json)
+    finally:
+        group.close()
+    if args.json:
+        out = {k: v for k, v in result.items() if k != "cached_tokens"}
+        out["ranks"] = ranks
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _stream(group: Any, cmd: dict[str, Any], quiet: bool) -> dict[str, Any]:
+    events = group.run(cmd)
+    while True:
+        try:
+            obj = next(events)
+        except KeyboardInterrupt:
+            group.stop()  # every rank ends the reply at the same step
+            continue
+        except StopIteration:
+            raise EngineError("rank 0 ended without a result") from None
+        except EngineError:
+            sys.stdout.flush()
+            raise
+        if "token" in obj and not quiet:
+            sys.stdout.write(obj["token"])
+            sys.stdout.flush()
+        if "result" in obj:
+            return obj["result"]

@@ -1,0 +1,317 @@
+"""Starting, watching and ending the ranks of a sharded model (the launcher's side).
+
+``RankGroup`` starts one ``python -m engine node`` per host the way ``mlx.launch`` does:
+the same environment MLX's distributed layer reads (``MLX_RANK``; for ring a hostfile of
+``ip:port`` per rank in ``MLX_HOSTFILE``; for NCCL ``NCCL_HOST_IP``/``NCCL_PORT``/
+``MLX_WORLD_SIZE``; for JACCL the coordinator and the RDMA device matrix of an mlx
+hostfile), as local processes when every host is this machine (127.0.0.1/localhost),
+through ``ssh`` otherwise. It talks to rank 0 in JSON lines (shard_rank.py) and watches
+every rank: a rank whose process ends, or whose heartbeat stops for ``SILENT_S``
+seconds, fails the group at once with one line naming its rank and host, and every
+other rank is ended by its process id. Nothing is left running once ``close`` returns.
+Mlx-free: the app may hold one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import EngineError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SILENT_S = 4.0  # a rank silent this long (no heartbeat) has stopped answering
+RING_PORT = 32323  # mlx.launch's default first port for remote ranks
+
+
+class RankLost(EngineError):
+    """A rank died or stopped answering; the message names it and its host."""
+
+
+@dataclass
+class _Rank:
+    rank: int
+    host: str
+    proc: subprocess.Popen
+    beat: float = field(default_factory=time.monotonic)
+    ready: dict[str, Any] | None = None
+    done: bool = False  # exited as asked
+    errors: deque = field(default_factory=lambda: deque(maxlen=20))
+    reader: threading.Thread | None = None
+
+
+def parse_hosts(text: str) -> tuple[list[str], dict[str, Any] | None]:
+    """``H1,H2,...`` or an mlx hostfile (``*.json``: hosts with ssh names, ips, rdma)."""
+    if text.endswith(".json") and Path(text).is_file():
+        data = json.loads(Path(text).read_text())
+        hosts = data["hosts"] if isinstance(data, dict) else data
+        return [h["ssh"] for h in hosts], data if isinstance(data, dict) else {"hosts": data}
+    hosts = [h.strip() for h in text.split(",") if h.strip()]
+    if len(hosts) < 2:
+        raise EngineError("--hosts needs at least two hosts, comma-separated (e.g. 127.0.0.1,127.0.0.1)")
+    return hosts, None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ip(host: str) -> str:
+    if host in LOOPBACK:
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        raise EngineError(f"cannot resolve host {host!r}: give its IP address or fix its name") from None
+
+
+def _die_with_parent() -> None:
+    """A local rank ends when the launcher does, whatever ends the launcher (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class RankGroup:
+    def __init__(
+        self,
+        hosts: str | list[str],
+        node_args: list[str],
+        *,
+        backend: str = "any",
+        python: str | None = None,
+    ) -> None:
+        self.hosts, self.hostfile = parse_hosts(hosts) if isinstance(hosts, str) else (list(hosts), None)
+        self.local = all(h in LOOPBACK for h in self.hosts)
+        if not self.local and any(h in LOOPBACK for h in self.hosts):
+            raise EngineError("mixing 127.0.0.1 with other machines: name this machine by its address too")
+        self.backend = backend
+        self.python = python or sys.executable
+        self.node_args = node_args
+        self._events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self._ranks: list[_Rank] = []
+        self._files: list[str] = []
+        self._closing = False
+
+    # ---- starting --------------------------------------------------------------------
+
+    def _env(self) -> tuple[dict[str, str], dict[str, str]]:
+        """(variables, files to write and name in a variable) every rank gets."""
+        ips = [_ip(h) for h in self.hosts]
+        env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+        files: dict[str, str] = {}
+        if self.backend in ("ring", "any"):
+            ports = [_free_port() for _ in ips] if self.local else [RING_PORT + r for r in range(len(ips))]
+            files["MLX_HOSTFILE"] = json.dumps([[f"{ip}:{port}"] for ip, port in zip(ips, ports)])
+        if self.backend == "nccl":
+            env.update(NCCL_HOST_IP=ips[0], NCCL_PORT=str(_free_port() if self.local else 12345))
+            env["MLX_WORLD_SIZE"] = str(len(ips))
+        if self.backend == "jaccl":
+            hosts = (self.hostfile or {}).get("hosts") or []
+            if not hosts or not all(h.get("rdma") for h in hosts):
+                raise EngineError("--backend jaccl needs an mlx hostfile with each host's rdma devices (--hosts FILE.json)")
+            env["MLX_JACCL_COORDINATOR"] = f"{(hosts[0].get('ips') or [ips[0]])[0]}:{RING_PORT}"
+            files["MLX_IBV_DEVICES"] = json.dumps([h["rdma"] for h in hosts])
+        for extra in (self.hostfile or {}).get("envs") or []:
+            key, _, value = str(extra).partition("=")
+            env[key] = value
+        return env, files
+
+    def start(self) -> None:
+        env, files = self._env()
+        command = [self.python, "-m", "engine", "node", *self.node_args, "--hosts", ",".join(self.hosts)]
+        command += ["--backend", self.backend]
+        for rank, host in enumerate(self.hosts):
+            proc = self._spawn(rank, host, env, files, command)
+            r = _Rank(rank, host, proc)
+            self._ranks.append(r)
+            r.reader = threading.Thread(target=self._read_out, args=(r,), daemon=True)
+            r.reader.start()
+            threading.Thread(target=self._read_err, args=(r,), daemon=True).start()
+
+    def _spawn(self, rank: int, host: str, env: dict[str, str], files: dict[str, str], command: list[str]):
+        if self.local:
+            full = dict(os.environ, **env, MLX_RANK=str(rank))
+            if self.backend == "nccl":
+                full["CUDA_VISIBLE_DEVICES"] = str(rank)
+            for name, content in files.items():
+                fd, path = tempfile.mkstemp(prefix="mlx-desk-rank-", suffix=".json")
+                os.write(fd, content.encode())
+                os.close(fd)
+                self._files.append(path)
+                full[name] = path
+            return subprocess.Popen(
+                command,
+                env=full,
+                cwd=os.getcwd(),
+                stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; "
+        for key, value in {**env, "MLX_RANK": str(rank)}.items():
+            script += f"export {key}={shlex.quote(value)}; "
+        for name, content in files.items():
+            script += f"f=$(mktemp); echo {shlex.quote(content)} > $f; export {name}=$f; "
+        script += "exec " + shlex.join(command)
+        return subprocess.Popen(
+            ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=QUIET", host, script],
+            stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+    def _read_out(self, r: _Rank) -> None:
+        for line in r.proc.stdout:  # type: ignore[union-attr]
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            r.beat = time.monotonic()
+            if "hb" not in obj:
+                self._events.put((r.rank, obj))
+
+    def _read_err(self, r: _Rank) -> None:
+        for line in r.proc.stderr:  # type: ignore[union-attr]
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                r.errors.append(text)
+
+    # ---- watching --------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """Raise RankLost for the first rank that ended or went silent."""
+        now = time.monotonic()
+        for r in self._ranks:
+            code = r.proc.poll()
+            if code is not None and not r.done:
+                if r.reader is not None:  # its last words (a refusal) come first
+                    r.reader.join(timeout=1.0)
+                if not self._events.empty():
+                    return
+                raise RankLost(f"rank {r.rank} on {r.host} stopped answering (it exited{_why(code, r)})")
+            if code is None and now - r.beat > SILENT_S:
+                raise RankLost(f"rank {r.rank} on {r.host} stopped answering (silent for {now - r.beat:.0f} s)")
+
+    def _next(self, timeout: float = 0.1) -> tuple[int, dict[str, Any]] | None:
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            self._check()
+            return None
+
+    def wait_ready(self) -> list[dict[str, Any]]:
+        """Each rank's ``{rank, host, weight_bytes, layers}`` once all have loaded; a refusal
+        (versions, the memory plan, a family that does not shard) raises EngineError."""
+        ready: dict[int, dict[str, Any]] = {}
+        try:
+            while len(ready) < len(self._ranks):
+                item = self._next()
+                if item is None:
+                    continue
+                rank, obj = item
+                if "error" in obj:
+                    raise EngineError(obj["error"])
+                if "ready" in obj:
+                    ready[rank] = obj["ready"]
+        except BaseException:
+            self.close()
+            raise
+        return [ready[r] for r in sorted(ready)]
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        stdin = self._ranks[0].proc.stdin
+        try:
+            stdin.write((json.dumps(cmd) + "\n").encode())  # type: ignore[union-attr]
+            stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError):
+            self._check()
+            raise RankLost(f"rank 0 on {self.hosts[0]} stopped answering") from None
+
+    def stop(self) -> None:
+        """Stop the reply in progress (every rank ends it at the same step)."""
+        self.send({"op": "stop"})
+
+    def run(self, cmd: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Send a command and yield rank 0's events until its result (``{"result": ...}``,
+        the last) or failure (EngineError). A lost rank ends everything (RankLost)."""
+        self.send(cmd)
+        try:
+            while True:
+                item = self._next()
+                if item is None:
+                    continue
+                _, obj = item
+                if "failed" in obj:
+                    raise EngineError(obj["failed"])
+                yield obj
+                if "result" in obj:
+                    return
+        except RankLost:
+            self.close(grace=0.0)
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self._ranks]
+
+    # ---- ending ----------------------------------------------------------------------
+
+    def close(self, grace: float = 2.0) -> None:
+        """Ask the ranks to quit; end by pid whatever still runs after ``grace`` seconds."""
+        if self._closing:
+            return
+        self._closing = True
+        for r in self._ranks:
+            r.done = True
+        if self._ranks and self._ranks[0].proc.poll() is None:
+            try:
+                self.send({"op": "quit"})
+                self._ranks[0].proc.stdin.close()  # type: ignore[union-attr]
+            except (RankLost, OSError, ValueError):
+                pass
+        deadline = time.monotonic() + grace
+        for r in self._ranks:
+            try:
+                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for r in self._ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+        for path in self._files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _why(code: int, r: _Rank) -> str:
+    if code < 0:
+        try:
+            return f", {signal.Signals(-code).name}"
+        except ValueError:
+            return f", signal {-code}"
+    last = r.errors[-1] if r.errors else ""
+    return f" with status {code}" + (f": {last[:200]}" if last else "")
