@@ -45,9 +45,16 @@ def add_shard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="any", help="MLX distributed backend (default: MLX's pick)")
 
 
-def add_node(sub: Any) -> None:
-    from engine.cli.main import _budget
+def _budget(text: str) -> int:
+    from engine.runtime.memory import parse_budget
 
+    try:
+        return parse_budget(text)
+    except EngineError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_node(sub: Any) -> None:
     p = sub.add_parser("node", help="one rank of a sharded model (started on each machine by --hosts)")
     p.add_argument("--model", required=True)
     p.add_argument("--shard", choices=MODES, default="pipeline")

@@ -32,29 +32,38 @@ import mlx.nn as nn
 
 from engine.errors import UnsupportedModelError
 
+# Family modules (engine/models/<name>.py) whose models split each way.
 PIPELINE_FAMILIES = (
     "deepseek_v3",
     "glm4_moe",
     "gpt_oss",
-    "kimi_k2",
     "llama",
-    "mistral",
     "qwen2",
     "qwen3",
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_moe",
 )
-TENSOR_FAMILIES = ("deepseek_v3", "kimi_k2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+TENSOR_FAMILIES = ("deepseek_v3", "llama", "qwen2", "qwen3", "qwen3_moe")
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def sharding_model_types(mode: str) -> list[str]:
+    """The config model types that shard this way (Kimi K2 and Moonlight run as DeepSeek V3)."""
+    from engine.models import SUPPORTED
+
+    families = PIPELINE_FAMILIES if mode == "pipeline" else TENSOR_FAMILIES
+    return sorted(t for t, module in SUPPORTED.items() if module in families and not t.endswith("_text"))
 
 
 def check_family(model_type: str, mode: str) -> None:
     """Refuse, in one line naming those that do, a family that does not shard this way."""
+    from engine.models import SUPPORTED
+
     families = PIPELINE_FAMILIES if mode == "pipeline" else TENSOR_FAMILIES
-    if model_type not in families:
+    if SUPPORTED.get(model_type) not in families:
         raise UnsupportedModelError(
-            f"{model_type} models do not shard ({mode}); --shard {mode} runs: {', '.join(families)}"
+            f"{model_type} models do not shard ({mode}); --shard {mode} runs: {', '.join(sharding_model_types(mode))}"
         )
 
 
@@ -67,6 +76,7 @@ class ShardSpec:
     start: int = 0  # first global layer this rank holds (pipeline)
     end: int = 0  # one past its last
     dtype: Any = None  # activations' dtype (what a pipeline rank receives)
+    hub_layout: bool | None = None  # the checkpoint's layout, for a sanitize that must know it
     # Stop agreed across ranks: ``requested`` is raised on rank 0 (a Stop), ``agreed`` is
     # what every rank's decode loop watches; it is set at the same step on all of them.
     requested: threading.Event = field(default_factory=threading.Event)
@@ -231,9 +241,6 @@ def _slice_experts(module: nn.Module, start: int, count: int) -> None:
     from mlx.utils import tree_map
 
     module.update(tree_map(lambda a: a[start : start + count] if isinstance(a, mx.array) else a, module.parameters()))
-    for _, child in module.named_modules():
-        if hasattr(child, "num_experts"):
-            child.num_experts = count
 
 
 def _shard_dense_mlp(mlp: nn.Module, group: Any, reduce: bool) -> None:
@@ -263,6 +270,28 @@ def _shard_attention(attn: nn.Module, group: Any) -> None:
     attn.n_kv_heads //= n
 
 
+def _shard_latent_attention(attn: nn.Module, group: Any) -> None:
+    """Multi-head latent attention by heads: each rank its heads' query rows, their slices of
+    the latent's per-head maps and of the output; the latent itself (one per token, shared
+    by all heads) is computed and cached on every rank."""
+    from mlx.nn.layers.distributed import shard_linear
+    from mlx.utils import tree_map
+
+    n, r = group.size(), group.rank()
+    if attn.n_heads % n:
+        raise UnsupportedModelError(
+            f"--shard tensor over {n} machines needs heads divisible by {n} "
+            f"(this model has {attn.n_heads}); use --shard pipeline"
+        )
+    each = attn.n_heads // n
+    name = "q_proj" if "q_proj" in attn else "q_b_proj"
+    setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+    for per_head in (attn.embed_q, attn.unembed_out):
+        per_head.update(tree_map(lambda a: a[r * each : (r + 1) * each], per_head.parameters()))
+    attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+    attn.n_heads = each
+
+
 def _shard_moe(block: nn.Module, group: Any, n_experts: int) -> nn.Module:
     n, r = group.size(), group.rank()
     if n_experts % n:
@@ -282,8 +311,8 @@ def split_tensor(model: nn.Module, spec: ShardSpec) -> None:
     group = spec.group
     for layer in model.model.layers:
         attn = layer.self_attn
-        if hasattr(attn, "shard"):  # attention of its own layout (latent attention)
-            attn.shard(group)
+        if "kv_a_proj_with_mqa" in attn:
+            _shard_latent_attention(attn, group)
         else:
             _shard_attention(attn, group)
         mlp = layer.mlp

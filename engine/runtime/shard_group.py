@@ -52,6 +52,7 @@ class _Rank:
     done: bool = False  # exited as asked
     errors: deque = field(default_factory=lambda: deque(maxlen=20))
     reader: threading.Thread | None = None
+    err_reader: threading.Thread | None = None
 
 
 def parse_hosts(text: str) -> tuple[list[str], dict[str, Any] | None]:
@@ -128,7 +129,9 @@ class RankGroup:
         if self.backend == "jaccl":
             hosts = (self.hostfile or {}).get("hosts") or []
             if not hosts or not all(h.get("rdma") for h in hosts):
-                raise EngineError("--backend jaccl needs an mlx hostfile with each host's rdma devices (--hosts FILE.json)")
+                raise EngineError(
+                    "--backend jaccl needs an mlx hostfile with each host's rdma devices (--hosts FILE.json)"
+                )
             env["MLX_JACCL_COORDINATOR"] = f"{(hosts[0].get('ips') or [ips[0]])[0]}:{RING_PORT}"
             files["MLX_IBV_DEVICES"] = json.dumps([h["rdma"] for h in hosts])
         for extra in (self.hostfile or {}).get("envs") or []:
@@ -146,7 +149,8 @@ class RankGroup:
             self._ranks.append(r)
             r.reader = threading.Thread(target=self._read_out, args=(r,), daemon=True)
             r.reader.start()
-            threading.Thread(target=self._read_err, args=(r,), daemon=True).start()
+            r.err_reader = threading.Thread(target=self._read_err, args=(r,), daemon=True)
+            r.err_reader.start()
 
     def _spawn(self, rank: int, host: str, env: dict[str, str], files: dict[str, str], command: list[str]):
         if self.local:
@@ -239,6 +243,11 @@ class RankGroup:
             raise
         return [ready[r] for r in sorted(ready)]
 
+    def load(self, model: str, shard: str) -> list[dict[str, Any]]:
+        """Another model (or split) on the same ranks; each rank's ready report."""
+        self.send({"op": "load", "model": model, "shard": shard})
+        return self.wait_ready()
+
     def send(self, cmd: dict[str, Any]) -> None:
         stdin = self._ranks[0].proc.stdin
         try:
@@ -300,6 +309,16 @@ class RankGroup:
             if r.proc.poll() is None:
                 r.proc.kill()
                 r.proc.wait()
+        for r in self._ranks:  # the pipes go with the processes
+            for t in (r.reader, r.err_reader):
+                if t is not None:
+                    t.join(timeout=1.0)
+            for pipe in (r.proc.stdin, r.proc.stdout, r.proc.stderr):
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except OSError:
+                        pass
         for path in self._files:
             try:
                 os.unlink(path)

@@ -91,6 +91,8 @@ def load_share(
     spec.dtype = getattr(mx, act)
 
     model = family.Model(args)
+    if spec.hub_layout is not None and hasattr(model, "hub_layout"):
+        model.hub_layout = spec.hub_layout
     if spec.mode == "pipeline":
         make_sharded(model, spec)
     weights = {k: v for k, v in load_weights(files).items() if role_wanted(k, spec, tied)}

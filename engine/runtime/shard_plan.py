@@ -35,6 +35,9 @@ class Sizes:
     embed: int
     head: int  # the head and the final norm (0 extra when tied to the embedding)
     tied: bool
+    # What a family's sanitize tells from weights a rank may not hold: whether the
+    # checkpoint is in the Hub's layout (conv kernels last, as Qwen3.5's are there).
+    hub_layout: bool = False
 
 
 @dataclass
@@ -64,6 +67,7 @@ def checkpoint_sizes(folder: Path, n_layers: int, tied: bool) -> Sizes:
     headers = read_headers(find_weights(folder))
     layers = [0] * n_layers
     embed = head = 0
+    hub = any(n.endswith("conv1d.weight") and info.shape[-1] != 1 for n, info in headers.items())
     for name, info in headers.items():
         size = weights_bytes({name: info}, None)
         m = LAYER_NAME.search(name)
@@ -75,7 +79,7 @@ def checkpoint_sizes(folder: Path, n_layers: int, tied: bool) -> Sizes:
             embed += size
         elif "lm_head" in name or name.endswith(("norm.weight", "norm.bias")):
             head += size
-    return Sizes(layers, embed, head, tied)
+    return Sizes(layers, embed, head, tied, hub)
 
 
 def _extras(sizes: Sizes, rank: int, n: int) -> int:

@@ -116,6 +116,14 @@ class NodeOptions:
     dtype: str | None = None
 
 
+@dataclasses.dataclass
+class _Node:
+    """The rank's host and the split of the model it holds now."""
+
+    host: Any
+    spec: Any = None
+
+
 def _heartbeat(channel: Channel, parent: int) -> None:
     while True:
         channel.send({"hb": time.time()})
@@ -151,7 +159,7 @@ def _decide(opts: NodeOptions, rooms: list[int]) -> dict[str, Any]:
         args = get_family(config.model_type).ModelArgs.from_dict(config.raw)
         sizes = checkpoint_sizes(path, int(args.num_hidden_layers), bool(getattr(args, "tie_word_embeddings", False)))
         planner = plan_pipeline if opts.mode == "pipeline" else plan_tensor
-        return {"shares": [s.to_json() for s in planner(sizes, rooms, opts.hosts)]}
+        return {"shares": [s.to_json() for s in planner(sizes, rooms, opts.hosts)], "hub_layout": sizes.hub_layout}
     except EngineError as e:
         return {"error": str(e)}
 
@@ -163,7 +171,6 @@ def run_node(opts: NodeOptions) -> int:
     import mlx.core as mx
 
     group = mx.distributed.init(strict=True, backend=opts.backend)
-    rank = group.rank()
     if group.size() != len(opts.hosts):
         channel.send({"error": f"the group has {group.size()} ranks but {len(opts.hosts)} hosts were given"})
         return 1
@@ -171,52 +178,73 @@ def run_node(opts: NodeOptions) -> int:
     if problem is not None:
         channel.send({"error": problem})
         return 1
+    from engine.runtime.host import ModelHost
+
+    host = _Node(ModelHost())
+    if not _load(channel, group, host, opts):
+        return 1
+    commands: queue.Queue[dict[str, Any]] = queue.Queue()
+    if group.rank() == 0:
+        threading.Thread(target=_read_stdin, args=(commands, host), daemon=True).start()
+    while True:
+        cmd = broadcast_json(group, commands.get() if group.rank() == 0 else None)
+        op = cmd.get("op")
+        if op == "quit":
+            return 0
+        if op == "load":  # another model on the same machines
+            opts = dataclasses.replace(opts, model=cmd["model"], mode=cmd.get("shard") or opts.mode)
+            if not _load(channel, group, host, opts):
+                return 1
+        else:
+            _run_command(channel, host.host, host.spec, cmd)
+
+
+def _load(channel: Channel, group: Any, host: _Node, opts: NodeOptions) -> bool:
+    """Plan the split with every rank, then load this rank's share; False after a refusal
+    (sent to the launcher: versions, the plan, the family)."""
+    from engine.errors import EngineError
+    from engine.models.sharding import ShardSpec, held_bytes
+    from engine.runtime.shard_load import use_shard
+
+    rank = group.rank()
     plan = _plan(group, opts)
     if "error" in plan:
         channel.send({"error": plan["error"]})
-        return 1
+        return False
     mine = plan["shares"][rank]
-    return _serve(channel, group, opts, mine)
-
-
-def _serve(channel: Channel, group: Any, opts: NodeOptions, mine: dict[str, Any]) -> int:
-    from engine.errors import EngineError
-    from engine.models.sharding import ShardSpec, held_bytes
-    from engine.runtime.host import ModelHost
-    from engine.runtime.shard_load import use_shard
-
-    spec = ShardSpec(group, opts.mode, mine["start"], mine["end"])
+    spec = ShardSpec(group, opts.mode, mine["start"], mine["end"], hub_layout=plan.get("hub_layout"))
     use_shard(spec)
-    host = ModelHost()
+    host.spec = spec
     try:
-        host.load(opts.model, budget=opts.budget)
+        host.host.load(opts.model, budget=opts.budget)
     except EngineError as e:
-        channel.send({"error": f"rank {spec.rank} on {opts.hosts[spec.rank]}: {e}"})
-        return 1
-    layers = [mine["start"], mine["end"]] if opts.mode == "pipeline" else [0, mine["end"]]
-    ready = {"rank": spec.rank, "host": opts.hosts[spec.rank], "weight_bytes": held_bytes(host.model), "layers": layers}
-    channel.send({"ready": ready})
-    commands: queue.Queue[dict[str, Any]] = queue.Queue()
-    if spec.rank == 0:
-        threading.Thread(target=_read_stdin, args=(commands, spec), daemon=True).start()
-    while True:
-        cmd = broadcast_json(group, commands.get() if spec.rank == 0 else None)
-        if cmd.get("op") == "quit":
-            return 0
-        _run_command(channel, host, spec, cmd)
+        channel.send({"error": f"rank {rank} on {opts.hosts[rank]}: {e}"})
+        return False
+    layers = [mine["start"], mine["end"]]
+    channel.send(
+        {
+            "ready": {
+                "rank": rank,
+                "host": opts.hosts[rank],
+                "weight_bytes": held_bytes(host.host.model),
+                "layers": layers,
+            }
+        }
+    )
+    return True
 
 
-def _read_stdin(commands: queue.Queue, spec: Any) -> None:
+def _read_stdin(commands: queue.Queue, host: _Node) -> None:
     for line in sys.stdin:
         try:
             cmd = json.loads(line)
         except ValueError:
             continue
         if cmd.get("op") == "stop":
-            spec.requested.set()
+            host.spec.requested.set()
         else:
             commands.put(cmd)
-    spec.requested.set()  # the launcher went away: end what runs, then quit
+    host.spec.requested.set()  # the launcher went away: end what runs, then quit
     commands.put({"op": "quit"})
 
 
