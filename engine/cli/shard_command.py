@@ -76,6 +76,18 @@ def check_request(args: argparse.Namespace) -> None:
             raise EngineError(f"{flag} does not run sharded yet; leave it out or drop --hosts")
 
 
+def _check_family(model: str, mode: str) -> None:
+    """A family that does not shard is refused before any rank starts."""
+    from engine.artifacts.config import read_config
+    from engine.artifacts.hub import resolve_model_path
+    from engine.models.sharding import check_family
+
+    path = resolve_model_path(model)
+    if path.is_file():
+        raise EngineError("a .gguf file does not shard: use the model's safetensors folder")
+    check_family(read_config(path).model_type, mode)
+
+
 def node_args(args: argparse.Namespace) -> list[str]:
     out = ["--model", args.model, "--shard", args.shard or "pipeline"]
     if args.memory_budget is not None:
@@ -88,6 +100,7 @@ def generate(args: argparse.Namespace, params: Any) -> int:
     from engine.runtime.shard_group import RankGroup
 
     check_request(args)
+    _check_family(args.model, args.shard or "pipeline")
     group = RankGroup(args.hosts, node_args(args), backend=args.backend)
     cmd: dict[str, Any] = {"op": "generate_ids", "params": dataclasses.asdict(params)}
     if args.chat:
