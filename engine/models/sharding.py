@@ -13,7 +13,8 @@ Two splits, both exact (the same operations on the same values as one process):
 
 ``make_sharded`` turns a built (not yet filled) family model into its sharded form in
 place: its class becomes a subclass whose forward pass (1) agrees on a stop flag across
-the ranks (rank 0 raises it; every rank sees it at the same step), (2) runs the local
+the ranks (rank 0 raises it; every rank sees it at the same step: a decode step reads it
+from the previous step's summed logits, a prompt chunk sums it alone), (2) runs the local
 part, (3) hands every rank the same logits (the last pipeline rank's, or rank 0's in
 tensor mode), so the decode loop, sampling with the request's seed included, runs
 unchanged and identically on every rank. Nothing here waits for anything the other
@@ -81,6 +82,12 @@ class ShardSpec:
     # what every rank's decode loop watches; it is set at the same step on all of them.
     requested: threading.Event = field(default_factory=threading.Event)
     agreed: threading.Event = field(default_factory=threading.Event)
+    pending: Any = None  # the stop flag summed with the last one-token step's logits
+
+    def begin(self) -> None:
+        """A new request on every rank: no stop agreed, none pending."""
+        self.agreed.clear()
+        self.pending = None
 
     @property
     def rank(self) -> int:
@@ -344,14 +351,26 @@ class ShardedForward:
         spec = self._spec
         if input_embeddings is not None:
             raise UnsupportedModelError("a sharded model takes text only (no images, audio or video)")
-        agree_stop(spec)
+        one_token = inputs.shape[-1] == 1
+        if one_token and spec.pending is not None:
+            # The flag rode with the previous step's logits, already (or about to be) read.
+            if float(spec.pending.item()):
+                spec.agreed.set()
+        elif not one_token:
+            agree_stop(spec)  # a prompt chunk: its logits may never be read
         out = super().__call__(inputs, cache, **kwargs)  # type: ignore[misc]
         if spec.rank != spec.source:
             # Every rank takes the source's logits; its own part rides along in the graph.
             out = mx.depends(mx.zeros(out.shape, out.dtype), out)
         if spec.mode == "pipeline" and not spec.last and cache is not None and self._link.sent is not None:
             _tie(cache, self._link.sent)
-        return mx.distributed.all_sum(out, group=spec.group)
+        if not one_token:
+            spec.pending = None
+            return mx.distributed.all_sum(out, group=spec.group)
+        flag = mx.array([1 if spec.requested.is_set() else 0], dtype=out.dtype)
+        packed = mx.distributed.all_sum(mx.concatenate([out.reshape(-1), flag]), group=spec.group)
+        spec.pending = packed[-1]
+        return packed[:-1].reshape(out.shape)
 
     def logits(self, h: mx.array) -> mx.array:
         spec = self._spec
@@ -362,8 +381,9 @@ class ShardedForward:
 
 
 def agree_stop(spec: ShardSpec) -> None:
-    """One small all-reduce per forward pass: a Stop raised on rank 0 reaches every rank
-    at the same step."""
+    """A small all-reduce of its own, for passes over several tokens (whose logits may
+    never be read); one-token steps carry the flag with their logits. Either way a Stop
+    raised on rank 0 reaches every rank at the same step."""
     flag = mx.array(1 if spec.requested.is_set() else 0, dtype=mx.int32)
     if int(mx.distributed.all_sum(flag, group=spec.group).item()):
         spec.agreed.set()

@@ -253,7 +253,7 @@ def _run_command(channel: Channel, host: Any, spec: Any, cmd: dict[str, Any]) ->
     from engine.errors import EngineError
 
     speak = spec.rank == 0
-    spec.agreed.clear()
+    spec.begin()
     if speak and not cmd.get("keep_stop"):
         spec.requested.clear()
 
