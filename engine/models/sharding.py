@@ -395,7 +395,14 @@ def make_sharded(model: nn.Module, spec: ShardSpec) -> nn.Module:
     if spec.mode == "pipeline":
         split_pipeline(model, spec)
     else:
-        split_tensor(model, spec)
+        try:
+            split_tensor(model, spec)
+        except (ValueError, RuntimeError) as e:  # MLX's own refusal, e.g. a slice narrower than a group
+            text = " ".join(str(e).split())[:200]
+            raise UnsupportedModelError(
+                f"--shard tensor over {spec.size} machines cannot split this model's layers evenly "
+                f"(a quantization group or a dimension would be cut: {text}); use --shard pipeline"
+            ) from None
     cls = type(model)
     model.__class__ = type(f"Sharded{cls.__name__}", (ShardedForward, cls), {})
     object.__setattr__(model, "_spec", spec)

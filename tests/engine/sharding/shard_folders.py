@@ -49,7 +49,8 @@ def family_folder(root: Path, name: str, tokenizer_dir: Path) -> Path:
 
 
 def prompt_ids(name: str, n: int = 8) -> list[int]:
-    return json.loads((GOLDEN / name / "expected.json").read_text())["prompt_ids"][:n]
+    """The golden's prompt (a converted copy, ``q4_<family>``, takes its family's)."""
+    return json.loads((GOLDEN / name.removeprefix("q4_") / "expected.json").read_text())["prompt_ids"][:n]
 
 
 def single_process(folder: Path, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from engine.api import GenerationParams
+from engine.cli.convert import convert
 from engine.runtime.shard_group import RankGroup
 from tests.engine.sharding.shard_folders import family_folder, prompt_ids, single_process
 from tests.tiny_models import make_tiny_llama
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.slow
 PIPELINE = ["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss"]
 PIPELINE += ["qwen3_5", "qwen3_5_moe"]
 TENSOR = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2"]
+QUANTIZED = ["llama", "qwen3_moe"]  # 4-bit, group 32: both splits
 MAX_TOKENS = 5
 
 
@@ -28,7 +30,11 @@ MAX_TOKENS = 5
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("shard_families")
     tokenizer_dir = make_tiny_llama(root / "tokenizer")
-    return {name: family_folder(root, name, tokenizer_dir) for name in sorted(set(PIPELINE + TENSOR))}
+    folders = {name: family_folder(root, name, tokenizer_dir) for name in sorted(set(PIPELINE + TENSOR))}
+    for name in QUANTIZED:
+        convert(folders[name], root / f"q4_{name}", quantize_bits=4, group_size=32, dtype="float32")
+        folders[f"q4_{name}"] = root / f"q4_{name}"
+    return folders
 
 
 def request(ids: list[int]) -> dict:
@@ -60,6 +66,7 @@ def test_every_family_matches_one_process(folders, n_ranks):
     runs = [(name, "pipeline") for name in PIPELINE]
     if n_ranks == 2:
         runs += [(name, "tensor") for name in TENSOR]
+        runs += [(f"q4_{name}", mode) for name in QUANTIZED for mode in ("pipeline", "tensor")]
     else:  # three ranks: the layer counts allow it for the three-layer checkpoints
         runs = [(n, m) for n, m in runs if n in ("deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5")]
     references = {name: single_process(folders[name], prompt_ids(name), MAX_TOKENS) for name, _ in runs}
