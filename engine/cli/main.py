@@ -586,6 +586,9 @@ def _add_serve(parser: Any) -> None:
     )
     parser.add_argument("--memory-budget", type=_budget, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(parser)
+    from engine.cli.shard_command import add_shard_arguments
+
+    add_shard_arguments(parser)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -597,6 +600,12 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine.serve.server import run_command
 
+    if args.hosts or args.shard:
+        if not args.hosts:
+            raise CliError("--shard needs --hosts H1,H2[,...] (the machines to split the model across)")
+        from engine.cli.shard_command import serve
+
+        return serve(args)
     return run_command(args)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from engine.errors import EngineError
 
 MODES = ("pipeline", "tensor")
+API_KEY_VARIABLE = "MLX_DESK_SERVE_API_KEY"  # handed to rank 0 in its environment, never on a command line
 BACKENDS = ("ring", "jaccl", "nccl", "any")
 # What a rank cannot do (yet): each refused in one line before any rank starts.
 _REFUSED = (
@@ -61,13 +62,39 @@ def add_node(sub: Any) -> None:
     p.add_argument("--hosts", required=True, help="every rank's host, in rank order")
     p.add_argument("--backend", choices=BACKENDS, default="any")
     p.add_argument("--memory-budget", type=_budget, help="this machine's room for its share")
+    p.add_argument("--serve", metavar="HOST:PORT", help="rank 0 serves the HTTP API there (serve --hosts)")
 
 
 def cmd_node(args: argparse.Namespace) -> int:
     from engine.runtime.shard_rank import NodeOptions, run_node
 
     hosts = [h for h in args.hosts.split(",") if h]
-    return run_node(NodeOptions(args.model, args.shard, hosts, args.memory_budget, args.backend))
+    opts = NodeOptions(args.model, args.shard, hosts, args.memory_budget, args.backend)
+    return run_node(opts, _server(args.serve) if args.serve else None)
+
+
+def _server(address: str) -> Any:
+    """Rank 0's part under ``serve --hosts``: the ordinary server over a LeaderHost."""
+    import os
+
+    host, _, port = address.rpartition(":")
+
+    def lead(channel: Any, group: Any, opts: Any) -> int:
+        from engine.runtime.shard_leader import LeaderHost
+        from engine.serve.server import serve
+
+        leader = LeaderHost(channel, group, opts)
+        try:
+            return serve(
+                opts.model, host, int(port), api_key=os.environ.get(API_KEY_VARIABLE) or None, model_host=leader
+            )
+        except EngineError as e:
+            channel.send({"error": str(e)})
+            return 1
+        finally:
+            leader.quit()
+
+    return lead
 
 
 def check_request(args: argparse.Namespace) -> None:
@@ -123,6 +150,35 @@ def generate(args: argparse.Namespace, params: Any) -> int:
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    """``serve --hosts``: rank 0 serves; this process starts the ranks, relays rank 0's
+    messages and watches every rank until interrupted or one is lost."""
+    from engine.runtime.shard_group import RankGroup
+
+    for flag, value in (("--kv-bits", args.kv_bits), ("--context-length", getattr(args, "context_length", None))):
+        if value is not None:
+            raise EngineError(f"{flag} does not run sharded yet; leave it out or drop --hosts")
+    _check_family(args.model, args.shard or "pipeline")
+    extra = {API_KEY_VARIABLE: args.api_key} if args.api_key else {}
+    node = [*node_args(args), "--serve", f"{args.host}:{args.port}"]
+    group = RankGroup(args.hosts, node, backend=args.backend, echo=True, env=extra)
+    group.start()
+    try:
+        for r in group.wait_ready():
+            print(
+                f"rank {r['rank']} on {r['host']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, "
+                f"{r['weight_bytes'] / 1e9:.2f} GB of weights",
+                file=sys.stderr,
+                flush=True,
+            )
+        group.watch()
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+    finally:
+        group.close()
     return 0
 
 

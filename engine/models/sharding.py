@@ -83,6 +83,10 @@ class ShardSpec:
     requested: threading.Event = field(default_factory=threading.Event)
     agreed: threading.Event = field(default_factory=threading.Event)
     pending: Any = None  # the stop flag summed with the last one-token step's logits
+    # On a rank 0 that serves (shard_leader.py): a forward pass the other ranks were not
+    # told of (``mirrored``) would wait for them forever, so it raises instead.
+    guarded: bool = False
+    mirrored: bool = False
 
     def begin(self) -> None:
         """A new request on every rank: no stop agreed, none pending."""
@@ -351,6 +355,8 @@ class ShardedForward:
         spec = self._spec
         if input_embeddings is not None:
             raise UnsupportedModelError("a sharded model takes text only (no images, audio or video)")
+        if spec.guarded and not spec.mirrored:
+            raise UnsupportedModelError("this request does not run on a model split across machines yet")
         one_token = inputs.shape[-1] == 1
         if one_token and spec.pending is not None:
             # The flag rode with the previous step's logits, already (or about to be) read.

@@ -35,6 +35,7 @@ from engine.errors import EngineError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SILENT_S = 4.0  # a rank silent this long (no heartbeat) has stopped answering
+STARTUP_SILENT_S = 60.0  # the same before it has loaded
 RING_PORT = 32323  # mlx.launch's default first port for remote ranks
 
 
@@ -100,6 +101,8 @@ class RankGroup:
         *,
         backend: str = "any",
         python: str | None = None,
+        echo: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.hosts, self.hostfile = parse_hosts(hosts) if isinstance(hosts, str) else (list(hosts), None)
         self.local = all(h in LOOPBACK for h in self.hosts)
@@ -112,13 +115,15 @@ class RankGroup:
         self._ranks: list[_Rank] = []
         self._files: list[str] = []
         self._closing = False
+        self.echo = echo  # rank 0's messages (a server's address) to this process's stderr
+        self.extra_env = dict(env or {})
 
     # ---- starting --------------------------------------------------------------------
 
     def _env(self) -> tuple[dict[str, str], dict[str, str]]:
         """(variables, files to write and name in a variable) every rank gets."""
         ips = [_ip(h) for h in self.hosts]
-        env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+        env: dict[str, str] = {"PYTHONUNBUFFERED": "1", **self.extra_env}
         files: dict[str, str] = {}
         if self.backend in ("ring", "any"):
             ports = [_free_port() for _ in ips] if self.local else [RING_PORT + r for r in range(len(ips))]
@@ -200,21 +205,31 @@ class RankGroup:
             text = line.decode(errors="replace").rstrip()
             if text:
                 r.errors.append(text)
+                if self.echo and r.rank == 0:
+                    print(text, file=sys.stderr, flush=True)
 
     # ---- watching --------------------------------------------------------------------
 
     def _check(self) -> None:
-        """Raise RankLost for the first rank that ended or went silent."""
+        """Raise RankLost naming the rank that ended or went silent first."""
+        ended = [r for r in self._ranks if r.proc.poll() is not None and not r.done]
+        if ended:
+            time.sleep(0.3)  # a rank's peers fail right after it: let them show how they ended
+            ended = [r for r in self._ranks if r.proc.poll() is not None and not r.done]
+            for r in ended:  # their last words (a refusal) come first
+                if r.reader is not None:
+                    r.reader.join(timeout=1.0)
+            if not self._events.empty():
+                return
+            # The culprit: killed by a signal, else not merely a peer of a lost rank.
+            r = min(ended, key=lambda r: (r.proc.returncode >= 0, _lost_a_peer(r), r.rank))
+            raise RankLost(f"rank {r.rank} on {r.host} stopped answering (it exited{_why(r.proc.returncode, r)})")
         now = time.monotonic()
         for r in self._ranks:
-            code = r.proc.poll()
-            if code is not None and not r.done:
-                if r.reader is not None:  # its last words (a refusal) come first
-                    r.reader.join(timeout=1.0)
-                if not self._events.empty():
-                    return
-                raise RankLost(f"rank {r.rank} on {r.host} stopped answering (it exited{_why(code, r)})")
-            if code is None and now - r.beat > SILENT_S:
+            # Loading may keep a rank busy in calls that hold Python's lock (joining the
+            # group, reading files): a longer leash until it has reported ready.
+            limit = SILENT_S if r.ready is not None or r.done else STARTUP_SILENT_S
+            if now - r.beat > limit:
                 raise RankLost(f"rank {r.rank} on {r.host} stopped answering (silent for {now - r.beat:.0f} s)")
 
     def _next(self, timeout: float = 0.1) -> tuple[int, dict[str, Any]] | None:
@@ -238,13 +253,27 @@ class RankGroup:
                     raise EngineError(obj["error"])
                 if "ready" in obj:
                     ready[rank] = obj["ready"]
+                    self._ranks[rank].ready = obj["ready"]
         except BaseException:
             self.close()
             raise
         return [ready[r] for r in sorted(ready)]
 
+    def watch(self) -> None:
+        """Return never: raise RankLost when a rank is lost (and end the rest first)."""
+        try:
+            while True:
+                item = self._next(timeout=0.5)
+                if item is not None and "error" in item[1]:
+                    raise EngineError(item[1]["error"])
+        except RankLost:
+            self.close(grace=0.0)
+            raise
+
     def load(self, model: str, shard: str) -> list[dict[str, Any]]:
         """Another model (or split) on the same ranks; each rank's ready report."""
+        for r in self._ranks:
+            r.ready = None  # loading again: the longer leash
         self.send({"op": "load", "model": model, "shard": shard})
         return self.wait_ready()
 
@@ -324,6 +353,11 @@ class RankGroup:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def _lost_a_peer(r: _Rank) -> bool:
+    """Whether the rank ended because another one went away (MLX's ring says so)."""
+    return any("peer" in line or "onnection" in line for line in list(r.errors)[-5:])
 
 
 def _why(code: int, r: _Rank) -> str:

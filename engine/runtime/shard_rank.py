@@ -31,6 +31,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 HEARTBEAT_S = 0.5
@@ -164,8 +165,9 @@ def _decide(opts: NodeOptions, rooms: list[int]) -> dict[str, Any]:
         return {"error": str(e)}
 
 
-def run_node(opts: NodeOptions) -> int:
-    """The whole life of a rank; returns its exit status."""
+def run_node(opts: NodeOptions, leader: Callable[[Channel, Any, NodeOptions], int] | None = None) -> int:
+    """The whole life of a rank; returns its exit status. With ``leader``, rank 0 hands
+    itself over to it once the group is formed (``serve --hosts``: shard_leader.py)."""
     channel = Channel()
     threading.Thread(target=_heartbeat, args=(channel, os.getppid()), daemon=True).start()
     import mlx.core as mx
@@ -178,6 +180,8 @@ def run_node(opts: NodeOptions) -> int:
     if problem is not None:
         channel.send({"error": problem})
         return 1
+    if leader is not None and group.rank() == 0:
+        return leader(channel, group, opts)
     from engine.runtime.host import ModelHost
 
     host = _Node(ModelHost())
@@ -191,7 +195,9 @@ def run_node(opts: NodeOptions) -> int:
         op = cmd.get("op")
         if op == "quit":
             return 0
-        if op == "load":  # another model on the same machines
+        if op == "drop":  # rank 0 let a session go: so does every rank (caches stay in step)
+            host.host.drop_session(cmd.get("session", ""))
+        elif op == "load":  # another model on the same machines
             opts = dataclasses.replace(opts, model=cmd["model"], mode=cmd.get("shard") or opts.mode)
             if not _load(channel, group, host, opts):
                 return 1
@@ -199,38 +205,46 @@ def run_node(opts: NodeOptions) -> int:
             _run_command(channel, host.host, host.spec, cmd)
 
 
-def _load(channel: Channel, group: Any, host: _Node, opts: NodeOptions) -> bool:
-    """Plan the split with every rank, then load this rank's share; False after a refusal
-    (sent to the launcher: versions, the plan, the family)."""
-    from engine.errors import EngineError
-    from engine.models.sharding import ShardSpec, held_bytes
+def prepare(channel: Channel, group: Any, node: _Node, opts: NodeOptions) -> dict[str, Any] | None:
+    """Plan the split with every rank and make this process load its share from now on;
+    None after a refusal (sent to the launcher: the plan, the family)."""
+    from engine.models.sharding import ShardSpec
     from engine.runtime.shard_load import use_shard
 
-    rank = group.rank()
     plan = _plan(group, opts)
     if "error" in plan:
         channel.send({"error": plan["error"]})
+        return None
+    mine = plan["shares"][group.rank()]
+    node.spec = ShardSpec(group, opts.mode, mine["start"], mine["end"], hub_layout=plan.get("hub_layout"))
+    use_shard(node.spec)
+    return mine
+
+
+def report_ready(channel: Channel, node: _Node, opts: NodeOptions, mine: dict[str, Any]) -> None:
+    """What this rank holds, measured: the launcher's ``ranks``."""
+    from engine.models.sharding import held_bytes
+
+    rank = node.spec.rank
+    held = held_bytes(node.host.model)
+    ready = {"rank": rank, "host": opts.hosts[rank], "weight_bytes": held, "layers": [mine["start"], mine["end"]]}
+    channel.send({"ready": ready})
+
+
+def _load(channel: Channel, group: Any, node: _Node, opts: NodeOptions) -> bool:
+    """Plan, then load this rank's share; False after a refusal."""
+    from engine.errors import EngineError
+
+    mine = prepare(channel, group, node, opts)
+    if mine is None:
         return False
-    mine = plan["shares"][rank]
-    spec = ShardSpec(group, opts.mode, mine["start"], mine["end"], hub_layout=plan.get("hub_layout"))
-    use_shard(spec)
-    host.spec = spec
     try:
-        host.host.load(opts.model, budget=opts.budget)
+        node.host.load(opts.model, budget=opts.budget)
     except EngineError as e:
+        rank = group.rank()
         channel.send({"error": f"rank {rank} on {opts.hosts[rank]}: {e}"})
         return False
-    layers = [mine["start"], mine["end"]]
-    channel.send(
-        {
-            "ready": {
-                "rank": rank,
-                "host": opts.hosts[rank],
-                "weight_bytes": held_bytes(host.host.model),
-                "layers": layers,
-            }
-        }
-    )
+    report_ready(channel, node, opts, mine)
     return True
 
 
@@ -264,7 +278,16 @@ def _run_command(channel: Channel, host: Any, spec: Any, cmd: dict[str, Any]) ->
     try:
         params = _params(cmd.get("params") or {})
         if cmd.get("op") == "generate" and cmd.get("messages"):
-            result = host.generate(cmd.get("session", ""), cmd["messages"], params, on_event, spec.agreed)
+            result = host.generate(
+                cmd.get("session", ""),
+                cmd["messages"],
+                params,
+                on_event,
+                spec.agreed,
+                tools=cmd.get("tools"),
+                add_generation_prompt=cmd.get("add_generation_prompt", True),
+                **(cmd.get("template_kwargs") or {}),
+            )
         else:
             ids = cmd.get("ids") or host.encode_prompt(cmd.get("prompt") or "")
             result = host.generate_ids(ids, params, on_event, spec.agreed, session_id=cmd.get("session", ""))

@@ -1,0 +1,125 @@
+"""Rank 0 of a sharded model behind the ordinary worker: ``serve --hosts`` and the like.
+
+``LeaderHost`` is a ModelHost that keeps the other ranks in step with it. Every call
+that runs the model or changes a session's cache is first handed to every rank (the
+same command protocol shard_rank.py's followers obey): loading (the per-rank plan, then
+each rank's share), generating (from messages or ids; the request's own cancel event
+becomes the stop flag every rank sees at the same step) and dropping a session. What
+cannot run split yet (adapters, a draft model, saved caches, media, batching) is
+refused in one line; a forward pass the other ranks were not told of raises instead of
+waiting for them forever (``ShardSpec.guarded``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from engine.errors import EngineError
+from engine.runtime.host import ModelHost
+from engine.runtime.shard_rank import Channel, NodeOptions, _Node, broadcast_json, prepare, report_ready
+
+_NOT_YET = "does not run on a model split across machines yet"
+
+
+class LeaderHost(ModelHost):
+    def __init__(self, channel: Channel, group: Any, opts: NodeOptions) -> None:
+        super().__init__()
+        self._channel, self._group, self._opts = channel, group, opts
+        self._node = _Node(self)
+        self._loads = 0
+
+    # ---- loading ------------------------------------------------------------------
+
+    def load(self, path: str, budget: int | None = None, progress: Any = None, cancel: Any = None, **kw: Any) -> Any:
+        if kw.get("kv_bits") is not None:
+            raise EngineError(f"a quantized KV cache {_NOT_YET}")
+        opts = dataclasses.replace(self._opts, model=path)
+        if self._loads:  # the followers wait for commands now, not for the first plan
+            broadcast_json(self._group, {"op": "load", "model": path, "shard": opts.mode})
+        self._loads += 1
+        mine = prepare(self._channel, self._group, self._node, opts)
+        if mine is None:
+            raise EngineError(f"{path} cannot be split across these machines (see the launcher's message)")
+        self._node.spec.guarded = True
+        info = super().load(path, opts.budget if budget is None else budget, progress, cancel, **kw)
+        report_ready(self._channel, self._node, opts, mine)
+        return info
+
+    @property
+    def batch(self) -> Any:
+        return None  # one generation at a time: every rank runs the same one
+
+    # ---- generating -----------------------------------------------------------------
+
+    def open_generate(self, session_id: str, messages: list, params: Any, on_event: Any = None, cancel: Any = None, *, request_id: int = 0, tools: Any = None, add_generation_prompt: bool = True, media: Any = (), batch: Any = None, **template_kwargs: Any) -> Iterator[Any]:  # fmt: skip
+        if media:
+            raise EngineError(f"media {_NOT_YET}")
+        self.check_media(messages, media)
+        cmd = {
+            "op": "generate",
+            "session": session_id,
+            "messages": list(messages),
+            "params": dataclasses.asdict(params),
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "template_kwargs": template_kwargs,
+        }
+        base = super().open_generate
+
+        def stream(agreed: threading.Event) -> Iterator[Any]:
+            return base(session_id, messages, params, on_event, agreed, request_id=request_id, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)  # fmt: skip
+
+        return self._mirrored(cmd, stream, cancel)
+
+    def open_generate_ids(self, prompt_ids: Any, params: Any, on_event: Any = None, cancel: Any = None, *, request_id: int = 0, session_id: str = "", batch: Any = None) -> Iterator[Any]:  # fmt: skip
+        cmd = {
+            "op": "generate_ids",
+            "session": session_id,
+            "ids": list(prompt_ids),
+            "params": dataclasses.asdict(params),
+        }
+        base = super().open_generate_ids
+
+        def stream(agreed: threading.Event) -> Iterator[Any]:
+            return base(prompt_ids, params, on_event, agreed, request_id=request_id, session_id=session_id)
+
+        return self._mirrored(cmd, stream, cancel)
+
+    def _mirrored(self, cmd: dict[str, Any], stream: Any, cancel: threading.Event | None) -> Iterator[Any]:
+        spec = self._node.spec
+        if spec is None:
+            raise EngineError("No model is loaded: load one first.")
+        broadcast_json(self._group, cmd)
+        spec.begin()
+        spec.requested = cancel if cancel is not None else threading.Event()
+        spec.mirrored = True
+        try:
+            yield from stream(spec.agreed)
+        finally:
+            spec.mirrored = False
+
+    def drop_session(self, session_id: str) -> None:
+        if self._node.spec is not None:
+            broadcast_json(self._group, {"op": "drop", "session": session_id})
+        super().drop_session(session_id)
+
+    def quit(self) -> None:
+        """End every other rank (they leave their command loop)."""
+        broadcast_json(self._group, {"op": "quit"})
+
+    # ---- what does not run split yet ---------------------------------------------------
+
+    def load_draft(self, *args: Any, **kwargs: Any) -> Any:
+        raise EngineError(f"a draft model {_NOT_YET}")
+
+    def mount_adapter(self, *args: Any, **kwargs: Any) -> Any:
+        raise EngineError(f"an adapter {_NOT_YET}")
+
+    def restore_session(self, *args: Any, **kwargs: Any) -> Any:
+        raise EngineError(f"a saved cache {_NOT_YET}")
+
+    def save_session(self, *args: Any, **kwargs: Any) -> Any:
+        raise EngineError(f"a saved cache {_NOT_YET}")
