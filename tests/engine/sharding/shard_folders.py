@@ -53,13 +53,16 @@ def prompt_ids(name: str, n: int = 8) -> list[int]:
     return json.loads((GOLDEN / name.removeprefix("q4_") / "expected.json").read_text())["prompt_ids"][:n]
 
 
-def single_process(folder: Path, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """The reference: the same request on one process (greedy, with log-probs)."""
+def single_process(folder: Path, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], int]:
+    """The reference: the same request on one process (greedy, with log-probs), and the
+    bytes of the whole model's arrays."""
     from engine.api import GenerationParams
+    from engine.models.sharding import held_bytes
     from engine.runtime.host import ModelHost
 
     host = ModelHost()
     host.load(str(folder))
     result = host.generate_ids(ids, GenerationParams(max_tokens=max_tokens, ignore_eos=True, logprobs=True))
+    whole = held_bytes(host.model)
     host.unload()
-    return result.token_ids, result.token_logprobs
+    return result.token_ids, result.token_logprobs, whole
