@@ -31,7 +31,6 @@ _REFUSED = (
     ("audio", "--audio"),
     ("video", "--video"),
     ("cache_file", "--cache-file"),
-    ("kv_bits", "--kv-bits"),
 )
 
 
@@ -63,6 +62,8 @@ def add_node(sub: Any) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="any")
     p.add_argument("--memory-budget", type=_budget, help="this machine's room for its share")
     p.add_argument("--serve", metavar="HOST:PORT", help="rank 0 serves the HTTP API there (serve --hosts)")
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], help="hold each rank's KV cache quantized")
+    p.add_argument("--kv-group-size", type=int, default=64)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -70,6 +71,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     hosts = [h for h in args.hosts.split(",") if h]
     opts = NodeOptions(args.model, args.shard, hosts, args.memory_budget, args.backend)
+    opts.kv_bits, opts.kv_group_size = args.kv_bits, args.kv_group_size
     return run_node(opts, _server(args.serve) if args.serve else None)
 
 
@@ -119,6 +121,8 @@ def node_args(args: argparse.Namespace) -> list[str]:
     out = ["--model", args.model, "--shard", args.shard or "pipeline"]
     if args.memory_budget is not None:
         out += ["--memory-budget", str(args.memory_budget)]
+    if args.kv_bits is not None:
+        out += ["--kv-bits", str(args.kv_bits), "--kv-group-size", str(args.kv_group_size)]
     return out
 
 
@@ -158,7 +162,7 @@ def serve(args: argparse.Namespace) -> int:
     messages and watches every rank until interrupted or one is lost."""
     from engine.runtime.shard_group import RankGroup
 
-    for flag, value in (("--kv-bits", args.kv_bits), ("--context-length", getattr(args, "context_length", None))):
+    for flag, value in (("--context-length", getattr(args, "context_length", None)),):
         if value is not None:
             raise EngineError(f"{flag} does not run sharded yet; leave it out or drop --hosts")
     _check_family(args.model, args.shard or "pipeline")

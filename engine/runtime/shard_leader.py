@@ -34,8 +34,8 @@ class LeaderHost(ModelHost):
     # ---- loading ------------------------------------------------------------------
 
     def load(self, path: str, budget: int | None = None, progress: Any = None, cancel: Any = None, **kw: Any) -> Any:
-        if kw.get("kv_bits") is not None:
-            raise EngineError(f"a quantized KV cache {_NOT_YET}")
+        kw.setdefault("kv_bits", self._opts.kv_bits)
+        kw.setdefault("kv_group_size", self._opts.kv_group_size)
         opts = dataclasses.replace(self._opts, model=path)
         if self._loads:  # the followers wait for commands now, not for the first plan
             broadcast_json(self._group, {"op": "load", "model": path, "shard": opts.mode})

@@ -115,6 +115,8 @@ class NodeOptions:
     budget: int | None = None
     backend: str = "any"
     dtype: str | None = None
+    kv_bits: int | None = None  # each rank's KV cache held quantized
+    kv_group_size: int = 64
 
 
 @dataclasses.dataclass
@@ -239,7 +241,7 @@ def _load(channel: Channel, group: Any, node: _Node, opts: NodeOptions) -> bool:
     if mine is None:
         return False
     try:
-        node.host.load(opts.model, budget=opts.budget)
+        node.host.load(opts.model, budget=opts.budget, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size)
     except EngineError as e:
         rank = group.rank()
         channel.send({"error": f"rank {rank} on {opts.hosts[rank]}: {e}"})

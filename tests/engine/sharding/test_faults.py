@@ -6,6 +6,7 @@ the one process's."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -114,3 +115,19 @@ def test_stop_reaches_every_rank_and_seeded_sampling_is_one_process(model):
     host = ModelHost()
     host.load(str(model))
     assert sharded["token_ids"] == host.generate_ids([5, 6, 7, 8], params).token_ids
+
+
+def test_quantized_kv_cache_per_rank_matches_one_process(model):
+    def generate(*extra: str) -> dict:
+        cmd = [sys.executable, "-m", "engine", "generate", "--model", str(model), "--prompt-ids", "1,2,3,4,5,6,7,8"]
+        cmd += ["--max-tokens", "6", "--ignore-eos", "--logprobs", "--json", "--kv-bits", "8", "--kv-group-size", "32"]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    one = generate()
+    split = generate("--hosts", "127.0.0.1,127.0.0.1", "--shard", "pipeline")
+    assert split["token_ids"] == one["token_ids"]
+    assert max(abs(a - b) for a, b in zip(split["token_logprobs"], one["token_logprobs"])) < 1e-4
+    assert [r["layers"] for r in split["ranks"]] == [[0, 2], [2, 4]]
