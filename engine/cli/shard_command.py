@@ -30,7 +30,6 @@ _REFUSED = (
     ("image", "--image"),
     ("audio", "--audio"),
     ("video", "--video"),
-    ("cache_file", "--cache-file"),
 )
 
 
@@ -117,6 +116,16 @@ def _check_family(model: str, mode: str) -> None:
     check_family(read_config(path).model_type, mode)
 
 
+def _check_cache_file(path: str) -> None:
+    from pathlib import Path
+
+    target = Path(path)
+    if target.suffix != ".safetensors":
+        raise EngineError(f"--cache-file must end in .safetensors (got {path})")
+    if not target.parent.exists():
+        raise EngineError(f"--cache-file: the folder {target.parent} does not exist")
+
+
 def node_args(args: argparse.Namespace) -> list[str]:
     out = ["--model", args.model, "--shard", args.shard or "pipeline"]
     if args.memory_budget is not None:
@@ -144,11 +153,20 @@ def generate(args: argparse.Namespace, params: Any) -> int:
     group.start()
     try:
         ranks = group.wait_ready()
+        if args.cache_file is not None:
+            _check_cache_file(args.cache_file)
+            group.send({"op": "restore", "session": "", "path": args.cache_file})
+            restored = group.expect("restored")
+            if restored["why"] and "no saved cache" not in restored["why"]:
+                print(f"note: the saved cache was not used: {restored['why']}", file=sys.stderr)
         result = _stream(group, cmd, args.json)
+        if args.cache_file is not None:
+            group.send({"op": "save", "session": "", "path": args.cache_file})
+            group.expect("saved")
     finally:
         group.close()
     if args.json:
-        out = {k: v for k, v in result.items() if k != "cached_tokens"}
+        out = {k: v for k, v in result.items() if k != "cached_tokens" or args.cache_file is not None}
         out["ranks"] = ranks
         print(json.dumps(out, ensure_ascii=False))
     else:

@@ -286,6 +286,17 @@ class RankGroup:
             self._check()
             raise RankLost(f"rank 0 on {self.hosts[0]} stopped answering") from None
 
+    def expect(self, key: str) -> dict[str, Any]:
+        """Rank 0's next message carrying ``key`` (an answer to a command without a stream)."""
+        try:
+            while True:
+                item = self._next()
+                if item is not None and key in item[1]:
+                    return item[1]
+        except RankLost:
+            self.close(grace=0.0)
+            raise
+
     def stop(self) -> None:
         """Stop the reply in progress (every rank ends it at the same step)."""
         self.send({"op": "stop"})

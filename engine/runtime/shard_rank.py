@@ -199,6 +199,8 @@ def run_node(opts: NodeOptions, leader: Callable[[Channel, Any, NodeOptions], in
             return 0
         if op == "drop":  # rank 0 let a session go: so does every rank (caches stay in step)
             host.host.drop_session(cmd.get("session", ""))
+        elif op in ("restore", "save"):  # each rank its own part of a saved cache
+            _cache_command(channel, host, cmd)
         elif op == "load":  # another model on the same machines
             opts = dataclasses.replace(opts, model=cmd["model"], mode=cmd.get("shard") or opts.mode)
             if not _load(channel, group, host, opts):
@@ -248,6 +250,20 @@ def _load(channel: Channel, group: Any, node: _Node, opts: NodeOptions) -> bool:
         return False
     report_ready(channel, node, opts, mine)
     return True
+
+
+def _cache_command(channel: Channel, node: _Node, cmd: dict[str, Any]) -> None:
+    from engine.runtime import shard_cache
+
+    session, path = cmd.get("session", ""), cmd["path"]
+    if cmd["op"] == "restore":
+        tokens, why = shard_cache.restore(node.host, node.spec, session, path)
+        if node.spec.rank == 0:
+            channel.send({"restored": tokens, "why": why})
+    else:
+        written = shard_cache.save(node.host, node.spec, session, path)
+        if node.spec.rank == 0:
+            channel.send({"saved": written})
 
 
 def _read_stdin(commands: queue.Queue, host: _Node) -> None:

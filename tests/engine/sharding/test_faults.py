@@ -131,3 +131,24 @@ def test_quantized_kv_cache_per_rank_matches_one_process(model):
     assert split["token_ids"] == one["token_ids"]
     assert max(abs(a - b) for a, b in zip(split["token_logprobs"], one["token_logprobs"])) < 1e-4
     assert [r["layers"] for r in split["ranks"]] == [[0, 2], [2, 4]]
+
+
+def test_each_rank_saves_its_part_and_another_split_is_refused(model, tmp_path):
+    cache = tmp_path / "chat.safetensors"
+
+    def generate(mode: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "engine", "generate", "--model", str(model), "--prompt-ids", "1,2,3,4,5,6,7,8"]
+        cmd += ["--max-tokens", "4", "--ignore-eos", "--json", "--cache-file", str(cache)]
+        cmd += ["--hosts", "127.0.0.1,127.0.0.1", "--shard", mode]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    first = json.loads(generate("pipeline").stdout.splitlines()[-1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.rank0-of-2.safetensors", "chat.rank1-of-2.safetensors"]
+    again = json.loads(generate("pipeline").stdout.splitlines()[-1])
+    assert again["cached_tokens"] == 7 and again["token_ids"] == first["token_ids"]
+    other = generate("tensor")
+    assert json.loads(other.stdout.splitlines()[-1])["cached_tokens"] == 0
+    assert "another split" in other.stderr
