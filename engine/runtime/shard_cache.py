@@ -25,10 +25,10 @@ def split_identity(host: Any, spec: Any) -> dict[str, str]:
     return identity
 
 
-def restore(host: Any, spec: Any, session_id: str, path: str) -> tuple[int, str]:
-    """(tokens restored on every rank, why not when 0); the same answer on all ranks."""
+def restore(host: Any, spec: Any, session_id: str, path: str, gather_json: Any) -> tuple[int, str]:
+    """(tokens restored on every rank, why not when 0); the same answer on all ranks.
+    ``gather_json(group, obj)``: every rank's ``obj`` (shard_rank.py's)."""
     from engine.runtime.saved_cache import restore_session
-    from engine.runtime.shard_rank import gather_json
 
     chat = host.session(session_id)
     if chat.ids:

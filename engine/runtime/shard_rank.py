@@ -257,7 +257,7 @@ def _cache_command(channel: Channel, node: _Node, cmd: dict[str, Any]) -> None:
 
     session, path = cmd.get("session", ""), cmd["path"]
     if cmd["op"] == "restore":
-        tokens, why = shard_cache.restore(node.host, node.spec, session, path)
+        tokens, why = shard_cache.restore(node.host, node.spec, session, path, gather_json)
         if node.spec.rank == 0:
             channel.send({"restored": tokens, "why": why})
     else:
