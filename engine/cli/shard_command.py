@@ -145,7 +145,7 @@ def generate(args: argparse.Namespace, params: Any) -> int:
     cmd: dict[str, Any] = {"op": "generate_ids", "params": dataclasses.asdict(params)}
     if args.chat:
         messages = [] if args.system is None else [{"role": "system", "content": args.system}]
-        cmd = {"op": "generate", "messages": [*messages, {"role": "user", "content": args.prompt}], **cmd}
+        cmd = {**cmd, "op": "generate", "messages": [*messages, {"role": "user", "content": args.prompt}]}
     elif args.prompt_ids is not None:
         cmd["ids"] = args.prompt_ids
     else:

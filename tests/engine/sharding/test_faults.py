@@ -152,3 +152,21 @@ def test_each_rank_saves_its_part_and_another_split_is_refused(model, tmp_path):
     other = generate("tensor")
     assert json.loads(other.stdout.splitlines()[-1])["cached_tokens"] == 0
     assert "another split" in other.stderr
+
+
+def test_cli_chat_with_sampling_prints_what_one_process_prints(model):
+    def generate(*extra: str) -> dict:
+        cmd = [sys.executable, "-m", "engine", "generate", "--model", str(model), "--prompt", "hello there", "--chat"]
+        cmd += ["--system", "be brief", "--max-tokens", "8", "--temp", "0.8", "--seed", "3", "--json"]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    one = generate()
+    split = generate("--hosts", "127.0.0.1,127.0.0.1,127.0.0.1", "--shard", "pipeline")
+    assert (split["text"], split["token_ids"], split["prompt_tokens"]) == (
+        one["text"],
+        one["token_ids"],
+        one["prompt_tokens"],
+    )
