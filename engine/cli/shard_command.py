@@ -104,8 +104,15 @@ def check_request(args: argparse.Namespace) -> None:
             raise EngineError(f"{flag} does not run sharded yet; leave it out or drop --hosts")
 
 
-def _check_family(model: str, mode: str) -> None:
-    """A family that does not shard is refused before any rank starts."""
+def _vocab(config: Any) -> int:
+    from engine.artifacts.config_spellings import text_config
+
+    value = text_config(dict(config.raw)).get("vocab_size")
+    return int(value) if isinstance(value, int) else 0
+
+
+def _check_family(model: str, mode: str) -> Any:
+    """A family that does not shard is refused before any rank starts; its config."""
     from engine.artifacts.config import read_config
     from engine.artifacts.hub import resolve_model_path
     from engine.models.sharding import check_family
@@ -113,7 +120,9 @@ def _check_family(model: str, mode: str) -> None:
     path = resolve_model_path(model)
     if path.is_file():
         raise EngineError("a .gguf file does not shard: use the model's safetensors folder")
-    check_family(read_config(path).model_type, mode)
+    config = read_config(path)
+    check_family(config.model_type, mode)
+    return config
 
 
 def _check_cache_file(path: str) -> None:
@@ -140,7 +149,12 @@ def generate(args: argparse.Namespace, params: Any) -> int:
     from engine.runtime.shard_group import RankGroup
 
     check_request(args)
-    _check_family(args.model, args.shard or "pipeline")
+    config = _check_family(args.model, args.shard or "pipeline")
+    vocab = _vocab(config)
+    if args.prompt_ids is not None and vocab and max(args.prompt_ids, default=0) >= vocab:
+        raise EngineError(f"--prompt-ids has id {max(args.prompt_ids)}, past the model's vocabulary of {vocab}")
+    if args.prompt_ids is not None and not args.prompt_ids:
+        raise EngineError("--prompt-ids is empty: give at least one token id")
     group = RankGroup(args.hosts, node_args(args), backend=args.backend)
     cmd: dict[str, Any] = {"op": "generate_ids", "params": dataclasses.asdict(params)}
     if args.chat:
