@@ -122,7 +122,9 @@ class RankGroup:
 
     def _env(self) -> tuple[dict[str, str], dict[str, str]]:
         """(variables, files to write and name in a variable) every rank gets."""
-        ips = [_ip(h) for h in self.hosts]
+        listed = [(h.get("ips") or [None])[0] for h in (self.hostfile or {}).get("hosts") or []]
+        # A hostfile's addresses (a Thunderbolt bridge's, say) before what the names resolve to.
+        ips = [ip or _ip(h) for h, ip in zip(self.hosts, listed or [None] * len(self.hosts))]
         env: dict[str, str] = {"PYTHONUNBUFFERED": "1", **self.extra_env}
         files: dict[str, str] = {}
         if self.backend in ("ring", "any"):
@@ -177,14 +179,8 @@ class RankGroup:
                 stderr=subprocess.PIPE,
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
-        script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; "
-        for key, value in {**env, "MLX_RANK": str(rank)}.items():
-            script += f"export {key}={shlex.quote(value)}; "
-        for name, content in files.items():
-            script += f"f=$(mktemp); echo {shlex.quote(content)} > $f; export {name}=$f; "
-        script += "exec " + shlex.join(command)
         return subprocess.Popen(
-            ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=QUIET", host, script],
+            ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=QUIET", host, remote_script(rank, env, files, command)],
             stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -364,6 +360,18 @@ class RankGroup:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def remote_script(rank: int, env: dict[str, str], files: dict[str, str], command: list[str]) -> str:
+    """What ssh runs on a remote host for one rank (as mlx.launch does): this folder when it
+    exists there, MLX's variables, each file written to a temporary file named in its
+    variable, then the rank itself in place of the shell (so ending ssh ends the rank)."""
+    script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; "
+    for key, value in {**env, "MLX_RANK": str(rank)}.items():
+        script += f"export {key}={shlex.quote(value)}; "
+    for name, content in files.items():
+        script += f"f=$(mktemp); echo {shlex.quote(content)} > $f; export {name}=$f; "
+    return script + "exec " + shlex.join(command)
 
 
 def _lost_a_peer(r: _Rank) -> bool:
