@@ -55,9 +55,14 @@ def _budget(text: str) -> int:
 
 def add_node(sub: Any) -> None:
     p = sub.add_parser("node", help="one rank of a sharded model (started on each machine by --hosts)")
-    p.add_argument("--model", required=True)
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="print this machine's engine and MLX versions, memory and links as JSON, and exit",
+    )
+    p.add_argument("--model")
     p.add_argument("--shard", choices=MODES, default="pipeline")
-    p.add_argument("--hosts", required=True, help="every rank's host, in rank order")
+    p.add_argument("--hosts", help="every rank's host, in rank order")
     p.add_argument("--backend", choices=BACKENDS, default="any")
     p.add_argument("--memory-budget", type=_budget, help="this machine's room for its share")
     p.add_argument("--serve", metavar="HOST:PORT", help="rank 0 serves the HTTP API there (serve --hosts)")
@@ -66,8 +71,13 @@ def add_node(sub: Any) -> None:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from engine.runtime.shard_rank import NodeOptions, run_node
+    from engine.runtime.shard_rank import NodeOptions, probe, run_node
 
+    if args.probe:
+        print(json.dumps(probe()))
+        return 0
+    if not args.model or not args.hosts:
+        raise EngineError("node needs --model PATH and --hosts H1,H2[,...] (or --probe)")
     hosts = [h for h in args.hosts.split(",") if h]
     opts = NodeOptions(args.model, args.shard, hosts, args.memory_budget, args.backend)
     opts.kv_bits, opts.kv_group_size = args.kv_bits, args.kv_group_size

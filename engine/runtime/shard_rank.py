@@ -65,6 +65,21 @@ def versions() -> dict[str, str]:
     return {"engine": engine, "mlx": mx.__version__, "protocol": str(PROTOCOL_VERSION)}
 
 
+def probe() -> dict[str, Any]:
+    """What another machine needs to know of this one before sharding with it: versions
+    (they must match), memory (its room) and which backends it can join."""
+    import mlx.core as mx
+
+    from engine.runtime.memory import default_budget, total_memory
+
+    return {
+        **versions(),
+        "total_memory": total_memory(),
+        "room": default_budget()[0],
+        "backends": [b for b in ("ring", "jaccl", "nccl") if mx.distributed.is_available(backend=b)],
+    }
+
+
 def check_versions(seen: list[dict[str, str]], hosts: list[str]) -> str | None:
     """One line naming the first rank whose versions differ from rank 0's, or None."""
     for rank, v in enumerate(seen[1:], start=1):
