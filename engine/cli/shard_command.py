@@ -176,7 +176,7 @@ def generate(args: argparse.Namespace, params: Any) -> int:
         cmd["prompt"] = args.prompt
     group.start()
     try:
-        ranks = group.wait_ready()
+        ranks = group.wait_ready(_load_progress(len(group.hosts)) if sys.stderr.isatty() else None)
         if args.cache_file is not None:
             _check_cache_file(args.cache_file)
             group.send({"op": "restore", "session": "", "path": args.cache_file})
@@ -226,6 +226,19 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         group.close()
     return 0
+
+
+def _load_progress(n: int) -> Any:
+    """One line on the terminal, rewritten as each rank reads its share."""
+    shown = [0.0] * n
+
+    def show(rank: int, done: float, total: float) -> None:
+        shown[rank] = done / total if total else 1.0
+        parts = "  ".join(f"rank {r} {p:4.0%}" for r, p in enumerate(shown))
+        sys.stderr.write(f"\rloading: {parts}" + ("\n" if all(p >= 1.0 for p in shown) else ""))
+        sys.stderr.flush()
+
+    return show
 
 
 def _stream(group: Any, cmd: dict[str, Any], quiet: bool) -> dict[str, Any]:

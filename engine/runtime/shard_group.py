@@ -235,9 +235,10 @@ class RankGroup:
             self._check()
             return None
 
-    def wait_ready(self) -> list[dict[str, Any]]:
+    def wait_ready(self, on_progress: Any = None) -> list[dict[str, Any]]:
         """Each rank's ``{rank, host, weight_bytes, layers}`` once all have loaded; a refusal
-        (versions, the memory plan, a family that does not shard) raises EngineError."""
+        (versions, the memory plan, a family that does not shard) raises EngineError.
+        ``on_progress(rank, done, total)`` follows each rank's load."""
         ready: dict[int, dict[str, Any]] = {}
         try:
             while len(ready) < len(self._ranks):
@@ -247,6 +248,8 @@ class RankGroup:
                 rank, obj = item
                 if "error" in obj:
                     raise EngineError(obj["error"])
+                if "progress" in obj and on_progress is not None:
+                    on_progress(rank, *obj["progress"])
                 if "ready" in obj:
                     ready[rank] = obj["ready"]
                     self._ranks[rank].ready = obj["ready"]

@@ -258,7 +258,13 @@ def _load(channel: Channel, group: Any, node: _Node, opts: NodeOptions) -> bool:
     if mine is None:
         return False
     try:
-        node.host.load(opts.model, budget=opts.budget, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size)
+        node.host.load(
+            opts.model,
+            budget=opts.budget,
+            progress=lambda done, total, _message: channel.send({"progress": [done, total]}),
+            kv_bits=opts.kv_bits,
+            kv_group_size=opts.kv_group_size,
+        )
     except EngineError as e:
         rank = group.rank()
         channel.send({"error": f"rank {rank} on {opts.hosts[rank]}: {e}"})
