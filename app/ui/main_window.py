@@ -236,6 +236,7 @@ class MainWindow(QMainWindow):
         model.addAction("Models…", QKeySequence("Ctrl+L"), self.open_model_browser)
         model.addAction("Draft model or DFlash drafter for speculative decoding…", self._pick_draft)
         model.addAction("Embedding model for documents…", self._pick_embedder)
+        model.addAction("Machines…", self.open_machines)
         self.adapters_menu = AdaptersMenu(self)
         bar.addMenu(self.adapters_menu)
         self.adapters_menu.set_adapters([], {}, model_loaded=False)
@@ -667,6 +668,16 @@ class MainWindow(QMainWindow):
         if streaming is not None and len(streaming.content) >= self.screenshot_chars:
             self.grab().save(self.screenshot_path)
             self._shot_for = reply
+
+    def open_machines(self):  # -> app.ui.machines_dialog.MachinesDialog (imported when first opened)
+        """Model → Machines…: the machines a model too large for this one may be split across."""
+        from app.controllers.machines import MachinesController
+        from app.ui.machines_dialog import MachinesDialog
+
+        dialog = MachinesDialog(MachinesController(self.store.data_dir), self)
+        dialog.show()
+        dialog.check_all()
+        return dialog
 
     def open_tools(self) -> ToolsDialog:
         """Settings → Tools: the MCP servers whose tools the chat offers."""

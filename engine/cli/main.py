@@ -73,6 +73,9 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(p)
     add_resident_experts(p)
+    from engine.cli.shard_command import add_shard_arguments
+
+    add_shard_arguments(p)
     p.add_argument(
         "--cache-file",
         metavar="FILE.safetensors",
@@ -244,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_decide(sub)
     add_train(sub)
+    from engine.cli.shard_command import add_node
+
+    add_node(sub)
     return parser
 
 
@@ -329,6 +335,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.pan_and_scan and not args.image:
         raise CliError("--pan-and-scan needs --image (it crops images)")
     params = _params(args)
+    if args.hosts or args.shard:
+        if not args.hosts:
+            raise CliError("--shard needs --hosts H1,H2[,...] (the machines to split the model across)")
+        from engine.cli.shard_command import generate
+
+        return generate(args, params)
     media = _media(args)
     host = ModelHost()
     host.load(
@@ -616,11 +628,26 @@ def _add_serve(parser: Any) -> None:
     parser.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(parser)
     add_resident_experts(parser)
+    from engine.cli.shard_command import add_shard_arguments
+
+    add_shard_arguments(parser)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from engine.cli.shard_command import cmd_node as run
+
+    return run(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine.serve.server import run_command
 
+    if args.hosts or args.shard:
+        if not args.hosts:
+            raise CliError("--shard needs --hosts H1,H2[,...] (the machines to split the model across)")
+        from engine.cli.shard_command import serve
+
+        return serve(args)
     return run_command(args)
 
 
@@ -634,6 +661,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "decide": lambda args: _decide(args),
     "train": lambda args: _train(args),
+    "node": cmd_node,
 }
 
 

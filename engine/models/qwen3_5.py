@@ -310,6 +310,9 @@ class Model(CausalLM):
     hidden_listener = None
     # Positions of a prompt with images or video: Qwen2.5-VL's 3-D layout.
     rope_index = staticmethod(QwenVLModel.rope_index)
+    # Whether the weights come in the Hub's layout (conv kernels last, norms centred on 0);
+    # None: sanitize tells from the conv weights it is given.
+    hub_layout: bool | None = None
 
     def __call__(
         self,
@@ -329,7 +332,9 @@ class Model(CausalLM):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = strip_prefixes(weights, NESTED_LM_PREFIXES + (("model.mtp.", "mtp."),), OTHER_WEIGHTS)
-        hub_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+        hub_layout = self.hub_layout
+        if hub_layout is None:  # told by whoever saw the whole checkpoint (a rank holding no conv layer)
+            hub_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
         for key, value in list(weights.items()):
             if key.endswith("conv1d.weight") and value.shape[-1] != 1:
                 weights[key] = value.swapaxes(1, 2)  # [C, 1, K] -> MLX's [C, K, 1]

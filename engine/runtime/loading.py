@@ -45,6 +45,9 @@ Progress = Callable[[int, int], None]
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
 _LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 READ_CHUNK_BYTES = 64 << 20  # the MTP layer's read reports progress after each run of about this
+# Set inside a rank of a sharded model (engine.runtime.shard_load.use_shard): loads take that
+# rank's share instead of the whole model.
+share_loader: Callable[..., LoadedModel] | None = None
 
 
 @dataclass
@@ -125,6 +128,8 @@ def load_model(
     from engine.runtime.expert_plan import plan_residency, start_streaming, stream_experts
     from engine.runtime.memory import check_fits, default_budget, plan_memory
 
+    if share_loader is not None:
+        return share_loader(path_or_repo, memory_budget=memory_budget, dtype=dtype, progress=progress)
     if dtype is not None and dtype not in DTYPE_BYTES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
     source = inspect_source(path_or_repo, dtype=dtype)

@@ -46,13 +46,14 @@ class Backend:
         model_info: Callable[[], ModelInfo | None] | None = None,
         *,
         max_sessions: int = MAX_SESSIONS,
+        host: Any = None,
     ) -> None:
         self._queues: dict[int, queue.Queue[Event]] = {}
         # Re-entrant: the worker answers some submits (a Cancel, a dead engine) on the
         # submitting thread, inside submit.
         self._lock = threading.RLock()
         self.owned = worker is None
-        self.worker = worker or EngineWorker(self.route)
+        self.worker = worker or EngineWorker(self.route, host)  # host: a ModelHost of another kind (sharded)
         self._model_info = model_info
         self._info: ModelInfo | None = None
         self.load_error: str | None = None

@@ -101,11 +101,13 @@ def serve(
     memory_budget: int | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     load_options: dict[str, Any] | None = None,
+    model_host: Any = None,
 ) -> int:
-    """Run until interrupted; a model that fails to load ends the command with its reason."""
+    """Run until interrupted; a model that fails to load ends the command with its reason.
+    ``model_host``: the ModelHost the worker uses (rank 0 of a sharded model), else a new one."""
     from engine.serve.backend import Backend  # the engine (and mlx) only once the command runs
 
-    backend = Backend()
+    backend = Backend(host=model_host)
     server = make_server(backend, host, port, api_key=api_key, max_body=max_body)
     print(f"listening on {address(server)}", flush=True)
     backend.start(model, memory_budget, **(load_options or {}))

@@ -1,0 +1,61 @@
+"""How the launcher describes the group to MLX, without starting anything: hosts and
+hostfiles, the ring hostfile, NCCL and JACCL variables, and the script ssh runs."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from engine.errors import EngineError
+from engine.runtime.shard_group import RING_PORT, RankGroup, parse_hosts, remote_script
+
+
+def test_hosts_from_a_list_or_an_mlx_hostfile(tmp_path):
+    assert parse_hosts("127.0.0.1,127.0.0.1") == (["127.0.0.1", "127.0.0.1"], None)
+    with pytest.raises(EngineError, match="at least two hosts"):
+        parse_hosts("studio-1.local")
+    hostfile = tmp_path / "hosts.json"
+    data = {"backend": "jaccl", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3"]},
+                                          {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", None]}]}  # fmt: skip
+    hostfile.write_text(json.dumps(data))
+    hosts, parsed = parse_hosts(str(hostfile))
+    assert hosts == ["a", "b"] and parsed == data
+
+
+def test_local_ring_ranks_get_distinct_loopback_ports():
+    env, files = RankGroup(["127.0.0.1", "localhost", "127.0.0.1"], [])._env()
+    ring = json.loads(files["MLX_HOSTFILE"])
+    assert [entry[0].split(":")[0] for entry in ring] == ["127.0.0.1"] * 3
+    assert len({entry[0] for entry in ring}) == 3
+
+
+def test_remote_ranks_use_their_addresses_and_mlx_launch_ports():
+    group = RankGroup(["10.0.0.1", "10.0.0.2"], [], backend="ring")
+    _, files = group._env()
+    assert json.loads(files["MLX_HOSTFILE"]) == [[f"10.0.0.1:{RING_PORT}"], [f"10.0.0.2:{RING_PORT + 1}"]]
+    with pytest.raises(EngineError, match="mixing 127.0.0.1"):
+        RankGroup(["127.0.0.1", "10.0.0.2"], [])
+
+
+def test_nccl_and_jaccl_variables(tmp_path):
+    env, files = RankGroup(["10.0.0.1", "10.0.0.2"], [], backend="nccl")._env()
+    assert env["NCCL_HOST_IP"] == "10.0.0.1" and env["MLX_WORLD_SIZE"] == "2" and "MLX_HOSTFILE" not in files
+    with pytest.raises(EngineError, match="rdma devices"):
+        RankGroup(["10.0.0.1", "10.0.0.2"], [], backend="jaccl")._env()
+    hostfile = tmp_path / "hosts.json"
+    hosts = [{"ssh": "a", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3"]}, {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", None]}]  # fmt: skip
+    hostfile.write_text(json.dumps({"hosts": hosts, "envs": ["MLX_METAL_FAST_SYNCH=1"]}))
+    env, files = RankGroup(str(hostfile), [], backend="jaccl")._env()
+    assert env["MLX_JACCL_COORDINATOR"] == f"10.0.0.1:{RING_PORT}" and env["MLX_METAL_FAST_SYNCH"] == "1"
+    assert json.loads(files["MLX_IBV_DEVICES"]) == [[None, "rdma_en3"], ["rdma_en3", None]]
+
+
+def test_the_script_ssh_runs_for_a_remote_rank():
+    script = remote_script(1, {"A": "x y"}, {"MLX_HOSTFILE": '[["10.0.0.1:1"]]'}, ["python", "-m", "engine", "node"])
+    parts = [p.strip() for p in script.split(";")]
+    assert "export A='x y'" in parts and "export MLX_RANK=1" in parts
+    assert parts[-1] == "exec python -m engine node"
+    written = next(p for p in parts if p.startswith("echo"))
+    assert shlex.split(written)[1] == '[["10.0.0.1:1"]]'
