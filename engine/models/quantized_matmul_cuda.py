@@ -36,6 +36,10 @@ import mlx.nn as nn
 # a lane reads serve COLUMNS weight rows. Warps per block: blocks of 128 threads.
 COLUMNS = 4
 WARPS = 4
+# Warps to aim for across the grid when splitting K (K-splits stop once reached): about
+# 32 a streaming multiprocessor on an H200 (132 of them), enough loads in flight to keep
+# its memory busy.
+TARGET_WARPS = 4096
 # The most rows the kernel takes (its per-lane sums live in registers: 16 x 4 of them).
 MAX_ROWS = 16
 BITS = (4, 8)
@@ -82,24 +86,27 @@ __device__ __forceinline__ void load_floats(const T* p, float* out, bool aligned
 """
 
 # Template constants: T (activations, scales, biases and output), R (rows), BITS, GS (group
-# size), CPW (columns per warp), NW (warps per block). Runtime: K (x_shape[1]), N (w_shape[0]).
+# size), CPW (columns per warp), NW (warps per block), KS (warps splitting K for one column
+# set). Runtime: K (x_shape[1]), N (w_shape[0]).
 _SOURCE = """
   constexpr int PW = 32 / BITS;        // codes per 32-bit word
   constexpr int VPL = 4 * PW;          // values per lane chunk (one 16-byte load of codes)
   constexpr uint32_t CODE = (1u << BITS) - 1u;
+  constexpr int CG = NW / KS;          // column sets per block; KS warps share each one
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
+  const int part = warp % KS;          // this warp's strips of K: chunks part*32 + 32*KS*i
   const int K = x_shape[1];
   const int N = w_shape[0];
-  const int col0 = (blockIdx.x * NW + warp) * CPW;
-  if (col0 >= N) return;  // the whole warp: no shuffle below waits on it
+  const int col0 = (blockIdx.x * CG + warp / KS) * CPW;
   const int chunks = K / VPL;          // K is a multiple of the group size, so of VPL
   const int words_per_row = K / PW;
   const int groups_per_row = K / GS;
   const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15ull) == 0;
   const bool w_aligned = (reinterpret_cast<unsigned long long>(w) & 15ull) == 0;
 
-  // Columns past N repeat the last one (valid memory) and are never written.
+  // Columns past N repeat the last one (valid memory) and are never written: every warp
+  // runs to the end, since the block meets at a barrier when KS > 1.
   long wrow[CPW], srow[CPW];
 #pragma unroll
   for (int j = 0; j < CPW; ++j) {
@@ -115,7 +122,7 @@ _SOURCE = """
     for (int j = 0; j < CPW; ++j) acc[r][j] = 0.f;
   }
 
-  for (int c = lane; c < chunks; c += 32) {
+  for (int c = part * 32 + lane; c < chunks; c += KS * 32) {
     // Load every column's codes, scale and bias for this chunk first (loads in flight together).
     uint32_t q[CPW][4];
     float s[CPW], b[CPW];
@@ -162,6 +169,29 @@ _SOURCE = """
     for (int j = 0; j < CPW; ++j) {
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc[r][j] += __shfl_xor_sync(0xffffffff, acc[r][j], o);
+    }
+  }
+  if constexpr (KS > 1) {
+    // The KS warps of a column set add their sums in shared memory, always in warp order.
+    __shared__ float partial[NW][R][CPW];
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int j = 0; j < CPW; ++j) partial[warp][r][j] = acc[r][j];
+      }
+    }
+    __syncthreads();
+    if (part != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+        float total = partial[warp][r][j];
+#pragma unroll
+        for (int p = 1; p < KS; ++p) total += partial[warp + p][r][j];
+        acc[r][j] = total;
+      }
     }
   }
   if (lane == 0) {
@@ -226,6 +256,21 @@ def fits(
     )
 
 
+def k_splits(inputs: int, outputs: int, bits: int) -> int:
+    """Warps that split the input dimension of one column set (1, 2 or 4 of a block's warps).
+
+    Splitting puts more warps, so more loads, in flight where a matrix has few columns for
+    its length (down projections: 2,560 x 9,728); it stops while every lane of a warp still
+    has a chunk of 16 bytes and once the grid holds ``TARGET_WARPS``. It depends on the
+    matrix only, never on the rows, so a row's sums run in the same order at any row count."""
+    chunks = inputs * bits // 128
+    column_sets = -(-outputs // COLUMNS)
+    splits = 1
+    while splits < WARPS and chunks >= 2 * splits * 32 and column_sets * splits < TARGET_WARPS:
+        splits *= 2
+    return splits
+
+
 def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
     """``x @ dequantize(w).T`` for ``x`` [..., K] and an [N, K] weight packed as MLX packs it
     (``w`` uint32 [N, K * bits / 32], ``scales``/``biases`` [N, K / group_size]). The caller
@@ -234,10 +279,19 @@ def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_s
     n = w.shape[0]
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
-    blocks = -(-n // (WARPS * COLUMNS))
+    splits = k_splits(k, n, bits)
+    blocks = -(-n // (WARPS // splits * COLUMNS))
     (out,) = _kernel()(
         inputs=[flat, w, scales, biases],
-        template=[("T", x.dtype), ("R", rows), ("BITS", bits), ("GS", group_size), ("CPW", COLUMNS), ("NW", WARPS)],
+        template=[
+            ("T", x.dtype),
+            ("R", rows),
+            ("BITS", bits),
+            ("GS", group_size),
+            ("CPW", COLUMNS),
+            ("NW", WARPS),
+            ("KS", splits),
+        ],
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, n)],
