@@ -55,6 +55,23 @@ def test_other_modes_widths_row_counts_and_mixed_dtypes_keep_mlxs_kernel():
     assert not _fits(dtype=mx.int32)
 
 
+@pytest.mark.parametrize(
+    "inputs, outputs, bits, splits",
+    [
+        (2560, 19456, 4, 1),  # qwen3-4b gate+up: columns enough to fill the grid
+        (4096, 28672, 4, 1),  # llama3-8b gate+up
+        (2560, 4096, 4, 2),  # qwen3-4b q: 80 chunks of 16 bytes a row, two warps of lanes
+        (2560, 4096, 8, 4),
+        (9728, 2560, 4, 4),  # qwen3-4b down: few columns for a long row
+        (14336, 4096, 4, 4),  # llama3-8b down
+        (896, 1152, 4, 1),  # qwen2.5-0.5b q/k/v: under one chunk a lane
+    ],
+)
+def test_warps_split_long_rows_of_matrices_with_few_columns(inputs, outputs, bits, splits):
+    assert qmv.k_splits(inputs, outputs, bits) == splits
+    assert qmv.WARPS % splits == 0
+
+
 def test_nothing_routes_while_the_kernel_is_off_or_off_cuda(monkeypatch):
     monkeypatch.delenv(qmv.ENV, raising=False)
     assert not qmv.enabled()
