@@ -121,8 +121,12 @@ CASES = [
     for j, dtype in enumerate(DTYPES)
 ] + [(rows, 2560, 19456, 4, 64, mx.bfloat16) for rows in (1, 8, 16)]
 # Output tolerance against the float32 referee, relative to the output's largest magnitude:
-# a few roundings of the output's own dtype (the kernel sums in float32).
-TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+# a few roundings of the output's own dtype (half an ulp is 2^-9 of a bfloat16 and 2^-11 of
+# a float16; the kernel sums in float32 and rounds once).
+TOLERANCE = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
+# From MLX's own on the GPU: both rounded to the dtype; in float32 MLX may take TF32 tensor
+# cores for several rows (~1e-3).
+APART = {mx.float32: 2e-3, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 
 
 def _case(rows, inputs, outputs, bits, group, dtype):
@@ -159,9 +163,10 @@ def test_the_kernel_equals_mlxs_quantized_matmul(rows, inputs, outputs, bits, gr
     size = mx.abs(expected).max().item()
     ours = mx.abs(got.astype(mx.float32) - expected).max().item()
     theirs = mx.abs(mlx_own.astype(mx.float32) - expected).max().item()
-    # Within rounding of the referee, and no further from MLX's own than both roundings.
+    # Within rounding of the referee, and of MLX's own (which rounds to the dtype as well).
     assert ours <= TOLERANCE[dtype] * size, (ours, theirs, size)
-    assert mx.abs(got.astype(mx.float32) - mlx_own.astype(mx.float32)).max().item() <= ours + theirs + 1e-6
+    apart = mx.abs(got.astype(mx.float32) - mlx_own.astype(mx.float32)).max().item()
+    assert apart <= APART[dtype] * size, (apart, ours, theirs, size)
 
 
 @needs_cuda
@@ -187,7 +192,7 @@ def test_leading_axes_strided_inputs_and_row_views_of_a_weight(monkeypatch):
         got = qmv.quantized_matmul(inputs, *view, group_size=64, bits=4)
         expected = _referee(inputs.reshape(-1, 1024), *view, 64, 4).reshape(*inputs.shape[:-1], 48)
         assert got.shape == expected.shape and got.dtype == mx.bfloat16
-        assert mx.abs(got.astype(mx.float32) - expected).max().item() <= 1.6e-2 * mx.abs(expected).max().item()
+        assert mx.abs(got.astype(mx.float32) - expected).max().item() <= 8e-3 * mx.abs(expected).max().item()
 
 
 @needs_cuda
