@@ -217,9 +217,15 @@ def _kernel():
     )
 
 
+@cache
+def _cuda_build() -> bool:
+    return mx.cuda.is_available()
+
+
 def available() -> bool:
-    """Whether the kernel can run here: MLX's CUDA backend, on the GPU."""
-    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+    """Whether the kernel can run here: MLX's CUDA backend, on the GPU. (Asked before every
+    routed product of an uncompiled step, so the backend's answer is kept.)"""
+    return _cuda_build() and mx.default_device() == mx.gpu
 
 
 def enabled() -> bool:
