@@ -26,7 +26,7 @@ step() {
 
 "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available(), mx.default_device())"
 
-step 120 "kernel tests" "$PY" -m pytest tests/engine/models/test_qmv_cuda.py -q --maxfail=3 --tb=short -p no:cacheprovider -rs
+step 120 "kernel tests" "$PY" -m pytest tests/engine/models/test_qmv_cuda.py tests/engine/test_bench_qmm.py -q --maxfail=3 --tb=short -p no:cacheprovider -rs
 step 60 "microbench qwen3-4b" "$PY" -m engine.cli.bench_qmm --shape qwen3-4b --ours
 step 60 "microbench llama3-8b" "$PY" -m engine.cli.bench_qmm --shape llama3-8b --ours
 for shape in qwen3-4b llama3-8b qwen2.5-0.5b; do
