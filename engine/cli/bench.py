@@ -337,6 +337,10 @@ def run_bench(
     quant = f"{args.mode} {quant}" if quantized and args.mode != "affine" and args.bits != 16 else quant
     if args.shape in FIXED_QUANTIZATION:
         quant += f", {FIXED_QUANTIZATION[args.shape][1]['mode']} experts"
+    from engine.models import quantized_matmul_cuda
+
+    if quantized and quantized_matmul_cuda.enabled():  # MLX_DESK_QMV=1: say so beside the figures
+        quant += ", small-row kernel on"
     print(
         f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "
         f"{args.prompt_tokens}-token prompt, {args.generation_tokens} generated",

@@ -14,6 +14,12 @@ its down) and each row count, the product is timed two ways on random inputs:
 - ``batched``: ``--calls`` independent products in one evaluation, divided by that count
   (the kernel's own time, launches overlapped).
 
+With ``--ours`` the same products also run through this project's kernel
+(``models.quantized_matmul_cuda``, CUDA only), timed the same two ways (``ours/s``,
+``ours/b``), with the largest difference of its output from MLX's (``max|ours-mlx|``) and
+in its first row from a float32 product on the CPU (``max|ours-f32|``, with MLX's own
+beside it).
+
 ``floor`` is the matrix's bytes (codes, scales and biases) at the copy bandwidth measured in
 the same run (bytes read and written per second, as ``bench --roofline`` measures it).
 ``--json`` prints every figure as one object on the last line.
@@ -55,10 +61,44 @@ def _time(fn: Any, repeat: int) -> float:
     return best
 
 
+def _max_difference(a: Any, b: Any) -> float:
+    import mlx.core as mx
+
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+
+
+def _check_ours(x: Any, q: tuple[Any, ...], group_size: int, bits: int, out: dict[str, Any], n: int) -> None:
+    """Our output against MLX's, and its first row against a float32 product on the CPU (the
+    referee; one row keeps the CPU's share of the run short)."""
+    import mlx.core as mx
+
+    from engine.models import quantized_matmul_cuda as qmv
+
+    wq, scales, biases = q
+    ours = qmv.matmul(x, wq, scales, biases, group_size, bits)
+    theirs = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    with mx.stream(mx.cpu):
+        f32 = [a.astype(mx.float32) for a in (x[:1], scales, biases)]
+        exact = mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=group_size, bits=bits)
+    out["ours_vs_mlx"][n] = _max_difference(ours, theirs)
+    out["ours_vs_f32"][n] = _max_difference(ours[:1], exact)
+    out["mlx_vs_f32"][n] = _max_difference(theirs[:1], exact)
+
+
 def time_matrix(
-    inputs: int, outputs: int, rows: list[int], bits: int, group_size: int, mode: str, calls: int, repeat: int
+    inputs: int,
+    outputs: int,
+    rows: list[int],
+    bits: int,
+    group_size: int,
+    mode: str,
+    calls: int,
+    repeat: int,
+    ours: bool = False,
 ) -> dict[str, Any]:
     import mlx.core as mx
+
+    from engine.models import quantized_matmul_cuda as qmv
 
     w = (mx.random.normal((outputs, inputs)) * inputs**-0.5).astype(mx.bfloat16)
     q = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
@@ -66,6 +106,8 @@ def time_matrix(
     mx.eval(wq, scales, *(() if biases is None else (biases,)))
     nbytes = wq.nbytes + scales.nbytes + (0 if biases is None else biases.nbytes)
     out: dict[str, Any] = {"bytes": nbytes, "single_us": {}, "batched_us": {}}
+    if ours:
+        out.update({k: {} for k in ("ours_single_us", "ours_batched_us", "ours_vs_mlx", "ours_vs_f32", "mlx_vs_f32")})
     for n in rows:
         xs = [mx.random.normal((n, inputs)).astype(mx.bfloat16) for _ in range(calls)]
         mx.eval(xs)
@@ -77,7 +119,49 @@ def time_matrix(
 
         out["single_us"][n] = _time(lambda: product(xs[0]), repeat) * 1e6
         out["batched_us"][n] = _time(lambda: [product(x) for x in xs], repeat) / calls * 1e6
+        if not ours or biases is None:
+            continue
+        if not qmv.fits(
+            n,
+            inputs,
+            outputs,
+            bits=bits,
+            group_size=group_size,
+            mode=mode,
+            dtype=mx.bfloat16,
+            scales_dtype=scales.dtype,
+            has_biases=True,
+        ):
+            continue
+
+        def our_product(x: Any) -> Any:
+            return qmv.matmul(x, wq, scales, biases, group_size, bits)
+
+        out["ours_single_us"][n] = _time(lambda: our_product(xs[0]), repeat) * 1e6
+        out["ours_batched_us"][n] = _time(lambda: [our_product(x) for x in xs], repeat) / calls * 1e6
+        _check_ours(xs[0], (wq, scales, biases), group_size, bits, out, n)
     return out
+
+
+def _print_matrix(name: str, t: dict[str, Any], rows: list[int]) -> None:
+    timings = [
+        ("single", "single_us"),
+        ("batched", "batched_us"),
+        ("ours/s", "ours_single_us"),
+        ("ours/b", "ours_batched_us"),
+    ]
+    for label, key in timings:
+        if key in t:
+            cells = "".join(f"{t[key][n]:9.1f}" if n in t[key] else f"{'-':>9}" for n in rows)
+            print(f"{name:<26}{label:<9}{cells}{t['floor_us']:9.1f}")
+    for label, key in (
+        ("max|ours-mlx|", "ours_vs_mlx"),
+        ("max|ours-f32|", "ours_vs_f32"),
+        ("max|mlx-f32|", "mlx_vs_f32"),
+    ):
+        if key in t:
+            cells = "".join(f"{t[key][n]:9.2g}" if n in t[key] else f"{'-':>9}" for n in rows)
+            print(f"{'':<12}{label:<23}{cells}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=32, help="independent products in one evaluation (batched)")
     p.add_argument("--repeat", type=int, default=5, help="timed evaluations; the best is kept")
     p.add_argument("--copy-mb", type=int, help="buffer size for the bandwidth measurement (1 GiB on a GPU)")
+    p.add_argument("--ours", action="store_true", help="also time this project's CUDA kernel (CUDA only)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -108,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from engine.cli.roofline import copy_bandwidth
+    from engine.models import quantized_matmul_cuda as qmv
+
+    if args.ours and not qmv.available():
+        print("error: --ours needs MLX's CUDA backend on the GPU (the kernel is CUDA only)", file=sys.stderr)
+        return 2
 
     bandwidth = copy_bandwidth(args.copy_mb)
     result: dict[str, Any] = {
@@ -125,12 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'matrix':<26}{'timing':<9}" + "".join(f"{n:>9}" for n in rows) + f"{'floor':>9}")
     for name, (inputs, outputs) in projections(SHAPES[args.shape]).items():
-        t = time_matrix(inputs, outputs, rows, args.bits, args.group_size, args.mode, args.calls, args.repeat)
+        t = time_matrix(
+            inputs, outputs, rows, args.bits, args.group_size, args.mode, args.calls, args.repeat, args.ours
+        )
         t["floor_us"] = t["bytes"] / bandwidth * 1e6
         result["matrices"][name] = t
-        for kind in ("single", "batched"):
-            cells = "".join(f"{t[f'{kind}_us'][n]:9.1f}" for n in rows)
-            print(f"{name:<26}{kind:<9}{cells}{t['floor_us']:9.1f}")
+        _print_matrix(name, t, rows)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -18,6 +18,7 @@ from engine.artifacts.config_fields import from_known_keys
 from engine.artifacts.config_spellings import partial_rotary_factor, rope_settings, text_config  # noqa: F401  (families read them from here)
 from engine.errors import UnsupportedModelError
 from engine.models.kv_cache import KVCache, RotatingKVCache
+from engine.models.quantized_matmul_cuda import embedding_logits, linear
 from engine.models.stacked import project, stacked_output
 
 # ---- configuration ------------------------------------------------------------------
@@ -316,7 +317,7 @@ class AttentionSteps(nn.Module):
     def out(self, attn: mx.array) -> mx.array:
         """The output projection of attention results shaped [B, heads, L, head_dim]."""
         b, _, n, _ = attn.shape
-        return self.o_proj(attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return linear(self.o_proj, attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
 class Attention(AttentionSteps):
@@ -368,7 +369,7 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = project(self, GATE_UP, x)
-        return self.down_proj(self.activation(gate) * up)
+        return linear(self.down_proj, self.activation(gate) * up)
 
 
 def activation(name: str | None):
@@ -570,9 +571,9 @@ class CausalLM(nn.Module):
     def logits(self, h: mx.array) -> mx.array:
         """Logits from the final (already normalised) hidden states."""
         if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
+            logits = embedding_logits(self.model.embed_tokens, h)
         else:
-            logits = self.lm_head(h)
+            logits = linear(self.lm_head, h)
         cap = self.logit_softcap
         if cap:
             logits = mx.tanh(logits / cap) * cap

@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models.lora import LoRAHost
+from engine.models.quantized_matmul_cuda import quantized_matmul
 
 _KINDS = (nn.Linear, nn.QuantizedLinear)
 # Stacking pays off per launch, so only for a few rows (decode steps, draft checks). For a
@@ -44,12 +45,11 @@ class _Stack:
         """The layers' outputs side by side on the last axis."""
         a, first = self.stacked, self.layers[0]
         if isinstance(first, nn.QuantizedLinear):
-            y = mx.quantized_matmul(
+            y = quantized_matmul(
                 x,
                 a["weight"],
-                scales=a["scales"],
-                biases=a.get("biases"),
-                transpose=True,
+                a["scales"],
+                a.get("biases"),
                 group_size=first.group_size,
                 bits=first.bits,
                 mode=getattr(first, "mode", "affine"),

@@ -29,3 +29,20 @@ def test_bad_row_counts_are_one_line(capsys):
     assert bench_qmm.main(["--shape", "tiny", "--rows", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+
+
+def test_ours_is_refused_in_one_line_without_cuda_and_timed_beside_mlxs_with_it(capsys):
+    from engine.models import quantized_matmul_cuda as qmv
+
+    argv = ["--shape", "tiny", "--rows", "1,17", "--calls", "2", "--repeat", "1", "--copy-mb", "16", "--json", "--ours"]
+    if not qmv.available():
+        assert bench_qmm.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "CUDA" in err[0]
+        return
+    assert bench_qmm.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    for t in out["matrices"].values():
+        # 17 rows are past the kernel's reach: MLX's figures only.
+        assert set(t["ours_single_us"]) == set(t["ours_batched_us"]) == set(t["ours_vs_mlx"]) == {"1"}
+        assert t["ours_vs_f32"]["1"] <= 0.05

@@ -1,0 +1,374 @@
+"""Quantized matrix products of a few rows (decode steps, verify passes, small batches) in one
+CUDA kernel that reads each weight once, for affine 4- and 8-bit weights.
+
+A decode step multiplies one to a few rows of activations by every weight matrix of the
+model, so its cost is reading the weights. MLX's own kernel on CUDA took 2-7x that floor
+for one row, and 2-6 rows cost about as many one-row products (an H200, 4-bit g64; see
+``python -m engine.cli.bench_qmm --ours``): a verify pass of 5 rows cost 3-4 decode steps.
+
+Here each warp owns ``COLUMNS`` output columns (weight rows). Its lanes walk the input
+dimension in chunks of 16 bytes of codes (32 4-bit or 16 8-bit values, all within one
+quantization group since groups are 32, 64 or 128 values), so a warp's loads of a weight
+row are contiguous and coalesced. A lane dequantizes each code once (``scale * q + bias``
+in float32) and multiplies it into every row of ``x`` it holds an accumulator for: the
+weights are read once whatever the row count, and the activations (a few KB, in L1/L2) are
+read once per column set. The lanes' float32 sums meet in a warp-shuffle reduction.
+
+Every row is computed by the same float operations in the same order whatever the number
+of rows, so a row's output does not depend on the rows beside it (a verify pass computes
+what the decode steps would).
+
+Routing: ``quantized_matmul`` takes the kernel where ``fits`` says so and MLX's CUDA
+backend runs on the GPU, and only while the environment variable ``MLX_DESK_QMV`` is ``1``
+(off by default until the GPU measurements show it exact and faster); everything else
+(other modes and bit widths, more rows, the CPU) keeps ``mx.quantized_matmul``.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Output columns per warp: each lane holds ROWS x COLUMNS float32 sums, and the activations
+# a lane reads serve COLUMNS weight rows. Warps per block: blocks of 128 threads.
+COLUMNS = 4
+WARPS = 4
+# Warps to aim for across the grid when splitting K (K-splits stop once reached): about
+# 32 a streaming multiprocessor on an H200 (132 of them), enough loads in flight to keep
+# its memory busy.
+TARGET_WARPS = 4096
+# The most rows the kernel takes (its per-lane sums live in registers: 16 x 4 of them).
+MAX_ROWS = 16
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+ENV = "MLX_DESK_QMV"
+
+_HEADER = """
+// A code as a float without an int-to-float conversion (those run at a fraction of the
+// FMA rate): 2^23 with the code in its low mantissa bits, less 2^23, is the code exactly.
+__device__ __forceinline__ float code_float(uint32_t code) {
+  return __int_as_float(0x4B000000u | code) - 8388608.0f;
+}
+
+// P consecutive values of T from p as floats: 16- or 8-byte loads when p is aligned for them
+// (the caller checks the array's base; offsets are multiples of the load size), else one by one.
+template <typename T, int P>
+__device__ __forceinline__ void load_floats(const T* p, float* out, bool aligned) {
+  constexpr int BYTES = P * (int)sizeof(T);
+  if constexpr (BYTES % 16 == 0) {
+    if (aligned) {
+      constexpr int PER = 16 / (int)sizeof(T);
+#pragma unroll
+      for (int v = 0; v < BYTES / 16; ++v) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[v];
+        const T* t = reinterpret_cast<const T*>(&u);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) out[v * PER + i] = static_cast<float>(t[i]);
+      }
+      return;
+    }
+  } else if constexpr (BYTES == 8) {
+    if (aligned) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      const T* t = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int i = 0; i < P; ++i) out[i] = static_cast<float>(t[i]);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < P; ++i) out[i] = static_cast<float>(p[i]);
+}
+"""
+
+# Template constants: T (activations, scales, biases and output), R (rows), BITS, GS (group
+# size), CPW (columns per warp), NW (warps per block), KS (warps splitting K for one column
+# set). Runtime: K (x_shape[1]), N (w_shape[0]).
+_SOURCE = """
+  constexpr int PW = 32 / BITS;        // codes per 32-bit word
+  constexpr int VPL = 4 * PW;          // values per lane chunk (one 16-byte load of codes)
+  constexpr uint32_t CODE = (1u << BITS) - 1u;
+  constexpr int CG = NW / KS;          // column sets per block; KS warps share each one
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int part = warp % KS;          // this warp's strips of K: chunks part*32 + 32*KS*i
+  const int K = x_shape[1];
+  const int N = w_shape[0];
+  const int col0 = (blockIdx.x * CG + warp / KS) * CPW;
+  const int chunks = K / VPL;          // K is a multiple of the group size, so of VPL
+  const int words_per_row = K / PW;
+  const int groups_per_row = K / GS;
+  const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15ull) == 0;
+  const bool w_aligned = (reinterpret_cast<unsigned long long>(w) & 15ull) == 0;
+
+  // Columns past N repeat the last one (valid memory) and are never written: every warp
+  // runs to the end, since the block meets at a barrier when KS > 1.
+  long wrow[CPW], srow[CPW];
+#pragma unroll
+  for (int j = 0; j < CPW; ++j) {
+    const int n = min(col0 + j, N - 1);
+    wrow[j] = (long)n * words_per_row;
+    srow[j] = (long)n * groups_per_row;
+  }
+
+  float acc[R][CPW];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) acc[r][j] = 0.f;
+  }
+
+  for (int c = part * 32 + lane; c < chunks; c += KS * 32) {
+    // Load every column's codes, scale and bias for this chunk first (loads in flight together).
+    uint32_t q[CPW][4];
+    float s[CPW], b[CPW];
+    const int group = (c * VPL) / GS;
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) {
+      const uint32_t* src = w + wrow[j] + (long)c * 4;
+      if (w_aligned) {
+        const uint4 u = *reinterpret_cast<const uint4*>(src);
+        q[j][0] = u.x; q[j][1] = u.y; q[j][2] = u.z; q[j][3] = u.w;
+      } else {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) q[j][t] = src[t];
+      }
+      s[j] = static_cast<float>(scales[srow[j] + group]);
+      b[j] = static_cast<float>(biases[srow[j] + group]);
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      // This word's PW values of every column, dequantized once for all R rows.
+      float wf[CPW][PW];
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+#pragma unroll
+        for (int i = 0; i < PW; ++i) wf[j][i] = fmaf(s[j], code_float((q[j][t] >> (i * BITS)) & CODE), b[j]);
+      }
+      const int k = c * VPL + t * PW;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float xf[PW];
+        load_floats<T, PW>(x + (long)r * K + k, xf, x_aligned);
+#pragma unroll
+        for (int j = 0; j < CPW; ++j) {
+#pragma unroll
+          for (int i = 0; i < PW; ++i) acc[r][j] = fmaf(xf[i], wf[j][i], acc[r][j]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[r][j] += __shfl_xor_sync(0xffffffff, acc[r][j], o);
+    }
+  }
+  if constexpr (KS > 1) {
+    // The KS warps of a column set add their sums in shared memory, always in warp order.
+    __shared__ float partial[NW][R][CPW];
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int j = 0; j < CPW; ++j) partial[warp][r][j] = acc[r][j];
+      }
+    }
+    __syncthreads();
+    if (part != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+        float total = partial[warp][r][j];
+#pragma unroll
+        for (int p = 1; p < KS; ++p) total += partial[warp + p][r][j];
+        acc[r][j] = total;
+      }
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+        if (col0 + j < N) out[(long)r * N + col0 + j] = static_cast<T>(acc[r][j]);
+      }
+    }
+  }
+"""
+
+
+@cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="quantized_matmul_rows",
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["out"],
+        source=_SOURCE,
+        header=_HEADER,
+    )
+
+
+@cache
+def _cuda_build() -> bool:
+    return mx.cuda.is_available()
+
+
+def available() -> bool:
+    """Whether the kernel can run here: MLX's CUDA backend, on the GPU. (Asked before every
+    routed product of an uncompiled step, so the backend's answer is kept.)"""
+    return _cuda_build() and mx.default_device() == mx.gpu
+
+
+def enabled() -> bool:
+    """Whether products are routed to the kernel: asked for (``MLX_DESK_QMV=1``) and able to run."""
+    return os.environ.get(ENV) == "1" and available()
+
+
+def fits(
+    rows: int,
+    inputs: int,
+    outputs: int,
+    *,
+    bits: int,
+    group_size: int,
+    mode: str,
+    dtype: mx.Dtype,
+    scales_dtype: mx.Dtype,
+    has_biases: bool,
+) -> bool:
+    """Whether the kernel takes a product of ``rows`` rows by an [outputs, inputs] weight
+    (else ``mx.quantized_matmul`` does). Activations, scales and biases share one float
+    dtype, so the output's dtype is theirs as MLX's would be."""
+    return (
+        mode == "affine"
+        and has_biases
+        and bits in BITS
+        and group_size in GROUP_SIZES
+        and 1 <= rows <= MAX_ROWS
+        and outputs >= 1
+        and inputs >= group_size
+        and inputs % group_size == 0
+        and dtype in DTYPES
+        and scales_dtype == dtype
+    )
+
+
+def k_splits(inputs: int, outputs: int, bits: int) -> int:
+    """Warps that split the input dimension of one column set (1, 2 or 4 of a block's warps).
+
+    Splitting puts more warps, so more loads, in flight where a matrix has few columns for
+    its length (down projections: 2,560 x 9,728); it stops while every lane of a warp still
+    has a chunk of 16 bytes and once the grid holds ``TARGET_WARPS``. It depends on the
+    matrix only, never on the rows, so a row's sums run in the same order at any row count."""
+    chunks = inputs * bits // 128
+    column_sets = -(-outputs // COLUMNS)
+    splits = 1
+    while splits < WARPS and chunks >= 2 * splits * 32 and column_sets * splits < TARGET_WARPS:
+        splits *= 2
+    return splits
+
+
+def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """``x @ dequantize(w).T`` for ``x`` [..., K] and an [N, K] weight packed as MLX packs it
+    (``w`` uint32 [N, K * bits / 32], ``scales``/``biases`` [N, K / group_size]). The caller
+    checks ``fits``."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0]
+    flat = x.reshape(-1, k)
+    rows = flat.shape[0]
+    splits = k_splits(k, n, bits)
+    blocks = -(-n // (WARPS // splits * COLUMNS))
+    (out,) = _kernel()(
+        inputs=[flat, w, scales, biases],
+        template=[
+            ("T", x.dtype),
+            ("R", rows),
+            ("BITS", bits),
+            ("GS", group_size),
+            ("CPW", COLUMNS),
+            ("NW", WARPS),
+            ("KS", splits),
+        ],
+        grid=(blocks * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[x.dtype],
+    )
+    return out.reshape(*lead, n)
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
+    """``mx.quantized_matmul(..., transpose=True)``, through the kernel where it is enabled and fits."""
+    if (
+        w.ndim == 2
+        and x.ndim >= 1
+        and w.dtype == mx.uint32
+        and x.shape[-1] * bits == w.shape[1] * 32
+        and enabled()
+        and fits(
+            x.size // max(x.shape[-1], 1),
+            x.shape[-1],
+            w.shape[0],
+            bits=bits,
+            group_size=group_size,
+            mode=mode,
+            dtype=x.dtype,
+            scales_dtype=scales.dtype,
+            has_biases=biases is not None and biases.dtype == scales.dtype,
+        )
+    ):
+        return matmul(x, w, scales, biases, group_size, bits)
+    return mx.quantized_matmul(
+        x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+    )
+
+
+def linear(layer: nn.Module, x: mx.array) -> mx.array:
+    """``layer(x)``, with an ``nn.QuantizedLinear``'s product routed through ``quantized_matmul``
+    while the kernel is enabled. Other layers (plain, adapter hosts, subclasses) and every
+    layer while it is off are called as they are (so wrappers of ``__call__`` still apply)."""
+    if type(layer) is not nn.QuantizedLinear or not enabled():
+        return layer(x)
+    y = quantized_matmul(
+        x,
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=getattr(layer, "mode", "affine"),
+    )
+    return y + layer["bias"] if "bias" in layer else y
+
+
+def embedding_logits(embed: nn.Module, h: mx.array) -> mx.array:
+    """``embed.as_linear(h)`` (tied output head), routed like ``linear`` for a quantized embedding."""
+    if type(embed) is not nn.QuantizedEmbedding or not enabled():
+        return embed.as_linear(h)
+    return quantized_matmul(
+        h,
+        embed["weight"],
+        embed["scales"],
+        embed.get("biases"),
+        group_size=embed.group_size,
+        bits=embed.bits,
+        mode=getattr(embed, "mode", "affine"),
+    )

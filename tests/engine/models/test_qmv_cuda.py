@@ -1,0 +1,225 @@
+"""The small-row quantized matmul kernel for CUDA (models.quantized_matmul_cuda).
+
+Where MLX runs on CUDA, the kernel must equal ``mx.quantized_matmul`` (transpose=True) to
+float rounding for 4 and 8 bits, groups of 32/64/128, float32/float16/bfloat16 and 1-16
+rows, over shapes whose input size is not a multiple of a warp's stride and whose output
+count is not a multiple of a block's columns; a row's output must not depend on the rows
+beside it. Elsewhere only the routing is checked: which products go to the kernel, and that
+nothing routes while it is off or off CUDA.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from engine.models import quantized_matmul_cuda as qmv
+
+needs_cuda = pytest.mark.skipif(not qmv.available(), reason="needs MLX's CUDA backend")
+
+
+def _fits(rows=1, inputs=2560, outputs=4096, bits=4, group_size=64, mode="affine", dtype=mx.bfloat16, **kw):
+    return qmv.fits(
+        rows,
+        inputs,
+        outputs,
+        bits=bits,
+        group_size=group_size,
+        mode=mode,
+        dtype=dtype,
+        scales_dtype=kw.get("scales_dtype", dtype),
+        has_biases=kw.get("has_biases", True),
+    )
+
+
+def test_decode_verify_and_batch_shapes_of_affine_4_and_8_bits_go_to_the_kernel():
+    for rows in (1, 2, 5, 8, 16):
+        for bits in (4, 8):
+            for group in (32, 64, 128):
+                for dtype in (mx.bfloat16, mx.float16, mx.float32):
+                    assert _fits(rows=rows, bits=bits, group_size=group, dtype=dtype)
+    assert _fits(inputs=9728, outputs=2560)
+    assert _fits(inputs=64, outputs=3, group_size=64)  # one group, fewer columns than a warp owns
+
+
+def test_other_modes_widths_row_counts_and_mixed_dtypes_keep_mlxs_kernel():
+    assert not _fits(rows=17)  # a prefill chunk: MLX's tiled kernel
+    assert not _fits(rows=0)
+    assert not _fits(bits=3) and not _fits(bits=2) and not _fits(bits=6)
+    assert not _fits(group_size=16)
+    assert not _fits(mode="mxfp4", group_size=32) and not _fits(mode="nvfp4", group_size=16)
+    assert not _fits(has_biases=False)
+    assert not _fits(dtype=mx.float32, scales_dtype=mx.bfloat16)  # MLX promotes; ours would not
+    assert not _fits(inputs=2560 + 32, group_size=64)  # not whole groups
+    assert not _fits(dtype=mx.int32)
+
+
+@pytest.mark.parametrize(
+    "inputs, outputs, bits, splits",
+    [
+        (2560, 19456, 4, 1),  # qwen3-4b gate+up: columns enough to fill the grid
+        (4096, 28672, 4, 1),  # llama3-8b gate+up
+        (2560, 4096, 4, 2),  # qwen3-4b q: 80 chunks of 16 bytes a row, two warps of lanes
+        (2560, 4096, 8, 4),
+        (9728, 2560, 4, 4),  # qwen3-4b down: few columns for a long row
+        (14336, 4096, 4, 4),  # llama3-8b down
+        (896, 1152, 4, 1),  # qwen2.5-0.5b q/k/v: under one chunk a lane
+    ],
+)
+def test_warps_split_long_rows_of_matrices_with_few_columns(inputs, outputs, bits, splits):
+    assert qmv.k_splits(inputs, outputs, bits) == splits
+    assert qmv.WARPS % splits == 0
+
+
+def test_nothing_routes_while_the_kernel_is_off_or_off_cuda(monkeypatch):
+    monkeypatch.delenv(qmv.ENV, raising=False)
+    assert not qmv.enabled()
+    monkeypatch.setenv(qmv.ENV, "1")
+    assert qmv.enabled() == qmv.available()
+    monkeypatch.setenv(qmv.ENV, "0")
+    assert not qmv.enabled()
+
+
+def test_the_routed_entry_points_equal_mlxs_where_the_kernel_does_not_run(monkeypatch):
+    """On the CPU build (or with the kernel off) the hooks the shared layers call must give
+    exactly what the layers themselves give."""
+    monkeypatch.setenv(qmv.ENV, "1")
+    if qmv.available():
+        monkeypatch.delenv(qmv.ENV)
+    layer = nn.QuantizedLinear(128, 48, bias=True, group_size=64, bits=4)
+    embed = nn.QuantizedEmbedding(40, 128, group_size=64, bits=8)
+    x = mx.random.normal((2, 3, 128), key=mx.random.key(1))
+    assert mx.array_equal(qmv.linear(layer, x), layer(x))
+    assert mx.array_equal(qmv.embedding_logits(embed, x), embed.as_linear(x))
+    plain = nn.Linear(128, 8)
+    assert mx.array_equal(qmv.linear(plain, x), plain(x))
+
+
+# rows, inputs, outputs: the decode/verify/batch row counts over inputs below, at and past
+# a warp's stride (1,024 4-bit or 512 8-bit values) and outputs not a multiple of a
+# block's 16 columns; the real projections of qwen3-4b and llama3-8b.
+SHAPES = [
+    (1, 2560, 4096),
+    (2, 4096, 4096 + 8),
+    (3, 640, 37),
+    (4, 9728, 2560),
+    (5, 2176, 1000),
+    (6, 128, 5),
+    (8, 2560, 19456),
+    (11, 1280, 333),
+    (16, 14336, 4096),
+]
+MODES = [(bits, group) for bits in (4, 8) for group in (32, 64, 128)]
+DTYPES = [mx.bfloat16, mx.float16, mx.float32]
+# Every mode in every dtype, each on one of the shapes in turn (every shape gets several
+# modes and dtypes), and the big projections at the decode and batch row counts: one
+# kernel build per row count, dtype and mode, so not the whole cross product.
+CASES = [
+    (*SHAPES[(i * len(DTYPES) + j) % len(SHAPES)], bits, group, dtype)
+    for i, (bits, group) in enumerate(MODES)
+    for j, dtype in enumerate(DTYPES)
+] + [(rows, 2560, 19456, 4, 64, mx.bfloat16) for rows in (1, 8, 16)]
+# Output tolerance against the float32 referee, relative to the output's largest magnitude:
+# a few roundings of the output's own dtype (half an ulp is 2^-9 of a bfloat16 and 2^-11 of
+# a float16; the kernel sums in float32 and rounds once).
+TOLERANCE = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
+# From MLX's own on the GPU: both rounded to the dtype; in float32 MLX may take TF32 tensor
+# cores for several rows (~1e-3).
+APART = {mx.float32: 2e-3, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+
+
+def _case(rows, inputs, outputs, bits, group, dtype):
+    k1, k2 = mx.random.split(mx.random.key(rows * 7919 + inputs + outputs + bits * 131 + group), 2)
+    w = (mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
+    return x, wq, scales, biases
+
+
+def _referee(x, wq, scales, biases, group, bits):
+    # On the CPU in float32: the inputs converted exactly, no tensor-core rounding.
+    with mx.stream(mx.cpu):
+        return mx.quantized_matmul(
+            x.astype(mx.float32),
+            wq,
+            scales.astype(mx.float32),
+            biases.astype(mx.float32),
+            transpose=True,
+            group_size=group,
+            bits=bits,
+        )
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows, inputs, outputs, bits, group, dtype", CASES, ids=str)
+def test_the_kernel_equals_mlxs_quantized_matmul(rows, inputs, outputs, bits, group, dtype):
+    x, wq, scales, biases = _case(rows, inputs, outputs, bits, group, dtype)
+    assert _fits(rows, inputs, outputs, bits=bits, group_size=group, dtype=dtype)
+    got = qmv.matmul(x, wq, scales, biases, group, bits)
+    mlx_own = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
+    expected = _referee(x, wq, scales, biases, group, bits)
+    assert got.dtype == mlx_own.dtype == dtype and got.shape == mlx_own.shape == (rows, outputs)
+    size = mx.abs(expected).max().item()
+    ours = mx.abs(got.astype(mx.float32) - expected).max().item()
+    theirs = mx.abs(mlx_own.astype(mx.float32) - expected).max().item()
+    # Within rounding of the referee, and of MLX's own (which rounds to the dtype as well).
+    assert ours <= TOLERANCE[dtype] * size, (ours, theirs, size)
+    apart = mx.abs(got.astype(mx.float32) - mlx_own.astype(mx.float32)).max().item()
+    assert apart <= APART[dtype] * size, (apart, ours, theirs, size)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(bits):
+    x, wq, scales, biases = _case(16, 2560, 1030, bits, 64, mx.bfloat16)
+    many = qmv.matmul(x, wq, scales, biases, 64, bits)
+    for r in (0, 5, 15):
+        one = qmv.matmul(x[r : r + 1], wq, scales, biases, 64, bits)
+        assert mx.array_equal(one[0], many[r])
+
+
+@needs_cuda
+def test_leading_axes_strided_inputs_and_row_views_of_a_weight(monkeypatch):
+    """A [B, L, K] activation, a non-contiguous one, and a weight that is a row slice of a
+    larger one (the stacked projections' views) route and give MLX's result."""
+    monkeypatch.setenv(qmv.ENV, "1")
+    x, wq, scales, biases = _case(6, 1024, 96, 4, 64, mx.bfloat16)
+    view = (wq[32:80], scales[32:80], biases[32:80])
+    x3 = x.reshape(2, 3, 1024)
+    strided = mx.random.normal((1024, 4), key=mx.random.key(3)).astype(mx.bfloat16).T
+    for inputs in (x3, strided):
+        got = qmv.quantized_matmul(inputs, *view, group_size=64, bits=4)
+        expected = _referee(inputs.reshape(-1, 1024), *view, 64, 4).reshape(*inputs.shape[:-1], 48)
+        assert got.shape == expected.shape and got.dtype == mx.bfloat16
+        assert mx.abs(got.astype(mx.float32) - expected).max().item() <= 8e-3 * mx.abs(expected).max().item()
+
+
+@needs_cuda
+def test_a_models_shared_layers_route_through_the_kernel_and_keep_its_logits(monkeypatch):
+    """A 4-bit qwen2.5-0.5b-shaped model (stacked q/k/v and gate/up, o/down, the tied head):
+    with the kernel on, every projection of a 5-token pass runs it and the logits stay those
+    of MLX's kernel to bfloat16 rounding."""
+    from engine.cli.bench import SHAPES as BENCH_SHAPES
+    from engine.models import get_family
+    from engine.models.stacked import stack_projections
+
+    config = dict(BENCH_SHAPES["qwen2.5-0.5b"], num_hidden_layers=2)
+    family = get_family(config["model_type"])
+    mx.random.seed(3)
+    model = family.Model(family.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    stack_projections(model)
+    mx.eval(model.parameters())
+    tokens = mx.array([[11, 523, 9001, 77, 4242]])
+
+    monkeypatch.delenv(qmv.ENV, raising=False)
+    plain = model(tokens).astype(mx.float32)
+    calls = []
+    kernel = qmv.matmul
+    monkeypatch.setattr(qmv, "matmul", lambda *a: calls.append(a[1].shape) or kernel(*a))
+    monkeypatch.setenv(qmv.ENV, "1")
+    routed = model(tokens).astype(mx.float32)
+    assert len(calls) == 2 * 4 + 1  # per layer: q/k/v, o, gate/up, down; then the head
+    assert mx.abs(routed - plain).max().item() <= 5e-2 * mx.abs(plain).max().item()

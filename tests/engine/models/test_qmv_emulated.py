@@ -1,0 +1,174 @@
+"""The CUDA kernel's own source, run on the CPU: its indexing and arithmetic checked where no
+GPU is.
+
+The kernel body and header of ``models.quantized_matmul_cuda`` are compiled as C++ (g++)
+beside a few definitions that stand in for CUDA's: each lane a thread, a warp's shuffles
+meeting at a barrier of its 32 threads, ``__syncthreads`` at one of the block's, and blocks
+run one after another. The outputs must equal ``mx.quantized_matmul`` in float32 to
+rounding, over K-splits of 1, 2 and 4 warps, both bit widths, every group size, all three
+dtypes, inputs not a multiple of a warp's stride, outputs not a multiple of a block's
+columns and activations not 16-byte aligned (the one-by-one loads). Skipped without g++.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.models import quantized_matmul_cuda as qmv
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel for the CPU")
+
+_PRELUDE = r"""
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+using std::min;
+struct uint4 { uint32_t x, y, z, w; };
+struct uint2 { uint32_t x, y; };
+struct bf16 {  // bfloat16: float's top half, rounded to nearest even
+  uint16_t v;
+  bf16() = default;
+  bf16(float f) { uint32_t u; memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); v = u >> 16; }
+  operator float() const { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+};
+inline float __int_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+struct Index { int x; };
+thread_local Index threadIdx, blockIdx;
+std::barrier<>* warp_barriers[32];
+std::barrier<>* block_barrier;
+float slots[1024];
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+  const int t = threadIdx.x, w = t >> 5;
+  slots[t] = v;
+  warp_barriers[w]->arrive_and_wait();
+  const float r = slots[(w << 5) | ((t & 31) ^ o)];
+  warp_barriers[w]->arrive_and_wait();
+  return r;
+}
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+using Shape = std::array<int32_t, 8>;
+"""
+
+_DRIVER = r"""
+static void kernel(const T* x, const Shape x_shape, const uint32_t* w, const Shape w_shape,
+                   const T* scales, const T* biases, T* out) {
+  CONSTANTS
+  SOURCE
+}
+static std::vector<char> slurp(const char* path) {
+  std::vector<char> bytes;
+  FILE* f = fopen(path, "rb");
+  char buf[65536];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) bytes.insert(bytes.end(), buf, buf + n);
+  fclose(f);
+  return bytes;
+}
+int main(int argc, char** argv) {
+  const int rows = atoi(argv[1]), K = atoi(argv[2]), N = atoi(argv[3]), shift = atoi(argv[4]);
+  const int warps = atoi(argv[5]), splits = atoi(argv[6]), columns = atoi(argv[7]);
+  auto xb = slurp("x.bin"), wb = slurp("w.bin"), sb = slurp("s.bin"), bb = slurp("b.bin");
+  std::vector<T> xs((size_t)rows * K + 8);  // shifted by `shift` elements: unaligned loads
+  memcpy(xs.data() + shift, xb.data(), xb.size());
+  std::vector<uint32_t> ws(wb.size() / 4);
+  memcpy(ws.data(), wb.data(), wb.size());
+  std::vector<T> out((size_t)rows * N);
+  Shape xsh{}, wsh{};
+  xsh[0] = rows; xsh[1] = K; wsh[0] = N; wsh[1] = (int)(ws.size() / N);
+  const int per_block = warps / splits * columns, blocks = (N + per_block - 1) / per_block;
+  for (int b = 0; b < blocks; ++b) {
+    std::vector<std::barrier<>*> bars;
+    for (int i = 0; i < warps; ++i) warp_barriers[i] = bars.emplace_back(new std::barrier<>(32));
+    std::barrier<> block(warps * 32);
+    block_barrier = &block;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < warps * 32; ++t)
+      threads.emplace_back([&, t] {
+        threadIdx.x = t;
+        blockIdx.x = b;
+        kernel(xs.data() + shift, xsh, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), out.data());
+      });
+    for (auto& t : threads) t.join();
+    for (auto* bar : bars) delete bar;
+  }
+  FILE* f = fopen("out.bin", "wb");
+  fwrite(out.data(), sizeof(T), out.size(), f);
+  fclose(f);
+}
+"""
+
+_CPP_TYPE = {mx.float32: "float", mx.float16: "_Float16", mx.bfloat16: "bf16"}
+_TOLERANCE = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
+
+
+def _raw(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
+
+
+def _run_on_cpu(tmp_path, x, wq, scales, biases, group: int, bits: int, shift: int) -> mx.array:
+    rows, k = x.shape
+    n = wq.shape[0]
+    splits = qmv.k_splits(k, n, bits)
+    constants = (
+        f"constexpr int R = {rows}; constexpr int BITS = {bits}; constexpr int GS = {group}; "
+        f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
+    )
+    source = _PRELUDE + qmv._HEADER + f"using T = {_CPP_TYPE[x.dtype]};\n"
+    source += _DRIVER.replace("CONSTANTS", constants).replace("SOURCE", qmv._SOURCE)
+    (tmp_path / "kernel.cpp").write_text(source)
+    for name, a in (("x", x), ("s", scales), ("b", biases)):
+        _raw(a).tofile(tmp_path / f"{name}.bin")
+    np.array(wq).tofile(tmp_path / "w.bin")
+    built = subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-pthread", "-w", "kernel.cpp", "-o", "kernel"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    args = [rows, k, n, shift, qmv.WARPS, splits, qmv.COLUMNS]
+    subprocess.run(["./kernel", *map(str, args)], cwd=tmp_path, check=True, timeout=60)
+    raw = np.fromfile(tmp_path / "out.bin", dtype=np.uint16 if x.dtype == mx.bfloat16 else _raw(x).dtype)
+    out = mx.array(raw.reshape(rows, n))
+    return out.view(mx.bfloat16) if x.dtype == mx.bfloat16 else out
+
+
+# rows, inputs, outputs, bits, group, dtype, x shifted by elements; the K-split each takes
+# is checked too (1, 2 and 4 warps a column set).
+CASES = [
+    (1, 640, 37, 4, 64, mx.float32, 0, 1),
+    (3, 2176, 19, 8, 32, mx.float32, 0, 4),
+    (5, 3200, 16, 4, 128, mx.bfloat16, 0, 2),
+    (16, 640, 33, 8, 64, mx.bfloat16, 1, 1),
+    (7, 64, 5, 4, 64, mx.float16, 3, 1),
+    (2, 4864, 23, 4, 32, mx.float16, 1, 4),
+]
+
+
+@pytest.mark.parametrize("rows, inputs, outputs, bits, group, dtype, shift, splits", CASES, ids=str)
+def test_the_kernels_source_computes_mlxs_product(tmp_path, rows, inputs, outputs, bits, group, dtype, shift, splits):
+    assert qmv.k_splits(inputs, outputs, bits) == splits
+    k1, k2 = mx.random.split(mx.random.key(rows + inputs + outputs), 2)
+    w = (mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
+    got = _run_on_cpu(tmp_path, x, wq, scales, biases, group, bits, shift)
+    f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
+    expected = mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=group, bits=bits)
+    assert got.dtype == dtype
+    error = mx.abs(got.astype(mx.float32) - expected).max().item()
+    assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
