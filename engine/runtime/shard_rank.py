@@ -312,7 +312,7 @@ def _run_command(channel: Channel, host: Any, spec: Any, cmd: dict[str, Any]) ->
 
     def on_event(event: Any) -> None:
         if speak and isinstance(event, TokenEvent):
-            channel.send({"token": event.text})
+            channel.send({"token": event.text, "channel": event.channel, "ids": event.token_ids})
 
     try:
         params = _params(cmd.get("params") or {})
@@ -354,6 +354,7 @@ def _result_json(result: Any) -> dict[str, Any]:
     s = result.stats
     return {
         "text": result.text,
+        "reasoning": result.reasoning,
         "token_ids": result.token_ids,
         "token_logprobs": result.token_logprobs,
         "finish_reason": result.finish_reason,

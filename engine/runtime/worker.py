@@ -61,6 +61,7 @@ from engine.api import (
 )
 from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.host import ModelHost, token_event
+from engine.runtime.shard_worker import NOT_MINE, ShardRouter
 
 MEMORY_INTERVAL_S = 0.5
 _STOP = object()
@@ -108,6 +109,7 @@ class EngineWorker:
         self._jobs: dict[int, _Job] = {}  # generations decoding in the batch, by request id
         self._held: Any = None  # a command waiting for the batch to drain
         self._memory_at = 0.0
+        self._shards = ShardRouter(self._host, self._emit)  # a model split across machines
 
     # ---- caller side (any thread) -------------------------------------------------
 
@@ -207,6 +209,7 @@ class EngineWorker:
             while True:
                 item = self._next_command()
                 if item is _STOP:
+                    self._shards.close()  # no rank outlives the engine
                     while self._jobs:  # shutdown set their cancel flags: they end at once
                         self._round()
                     if self._held is not None:
@@ -239,6 +242,7 @@ class EngineWorker:
                 rid = 0
         except BaseException as exc:  # the loop itself died: nobody waits forever
             self._dead = one_line(exc)
+            self._shards.close()
             if rid:
                 self._finish_error(rid, f"The engine stopped: {self._dead}", "Fatal")
             waiting = [*self._jobs, *([self._held[0]] if self._held is not None else [])]
@@ -349,7 +353,7 @@ class EngineWorker:
     def _publish_status(self) -> None:
         host = self._host
         self._status = EngineStatus(
-            model_loaded=bool(host.loaded),
+            model_loaded=bool(host.loaded) or self._shards.loaded,
             tower_loaded=bool(host.tower_loaded),
             decoding=len(self._jobs),
             budget_bytes=self._budget if host.loaded else 0,
@@ -365,6 +369,10 @@ class EngineWorker:
 
     def _handle(self, rid: int, command: Command, cancel: threading.Event) -> Any:
         host = self._host
+        routed = self._shards.handle(rid, command, cancel)
+        if routed is not NOT_MINE:
+            self._emit_memory()
+            return routed
         if isinstance(command, LoadModel):
             info = host.load(
                 command.path,
@@ -546,5 +554,6 @@ class EngineWorker:
                 kv_allowance_bytes=self._kv_allowance(),
                 expert_slab_bytes=store.slab_bytes if store is not None else 0,
                 expert_hit_rate=store.stats.hit_rate if store is not None else 1.0,
+                ranks=self._shards.ranks(),
             )
         )
