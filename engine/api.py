@@ -11,10 +11,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.shard_api import PlanShards, RankShare, ShardPlan
-
-# The split-model vocabulary lives in its own module; re-exported so engine.api stays the one vocabulary.
-_SHARD_VOCABULARY = (PlanShards, RankShare, ShardPlan)
+# The split-model vocabulary lives in its own module, re-exported: engine.api stays the one vocabulary.
+from engine.shard_api import PlanShards as PlanShards
+from engine.shard_api import RankShare as RankShare
+from engine.shard_api import ShardPlan as ShardPlan
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 

@@ -29,6 +29,7 @@ class ModelController(QObject):
     def __init__(self, bridge: EngineBridge, load_setup: Any, adapters: Any, parent: QObject | None = None):
         super().__init__(parent)
         self.bridge, self.load_setup, self.adapters = bridge, load_setup, adapters
+        self.machines: Any = None  # app.controllers.machines: a model planned across machines
 
     async def load(self, path: str, memory_budget: int | None = None) -> bool:
         """Load ``path`` under ``memory_budget`` (default: the one chosen in Settings), then
@@ -36,8 +37,10 @@ class ModelController(QObject):
         name = Path(path).name
         if memory_budget is None:
             memory_budget = self.load_setup.budget_for_load()
+        split = self.machines.split_for(path) if self.machines is not None else None
+        across = {"hosts": split.hosts, "shard": split.shard} if split is not None else {}
         emit(self.loading, name)
-        emit(self.status, f"Loading {name}…")
+        emit(self.status, f"Loading {name}" + (f" across {len(split.hosts)} machines…" if split else "…"))
         try:
             info = await self.bridge.load_model(
                 path,
@@ -48,6 +51,7 @@ class ModelController(QObject):
                 events=RequestEvents(
                     progress=lambda _stage, done, total, message: emit(self.progress, done, total, message)
                 ),
+                **across,
             )
         except (EngineRequestError, EngineUnavailable) as exc:
             reason = str(exc)
