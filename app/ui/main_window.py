@@ -547,6 +547,8 @@ class MainWindow(QMainWindow):
         if conv is not None:
             self.settings.load(conv.system_prompt, conv.settings)
         self.gauge.set_plan(info.plan)
+        split = self.machines.split_for(info.path)
+        self.rank_gauge.set_rooms(split.rooms if split is not None else [])
         self.check_memory()
         self.settings.set_draft(None)
         self.settings.set_mtp(info.mtp, info.mtp_note)

@@ -66,14 +66,15 @@ def plan_shards(command: PlanShards) -> ShardPlan:
 class ShardedModel:
     """The ranks of one sharded load, driven from the worker thread."""
 
-    def __init__(self, group: Any, info: ModelInfo, ranks: list[RankShare]) -> None:
-        self.group, self.info, self.ranks = group, info, ranks
+    def __init__(self, group: Any, front: Any, ranks: list[RankShare]) -> None:
+        self.group, self.front, self.ranks = group, front, ranks
+        self.info: ModelInfo = front.info
 
     @classmethod
     def load(cls, rid: int, command: LoadModel, emit: Emit, cancel: threading.Event) -> ShardedModel:
         """Start one rank per host and wait until each has loaded its share, reporting
         each rank's progress; a refusal or a lost rank raises with its one line."""
-        from engine.runtime.model_info import inspect_model
+        from engine.runtime.shard_front import SplitFront
         from engine.runtime.shard_group import RankGroup
 
         hosts = list(command.hosts or [])
@@ -81,7 +82,8 @@ class ShardedModel:
             raise EngineError(f"shard must be one of {', '.join(SHARD_MODES)} (got {command.shard!r})")
         if command.backend not in SHARD_BACKENDS:
             raise EngineError(f"backend must be one of {', '.join(SHARD_BACKENDS)} (got {command.backend!r})")
-        info = inspect_model(command.path)
+        front = SplitFront(command.path)  # the tokenizer and template stay here
+        info = front.info
         node = ["--model", command.path, "--shard", command.shard]
         if command.kv_bits is not None:
             node += ["--kv-bits", str(command.kv_bits), "--kv-group-size", str(command.kv_group_size)]
@@ -101,7 +103,7 @@ class ShardedModel:
         except EngineError as e:
             raise EngineError(f"could not load {info.name} across {len(hosts)} machines: {e}") from None
         ranks = [RankShare(r["rank"], r["host"], int(r["weight_bytes"]), list(r["layers"])) for r in ready]
-        return cls(group, info, ranks)
+        return cls(group, front, ranks)
 
     def generate(self, rid: int, command: Generate | Complete, cancel: threading.Event, emit: Emit) -> GenerationResult:
         """One request on every rank; rank 0's tokens as TokenEvents, its result returned."""
@@ -203,6 +205,11 @@ class ShardRouter:
     @property
     def loaded(self) -> bool:
         return self.model is not None
+
+    @property
+    def front(self) -> Any:
+        """The split model's text side (shard_front.SplitFront), None when none is loaded."""
+        return self.model.front if self.model is not None else None
 
     def ranks(self) -> list[RankShare]:
         return list(self.model.ranks) if self.model is not None else []

@@ -167,8 +167,9 @@ class EngineWorker:
     @property
     def host(self) -> ModelHost:
         """The ModelHost this worker drives. Other threads may read its settings (template,
-        tokenizer, generation defaults); all MLX work goes through ``submit``."""
-        return self._host
+        tokenizer, generation defaults); all MLX work goes through ``submit``. A model split
+        across machines: its text side here (shard_front.py)."""
+        return self._shards.front or self._host
 
     # ---- worker side ----------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import openai
 import pytest
 from PySide6.QtCore import Qt
 
@@ -59,9 +60,28 @@ def send(qtbot, window, text: str):
     return blocker.args[1]
 
 
-def split_in_browser(window, run_async, model: Path):
+def start_server(qtbot, window) -> str:
+    controller = window.server_menu.controller
+    controller.port = 0  # the OS picks a free one
+    with qtbot.wait_signal(controller.changed, timeout=10_000):
+        controller.start()
+    return controller.address
+
+
+def ask_server(address: str) -> tuple[str, str]:
+    """A chat reply and a plain completion from the app's server, greedy."""
+    with openai.OpenAI(base_url=address, api_key="none", max_retries=0, timeout=60) as client:
+        chat = client.chat.completions.create(
+            model="tiny-split", max_tokens=8, temperature=0, messages=[{"role": "user", "content": "hi"}]
+        )
+        text = client.completions.create(model="tiny-split", prompt="once upon", max_tokens=8, temperature=0)
+    return chat.choices[0].message.content, text.choices[0].text
+
+
+def split_in_browser(window, run_async, model: Path, shard: str = "pipeline"):
     """Open the model browser on ``model`` as this machine's budget cannot hold it."""
     window.machines.add("127.0.0.1")  # a second rank on this machine
+    window.machines.set_shard(shard)  # as Machines…'s "Split … by" choice does
     browser = window.open_model_browser()
     browser.budget = TOO_SMALL
     browser.extra_dirs = [str(model.parent)]
@@ -69,11 +89,16 @@ def split_in_browser(window, run_async, model: Path):
     return browser
 
 
-def test_a_model_too_big_here_runs_across_two_ranks_like_one_process(qtbot, make_window, run_async, model, tmp_path):
+def test_a_model_too_big_here_runs_and_serves_across_two_ranks_like_one_process(
+    qtbot, make_window, run_async, model, tmp_path
+):
     window = make_window(tmp_path / "data")
     assert run_async(window.load_model(str(model)))  # the referee: the same model on one process
     single = send(qtbot, window, "hello there")
     assert window.rank_gauge.isHidden()
+    address = start_server(qtbot, window)  # Server → Start server: the same worker's model
+    served_single = ask_server(address)
+    assert all(served_single)  # words to compare, not two empty replies
 
     browser = split_in_browser(window, run_async, model)
     row = next(r for r in range(browser.table.rowCount()) if browser.table.item(r, 0).text() == model.name)
@@ -97,6 +122,7 @@ def test_a_model_too_big_here_runs_across_two_ranks_like_one_process(qtbot, make
     window.new_chat()  # the same first message as the referee's
     split = send(qtbot, window, "hello there")
     assert split.token_ids == single.token_ids and split.text == single.text
+    assert ask_server(address) == served_single  # the server serves the split model like any other
 
     window.close()  # quitting ends every rank
     deadline = time.monotonic() + 10
@@ -106,14 +132,18 @@ def test_a_model_too_big_here_runs_across_two_ranks_like_one_process(qtbot, make
     print(f"split load {loaded_in:.1f} s")
 
 
-def test_a_killed_rank_says_so_in_one_line_and_the_app_loads_on_fewer_machines(
+def test_a_killed_tensor_rank_says_so_in_one_line_and_the_app_loads_on_fewer_machines(
     qtbot, make_window, run_async, model, tmp_path
 ):
     window = make_window(tmp_path / "data")
-    split_in_browser(window, run_async, model)
+    browser = split_in_browser(window, run_async, model, "tensor")
+    assert "✓ fits across 2 machines (tensor)" in [
+        browser.table.item(r, 6).text() for r in range(browser.table.rowCount())
+    ]
     assert run_async(window.load_model(str(model)), timeout=90_000)
     pids = rank_pids()
     assert len(pids) == 2
+    qtbot.waitUntil(lambda: [r["layers"] for r in window.rank_gauge.ranks] == [[0, 4], [0, 4]], timeout=10_000)
     window.store.update_conversation(window.chat.conversation_id, settings={**SEND, "max_tokens": 100_000})
     first: list[str] = []
     window.bridge.token.connect(lambda _rid, text, _ch: first.append(text))
