@@ -10,8 +10,9 @@ word-level tokenizer), then runs ``python -m engine generate`` on the very same 
 - ``measure`` (two GPUs): each shape on one GPU, then as two NCCL ranks (pipeline and
   tensor), for each prompt length; and, with ``--vs mlx-lm``, mlx-lm on the same files
   (``load`` on one GPU; ``sharded_load`` with a pipeline or tensor group over NCCL on two).
-  Prints prompt and decode tok/s, time to first token, rank 0's peak memory, and whether
-  the greedy ids equal one GPU's (else the first position where they part).
+  Prints prompt and decode tok/s, time to first token, rank 0's peak memory (MLX's
+  count), each GPU's peak use (``nvidia-smi``, sampled through the run), and whether the
+  greedy ids equal one GPU's (else the first position where they part).
 
 Every NCCL rank runs with NVLink multicast off (the launcher sets ``NCCL_NVLS_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``; mlx-lm's ranks here get
@@ -82,6 +83,42 @@ def prompt(n: int, folder: Path) -> list[int]:
     return [3 + (i * 7) % min(2000, vocab - 3) for i in range(n)]
 
 
+class GpuPeaks:
+    """Each GPU's most memory in use while a run lasts, sampled from ``nvidia-smi`` (what
+    the device holds: the process's arrays, MLX's cache and the CUDA context); nothing
+    where there is no ``nvidia-smi``."""
+
+    def __init__(self) -> None:
+        import shutil
+        import threading
+
+        self.peaks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True) if shutil.which("nvidia-smi") else None
+
+    def _sample(self) -> None:
+        query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            for row in out.strip().splitlines():
+                index, used = (int(x) for x in row.split(","))
+                self.peaks[index] = max(self.peaks.get(index, 0), used << 20)
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> GpuPeaks:
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
 # ---- ours ------------------------------------------------------------------------------------
 
 
@@ -91,10 +128,12 @@ def ours(folder: Path, ids: list[int], gen: int, hosts: str | None, shard: str, 
     command += [",".join(map(str, ids)), "--max-tokens", str(gen), "--ignore-eos", "--temp", "0", "--json"]
     if hosts is not None:
         command += ["--hosts", hosts, "--shard", shard, "--backend", backend]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    with GpuPeaks() as gpus:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         return {"error": (run.stderr.strip().splitlines() or ["no output"])[-1]}
     out = json.loads(run.stdout.strip().splitlines()[-1])
+    out["gpu_peak_bytes"] = gpus.peaks
     out["ttft_s"] = out["prompt_tokens"] / out["prompt_tps"] if out.get("prompt_tps") else 0.0
     return out
 
@@ -133,7 +172,8 @@ def theirs(folder: Path, ids: list[int], gen: int, ranks: int, shard: str, backe
         for r in range(ranks)
     ]
     try:
-        both = [p.communicate(timeout=1800) for p in procs]
+        with GpuPeaks() as gpus:
+            both = [p.communicate(timeout=1800) for p in procs]
         outs = [out.decode() for out, _ in both]
     finally:
         for p in procs:
@@ -144,7 +184,7 @@ def theirs(folder: Path, ids: list[int], gen: int, ranks: int, shard: str, backe
             os.unlink(ring)
     lines = outs[0].strip().splitlines()
     if lines:
-        return json.loads(lines[-1])
+        return {**json.loads(lines[-1]), "gpu_peak_bytes": gpus.peaks}
     said = [line for _, err in both for line in err.decode(errors="replace").strip().splitlines()[-1:]]
     return {"error": "mlx-lm: " + (said[0] if said else "rank 0 printed nothing")}
 
@@ -204,9 +244,11 @@ def line(label: str, r: dict[str, Any], ref: list[int] | None) -> str:
     if "error" in r:
         return f"  {label:34s} error: {r['error']}"
     same = "" if ref is None else "  " + parted(r["token_ids"], ref)
+    gpus = r.get("gpu_peak_bytes") or {}
+    per_gpu = "  GPUs " + "/".join(f"{gpus[i] / 1e9:.1f}" for i in sorted(gpus)) + " GB" if gpus else ""
     return (
         f"  {label:34s} prompt {r['prompt_tps']:9.1f} tok/s  decode {r['generation_tps']:8.1f} tok/s  "
-        f"ttft {r['ttft_s'] * 1000:8.1f} ms  peak {r.get('peak_memory_bytes', 0) / 1e9:6.2f} GB{same}"
+        f"ttft {r['ttft_s'] * 1000:8.1f} ms  peak {r.get('peak_memory_bytes', 0) / 1e9:6.2f} GB{per_gpu}{same}"
     )
 
 
