@@ -13,6 +13,7 @@ from typing import Any
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.memory_units import experts_note
 from app.qt import QObject, Signal, emit
+from app.tasks import spawn
 
 
 class ModelController(QObject):
@@ -30,6 +31,8 @@ class ModelController(QObject):
         super().__init__(parent)
         self.bridge, self.load_setup, self.adapters = bridge, load_setup, adapters
         self.machines: Any = None  # app.controllers.machines: a model planned across machines
+        self._split = False  # the engine reports ranks: a split model is loaded
+        bridge.memory.connect(self._follow_split)
 
     async def load(self, path: str, memory_budget: int | None = None) -> bool:
         """Load ``path`` under ``memory_budget`` (default: the one chosen in Settings), then
@@ -73,6 +76,15 @@ class ModelController(QObject):
             emit(self.failed, self.load_setup.skipped)
         emit(self.ready, info)
         return True
+
+    def _follow_split(self, figures: dict) -> None:
+        """A split model whose ranks are gone outside a load (a rank was lost): the engine
+        holds no model now, and the window says so."""
+        if "ranks" not in figures:
+            return
+        had, self._split = self._split, bool(figures["ranks"])
+        if had and not self._split and self.bridge.active_load is None and self.bridge.model_info is not None:
+            spawn(self._after_failed_load())
 
     async def _after_failed_load(self) -> None:
         """A failed load may have replaced the model that was there: say what the engine holds now."""

@@ -198,8 +198,8 @@ class ShardRouter:
     """The worker's one hook: the commands that go to the ranks while a split model is
     loaded (and the load and plan that start it); everything else is ``NOT_MINE``."""
 
-    def __init__(self, host: Any, emit: Emit) -> None:
-        self.host, self.emit = host, emit
+    def __init__(self, host: Any, emit: Emit, on_lost: Callable[[], None]) -> None:
+        self.host, self.emit, self.on_lost = host, emit, on_lost  # on_lost: the split is gone
         self.model: ShardedModel | None = None
 
     @property
@@ -252,6 +252,7 @@ class ShardRouter:
             return self.model.generate(rid, command, cancel, self.emit)
         except RankLost as e:  # the group is gone (every rank ended): so is the model
             self.model = None
+            self.on_lost()
             raise EngineError(f"{e}; the model is unloaded, load it again on the machines left") from None
 
     def close(self) -> None:

@@ -109,7 +109,8 @@ class EngineWorker:
         self._jobs: dict[int, _Job] = {}  # generations decoding in the batch, by request id
         self._held: Any = None  # a command waiting for the batch to drain
         self._memory_at = 0.0
-        self._shards = ShardRouter(self._host, self._emit)  # a model split across machines
+        # A model split across machines; a lost split's memory figures (no ranks) go out at once.
+        self._shards = ShardRouter(self._host, self._emit, lambda: self._emit_memory())
 
     # ---- caller side (any thread) -------------------------------------------------
 

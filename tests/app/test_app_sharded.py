@@ -159,6 +159,8 @@ def test_a_killed_tensor_rank_says_so_in_one_line_and_the_app_loads_on_fewer_mac
     assert "rank 1 on 127.0.0.1 stopped answering" in line and "\n" not in line
     assert finished.args is not None
     qtbot.waitUntil(lambda: all(gone(p) for p in pids), timeout=5_000)
+    qtbot.waitUntil(lambda: window.bridge.model_info is None, timeout=5_000)  # the window says: no model
+    assert window.rank_gauge.isHidden() and "Select a model" in window.model_button.text()
 
     window.machines.remove("127.0.0.1")  # the machine is gone: the model on fewer machines
     assert run_async(window.load_model(str(model)), timeout=60_000)
