@@ -166,3 +166,30 @@ def test_a_killed_tensor_rank_says_so_in_one_line_and_the_app_loads_on_fewer_mac
     assert run_async(window.load_model(str(model)), timeout=60_000)
     assert send(qtbot, window, "still there?").stats.generated_tokens >= 1
     assert rank_pids() == []
+
+
+def test_the_split_is_the_engines_plan_over_each_machines_room(make_window, run_async, model, tmp_path):
+    """Machines without room for their share, or not answering, leave the model "too big";
+    with room, the fewest machines it fits on, this one named so the others reach it."""
+    import socket
+
+    from app.controllers.machines import MachineStatus
+
+    window = make_window(tmp_path / "data")
+    machines = window.machines
+    machines.add("10.0.0.2")  # never contacted: what its probe said is set below
+    roomy, cramped = {"room": 10**9}, {"room": 100_000}  # the plan keeps 64 MB of workspace a rank
+    machines.statuses = {"127.0.0.1": MachineStatus("127.0.0.1", True, "", roomy)}
+    machines.statuses["10.0.0.2"] = MachineStatus("10.0.0.2", True, "", cramped)
+    assert run_async(machines.plan_for(window.bridge, str(model))) is None
+    assert machines.fits_across(str(model)) is None and machines.split_for(str(model)) is None
+    machines.statuses["10.0.0.2"] = MachineStatus("10.0.0.2", False, "not reachable")
+    assert run_async(machines.plan_for(window.bridge, str(model))) is None
+
+    machines.statuses["10.0.0.2"] = MachineStatus("10.0.0.2", True, "", roomy)
+    split = run_async(machines.plan_for(window.bridge, str(model)))
+    assert split.hosts == [socket.gethostname(), "10.0.0.2"] and split.shard == "pipeline"
+    assert len(split.needs) == 2 and all(n > 10**5 for n in split.needs)
+    assert machines.fits_across(str(model)) == "✓ fits across 2 machines (pipeline)"
+    machines.remove("10.0.0.2")
+    assert machines.split_for(str(model)) is None
