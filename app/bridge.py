@@ -114,11 +114,15 @@ class EngineBridge(QObject):
         kv_bits: int | None = None,
         context_cap: int | None = None,
         events: RequestEvents | None = None,
+        hosts: list[str] | None = None,
+        shard: str = "pipeline",
+        backend: str = "any",
     ) -> api.ModelInfo:
         """Load a model (its progress to ``events``). ``prepare(info)`` runs once it has loaded
         (re-mounting adapters, say); until it is done the load still counts as under way, so
         ``wait_for_load`` waits too."""
         command = api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits, context_cap=context_cap)
+        command.hosts, command.shard, command.backend = hosts, shard, backend  # ``hosts``: split across them
         rid, fut = self._request(command, "load", events)
         self.active_load = rid
         ready = asyncio.get_running_loop().create_future()
@@ -205,6 +209,11 @@ class EngineBridge(QObject):
         info: api.ModelInfo | None = await fut
         self.model_info = info
         return info
+
+    async def plan_shards(self, path: str, hosts: list[str], rooms: list[int], shard: str) -> api.ShardPlan:
+        _, fut = self._request(api.PlanShards(path, hosts, rooms, shard), "inspect")
+        plan: api.ShardPlan = await fut
+        return plan
 
     async def inspect(self, path: str) -> api.ModelInfo:
         _, fut = self._request(api.InspectModel(path=path), "inspect")

@@ -11,6 +11,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# The split-model vocabulary lives in its own module, re-exported: engine.api stays the one vocabulary.
+from engine.shard_api import PlanShards as PlanShards
+from engine.shard_api import RankShare as RankShare
+from engine.shard_api import ShardPlan as ShardPlan
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -234,6 +239,8 @@ class MemoryEvent:
     # (part of weights_bytes) and the share of routed experts found there (0 slab: none).
     expert_slab_bytes: int = 0
     expert_hit_rate: float = 1.0
+    # A model split across machines: each rank's weights, measured there (empty otherwise).
+    ranks: list[RankShare] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -483,6 +490,11 @@ class LoadModel:
     # An MoE model's share of experts kept in memory (the rest read from disk when routed);
     # None: what the memory plan gives (all of them when the model fits).
     resident_experts: float | None = None
+    # Split across these machines (rank 0 first; 127.0.0.1 repeated: local processes),
+    # "pipeline" or "tensor", over an mx.distributed backend: see engine/shard_api.py.
+    hosts: list[str] | None = None
+    shard: str = "pipeline"
+    backend: str = "any"
 
 
 @dataclass
@@ -766,4 +778,5 @@ Command = (
     | LoadDraftModel
     | SaveSession
     | RestoreSession
+    | PlanShards
 )

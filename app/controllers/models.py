@@ -13,6 +13,7 @@ from typing import Any
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.memory_units import experts_note
 from app.qt import QObject, Signal, emit
+from app.tasks import spawn
 
 
 class ModelController(QObject):
@@ -29,6 +30,9 @@ class ModelController(QObject):
     def __init__(self, bridge: EngineBridge, load_setup: Any, adapters: Any, parent: QObject | None = None):
         super().__init__(parent)
         self.bridge, self.load_setup, self.adapters = bridge, load_setup, adapters
+        self.machines: Any = None  # app.controllers.machines: a model planned across machines
+        self._split = False  # the engine reports ranks: a split model is loaded
+        bridge.memory.connect(self._follow_split)
 
     async def load(self, path: str, memory_budget: int | None = None) -> bool:
         """Load ``path`` under ``memory_budget`` (default: the one chosen in Settings), then
@@ -36,8 +40,10 @@ class ModelController(QObject):
         name = Path(path).name
         if memory_budget is None:
             memory_budget = self.load_setup.budget_for_load()
+        split = self.machines.split_for(path) if self.machines is not None else None
+        across = {"hosts": split.hosts, "shard": split.shard} if split is not None else {}
         emit(self.loading, name)
-        emit(self.status, f"Loading {name}…")
+        emit(self.status, f"Loading {name}" + (f" across {len(split.hosts)} machines…" if split else "…"))
         try:
             info = await self.bridge.load_model(
                 path,
@@ -48,6 +54,7 @@ class ModelController(QObject):
                 events=RequestEvents(
                     progress=lambda _stage, done, total, message: emit(self.progress, done, total, message)
                 ),
+                **across,
             )
         except (EngineRequestError, EngineUnavailable) as exc:
             reason = str(exc)
@@ -69,6 +76,15 @@ class ModelController(QObject):
             emit(self.failed, self.load_setup.skipped)
         emit(self.ready, info)
         return True
+
+    def _follow_split(self, figures: dict) -> None:
+        """A split model whose ranks are gone outside a load (a rank was lost): the engine
+        holds no model now, and the window says so."""
+        if "ranks" not in figures:
+            return
+        had, self._split = self._split, bool(figures["ranks"])
+        if had and not self._split and self.bridge.active_load is None and self.bridge.model_info is not None:
+            spawn(self._after_failed_load())
 
     async def _after_failed_load(self) -> None:
         """A failed load may have replaced the model that was there: say what the engine holds now."""

@@ -1,11 +1,13 @@
 """Model → Machines…: the machines a large model may be split across (see
 app.controllers.machines): add or remove one, and check each (reachable or not, its MLX
-and engine versions, free memory, a Thunderbolt link when JACCL is available)."""
+and engine versions, free memory, a Thunderbolt link when JACCL is available), and how
+a model is split across them (pipeline: layer ranges; tensor: a slice of every layer)."""
 
 from __future__ import annotations
 
 from app.controllers.machines import MachinesController, MachineStatus
 from app.qt import (
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QHBoxLayout,
@@ -46,6 +48,15 @@ class MachinesDialog(QDialog):
         for w in (self.host_edit, self.add_button, self.remove_button, self.check_button):
             row.addWidget(w)
         layout.addLayout(row)
+        split_row = QHBoxLayout()
+        split_row.addWidget(QLabel("Split a model across them by"))
+        self.shard_combo = QComboBox()
+        self.shard_combo.addItem("pipeline (layer ranges: machines of any size, any link)", "pipeline")
+        self.shard_combo.addItem("tensor (a slice of every layer: equal machines, fast link)", "tensor")
+        self.shard_combo.setCurrentIndex(max(0, self.shard_combo.findData(machines.shard)))
+        self.shard_combo.currentIndexChanged.connect(lambda _i: machines.set_shard(self.shard_combo.currentData()))
+        split_row.addWidget(self.shard_combo, 1)
+        layout.addLayout(split_row)
         self.error = QLabel("", objectName="errorBanner")
         self.error.setWordWrap(True)
         layout.addWidget(self.error)

@@ -11,6 +11,7 @@ from app.controllers.adapters import AdapterController
 from app.controllers.chat import ChatController
 from app.controllers.compare import CompareController
 from app.controllers.documents import DocumentsController
+from app.controllers.machines import MachinesController
 from app.controllers.models import ModelController
 from app.controllers.saved_caches import SavedCaches
 from app.controllers.tools import ToolsController
@@ -50,6 +51,7 @@ from app.ui.documents_button import DocumentsButton
 from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
+from app.ui.rank_gauge import RankGauge
 from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
 from app.ui.tool_approval import ToolApprovalBar
@@ -91,6 +93,8 @@ class MainWindow(QMainWindow):
         self.sidebar.cache_sizes = lambda: self.caches.known  # as last scanned, off this thread
         self.adapter_control = AdapterController(store, bridge, self.chat, self.load_setup, self)
         self.models = ModelController(bridge, self.load_setup, self.adapter_control, self)
+        self.machines = MachinesController(store.data_dir)  # Model → Machines…, and splits across them
+        self.models.machines = self.machines
         self.transcription = TranscriptionController(store, bridge, self)
         self.tool_approval = ToolApprovalBar()
         self.tools = ToolsController(store.data_dir, self)
@@ -129,6 +133,8 @@ class MainWindow(QMainWindow):
         self.documents_button = DocumentsButton(self.documents)
         self.statusBar().addPermanentWidget(self.documents_button)
         self.statusBar().addPermanentWidget(self.gauge)
+        self.rank_gauge = RankGauge()  # one bar per machine while a model is split across several
+        self.statusBar().addPermanentWidget(self.rank_gauge)
         self._menus()
 
         # ---- wiring
@@ -194,6 +200,7 @@ class MainWindow(QMainWindow):
         self.adapters_menu.train_requested.connect(self.open_training)
         self.adapters_menu.unmount_requested.connect(lambda name: tasks.spawn(self.unmount_adapter(name)))
         bridge.memory.connect(self.gauge.update_figures)
+        bridge.memory.connect(self.rank_gauge.update_figures)
         self.models.progress.connect(self._load_progress)
         self.transcription.progress.connect(self.composer.set_transcribe_progress)
         tasks.set_reporter(self.notify)
@@ -467,6 +474,7 @@ class MainWindow(QMainWindow):
     def open_model_browser(self, first_run: bool = False) -> ModelBrowser:
         browser = ModelBrowser(self.bridge, extra_dirs=self.known_model_places(), parent=self)
         browser.budget = self.load_setup.budget_for_load()
+        browser.machines = self.machines
         browser.load_requested.connect(lambda path: tasks.spawn(self.load_model(path)))
         browser.folder_added.connect(lambda folder: self._remember(model_prefs.add_folder, folder))
         browser.notice.connect(self.notify)
@@ -539,6 +547,8 @@ class MainWindow(QMainWindow):
         if conv is not None:
             self.settings.load(conv.system_prompt, conv.settings)
         self.gauge.set_plan(info.plan)
+        split = self.machines.split_for(info.path)
+        self.rank_gauge.set_rooms(split.rooms if split is not None else [])
         self.check_memory()
         self.settings.set_draft(None)
         self.settings.set_mtp(info.mtp, info.mtp_note)
@@ -671,10 +681,9 @@ class MainWindow(QMainWindow):
 
     def open_machines(self):  # -> app.ui.machines_dialog.MachinesDialog (imported when first opened)
         """Model → Machines…: the machines a model too large for this one may be split across."""
-        from app.controllers.machines import MachinesController
         from app.ui.machines_dialog import MachinesDialog
 
-        dialog = MachinesDialog(MachinesController(self.store.data_dir), self)
+        dialog = MachinesDialog(self.machines, self)
         dialog.show()
         dialog.check_all()
         return dialog

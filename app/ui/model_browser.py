@@ -138,6 +138,7 @@ class ModelBrowser(QDialog):
         self.extra_dirs = list(extra_dirs or [])
         self.local: list[tuple[Any, Any]] = []  # (LocalModel, ModelInfo | None)
         self.budget: int | None = None  # the memory budget "fits" is judged by (None: automatic)
+        self.machines: Any = None  # app.controllers.machines: "fits across N machines"
         self._cancel_download: threading.Event | None = None
         # The Hub to talk to; None means huggingface_hub's default (HF_ENDPOINT or the real one).
         self.endpoint: str | None = None
@@ -235,6 +236,13 @@ class ModelBrowser(QDialog):
                 self.local[i] = (model, await self.bridge.inspect(str(model.path)))
             except Exception as exc:  # noqa: BLE001 - one bad folder must not hide the rest
                 model.error = str(exc)
+        if self.machines is not None:  # too big here: across this and the saved machines?
+            too_big = [
+                str(m.path)
+                for m, info in self.local
+                if info is not None and fits_badge(info, self.budget).startswith("✗")
+            ]
+            await self.machines.plan_all(self.bridge, too_big)
         self._fill_local()
         emit(self.refreshed)
 
@@ -242,6 +250,8 @@ class ModelBrowser(QDialog):
         self.table.setRowCount(len(self.local))
         for r, (m, info) in enumerate(self.local):
             badge = "can't load" if m.error else fits_badge(info, self.budget) if info else "…"
+            if badge.startswith("✗") and self.machines is not None:
+                badge = self.machines.fits_across(str(m.path)) or badge
             cells = [
                 m.name,
                 m.family or "—",

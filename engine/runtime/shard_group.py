@@ -37,6 +37,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SILENT_S = 4.0  # a rank silent this long (no heartbeat) has stopped answering
 STARTUP_SILENT_S = 60.0  # the same before it has loaded
 RING_PORT = 32323  # mlx.launch's default first port for remote ranks
+# Every NCCL rank's environment: NVLink multicast (NVLS) stays off. Where it is on but the
+# fabric cannot grant it, NCCL's and NVSHMEM's setup fails or hangs; off, NCCL uses the
+# plain NVLink/PCIe rings, which is what a two-GPU split measures.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class RankLost(EngineError):
@@ -63,9 +67,9 @@ def parse_hosts(text: str) -> tuple[list[str], dict[str, Any] | None]:
         hosts = data["hosts"] if isinstance(data, dict) else data
         return [h["ssh"] for h in hosts], data if isinstance(data, dict) else {"hosts": data}
     hosts = [h.strip() for h in text.split(",") if h.strip()]
-    if len(hosts) < 2:
-        raise EngineError("--hosts needs at least two hosts, comma-separated (e.g. 127.0.0.1,127.0.0.1)")
-    return hosts, None
+    if not hosts:
+        raise EngineError("--hosts needs one host or more, comma-separated (e.g. 127.0.0.1,127.0.0.1)")
+    return hosts, None  # one host: a one-rank group (a backend checked against one process)
 
 
 def _free_port() -> int:
@@ -127,12 +131,13 @@ class RankGroup:
         ips = [ip or _ip(h) for h, ip in zip(self.hosts, listed or [None] * len(self.hosts))]
         env: dict[str, str] = {"PYTHONUNBUFFERED": "1", **self.extra_env}
         files: dict[str, str] = {}
-        if self.backend in ("ring", "any"):
+        if self.backend in ("ring", "any") and len(ips) > 1:  # one rank: a group of one, no ring
             ports = [_free_port() for _ in ips] if self.local else [RING_PORT + r for r in range(len(ips))]
             files["MLX_HOSTFILE"] = json.dumps([[f"{ip}:{port}"] for ip, port in zip(ips, ports)])
         if self.backend == "nccl":
             env.update(NCCL_HOST_IP=ips[0], NCCL_PORT=str(_free_port() if self.local else 12345))
             env["MLX_WORLD_SIZE"] = str(len(ips))
+            env.update(NCCL_ENV)
         if self.backend == "jaccl":
             hosts = (self.hostfile or {}).get("hosts") or []
             if not hosts or not all(h.get("rdma") for h in hosts):

@@ -189,7 +189,14 @@ def run_node(opts: NodeOptions, leader: Callable[[Channel, Any, NodeOptions], in
     threading.Thread(target=_heartbeat, args=(channel, os.getppid()), daemon=True).start()
     import mlx.core as mx
 
-    group = mx.distributed.init(strict=True, backend=opts.backend)
+    try:
+        # One rank over ring (or MLX's pick) has no peer to connect to: MLX's group of one.
+        # NCCL and JACCL form their group even of one (a backend checked on one process).
+        alone = len(opts.hosts) == 1 and opts.backend in ("ring", "any")
+        group = mx.distributed.init(strict=not alone, backend=opts.backend)
+    except RuntimeError as e:  # a backend this MLX build lacks (NCCL without CUDA), or one that failed
+        channel.send({"error": _no_backend(opts, str(e))})
+        return 1
     if group.size() != len(opts.hosts):
         channel.send({"error": f"the group has {group.size()} ranks but {len(opts.hosts)} hosts were given"})
         return 1
@@ -222,6 +229,21 @@ def run_node(opts: NodeOptions, leader: Callable[[Channel, Any, NodeOptions], in
                 return 1
         else:
             _run_command(channel, host.host, host.spec, cmd)
+
+
+def _no_backend(opts: NodeOptions, why: str) -> str:
+    import mlx.core as mx
+
+    rank = os.environ.get("MLX_RANK", "0")
+    host = opts.hosts[int(rank)] if rank.isdigit() and int(rank) < len(opts.hosts) else "this machine"
+    if opts.backend != "any" and not mx.distributed.is_available(backend=opts.backend):
+        have = [b for b in ("ring", "jaccl", "nccl") if mx.distributed.is_available(backend=b)]
+        return (
+            f"rank {rank} on {host}: this MLX build has no {opts.backend} backend "
+            f"(it has {', '.join(have) or 'none'}): pick --backend {' or '.join(have) or 'any'}"
+            + (", or install MLX's CUDA build (pip install mlx[cuda])" if opts.backend == "nccl" else "")
+        )
+    return f"rank {rank} on {host}: could not join the {opts.backend} group: {why}"
 
 
 def prepare(channel: Channel, group: Any, node: _Node, opts: NodeOptions) -> dict[str, Any] | None:
@@ -312,7 +334,7 @@ def _run_command(channel: Channel, host: Any, spec: Any, cmd: dict[str, Any]) ->
 
     def on_event(event: Any) -> None:
         if speak and isinstance(event, TokenEvent):
-            channel.send({"token": event.text})
+            channel.send({"token": event.text, "channel": event.channel, "ids": event.token_ids})
 
     try:
         params = _params(cmd.get("params") or {})
@@ -354,6 +376,7 @@ def _result_json(result: Any) -> dict[str, Any]:
     s = result.stats
     return {
         "text": result.text,
+        "reasoning": result.reasoning,
         "token_ids": result.token_ids,
         "token_logprobs": result.token_logprobs,
         "finish_reason": result.finish_reason,

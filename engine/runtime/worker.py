@@ -61,6 +61,7 @@ from engine.api import (
 )
 from engine.errors import EngineError, OutOfMemoryBudget, WrongModelKind
 from engine.runtime.host import ModelHost, token_event
+from engine.runtime.shard_worker import NOT_MINE, ShardRouter
 
 MEMORY_INTERVAL_S = 0.5
 _STOP = object()
@@ -108,6 +109,8 @@ class EngineWorker:
         self._jobs: dict[int, _Job] = {}  # generations decoding in the batch, by request id
         self._held: Any = None  # a command waiting for the batch to drain
         self._memory_at = 0.0
+        # A model split across machines; a lost split's memory figures (no ranks) go out at once.
+        self._shards = ShardRouter(self._host, self._emit, lambda: self._emit_memory())
 
     # ---- caller side (any thread) -------------------------------------------------
 
@@ -165,8 +168,9 @@ class EngineWorker:
     @property
     def host(self) -> ModelHost:
         """The ModelHost this worker drives. Other threads may read its settings (template,
-        tokenizer, generation defaults); all MLX work goes through ``submit``."""
-        return self._host
+        tokenizer, generation defaults); all MLX work goes through ``submit``. A model split
+        across machines: its text side here (shard_front.py)."""
+        return self._shards.front or self._host
 
     # ---- worker side ----------------------------------------------------------------
 
@@ -207,6 +211,7 @@ class EngineWorker:
             while True:
                 item = self._next_command()
                 if item is _STOP:
+                    self._shards.close()  # no rank outlives the engine
                     while self._jobs:  # shutdown set their cancel flags: they end at once
                         self._round()
                     if self._held is not None:
@@ -239,6 +244,7 @@ class EngineWorker:
                 rid = 0
         except BaseException as exc:  # the loop itself died: nobody waits forever
             self._dead = one_line(exc)
+            self._shards.close()
             if rid:
                 self._finish_error(rid, f"The engine stopped: {self._dead}", "Fatal")
             waiting = [*self._jobs, *([self._held[0]] if self._held is not None else [])]
@@ -349,7 +355,7 @@ class EngineWorker:
     def _publish_status(self) -> None:
         host = self._host
         self._status = EngineStatus(
-            model_loaded=bool(host.loaded),
+            model_loaded=bool(host.loaded) or self._shards.loaded,
             tower_loaded=bool(host.tower_loaded),
             decoding=len(self._jobs),
             budget_bytes=self._budget if host.loaded else 0,
@@ -365,6 +371,10 @@ class EngineWorker:
 
     def _handle(self, rid: int, command: Command, cancel: threading.Event) -> Any:
         host = self._host
+        routed = self._shards.handle(rid, command, cancel)
+        if routed is not NOT_MINE:
+            self._emit_memory()
+            return routed
         if isinstance(command, LoadModel):
             info = host.load(
                 command.path,
@@ -546,5 +556,6 @@ class EngineWorker:
                 kv_allowance_bytes=self._kv_allowance(),
                 expert_slab_bytes=store.slab_bytes if store is not None else 0,
                 expert_hit_rate=store.stats.hit_rate if store is not None else 1.0,
+                ranks=self._shards.ranks(),
             )
         )

@@ -14,8 +14,9 @@ from engine.runtime.shard_group import RING_PORT, RankGroup, parse_hosts, remote
 
 def test_hosts_from_a_list_or_an_mlx_hostfile(tmp_path):
     assert parse_hosts("127.0.0.1,127.0.0.1") == (["127.0.0.1", "127.0.0.1"], None)
-    with pytest.raises(EngineError, match="at least two hosts"):
-        parse_hosts("studio-1.local")
+    assert parse_hosts("studio-1.local") == (["studio-1.local"], None)  # a group of one
+    with pytest.raises(EngineError, match="one host or more"):
+        parse_hosts(" , ")
     hostfile = tmp_path / "hosts.json"
     data = {"backend": "jaccl", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en3"]},
                                           {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", None]}]}  # fmt: skip
@@ -42,6 +43,12 @@ def test_remote_ranks_use_their_addresses_and_mlx_launch_ports():
 def test_nccl_and_jaccl_variables(tmp_path):
     env, files = RankGroup(["10.0.0.1", "10.0.0.2"], [], backend="nccl")._env()
     assert env["NCCL_HOST_IP"] == "10.0.0.1" and env["MLX_WORLD_SIZE"] == "2" and "MLX_HOSTFILE" not in files
+    # NVLink multicast stays off in every NCCL rank's environment.
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1"
+    env, _ = RankGroup(["127.0.0.1"], [], backend="nccl")._env()
+    assert env["MLX_WORLD_SIZE"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert "NCCL_NVLS_ENABLE" not in RankGroup(["10.0.0.1", "10.0.0.2"], [], backend="ring")._env()[0]
     with pytest.raises(EngineError, match="rdma devices"):
         RankGroup(["10.0.0.1", "10.0.0.2"], [], backend="jaccl")._env()
     hostfile = tmp_path / "hosts.json"
