@@ -77,7 +77,7 @@ class ModelController(QObject):
         emit(self.ready, info)
         return True
 
-    def _follow_split(self, figures: dict) -> None:
+    def _follow_split(self, figures: dict[str, Any]) -> None:
         """A split model whose ranks are gone outside a load (a rank was lost): the engine
         holds no model now, and the window says so."""
         if "ranks" not in figures:
