@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
-from app.controllers.chat import ChatController, build_params
+from app.controllers.chat import ChatController
+from app.controllers.choices import build_params
 from app.qt import QObject, Signal, emit
 from engine.documents.retrieval import cards
 
