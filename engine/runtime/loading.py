@@ -125,7 +125,7 @@ def load_model(
     tokens (the longest context chats may reach) when one is given.
     """
     from engine import models
-    from engine.runtime.expert_plan import plan_residency, start_streaming, stream_experts
+    from engine.runtime.expert_plan import family_streams_experts, plan_residency, start_streaming, stream_experts
     from engine.runtime.memory import check_fits, default_budget, plan_memory
 
     if share_loader is not None:
@@ -175,6 +175,7 @@ def load_model(
             context_tokens=max(context_tokens, context_cap or 0),
             model_context=config.context_length or 0,
             name=source.name,
+            streams=family_streams_experts(config.model_type),
         )
     check_fits(plan, context_tokens=context_tokens, name=source.name, budget_reason=reason)
 
