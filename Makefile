@@ -40,7 +40,7 @@ lint: $(ENTRY)
 	$(VENV)/bin/ruff check engine app tests packaging
 	$(VENV)/bin/ruff format --check engine app tests packaging
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy engine/api.py engine/errors.py app/bridge.py app/ops.py app/controllers
+	$(VENV)/bin/mypy engine/api engine/errors.py app/bridge.py app/ops.py app/controllers
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

@@ -1,4 +1,4 @@
-"""The README stays short and every link in it and in docs/ leads somewhere.
+"""The README stays short, links every page of docs/, and every link in it and in docs/ leads somewhere.
 
 README.md is what a newcomer reads first: at most 250 lines, the rest lives in docs/. A
 relative link (a file, or a heading of a file as GitHub anchors it) must resolve, so moving
@@ -54,3 +54,10 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_readme_links_every_docs_page():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    linked = {target.partition("#")[0] for target in LINK.findall(readme)}
+    pages = sorted(f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md"))
+    assert [page for page in pages if page not in linked] == [], "pages of docs/ the README does not link"

@@ -10,17 +10,19 @@ The store commits on its own thread; this controller awaits the commits it depen
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from app.attachments import NO_VIDEO, NO_VISION, keep_file, message_content
+from app.attachments import NO_VIDEO, NO_VISION, keep_file
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
 from app.controllers import tool_turns
+from app.controllers.choices import accepts_reasoning as accepts_reasoning  # importable from here, as before
+from app.controllers.choices import build_params
 from app.controllers.documents import DocumentsController
+from app.controllers.thread import context_start, engine_messages, title_from
 from app.controllers.tools import ToolCall, ToolError, ToolsController
 from app.history_writer import StoreError
 from app.ops import Op
@@ -30,12 +32,6 @@ from app.tasks import spawn
 from engine import api
 from engine.documents.retrieval import Context, cards
 
-# A chat's "context_overflow" setting as the engine's GenerationParams.context_policy.
-CONTEXT_POLICIES: dict[str, Literal["stop", "truncate_middle", "rolling"]] = {
-    "stop": "stop",
-    "truncate_middle": "truncate_middle",
-    "rolling": "rolling",
-}
 TRAINING = "An adapter is training on this model: wait for it (or Stop it in Adapters → Train…), then send."
 MAX_TOOL_ROUNDS = 8  # calls and answers in one reply before the model must answer in words
 
@@ -74,46 +70,6 @@ RETRY_SAVE_MS = 5000  # a final save that failed (full disk) is tried again this
 # Chats whose engine sessions (prompt ids and KV caches) stay loaded; older ones are freed
 # when another chat is opened, and come back from their saved cache file on their next turn.
 LIVE_SESSIONS = 4
-
-DEFAULT_OVERFLOW = "truncate_middle"  # a chat's context overflow policy unless it sets one
-
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
-
-
-def build_params(
-    settings: dict[str, Any], defaults: dict[str, Any], reasoning_control: Any = None
-) -> api.GenerationParams:
-    """Conversation settings over the model's generation_config over engine defaults.
-    The chat's reasoning choice goes only to a model whose template switch takes it (a
-    chat may have been set up under another model)."""
-    merged = {**defaults, **{k: v for k, v in settings.items() if v is not None}}
-    sampling = api.SamplingParams(
-        **{k: merged[k] for k in SAMPLING_KEYS if k in merged and merged[k] not in ("", None)}
-    )
-    params = api.GenerationParams(sampling=sampling)
-    if merged.get("max_tokens"):
-        params.max_tokens = int(merged["max_tokens"])
-    if merged.get("stop_strings"):
-        params.stop_strings = [s for s in merged["stop_strings"] if s]
-    if merged.get("ignore_eos"):
-        params.ignore_eos = True
-    if merged.get("speculative") in ("ngram", "draft", "mtp"):
-        params.speculative = merged["speculative"]
-    if isinstance(merged.get("pan_and_scan"), bool):  # unset: the model's own setting
-        params.pan_and_scan = merged["pan_and_scan"]
-    policy = merged.get("context_overflow") or DEFAULT_OVERFLOW
-    if policy in CONTEXT_POLICIES:
-        params.context_policy = CONTEXT_POLICIES[policy]
-    if accepts_reasoning(reasoning_control, settings.get("reasoning")):
-        params.reasoning = settings["reasoning"]
-    return params
-
-
-def accepts_reasoning(control: Any, choice: Any) -> bool:
-    """Whether the template switch ``control`` (ModelInfo.reasoning_control) takes ``choice``."""
-    if control is None or choice is None:
-        return False
-    return any(choice == c and type(choice) is type(c) for c in control.choices)
 
 
 class ChatController(QObject):
@@ -270,7 +226,7 @@ class ChatController(QObject):
             self._free_old_sessions(self.conversation_id)
         conv = self._conversation(self.conversation_id)
         if conv.leaf_id is None:  # its first message (no need to read the thread)
-            self.store.rename_conversation(conv.id, _title_from(text, kept))
+            self.store.rename_conversation(conv.id, title_from(text, kept))
             emit(self.conversations_changed)
         user_id = self.store.add_message(conv.id, "user", text, conv.leaf_id, attachments=kept)
         try:
@@ -416,7 +372,7 @@ class ChatController(QObject):
                 self._note_speed(info.path, params.speculative, status, stats)
                 if result.dropped_messages:
                     stats["dropped_messages"] = result.dropped_messages
-                    start = _context_start(history[: cut + 1], offset, result.kept_messages, self.reply_id)
+                    start = context_start(history[: cut + 1], offset, result.kept_messages, self.reply_id)
                     if start is not None:
                         stats["context_start"] = start
                 if result.context_full:
@@ -541,33 +497,10 @@ class ChatController(QObject):
             self.store.update_message(self.reply_id, content=self._answer, tool_turns=self._rounds)
 
     def _engine_messages(self, history: list[Message], info: api.ModelInfo) -> list[dict[str, Any]]:
-        """The thread as the engine reads it: attachments become media parts (by their stored
-        paths, so the engine's content-keyed caches recognise them on every turn). Media
-        the model cannot take is left out, with a note, rather than failing the reply."""
-        kinds = {k for k, ok in (("image", info.vision), ("audio", info.audio), ("video", info.video)) if ok}
-        skipped = {kind for m in history for kind, _ in m.attachments if kind not in kinds}
-        if skipped:
-            what = " and ".join(sorted("audio" if k == "audio" else f"{k}s" for k in skipped))
-            emit(self.status, f"Earlier {what} in this chat are left out: {info.name} cannot take them.")
-        # Files gone from the attachments folder (deleted, moved, a restored backup without
-        # them): those messages go as their text, so one lost photo does not fail every turn.
-        gone = {path for m in history for kind, path in m.attachments if kind in kinds and not os.path.exists(path)}
-        if gone:
-            emit(
-                self.status,
-                f"{len(gone)} earlier attachment{'s' if len(gone) > 1 else ''} of this chat "
-                "are no longer on disk (the attachments folder was moved or deleted): the model "
-                "reads those messages without them.",
-            )
-        as_text = info.tool_arguments_as_text
-        out: list[dict[str, Any]] = []
-        for m in history:
-            if m.role == "assistant" and m.tool_turns:  # its calls and results as the template writes them
-                out += tool_turns.engine_messages(m.content, m.tool_turns, as_text)
-            else:
-                kept = [(kind, path) for kind, path in m.attachments if path not in gone]
-                out.append({"role": m.role, "content": message_content(m.content, kept, kinds)})
-        return out
+        messages, notes = engine_messages(history, info)
+        for note in notes:
+            emit(self.status, note)
+        return messages
 
     async def apply_adapter_choice(self, chosen: dict[str, float]) -> dict[str, float]:
         """Make the conversation's adapter choice the worker's active set (only adapters
@@ -695,29 +628,3 @@ class ChatController(QObject):
 
     def _regenerate_slot(self, message_id: int) -> None:
         spawn(self.regenerate(message_id))
-
-
-def _context_start(thread: list[Message], offset: int, kept: list[int] | None, reply: int | None) -> int | None:
-    """The id of the first message of ``thread`` the model still read after those it left out
-    (``kept``: the request's message indices the model still reads; the thread's messages
-    start at ``offset`` in the request, after a system prompt); the ``reply``'s when it
-    reads none of them (a rolling window that slid past them during the reply). None when
-    nothing was left out."""
-    if kept is None:
-        return None
-    held = set(kept)
-    gap = next((i for i in range(offset, offset + len(thread)) if i not in held), None)
-    if gap is None:
-        return None
-    after = next((i for i in kept if i > gap), None)
-    if after is None or after >= offset + len(thread):
-        return reply
-    return thread[after - offset].id
-
-
-def _title_from(text: str, attachments: Sequence[tuple[str, str]] = ()) -> str:
-    if not text.strip() and attachments:
-        kind = attachments[0][0]
-        return "Image" if kind == "image" else "Voice message"
-    line = text.strip().splitlines()[0] if text.strip() else "New chat"
-    return line if len(line) <= 48 else line[:47].rstrip() + "…"

@@ -19,8 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
-from app.controllers.chat import ChatController, build_params
+from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable, RequestEvents
+from app.controllers.chat import ChatController
+from app.controllers.choices import build_params
 from app.qt import QObject, Signal, emit
 from engine.documents.retrieval import cards
 
@@ -49,9 +50,7 @@ class CompareController(QObject):
         self.question = ""
         self.variants: list[dict[str, float]] = []
         self.results: list[tuple[str, dict[str, Any]]] = []
-        self._column: int | None = None
         self.running = False
-        bridge.token.connect(self._on_token)
 
     def default_variants(self) -> list[dict[str, float]]:
         """The chat's adapters (or every mounted one at ×1) against none."""
@@ -104,9 +103,9 @@ class CompareController(QObject):
                         return False
                 await self.bridge.set_active_adapters(scales)
                 emit(self.header, col, names[col])
-                self._column = col
-                result = await self.bridge.generate(f"compare-{col}", messages, params)
-                self._column = None
+                # This column's run alone streams here (the bridge routes each request's events).
+                events = RequestEvents(token=self._column_tokens(col))
+                result = await self.bridge.generate(f"compare-{col}", messages, params, events=events)
                 stats = asdict(result.stats)
                 if sources is not None:
                     stats["sources"] = cards(sources, result.text)
@@ -117,7 +116,6 @@ class CompareController(QObject):
             emit(self.failed, f"Compare stopped: {exc}")
             return False
         finally:
-            self._column = None
             self.running = False
             if any(self.models) and self.load is not None:  # the chat's own model back
                 await self.load(home)
@@ -161,6 +159,11 @@ class CompareController(QObject):
         self.chat.refresh()
         return reply_id
 
-    def _on_token(self, request_id: int, text: str, channel: str) -> None:
-        if self._column is not None and channel == "answer" and request_id == self.bridge.active_generation:
-            emit(self.token, self._column, text)
+    def _column_tokens(self, column: int) -> Callable[[str, str], None]:
+        """The answer's pieces of one column's run, to that column (its reasoning stays out)."""
+
+        def on_token(text: str, channel: str) -> None:
+            if channel == "answer":
+                emit(self.token, column, text)
+
+        return on_token

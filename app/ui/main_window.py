@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 from app import model_prefs, tasks
@@ -20,34 +19,24 @@ from app.history_writer import StoreError
 from app.ops import Op
 from app.qt import (
     QApplication,
-    QEvent,
-    QFileDialog,
-    QFrame,
     QHBoxLayout,
     QKeySequence,
-    QLabel,
     QMainWindow,
-    QObject,
-    QProgressBar,
-    QPushButton,
     QShortcut,
-    QSizePolicy,
     QSplitter,
     Qt,
-    QTimer,
-    QToolButton,
     QVBoxLayout,
     QWidget,
     Signal,
     emit,
 )
 from app.store import HistoryStore
-from app.ui.adapters_menu import AdaptersMenu
 from app.ui.chat_view import ChatView
 from app.ui.choices import ChoicesResult
 from app.ui.compare_view import CompareView
 from app.ui.composer import Composer
 from app.ui.documents_button import DocumentsButton
+from app.ui.first_paint import first_paint as first_paint  # app.main imports it from here
 from app.ui.load_setup import LoadSetup
 from app.ui.memory_gauge import MemoryGauge
 from app.ui.model_browser import ModelBrowser, fmt_params
@@ -55,11 +44,10 @@ from app.ui.rank_gauge import RankGauge
 from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
 from app.ui.tool_approval import ToolApprovalBar
-from app.ui.tools_dialog import ToolsDialog
-from app.ui.train_dialog import TrainDialog
+from app.ui.window_menus import WindowMenus
 
 
-class MainWindow(QMainWindow):
+class MainWindow(WindowMenus, QMainWindow):
     model_loaded = Signal(object)  # ModelInfo
     load_failed = Signal(str)  # the readable reason
     transcription_finished = Signal(str)  # the transcript put in the box ("" when none)
@@ -225,71 +213,6 @@ class MainWindow(QMainWindow):
             width, height = min(width, free.width()), min(height, free.height())
         self.resize(width, height)
 
-    def _menus(self) -> None:
-        bar = self.menuBar()
-        chat = bar.addMenu("&Chat")
-        chat.addAction("New chat", QKeySequence.StandardKey.New, self.new_chat)
-        chat.addAction("Stop reply (Esc)", self.stop)
-        chat.addAction("Add a folder of documents…", self._pick_document_folder)
-        chat.addAction("Compare with and without adapters…", lambda: tasks.spawn(self.compare_prompt()))
-        chat.addAction("Compare with another model…", self._pick_compare_model)
-        chat.addAction("Clear saved caches", self.clear_saved_caches)
-        chat.addSeparator()
-        chat.addAction("Settings", QKeySequence("Ctrl+,"), self.settings_toggle.toggle)
-        chat.addAction("Tools (MCP servers)…", self.open_tools)
-        chat.addSeparator()
-        chat.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
-        model = bar.addMenu("&Model")
-        model.addAction("Models…", QKeySequence("Ctrl+L"), self.open_model_browser)
-        model.addAction("Draft model or DFlash drafter for speculative decoding…", self._pick_draft)
-        model.addAction("Embedding model for documents…", self._pick_embedder)
-        model.addAction("Machines…", self.open_machines)
-        self.adapters_menu = AdaptersMenu(self)
-        bar.addMenu(self.adapters_menu)
-        self.adapters_menu.set_adapters([], {}, model_loaded=False)
-        from app.ui.server_menu import install_server_menu
-
-        self.server_menu = install_server_menu(self)
-
-    def _top_bar(self) -> QWidget:
-        bar = QFrame(objectName="topBar")
-        row = QHBoxLayout(bar)
-        row.setContentsMargins(20, 10, 14, 10)
-        row.setSpacing(10)
-        self.model_button = QPushButton("Select a model  ▾", objectName="modelButton")
-        self.model_button.setCursor(Qt.CursorShape.PointingHandCursor)
-        self.model_button.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
-        self.model_button.clicked.connect(self.open_model_browser)
-        self.model_meta = QLabel("", objectName="modelMeta")
-        self.load_bar = QProgressBar(objectName="loadProgress")
-        self.load_bar.setTextVisible(False)
-        self.load_bar.setFixedWidth(160)
-        self.load_bar.setVisible(False)
-        self.cancel_load = QToolButton(text="Cancel", objectName="actionButton")
-        self.cancel_load.setVisible(False)
-        self.cancel_load.clicked.connect(lambda: self.bridge.cancel(self.bridge.active_load))
-        self.template_notice = QLabel(
-            "this model has no chat template: plain text continuation", objectName="templateNotice"
-        )
-        self.template_notice.setToolTip(
-            "A base model: your messages are continued as plain text, not answered as a chat."
-        )
-        self.template_notice.setVisible(False)
-        self.error_banner = QLabel("", objectName="errorBanner")
-        self.error_banner.setTextFormat(Qt.TextFormat.PlainText)  # messages quote user text
-        self.error_banner.setWordWrap(True)
-        self.error_banner.setVisible(False)
-        self.error_banner.setStyleSheet("color: #e5484d; font-size: 12px;")
-        toggle = QToolButton(text="⚙  Settings", objectName="settingsToggle")
-        toggle.setCheckable(True)
-        toggle.toggled.connect(self.settings.setVisible)
-        self.settings_toggle = toggle
-        for w in (self.model_button, self.model_meta, self.template_notice, self.load_bar, self.cancel_load):
-            row.addWidget(w)
-        row.addWidget(self.error_banner, 1)
-        row.addWidget(toggle)
-        return bar
-
     # ---- messages to the user ------------------------------------------------------------
 
     def notify(self, text: str) -> None:
@@ -341,11 +264,6 @@ class MainWindow(QMainWindow):
         if self.bridge.model_info is not None:
             tasks.spawn(self.apply_adapters())
 
-    def _pick_compare_model(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "The model to compare with")
-        if path:
-            tasks.spawn(self.compare_prompt(path))
-
     async def compare_prompt(self, other_model: str | None = None) -> bool:
         """The message in the box answered twice, side by side (see CompareController)."""
         text = self.composer.edit.toPlainText().strip()
@@ -358,16 +276,6 @@ class MainWindow(QMainWindow):
         self.compare_view.start()
         self.compare_view.show()
         return await self.compare.run(text, other_model=other_model)
-
-    def _pick_document_folder(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "A folder of documents for this chat")
-        if path:
-            tasks.spawn(self.add_documents([path]))
-
-    def _pick_embedder(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Embedding model folder (e.g. Qwen3-Embedding-0.6B)")
-        if path:
-            tasks.spawn(self.set_embedder(path))
 
     async def set_embedder(self, path: str | None) -> bool:
         """Load an embedding model beside the chat model; documents then rank by meaning too."""
@@ -578,47 +486,16 @@ class MainWindow(QMainWindow):
     async def choose_adapters(self, scales: dict[str, float]) -> None:
         await self.adapter_control.choose(scales)
 
-    def open_training(self) -> TrainDialog:
-        """Adapters → Train…: the dialog; its adapter is mounted and on for this chat when done."""
-        dialog = TrainDialog(self)
-        dialog.finished_training.connect(lambda folder, name: tasks.spawn(self._use_trained(folder, name)))
-        dialog.show()
-        return dialog
-
-    async def _use_trained(self, folder: str, name: str) -> None:
-        info = self.bridge.model_info
-        if info is not None and any(a.name == name for a in info.adapters):  # a resumed run: mount it afresh
-            await self.unmount_adapter(name)
-        if await self.mount_adapter(folder, name):
-            chosen = dict(self.adapters_menu.choice())
-            chosen[name] = 1.0
-            await self.choose_adapters(chosen)
-
-    def _pick_adapter(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Mount an adapter folder")
-        if folder:
-            tasks.spawn(self.mount_adapter(folder))
-
     async def mount_adapter(self, path: str, name: str | None = None) -> bool:
         return await self.adapter_control.mount(path, name)
 
     async def unmount_adapter(self, name: str) -> None:
         await self.adapter_control.unmount(name)
 
-    def _pick_draft(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Choose a draft model or DFlash drafter folder")
-        if folder:
-            tasks.spawn(self.set_draft_model(folder))
-
     async def set_draft_model(self, path: str | None) -> bool:
         return await self.adapter_control.set_draft_model(path)
 
     # ---- speech to text ---------------------------------------------------------------------
-
-    def _pick_whisper(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Choose a Whisper model folder")
-        if folder:
-            self.set_whisper_model(folder)
 
     def set_whisper_model(self, path: str | None) -> None:
         self.transcription.set_whisper_model(path)
@@ -679,21 +556,6 @@ class MainWindow(QMainWindow):
             self.grab().save(self.screenshot_path)
             self._shot_for = reply
 
-    def open_machines(self):  # -> app.ui.machines_dialog.MachinesDialog (imported when first opened)
-        """Model → Machines…: the machines a model too large for this one may be split across."""
-        from app.ui.machines_dialog import MachinesDialog
-
-        dialog = MachinesDialog(self.machines, self)
-        dialog.show()
-        dialog.check_all()
-        return dialog
-
-    def open_tools(self) -> ToolsDialog:
-        """Settings → Tools: the MCP servers whose tools the chat offers."""
-        dialog = ToolsDialog(self.tools, self)
-        dialog.show()
-        return dialog
-
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
         self.tool_approval.withdraw()
         self.tools.close()
@@ -702,31 +564,3 @@ class MainWindow(QMainWindow):
         self.caches.save_at_quit()  # queued behind the reply being stopped
         self.bridge.shutdown(5.0)
         super().closeEvent(event)
-
-
-class _FirstPaint(QObject):
-    """Resolves a future when a widget of ``window`` first paints (the window is up)."""
-
-    def __init__(self, window: QWidget, future: asyncio.Future):
-        super().__init__(window)
-        self.window, self.future = window, future
-
-    def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt override
-        if (
-            event.type() == QEvent.Type.Paint
-            and isinstance(obj, QWidget)
-            and obj.window() is self.window
-            and not self.future.done()
-        ):
-            # Resolve after this paint has finished and been flushed to the screen.
-            QTimer.singleShot(0, lambda: self.future.done() or self.future.set_result(None))
-            QApplication.instance().removeEventFilter(self)
-        return False
-
-
-def first_paint(window: QWidget) -> asyncio.Future:
-    """A future that is done once ``window`` has been painted for the first time.
-    Call before ``show()``, with the asyncio loop (qasync) installed."""
-    future = asyncio.get_event_loop().create_future()
-    QApplication.instance().installEventFilter(_FirstPaint(window, future))
-    return future

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.controllers.chat import accepts_reasoning
+from app.controllers.choices import accepts_reasoning
 from app.memory_units import GB, fmt_bytes
 from app.qt import (
     QCheckBox,
@@ -116,25 +116,7 @@ class SettingsPanel(QFrame):
         self.system_edit.textChanged.connect(self._emit)
         layout.addWidget(self.system_edit)
 
-        layout.addWidget(QLabel("Sampling", objectName="fieldTitle"))
-        form = QFormLayout()
-        form.setSpacing(6)
-        form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
-        self.inputs: dict[str, QSpinBox | QDoubleSpinBox] = {}
-        for key, (label, kind, lo, hi, step, _default) in FIELDS.items():
-            box = QDoubleSpinBox() if kind is float else QSpinBox()
-            if kind is float:
-                box.setDecimals(2)
-            box.setRange(lo, hi)
-            box.setSingleStep(step)
-            box.valueChanged.connect(self._emit)
-            self.inputs[key] = box
-            form.addRow(label, box)
-        self.stop_edit = QLineEdit()
-        self.stop_edit.setPlaceholderText("comma-separated")
-        self.stop_edit.textChanged.connect(self._emit)
-        form.addRow("Stop strings", self.stop_edit)
-        layout.addLayout(form)
+        self._sampling_section(layout)
 
         layout.addWidget(QLabel("When the chat outgrows the context", objectName="fieldTitle"))
         self.overflow_box = QComboBox(objectName="overflowBox")
@@ -187,18 +169,7 @@ class SettingsPanel(QFrame):
         self.pan_and_scan_default: bool | None = None
         self._show_pan_and_scan()
 
-        layout.addWidget(QLabel("Tools", objectName="fieldTitle"))
-        tools_button = QPushButton("MCP servers…", objectName="toolsButton")
-        tools_button.clicked.connect(lambda: emit(self.tools_requested))
-        layout.addWidget(tools_button)
-        self.tool_required_box = QCheckBox("First answer calls a tool", objectName="toolRequired")
-        self.tool_required_box.setToolTip(
-            "Constrain the model's first answer to one call of an MCP tool\n"
-            "(for models that do not reach for tools on their own)."
-        )
-        self.tool_required_box.toggled.connect(self._emit)
-        layout.addWidget(self.tool_required_box)
-
+        self._tools_section(layout)
         self._budget_section(layout)
         self._kv_section(layout)
         self._cache_budget_section(layout)
@@ -228,6 +199,42 @@ class SettingsPanel(QFrame):
             box.setMinimumContentsLength(12)
         self.presets = self._read_presets()
         self._fill_presets()
+
+    def _sampling_section(self, layout: QVBoxLayout) -> None:
+        """One field per sampling setting (FIELDS), and the stop strings."""
+        layout.addWidget(QLabel("Sampling", objectName="fieldTitle"))
+        form = QFormLayout()
+        form.setSpacing(6)
+        form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
+        self.inputs: dict[str, QSpinBox | QDoubleSpinBox] = {}
+        for key, (label, kind, lo, hi, step, _default) in FIELDS.items():
+            box = QDoubleSpinBox() if kind is float else QSpinBox()
+            if kind is float:
+                box.setDecimals(2)
+            box.setRange(lo, hi)
+            box.setSingleStep(step)
+            box.valueChanged.connect(self._emit)
+            self.inputs[key] = box
+            form.addRow(label, box)
+        self.stop_edit = QLineEdit()
+        self.stop_edit.setPlaceholderText("comma-separated")
+        self.stop_edit.textChanged.connect(self._emit)
+        form.addRow("Stop strings", self.stop_edit)
+        layout.addLayout(form)
+
+    def _tools_section(self, layout: QVBoxLayout) -> None:
+        """The MCP servers button, and whether the first answer must call a tool."""
+        layout.addWidget(QLabel("Tools", objectName="fieldTitle"))
+        tools_button = QPushButton("MCP servers…", objectName="toolsButton")
+        tools_button.clicked.connect(lambda: emit(self.tools_requested))
+        layout.addWidget(tools_button)
+        self.tool_required_box = QCheckBox("First answer calls a tool", objectName="toolRequired")
+        self.tool_required_box.setToolTip(
+            "Constrain the model's first answer to one call of an MCP tool\n"
+            "(for models that do not reach for tools on their own)."
+        )
+        self.tool_required_box.toggled.connect(self._emit)
+        layout.addWidget(self.tool_required_box)
 
     def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt override
         """As narrow as the fields allow (beside the scroll bar); any height: the fields scroll."""

@@ -194,28 +194,40 @@ def scan_local_models(
 
 def describe(path: Path, *, source: str, name: str | None = None) -> LocalModel:
     """One entry of the model list, from headers only; errors become ``error`` text."""
+    try:
+        if path.is_file():
+            from engine.artifacts.gguf import read_gguf_header
+
+            return describe_read(path, None, read_gguf_header(path), source=source, name=name)
+        from engine.artifacts.config import read_config
+        from engine.artifacts.weights import find_weights, read_headers
+
+        config = read_config(path)
+        return describe_read(path, config, read_headers(find_weights(path)), source=source, name=name)
+    except EngineError as e:
+        return LocalModel(name=name or model_name(path), path=path, source=source, error=str(e))
+
+
+def describe_read(path: Path, config: Any, headers: Any, *, source: str, name: str | None = None) -> LocalModel:
+    """``describe``'s entry from what was read already: a folder's config and safetensors
+    headers, or a .gguf file's header (``config`` None). Nothing is read again, so a load
+    that read its files describes the model from that one read."""
     entry = LocalModel(name=name or model_name(path), path=path, source=source)
     try:
         if path.is_file():
-            from engine.artifacts.gguf import gguf_config, read_gguf_header
+            from engine.artifacts.gguf import gguf_config
 
-            header = read_gguf_header(path)
             entry.size_on_disk = path.stat().st_size
-            entry.quantization = header.quantization()
-            entry.parameters = sum(t.numel for t in header.tensors.values())
-            entry.family = header.architecture
-            cfg = gguf_config(header)
-            entry.context_length = cfg["max_position_embeddings"]
+            entry.quantization = headers.quantization()
+            entry.parameters = sum(t.numel for t in headers.tensors.values())
+            entry.family = headers.architecture
+            entry.context_length = gguf_config(headers)["max_position_embeddings"]
         else:
-            from engine.artifacts.config import read_config
-            from engine.artifacts.weights import find_weights, parameter_count, read_headers
+            from engine.artifacts.weights import parameter_count
 
-            config = read_config(path)
             entry.family = config.model_type
             entry.context_length = config.context_length
             entry.size_on_disk = _folder_size(path)
-            files = find_weights(path)
-            headers = read_headers(files)
             entry.parameters = parameter_count(headers, config.quantization)
             entry.quantization = describe_quantization(config, headers)
     except EngineError as e:

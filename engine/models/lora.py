@@ -8,16 +8,7 @@ every mounted adapter; a stacked expert projection (``SwitchLinear``) takes mlx-
 touching the base weights; ``unmount`` puts the original layer object back once no adapter is
 left on it, so the model computes exactly what it computed before.
 
-Two file formats are read:
-
-* mlx-lm: ``adapter_config.json`` (``fine_tune_type`` lora|dora, ``lora_parameters.scale``) and
-  ``adapters.safetensors`` with ``<path>.lora_a`` [in, r], ``<path>.lora_b`` [r, out] and, for
-  DoRA, ``<path>.m`` [out]. The update is ``scale * (x @ a) @ b``; mlx-lm ignores ``alpha``.
-* PEFT: ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``, ``use_dora``,
-  ``rank_pattern``, ``alpha_pattern``) and ``adapter_model.safetensors`` with
-  ``base_model.model.<path>.lora_A.weight`` [r, in], ``lora_B.weight`` [out, r] (and
-  ``lora_B.bias`` with ``lora_bias``) and ``lora_magnitude_vector`` [out]. The scaling is
-  ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
+The two adapter file formats (mlx-lm's and PEFT's) are read by ``engine.models.lora_files``.
 
 How adapters combine: every active adapter contributes its own change of the layer's output,
 computed against the base layer alone, multiplied by its scale multiplier; the changes add up.
@@ -32,23 +23,24 @@ applies later adapters to a running sum, which makes its result order-dependent.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.errors import AdapterError, ModelLoadError
-from engine.files import SETTINGS_LIMIT, read_text_bounded
+from engine.errors import AdapterError
+from engine.models.lora_files import (
+    MAX_MULTIPLIER,
+    AdapterFormat,
+    AdapterKind,
+    Delta,
+    ParsedAdapter,
+    parse_folder,
+)
 from engine.models.switch import QuantizedSwitchLinear, SwitchLinear
-
-AdapterFormat = Literal["mlx-lm", "peft"]
-AdapterKind = Literal["lora", "dora"]
 
 
 @dataclass
@@ -65,24 +57,12 @@ class MountedAdapter:
     base_model: str | None = None  # what the adapter says it was trained on, if it says
 
 
-@dataclass
-class _Delta:
-    """One adapter's low-rank update of one layer."""
-
-    a: mx.array  # [in, r]
-    b: mx.array  # [r, out]
-    scale: float
-    magnitude: mx.array | None = None  # DoRA: [out]
-    b_bias: mx.array | None = None  # PEFT lora_bias: [out]
-    dora_gain: mx.array | None = None  # DoRA: m / ||W + s B A||, computed once at mount
-
-
 class _Deltas:
     """Plain holder so MLX's module tree does not treat the adapters as model parameters."""
 
     def __init__(self) -> None:
-        self.by_name: dict[str, _Delta] = {}
-        self.active: list[tuple[_Delta, float]] = []
+        self.by_name: dict[str, Delta] = {}
+        self.active: list[tuple[Delta, float]] = []
 
 
 class LoRAHost(nn.Module):
@@ -132,7 +112,7 @@ def _gather_mm(x: mx.array, w: mx.array, experts: mx.array, sorted_indices: bool
     return mx.gather_mm(x, w, rhs_indices=experts, sorted_indices=sorted_indices)
 
 
-def _delta_output(base: nn.Module, d: _Delta, x: mx.array, y: mx.array, mult: float) -> mx.array:
+def _delta_output(base: nn.Module, d: Delta, x: mx.array, y: mx.array, mult: float) -> mx.array:
     low = (x @ d.a) @ d.b
     if d.b_bias is not None:
         low = low + d.b_bias
@@ -146,214 +126,6 @@ def _delta_output(base: nn.Module, d: _Delta, x: mx.array, y: mx.array, mult: fl
 
 
 # ---- reading adapter folders ------------------------------------------------------------
-
-
-@dataclass
-class _Parsed:
-    format: AdapterFormat
-    kind: AdapterKind
-    deltas: dict[str, _Delta]  # module path -> delta
-    rank: int
-    weights_file: Path
-    base_model: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(read_text_bounded(path, SETTINGS_LIMIT, "an adapter's settings", AdapterError))
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"cannot read {path}: {exc}; the adapter folder looks damaged") from None
-    if not isinstance(data, dict):
-        raise AdapterError(f"{path} is not a JSON object; the adapter folder looks damaged")
-    return data
-
-
-# An adapter's own scale (mlx-lm's lora_parameters.scale, PEFT's alpha / r) is about 1-64 in
-# practice; a multiplier (how strongly a mounted adapter acts) is about 0-2. Far past either,
-# the model's output is noise or infinity, so such numbers are refused as damage or typos.
-MAX_ADAPTER_SCALE = 1e4
-MAX_MULTIPLIER = 100.0
-
-
-def _number(value: object, what: str, where: Path, *, low: float, high: float) -> float:
-    """A finite number within [low, high] from an adapter's config, or a one-line refusal."""
-    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-    if not (math.isfinite(number) and low <= number <= high):
-        raise AdapterError(
-            f"{where} says {what} is {value!r}; it must be a number from {low:g} to {high:g}: "
-            "the adapter's config is damaged"
-        )
-    return number
-
-
-def _rank(value: object, what: str, where: Path) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AdapterError(f"{where} says {what} is {value!r}; a LoRA rank is a whole number of at least 1")
-    return value
-
-
-def _load_safetensors(path: Path) -> dict[str, mx.array]:
-    from engine.artifacts.weights import read_header
-
-    try:
-        read_header(path)  # a bounded header read: refuses a truncated or foreign file in one line
-    except ModelLoadError as exc:
-        raise AdapterError(f"{exc} (the adapter weights look damaged)") from None
-    try:
-        return dict(mx.load(str(path)))
-    except Exception as exc:  # MLX raises plain RuntimeError/ValueError for bad files
-        raise AdapterError(f"cannot read {path}: {exc}; the adapter weights look damaged") from None
-
-
-def _base_hint(value: object) -> str | None:
-    if not isinstance(value, str) or not value:
-        return None
-    return value.rstrip("/").split("/")[-1]
-
-
-def _parse_folder(folder: Path) -> _Parsed:
-    if not folder.is_dir():
-        raise AdapterError(f"adapter folder {folder} does not exist; pick a folder with adapter_config.json")
-    config_path = folder / "adapter_config.json"
-    if not config_path.is_file():
-        raise AdapterError(f"{folder} has no adapter_config.json; it is not an mlx-lm or PEFT adapter folder")
-    config = _read_json(config_path)
-    if (folder / "adapters.safetensors").is_file():
-        return _parse_mlxlm(folder, config)
-    if (folder / "adapter_model.safetensors").is_file():
-        return _parse_peft(folder, config)
-    if (folder / "adapter_model.bin").is_file():
-        raise AdapterError(
-            f"{folder} holds adapter_model.bin (pickle), which is never loaded; convert it to adapter_model.safetensors"
-        )
-    raise AdapterError(f"{folder} has no adapters.safetensors (mlx-lm) or adapter_model.safetensors (PEFT)")
-
-
-def _parse_mlxlm(folder: Path, config: dict) -> _Parsed:
-    kind = config.get("fine_tune_type") or ("dora" if config.get("use_dora") else "lora")
-    if kind not in ("lora", "dora"):
-        raise AdapterError(f"{folder} is a '{kind}' fine-tune, not a LoRA/DoRA adapter; load it as a model instead")
-    params = config.get("lora_parameters") or {}
-    if "scale" not in params:
-        raise AdapterError(f"{folder}/adapter_config.json has no lora_parameters.scale; re-save it with mlx-lm")
-    config_file = folder / "adapter_config.json"
-    scale = _number(
-        params["scale"], "lora_parameters.scale", config_file, low=-MAX_ADAPTER_SCALE, high=MAX_ADAPTER_SCALE
-    )
-    declared_rank = _rank(params["rank"], "lora_parameters.rank", config_file) if "rank" in params else None
-    weights_file = folder / "adapters.safetensors"
-    weights = _load_safetensors(weights_file)
-    groups: dict[str, dict[str, mx.array]] = {}
-    for key, value in weights.items():
-        path, _, leaf = key.rpartition(".")
-        if leaf not in ("lora_a", "lora_b", "m") or not path:
-            raise AdapterError(
-                f"{weights_file.name} holds '{key}', which is not a LoRA tensor (lora_a, lora_b, m); "
-                "full or embedding fine-tunes cannot be mounted"
-            )
-        groups.setdefault(path, {})[leaf] = value
-    deltas: dict[str, _Delta] = {}
-    rank = 0
-    for path, parts in groups.items():
-        if "lora_a" not in parts or "lora_b" not in parts:
-            raise AdapterError(f"{weights_file.name} lacks lora_a or lora_b for {path}; the file is incomplete")
-        if kind == "dora" and "m" not in parts:
-            raise AdapterError(f"{weights_file.name} is a DoRA adapter without the magnitude '{path}.m'")
-        a, b = parts["lora_a"], parts["lora_b"]
-        if a.ndim == 3 and b.ndim == 3:  # stacked experts (LoRASwitchLinear): [E, r, in], [E, out, r]
-            if kind != "lora":
-                raise AdapterError(f"{path}: DoRA on stacked experts cannot be mounted; use a LoRA adapter")
-            a, b = a.swapaxes(-1, -2), b.swapaxes(-1, -2)
-        if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
-            raise AdapterError(
-                f"{path}: lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not chain; the file is damaged"
-            )
-        if declared_rank is not None and a.shape[-1] != declared_rank:
-            raise AdapterError(
-                f"{path}: lora_a has rank {a.shape[-1]} but adapter_config.json says rank {declared_rank}; "
-                "the config and the weights are from different adapters"
-            )
-        rank = max(rank, a.shape[-1])
-        deltas[path] = _Delta(a=a, b=b, scale=scale, magnitude=parts.get("m") if kind == "dora" else None)
-    return _Parsed("mlx-lm", kind, deltas, rank, weights_file, _base_hint(config.get("model")))
-
-
-_PEFT_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?P<path>.+?)\.(?P<leaf>lora_A|lora_B|lora_magnitude_vector)"
-    r"(?:\.(?!(?:weight|bias)$)[\w\-]+)?"  # an adapter name some savers leave in
-    r"(?:\.(?P<param>weight|bias))?$"
-)
-
-
-def _pattern_value(patterns: dict, path: str, default: float) -> float:
-    # PEFT matches a pattern key against the end of the module path, on a dot boundary.
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", path):
-            return value
-    return default
-
-
-def _parse_peft(folder: Path, config: dict) -> _Parsed:
-    peft_type = config.get("peft_type", "LORA")
-    if peft_type != "LORA":
-        raise AdapterError(f"{folder} is a PEFT '{peft_type}' adapter; only LoRA and DoRA can be mounted")
-    if config.get("modules_to_save"):
-        raise AdapterError(
-            f"{folder} also replaces whole modules ({', '.join(config['modules_to_save'])}); "
-            "such adapters cannot be toggled at runtime"
-        )
-    kind: AdapterKind = "dora" if config.get("use_dora") else "lora"
-    rslora = bool(config.get("use_rslora"))
-    config_file = folder / "adapter_config.json"
-    declared_rank = _rank(config.get("r", 8), "r", config_file)
-    alpha = _number(config.get("lora_alpha", declared_rank), "lora_alpha", config_file, low=-1e6, high=1e6)
-    for key, value in (config.get("rank_pattern") or {}).items():
-        _rank(value, f"rank_pattern[{key!r}]", config_file)
-    for key, value in (config.get("alpha_pattern") or {}).items():
-        _number(value, f"alpha_pattern[{key!r}]", config_file, low=-1e6, high=1e6)
-    weights_file = folder / "adapter_model.safetensors"
-    weights = _load_safetensors(weights_file)
-    groups: dict[str, dict[str, mx.array]] = {}
-    for key, value in weights.items():
-        match = _PEFT_KEY.match(key)
-        if match is None:
-            raise AdapterError(
-                f"{weights_file.name} holds '{key}', which is not a LoRA tensor; "
-                "embedding LoRA and extra trained modules cannot be mounted"
-            )
-        leaf = match["leaf"] + ("." + match["param"] if match["param"] else "")
-        groups.setdefault(match["path"], {})[leaf] = value
-    deltas: dict[str, _Delta] = {}
-    rank = 0
-    for path, parts in groups.items():
-        a_t, b_t = parts.get("lora_A.weight"), parts.get("lora_B.weight")
-        if a_t is None or b_t is None:
-            raise AdapterError(f"{weights_file.name} lacks lora_A or lora_B for {path}; the file is incomplete")
-        if a_t.ndim != 2 or b_t.ndim != 2 or a_t.shape[0] != b_t.shape[1]:
-            raise AdapterError(
-                f"{path}: lora_A {tuple(a_t.shape)} and lora_B {tuple(b_t.shape)} do not chain; the file is damaged"
-            )
-        r = a_t.shape[0]
-        expected = _pattern_value(config.get("rank_pattern"), path, declared_rank)
-        if r != expected:
-            raise AdapterError(
-                f"{path}: lora_A has rank {r} but adapter_config.json says r={expected}; "
-                "the config and the weights are from different adapters"
-            )
-        rank = max(rank, r)
-        a_val = _pattern_value(config.get("alpha_pattern"), path, alpha)
-        scale = a_val / math.sqrt(r) if rslora else a_val / r
-        if abs(scale) > MAX_ADAPTER_SCALE:
-            raise AdapterError(
-                f"{config_file} gives {path} a scale of {scale:g} (lora_alpha / r); more than "
-                f"{MAX_ADAPTER_SCALE:g} turns the model's output into noise: the config is damaged"
-            )
-        magnitude = parts.get("lora_magnitude_vector", parts.get("lora_magnitude_vector.weight"))
-        if kind == "dora" and magnitude is None:
-            raise AdapterError(f"{weights_file.name} is a DoRA adapter without lora_magnitude_vector for {path}")
-        deltas[path] = _Delta(a=a_t.T, b=b_t.T, scale=scale, magnitude=magnitude, b_bias=parts.get("lora_B.bias"))
-    return _Parsed("peft", kind, deltas, rank, weights_file, _base_hint(config.get("base_model_name_or_path")))
 
 
 # ---- finding and checking target layers --------------------------------------------------
@@ -460,7 +232,7 @@ def _family_path(model: nn.Module, path: str) -> str | None:
 
 
 def _check_target(
-    model: nn.Module, path: str, delta: _Delta, parsed: _Parsed, name: str, unread: Mapping[str, nn.Module]
+    model: nn.Module, path: str, delta: Delta, parsed: ParsedAdapter, name: str, unread: Mapping[str, nn.Module]
 ) -> nn.Module:
     found = _find(model, path, unread)
     hint = f" ({parsed.base_model}?)" if parsed.base_model else ""
@@ -505,7 +277,7 @@ def _check_target(
     return base
 
 
-def _to_compute_dtype(d: _Delta, base: nn.Module) -> None:
+def _to_compute_dtype(d: Delta, base: nn.Module) -> None:
     """Store the adapter in the dtype the layer computes in, so no cast runs per token."""
     dtype = (base.scales if "scales" in base else base.weight).dtype
     if not mx.issubdtype(dtype, mx.floating):
@@ -517,7 +289,7 @@ def _to_compute_dtype(d: _Delta, base: nn.Module) -> None:
     mx.eval([v for v in (d.a, d.b, d.b_bias, d.dora_gain) if v is not None])
 
 
-def _dora_gain(base: nn.Module, d: _Delta) -> mx.array:
+def _dora_gain(base: nn.Module, d: Delta) -> mx.array:
     weight = _base_weight(base).astype(mx.float32)
     adapted = weight + d.scale * (d.b.astype(mx.float32).T @ d.a.astype(mx.float32).T)
     return d.magnitude.astype(mx.float32) / mx.linalg.norm(adapted, axis=1)
@@ -534,7 +306,7 @@ class AdapterSet:
         self.active: dict[str, float] = {}
         # Per adapter, the deltas of layers in a part of the model set apart unread when it was
         # mounted: module path -> (delta, kind), put in place by ``mount_waiting`` once it is read.
-        self.waiting: dict[str, dict[str, tuple[_Delta, AdapterKind]]] = {}
+        self.waiting: dict[str, dict[str, tuple[Delta, AdapterKind]]] = {}
 
 
 def adapter_set(model: nn.Module) -> AdapterSet:
@@ -579,7 +351,7 @@ def mount(
         raise AdapterError(f"an adapter named '{name}' is already mounted; unmount it or pick another name")
     if not name or any(c in name for c in ";=@\n"):
         raise AdapterError(f"adapter name '{name}' is empty or has one of ; = @ in it; pick a plain name")
-    parsed = _parse_folder(folder)
+    parsed = parse_folder(folder)
     if not parsed.deltas:
         raise AdapterError(f"{parsed.weights_file} holds no LoRA tensors; there is nothing to mount")
     # Check every target before changing anything, so a refused adapter leaves the model as it was.
@@ -612,7 +384,7 @@ def mount(
     return info
 
 
-def _put_in_place(model: nn.Module, path: str, delta: _Delta, kind: AdapterKind, name: str) -> None:
+def _put_in_place(model: nn.Module, path: str, delta: Delta, kind: AdapterKind, name: str) -> None:
     """Wrap the layer at ``path`` in a LoRAHost (once) and add the adapter's delta to it."""
     parent, key, layer = _resolve(model, path)  # type: ignore[misc]
     base = layer.base if isinstance(layer, LoRAHost) else layer

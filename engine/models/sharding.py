@@ -32,37 +32,21 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.errors import UnsupportedModelError
+from engine.models.families import FAMILIES
 
-# Family modules (engine/models/<name>.py) whose models split each way.
-PIPELINE_FAMILIES = (
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-    "llama",
-    "qwen2",
-    "qwen3",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_moe",
-)
-TENSOR_FAMILIES = ("deepseek_v3", "llama", "qwen2", "qwen3", "qwen3_moe")
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def sharding_model_types(mode: str) -> list[str]:
-    """The config model types that shard this way (Kimi K2 and Moonlight run as DeepSeek V3)."""
-    from engine.models import SUPPORTED
-
-    families = PIPELINE_FAMILIES if mode == "pipeline" else TENSOR_FAMILIES
-    return sorted(t for t, module in SUPPORTED.items() if module in families and not t.endswith("_text"))
+    """The config model types that shard this way, as the family manifest declares them
+    (``Family.shards``; Kimi K2 and Moonlight run as DeepSeek V3)."""
+    return sorted(t for t, family in FAMILIES.items() if mode in family.shards and not t.endswith("_text"))
 
 
 def check_family(model_type: str, mode: str) -> None:
     """Refuse, in one line naming those that do, a family that does not shard this way."""
-    from engine.models import SUPPORTED
-
-    families = PIPELINE_FAMILIES if mode == "pipeline" else TENSOR_FAMILIES
-    if SUPPORTED.get(model_type) not in families:
+    family = FAMILIES.get(model_type)
+    if family is None or mode not in family.shards:
         raise UnsupportedModelError(
             f"{model_type} models do not shard ({mode}); --shard {mode} runs: {', '.join(sharding_model_types(mode))}"
         )

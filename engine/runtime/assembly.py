@@ -117,8 +117,15 @@ def assemble_draft(
 def _describe(loaded: Any, budget: int | None) -> ModelInfo:
     from engine.runtime.model_info import inspect_model
 
-    # The load planned from these files already: its plan stands.
-    return inspect_model(str(loaded.path), memory_budget=budget, kv_config=False, plan=getattr(loaded, "plan", None))
+    # The load planned from these files already, and read them once: its plan and what it
+    # read stand.
+    return inspect_model(
+        str(loaded.path),
+        memory_budget=budget,
+        kv_config=False,
+        plan=getattr(loaded, "plan", None),
+        source=getattr(loaded, "source", None),
+    )
 
 
 def _union(*groups: Sequence[int] | None) -> list[int]:

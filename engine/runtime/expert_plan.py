@@ -39,6 +39,14 @@ def is_routed_expert(name: str) -> bool:
     return bool(_EXPERT.search(name))
 
 
+def family_streams_experts(model_type: str) -> bool:
+    """Whether the family manifest says this model type's experts may be read from disk."""
+    from engine.models.families import FAMILIES
+
+    family = FAMILIES.get(model_type)
+    return family is not None and family.streams_experts
+
+
 def expert_count(args: Any) -> int:
     for attr in _EXPERT_COUNT:
         value = getattr(args, attr, None)
@@ -58,16 +66,25 @@ def plan_residency(
     context_tokens: int = 0,
     model_context: int = 0,
     name: str = "This model",
+    streams: bool = True,
 ) -> MemoryPlan:
     """``plan`` with its experts' residency decided (unchanged for a dense model; every
     expert resident for one that fits and is not forced). ``expert_bytes``: every routed expert of the loaded
     layers as held in memory; ``layers``: the MoE layers holding them. The KV cache kept
     room for is that of ``context_tokens`` (the context chats may reach), else of the
-    model's context up to ``DEFAULT_CONTEXT``."""
+    model's context up to ``DEFAULT_CONTEXT``. ``streams``: the family streams its experts
+    (``Family.streams_experts`` of the manifest); when not, every expert stays resident."""
     experts = expert_count(args)
     if not expert_bytes or not experts or not layers:
         if forced is not None and forced < 1:
             raise ModelLoadError(f"{name} is not a mixture-of-experts model: --resident-experts does not apply to it")
+        return plan
+    if not streams:
+        if forced is not None and forced < 1:
+            raise ModelLoadError(
+                f"{name}'s family does not read its experts from disk: it holds them all "
+                "(leave --resident-experts out, or set it to 1)"
+            )
         return plan
     top_k = max(
         1,
@@ -119,6 +136,7 @@ def residency_for_inspect(plan: MemoryPlan, source: Any, forced: float | None, c
             forced=forced,
             context_tokens=context_tokens,
             model_context=source.config.context_length or 0,
+            streams=family_streams_experts(source.config.model_type),
         )
     except OutOfMemoryBudget:
         return plan

@@ -63,6 +63,9 @@ class LoadedModel:
     tokenizer_path: Path | None = None  # folder with tokenizer.json & co. (None for GGUF)
     embedding: EmbeddingSpec | None = None  # a sentence-transformers folder: the model embeds
     mtp_apart: MTPApart | None = None  # the built-in MTP layer, set apart unread (attach_mtp_apart)
+    # What the load read of the files' config and headers: describing the model reuses it
+    # (engine.runtime.model_info.inspect_model), so a load reads each header once.
+    source: _Source | None = None
 
 
 @dataclass
@@ -100,6 +103,7 @@ class _Source:
     headers: dict[str, Any] | None = None  # safetensors tensors by name (byte ranges for streamed experts)
     expert_bytes: int = 0  # of weights_bytes: the routed experts of the model's MoE layers
     expert_layers: int = 0  # MoE layers holding them
+    gguf_header: Any = None  # a .gguf file's header as read
 
 
 def load_model(
@@ -125,7 +129,7 @@ def load_model(
     tokens (the longest context chats may reach) when one is given.
     """
     from engine import models
-    from engine.runtime.expert_plan import plan_residency, start_streaming, stream_experts
+    from engine.runtime.expert_plan import family_streams_experts, plan_residency, start_streaming, stream_experts
     from engine.runtime.memory import check_fits, default_budget, plan_memory
 
     if share_loader is not None:
@@ -142,7 +146,7 @@ def load_model(
         # A sentence embedding model computes in float32, as sentence-transformers does by
         # default: vectors compared by cosine lose ~1e-4 to bfloat16, and these models are small.
         dtype = "float32"
-        source = inspect_source(path_or_repo, dtype=dtype)
+        source = inspect_source(path_or_repo, dtype=dtype, read=source)  # recounted, not read again
     config = source.config
     if config.foreign_quantization:
         raise UnsupportedModelError(
@@ -175,6 +179,7 @@ def load_model(
             context_tokens=max(context_tokens, context_cap or 0),
             model_context=config.context_length or 0,
             name=source.name,
+            streams=family_streams_experts(config.model_type),
         )
     check_fits(plan, context_tokens=context_tokens, name=source.name, budget_reason=reason)
 
@@ -234,6 +239,7 @@ def load_model(
         tokenizer_path=None if source.gguf else source.path,
         embedding=embedding,
         mtp_apart=apart,
+        source=source,
     )
 
 
@@ -292,12 +298,14 @@ def attach_mtp_apart(
     return True
 
 
-def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _Source:
-    """Config, weight files and sizes of a model, from headers only."""
-    path = resolve_model_path(path_or_repo)
+def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None, read: _Source | None = None) -> _Source:
+    """Config, weight files and sizes of a model, from headers only. ``read``: what an
+    earlier call read of the same files; its config and headers are counted again (for
+    another ``dtype``) without reading them."""
+    path = read.path if read is not None else resolve_model_path(path_or_repo)
     name = model_name(path)
     if path.is_file():
-        header = gguf_io.read_gguf_header(path)
+        header = read.gguf_header if read is not None else gguf_io.read_gguf_header(path)
         config = config_from_dict(gguf_io.gguf_config(header), path=path)
         gguf_io.check_readable(header)
         check_model_files(config, {n: t.shape for n, t in header.tensors.items()}, gguf=True)
@@ -305,14 +313,17 @@ def inspect_source(path_or_repo: str | Path, *, dtype: str | None = None) -> _So
         target = MX_DTYPE_NAMES.get(dtype or "", dtype) or stored
         size = sum(_gguf_loaded_bytes(t, target) for t in header.tensors.values())
         names = {n for n in header.tensors}
-        return _Source(path, name, config, size, target, [path], names, gguf=True)
+        return _Source(path, name, config, size, target, [path], names, gguf=True, gguf_header=header)
 
-    config = read_config(path)
-    if config.quantization is not None:
-        check_spec(config.quantization, where=name)
-    files = find_weights(path)
-    headers = read_headers(files)
-    check_index(path, headers)
+    if read is not None and read.headers is not None:
+        config, files, headers = read.config, read.files, read.headers
+    else:
+        config = read_config(path)
+        if config.quantization is not None:
+            check_spec(config.quantization, where=name)
+        files = find_weights(path)
+        headers = read_headers(files)
+        check_index(path, headers)
     check_model_files(
         config,
         {n: t.shape for n, t in headers.items()},

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from engine.api import MemoryPlan, ModelInfo
-from engine.artifacts.hub import describe, resolve_model_path
+from engine.artifacts.hub import describe_read, resolve_model_path
 from engine.runtime.context_planner import advise_context, check_cap, precision_options
 from engine.runtime.expert_plan import describe_residency, residency_for_inspect
 from engine.runtime.loading import DTYPE_BYTES, inspect_source
@@ -30,16 +31,21 @@ def inspect_model(
     refuse_cap: bool = False,
     resident_experts: float | None = None,
     plan: MemoryPlan | None = None,
+    source: Any = None,
 ) -> ModelInfo:
     """Describe a model folder, cached repo id or .gguf file without loading weights; the
     memory plan counts a quantized KV cache (``kv_bits``, else with ``kv_config`` the
     folder's kv_config.json; the host applies its own when it loads) and advises on the
     context (engine.runtime.context_planner); with ``refuse_cap``, a ``context_cap`` the
     budget cannot hold raises OutOfMemoryBudget. ``plan``: the plan a load already made from
-    the same files, which stands (the files are not planned twice in one load)."""
-    resolved = resolve_model_path(path)
-    source = inspect_source(resolved)
-    entry = describe(resolved, source="gguf" if resolved.is_file() else "folder")
+    the same files, which stands (the files are not planned twice in one load); ``source``:
+    what that load read of them (``LoadedModel.source``), described without a second read.
+    Either way the config and headers are read once."""
+    if source is None:
+        source = inspect_source(resolve_model_path(path))
+    resolved = source.path
+    read = source.gguf_header if source.gguf else source.headers
+    entry = describe_read(resolved, source.config, read, source="gguf" if resolved.is_file() else "folder")
     if entry.error:
         from engine.errors import ModelLoadError
 
