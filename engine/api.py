@@ -483,6 +483,9 @@ class LoadModel:
     # An MoE model's share of experts kept in memory (the rest read from disk when routed);
     # None: what the memory plan gives (all of them when the model fits).
     resident_experts: float | None = None
+    # Paged KV (--paged-kv): full-attention keys and values in shared blocks of this many
+    # tokens, so chats and requests with a common prefix hold it once; None: unpaged.
+    paged_kv_block_size: int | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.cli.experts import add_resident_experts, json_experts
 from engine.cli.numbers import Parser, memory_bytes
+from engine.cli.paged_args import add_paged_arguments, paged_block_size
 from engine.errors import EngineError, backend_hint
 
 
@@ -72,6 +73,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(p)
+    add_paged_arguments(p)
     add_resident_experts(p)
     from engine.cli.shard_command import add_shard_arguments
 
@@ -239,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_concurrent_arguments(bench)
     add_step_arguments(bench)
     add_mla_attention_argument(bench)
+    add_paged_arguments(bench)
     _add_convert(sub)
 
     _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
@@ -350,6 +353,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_group_size=args.kv_group_size,
         context_cap=args.context_length,
         resident_experts=args.resident_experts,
+        paged_kv_block_size=paged_block_size(args),
     )
     _mount_adapters(host, args.adapter)
     if args.draft_model is not None:
@@ -627,6 +631,7 @@ def _add_serve(parser: Any) -> None:
     )
     parser.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     _add_kv_arguments(parser)
+    add_paged_arguments(parser)
     add_resident_experts(parser)
     from engine.cli.shard_command import add_shard_arguments
 
@@ -648,6 +653,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from engine.cli.shard_command import serve
 
         return serve(args)
+    args.paged_kv_block_size = paged_block_size(args)
     return run_command(args)
 
 
