@@ -23,10 +23,14 @@ once unless published; published idle blocks stay cached for the next sequence t
 shares them and are evicted least recently used first when the pool's bytes pass its
 budget. Blocks in use are never evicted.
 
-Attention reads a sequence's keys and values by gathering its blocks into one contiguous
-array per layer each pass (``mx.concatenate``): MLX has no paged attention kernel. That
-copy reads the prefix once more per step; a CUDA gather kernel reading the block table
-inside attention would avoid it.
+Attention reads a sequence's keys and values from one contiguous array per layer: MLX has
+no paged attention kernel. The first pass of a request gathers the sequence's blocks into
+a view (``mx.concatenate``); later passes write their new tokens both into the blocks and
+at the end of the view, as ``KVCache`` does, so a decode step copies no prefix. The views
+are dropped when the request ends (``drop_views``, from the prefix cache's ``record``):
+between requests a sequence holds only blocks, and since paged requests decode one at a
+time, at most one sequence holds a view. A CUDA gather kernel reading the block table
+inside attention would avoid the view altogether.
 
 What pages. Plain full-attention layers (``KVCache``). Sliding-window layers
 (``RotatingKVCache``: small and fixed already), latent MLA caches (not keys and values per
@@ -57,6 +61,8 @@ DEFAULT_BLOCK_SIZE = 64
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 # Idle published blocks kept when the host gives no budget.
 DEFAULT_POOL_BYTES = 1 << 30
+# A request's contiguous view grows this many tokens at a time (KVCache's step).
+VIEW_STEP = 256
 
 
 def check_block_size(n: int) -> int:
@@ -193,6 +199,9 @@ class PagedSequence:
         self.pool = pool
         self.table: list[Block] = []
         self.offsets = [0] * pool.layers
+        # Per layer during a request: (keys, values) buffers holding the first tokens of
+        # the sequence contiguously (capacity past the offset), or None.
+        self.views: list[tuple[mx.array, mx.array] | None] = [None] * pool.layers
         self.shareable = shareable  # every layer of the model pages (blocks hold the whole prefix)
         # The table's blocks go back to the pool whenever this sequence is dropped.
         self._finalizer = weakref.finalize(self, _release_all, pool, self.table)
@@ -212,6 +221,10 @@ class PagedSequence:
         self.pool.release(block)
         self.table[index] = fresh
         return fresh
+
+    def drop_views(self) -> None:
+        """Forget the contiguous views (the blocks hold everything)."""
+        self.views = [None] * len(self.views)
 
     def shrink(self) -> None:
         """Give back the blocks past the furthest layer's offset (after a trim)."""
@@ -308,7 +321,33 @@ class PagedKVCache:
                 arrays[self.layer][..., lo : lo + take, :] = new[..., pos - start : pos - start + take, :]
             pos += take
         self.offset = start + n
-        return self.held()
+        return self._extend_view(keys, values, start)
+
+    def _extend_view(self, keys: mx.array, values: mx.array, start: int) -> tuple[mx.array, mx.array]:
+        """The layer's contiguous view with the new tokens (written at ``start``) in it."""
+        end, view = self.offset, self.sequence.views[self.layer]
+        if view is None or view[0].shape[2] < start:
+            view = self._gathered()
+        elif view[0].shape[2] < end:  # grow in steps, as KVCache does
+            room = ((end + VIEW_STEP - 1) // VIEW_STEP) * VIEW_STEP
+            view = tuple(mx.concatenate([a[..., :start, :], new], axis=2) for a, new in zip(view, (keys, values)))
+            view = tuple(mx.pad(a, [(0, 0), (0, 0), (0, room - end), (0, 0)]) for a in view)
+        else:
+            view[0][..., start:end, :] = keys
+            view[1][..., start:end, :] = values
+        self.sequence.views[self.layer] = view
+        return view[0][..., :end, :], view[1][..., :end, :]
+
+    def _gathered(self) -> tuple[mx.array, mx.array]:
+        """The layer's blocks concatenated, with a step of room past the offset."""
+        end, size = self.offset, self.sequence.pool.block_size
+        blocks = self.sequence.table[: (end + size - 1) // size]
+        room = ((end + VIEW_STEP - 1) // VIEW_STEP) * VIEW_STEP - len(blocks) * size
+        keys = mx.concatenate([b.keys[self.layer] for b in blocks], axis=2)
+        values = mx.concatenate([b.values[self.layer] for b in blocks], axis=2)
+        if room > 0:
+            keys, values = (mx.pad(a, [(0, 0), (0, 0), (0, room), (0, 0)]) for a in (keys, values))
+        return keys, values
 
     def held(self) -> tuple[mx.array, mx.array]:
         """The sequence's keys and values of this layer, gathered from its blocks."""

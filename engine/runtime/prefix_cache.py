@@ -122,4 +122,5 @@ class PrefixCache:
         sequence = sequence_of(self.cache)
         if sequence is not None:
             sequence.publish(self.keys, self.signature)
+            sequence.drop_views()  # between requests the blocks hold it all
         return True
