@@ -409,6 +409,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }
         if args.cache_file is not None:
             out["cached_tokens"] = stats.cached_tokens
+            if (choice := host.session("").reopen_choice) is not None:
+                out["reopen"] = choice.as_dict()  # read the saved cache, or recompute
         if (experts := json_experts(host)) is not None:
             out["experts"] = experts
         if result.notes:
