@@ -9,6 +9,7 @@ fresh unpaged session's."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -184,3 +185,24 @@ def test_paged_kv_refuses_what_it_cannot_hold():
             cache[0].update_and_fetch(mx.zeros((2, 2, 1, 8)), mx.zeros((2, 2, 1, 8)))
     finally:
         del model.kv_pool
+
+
+def test_speculative_decoding_over_paged_caches_matches_plain_decoding():
+    """A draft model (another family's tiny model, so many drafts are rejected) over a
+    paged target: verify passes write several tokens, rejected ones are trimmed away
+    every step, and the reply is the plain one."""
+    model, draft = build("qwen3"), build("llama")
+    ids = prompt(50)
+    want = reply(ChatSession(model, Ids()), ids)
+    pool_for(model, block_size=16)
+    try:
+        chat = ChatSession(model, Ids())
+        chat.draft_model = draft
+        result = None
+        for item in chat.stream_ids(ids, replace(PARAMS, speculative="draft", num_draft_tokens=3)):
+            result = item
+        assert any(isinstance(c, PagedKVCache) for c in chat.cache)
+    finally:
+        del model.kv_pool
+    assert result.token_ids == want.token_ids
+    assert result.stats.draft_tokens > 0
