@@ -362,6 +362,13 @@ def run_bench(
         from engine.cli.paged_args import page_bench_model
 
         out["paged_kv"] = page_bench_model(args, model)
+    if getattr(args, "shared_prefix", None):
+        from engine.cli.bench_shared import run_shared
+
+        out["shared_prefix"] = run_shared(args, model, config["vocab_size"], prompt)
+        if args.json:
+            print(json.dumps(out))
+        return 0
     if getattr(args, "reopen", False):
         from engine.cli.bench_reopen import run_reopen
 

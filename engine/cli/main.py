@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_step_arguments(bench)
     add_mla_attention_argument(bench)
     add_paged_arguments(bench)
+    from engine.cli.bench_shared import add_shared_arguments
+
+    add_shared_arguments(bench)
     _add_convert(sub)
 
     _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
