@@ -84,6 +84,9 @@ class LoadModel:
     hosts: list[str] | None = None
     shard: str = "pipeline"
     backend: str = "any"
+    # Paged KV (--paged-kv): full-attention keys and values in shared blocks of this many
+    # tokens, so chats and requests with a common prefix hold it once; None: unpaged.
+    paged_kv_block_size: int | None = None
 
 
 @dataclass

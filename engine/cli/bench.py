@@ -362,6 +362,17 @@ def run_bench(
         model.kv_quantization = KVQuantization(settings)
         out["kv_cache"] = describe(settings)
         print(f"KV cache held at {out['kv_cache']}", flush=True)
+    if getattr(args, "paged_kv", False) or getattr(args, "paged_kv_block_size", None):
+        from engine.cli.paged_args import page_bench_model
+
+        out["paged_kv"] = page_bench_model(args, model)
+    if getattr(args, "shared_prefix", None):
+        from engine.cli.bench_shared import run_shared
+
+        out["shared_prefix"] = run_shared(args, model, config["vocab_size"], prompt)
+        if args.json:
+            print(json.dumps(out))
+        return 0
     if getattr(args, "reopen", False):
         from engine.cli.bench_reopen import run_reopen
 

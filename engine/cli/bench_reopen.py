@@ -4,6 +4,10 @@ against prefilling the whole chat again (what a restart costs without saved cach
 The chat is the random prompt (``-p`` tokens); the next turn adds 16 new tokens. "prefill"
 feeds all of it to an empty cache; "reopen" reads the cache saved after the chat from a
 file (models.kv_cache's format, as the app writes it) and feeds only the new tokens.
+"chosen" is what the engine does when a chat reopens: it weighs the file's bytes at the
+disk's measured read rate against the tokens at the model's measured prefill rate
+(runtime/reopen_choice.py) and takes the faster path; ``path`` in the JSON says which,
+and ``raw_read_s`` is the file read sequentially once, the bar the choice is held to.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, 
         save_prompt_cache(path, cache, {})
         size = path.stat().st_size
         del cache
+        from engine.runtime.reopen_choice import choose, disk_read_rate, prefill_rate
+
+        rate = disk_read_rate(path, probe=size)  # the whole file: its raw sequential read
+        choice = choose(int(prompt.size), size, rate, prefill_rate(model))
         for _warm_then_timed in range(2):
             mx.clear_cache()
             start = time.perf_counter()
@@ -58,6 +66,13 @@ def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, 
             load_s = time.perf_counter() - start
             reopen_s = load_s + _first_token_s(model, new, restored)
             del restored
+    chosen_s = reopen_s if choice.path == "read" else prefill_s
+    print(
+        f"reopen   chose to {choice.path} (estimated read {choice.read_s * 1000:.1f} ms, recompute "
+        f"{choice.recompute_s * 1000:.1f} ms): first token in {chosen_s * 1000:.1f} ms; raw read "
+        f"{size / rate * 1000:.1f} ms",
+        flush=True,
+    )
     print(
         f"reopen   {int(prompt.size):,}-token chat + {NEW_TOKENS} new: prefill all {prefill_s * 1000:9.1f} ms   "
         f"from saved cache {reopen_s * 1000:9.1f} ms (file {size / 1e6:.1f} MB read in {load_s * 1000:.1f} ms)   "
@@ -70,4 +85,8 @@ def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, 
         "cache_file_bytes": size,
         "cache_load_s": load_s,
         "speedup": prefill_s / max(reopen_s, 1e-9),
+        "path": choice.path,
+        "chosen_ttft_s": chosen_s,
+        "raw_read_s": size / rate,
+        "choice": choice.as_dict(),
     }

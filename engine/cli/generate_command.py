@@ -17,6 +17,7 @@ from typing import Any
 from engine.cli.common import CliError, add_kv_arguments
 from engine.cli.experts import add_resident_experts, json_experts
 from engine.cli.numbers import memory_bytes
+from engine.cli.paged_args import add_paged_arguments, paged_block_size
 
 MAX_NGRAM = 256  # ids an n-gram lookup matches; prompt lookup uses 2-5
 MAX_DRAFTS = 64  # drafts verified in one pass (auto picks at most 6); more only lengthens each pass
@@ -68,6 +69,7 @@ def add_generate(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     add_kv_arguments(p)
+    add_paged_arguments(p)
     add_resident_experts(p)
     from engine.cli.shard_command import add_shard_arguments
 
@@ -235,6 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_group_size=args.kv_group_size,
         context_cap=args.context_length,
         resident_experts=args.resident_experts,
+        paged_kv_block_size=paged_block_size(args),
     )
     _mount_adapters(host, args.adapter)
     if args.draft_model is not None:
@@ -290,6 +293,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }
         if args.cache_file is not None:
             out["cached_tokens"] = stats.cached_tokens
+            if (choice := host.session("").reopen_choice) is not None:
+                out["reopen"] = choice.as_dict()  # read the saved cache, or recompute
         if (experts := json_experts(host)) is not None:
             out["experts"] = experts
         if result.notes:

@@ -16,6 +16,7 @@ from engine.cli.common import CliError, add_kv_arguments
 from engine.cli.experts import add_resident_experts
 from engine.cli.generate_command import MAX_DRAFTS, MAX_NGRAM, add_generate, cmd_generate, user_message
 from engine.cli.numbers import Parser, memory_bytes
+from engine.cli.paged_args import add_paged_arguments, paged_block_size
 from engine.errors import EngineError, backend_hint
 
 # Importable from here as before: the generate command's public names and CliError.
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_concurrent_arguments(bench)
     add_step_arguments(bench)
     add_mla_attention_argument(bench)
+    add_paged_arguments(bench)
+    from engine.cli.bench_shared import add_shared_arguments
+
+    add_shared_arguments(bench)
     _add_convert(sub)
 
     _add_serve(sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server"))
@@ -213,6 +218,7 @@ def _add_serve(parser: Any) -> None:
     )
     parser.add_argument("--memory-budget", type=memory_bytes, help="e.g. 12GB or a number of bytes")
     add_kv_arguments(parser)
+    add_paged_arguments(parser)
     add_resident_experts(parser)
     from engine.cli.shard_command import add_shard_arguments
 
@@ -234,6 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from engine.cli.shard_command import serve
 
         return serve(args)
+    args.paged_kv_block_size = paged_block_size(args)
     return run_command(args)
 
 

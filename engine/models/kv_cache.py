@@ -329,10 +329,14 @@ def _mask_for(offset: int, n_keys: int, n_queries: int, window: int | None, keep
 def make_prompt_cache(model) -> list:
     """One cache per layer, of the kind each layer needs. ``model.kv_quantization`` (set by
     the host from --kv-bits or kv_config.json: quantized_kv_cache.KVQuantization) swaps
-    the full-attention layers' caches for quantized ones."""
+    the full-attention layers' caches for quantized ones; ``model.kv_pool`` (--paged-kv:
+    paged_kv.BlockPool) for paged ones."""
     cache = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     quantization = getattr(model, "kv_quantization", None)
-    return quantization(cache) if quantization is not None else cache
+    if quantization is not None:
+        return quantization(cache)
+    pool = getattr(model, "kv_pool", None)  # --paged-kv: full-attention layers in shared blocks
+    return pool.page(cache) if pool is not None else cache
 
 
 def cache_length(cache: Sequence[Any]) -> int:

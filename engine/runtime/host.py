@@ -45,6 +45,7 @@ from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assem
 from engine.runtime.embeddings import embed
 from engine.runtime.expert_plan import stop_streaming
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
+from engine.runtime.paged_pool import page_kv, pool_stats
 from engine.runtime.request_errors import Cancelled, NoModelLoaded  # noqa: F401  (Cancelled: part of the host's API)
 from engine.runtime.session import ChatSession
 from engine.runtime.token_ids import check_token_ids, vocab_size
@@ -143,11 +144,13 @@ class ModelHost:
         kv_group_size: int = 64,
         context_cap: int | None = None,
         resident_experts: float | None = None,
+        paged_kv_block_size: int | None = None,
     ) -> ModelInfo:
         """Load a model folder, HF repo id (already cached) or .gguf file, replacing any
         loaded model. Refuses before allocating when it cannot fit ``budget``. ``kv_bits``
         (4 or 8) holds the KV cache quantized; None follows the folder's kv_config.json.
-        ``context_cap`` bounds every chat's context; one the budget cannot hold is refused."""
+        ``context_cap`` bounds every chat's context; one the budget cannot hold is refused.
+        ``paged_kv_block_size`` pages the KV cache in shared blocks (models.paged_kv)."""
         from engine.runtime.context_planner import advise_context, check_cap, precision_options
         from engine.runtime.memory import kv_settings_for, with_kv_settings
 
@@ -175,6 +178,9 @@ class ModelHost:
 
             parts.model.kv_quantization = KVQuantization(settings)
         info = with_kv_settings(parts.info, parts.config, settings)
+        if paged_kv_block_size is not None:
+            weights = info.plan.weights_bytes if info.plan is not None else 0
+            page_kv(parts.model, paged_kv_block_size, kv_allowance(info, weights))
         options = precision_options(
             parts.info, parts.config, lambda bits: kv_settings_for(parts.model, parts.path, bits, kv_group_size)
         )
@@ -582,6 +588,10 @@ class ModelHost:
                 else False
             )
         return state.batch or None
+
+    def kv_pool_stats(self) -> dict[str, int] | None:
+        """The loaded model's KV block pool (blocks used, shared, cached); None unpaged."""
+        return pool_stats(self._loaded.model) if self._loaded is not None else None
 
     def _batch_kv_room(self, need: int) -> int:
         """Bytes the memory budget leaves for the batch's KV caches beside the weights and

@@ -11,6 +11,12 @@ far enough (a sliding window that has rotated past the point) is built afresh.
 The cache is keyed on the adapters it was filled under (``signature``): keys and values
 computed under one adapter set are never reused under another.
 
+With paged KV (``model.kv_pool``, engine/models/paged_kv.py) the prefix may also come from
+the model's block pool: when the pool holds more of the prompt in published blocks than
+this cache does (another chat with the same system prompt, the chat this one branched
+from), the cache starts afresh holding those blocks by reference, and ``record`` publishes
+this cache's full blocks for others.
+
 The chat session holds one for the target model and one for a draft model (which has no
 adapters and reads media placeholders as ids).
 """
@@ -21,6 +27,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from engine.models.kv_cache import cache_length, checkpoint, make_prompt_cache, rewind_point, trim_prompt_cache
+from engine.models.paged_kv import sequence_of
 
 
 def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -66,13 +73,39 @@ class PrefixCache:
                 keep = span.start
         assert self.cache is not None
         keep = rewind_point(self.cache, keep)
-        drop = len(self.ids) - keep
-        if trim_prompt_cache(self.cache, drop) != drop:
-            self._fresh()
-            keep = 0
+        pooled = self._from_pool(keys, spans, keep)
+        if pooled is not None:
+            keep = pooled
+        else:
+            drop = len(self.ids) - keep
+            if trim_prompt_cache(self.cache, drop) != drop:
+                self._fresh()
+                keep = 0
         self.ids = list(prompt_ids[:keep])
         self.keys = list(keys[:keep])
         return keep
+
+    def _from_pool(self, keys: Sequence[Hashable], spans: Sequence[Any], keep: int) -> int | None:
+        """With paged KV: when the pool holds a longer prefix of ``keys`` than the cache
+        keeps, a fresh cache holding the pool's blocks; its length (None otherwise)."""
+        sequence = sequence_of(self.cache)
+        if sequence is None:
+            return None
+        limit = len(keys) - 1
+        for span in spans:  # whole blocks that end inside a media item are not taken
+            if span.start < limit < span.end:
+                limit = span.start
+        if sequence.available(keys, self.signature, limit) <= keep:
+            return None
+        self._fresh()
+        fresh = sequence_of(self.cache)
+        assert fresh is not None
+        taken = fresh.attach(keys, self.signature, limit)
+        for span in spans:
+            if span.start < taken < span.end:
+                trim_prompt_cache(self.cache, taken - span.start)
+                taken = span.start
+        return taken
 
     def record(self, known: list[int], known_keys: list[Hashable]) -> bool:
         """After a request: note which of ``known`` (prompt + generated) the cache holds, and
@@ -86,4 +119,8 @@ class PrefixCache:
         self.ids = known[:held]
         self.keys = known_keys[:held]
         checkpoint(self.cache)
+        sequence = sequence_of(self.cache)
+        if sequence is not None:
+            sequence.publish(self.keys, self.signature)
+            sequence.drop_views()  # between requests the blocks hold it all
         return True

@@ -6,6 +6,10 @@ files), the active adapters, the chat template, and the token ids it holds. A fi
 identity differs from what is loaded now is not used; a damaged or truncated file is
 skipped (the prompt is prefilled as if there were none) and replaced by the next save. So
 a saved cache can make a turn faster, never different.
+
+Before reading, the engine weighs reading the file against prefilling its tokens again
+(runtime/reopen_choice.py) and takes the faster; the choice is kept on the chat
+(``reopen_choice``) for ``generate --json`` and the bench to report.
 """
 
 from __future__ import annotations
@@ -73,13 +77,24 @@ def save_session(path: str | Path, chat: Any, identity: dict[str, str]) -> int:
     return path.stat().st_size
 
 
-def restore_session(path: str | Path, chat: Any, identity: dict[str, str]) -> tuple[int, str]:
-    """Put the cache saved in ``path`` into ``chat`` when it was made under ``identity``.
-    Returns (tokens restored, why nothing was when 0). The session's own prefix reuse then
-    keeps what the next prompt shares with the saved ids, and prefills only the rest."""
+def restore_session(path: str | Path, chat: Any, identity: dict[str, str], choose: bool = True) -> tuple[int, str]:
+    """Put the cache saved in ``path`` into ``chat`` when it was made under ``identity``
+    and reading it is faster than prefilling its tokens again (``choose``; runtime/
+    reopen_choice.py). Returns (tokens restored, why nothing was when 0). The session's
+    own prefix reuse then keeps what the next prompt shares with the saved ids, and
+    prefills only the rest."""
     path = Path(path)
     if not path.is_file():
         return 0, "no saved cache"
+    if choose:
+        from engine.runtime.reopen_choice import choose_for
+
+        choice = chat.reopen_choice = choose_for(path, chat.model)
+        if choice.path == "recompute":
+            return 0, (
+                f"prefilling the {choice.tokens:,} tokens again (~{choice.recompute_s:.2f} s) is faster "
+                f"than reading the saved cache (~{choice.read_s:.2f} s)"
+            )
     try:
         cache, metadata = load_prompt_cache(path)
         ids = [int(i) for i in json.loads(metadata["token_ids"])]

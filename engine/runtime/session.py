@@ -100,6 +100,7 @@ class ChatSession:
         self._draft: PrefixCache | None = None  # the draft model's, once a request drafts with it
         self.context_length = 0  # the model's context (0: unknown), for GenerationParams.context_policy
         self.window: RollingWindow | None = None  # the last reply's rolling window (rolling policy)
+        self.reopen_choice: Any = None  # how a saved cache was last reopened (runtime/reopen_choice.py)
 
     # ---- prompt -----------------------------------------------------------------
 

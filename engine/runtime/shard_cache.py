@@ -34,7 +34,9 @@ def restore(host: Any, spec: Any, session_id: str, path: str, gather_json: Any) 
     if chat.ids:
         tokens, why = 0, "the session already holds a cache"
     else:
-        tokens, why = restore_session(part_path(path, spec), chat, split_identity(host, spec))
+        # No read-or-recompute choice: ranks measuring apart could choose apart, and a
+        # sharded prefill is every rank's at once.
+        tokens, why = restore_session(part_path(path, spec), chat, split_identity(host, spec), choose=False)
     everyone = gather_json(spec.group, [tokens, why])
     counts = {int(t) for t, _ in everyone}
     if len(counts) == 1 and tokens:

@@ -383,6 +383,7 @@ class EngineWorker:
                 kv_group_size=command.kv_group_size,
                 context_cap=command.context_cap,
                 resident_experts=command.resident_experts,
+                paged_kv_block_size=command.paged_kv_block_size,
                 progress=lambda done, total, message="": self._emit(
                     ProgressEvent(rid, "load", float(done), float(total), message)
                 ),

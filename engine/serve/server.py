@@ -30,10 +30,11 @@ def health(handler: Handler, _: Any) -> None:
     if backend.info is not None:
         # "decoding": the requests generating together right now (the batch's rows).
         # "restarts": fresh engines started since the server began (see Backend.revive).
-        handler.send_json(
-            200,
-            {"status": "ok", "model": backend.info.name, "decoding": backend.decoding, "restarts": backend.restarts},
-        )
+        body = {"status": "ok", "model": backend.info.name, "decoding": backend.decoding, "restarts": backend.restarts}
+        pool = backend.host.kv_pool_stats() if backend.host is not None else None
+        if pool is not None:  # --paged-kv: the KV block pool (blocks used, shared, cached)
+            body["kv_pool"] = pool
+        handler.send_json(200, body)
     elif backend.load_error is not None:
         raise ApiError(503, f"The model failed to load: {backend.load_error}", "server_error")
     else:
@@ -145,6 +146,7 @@ def run_command(args: Any) -> int:
                 "kv_group_size": args.kv_group_size,
                 "context_cap": args.context_length,
                 "resident_experts": getattr(args, "resident_experts", None),
+                "paged_kv_block_size": getattr(args, "paged_kv_block_size", None),
             },
         )
     except KeyboardInterrupt:

@@ -31,6 +31,10 @@ def test_bench_reopen_times_a_saved_cache_against_a_full_prefill():
     out = _bench("--reopen", "--kv-bits", "4")
     reopen = out["reopen"]
     assert reopen["cache_file_bytes"] > 0 and reopen["prefill_ttft_s"] > 0 and reopen["reopen_ttft_s"] > 0
+    # The engine's own choice, and what it gave (the lesser path's time to first token).
+    assert reopen["path"] in ("read", "recompute") and reopen["raw_read_s"] > 0
+    chosen = reopen["reopen_ttft_s"] if reopen["path"] == "read" else reopen["prefill_ttft_s"]
+    assert reopen["chosen_ttft_s"] == chosen
 
 
 def test_bench_keeps_the_engines_figures_when_mlx_lm_cannot_run(monkeypatch, capsys):

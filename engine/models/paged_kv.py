@@ -1,0 +1,436 @@
+"""Paged KV: full-attention keys and values held in fixed-size blocks shared between sequences.
+
+A ``BlockPool`` (one per loaded model) owns every block. A block holds ``block_size``
+tokens of keys and values for each paged layer of the model (arrays [1, heads, block_size,
+head_dim] per layer, allocated when a layer first writes). A sequence (``PagedSequence``:
+one chat's or one request's cache) keeps a block table, the list of blocks that hold its
+tokens in order, and one ``PagedKVCache`` per paged layer reads and writes through it.
+
+Sharing. A full block is *published* under a digest of a hash chain: the previous block's
+digest, the pool's identity (the model, its KV precision and dtype), the sequence's
+signature (the active adapters and their scales) and the block's token keys (a media
+token's key names the media's content, so two photos never share a block although their
+ids agree). A sequence whose prompt starts with the same keys finds those blocks by the
+same chain and takes them by reference (``attach``): two chats with the same system
+prompt, a chat and its regenerate, the app and the server hold it once. Published blocks
+never change: a sequence that writes into one (a regenerate trimmed back into the middle
+of a block) first copies it (copy on write), so only the first differing block and those
+after it are new. A block computed twice (two sequences prefilling the same prompt at
+once) is folded into the one published first.
+
+Eviction. Blocks count references from block tables. A block no table holds is freed at
+once unless published; published idle blocks stay cached for the next sequence that
+shares them and are evicted least recently used first when the pool's bytes pass its
+budget. Blocks in use are never evicted.
+
+Attention reads a sequence's keys and values from one contiguous array per layer: MLX has
+no paged attention kernel. The first pass of a request gathers the sequence's blocks into
+a view (``mx.concatenate``); later passes write their new tokens both into the blocks and
+at the end of the view, as ``KVCache`` does, so a decode step copies no prefix. The views
+are dropped when the request ends (``drop_views``, from the prefix cache's ``record``):
+between requests a sequence holds only blocks, and since paged requests decode one at a
+time, at most one sequence holds a view. A CUDA gather kernel reading the block table
+inside attention would avoid the view altogether.
+
+What pages. Plain full-attention layers (``KVCache``). Sliding-window layers
+(``RotatingKVCache``: small and fixed already), latent MLA caches (not keys and values per
+head), recurrent state (one state, not per token) and quantized KV caches keep their own
+caches beside the paged ones (``paged_prompt_cache``). Blocks are shared across sequences
+only for models whose every layer pages, since a sliding or recurrent layer's state at a
+block boundary is not in the pool; other models still page their full-attention layers
+and reuse their own prefix as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from engine.errors import EngineError
+from engine.models.kv_cache import KVCache, _mask_for, register_cache_kind
+
+# Tokens per block, chosen by measurement on a 2-core CPU (docs/paged-kv.md): 64 decoded as
+# fast as 256 at 4k tokens while a regenerate or an unshared tail wastes a quarter as much.
+DEFAULT_BLOCK_SIZE = 64
+BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
+# Idle published blocks kept when the host gives no budget.
+DEFAULT_POOL_BYTES = 1 << 30
+# A request's contiguous view grows this many tokens at a time (KVCache's step).
+VIEW_STEP = 256
+
+
+def check_block_size(n: int) -> int:
+    if n not in BLOCK_SIZES:
+        raise EngineError(f"The paged KV block size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {n}).")
+    return n
+
+
+@dataclass(eq=False)
+class Block:
+    """``block_size`` tokens of keys and values, one pair of arrays per paged layer."""
+
+    number: int
+    keys: list[mx.array | None]
+    values: list[mx.array | None]
+    refs: int = 0
+    digest: bytes | None = None  # set once published (then it never changes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
+
+
+@dataclass
+class PoolStats:
+    block_size: int
+    used: int  # blocks some sequence holds
+    shared: int  # blocks more than one sequence holds
+    cached: int  # published blocks no sequence holds, kept for reuse
+    bytes: int
+    budget_bytes: int
+
+
+@dataclass
+class BlockPool:
+    """Every block of one model's paged layers (see the module's docstring)."""
+
+    layers: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    identity: str = ""  # the model and its KV precision: part of every digest
+    budget_bytes: int = DEFAULT_POOL_BYTES
+    _next: int = 0
+    _held: dict[int, Block] = field(default_factory=dict)  # blocks with references
+    _published: dict[bytes, Block] = field(default_factory=dict)
+    _idle: OrderedDict[bytes, Block] = field(default_factory=OrderedDict)  # published, unreferenced, oldest first
+
+    def allocate(self) -> Block:
+        block = Block(self._next, [None] * self.layers, [None] * self.layers, refs=1)
+        self._next += 1
+        self._held[block.number] = block
+        return block
+
+    def take(self, block: Block) -> Block:
+        """Add a reference to ``block`` (bringing an idle cached block back into use)."""
+        if block.refs == 0 and block.digest is not None:
+            self._idle.pop(block.digest, None)
+            self._held[block.number] = block
+        block.refs += 1
+        return block
+
+    def release(self, block: Block) -> None:
+        block.refs -= 1
+        if block.refs > 0:
+            return
+        self._held.pop(block.number, None)
+        if block.digest is not None and self._published.get(block.digest) is block:
+            self._idle[block.digest] = block
+            self.evict()
+
+    def page(self, cache: list) -> list:
+        """``cache`` with its plain full-attention layers paged here (``paged_prompt_cache``)."""
+        return paged_prompt_cache(cache, self)
+
+    def find(self, digest: bytes) -> Block | None:
+        return self._published.get(digest)
+
+    def publish(self, block: Block, digest: bytes) -> Block:
+        """Make a full block findable by ``digest``; the block the sequence should hold
+        (the one published earlier under the same digest, if another sequence computed it)."""
+        known = self._published.get(digest)
+        if known is not None and known is not block:
+            self.take(known)
+            self.release(block)
+            return known
+        block.digest = digest
+        self._published[digest] = block
+        return block
+
+    def chain(self, previous: bytes, signature: str, keys: Sequence[Hashable]) -> bytes:
+        """The digest of a block of ``keys`` following the block digested ``previous``."""
+        h = hashlib.sha256(previous)
+        h.update(f"{self.identity}\x00{signature}\x00{self.block_size}\x00".encode())
+        h.update(repr(tuple(keys)).encode())
+        return h.digest()
+
+    def evict(self, budget: int | None = None) -> int:
+        """Free idle cached blocks, least recently used first, until the pool's bytes fit
+        ``budget`` (default its own); return how many were freed."""
+        budget = self.budget_bytes if budget is None else budget
+        total, freed = self.nbytes, 0
+        while self._idle and total > budget:
+            digest, block = self._idle.popitem(last=False)
+            del self._published[digest]
+            total -= block.nbytes
+            freed += 1
+        return freed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._held.values()) + sum(b.nbytes for b in self._idle.values())
+
+    def stats(self) -> PoolStats:
+        used = list(self._held.values())
+        return PoolStats(
+            block_size=self.block_size,
+            used=len(used),
+            shared=sum(1 for b in used if b.refs > 1),
+            cached=len(self._idle),
+            bytes=self.nbytes,
+            budget_bytes=self.budget_bytes,
+        )
+
+
+def _release_all(pool: BlockPool, table: list[Block]) -> None:
+    for block in table:
+        pool.release(block)
+    table.clear()
+
+
+class PagedSequence:
+    """One sequence's block table and the offset of each of its paged layers."""
+
+    def __init__(self, pool: BlockPool, shareable: bool) -> None:
+        self.pool = pool
+        self.table: list[Block] = []
+        self.offsets = [0] * pool.layers
+        # Per layer during a request: (keys, values) buffers holding the first tokens of
+        # the sequence contiguously (capacity past the offset), or None.
+        self.views: list[tuple[mx.array, mx.array] | None] = [None] * pool.layers
+        self.shareable = shareable  # every layer of the model pages (blocks hold the whole prefix)
+        # The table's blocks go back to the pool whenever this sequence is dropped.
+        self._finalizer = weakref.finalize(self, _release_all, pool, self.table)
+
+    def writable(self, index: int) -> Block:
+        """The block at ``index`` of the table, private to this sequence (copied when
+        published or shared), allocated when the table ends there."""
+        if index == len(self.table):
+            self.table.append(self.pool.allocate())
+        block = self.table[index]
+        if block.digest is None and block.refs == 1:
+            return block
+        fresh = self.pool.allocate()
+        # Slices are new arrays: writing into the copy never changes the published block.
+        fresh.keys = [k if k is None else k[...] for k in block.keys]
+        fresh.values = [v if v is None else v[...] for v in block.values]
+        self.pool.release(block)
+        self.table[index] = fresh
+        return fresh
+
+    def drop_views(self) -> None:
+        """Forget the contiguous views (the blocks hold everything)."""
+        self.views = [None] * len(self.views)
+
+    def shrink(self) -> None:
+        """Give back the blocks past the furthest layer's offset (after a trim)."""
+        size = self.pool.block_size
+        need = (max(self.offsets) + size - 1) // size
+        while len(self.table) > need:
+            self.pool.release(self.table.pop())
+
+    def _digests(self, keys: Sequence[Hashable], signature: str, blocks: int):
+        size, previous = self.pool.block_size, b""
+        for i in range(blocks):
+            previous = self.pool.chain(previous, signature, keys[i * size : (i + 1) * size])
+            yield i, previous
+
+    def attach(self, keys: Sequence[Hashable], signature: str, limit: int) -> int:
+        """On an empty sequence: take the published blocks that hold the longest prefix of
+        ``keys`` in whole blocks of at most ``limit`` tokens; return the tokens taken."""
+        if not self.shareable or self.table or max(self.offsets):
+            return 0
+        for _, digest in self._digests(keys, signature, limit // self.pool.block_size):
+            block = self.pool.find(digest)
+            if block is None:
+                break
+            self.table.append(self.pool.take(block))
+        held = len(self.table) * self.pool.block_size
+        self.offsets = [held] * self.pool.layers
+        return held
+
+    def available(self, keys: Sequence[Hashable], signature: str, limit: int) -> int:
+        """How many tokens ``attach`` would take, without taking them."""
+        if not self.shareable:
+            return 0
+        found = 0
+        for _, digest in self._digests(keys, signature, limit // self.pool.block_size):
+            if self.pool.find(digest) is None:
+                break
+            found += 1
+        return found * self.pool.block_size
+
+    def publish(self, keys: Sequence[Hashable], signature: str) -> None:
+        """Publish the table's full blocks, ``keys`` being the tokens the sequence holds."""
+        if not self.shareable:
+            return
+        full = min(min(self.offsets), len(keys)) // self.pool.block_size
+        for i, digest in self._digests(keys, signature, full):
+            block = self.table[i]
+            if block.digest == digest:
+                continue
+            if block.digest is not None:  # published under other keys: these differ
+                self.table[i] = block = self.writable(i)
+            self.table[i] = self.pool.publish(block, digest)
+
+
+@register_cache_kind
+class PagedKVCache:
+    """One paged layer of a sequence, with ``KVCache``'s interface, so attention runs
+    unchanged. Saved and copied as a plain ``KVCache`` (``from_meta``)."""
+
+    def __init__(self, sequence: PagedSequence, layer: int) -> None:
+        self.sequence = sequence
+        self.layer = layer
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, str]) -> KVCache:
+        return KVCache()
+
+    @property
+    def offset(self) -> int:
+        return self.sequence.offsets[self.layer]
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self.sequence.offsets[self.layer] = value
+
+    size = offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[0] != 1:
+            raise EngineError("A paged KV cache holds one sequence; batched decoding does not page.")
+        seq, size = self.sequence, self.sequence.pool.block_size
+        start, n = self.offset, keys.shape[2]
+        pos = start
+        while pos < start + n:
+            index, lo = divmod(pos, size)
+            take = min(size - lo, start + n - pos)
+            block = seq.writable(index)
+            for arrays, new in ((block.keys, keys), (block.values, values)):
+                if arrays[self.layer] is None:
+                    b, h, _, d = new.shape
+                    arrays[self.layer] = mx.zeros((b, h, size, d), new.dtype)
+                arrays[self.layer][..., lo : lo + take, :] = new[..., pos - start : pos - start + take, :]
+            pos += take
+        self.offset = start + n
+        return self._extend_view(keys, values, start)
+
+    def _extend_view(self, keys: mx.array, values: mx.array, start: int) -> tuple[mx.array, mx.array]:
+        """The layer's contiguous view with the new tokens (written at ``start``) in it."""
+        end, view = self.offset, self.sequence.views[self.layer]
+        if view is None or view[0].shape[2] < start:
+            view = self._gathered()
+        elif view[0].shape[2] < end:  # grow in steps, as KVCache does
+            room = ((end + VIEW_STEP - 1) // VIEW_STEP) * VIEW_STEP
+            view = tuple(mx.concatenate([a[..., :start, :], new], axis=2) for a, new in zip(view, (keys, values)))
+            view = tuple(mx.pad(a, [(0, 0), (0, 0), (0, room - end), (0, 0)]) for a in view)
+        else:
+            view[0][..., start:end, :] = keys
+            view[1][..., start:end, :] = values
+        self.sequence.views[self.layer] = view
+        return view[0][..., :end, :], view[1][..., :end, :]
+
+    def _gathered(self) -> tuple[mx.array, mx.array]:
+        """The layer's blocks concatenated, with a step of room past the offset."""
+        end, size = self.offset, self.sequence.pool.block_size
+        blocks = self.sequence.table[: (end + size - 1) // size]
+        room = ((end + VIEW_STEP - 1) // VIEW_STEP) * VIEW_STEP - len(blocks) * size
+        keys = mx.concatenate([b.keys[self.layer] for b in blocks], axis=2)
+        values = mx.concatenate([b.values[self.layer] for b in blocks], axis=2)
+        if room > 0:
+            keys, values = (mx.pad(a, [(0, 0), (0, 0), (0, room), (0, 0)]) for a in (keys, values))
+        return keys, values
+
+    def held(self) -> tuple[mx.array, mx.array]:
+        """The sequence's keys and values of this layer, gathered from its blocks."""
+        end, size = self.offset, self.sequence.pool.block_size
+        blocks = self.sequence.table[: (end + size - 1) // size]
+        keys = [b.keys[self.layer] for b in blocks]
+        values = [b.values[self.layer] for b in blocks]
+        if len(blocks) == 1:
+            return keys[0][..., :end, :], values[0][..., :end, :]
+        return mx.concatenate(keys, axis=2)[..., :end, :], mx.concatenate(values, axis=2)[..., :end, :]
+
+    def make_mask(self, n_queries: int, window: int | None = None):
+        return _mask_for(self.offset, self.offset + n_queries, n_queries, window)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        self.sequence.shrink()
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """This layer's bytes in blocks only this sequence holds (shared ones are the pool's)."""
+        return sum(
+            a.nbytes
+            for b in self.sequence.table
+            if b.refs == 1 and b.digest is None
+            for a in (b.keys[self.layer], b.values[self.layer])
+            if a is not None
+        )
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
+        return () if self.offset == 0 else self.held()
+
+    @state.setter
+    def state(self, value) -> None:
+        self.trim(self.offset)
+        if value:
+            self.update_and_fetch(*value)
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {"offset": str(self.offset)}
+
+    @meta_state.setter
+    def meta_state(self, value: dict[str, str]) -> None:
+        pass  # the offset follows the state written in
+
+
+def paged_prompt_cache(cache: list, pool: BlockPool) -> list:
+    """``cache`` (one per layer, as the model makes it) with its plain full-attention
+    layers paged in ``pool``; the other kinds stay as they are (see the module's docstring)."""
+    paged = [i for i, c in enumerate(cache) if type(c) is KVCache]
+    if len(paged) != pool.layers:
+        raise EngineError(f"The KV block pool was made for {pool.layers} paged layers, this model has {len(paged)}.")
+    sequence = PagedSequence(pool, shareable=len(paged) == len(cache))
+    out = list(cache)
+    for slot, i in enumerate(paged):
+        out[i] = PagedKVCache(sequence, slot)
+    return out
+
+
+def sequence_of(cache: Sequence[Any] | None) -> PagedSequence | None:
+    """The paged sequence behind a prompt cache, or None for an unpaged one."""
+    for c in cache or ():
+        if isinstance(c, PagedKVCache):
+            return c.sequence
+    return None
+
+
+def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int | None = None) -> BlockPool:
+    """Give ``model`` a block pool (``make_prompt_cache`` then pages its caches)."""
+    base = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    layers = sum(1 for c in base if type(c) is KVCache)
+    if getattr(model, "kv_quantization", None) is not None:
+        raise EngineError("Paged KV holds keys and values at full precision; use --paged-kv or --kv-bits, not both.")
+    if layers == 0:
+        raise EngineError("This model has no full-attention KV cache to page; leave out --paged-kv.")
+    identity = f"{type(model).__module__}.{type(model).__name__}:{getattr(model, 'model_path', '')}:{id(model)}"
+    pool = BlockPool(layers, check_block_size(block_size), identity, budget_bytes or DEFAULT_POOL_BYTES)
+    model.kv_pool = pool
+    return pool

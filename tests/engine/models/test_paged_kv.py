@@ -1,0 +1,208 @@
+"""Paged KV (engine/models/paged_kv.py): the same greedy tokens as the unpaged cache for
+several families, blocks shared between sessions with a common prefix, copy on write for
+a regenerate, eviction of idle blocks under the pool's budget.
+
+The referee is the unpaged cache (itself checked against transformers by the family
+goldens): each paged reply is compared token for token and log-prob for log-prob with a
+fresh unpaged session's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine.api import GenerationParams
+from engine.errors import EngineError
+from engine.models import get_family
+from engine.models.kv_cache import make_prompt_cache
+from engine.models.paged_kv import PagedKVCache, pool_for, sequence_of
+from engine.runtime.session import ChatSession
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "models"
+PARAMS = GenerationParams(max_tokens=8, ignore_eos=True, logprobs=True)
+
+
+class Ids:
+    """A tokenizer over raw ids (prompts are given as ids): enough for ``stream_ids``."""
+
+    def decode(self, ids, **_):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    def detokenizer(self):
+        decode = self.decode
+
+        class Pieces:
+            def add(self, i: int) -> str:
+                return decode([i])
+
+            def finalize(self) -> str:
+                return ""
+
+        return Pieces()
+
+
+def build(name: str):
+    config = json.loads((GOLDEN / name / "config.json").read_text())
+    family = get_family(config["model_type"])
+    model = family.Model(family.ModelArgs.from_dict(config))
+    weights = {k: v.astype(mx.float32) for k, v in mx.load(str(GOLDEN / name / "model.safetensors")).items()}
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def reply(chat: ChatSession, ids: list[int]):
+    result = None
+    for item in chat.stream_ids(ids, PARAMS):
+        result = item
+    return result
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 3 + salt) % 90 + 4 for i in range(n)]
+
+
+# llama and qwen3: every layer full attention (paged and shared); gemma2: sliding layers
+# beside full ones; qwen3_5: recurrent layers beside full ones.
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "qwen3_5"])
+def test_greedy_replies_match_the_unpaged_cache(name):
+    model = build(name)
+    plain = ChatSession(model, Ids())
+    expected = [reply(plain, prompt(40)), reply(ChatSession(model, Ids()), prompt(40) + [9, 9, 9])]
+    pool_for(model, block_size=16)
+    try:
+        paged = ChatSession(model, Ids())
+        first = reply(paged, prompt(40))
+        assert any(isinstance(c, PagedKVCache) for c in paged.cache)
+        # A second chat branching from the first: its prefix comes from the pool when every
+        # layer pages, from its own prefill otherwise; the reply is the same either way.
+        second = reply(ChatSession(model, Ids()), prompt(40) + [9, 9, 9])
+        follow = reply(paged, prompt(40) + first.token_ids + [5])  # the first chat's next turn
+        unpaged_follow = reply(plain, prompt(40) + expected[0].token_ids + [5])
+    finally:
+        del model.kv_pool
+    for got, want in ((first, expected[0]), (second, expected[1]), (follow, unpaged_follow)):
+        assert got.token_ids == want.token_ids
+        assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)
+
+
+def test_sessions_sharing_a_prefix_hold_it_once():
+    """Eight chats with the same 4k-token system prompt: the paged pool holds it once,
+    unpaged chats eight times (MLX's active memory)."""
+    model = build("llama")
+    system = prompt(4096)
+    params = GenerationParams(max_tokens=2, ignore_eos=True)
+
+    def held_by_eight():
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        chats = [ChatSession(model, Ids()) for _ in range(8)]
+        for i, chat in enumerate(chats):
+            for _ in chat.stream_ids(system + [i + 4] * 3, params):
+                pass
+        mx.eval([c.state for chat in chats for c in chat.cache])
+        mx.clear_cache()
+        held = mx.get_active_memory() - before
+        stats = getattr(model, "kv_pool", None) and model.kv_pool.stats()
+        del chats
+        return held, stats
+
+    unpaged, _ = held_by_eight()
+    pool = pool_for(model, block_size=64)
+    try:
+        paged, stats = held_by_eight()
+        after = pool.stats()
+    finally:
+        del model.kv_pool
+    one_prefix = 2 * 2 * 4096 * 2 * 16 * 4  # K and V, 2 layers, 4k tokens, 2 heads of 16, float32
+    assert unpaged > 7 * one_prefix
+    # The prefix once, and each chat's own last block (its 3 tokens and the reply's).
+    assert paged < 1.25 * one_prefix, (paged, one_prefix, unpaged, stats)
+    assert stats.shared == 4096 // 64 and stats.used == 4096 // 64 + 8
+    # The chats are gone: the prefix's published blocks stay cached for the next chat.
+    assert after.used == 0 and after.cached == 4096 // 64
+
+
+def test_a_regenerate_allocates_only_new_blocks():
+    model = build("llama")
+    pool = pool_for(model, block_size=16)
+    try:
+        chat = ChatSession(model, Ids())
+        ids = prompt(90)
+        first = reply(chat, ids)  # 97 tokens held: blocks 0-5 full and published
+        before = list(sequence_of(chat.cache).table)
+        made = pool._next
+        again = reply(chat, ids)  # regenerate: back to 89 tokens, inside block 5
+        table = sequence_of(chat.cache).table
+        # Blocks 0-4 kept by reference; block 5 copied on write (published, it cannot
+        # change), block 6 new: two allocations. The greedy reply is the same, so the
+        # copy of block 5 equals the published one and is folded back into it.
+        assert pool._next - made == 2
+        assert table[:6] == before[:6] and table[5].refs == 1
+        assert again.token_ids == first.token_ids
+        # The same prompt in another chat (the server's, say) takes blocks 0-4 by
+        # reference (89 tokens to keep: 5 whole blocks) and allocates two.
+        made = pool._next
+        other = ChatSession(model, Ids())
+        assert reply(other, ids).token_ids == first.token_ids
+        assert pool._next - made == 2
+        assert sequence_of(other.cache).table[:6] == table[:6]
+        assert pool.stats().shared == 6
+    finally:
+        del model.kv_pool
+
+
+def test_idle_blocks_are_evicted_least_recently_used_first():
+    model = build("llama")
+    pool = pool_for(model, block_size=16)
+    try:
+        for salt in (1, 2):
+            reply(ChatSession(model, Ids()), prompt(64, salt))  # dropped at once: blocks idle
+        cached = pool.stats().cached
+        assert cached >= 8
+        per_block = pool.nbytes // cached
+        pool.evict(budget=pool.nbytes - per_block * 4)
+        assert pool.stats().cached == cached - 4
+        chat = ChatSession(model, Ids())
+        reply(chat, prompt(64, 2))  # the later chat's blocks survived
+        assert sequence_of(chat.cache).table[0].refs == 1 and pool._next > 0
+    finally:
+        del model.kv_pool
+
+
+def test_paged_kv_refuses_what_it_cannot_hold():
+    model = build("llama")
+    with pytest.raises(EngineError, match="block size"):
+        pool_for(model, block_size=48)
+    pool_for(model)
+    try:
+        cache = make_prompt_cache(model)
+        with pytest.raises(EngineError, match="one sequence"):
+            cache[0].update_and_fetch(mx.zeros((2, 2, 1, 8)), mx.zeros((2, 2, 1, 8)))
+    finally:
+        del model.kv_pool
+
+
+def test_speculative_decoding_over_paged_caches_matches_plain_decoding():
+    """A draft model (another family's tiny model, so many drafts are rejected) over a
+    paged target: verify passes write several tokens, rejected ones are trimmed away
+    every step, and the reply is the plain one."""
+    model, draft = build("qwen3"), build("llama")
+    ids = prompt(50)
+    want = reply(ChatSession(model, Ids()), ids)
+    pool_for(model, block_size=16)
+    try:
+        chat = ChatSession(model, Ids())
+        chat.draft_model = draft
+        result = None
+        for item in chat.stream_ids(ids, replace(PARAMS, speculative="draft", num_draft_tokens=3)):
+            result = item
+        assert any(isinstance(c, PagedKVCache) for c in chat.cache)
+    finally:
+        del model.kv_pool
+    assert result.token_ids == want.token_ids
+    assert result.stats.draft_tokens > 0

@@ -1,0 +1,41 @@
+"""bench --paged-kv and --shared-prefix at a tiny scale (the real shapes are for a GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(*args: str, ok: bool = True) -> dict | str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", "bench", "--shape", "tiny", "-g", "4", *args, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if not ok:
+        assert proc.returncode != 0
+        return proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_chats_sharing_a_prompt_hold_it_once_when_paged():
+    unpaged = _bench("-p", "256", "--shared-prefix", "4")["shared_prefix"]
+    paged = _bench("-p", "256", "--shared-prefix", "4", "--paged-kv", "--paged-kv-block-size", "32")
+    shared = paged["shared_prefix"]
+    assert paged["paged_kv"] == {"block_size": 32} and shared["paged"] and not unpaged["paged"]
+    assert shared["pool"]["cached"] + shared["pool"]["used"] >= 256 // 32
+    # Unpaged, four chats hold four copies of the prompt (and the warm-up chat's is freed).
+    assert shared["kv_bytes_held"] < unpaged["kv_bytes_held"] / 2
+
+
+def test_paged_decode_runs_and_batching_is_refused_in_one_line():
+    out = _bench("-p", "64", "--paged-kv")
+    assert out["engine"]["generated_tokens"] == 4
+    assert "does not batch" in _bench("-p", "64", "--paged-kv", "--concurrent", "2", ok=False)
