@@ -106,15 +106,25 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int, compiled: boo
 
 
 def best_runs(
-    folder: Path, fractions: list[float], prompt: Any, gen: int, repeat: int, compiled: bool | None = None
+    folder: Path,
+    fractions: list[float],
+    prompt: Any,
+    gen: int,
+    repeat: int,
+    compiled: bool | None = None,
+    progress: Any = None,
 ) -> list[dict[str, Any]]:
     """Each residency's fastest of ``repeat`` runs, the residencies taken in turn each time
-    (in reverse every other time) so drift on a shared machine falls on all alike."""
+    (in reverse every other time) so drift on a shared machine falls on all alike.
+    ``progress(row, run)`` sees every run as it ends: a streamed row on a slow disk can take
+    minutes, and a run cut short must still have said what it measured."""
     best: dict[int, dict[str, Any]] = {}
     order = list(range(len(fractions)))
     for r in range(repeat):
         for i in order if r % 2 == 0 else order[::-1]:
             row = run_once(folder, fractions[i], prompt, gen, compiled)
+            if progress is not None:
+                progress(row, r + 1)
             if i not in best or row["generation_tps"] > best[i]["generation_tps"]:
                 best[i] = row
     return [best[i] for i in order]
@@ -158,13 +168,28 @@ def run_experts_bench(args: argparse.Namespace, build_model: Any) -> int:
         )
         print(f"disk     sequential {seq / 1e9:6.2f} GB/s   random 1 MB reads {rnd / 1e9:6.2f} GB/s", flush=True)
         compiled = False if getattr(args, "no_compile", False) else None
-        rows = best_runs(scratch, args.resident_experts, prompt, args.generation_tokens, max(1, args.repeat), compiled)
-        full = next((row["generation_tps"] for row in rows if row["resident_experts"] >= 1), None)
-        for row in rows:
+        repeat = max(1, args.repeat)
+        full: list[float] = []
+
+        def judge(row: dict[str, Any]) -> dict[str, Any]:
             per_token = row["read_bytes_per_token"]
             row["disk_bound_tps"] = rnd / per_token if per_token else None
-            row["share_of_full"] = row["generation_tps"] / full if full else None
-            print(_line(row), flush=True)
+            row["share_of_full"] = row["generation_tps"] / max(full) if full else None
+            return row
+
+        def progress(row: dict[str, Any], run: int) -> None:
+            if row["resident_experts"] >= 1:
+                full.append(row["generation_tps"])
+            prefix = f"run {run}/{repeat}  " if repeat > 1 else ""
+            print(prefix + _line(judge(row)), flush=True)
+
+        rows = best_runs(scratch, args.resident_experts, prompt, args.generation_tokens, repeat, compiled, progress)
+        if repeat > 1:
+            print(f"best of {repeat}:", flush=True)
+            for row in rows:
+                print(_line(judge(row)), flush=True)
+        for row in rows:
+            judge(row)
         out = {"shape": args.shape, "bits": args.bits, "mode": args.mode, "device": str(mx.default_device())}
         out.update(disk={"sequential_bps": seq, "random_bps": rnd}, experts=rows)
         if args.json:

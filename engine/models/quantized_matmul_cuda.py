@@ -42,6 +42,13 @@ WARPS = 4
 TARGET_WARPS = 4096
 # The most rows the kernel takes (its per-lane sums live in registers: 16 x 4 of them).
 MAX_ROWS = 16
+# Where the kernel is routed (measured on an H200, 4-bit g64, docs/qmv.md): from 2 to 6 rows
+# it beats or ties MLX's kernel on every projection (MLX runs 2-6 rows as that many one-row
+# products); from 8 rows MLX's tiled kernel wins. At one row it wins only on large matrices
+# (llama3-8b's gate+up 49 us against 75, its down 37 against 41) and loses on small ones
+# (qwen3-4b's q, 2560x4096: 15.3 us against 13.1), so one row routes from 16M weights.
+ROUTED_ROWS = range(2, 7)
+ONE_ROW_MIN_WEIGHTS = 16 << 20
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -262,6 +269,14 @@ def fits(
     )
 
 
+def pays(rows: int, inputs: int, outputs: int) -> bool:
+    """Whether a product the kernel can take (``fits``) is faster through it than through
+    MLX's own kernel, by the measurements above."""
+    if rows == 1:
+        return inputs * outputs >= ONE_ROW_MIN_WEIGHTS
+    return rows in ROUTED_ROWS
+
+
 def k_splits(inputs: int, outputs: int, bits: int) -> int:
     """Warps that split the input dimension of one column set (1, 2 or 4 of a block's warps).
 
@@ -316,15 +331,18 @@ def quantized_matmul(
     bits: int,
     mode: str = "affine",
 ) -> mx.array:
-    """``mx.quantized_matmul(..., transpose=True)``, through the kernel where it is enabled and fits."""
+    """``mx.quantized_matmul(..., transpose=True)``, through the kernel where it is enabled, fits
+    and pays."""
+    rows = x.size // max(x.shape[-1], 1) if x.ndim >= 1 else 0
     if (
         w.ndim == 2
         and x.ndim >= 1
         and w.dtype == mx.uint32
         and x.shape[-1] * bits == w.shape[1] * 32
         and enabled()
+        and pays(rows, x.shape[-1], w.shape[0])
         and fits(
-            x.size // max(x.shape[-1], 1),
+            rows,
             x.shape[-1],
             w.shape[0],
             bits=bits,
