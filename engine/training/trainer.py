@@ -57,8 +57,8 @@ class StepReport:
     loss: float | None  # this iteration's train loss (None for a validation report)
     val_loss: float | None = None
     tokens: int = 0  # trained tokens so far
-    tokens_per_second: float = 0.0
-    seconds: float = 0.0
+    tokens_per_second: float = 0.0  # trained tokens over the seconds spent in training steps
+    seconds: float = 0.0  # since the start, validation and saves included
     peak_memory_bytes: int = 0
 
 
@@ -69,8 +69,9 @@ class TrainReport:
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (iteration, loss), iteration 0 first
     trained_tokens: int = 0
     adapter: str = ""
-    seconds: float = 0.0
-    tokens_per_second: float = 0.0
+    seconds: float = 0.0  # the whole run: validation, saves and the final write included
+    step_seconds: float = 0.0  # the training steps alone (batching, gradient, update)
+    tokens_per_second: float = 0.0  # trained_tokens / step_seconds, as mlx-lm's trainer counts it
     peak_memory_bytes: int = 0
     stopped: bool = False
 
@@ -196,6 +197,7 @@ def train(
             if cancel is not None and cancel.is_set():
                 report.stopped = True
                 break
+            step_started = time.perf_counter()
             losses, total = [], None
             for _ in range(settings.grad_accumulation):
                 rows = next(stream)
@@ -210,6 +212,7 @@ def train(
                 update(tree_map(lambda g: g / settings.grad_accumulation, total))
             mx.eval(state, losses)
             report.train_losses.append(sum(x.item() for x in losses) / len(losses))
+            report.step_seconds += time.perf_counter() - step_started
             if valid_rows and settings.steps_per_eval and iteration % settings.steps_per_eval == 0:
                 report.val_losses.append((iteration, evaluate(model, valid_rows, settings.batch_size)))
             _tell(on_step, report, iteration, settings, report.train_losses[-1], started)
@@ -223,7 +226,7 @@ def train(
     report.val_loss = report.val_losses[-1][1] if report.val_losses else None
     report.adapter = str(save_adapter(adapter_out, found, spec, base_model))
     report.seconds = time.perf_counter() - started
-    report.tokens_per_second = report.trained_tokens / report.seconds if report.seconds > 0 else 0.0
+    report.tokens_per_second = _rate(report)
     report.peak_memory_bytes = int(mx.get_peak_memory())
     return report
 
@@ -246,8 +249,15 @@ def _tell(
             loss=loss,
             val_loss=report.val_losses[-1][1] if loss is None and report.val_losses else None,
             tokens=report.trained_tokens,
-            tokens_per_second=report.trained_tokens / seconds if seconds > 0 else 0.0,
+            tokens_per_second=_rate(report),
             seconds=seconds,
             peak_memory_bytes=int(mx.get_peak_memory()),
         )
     )
+
+
+def _rate(report: TrainReport) -> float:
+    """Trained tokens a second of training steps. Validation and saves are left out, as
+    mlx-lm's trainer leaves them out of its figure, so the two compare like with like; the
+    run's whole time is ``seconds``."""
+    return report.trained_tokens / report.step_seconds if report.step_seconds > 0 else 0.0
