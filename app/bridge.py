@@ -113,6 +113,7 @@ class EngineBridge(QObject):
         prepare: Callable[[api.ModelInfo], Awaitable[Any]] | None = None,
         kv_bits: int | None = None,
         context_cap: int | None = None,
+        paged_kv_block_size: int | None = None,
         events: RequestEvents | None = None,
         hosts: list[str] | None = None,
         shard: str = "pipeline",
@@ -121,7 +122,13 @@ class EngineBridge(QObject):
         """Load a model (its progress to ``events``). ``prepare(info)`` runs once it has loaded
         (re-mounting adapters, say); until it is done the load still counts as under way, so
         ``wait_for_load`` waits too."""
-        command = api.LoadModel(path=path, memory_budget=memory_budget, kv_bits=kv_bits, context_cap=context_cap)
+        command = api.LoadModel(
+            path=path,
+            memory_budget=memory_budget,
+            kv_bits=kv_bits,
+            context_cap=context_cap,
+            paged_kv_block_size=paged_kv_block_size,  # blocks shared between chats and requests
+        )
         command.hosts, command.shard, command.backend = hosts, shard, backend  # ``hosts``: split across them
         rid, fut = self._request(command, "load", events)
         self.active_load = rid

@@ -51,6 +51,7 @@ class ModelController(QObject):
                 prepare=self.load_setup.remount,
                 kv_bits=self.load_setup.kv_bits_for_load(),
                 context_cap=self.load_setup.context_cap_for_load(),
+                paged_kv_block_size=self.load_setup.paged_block_size_for_load(),
                 events=RequestEvents(
                     progress=lambda _stage, done, total, message: emit(self.progress, done, total, message)
                 ),

@@ -21,6 +21,8 @@ from app.ui.settings_panel import SettingsPanel
 
 KV_BITS_KEY = "kv_bits"
 CONTEXT_CAP_KEY = "context_cap"  # tokens; absent: the model's context, as far as the budget holds
+# Paged KV's block size: the engine's default (engine.models.paged_kv), chosen by measurement.
+PAGED_BLOCK_SIZE = 64
 
 
 class LoadSetup(QObject):
@@ -40,7 +42,7 @@ class LoadSetup(QObject):
         settings.memory_budget_changed.connect(self.set_budget)
         settings.kv_bits_changed.connect(self.set_kv_bits)
         settings.context_cap_changed.connect(self.set_context_cap)
-        settings.show_kv_bits(self.kv_bits_for_load())
+        settings.show_kv_bits(self.kv_choice())
         settings.show_context_cap(self.context_cap_for_load())
         self._show_budget()
 
@@ -61,9 +63,20 @@ class LoadSetup(QObject):
         bits = self.store.preference(KV_BITS_KEY)
         return bits if bits in (4, 8) else None
 
-    def set_kv_bits(self, bits: int | None) -> None:
+    def kv_choice(self) -> int | str | None:
+        """The Settings choice as remembered: 8, 4, "paged" or None."""
+        if self.paged_block_size_for_load() is not None:
+            return "paged"
+        return self.kv_bits_for_load()
+
+    def paged_block_size_for_load(self) -> int | None:
+        """What LoadModel carries as paged_kv_block_size: blocks shared between chats when
+        Settings asks for them (full precision only: the pool pages unquantized caches)."""
+        return PAGED_BLOCK_SIZE if self.store.preference(KV_BITS_KEY) == "paged" else None
+
+    def set_kv_bits(self, bits: int | str | None) -> None:
         if not self._save(self.store.set_preference, KV_BITS_KEY, bits):
-            self.settings.show_kv_bits(self.kv_bits_for_load())
+            self.settings.show_kv_bits(self.kv_choice())
             return
         if self.bridge.model_info is not None:
             emit(self.notice, "The new context memory setting applies from the next model load.")

@@ -132,7 +132,10 @@ class MemoryGauge(QWidget):
 
     def update_figures(self, figures: dict) -> None:
         # A zero from a MemoryEvent sent before a load must not erase the plan's figures.
-        self.figures = {**self.figures, **{k: v for k, v in figures.items() if v or k in ("kv_bytes", "active_bytes")}}
+        self.figures = {
+            **self.figures,
+            **{k: v for k, v in figures.items() if v or k in ("kv_bytes", "active_bytes", "kv_pool")},
+        }
         f = self.figures
         active, weights, kv = f.get("active_bytes", 0), f.get("weights_bytes", 0), f.get("kv_bytes", 0)
         cache, peak, total = f.get("cache_bytes", 0), f.get("peak_bytes", 0), f.get("total_bytes", 0)
@@ -145,11 +148,14 @@ class MemoryGauge(QWidget):
         self.bar.parts = {"weights": weights, "kv": kv, "other": max(0, active - weights - kv), "cache": cache}
         used = max(active, weights + kv)
         slab = f.get("expert_slab_bytes", 0)
-        experts = f"  ·  experts {fmt_bytes(slab)} slab, {f.get('expert_hit_rate', 1.0):.0%} hits" if slab else ""
+        extras = f"  ·  experts {fmt_bytes(slab)} slab, {f.get('expert_hit_rate', 1.0):.0%} hits" if slab else ""
+        pool = f.get("kv_pool")
+        if pool:
+            extras += f"  ·  KV blocks {pool['used']} ({pool['shared']} shared)"
         if budget:
             self.label.setText(
                 f"weights {fmt_bytes(weights)}  ·  KV {fmt_bytes(kv)} of {fmt_bytes(allowance)}  ·  "
-                f"{fmt_bytes(used)} of {fmt_bytes(budget)}{experts}"
+                f"{fmt_bytes(used)} of {fmt_bytes(budget)}{extras}"
             )
         else:
             parts = ["no model"]
@@ -174,6 +180,12 @@ class MemoryGauge(QWidget):
             lines.append(
                 f"Experts: {fmt_bytes(slab)} of them held (part of the weights); the others are read from "
                 f"the model's files when routed. {f.get('expert_hit_rate', 1.0):.1%} of routed experts were held."
+            )
+        if pool:
+            lines.append(
+                f"KV blocks of {pool['block_size']} tokens: {pool['used']} held by chats and requests, "
+                f"{pool['shared']} of them shared by several (a common start held once), {pool['cached']} "
+                f"kept for reuse; {fmt_bytes(pool['bytes'])} in all."
             )
         if budget:
             lines.append(

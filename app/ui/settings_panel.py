@@ -62,6 +62,7 @@ KV_CHOICES = (
     ("Model's own (full precision)", None),
     ("8-bit (half the memory)", 8),
     ("4-bit (a quarter of the memory)", 4),
+    ("Full precision, prompts shared between chats", "paged"),
 )
 
 
@@ -74,7 +75,7 @@ class SettingsPanel(QFrame):
     whisper_cleared = Signal()
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
     cache_budget_changed = Signal(object)  # bytes of disk for saved chat caches
-    kv_bits_changed = Signal(object)  # 8 or 4 (quantized KV cache), None for the model's own
+    kv_bits_changed = Signal(object)  # 8 or 4 (quantized KV cache), "paged", None for the model's own
     context_cap_changed = Signal(object)  # tokens, None for automatic
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
@@ -323,7 +324,9 @@ class SettingsPanel(QFrame):
             "How the model's memory of the chat (its KV cache) is held. 8-bit takes about half\n"
             "the memory of full precision with nearly the same replies; 4-bit about a quarter,\n"
             "with replies that drift more. Model's own: full precision, or the per-layer\n"
-            "setting a model ships in kv_config.json. Applies from the next model load."
+            "setting a model ships in kv_config.json. Shared: full precision in blocks, and\n"
+            "chats and server requests that start alike (a long system prompt, a document)\n"
+            "hold that start once and skip its prefill. Applies from the next model load."
         )
         self.kv_choice.currentIndexChanged.connect(
             lambda _i: self._budget_quiet or emit(self.kv_bits_changed, self.kv_choice.currentData())
@@ -347,7 +350,7 @@ class SettingsPanel(QFrame):
         self.context_advice.setVisible(False)
         layout.addWidget(self.context_advice)
 
-    def show_kv_bits(self, bits: int | None) -> None:
+    def show_kv_bits(self, bits: int | str | None) -> None:
         self._budget_quiet = True
         index = self.kv_choice.findData(bits)
         self.kv_choice.setCurrentIndex(max(0, index))

@@ -182,6 +182,10 @@ class MemoryEvent:
     expert_hit_rate: float = 1.0
     # A model split across machines: each rank's weights, measured there (empty otherwise).
     ranks: list[RankShare] = field(default_factory=list)
+    # Paged KV (LoadModel.paged_kv_block_size): the block pool's block_size and blocks
+    # used, shared (held by more than one chat or request) and cached (kept for reuse), and
+    # its bytes; None when the KV cache is unpaged.
+    kv_pool: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

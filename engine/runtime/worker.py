@@ -558,5 +558,6 @@ class EngineWorker:
                 expert_slab_bytes=store.slab_bytes if store is not None else 0,
                 expert_hit_rate=store.stats.hit_rate if store is not None else 1.0,
                 ranks=self._shards.ranks(),
+                kv_pool=self._host.kv_pool_stats() if self._host.loaded else None,
             )
         )

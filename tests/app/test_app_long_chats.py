@@ -335,3 +335,33 @@ def test_the_transcript_marks_where_the_models_memory_begins(qtbot, make_window,
     window.open_conversation(conv)  # reopened: the line is where the last reply left it
     keys = _entry_keys(window)
     assert keys.index("context_divider") == head + dropped and keys[head + dropped + 1] == first_read
+
+
+def test_shared_context_memory_in_settings_pages_the_kv_and_the_gauge_shows_shared_blocks(
+    qtbot, make_window, run_async, tiny_model
+):
+    window = make_window()
+    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData("paged"))
+    assert window.store.preference("kv_bits") == "paged"
+    assert window.load_setup.kv_bits_for_load() is None and window.load_setup.paged_block_size_for_load() == 64
+    _load(window, run_async, tiny_model)
+    start = "Here is a long shared preamble that every chat of this test begins with. " * 12
+    params = api.GenerationParams(max_tokens=4, ignore_eos=True)
+    replies = [
+        run_async(window.bridge.generate(chat, [{"role": "user", "content": start + question}], params))
+        for chat, question in (("first", "What comes next?"), ("second", "And then?"))
+    ]
+    assert [len(r.token_ids) for r in replies] == [4, 4]
+    assert (
+        replies[0].stats.cached_tokens == 0 and replies[1].stats.cached_tokens >= 64
+    )  # the start, from the other chat
+    qtbot.waitUntil(lambda: (window.gauge.figures.get("kv_pool") or {}).get("shared", 0) > 0, timeout=10_000)
+    pool = window.gauge.figures["kv_pool"]
+    assert pool["block_size"] == 64 and pool["used"] > pool["shared"] > 0
+    assert f"KV blocks {pool['used']} ({pool['shared']} shared)" in window.gauge.label.text()
+    assert "held once" in window.gauge.toolTip()
+
+    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData(8))  # unpaged again
+    _load(window, run_async, tiny_model)
+    qtbot.waitUntil(lambda: window.gauge.figures.get("kv_pool") is None, timeout=10_000)
+    assert "KV blocks" not in window.gauge.label.text()
