@@ -174,6 +174,14 @@ class BlockPool:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._held.values()) + sum(b.nbytes for b in self._idle.values())
 
+    @property
+    def common_bytes(self) -> int:
+        """Bytes in blocks no one sequence counts as its own (``PagedKVCache.nbytes`` counts
+        only private blocks): published or shared ones, held or idle. A sequence's caches
+        plus this is every KV byte, each counted once."""
+        held = sum(b.nbytes for b in self._held.values() if b.refs > 1 or b.digest is not None)
+        return held + sum(b.nbytes for b in self._idle.values())
+
     def stats(self) -> PoolStats:
         used = list(self._held.values())
         return PoolStats(

@@ -381,7 +381,8 @@ class ModelHost:
         for chat in self._loaded.sessions.values():
             for c in [*(chat.cache or ()), *(chat.draft_cache or ())]:
                 total += int(getattr(c, "nbytes", 0) or 0)
-        return total
+        pool = getattr(self._loaded.model, "kv_pool", None)  # paged: the blocks chats share
+        return total + (pool.common_bytes if pool is not None else 0)
 
     def weights_bytes(self) -> int:
         """Weights in memory: the model's and the draft model's."""

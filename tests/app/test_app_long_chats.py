@@ -358,6 +358,7 @@ def test_shared_context_memory_in_settings_pages_the_kv_and_the_gauge_shows_shar
     qtbot.waitUntil(lambda: (window.gauge.figures.get("kv_pool") or {}).get("shared", 0) > 0, timeout=10_000)
     pool = window.gauge.figures["kv_pool"]
     assert pool["block_size"] == 64 and pool["used"] > pool["shared"] > 0
+    assert window.gauge.figures["kv_bytes"] == pool["bytes"]  # every layer pages: the KV is the pool, once
     assert f"KV blocks {pool['used']} ({pool['shared']} shared)" in window.gauge.label.text()
     assert "held once" in window.gauge.toolTip()
 
