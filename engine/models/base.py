@@ -106,6 +106,10 @@ class RoPE(nn.Module):
 class DynamicNTKRoPE(RoPE):
     """transformers' "dynamic" scaling: past the trained length the base grows with the length."""
 
+    # A position's rotation depends on the length of the pass that computes it, so keys
+    # computed in another request's pass are not the ones this request would compute.
+    length_dependent = True
+
     def __init__(self, dims: int, base: float, factor: float, max_position_embeddings: int):
         super().__init__(dims, base)
         self.factor = factor
@@ -122,6 +126,8 @@ class DynamicNTKRoPE(RoPE):
 
 class LongRoPE(RoPE):
     """Phi-3's LongRoPE ("longrope"/"su"): short factors up to the trained length, long beyond."""
+
+    length_dependent = True  # as DynamicNTKRoPE's: the factors follow the pass's last position
 
     def __init__(self, dims: int, base: float, short_factor, long_factor, original_max: int, out_scale: float):
         exponents = mx.arange(0, dims, 2, dtype=mx.float32) / dims

@@ -16,8 +16,12 @@ registry reads it rather than keeping its own list:
   layers each; "tensor": every layer split), read by ``engine.models.sharding``; empty: none;
 - ``streams_experts``: an MoE family whose routed experts may be read from disk when routed
   rather than all held in memory (``engine.runtime.expert_plan``); its streamed decoding is
-  checked token for token against the fully resident model;
-- ``pages``: a paged KV cache. Each of these stays off until the family is shown to work so.
+  checked token for token against the fully resident model.
+
+Paged KV is not a family's property: a loaded model pages its plain full-attention layers
+whatever its family, and ``engine.models.paged_kv.pool_for`` refuses, in one line, a model
+with none of them (latent attention, sliding windows everywhere) or with a RoPE that depends
+on the pass's length (checked for every golden model in tests/engine/models/test_paged_kv.py).
 
 Pure data (no MLX): the app and the docs may read it.
 """
@@ -35,7 +39,6 @@ class Family:
     towers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     batches: bool = False
     embeds: str | None = None
-    pages: bool = False
     shards: tuple[str, ...] = ()
     streams_experts: bool = False
 

@@ -438,6 +438,13 @@ def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int
         raise EngineError("Paged KV holds keys and values at full precision; use --paged-kv or --kv-bits, not both.")
     if layers == 0:
         raise EngineError("This model has no full-attention KV cache to page; leave out --paged-kv.")
+    if any(getattr(m, "length_dependent", False) for _, m in model.named_modules()):
+        # Shared blocks would hold keys rotated for another request's pass length: not the
+        # keys transformers computes for this request.
+        raise EngineError(
+            "This model's RoPE scaling (dynamic or LongRoPE) rotates each position by the length of "
+            "the pass, so blocks computed by another request would not be exact; leave out --paged-kv."
+        )
     identity = f"{type(model).__module__}.{type(model).__name__}:{getattr(model, 'model_path', '')}:{id(model)}"
     pool = BlockPool(layers, check_block_size(block_size), identity, budget_bytes or DEFAULT_POOL_BYTES)
     model.kv_pool = pool
