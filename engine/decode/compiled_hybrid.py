@@ -33,6 +33,7 @@ from engine.decode.compiled_step import compiled_decoder as attention_decoder
 from engine.models.base import RoPE
 from engine.models.kv_cache import KVCache
 from engine.models.lora import active_signature
+from engine.models.paged_kv import PagedKVCache
 from engine.models.recurrent_cache import RecurrentCache
 from engine.models.stacked import stack_projections
 
@@ -181,7 +182,7 @@ class HybridDecoder:
                     return None
                 masks.append(None)
                 continue
-            if type(c) is not KVCache or c.keys is None:
+            if type(c) not in (KVCache, PagedKVCache) or c.empty():  # the write and attention run outside
                 return None
             mask = c.make_mask(n, None)
             if mask is not None and not isinstance(mask, str):

@@ -31,11 +31,13 @@ import mlx.core as mx
 from engine.models.base import RoPE, cached_attention
 from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.lora import active_signature
+from engine.models.paged_kv import PagedKVCache
 from engine.models.quantized_kv_cache import QuantizedKVCache
 from engine.models.stacked import MAX_STACKED_ROWS, stack_projections
 
-# The cache write happens outside the traces (update_and_fetch, make_mask), so any of these serves.
-_CACHE_KINDS = (KVCache, RotatingKVCache, QuantizedKVCache)
+# The cache write happens outside the traces (update_and_fetch, make_mask), so any of these
+# serves, a paged layer's (blocks written, its contiguous view read) too.
+_CACHE_KINDS = (KVCache, RotatingKVCache, QuantizedKVCache, PagedKVCache)
 
 
 def _layer_ok(layer: Any) -> bool:
@@ -156,7 +158,7 @@ class CompiledDecoder:
         offset = cache[0].offset
         masks = []
         for layer, c in zip(self._model().layers, cache):
-            if not isinstance(c, _CACHE_KINDS) or c.keys is None or c.offset != offset:
+            if not isinstance(c, _CACHE_KINDS) or c.empty() or c.offset != offset:
                 return None
             mask = c.make_mask(n, getattr(layer, "window", None))
             if mask is not None and not isinstance(mask, str):

@@ -227,3 +227,33 @@ def test_speculative_decoding_over_paged_caches_matches_plain_decoding():
         del model.kv_pool
     assert result.token_ids == want.token_ids
     assert result.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])  # the compiled step; the hybrid one
+def test_the_compiled_decode_step_takes_paged_caches(name):
+    """The compiled steps (the GPU's default) decode over paged layers, with the plain
+    unpaged pass's tokens and log-probs, across several blocks and view growths."""
+    from engine.decode.compiled_hybrid import compiled_decoder  # either step, as decoding picks
+    from engine.decode.loop import generate_step
+
+    def decode(cache, compiled: bool):
+        steps = generate_step(
+            mx.array(prompt(40), dtype=mx.uint32), model, cache, max_tokens=40, logprobs=True, compiled=compiled
+        )
+        pairs = list(steps)
+        return [t for t, _ in pairs], [lp for _, lp in pairs]
+
+    model = build(name)
+    want = decode(make_prompt_cache(model), compiled=False)
+    pool_for(model, block_size=16)
+    try:
+        cache = make_prompt_cache(model)
+        got = decode(cache, compiled=True)
+        assert any(isinstance(c, PagedKVCache) for c in cache)
+        decoder = compiled_decoder(model)
+        assert decoder is not None and decoder.prepare()
+        assert decoder(mx.array([5], dtype=mx.uint32), cache) is not None  # taken, not declined
+    finally:
+        del model.kv_pool
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1])) <= 1e-5
