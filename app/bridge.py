@@ -128,6 +128,7 @@ class EngineBridge(QObject):
             kv_bits=kv_bits,
             context_cap=context_cap,
             paged_kv_block_size=paged_kv_block_size,  # blocks shared between chats and requests
+            paged_kv_where_possible=True,  # Settings' choice holds for every model: one that cannot page loads unpaged
         )
         command.hosts, command.shard, command.backend = hosts, shard, backend  # ``hosts``: split across them
         rid, fut = self._request(command, "load", events)

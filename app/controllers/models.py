@@ -72,7 +72,10 @@ class ModelController(QObject):
         await self.adapters.apply()
         mounted = [a.name for a in (self.bridge.model_info or info).adapters]
         loaded = f"Loaded {info.name}" + (f" with its adapters {', '.join(mounted)}." if mounted else ".")
-        emit(self.status, " ".join(filter(None, (loaded, experts_note(info.plan)))))
+        why = info.paged_kv_declined.split(";")[0]  # the reason, without the command line's advice
+        unshared = f"Its chats keep their own context memory, not shared between chats: {why[:1].lower()}{why[1:]}."
+        unshared = unshared if why else ""
+        emit(self.status, " ".join(filter(None, (loaded, experts_note(info.plan), unshared))))
         if self.load_setup.skipped:
             emit(self.failed, self.load_setup.skipped)
         emit(self.ready, info)

@@ -87,6 +87,10 @@ class LoadModel:
     # Paged KV (--paged-kv): full-attention keys and values in shared blocks of this many
     # tokens, so chats and requests with a common prefix hold it once; None: unpaged.
     paged_kv_block_size: int | None = None
+    # A model that cannot page (no plain full-attention layer, a length-dependent RoPE) loads
+    # unpaged, saying why in ModelInfo.paged_kv_declined, instead of being refused: the app's
+    # Settings choice holds for every model, the command line's flag for one.
+    paged_kv_where_possible: bool = False
 
 
 @dataclass

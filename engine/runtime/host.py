@@ -145,12 +145,15 @@ class ModelHost:
         context_cap: int | None = None,
         resident_experts: float | None = None,
         paged_kv_block_size: int | None = None,
+        paged_kv_where_possible: bool = False,
     ) -> ModelInfo:
         """Load a model folder, HF repo id (already cached) or .gguf file, replacing any
         loaded model. Refuses before allocating when it cannot fit ``budget``. ``kv_bits``
         (4 or 8) holds the KV cache quantized; None follows the folder's kv_config.json.
         ``context_cap`` bounds every chat's context; one the budget cannot hold is refused.
-        ``paged_kv_block_size`` pages the KV cache in shared blocks (models.paged_kv)."""
+        ``paged_kv_block_size`` pages the KV cache in shared blocks (models.paged_kv); a model
+        that cannot page is refused, or with ``paged_kv_where_possible`` loads unpaged and
+        says why in ``paged_kv_declined``."""
         from engine.runtime.context_planner import advise_context, check_cap, precision_options
         from engine.runtime.memory import kv_settings_for, with_kv_settings
 
@@ -180,7 +183,12 @@ class ModelHost:
         info = with_kv_settings(parts.info, parts.config, settings)
         if paged_kv_block_size is not None:
             weights = info.plan.weights_bytes if info.plan is not None else 0
-            page_kv(parts.model, paged_kv_block_size, kv_allowance(info, weights))
+            try:
+                page_kv(parts.model, paged_kv_block_size, kv_allowance(info, weights))
+            except EngineError as exc:
+                if not paged_kv_where_possible:
+                    raise
+                info = replace(info, paged_kv_declined=str(exc))
         options = precision_options(
             parts.info, parts.config, lambda bits: kv_settings_for(parts.model, parts.path, bits, kv_group_size)
         )

@@ -384,6 +384,7 @@ class EngineWorker:
                 context_cap=command.context_cap,
                 resident_experts=command.resident_experts,
                 paged_kv_block_size=command.paged_kv_block_size,
+                paged_kv_where_possible=command.paged_kv_where_possible,
                 progress=lambda done, total, message="": self._emit(
                     ProgressEvent(rid, "load", float(done), float(total), message)
                 ),

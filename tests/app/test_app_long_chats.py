@@ -4,7 +4,9 @@ the disk budget; the KV precision choice; the context overflow policies."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 
@@ -366,3 +368,23 @@ def test_shared_context_memory_in_settings_pages_the_kv_and_the_gauge_shows_shar
     _load(window, run_async, tiny_model)
     qtbot.waitUntil(lambda: window.gauge.figures.get("kv_pool") is None, timeout=10_000)
     assert "KV blocks" not in window.gauge.label.text()
+
+
+def test_a_model_that_cannot_share_its_context_memory_loads_unshared_and_says_why(
+    qtbot, make_window, run_async, tiny_model, tmp_path
+):
+    dynamic = tmp_path / "tiny-dynamic"
+    shutil.copytree(tiny_model, dynamic)
+    config = json.loads((dynamic / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}  # keys depend on the pass's length
+    (dynamic / "config.json").write_text(json.dumps(config))
+    window = make_window()
+    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData("paged"))
+    _load(window, run_async, dynamic)
+    assert "RoPE scaling" in window.bridge.model_info.paged_kv_declined
+    message = window.statusBar().currentMessage()
+    assert message.startswith("Loaded tiny-dynamic.") and "not shared between chats" in message
+    window.store.update_conversation(window.chat.conversation_id, settings=GREEDY)
+    result, _ = _send_and_save(qtbot, window, "hello there")
+    assert result.finish_reason == "length"
+    assert window.gauge.figures.get("kv_pool") is None
