@@ -62,7 +62,7 @@ KV_CHOICES = (
     ("Model's own (full precision)", None),
     ("8-bit (half the memory)", 8),
     ("4-bit (a quarter of the memory)", 4),
-    ("Full precision, prompts shared between chats", "paged"),
+    ("Full precision, shared by chats", "paged"),
 )
 
 
