@@ -1,8 +1,8 @@
 """``--paged-kv [--paged-kv-block-size N]`` for generate, serve and bench.
 
 Off by default until it decodes at least as fast as the unpaged cache on the machines we
-measure (docs/paged-kv.md). With it the server decodes requests one at a time: the batch
-path keeps its own per-row caches and does not page yet. Parsing stays mlx-free; the
+measure (docs/paged-kv.md). Requests still decode together: a batch row gathers its
+blocks when it joins and writes them back when it leaves. Parsing stays mlx-free; the
 block size is checked against engine.models.paged_kv when the command runs.
 """
 
@@ -18,8 +18,7 @@ def add_paged_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--paged-kv",
         action="store_true",
-        help="hold full-attention KV in shared blocks: chats and requests with a common prefix hold it once "
-        "(requests then decode one at a time)",
+        help="hold full-attention KV in shared blocks: chats and requests with a common prefix hold it once",
     )
     p.add_argument(
         "--paged-kv-block-size",
@@ -43,11 +42,9 @@ def paged_block_size(args: Any) -> int | None:
 
 def page_bench_model(args: Any, model: Any) -> dict[str, int]:
     """``bench --paged-kv``: page the random model's KV (every loop of ours then reads
-    blocks); refused with --concurrent, whose batch does not page."""
+    blocks, the batch of ``--concurrent`` too)."""
     size = paged_block_size(args)
     assert size is not None
-    if getattr(args, "concurrent", None):
-        raise EngineError("--paged-kv does not batch yet: leave out --concurrent or --paged-kv")
     from engine.models.paged_kv import pool_for
 
     pool_for(model, size)

@@ -30,8 +30,10 @@ token budget) must fit the room the memory budget leaves (``Batch.kv_room``); ot
 it waits for running sequences to leave, and is refused (``OutOfKVRoom``) when nothing
 else is running.
 
-Only families whose every layer keeps a plain ``KVCache`` and rotates with the plain
-``RoPE`` batch (Llama/Mistral without a window, Qwen2, Qwen3 and Qwen3-MoE without
+Only families whose every layer keeps a plain ``KVCache`` (or a paged one: a row gathers
+its blocks on joining and writes its keys and values back into blocks on leaving, so a
+shared prefix skips its prefill but is held once per row while the row decodes) and
+rotates with the plain ``RoPE`` batch (Llama/Mistral without a window, Qwen2, Qwen3 and Qwen3-MoE without
 their sliding layers): sliding windows (rotating caches), latent attention, recurrent state
 and position-dependent RoPE variants run one request at a time (``batchable``).
 
@@ -59,6 +61,7 @@ from engine.decode.signals import Signal, Token
 from engine.errors import OutOfKVRoom
 from engine.models.families import FAMILIES
 from engine.models.kv_cache import DEFAULT_STEP, KVCache, make_prompt_cache
+from engine.models.paged_kv import PagedKVCache
 
 WAIT = Signal.WAITING  # "nothing yet": the sequence waits for a step
 
@@ -76,7 +79,7 @@ def batchable(model: Any) -> bool:
 
     if getattr(model, "model_type", None) not in BATCHABLE_TYPES:
         return False
-    if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+    if not all(type(c) in (KVCache, PagedKVCache) for c in make_prompt_cache(model)):
         return False  # a sliding window, latent or recurrent cache somewhere
     for layer in getattr(model, "layers", []):
         rope = getattr(getattr(layer, "self_attn", None), "rope", None)

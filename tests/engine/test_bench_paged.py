@@ -35,7 +35,8 @@ def test_chats_sharing_a_prompt_hold_it_once_when_paged():
     assert shared["kv_bytes_held"] < unpaged["kv_bytes_held"] / 2
 
 
-def test_paged_decode_runs_and_batching_is_refused_in_one_line():
+def test_paged_decode_runs_alone_and_batched():
     out = _bench("-p", "64", "--paged-kv")
     assert out["engine"]["generated_tokens"] == 4
-    assert "does not batch" in _bench("-p", "64", "--paged-kv", "--concurrent", "2", ok=False)
+    batched = _bench("-p", "64", "--paged-kv", "--concurrent", "2")
+    assert batched["paged_kv"] == {"block_size": 64} and batched["concurrent"][0]["engine"]["streams"] == 2

@@ -218,3 +218,27 @@ def test_compiled_batch_steps_equal_the_plain_ones(monkeypatch):
     for ours, ref in zip(got, plain, strict=True):
         assert ours.token_ids == ref.token_ids
         assert np.allclose(ours.token_logprobs, ref.token_logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_paged_sequences_batch_and_equal_themselves_alone(family):
+    """Paged caches join the batch as plain ones do: each row gathers its blocks, and its
+    keys and values go back into blocks when it leaves."""
+    from engine.models.paged_kv import pool_for
+
+    model, _ = load_golden(family)
+    jobs = [
+        (p, GenerationParams(max_tokens=n, ignore_eos=True, logprobs=True))
+        for p, n in zip(prompts(model.args.vocab_size, (37, 19, 3, 40)), (10, 6, 12, 8), strict=True)
+    ]
+    refs = [alone(model, p, GenerationParams(max_tokens=n.max_tokens, ignore_eos=True, logprobs=True)) for p, n in jobs]
+    pool_for(model, block_size=16)
+    try:
+        assert batchable(model)
+        got, batch = run_batched(model, jobs, starts=[0, 0, 3, 5])
+    finally:
+        del model.kv_pool
+    for ref, result in zip(refs, got, strict=True):
+        assert result.token_ids == ref.token_ids
+        assert np.allclose(result.token_logprobs, ref.token_logprobs, atol=1e-4)
+    assert batch.steps < sum(n.max_tokens for _, n in jobs)

@@ -1,9 +1,11 @@
-"""``serve --paged-kv``: /health shows the KV block pool, and a second request with the
-same system prompt takes the first one's blocks from the pool."""
+"""``serve --paged-kv``: /health shows the KV block pool, a second request with the same
+system prompt takes the first one's blocks from the pool, and requests decode together."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.request
 
 from .conftest import start_server
@@ -46,3 +48,32 @@ def test_health_shows_the_pool_and_requests_share_a_system_prompt(tiny_model, tm
     finally:
         server.stop()
     assert "kv_pool" not in json.dumps(replies)
+
+
+def test_paged_requests_decode_together_and_a_short_one_reuses_the_long_ones_blocks(tiny_model, tmp_path):
+    server = start_server(tiny_model, tmp_path / "log", "--paged-kv", "--paged-kv-block-size", "16")
+    try:
+        model = health(server.base)["model"]
+
+        def ask(question: str, max_tokens: int) -> dict:
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+            return post(server.base, "/v1/chat/completions", body)
+
+        alone = ask("write a story", 300)
+        long_reply: list[dict] = []
+        worker = threading.Thread(target=lambda: long_reply.append(ask("write a story", 300)))
+        worker.start()
+        for _ in range(500):  # bounded: 5 s
+            if health(server.base)["decoding"] >= 1:
+                break
+            time.sleep(0.01)
+        short = ask("hello", 3)
+        still_decoding = worker.is_alive()
+        worker.join(120)
+    finally:
+        server.stop()
+    assert still_decoding, "the short request waited for the long one: paged requests did not batch"
+    assert long_reply[0]["choices"][0]["message"] == alone["choices"][0]["message"]
+    assert alone["usage"]["completion_tokens"] == 300
+    assert short["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) >= 16 * (len(SYSTEM) // 64)
