@@ -32,23 +32,6 @@ def _first_token_s(model: Any, tokens: Any, cache: list) -> float:
     return time.perf_counter() - start
 
 
-def _split_first_token_s(model: Any, path: Path, prompt: Any, new: Any, split_at: int) -> float:
-    """First token after reopening both at once (runtime/split_reopen.py), best of two."""
-    import mlx.core as mx
-
-    from engine.runtime.split_reopen import split_cache
-
-    ids = [int(i) for i in prompt.tolist()]
-    best = float("inf")
-    for _warm_then_timed in range(2):
-        mx.clear_cache()
-        start = time.perf_counter()
-        cache = split_cache(path, model, ids, split_at)
-        best = min(best, time.perf_counter() - start + _first_token_s(model, new, cache))
-        del cache
-    return best
-
-
 def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, Any]:
     import mlx.core as mx
 
@@ -72,11 +55,9 @@ def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, 
         size = path.stat().st_size
         del cache
         from engine.runtime.reopen_choice import choose, disk_read_rate, prefill_rate
-        from engine.runtime.split_reopen import splittable
 
         rate = disk_read_rate(path, probe=size)  # the whole file: its raw sequential read
-        can_split = splittable(path, model)
-        choice = choose(int(prompt.size), size, rate, prefill_rate(model), can_split)
+        choice = choose(int(prompt.size), size, rate, prefill_rate(model))
         for _warm_then_timed in range(2):
             mx.clear_cache()
             start = time.perf_counter()
@@ -85,9 +66,7 @@ def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, 
             load_s = time.perf_counter() - start
             reopen_s = load_s + _first_token_s(model, new, restored)
             del restored
-        # Timed where a split exists (a file that reads in no time splits at 0: all read).
-        split_s = _split_first_token_s(model, path, prompt, new, choice.split_at) if choice.split_at else None
-    chosen_s = {"read": reopen_s, "recompute": prefill_s, "split": split_s}[choice.path]
+    chosen_s = reopen_s if choice.path == "read" else prefill_s
     print(
         f"reopen   chose to {choice.path} (estimated read {choice.read_s * 1000:.1f} ms, recompute "
         f"{choice.recompute_s * 1000:.1f} ms): first token in {chosen_s * 1000:.1f} ms; raw read "
@@ -100,13 +79,6 @@ def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, 
         f"{prefill_s / max(reopen_s, 1e-9):.1f}x faster",
         flush=True,
     )
-    if split_s is not None:
-        print(
-            f"reopen   both at once: prefill {choice.split_at:,} tokens while the other "
-            f"{int(prompt.size) - choice.split_at:,} are read: first token in {split_s * 1000:.1f} ms "
-            f"(estimated {choice.split_s * 1000:.1f} ms)",
-            flush=True,
-        )
     return {
         "prefill_ttft_s": prefill_s,
         "reopen_ttft_s": reopen_s,
@@ -115,7 +87,6 @@ def run_reopen(model: Any, prompt: Any, vocab: int, seed: int = 0) -> dict[str, 
         "speedup": prefill_s / max(reopen_s, 1e-9),
         "path": choice.path,
         "chosen_ttft_s": chosen_s,
-        "split_ttft_s": split_s,
         "raw_read_s": size / rate,
         "choice": choice.as_dict(),
     }

@@ -8,12 +8,11 @@ loaded model's prefill rate (measured once per model on ``PREFILL_PROBE`` tokens
 untimed pass that compiles the kernels for the shape), and takes the one that gives the
 first token sooner.
 
-A third way does both at once (runtime/split_reopen.py): prefill the first k tokens while
-the saved rows of the others are read, which costs ``max(prefill(k), read(n - k))``,
-least at the k where the two are equal (``split_point``). It is taken where the chat's
-caches allow it and it is clearly sooner than either (``SPLIT_MARGIN``). (Reading first
-and prefilling the rest after it costs ``read(k) + prefill(n - k)``, a straight line in
-``k`` whose least value is at an end, so that is never chosen.)
+Reading a first part of the cache and prefilling the rest after it costs
+``read(k) + prefill(n - k)``, a straight line in ``k``: its least value is at an end (all
+read or all prefilled), so the split is never chosen. What would beat both is overlap:
+layer by layer, prefilling layer i of the rest while layer i + 1's part is read; that
+pipeline is not built yet.
 
 The prefill rate is measured on a short prompt and scaled linearly, which flatters long
 prefills (attention grows with the context), so the choice leans towards recomputing only
@@ -23,32 +22,27 @@ when recomputing is clearly faster (``MARGIN``).
 from __future__ import annotations
 
 import json
+import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.runtime.split_reopen import read_header, splittable
-
 READ_PROBE = 64 << 20  # bytes read to time the disk
 PREFILL_PROBE = 512  # tokens prefilled to time the model
 MARGIN = 1.25  # recompute only when estimated this much faster than reading
-SPLIT_MARGIN = 1.2  # both at once only when estimated this much faster than either alone
+_HEADER_LIMIT = 64 << 20  # a safetensors header past this is not one of ours
 
 
 @dataclass
 class ReopenChoice:
-    # "read" (load the saved cache), "recompute" (prefill the chat again) or "split" (prefill
-    # the first ``split_at`` tokens while the rest is read)
-    path: str
+    path: str  # "read" (load the saved cache) or "recompute" (prefill the chat again)
     tokens: int
     file_bytes: int
     read_bytes_per_s: float
     prefill_tokens_per_s: float
     read_s: float  # estimated
     recompute_s: float  # estimated
-    split_at: int = 0
-    split_s: float = 0.0  # estimated; 0 where the chat cannot reopen split
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,9 +52,13 @@ def saved_token_count(path: str | Path) -> int:
     """How many tokens a saved cache holds, from its safetensors header alone (0 when the
     header cannot be read: the load then says why)."""
     try:
-        header, _ = read_header(path)
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > _HEADER_LIMIT:
+                return 0
+            header = json.loads(f.read(length))
         return len(json.loads(header["__metadata__"]["user.token_ids"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
         return 0
 
 
@@ -97,27 +95,11 @@ def prefill_rate(model: Any, probe: int = PREFILL_PROBE) -> float:
     return rate
 
 
-def split_point(tokens: int, file_bytes: int, read_bytes_per_s: float, prefill_tokens_per_s: float) -> int:
-    """The k at which prefilling k tokens takes as long as reading the other tokens' rows."""
-    read_one = file_bytes / max(tokens, 1) / max(read_bytes_per_s, 1e-9)
-    prefill_one = 1 / max(prefill_tokens_per_s, 1e-9)
-    return round(tokens * read_one / (read_one + prefill_one))
-
-
-def choose(
-    tokens: int, file_bytes: int, read_bytes_per_s: float, prefill_tokens_per_s: float, splittable: bool = False
-) -> ReopenChoice:
+def choose(tokens: int, file_bytes: int, read_bytes_per_s: float, prefill_tokens_per_s: float) -> ReopenChoice:
     read_s = file_bytes / max(read_bytes_per_s, 1e-9)
     recompute_s = tokens / max(prefill_tokens_per_s, 1e-9)
     path = "recompute" if recompute_s * MARGIN < read_s else "read"
-    choice = ReopenChoice(path, tokens, file_bytes, read_bytes_per_s, prefill_tokens_per_s, read_s, recompute_s)
-    k = split_point(tokens, file_bytes, read_bytes_per_s, prefill_tokens_per_s) if splittable else 0
-    if 0 < k < tokens:
-        choice.split_at = k
-        choice.split_s = max(k / max(prefill_tokens_per_s, 1e-9), (tokens - k) / tokens * read_s)
-        if choice.split_s * SPLIT_MARGIN < min(read_s, recompute_s):
-            choice.path = "split"
-    return choice
+    return ReopenChoice(path, tokens, file_bytes, read_bytes_per_s, prefill_tokens_per_s, read_s, recompute_s)
 
 
 def choose_for(path: str | Path, model: Any) -> ReopenChoice:
@@ -126,4 +108,4 @@ def choose_for(path: str | Path, model: Any) -> ReopenChoice:
     size = Path(path).stat().st_size
     if tokens == 0:  # unreadable header: reading says why
         return ReopenChoice("read", 0, size, 0.0, 0.0, 0.0, 0.0)
-    return choose(tokens, size, disk_read_rate(path), prefill_rate(model), splittable(path, model))
+    return choose(tokens, size, disk_read_rate(path), prefill_rate(model))

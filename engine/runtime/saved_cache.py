@@ -7,8 +7,8 @@ identity differs from what is loaded now is not used; a damaged or truncated fil
 skipped (the prompt is prefilled as if there were none) and replaced by the next save. So
 a saved cache can make a turn faster, never different.
 
-Before reading, the engine weighs reading the file against prefilling its tokens again,
-and against doing both at once (runtime/reopen_choice.py), and takes the fastest; the choice is kept on the chat
+Before reading, the engine weighs reading the file against prefilling its tokens again
+(runtime/reopen_choice.py) and takes the faster; the choice is kept on the chat
 (``reopen_choice``) for ``generate --json`` and the bench to report.
 """
 
@@ -90,10 +90,6 @@ def restore_session(path: str | Path, chat: Any, identity: dict[str, str], choos
         from engine.runtime.reopen_choice import choose_for
 
         choice = chat.reopen_choice = choose_for(path, chat.model)
-        if choice.path == "split":
-            from engine.runtime.split_reopen import restore_split
-
-            return restore_split(path, chat, identity, choice.split_at)
         if choice.path == "recompute":
             return 0, (
                 f"prefilling the {choice.tokens:,} tokens again (~{choice.recompute_s:.2f} s) is faster "
