@@ -25,12 +25,14 @@ budget. Blocks in use are never evicted.
 
 Attention reads a sequence's keys and values from one contiguous array per layer: MLX has
 no paged attention kernel. The first pass of a request gathers the sequence's blocks into
-a view (``mx.concatenate``); later passes write their new tokens both into the blocks and
-at the end of the view, as ``KVCache`` does, so a decode step copies no prefix. The views
-are dropped when the request ends (``drop_views``, from the prefix cache's ``record``):
-between requests a sequence holds only blocks, and since paged requests decode one at a
-time, at most one sequence holds a view. A CUDA gather kernel reading the block table
-inside attention would avoid the view altogether.
+a view (``mx.concatenate``); later passes write their new tokens at the end of the view,
+as ``KVCache`` does, so a decode step copies no prefix, and into the blocks only when a
+block fills (or before the blocks are read, published or the view dropped: ``flush``), so
+a decode step writes one place, not two. The views are dropped when the request ends
+(``drop_views``, from the prefix cache's ``record``): between requests a sequence holds
+only blocks. A sequence decoding in the batch hands its keys and values to the batch's
+rows and takes them back into blocks when it leaves. A CUDA gather kernel reading the
+block table inside attention would avoid the view altogether.
 
 What pages. Plain full-attention layers (``KVCache``). Sliding-window layers
 (``RotatingKVCache``: small and fixed already), latent MLA caches (not keys and values per
@@ -210,6 +212,11 @@ class PagedSequence:
         # Per layer during a request: (keys, values) buffers holding the first tokens of
         # the sequence contiguously (capacity past the offset), or None.
         self.views: list[tuple[mx.array, mx.array] | None] = [None] * pool.layers
+        # Per layer: the tokens written into blocks. While a view exists, tokens go into it
+        # first and into the blocks only when a block fills (``flush_layer``) or before the
+        # blocks are read, published or the view dropped: a decode step then writes one
+        # place, as ``KVCache`` does, instead of two.
+        self.flushed = [0] * pool.layers
         self.shareable = shareable  # every layer of the model pages (blocks hold the whole prefix)
         # The table's blocks go back to the pool whenever this sequence is dropped.
         self._finalizer = weakref.finalize(self, _release_all, pool, self.table)
@@ -230,8 +237,40 @@ class PagedSequence:
         self.table[index] = fresh
         return fresh
 
+    def write(self, layer: int, keys: mx.array, values: mx.array, start: int) -> None:
+        """Put ``layer``'s keys and values for positions ``start``.. into blocks."""
+        size, n = self.pool.block_size, keys.shape[2]
+        pos = start
+        while pos < start + n:
+            index, lo = divmod(pos, size)
+            take = min(size - lo, start + n - pos)
+            block = self.writable(index)
+            for arrays, new in ((block.keys, keys), (block.values, values)):
+                if arrays[layer] is None:
+                    b, h, _, d = new.shape
+                    arrays[layer] = mx.zeros((b, h, size, d), new.dtype)
+                arrays[layer][..., lo : lo + take, :] = new[..., pos - start : pos - start + take, :]
+            pos += take
+
+    def flush_layer(self, layer: int) -> None:
+        """Write ``layer``'s tokens that are only in its view into blocks."""
+        start, end, view = self.flushed[layer], self.offsets[layer], self.views[layer]
+        if end > start and view is not None:
+            # Copies: a block made of a slice of the view could keep the whole view's buffer.
+            keys, values = (mx.contiguous(a[..., start:end, :]) for a in view)
+            self.write(layer, keys, values, start)
+        self.flushed[layer] = end
+
+    def flush(self) -> None:
+        """Every layer's ``flush_layer``, evaluated: between requests a block written from a
+        view must not keep the view's buffer alive through its lazy graph."""
+        for layer in range(len(self.views)):
+            self.flush_layer(layer)
+        mx.eval([a for block in self.table for a in (*block.keys, *block.values) if a is not None])
+
     def drop_views(self) -> None:
-        """Forget the contiguous views (the blocks hold everything)."""
+        """Forget the contiguous views, once the blocks hold everything."""
+        self.flush()
         self.views = [None] * len(self.views)
 
     def shrink(self) -> None:
@@ -259,6 +298,7 @@ class PagedSequence:
             self.table.append(self.pool.take(block))
         held = len(self.table) * self.pool.block_size
         self.offsets = [held] * self.pool.layers
+        self.flushed = [held] * self.pool.layers
         return held
 
     def available(self, keys: Sequence[Hashable], signature: str, limit: int) -> int:
@@ -276,6 +316,7 @@ class PagedSequence:
         """Publish the table's full blocks, ``keys`` being the tokens the sequence holds."""
         if not self.shareable:
             return
+        self.flush()  # what others will read must be in the blocks
         full = min(min(self.offsets), len(keys)) // self.pool.block_size
         for i, digest in self._digests(keys, signature, full):
             block = self.table[i]
@@ -317,19 +358,16 @@ class PagedKVCache:
             raise EngineError("A paged KV cache holds one sequence; batched decoding does not page.")
         seq, size = self.sequence, self.sequence.pool.block_size
         start, n = self.offset, keys.shape[2]
-        pos = start
-        while pos < start + n:
-            index, lo = divmod(pos, size)
-            take = min(size - lo, start + n - pos)
-            block = seq.writable(index)
-            for arrays, new in ((block.keys, keys), (block.values, values)):
-                if arrays[self.layer] is None:
-                    b, h, _, d = new.shape
-                    arrays[self.layer] = mx.zeros((b, h, size, d), new.dtype)
-                arrays[self.layer][..., lo : lo + take, :] = new[..., pos - start : pos - start + take, :]
-            pos += take
+        view = seq.views[self.layer]
         self.offset = start + n
-        return self._extend_view(keys, values, start)
+        if view is None or view[0].shape[2] < start:  # no view holds the prefix: blocks first
+            seq.write(self.layer, keys, values, start)
+            seq.flushed[self.layer] = start + n
+            return self._extend_view(keys, values, start)
+        out = self._extend_view(keys, values, start)
+        if (start + n) // size > seq.flushed[self.layer] // size:  # a block filled: blocks catch up
+            seq.flush_layer(self.layer)
+        return out
 
     def _extend_view(self, keys: mx.array, values: mx.array, start: int) -> tuple[mx.array, mx.array]:
         """The layer's contiguous view with the new tokens (written at ``start``) in it."""
@@ -359,6 +397,7 @@ class PagedKVCache:
 
     def held(self) -> tuple[mx.array, mx.array]:
         """The sequence's keys and values of this layer, gathered from its blocks."""
+        self.sequence.flush_layer(self.layer)
         end, size = self.offset, self.sequence.pool.block_size
         blocks = self.sequence.table[: (end + size - 1) // size]
         keys = [b.keys[self.layer] for b in blocks]
@@ -376,6 +415,7 @@ class PagedKVCache:
     def trim(self, n: int) -> int:
         n = max(0, min(self.offset, n))
         self.offset -= n
+        self.sequence.flushed[self.layer] = min(self.sequence.flushed[self.layer], self.offset)
         self.sequence.shrink()
         return n
 
