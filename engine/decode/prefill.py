@@ -21,7 +21,10 @@ HISTORY_WINDOW = 1024
 
 
 def _cache_arrays(cache: Sequence[Any]) -> list[Any]:
-    return [c.state for c in cache]
+    """What a chunk evaluates: each layer's arrays. A paged layer names its view and blocks
+    (``pending_arrays``): its ``state`` gathers every block into a new array, which made each
+    chunk copy the whole cache (a 32k-token prompt prefilled 8x slower paged on the H200)."""
+    return [c.pending_arrays() if hasattr(c, "pending_arrays") else c.state for c in cache]
 
 
 @dataclass

@@ -395,6 +395,13 @@ class PagedKVCache:
             keys, values = (mx.pad(a, [(0, 0), (0, 0), (0, room), (0, 0)]) for a in (keys, values))
         return keys, values
 
+    def pending_arrays(self) -> list[mx.array]:
+        """The arrays a pass wrote into: this layer's view and blocks (evaluated after a
+        prefill chunk instead of ``state``, which would gather a copy of them all)."""
+        view = self.sequence.views[self.layer] or ()
+        blocks = [a for b in self.sequence.table for a in (b.keys[self.layer], b.values[self.layer])]
+        return [*view, *(a for a in blocks if a is not None)]
+
     def held(self) -> tuple[mx.array, mx.array]:
         """The sequence's keys and values of this layer, gathered from its blocks."""
         self.sequence.flush_layer(self.layer)

@@ -257,3 +257,26 @@ def test_the_compiled_decode_step_takes_paged_caches(name):
         del model.kv_pool
     assert got[0] == want[0]
     assert max(abs(a - b) for a, b in zip(got[1], want[1])) <= 1e-5
+
+
+def test_a_chunked_prefill_never_gathers_the_blocks(monkeypatch):
+    """Each chunk evaluates the view and blocks it wrote, not ``state`` (a gathered copy of
+    the whole cache per chunk: quadratic in the prompt, 8x slower at 32k on the H200)."""
+    from engine.decode.prefill import prefill
+
+    model = build("llama")
+    pool_for(model, block_size=16)
+    gathered = []
+    real = PagedKVCache.held
+    monkeypatch.setattr(PagedKVCache, "held", lambda self: gathered.append(self.layer) or real(self))
+    try:
+        cache = make_prompt_cache(model)
+        prefill(model, mx.array(prompt(200), dtype=mx.uint32), cache, chunk=32)
+        assert gathered == [] and cache[0].offset == 200
+    finally:
+        del model.kv_pool
+    unpaged = make_prompt_cache(model)
+    prefill(model, mx.array(prompt(200), dtype=mx.uint32), unpaged, chunk=32)
+    for paged_layer, plain_layer in zip(cache, unpaged, strict=True):
+        for got, want in zip(paged_layer.held(), plain_layer.state, strict=True):
+            assert mx.allclose(got, want, atol=1e-5).item()
