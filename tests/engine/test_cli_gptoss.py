@@ -4,43 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.cli_run import ROOT, generate, one_line_failure
+
 LAYOUTS = ROOT / "tests" / "golden" / "mlx_layouts"
-
-
-def generate(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine",
-            "generate",
-            "--model",
-            str(folder),
-            "--prompt-ids",
-            "5,6,7",
-            "--max-tokens",
-            "2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def one_line_failure(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode != 0
-    err = proc.stderr.strip()
-    assert err and "\n" not in err and "Traceback" not in err, proc.stderr
-    return err
 
 
 def test_unknown_quantization_mode_is_refused_naming_the_known_ones(tmp_path):

@@ -17,38 +17,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.cli_run import ROOT, generate, one_line_failure
+
 MOE = ROOT / "tests" / "golden" / "quant" / "qwen3_moe_affine_b4_g32"
 INDEX = "model.safetensors.index.json"
-
-
-def generate(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine",
-            "generate",
-            "--model",
-            str(folder),
-            "--prompt-ids",
-            "5,6,7",
-            "--max-tokens",
-            "2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def one_line_failure(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode != 0, proc.stdout
-    err = proc.stderr.strip()
-    assert err and "\n" not in err and "Traceback" not in err, proc.stderr
-    return err
 
 
 @pytest.fixture
