@@ -72,9 +72,11 @@ class ModelController(QObject):
         await self.adapters.apply()
         mounted = [a.name for a in (self.bridge.model_info or info).adapters]
         loaded = f"Loaded {info.name}" + (f" with its adapters {', '.join(mounted)}." if mounted else ".")
-        why = info.paged_kv_declined.split(";")[0]  # the reason, without the command line's advice
-        unshared = f"Its chats keep their own context memory, not shared between chats: {why[:1].lower()}{why[1:]}."
-        unshared = unshared if why else ""
+        unshared = (
+            f"Its chats keep their own context memory (not shared between chats): {info.paged_kv_declined}."
+            if info.paged_kv_declined
+            else ""
+        )
         emit(self.status, " ".join(filter(None, (loaded, experts_note(info.plan), unshared))))
         if self.load_setup.skipped:
             emit(self.failed, self.load_setup.skipped)

@@ -218,7 +218,7 @@ class ModelInfo:
     tool_arguments_as_text: bool = False
     # How the KV cache is held: "" full precision, "8-bit g64", "per layer ..." (kv_config.json).
     kv_cache: str = ""
-    # Paged KV was asked for where possible and this model cannot page: why, in one line.
+    # Paged KV was asked for where possible and this model cannot page: why (CannotPage.reason).
     paged_kv_declined: str = ""
     # The context the chat can reach in the budget, and the recommended context and KV bits.
     context_advice: ContextAdvice | None = None

@@ -87,6 +87,19 @@ class Block:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
 
+    @property
+    def private(self) -> bool:
+        """Held by one sequence and unpublished: written in place, counted as that sequence's."""
+        return self.refs == 1 and self.digest is None
+
+
+class CannotPage(EngineError):
+    """This model's KV cache cannot page; ``reason`` says why without the command line's advice."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}; leave out --paged-kv.")
+        self.reason = reason
+
 
 @dataclass
 class PoolStats:
@@ -181,7 +194,7 @@ class BlockPool:
         """Bytes in blocks no one sequence counts as its own (``PagedKVCache.nbytes`` counts
         only private blocks): published or shared ones, held or idle. A sequence's caches
         plus this is every KV byte, each counted once."""
-        held = sum(b.nbytes for b in self._held.values() if b.refs > 1 or b.digest is not None)
+        held = sum(b.nbytes for b in self._held.values() if not b.private)
         return held + sum(b.nbytes for b in self._idle.values())
 
     def stats(self) -> PoolStats:
@@ -217,6 +230,7 @@ class PagedSequence:
         # blocks are read, published or the view dropped: a decode step then writes one
         # place, as ``KVCache`` does, instead of two.
         self.flushed = [0] * pool.layers
+        self._unevaluated = False  # blocks written since ``flush`` last evaluated them
         self.shareable = shareable  # every layer of the model pages (blocks hold the whole prefix)
         # The table's blocks go back to the pool whenever this sequence is dropped.
         self._finalizer = weakref.finalize(self, _release_all, pool, self.table)
@@ -227,7 +241,7 @@ class PagedSequence:
         if index == len(self.table):
             self.table.append(self.pool.allocate())
         block = self.table[index]
-        if block.digest is None and block.refs == 1:
+        if block.private:
             return block
         fresh = self.pool.allocate()
         # Slices are new arrays: writing into the copy never changes the published block.
@@ -240,6 +254,7 @@ class PagedSequence:
     def write(self, layer: int, keys: mx.array, values: mx.array, start: int) -> None:
         """Put ``layer``'s keys and values for positions ``start``.. into blocks."""
         size, n = self.pool.block_size, keys.shape[2]
+        self._unevaluated = True
         pos = start
         while pos < start + n:
             index, lo = divmod(pos, size)
@@ -266,7 +281,9 @@ class PagedSequence:
         view must not keep the view's buffer alive through its lazy graph."""
         for layer in range(len(self.views)):
             self.flush_layer(layer)
-        mx.eval([a for block in self.table for a in (*block.keys, *block.values) if a is not None])
+        if self._unevaluated:
+            mx.eval([a for block in self.table for a in (*block.keys, *block.values) if a is not None])
+            self._unevaluated = False
 
     def drop_views(self) -> None:
         """Forget the contiguous views, once the blocks hold everything."""
@@ -432,7 +449,7 @@ class PagedKVCache:
         return sum(
             a.nbytes
             for b in self.sequence.table
-            if b.refs == 1 and b.digest is None
+            if b.private
             for a in (b.keys[self.layer], b.values[self.layer])
             if a is not None
         )
@@ -482,15 +499,17 @@ def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int
     base = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     layers = sum(1 for c in base if type(c) is KVCache)
     if getattr(model, "kv_quantization", None) is not None:
-        raise EngineError("Paged KV holds keys and values at full precision; use --paged-kv or --kv-bits, not both.")
+        raise CannotPage(
+            "Paged KV holds keys and values at full precision, and --kv-bits or the model's kv_config.json quantizes them"
+        )
     if layers == 0:
-        raise EngineError("This model has no full-attention KV cache to page; leave out --paged-kv.")
+        raise CannotPage("This model has no full-attention KV cache to page")
     if any(getattr(m, "length_dependent", False) for _, m in model.named_modules()):
         # Shared blocks would hold keys rotated for another request's pass length: not the
         # keys transformers computes for this request.
-        raise EngineError(
+        raise CannotPage(
             "This model's RoPE scaling (dynamic or LongRoPE) rotates each position by the length of "
-            "the pass, so blocks computed by another request would not be exact; leave out --paged-kv."
+            "the pass, so blocks computed by another request would not be exact"
         )
     identity = f"{type(model).__module__}.{type(model).__name__}:{getattr(model, 'model_path', '')}:{id(model)}"
     pool = BlockPool(layers, check_block_size(block_size), identity, budget_bytes or DEFAULT_POOL_BYTES)

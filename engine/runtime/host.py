@@ -45,7 +45,7 @@ from engine.runtime.assembly import LoadCancelled, LoadProgress, assemble, assem
 from engine.runtime.embeddings import embed
 from engine.runtime.expert_plan import stop_streaming
 from engine.runtime.kv_eviction import evict_idle_caches, kv_allowance, touch
-from engine.runtime.paged_pool import page_kv, pool_stats
+from engine.runtime.paged_pool import CannotPage, page_kv, pool_stats
 from engine.runtime.request_errors import Cancelled, NoModelLoaded  # noqa: F401  (Cancelled: part of the host's API)
 from engine.runtime.session import ChatSession
 from engine.runtime.token_ids import check_token_ids, vocab_size
@@ -185,10 +185,10 @@ class ModelHost:
             weights = info.plan.weights_bytes if info.plan is not None else 0
             try:
                 page_kv(parts.model, paged_kv_block_size, kv_allowance(info, weights))
-            except EngineError as exc:
+            except CannotPage as exc:
                 if not paged_kv_where_possible:
                     raise
-                info = replace(info, paged_kv_declined=str(exc))
+                info = replace(info, paged_kv_declined=exc.reason)
         options = precision_options(
             parts.info, parts.config, lambda bits: kv_settings_for(parts.model, parts.path, bits, kv_group_size)
         )

@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from engine.models.paged_kv import pool_for
+from engine.models.paged_kv import CannotPage, pool_for
+
+__all__ = ["CannotPage", "page_kv", "pool_stats"]
 
 
 def page_kv(model: Any, block_size: int, allowance: int | None) -> None:
-    """Give ``model`` a block pool of ``block_size``-token blocks (refused in one line for
-    a model that has no full-attention layer to page, or with a quantized KV cache)."""
+    """Give ``model`` a block pool of ``block_size``-token blocks (``CannotPage`` for a model
+    with no full-attention layer to page, a quantized KV cache or a length-dependent RoPE)."""
     pool_for(model, block_size, allowance or None)
 
 
