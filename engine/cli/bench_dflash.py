@@ -35,32 +35,38 @@ def target_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
     return sorted({start + round(i * (end - start) / (draft_layers - 1)) for i in range(draft_layers)})
 
 
+def drafter_config(config: dict[str, Any], layers: int, block: int) -> dict[str, Any]:
+    """The published config.json of a DFlash drafter for the target ``config``."""
+    heads = int(config["num_attention_heads"])
+    return {
+        "hidden_size": config["hidden_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.get("num_key_value_heads", heads),
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+        "intermediate_size": config["intermediate_size"],
+        "vocab_size": config["vocab_size"],
+        "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
+        "rope_theta": config.get("rope_theta", 1e6),
+        "num_target_layers": config["num_hidden_layers"],
+        "block_size": block,
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+        "dflash_config": {
+            "mask_token_id": int(config["vocab_size"]) - 1,
+            "target_layer_ids": target_layer_ids(int(config["num_hidden_layers"]), layers),
+        },
+    }
+
+
 def random_drafter(config: dict[str, Any], layers: int, block: int, bits: int, group_size: int) -> Any:
     import mlx.core as mx
     import mlx.nn as nn
 
     from engine.models.dflash import DFlashArgs, DFlashDraft
 
-    heads = int(config["num_attention_heads"])
-    args = DFlashArgs.from_config(
-        {
-            "hidden_size": config["hidden_size"],
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": config.get("num_key_value_heads", heads),
-            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
-            "intermediate_size": config["intermediate_size"],
-            "vocab_size": config["vocab_size"],
-            "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
-            "rope_theta": config.get("rope_theta", 1e6),
-            "num_target_layers": config["num_hidden_layers"],
-            "block_size": block,
-            "dflash_config": {
-                "mask_token_id": int(config["vocab_size"]) - 1,
-                "target_layer_ids": target_layer_ids(int(config["num_hidden_layers"]), layers),
-            },
-        }
-    )
+    args = DFlashArgs.from_config(drafter_config(config, layers, block))
+    if bits != 16:
+        args.quantization = {"bits": bits, "group_size": group_size}
     draft = DFlashDraft(args)
     draft.set_dtype(mx.bfloat16)
     if bits != 16:
@@ -72,7 +78,6 @@ def random_drafter(config: dict[str, Any], layers: int, block: int, bits: int, g
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
-    from engine.cli.bench import build_model
     from engine.cli.bench_step import time_calls
     from engine.decode.dflash_drafter import DFlashDrafter
     from engine.decode.draft_depth import expected_tokens
@@ -80,7 +85,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from engine.decode.prefill import prefill
     from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
 
-    model, config, _ = build_model(args.shape, args.bits, args.group_size, args.seed)
+    model, config, _ = build_model_for(args)
     draft = random_drafter(config, args.draft_layers, args.block, args.bits, args.group_size)
     vocab = int(config["vocab_size"])
     ids = mx.random.randint(0, vocab, (args.context + args.block,), key=mx.random.key(args.seed)).astype(mx.uint32)
@@ -146,6 +151,65 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def side_by_side(args: argparse.Namespace) -> dict[str, Any]:
+    """``--vs mlx-vlm``: ours and mlx-vlm's DFlash generators (and plain decoding on each side)
+    end to end on the same weights and prompt (``engine.cli.bench_dflash_mlx_vlm``)."""
+    import mlx.core as mx
+
+    from engine.cli import bench_dflash_mlx_vlm as peer
+    from engine.cli.bench import _ours, measure_interleaved, with_runs
+
+    model, config, quantized = build_model_for(args)
+    twin = peer.target_twin(model, config, quantized)
+    draft = random_drafter(config, args.draft_layers, args.block, args.bits, args.group_size)
+    model.bench_draft, model.bench_block = draft, args.block
+    twin.bench_draft = peer.drafter_twin(draft, drafter_config(config, args.draft_layers, args.block), twin, args.block)
+    prompt = mx.random.randint(0, int(config["vocab_size"]), (args.context,), key=mx.random.key(args.seed))
+    prompt = prompt.astype(mx.int32)
+    loops = [(peer.ours_dflash, model), (peer.theirs_dflash, twin), (_ours, model), (peer.theirs_plain, twin)]
+    names = ["engine_dflash", "mlx_vlm_dflash", "engine_plain", "mlx_vlm_plain"]
+    gen = args.generation_tokens
+    tokens = {name: peer.tokens_of(loop, m, prompt, gen) for name, (loop, m) in zip(names, loops)}
+    timed = measure_interleaved(loops, prompt, gen, args.repeat)
+    out: dict[str, Any] = {"shape": args.shape, "bits": args.bits, "block": args.block, "context": args.context}
+    out["device"] = str(mx.default_device())
+    for name, result in zip(names, timed):
+        assert result is not None
+        out[name] = with_runs(*result)
+    out["dflash_ratio"] = out["engine_dflash"]["generation_tps"] / out["mlx_vlm_dflash"]["generation_tps"]
+    out["plain_ratio"] = out["engine_plain"]["generation_tps"] / out["mlx_vlm_plain"]["generation_tps"]
+    out["greedy_agreement"] = {
+        "dflash": peer.agreement(tokens["engine_dflash"], tokens["mlx_vlm_dflash"]),
+        "engine_dflash_vs_plain": peer.agreement(tokens["engine_dflash"], tokens["engine_plain"]),
+        "mlx_vlm_dflash_vs_plain": peer.agreement(tokens["mlx_vlm_dflash"], tokens["mlx_vlm_plain"]),
+        "of": gen,
+    }
+    return out
+
+
+def build_model_for(args: argparse.Namespace) -> tuple[Any, dict[str, Any], set[str]]:
+    from engine.cli.bench import build_model
+
+    return build_model(args.shape, args.bits, args.group_size, args.seed)
+
+
+def _print_side_by_side(out: dict[str, Any]) -> None:
+    for name in ("engine_dflash", "mlx_vlm_dflash", "engine_plain", "mlx_vlm_plain"):
+        t = out[name]
+        print(
+            f"{name:<15} generation {t['generation_tps']:8.1f} tok/s (median {t['median']['generation_tps']:.1f})"
+            f"   prompt {t['prompt_tps']:10.1f} tok/s   peak {t['peak_memory_bytes'] / 1e9:6.2f} GB",
+            flush=True,
+        )
+    agree = out["greedy_agreement"]
+    print(
+        f"DFlash, block {out['block']}: engine/mlx-vlm {out['dflash_ratio']:.2f}x; plain {out['plain_ratio']:.2f}x; "
+        f"greedy tokens shared: DFlash {agree['dflash']}/{agree['of']}, engine DFlash vs plain "
+        f"{agree['engine_dflash_vs_plain']}, mlx-vlm DFlash vs plain {agree['mlx_vlm_dflash_vs_plain']}",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.cli.bench_shapes import SHAPES
 
@@ -159,7 +223,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed calls per round of three")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument(
+        "--vs",
+        choices=["mlx-vlm"],
+        help="also generate end to end with mlx-vlm's DFlash on the same weights (pip install mlx-vlm)",
+    )
+    p.add_argument("-g", "--generation-tokens", type=int, default=128, help="tokens generated a run (--vs)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs of each generator (--vs)")
     args = p.parse_args(argv)
+    if args.vs:
+        side = side_by_side(args)
+        _print_side_by_side(side)
+        if args.json:
+            print(json.dumps(side))
+        return 0
     out = measure(args)
     print(
         f"{out['shape']} {out['bits']}-bit on {out['device']}, {out['context']} tokens of context: "
