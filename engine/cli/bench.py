@@ -182,6 +182,16 @@ def _ours_plain(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
     return _ours(model, prompt, max_tokens, compiled=False)
 
 
+def _ours_unpaged(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
+    """``_ours`` with the model's block pool set aside: ``bench --paged-kv``'s reference,
+    timed in the same run as the paged loop, so machine drift falls on both alike."""
+    pool, model.kv_pool = model.kv_pool, None
+    try:
+        yield from _ours(model, prompt, max_tokens)
+    finally:
+        model.kv_pool = pool
+
+
 def _theirs(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:
     from mlx_lm.generate import generate_step
 
@@ -406,12 +416,17 @@ def run_bench(
                 )
             twin.bench_kv = {"kv_bits": kv_bits, "kv_group_size": args.kv_group_size, "quantized_kv_start": 0}
         loops.append((_theirs, twin))
+    paged = "paged_kv" in out and not args.no_compile
+    if paged:
+        loops.append((_ours_unpaged, model))
     errors: dict[int, str] = {}
     timed = measure_interleaved(loops, prompt, args.generation_tokens, args.repeat, errors)
     assert timed[0] is not None  # the engine's own failure ends the bench
     ours = timed[0][0]
     print(_row("engine", ours), flush=True)
     out["engine"] = with_runs(*timed[0])
+    if paged and timed[-1] is not None:
+        out["unpaged"] = _paged_against_unpaged(timed[0], timed[-1])
     if args.vs == "mlx-lm" and timed[1] is None:
         # The engine's rows stand; --json stays one valid object that says why the peer's are missing.
         print(f"mlx-lm   could not run this shape: {errors[1]}", flush=True)
@@ -440,6 +455,23 @@ def run_bench(
     if args.json:
         print(json.dumps(out))
     return 0
+
+
+def _paged_against_unpaged(paged: tuple[Timing, list[Timing]], unpaged: tuple[Timing, list[Timing]]) -> dict[str, Any]:
+    """The engine unpaged, timed in the same run; paged over unpaged, best to best and of medians."""
+    print(_row("unpaged", unpaged[0]), flush=True)
+    best = {
+        "prompt": paged[0].prompt_tps / max(unpaged[0].prompt_tps, 1e-9),
+        "generation": paged[0].generation_tps / max(unpaged[0].generation_tps, 1e-9),
+    }
+    mine, ref = _median(paged[1]), _median(unpaged[1])
+    medians = {k: mine[k] / max(ref[k], 1e-9) for k in mine}
+    print(
+        f"paged    prompt {best['prompt']:.2f}x   generation {best['generation']:.2f}x of unpaged "
+        f"(medians {medians['prompt_tps']:.2f}x, {medians['generation_tps']:.2f}x)",
+        flush=True,
+    )
+    return {**with_runs(*unpaged), "paged_ratio": best, "paged_ratio_of_medians": medians}
 
 
 def _roofline(

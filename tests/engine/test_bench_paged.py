@@ -40,3 +40,26 @@ def test_paged_decode_runs_alone_and_batched():
     assert out["engine"]["generated_tokens"] == 4
     batched = _bench("-p", "64", "--paged-kv", "--concurrent", "2")
     assert batched["paged_kv"] == {"block_size": 64} and batched["concurrent"][0]["engine"]["streams"] == 2
+
+
+def test_the_paged_bench_times_the_unpaged_cache_in_the_same_run():
+    out = _bench("-p", "64", "--paged-kv", "--repeat", "2")
+    unpaged = out["unpaged"]
+    assert len(unpaged["runs"]) == 2 and unpaged["generated_tokens"] == 4
+    ratio = out["engine"]["generation_tps"] / unpaged["generation_tps"]
+    assert abs(unpaged["paged_ratio"]["generation"] - ratio) < 1e-9
+
+
+def test_the_unpaged_loop_sets_the_pool_aside_and_puts_it_back():
+    import mlx.core as mx
+
+    from engine.cli.bench import _ours, _ours_unpaged, build_model
+    from engine.models.paged_kv import pool_for
+
+    model, _, _ = build_model("tiny", 16, 64)
+    pool = pool_for(model, 32)
+    prompt = mx.arange(40, dtype=mx.uint32)
+    assert len(list(_ours_unpaged(model, prompt, 3))) == 3
+    assert model.kv_pool is pool and pool._next == 0  # no block was ever allocated
+    assert len(list(_ours(model, prompt, 3))) == 3
+    assert pool._next > 0
