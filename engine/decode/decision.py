@@ -87,7 +87,7 @@ def prefill_prompt(
     cache = make_prompt_cache(model)
     prompt = mx.array(list(prompt_ids), dtype=mx.uint32)
     n = len(prompt_ids)
-    if n > 1 and not prefill(model, prompt[:-1], cache, chunk=PREFILL_CHUNK, cancel=cancel, inputs=inputs):
+    if n > 1 and not prefill(model, prompt[:-1], cache, chunk=PREFILL_CHUNK, cancel=cancel, inputs=inputs, trailing=1):
         raise ScoringCancelled("The decision request was cancelled.")
     kwargs = inputs.kwargs(n - 1, n) if inputs is not None else {}
     logits = model(prompt[None, n - 1 :], cache=cache, **kwargs)[0, -1]

@@ -168,7 +168,9 @@ class DraftModelDrafter:
             return [], None
         unseen = self._known(history[self.offset :])
         if len(unseen) > _LAZY_FEED:
-            prefill(self.model, mx.array(unseen[:-1], dtype=mx.uint32), self.cache, chunk=self.prefill_chunk)
+            prefill(
+                self.model, mx.array(unseen[:-1], dtype=mx.uint32), self.cache, chunk=self.prefill_chunk, trailing=1
+            )
             unseen = unseen[-1:]
         # Usually the last accepted draft and the target's token: one pass feeds both.
         logits = self._step(mx.array(unseen, dtype=mx.uint32))

@@ -123,7 +123,14 @@ def generate_step(
         return y, mx.take_along_axis(lp, y[:, None], axis=-1)[0, 0]
 
     if not prefill(
-        model, prompt[:-1], cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
+        model,
+        prompt[:-1],
+        cache,
+        chunk=prefill_chunk,
+        cancel=cancel,
+        on_progress=on_progress,
+        inputs=inputs,
+        trailing=1,
     ):
         return
     if cancel is not None and cancel.is_set():

@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.models.base import length_dependent_ropes
+
 ProgressCallback = Callable[[int, int], None]
 
 # How far back logits processors (repetition penalty) may look.
@@ -78,11 +80,36 @@ def prefill(
     cancel: threading.Event | None = None,
     on_progress: ProgressCallback | None = None,
     inputs: PromptInputs | None = None,
+    trailing: int = 0,
 ) -> bool:
     """Feed ``prompt`` (1-D ids) into ``cache`` in chunks. Only the cache is evaluated,
-    never the logits of the chunk. Returns False when cancelled between chunks."""
+    never the logits of the chunk. Returns False when cancelled between chunks.
+
+    ``trailing``: ids of the same prompt fed right after (the last one, whose logits start
+    generation). RoPE that follows the pass's length (dynamic NTK, LongRoPE) rotates every
+    chunk as transformers' one pass over the whole prompt does, not by each chunk's end."""
     total = int(prompt.size)
     chunk = max(1, chunk)
+    ropes = length_dependent_ropes(model)
+    for rope in ropes:
+        rope.pass_end = (int(cache[0].offset) if cache else 0) + total + trailing
+    try:
+        return _feed(model, prompt, cache, chunk, cancel, on_progress, inputs)
+    finally:
+        for rope in ropes:
+            rope.pass_end = 0
+
+
+def _feed(
+    model: Any,
+    prompt: mx.array,
+    cache: Sequence[Any],
+    chunk: int,
+    cancel: threading.Event | None,
+    on_progress: ProgressCallback | None,
+    inputs: PromptInputs | None,
+) -> bool:
+    total = int(prompt.size)
     done = 0
     while done < total:
         if cancel is not None and cancel.is_set():

@@ -249,7 +249,14 @@ def speculative_step(
     prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
     began = time.perf_counter()
     if not prefill(
-        model, prompt_head, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
+        model,
+        prompt_head,
+        cache,
+        chunk=prefill_chunk,
+        cancel=cancel,
+        on_progress=on_progress,
+        inputs=inputs,
+        trailing=1,
     ):
         return
     drafting = _Drafting(drafter, depth, target, context)

@@ -114,9 +114,11 @@ class DynamicNTKRoPE(RoPE):
         super().__init__(dims, base)
         self.factor = factor
         self.max_pos = max_position_embeddings
+        self.exact_until = max_position_embeddings  # passes ending here or sooner rotate alike
+        self.pass_end = 0  # set by a chunked prefill: where its one pass would end (see prefill)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        seq_len = offset + x.shape[-2]
+        seq_len = max(offset + x.shape[-2], self.pass_end)
         base = self.base
         if seq_len > self.max_pos:
             grow = self.factor * seq_len / self.max_pos - (self.factor - 1)
@@ -135,11 +137,20 @@ class LongRoPE(RoPE):
         super().__init__(dims, None, freqs=mx.array(short_factor, mx.float32) * wavelengths, out_scale=out_scale)
         self._long = mx.array(long_factor, mx.float32) * wavelengths
         self.original_max = original_max
+        self.exact_until = original_max
+        self.pass_end = 0
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         # transformers picks one set for the whole forward pass from its last position.
-        long = offset + x.shape[-2] > self.original_max
+        long = max(offset + x.shape[-2], self.pass_end) > self.original_max
         return self._rope(x, offset, self._long if long else self._freqs, None)
+
+
+def length_dependent_ropes(model: Any) -> list[Any]:
+    """The model's RoPE modules whose rotation follows the length of the pass (dynamic NTK,
+    LongRoPE): each has ``exact_until`` (passes ending there or sooner all rotate alike) and
+    ``pass_end`` (a chunked prefill sets it to where one pass over the prompt would end)."""
+    return [m for _, m in model.named_modules() if getattr(m, "length_dependent", False)]
 
 
 def _inv_freq(dims: int, base: float) -> mx.array:

@@ -17,6 +17,13 @@ this cache does (another chat with the same system prompt, the chat this one bra
 from), the cache starts afresh holding those blocks by reference, and ``record`` publishes
 this cache's full blocks for others.
 
+A model whose RoPE follows the pass's length (dynamic NTK, LongRoPE) rotates a key by the
+length of the pass that computed it. Up to its trained length (``exact_until``) every pass
+rotates alike; past it, keys computed in earlier passes (the last turn's prompt, the reply's
+steps) are not those one pass over the new prompt computes, as transformers does. Such a
+cache is reused only while everything it ever held and the new prompt stay within that
+length; past it each request is prefilled afresh (exact, at the cost of the reuse).
+
 The chat session holds one for the target model and one for a draft model (which has no
 adapters and reads media placeholders as ids).
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from engine.models.base import length_dependent_ropes
 from engine.models.kv_cache import cache_length, checkpoint, make_prompt_cache, rewind_point, trim_prompt_cache
 from engine.models.paged_kv import sequence_of
 
@@ -45,12 +53,17 @@ class PrefixCache:
         self.ids: list[int] = []  # exactly the tokens held by self.cache
         self.keys: list[Hashable] = []  # one per cached token: its id, or a media token's content key
         self.signature = ""  # the active adapters self.cache was filled under
+        # Reuse is exact only while every pass ends within this length (None: any length).
+        self.exact_until = min((r.exact_until for r in length_dependent_ropes(model)), default=None)
+        self.longest = 0  # the most tokens self.cache has held since it was made
 
     def reset(self) -> None:
         self.cache, self.ids, self.keys = None, [], []
+        self.longest = 0
 
     def _fresh(self) -> None:
         self.cache, self.ids, self.keys = make_prompt_cache(self.model), [], []
+        self.longest = 0
 
     def reuse(
         self,
@@ -63,7 +76,8 @@ class PrefixCache:
         leaving at least one token to feed, whose logits start generation, and never ending
         inside a media item; return its length."""
         keys = list(prompt_ids) if keys is None else keys
-        if self.cache is None or signature != self.signature:
+        past_exact = self.exact_until is not None and max(self.longest, len(self.ids), len(keys)) > self.exact_until
+        if self.cache is None or signature != self.signature or past_exact:
             self._fresh()
             self.signature = signature
         held = self.keys if len(self.keys) == len(self.ids) else self.ids  # ids set from outside
@@ -116,6 +130,7 @@ class PrefixCache:
         held = cache_length(self.cache)
         if held > len(known):
             return False
+        self.longest = max(self.longest, held)
         self.ids = known[:held]
         self.keys = known_keys[:held]
         checkpoint(self.cache)

@@ -6,6 +6,8 @@ import mlx.core as mx
 import pytest
 from model_goldens import FAMILIES, load_golden
 
+from engine.decode.prefill import prefill
+from engine.models.base import length_dependent_ropes
 from engine.models.kv_cache import (
     KVCache,
     RotatingKVCache,
@@ -15,9 +17,11 @@ from engine.models.kv_cache import (
     save_prompt_cache,
     trim_prompt_cache,
 )
+from engine.runtime.prefix_cache import PrefixCache
 
 # Phi-3's LongRoPE and "dynamic" RoPE pick frequencies from the length of each forward
-# pass (as transformers does), so chunked and whole prefills differ there by design.
+# pass (as transformers does), so bare chunked and whole passes differ there by design;
+# ``prefill`` tells each chunk where the whole prompt ends (tested below).
 CHUNKABLE = [f for f in FAMILIES if f not in ("phi3", "llama_dynamic")]
 PROMPT = [(7 * i + 3) % 97 + 3 for i in range(40)]  # 40 tokens: windows of 8-10 wrap several times
 
@@ -89,3 +93,37 @@ def test_model_caches_match_layer_kinds():
     kinds = [type(c) for c in model.make_cache()]
     assert kinds == [RotatingKVCache, KVCache, RotatingKVCache, KVCache]
     assert [c.max_size for c in model.make_cache() if isinstance(c, RotatingKVCache)] == [8, 8]
+
+
+@pytest.mark.parametrize("name", ["phi3", "llama_dynamic"])
+def test_a_chunked_prefill_rotates_as_one_pass_over_the_prompt(name):
+    """Both goldens scale their RoPE past 16 tokens: 20 tokens in chunks of 8 end passes
+    below that length, and must still rotate as transformers' one pass over all 20 does
+    (20, not more: Phi-3's last token sees only its 10-token window)."""
+    model, _ = load_golden(name)
+    prompt = PROMPT[:20]
+    whole = model(mx.array([prompt]), cache=make_prompt_cache(model))[0, -1]
+    cache = make_prompt_cache(model)
+    prefill(model, mx.array(prompt[:-1]), cache, chunk=8, trailing=1)
+    last = model(mx.array([prompt[-1:]]), cache=cache)[0, -1]
+    assert mx.allclose(last, whole, atol=2e-4).item(), name
+    assert all(r.pass_end == 0 for r in length_dependent_ropes(model))  # nothing left set for the steps
+
+
+def test_a_length_dependent_model_reuses_its_cache_only_within_its_trained_length():
+    model, _ = load_golden("llama_dynamic")  # rotations depend on the pass past 16 tokens
+    chat = PrefixCache(model)
+
+    def turn(n: int) -> int:
+        keep = chat.reuse(PROMPT[:n])
+        assert chat.cache is not None
+        model(mx.array([PROMPT[keep:n]]), cache=chat.cache)
+        assert chat.record(PROMPT[:n], PROMPT[:n])
+        return keep
+
+    assert turn(12) == 0
+    assert turn(14) == 12  # every pass within 16 tokens: the prefix is exact to reuse
+    assert turn(30) == 0  # past 16, one pass over the whole prompt rotates differently
+    assert turn(10) == 0  # the cache's keys came from a pass past 16
+    plain, _ = load_golden("llama")
+    assert PrefixCache(plain).exact_until is None

@@ -280,3 +280,18 @@ def test_a_chunked_prefill_never_gathers_the_blocks(monkeypatch):
     for paged_layer, plain_layer in zip(cache, unpaged, strict=True):
         for got, want in zip(paged_layer.held(), plain_layer.state, strict=True):
             assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("name", ["llama_dynamic", "phi3"])
+def test_an_edited_chat_on_length_dependent_rope_replies_as_a_fresh_one(name):
+    """Not paging, but the reason these models refuse it: past their trained length (16
+    tokens here) a key's rotation depends on the pass that computed it. A chat cut back to
+    an earlier, shorter prompt (an edited message) must not keep keys from the longer pass;
+    it replies exactly as a fresh chat does."""
+    model = build(name)
+    chat = ChatSession(model, Ids())
+    reply(chat, prompt(40))
+    edited = reply(chat, prompt(30) + [9])
+    fresh = reply(ChatSession(model, Ids()), prompt(30) + [9])
+    assert edited.token_ids == fresh.token_ids
+    assert edited.token_logprobs == pytest.approx(fresh.token_logprobs, abs=1e-5)
