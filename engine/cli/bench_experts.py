@@ -71,11 +71,14 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int, compiled: boo
         _decode(model, prompt, min(gen, 4), compiled)  # warm-up: kernels, and the slab takes its first experts
         drop_cached(folder / "model.safetensors")
         mx.reset_peak_memory()
-        marks: list[tuple[float, int, int, int]] = []
+        marks: list[dict[str, float]] = []
 
         def mark() -> None:
             s = store.stats if store is not None else None
-            marks.append((time.perf_counter(), s.read_bytes if s else 0, s.lookups if s else 0, s.hits if s else 0))
+            counts = {
+                k: getattr(s, k) if s else 0 for k in ("read_bytes", "lookups", "hits", "wasted_bytes", "read_ahead")
+            }
+            marks.append({"t": time.perf_counter(), **counts})
 
         mark()
         n = 0
@@ -89,17 +92,21 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int, compiled: boo
         mark()
     finally:
         stop_streaming(model)
-    (t0, _, _, _), (t1, r1, l1, h1), (t2, r2, l2, h2) = marks
+    start, first, end = marks
     steps = max(1, n - 1)
+    decode = {k: end[k] - first[k] for k in end}
+    misses = decode["lookups"] - decode["hits"]
     residency = loaded.plan.experts
     return {
         "resident_experts": fraction,
         "slots": residency.slots if residency else 0,
         "experts": residency.experts if residency else 0,
-        "prompt_tps": prompt.size / max(t1 - t0, 1e-9),
-        "generation_tps": steps / max(t2 - t1, 1e-9),
-        "hit_rate": (h2 - h1) / (l2 - l1) if l2 > l1 else 1.0,
-        "read_bytes_per_token": (r2 - r1) / steps,
+        "prompt_tps": prompt.size / max(first["t"] - start["t"], 1e-9),
+        "generation_tps": steps / max(decode["t"], 1e-9),
+        "hit_rate": decode["hits"] / decode["lookups"] if decode["lookups"] else 1.0,
+        "read_bytes_per_token": decode["read_bytes"] / steps,
+        "wasted_bytes_per_token": decode["wasted_bytes"] / steps,  # read ahead for guesses never routed
+        "misses_read_ahead": decode["read_ahead"] / misses if misses else None,
         "resident_bytes": loaded.plan.weights_bytes,
         "peak_memory_bytes": int(mx.get_peak_memory()),
     }
@@ -202,8 +209,10 @@ def run_experts_bench(args: argparse.Namespace, build_model: Any) -> int:
 def _line(row: dict[str, Any]) -> str:
     share = f"{row['share_of_full']:5.0%} of full" if row["share_of_full"] is not None else ""
     disk = f"   disk allows {row['disk_bound_tps']:8.1f} tok/s" if row["disk_bound_tps"] else ""
+    ahead = f", {row['misses_read_ahead']:.0%} of misses read ahead" if row.get("misses_read_ahead") is not None else ""
     return (
         f"resident {row['resident_experts']:5.3f} ({row['slots']}/{row['experts']} slots)   "
         f"generation {row['generation_tps']:8.1f} tok/s {share}   hit rate {row['hit_rate']:6.1%}   "
-        f"read {row['read_bytes_per_token'] / 1e6:8.2f} MB/token{disk}"
+        f"read {row['read_bytes_per_token'] / 1e6:8.2f} MB/token{ahead} "
+        f"(+{row['wasted_bytes_per_token'] / 1e6:.2f} read ahead unused){disk}"
     )

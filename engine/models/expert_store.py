@@ -14,11 +14,15 @@ small slab), its experts are taken in groups of at most ``slots``: each group is
 the pass runs with the other experts masked, and the groups' outputs are merged. Each
 missing expert is still read once per pass.
 
-File reads run on a small pool of reader threads (``ExpertStore``): they only read bytes
-into numpy buffers; every MLX call stays on the engine thread. After a layer's router has
-chosen, the experts the next layers picked most often lately are read ahead, so a step
-waits only for what was not guessed. A checkpoint file that changed or vanished since the
-load is noticed before any read and raised as ``ExpertFileChanged``.
+File reads run on reader threads (``ExpertStore``): they only read bytes into numpy
+buffers; every MLX call stays on the engine thread. After a layer's router has chosen, the
+experts the next layers are likely to pick (recently routed in most passes, and not in
+their slabs) are read ahead, so a step waits only for what was not guessed. A guess costs
+disk time whether or not it is routed, and on a disk-bound step that time is taken from
+the reads the step needs: so only likely experts are guessed, and the reads a pass waits
+for run on threads of their own, never queued behind guesses. A checkpoint file that
+changed or vanished since the load is noticed before any read and raised as
+``ExpertFileChanged``.
 """
 
 from __future__ import annotations
@@ -42,7 +46,14 @@ PREFETCH_LAYERS = 2
 MAX_PREFETCHED = 16
 # Each call multiplies the routing counts by this: "recent" frequency.
 FREQUENCY_DECAY = 0.8
-READER_THREADS = 4
+# A guess is read ahead only when the expert's recent routing rate (its decayed count times
+# 1 - FREQUENCY_DECAY: routed in every pass lately gives 1) reaches this: routed in the last
+# two passes qualifies, once in the last few does not. On the CPU bench (small-moe, an eighth
+# resident) guessing every recently routed expert read 0.8 bytes ahead and unused for each
+# byte routed.
+GUESS_MIN_RATE = 0.3
+READER_THREADS = 4  # reads a pass waits for
+AHEAD_THREADS = 2  # guesses
 WARM_BATCH = 16  # experts read at a time while the slabs are first filled
 
 _MX_DTYPES = {
@@ -90,6 +101,7 @@ class ExpertStats:
         self.hits = 0
         self.read_bytes = 0
         self.read_ahead = 0  # misses whose bytes a reader had fetched before they were asked for
+        self.wasted_bytes = 0  # bytes read ahead for a guess the layer's pass did not route
 
     @property
     def hit_rate(self) -> float:
@@ -215,9 +227,10 @@ class ExpertLayer:
         return free
 
     def guesses(self, count: int) -> list[int]:
-        """The experts most often routed lately that are not in the slab."""
+        """Up to ``count`` experts not in the slab that were routed in most passes lately."""
+        likely = self.frequency * (1 - FREQUENCY_DECAY) >= GUESS_MIN_RATE
         order = np.argsort(-self.frequency, kind="stable")
-        picks = [int(e) for e in order[: count * 2] if self.frequency[e] > 0 and self.slot_of[e] < 0]
+        picks = [int(e) for e in order[: count * 2] if likely[e] and self.slot_of[e] < 0]
         return picks[:count]
 
 
@@ -233,6 +246,7 @@ class ExpertStore:
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="expert-reader")
+        self._ahead: ThreadPoolExecutor | None = ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="expert-guess")
         self._pending: dict[int, OrderedDict[int, Future]] = {}  # layer -> expert -> its read
 
     @property
@@ -269,7 +283,7 @@ class ExpertStore:
         """A router chose ``ids`` in ``layer``: count them and read the next layers' likely experts."""
         layer.frequency *= FREQUENCY_DECAY
         layer.frequency += np.bincount(ids.reshape(-1), minlength=layer.num_experts)
-        if not self.prefetch or self._pool is None:
+        if not self.prefetch or self._ahead is None:
             return
         for ahead in self.layers[layer.index + 1 : layer.index + 1 + PREFETCH_LAYERS]:
             waiting = self._pending.setdefault(ahead.index, OrderedDict())
@@ -278,14 +292,19 @@ class ExpertStore:
                     continue
                 if len(waiting) >= MAX_PREFETCHED:  # the oldest guess goes
                     waiting.popitem(last=False)[1].cancel()
-                waiting[e] = self._pool.submit(self._read, ahead, e)
+                waiting[e] = self._ahead.submit(self._read, ahead, e)
 
     def forget_guesses(self, layer: ExpertLayer) -> None:
         """Drop what was read ahead for ``layer`` and not used by its pass: guesses live one
         pass, so at most ``PREFETCH_LAYERS`` layers' guesses are held at a time."""
         waiting = self._pending.pop(layer.index, None)
         for future in (waiting or {}).values():
-            future.cancel()
+            if not future.cancel():  # already read, or being read: its bytes went for nothing
+                future.add_done_callback(self._count_wasted)
+
+    def _count_wasted(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.stats.wasted_bytes += sum(a.nbytes for a in future.result().values())
 
     def fetch(self, layer: ExpertLayer, experts: Sequence[int]) -> dict[str, np.ndarray]:
         """Each source's bytes for ``experts`` [n, nbytes]: read-ahead ones when ready, the
@@ -350,9 +369,10 @@ class ExpertStore:
 
     def close(self) -> None:
         """Stop the readers and close the files (the model is being unloaded)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        pools, self._pool, self._ahead = (self._pool, self._ahead), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
         with self._fd_lock:
             for fd in self._fds.values():

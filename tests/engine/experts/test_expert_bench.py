@@ -32,6 +32,9 @@ def test_bench_reports_each_residency_and_the_disk(tmp_path):
     assert rows[0.25]["slots"] == 1 and rows[0.25]["experts"] == 4
     assert rows[0.25]["read_bytes_per_token"] > 0 and rows[0.25]["hit_rate"] < 1
     assert all(row["generation_tps"] > 0 for row in rows.values())
+    # What the readers fetched ahead and the pass did not route is reported apart from what it read.
+    assert all(row["wasted_bytes_per_token"] >= 0 for row in rows.values())
+    assert rows[1.0]["misses_read_ahead"] is None and 0 <= rows[0.25]["misses_read_ahead"] <= 1
 
 
 def test_bench_refuses_a_dense_shape():

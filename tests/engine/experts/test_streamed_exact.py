@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.models.expert_store import FREQUENCY_DECAY
 from tests.engine.experts.moe_folders import CONVERTED, FAMILIES, golden, load, run_greedy, store_of
 
 RESIDENCIES = [0.5, 0.25, 0.01]  # 0.01: one slot per layer
@@ -67,6 +68,21 @@ def test_the_reader_reads_ahead_what_the_next_layers_pick():
     before = store.stats.read_ahead
     run_greedy(model, n=4)
     assert store.stats.read_ahead == before
+    store.close()
+
+
+def test_only_experts_routed_in_most_recent_passes_are_guessed():
+    """A guess costs a read whether or not it is routed: an expert routed once lately is
+    not read ahead, one routed in the last two passes is (decayed counts 1 and 1.8)."""
+    model = load(golden("gpt_oss"), 0.25)
+    store = store_of(model)
+    layer = store.layers[0]
+    outside = [e for e in range(layer.num_experts) if layer.slot_of[e] < 0][:2]
+    layer.frequency[:] = 0
+    layer.frequency[outside[0]] = 1.0
+    assert layer.guesses(4) == []
+    layer.frequency[outside[1]] = 1.0 + FREQUENCY_DECAY
+    assert layer.guesses(4) == [outside[1]]
     store.close()
 
 
