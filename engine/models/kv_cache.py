@@ -330,11 +330,11 @@ def make_prompt_cache(model) -> list:
     """One cache per layer, of the kind each layer needs. ``model.kv_quantization`` (set by
     the host from --kv-bits or kv_config.json: quantized_kv_cache.KVQuantization) swaps
     the full-attention layers' caches for quantized ones; ``model.kv_pool`` (--paged-kv:
-    paged_kv.BlockPool) for paged ones."""
+    paged_kv.BlockPool) then pages them, quantized or not."""
     cache = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     quantization = getattr(model, "kv_quantization", None)
     if quantization is not None:
-        return quantization(cache)
+        cache = quantization(cache)
     pool = getattr(model, "kv_pool", None)  # --paged-kv: full-attention layers in shared blocks
     return pool.page(cache) if pool is not None else cache
 

@@ -34,10 +34,11 @@ only blocks. A sequence decoding in the batch hands its keys and values to the b
 rows and takes them back into blocks when it leaves. A CUDA gather kernel reading the
 block table inside attention would avoid the view altogether.
 
-What pages. Plain full-attention layers (``KVCache``). Sliding-window layers
-(``RotatingKVCache``: small and fixed already), latent MLA caches (not keys and values per
-head), recurrent state (one state, not per token) and quantized KV caches keep their own
-caches beside the paged ones (``paged_prompt_cache``). Blocks are shared across sequences
+What pages. Full-attention layers, plain (``KVCache``) or quantized (``QuantizedKVCache``:
+its codes, scales and biases go into the blocks, and attention reads the codes as there,
+``PagedQuantizedKVCache``). Sliding-window layers (``RotatingKVCache``: small and fixed
+already), latent MLA caches (not keys and values per head) and recurrent state (one state,
+not per token) keep their own caches beside the paged ones (``paged_prompt_cache``). Blocks are shared across sequences
 only for models whose every layer pages, since a sliding or recurrent layer's state at a
 block boundary is not in the pool; other models still page their full-attention layers
 and reuse their own prefix as before.
@@ -56,6 +57,7 @@ import mlx.core as mx
 
 from engine.errors import EngineError
 from engine.models.kv_cache import KVCache, _mask_for, register_cache_kind
+from engine.models.quantized_kv_cache import READS_CODES, QuantizedKVCache
 
 # Tokens per block, chosen by measurement on a 2-core CPU (docs/paged-kv.md): 64 decoded as
 # fast as 256 at 4k tokens while a regenerate or an unshared tail wastes a quarter as much.
@@ -67,6 +69,23 @@ DEFAULT_POOL_BYTES = 1 << 30
 VIEW_STEP = 256
 
 
+# A layer's keys (or values) in a block or a view: one array [1, heads, tokens, head_dim],
+# or for a quantized layer the triple (codes, scales, biases), each with tokens on axis 2.
+Parts = mx.array | tuple[mx.array, ...]
+
+
+def _each(x: Parts) -> tuple[mx.array, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _apply(f: Any, x: Parts) -> Parts:
+    return tuple(f(a) for a in x) if isinstance(x, tuple) else f(x)
+
+
+def _arrays(layers: Sequence[Parts | None]) -> list[mx.array]:
+    return [a for x in layers if x is not None for a in _each(x)]
+
+
 def check_block_size(n: int) -> int:
     if n not in BLOCK_SIZES:
         raise EngineError(f"The paged KV block size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {n}).")
@@ -75,17 +94,17 @@ def check_block_size(n: int) -> int:
 
 @dataclass(eq=False)
 class Block:
-    """``block_size`` tokens of keys and values, one pair of arrays per paged layer."""
+    """``block_size`` tokens of keys and values, one pair of ``Parts`` per paged layer."""
 
     number: int
-    keys: list[mx.array | None]
-    values: list[mx.array | None]
+    keys: list[Parts | None]
+    values: list[Parts | None]
     refs: int = 0
     digest: bytes | None = None  # set once published (then it never changes)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
+        return sum(a.nbytes for a in _arrays([*self.keys, *self.values]))
 
     @property
     def private(self) -> bool:
@@ -123,6 +142,8 @@ class BlockPool:
     _held: dict[int, Block] = field(default_factory=dict)  # blocks with references
     _published: dict[bytes, Block] = field(default_factory=dict)
     _idle: OrderedDict[bytes, Block] = field(default_factory=OrderedDict)  # published, unreferenced, oldest first
+    # A quantized paged layer's layout (group sizes, head packing), the same for every sequence.
+    layouts: dict[int, dict[str, str]] = field(default_factory=dict)
 
     def allocate(self) -> Block:
         block = Block(self._next, [None] * self.layers, [None] * self.layers, refs=1)
@@ -224,7 +245,7 @@ class PagedSequence:
         self.offsets = [0] * pool.layers
         # Per layer during a request: (keys, values) buffers holding the first tokens of
         # the sequence contiguously (capacity past the offset), or None.
-        self.views: list[tuple[mx.array, mx.array] | None] = [None] * pool.layers
+        self.views: list[tuple[Parts, Parts] | None] = [None] * pool.layers
         # Per layer: the tokens written into blocks. While a view exists, tokens go into it
         # first and into the blocks only when a block fills (``flush_layer``) or before the
         # blocks are read, published or the view dropped: a decode step then writes one
@@ -245,15 +266,15 @@ class PagedSequence:
             return block
         fresh = self.pool.allocate()
         # Slices are new arrays: writing into the copy never changes the published block.
-        fresh.keys = [k if k is None else k[...] for k in block.keys]
-        fresh.values = [v if v is None else v[...] for v in block.values]
+        fresh.keys = [k if k is None else _apply(lambda a: a[...], k) for k in block.keys]
+        fresh.values = [v if v is None else _apply(lambda a: a[...], v) for v in block.values]
         self.pool.release(block)
         self.table[index] = fresh
         return fresh
 
-    def write(self, layer: int, keys: mx.array, values: mx.array, start: int) -> None:
+    def write(self, layer: int, keys: Parts, values: Parts, start: int) -> None:
         """Put ``layer``'s keys and values for positions ``start``.. into blocks."""
-        size, n = self.pool.block_size, keys.shape[2]
+        size, n = self.pool.block_size, _each(keys)[0].shape[2]
         self._unevaluated = True
         pos = start
         while pos < start + n:
@@ -262,9 +283,9 @@ class PagedSequence:
             block = self.writable(index)
             for arrays, new in ((block.keys, keys), (block.values, values)):
                 if arrays[layer] is None:
-                    b, h, _, d = new.shape
-                    arrays[layer] = mx.zeros((b, h, size, d), new.dtype)
-                arrays[layer][..., lo : lo + take, :] = new[..., pos - start : pos - start + take, :]
+                    arrays[layer] = _apply(lambda a: mx.zeros((*a.shape[:2], size, a.shape[3]), a.dtype), new)
+                for into, part in zip(_each(arrays[layer]), _each(new)):
+                    into[..., lo : lo + take, :] = part[..., pos - start : pos - start + take, :]
             pos += take
 
     def flush_layer(self, layer: int) -> None:
@@ -272,7 +293,7 @@ class PagedSequence:
         start, end, view = self.flushed[layer], self.offsets[layer], self.views[layer]
         if end > start and view is not None:
             # Copies: a block made of a slice of the view could keep the whole view's buffer.
-            keys, values = (mx.contiguous(a[..., start:end, :]) for a in view)
+            keys, values = (_apply(lambda a: mx.contiguous(a[..., start:end, :]), x) for x in view)
             self.write(layer, keys, values, start)
         self.flushed[layer] = end
 
@@ -282,7 +303,7 @@ class PagedSequence:
         for layer in range(len(self.views)):
             self.flush_layer(layer)
         if self._unevaluated:
-            mx.eval([a for block in self.table for a in (*block.keys, *block.values) if a is not None])
+            mx.eval([a for block in self.table for a in _arrays([*block.keys, *block.values])])
             self._unevaluated = False
 
     def drop_views(self) -> None:
@@ -415,20 +436,16 @@ class PagedKVCache:
     def pending_arrays(self) -> list[mx.array]:
         """The arrays a pass wrote into: this layer's view and blocks (evaluated after a
         prefill chunk instead of ``state``, which would gather a copy of them all)."""
-        view = self.sequence.views[self.layer] or ()
-        blocks = [a for b in self.sequence.table for a in (b.keys[self.layer], b.values[self.layer])]
-        return [*view, *(a for a in blocks if a is not None)]
+        view = _arrays(self.sequence.views[self.layer] or ())
+        blocks = _arrays([x for b in self.sequence.table for x in (b.keys[self.layer], b.values[self.layer])])
+        return [*view, *blocks]
 
-    def held(self) -> tuple[mx.array, mx.array]:
+    def held(self) -> tuple[Parts, Parts]:
         """The sequence's keys and values of this layer, gathered from its blocks."""
         self.sequence.flush_layer(self.layer)
         end, size = self.offset, self.sequence.pool.block_size
         blocks = self.sequence.table[: (end + size - 1) // size]
-        keys = [b.keys[self.layer] for b in blocks]
-        values = [b.values[self.layer] for b in blocks]
-        if len(blocks) == 1:
-            return keys[0][..., :end, :], values[0][..., :end, :]
-        return mx.concatenate(keys, axis=2)[..., :end, :], mx.concatenate(values, axis=2)[..., :end, :]
+        return _joined([b.keys[self.layer] for b in blocks], end), _joined([b.values[self.layer] for b in blocks], end)
 
     def make_mask(self, n_queries: int, window: int | None = None):
         return _mask_for(self.offset, self.offset + n_queries, n_queries, window)
@@ -446,13 +463,8 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """This layer's bytes in blocks only this sequence holds (shared ones are the pool's)."""
-        return sum(
-            a.nbytes
-            for b in self.sequence.table
-            if b.private
-            for a in (b.keys[self.layer], b.values[self.layer])
-            if a is not None
-        )
+        mine = [x for b in self.sequence.table if b.private for x in (b.keys[self.layer], b.values[self.layer])]
+        return sum(a.nbytes for a in _arrays(mine))
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
@@ -473,16 +485,132 @@ class PagedKVCache:
         pass  # the offset follows the state written in
 
 
+def _joined(blocks: list[Parts], end: int) -> Parts:
+    """Blocks' keys (or values) as one array (or triple), cut at ``end`` tokens."""
+    if len(blocks) == 1:
+        return _apply(lambda a: a[..., :end, :], blocks[0])
+    if isinstance(blocks[0], tuple):
+        return tuple(mx.concatenate(parts, axis=2)[..., :end, :] for parts in zip(*blocks))
+    return mx.concatenate(blocks, axis=2)[..., :end, :]
+
+
+_LAYOUT = ("groups", "packed")
+
+
+@register_cache_kind
+class PagedQuantizedKVCache(PagedKVCache):
+    """A paged layer stored quantized: the blocks hold ``QuantizedKVCache``'s codes, scales
+    and biases, and during a request a ``QuantizedKVCache`` over the contiguous view quantizes
+    the new tokens and attends over the codes as it does unpaged. Saved as that cache."""
+
+    def __init__(self, sequence: PagedSequence, layer: int, bits: int, group_size: int) -> None:
+        super().__init__(sequence, layer)
+        self.bits, self.group_size = bits, group_size
+        self.inner: QuantizedKVCache | None = None  # the view's cache, while the request runs
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, str]) -> QuantizedKVCache:  # type: ignore[override]
+        return QuantizedKVCache.from_meta(meta)
+
+    def _view(self) -> QuantizedKVCache:
+        """The quantized cache over this layer's view: gathered from the blocks when the
+        request's views were dropped (or never made)."""
+        if self.inner is None or self.sequence.views[self.layer] is None:
+            inner = QuantizedKVCache(self.bits, self.group_size)
+            if self.offset:
+                keys, values = self.held()
+                inner.state = (*_each(keys), *_each(values))
+                inner.meta_state = self.meta_state
+            self.inner = inner
+        return self.inner
+
+    def _stored(self, start: int) -> None:
+        """After the view's cache took new tokens: the offset, the view, and the blocks
+        when one filled."""
+        inner, seq = self.inner, self.sequence
+        assert inner is not None and inner.keys is not None and inner.values is not None
+        seq.pool.layouts[self.layer] = {k: v for k, v in inner.meta_state.items() if k in _LAYOUT}
+        self.offset = inner.offset
+        seq.views[self.layer] = (inner.keys, inner.values)
+        if self.offset // seq.pool.block_size > seq.flushed[self.layer] // seq.pool.block_size:
+            seq.flush_layer(self.layer)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[0] != 1:
+            raise EngineError("A paged KV cache holds one sequence; batched decoding does not page.")
+        start = self.offset
+        out = self._view().update_and_fetch(keys, values)
+        self._stored(start)
+        return out
+
+    def store(self, keys: mx.array, values: mx.array) -> None:
+        start = self.offset
+        self._view().store(keys, values)
+        self._stored(start)
+
+    @property
+    def reads_codes(self) -> bool:
+        return READS_CODES
+
+    def attends_quantized(self, keys: mx.array, values: mx.array) -> bool:
+        return QuantizedKVCache(self.bits, self.group_size).attends_quantized(keys, values)
+
+    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+        return self._view().attend(queries, scale, mask)
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if self.inner is not None:
+            self.inner.offset = self.offset
+        return n
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:  # type: ignore[override]
+        if self.offset == 0:
+            return ()
+        keys, values = self.held()
+        return (*_each(keys), *_each(values))
+
+    @state.setter
+    def state(self, value) -> None:
+        self.trim(self.offset)
+        self.inner = None
+        if value:
+            value = tuple(value)
+            n = value[0].shape[2]
+            self.sequence.write(self.layer, value[:3], value[3:], 0)
+            self.offset = n
+            self.sequence.flushed[self.layer] = n
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {
+            **QuantizedKVCache(self.bits, self.group_size).meta_state,
+            **self.sequence.pool.layouts.get(self.layer, {}),
+            "offset": str(self.offset),
+        }
+
+    @meta_state.setter
+    def meta_state(self, value: dict[str, str]) -> None:
+        self.sequence.pool.layouts[self.layer] = {k: v for k, v in value.items() if k in _LAYOUT}
+
+
 def paged_prompt_cache(cache: list, pool: BlockPool) -> list:
-    """``cache`` (one per layer, as the model makes it) with its plain full-attention
-    layers paged in ``pool``; the other kinds stay as they are (see the module's docstring)."""
-    paged = [i for i, c in enumerate(cache) if type(c) is KVCache]
+    """``cache`` (one per layer, as the model makes it) with its full-attention layers,
+    plain or quantized, paged in ``pool``; the other kinds stay as they are (see the
+    module's docstring)."""
+    paged = [i for i, c in enumerate(cache) if type(c) in (KVCache, QuantizedKVCache)]
     if len(paged) != pool.layers:
         raise EngineError(f"The KV block pool was made for {pool.layers} paged layers, this model has {len(paged)}.")
     sequence = PagedSequence(pool, shareable=len(paged) == len(cache))
     out = list(cache)
     for slot, i in enumerate(paged):
-        out[i] = PagedKVCache(sequence, slot)
+        c = cache[i]
+        out[i] = (
+            PagedKVCache(sequence, slot)
+            if type(c) is KVCache
+            else PagedQuantizedKVCache(sequence, slot, c.bits, c.group_size)
+        )
     return out
 
 
@@ -498,10 +626,6 @@ def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int
     """Give ``model`` a block pool (``make_prompt_cache`` then pages its caches)."""
     base = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     layers = sum(1 for c in base if type(c) is KVCache)
-    if getattr(model, "kv_quantization", None) is not None:
-        raise CannotPage(
-            "Paged KV holds keys and values at full precision, and --kv-bits or the model's kv_config.json quantizes them"
-        )
     if layers == 0:
         raise CannotPage("This model has no full-attention KV cache to page")
     if any(getattr(m, "length_dependent", False) for _, m in model.named_modules()):
@@ -511,7 +635,11 @@ def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int
             "This model's RoPE scaling (dynamic or LongRoPE) rotates each position by the length of "
             "the pass, so blocks computed by another request would not be exact"
         )
-    identity = f"{type(model).__module__}.{type(model).__name__}:{getattr(model, 'model_path', '')}:{id(model)}"
+    # Blocks of one precision are never read as another's: the KV settings are part of every digest.
+    precision = getattr(getattr(model, "kv_quantization", None), "settings", None)
+    identity = (
+        f"{type(model).__module__}.{type(model).__name__}:{getattr(model, 'model_path', '')}:{id(model)}:{precision}"
+    )
     pool = BlockPool(layers, check_block_size(block_size), identity, budget_bytes or DEFAULT_POOL_BYTES)
     model.kv_pool = pool
     return pool

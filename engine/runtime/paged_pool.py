@@ -18,7 +18,8 @@ __all__ = ["CannotPage", "page_kv", "pool_stats"]
 
 def page_kv(model: Any, block_size: int, allowance: int | None) -> None:
     """Give ``model`` a block pool of ``block_size``-token blocks (``CannotPage`` for a model
-    with no full-attention layer to page, a quantized KV cache or a length-dependent RoPE)."""
+    with no full-attention layer to page or a length-dependent RoPE); quantized layers page
+    their codes."""
     pool_for(model, block_size, allowance or None)
 
 

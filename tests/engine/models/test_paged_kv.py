@@ -295,3 +295,64 @@ def test_an_edited_chat_on_length_dependent_rope_replies_as_a_fresh_one(name):
     fresh = reply(ChatSession(model, Ids()), prompt(30) + [9])
     assert edited.token_ids == fresh.token_ids
     assert edited.token_logprobs == pytest.approx(fresh.token_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize(("name", "bits"), [("llama", 8), ("qwen3", 4), ("gemma3_text", 8)])
+def test_quantized_kv_pages_with_the_replies_of_the_unpaged_quantized_cache(name, bits):
+    """--kv-bits with --paged-kv: the blocks hold the codes, scales and biases, so paged
+    replies equal the unpaged quantized cache's, token for token and log-prob for log-prob,
+    through a second chat sharing the prefix, a follow-up turn and a regenerate."""
+    from engine.models.paged_kv import PagedQuantizedKVCache
+    from engine.models.quantized_kv_cache import KVQuantization, uniform
+
+    model = build(name)
+    model.kv_quantization = KVQuantization(uniform(bits, 32, len(make_prompt_cache(model))))
+    plain = ChatSession(model, Ids())
+    want = [reply(plain, prompt(40)), reply(ChatSession(model, Ids()), prompt(40) + [9, 9])]
+    want.append(reply(plain, prompt(40) + want[0].token_ids + [5]))
+    want.append(reply(plain, prompt(40) + want[0].token_ids + [5]))  # regenerate
+    pool = pool_for(model, block_size=16)
+    try:
+        chat = ChatSession(model, Ids())
+        got = [reply(chat, prompt(40))]
+        assert any(isinstance(c, PagedQuantizedKVCache) for c in chat.cache)
+        got.append(reply(ChatSession(model, Ids()), prompt(40) + [9, 9]))
+        got.append(reply(chat, prompt(40) + got[0].token_ids + [5]))
+        got.append(reply(chat, prompt(40) + got[0].token_ids + [5]))
+        if sequence_of(chat.cache).shareable:  # gemma3's sliding layers keep their own caches
+            assert pool.stats().shared or pool.stats().cached  # the prefix's blocks were shared or kept
+    finally:
+        del model.kv_pool
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.token_logprobs == pytest.approx(w.token_logprobs, abs=1e-4)
+
+
+def test_a_paged_quantized_cache_decodes_compiled_and_saves_as_the_quantized_cache(tmp_path):
+    """The compiled step takes a paged quantized layer (its write and attention run outside
+    the traces), and a saved paged quantized cache loads as the plain quantized one."""
+    from engine.decode.loop import generate_step
+    from engine.models.kv_cache import load_prompt_cache, save_prompt_cache
+    from engine.models.quantized_kv_cache import KVQuantization, QuantizedKVCache, uniform
+
+    model = build("qwen3")
+    model.kv_quantization = KVQuantization(uniform(8, 32, len(make_prompt_cache(model))))
+
+    def decode(cache, compiled: bool):
+        steps = generate_step(mx.array(prompt(40), dtype=mx.uint32), model, cache, max_tokens=24, compiled=compiled)
+        return [t for t, _ in steps]
+
+    want_cache = make_prompt_cache(model)
+    want = decode(want_cache, compiled=False)
+    pool_for(model, block_size=16)
+    try:
+        cache = make_prompt_cache(model)
+        assert decode(cache, compiled=True) == want
+        save_prompt_cache(tmp_path / "chat.safetensors", cache, {})
+    finally:
+        del model.kv_pool
+    loaded, _ = load_prompt_cache(tmp_path / "chat.safetensors")
+    assert all(type(c) is QuantizedKVCache for c in loaded)
+    for mine, theirs in zip(loaded, want_cache):
+        assert mine.offset == theirs.offset
+        assert all(mx.array_equal(a, b).item() for a, b in zip(mine.state, theirs.state))
