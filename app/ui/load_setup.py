@@ -23,6 +23,7 @@ KV_BITS_KEY = "kv_bits"
 CONTEXT_CAP_KEY = "context_cap"  # tokens; absent: the model's context, as far as the budget holds
 # Paged KV's block size: the engine's default (engine.models.paged_kv), chosen by measurement.
 PAGED_BLOCK_SIZE = 64
+PAGED_8 = "paged-8"  # the Settings choice: blocks shared between chats, held at 8 bits
 
 
 class LoadSetup(QObject):
@@ -59,20 +60,24 @@ class LoadSetup(QObject):
     # ---- the KV cache's precision -----------------------------------------------------------
 
     def kv_bits_for_load(self) -> int | None:
-        """What LoadModel carries as kv_bits: 8 or 4, or None for the model's own setting."""
+        """What LoadModel carries as kv_bits: 8 or 4 ("paged-8": 8, its blocks quantized), or
+        None for the model's own setting."""
         bits = self.store.preference(KV_BITS_KEY)
+        if bits == PAGED_8:
+            return 8
         return bits if bits in (4, 8) else None
 
     def kv_choice(self) -> int | str | None:
-        """The Settings choice as remembered: 8, 4, "paged" or None."""
-        if self.paged_block_size_for_load() is not None:
-            return "paged"
+        """The Settings choice as remembered: 8, 4, "paged", "paged-8" or None."""
+        chosen = self.store.preference(KV_BITS_KEY)
+        if chosen in ("paged", PAGED_8):
+            return chosen
         return self.kv_bits_for_load()
 
     def paged_block_size_for_load(self) -> int | None:
         """What LoadModel carries as paged_kv_block_size: blocks shared between chats when
-        Settings asks for them (full precision only: the pool pages unquantized caches)."""
-        return PAGED_BLOCK_SIZE if self.store.preference(KV_BITS_KEY) == "paged" else None
+        Settings asks for them, at full precision or 8-bit."""
+        return PAGED_BLOCK_SIZE if self.store.preference(KV_BITS_KEY) in ("paged", PAGED_8) else None
 
     def set_kv_bits(self, bits: int | str | None) -> None:
         if not self._save(self.store.set_preference, KV_BITS_KEY, bits):

@@ -63,6 +63,7 @@ KV_CHOICES = (
     ("8-bit (half the memory)", 8),
     ("4-bit (a quarter of the memory)", 4),
     ("Full precision, shared by chats", "paged"),
+    ("8-bit, shared by chats", "paged-8"),
 )
 
 
@@ -75,7 +76,7 @@ class SettingsPanel(QFrame):
     whisper_cleared = Signal()
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
     cache_budget_changed = Signal(object)  # bytes of disk for saved chat caches
-    kv_bits_changed = Signal(object)  # 8 or 4 (quantized KV cache), "paged", None for the model's own
+    kv_bits_changed = Signal(object)  # 8 or 4 (quantized KV cache), "paged" or "paged-8", None for the model's own
     context_cap_changed = Signal(object)  # tokens, None for automatic
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
