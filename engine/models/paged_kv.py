@@ -38,10 +38,10 @@ What pages. Full-attention layers, plain (``KVCache``) or quantized (``Quantized
 its codes, scales and biases go into the blocks, and attention reads the codes as there,
 ``PagedQuantizedKVCache``). Sliding-window layers (``RotatingKVCache``: small and fixed
 already), latent MLA caches (not keys and values per head) and recurrent state (one state,
-not per token) keep their own caches beside the paged ones (``paged_prompt_cache``). Blocks are shared across sequences
-only for models whose every layer pages, since a sliding or recurrent layer's state at a
-block boundary is not in the pool; other models still page their full-attention layers
-and reuse their own prefix as before.
+not per token) keep their own caches beside the paged ones (``paged_prompt_cache``).
+Blocks are shared across sequences only for models whose every layer pages, since a
+sliding or recurrent layer's state at a block boundary is not in the pool; other models
+still page their full-attention layers and reuse their own prefix as before.
 """
 
 from __future__ import annotations
