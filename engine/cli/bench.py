@@ -427,34 +427,38 @@ def run_bench(
     out["engine"] = with_runs(*timed[0])
     if paged and timed[-1] is not None:
         out["unpaged"] = _paged_against_unpaged(timed[0], timed[-1])
-    if args.vs == "mlx-lm" and timed[1] is None:
-        # The engine's rows stand; --json stays one valid object that says why the peer's are missing.
-        print(f"mlx-lm   could not run this shape: {errors[1]}", flush=True)
-        out["mlx_lm"] = None
-        out["mlx_lm_error"] = errors[1]
-        out["ratio"] = None
-    elif args.vs == "mlx-lm":
-        theirs = timed[1][0]
-        print(_row("mlx-lm", theirs), flush=True)
-        ratio = {
-            "prompt": ours.prompt_tps / max(theirs.prompt_tps, 1e-9),
-            "generation": ours.generation_tps / max(theirs.generation_tps, 1e-9),
-        }
-        print(f"ratio    prompt {ratio['prompt']:.2f}x   generation {ratio['generation']:.2f}x (engine / mlx-lm)")
-        out["mlx_lm"] = with_runs(*timed[1])
-        out["ratio"] = ratio
-        if args.repeat > 1:
-            mine, peer = _median(timed[0][1]), _median(timed[1][1])
-            out["ratio_of_medians"] = {k: mine[k] / max(peer[k], 1e-9) for k in mine}
-            print(
-                f"medians  prompt {out['ratio_of_medians']['prompt_tps']:.2f}x   "
-                f"generation {out['ratio_of_medians']['generation_tps']:.2f}x (of {args.repeat} runs each)"
-            )
+    if args.vs == "mlx-lm":
+        out.update(_against_mlx_lm(timed[0], timed[1], errors.get(1, ""), args.repeat))
     if getattr(args, "roofline", False):
         _roofline(model, config, prompt, out, ours, None if args.vs != "mlx-lm" or timed[1] is None else timed[1][0])
     if args.json:
         print(json.dumps(out))
     return 0
+
+
+def _against_mlx_lm(
+    ours: tuple[Timing, list[Timing]], theirs: tuple[Timing, list[Timing]] | None, error: str, repeat: int
+) -> dict[str, Any]:
+    """mlx-lm's row and the engine/mlx-lm ratios, or why mlx-lm could not run the shape."""
+    if theirs is None:
+        # The engine's rows stand; --json stays one valid object that says why the peer's are missing.
+        print(f"mlx-lm   could not run this shape: {error}", flush=True)
+        return {"mlx_lm": None, "mlx_lm_error": error, "ratio": None}
+    print(_row("mlx-lm", theirs[0]), flush=True)
+    ratio = {
+        "prompt": ours[0].prompt_tps / max(theirs[0].prompt_tps, 1e-9),
+        "generation": ours[0].generation_tps / max(theirs[0].generation_tps, 1e-9),
+    }
+    print(f"ratio    prompt {ratio['prompt']:.2f}x   generation {ratio['generation']:.2f}x (engine / mlx-lm)")
+    out: dict[str, Any] = {"mlx_lm": with_runs(*theirs), "ratio": ratio}
+    if repeat > 1:
+        mine, peer = _median(ours[1]), _median(theirs[1])
+        out["ratio_of_medians"] = {k: mine[k] / max(peer[k], 1e-9) for k in mine}
+        print(
+            f"medians  prompt {out['ratio_of_medians']['prompt_tps']:.2f}x   "
+            f"generation {out['ratio_of_medians']['generation_tps']:.2f}x (of {repeat} runs each)"
+        )
+    return out
 
 
 def _paged_against_unpaged(paged: tuple[Timing, list[Timing]], unpaged: tuple[Timing, list[Timing]]) -> dict[str, Any]:
