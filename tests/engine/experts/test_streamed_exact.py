@@ -86,6 +86,21 @@ def test_only_experts_routed_in_most_recent_passes_are_guessed():
     store.close()
 
 
+def test_a_guess_the_pass_does_not_route_counts_as_wasted_bytes():
+    model = load(golden("gpt_oss"), 0.25)
+    store = store_of(model)
+    first, second = store.layers[0], store.layers[1]
+    outside = next(e for e in range(second.num_experts) if second.slot_of[e] < 0)
+    second.frequency[:] = 0
+    second.frequency[outside] = 5.0  # routed in every pass lately
+    store.routed(first, np.array([[0]]))
+    guess = store._pending[second.index][outside]
+    guess.result(timeout=30)  # read ahead
+    store.forget_guesses(second)  # the pass routed elsewhere
+    assert store.stats.wasted_bytes == sum(a.nbytes for a in guess.result().values()) > 0
+    store.close()
+
+
 @pytest.mark.parametrize("name", CONVERTED)
 def test_mlx_layout_streams_like_resident(name, tmp_path):
     """mlx-lm's layout (stacked, quantized) of the families whose goldens are transformers'."""
