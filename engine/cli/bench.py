@@ -130,6 +130,24 @@ def build_model(
     return model, config, quantized
 
 
+def quantize_as_ours(twin: Any, config: dict[str, Any], quantized: set[str], nest: str = "") -> None:
+    """Quantize a peer's model (or a slice of ours) as ``build_model`` quantized ours: the
+    module paths in ``quantized`` (under ``nest`` in the peer's tree), each with the settings
+    ``config["quantization"]`` gives it (its own entry, else the global ones)."""
+    if not quantized:
+        return
+    import mlx.nn as nn
+
+    q = config["quantization"]
+    nn.quantize(
+        twin,
+        group_size=q["group_size"],
+        bits=q["bits"],
+        mode=q.get("mode", "affine"),
+        class_predicate=lambda p, m: p.removeprefix(nest) in quantized and q.get(p.removeprefix(nest), True),
+    )
+
+
 def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     """mlx-lm's model for the same ``model_type``, holding exactly ``model``'s weights."""
     try:
@@ -139,22 +157,13 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     except ImportError:
         raise EngineError("--vs mlx-lm needs mlx-lm: pip install 'mlx-desk[bench]' (or mlx-lm)") from None
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
     twin = mlx_lm_models.Model(mlx_lm_models.ModelArgs.from_dict(config))
     twin.set_dtype(mx.bfloat16)
     # mlx-lm nests some text models under language_model (Qwen3.5); ours are not nested.
     nest = "language_model." if "language_model" in twin and "language_model" not in model else ""
-    if quantized:
-        q = config["quantization"]
-        nn.quantize(
-            twin,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: p.removeprefix(nest) in quantized and q.get(p, True),
-        )
+    quantize_as_ours(twin, config, quantized, nest)
     try:
         # mlx-lm drops built-in MTP layers (mtp.*): its twin runs without them.
         weights = [(nest + k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith("mtp.")]

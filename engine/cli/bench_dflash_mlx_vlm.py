@@ -25,6 +25,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from engine.cli.bench import quantize_as_ours
 from engine.errors import EngineError
 
 _NEST = "language_model."
@@ -39,7 +40,6 @@ def target_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
     """mlx-vlm's text model for ``config``'s family, holding exactly ``model``'s weights."""
     _import_mlx_vlm()
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
     try:
@@ -48,15 +48,7 @@ def target_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
         raise EngineError(f"mlx-vlm has no {config['model_type']} model to compare with") from None
     twin = family.Model(family.ModelConfig.from_dict({k: v for k, v in config.items() if k != "quantization"}))
     twin.set_dtype(mx.bfloat16)
-    if quantized:
-        q = config["quantization"]
-        nn.quantize(
-            twin,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: p.removeprefix(_NEST) in quantized,
-        )
+    quantize_as_ours(twin, config, quantized, _NEST)
     try:
         twin.load_weights([(_NEST + k, v) for k, v in tree_flatten(model.parameters())], strict=True)
     except ValueError as e:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from engine.cli.bench import Timing, measure_interleaved, mlx_lm_twin, with_runs
+from engine.cli.bench import Timing, measure_interleaved, mlx_lm_twin, quantize_as_ours, with_runs
 from engine.cli.numbers import whole
 
 NOTES = {
@@ -131,7 +131,6 @@ def slice_model(
     """The first ``layers`` layers of ``model`` with its embeddings, norm and head: a draft model
     that shares the target's weight arrays (no copies)."""
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
     from engine.errors import EngineError
@@ -152,16 +151,9 @@ def slice_model(
         return m is None or int(m.group(1)) < layers
 
     draft_quantized = {p for p in quantized if kept(p + ".")}
+    quantize_as_ours(draft, config, draft_quantized)
     if quantized:
-        q = config["quantization"]
-        nn.quantize(
-            draft,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: p in draft_quantized and q.get(p, True),
-        )
-        draft_config["quantization"] = dict(q)
+        draft_config["quantization"] = dict(config["quantization"])
     weights = [(k, v) for k, v in tree_flatten(model.parameters()) if kept(k)]
     draft.load_weights(weights, strict=True)
     mx.eval(draft.parameters())
