@@ -524,12 +524,13 @@ class PagedQuantizedKVCache(PagedKVCache):
             self.inner = inner
         return self.inner
 
-    def _stored(self, start: int) -> None:
+    def _stored(self) -> None:
         """After the view's cache took new tokens: the offset, the view, and the blocks
         when one filled."""
         inner, seq = self.inner, self.sequence
         assert inner is not None and inner.keys is not None and inner.values is not None
-        seq.pool.layouts[self.layer] = {k: v for k, v in inner.meta_state.items() if k in _LAYOUT}
+        if self.layer not in seq.pool.layouts:  # fixed by the shapes: learnt from the first tokens
+            seq.pool.layouts[self.layer] = {k: v for k, v in inner.meta_state.items() if k in _LAYOUT}
         self.offset = inner.offset
         seq.views[self.layer] = (inner.keys, inner.values)
         if self.offset // seq.pool.block_size > seq.flushed[self.layer] // seq.pool.block_size:
@@ -538,22 +539,20 @@ class PagedQuantizedKVCache(PagedKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[0] != 1:
             raise EngineError("A paged KV cache holds one sequence; batched decoding does not page.")
-        start = self.offset
         out = self._view().update_and_fetch(keys, values)
-        self._stored(start)
+        self._stored()
         return out
 
     def store(self, keys: mx.array, values: mx.array) -> None:
-        start = self.offset
         self._view().store(keys, values)
-        self._stored(start)
+        self._stored()
 
     @property
     def reads_codes(self) -> bool:
         return READS_CODES
 
     def attends_quantized(self, keys: mx.array, values: mx.array) -> bool:
-        return QuantizedKVCache(self.bits, self.group_size).attends_quantized(keys, values)
+        return self._view().attends_quantized(keys, values)
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
         return self._view().attend(queries, scale, mask)
