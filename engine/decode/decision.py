@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.decode.prefill import PromptInputs, prefill
+from engine.decode.prefill import PromptInputs, prefill_head
 from engine.errors import EngineError
 from engine.models.kv_cache import copy_prompt_cache, make_prompt_cache
 
@@ -87,7 +87,7 @@ def prefill_prompt(
     cache = make_prompt_cache(model)
     prompt = mx.array(list(prompt_ids), dtype=mx.uint32)
     n = len(prompt_ids)
-    if n > 1 and not prefill(model, prompt[:-1], cache, chunk=PREFILL_CHUNK, cancel=cancel, inputs=inputs, trailing=1):
+    if n > 1 and not prefill_head(model, prompt, cache, chunk=PREFILL_CHUNK, cancel=cancel, inputs=inputs):
         raise ScoringCancelled("The decision request was cancelled.")
     kwargs = inputs.kwargs(n - 1, n) if inputs is not None else {}
     logits = model(prompt[None, n - 1 :], cache=cache, **kwargs)[0, -1]

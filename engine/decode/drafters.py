@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 
 from engine.decode.compiled_hybrid import compiled_decoder  # attention-only or hybrid stacks
 from engine.decode.draft_depth import AUTO_MAX_DRAFT
-from engine.decode.prefill import HISTORY_WINDOW, prefill
+from engine.decode.prefill import HISTORY_WINDOW, prefill, prefill_head
 from engine.errors import EngineError
 from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
 
@@ -168,9 +168,7 @@ class DraftModelDrafter:
             return [], None
         unseen = self._known(history[self.offset :])
         if len(unseen) > _LAZY_FEED:
-            prefill(
-                self.model, mx.array(unseen[:-1], dtype=mx.uint32), self.cache, chunk=self.prefill_chunk, trailing=1
-            )
+            prefill_head(self.model, mx.array(unseen, dtype=mx.uint32), self.cache, chunk=self.prefill_chunk)
             unseen = unseen[-1:]
         # Usually the last accepted draft and the target's token: one pass feeds both.
         logits = self._step(mx.array(unseen, dtype=mx.uint32))

@@ -32,7 +32,7 @@ from engine.decode.compiled_hybrid import compiled_decoder  # attention-only or 
 from engine.decode.draft_depth import DraftDepth
 from engine.decode.drafters import drafter_for
 from engine.decode.guards import check_finite
-from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
+from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill_head
 from engine.decode.rolling import RollingWindow, rolling_tokens
 from engine.decode.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from engine.decode.signals import Signal, Token
@@ -122,15 +122,8 @@ def generate_step(
             top_sink.append((top, lp[0][top]))
         return y, mx.take_along_axis(lp, y[:, None], axis=-1)[0, 0]
 
-    if not prefill(
-        model,
-        prompt[:-1],
-        cache,
-        chunk=prefill_chunk,
-        cancel=cancel,
-        on_progress=on_progress,
-        inputs=inputs,
-        trailing=1,
+    if not prefill_head(
+        model, prompt, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
     ):
         return
     if cancel is not None and cancel.is_set():

@@ -100,6 +100,12 @@ def prefill(
             rope.pass_end = 0
 
 
+def prefill_head(model: Any, prompt: mx.array, cache: Sequence[Any], **kwargs: Any) -> bool:
+    """``prefill`` of all of ``prompt`` but its last id, which the caller feeds next (its
+    logits start generation): what every decode loop does first. ``kwargs`` as ``prefill``'s."""
+    return prefill(model, prompt[:-1], cache, trailing=1, **kwargs)
+
+
 def _feed(
     model: Any,
     prompt: mx.array,

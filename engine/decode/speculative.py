@@ -33,7 +33,7 @@ from engine.api import SamplingParams
 from engine.decode.draft_depth import DraftDepth, FixedDepth
 from engine.decode.drafters import Drafter, DraftModelDrafter, Pick, decoder_for, room_to_trim
 from engine.decode.guards import check_finite
-from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill
+from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, PromptInputs, prefill_head
 from engine.decode.sampling import LogitsProcessor, filter_logits
 from engine.decode.stats import StatsCounter
 from engine.errors import EngineError
@@ -246,21 +246,14 @@ def speculative_step(
         drafter.compiled = compiled
     target = _Target(model, cache, sampling or SamplingParams(), processors, inputs, compiled)
 
-    prompt_head = mx.array(ids[:-1], dtype=mx.uint32)
     began = time.perf_counter()
-    if not prefill(
-        model,
-        prompt_head,
-        cache,
-        chunk=prefill_chunk,
-        cancel=cancel,
-        on_progress=on_progress,
-        inputs=inputs,
-        trailing=1,
+    whole = mx.array(ids, dtype=mx.uint32)
+    if not prefill_head(
+        model, whole, cache, chunk=prefill_chunk, cancel=cancel, on_progress=on_progress, inputs=inputs
     ):
         return
     drafting = _Drafting(drafter, depth, target, context)
-    drafting.watch_catch_up(int(prompt_head.size), time.perf_counter() - began)
+    drafting.watch_catch_up(len(ids) - 1, time.perf_counter() - began)
     pending = ids[-1:]  # ids whose keys/values the target has not computed yet
     speculate = depth.k_max > 0
     produced = 0
