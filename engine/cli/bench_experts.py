@@ -75,9 +75,7 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int, compiled: boo
 
         def mark() -> None:
             s = store.stats if store is not None else None
-            counts = {
-                k: getattr(s, k) if s else 0 for k in ("read_bytes", "lookups", "hits", "wasted_bytes", "read_ahead")
-            }
+            counts = {k: getattr(s, k) if s else 0 for k in _COUNTS}
             marks.append({"t": time.perf_counter(), **counts})
 
         mark()
@@ -107,6 +105,8 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int, compiled: boo
         "read_bytes_per_token": decode["read_bytes"] / steps,
         "wasted_bytes_per_token": decode["wasted_bytes"] / steps,  # read ahead for guesses never routed
         "misses_read_ahead": decode["read_ahead"] / misses if misses else None,
+        # the share of experts a router picked one layer early that were then routed
+        "router_guesses_right": decode["foreseen_right"] / decode["foreseen"] if decode["foreseen"] else None,
         "resident_bytes": loaded.plan.weights_bytes,
         "peak_memory_bytes": int(mx.get_peak_memory()),
     }
@@ -206,10 +206,15 @@ def run_experts_bench(args: argparse.Namespace, build_model: Any) -> int:
     return 0
 
 
+_COUNTS = ("read_bytes", "lookups", "hits", "wasted_bytes", "read_ahead", "foreseen", "foreseen_right")
+
+
 def _line(row: dict[str, Any]) -> str:
     share = f"{row['share_of_full']:5.0%} of full" if row["share_of_full"] is not None else ""
     disk = f"   disk allows {row['disk_bound_tps']:8.1f} tok/s" if row["disk_bound_tps"] else ""
     ahead = f", {row['misses_read_ahead']:.0%} of misses read ahead" if row.get("misses_read_ahead") is not None else ""
+    if row.get("router_guesses_right") is not None:
+        ahead += f", router guesses {row['router_guesses_right']:.0%} right"
     return (
         f"resident {row['resident_experts']:5.3f} ({row['slots']}/{row['experts']} slots)   "
         f"generation {row['generation_tps']:8.1f} tok/s {share}   hit rate {row['hit_rate']:6.1%}   "

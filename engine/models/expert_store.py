@@ -15,13 +15,22 @@ the pass runs with the other experts masked, and the groups' outputs are merged.
 missing expert is still read once per pass.
 
 File reads run on reader threads (``ExpertStore``): they only read bytes into numpy
-buffers; every MLX call stays on the engine thread. After a layer's router has chosen, the
-experts the next layers are likely to pick (recently routed in most passes, and not in
-their slabs) are read ahead, so a step waits only for what was not guessed. A guess costs
-disk time whether or not it is routed, and on a disk-bound step that time is taken from
-the reads the step needs: so only likely experts are guessed, and the reads a pass waits
-for run on threads of their own, never queued behind guesses. A checkpoint file that
-changed or vanished since the load is noticed before any read and raised as
+buffers; every MLX call stays on the engine thread. Reads are started a layer or two
+before the experts are needed, so a step waits only for what was not foreseen:
+
+- **The next layer's router, one layer early.** A decode or verify pass (a few tokens)
+  asks the next layer's router what it would pick for this layer's input, in the same
+  evaluation as this layer's own choice. In a trained model the residual stream changes
+  little from one layer to the next, so the guess is mostly right; each layer measures how
+  often it is, and its guesses are read (on the threads a pass waits on: they would be
+  waited for one layer later anyway) only while they are right often enough.
+- **Recent frequency, two layers early.** Experts of the layer after that which were
+  routed in most passes lately, and are not in its slab, are read on threads of their own,
+  so a wrong guess never delays a read a pass waits for.
+
+A guess costs disk time whether or not it is routed, and on a disk-bound step that time is
+taken from the reads the step needs: so only likely experts are guessed. A checkpoint file
+that changed or vanished since the load is noticed before any read and raised as
 ``ExpertFileChanged``.
 """
 
@@ -42,6 +51,15 @@ from engine.errors import ModelLoadError
 
 # How far ahead the reader looks (layers) and how many experts per layer it guesses.
 PREFETCH_LAYERS = 2
+# Passes of at most this many tokens ask the next layer's router for a guess (a prefill
+# chunk routes to most experts anyway, and its guess would cost a matmul of its own).
+ROUTER_GUESS_TOKENS = 16
+# A layer's router guesses are read only while the share of them its passes then routed
+# (decayed like the frequencies) is at least this; below it, the layer is guessed by
+# frequency. Trained models keep the residual stream close from layer to layer and are
+# guessed mostly right; random weights are not (on the CPU bench 18% of the guesses were
+# right, and reading them all read 1.1 MB unused per 0.4 MB needed).
+ROUTER_GUESS_MIN_RIGHT = 0.5
 # Read-ahead buffers kept at most per layer: past it the oldest guess is dropped.
 MAX_PREFETCHED = 16
 # Each call multiplies the routing counts by this: "recent" frequency.
@@ -102,6 +120,8 @@ class ExpertStats:
         self.read_bytes = 0
         self.read_ahead = 0  # misses whose bytes a reader had fetched before they were asked for
         self.wasted_bytes = 0  # bytes read ahead for a guess the layer's pass did not route
+        self.foreseen = 0  # experts a router picked one layer early (for a decode or verify pass)
+        self.foreseen_right = 0  # of those, the ones the layer's pass then routed
 
     @property
     def hit_rate(self) -> float:
@@ -119,8 +139,12 @@ class ExpertLayer:
         num_experts: int,
         slots: int,
         sources: dict[str, ExpertSource],
+        choose: Callable[[mx.array], mx.array] | None = None,
     ):
         self.store, self.index, self.glu = store, index, glu
+        self.choose = choose  # the router's choice alone (the routing block's ``choose_experts``)
+        self.foreseen: np.ndarray | None = None  # what the router picked one layer early, this pass
+        self.foresight = 1.0  # the recent share of those it then routed (trusted until shown wrong)
         self.num_experts, self.slots = num_experts, slots
         self.sources = sources
         self.files = sorted({file for source in sources.values() for file, _ in source.offsets})
@@ -153,8 +177,12 @@ class ExpertLayer:
 
     def run(self, x: mx.array, indices: mx.array) -> mx.array:
         """The experts' outputs for ``indices`` (expert ids), computed over the slab."""
+        foreseen = self.store.next_choice(self, x)
+        if foreseen is not None:
+            mx.eval(indices, foreseen)  # one evaluation for both
+            foreseen = np.array(foreseen)
         ids = np.array(indices).astype(np.int64)
-        self.store.routed(self, ids)
+        self.store.routed(self, ids, foreseen)
         try:
             return self._run(x, ids)
         finally:
@@ -262,8 +290,15 @@ class ExpertStore:
                     future.cancel()
             self._pending.clear()
 
-    def add_layer(self, glu: Any, num_experts: int, slots: int, sources: dict[str, ExpertSource]) -> ExpertLayer:
-        layer = ExpertLayer(self, len(self.layers), glu, num_experts, slots, sources)
+    def add_layer(
+        self,
+        glu: Any,
+        num_experts: int,
+        slots: int,
+        sources: dict[str, ExpertSource],
+        choose: Callable[[mx.array], mx.array] | None = None,
+    ) -> ExpertLayer:
+        layer = ExpertLayer(self, len(self.layers), glu, num_experts, slots, sources, choose)
         self.layers.append(layer)
         return layer
 
@@ -279,20 +314,48 @@ class ExpertStore:
                 progress(i + 1, len(self.layers))
         self.stats.read_bytes = 0
 
-    def routed(self, layer: ExpertLayer, ids: np.ndarray) -> None:
-        """A router chose ``ids`` in ``layer``: count them and read the next layers' likely experts."""
+    def next_choice(self, layer: ExpertLayer, x: mx.array) -> mx.array | None:
+        """The next layer's router's choice for ``x`` (lazy), when reading ahead and the pass
+        is short enough for a guess to pay."""
+        nxt = self.layers[layer.index + 1] if layer.index + 1 < len(self.layers) else None
+        if not self.prefetch or nxt is None or nxt.choose is None:
+            return None
+        if x.size // x.shape[-1] > ROUTER_GUESS_TOKENS:
+            return None
+        return nxt.choose(x)
+
+    def routed(self, layer: ExpertLayer, ids: np.ndarray, foreseen: np.ndarray | None = None) -> None:
+        """A router chose ``ids`` in ``layer``: count them and read the next layers' likely
+        experts (``foreseen``: what the next layer's router picks for this layer's input)."""
         layer.frequency *= FREQUENCY_DECAY
         layer.frequency += np.bincount(ids.reshape(-1), minlength=layer.num_experts)
-        if not self.prefetch or self._ahead is None:
+        self._score_foresight(layer, ids)
+        if layer.index + 1 < len(self.layers):
+            self.layers[layer.index + 1].foreseen = None if foreseen is None else np.unique(foreseen)
+        if not self.prefetch or self._ahead is None or self._pool is None:
             return
         for ahead in self.layers[layer.index + 1 : layer.index + 1 + PREFETCH_LAYERS]:
+            if ahead.foreseen is not None and ahead.foresight >= ROUTER_GUESS_MIN_RIGHT:
+                guesses, pool = [int(e) for e in ahead.foreseen if ahead.slot_of[e] < 0], self._pool
+            else:
+                guesses, pool = ahead.guesses(self.top_k), self._ahead
             waiting = self._pending.setdefault(ahead.index, OrderedDict())
-            for e in ahead.guesses(self.top_k):
+            for e in guesses:
                 if e in waiting:
                     continue
                 if len(waiting) >= MAX_PREFETCHED:  # the oldest guess goes
                     waiting.popitem(last=False)[1].cancel()
-                waiting[e] = self._ahead.submit(self._read, ahead, e)
+                waiting[e] = pool.submit(self._read, ahead, e)
+
+    def _score_foresight(self, layer: ExpertLayer, ids: np.ndarray) -> None:
+        """Count how many of the experts foreseen for ``layer`` its pass routed."""
+        if layer.foreseen is None or not len(layer.foreseen):
+            return
+        right = int(np.isin(layer.foreseen, ids).sum())
+        self.stats.foreseen += len(layer.foreseen)
+        self.stats.foreseen_right += right
+        layer.foresight = FREQUENCY_DECAY * layer.foresight + (1 - FREQUENCY_DECAY) * right / len(layer.foreseen)
+        layer.foreseen = None
 
     def forget_guesses(self, layer: ExpertLayer) -> None:
         """Drop what was read ahead for ``layer`` and not used by its pass: guesses live one

@@ -352,6 +352,10 @@ class DecoderLayer(nn.Module):
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h
 
+    def choose_experts(self, x: mx.array) -> mx.array:
+        """The router's choice (it normalises its input itself, so the experts' normed input serves)."""
+        return self.router(x)[0]
+
 
 class SelfContainedLayer(DecoderLayer):
     """A layer that needs nothing beyond its input and its own cache (the model has no

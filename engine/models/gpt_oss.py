@@ -26,7 +26,7 @@ from mlx import nn
 
 from engine.errors import ModelLoadError
 from engine.models import base, llama
-from engine.models.switch import SwitchGLU
+from engine.models.switch import SwitchGLU, top_k_ids
 
 # transformers' GptOssConfig falls back to this YaRN when a config names no RoPE at all.
 DEFAULT_ROPE = {
@@ -121,12 +121,14 @@ class MoeBlock(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         logits = self.router(x)
-        k = self.top_k
-        chosen = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        chosen = top_k_ids(logits, self.top_k)
         # Softmax over the chosen experts' logits only (not over all experts, then renormalised).
         weights = mx.softmax(mx.take_along_axis(logits, chosen, axis=-1).astype(mx.float32), axis=-1)
         y = self.experts(x, chosen)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+    def choose_experts(self, x: mx.array) -> mx.array:
+        return top_k_ids(self.router(x), self.top_k)
 
 
 class DecoderLayer(llama.DecoderLayer):

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from engine.models import lfm2
 from engine.models.base import GatedMLP
-from engine.models.switch import SwitchGLU, stack_expert_weights
+from engine.models.switch import SwitchGLU, stack_expert_weights, top_k_ids
 
 
 @dataclass
@@ -45,16 +45,22 @@ class SparseMoeBlock(nn.Module):
             self.expert_bias = mx.zeros((args.num_experts,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        scores = mx.sigmoid(self.gate(x).astype(mx.float32))
-        ranked = scores + self.expert_bias.astype(mx.float32) if "expert_bias" in self else scores
-        k = self.top_k
-        chosen = mx.argpartition(-ranked, kth=k - 1, axis=-1)[..., :k]
+        scores, ranked = self._scores(x)
+        chosen = top_k_ids(ranked, self.top_k)
         weights = mx.take_along_axis(scores, chosen, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-6)
         weights = weights * self.scaling
         y = self.switch_mlp(x, chosen)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+    def _scores(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(each expert's weight, the score its choice ranks by)."""
+        scores = mx.sigmoid(self.gate(x).astype(mx.float32))
+        return scores, (scores + self.expert_bias.astype(mx.float32) if "expert_bias" in self else scores)
+
+    def choose_experts(self, x: mx.array) -> mx.array:
+        return top_k_ids(self._scores(x)[1], self.top_k)
 
 
 class DecoderLayer(lfm2.DecoderLayer):

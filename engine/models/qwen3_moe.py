@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from engine.models import llama
 from engine.models.base import activation
-from engine.models.switch import SwitchGLU, stack_expert_weights
+from engine.models.switch import SwitchGLU, stack_expert_weights, top_k_ids
 
 
 @dataclass
@@ -65,6 +65,10 @@ class SparseMoeBlock(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.experts(x, self.gate(x))
+
+    def choose_experts(self, x: mx.array) -> mx.array:
+        """The experts this block's router picks for ``x`` (the softmax keeps the order)."""
+        return top_k_ids(self.gate(x), self.top_k)
 
     def experts(self, x: mx.array, router_logits: mx.array) -> mx.array:
         """The chosen experts' outputs for ``x``, weighted, given the router's logits."""

@@ -104,6 +104,9 @@ class RoutedMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y
 
+    def choose_experts(self, x: mx.array) -> mx.array:
+        return self.gate(x)[0]
+
 
 def drop_nextn_layers(weights: dict[str, mx.array], n_layers: int) -> dict[str, mx.array]:
     """Leave out the multi-token-prediction (MTP) layers that DeepSeek V3 and GLM

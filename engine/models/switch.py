@@ -144,6 +144,11 @@ class QuantizedSwitchLinear(nn.Module):
         return q
 
 
+def top_k_ids(scores: mx.array, k: int) -> mx.array:
+    """The ids of the ``k`` highest ``scores`` along the last axis, in no particular order."""
+    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+
+
 class SwitchGLU(nn.Module):
     """Per-token gated MLPs of the chosen experts: down(act(gate(x)) * up(x))."""
 
@@ -155,7 +160,9 @@ class SwitchGLU(nn.Module):
         self.activation = activation
 
     # Set when the experts stream from disk (engine.models.expert_store.ExpertLayer): the
-    # stacked arrays then hold a slab of slots, and expert ids become slot ids first.
+    # stacked arrays then hold a slab of slots, and expert ids become slot ids first. The
+    # block that routes to these experts has ``choose_experts(x) -> ids [..., k]``: its
+    # router's choice alone, which streaming uses to guess a layer's experts a layer early.
     streamed = None
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:

@@ -226,7 +226,8 @@ def stream_experts(
 
     if not residency.streamed:
         return None
-    glus = [(p, m) for p, m in model.named_modules() if isinstance(m, SwitchGLU) and not p.startswith("mtp")]
+    modules = dict(model.named_modules())
+    glus = [(p, m) for p, m in modules.items() if isinstance(m, SwitchGLU) and not p.startswith("mtp")]
     glus.sort(key=lambda pm: [int(t) if t.isdigit() else 0 for t in pm[0].split(".")])
     files = sorted({str(info.file) for info in headers.values()})
     store = ExpertStore(files, residency.top_k)
@@ -254,8 +255,19 @@ def stream_experts(
             slab = mx.zeros((slots, *array.shape[1:]), dtype=array.dtype)
             weights[f"{path}.{key}"] = slab
             glu[proj][leaf] = slab
-        glu.streamed = store.add_layer(glu, n, slots, sources)
+        glu.streamed = store.add_layer(glu, n, slots, sources, _router_choice(modules, path))
     return store
+
+
+def _router_choice(modules: dict[str, Any], path: str) -> Any:
+    """``choose_experts`` of the nearest module above the experts at ``path`` that routes to
+    them (the MoE block, or the decoder layer where the router sits beside the experts)."""
+    while "." in path:
+        path = path.rsplit(".", 1)[0]
+        choose = getattr(modules.get(path), "choose_experts", None)
+        if choose is not None:
+            return choose
+    return None
 
 
 class _NoCompiledStep:

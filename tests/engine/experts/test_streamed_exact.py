@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.models import expert_store
 from engine.models.expert_store import FREQUENCY_DECAY
 from tests.engine.experts.moe_folders import CONVERTED, FAMILIES, golden, load, run_greedy, store_of
 
@@ -84,6 +85,53 @@ def test_only_experts_routed_in_most_recent_passes_are_guessed():
     layer.frequency[outside[1]] = 1.0 + FREQUENCY_DECAY
     assert layer.guesses(4) == [outside[1]]
     store.close()
+
+
+# gemma4's router reads the block's input h, its experts a norm of h: the guess asks the
+# router about the normed input, right but for the norm's per-dimension weights.
+ROUTER_SEES_THE_EXPERTS_INPUT = sorted(n for n in FAMILIES if not n.startswith("gemma4"))
+
+
+@pytest.mark.parametrize("name", ROUTER_SEES_THE_EXPERTS_INPUT)
+def test_a_layers_choose_is_its_routers_choice(name):
+    """What the store asks of a layer one layer early is what its router then picks."""
+    model = load(golden(name), 0.5)
+    store = store_of(model)
+    assert all(layer.choose is not None for layer in store.layers)
+    seen = []
+    for layer in store.layers:
+        layer.run = _recording(layer, seen)
+    run_greedy(model, n=2)
+    assert len(seen) >= len(store.layers)
+    for layer, x, indices in seen:
+        np.testing.assert_array_equal(np.sort(np.array(layer.choose(x)), -1), np.sort(np.array(indices), -1))
+    store.close()
+
+
+def _recording(layer, seen):
+    run = layer.run
+
+    def recorded(x, indices):
+        seen.append((layer, x, indices))
+        return run(x, indices)
+
+    return recorded
+
+
+def test_the_next_layers_router_guesses_a_step_early(monkeypatch):
+    """With guesses by frequency switched off, a decode step still finds misses read ahead:
+    the next layer's router was asked about this layer's input. A router whose guesses
+    are not right often enough is still asked (and scored) but its guesses are not read."""
+    monkeypatch.setattr(expert_store, "GUESS_MIN_RATE", 2.0)  # a rate no expert reaches
+    for min_right, reads in ((0.5, True), (2.0, False)):
+        monkeypatch.setattr(expert_store, "ROUTER_GUESS_MIN_RIGHT", min_right)
+        model = load(golden("gpt_oss"), 0.25)
+        store = store_of(model)
+        run_greedy(model, n=12)
+        stats = store.stats
+        assert 0 < stats.foreseen_right <= stats.foreseen
+        assert (stats.read_ahead > 0) is reads, f"needing {min_right} right"
+        store.close()
 
 
 def test_a_guess_the_pass_does_not_route_counts_as_wasted_bytes():
