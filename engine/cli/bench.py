@@ -180,11 +180,14 @@ def mlx_lm_twin(model: Any, config: dict[str, Any], quantized: set[str]) -> Any:
 def _ours(model: Any, prompt: Any, max_tokens: int, compiled: bool | None = None) -> Iterator[int]:
     from engine.decode.loop import generate_step
     from engine.models.kv_cache import make_prompt_cache
+    from engine.models.paged_kv import sequence_of
 
-    for token, _ in generate_step(
-        prompt, model, make_prompt_cache(model), max_tokens=max_tokens, prefill_chunk=2048, compiled=compiled
-    ):
+    cache = make_prompt_cache(model)
+    for token, _ in generate_step(prompt, model, cache, max_tokens=max_tokens, prefill_chunk=2048, compiled=compiled):
         yield token
+    sequence = sequence_of(cache)
+    if sequence is not None:  # paged: end the request as the app does (its blocks written), inside the timing
+        sequence.drop_views()
 
 
 def _ours_plain(model: Any, prompt: Any, max_tokens: int) -> Iterator[int]:

@@ -24,13 +24,16 @@ shares them and are evicted least recently used first when the pool's bytes pass
 budget. Blocks in use are never evicted.
 
 Attention reads a sequence's keys and values from one contiguous array per layer: MLX has
-no paged attention kernel. The first pass of a request gathers the sequence's blocks into
-a view (``mx.concatenate``); later passes write their new tokens at the end of the view,
-as ``KVCache`` does, so a decode step copies no prefix, and into the blocks only when a
-block fills (or before the blocks are read, published or the view dropped: ``flush``), so
-a decode step writes one place, not two. The views are dropped when the request ends
-(``drop_views``, from the prefix cache's ``record``): between requests a sequence holds
-only blocks. A sequence decoding in the batch hands its keys and values to the batch's
+no paged attention kernel. The first pass of a request gathers the blocks it starts from
+(a prefix taken from the pool or kept from the last request) and its new tokens into a
+view, in one ``mx.concatenate``; later passes write their new tokens at the end of the
+view, as ``KVCache`` does, so a decode step copies no prefix. During a request the view
+alone holds the new tokens: they go into blocks only before the blocks are read or
+published, and when the request ends (``drop_views``, from the prefix cache's ``record``),
+a layer at a time, each layer's view freed once its blocks are written. So a request holds
+its keys and values once, as the unpaged cache does, not in a view and in blocks (a 32k
+prompt peaked 6.9 GB higher on the H200 that way), and a prefill chunk costs no block
+writes; between requests a sequence holds only blocks. A sequence decoding in the batch hands its keys and values to the batch's
 rows and takes them back into blocks when it leaves. A CUDA gather kernel reading the
 block table inside attention would avoid the view altogether.
 
@@ -247,11 +250,12 @@ class PagedSequence:
         # the sequence contiguously (capacity past the offset), or None.
         self.views: list[tuple[Parts, Parts] | None] = [None] * pool.layers
         # Per layer: the tokens written into blocks. While a view exists, tokens go into it
-        # first and into the blocks only when a block fills (``flush_layer``) or before the
-        # blocks are read, published or the view dropped: a decode step then writes one
-        # place, as ``KVCache`` does, instead of two.
+        # alone, and into the blocks (``flush_layer``) only before the blocks are read,
+        # published or the view dropped: a pass then writes one place, as ``KVCache`` does.
         self.flushed = [0] * pool.layers
-        self._unevaluated = False  # blocks written since ``flush`` last evaluated them
+        # Per layer, for a quantized layer during a request: the QuantizedKVCache over its view
+        # (dropped with the views, so it keeps no view's buffers alive between requests).
+        self.view_caches: list[Any] = [None] * pool.layers
         self.shareable = shareable  # every layer of the model pages (blocks hold the whole prefix)
         # The table's blocks go back to the pool whenever this sequence is dropped.
         self._finalizer = weakref.finalize(self, _release_all, pool, self.table)
@@ -275,7 +279,6 @@ class PagedSequence:
     def write(self, layer: int, keys: Parts, values: Parts, start: int) -> None:
         """Put ``layer``'s keys and values for positions ``start``.. into blocks."""
         size, n = self.pool.block_size, _each(keys)[0].shape[2]
-        self._unevaluated = True
         pos = start
         while pos < start + n:
             index, lo = divmod(pos, size)
@@ -288,28 +291,35 @@ class PagedSequence:
                     into[..., lo : lo + take, :] = part[..., pos - start : pos - start + take, :]
             pos += take
 
-    def flush_layer(self, layer: int) -> None:
-        """Write ``layer``'s tokens that are only in its view into blocks."""
+    def flush_layer(self, layer: int) -> list[mx.array]:
+        """Write ``layer``'s tokens that are only in its view into blocks; the block arrays
+        written (lazy)."""
         start, end, view = self.flushed[layer], self.offsets[layer], self.views[layer]
-        if end > start and view is not None:
-            # Copies: a block made of a slice of the view could keep the whole view's buffer.
-            keys, values = (_apply(lambda a: mx.contiguous(a[..., start:end, :]), x) for x in view)
-            self.write(layer, keys, values, start)
         self.flushed[layer] = end
+        if end <= start or view is None:
+            return []
+        # Copies: a block made of a slice of the view could keep the whole view's buffer.
+        keys, values = (_apply(lambda a: mx.contiguous(a[..., start:end, :]), x) for x in view)
+        self.write(layer, keys, values, start)
+        size = self.pool.block_size
+        written = self.table[start // size : (end + size - 1) // size]
+        return _arrays([x for b in written for x in (b.keys[layer], b.values[layer])])
 
-    def flush(self) -> None:
-        """Every layer's ``flush_layer``, evaluated: between requests a block written from a
-        view must not keep the view's buffer alive through its lazy graph."""
+    def flush(self, drop: bool = False) -> None:
+        """Write every layer's new tokens into blocks, evaluated a layer at a time (a block
+        written from a view must not keep the view's buffer alive through its lazy graph);
+        with ``drop``, each layer's view is forgotten once written, so no more than one
+        layer is held twice at a time."""
         for layer in range(len(self.views)):
-            self.flush_layer(layer)
-        if self._unevaluated:
-            mx.eval([a for block in self.table for a in _arrays([*block.keys, *block.values])])
-            self._unevaluated = False
+            written = self.flush_layer(layer)
+            if written:
+                mx.eval(written)
+            if drop:
+                self.views[layer] = self.view_caches[layer] = None
 
     def drop_views(self) -> None:
         """Forget the contiguous views, once the blocks hold everything."""
-        self.flush()
-        self.views = [None] * len(self.views)
+        self.flush(drop=True)
 
     def shrink(self) -> None:
         """Give back the blocks past the furthest layer's offset (after a trim)."""
@@ -394,44 +404,32 @@ class PagedKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[0] != 1:
             raise EngineError("A paged KV cache holds one sequence; batched decoding does not page.")
-        seq, size = self.sequence, self.sequence.pool.block_size
-        start, n = self.offset, keys.shape[2]
+        seq, start = self.sequence, self.offset
         view = seq.views[self.layer]
-        self.offset = start + n
-        if view is None or view[0].shape[2] < start:  # no view holds the prefix: blocks first
-            seq.write(self.layer, keys, values, start)
-            seq.flushed[self.layer] = start + n
-            return self._extend_view(keys, values, start)
-        out = self._extend_view(keys, values, start)
-        if (start + n) // size > seq.flushed[self.layer] // size:  # a block filled: blocks catch up
+        if view is not None and view[0].shape[2] < start:  # a view short of the prefix: start over from blocks
             seq.flush_layer(self.layer)
-        return out
-
-    def _extend_view(self, keys: mx.array, values: mx.array, start: int) -> tuple[mx.array, mx.array]:
-        """The layer's contiguous view with the new tokens (written at ``start``) in it."""
-        end, view = self.offset, self.sequence.views[self.layer]
-        if view is None or view[0].shape[2] < start:
-            view = self._gathered()
-        elif view[0].shape[2] < end:  # grow in steps, as KVCache does
-            room = ((end + VIEW_STEP - 1) // VIEW_STEP) * VIEW_STEP
-            view = tuple(mx.concatenate([a[..., :start, :], new], axis=2) for a, new in zip(view, (keys, values)))
-            view = tuple(mx.pad(a, [(0, 0), (0, 0), (0, room - end), (0, 0)]) for a in view)
+            view = None
+        self.offset = end = start + keys.shape[2]
+        if view is None:  # the request's first pass: the blocks hold the prefix
+            view = tuple(self._first_view(held, new, start) for held, new in ((0, keys), (1, values)))
+        elif view[0].shape[2] < end:  # grow in steps, as KVCache does: one copy
+            room = _room(end)
+            view = tuple(_grown(a[..., :start, :], new, room) for a, new in zip(view, (keys, values)))
         else:
             view[0][..., start:end, :] = keys
             view[1][..., start:end, :] = values
-        self.sequence.views[self.layer] = view
+        seq.views[self.layer] = view
         return view[0][..., :end, :], view[1][..., :end, :]
 
-    def _gathered(self) -> tuple[mx.array, mx.array]:
-        """The layer's blocks concatenated, with a step of room past the offset."""
-        end, size = self.offset, self.sequence.pool.block_size
-        blocks = self.sequence.table[: (end + size - 1) // size]
-        room = ((end + VIEW_STEP - 1) // VIEW_STEP) * VIEW_STEP - len(blocks) * size
-        keys = mx.concatenate([b.keys[self.layer] for b in blocks], axis=2)
-        values = mx.concatenate([b.values[self.layer] for b in blocks], axis=2)
-        if room > 0:
-            keys, values = (mx.pad(a, [(0, 0), (0, 0), (0, room), (0, 0)]) for a in (keys, values))
-        return keys, values
+    def _first_view(self, which: int, new: mx.array, start: int) -> mx.array:
+        """The blocks' keys (``which`` 0) or values (1) of positions [0, start), ``new``
+        after them, and room to grow, in one copy."""
+        size = self.sequence.pool.block_size
+        blocks = self.sequence.table[: (start + size - 1) // size]
+        held = [(b.keys if which == 0 else b.values)[self.layer] for b in blocks]
+        if held and start % size:
+            held[-1] = held[-1][..., : start % size, :]
+        return _grown(held, new, _room(start + new.shape[2]))
 
     def pending_arrays(self) -> list[mx.array]:
         """The arrays a pass wrote into: this layer's view and blocks (evaluated after a
@@ -485,6 +483,21 @@ class PagedKVCache:
         pass  # the offset follows the state written in
 
 
+def _room(end: int) -> int:
+    """A view's length for ``end`` tokens: the next multiple of ``VIEW_STEP``."""
+    return ((end + VIEW_STEP - 1) // VIEW_STEP) * VIEW_STEP
+
+
+def _grown(held: mx.array | list[mx.array], new: mx.array, length: int) -> mx.array:
+    """``held`` (an array or the pieces of one) then ``new`` along the tokens, zero-padded
+    to ``length`` tokens, in one concatenation."""
+    pieces = [*(held if isinstance(held, list) else [held]), new]
+    used = sum(p.shape[2] for p in pieces)
+    if length > used:
+        pieces.append(mx.zeros((*new.shape[:2], length - used, new.shape[3]), new.dtype))
+    return mx.concatenate(pieces, axis=2)
+
+
 def _joined(blocks: list[Parts], end: int) -> Parts:
     """Blocks' keys (or values) as one array (or triple), cut at ``end`` tokens."""
     if len(blocks) == 1:
@@ -506,7 +519,15 @@ class PagedQuantizedKVCache(PagedKVCache):
     def __init__(self, sequence: PagedSequence, layer: int, bits: int, group_size: int) -> None:
         super().__init__(sequence, layer)
         self.bits, self.group_size = bits, group_size
-        self.inner: QuantizedKVCache | None = None  # the view's cache, while the request runs
+
+    @property
+    def inner(self) -> QuantizedKVCache | None:
+        """The view's cache, while the request runs."""
+        return self.sequence.view_caches[self.layer]
+
+    @inner.setter
+    def inner(self, cache: QuantizedKVCache | None) -> None:
+        self.sequence.view_caches[self.layer] = cache
 
     @classmethod
     def from_meta(cls, meta: dict[str, str]) -> QuantizedKVCache:  # type: ignore[override]
@@ -525,16 +546,13 @@ class PagedQuantizedKVCache(PagedKVCache):
         return self.inner
 
     def _stored(self) -> None:
-        """After the view's cache took new tokens: the offset, the view, and the blocks
-        when one filled."""
+        """After the view's cache took new tokens: the offset and the view."""
         inner, seq = self.inner, self.sequence
         assert inner is not None and inner.keys is not None and inner.values is not None
         if self.layer not in seq.pool.layouts:  # fixed by the shapes: learnt from the first tokens
             seq.pool.layouts[self.layer] = {k: v for k, v in inner.meta_state.items() if k in _LAYOUT}
         self.offset = inner.offset
         seq.views[self.layer] = (inner.keys, inner.values)
-        if self.offset // seq.pool.block_size > seq.flushed[self.layer] // seq.pool.block_size:
-            seq.flush_layer(self.layer)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[0] != 1:

@@ -136,6 +136,8 @@ class PrefixCache:
         checkpoint(self.cache)
         sequence = sequence_of(self.cache)
         if sequence is not None:
+            # Between requests the blocks hold it all: views go first, a layer at a time, so
+            # the keys and values are never held twice over every layer at once.
+            sequence.drop_views()
             sequence.publish(self.keys, self.signature)
-            sequence.drop_views()  # between requests the blocks hold it all
         return True

@@ -20,6 +20,7 @@ from engine.errors import EngineError
 from engine.models import get_family
 from engine.models.kv_cache import make_prompt_cache
 from engine.models.paged_kv import PagedKVCache, pool_for, sequence_of
+from engine.models.quantized_kv_cache import KVQuantization, uniform
 from engine.runtime.session import ChatSession
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "models"
@@ -282,6 +283,47 @@ def test_a_chunked_prefill_never_gathers_the_blocks(monkeypatch):
             assert mx.allclose(got, want, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_request_holds_its_keys_and_values_once(kv_bits):
+    """During a request the view alone holds the new tokens (blocks are written when it ends),
+    so a long prompt holds as much as the unpaged cache, not a view and blocks; after the
+    request the blocks alone hold it (the views and a quantized layer's view cache freed)."""
+    from engine.decode.prefill import prefill
+
+    model = build("llama")
+    if kv_bits:
+        model.kv_quantization = KVQuantization(uniform(kv_bits, 32, len(make_prompt_cache(model))))
+    ids = mx.array(prompt(4096), dtype=mx.uint32)
+
+    def held(cache) -> int:
+        mx.clear_cache()
+        return mx.get_active_memory() - before
+
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    unpaged = make_prompt_cache(model)
+    prefill(model, ids, unpaged, chunk=512)
+    mx.eval([c.state for c in unpaged])
+    want = held(unpaged)
+    del unpaged
+    pool_for(model, block_size=64)
+    try:
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        cache = make_prompt_cache(model)
+        prefill(model, ids, cache, chunk=512)
+        during = held(cache)
+        sequence = sequence_of(cache)
+        sequence.drop_views()
+        after = held(cache)
+    finally:
+        del model.kv_pool
+    assert want > 0
+    assert during < 1.15 * want, (during, want)
+    assert after < 1.15 * want, (after, want)
+    assert sequence.view_caches == [None] * len(sequence.view_caches)
+
+
 @pytest.mark.parametrize("name", ["llama_dynamic", "phi3"])
 def test_an_edited_chat_on_length_dependent_rope_replies_as_a_fresh_one(name):
     """Not paging, but the reason these models refuse it: past their trained length (16
@@ -303,7 +345,6 @@ def test_quantized_kv_pages_with_the_replies_of_the_unpaged_quantized_cache(name
     replies equal the unpaged quantized cache's, token for token and log-prob for log-prob,
     through a second chat sharing the prefix, a follow-up turn and a regenerate."""
     from engine.models.paged_kv import PagedQuantizedKVCache
-    from engine.models.quantized_kv_cache import KVQuantization, uniform
 
     model = build(name)
     model.kv_quantization = KVQuantization(uniform(bits, 32, len(make_prompt_cache(model))))
@@ -333,7 +374,7 @@ def test_a_paged_quantized_cache_decodes_compiled_and_saves_as_the_quantized_cac
     the traces), and a saved paged quantized cache loads as the plain quantized one."""
     from engine.decode.loop import generate_step
     from engine.models.kv_cache import load_prompt_cache, save_prompt_cache
-    from engine.models.quantized_kv_cache import KVQuantization, QuantizedKVCache, uniform
+    from engine.models.quantized_kv_cache import QuantizedKVCache
 
     model = build("qwen3")
     model.kv_quantization = KVQuantization(uniform(8, 32, len(make_prompt_cache(model))))
