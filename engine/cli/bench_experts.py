@@ -106,7 +106,8 @@ def run_once(folder: Path, fraction: float, prompt: Any, gen: int, compiled: boo
         "wasted_bytes_per_token": decode["wasted_bytes"] / steps,  # read ahead for guesses never routed
         "misses_read_ahead": decode["read_ahead"] / misses if misses else None,
         # the share of experts a router picked one layer early that were then routed
-        "router_guesses_right": decode["foreseen_right"] / decode["foreseen"] if decode["foreseen"] else None,
+        "router_guesses_right": _share(decode["router_right"], decode["router_guesses"]),
+        "frequency_guesses_right": _share(decode["frequency_right"], decode["frequency_guesses"]),
         "resident_bytes": loaded.plan.weights_bytes,
         "peak_memory_bytes": int(mx.get_peak_memory()),
     }
@@ -206,15 +207,23 @@ def run_experts_bench(args: argparse.Namespace, build_model: Any) -> int:
     return 0
 
 
-_COUNTS = ("read_bytes", "lookups", "hits", "wasted_bytes", "read_ahead", "foreseen", "foreseen_right")
+_COUNTS = (
+    *("read_bytes", "lookups", "hits", "wasted_bytes", "read_ahead"),
+    *("router_guesses", "router_right", "frequency_guesses", "frequency_right"),
+)
+
+
+def _share(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
 
 
 def _line(row: dict[str, Any]) -> str:
     share = f"{row['share_of_full']:5.0%} of full" if row["share_of_full"] is not None else ""
     disk = f"   disk allows {row['disk_bound_tps']:8.1f} tok/s" if row["disk_bound_tps"] else ""
     ahead = f", {row['misses_read_ahead']:.0%} of misses read ahead" if row.get("misses_read_ahead") is not None else ""
-    if row.get("router_guesses_right") is not None:
-        ahead += f", router guesses {row['router_guesses_right']:.0%} right"
+    for way in ("router", "frequency"):
+        if row.get(f"{way}_guesses_right") is not None:
+            ahead += f", {way} guesses {row[f'{way}_guesses_right']:.0%} right"
     return (
         f"resident {row['resident_experts']:5.3f} ({row['slots']}/{row['experts']} slots)   "
         f"generation {row['generation_tps']:8.1f} tok/s {share}   hit rate {row['hit_rate']:6.1%}   "

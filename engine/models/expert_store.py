@@ -29,7 +29,10 @@ before the experts are needed, so a step waits only for what was not foreseen:
   so a wrong guess never delays a read a pass waits for.
 
 A guess costs disk time whether or not it is routed, and on a disk-bound step that time is
-taken from the reads the step needs: so only likely experts are guessed. A checkpoint file
+taken from the reads the step needs: so only likely experts are guessed, and each layer
+scores each way of guessing (``Guesses``: the share of its guesses outside the slab, each a
+read, that the layer's pass then routed). A way that has lately been right less than half
+the time is still scored but not read. A checkpoint file
 that changed or vanished since the load is noticed before any read and raised as
 ``ExpertFileChanged``.
 """
@@ -54,12 +57,14 @@ PREFETCH_LAYERS = 2
 # Passes of at most this many tokens ask the next layer's router for a guess (a prefill
 # chunk routes to most experts anyway, and its guess would cost a matmul of its own).
 ROUTER_GUESS_TOKENS = 16
-# A layer's router guesses are read only while the share of them its passes then routed
-# (decayed like the frequencies) is at least this; below it, the layer is guessed by
-# frequency. Trained models keep the residual stream close from layer to layer and are
-# guessed mostly right; random weights are not (on the CPU bench 18% of the guesses were
-# right, and reading them all read 1.1 MB unused per 0.4 MB needed).
-ROUTER_GUESS_MIN_RIGHT = 0.5
+# A layer's guesses of one kind are read only while the share of them its passes then
+# routed (decayed like the frequencies; counting only guesses outside the slab, those a
+# read would fetch) is at least this. Trained models keep the residual stream close from
+# layer to layer, so their routers guess mostly right; random weights do not: on the H200,
+# gpt-oss-20b's shape with random weights had 69% of all router guesses right, yet reading
+# those outside the slab read 340 MB unused per 66 MB needed at a quarter resident, and
+# frequency guesses read 242 MB unused.
+GUESS_MIN_RIGHT = 0.5
 # Read-ahead buffers kept at most per layer: past it the oldest guess is dropped.
 MAX_PREFETCHED = 16
 # Each call multiplies the routing counts by this: "recent" frequency.
@@ -120,12 +125,38 @@ class ExpertStats:
         self.read_bytes = 0
         self.read_ahead = 0  # misses whose bytes a reader had fetched before they were asked for
         self.wasted_bytes = 0  # bytes read ahead for a guess the layer's pass did not route
-        self.foreseen = 0  # experts a router picked one layer early (for a decode or verify pass)
-        self.foreseen_right = 0  # of those, the ones the layer's pass then routed
+        # Guesses outside the slab (each would be a read), and those the layer's pass then
+        # routed: by the next layer's router (a decode or verify pass), and by frequency.
+        self.router_guesses = 0
+        self.router_right = 0
+        self.frequency_guesses = 0
+        self.frequency_right = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 1.0
+
+
+class Guesses:
+    """One way of guessing a layer's experts before its router runs: this pass's guesses
+    outside the slab, and the recent share of such guesses that the layer then routed."""
+
+    def __init__(self) -> None:
+        self.pending: set[int] = set()
+        self.right = 1.0  # trusted until shown wrong
+
+    @property
+    def trusted(self) -> bool:
+        return self.right >= GUESS_MIN_RIGHT
+
+    def score(self, ids: np.ndarray) -> tuple[int, int]:
+        """The pass routed ``ids``: (guesses scored, of them right), and the share updated."""
+        if not self.pending:
+            return 0, 0
+        n, hit = len(self.pending), int(np.isin(np.fromiter(self.pending, np.int64), ids).sum())
+        self.right = FREQUENCY_DECAY * self.right + (1 - FREQUENCY_DECAY) * hit / n
+        self.pending = set()
+        return n, hit
 
 
 class ExpertLayer:
@@ -143,8 +174,8 @@ class ExpertLayer:
     ):
         self.store, self.index, self.glu = store, index, glu
         self.choose = choose  # the router's choice alone (the routing block's ``choose_experts``)
-        self.foreseen: np.ndarray | None = None  # what the router picked one layer early, this pass
-        self.foresight = 1.0  # the recent share of those it then routed (trusted until shown wrong)
+        self.by_router = Guesses()  # the router's choice one layer early
+        self.by_frequency = Guesses()  # experts routed in most passes lately
         self.num_experts, self.slots = num_experts, slots
         self.sources = sources
         self.files = sorted({file for source in sources.values() for file, _ in source.offsets})
@@ -329,16 +360,23 @@ class ExpertStore:
         experts (``foreseen``: what the next layer's router picks for this layer's input)."""
         layer.frequency *= FREQUENCY_DECAY
         layer.frequency += np.bincount(ids.reshape(-1), minlength=layer.num_experts)
-        self._score_foresight(layer, ids)
-        if layer.index + 1 < len(self.layers):
-            self.layers[layer.index + 1].foreseen = None if foreseen is None else np.unique(foreseen)
+        self._score(layer, ids)
+        if foreseen is not None and layer.index + 1 < len(self.layers):
+            # Only guesses outside the slab cost a read, so only they are scored: a router
+            # right about the experts the slab holds anyway can still waste every read.
+            nxt = self.layers[layer.index + 1]
+            nxt.by_router.pending.update(int(e) for e in np.unique(foreseen) if nxt.slot_of[e] < 0)
         if not self.prefetch or self._ahead is None or self._pool is None:
             return
         for ahead in self.layers[layer.index + 1 : layer.index + 1 + PREFETCH_LAYERS]:
-            if ahead.foreseen is not None and ahead.foresight >= ROUTER_GUESS_MIN_RIGHT:
-                guesses, pool = [int(e) for e in ahead.foreseen if ahead.slot_of[e] < 0], self._pool
+            likely = ahead.guesses(self.top_k)
+            ahead.by_frequency.pending.update(likely)
+            if ahead.by_router.pending and ahead.by_router.trusted:
+                guesses, pool = sorted(ahead.by_router.pending), self._pool
+            elif ahead.by_frequency.trusted:
+                guesses, pool = likely, self._ahead
             else:
-                guesses, pool = ahead.guesses(self.top_k), self._ahead
+                continue
             waiting = self._pending.setdefault(ahead.index, OrderedDict())
             for e in guesses:
                 if e in waiting:
@@ -347,15 +385,13 @@ class ExpertStore:
                     waiting.popitem(last=False)[1].cancel()
                 waiting[e] = pool.submit(self._read, ahead, e)
 
-    def _score_foresight(self, layer: ExpertLayer, ids: np.ndarray) -> None:
-        """Count how many of the experts foreseen for ``layer`` its pass routed."""
-        if layer.foreseen is None or not len(layer.foreseen):
-            return
-        right = int(np.isin(layer.foreseen, ids).sum())
-        self.stats.foreseen += len(layer.foreseen)
-        self.stats.foreseen_right += right
-        layer.foresight = FREQUENCY_DECAY * layer.foresight + (1 - FREQUENCY_DECAY) * right / len(layer.foreseen)
-        layer.foreseen = None
+    def _score(self, layer: ExpertLayer, ids: np.ndarray) -> None:
+        """Score the guesses made for ``layer`` against what its pass routed."""
+        stats = self.stats
+        n, hit = layer.by_router.score(ids)
+        stats.router_guesses, stats.router_right = stats.router_guesses + n, stats.router_right + hit
+        n, hit = layer.by_frequency.score(ids)
+        stats.frequency_guesses, stats.frequency_right = stats.frequency_guesses + n, stats.frequency_right + hit
 
     def forget_guesses(self, layer: ExpertLayer) -> None:
         """Drop what was read ahead for ``layer`` and not used by its pass: guesses live one

@@ -124,14 +124,31 @@ def test_the_next_layers_router_guesses_a_step_early(monkeypatch):
     are not right often enough is still asked (and scored) but its guesses are not read."""
     monkeypatch.setattr(expert_store, "GUESS_MIN_RATE", 2.0)  # a rate no expert reaches
     for min_right, reads in ((0.5, True), (2.0, False)):
-        monkeypatch.setattr(expert_store, "ROUTER_GUESS_MIN_RIGHT", min_right)
+        monkeypatch.setattr(expert_store, "GUESS_MIN_RIGHT", min_right)
         model = load(golden("gpt_oss"), 0.25)
         store = store_of(model)
         run_greedy(model, n=12)
         stats = store.stats
-        assert 0 < stats.foreseen_right <= stats.foreseen
+        assert 0 < stats.router_right <= stats.router_guesses
         assert (stats.read_ahead > 0) is reads, f"needing {min_right} right"
         store.close()
+
+
+def test_frequency_guesses_that_were_wrong_lately_are_scored_but_not_read():
+    model = load(golden("gpt_oss"), 0.25)
+    store = store_of(model)
+    first, second = store.layers[0], store.layers[1]
+    outside = next(e for e in range(second.num_experts) if second.slot_of[e] < 0)
+    second.frequency[:] = 0
+    second.frequency[outside] = 5.0  # routed in every pass lately
+    second.by_frequency.right = 0.2  # but guessed wrong lately
+    store.routed(first, np.array([[0]]))
+    assert second.index not in store._pending or outside not in store._pending[second.index]
+    assert outside in second.by_frequency.pending  # still scored: it can earn its reads back
+    store.routed(second, np.array([[outside]]))
+    assert second.by_frequency.right == pytest.approx(0.2 * FREQUENCY_DECAY + (1 - FREQUENCY_DECAY))
+    assert store.stats.frequency_right == store.stats.frequency_guesses == 1
+    store.close()
 
 
 def test_a_guess_the_pass_does_not_route_counts_as_wasted_bytes():
