@@ -134,13 +134,19 @@ def test_the_next_layers_router_guesses_a_step_early(monkeypatch):
         store.close()
 
 
-def test_frequency_guesses_that_were_wrong_lately_are_scored_but_not_read():
-    model = load(golden("gpt_oss"), 0.25)
-    store = store_of(model)
+def _second_layer_likes_one_expert_outside_its_slab():
+    """gpt-oss streamed at a quarter: (store, first layer, second layer, the expert outside
+    the second layer's slab that it routed in every pass lately)."""
+    store = store_of(load(golden("gpt_oss"), 0.25))
     first, second = store.layers[0], store.layers[1]
     outside = next(e for e in range(second.num_experts) if second.slot_of[e] < 0)
     second.frequency[:] = 0
-    second.frequency[outside] = 5.0  # routed in every pass lately
+    second.frequency[outside] = 5.0
+    return store, first, second, outside
+
+
+def test_frequency_guesses_that_were_wrong_lately_are_scored_but_not_read():
+    store, first, second, outside = _second_layer_likes_one_expert_outside_its_slab()
     second.by_frequency.right = 0.2  # but guessed wrong lately
     store.routed(first, np.array([[0]]))
     assert second.index not in store._pending or outside not in store._pending[second.index]
@@ -152,12 +158,7 @@ def test_frequency_guesses_that_were_wrong_lately_are_scored_but_not_read():
 
 
 def test_a_guess_the_pass_does_not_route_counts_as_wasted_bytes():
-    model = load(golden("gpt_oss"), 0.25)
-    store = store_of(model)
-    first, second = store.layers[0], store.layers[1]
-    outside = next(e for e in range(second.num_experts) if second.slot_of[e] < 0)
-    second.frequency[:] = 0
-    second.frequency[outside] = 5.0  # routed in every pass lately
+    store, first, second, outside = _second_layer_likes_one_expert_outside_its_slab()
     store.routed(first, np.array([[0]]))
     guess = store._pending[second.index][outside]
     guess.result(timeout=30)  # read ahead
