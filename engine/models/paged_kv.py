@@ -1,27 +1,9 @@
 """Paged KV: full-attention keys and values held in fixed-size blocks shared between sequences.
 
-A ``BlockPool`` (one per loaded model) owns every block. A block holds ``block_size``
-tokens of keys and values for each paged layer of the model (arrays [1, heads, block_size,
-head_dim] per layer, allocated when a layer first writes). A sequence (``PagedSequence``:
-one chat's or one request's cache) keeps a block table, the list of blocks that hold its
-tokens in order, and one ``PagedKVCache`` per paged layer reads and writes through it.
-
-Sharing. A full block is *published* under a digest of a hash chain: the previous block's
-digest, the pool's identity (the model, its KV precision and dtype), the sequence's
-signature (the active adapters and their scales) and the block's token keys (a media
-token's key names the media's content, so two photos never share a block although their
-ids agree). A sequence whose prompt starts with the same keys finds those blocks by the
-same chain and takes them by reference (``attach``): two chats with the same system
-prompt, a chat and its regenerate, the app and the server hold it once. Published blocks
-never change: a sequence that writes into one (a regenerate trimmed back into the middle
-of a block) first copies it (copy on write), so only the first differing block and those
-after it are new. A block computed twice (two sequences prefilling the same prompt at
-once) is folded into the one published first.
-
-Eviction. Blocks count references from block tables. A block no table holds is freed at
-once unless published; published idle blocks stay cached for the next sequence that
-shares them and are evicted least recently used first when the pool's bytes pass its
-budget. Blocks in use are never evicted.
+The blocks, their storage, sharing and eviction are the pool's (engine/models/kv_blocks.py).
+Here: a sequence (``PagedSequence``: one chat's or one request's cache) keeps a block table,
+the list of blocks that hold its tokens in order, and one ``PagedKVCache`` per paged layer
+reads and writes through it, with ``KVCache``'s interface, so attention runs unchanged.
 
 Attention reads a sequence's keys and values from one contiguous array per layer: MLX has
 no paged attention kernel. The first pass of a request gathers the blocks it starts from
@@ -33,9 +15,10 @@ published, and when the request ends (``drop_views``, from the prefix cache's ``
 a layer at a time, each layer's view freed once its blocks are written. So a request holds
 its keys and values once, as the unpaged cache does, not in a view and in blocks (a 32k
 prompt peaked 6.9 GB higher on the H200 that way), and a prefill chunk costs no block
-writes; between requests a sequence holds only blocks. A sequence decoding in the batch hands its keys and values to the batch's
-rows and takes them back into blocks when it leaves. A CUDA gather kernel reading the
-block table inside attention would avoid the view altogether.
+writes; between requests a sequence holds only blocks. A sequence decoding in the batch
+hands its keys and values to the batch's rows and takes them back into blocks when it
+leaves. A CUDA gather kernel reading the block table inside attention would avoid the
+view altogether.
 
 What pages. Full-attention layers, plain (``KVCache``) or quantized (``QuantizedKVCache``:
 its codes, scales and biases go into the blocks, and attention reads the codes as there,
@@ -49,70 +32,32 @@ still page their full-attention layers and reuse their own prefix as before.
 
 from __future__ import annotations
 
-import hashlib
 import weakref
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
 from engine.errors import EngineError
+from engine.models.kv_blocks import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_POOL_BYTES,
+    Block,
+    BlockPool,
+    Parts,
+    Segment,
+    arrays_of,
+    check_block_size,
+    gather_pieces,
+    map_parts,
+    parts_of,
+    release_all,
+)
 from engine.models.kv_cache import KVCache, _mask_for, register_cache_kind
 from engine.models.quantized_kv_cache import READS_CODES, QuantizedKVCache
 
-# Tokens per block, chosen by measurement on a 2-core CPU (docs/paged-kv.md): 64 decoded as
-# fast as 256 at 4k tokens while a regenerate or an unshared tail wastes a quarter as much.
-DEFAULT_BLOCK_SIZE = 64
-BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
-# Idle published blocks kept when the host gives no budget.
-DEFAULT_POOL_BYTES = 1 << 30
 # A request's contiguous view grows this many tokens at a time (KVCache's step).
 VIEW_STEP = 256
-
-
-# A layer's keys (or values) in a block or a view: one array [1, heads, tokens, head_dim],
-# or for a quantized layer the triple (codes, scales, biases), each with tokens on axis 2.
-Parts = mx.array | tuple[mx.array, ...]
-
-
-def _each(x: Parts) -> tuple[mx.array, ...]:
-    return x if isinstance(x, tuple) else (x,)
-
-
-def _apply(f: Any, x: Parts) -> Parts:
-    return tuple(f(a) for a in x) if isinstance(x, tuple) else f(x)
-
-
-def _arrays(layers: Sequence[Parts | None]) -> list[mx.array]:
-    return [a for x in layers if x is not None for a in _each(x)]
-
-
-def check_block_size(n: int) -> int:
-    if n not in BLOCK_SIZES:
-        raise EngineError(f"The paged KV block size must be one of {', '.join(map(str, BLOCK_SIZES))} (got {n}).")
-    return n
-
-
-@dataclass(eq=False)
-class Block:
-    """``block_size`` tokens of keys and values, one pair of ``Parts`` per paged layer."""
-
-    number: int
-    keys: list[Parts | None]
-    values: list[Parts | None]
-    refs: int = 0
-    digest: bytes | None = None  # set once published (then it never changes)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in _arrays([*self.keys, *self.values]))
-
-    @property
-    def private(self) -> bool:
-        """Held by one sequence and unpublished: written in place, counted as that sequence's."""
-        return self.refs == 1 and self.digest is None
 
 
 class CannotPage(EngineError):
@@ -121,122 +66,6 @@ class CannotPage(EngineError):
     def __init__(self, reason: str):
         super().__init__(f"{reason}; leave out --paged-kv.")
         self.reason = reason
-
-
-@dataclass
-class PoolStats:
-    block_size: int
-    used: int  # blocks some sequence holds
-    shared: int  # blocks more than one sequence holds
-    cached: int  # published blocks no sequence holds, kept for reuse
-    bytes: int
-    budget_bytes: int
-
-
-@dataclass
-class BlockPool:
-    """Every block of one model's paged layers (see the module's docstring)."""
-
-    layers: int
-    block_size: int = DEFAULT_BLOCK_SIZE
-    identity: str = ""  # the model and its KV precision: part of every digest
-    budget_bytes: int = DEFAULT_POOL_BYTES
-    _next: int = 0
-    _held: dict[int, Block] = field(default_factory=dict)  # blocks with references
-    _published: dict[bytes, Block] = field(default_factory=dict)
-    _idle: OrderedDict[bytes, Block] = field(default_factory=OrderedDict)  # published, unreferenced, oldest first
-    # A quantized paged layer's layout (group sizes, head packing), the same for every sequence.
-    layouts: dict[int, dict[str, str]] = field(default_factory=dict)
-
-    def allocate(self) -> Block:
-        block = Block(self._next, [None] * self.layers, [None] * self.layers, refs=1)
-        self._next += 1
-        self._held[block.number] = block
-        return block
-
-    def take(self, block: Block) -> Block:
-        """Add a reference to ``block`` (bringing an idle cached block back into use)."""
-        if block.refs == 0 and block.digest is not None:
-            self._idle.pop(block.digest, None)
-            self._held[block.number] = block
-        block.refs += 1
-        return block
-
-    def release(self, block: Block) -> None:
-        block.refs -= 1
-        if block.refs > 0:
-            return
-        self._held.pop(block.number, None)
-        if block.digest is not None and self._published.get(block.digest) is block:
-            self._idle[block.digest] = block
-            self.evict()
-
-    def page(self, cache: list) -> list:
-        """``cache`` with its plain full-attention layers paged here (``paged_prompt_cache``)."""
-        return paged_prompt_cache(cache, self)
-
-    def find(self, digest: bytes) -> Block | None:
-        return self._published.get(digest)
-
-    def publish(self, block: Block, digest: bytes) -> Block:
-        """Make a full block findable by ``digest``; the block the sequence should hold
-        (the one published earlier under the same digest, if another sequence computed it)."""
-        known = self._published.get(digest)
-        if known is not None and known is not block:
-            self.take(known)
-            self.release(block)
-            return known
-        block.digest = digest
-        self._published[digest] = block
-        return block
-
-    def chain(self, previous: bytes, signature: str, keys: Sequence[Hashable]) -> bytes:
-        """The digest of a block of ``keys`` following the block digested ``previous``."""
-        h = hashlib.sha256(previous)
-        h.update(f"{self.identity}\x00{signature}\x00{self.block_size}\x00".encode())
-        h.update(repr(tuple(keys)).encode())
-        return h.digest()
-
-    def evict(self, budget: int | None = None) -> int:
-        """Free idle cached blocks, least recently used first, until the pool's bytes fit
-        ``budget`` (default its own); return how many were freed."""
-        budget = self.budget_bytes if budget is None else budget
-        total, freed = self.nbytes, 0
-        while self._idle and total > budget:
-            digest, block = self._idle.popitem(last=False)
-            del self._published[digest]
-            total -= block.nbytes
-            freed += 1
-        return freed
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._held.values()) + sum(b.nbytes for b in self._idle.values())
-
-    @property
-    def common_bytes(self) -> int:
-        """Bytes in blocks no one sequence counts as its own (``PagedKVCache.nbytes`` counts
-        only private blocks): published or shared ones, held or idle. A sequence's caches
-        plus this is every KV byte, each counted once."""
-        held = sum(b.nbytes for b in self._held.values() if not b.private)
-        return held + sum(b.nbytes for b in self._idle.values())
-
-    def stats(self) -> PoolStats:
-        used = list(self._held.values())
-        return PoolStats(
-            block_size=self.block_size,
-            used=len(used),
-            shared=sum(1 for b in used if b.refs > 1),
-            cached=len(self._idle),
-            bytes=self.nbytes,
-            budget_bytes=self.budget_bytes,
-        )
-
-
-def _release_all(pool: BlockPool, table: list[Block]) -> None:
-    for block in table:
-        pool.release(block)
-    table.clear()
 
 
 class PagedSequence:
@@ -258,7 +87,7 @@ class PagedSequence:
         self.view_caches: list[Any] = [None] * pool.layers
         self.shareable = shareable  # every layer of the model pages (blocks hold the whole prefix)
         # The table's blocks go back to the pool whenever this sequence is dropped.
-        self._finalizer = weakref.finalize(self, _release_all, pool, self.table)
+        self._finalizer = weakref.finalize(self, release_all, pool, self.table)
 
     def writable(self, index: int) -> Block:
         """The block at ``index`` of the table, private to this sequence (copied when
@@ -269,41 +98,43 @@ class PagedSequence:
         if block.private:
             return block
         fresh = self.pool.allocate()
-        # Slices are new arrays: writing into the copy never changes the published block.
-        fresh.keys = [k if k is None else _apply(lambda a: a[...], k) for k in block.keys]
-        fresh.values = [v if v is None else _apply(lambda a: a[...], v) for v in block.values]
+        # Segments never change: the copy shares the published block's pieces until each
+        # layer stores its own.
+        fresh.keys, fresh.values = list(block.keys), list(block.values)
         self.pool.release(block)
         self.table[index] = fresh
         return fresh
 
-    def write(self, layer: int, keys: Parts, values: Parts, start: int) -> None:
-        """Put ``layer``'s keys and values for positions ``start``.. into blocks."""
-        size, n = self.pool.block_size, _each(keys)[0].shape[2]
-        pos = start
-        while pos < start + n:
-            index, lo = divmod(pos, size)
-            take = min(size - lo, start + n - pos)
-            block = self.writable(index)
-            for arrays, new in ((block.keys, keys), (block.values, values)):
-                if arrays[layer] is None:
-                    arrays[layer] = _apply(lambda a: mx.zeros((*a.shape[:2], size, a.shape[3]), a.dtype), new)
-                for into, part in zip(_each(arrays[layer]), _each(new)):
-                    into[..., lo : lo + take, :] = part[..., pos - start : pos - start + take, :]
-            pos += take
+    def write(self, layer: int, keys: Parts, values: Parts, start: int) -> list[mx.array]:
+        """Put ``layer``'s keys and values for positions ``start``.. (``start`` at a block's
+        beginning) into blocks: the whole blocks as one segment, a partial last block as
+        another; the arrays written (lazy)."""
+        size, n = self.pool.block_size, parts_of(keys)[0].shape[2]
+        assert start % size == 0, "a store starts at a block's beginning"
+        first, whole = start // size, n // size
+        runs = [(first, whole, 0)] if whole else []
+        if n % size:
+            runs.append((first + whole, 1, whole * size))
+        written: list[mx.array] = []
+        for index, count, at in runs:
+            k, v = (Segment(map_parts(lambda a: _cut(a, at, count * size), x), count) for x in (keys, values))
+            written += [*parts_of(k.parts), *parts_of(v.parts)]
+            for i in range(count):
+                block = self.writable(index + i)
+                block.keys[layer], block.values[layer] = (k, i), (v, i)
+        return written
 
     def flush_layer(self, layer: int) -> list[mx.array]:
-        """Write ``layer``'s tokens that are only in its view into blocks; the block arrays
+        """Write ``layer``'s tokens that are only in its view into blocks, from the start of
+        the block holding the first of them (the view holds every token); the arrays
         written (lazy)."""
         start, end, view = self.flushed[layer], self.offsets[layer], self.views[layer]
         self.flushed[layer] = end
         if end <= start or view is None:
             return []
-        # Copies: a block made of a slice of the view could keep the whole view's buffer.
-        keys, values = (_apply(lambda a: mx.contiguous(a[..., start:end, :]), x) for x in view)
-        self.write(layer, keys, values, start)
-        size = self.pool.block_size
-        written = self.table[start // size : (end + size - 1) // size]
-        return _arrays([x for b in written for x in (b.keys[layer], b.values[layer])])
+        start -= start % self.pool.block_size
+        keys, values = (map_parts(lambda a: a[..., start:end, :], x) for x in view)
+        return self.write(layer, keys, values, start)
 
     def flush(self, drop: bool = False) -> None:
         """Write every layer's new tokens into blocks, evaluated a layer at a time (a block
@@ -424,26 +255,32 @@ class PagedKVCache:
     def _first_view(self, which: int, new: mx.array, start: int) -> mx.array:
         """The blocks' keys (``which`` 0) or values (1) of positions [0, start), ``new``
         after them, and room to grow, in one copy."""
-        size = self.sequence.pool.block_size
-        blocks = self.sequence.table[: (start + size - 1) // size]
-        held = [(b.keys if which == 0 else b.values)[self.layer] for b in blocks]
-        if held and start % size:
-            held[-1] = held[-1][..., : start % size, :]
+        held: list[mx.array] = self._pieces(which, start)  # type: ignore[assignment]
+        if held and (past := sum(a.shape[2] for a in held) - start):
+            held[-1] = held[-1][..., : held[-1].shape[2] - past, :]
         return _grown(held, new, _room(start + new.shape[2]))
+
+    def _pieces(self, which: int, end: int) -> list[Parts]:
+        """This layer's keys (``which`` 0) or values (1) of the blocks holding positions
+        [0, end), a run of one segment as one slice."""
+        size = self.sequence.pool.block_size
+        blocks = self.sequence.table[: (end + size - 1) // size]
+        return gather_pieces([(b.keys if which == 0 else b.values)[self.layer] for b in blocks], size)  # type: ignore[misc]
 
     def pending_arrays(self) -> list[mx.array]:
         """The arrays a pass wrote into: this layer's view and blocks (evaluated after a
         prefill chunk instead of ``state``, which would gather a copy of them all)."""
-        view = _arrays(self.sequence.views[self.layer] or ())
-        blocks = _arrays([x for b in self.sequence.table for x in (b.keys[self.layer], b.values[self.layer])])
-        return [*view, *blocks]
+        view = arrays_of(self.sequence.views[self.layer] or ())
+        segments = {
+            id(p[0]): p[0] for b in self.sequence.table for p in (b.keys[self.layer], b.values[self.layer]) if p
+        }
+        return [*view, *arrays_of([s.parts for s in segments.values()])]
 
     def held(self) -> tuple[Parts, Parts]:
         """The sequence's keys and values of this layer, gathered from its blocks."""
         self.sequence.flush_layer(self.layer)
-        end, size = self.offset, self.sequence.pool.block_size
-        blocks = self.sequence.table[: (end + size - 1) // size]
-        return _joined([b.keys[self.layer] for b in blocks], end), _joined([b.values[self.layer] for b in blocks], end)
+        end = self.offset
+        return _joined(self._pieces(0, end), end), _joined(self._pieces(1, end), end)
 
     def make_mask(self, n_queries: int, window: int | None = None):
         return _mask_for(self.offset, self.offset + n_queries, n_queries, window)
@@ -461,8 +298,7 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """This layer's bytes in blocks only this sequence holds (shared ones are the pool's)."""
-        mine = [x for b in self.sequence.table if b.private for x in (b.keys[self.layer], b.values[self.layer])]
-        return sum(a.nbytes for a in _arrays(mine))
+        return sum(b.layer_bytes(self.layer) for b in self.sequence.table if b.private)
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
@@ -498,13 +334,23 @@ def _grown(held: mx.array | list[mx.array], new: mx.array, length: int) -> mx.ar
     return mx.concatenate(pieces, axis=2)
 
 
-def _joined(blocks: list[Parts], end: int) -> Parts:
-    """Blocks' keys (or values) as one array (or triple), cut at ``end`` tokens."""
-    if len(blocks) == 1:
-        return _apply(lambda a: a[..., :end, :], blocks[0])
-    if isinstance(blocks[0], tuple):
-        return tuple(mx.concatenate(parts, axis=2)[..., :end, :] for parts in zip(*blocks))
-    return mx.concatenate(blocks, axis=2)[..., :end, :]
+def _joined(pieces: list[Parts], end: int) -> Parts:
+    """Consecutive keys (or values) as one array (or triple), cut at ``end`` tokens."""
+    if len(pieces) == 1:
+        return map_parts(lambda a: a[..., :end, :], pieces[0])
+    if isinstance(pieces[0], tuple):
+        return tuple(mx.concatenate(parts, axis=2)[..., :end, :] for parts in zip(*pieces))
+    return mx.concatenate(pieces, axis=2)[..., :end, :]  # type: ignore[arg-type]
+
+
+def _cut(a: mx.array, at: int, length: int) -> mx.array:
+    """``length`` tokens of ``a`` from ``at``, zero-padded past its end, in an array of its
+    own (a slice of a view would keep the whole view's buffer)."""
+    piece = a[..., at : at + length, :]
+    short = length - piece.shape[2]
+    if short:
+        return mx.concatenate([piece, mx.zeros((*a.shape[:2], short, a.shape[3]), a.dtype)], axis=2)
+    return mx.contiguous(piece)
 
 
 _LAYOUT = ("groups", "packed")
@@ -540,7 +386,7 @@ class PagedQuantizedKVCache(PagedKVCache):
             inner = QuantizedKVCache(self.bits, self.group_size)
             if self.offset:
                 keys, values = self.held()
-                inner.state = (*_each(keys), *_each(values))
+                inner.state = (*parts_of(keys), *parts_of(values))
                 inner.meta_state = self.meta_state
             self.inner = inner
         return self.inner
@@ -586,7 +432,7 @@ class PagedQuantizedKVCache(PagedKVCache):
         if self.offset == 0:
             return ()
         keys, values = self.held()
-        return (*_each(keys), *_each(values))
+        return (*parts_of(keys), *parts_of(values))
 
     @state.setter
     def state(self, value) -> None:
