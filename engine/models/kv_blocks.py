@@ -180,12 +180,6 @@ class BlockPool:
             self._idle[block.digest] = block
             self.evict()
 
-    def page(self, cache: list) -> list:
-        """``cache`` with its plain full-attention layers paged here (``paged_prompt_cache``)."""
-        from engine.models.paged_kv import paged_prompt_cache  # the caches build on this module
-
-        return paged_prompt_cache(cache, self)
-
     def find(self, digest: bytes) -> Block | None:
         return self._published.get(digest)
 

@@ -330,7 +330,7 @@ def make_prompt_cache(model) -> list:
     """One cache per layer, of the kind each layer needs. ``model.kv_quantization`` (set by
     the host from --kv-bits or kv_config.json: quantized_kv_cache.KVQuantization) swaps
     the full-attention layers' caches for quantized ones; ``model.kv_pool`` (--paged-kv:
-    paged_kv.BlockPool) then pages them, quantized or not."""
+    paged_kv.ModelPool) then pages them, quantized or not."""
     cache = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     quantization = getattr(model, "kv_quantization", None)
     if quantization is not None:

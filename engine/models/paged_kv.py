@@ -477,6 +477,14 @@ def paged_prompt_cache(cache: list, pool: BlockPool) -> list:
     return out
 
 
+class ModelPool(BlockPool):
+    """A model's block pool as ``make_prompt_cache`` uses it (``model.kv_pool``): it pages
+    the caches the model makes."""
+
+    def page(self, cache: list) -> list:
+        return paged_prompt_cache(cache, self)
+
+
 def sequence_of(cache: Sequence[Any] | None) -> PagedSequence | None:
     """The paged sequence behind a prompt cache, or None for an unpaged one."""
     for c in cache or ():
@@ -485,7 +493,7 @@ def sequence_of(cache: Sequence[Any] | None) -> PagedSequence | None:
     return None
 
 
-def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int | None = None) -> BlockPool:
+def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int | None = None) -> ModelPool:
     """Give ``model`` a block pool (``make_prompt_cache`` then pages its caches)."""
     base = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     layers = sum(1 for c in base if type(c) is KVCache)
@@ -503,6 +511,6 @@ def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int
     identity = (
         f"{type(model).__module__}.{type(model).__name__}:{getattr(model, 'model_path', '')}:{id(model)}:{precision}"
     )
-    pool = BlockPool(layers, check_block_size(block_size), identity, budget_bytes or DEFAULT_POOL_BYTES)
+    pool = ModelPool(layers, check_block_size(block_size), identity, budget_bytes or DEFAULT_POOL_BYTES)
     model.kv_pool = pool
     return pool
