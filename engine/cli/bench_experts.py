@@ -157,16 +157,12 @@ def run_experts_bench(args: argparse.Namespace, build_model: Any) -> int:
         from engine.artifacts.mlx_quant import MODES
 
         args.bits, args.group_size = MODES[args.mode].default
-    model, config, _ = build_model(args.shape, args.bits, args.group_size, args.seed, args.mode)
-    if not any(k in config for k in ("num_experts", "n_routed_experts", "num_local_experts")):
-        raise EngineError(f"--resident-experts needs a mixture-of-experts shape; {args.shape} has no experts")
-    prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=mx.random.key(args.seed))
-    prompt = prompt.astype(mx.uint32)
-    scratch = Path(tempfile.mkdtemp(prefix="bench-experts-"))
+    kept = Path(args.checkpoint_dir) if getattr(args, "checkpoint_dir", None) else None
+    scratch = kept or Path(tempfile.mkdtemp(prefix="bench-experts-"))
     try:
-        file = write_checkpoint(model, config, scratch)
-        del model
-        mx.clear_cache()
+        file, config = _checkpoint(args, build_model, scratch)
+        prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=mx.random.key(args.seed))
+        prompt = prompt.astype(mx.uint32)
         seq, rnd = measure_disk(str(file))
         size = file.stat().st_size
         print(
@@ -203,8 +199,30 @@ def run_experts_bench(args: argparse.Namespace, build_model: Any) -> int:
         if args.json:
             print(json.dumps(out))
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if kept is None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def _checkpoint(args: argparse.Namespace, build_model: Any, folder: Path) -> tuple[Path, dict[str, Any]]:
+    """The shape's random checkpoint in ``folder`` and its config: the one there when an
+    earlier run wrote it for the same shape, bits, mode and seed, else written now."""
+    import mlx.core as mx
+
+    key = {k: getattr(args, k) for k in ("shape", "bits", "group_size", "mode", "seed")}
+    made, file = folder / "bench-key.json", folder / "model.safetensors"
+    if made.exists() and file.exists() and json.loads(made.read_text()) == key:
+        print(f"reusing the checkpoint in {folder}", flush=True)
+        return file, json.loads((folder / "config.json").read_text())
+    model, config, _ = build_model(args.shape, args.bits, args.group_size, args.seed, args.mode)
+    if not any(k in config for k in ("num_experts", "n_routed_experts", "num_local_experts")):
+        raise EngineError(f"--resident-experts needs a mixture-of-experts shape; {args.shape} has no experts")
+    made.unlink(missing_ok=True)
+    write_checkpoint(model, config, folder)
+    made.write_text(json.dumps(key))  # last: a write cut short is never reused
+    del model
+    mx.clear_cache()
+    return file, config
 
 
 _COUNTS = (

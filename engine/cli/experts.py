@@ -30,6 +30,14 @@ def add_resident_experts(p: argparse.ArgumentParser, many: bool = False) -> None
         "checkpoint when routed (default: all that the memory budget holds)"
         + ("; a comma-separated list benches each" if many else ""),
     )
+    if many:
+        p.add_argument(
+            "--checkpoint-dir",
+            metavar="DIR",
+            help="with --resident-experts: write the shape's random checkpoint in DIR and keep it, or "
+            "reuse the one a run with the same shape, bits, mode and seed left there (a 20 GB shape "
+            "takes minutes to write)",
+        )
 
 
 def json_experts(host: Any) -> dict[str, Any] | None:

@@ -37,6 +37,24 @@ def test_bench_reports_each_residency_and_the_disk(tmp_path):
     assert rows[1.0]["misses_read_ahead"] is None and 0 <= rows[0.25]["misses_read_ahead"] <= 1
 
 
+def test_a_kept_checkpoint_is_reused_by_the_next_run_of_the_same_shape(tmp_path):
+    """--checkpoint-dir keeps the random checkpoint, and a run with the same shape, bits and
+    seed reuses it (a large shape takes minutes to write); another seed writes a new one."""
+    args = ("bench", "--shape", "tiny-gpt-oss", "-p", "8", "-g", "3", "--resident-experts", "0.5", "--json")
+    first = run(*args, "--checkpoint-dir", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    written = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    again = run(*args, "--checkpoint-dir", str(tmp_path))
+    assert again.returncode == 0, again.stderr
+    assert "reusing the checkpoint" in again.stdout and "reusing" not in first.stdout
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == written
+    rows = [json.loads(out.stdout.strip().splitlines()[-1])["experts"][0] for out in (first, again)]
+    assert rows[0]["slots"] == rows[1]["slots"] and rows[0]["experts"] == rows[1]["experts"]
+    other = run(*args, "--checkpoint-dir", str(tmp_path), "--seed", "7")
+    assert other.returncode == 0, other.stderr
+    assert "reusing" not in other.stdout and (tmp_path / "model.safetensors").stat().st_mtime_ns != written
+
+
 def test_bench_refuses_a_dense_shape():
     out = run("bench", "--shape", "tiny", "-p", "4", "-g", "2", "--resident-experts", "0.5")
     assert out.returncode != 0 and "mixture-of-experts" in out.stderr
