@@ -124,25 +124,35 @@ class PagedSequence:
                 block.keys[layer], block.values[layer] = (k, i), (v, i)
         return written
 
-    def flush_layer(self, layer: int) -> list[mx.array]:
+    def flush_layer(self, layer: int, adopt: bool = False) -> list[mx.array]:
         """Write ``layer``'s tokens that are only in its view into blocks, from the start of
         the block holding the first of them (the view holds every token); the arrays
-        written (lazy)."""
+        written (lazy). With ``adopt`` (the view is dropped next and never written again), a
+        view holding only new tokens becomes the blocks' segment itself, with no copy."""
         start, end, view = self.flushed[layer], self.offsets[layer], self.views[layer]
         self.flushed[layer] = end
         if end <= start or view is None:
             return []
-        start -= start % self.pool.block_size
-        keys, values = (map_parts(lambda a: a[..., start:end, :], x) for x in view)
-        return self.write(layer, keys, values, start)
+        size = self.pool.block_size
+        blocks = -(-end // size)
+        if adopt and start == 0 and parts_of(view[0])[0].shape[2] >= blocks * size:
+            keys, values = Segment(view[0], blocks), Segment(view[1], blocks)
+            for i in range(blocks):
+                block = self.writable(i)
+                block.keys[layer], block.values[layer] = (keys, i), (values, i)
+            return []
+        start -= start % size
+        return self.write(layer, *(map_parts(lambda a: a[..., start:end, :], x) for x in view), start)
 
     def flush(self, drop: bool = False) -> None:
         """Write every layer's new tokens into blocks, evaluated a layer at a time (a block
         written from a view must not keep the view's buffer alive through its lazy graph);
         with ``drop``, each layer's view is forgotten once written, so no more than one
-        layer is held twice at a time."""
+        layer is held twice at a time, and a view of new tokens alone is adopted whole: a
+        fresh 32k request's end then copies nothing (its room past the last token, at most
+        ``VIEW_STEP`` tokens, stays with the blocks)."""
         for layer in range(len(self.views)):
-            written = self.flush_layer(layer)
+            written = self.flush_layer(layer, adopt=drop)
             if written:
                 mx.eval(written)
             if drop:

@@ -324,34 +324,42 @@ def test_a_request_holds_its_keys_and_values_once(kv_bits):
     assert sequence.view_caches == [None] * len(sequence.view_caches)
 
 
-def test_a_request_stores_each_layer_as_two_arrays_and_the_next_frees_its_partial_block():
-    """A request's end writes a layer's new tokens as one array for its whole blocks and one
-    for the partial last block (kv_blocks.Segment), not an array per block; the next request
-    rewrites that block, which frees its array, and the blocks read back equal the unpaged
-    cache's keys and values."""
+def test_a_request_stores_its_new_tokens_in_few_arrays_and_the_next_frees_its_partial_block():
+    """A fresh request's end adopts each layer's view as its blocks' storage (no copy); a
+    continuing request's end writes a layer's new tokens as one array for its whole blocks
+    and one for the partial last block (kv_blocks.Segment), not an array per block, and the
+    next request rewrites that block, which frees its array. The blocks read back equal the
+    unpaged cache's keys and values."""
     import weakref
 
     from engine.decode.prefill import prefill
 
     model = build("llama")
-    first, more = prompt(100), prompt(140)[100:]
+    ids = prompt(170)
     unpaged = make_prompt_cache(model)
-    prefill(model, mx.array(first + more, dtype=mx.uint32), unpaged, chunk=64)
+    prefill(model, mx.array(ids, dtype=mx.uint32), unpaged, chunk=64)
     pool_for(model, block_size=16)
+
+    def segments(layer: int) -> list[int]:
+        return [
+            len({id(b.keys[layer][0]) for b in sequence.table}),
+            len({id(b.values[layer][0]) for b in sequence.table}),
+        ]
+
     try:
         cache = make_prompt_cache(model)
         sequence = sequence_of(cache)
-        prefill(model, mx.array(first, dtype=mx.uint32), cache, chunk=64)
-        sequence.drop_views()
-        for layer in range(sequence.pool.layers):  # 100 tokens: 6 whole blocks and 4 tokens
-            assert len({id(b.keys[layer][0]) for b in sequence.table}) == 2
-            assert len({id(b.values[layer][0]) for b in sequence.table}) == 2
-        tail = weakref.ref(sequence.table[6].keys[0][0])
-        kept = sequence.table[0].keys[0][0]
-        prefill(model, mx.array(more, dtype=mx.uint32), cache, chunk=64)
+        for lo, hi in ((0, 100), (100, 140)):
+            prefill(model, mx.array(ids[lo:hi], dtype=mx.uint32), cache, chunk=64)
+            sequence.drop_views()
+        layers = range(sequence.pool.layers)
+        # The first request's view (100 tokens, 7 blocks), then blocks 6-7 whole and block 8's 12 tokens.
+        assert [segments(layer) for layer in layers] == [[3, 3]] * len(layers)
+        first, tail = sequence.table[0].keys[0][0], weakref.ref(sequence.table[8].keys[0][0])
+        prefill(model, mx.array(ids[140:], dtype=mx.uint32), cache, chunk=64)
         sequence.drop_views()
         assert tail() is None
-        assert [b.keys[0][0] is kept for b in sequence.table] == [True] * 6 + [False] * 3
+        assert [b.keys[0][0] is first for b in sequence.table] == [True] * 6 + [False] * 5
         for paged, plain in zip(cache, unpaged):
             for got, want in zip(paged.state, plain.state):
                 assert mx.array_equal(got, want[..., : plain.offset, :])
