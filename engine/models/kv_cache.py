@@ -399,10 +399,9 @@ def _empty_like(kind: type, meta: dict[str, str]) -> Any:
     return kind()
 
 
-def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | None = None) -> None:
-    """Write the cache (each layer's arrays and settings) to a safetensors file, atomically:
-    a temporary file is written beside it and renamed over it, so a crash or a full disk
-    never leaves a half-written cache under the real name."""
+def cache_arrays(cache: list) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Each layer's arrays (``"layer.slot"``) and the header that says how to rebuild the
+    cache from them (``rebuild_cache``): what a cache file holds."""
     arrays: dict[str, mx.array] = {}
     layers: list[dict[str, Any]] = []
     for i, c in enumerate(cache):
@@ -415,9 +414,22 @@ def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | 
         for j, a in enumerate(state):
             arrays[f"{i}.{j}"] = a
         layers.append({"kind": type(c).__name__, "meta": c.meta_state, "arrays": len(state)})
-    header = {"format": _FORMAT, "layers": json.dumps(layers)}
-    for key, value in (metadata or {}).items():
-        header[f"user.{key}"] = str(value)
+    return arrays, {"format": _FORMAT, "layers": json.dumps(layers)}
+
+
+def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | None = None) -> None:
+    """Write the cache (each layer's arrays and settings) to a safetensors file, atomically:
+    a temporary file is written beside it and renamed over it, so a crash or a full disk
+    never leaves a half-written cache under the real name."""
+    arrays, header = cache_arrays(cache)
+    write_cache_file(path, arrays, header, metadata)
+
+
+def write_cache_file(
+    path: str | Path, arrays: dict[str, mx.array], header: dict[str, str], metadata: dict[str, str] | None = None
+) -> None:
+    """``arrays`` under ``header`` and ``metadata`` (as ``user.`` keys), written atomically."""
+    header = {**header, **{f"user.{key}": str(value) for key, value in (metadata or {}).items()}}
     path = Path(path)
     if path.suffix != ".safetensors":
         raise EngineError(f"A prompt cache file must end in .safetensors (got {path}).")
@@ -430,15 +442,30 @@ def save_prompt_cache(path: str | Path, cache: list, metadata: dict[str, str] | 
         raise
 
 
-def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
-    """Read a file written by ``save_prompt_cache``; return (cache, metadata). A damaged,
-    truncated or foreign file raises EngineError."""
+def read_cache_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """A cache file's arrays and header; a damaged, truncated or foreign file raises EngineError."""
     try:
         arrays, header = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # mlx raises plain RuntimeError/ValueError on bad files
         raise EngineError(f"Cannot read the prompt cache {path}: {exc}. Delete it to start afresh.") from exc
     if header.get("format") != _FORMAT:
         raise EngineError(f"{path} is not a prompt cache written by this program; delete it.")
+    return arrays, header
+
+
+def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
+    """Read a file written by ``save_prompt_cache``; return (cache, metadata). A damaged,
+    truncated or foreign file raises EngineError."""
+    arrays, header = read_cache_file(path)
+    return rebuild_cache(arrays, header, path), user_metadata(header)
+
+
+def user_metadata(header: dict[str, str]) -> dict[str, str]:
+    return {k[len("user.") :]: v for k, v in header.items() if k.startswith("user.")}
+
+
+def rebuild_cache(arrays: dict[str, mx.array], header: dict[str, str], path: str | Path) -> list:
+    """The cache ``cache_arrays`` described (``path`` names it in errors)."""
     cache = []
     try:
         for i, layer in enumerate(json.loads(header["layers"])):
@@ -460,8 +487,7 @@ def load_prompt_cache(path: str | Path) -> tuple[list, dict[str, str]]:
             cache.append(c)
     except (KeyError, ValueError, TypeError) as exc:
         raise EngineError(f"The prompt cache {path} is damaged ({exc}); delete it.") from None
-    metadata = {k[len("user.") :]: v for k, v in header.items() if k.startswith("user.")}
-    return cache, metadata
+    return cache
 
 
 def copy_prompt_cache(cache: Sequence[Any], rows: int = 1) -> list:

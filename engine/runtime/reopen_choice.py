@@ -104,8 +104,12 @@ def choose(tokens: int, file_bytes: int, read_bytes_per_s: float, prefill_tokens
 
 def choose_for(path: str | Path, model: Any) -> ReopenChoice:
     """Measure the disk on ``path`` and the model's prefill, and choose."""
+    from engine.kv_files import block_file, header_metadata, named_blocks, session_bytes
+
     tokens = saved_token_count(path)
-    size = Path(path).stat().st_size
+    size = session_bytes(path)  # with the blocks it names
     if tokens == 0:  # unreadable header: reading says why
         return ReopenChoice("read", 0, size, 0.0, 0.0, 0.0, 0.0)
-    return choose(tokens, size, disk_read_rate(path), prefill_rate(model))
+    blocks = named_blocks(header_metadata(path))
+    probe = block_file(Path(path).parent, blocks[0]) if blocks else Path(path)  # a block: the larger file
+    return choose(tokens, size, disk_read_rate(probe if probe.is_file() else path), prefill_rate(model))

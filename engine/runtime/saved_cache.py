@@ -10,20 +10,45 @@ a saved cache can make a turn faster, never different.
 Before reading, the engine weighs reading the file against prefilling its tokens again
 (runtime/reopen_choice.py) and takes the faster; the choice is kept on the chat
 (``reopen_choice``) for ``generate --json`` and the bench to report.
+
+By block. A cache whose every layer holds keys and values per token (full attention, plain
+or quantized, paged or not) is saved as its whole blocks of ``SAVED_BLOCK_TOKENS`` tokens,
+each a file named by a digest chain (the identity, the previous block's digest and the
+block's token ids) in the folder's ``blocks/`` (engine/kv_files.py), and a session file
+holding the rest: the partial last block, the digests in order and the identity. Chats
+that start with the same system prompt name the same block files, and a save writes only
+the blocks not on disk yet (touching those it reuses), so a prompt shared by many chats is
+stored once. Other caches (sliding windows, recurrent state, latent attention) keep one
+file. A one-file cache from before still loads; a missing or damaged block is refused as a
+damaged file is (the chat prefills in full, and the next save writes it again).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
-from engine.models.kv_cache import load_prompt_cache, save_prompt_cache
+from engine.kv_files import block_file, named_blocks
+from engine.models.kv_cache import (
+    cache_arrays,
+    read_cache_file,
+    rebuild_cache,
+    save_prompt_cache,
+    user_metadata,
+    write_cache_file,
+)
 from engine.models.lora import active_signature
 
 IDENTITY_KEYS = ("model", "weights", "adapters", "template", "kv")
+# Tokens per saved block: large enough that a 16k-token chat is 64 files, small enough that
+# a shared system prompt's unshared tail (stored per chat) stays small.
+SAVED_BLOCK_TOKENS = 256
+# Cache kinds that hold keys and values per token, every array with tokens on axis 2.
+_BY_TOKEN = ("KVCache", "QuantizedKVCache", "PagedKVCache", "PagedQuantizedKVCache")
 _EDGE = 1 << 16  # bytes read from each end of a weight file for its fingerprint
 
 
@@ -73,8 +98,80 @@ def save_session(path: str | Path, chat: Any, identity: dict[str, str]) -> int:
     metadata = {**identity, "token_ids": json.dumps(chat.ids)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_prompt_cache(path, cache, metadata)
-    return path.stat().st_size
+    arrays, header = cache_arrays(cache)
+    if not _by_token(header, arrays, len(chat.ids)):
+        save_prompt_cache(path, cache, metadata)
+        return path.stat().st_size
+    digests = block_digests(chat.ids, identity)
+    written = _save_blocks(path.parent, arrays, header, digests)
+    n = len(digests) * SAVED_BLOCK_TOKENS
+    tail = {key: a[..., n:, :] for key, a in arrays.items() if a.shape[2] > n}
+    metadata.update(blocks=json.dumps(digests), block_tokens=str(SAVED_BLOCK_TOKENS))
+    write_cache_file(path, tail, header, metadata)
+    return path.stat().st_size + written
+
+
+def _by_token(header: dict[str, str], arrays: dict[str, Any], tokens: int) -> bool:
+    """Whether every layer holds keys and values per token, for all ``tokens``."""
+    kinds = [layer["kind"] for layer in json.loads(header["layers"])]
+    return all(k in _BY_TOKEN for k in kinds) and all(a.ndim == 4 and a.shape[2] == tokens for a in arrays.values())
+
+
+def block_digests(ids: list[int], identity: dict[str, str]) -> list[str]:
+    """The digest of each whole block of ``ids``: a chain through the identity, the block
+    size, the previous digest and the block's ids (what its keys and values depend on)."""
+    seed = json.dumps([identity.get(k, "") for k in IDENTITY_KEYS] + [SAVED_BLOCK_TOKENS])
+    out, previous = [], hashlib.sha256(seed.encode()).hexdigest()
+    for i in range(len(ids) // SAVED_BLOCK_TOKENS):
+        block = ids[i * SAVED_BLOCK_TOKENS : (i + 1) * SAVED_BLOCK_TOKENS]
+        previous = hashlib.sha256(f"{previous}:{block}".encode()).hexdigest()
+        out.append(previous)
+    return out
+
+
+def _save_blocks(folder: Path, arrays: dict[str, Any], header: dict[str, str], digests: list[str]) -> int:
+    """Write the blocks not on disk yet (touch the others: recently used); the bytes written."""
+    written = 0
+    for i, digest in enumerate(digests):
+        file = block_file(folder, digest)
+        if file.is_file():
+            os.utime(file)
+            continue
+        file.parent.mkdir(parents=True, exist_ok=True)
+        lo, hi = i * SAVED_BLOCK_TOKENS, (i + 1) * SAVED_BLOCK_TOKENS
+        write_cache_file(file, {key: a[..., lo:hi, :] for key, a in arrays.items()}, header)
+        written += file.stat().st_size
+    return written
+
+
+def load_saved(path: str | Path) -> tuple[list, dict[str, str]]:
+    """A saved cache and its metadata, its blocks read and joined when saved by block;
+    EngineError when the file or a block is missing, damaged or does not fit."""
+    import mlx.core as mx
+
+    arrays, header = read_cache_file(path)
+    metadata = user_metadata(header)
+    digests = named_blocks({f"user.{k}": v for k, v in metadata.items()})
+    if "blocks" not in metadata:
+        return rebuild_cache(arrays, header, path), metadata
+    size = int(metadata.get("block_tokens", "0"))
+    parts: dict[str, list[Any]] = {}
+    for digest in digests:
+        file = block_file(Path(path).parent, digest)
+        if not file.is_file():
+            raise EngineError(f"A block of the saved cache {path} is missing ({file.name}).")
+        block, _ = read_cache_file(file)
+        for key, a in block.items():
+            if a.shape[2] != size:
+                raise EngineError(f"The saved block {file.name} is damaged (its length is not {size}).")
+            parts.setdefault(key, []).append(a)
+    for key, a in arrays.items():
+        parts.setdefault(key, []).append(a)
+    joined = {key: p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for key, p in parts.items()}
+    tokens = len(json.loads(metadata.get("token_ids", "[]")))
+    if any(a.shape[2] != tokens for a in joined.values()):
+        raise EngineError(f"The saved cache {path} does not match its blocks; delete it.")
+    return rebuild_cache(joined, header, path), metadata
 
 
 def restore_session(path: str | Path, chat: Any, identity: dict[str, str], choose: bool = True) -> tuple[int, str]:
@@ -96,7 +193,7 @@ def restore_session(path: str | Path, chat: Any, identity: dict[str, str], choos
                 f"than reading the saved cache (~{choice.read_s:.2f} s)"
             )
     try:
-        cache, metadata = load_prompt_cache(path)
+        cache, metadata = load_saved(path)
         ids = [int(i) for i in json.loads(metadata["token_ids"])]
     except (EngineError, KeyError, ValueError, TypeError) as exc:
         return 0, f"the saved cache is unreadable ({' '.join(str(exc).split())[:200]})"
