@@ -80,13 +80,15 @@ def blocks_by_session(sessions: Iterable[Path]) -> dict[Path, list[str]]:
     return {p: named_blocks(header_metadata(p)) for p in sessions}
 
 
-def collect(folder: str | Path, sessions: Iterable[Path], grace_s: float = GRACE_S) -> int:
+def collect(folder: str | Path, sessions: Iterable[Path], grace_s: float = GRACE_S, dropped: Iterable[str] = ()) -> int:
     """Remove the block files (and leftovers of cut-short writes) no session in ``sessions``
-    names and untouched for ``grace_s``; return the bytes freed."""
+    names and untouched for ``grace_s``, and at once those in ``dropped`` (named only by
+    sessions just removed); return the bytes freed."""
     blocks = Path(folder) / BLOCKS
     if not blocks.is_dir():
         return 0
     named = {d for names in blocks_by_session(sessions).values() for d in names}
+    now_gone = set(dropped) - named
     freed, now = 0, time.time()
     for path in blocks.iterdir():
         if path.name.endswith(".safetensors") and path.stem in named:
@@ -95,7 +97,7 @@ def collect(folder: str | Path, sessions: Iterable[Path], grace_s: float = GRACE
             stat = path.stat()
         except OSError:
             continue
-        if now - stat.st_mtime < grace_s:
+        if now - stat.st_mtime < grace_s and path.stem not in now_gone:
             continue
         size = stat.st_size
         try:

@@ -9,7 +9,10 @@ under, and skips a damaged file (the turn is prefilled in full and the file repl
 
 The files share a disk budget (Settings, default 10 GB): after each save the least
 recently used files go first until the rest fit. A file's modification time is its last
-use: saving writes it, restoring touches it.
+use: saving writes it, restoring touches it. The engine saves most chats by block (a session
+file and block files in ``kv-cache/blocks/`` that chats starting the same way share,
+engine/kv_files.py): the budget counts each block once, a conversation's size is what
+reopening it reads, and a block goes when no remaining session names it.
 
 The GUI thread never reads the folder: listing it, stating the files and enforcing the
 budget run on a helper thread (a slow or busy disk stalled the window), and the window
@@ -19,7 +22,9 @@ shows the sizes found by the last scan (``known``), rescanned after every change
 from __future__ import annotations
 
 import os
+import shutil
 import threading
+from collections import Counter
 from pathlib import Path
 
 from app.bridge import EngineBridge, EngineRequestError, EngineUnavailable
@@ -27,6 +32,7 @@ from app.memory_units import GB
 from app.ops import Op
 from app.qt import QObject, Signal, emit
 from app.store import HistoryStore
+from engine import kv_files
 
 FOLDER = "kv-cache"
 BUDGET_KEY = "kv_cache_budget_bytes"
@@ -71,30 +77,38 @@ class SavedCaches(QObject):
         """Conversation id -> bytes of its saved cache, for every file there is."""
         out: dict[int, int] = {}
         for path in self._files():
-            try:
-                out[int(path.stem)] = path.stat().st_size
-            except (OSError, ValueError):
-                continue
+            if path.stem.isdigit() and path.is_file():
+                out[int(path.stem)] = kv_files.session_bytes(path)
         return out
 
     def total_bytes(self) -> int:
-        return sum(self.sizes().values())
+        """Every saved cache's bytes, a block shared by several counted once."""
+        return kv_files.folder_bytes(self.folder, self._files())
 
-    def rescan(self, enforce: bool = False, keep: int | None = None) -> None:
-        """Scan the folder on a helper thread (first enforcing the budget, with ``keep``
-        last to go); ``known`` takes the sizes and ``changed`` is emitted on the GUI thread."""
+    def rescan(self, enforce: bool = False, keep: int | None = None, gone: Path | None = None) -> None:
+        """Scan the folder on a helper thread (first removing ``gone``'s session with its
+        blocks no other session names, then enforcing the budget, with ``keep`` last to go);
+        ``known`` takes the sizes and ``changed`` is emitted on the GUI thread."""
         budget = self.budget  # read here: the store is the GUI thread's
         self._scans += 1
         ticket = self._scans
 
-        Op(self._scan, budget, keep, enforce).success(lambda sizes: self._took_scan(ticket, sizes)).run(self)
+        Op(self._scan, budget, keep, enforce, gone).success(lambda sizes: self._took_scan(ticket, sizes)).run(self)
 
-    def _scan(self, budget: int, keep: int | None, enforce: bool) -> dict[int, int]:
+    def _scan(self, budget: int, keep: int | None, enforce: bool, gone: Path | None = None) -> dict[int, int]:
         """On a helper thread: keep the budget if asked, then list the sizes."""
         with self._scan_lock:
+            if gone is not None:
+                self._remove(gone)
             if enforce:
                 self._enforce(budget, keep)
             return self.sizes()
+
+    def _remove(self, session: Path) -> None:
+        """Delete a session file and the blocks it alone named."""
+        blocks = kv_files.named_blocks(kv_files.header_metadata(session))
+        session.unlink(missing_ok=True)
+        kv_files.collect(self.folder, self._files(), dropped=blocks)
 
     def _took_scan(self, ticket: int, sizes: dict[int, int]) -> None:
         if ticket != self._scans:  # a later scan (after a later change) is on its way
@@ -108,23 +122,20 @@ class SavedCaches(QObject):
         return [p for p in self.folder.glob("*.safetensors") if not p.name.startswith(".")]
 
     def forget(self, conversation_id: int) -> None:
-        """The conversation is gone: so is its cache."""
-        self.path_for(conversation_id).unlink(missing_ok=True)
+        """The conversation is gone: so is its cache, with the blocks no other chat names
+        (removed on the helper thread)."""
         self._unsaved.discard(conversation_id)
         self.known.pop(conversation_id, None)
-        self._scans += 1  # a scan under way found it: its result is stale
         emit(self.changed)
+        self.rescan(gone=self.path_for(conversation_id))  # a scan under way found it: stale now
 
     def clear(self) -> int:
         """Delete every saved cache (the engine's live caches stay); returns the bytes freed."""
-        freed = 0
+        freed = self.total_bytes()
         for path in self._files():
-            try:
-                size = path.stat().st_size
-                path.unlink()
-            except OSError:
-                continue
-            freed += size
+            path.unlink(missing_ok=True)
+        shutil.rmtree(self.folder / kv_files.BLOCKS, ignore_errors=True)
+        freed -= self.total_bytes()
         self.known = {}
         self._scans += 1  # a scan under way found them: its result is stale
         emit(self.changed)
@@ -143,8 +154,10 @@ class SavedCaches(QObject):
                 entries.append((path.stem == str(keep), st.st_mtime, st.st_size, path))
             except OSError:
                 continue
-        total = sum(size for _, _, size, _ in entries)
-        removed = []
+        names = kv_files.blocks_by_session(p for *_, p in entries)
+        holders = Counter(d for blocks in names.values() for d in set(blocks))
+        total = kv_files.folder_bytes(self.folder, names)
+        removed, dropped = [], []
         for _, _, size, path in sorted(entries, key=lambda e: (e[0], e[1])):
             if total <= budget:
                 break
@@ -153,7 +166,13 @@ class SavedCaches(QObject):
             except OSError:
                 continue
             total -= size
+            for digest in set(names.pop(path)):  # its blocks no other session names go too
+                holders[digest] -= 1
+                if not holders[digest]:
+                    total -= _size(kv_files.block_file(self.folder, digest))
+                    dropped.append(digest)
             removed.append(int(path.stem) if path.stem.isdigit() else -1)
+        kv_files.collect(self.folder, names, dropped=dropped)
         return removed
 
     # ---- engine round trips ---------------------------------------------------------------
@@ -213,3 +232,10 @@ def _touch(path: Path) -> None:
         os.utime(path)
     except OSError:
         pass
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -136,6 +136,40 @@ def test_disk_budget_drops_least_recently_used_and_clear_empties(qtbot, make_win
     assert all("Saved cache" not in window.sidebar.list.item(i).toolTip() for i in range(window.sidebar.list.count()))
 
 
+def test_chats_starting_alike_share_saved_blocks_counted_once_and_kept_while_one_names_them(
+    qtbot, make_window, run_async, tiny_model, tmp_path, monkeypatch
+):
+    from engine import kv_files
+    from engine.runtime import saved_cache
+
+    monkeypatch.setattr(saved_cache, "SAVED_BLOCK_TOKENS", 16)  # the tiny chats span several blocks
+    window = make_window(tmp_path / "data")
+    _load(window, run_async, tiny_model)
+    caches, ids = window.caches, []
+    for _ in range(2):
+        window.new_chat()
+        ids.append(window.chat.conversation_id)
+        window.store.update_conversation(ids[-1], settings=GREEDY)
+        _send_and_save(qtbot, window, "tell me about the little robot who counts the stars")
+    blocks = caches.folder / kv_files.BLOCKS
+    shared = {p.name for p in blocks.iterdir()}
+    assert len(shared) >= 2  # both chats name the same blocks: written once
+    assert all(kv_files.named_blocks(kv_files.header_metadata(caches.path_for(c))) for c in ids)
+    qtbot.waitUntil(lambda: sorted(caches.known) == sorted(ids))
+    sizes = caches.sizes()
+    assert caches.total_bytes() < sum(sizes.values())  # each block once in the budget
+    window.sidebar.reload()
+    tips = [window.sidebar.list.item(i).toolTip() for i in range(window.sidebar.list.count())]
+    assert sum("Saved cache:" in t for t in tips) == 2
+
+    window.sidebar.delete(ids[0], confirm=False)
+    qtbot.waitUntil(lambda: not caches.path_for(ids[0]).exists())
+    assert {p.name for p in blocks.iterdir()} == shared  # still named by the other chat
+    window.sidebar.delete(ids[1], confirm=False)
+    qtbot.waitUntil(lambda: not any(blocks.iterdir()))
+    assert caches.sizes() == {} and caches.total_bytes() == 0
+
+
 def test_kv_precision_in_settings_applies_at_load_counts_in_the_gauge_and_keys_the_saved_cache(
     qtbot, make_window, run_async, tiny_model
 ):
