@@ -89,20 +89,25 @@ def session_identity(model_path: str, weights: str, model: Any, template: Any, k
 
 
 def save_session(path: str | Path, chat: Any, identity: dict[str, str]) -> int:
-    """Write ``chat``'s cache with its identity and token ids; returns the file's size in
-    bytes (0 when there is nothing worth saving: an empty cache, or media tokens, whose
-    keys are content hashes a file cannot check)."""
-    cache = chat.cache
-    if not cache or not chat.ids or list(chat.token_keys) != list(chat.ids):
+    """Write ``chat``'s cache with its identity and token ids; returns the bytes written
+    (0 when there is nothing worth saving: an empty cache, or media tokens, whose keys are
+    content hashes a file cannot check)."""
+    if not chat.cache or not chat.ids or list(chat.token_keys) != list(chat.ids):
         return 0
-    metadata = {**identity, "token_ids": json.dumps(chat.ids)}
+    return save_cache(path, chat.cache, list(chat.ids), identity)
+
+
+def save_cache(path: str | Path, cache: list, ids: list[int], identity: dict[str, str]) -> int:
+    """Write ``cache``, holding ``ids``, by block where it can (see the module's docstring);
+    returns the bytes written (the session file and the blocks not on disk before)."""
+    metadata = {**identity, "token_ids": json.dumps(ids)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays, header = cache_arrays(cache)
-    if not _by_token(header, arrays, len(chat.ids)):
+    if not _by_token(header, arrays, len(ids)):
         save_prompt_cache(path, cache, metadata)
         return path.stat().st_size
-    digests = block_digests(chat.ids, identity)
+    digests = block_digests(ids, identity)
     written = _save_blocks(path.parent, arrays, header, digests)
     n = len(digests) * SAVED_BLOCK_TOKENS
     tail = {key: a[..., n:, :] for key, a in arrays.items() if a.shape[2] > n}
