@@ -105,6 +105,14 @@ class PagedSequence:
         self.table[index] = fresh
         return fresh
 
+    def _writable_run(self, n: int) -> list[Block]:
+        """The table's first ``n`` blocks, each private (``writable``); checked in one pass,
+        since every layer of a request's end asks for the same run."""
+        if len(self.table) < n or not all(b.private for b in self.table[:n]):
+            for i in range(n):
+                self.writable(i)
+        return self.table[:n]
+
     def write(self, layer: int, keys: Parts, values: Parts, start: int) -> list[mx.array]:
         """Put ``layer``'s keys and values for positions ``start``.. (``start`` at a block's
         beginning) into blocks: the whole blocks as one segment, a partial last block as
@@ -124,23 +132,27 @@ class PagedSequence:
                 block.keys[layer], block.values[layer] = (k, i), (v, i)
         return written
 
-    def flush_layer(self, layer: int, adopt: bool = False) -> list[mx.array]:
+    def flush_layer(self, layer: int, adopt: list[Block] | None = None) -> list[mx.array]:
         """Write ``layer``'s tokens that are only in its view into blocks, from the start of
         the block holding the first of them (the view holds every token); the arrays
         written (lazy). With ``adopt`` (the view is dropped next and never written again), a
-        view holding only new tokens becomes the blocks' segment itself, with no copy."""
+        view holding only new tokens becomes the blocks' segment itself, with no copy;
+        ``adopt`` keeps the run of private blocks between the layers of one flush."""
         start, end, view = self.flushed[layer], self.offsets[layer], self.views[layer]
         self.flushed[layer] = end
         if end <= start or view is None:
             return []
         size = self.pool.block_size
         blocks = -(-end // size)
-        if adopt and start == 0 and parts_of(view[0])[0].shape[2] >= blocks * size:
+        if adopt is not None and start == 0 and parts_of(view[0])[0].shape[2] >= blocks * size:
             keys, values = Segment(view[0], blocks), Segment(view[1], blocks)
-            for i in range(blocks):
-                block = self.writable(i)
+            if len(adopt) != blocks:
+                adopt[:] = self._writable_run(blocks)
+            for i, block in enumerate(adopt):
                 block.keys[layer], block.values[layer] = (keys, i), (values, i)
             return []
+        if adopt:
+            adopt.clear()  # the write below may replace shared blocks in the table
         start -= start % size
         return self.write(layer, *(map_parts(lambda a: a[..., start:end, :], x) for x in view), start)
 
@@ -151,8 +163,9 @@ class PagedSequence:
         layer is held twice at a time, and a view of new tokens alone is adopted whole: a
         fresh 32k request's end then copies nothing (its room past the last token, at most
         ``VIEW_STEP`` tokens, stays with the blocks)."""
+        run: list[Block] = []
         for layer in range(len(self.views)):
-            written = self.flush_layer(layer, adopt=drop)
+            written = self.flush_layer(layer, adopt=run if drop else None)
             if written:
                 mx.eval(written)
             if drop:
