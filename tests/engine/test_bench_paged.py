@@ -48,6 +48,7 @@ def test_the_paged_bench_times_the_unpaged_cache_in_the_same_run():
     assert len(unpaged["runs"]) == 2 and unpaged["generated_tokens"] == 4
     ratio = out["engine"]["generation_tps"] / unpaged["generation_tps"]
     assert abs(unpaged["paged_ratio"]["generation"] - ratio) < 1e-9
+    assert unpaged["request_end_ms"] > 0  # each paged request's end, timed apart too
 
 
 def test_the_unpaged_loop_sets_the_pool_aside_and_puts_it_back():
