@@ -104,6 +104,9 @@ class SelfConditioning(nn.Module):
 
 
 class Model(nn.Module):
+    # Paged KV (engine/models/paged_kv.py) declines this family, saying so.
+    cannot_page = "DiffusionGemma's denoising reads its cache's buffers directly, so its KV cache cannot page"
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

@@ -520,6 +520,8 @@ def pool_for(model: Any, block_size: int = DEFAULT_BLOCK_SIZE, budget_bytes: int
     """Give ``model`` a block pool (``make_prompt_cache`` then pages its caches)."""
     if not hasattr(model, "make_cache") and not hasattr(model, "layers"):
         raise CannotPage("This model keeps no KV cache (it embeds text, it does not generate)")
+    if getattr(model, "cannot_page", ""):  # a family that says why its caches cannot page
+        raise CannotPage(model.cannot_page)
     base = list(model.make_cache()) if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     layers = sum(1 for c in base if type(c) is KVCache)
     if layers == 0:

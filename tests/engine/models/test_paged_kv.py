@@ -209,17 +209,20 @@ def test_paged_kv_refuses_what_it_cannot_hold():
         del model.kv_pool
 
 
-def test_an_embedding_model_loads_unpaged_saying_why_or_is_refused_in_one_line_when_paging_is_asked():
+def test_embedding_and_diffusion_models_load_unpaged_saying_why_or_are_refused_in_one_line_when_asked():
     from engine.models.paged_kv import CannotPage
     from engine.runtime.host import ModelHost
 
-    folder = str(GOLDEN.parent / "embeddings" / "qwen3_embedding")
     host = ModelHost()
-    info = host.load(folder, paged_kv_block_size=64, paged_kv_where_possible=True)
-    assert "embeds text" in info.paged_kv_declined
-    with pytest.raises(CannotPage, match="embeds text") as refused:
-        host.load(folder, paged_kv_block_size=64)
-    assert "\n" not in str(refused.value)
+    for folder, why in (
+        (GOLDEN.parent / "embeddings" / "qwen3_embedding", "embeds text"),
+        (GOLDEN.parent / "diffusion_gemma" / "diffusion_gemma_image", "denoising reads"),
+    ):
+        info = host.load(str(folder), paged_kv_block_size=64, paged_kv_where_possible=True)
+        assert why in info.paged_kv_declined
+        with pytest.raises(CannotPage, match=why) as refused:
+            host.load(str(folder), paged_kv_block_size=64)
+        assert "\n" not in str(refused.value)
 
 
 def test_speculative_decoding_over_paged_caches_matches_plain_decoding():
