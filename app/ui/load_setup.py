@@ -24,6 +24,9 @@ CONTEXT_CAP_KEY = "context_cap"  # tokens; absent: the model's context, as far a
 # Paged KV's block size: the engine's default (engine.models.paged_kv), chosen by measurement.
 PAGED_BLOCK_SIZE = 64
 PAGED_8 = "paged-8"  # the Settings choice: blocks shared between chats, held at 8 bits
+UNSHARED = "unshared"  # the Settings choice: full precision, each chat's KV its own (unpaged)
+# Before sharing was the default it was the choice "paged"; remembered so, it is the default now.
+_SHARED = (None, "paged", PAGED_8)
 
 
 class LoadSetup(QObject):
@@ -68,16 +71,17 @@ class LoadSetup(QObject):
         return bits if bits in (4, 8) else None
 
     def kv_choice(self) -> int | str | None:
-        """The Settings choice as remembered: 8, 4, "paged", "paged-8" or None."""
+        """The Settings choice as remembered: None (shared, the default), "unshared", 8, 4 or
+        "paged-8"."""
         chosen = self.store.preference(KV_BITS_KEY)
-        if chosen in ("paged", PAGED_8):
+        if chosen in (UNSHARED, PAGED_8):
             return chosen
         return self.kv_bits_for_load()
 
     def paged_block_size_for_load(self) -> int | None:
-        """What LoadModel carries as paged_kv_block_size: blocks shared between chats when
-        Settings asks for them, at full precision or 8-bit."""
-        return PAGED_BLOCK_SIZE if self.store.preference(KV_BITS_KEY) in ("paged", PAGED_8) else None
+        """What LoadModel carries as paged_kv_block_size: blocks shared between chats unless
+        Settings asks for each chat's own cache (or a quantized one, unshared)."""
+        return PAGED_BLOCK_SIZE if self.store.preference(KV_BITS_KEY) in _SHARED else None
 
     def set_kv_bits(self, bits: int | str | None) -> None:
         if not self._save(self.store.set_preference, KV_BITS_KEY, bits):

@@ -59,10 +59,10 @@ CONTEXT_CHOICES: tuple[tuple[str, int | None], ...] = (
 )
 
 KV_CHOICES = (
-    ("Model's own (full precision)", None),
+    ("Full precision, shared by chats", None),
+    ("Full precision, each chat its own", "unshared"),
     ("8-bit (half the memory)", 8),
     ("4-bit (a quarter of the memory)", 4),
-    ("Full precision, shared by chats", "paged"),
     ("8-bit, shared by chats", "paged-8"),
 )
 
@@ -76,7 +76,7 @@ class SettingsPanel(QFrame):
     whisper_cleared = Signal()
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
     cache_budget_changed = Signal(object)  # bytes of disk for saved chat caches
-    kv_bits_changed = Signal(object)  # 8 or 4 (quantized KV cache), "paged" or "paged-8", None for the model's own
+    kv_bits_changed = Signal(object)  # None (shared, the default), "unshared", 8 or 4, or "paged-8"
     context_cap_changed = Signal(object)  # tokens, None for automatic
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):
@@ -322,12 +322,13 @@ class SettingsPanel(QFrame):
         for label, bits in KV_CHOICES:
             self.kv_choice.addItem(label, bits)
         self.kv_choice.setToolTip(
-            "How the model's memory of the chat (its KV cache) is held. 8-bit takes about half\n"
-            "the memory of full precision with nearly the same replies; 4-bit about a quarter,\n"
-            "with replies that drift more. Model's own: full precision, or the per-layer\n"
-            "setting a model ships in kv_config.json. Shared: full precision in blocks, and\n"
+            "How the model's memory of the chat (its KV cache) is held. Shared: in blocks, and\n"
             "chats and server requests that start alike (a long system prompt, a document)\n"
-            "hold that start once and skip its prefill. Applies from the next model load."
+            "hold that start once and skip its prefill (a model that cannot share loads with\n"
+            "each chat its own, and says why). Full precision follows the per-layer setting a\n"
+            "model ships in kv_config.json, if any. 8-bit takes about half the memory with\n"
+            "nearly the same replies; 4-bit about a quarter, with replies that drift more.\n"
+            "Applies from the next model load."
         )
         self.kv_choice.currentIndexChanged.connect(
             lambda _i: self._budget_quiet or emit(self.kv_bits_changed, self.kv_choice.currentData())

@@ -17,7 +17,7 @@ from typing import Any
 from engine.cli.common import CliError, add_kv_arguments
 from engine.cli.experts import add_resident_experts, json_experts
 from engine.cli.numbers import memory_bytes
-from engine.cli.paged_args import add_paged_arguments, paged_block_size
+from engine.cli.paged_args import add_paged_arguments, paged_block_size, paged_where_possible
 
 MAX_NGRAM = 256  # ids an n-gram lookup matches; prompt lookup uses 2-5
 MAX_DRAFTS = 64  # drafts verified in one pass (auto picks at most 6); more only lengthens each pass
@@ -238,6 +238,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         context_cap=args.context_length,
         resident_experts=args.resident_experts,
         paged_kv_block_size=paged_block_size(args),
+        paged_kv_where_possible=paged_where_possible(args),
     )
     _mount_adapters(host, args.adapter)
     if args.draft_model is not None:

@@ -16,7 +16,7 @@ from engine.cli.common import CliError, add_kv_arguments
 from engine.cli.experts import add_resident_experts
 from engine.cli.generate_command import MAX_DRAFTS, MAX_NGRAM, add_generate, cmd_generate, user_message
 from engine.cli.numbers import Parser, memory_bytes
-from engine.cli.paged_args import add_paged_arguments, paged_block_size
+from engine.cli.paged_args import add_paged_arguments, paged_block_size, paged_where_possible
 from engine.errors import EngineError, backend_hint
 
 # Importable from here as before: the generate command's public names and CliError.
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_concurrent_arguments(bench)
     add_step_arguments(bench)
     add_mla_attention_argument(bench)
-    add_paged_arguments(bench)
+    add_paged_arguments(bench, by_default=False)
     from engine.cli.bench_shared import add_shared_arguments
 
     add_shared_arguments(bench)
@@ -241,6 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve(args)
     args.paged_kv_block_size = paged_block_size(args)
+    args.paged_kv_where_possible = paged_where_possible(args)
     return run_command(args)
 
 

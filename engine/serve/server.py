@@ -147,6 +147,7 @@ def run_command(args: Any) -> int:
                 "context_cap": args.context_length,
                 "resident_experts": getattr(args, "resident_experts", None),
                 "paged_kv_block_size": getattr(args, "paged_kv_block_size", None),
+                "paged_kv_where_possible": getattr(args, "paged_kv_where_possible", False),
             },
         )
     except KeyboardInterrupt:

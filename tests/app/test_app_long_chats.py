@@ -188,7 +188,7 @@ def test_kv_precision_in_settings_applies_at_load_counts_in_the_gauge_and_keys_t
     assert result.finish_reason == "length" and written > 0
     assert window.gauge.figures.get("kv_bytes", 0) > 0
 
-    window.settings.kv_choice.setCurrentIndex(0)  # back to full precision: the file no longer fits
+    window.settings.kv_choice.setCurrentIndex(0)  # back to full precision (shared): the file no longer fits
     _load(window, run_async, tiny_model)
     conv = window.chat.conversation_id
     window.bridge.drop_session(conv)
@@ -373,12 +373,12 @@ def test_the_transcript_marks_where_the_models_memory_begins(qtbot, make_window,
     assert keys.index("context_divider") == head + dropped and keys[head + dropped + 1] == first_read
 
 
-def test_shared_context_memory_in_settings_pages_the_kv_and_the_gauge_shows_shared_blocks(
+def test_context_memory_is_shared_by_default_and_the_gauge_shows_shared_blocks(
     qtbot, make_window, run_async, tiny_model
 ):
     window = make_window()
-    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData("paged"))
-    assert window.store.preference("kv_bits") == "paged"
+    assert window.store.preference("kv_bits") is None  # nothing chosen: chats share their context memory
+    assert window.settings.kv_choice.currentText() == "Full precision, shared by chats"
     assert window.load_setup.kv_bits_for_load() is None and window.load_setup.paged_block_size_for_load() == 64
     _load(window, run_async, tiny_model)
     start = "Here is a long shared preamble that every chat of this test begins with. " * 12
@@ -398,10 +398,20 @@ def test_shared_context_memory_in_settings_pages_the_kv_and_the_gauge_shows_shar
     assert f"KV blocks {pool['used']} ({pool['shared']} shared)" in window.gauge.label.text()
     assert "held once" in window.gauge.toolTip()
 
-    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData(8))  # unpaged again
+    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData("unshared"))
+    assert window.load_setup.kv_bits_for_load() is None and window.load_setup.paged_block_size_for_load() is None
     _load(window, run_async, tiny_model)
     qtbot.waitUntil(lambda: window.gauge.figures.get("kv_pool") is None, timeout=10_000)
     assert "KV blocks" not in window.gauge.label.text()
+    window.close()
+    assert make_window().settings.kv_choice.currentData() == "unshared"  # remembered
+
+
+def test_a_shared_choice_remembered_from_before_stays_shared(make_window):
+    """ "paged" was the choice's name when sharing was not the default."""
+    window = make_window()
+    window.store.set_preference("kv_bits", "paged")
+    assert window.load_setup.paged_block_size_for_load() == 64 and window.load_setup.kv_choice() is None
 
 
 def test_eight_bit_context_memory_shared_by_chats_pages_the_quantized_kv(qtbot, make_window, run_async, tiny_model):
@@ -432,8 +442,7 @@ def test_a_model_that_cannot_share_its_context_memory_loads_unshared_and_says_wh
     config = json.loads((dynamic / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}  # keys depend on the pass's length
     (dynamic / "config.json").write_text(json.dumps(config))
-    window = make_window()
-    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData("paged"))
+    window = make_window()  # shared by default
     _load(window, run_async, dynamic)
     assert "RoPE scaling" in window.bridge.model_info.paged_kv_declined
     message = window.statusBar().currentMessage()
