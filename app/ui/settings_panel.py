@@ -54,7 +54,7 @@ OVERFLOW = (("Truncate the middle", "truncate_middle"), ("Rolling window", "roll
 
 # Context caps offered (tokens); None: the model's own context, as far as the budget holds.
 CONTEXT_CHOICES: tuple[tuple[str, int | None], ...] = (
-    ("Automatic (the model's, as memory allows)", None),
+    ("Automatic (as memory allows)", None),  # the model's own context; a longer label was cut off
     *((f"{n // 1024}k tokens", n) for n in (4096, 8192, 16384, 32768, 65536, 131072)),
 )
 
