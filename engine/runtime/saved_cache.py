@@ -37,7 +37,6 @@ from engine.models.kv_cache import (
     cache_arrays,
     read_cache_file,
     rebuild_cache,
-    save_prompt_cache,
     user_metadata,
     write_cache_file,
 )
@@ -105,7 +104,7 @@ def save_cache(path: str | Path, cache: list, ids: list[int], identity: dict[str
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays, header = cache_arrays(cache)
     if not _by_token(header, arrays, len(ids)):
-        save_prompt_cache(path, cache, metadata)
+        write_cache_file(path, arrays, header, metadata)  # one file, as save_prompt_cache writes
         return path.stat().st_size
     digests = block_digests(ids, identity)
     written = _save_blocks(path.parent, arrays, header, digests)
