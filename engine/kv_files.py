@@ -55,7 +55,8 @@ def block_file(folder: str | Path, digest: str) -> Path:
     return Path(folder) / BLOCKS / f"{digest}.safetensors"
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """Its bytes, 0 when it is gone (another thread may remove it)."""
     try:
         return path.stat().st_size
     except OSError:
@@ -66,14 +67,14 @@ def session_bytes(session: str | Path) -> int:
     """What reopening ``session`` reads: its file and the blocks it names."""
     session = Path(session)
     blocks = named_blocks(header_metadata(session))
-    return _size(session) + sum(_size(block_file(session.parent, d)) for d in blocks)
+    return file_size(session) + sum(file_size(block_file(session.parent, d)) for d in blocks)
 
 
 def folder_bytes(folder: str | Path, sessions: Iterable[Path]) -> int:
     """The sessions' files and every block file in ``folder``, each counted once."""
     blocks = Path(folder) / BLOCKS
     files = list(blocks.glob("*.safetensors")) if blocks.is_dir() else []
-    return sum(_size(p) for p in sessions) + sum(_size(p) for p in files)
+    return sum(file_size(p) for p in sessions) + sum(file_size(p) for p in files)
 
 
 def blocks_by_session(sessions: Iterable[Path]) -> dict[Path, list[str]]:

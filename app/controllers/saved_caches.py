@@ -169,7 +169,7 @@ class SavedCaches(QObject):
             for digest in set(names.pop(path)):  # its blocks no other session names go too
                 holders[digest] -= 1
                 if not holders[digest]:
-                    total -= _size(kv_files.block_file(self.folder, digest))
+                    total -= kv_files.file_size(kv_files.block_file(self.folder, digest))
                     dropped.append(digest)
             removed.append(int(path.stem) if path.stem.isdigit() else -1)
         kv_files.collect(self.folder, names, dropped=dropped)
@@ -232,10 +232,3 @@ def _touch(path: Path) -> None:
         os.utime(path)
     except OSError:
         pass
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

@@ -132,27 +132,22 @@ class PagedSequence:
                 block.keys[layer], block.values[layer] = (k, i), (v, i)
         return written
 
-    def flush_layer(self, layer: int, adopt: list[Block] | None = None) -> list[mx.array]:
+    def flush_layer(self, layer: int, adopt: bool = False) -> list[mx.array]:
         """Write ``layer``'s tokens that are only in its view into blocks, from the start of
         the block holding the first of them (the view holds every token); the arrays
         written (lazy). With ``adopt`` (the view is dropped next and never written again), a
-        view holding only new tokens becomes the blocks' segment itself, with no copy;
-        ``adopt`` keeps the run of private blocks between the layers of one flush."""
+        view holding only new tokens becomes the blocks' segment itself, with no copy."""
         start, end, view = self.flushed[layer], self.offsets[layer], self.views[layer]
         self.flushed[layer] = end
         if end <= start or view is None:
             return []
         size = self.pool.block_size
         blocks = -(-end // size)
-        if adopt is not None and start == 0 and parts_of(view[0])[0].shape[2] >= blocks * size:
+        if adopt and start == 0 and parts_of(view[0])[0].shape[2] >= blocks * size:
             keys, values = Segment(view[0], blocks), Segment(view[1], blocks)
-            if len(adopt) != blocks:
-                adopt[:] = self._writable_run(blocks)
-            for i, block in enumerate(adopt):
+            for i, block in enumerate(self._writable_run(blocks)):
                 block.keys[layer], block.values[layer] = (keys, i), (values, i)
             return []
-        if adopt:
-            adopt.clear()  # the write below may replace shared blocks in the table
         start -= start % size
         return self.write(layer, *(map_parts(lambda a: a[..., start:end, :], x) for x in view), start)
 
@@ -163,9 +158,8 @@ class PagedSequence:
         layer is held twice at a time, and a view of new tokens alone is adopted whole: a
         fresh 32k request's end then copies nothing (its room past the last token, at most
         ``VIEW_STEP`` tokens, stays with the blocks)."""
-        run: list[Block] = []
         for layer in range(len(self.views)):
-            written = self.flush_layer(layer, adopt=run if drop else None)
+            written = self.flush_layer(layer, adopt=drop)
             if written:
                 mx.eval(written)
             if drop:

@@ -22,16 +22,16 @@ when recomputing is clearly faster (``MARGIN``).
 from __future__ import annotations
 
 import json
-import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.kv_files import block_file, header_metadata, named_blocks, session_bytes
+
 READ_PROBE = 64 << 20  # bytes read to time the disk
 PREFILL_PROBE = 512  # tokens prefilled to time the model
 MARGIN = 1.25  # recompute only when estimated this much faster than reading
-_HEADER_LIMIT = 64 << 20  # a safetensors header past this is not one of ours
 
 
 @dataclass
@@ -52,13 +52,8 @@ def saved_token_count(path: str | Path) -> int:
     """How many tokens a saved cache holds, from its safetensors header alone (0 when the
     header cannot be read: the load then says why)."""
     try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > _HEADER_LIMIT:
-                return 0
-            header = json.loads(f.read(length))
-        return len(json.loads(header["__metadata__"]["user.token_ids"]))
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return len(json.loads(header_metadata(path)["user.token_ids"]))
+    except (KeyError, ValueError, TypeError):
         return 0
 
 
@@ -104,8 +99,6 @@ def choose(tokens: int, file_bytes: int, read_bytes_per_s: float, prefill_tokens
 
 def choose_for(path: str | Path, model: Any) -> ReopenChoice:
     """Measure the disk on ``path`` and the model's prefill, and choose."""
-    from engine.kv_files import block_file, header_metadata, named_blocks, session_bytes
-
     tokens = saved_token_count(path)
     size = session_bytes(path)  # with the blocks it names
     if tokens == 0:  # unreadable header: reading says why

@@ -155,7 +155,7 @@ def load_saved(path: str | Path) -> tuple[list, dict[str, str]]:
 
     arrays, header = read_cache_file(path)
     metadata = user_metadata(header)
-    digests = named_blocks({f"user.{k}": v for k, v in metadata.items()})
+    digests = named_blocks(header)
     if "blocks" not in metadata:
         return rebuild_cache(arrays, header, path), metadata
     size = int(metadata.get("block_tokens", "0"))
