@@ -395,6 +395,8 @@ def run_bench(
         from engine.cli.paged_args import page_bench_model
 
         out["paged_kv"] = page_bench_model(args, model)
+    if getattr(args, "shared_prompt", False) and not getattr(args, "concurrent", None):
+        raise EngineError("--shared-prompt goes with --concurrent N,N,... (streams after one cached prompt)")
     if getattr(args, "shared_prefix", None):
         from engine.cli.bench_shared import run_shared
 

@@ -14,6 +14,14 @@ over N), prefill (the N prompts' tokens over the time until the last stream's fi
 token, which is also the slowest time to first token) and end-to-end tok/s (all tokens
 over the whole run, prefill included).
 
+``--shared-prompt``: the streams share the ``-p`` token prompt (a system prompt and tools),
+each adding its own 32-token question, and the prompt is cached before they start, as a
+server that has answered once holds it. The engine takes it from its block pool (with
+``--paged-kv``: each stream prefills only its question, and the batch holds the prompt
+once and reads it once per step for all rows; an ``own-copy`` row runs the same batch
+with each row holding its own copy), mlx-lm from its ``LRUPromptCache`` as its server
+does (a copy per stream). Each row then also gives the run's peak memory.
+
 ``--profile`` also prints where the engine's time goes per decode step (building and
 queueing the step, of which picking the tokens; waiting for the previous step's tokens;
 the callers' side of a round) and per prefill pass, with mlx-lm's own prompt and decode
@@ -43,6 +51,14 @@ class Concurrent:
     prefill_tps: float  # the prompts' tokens over the time until every stream had its first token
     tokens: list[list[int]]  # each stream's ids (compared with mlx-lm's, not printed)
     profile: dict[str, float] | None = None  # per-step timings (--profile)
+    peak_gb: float = 0.0  # MLX's peak memory during the run (weights included)
+
+
+# A stream's own question after a shared prompt (--shared-prompt).
+QUESTION_TOKENS = 32
+
+# Given a stream's whole prompt: the cache it starts from and the ids still to prefill.
+CacheFor = Callable[[Any], tuple[Any, Any]]
 
 
 def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +77,12 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="with --concurrent: time each decode step's parts (launch, sample, settle) and each prefill pass",
+    )
+    p.add_argument(
+        "--shared-prompt",
+        action="store_true",
+        help=f"with --concurrent: the streams share the -p token prompt, cached before they start, each adding "
+        f"its own {QUESTION_TOKENS}-token question (the engine's block pool with --paged-kv, mlx-lm's prompt cache)",
     )
 
 
@@ -107,15 +129,22 @@ def run_ours(
     chunk: int = 2048,
     compiled: bool | None = None,
     stagger: int = 0,
+    cache_for: CacheFor | None = None,
+    share: bool = True,
 ) -> Concurrent:
     """The engine's batch at token level (what the worker drives, without the text layer);
-    with ``stagger``, stream i arrives at round i * stagger."""
+    with ``stagger``, stream i arrives at round i * stagger; ``cache_for`` gives each
+    stream's starting cache (default: empty); without ``share`` rows never hold a shared
+    prefix once."""
     import mlx.core as mx
 
     from engine.decode.batch import WAIT, Batch
     from engine.models.kv_cache import make_prompt_cache
 
     batch = Batch(model, compiled=compiled)
+    batch.shares_prefixes = batch.shares_prefixes and share
+    cache_for = cache_for or (lambda p: (make_prompt_cache(model), p))
+    mx.reset_peak_memory()
     start = time.perf_counter()
     sequences: dict[int, Any] = {}
     arrivals = [start] * len(prompts)
@@ -128,9 +157,10 @@ def run_ours(
         for i, p in enumerate(prompts):
             if i * stagger == rounds:
                 arrivals[i] = time.perf_counter()
+                cache, rest = cache_for(p)
                 sequences[i] = batch.sequence(
-                    p,
-                    make_prompt_cache(model),
+                    rest,
+                    cache,
                     max_tokens=gen,
                     prefill_chunk=chunk,
                     sampler=lambda x: mx.argmax(x, axis=-1),
@@ -153,7 +183,45 @@ def run_ours(
         batch.step()
     out = _summary(prompts, start, firsts, stamps, tokens, arrivals)
     out.profile = _our_profile(batch, callers)
+    out.peak_gb = mx.get_peak_memory() / 1e9
     return out
+
+
+def engine_prompt_cache(model: Any, shared: Any) -> CacheFor:
+    """Streams starting from what the model's block pool holds of their prompts, after one
+    request over ``shared`` published its blocks (nothing without a pool: each prefills all)."""
+    from engine.cli.bench_shared import one_chat
+    from engine.runtime.prefix_cache import PrefixCache
+
+    one_chat(model, shared[:-1], shared[-1:], 2, time.perf_counter())
+
+    def cache_for(prompt: Any) -> tuple[Any, Any]:
+        chat = PrefixCache(model)
+        keep = chat.reuse(prompt.tolist())
+        return chat.cache, prompt[keep:]
+
+    return cache_for
+
+
+def mlx_lm_prompt_cache(model: Any, shared: Any, chunk: int = 2048) -> CacheFor:
+    """Streams starting from mlx-lm's ``LRUPromptCache`` holding ``shared``, as its server
+    fetches them (each a copy of the cached prompt)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    ids = shared.tolist()
+    for lo in range(0, len(ids), chunk):
+        model(mx.array(ids[lo : lo + chunk])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    lru = LRUPromptCache()
+    lru.insert_cache("bench", ids, cache)
+
+    def cache_for(prompt: Any) -> tuple[Any, Any]:
+        found, rest = lru.fetch_nearest_cache("bench", prompt.tolist())
+        return found, rest
+
+    return cache_for
 
 
 def _our_profile(batch: Any, callers: float) -> dict[str, float]:
@@ -174,9 +242,19 @@ def _our_profile(batch: Any, callers: float) -> dict[str, float]:
     }
 
 
-def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048, stagger: int = 0) -> Concurrent:
+def run_mlx_lm(
+    model: Any,
+    prompts: Sequence[Any],
+    gen: int,
+    chunk: int = 2048,
+    stagger: int = 0,
+    cache_for: CacheFor | None = None,
+) -> Concurrent:
     """mlx-lm's BatchGenerator: the continuous batching behind its server and batch_generate;
-    with ``stagger``, stream i arrives after i * stagger of its generation steps."""
+    with ``stagger``, stream i arrives after i * stagger of its generation steps;
+    ``cache_for`` as in ``run_ours`` (its server's prompt cache)."""
+    import mlx.core as mx
+
     try:
         from mlx_lm.generate import BatchGenerator
     except ImportError:
@@ -197,13 +275,17 @@ def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048, 
     stamps: list[float] = []
     tokens: list[list[int]] = [[] for _ in prompts]
     calls = 0
+    mx.reset_peak_memory()
     try:
         with generator.stats() as stats:
             while True:
                 while pending and pending[0] * stagger <= calls:
                     i = pending.pop(0)
                     arrivals[i] = time.perf_counter()
-                    (uid,) = generator.insert([prompts[i].tolist()], [gen])
+                    ids = prompts[i].tolist()
+                    cache, rest = cache_for(prompts[i]) if cache_for is not None else (None, ids)
+                    held = len(ids) - len(rest)
+                    (uid,) = generator.insert([list(rest)], [gen], caches=[cache], all_tokens=[ids[:held]])
                     index[uid] = i
                 responses = generator.next_generated()
                 calls += 1
@@ -221,6 +303,7 @@ def run_mlx_lm(model: Any, prompts: Sequence[Any], gen: int, chunk: int = 2048, 
     finally:
         generator.close()
     out = _summary(prompts, start, firsts, stamps, tokens, arrivals)
+    out.peak_gb = mx.get_peak_memory() / 1e9
     steps = max(stats.generation_steps, 1)
     out.profile = {
         "decode_steps": stats.generation_steps,
@@ -236,7 +319,7 @@ def _row(name: str, c: Concurrent) -> str:
     return (
         f"{name:<8} x{c.streams:<3} total {c.total_tps:9.1f} tok/s   per stream {c.per_stream_tps:8.1f} tok/s   "
         f"prefill {c.prefill_tps:9.1f} tok/s   end-to-end {c.end_to_end_tps:9.1f} tok/s   "
-        f"slowest ttft {c.ttft_max_s * 1000:8.1f} ms"
+        f"slowest ttft {c.ttft_max_s * 1000:8.1f} ms   peak {c.peak_gb:6.2f} GB"
     )
 
 
@@ -275,13 +358,24 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
         compiled=False if args.no_compile else None,
         stagger=stagger,
     )
-    loops: list[tuple[str, Callable[..., Concurrent], Any]] = [("engine", ours, model)]
-    if args.vs == "mlx-lm":
-        theirs = functools.partial(run_mlx_lm, stagger=stagger)
-        loops.append(("mlx-lm", theirs, mlx_lm_twin(model, config, quantized)))
     keys = mx.random.split(mx.random.key(args.seed), max(counts))
-    prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=k).astype(mx.uint32) for k in keys]
+    shared = getattr(args, "shared_prompt", False)
+    vocab, length = config["vocab_size"], QUESTION_TOKENS if shared else args.prompt_tokens
+    prompts = [mx.random.randint(0, vocab, (length,), key=k).astype(mx.uint32) for k in keys]
+    if shared:  # the -p token prompt, then each stream's question
+        system = mx.random.randint(0, vocab, (args.prompt_tokens,), key=mx.random.key(args.seed + 1))
+        prompts = [mx.concatenate([system.astype(mx.uint32), q]) for q in prompts]
     mx.eval(prompts)
+    ours_from = engine_prompt_cache(model, prompts[0][: args.prompt_tokens + 1]) if shared else None
+    loops: list[tuple[str, Callable[..., Concurrent], Any]] = [
+        ("engine", functools.partial(ours, cache_for=ours_from), model)
+    ]
+    if shared and getattr(model, "kv_pool", None) is not None:
+        loops.append(("own-copy", functools.partial(ours, cache_for=ours_from, share=False), model))
+    if args.vs == "mlx-lm":
+        twin = mlx_lm_twin(model, config, quantized)
+        theirs_from = mlx_lm_prompt_cache(twin, prompts[0][: args.prompt_tokens]) if shared else None
+        loops.append(("mlx-lm", functools.partial(run_mlx_lm, stagger=stagger, cache_for=theirs_from), twin))
     for _, run, m in loops:  # warm-up: kernels for every batch width
         for n in counts:
             run(m, prompts[:n], 3)
@@ -303,6 +397,10 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
             print(_row(name, c), flush=True)
             if profile:
                 print(_profile_row(name, c), flush=True)
+        if "own-copy" in best:
+            # The shared prefix attended apart changes only float rounding: the same ids.
+            entry["same_tokens_as_own_copy"] = best["engine"].tokens == best["own-copy"].tokens
+            print(f"shared   x{n:<3} same tokens as own copies: {entry['same_tokens_as_own_copy']}", flush=True)
         if "mlx-lm" in best:
             ratio = best["engine"].total_tps / max(best["mlx-lm"].total_tps, 1e-9)
             entry["ratio"] = ratio

@@ -29,7 +29,7 @@ def add_shared_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _one_chat(model: Any, prefix: Any, question: Any, tokens: int, started: float) -> tuple[Any, float]:
+def one_chat(model: Any, prefix: Any, question: Any, tokens: int, started: float) -> tuple[Any, float]:
     import mlx.core as mx
 
     from engine.decode.loop import generate_step
@@ -62,11 +62,11 @@ def run_shared(args: argparse.Namespace, model: Any, vocab: int, prefix: Any) ->
     before = mx.get_active_memory()
     # One untimed chat first: kernels compiled for the shapes (and, paged, the shared
     # prompt published, as a server that has answered once holds it: counted in the KV held).
-    _one_chat(model, prefix, questions[0], 2, time.perf_counter())
+    one_chat(model, prefix, questions[0], 2, time.perf_counter())
     started = time.perf_counter()
     chats, ttfts = [], []
     for question in questions:
-        chat, ttft = _one_chat(model, prefix, question, args.generation_tokens, started)
+        chat, ttft = one_chat(model, prefix, question, args.generation_tokens, started)
         chats.append(chat)
         ttfts.append(ttft)
     total_s = time.perf_counter() - started

@@ -31,8 +31,9 @@ it waits for running sequences to leave, and is refused (``OutOfKVRoom``) when n
 else is running.
 
 Only families whose every layer keeps a plain ``KVCache`` (or a paged one: a row gathers
-its blocks on joining and writes its keys and values back into blocks on leaving, so a
-shared prefix skips its prefill but is held once per row while the row decodes) and
+its blocks on joining and writes its keys and values back into blocks on leaving; rows
+starting with the same published blocks, a shared system prompt, leave those in the pool
+and attend over one copy of them, engine/decode/batch_cache.py) and
 rotates with the plain ``RoPE`` batch (Llama/Mistral without a window, Qwen2, Qwen3 and Qwen3-MoE without
 their sliding layers): sliding windows (rotating caches), latent attention, recurrent state
 and position-dependent RoPE variants run one request at a time (``batchable``).
@@ -54,14 +55,16 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.decode.batch_cache import BatchKVCache
 from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback
 from engine.decode.sampling import LogitsProcessor, Sampler
 from engine.decode.signals import Signal, Token
 from engine.errors import OutOfKVRoom
+from engine.models.base import AttentionSteps
 from engine.models.families import FAMILIES
-from engine.models.kv_cache import DEFAULT_STEP, KVCache, make_prompt_cache
-from engine.models.paged_kv import PagedKVCache
+from engine.models.kv_cache import KVCache, make_prompt_cache
+from engine.models.paged_kv import PagedKVCache, shared_blocks
 
 WAIT = Signal.WAITING  # "nothing yet": the sequence waits for a step
 
@@ -91,140 +94,6 @@ def batchable(model: Any) -> bool:
 
 # Queued in place of a token when a row's logits are NaN or infinite.
 NON_FINITE = Signal.NON_FINITE
-
-
-class BatchKVCache:
-    """One layer's keys and values for all rows, shaped [rows, heads, tokens, dim] and
-    left-padded: row i's tokens sit in columns ``left[i]`` to ``idx``."""
-
-    def __init__(self, step: int = DEFAULT_STEP) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.left: list[int] = []
-        self.idx = 0  # columns in use
-        self.step = step
-        self._left = mx.array([], dtype=mx.int32)  # ``left`` on the device, for masks
-        self._base = mx.array([], dtype=mx.int32)  # each row's position when ``idx`` was ``_base_idx``
-        self._base_idx = 0
-        self._offset: tuple[int, mx.array] | None = None  # (idx, positions) last asked for
-
-    def _refresh(self) -> None:
-        self._base = mx.array([self.idx - pad for pad in self.left], dtype=mx.int32)
-        self._base_idx, self._offset = self.idx, None
-        self._left = mx.array(self.left, dtype=mx.int32)
-
-    @property
-    def offset(self) -> mx.array:
-        """Each row's next position (RoPE): one small op per step and only when asked for,
-        where adding to it on every layer's update would queue one per layer."""
-        if self._offset is None or self._offset[0] != self.idx:
-            moved = self.idx - self._base_idx
-            self._offset = (self.idx, self._base + moved if moved else self._base)
-        return self._offset[1]
-
-    def _pad_left(self, a: mx.array, n: int) -> mx.array:
-        if n == 0:
-            return a
-        b, h, _, d = a.shape
-        return mx.concatenate([mx.zeros((b, h, n, d), a.dtype), a], axis=2)
-
-    def add(self, keys: mx.array | None, values: mx.array | None) -> None:
-        """Append a row holding ``keys``/``values`` ([1, heads, n, dim], None for n = 0)."""
-        n = 0 if keys is None else keys.shape[2]
-        if self.keys is not None:
-            self.keys, self.values = self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
-        if n > self.idx:  # the newcomer is the longest: everyone else moves right
-            grow = n - self.idx
-            if self.keys is not None:
-                self.keys, self.values = self._pad_left(self.keys, grow), self._pad_left(self.values, grow)
-            self.left = [pad + grow for pad in self.left]
-            self.idx = n
-        if keys is not None:
-            keys, values = self._pad_left(keys, self.idx - n), self._pad_left(values, self.idx - n)
-            if self.keys is None and self.left:  # rows so far held nothing
-                b = len(self.left)
-                self.keys = mx.zeros((b, *keys.shape[1:]), keys.dtype)
-                self.values = mx.zeros((b, *values.shape[1:]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = keys, values
-            else:
-                self.keys = mx.concatenate([self.keys, keys], axis=0)
-                self.values = mx.concatenate([self.values, values], axis=0)
-        elif self.keys is not None:
-            self.keys = mx.concatenate([self.keys, mx.zeros((1, *self.keys.shape[1:]), self.keys.dtype)], axis=0)
-            self.values = mx.concatenate(
-                [self.values, mx.zeros((1, *self.values.shape[1:]), self.values.dtype)], axis=0
-            )
-        self.left.append(self.idx - n)
-        self._refresh()
-
-    def remove(self, i: int, trailing: int = 0) -> tuple[mx.array | None, mx.array | None]:
-        """Take row ``i`` out; return its keys and values without padding (None if empty).
-        ``trailing``: columns at the row's end that are right padding (a prefill chunk
-        wider than the row's last tokens), cut off too."""
-        pad = self.left.pop(i)
-        end = self.idx - trailing
-        row_k = row_v = None
-        if self.keys is not None and end > pad:
-            row_k = self.keys[i : i + 1, :, pad:end, :]
-            row_v = self.values[i : i + 1, :, pad:end, :]
-        if not self.left:
-            self.keys = self.values = None
-            self.idx = 0
-        elif self.keys is not None:
-            keep = mx.array([j for j in range(len(self.left) + 1) if j != i])
-            self.keys, self.values = self.keys[keep, :, : self.idx], self.values[keep, :, : self.idx]
-            drop = min(self.left)  # columns that are padding for every row left
-            if drop:
-                self.keys, self.values = self.keys[..., drop:, :], self.values[..., drop:, :]
-                self.left = [pad - drop for pad in self.left]
-                self.idx -= drop
-        self._refresh()
-        return row_k, row_v
-
-    # -- what the attention layers call ---------------------------------------------
-
-    def make_mask(self, n_queries: int, window: int | None = None) -> Any:
-        if window is not None:
-            raise ValueError("a batch decodes without sliding windows")
-        if not any(self.left):  # no padding: as a lone sequence does (the fast kernels' path)
-            return None if n_queries == 1 else "causal"
-        columns = mx.arange(self.idx + n_queries)[None, :]
-        visible = columns >= self._left[:, None]  # [rows, keys]: not left padding
-        if n_queries == 1:
-            visible = visible[:, None, None, :]
-        else:
-            queries = mx.arange(self.idx, self.idx + n_queries)[:, None]
-            visible = visible[:, None, None, :] & (columns <= queries)[None, None]
-        # Additive, in the cache's dtype: a backend without boolean masks (CUDA) would
-        # otherwise convert the boolean one again in every layer.
-        dtype = self.keys.dtype if self.keys is not None else mx.float32
-        return mx.where(visible, mx.array(0, dtype), mx.array(-math.inf, dtype))
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        n = keys.shape[2]
-        if self.keys is None or self.idx + n > self.keys.shape[2]:
-            # Grow in steps (as KVCache does): the buffer is written in place between growths.
-            capacity = ((self.idx + n + self.step - 1) // self.step) * self.step
-            b, h, _, dk = keys.shape
-            new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
-            new_v = mx.zeros((b, h, capacity, values.shape[3]), values.dtype)
-            if self.keys is not None and self.idx:
-                new_k[..., : self.idx, :] = self.keys[..., : self.idx, :]
-                new_v[..., : self.idx, :] = self.values[..., : self.idx, :]
-            self.keys, self.values = new_k, new_v
-        self.keys[..., self.idx : self.idx + n, :] = keys
-        self.values[..., self.idx : self.idx + n, :] = values
-        self.idx += n
-        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
-
-    @property
-    def state(self) -> tuple[mx.array, ...]:
-        return () if self.keys is None else (self.keys, self.values)
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 @dataclass
@@ -307,6 +176,12 @@ class Batch:
         self.kv_room = kv_room
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefill_rows = max(1, prefill_rows)
+        # A shared prefix is attended apart from each row's tokens, which only the plain
+        # attention allows (no sinks or soft caps: engine/decode/batch_cache.py).
+        self.shares_prefixes = all(
+            getattr(type(getattr(layer, "self_attn", None)), "attend", None) is AttentionSteps.attend
+            for layer in getattr(model, "layers", [])
+        )
         self._decoder: Any = None  # the CompiledDecoder, prepared for this batch's run
         self.rows: list[_Row] = []  # decoding, in cache row order
         self.layers: list[BatchKVCache] = []
@@ -362,31 +237,55 @@ class Batch:
             self._decoder = decoder if decoder is not None and decoder.prepare() else None
         if not self.layers:
             self.layers = [BatchKVCache() for _ in row.cache]
-        for layer, c in zip(self.layers, row.cache, strict=True):
-            state = c.state if c.offset else ()
-            layer.add(*(state if state else (None, None)))
-            c.state = ()  # the batch holds it now (memory held once); it comes back on leaving
+        self._hand_over(self.layers, row)
         first = row.pending.astype(mx.uint32)[:, None]
         self._next = first if self._next is None else mx.concatenate([self._next, first])
         self.rows.append(row)
         row.where = "decode"
 
+    def _hand_over(self, layers: list[BatchKVCache], row: _Row) -> None:
+        """Row's keys and values into ``layers`` as their last row, its cache keeping only
+        what the batch does not hold: the batch's shared prefix, when the row's paged cache
+        starts with the blocks it was read from (the row's own published blocks become the
+        prefix when there is none), else nothing (memory held once either way)."""
+        run, tokens = shared_blocks(row.cache) if self.shares_prefixes else ((), 0)
+        top = layers[0]
+        if run and top.prefix is None:
+            for layer, c in zip(layers, row.cache, strict=True):
+                layer.share(run, *c.leading(tokens))
+        key = top.prefix_key
+        if run and run[: len(key)] == key:
+            for layer, c in zip(layers, row.cache, strict=True):
+                layer.add(*(c.split_off(top.prefix_len) or (None, None)), sees=True)
+            return
+        for layer, c in zip(layers, row.cache, strict=True):
+            state = c.state if c.offset else ()
+            layer.add(*(state if state else (None, None)))
+            c.state = ()  # the batch holds it now; it comes back on leaving
+
+    def _take_back(self, layers: list[BatchKVCache], i: int, row: _Row, trailing: int = 0) -> None:
+        """Row ``i`` out of ``layers``, its keys and values back into its cache (after the
+        prefix it kept, when it saw the batch's shared prefix)."""
+        sees = layers[0].sees[i]
+        for layer, c in zip(layers, row.cache, strict=True):
+            k, v = layer.remove(i, trailing)
+            if sees:
+                if k is not None:
+                    c.extend(k, v)
+            else:
+                c.state = (k, v) if k is not None else ()
+
     def _enter_prefill(self, row: _Row) -> None:
         if not self.fill_layers:
             self.fill_layers = [BatchKVCache() for _ in row.cache]
-        for layer, c in zip(self.fill_layers, row.cache, strict=True):
-            state = c.state if c.offset else ()
-            layer.add(*(state if state else (None, None)))
-            c.state = ()
+        self._hand_over(self.fill_layers, row)
         self.filling.append(row)
         row.where = "prefill"
 
     def _out_of_prefill(self, row: _Row, trailing: int = 0) -> None:
         i = self.filling.index(row)
         self.filling.pop(i)
-        for layer, c in zip(self.fill_layers, row.cache, strict=True):
-            k, v = layer.remove(i, trailing)
-            c.state = (k, v) if k is not None else ()
+        self._take_back(self.fill_layers, i, row, trailing)
         if not self.filling:
             self.fill_layers = []
 
@@ -401,9 +300,7 @@ class Batch:
         elif where == "decode":
             i = self.rows.index(row)
             self.rows.pop(i)
-            for layer, c in zip(self.layers, row.cache, strict=True):
-                k, v = layer.remove(i)
-                c.state = (k, v) if k is not None else ()
+            self._take_back(self.layers, i, row)
             if not self.rows:
                 self.layers, self._next = [], None
             elif self._next is not None:
@@ -575,6 +472,8 @@ class Batch:
             if r.done >= len(r.prompt):
                 self._out_of_prefill(r, trailing=wide - n)
                 self._join(r)
+        if not self.filling:
+            self._fill_queued = None  # nothing waits on it, and it holds the prefill rows' buffers
         self.times.prefill_s += time.perf_counter() - start
 
     # -- a sequence ---------------------------------------------------------------------

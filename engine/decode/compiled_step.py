@@ -227,8 +227,7 @@ class CompiledDecoder:
                 h, q, k, v = self._fns[0](h, pos)
             else:
                 h, q, k, v = self._fns[i](h, attn, pos)
-            k, v = c.update_and_fetch(k, v)
-            attn = layer.self_attn.attend(q, k, v, mask)
+            attn = cached_attention(layer.self_attn, q, k, v, c, mask)
         return self._last_rows(h, attn)
 
 

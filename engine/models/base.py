@@ -307,6 +307,8 @@ def cached_attention(attn: AttentionSteps, q: mx.array, k: mx.array, v: mx.array
     attention is the plain one (no sinks or soft caps, which only ``attend`` knows)."""
     if cache is None:
         return attn.attend(q, k, v, mask)
+    if getattr(cache, "attends_prefix", False):  # a batch's shared prefix (plain attention only)
+        return cache.attend_with_prefix(q, k, v, attn.scale, mask)
     if (
         getattr(cache, "reads_codes", False)  # first: other caches' queries may not be one array (MLA)
         and type(attn).attend is AttentionSteps.attend

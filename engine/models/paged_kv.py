@@ -17,7 +17,8 @@ its keys and values once, as the unpaged cache does, not in a view and in blocks
 prompt peaked 6.9 GB higher on the H200 that way), and a prefill chunk costs no block
 writes; between requests a sequence holds only blocks. A sequence decoding in the batch
 hands its keys and values to the batch's rows and takes them back into blocks when it
-leaves. A CUDA gather kernel reading the block table inside attention would avoid the
+leaves, keeping the published blocks it starts with: the batch reads those in place,
+once for every row that starts with them (``shared_blocks``, ``split_off``, ``extend``). A CUDA gather kernel reading the block table inside attention would avoid the
 view altogether.
 
 What pages. Full-attention layers, plain (``KVCache``) or quantized (``QuantizedKVCache``:
@@ -277,11 +278,11 @@ class PagedKVCache:
             held[-1] = held[-1][..., : held[-1].shape[2] - past, :]
         return _grown(held, new, _room(start + new.shape[2]))
 
-    def _pieces(self, which: int, end: int) -> list[Parts]:
+    def _pieces(self, which: int, end: int, first: int = 0) -> list[Parts]:
         """This layer's keys (``which`` 0) or values (1) of the blocks holding positions
-        [0, end), a run of one segment as one slice."""
+        [first block's start, end), a run of one segment as one slice."""
         size = self.sequence.pool.block_size
-        blocks = self.sequence.table[: (end + size - 1) // size]
+        blocks = self.sequence.table[first : (end + size - 1) // size]
         return gather_pieces([(b.keys if which == 0 else b.values)[self.layer] for b in blocks], size)  # type: ignore[misc]
 
     def pending_arrays(self) -> list[mx.array]:
@@ -301,6 +302,37 @@ class PagedKVCache:
 
     def make_mask(self, n_queries: int, window: int | None = None):
         return _mask_for(self.offset, self.offset + n_queries, n_queries, window)
+
+    # -- a batch holding a shared prefix once (engine/decode/batch_cache.py) ----------
+
+    def leading(self, end: int) -> tuple[Parts, Parts]:
+        """Keys and values of positions [0, end) as the blocks hold them: a slice of one
+        segment, no copy, when they are one run of it."""
+        return _joined(self._pieces(0, end), end), _joined(self._pieces(1, end), end)
+
+    def split_off(self, start: int) -> tuple[mx.array, mx.array] | tuple[()]:
+        """Keep positions [0, start) (whole blocks) and hand over the rest, gathered: the
+        batch holds them until ``extend`` gives them back."""
+        seq, layer = self.sequence, self.layer
+        seq.flush_layer(layer)
+        end = self.offset
+        size = seq.pool.block_size
+        assert start % size == 0 and start <= end
+        rest: tuple[mx.array, mx.array] | tuple[()] = ()
+        if end > start:
+            rest = tuple(_joined(self._pieces(w, end, start // size), end - start) for w in (0, 1))  # type: ignore[assignment]
+        seq.views[layer] = seq.view_caches[layer] = None
+        self.offset = start
+        seq.flushed[layer] = min(seq.flushed[layer], start)
+        seq.shrink()
+        return rest
+
+    def extend(self, keys: mx.array, values: mx.array) -> None:
+        """Put ``keys``/``values`` after the tokens held (``split_off``'s boundary) straight
+        into blocks."""
+        seq, start = self.sequence, self.offset
+        seq.write(self.layer, keys, values, start)
+        self.offset = seq.flushed[self.layer] = start + keys.shape[2]
 
     def is_trimmable(self) -> bool:
         return True
@@ -500,6 +532,21 @@ class ModelPool(BlockPool):
 
     def page(self, cache: list) -> list:
         return paged_prompt_cache(cache, self)
+
+
+def shared_blocks(cache: Sequence[Any]) -> tuple[tuple[Block, ...], int]:
+    """The published blocks a plain paged prompt cache starts with, as far as every layer
+    holds them (the part of its prefix other sequences may be reading too), and their tokens."""
+    sequence = sequence_of(cache)
+    if sequence is None or not sequence.shareable or any(type(c) is not PagedKVCache for c in cache):
+        return (), 0
+    size = sequence.pool.block_size
+    run: list[Block] = []
+    for block in sequence.table[: min(sequence.offsets) // size]:
+        if block.digest is None:
+            break
+        run.append(block)
+    return tuple(run), len(run) * size
 
 
 def sequence_of(cache: Sequence[Any] | None) -> PagedSequence | None:

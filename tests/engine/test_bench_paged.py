@@ -64,3 +64,35 @@ def test_the_unpaged_loop_sets_the_pool_aside_and_puts_it_back():
     assert model.kv_pool is pool and pool._next == 0  # no block was ever allocated
     assert len(list(_ours(model, prompt, 3))) == 3
     assert pool._next > 0
+
+
+def test_concurrent_streams_after_a_shared_prompt_against_mlx_lm_prompt_cache():
+    """``--concurrent N --shared-prompt``: N streams after one cached prompt, each with its
+    own question: the engine's batch holding it once, the same batch with own copies, and
+    mlx-lm's BatchGenerator from its prompt cache, on the same ids."""
+    import pytest
+
+    pytest.importorskip("mlx_lm")
+    out = _bench(
+        "-p",
+        "256",
+        "--paged-kv",
+        "--paged-kv-block-size",
+        "32",
+        "--concurrent",
+        "1,3",
+        "--shared-prompt",
+        "--vs",
+        "mlx-lm",
+    )
+    for n, row in zip((1, 3), out["concurrent"], strict=True):
+        assert {"engine", "own-copy", "mlx-lm"} <= set(row)
+        for side in ("engine", "own-copy", "mlx-lm"):
+            assert row[side]["streams"] == n and row[side]["generated_tokens"] == 4 * n
+            assert row[side]["peak_gb"] > 0
+        assert row["same_tokens_as_own_copy"]  # the prefix held once changes no id
+    assert out["concurrent"][0]["same_tokens_as_mlx_lm"]  # one stream, same weights, greedy
+
+
+def test_a_shared_prompt_needs_concurrent_streams():
+    assert "--shared-prompt" in _bench("-p", "64", "--shared-prompt", ok=False)

@@ -1,0 +1,233 @@
+"""The batch's KV cache: one layer's keys and values for every row, and a prefix the rows share.
+
+Rows are left-padded to the longest: row i's tokens sit in columns ``left[i]`` to ``idx``
+of [rows, heads, tokens, dim] buffers, and the attention mask hides each row's padding.
+
+A shared prefix. Rows whose paged caches start with the same published blocks (one system
+prompt and tools, sent by eight agents) need not each hold those tokens: the batch keeps
+them once, [1, heads, P, dim] (``prefix``, a slice of the pool's own blocks where they
+form one run, so no copy at all), and a row that sees it holds only its tokens past P.
+Attention then runs in two parts over one softmax: every row's queries against the one
+prefix (one matmul reading it once per step for all rows, where gathering it into each
+row read it once per row), and each row's queries against its own tokens; the scores are
+joined before the softmax and the two weighted sums added, so the result is attention
+over the prefix then the row's tokens, as one contiguous row would give (to float
+rounding). Rows that do not see the prefix (another prompt) have it masked out. The
+scores are materialized (MLX's fused kernel takes one key array), so long query passes
+run in slices that keep them under ``SCORE_ELEMENTS``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+
+from engine.models.kv_cache import DEFAULT_STEP
+
+# Score elements (float32) one slice of a shared-prefix attention pass holds at most:
+# 256 MB, the size of a 512-token prefill chunk's scores over a 4k prefix with 32 heads.
+SCORE_ELEMENTS = 1 << 26
+
+
+class BatchKVCache:
+    """One layer's keys and values for all rows, shaped [rows, heads, tokens, dim] and
+    left-padded: row i's tokens sit in columns ``left[i]`` to ``idx``; and the prefix the
+    rows marked in ``sees`` share (see the module's docstring)."""
+
+    def __init__(self, step: int = DEFAULT_STEP) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.left: list[int] = []
+        self.idx = 0  # columns in use
+        self.step = step
+        self._left = mx.array([], dtype=mx.int32)  # ``left`` on the device, for masks
+        self._base = mx.array([], dtype=mx.int32)  # each row's position when ``idx`` was ``_base_idx``
+        self._base_idx = 0
+        self._offset: tuple[int, mx.array] | None = None  # (idx, positions) last asked for
+        self.prefix: tuple[mx.array, mx.array] | None = None  # [1, heads, P, dim] keys and values
+        self.prefix_key: tuple[Any, ...] = ()  # what the prefix is (the blocks it was read from)
+        self.sees: list[bool] = []  # per row: its tokens follow the prefix
+        self._sees = mx.array([], dtype=mx.bool_)
+
+    @property
+    def attends_prefix(self) -> bool:
+        """Attention goes through ``attend_with_prefix`` (engine.models.base.cached_attention)."""
+        return self.prefix is not None
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix is None else self.prefix[0].shape[2]
+
+    def share(self, key: tuple[Any, ...], keys: mx.array, values: mx.array) -> None:
+        """Hold ``keys``/``values`` ([1, heads, P, dim]) as the prefix rows may see (none yet)."""
+        assert not any(self.sees), "the prefix changes only while no row sees it"
+        self.prefix, self.prefix_key = (keys, values), key
+
+    def _refresh(self) -> None:
+        if self.prefix is not None and not any(self.sees):
+            self.prefix, self.prefix_key = None, ()  # nobody reads it: the pool's again
+        shift = self.prefix_len
+        self._base = mx.array([self.idx - pad + shift * s for pad, s in zip(self.left, self.sees)], dtype=mx.int32)
+        self._base_idx, self._offset = self.idx, None
+        self._left = mx.array(self.left, dtype=mx.int32)
+        self._sees = mx.array(self.sees, dtype=mx.bool_)
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's next position (RoPE): one small op per step and only when asked for,
+        where adding to it on every layer's update would queue one per layer."""
+        if self._offset is None or self._offset[0] != self.idx:
+            moved = self.idx - self._base_idx
+            self._offset = (self.idx, self._base + moved if moved else self._base)
+        return self._offset[1]
+
+    def _pad_left(self, a: mx.array, n: int) -> mx.array:
+        if n == 0:
+            return a
+        b, h, _, d = a.shape
+        return mx.concatenate([mx.zeros((b, h, n, d), a.dtype), a], axis=2)
+
+    def add(self, keys: mx.array | None, values: mx.array | None, sees: bool = False) -> None:
+        """Append a row holding ``keys``/``values`` ([1, heads, n, dim], None for n = 0);
+        with ``sees``, they follow the prefix."""
+        assert not sees or self.prefix is not None
+        n = 0 if keys is None else keys.shape[2]
+        if self.keys is not None:
+            self.keys, self.values = self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+        if n > self.idx:  # the newcomer is the longest: everyone else moves right
+            grow = n - self.idx
+            if self.keys is not None:
+                self.keys, self.values = self._pad_left(self.keys, grow), self._pad_left(self.values, grow)
+            self.left = [pad + grow for pad in self.left]
+            self.idx = n
+        if keys is not None:
+            keys, values = self._pad_left(keys, self.idx - n), self._pad_left(values, self.idx - n)
+            if self.keys is None and self.left:  # rows so far held nothing
+                b = len(self.left)
+                self.keys = mx.zeros((b, *keys.shape[1:]), keys.dtype)
+                self.values = mx.zeros((b, *values.shape[1:]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = keys, values
+            else:
+                self.keys = mx.concatenate([self.keys, keys], axis=0)
+                self.values = mx.concatenate([self.values, values], axis=0)
+        elif self.keys is not None:
+            self.keys = mx.concatenate([self.keys, mx.zeros((1, *self.keys.shape[1:]), self.keys.dtype)], axis=0)
+            self.values = mx.concatenate(
+                [self.values, mx.zeros((1, *self.values.shape[1:]), self.values.dtype)], axis=0
+            )
+        self.left.append(self.idx - n)
+        self.sees.append(sees)
+        self._refresh()
+
+    def remove(self, i: int, trailing: int = 0) -> tuple[mx.array | None, mx.array | None]:
+        """Take row ``i`` out; return its keys and values without padding (None if empty).
+        ``trailing``: columns at the row's end that are right padding (a prefill chunk
+        wider than the row's last tokens), cut off too."""
+        pad = self.left.pop(i)
+        self.sees.pop(i)
+        end = self.idx - trailing
+        row_k = row_v = None
+        if self.keys is not None and end > pad:
+            row_k = self.keys[i : i + 1, :, pad:end, :]
+            row_v = self.values[i : i + 1, :, pad:end, :]
+        if not self.left:
+            self.keys = self.values = None
+            self.idx = 0
+        elif self.keys is not None:
+            keep = mx.array([j for j in range(len(self.left) + 1) if j != i])
+            self.keys, self.values = self.keys[keep, :, : self.idx], self.values[keep, :, : self.idx]
+            drop = min(self.left)  # columns that are padding for every row left
+            if drop:
+                self.keys, self.values = self.keys[..., drop:, :], self.values[..., drop:, :]
+                self.left = [pad - drop for pad in self.left]
+                self.idx -= drop
+        self._refresh()
+        return row_k, row_v
+
+    # -- what the attention layers call ---------------------------------------------
+
+    def make_mask(self, n_queries: int, window: int | None = None) -> Any:
+        if window is not None:
+            raise ValueError("a batch decodes without sliding windows")
+        if not any(self.left):  # no padding: as a lone sequence does (the fast kernels' path)
+            return None if n_queries == 1 else "causal"
+        columns = mx.arange(self.idx + n_queries)[None, :]
+        visible = columns >= self._left[:, None]  # [rows, keys]: not left padding
+        if n_queries == 1:
+            visible = visible[:, None, None, :]
+        else:
+            queries = mx.arange(self.idx, self.idx + n_queries)[:, None]
+            visible = visible[:, None, None, :] & (columns <= queries)[None, None]
+        # Additive, in the cache's dtype: a backend without boolean masks (CUDA) would
+        # otherwise convert the boolean one again in every layer.
+        dtype = self.keys.dtype if self.keys is not None else mx.float32
+        return mx.where(visible, mx.array(0, dtype), mx.array(-math.inf, dtype))
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        n = keys.shape[2]
+        if self.keys is None or self.idx + n > self.keys.shape[2]:
+            # Grow in steps (as KVCache does): the buffer is written in place between growths.
+            capacity = ((self.idx + n + self.step - 1) // self.step) * self.step
+            b, h, _, dk = keys.shape
+            new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
+            new_v = mx.zeros((b, h, capacity, values.shape[3]), values.dtype)
+            if self.keys is not None and self.idx:
+                new_k[..., : self.idx, :] = self.keys[..., : self.idx, :]
+                new_v[..., : self.idx, :] = self.values[..., : self.idx, :]
+            self.keys, self.values = new_k, new_v
+        self.keys[..., self.idx : self.idx + n, :] = keys
+        self.values[..., self.idx : self.idx + n, :] = values
+        self.idx += n
+        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+
+    def attend_with_prefix(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
+        """Append ``k``/``v`` and attend ``q`` ([rows, heads, L, dim]) over the prefix (rows
+        that see it) then each row's own tokens, under ``mask`` (``make_mask``'s, for the
+        rows' own tokens), in slices of queries that keep the scores small."""
+        keys, values = self.update_and_fetch(k, v)
+        b, n_heads, n_q, _ = q.shape
+        span = self.prefix_len + keys.shape[2]
+        step = max(1, SCORE_ELEMENTS // max(1, b * n_heads * span))
+        if isinstance(mask, str):  # the fast kernel's "causal": the last n_q columns are the queries'
+            cols, rows = mx.arange(keys.shape[2]), mx.arange(keys.shape[2] - n_q, keys.shape[2])
+            mask = mx.where(cols[None, :] <= rows[:, None], mx.array(0, q.dtype), mx.array(-math.inf, q.dtype))
+        outs = []
+        for lo in range(0, n_q, step):
+            hi = min(n_q, lo + step)
+            part = None if mask is None else mask[..., lo:hi, :] if mask.shape[-2] == n_q else mask
+            outs.append(self._two_part_attention(q[:, :, lo:hi], keys, values, scale, part))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+    def _two_part_attention(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        assert self.prefix is not None
+        pk, pv = self.prefix
+        b, n_heads, n_q, d = q.shape
+        n_kv, p = keys.shape[1], pk.shape[2]
+        rep = n_heads // n_kv
+        qs = (q * scale).reshape(b, n_kv, rep, n_q, d)
+        # Every row's queries against the one prefix: rows become query columns of one matmul.
+        flat = qs.transpose(1, 0, 2, 3, 4).reshape(1, n_kv, b * rep * n_q, d)
+        on_prefix = (flat @ pk.swapaxes(-1, -2)).reshape(n_kv, b, rep, n_q, p).transpose(1, 0, 2, 3, 4)
+        hidden = mx.array(-math.inf, on_prefix.dtype)
+        on_prefix = mx.where(self._sees[:, None, None, None, None], on_prefix, hidden)
+        on_own = qs @ keys[:, :, None].swapaxes(-1, -2)  # [rows, kv heads, rep, L, own tokens]
+        if mask is not None:
+            on_own = on_own + (mask[:, :, None] if mask.ndim == 4 else mask).astype(on_own.dtype)
+        weights = mx.softmax(mx.concatenate([on_prefix, on_own], axis=-1).astype(mx.float32), axis=-1)
+        weights = weights.astype(values.dtype)
+        w_prefix = weights[..., :p].transpose(1, 0, 2, 3, 4).reshape(1, n_kv, b * rep * n_q, p)
+        from_prefix = (w_prefix @ pv).reshape(n_kv, b, rep, n_q, d).transpose(1, 0, 2, 3, 4)
+        from_own = weights[..., p:] @ values[:, :, None]
+        return (from_prefix + from_own).reshape(b, n_heads, n_q, d)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        return () if self.keys is None else (self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        """The rows' own keys and values (the prefix is the pool's blocks, counted there)."""
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

@@ -1,0 +1,147 @@
+"""A batch holds a shared prefix once: rows whose paged caches start with the same published
+blocks attend over one copy of it (engine/decode/batch_cache.py), and each row still
+equals itself decoded alone without paging.
+
+Golden tiny checkpoints (float32). One chat first publishes a system prompt's blocks, as
+a server that has answered once holds them; then streams asking their own questions after
+it decode together, joining at different rounds, beside a stream with another prompt that
+does not see the prefix.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.api import GenerationParams, GenerationResult
+from engine.decode.batch import Batch
+from engine.decode.loop import WAITING, generate, stream_generate
+from engine.models.kv_cache import DEFAULT_STEP, make_prompt_cache
+from engine.models.paged_kv import pool_for
+from engine.runtime.prefix_cache import PrefixCache
+from tests.engine.models.model_goldens import load_golden
+
+BLOCK = 16
+
+
+def _ids(vocab: int, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+def _publish(model, system: list[int]) -> None:
+    """One chat over ``system`` (its reply ignored) publishes the prompt's whole blocks."""
+    chat = PrefixCache(model)
+    ids = [*system, 5]
+    keep = chat.reuse(ids)
+    out = generate(model, None, ids[keep:], chat.cache, GenerationParams(max_tokens=2, ignore_eos=True))
+    chat.record(ids + out.token_ids, ids + out.token_ids)
+
+
+def _run_together(model, prompts, starts, max_tokens, *, batch=None, on_round=None):
+    """Each prompt as a stream through its own PrefixCache (taking the pool's blocks), the
+    i-th joining at round ``starts[i]``; their results and the batch."""
+    batch = batch or Batch(model)
+    streams, results, chats = {}, {}, []
+    rounds = 0
+    while len(results) < len(prompts):
+        for i, prompt in enumerate(prompts):
+            if starts[i] == rounds:
+                chat = PrefixCache(model)
+                keep = chat.reuse(prompt)
+                chats.append(chat)
+                params = GenerationParams(max_tokens=max_tokens, ignore_eos=True, logprobs=True, prefill_chunk=8)
+                streams[i] = stream_generate(
+                    model, None, prompt[keep:], chat.cache, params, cached_tokens=keep, batch=batch
+                )
+        for i, stream in list(streams.items()):
+            for item in stream:
+                if item is WAITING:
+                    break
+                if isinstance(item, GenerationResult):
+                    results[i] = item
+            else:
+                del streams[i]
+        batch.step()
+        if on_round is not None:
+            on_round(batch)
+        rounds += 1
+        assert rounds < 500
+    return [results[i] for i in range(len(prompts))], batch
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rows_sharing_a_prefix_equal_themselves_alone(family):
+    model, _ = load_golden(family)
+    vocab = model.args.vocab_size
+    system = _ids(vocab, 5 * BLOCK + 3, seed=1)  # ends inside a block: the rows hold that part
+    prompts = [system + _ids(vocab, n, seed=10 + i) for i, n in enumerate((9, 4, 13))]
+    prompts.append(_ids(vocab, 23, seed=30))  # another prompt: it must not see the prefix
+    refs = [
+        generate(
+            model, None, p, make_prompt_cache(model), GenerationParams(max_tokens=7, ignore_eos=True, logprobs=True)
+        )
+        for p in prompts
+    ]
+    pool_for(model, block_size=BLOCK)
+    seen: list[list[bool]] = []
+    try:
+        _publish(model, system)
+        got, batch = _run_together(
+            model,
+            prompts,
+            starts=[0, 0, 2, 1],
+            max_tokens=7,
+            on_round=lambda b: seen.append(list(b.layers[0].sees)) if b.layers else None,
+        )
+    finally:
+        del model.kv_pool
+    for ref, result in zip(refs, got, strict=True):
+        assert result.token_ids == ref.token_ids
+        assert np.allclose(result.token_logprobs, ref.token_logprobs, atol=1e-4)
+    # Rows did decode over the shared prefix, beside one that did not see it.
+    assert any(sum(s) >= 2 and not all(s) for s in seen)
+    assert not batch.rows and not batch.layers
+
+
+def test_eight_streams_hold_a_shared_prefix_once():
+    """Eight streams after one 4,096-token system prompt: the batch holds it once (measured
+    with MLX's active memory while they decode), where rows holding their own copies hold
+    it eight times."""
+    model, _ = load_golden("qwen3")
+    vocab = model.args.vocab_size
+    system = _ids(vocab, 256 * BLOCK, seed=2)
+    prompts = [system + _ids(vocab, 8, seed=40 + i) for i in range(8)]
+    pool_for(model, block_size=BLOCK)
+    try:
+        _publish(model, system)
+        attn = model.layers[0].self_attn
+        per_token = 2 * 4 * len(model.layers) * attn.n_kv_heads * attn.head_dim  # keys and values, float32
+        prefix_bytes = per_token * len(system)
+
+        def held_while_decoding(shares: bool) -> tuple[int, list[list[int]]]:
+            batch = Batch(model)
+            batch.shares_prefixes = shares
+            mx.clear_cache()
+            before = mx.get_active_memory()
+            peak = [0, 0]
+
+            def measure(b):
+                if len(b.rows) == 8:
+                    mx.eval([s for layer in b.layers for s in layer.state])
+                    held = mx.get_active_memory() - before
+                    if held > peak[0]:
+                        peak[:] = [held, b.nbytes]
+
+            got, _ = _run_together(model, prompts, [0] * 8, 6, batch=batch, on_round=measure)
+            return peak[0], peak[1], [r.token_ids for r in got]
+
+        shared, rows_bytes, shared_ids = held_while_decoding(True)
+        own, _, own_ids = held_while_decoding(False)
+    finally:
+        del model.kv_pool
+    assert shared_ids == own_ids
+    assert own > 7 * prefix_bytes  # each row its own copy: the measure sees them
+    # Nothing beside the rows' own tokens: the prefix is the pool's blocks, read in place.
+    assert rows_bytes <= 8 * DEFAULT_STEP * per_token  # each row its question and reply, in one step of room
+    assert shared < rows_bytes + prefix_bytes / 2
