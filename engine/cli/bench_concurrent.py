@@ -16,7 +16,8 @@ over the whole run, prefill included).
 
 ``--shared-prompt``: the streams share the ``-p`` token prompt (a system prompt and tools),
 each adding its own 32-token question, and the prompt is cached before they start, as a
-server that has answered once holds it. The engine takes it from its block pool (with
+server that has answered once holds it (``--shared-prompt cold``: not cached; with
+``--paged-kv`` the engine prefills it once for all the streams arriving together). The engine takes it from its block pool (with
 ``--paged-kv``: each stream prefills only its question, and the batch holds the prompt
 once and reads it once per step for all rows; an ``own-copy`` row runs the same batch
 with each row holding its own copy), mlx-lm from its ``LRUPromptCache`` as its server
@@ -80,9 +81,12 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shared-prompt",
-        action="store_true",
-        help=f"with --concurrent: the streams share the -p token prompt, cached before they start, each adding "
-        f"its own {QUESTION_TOKENS}-token question (the engine's block pool with --paged-kv, mlx-lm's prompt cache)",
+        nargs="?",
+        const="cached",
+        choices=("cached", "cold"),
+        help=f"with --concurrent: the streams share the -p token prompt, each adding its own {QUESTION_TOKENS}-token "
+        "question; 'cached' (the default) caches the prompt before they start (the engine's block pool with "
+        "--paged-kv, mlx-lm's prompt cache), 'cold' does not (the streams arrive together with a new prompt)",
     )
 
 
@@ -359,14 +363,15 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
         stagger=stagger,
     )
     keys = mx.random.split(mx.random.key(args.seed), max(counts))
-    shared = getattr(args, "shared_prompt", False)
+    shared = getattr(args, "shared_prompt", None)
+    cached = shared == "cached"
     vocab, length = config["vocab_size"], QUESTION_TOKENS if shared else args.prompt_tokens
     prompts = [mx.random.randint(0, vocab, (length,), key=k).astype(mx.uint32) for k in keys]
     if shared:  # the -p token prompt, then each stream's question
         system = mx.random.randint(0, vocab, (args.prompt_tokens,), key=mx.random.key(args.seed + 1))
         prompts = [mx.concatenate([system.astype(mx.uint32), q]) for q in prompts]
     mx.eval(prompts)
-    ours_from = engine_prompt_cache(model, prompts[0][: args.prompt_tokens + 1]) if shared else None
+    ours_from = engine_prompt_cache(model, prompts[0][: args.prompt_tokens + 1]) if cached else None
     loops: list[tuple[str, Callable[..., Concurrent], Any]] = [
         ("engine", functools.partial(ours, cache_for=ours_from), model)
     ]
@@ -374,7 +379,7 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
         loops.append(("own-copy", functools.partial(ours, cache_for=ours_from, share=False), model))
     if args.vs == "mlx-lm":
         twin = mlx_lm_twin(model, config, quantized)
-        theirs_from = mlx_lm_prompt_cache(twin, prompts[0][: args.prompt_tokens]) if shared else None
+        theirs_from = mlx_lm_prompt_cache(twin, prompts[0][: args.prompt_tokens]) if cached else None
         loops.append(("mlx-lm", functools.partial(run_mlx_lm, stagger=stagger, cache_for=theirs_from), twin))
     for _, run, m in loops:  # warm-up: kernels for every batch width
         for n in counts:

@@ -64,7 +64,7 @@ from engine.errors import OutOfKVRoom
 from engine.models.base import AttentionSteps
 from engine.models.families import FAMILIES
 from engine.models.kv_cache import KVCache, make_prompt_cache
-from engine.models.paged_kv import PagedKVCache, shared_blocks
+from engine.models.paged_kv import PagedKVCache, fresh_block_size, sequence_of, shared_blocks
 
 WAIT = Signal.WAITING  # "nothing yet": the sequence waits for a step
 
@@ -118,6 +118,9 @@ class _Row:
     queued: int = 0  # tokens it was given steps for (delivered or under way)
     out: deque[Token | Signal] = field(default_factory=deque)
     first: bool = True  # its first input is the prompt's last token, already in ``recent``
+    fresh: int = 0  # its cache was an empty shareable paged one: the block size (``fresh_block_size``)
+    after: _Row | None = None  # waiting for that row's prefill of the whole blocks their prompts share
+    borrow: int = 0  # those blocks
     where: str = "waiting"  # waiting, prefill, decode, gone
     error: Exception | None = None  # refused before it started (raised by its sequence)
 
@@ -286,8 +289,43 @@ class Batch:
         i = self.filling.index(row)
         self.filling.pop(i)
         self._take_back(self.fill_layers, i, row, trailing)
+        self._lend(row)
         if not self.filling:
             self.fill_layers = []
+
+    # -- rows arriving together with one prompt prefill it once --------------------------
+
+    def _waits_for_common_prompt(self, row: _Row) -> bool:
+        """Whether ``row`` (an empty paged cache) starts with whole blocks of the prompt a
+        fresh row is prefilling now: then it waits for that prefill and borrows those blocks
+        (``_lend``), where prefilling beside it would compute them twice and share the pass."""
+        if not row.fresh:
+            return False
+        for other in self.filling:
+            if other.fresh == row.fresh and sequence_of(other.cache).pool is sequence_of(row.cache).pool:  # type: ignore[union-attr]
+                blocks = _common_length(row.prompt, other.prompt) // row.fresh
+                if blocks:
+                    row.after, row.borrow = other, blocks
+                    return True
+        return False
+
+    def _lend(self, row: _Row) -> None:
+        """``row`` is out of prefill: the rows waiting for its prompt take the blocks it has
+        prefilled (all of them unless it was cancelled) and go on from there."""
+        borrowers = [r for r in self.waiting if r.after is row]
+        if not borrowers:
+            return
+        lender = sequence_of(row.cache)
+        assert lender is not None
+        lender.drop_views()  # its tokens into blocks (the view itself, adopted: no copy)
+        for r in borrowers:
+            r.after = None
+            sequence = sequence_of(r.cache)
+            assert sequence is not None
+            r.done = sequence.borrow(lender, min(r.borrow, row.done // r.fresh))
+            r.fresh = 0  # its cache holds a prefix now
+            if r.on_progress is not None:
+                r.on_progress(r.done, len(r.prompt))
 
     def _leave(self, row: _Row) -> None:
         """Take ``row`` out wherever it is; its cache gets back what the batch held of it.
@@ -431,11 +469,14 @@ class Batch:
     def _prefill_pass(self) -> None:
         """Admit waiting sequences (as memory allows) and feed the prefilling rows one
         chunk's worth of their prompts; rows whose prompt is in start decoding."""
-        while self.waiting and len(self.filling) < self.prefill_rows:
-            row = self.waiting[0]
+        for row in list(self.waiting):
+            if len(self.filling) >= self.prefill_rows:
+                break
+            if row.after is not None or self._waits_for_common_prompt(row):
+                continue
             if not self._admit(row):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(row)
             if row.error is not None:
                 row.where = "gone"
                 continue
@@ -519,6 +560,7 @@ class Batch:
             max(1, prefill_chunk),
             on_progress,
             need_bytes=(held + len(ids) + max_tokens) * self.kv_bytes_per_token,
+            fresh=fresh_block_size(cache) if self.shares_prefixes else 0,
         )
         self.waiting.append(row)
         try:
@@ -537,3 +579,11 @@ class Batch:
         finally:
             if row.where not in ("gone", "done"):
                 self._leave(row)
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -198,6 +198,17 @@ class PagedSequence:
         self.flushed = [held] * self.pool.layers
         return held
 
+    def borrow(self, other: PagedSequence, blocks: int) -> int:
+        """On an empty sequence: hold ``other``'s first ``blocks`` blocks by reference (a batch
+        row whose prompt starts as ``other``'s, which has just prefilled it); the tokens taken."""
+        assert not self.table and not max(self.offsets) and other.pool is self.pool
+        assert min(other.flushed) >= blocks * self.pool.block_size, "the lender's blocks hold its prompt"
+        self.table.extend(self.pool.take(block) for block in other.table[:blocks])
+        held = len(self.table) * self.pool.block_size
+        self.offsets = [held] * self.pool.layers
+        self.flushed = [held] * self.pool.layers
+        return held
+
     def available(self, keys: Sequence[Hashable], signature: str, limit: int) -> int:
         """How many tokens ``attach`` would take, without taking them."""
         if not self.shareable:
@@ -535,18 +546,28 @@ class ModelPool(BlockPool):
 
 
 def shared_blocks(cache: Sequence[Any]) -> tuple[tuple[Block, ...], int]:
-    """The published blocks a plain paged prompt cache starts with, as far as every layer
-    holds them (the part of its prefix other sequences may be reading too), and their tokens."""
+    """The published or shared blocks a plain paged prompt cache starts with (never written
+    again: copy on write), as far as every layer holds them, and their tokens: the part of
+    its prefix other sequences may be reading too."""
     sequence = sequence_of(cache)
     if sequence is None or not sequence.shareable or any(type(c) is not PagedKVCache for c in cache):
         return (), 0
     size = sequence.pool.block_size
     run: list[Block] = []
     for block in sequence.table[: min(sequence.offsets) // size]:
-        if block.digest is None:
+        if block.private:
             break
         run.append(block)
     return tuple(run), len(run) * size
+
+
+def fresh_block_size(cache: Sequence[Any]) -> int:
+    """The block size of an empty plain paged prompt cache whose blocks can be shared (a
+    batch row that may borrow another's prompt blocks, ``PagedSequence.borrow``), else 0."""
+    sequence = sequence_of(cache)
+    if sequence is None or not sequence.shareable or sequence.table or max(sequence.offsets):
+        return 0
+    return sequence.pool.block_size if all(type(c) is PagedKVCache for c in cache) else 0
 
 
 def sequence_of(cache: Sequence[Any] | None) -> PagedSequence | None:

@@ -96,3 +96,28 @@ def test_concurrent_streams_after_a_shared_prompt_against_mlx_lm_prompt_cache():
 
 def test_a_shared_prompt_needs_concurrent_streams():
     assert "--shared-prompt" in _bench("-p", "64", "--shared-prompt", ok=False)
+
+
+def test_streams_arriving_together_with_a_new_prompt_prefill_it_once():
+    """``--shared-prompt cold``: nothing cached; paged, the engine prefills the common prompt
+    once for the streams arriving together, where rows with their own copies prefill it each."""
+    out = _bench(
+        "-p",
+        "256",
+        "--paged-kv",
+        "--paged-kv-block-size",
+        "32",
+        "--concurrent",
+        "4",
+        "--shared-prompt",
+        "cold",
+        "--profile",
+    )
+    (row,) = out["concurrent"]
+
+    def prefilled(side: str) -> float:
+        p = row[side]["profile"]
+        return p["prefill_passes"] * p["prefill_tokens_per_pass"]
+
+    assert prefilled("own-copy") == 4 * (256 + 32 - 1)
+    assert prefilled("engine") == 256 + 32 - 1 + 3 * (32 - 1)  # the others: their question but its last token

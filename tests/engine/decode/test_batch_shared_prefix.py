@@ -145,3 +145,35 @@ def test_eight_streams_hold_a_shared_prefix_once():
     # Nothing beside the rows' own tokens: the prefix is the pool's blocks, read in place.
     assert rows_bytes <= 8 * DEFAULT_STEP * per_token  # each row its question and reply, in one step of room
     assert shared < rows_bytes + prefix_bytes / 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_streams_arriving_together_prefill_their_common_prompt_once(family):
+    """Nothing published yet: streams that arrive together with one system prompt wait for
+    the first one's prefill and borrow its blocks, then decode over one copy of them."""
+    model, _ = load_golden(family)
+    vocab = model.args.vocab_size
+    system = _ids(vocab, 6 * BLOCK + 5, seed=3)
+    prompts = [system + _ids(vocab, n, seed=50 + i) for i, n in enumerate((6, 11, 3))]
+    prompts.append(_ids(vocab, 30, seed=60))
+    params = GenerationParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    refs = [generate(model, None, p, make_prompt_cache(model), params) for p in prompts]
+    pool_for(model, block_size=BLOCK)
+    seen: list[list[bool]] = []
+    try:
+        got, batch = _run_together(
+            model,
+            prompts,
+            [0, 0, 0, 0],
+            6,
+            on_round=lambda b: seen.append(list(b.layers[0].sees)) if b.layers else None,
+        )
+    finally:
+        del model.kv_pool
+    for ref, result in zip(refs, got, strict=True):
+        assert result.token_ids == ref.token_ids
+        assert np.allclose(result.token_logprobs, ref.token_logprobs, atol=1e-4)
+    # The six common blocks were prefilled once, not three times.
+    every = sum(len(p) - 1 for p in prompts)
+    assert batch.times.prefill_tokens == every - 2 * 6 * BLOCK
+    assert any(sum(s) == 3 for s in seen)
