@@ -368,7 +368,7 @@ def run_bench(
         quant += f", {FIXED_QUANTIZATION[args.shape][1]['mode']} experts"
     from engine.models import quantized_matmul_cuda
 
-    if quantized and quantized_matmul_cuda.enabled():  # MLX_DESK_QMV=1: say so beside the figures
+    if quantized and quantized_matmul_cuda.enabled():  # on by default on CUDA: say so beside the figures
         quant += ", small-row kernel on"
     print(
         f"{args.shape} ({quant}, random weights) on {mx.default_device()}: "

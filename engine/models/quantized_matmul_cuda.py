@@ -18,9 +18,9 @@ Every row is computed by the same float operations in the same order whatever th
 of rows, so a row's output does not depend on the rows beside it (a verify pass computes
 what the decode steps would).
 
-Routing: ``quantized_matmul`` takes the kernel where ``fits`` says so and MLX's CUDA
-backend runs on the GPU, and only while the environment variable ``MLX_DESK_QMV`` is ``1``
-(off by default until the GPU measurements show it exact and faster); everything else
+Routing: ``quantized_matmul`` takes the kernel where ``fits`` and ``pays`` say so and MLX's
+CUDA backend runs on the GPU, unless the environment variable ``MLX_DESK_QMV`` is ``0``
+(on by default since every test of it passed on an H200, docs/qmv.md); everything else
 (other modes and bit widths, more rows, the CPU) keeps ``mx.quantized_matmul``.
 """
 
@@ -236,8 +236,8 @@ def available() -> bool:
 
 
 def enabled() -> bool:
-    """Whether products are routed to the kernel: asked for (``MLX_DESK_QMV=1``) and able to run."""
-    return os.environ.get(ENV) == "1" and available()
+    """Whether products are routed to the kernel: not turned off (``MLX_DESK_QMV=0``) and able to run."""
+    return os.environ.get(ENV, "1") != "0" and available()
 
 
 def fits(

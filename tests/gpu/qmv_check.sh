@@ -2,7 +2,7 @@
 # The small-row quantized matmul kernel on a CUDA machine, in one run of under 8 minutes:
 #   1. its tests against mx.quantized_matmul (every mode, dtype and shape class);
 #   2. the microbenchmark beside MLX's kernel (qwen3-4b and llama3-8b projections);
-#   3. whole-model decode with the kernel on (MLX_DESK_QMV=1), against mlx-lm, with the
+#   3. whole-model decode with the kernel on (the default), against mlx-lm, with the
 #      roofline share, for qwen3-4b, llama3-8b and qwen2.5-0.5b at 4 bits.
 # Run from the repository root: bash tests/gpu/qmv_check.sh [python]  (limits add up to 7m35s)
 # Each command has its own time limit; a failing or timed-out step is reported and the
@@ -31,7 +31,7 @@ step 90 "kernel tests" "$PY" -m pytest tests/engine/models/test_qmv_cuda.py test
 step 55 "microbench qwen3-4b" "$PY" -m engine.cli.bench_qmm --shape qwen3-4b --ours
 step 55 "microbench llama3-8b" "$PY" -m engine.cli.bench_qmm --shape llama3-8b --ours
 # Today's engine without the kernel, for comparison: qwen3-4b 212.7 tok/s, llama3-8b 174.6,
-# qwen2.5-0.5b 262 (the same command without MLX_DESK_QMV).
+# qwen2.5-0.5b 262 (the same command with MLX_DESK_QMV=0).
 for shape_limit in qwen3-4b:85 llama3-8b:100 qwen2.5-0.5b:70; do
   shape="${shape_limit%%:*}"
   step "${shape_limit##*:}" "decode $shape, kernel on" env MLX_DESK_QMV=1 "$PY" -m engine bench --shape "$shape" \

@@ -82,9 +82,9 @@ def test_warps_split_long_rows_of_matrices_with_few_columns(inputs, outputs, bit
     assert qmv.WARPS % splits == 0
 
 
-def test_nothing_routes_while_the_kernel_is_off_or_off_cuda(monkeypatch):
+def test_the_kernel_is_on_by_default_where_it_can_run_and_off_when_asked(monkeypatch):
     monkeypatch.delenv(qmv.ENV, raising=False)
-    assert not qmv.enabled()
+    assert qmv.enabled() == qmv.available()
     monkeypatch.setenv(qmv.ENV, "1")
     assert qmv.enabled() == qmv.available()
     monkeypatch.setenv(qmv.ENV, "0")
@@ -96,7 +96,7 @@ def test_the_routed_entry_points_equal_mlxs_where_the_kernel_does_not_run(monkey
     exactly what the layers themselves give."""
     monkeypatch.setenv(qmv.ENV, "1")
     if qmv.available():
-        monkeypatch.delenv(qmv.ENV)
+        monkeypatch.setenv(qmv.ENV, "0")
     layer = nn.QuantizedLinear(128, 48, bias=True, group_size=64, bits=4)
     embed = nn.QuantizedEmbedding(40, 128, group_size=64, bits=8)
     x = mx.random.normal((2, 3, 128), key=mx.random.key(1))
@@ -224,7 +224,7 @@ def test_a_models_shared_layers_route_through_the_kernel_and_keep_its_logits(mon
     mx.eval(model.parameters())
     tokens = mx.array([[11, 523, 9001, 77, 4242]])
 
-    monkeypatch.delenv(qmv.ENV, raising=False)
+    monkeypatch.setenv(qmv.ENV, "0")
     plain = model(tokens).astype(mx.float32)
     calls = []
     kernel = qmv.matmul
