@@ -77,3 +77,29 @@ def test_paged_requests_decode_together_and_a_short_one_reuses_the_long_ones_blo
     assert long_reply[0]["choices"][0]["message"] == alone["choices"][0]["message"]
     assert alone["usage"]["completion_tokens"] == 300
     assert short["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) >= 16 * (len(SYSTEM) // 64)
+
+
+def test_requests_arriving_together_with_one_system_prompt_reply_as_alone(tiny_model, tmp_path):
+    """Four requests with one new system prompt at once: the batch prefills it once and holds
+    it once (engine/decode/batch_cache.py); each reply equals the same request sent alone."""
+    server = start_server(tiny_model, tmp_path / "log", "--paged-kv", "--paged-kv-block-size", "16")
+    questions = ("hello", "write a story", "what is the capital", "count to ten")
+    try:
+        model = health(server.base)["model"]
+
+        def ask(question: str) -> dict:
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            body = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0}
+            return post(server.base, "/v1/chat/completions", body)
+
+        together: dict[str, dict] = {}
+        workers = [threading.Thread(target=lambda q=q: together.update({q: ask(q)})) for q in questions]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        alone = {q: ask(q) for q in questions}
+    finally:
+        server.stop()
+    for q in questions:
+        assert together[q]["choices"][0]["message"] == alone[q]["choices"][0]["message"], q
