@@ -57,7 +57,7 @@ import mlx.core as mx
 
 from engine.decode.batch_cache import BatchKVCache
 from engine.decode.guards import check_finite
-from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback
+from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, common_prefix_length
 from engine.decode.sampling import LogitsProcessor, Sampler
 from engine.decode.signals import Signal, Token
 from engine.errors import OutOfKVRoom
@@ -120,7 +120,6 @@ class _Row:
     first: bool = True  # its first input is the prompt's last token, already in ``recent``
     fresh: int = 0  # its cache was an empty shareable paged one: the block size (``fresh_block_size``)
     after: _Row | None = None  # waiting for that row's prefill of the whole blocks their prompts share
-    borrow: int = 0  # those blocks
     where: str = "waiting"  # waiting, prefill, decode, gone
     error: Exception | None = None  # refused before it started (raised by its sequence)
 
@@ -274,10 +273,6 @@ class Batch:
         for layer, c in zip(layers, row.cache, strict=True):
             k, v = layer.remove(i, trailing)
             if k is not None:
-                # Copies of the row alone, computed without waiting: a slice would keep the
-                # batch's whole buffer alive until the row's cache is next evaluated, one
-                # buffer per row leaving (16 rows over a 4k prompt peaked 8x their KV).
-                k, v = mx.contiguous(k), mx.contiguous(v)
                 taken += [k, v]
             if sees:
                 if k is not None:
@@ -285,7 +280,7 @@ class Batch:
             else:
                 c.state = (k, v) if k is not None else ()
         if taken:
-            mx.async_eval(taken)
+            mx.async_eval(taken)  # the row's own copies (``remove``), computed without waiting
 
     def _enter_prefill(self, row: _Row) -> None:
         if not self.fill_layers:
@@ -312,9 +307,8 @@ class Batch:
             return False
         for other in self.filling:
             if other.fresh == row.fresh and sequence_of(other.cache).pool is sequence_of(row.cache).pool:  # type: ignore[union-attr]
-                blocks = _common_length(row.prompt, other.prompt) // row.fresh
-                if blocks:
-                    row.after, row.borrow = other, blocks
+                if common_prefix_length(row.prompt, other.prompt) >= row.fresh:
+                    row.after = other
                     return True
         return False
 
@@ -331,7 +325,8 @@ class Batch:
             r.after = None
             sequence = sequence_of(r.cache)
             assert sequence is not None
-            r.done = sequence.borrow(lender, min(r.borrow, row.done // r.fresh))
+            common = min(common_prefix_length(r.prompt, row.prompt), row.done)  # all of it unless cancelled
+            r.done = sequence.borrow(lender, common // r.fresh)
             r.fresh = 0  # its cache holds a prefix now
             if r.on_progress is not None:
                 r.on_progress(r.done, len(r.prompt))
@@ -588,11 +583,3 @@ class Batch:
         finally:
             if row.where not in ("gone", "done"):
                 self._leave(row)
-
-
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -22,6 +22,15 @@ ProgressCallback = Callable[[int, int], None]
 HISTORY_WINDOW = 1024
 
 
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items ``a`` and ``b`` share (token ids, or their per-token keys)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def _cache_arrays(cache: Sequence[Any]) -> list[Any]:
     """What a chunk evaluates: each layer's arrays. A paged layer names its view and blocks
     (``pending_arrays``): its ``state`` gathers every block into a new array, which made each

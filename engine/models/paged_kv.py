@@ -545,12 +545,21 @@ class ModelPool(BlockPool):
         return paged_prompt_cache(cache, self)
 
 
+def _plain_shareable(cache: Sequence[Any]) -> PagedSequence | None:
+    """The sequence behind a prompt cache whose every layer pages plainly (no quantized or
+    other kind beside them), so its blocks hold the whole prefix; None otherwise."""
+    sequence = sequence_of(cache)
+    if sequence is None or not sequence.shareable or any(type(c) is not PagedKVCache for c in cache):
+        return None
+    return sequence
+
+
 def shared_blocks(cache: Sequence[Any]) -> tuple[tuple[Block, ...], int]:
     """The published or shared blocks a plain paged prompt cache starts with (never written
     again: copy on write), as far as every layer holds them, and their tokens: the part of
     its prefix other sequences may be reading too."""
-    sequence = sequence_of(cache)
-    if sequence is None or not sequence.shareable or any(type(c) is not PagedKVCache for c in cache):
+    sequence = _plain_shareable(cache)
+    if sequence is None:
         return (), 0
     size = sequence.pool.block_size
     run: list[Block] = []
@@ -564,10 +573,10 @@ def shared_blocks(cache: Sequence[Any]) -> tuple[tuple[Block, ...], int]:
 def fresh_block_size(cache: Sequence[Any]) -> int:
     """The block size of an empty plain paged prompt cache whose blocks can be shared (a
     batch row that may borrow another's prompt blocks, ``PagedSequence.borrow``), else 0."""
-    sequence = sequence_of(cache)
-    if sequence is None or not sequence.shareable or sequence.table or max(sequence.offsets):
+    sequence = _plain_shareable(cache)
+    if sequence is None or sequence.table or max(sequence.offsets):
         return 0
-    return sequence.pool.block_size if all(type(c) is PagedKVCache for c in cache) else 0
+    return sequence.pool.block_size
 
 
 def sequence_of(cache: Sequence[Any] | None) -> PagedSequence | None:

@@ -66,6 +66,10 @@ def test_the_unpaged_loop_sets_the_pool_aside_and_puts_it_back():
     assert pool._next > 0
 
 
+# A 256-token prompt the streams share, paged in blocks of 32.
+SHARED_PROMPT_PAGED = ("-p", "256", "--paged-kv", "--paged-kv-block-size", "32")
+
+
 def test_concurrent_streams_after_a_shared_prompt_against_mlx_lm_prompt_cache():
     """``--concurrent N --shared-prompt``: N streams after one cached prompt, each with its
     own question: the engine's batch holding it once, the same batch with own copies, and
@@ -74,11 +78,7 @@ def test_concurrent_streams_after_a_shared_prompt_against_mlx_lm_prompt_cache():
 
     pytest.importorskip("mlx_lm")
     out = _bench(
-        "-p",
-        "256",
-        "--paged-kv",
-        "--paged-kv-block-size",
-        "32",
+        *SHARED_PROMPT_PAGED,
         "--concurrent",
         "1,3",
         "--shared-prompt",
@@ -102,11 +102,7 @@ def test_streams_arriving_together_with_a_new_prompt_prefill_it_once():
     """``--shared-prompt cold``: nothing cached; paged, the engine prefills the common prompt
     once for the streams arriving together, where rows with their own copies prefill it each."""
     out = _bench(
-        "-p",
-        "256",
-        "--paged-kv",
-        "--paged-kv-block-size",
-        "32",
+        *SHARED_PROMPT_PAGED,
         "--concurrent",
         "4",
         "--shared-prompt",

@@ -14,6 +14,7 @@ from engine.api import GenerationParams, GenerationResult, SamplingParams
 from engine.decode.batch import Batch, batchable
 from engine.decode.loop import WAITING, generate, stream_generate
 from engine.models.kv_cache import make_prompt_cache
+from tests.engine.batch_rounds import drive
 from tests.engine.models.model_goldens import load_golden
 
 BATCHED = ["llama", "llama3_rope", "qwen2", "qwen3", "qwen3_moe"]
@@ -29,25 +30,13 @@ def run_batched(model, jobs, starts, *, chunk=4):
     """Drive one stream per (prompt, params), the i-th joining at round ``starts[i]``;
     return each one's GenerationResult and the batch."""
     batch = Batch(model)
-    streams: dict[int, object] = {}
-    results: dict[int, GenerationResult] = {}
-    rounds = 0
-    while len(results) < len(jobs):
-        for i, (prompt, params) in enumerate(jobs):
-            if starts[i] == rounds:
-                params.prefill_chunk = chunk
-                streams[i] = stream_generate(model, None, prompt, make_prompt_cache(model), params, batch=batch)
-        for i, stream in list(streams.items()):
-            for item in stream:
-                if item is WAITING:
-                    break
-                if isinstance(item, GenerationResult):
-                    results[i] = item
-            else:
-                del streams[i]
-        batch.step()
-        rounds += 1
-        assert rounds < 500
+
+    def start(i):
+        prompt, params = jobs[i]
+        params.prefill_chunk = chunk
+        return stream_generate(model, None, prompt, make_prompt_cache(model), params, batch=batch)
+
+    results = drive(batch, starts, start)
     return [results[i] for i in range(len(jobs))], batch
 
 

@@ -14,12 +14,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.api import GenerationParams, GenerationResult
+from engine.api import GenerationParams
 from engine.decode.batch import Batch
-from engine.decode.loop import WAITING, generate, stream_generate
+from engine.decode.loop import generate, stream_generate
 from engine.models.kv_cache import DEFAULT_STEP, make_prompt_cache
 from engine.models.paged_kv import pool_for
 from engine.runtime.prefix_cache import PrefixCache
+from tests.engine.batch_rounds import drive
 from tests.engine.models.model_goldens import load_golden
 
 BLOCK = 16
@@ -42,32 +43,32 @@ def _run_together(model, prompts, starts, max_tokens, *, batch=None, on_round=No
     """Each prompt as a stream through its own PrefixCache (taking the pool's blocks), the
     i-th joining at round ``starts[i]``; their results and the batch."""
     batch = batch or Batch(model)
-    streams, results, chats = {}, {}, []
-    rounds = 0
-    while len(results) < len(prompts):
-        for i, prompt in enumerate(prompts):
-            if starts[i] == rounds:
-                chat = PrefixCache(model)
-                keep = chat.reuse(prompt)
-                chats.append(chat)
-                params = GenerationParams(max_tokens=max_tokens, ignore_eos=True, logprobs=True, prefill_chunk=8)
-                streams[i] = stream_generate(
-                    model, None, prompt[keep:], chat.cache, params, cached_tokens=keep, batch=batch
-                )
-        for i, stream in list(streams.items()):
-            for item in stream:
-                if item is WAITING:
-                    break
-                if isinstance(item, GenerationResult):
-                    results[i] = item
-            else:
-                del streams[i]
-        batch.step()
-        if on_round is not None:
-            on_round(batch)
-        rounds += 1
-        assert rounds < 500
+
+    def start(i):
+        chat = PrefixCache(model)
+        keep = chat.reuse(prompts[i])
+        params = GenerationParams(max_tokens=max_tokens, ignore_eos=True, logprobs=True, prefill_chunk=8)
+        return stream_generate(model, None, prompts[i][keep:], chat.cache, params, cached_tokens=keep, batch=batch)
+
+    results = drive(batch, starts, start, on_round=on_round)
     return [results[i] for i in range(len(prompts))], batch
+
+
+def _kv_bytes_per_token(model) -> int:
+    """Keys and values of one token over every layer, float32 (the goldens' dtype)."""
+    attn = model.layers[0].self_attn
+    return 2 * 4 * len(model.layers) * attn.n_kv_heads * attn.head_dim
+
+
+def _sees_each_round(seen: list[list[bool]]):
+    """An ``on_round`` that notes which decoding rows saw the batch's shared prefix."""
+    return lambda b: seen.append(list(b.layers[0].sees)) if b.layers else None
+
+
+def _assert_each_equals(refs, got) -> None:
+    for ref, result in zip(refs, got, strict=True):
+        assert result.token_ids == ref.token_ids
+        assert np.allclose(result.token_logprobs, ref.token_logprobs, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -92,13 +93,11 @@ def test_rows_sharing_a_prefix_equal_themselves_alone(family):
             prompts,
             starts=[0, 0, 2, 1],
             max_tokens=7,
-            on_round=lambda b: seen.append(list(b.layers[0].sees)) if b.layers else None,
+            on_round=_sees_each_round(seen),
         )
     finally:
         del model.kv_pool
-    for ref, result in zip(refs, got, strict=True):
-        assert result.token_ids == ref.token_ids
-        assert np.allclose(result.token_logprobs, ref.token_logprobs, atol=1e-4)
+    _assert_each_equals(refs, got)
     # Rows did decode over the shared prefix, beside one that did not see it.
     assert any(sum(s) >= 2 and not all(s) for s in seen)
     assert not batch.rows and not batch.layers
@@ -115,8 +114,7 @@ def test_eight_streams_hold_a_shared_prefix_once():
     pool_for(model, block_size=BLOCK)
     try:
         _publish(model, system)
-        attn = model.layers[0].self_attn
-        per_token = 2 * 4 * len(model.layers) * attn.n_kv_heads * attn.head_dim  # keys and values, float32
+        per_token = _kv_bytes_per_token(model)
         prefix_bytes = per_token * len(system)
 
         def held_while_decoding(shares: bool) -> tuple[int, list[list[int]]]:
@@ -166,13 +164,11 @@ def test_streams_arriving_together_prefill_their_common_prompt_once(family):
             prompts,
             [0, 0, 0, 0],
             6,
-            on_round=lambda b: seen.append(list(b.layers[0].sees)) if b.layers else None,
+            on_round=_sees_each_round(seen),
         )
     finally:
         del model.kv_pool
-    for ref, result in zip(refs, got, strict=True):
-        assert result.token_ids == ref.token_ids
-        assert np.allclose(result.token_logprobs, ref.token_logprobs, atol=1e-4)
+    _assert_each_equals(refs, got)
     # The six common blocks were prefilled once, not three times.
     every = sum(len(p) - 1 for p in prompts)
     assert batch.times.prefill_tokens == every - 2 * 6 * BLOCK
@@ -186,29 +182,21 @@ def test_rows_leaving_one_by_one_do_not_keep_the_batchs_old_buffers():
     model, _ = load_golden("qwen3")
     vocab = model.args.vocab_size
     prompts = [_ids(vocab, 512, seed=70 + i) for i in range(8)]
-    attn = model.layers[0].self_attn
-    per_token = 2 * 4 * len(model.layers) * attn.n_kv_heads * attn.head_dim
+    per_token = _kv_bytes_per_token(model)
     rows_kv = per_token * 8 * (512 + DEFAULT_STEP)  # the rows' tokens and a step of room each
     batch = Batch(model)
     caches = [make_prompt_cache(model) for _ in prompts]
-    streams = {
-        i: batch.sequence(mx.array(p), caches[i], max_tokens=2 + i, sampler=lambda x: mx.argmax(x, -1), greedy=True)
-        for i, p in enumerate(prompts)
-    }
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    held = []
-    for _ in range(100):  # bounded
-        if not streams:
-            break
-        for i, stream in list(streams.items()):
-            for item in stream:
-                if item is WAITING:
-                    break
-            else:
-                del streams[i]
-        batch.step()
+    held: list[int] = []
+
+    def measure(_batch) -> None:
         mx.eval([a for c in caches for layer in c for a in layer.state])
         held.append(mx.get_active_memory() - before)
-    assert not streams
+
+    def start(i):
+        sample = lambda x: mx.argmax(x, -1)  # noqa: E731
+        return batch.sequence(mx.array(prompts[i]), caches[i], max_tokens=2 + i, sampler=sample, greedy=True)
+
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    drive(batch, [0] * len(prompts), start, on_round=measure, limit=100)
     assert max(held) < 2 * rows_kv, (max(held), rows_kv)

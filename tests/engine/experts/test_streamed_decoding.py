@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from engine.api import GenerationParams, GenerationResult
+from engine.api import GenerationParams
 from engine.decode.batch import Batch
 from engine.decode.drafters import DraftModelDrafter, NgramDrafter
-from engine.decode.loop import WAITING, generate, stream_generate
+from engine.decode.loop import generate, stream_generate
 from engine.decode.speculative import speculative_step
 from engine.decode.stats import StatsCounter
 from engine.models import lora
 from engine.models.kv_cache import make_prompt_cache
+from tests.engine.batch_rounds import drive
 from tests.engine.experts.moe_folders import PROMPT, golden, load, run_greedy, store_of
 
 PROMPTS = [PROMPT, [4, 8, 15, 16, 23, 42, 99], [7, 3], [50, 51, 52, 53, 54, 55, 56, 57, 58]]
@@ -30,24 +31,13 @@ def params(n: int) -> GenerationParams:
 def batched(model, prompts, lengths, starts):
     """Each prompt's result, the i-th joining the batch at round ``starts[i]``."""
     batch = Batch(model)
-    streams, results, rounds = {}, {}, 0
-    while len(results) < len(prompts):
-        for i, prompt in enumerate(prompts):
-            if starts[i] == rounds:
-                p = params(lengths[i])
-                p.prefill_chunk = 4
-                streams[i] = stream_generate(model, None, prompt, make_prompt_cache(model), p, batch=batch)
-        for i, stream in list(streams.items()):
-            for item in stream:
-                if item is WAITING:
-                    break
-                if isinstance(item, GenerationResult):
-                    results[i] = item
-            else:
-                del streams[i]
-        batch.step()
-        rounds += 1
-        assert rounds < 300
+
+    def start(i):
+        p = params(lengths[i])
+        p.prefill_chunk = 4
+        return stream_generate(model, None, prompts[i], make_prompt_cache(model), p, batch=batch)
+
+    results = drive(batch, starts, start, limit=300)
     return [results[i] for i in range(len(prompts))]
 
 
