@@ -55,7 +55,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.decode.batch_cache import BatchKVCache
+from engine.decode.batch_cache import MAX_PREFIXES, NO_PREFIX, BatchKVCache
 from engine.decode.guards import check_finite
 from engine.decode.prefill import HISTORY_WINDOW, ProgressCallback, common_prefix_length
 from engine.decode.sampling import LogitsProcessor, Sampler
@@ -247,18 +247,19 @@ class Batch:
 
     def _hand_over(self, layers: list[BatchKVCache], row: _Row) -> None:
         """Row's keys and values into ``layers`` as their last row, its cache keeping only
-        what the batch does not hold: the batch's shared prefix, when the row's paged cache
-        starts with the blocks it was read from (the row's own published blocks become the
-        prefix when there is none), else nothing (memory held once either way)."""
+        what the batch does not hold: one of the batch's shared prefixes, the longest its
+        paged cache starts with (the row's own published blocks become a new one when none
+        matches and the batch has room), else nothing (memory held once either way)."""
         run, tokens = shared_blocks(row.cache) if self.shares_prefixes else ((), 0)
         top = layers[0]
-        if run and top.prefix is None:
+        j = top.prefix_for(run) if run else NO_PREFIX
+        if run and j == NO_PREFIX and len(top.prefixes) < MAX_PREFIXES:
             for layer, c in zip(layers, row.cache, strict=True):
-                layer.share(run, *c.leading(tokens))
-        key = top.prefix_key
-        if run and run[: len(key)] == key:
+                j = layer.share(run, *c.leading(tokens))
+        if j != NO_PREFIX:
+            held = top.prefix_len(j)
             for layer, c in zip(layers, row.cache, strict=True):
-                layer.add(*(c.split_off(top.prefix_len) or (None, None)), sees=True)
+                layer.add(*(c.split_off(held) or (None, None)), sees=j)
             return
         for layer, c in zip(layers, row.cache, strict=True):
             state = c.state if c.offset else ()
@@ -268,7 +269,7 @@ class Batch:
     def _take_back(self, layers: list[BatchKVCache], i: int, row: _Row, trailing: int = 0) -> None:
         """Row ``i`` out of ``layers``, its keys and values back into its cache (after the
         prefix it kept, when it saw the batch's shared prefix)."""
-        sees = layers[0].sees[i]
+        sees = layers[0].sees[i] != NO_PREFIX
         taken: list[mx.array] = []
         for layer, c in zip(layers, row.cache, strict=True):
             k, v = layer.remove(i, trailing)

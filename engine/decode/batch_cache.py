@@ -3,18 +3,19 @@
 Rows are left-padded to the longest: row i's tokens sit in columns ``left[i]`` to ``idx``
 of [rows, heads, tokens, dim] buffers, and the attention mask hides each row's padding.
 
-A shared prefix. Rows whose paged caches start with the same published blocks (one system
+Shared prefixes. Rows whose paged caches start with the same published blocks (one system
 prompt and tools, sent by eight agents) need not each hold those tokens: the batch keeps
-them once, [1, heads, P, dim] (``prefix``, a slice of the pool's own blocks where they
-form one run, so no copy at all), and a row that sees it holds only its tokens past P.
-Attention then runs in two parts over one softmax: every row's queries against the one
-prefix (one matmul reading it once per step for all rows, where gathering it into each
-row read it once per row), and each row's queries against its own tokens; the scores are
-joined before the softmax and the two weighted sums added, so the result is attention
-over the prefix then the row's tokens, as one contiguous row would give (to float
-rounding). Rows that do not see the prefix (another prompt) have it masked out. The
-scores are materialized (MLX's fused kernel takes one key array), so long query passes
-run in slices that keep them under ``SCORE_ELEMENTS``.
+them once, [1, heads, P, dim] (a ``prefixes`` entry, a slice of the pool's own blocks where
+they form one run, so no copy at all), and a row that sees it holds only its tokens past P.
+Up to ``MAX_PREFIXES`` prompts are shared at once (two kinds of agent, each with its own
+system prompt); a row seeing none of them holds its own copy. Attention then runs in parts
+over one softmax: every row's queries against each prefix (one matmul reading it once per
+step for all rows, where gathering it into each row read it once per row), and each row's
+queries against its own tokens; the scores are joined before the softmax and the weighted
+sums added, so the result is attention over the row's prefix then its tokens, as one
+contiguous row would give (to float rounding). A row has every prefix but its own masked
+out. The scores are materialized (MLX's fused kernel takes one key array), so long query
+passes run in slices that keep them under ``SCORE_ELEMENTS``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ from engine.models.kv_cache import DEFAULT_STEP
 # Score elements (float32) one slice of a shared-prefix attention pass holds at most:
 # 256 MB, the size of a 512-token prefill chunk's scores over a 4k prefix with 32 heads.
 SCORE_ELEMENTS = 1 << 26
+# Prefixes a batch shares at once: each costs every attention call a score pass over it.
+MAX_PREFIXES = 4
+# A row's ``sees`` when it follows no shared prefix.
+NO_PREFIX = -1
 
 
 class BatchKVCache:
     """One layer's keys and values for all rows, shaped [rows, heads, tokens, dim] and
-    left-padded: row i's tokens sit in columns ``left[i]`` to ``idx``; and the prefix the
-    rows marked in ``sees`` share (see the module's docstring)."""
+    left-padded: row i's tokens sit in columns ``left[i]`` to ``idx``; and the prefixes the
+    rows share, row i's tokens following ``prefixes[sees[i]]`` (see the module's docstring)."""
 
     def __init__(self, step: int = DEFAULT_STEP) -> None:
         self.keys: mx.array | None = None
@@ -46,33 +51,43 @@ class BatchKVCache:
         self._base = mx.array([], dtype=mx.int32)  # each row's position when ``idx`` was ``_base_idx``
         self._base_idx = 0
         self._offset: tuple[int, mx.array] | None = None  # (idx, positions) last asked for
-        self.prefix: tuple[mx.array, mx.array] | None = None  # [1, heads, P, dim] keys and values
-        self.prefix_key: tuple[Any, ...] = ()  # what the prefix is (the blocks it was read from)
-        self.sees: list[bool] = []  # per row: its tokens follow the prefix
-        self._sees = mx.array([], dtype=mx.bool_)
+        self.prefixes: list[tuple[mx.array, mx.array]] = []  # [1, heads, P, dim] keys and values
+        self.prefix_keys: list[tuple[Any, ...]] = []  # what each prefix is (the blocks it was read from)
+        self.sees: list[int] = []  # per row: the prefix its tokens follow, or NO_PREFIX
+        self._sees = mx.array([], dtype=mx.int32)
 
     @property
     def attends_prefix(self) -> bool:
         """Attention goes through ``attend_with_prefix`` (engine.models.base.cached_attention)."""
-        return self.prefix is not None
+        return bool(self.prefixes)
 
-    @property
-    def prefix_len(self) -> int:
-        return 0 if self.prefix is None else self.prefix[0].shape[2]
+    def prefix_len(self, j: int) -> int:
+        return 0 if j == NO_PREFIX else self.prefixes[j][0].shape[2]
 
-    def share(self, key: tuple[Any, ...], keys: mx.array, values: mx.array) -> None:
-        """Hold ``keys``/``values`` ([1, heads, P, dim]) as the prefix rows may see (none yet)."""
-        assert not any(self.sees), "the prefix changes only while no row sees it"
-        self.prefix, self.prefix_key = (keys, values), key
+    def prefix_for(self, run: tuple[Any, ...]) -> int:
+        """The longest prefix whose blocks ``run`` starts with, or NO_PREFIX."""
+        found = [(len(key), j) for j, key in enumerate(self.prefix_keys) if key and run[: len(key)] == key]
+        return max(found)[1] if found else NO_PREFIX
+
+    def share(self, key: tuple[Any, ...], keys: mx.array, values: mx.array) -> int:
+        """Hold ``keys``/``values`` ([1, heads, P, dim]) as a prefix rows may see; its index."""
+        assert len(self.prefixes) < MAX_PREFIXES
+        self.prefixes.append((keys, values))
+        self.prefix_keys.append(key)
+        return len(self.prefixes) - 1
 
     def _refresh(self) -> None:
-        if self.prefix is not None and not any(self.sees):
-            self.prefix, self.prefix_key = None, ()  # nobody reads it: the pool's again
-        shift = self.prefix_len
-        self._base = mx.array([self.idx - pad + shift * s for pad, s in zip(self.left, self.sees)], dtype=mx.int32)
+        seen = sorted(set(self.sees) - {NO_PREFIX})
+        if len(seen) < len(self.prefixes):  # nobody reads the others: the pool's again
+            moved = {old: new for new, old in enumerate(seen)}
+            self.prefixes = [self.prefixes[j] for j in seen]
+            self.prefix_keys = [self.prefix_keys[j] for j in seen]
+            self.sees = [moved.get(j, NO_PREFIX) for j in self.sees]
+        base = [self.idx - pad + self.prefix_len(j) for pad, j in zip(self.left, self.sees)]
+        self._base = mx.array(base, dtype=mx.int32)
         self._base_idx, self._offset = self.idx, None
         self._left = mx.array(self.left, dtype=mx.int32)
-        self._sees = mx.array(self.sees, dtype=mx.bool_)
+        self._sees = mx.array(self.sees, dtype=mx.int32)
 
     @property
     def offset(self) -> mx.array:
@@ -89,10 +104,10 @@ class BatchKVCache:
         b, h, _, d = a.shape
         return mx.concatenate([mx.zeros((b, h, n, d), a.dtype), a], axis=2)
 
-    def add(self, keys: mx.array | None, values: mx.array | None, sees: bool = False) -> None:
-        """Append a row holding ``keys``/``values`` ([1, heads, n, dim], None for n = 0);
-        with ``sees``, they follow the prefix."""
-        assert not sees or self.prefix is not None
+    def add(self, keys: mx.array | None, values: mx.array | None, sees: int = NO_PREFIX) -> None:
+        """Append a row holding ``keys``/``values`` ([1, heads, n, dim], None for n = 0),
+        following the prefix ``sees`` (NO_PREFIX: none)."""
+        assert sees == NO_PREFIX or 0 <= sees < len(self.prefixes)
         n = 0 if keys is None else keys.shape[2]
         if self.keys is not None:
             self.keys, self.values = self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
@@ -191,7 +206,7 @@ class BatchKVCache:
         rows' own tokens), in slices of queries that keep the scores small."""
         keys, values = self.update_and_fetch(k, v)
         b, n_heads, n_q, _ = q.shape
-        span = self.prefix_len + keys.shape[2]
+        span = sum(p[0].shape[2] for p in self.prefixes) + keys.shape[2]
         step = max(1, SCORE_ELEMENTS // max(1, b * n_heads * span))
         if isinstance(mask, str):  # the fast kernel's "causal": the last n_q columns are the queries'
             cols, rows = mx.arange(keys.shape[2]), mx.arange(keys.shape[2] - n_q, keys.shape[2])
@@ -200,30 +215,37 @@ class BatchKVCache:
         for lo in range(0, n_q, step):
             hi = min(n_q, lo + step)
             part = None if mask is None else mask[..., lo:hi, :] if mask.shape[-2] == n_q else mask
-            outs.append(self._two_part_attention(q[:, :, lo:hi], keys, values, scale, part))
+            outs.append(self._attention_in_parts(q[:, :, lo:hi], keys, values, scale, part))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
-    def _two_part_attention(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-        assert self.prefix is not None
-        pk, pv = self.prefix
+    def _attention_in_parts(self, q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        assert self.prefixes
         b, n_heads, n_q, d = q.shape
-        n_kv, p = keys.shape[1], pk.shape[2]
+        n_kv = keys.shape[1]
         rep = n_heads // n_kv
         qs = (q * scale).reshape(b, n_kv, rep, n_q, d)
-        # Every row's queries against the one prefix: rows become query columns of one matmul.
+        # Every row's queries against each prefix: rows become query columns of one matmul.
         flat = qs.transpose(1, 0, 2, 3, 4).reshape(1, n_kv, b * rep * n_q, d)
-        on_prefix = (flat @ pk.swapaxes(-1, -2)).reshape(n_kv, b, rep, n_q, p).transpose(1, 0, 2, 3, 4)
-        hidden = mx.array(-math.inf, on_prefix.dtype)
-        on_prefix = mx.where(self._sees[:, None, None, None, None], on_prefix, hidden)
+        parts = []
+        for j, (pk, _) in enumerate(self.prefixes):
+            p = pk.shape[2]
+            on_prefix = (flat @ pk.swapaxes(-1, -2)).reshape(n_kv, b, rep, n_q, p).transpose(1, 0, 2, 3, 4)
+            sees = (self._sees == j)[:, None, None, None, None]
+            parts.append(mx.where(sees, on_prefix, mx.array(-math.inf, on_prefix.dtype)))
         on_own = qs @ keys[:, :, None].swapaxes(-1, -2)  # [rows, kv heads, rep, L, own tokens]
         if mask is not None:
             on_own = on_own + (mask[:, :, None] if mask.ndim == 4 else mask).astype(on_own.dtype)
-        weights = mx.softmax(mx.concatenate([on_prefix, on_own], axis=-1).astype(mx.float32), axis=-1)
+        weights = mx.softmax(mx.concatenate([*parts, on_own], axis=-1).astype(mx.float32), axis=-1)
         weights = weights.astype(values.dtype)
-        w_prefix = weights[..., :p].transpose(1, 0, 2, 3, 4).reshape(1, n_kv, b * rep * n_q, p)
-        from_prefix = (w_prefix @ pv).reshape(n_kv, b, rep, n_q, d).transpose(1, 0, 2, 3, 4)
-        from_own = weights[..., p:] @ values[:, :, None]
-        return (from_prefix + from_own).reshape(b, n_heads, n_q, d)
+        out, at = None, 0
+        for (_, pv), part in zip(self.prefixes, parts, strict=True):
+            p = part.shape[-1]
+            w_prefix = weights[..., at : at + p].transpose(1, 0, 2, 3, 4).reshape(1, n_kv, b * rep * n_q, p)
+            from_prefix = (w_prefix @ pv).reshape(n_kv, b, rep, n_q, d).transpose(1, 0, 2, 3, 4)
+            out = from_prefix if out is None else out + from_prefix
+            at += p
+        out = out + weights[..., at:] @ values[:, :, None]
+        return out.reshape(b, n_heads, n_q, d)
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -231,5 +253,5 @@ class BatchKVCache:
 
     @property
     def nbytes(self) -> int:
-        """The rows' own keys and values (the prefix is the pool's blocks, counted there)."""
+        """The rows' own keys and values (the prefixes are the pool's blocks, counted there)."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

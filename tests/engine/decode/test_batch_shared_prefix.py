@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from engine.api import GenerationParams
+from engine.decode import batch as batch_module
 from engine.decode.batch import Batch
+from engine.decode.batch_cache import MAX_PREFIXES, NO_PREFIX
 from engine.decode.loop import generate, stream_generate
 from engine.models.kv_cache import DEFAULT_STEP, make_prompt_cache
 from engine.models.paged_kv import pool_for
@@ -60,9 +62,13 @@ def _kv_bytes_per_token(model) -> int:
     return 2 * 4 * len(model.layers) * attn.n_kv_heads * attn.head_dim
 
 
-def _sees_each_round(seen: list[list[bool]]):
-    """An ``on_round`` that notes which decoding rows saw the batch's shared prefix."""
+def _sees_each_round(seen: list[list[int]]):
+    """An ``on_round`` that notes which shared prefix each decoding row saw (NO_PREFIX: none)."""
     return lambda b: seen.append(list(b.layers[0].sees)) if b.layers else None
+
+
+def _seeing(row: list[int]) -> int:
+    return sum(j != NO_PREFIX for j in row)
 
 
 def _assert_each_equals(refs, got) -> None:
@@ -85,7 +91,7 @@ def test_rows_sharing_a_prefix_equal_themselves_alone(family):
         for p in prompts
     ]
     pool_for(model, block_size=BLOCK)
-    seen: list[list[bool]] = []
+    seen: list[list[int]] = []
     try:
         _publish(model, system)
         got, batch = _run_together(
@@ -99,7 +105,7 @@ def test_rows_sharing_a_prefix_equal_themselves_alone(family):
         del model.kv_pool
     _assert_each_equals(refs, got)
     # Rows did decode over the shared prefix, beside one that did not see it.
-    assert any(sum(s) >= 2 and not all(s) for s in seen)
+    assert any(_seeing(s) >= 2 and NO_PREFIX in s for s in seen)
     assert not batch.rows and not batch.layers
 
 
@@ -157,7 +163,7 @@ def test_streams_arriving_together_prefill_their_common_prompt_once(family):
     params = GenerationParams(max_tokens=6, ignore_eos=True, logprobs=True)
     refs = [generate(model, None, p, make_prompt_cache(model), params) for p in prompts]
     pool_for(model, block_size=BLOCK)
-    seen: list[list[bool]] = []
+    seen: list[list[int]] = []
     try:
         got, batch = _run_together(
             model,
@@ -172,7 +178,38 @@ def test_streams_arriving_together_prefill_their_common_prompt_once(family):
     # The six common blocks were prefilled once, not three times.
     every = sum(len(p) - 1 for p in prompts)
     assert batch.times.prefill_tokens == every - 2 * 6 * BLOCK
-    assert any(sum(s) == 3 for s in seen)
+    assert any(_seeing(s) == 3 for s in seen)
+
+
+@pytest.mark.parametrize("room", [MAX_PREFIXES, 1])
+def test_two_system_prompts_are_each_held_once_beside_each_other(room, monkeypatch):
+    """Two kinds of agent, each with its own published system prompt, decode together: each
+    group attends over its own prompt held once (two prefixes in the batch), and every
+    stream equals itself alone. With room for one prefix, the other group holds its own
+    copies and still equals itself."""
+    monkeypatch.setattr(batch_module, "MAX_PREFIXES", room)
+    model, _ = load_golden("qwen3")
+    vocab = model.args.vocab_size
+    systems = [_ids(vocab, n * BLOCK + 2, seed=80 + n) for n in (4, 3)]
+    prompts = [systems[i % 2] + _ids(vocab, 5 + i, seed=90 + i) for i in range(4)]
+    params = GenerationParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    refs = [generate(model, None, p, make_prompt_cache(model), params) for p in prompts]
+    pool_for(model, block_size=BLOCK)
+    seen: list[list[int]] = []
+    try:
+        for system in systems:
+            _publish(model, system)
+        got, batch = _run_together(model, prompts, [0, 1, 0, 2], 6, on_round=_sees_each_round(seen))
+    finally:
+        del model.kv_pool
+    _assert_each_equals(refs, got)
+    full = [s for s in seen if len(s) == 4]
+    assert full
+    if room >= 2:
+        assert all(sorted(s) == [0, 0, 1, 1] for s in full)
+    else:
+        assert all(sorted(s) == [NO_PREFIX, NO_PREFIX, 0, 0] for s in full)
+    assert not batch.rows and not batch.layers
 
 
 def test_rows_leaving_one_by_one_do_not_keep_the_batchs_old_buffers():
