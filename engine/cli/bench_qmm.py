@@ -164,6 +164,15 @@ def _print_matrix(name: str, t: dict[str, Any], rows: list[int]) -> None:
             print(f"{'':<12}{label:<23}{cells}")
 
 
+def add_timing_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every kernel microbenchmark takes: how it times, and whether ours too."""
+    p.add_argument("--calls", type=int, default=32, help="independent products in one evaluation (batched)")
+    p.add_argument("--repeat", type=int, default=5, help="timed evaluations; the best is kept")
+    p.add_argument("--copy-mb", type=int, help="buffer size for the bandwidth measurement (1 GiB on a GPU)")
+    p.add_argument("--ours", action="store_true", help="also time this project's CUDA kernel (CUDA only)")
+    p.add_argument("--json", action="store_true")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.cli.bench_qmm", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
@@ -171,11 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine")
-    p.add_argument("--calls", type=int, default=32, help="independent products in one evaluation (batched)")
-    p.add_argument("--repeat", type=int, default=5, help="timed evaluations; the best is kept")
-    p.add_argument("--copy-mb", type=int, help="buffer size for the bandwidth measurement (1 GiB on a GPU)")
-    p.add_argument("--ours", action="store_true", help="also time this project's CUDA kernel (CUDA only)")
-    p.add_argument("--json", action="store_true")
+    add_timing_arguments(p)
     args = p.parse_args(argv)
     try:
         rows = [int(r) for r in args.rows.split(",")]

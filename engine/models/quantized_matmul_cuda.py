@@ -26,6 +26,7 @@ CUDA backend runs on the GPU, unless the environment variable ``MLX_DESK_QMV`` i
 
 from __future__ import annotations
 
+import math
 import os
 from functools import cache
 
@@ -49,10 +50,14 @@ MAX_ROWS = 16
 # (qwen3-4b's q, 2560x4096: 15.3 us against 13.1), so one row routes from 16M weights.
 ROUTED_ROWS = range(2, 7)
 ONE_ROW_MIN_WEIGHTS = 16 << 20
+# The most (token, expert) pairs a gathered product takes (``pays_gathered``).
+MAX_PAIRS = 64
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
+# Gathered (expert) products alone: ``1`` routes them (``gathered_enabled``).
+GATHER_ENV = "MLX_DESK_GATHER_QMV"
 
 _HEADER = """
 // A code as a float without an int-to-float conversion (those run at a fraction of the
@@ -92,10 +97,16 @@ __device__ __forceinline__ void load_floats(const T* p, float* out, bool aligned
 }
 """
 
-# Template constants: T (activations, scales, biases and output), R (rows), BITS, GS (group
-# size), CPW (columns per warp), NW (warps per block), KS (warps splitting K for one column
-# set). Runtime: K (x_shape[1]), N (w_shape[0]).
-_SOURCE = """
+# The kernels' shared body, a device function: the plain product calls it once per block,
+# the gathered one with each (token, expert) pair's pointers.
+_PRODUCT = """
+// out[r, n] = sum_k x[r, k] * dequantize(w)[n, k] for R rows of x [R, K] and one [N, K]
+// weight packed as MLX packs it, for the column sets of this block (blockIdx.x).
+// T: activations, scales, biases and output; R: rows; BITS; GS: group size; CPW: columns
+// per warp; NW: warps per block; KS: warps splitting K for one column set.
+template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS>
+__device__ __forceinline__ void rows_product(
+    const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N) {
   constexpr int PW = 32 / BITS;        // codes per 32-bit word
   constexpr int VPL = 4 * PW;          // values per lane chunk (one 16-byte load of codes)
   constexpr uint32_t CODE = (1u << BITS) - 1u;
@@ -103,8 +114,6 @@ _SOURCE = """
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int part = warp % KS;          // this warp's strips of K: chunks part*32 + 32*KS*i
-  const int K = x_shape[1];
-  const int N = w_shape[0];
   const int col0 = (blockIdx.x * CG + warp / KS) * CPW;
   const int chunks = K / VPL;          // K is a multiple of the group size, so of VPL
   const int words_per_row = K / PW;
@@ -210,6 +219,28 @@ _SOURCE = """
       }
     }
   }
+}
+"""
+
+# Template constants as ``rows_product``'s. Runtime: K (x_shape[1]), N (w_shape[0]).
+_SOURCE = """
+  rows_product<T, R, BITS, GS, CPW, NW, KS>(x, w, scales, biases, out, x_shape[1], w_shape[0]);
+"""
+
+# One row per (token, expert) pair, the pair's expert's weights (``gather_qmm``'s ``rhs_indices``)
+# read from the stacked [E, N, K] arrays; pair p is blockIdx.y. Template constants as
+# ``rows_product``'s with R = 1, and XS: pairs sharing one activation row (k for the gate and
+# up projections, whose tokens' rows serve all k of their experts; 1 for the down projection).
+_GATHER_SOURCE = """
+  const int K = x_shape[1];
+  const int N = w_shape[1];
+  const int pair = blockIdx.y;
+  const long expert = min((int)ids[pair], w_shape[0] - 1);
+  const long words = (long)N * (K / (32 / BITS));
+  const long groups = (long)N * (K / GS);
+  rows_product<T, 1, BITS, GS, CPW, NW, KS>(
+      x + (long)(pair / XS) * K, w + expert * words, scales + expert * groups, biases + expert * groups,
+      out + (long)pair * N, K, N);
 """
 
 
@@ -220,7 +251,18 @@ def _kernel():
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
         source=_SOURCE,
-        header=_HEADER,
+        header=_HEADER + _PRODUCT,
+    )
+
+
+@cache
+def _gather_kernel():
+    return mx.fast.cuda_kernel(
+        name="gathered_quantized_matmul_rows",
+        input_names=["x", "w", "scales", "biases", "ids"],
+        output_names=["out"],
+        source=_GATHER_SOURCE,
+        header=_HEADER + _PRODUCT,
     )
 
 
@@ -238,6 +280,13 @@ def available() -> bool:
 def enabled() -> bool:
     """Whether products are routed to the kernel: not turned off (``MLX_DESK_QMV=0``) and able to run."""
     return os.environ.get(ENV, "1") != "0" and available()
+
+
+def gathered_enabled() -> bool:
+    """Whether expert products (``gather_quantized_matmul``) are routed to the kernel: off
+    until ``MLX_DESK_GATHER_QMV=1`` while its GPU measurements are pending, and never while
+    the kernel is off."""
+    return os.environ.get(GATHER_ENV, "0") == "1" and enabled()
 
 
 def fits(
@@ -321,6 +370,35 @@ def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_s
     return out.reshape(*lead, n)
 
 
+def _takes(
+    rows: int,
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    mode: str,
+) -> bool:
+    """Whether the kernel takes ``rows`` rows of ``x`` by the packed weight ``w`` (its last two
+    axes [N, K * bits / 32]): the packing says these bits, and ``fits``."""
+    return (
+        w.dtype == mx.uint32
+        and x.shape[-1] * bits == w.shape[-1] * 32
+        and fits(
+            rows,
+            x.shape[-1],
+            w.shape[-2],
+            bits=bits,
+            group_size=group_size,
+            mode=mode,
+            dtype=x.dtype,
+            scales_dtype=scales.dtype,
+            has_biases=biases is not None and biases.dtype == scales.dtype,
+        )
+    )
+
+
 def quantized_matmul(
     x: mx.array,
     w: mx.array,
@@ -337,25 +415,104 @@ def quantized_matmul(
     if (
         w.ndim == 2
         and x.ndim >= 1
-        and w.dtype == mx.uint32
-        and x.shape[-1] * bits == w.shape[1] * 32
         and enabled()
         and pays(rows, x.shape[-1], w.shape[0])
-        and fits(
-            rows,
-            x.shape[-1],
-            w.shape[0],
-            bits=bits,
-            group_size=group_size,
-            mode=mode,
-            dtype=x.dtype,
-            scales_dtype=scales.dtype,
-            has_biases=biases is not None and biases.dtype == scales.dtype,
-        )
+        and _takes(rows, x, w, scales, biases, group_size, bits, mode)
     ):
         return matmul(x, w, scales, biases, group_size, bits)
     return mx.quantized_matmul(
         x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+    )
+
+
+def gather_shares(x_batch: tuple[int, ...], ids_shape: tuple[int, ...]) -> int | None:
+    """How many consecutive (token, expert) pairs share one activation row in a gathered
+    product of ``x`` [*x_batch, 1, K] by the experts ``ids`` [*ids_shape]: 1 where each pair
+    has its own row (a down projection's hidden rows), the experts per token where a token's
+    row serves all its experts (gate and up), every pair for one row; None for other
+    broadcasts (they keep MLX's kernel)."""
+    pairs = math.prod(ids_shape)
+    if tuple(x_batch) == tuple(ids_shape):
+        return 1
+    if math.prod(x_batch) == 1:
+        return pairs
+    if ids_shape and tuple(x_batch) == (*ids_shape[:-1], 1):
+        return ids_shape[-1]
+    return None
+
+
+def pays_gathered(pairs: int, inputs: int, outputs: int) -> bool:
+    """Whether a gathered product the kernel can take is faster through it than through
+    ``mx.gather_qmm``: a decode step's or a short verify pass's pairs (each pair reads its
+    expert's weights, where MLX's kernel reads an expert once for all the tokens routed to
+    it, so a prompt's many pairs stay with MLX's)."""
+    return pairs <= MAX_PAIRS
+
+
+def gathered_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, ids: mx.array, shares: int, group_size: int, bits: int
+) -> mx.array:
+    """``mx.gather_qmm(x, w, ..., rhs_indices=ids, transpose=True)`` for one row per pair:
+    ``x`` [..., 1, K], stacked experts ``w`` [E, N, K * bits / 32] (``scales``/``biases``
+    [E, N, K / group_size]), ``ids`` [...] -> [*ids.shape, 1, N]. ``shares`` is
+    ``gather_shares``'s answer; the caller checks ``fits``."""
+    k, n = x.shape[-1], w.shape[1]
+    pairs = ids.size
+    splits = k_splits(k, n, bits)
+    blocks = -(-n // (WARPS // splits * COLUMNS))
+    (out,) = _gather_kernel()(
+        inputs=[x.reshape(-1, k), w, scales, biases, ids.reshape(-1).astype(mx.uint32)],
+        template=[
+            ("T", x.dtype),
+            ("BITS", bits),
+            ("GS", group_size),
+            ("CPW", COLUMNS),
+            ("NW", WARPS),
+            ("KS", splits),
+            ("XS", shares),
+        ],
+        grid=(blocks * WARPS * 32, pairs, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(pairs, n)],
+        output_dtypes=[x.dtype],
+    )
+    return out.reshape(*ids.shape, 1, n)
+
+
+def gather_quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    ids: mx.array,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+    sorted_indices: bool = False,
+) -> mx.array:
+    """``mx.gather_qmm(..., rhs_indices=ids, transpose=True)``, through the kernel where it is
+    enabled, fits and pays (one activation row per token: decode steps and short passes)."""
+    shares = gather_shares(x.shape[:-2], ids.shape) if x.ndim >= 2 and x.shape[-2] == 1 else None
+    if (
+        shares is not None
+        and w.ndim == 3
+        and gathered_enabled()
+        and pays_gathered(ids.size, x.shape[-1], w.shape[1])
+        and _takes(1, x, w, scales, biases, group_size, bits, mode)
+    ):
+        return gathered_matmul(x, w, scales, biases, ids, shares, group_size, bits)
+    return mx.gather_qmm(
+        x,
+        w,
+        scales,
+        biases,
+        rhs_indices=ids,
+        transpose=True,
+        group_size=group_size,
+        bits=bits,
+        mode=mode,
+        sorted_indices=sorted_indices,
     )
 
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx import nn
 
 from engine.errors import ModelLoadError
+from engine.models import quantized_matmul_cuda as qmv
 
 # Sorting tokens by expert pays off once there are enough of them (prefill), since each
 # expert's weights are then read once for a run of tokens.
@@ -105,7 +106,28 @@ class QuantizedSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         global_scale = self.get("global_scale")
-        on_cpu = global_scale is not None and mx.default_device() == mx.cpu
+        if global_scale is None:
+            # Decode steps' few rows take our CUDA kernel where it is faster (docs/qmv.md).
+            y = qmv.gather_quantized_matmul(
+                x,
+                self["weight"],
+                self["scales"],
+                self.get("biases"),
+                indices,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+                sorted_indices=sorted_indices,
+            )
+        else:
+            y = self._globally_scaled(x, indices, global_scale, sorted_indices)
+        if "bias" in self:
+            y = y + mx.expand_dims(self.bias[indices], -2)
+        return y
+
+    def _globally_scaled(self, x: mx.array, indices: mx.array, global_scale: mx.array, sorted_indices: bool):
+        """The product of experts with a per-expert scale as well (nvfp4)."""
+        on_cpu = mx.default_device() == mx.cpu
         y = mx.gather_qmm(
             x,
             self["weight"],
@@ -124,8 +146,6 @@ class QuantizedSwitchLinear(nn.Module):
             # its scale / (448 * 6) (the largest e4m3 group scale times the largest e2m1
             # value), so it can multiply each expert's output instead.
             y = y * mx.expand_dims(global_scale[indices] / NVFP4_RANGE, (-2, -1)).astype(y.dtype)
-        if "bias" in self:
-            y = y + mx.expand_dims(self.bias[indices], -2)
         return y
 
     @classmethod
