@@ -1,9 +1,9 @@
-"""Decoding latent-attention models: the plain pass by default, the compiled step kept exact.
+"""Decoding latent-attention models: the compiled step by default, kept exact, and the plain pass.
 
-Latent attention decodes through the plain pass (``LatentAttention.compiled_decode``:
-the compiled step measured slower on a GPU), with the first query projection and
-``kv_a_proj_with_mqa`` stacked into one matmul for a few rows; the compiled step, still
-there for layers that opt in, hands the query parts to attention as a pair. The router
+Latent attention decodes through the compiled step (``LatentAttention.compiled_decode``),
+which hands the query parts to attention as a pair; with the first query projection and
+``kv_a_proj_with_mqa`` stacked into one matmul for a few rows, also when a layer opts out
+of the step (the plain pass then uses the stacks). The router
 holds its weight in float32, and absorbed attention is composed in a few kernels where
 MLX has no fused one. Each must leave tokens and log-probs as they were, with and
 without a query LoRA, biased or not, in float32 and in mlx-lm's 4-bit layout.
@@ -54,15 +54,10 @@ def _assert_stacked(model) -> None:
         assert both.shape[-1] == getattr(attn, first)(x).shape[-1] + attn.kv_lora_rank + attn.rope_dims
 
 
-@pytest.fixture
-def compiled_mla(monkeypatch):
-    """Latent attention opted in to the compiled step."""
-    monkeypatch.setattr(LatentAttention, "compiled_decode", True)
-
-
 @pytest.mark.parametrize("name", ["moonlight", "kimi_k2", "deepseek_v3"])
-def test_plain_pass_by_default_with_stacked_projections(name):
+def test_opting_out_of_the_compiled_step_keeps_stacked_projections(name, monkeypatch):
     """moonlight: no query LoRA; kimi_k2: a query LoRA; deepseek_v3: biased projections."""
+    monkeypatch.setattr(LatentAttention, "compiled_decode", False)
     model, expected = load_golden(name)
     unstacked = list(
         generate_step(
@@ -87,7 +82,7 @@ def test_plain_pass_by_default_with_stacked_projections(name):
 
 
 @pytest.mark.parametrize("name", ["moonlight", "kimi_k2", "deepseek_v3"])
-def test_compiled_step_equals_plain_pass(name, compiled_mla):
+def test_compiled_step_by_default_equals_plain_pass(name):
     model, expected = load_golden(name)
     assert compiled_decoder(model).prepare()
     _assert_stacked(model)
@@ -96,7 +91,7 @@ def test_compiled_step_equals_plain_pass(name, compiled_mla):
     assert max(abs(a - b) for a, b in zip(plain_lp, fast_lp)) < 1e-5
 
 
-def test_compiled_step_equals_plain_pass_in_mlx_lm_4bit_layout(compiled_mla):
+def test_compiled_step_equals_plain_pass_in_mlx_lm_4bit_layout():
     from engine.runtime.loading import load_model
 
     folder = MLX_LAYOUTS / "moonlight"
@@ -124,7 +119,7 @@ def test_router_holds_float32_and_routes_as_a_cast_per_call_did():
     assert mx.array_equal(chosen, before_chosen).item() and mx.array_equal(weights, before_weights).item()
 
 
-def test_compiled_verification_of_a_few_tokens_equals_the_plain_pass(compiled_mla):
+def test_compiled_verification_of_a_few_tokens_equals_the_plain_pass():
     """Speculative verification feeds a few tokens at once: the causal mask then applies
     to the query pair."""
     model, expected = load_golden("kimi_k2")
