@@ -22,6 +22,11 @@ Routing: ``quantized_matmul`` takes the kernel where ``fits`` and ``pays`` say s
 CUDA backend runs on the GPU, unless the environment variable ``MLX_DESK_QMV`` is ``0``
 (on by default since every test of it passed on an H200, docs/qmv.md); everything else
 (other modes and bit widths, more rows, the CPU) keeps ``mx.quantized_matmul``.
+
+Expert products. ``gather_quantized_matmul`` is ``mx.gather_qmm`` for a decode step's
+(token, expert) pairs, each pair one row through the same body with its expert's weights;
+measured no faster than MLX's on MoE shapes, it routes only when asked
+(``gathered_enabled``).
 """
 
 from __future__ import annotations
@@ -283,9 +288,10 @@ def enabled() -> bool:
 
 
 def gathered_enabled() -> bool:
-    """Whether expert products (``gather_quantized_matmul``) are routed to the kernel: off
-    until ``MLX_DESK_GATHER_QMV=1`` while its GPU measurements are pending, and never while
-    the kernel is off."""
+    """Whether expert products (``gather_quantized_matmul``) are routed to the kernel: only
+    with ``MLX_DESK_GATHER_QMV=1`` (on an H200 a decode step's expert products cost launch
+    latency, not their weight read, and ours were no faster than MLX's: docs/qmv.md), and
+    never while the kernel is off."""
     return os.environ.get(GATHER_ENV, "0") == "1" and enabled()
 
 

@@ -33,7 +33,7 @@ def test_which_broadcasts_of_rows_and_experts_the_kernel_takes():
     assert qmv.gather_shares((3, 6), (2, 3, 6)) is None
 
 
-def test_expert_products_route_only_when_asked_while_their_measurements_are_pending(monkeypatch):
+def test_expert_products_route_only_when_asked(monkeypatch):
     monkeypatch.delenv(qmv.GATHER_ENV, raising=False)
     monkeypatch.delenv(qmv.ENV, raising=False)
     assert not qmv.gathered_enabled()
