@@ -237,3 +237,29 @@ def test_rows_leaving_one_by_one_do_not_keep_the_batchs_old_buffers():
     before = mx.get_active_memory()
     drive(batch, [0] * len(prompts), start, on_round=measure, limit=100)
     assert max(held) < 2 * rows_kv, (max(held), rows_kv)
+
+
+def test_sixteen_streams_joining_and_leaving_peak_within_three_times_their_kv():
+    """Rows joining (a concatenation each) and leaving (a gather each) used to stay lazy
+    until the next steps, which then held every intermediate buffer at once: 16 streams
+    over 512-token prompts peaked at 5.9x their keys and values (MLX's peak memory). Each
+    join and leave is computed as it comes now (2.6x)."""
+    model, _ = load_golden("qwen3")
+    vocab = model.args.vocab_size
+    prompts = [_ids(vocab, 512, seed=100 + i) for i in range(16)]
+    kv = _kv_bytes_per_token(model) * 16 * 512
+    batch = Batch(model)
+    caches = [make_prompt_cache(model) for _ in prompts]
+
+    def start(i):
+        sample = lambda x: mx.argmax(x, -1)  # noqa: E731
+        return batch.sequence(mx.array(prompts[i]), caches[i], max_tokens=8, sampler=sample, greedy=True)
+
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    drive(batch, [0] * len(prompts), start, limit=400)
+    mx.synchronize()
+    peak = mx.get_peak_memory() - before
+    assert peak < 3 * kv, (peak / kv, kv)
