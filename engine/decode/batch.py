@@ -156,16 +156,6 @@ class _Step:
     extra: list[mx.array | None]  # per row: its top log-prob ids, when it asked for them
 
 
-def _settle_buffers(layers: list[BatchKVCache], also: Sequence[mx.array] = ()) -> None:
-    """Compute the batch's buffers as each row joins or leaves, waiting for them. Left lazy,
-    rows joining (a concatenation each) and leaving (a gather each) were computed within the
-    next steps' graphs with their intermediate buffers alive together: 16 streams over
-    512-token prompts peaked at 5.9x their KV, and at 2.6x computed as they come. Queued
-    without waiting (``async_eval``) they still peaked at 5.6x. A row joins and leaves once,
-    so the wait (the step in flight finishing first) is paid twice a request."""
-    mx.eval([*also, *(s for layer in layers for s in layer.state)])
-
-
 class Batch:
     """The sequences decoding on one model, and those prefilling to join them."""
 
@@ -270,12 +260,11 @@ class Batch:
             held = top.prefix_len(j)
             for layer, c in zip(layers, row.cache, strict=True):
                 layer.add(*(c.split_off(held) or (None, None)), sees=j)
-        else:
-            for layer, c in zip(layers, row.cache, strict=True):
-                state = c.state if c.offset else ()
-                layer.add(*(state if state else (None, None)))
-                c.state = ()  # the batch holds it now; it comes back on leaving
-        _settle_buffers(layers)
+            return
+        for layer, c in zip(layers, row.cache, strict=True):
+            state = c.state if c.offset else ()
+            layer.add(*(state if state else (None, None)))
+            c.state = ()  # the batch holds it now; it comes back on leaving
 
     def _take_back(self, layers: list[BatchKVCache], i: int, row: _Row, trailing: int = 0) -> None:
         """Row ``i`` out of ``layers``, its keys and values back into its cache (after the
@@ -291,7 +280,8 @@ class Batch:
                     c.extend(k, v)
             else:
                 c.state = (k, v) if k is not None else ()
-        _settle_buffers(layers, taken)  # with the row's own copies (``remove``)
+        if taken:
+            mx.async_eval(taken)  # the row's own copies (``remove``), computed without waiting
 
     def _enter_prefill(self, row: _Row) -> None:
         if not self.fill_layers:
