@@ -23,10 +23,11 @@ KV_BITS_KEY = "kv_bits"
 CONTEXT_CAP_KEY = "context_cap"  # tokens; absent: the model's context, as far as the budget holds
 # Paged KV's block size: the engine's default (engine.models.paged_kv), chosen by measurement.
 PAGED_BLOCK_SIZE = 64
-PAGED_8 = "paged-8"  # the Settings choice: blocks shared between chats, held at 8 bits
+# The Settings choices whose blocks are shared between chats and held quantized: their bits.
+PAGED_QUANTIZED = {"paged-8": 8, "paged-4": 4}
 UNSHARED = "unshared"  # the Settings choice: full precision, each chat's KV its own (unpaged)
 # Before sharing was the default it was the choice "paged"; remembered so, it is the default now.
-_SHARED = (None, "paged", PAGED_8)
+_SHARED = (None, "paged", *PAGED_QUANTIZED)
 
 
 class LoadSetup(QObject):
@@ -63,18 +64,18 @@ class LoadSetup(QObject):
     # ---- the KV cache's precision -----------------------------------------------------------
 
     def kv_bits_for_load(self) -> int | None:
-        """What LoadModel carries as kv_bits: 8 or 4 ("paged-8": 8, its blocks quantized), or
-        None for the model's own setting."""
+        """What LoadModel carries as kv_bits: 8 or 4 ("paged-8" and "paged-4" too, their blocks
+        quantized), or None for the model's own setting."""
         bits = self.store.preference(KV_BITS_KEY)
-        if bits == PAGED_8:
-            return 8
+        if bits in PAGED_QUANTIZED:
+            return PAGED_QUANTIZED[bits]
         return bits if bits in (4, 8) else None
 
     def kv_choice(self) -> int | str | None:
-        """The Settings choice as remembered: None (shared, the default), "unshared", 8, 4 or
-        "paged-8"."""
+        """The Settings choice as remembered: None (shared, the default), "unshared", 8, 4,
+        "paged-8" or "paged-4"."""
         chosen = self.store.preference(KV_BITS_KEY)
-        if chosen in (UNSHARED, PAGED_8):
+        if chosen == UNSHARED or chosen in PAGED_QUANTIZED:
             return chosen
         return self.kv_bits_for_load()
 

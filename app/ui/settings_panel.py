@@ -64,6 +64,7 @@ KV_CHOICES = (
     ("8-bit (half the memory)", 8),
     ("4-bit (a quarter of the memory)", 4),
     ("8-bit, shared by chats", "paged-8"),
+    ("4-bit, shared by chats", "paged-4"),
 )
 
 
@@ -76,7 +77,7 @@ class SettingsPanel(QFrame):
     whisper_cleared = Signal()
     memory_budget_changed = Signal(object)  # bytes, or None for automatic
     cache_budget_changed = Signal(object)  # bytes of disk for saved chat caches
-    kv_bits_changed = Signal(object)  # None (shared, the default), "unshared", 8 or 4, or "paged-8"
+    kv_bits_changed = Signal(object)  # None (shared, the default), "unshared", 8 or 4, "paged-8" or "paged-4"
     context_cap_changed = Signal(object)  # tokens, None for automatic
 
     def __init__(self, data_dir: Path, parent: QWidget | None = None):

@@ -414,24 +414,28 @@ def test_a_shared_choice_remembered_from_before_stays_shared(make_window):
     assert window.load_setup.paged_block_size_for_load() == 64 and window.load_setup.kv_choice() is None
 
 
-def test_eight_bit_context_memory_shared_by_chats_pages_the_quantized_kv(qtbot, make_window, run_async, tiny_model):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_context_memory_shared_by_chats_pages_the_quantized_kv(
+    qtbot, make_window, run_async, tiny_model, bits
+):
     window = make_window()
-    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData("paged-8"))
-    assert window.store.preference("kv_bits") == "paged-8"
-    assert window.load_setup.kv_bits_for_load() == 8 and window.load_setup.paged_block_size_for_load() == 64
+    choice = f"paged-{bits}"
+    window.settings.kv_choice.setCurrentIndex(window.settings.kv_choice.findData(choice))
+    assert window.store.preference("kv_bits") == choice
+    assert window.load_setup.kv_bits_for_load() == bits and window.load_setup.paged_block_size_for_load() == 64
     _load(window, run_async, tiny_model)
-    assert "8-bit" in window.bridge.model_info.kv_cache
+    assert f"{bits}-bit" in window.bridge.model_info.kv_cache
     start = "Here is a long shared preamble that every chat of this test begins with. " * 12
     params = api.GenerationParams(max_tokens=4, ignore_eos=True)
     replies = [
         run_async(window.bridge.generate(chat, [{"role": "user", "content": start + question}], params))
         for chat, question in (("first", "What comes next?"), ("second", "And then?"))
     ]
-    assert replies[1].stats.cached_tokens >= 64  # the start, from the other chat's 8-bit blocks
+    assert replies[1].stats.cached_tokens >= 64  # the start, from the other chat's quantized blocks
     qtbot.waitUntil(lambda: (window.gauge.figures.get("kv_pool") or {}).get("shared", 0) > 0, timeout=10_000)
     window.close()
     reopened = make_window()  # the choice is remembered
-    assert reopened.settings.kv_choice.currentData() == "paged-8"
+    assert reopened.settings.kv_choice.currentData() == choice
 
 
 def test_a_model_that_cannot_share_its_context_memory_loads_unshared_and_says_why(
