@@ -1,13 +1,15 @@
 """The CUDA kernel's own source, run on the CPU: its indexing and arithmetic checked where no
 GPU is.
 
-The kernel body and header of ``models.quantized_matmul_cuda`` are compiled as C++ (g++)
+The kernel body, its device function and header of ``models.quantized_matmul_cuda`` are compiled as C++ (g++)
 beside a few definitions that stand in for CUDA's: each lane a thread, a warp's shuffles
 meeting at a barrier of its 32 threads, ``__syncthreads`` at one of the block's, and blocks
 run one after another. The outputs must equal ``mx.quantized_matmul`` in float32 to
 rounding, over K-splits of 1, 2 and 4 warps, both bit widths, every group size, all three
 dtypes, inputs not a multiple of a warp's stride, outputs not a multiple of a block's
-columns and activations not 16-byte aligned (the one-by-one loads). Skipped without g++.
+columns and activations not 16-byte aligned (the one-by-one loads). The gathered variant
+(expert products) must equal ``mx.gather_qmm``, a token's row shared by its experts and a
+row per expert. Skipped without g++.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ struct bf16 {  // bfloat16: float's top half, rounded to nearest even
   operator float() const { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
 };
 inline float __int_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-struct Index { int x; };
+struct Index { int x, y; };
 thread_local Index threadIdx, blockIdx;
 std::barrier<>* warp_barriers[32];
 std::barrier<>* block_barrier;
@@ -126,12 +128,22 @@ def _run_on_cpu(tmp_path, x, wq, scales, biases, group: int, bits: int, shift: i
         f"constexpr int R = {rows}; constexpr int BITS = {bits}; constexpr int GS = {group}; "
         f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
     )
-    source = _PRELUDE + qmv._HEADER + f"using T = {_CPP_TYPE[x.dtype]};\n"
+    source = _PRELUDE + qmv._HEADER + qmv._PRODUCT + f"using T = {_CPP_TYPE[x.dtype]};\n"
     source += _DRIVER.replace("CONSTANTS", constants).replace("SOURCE", qmv._SOURCE)
+    return _build_and_run(
+        tmp_path, source, (x, wq, scales, biases), [rows, k, n, shift, qmv.WARPS, splits, qmv.COLUMNS]
+    )
+
+
+def _build_and_run(tmp_path, source: str, arrays, args: list[int], ids=None) -> mx.array:
+    """Build ``source``, run it on ``arrays`` (x, w, scales, biases; ``ids`` too where given)
+    with ``args``; its output, [outputs' rows, N], in x's dtype."""
+    x, wq, scales, _ = arrays
     (tmp_path / "kernel.cpp").write_text(source)
-    for name, a in (("x", x), ("s", scales), ("b", biases)):
-        _raw(a).tofile(tmp_path / f"{name}.bin")
-    np.array(wq).tofile(tmp_path / "w.bin")
+    for name, a in zip("xwsb", arrays, strict=True):
+        (np.array(a) if name == "w" else _raw(a)).tofile(tmp_path / f"{name}.bin")
+    if ids is not None:
+        np.array(ids).astype(np.uint32).tofile(tmp_path / "i.bin")
     built = subprocess.run(
         ["g++", "-std=c++20", "-O1", "-pthread", "-w", "kernel.cpp", "-o", "kernel"],
         cwd=tmp_path,
@@ -140,10 +152,9 @@ def _run_on_cpu(tmp_path, x, wq, scales, biases, group: int, bits: int, shift: i
         timeout=120,
     )
     assert built.returncode == 0, built.stderr[-3000:]
-    args = [rows, k, n, shift, qmv.WARPS, splits, qmv.COLUMNS]
     subprocess.run(["./kernel", *map(str, args)], cwd=tmp_path, check=True, timeout=60)
     raw = np.fromfile(tmp_path / "out.bin", dtype=np.uint16 if x.dtype == mx.bfloat16 else _raw(x).dtype)
-    out = mx.array(raw.reshape(rows, n))
+    out = mx.array(raw.reshape(-1, scales.shape[-2]))
     return out.view(mx.bfloat16) if x.dtype == mx.bfloat16 else out
 
 
@@ -170,5 +181,93 @@ def test_the_kernels_source_computes_mlxs_product(tmp_path, rows, inputs, output
     f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
     expected = mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=group, bits=bits)
     assert got.dtype == dtype
+    error = mx.abs(got.astype(mx.float32) - expected).max().item()
+    assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
+
+
+# The gathered variant (expert products): blocks run per (token, expert) pair, blockIdx.y.
+_GATHER_DRIVER = r"""
+static void kernel(const T* x, const Shape x_shape, const uint32_t* w, const Shape w_shape,
+                   const T* scales, const T* biases, const uint32_t* ids, T* out) {
+  CONSTANTS
+  SOURCE
+}
+static std::vector<char> slurp(const char* path) {
+  std::vector<char> bytes;
+  FILE* f = fopen(path, "rb");
+  char buf[65536];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) bytes.insert(bytes.end(), buf, buf + n);
+  fclose(f);
+  return bytes;
+}
+int main(int argc, char** argv) {
+  const int pairs = atoi(argv[1]), K = atoi(argv[2]), N = atoi(argv[3]), E = atoi(argv[4]);
+  const int warps = atoi(argv[5]), splits = atoi(argv[6]), columns = atoi(argv[7]);
+  auto xb = slurp("x.bin"), wb = slurp("w.bin"), sb = slurp("s.bin"), bb = slurp("b.bin"), ib = slurp("i.bin");
+  std::vector<T> xs(xb.size() / sizeof(T));
+  memcpy(xs.data(), xb.data(), xb.size());
+  std::vector<uint32_t> ws(wb.size() / 4), is(ib.size() / 4);
+  memcpy(ws.data(), wb.data(), wb.size());
+  memcpy(is.data(), ib.data(), ib.size());
+  std::vector<T> out((size_t)pairs * N);
+  Shape xsh{}, wsh{};
+  xsh[0] = (int)(xs.size() / K); xsh[1] = K; wsh[0] = E; wsh[1] = N; wsh[2] = (int)(ws.size() / E / N);
+  const int per_block = warps / splits * columns, blocks = (N + per_block - 1) / per_block;
+  for (int p = 0; p < pairs; ++p)
+    for (int b = 0; b < blocks; ++b) {
+      std::vector<std::barrier<>*> bars;
+      for (int i = 0; i < warps; ++i) warp_barriers[i] = bars.emplace_back(new std::barrier<>(32));
+      std::barrier<> block(warps * 32);
+      block_barrier = &block;
+      std::vector<std::thread> threads;
+      for (int t = 0; t < warps * 32; ++t)
+        threads.emplace_back([&, t] {
+          threadIdx.x = t;
+          blockIdx.x = b;
+          blockIdx.y = p;
+          kernel(xs.data(), xsh, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), is.data(), out.data());
+        });
+      for (auto& t : threads) t.join();
+      for (auto* bar : bars) delete bar;
+    }
+  FILE* f = fopen("out.bin", "wb");
+  fwrite(out.data(), sizeof(T), out.size(), f);
+  fclose(f);
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "tokens, k, experts, inputs, outputs, shared_row, bits, group, dtype",
+    [
+        (1, 3, 5, 640, 37, True, 4, 64, mx.float32),  # a token's row for its 3 experts (gate, up)
+        (2, 2, 4, 256, 19, False, 8, 32, mx.bfloat16),  # a row per pair (down)
+    ],
+    ids=str,
+)
+def test_the_gathered_kernels_source_computes_mlxs_gather_qmm(
+    tmp_path, tokens, k, experts, inputs, outputs, shared_row, bits, group, dtype
+):
+    keys = mx.random.split(mx.random.key(tokens * 7 + inputs + outputs), 3)
+    w = (mx.random.normal((experts, outputs, inputs), key=keys[0]) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    ids = mx.argsort(mx.random.uniform(shape=(tokens, experts), key=keys[1]), axis=-1)[:, :k].astype(mx.uint32)
+    ids = ids.reshape(tokens, 1, k) if shared_row else ids
+    rows = (tokens, 1, 1, 1, inputs) if shared_row else (tokens, k, 1, inputs)
+    x = mx.random.normal(rows, key=keys[2]).astype(dtype)
+    shares = qmv.gather_shares(x.shape[:-2], ids.shape)
+    splits = qmv.k_splits(inputs, outputs, bits)
+    constants = (
+        f"constexpr int BITS = {bits}; constexpr int GS = {group}; constexpr int CPW = {qmv.COLUMNS}; "
+        f"constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits}; constexpr int XS = {shares};"
+    )
+    source = _PRELUDE + qmv._HEADER + qmv._PRODUCT + f"using T = {_CPP_TYPE[dtype]};\n"
+    source += _GATHER_DRIVER.replace("CONSTANTS", constants).replace("SOURCE", qmv._GATHER_SOURCE)
+    args = [ids.size, inputs, outputs, experts, qmv.WARPS, splits, qmv.COLUMNS]
+    got = _build_and_run(tmp_path, source, (x, wq, scales, biases), args, ids=ids.reshape(-1))
+    f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
+    expected = mx.gather_qmm(
+        f32[0], wq, f32[1], f32[2], rhs_indices=ids, transpose=True, group_size=group, bits=bits
+    ).reshape(-1, outputs)
     error = mx.abs(got.astype(mx.float32) - expected).max().item()
     assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
