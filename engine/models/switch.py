@@ -107,7 +107,8 @@ class QuantizedSwitchLinear(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         global_scale = self.get("global_scale")
         if global_scale is None:
-            # Decode steps' few rows take our CUDA kernel where it is faster (docs/qmv.md).
+            # A decode step's few rows may take our CUDA kernel (only when asked: measured no
+            # faster than MLX's on MoE shapes, docs/qmv.md).
             y = qmv.gather_quantized_matmul(
                 x,
                 self["weight"],
