@@ -397,6 +397,8 @@ def run_bench(
         out["paged_kv"] = page_bench_model(args, model)
     if getattr(args, "shared_prompt", False) and not getattr(args, "concurrent", None):
         raise EngineError("--shared-prompt goes with --concurrent N,N,... (streams after one cached prompt)")
+    if (getattr(args, "prompts", 1) or 1) > 1 and not getattr(args, "shared_prompt", False):
+        raise EngineError("--prompts goes with --concurrent N,N,... --shared-prompt (streams after K cached prompts)")
     if getattr(args, "shared_prefix", None):
         from engine.cli.bench_shared import run_shared
 

@@ -21,7 +21,9 @@ server that has answered once holds it (``--shared-prompt cold``: not cached; wi
 ``--paged-kv``: each stream prefills only its question, and the batch holds the prompt
 once and reads it once per step for all rows; an ``own-copy`` row runs the same batch
 with each row holding its own copy), mlx-lm from its ``LRUPromptCache`` as its server
-does (a copy per stream). Each row then also gives the run's peak memory.
+does (a copy per stream). Each row then also gives the run's peak memory. ``--prompts K``
+gives the streams K such prompts in turn (stream i the (i mod K)-th: K kinds of agent), all
+cached alike.
 
 ``--profile`` also prints where the engine's time goes per decode step (building and
 queueing the step, of which picking the tokens; waiting for the previous step's tokens;
@@ -57,6 +59,8 @@ class Concurrent:
 
 # A stream's own question after a shared prompt (--shared-prompt).
 QUESTION_TOKENS = 32
+# Different shared prompts at most (--prompts).
+MAX_SHARED_PROMPTS = 16
 
 # Given a stream's whole prompt: the cache it starts from and the ids still to prefill.
 CacheFor = Callable[[Any], tuple[Any, Any]]
@@ -87,6 +91,13 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
         help=f"with --concurrent: the streams share the -p token prompt, each adding its own {QUESTION_TOKENS}-token "
         "question; 'cached' (the default) caches the prompt before they start (the engine's block pool with "
         "--paged-kv, mlx-lm's prompt cache), 'cold' does not (the streams arrive together with a new prompt)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=whole("--prompts", 1, MAX_SHARED_PROMPTS),
+        default=1,
+        metavar="K",
+        help="with --shared-prompt: K different -p token prompts, stream i taking the (i mod K)-th",
     )
 
 
@@ -191,13 +202,15 @@ def run_ours(
     return out
 
 
-def engine_prompt_cache(model: Any, shared: Any) -> CacheFor:
+def engine_prompt_cache(model: Any, shared: Sequence[Any]) -> CacheFor:
     """Streams starting from what the model's block pool holds of their prompts, after one
-    request over ``shared`` published its blocks (nothing without a pool: each prefills all)."""
+    request over each of ``shared`` published its blocks (nothing without a pool: each
+    prefills all)."""
     from engine.cli.bench_shared import one_chat
     from engine.runtime.prefix_cache import PrefixCache
 
-    one_chat(model, shared[:-1], shared[-1:], 2, time.perf_counter())
+    for ids in shared:
+        one_chat(model, ids[:-1], ids[-1:], 2, time.perf_counter())
 
     def cache_for(prompt: Any) -> tuple[Any, Any]:
         chat = PrefixCache(model)
@@ -207,19 +220,20 @@ def engine_prompt_cache(model: Any, shared: Any) -> CacheFor:
     return cache_for
 
 
-def mlx_lm_prompt_cache(model: Any, shared: Any, chunk: int = 2048) -> CacheFor:
-    """Streams starting from mlx-lm's ``LRUPromptCache`` holding ``shared``, as its server
-    fetches them (each a copy of the cached prompt)."""
+def mlx_lm_prompt_cache(model: Any, shared: Sequence[Any], chunk: int = 2048) -> CacheFor:
+    """Streams starting from mlx-lm's ``LRUPromptCache`` holding each of ``shared``, as its
+    server fetches them (each a copy of the cached prompt)."""
     import mlx.core as mx
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-    cache = make_prompt_cache(model)
-    ids = shared.tolist()
-    for lo in range(0, len(ids), chunk):
-        model(mx.array(ids[lo : lo + chunk])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-    lru = LRUPromptCache()
-    lru.insert_cache("bench", ids, cache)
+    lru = LRUPromptCache(max_size=max(len(shared), 10))
+    for prompt in shared:
+        cache = make_prompt_cache(model)
+        ids = prompt.tolist()
+        for lo in range(0, len(ids), chunk):
+            model(mx.array(ids[lo : lo + chunk])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        lru.insert_cache("bench", ids, cache)
 
     def cache_for(prompt: Any) -> tuple[Any, Any]:
         found, rest = lru.fetch_nearest_cache("bench", prompt.tolist())
@@ -367,11 +381,17 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
     cached = shared == "cached"
     vocab, length = config["vocab_size"], QUESTION_TOKENS if shared else args.prompt_tokens
     prompts = [mx.random.randint(0, vocab, (length,), key=k).astype(mx.uint32) for k in keys]
-    if shared:  # the -p token prompt, then each stream's question
-        system = mx.random.randint(0, vocab, (args.prompt_tokens,), key=mx.random.key(args.seed + 1))
-        prompts = [mx.concatenate([system.astype(mx.uint32), q]) for q in prompts]
+    kinds = getattr(args, "prompts", 1) or 1
+    if shared:  # the -p token prompt (one of ``kinds``), then each stream's question
+        systems = [
+            mx.random.randint(0, vocab, (args.prompt_tokens,), key=mx.random.key(args.seed + 1 + j)).astype(mx.uint32)
+            for j in range(kinds)
+        ]
+        prompts = [mx.concatenate([systems[i % kinds], q]) for i, q in enumerate(prompts)]
     mx.eval(prompts)
-    ours_from = engine_prompt_cache(model, prompts[0][: args.prompt_tokens + 1]) if cached else None
+    # One stream's prompt of each kind, its first question token included (what a request published).
+    firsts = [prompts[j][: args.prompt_tokens + 1] for j in range(min(kinds, len(prompts)))]
+    ours_from = engine_prompt_cache(model, firsts) if cached else None
     loops: list[tuple[str, Callable[..., Concurrent], Any]] = [
         ("engine", functools.partial(ours, cache_for=ours_from), model)
     ]
@@ -379,7 +399,7 @@ def run_concurrent(args: argparse.Namespace, model: Any, config: dict[str, Any],
         loops.append(("own-copy", functools.partial(ours, cache_for=ours_from, share=False), model))
     if args.vs == "mlx-lm":
         twin = mlx_lm_twin(model, config, quantized)
-        theirs_from = mlx_lm_prompt_cache(twin, prompts[0][: args.prompt_tokens]) if cached else None
+        theirs_from = mlx_lm_prompt_cache(twin, [f[:-1] for f in firsts]) if cached else None
         loops.append(("mlx-lm", functools.partial(run_mlx_lm, stagger=stagger, cache_for=theirs_from), twin))
     for _, run, m in loops:  # warm-up: kernels for every batch width
         for n in counts:

@@ -96,6 +96,19 @@ def test_concurrent_streams_after_a_shared_prompt_against_mlx_lm_prompt_cache():
 
 def test_a_shared_prompt_needs_concurrent_streams():
     assert "--shared-prompt" in _bench("-p", "64", "--shared-prompt", ok=False)
+    assert "--prompts" in _bench("-p", "64", "--concurrent", "2", "--prompts", "2", ok=False)
+
+
+def test_streams_after_two_cached_prompts_in_turn():
+    """``--prompts 2``: streams alternate between two cached prompts (two kinds of agent):
+    the batch holds both once, and the ids equal own copies' and mlx-lm's from its cache."""
+    import pytest
+
+    pytest.importorskip("mlx_lm")
+    out = _bench(*SHARED_PROMPT_PAGED, "--concurrent", "4", "--shared-prompt", "--prompts", "2", "--vs", "mlx-lm")
+    (row,) = out["concurrent"]
+    assert {"engine", "own-copy", "mlx-lm"} <= set(row) and row["engine"]["generated_tokens"] == 16
+    assert row["same_tokens_as_own_copy"]
 
 
 def test_streams_arriving_together_with_a_new_prompt_prefill_it_once():
