@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Any
 
-from engine.cli.bench_qmm import _max_difference, _time, add_timing_arguments
+from engine.cli.bench_qmm import _max_difference, _time, add_timing_arguments, parse_counts
 from engine.cli.bench_shapes import SHAPES
 
 
@@ -118,13 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=64)
     add_timing_arguments(p)
     args = p.parse_args(argv)
-    try:
-        tokens = [int(n) for n in args.tokens.split(",")]
-    except ValueError:
-        print(f"error: --tokens takes whole numbers separated by commas, not {args.tokens!r}", file=sys.stderr)
-        return 2
-    if not tokens or min(tokens) < 1 or min(args.calls, args.repeat, args.copy_mb or 1) < 1:
-        print("error: --tokens, --calls, --repeat and --copy-mb must be at least 1", file=sys.stderr)
+    tokens = parse_counts(args, "--tokens", args.tokens)
+    if tokens is None:
         return 2
 
     import mlx.core as mx

@@ -173,6 +173,20 @@ def add_timing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def parse_counts(args: argparse.Namespace, flag: str, text: str) -> list[int] | None:
+    """``text`` ("1,2,4") as whole numbers of at least 1, with the timing options checked too;
+    None after printing a one-line error."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        print(f"error: {flag} takes whole numbers separated by commas, not {text!r}", file=sys.stderr)
+        return None
+    if not counts or min(counts) < 1 or min(args.calls, args.repeat, args.copy_mb or 1) < 1:
+        print(f"error: {flag}, --calls, --repeat and --copy-mb must be at least 1", file=sys.stderr)
+        return None
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.cli.bench_qmm", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
@@ -182,13 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine")
     add_timing_arguments(p)
     args = p.parse_args(argv)
-    try:
-        rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        print(f"error: --rows takes whole numbers separated by commas, not {args.rows!r}", file=sys.stderr)
-        return 2
-    if not rows or min(rows) < 1 or min(args.calls, args.repeat, args.copy_mb or 1) < 1:
-        print("error: --rows, --calls, --repeat and --copy-mb must be at least 1", file=sys.stderr)
+    rows = parse_counts(args, "--rows", args.rows)
+    if rows is None:
         return 2
     if args.mode != "affine":
         from engine.artifacts.mlx_quant import MODES

@@ -499,11 +499,12 @@ def gather_quantized_matmul(
 ) -> mx.array:
     """``mx.gather_qmm(..., rhs_indices=ids, transpose=True)``, through the kernel where it is
     enabled, fits and pays (one activation row per token: decode steps and short passes)."""
-    shares = gather_shares(x.shape[:-2], ids.shape) if x.ndim >= 2 and x.shape[-2] == 1 else None
+    # Asked first: every expert product of every MoE step passes here, off by default.
+    routed = gathered_enabled() and x.ndim >= 2 and x.shape[-2] == 1
+    shares = gather_shares(x.shape[:-2], ids.shape) if routed else None
     if (
         shares is not None
         and w.ndim == 3
-        and gathered_enabled()
         and pays_gathered(ids.size, x.shape[-1], w.shape[1])
         and _takes(1, x, w, scales, biases, group_size, bits, mode)
     ):

@@ -63,14 +63,6 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
 }
 inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 using Shape = std::array<int32_t, 8>;
-"""
-
-_DRIVER = r"""
-static void kernel(const T* x, const Shape x_shape, const uint32_t* w, const Shape w_shape,
-                   const T* scales, const T* biases, T* out) {
-  CONSTANTS
-  SOURCE
-}
 static std::vector<char> slurp(const char* path) {
   std::vector<char> bytes;
   FILE* f = fopen(path, "rb");
@@ -78,6 +70,32 @@ static std::vector<char> slurp(const char* path) {
   for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) bytes.insert(bytes.end(), buf, buf + n);
   fclose(f);
   return bytes;
+}
+// One block (blockIdx x, y) of ``warps`` warps: a thread per lane, each running ``body``.
+template <typename F>
+static void run_block(int warps, int x, int y, F body) {
+  std::vector<std::barrier<>*> bars;
+  for (int i = 0; i < warps; ++i) warp_barriers[i] = bars.emplace_back(new std::barrier<>(32));
+  std::barrier<> block(warps * 32);
+  block_barrier = &block;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < warps * 32; ++t)
+    threads.emplace_back([&, t] {
+      threadIdx.x = t;
+      blockIdx.x = x;
+      blockIdx.y = y;
+      body();
+    });
+  for (auto& t : threads) t.join();
+  for (auto* bar : bars) delete bar;
+}
+"""
+
+_DRIVER = r"""
+static void kernel(const T* x, const Shape x_shape, const uint32_t* w, const Shape w_shape,
+                   const T* scales, const T* biases, T* out) {
+  CONSTANTS
+  SOURCE
 }
 int main(int argc, char** argv) {
   const int rows = atoi(argv[1]), K = atoi(argv[2]), N = atoi(argv[3]), shift = atoi(argv[4]);
@@ -91,21 +109,10 @@ int main(int argc, char** argv) {
   Shape xsh{}, wsh{};
   xsh[0] = rows; xsh[1] = K; wsh[0] = N; wsh[1] = (int)(ws.size() / N);
   const int per_block = warps / splits * columns, blocks = (N + per_block - 1) / per_block;
-  for (int b = 0; b < blocks; ++b) {
-    std::vector<std::barrier<>*> bars;
-    for (int i = 0; i < warps; ++i) warp_barriers[i] = bars.emplace_back(new std::barrier<>(32));
-    std::barrier<> block(warps * 32);
-    block_barrier = &block;
-    std::vector<std::thread> threads;
-    for (int t = 0; t < warps * 32; ++t)
-      threads.emplace_back([&, t] {
-        threadIdx.x = t;
-        blockIdx.x = b;
-        kernel(xs.data() + shift, xsh, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), out.data());
-      });
-    for (auto& t : threads) t.join();
-    for (auto* bar : bars) delete bar;
-  }
+  for (int b = 0; b < blocks; ++b)
+    run_block(warps, b, 0, [&] {
+      kernel(xs.data() + shift, xsh, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), out.data());
+    });
   FILE* f = fopen("out.bin", "wb");
   fwrite(out.data(), sizeof(T), out.size(), f);
   fclose(f);
@@ -192,14 +199,6 @@ static void kernel(const T* x, const Shape x_shape, const uint32_t* w, const Sha
   CONSTANTS
   SOURCE
 }
-static std::vector<char> slurp(const char* path) {
-  std::vector<char> bytes;
-  FILE* f = fopen(path, "rb");
-  char buf[65536];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) bytes.insert(bytes.end(), buf, buf + n);
-  fclose(f);
-  return bytes;
-}
 int main(int argc, char** argv) {
   const int pairs = atoi(argv[1]), K = atoi(argv[2]), N = atoi(argv[3]), E = atoi(argv[4]);
   const int warps = atoi(argv[5]), splits = atoi(argv[6]), columns = atoi(argv[7]);
@@ -214,22 +213,10 @@ int main(int argc, char** argv) {
   xsh[0] = (int)(xs.size() / K); xsh[1] = K; wsh[0] = E; wsh[1] = N; wsh[2] = (int)(ws.size() / E / N);
   const int per_block = warps / splits * columns, blocks = (N + per_block - 1) / per_block;
   for (int p = 0; p < pairs; ++p)
-    for (int b = 0; b < blocks; ++b) {
-      std::vector<std::barrier<>*> bars;
-      for (int i = 0; i < warps; ++i) warp_barriers[i] = bars.emplace_back(new std::barrier<>(32));
-      std::barrier<> block(warps * 32);
-      block_barrier = &block;
-      std::vector<std::thread> threads;
-      for (int t = 0; t < warps * 32; ++t)
-        threads.emplace_back([&, t] {
-          threadIdx.x = t;
-          blockIdx.x = b;
-          blockIdx.y = p;
-          kernel(xs.data(), xsh, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), is.data(), out.data());
-        });
-      for (auto& t : threads) t.join();
-      for (auto* bar : bars) delete bar;
-    }
+    for (int b = 0; b < blocks; ++b)
+      run_block(warps, b, p, [&] {
+        kernel(xs.data(), xsh, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), is.data(), out.data());
+      });
   FILE* f = fopen("out.bin", "wb");
   fwrite(out.data(), sizeof(T), out.size(), f);
   fclose(f);
