@@ -18,7 +18,8 @@ With ``--ours`` the same products also run through this project's kernel
 (``models.quantized_matmul_cuda``, CUDA only), timed the same two ways (``ours/s``,
 ``ours/b``), with the largest difference of its output from MLX's (``max|ours-mlx|``) and
 in its first row from a float32 product on the CPU (``max|ours-f32|``, with MLX's own
-beside it).
+beside it). ``--streams`` adds MLX's product with the rows as a batch step of that many
+streams hands them over, one row each ([N, 1, K]; ``streams/b``, batched timing).
 
 ``floor`` is the matrix's bytes (codes, scales and biases) at the copy bandwidth measured in
 the same run (bytes read and written per second, as ``bench --roofline`` measures it).
@@ -95,6 +96,7 @@ def time_matrix(
     calls: int,
     repeat: int,
     ours: bool = False,
+    streams: bool = False,
 ) -> dict[str, Any]:
     import mlx.core as mx
 
@@ -106,6 +108,8 @@ def time_matrix(
     mx.eval(wq, scales, *(() if biases is None else (biases,)))
     nbytes = wq.nbytes + scales.nbytes + (0 if biases is None else biases.nbytes)
     out: dict[str, Any] = {"bytes": nbytes, "single_us": {}, "batched_us": {}}
+    if streams:
+        out["streams_batched_us"] = {}
     if ours:
         out.update({k: {} for k in ("ours_single_us", "ours_batched_us", "ours_vs_mlx", "ours_vs_f32", "mlx_vs_f32")})
     for n in rows:
@@ -119,6 +123,8 @@ def time_matrix(
 
         out["single_us"][n] = _time(lambda: product(xs[0]), repeat) * 1e6
         out["batched_us"][n] = _time(lambda: [product(x) for x in xs], repeat) / calls * 1e6
+        if streams:
+            out["streams_batched_us"][n] = _time(lambda: [product(x[:, None]) for x in xs], repeat) / calls * 1e6
         if not ours or biases is None:
             continue
         if not qmv.fits(
@@ -147,6 +153,7 @@ def _print_matrix(name: str, t: dict[str, Any], rows: list[int]) -> None:
     timings = [
         ("single", "single_us"),
         ("batched", "batched_us"),
+        ("streams/b", "streams_batched_us"),
         ("ours/s", "ours_single_us"),
         ("ours/b", "ours_batched_us"),
     ]
@@ -194,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine")
+    p.add_argument("--streams", action="store_true", help="also time the rows as [N, 1, K], as a batch step hands them")
     add_timing_arguments(p)
     args = p.parse_args(argv)
     rows = parse_counts(args, "--rows", args.rows)
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'matrix':<26}{'timing':<9}" + "".join(f"{n:>9}" for n in rows) + f"{'floor':>9}")
     for name, (inputs, outputs) in projections(SHAPES[args.shape]).items():
         t = time_matrix(
-            inputs, outputs, rows, args.bits, args.group_size, args.mode, args.calls, args.repeat, args.ours
+            inputs, outputs, rows, args.bits, args.group_size, args.mode, args.calls, args.repeat, args.ours, args.streams
         )
         t["floor_us"] = t["bytes"] / bandwidth * 1e6
         result["matrices"][name] = t

@@ -21,7 +21,9 @@ what the decode steps would).
 Routing: ``quantized_matmul`` takes the kernel where ``fits`` and ``pays`` say so and MLX's
 CUDA backend runs on the GPU, unless the environment variable ``MLX_DESK_QMV`` is ``0``
 (on by default since every test of it passed on an H200, docs/qmv.md); everything else
-(other modes and bit widths, more rows, the CPU) keeps ``mx.quantized_matmul``.
+(other modes and bit widths, more rows, the CPU) keeps ``mx.quantized_matmul``. On CUDA a
+batch's rows ([B, L, K]) reach MLX's kernel as one matrix: MLX runs the leading axis as
+that many separate products, each reading the whole weight.
 
 Expert products. ``gather_quantized_matmul`` is ``mx.gather_qmm`` for a decode step's
 (token, expert) pairs, each pair one row through the same body with its expert's weights;
@@ -416,19 +418,31 @@ def quantized_matmul(
     mode: str = "affine",
 ) -> mx.array:
     """``mx.quantized_matmul(..., transpose=True)``, through the kernel where it is enabled, fits
-    and pays."""
+    and pays; where MLX's kernel keeps the product, a batch's rows reach it as one matrix
+    (``_as_one_matrix``)."""
     rows = x.size // max(x.shape[-1], 1) if x.ndim >= 1 else 0
-    if (
-        w.ndim == 2
-        and x.ndim >= 1
-        and enabled()
-        and pays(rows, x.shape[-1], w.shape[0])
-        and _takes(rows, x, w, scales, biases, group_size, bits, mode)
-    ):
-        return matmul(x, w, scales, biases, group_size, bits)
+    if w.ndim == 2 and x.ndim >= 1 and enabled():
+        if pays(rows, x.shape[-1], w.shape[0]) and _takes(rows, x, w, scales, biases, group_size, bits, mode):
+            return matmul(x, w, scales, biases, group_size, bits)
+        if x.ndim > 2 and rows > x.shape[-2]:
+            return _as_one_matrix(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
     return mx.quantized_matmul(
         x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode
     )
+
+
+def _as_one_matrix(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int, mode: str
+) -> mx.array:
+    """MLX's product of a [B, L, K] input as one [B * L, K] matrix. MLX's CUDA backend runs a
+    [B, L, K] input as B products of L rows, each reading the whole weight: a batch step of 8
+    streams ([8, 1, K]) read every matrix 8 times. As one matrix of 8 or more rows its tiled
+    kernel reads it about once (docs/qmv.md)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = mx.quantized_matmul(
+        x.reshape(-1, k), w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+    )
+    return y.reshape(*lead, y.shape[-1])
 
 
 def gather_shares(x_batch: tuple[int, ...], ids_shape: tuple[int, ...]) -> int | None:

@@ -106,6 +106,27 @@ def test_the_routed_entry_points_equal_mlxs_where_the_kernel_does_not_run(monkey
     assert mx.array_equal(qmv.linear(plain, x), plain(x))
 
 
+@pytest.mark.parametrize("lead", [(8, 1), (2, 5), (16, 1)])
+def test_a_batchs_rows_reach_mlxs_kernel_as_one_matrix(monkeypatch, lead):
+    """Where MLX's kernel keeps a product on CUDA, a batch step's [B, L, K] rows go to it as
+    one [B * L, K] matrix (MLX runs B separate products, each reading the weight), and the
+    result is MLX's product of those rows in the batch's shape."""
+    monkeypatch.setattr(qmv, "available", lambda: True)  # routing only: these row counts stay MLX's
+    monkeypatch.delenv(qmv.ENV, raising=False)
+    w = mx.random.normal((48, 128), key=mx.random.key(2))
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((*lead, 128), key=mx.random.key(3))
+    seen = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda a, *r, **kw: seen.append(a.shape) or real(a, *r, **kw))
+    y = qmv.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)
+    assert seen == [(lead[0] * lead[1], 128)]
+    assert y.shape == (*lead, 48)
+    flat = real(x.reshape(-1, 128), wq, scales, biases, transpose=True, group_size=64, bits=4)
+    assert mx.array_equal(y, flat.reshape(*lead, 48))
+    assert mx.allclose(y, real(x, wq, scales, biases, transpose=True, group_size=64, bits=4), atol=1e-4)
+
+
 # rows, inputs, outputs: the decode/verify/batch row counts over inputs below, at and past
 # a warp's stride (1,024 4-bit or 512 8-bit values) and outputs not a multiple of a
 # block's 16 columns; the real projections of qwen3-4b and llama3-8b.
