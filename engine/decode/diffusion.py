@@ -42,6 +42,7 @@ from engine.api import GenerationResult
 from engine.decode.loop import Piece
 from engine.decode.stats import StatsCounter
 from engine.errors import EngineError
+from engine.models.stacked import stack_projections
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ def diffuse(
     prompt is in the cache."""
     if not prompt:
         raise EngineError("nothing to generate from: the prompt has no tokens")
+    stack_projections(model)  # gate and up experts as one product (engine/models/stacked.py)
     cache = model.make_cache() if cache is None else cache
     pending = mx.array([list(prompt)])
     stops = set(int(t) for t in eos_ids)

@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.errors import AdapterError
+from engine.models.expert_linear import QuantizedSwitchLinear, SwitchLinear
 from engine.models.lora_files import (
     MAX_MULTIPLIER,
     AdapterFormat,
@@ -40,7 +41,6 @@ from engine.models.lora_files import (
     ParsedAdapter,
     parse_folder,
 )
-from engine.models.switch import QuantizedSwitchLinear, SwitchLinear
 
 
 @dataclass

@@ -12,6 +12,13 @@ A layer computes each output row from its own weight row alone, so the stacked m
 gives the same values as the separate ones. The stack is used only while every layer
 of its group is the one it was built from, still holds the arrays it was given, and
 has no active adapter; otherwise each layer runs on its own (on the same views).
+
+Expert layers stack too: a mixture-of-experts block's gate and up experts ([experts, out,
+in] each, ``engine/models/switch.py``) become one [experts, 2 * out, in] array, so a
+token's chosen experts take one gathered product instead of two. Those kinds say so with
+``stacks_along`` (the output axis of their arrays: 1) and compute a product of any arrays
+of their layout with ``product(arrays, x, *args)``. They stack for any number of rows:
+a prefill's sorted expert products then run one tiled product of twice the width.
 """
 
 from __future__ import annotations
@@ -40,10 +47,17 @@ class _Stack:
     stacked: dict[str, mx.array]
     splits: list[int]  # output offsets where the second, third ... layer's rows start
     sizes: tuple[int, ...] = ()  # how many entries each layer held once given its views
+    max_rows: int | None = MAX_STACKED_ROWS  # longer inputs run the layers one by one
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """The layers' outputs side by side on the last axis."""
+    def takes(self, x: mx.array) -> bool:
+        return self.max_rows is None or x.size <= self.max_rows * x.shape[-1]
+
+    def __call__(self, x: mx.array, *args) -> mx.array:
+        """The layers' outputs side by side on the last axis (``args``: what an expert layer
+        takes after ``x``, its expert ids)."""
         a, first = self.stacked, self.layers[0]
+        if _axis(first):
+            return first.product(a, x, *args)
         if isinstance(first, nn.QuantizedLinear):
             y = quantized_matmul(
                 x,
@@ -71,6 +85,20 @@ def _arrays(layer: nn.Module) -> dict[str, mx.array]:
     return {k: layer[k] for k in _ARRAYS if k in layer}
 
 
+def _axis(layer: nn.Module) -> int:
+    """The output axis of the layer's arrays: 0 for a linear layer, ``stacks_along`` for an
+    expert layer."""
+    return getattr(type(layer), "stacks_along", 0)
+
+
+def _stackable(layer: nn.Module) -> bool:
+    """A linear layer, or an expert layer holding nothing but the arrays a stack splits (an
+    nvfp4 layer's per-expert scale is its own: it never stacks)."""
+    if type(layer) in _KINDS:
+        return True
+    return bool(_axis(layer)) and all(k in _ARRAYS for k in layer)
+
+
 def _current(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
     """The module's stack for ``names`` if it still computes what the layers compute."""
     stacks = module.__dict__.get("_stacks")
@@ -89,20 +117,26 @@ def _current(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
     return stack
 
 
+def _usable(module: nn.Module, names: tuple[str, ...], x: mx.array) -> _Stack | None:
+    stack = _current(module, names)
+    return stack if stack is not None and stack.takes(x) else None
+
+
 def stacked_output(module: nn.Module, names: tuple[str, ...], x: mx.array) -> mx.array | None:
     """The named layers' outputs concatenated on the last axis, in one matmul; None when
     the layers are not (or no longer) stacked, an adapter acts on one of them, or ``x``
-    has more than ``MAX_STACKED_ROWS`` rows."""
-    stack = _current(module, names) if x.size <= MAX_STACKED_ROWS * x.shape[-1] else None
+    has more rows than the stack takes (``MAX_STACKED_ROWS`` for linear layers)."""
+    stack = _usable(module, names, x)
     return stack(x) if stack is not None else None
 
 
-def project(module: nn.Module, names: tuple[str, ...], x: mx.array) -> list[mx.array]:
-    """Each named layer's output: split from one stacked matmul where possible."""
-    stack = _current(module, names) if x.size <= MAX_STACKED_ROWS * x.shape[-1] else None
+def project(module: nn.Module, names: tuple[str, ...], x: mx.array, *args) -> list[mx.array]:
+    """Each named layer's output: split from one stacked matmul where possible (``args``:
+    what expert layers take after ``x``)."""
+    stack = _usable(module, names, x)
     if stack is None:
-        return [getattr(module, n)(x) for n in names]
-    return mx.split(stack(x), stack.splits, axis=-1)
+        return [getattr(module, n)(x, *args) for n in names]
+    return mx.split(stack(x, *args), stack.splits, axis=-1)
 
 
 def _build(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
@@ -110,33 +144,43 @@ def _build(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
     for name in names:
         layer = module.get(name)
         layer = layer.base if isinstance(layer, LoRAHost) else layer
-        if type(layer) not in _KINDS:
+        if not _stackable(layer):
             return None
         layers.append(layer)
     first = layers[0]
     keys = _arrays(first).keys()
+    axis = _axis(first)
 
     def same(layer: nn.Module) -> bool:
         arrays = _arrays(layer)
         if type(layer) is not type(first) or arrays.keys() != keys:
             return False
-        if any(arrays[k].dtype != first[k].dtype or arrays[k].shape[1:] != first[k].shape[1:] for k in keys):
+        if any(
+            arrays[k].dtype != first[k].dtype
+            or arrays[k].shape[:axis] + arrays[k].shape[axis + 1 :]
+            != first[k].shape[:axis] + first[k].shape[axis + 1 :]
+            for k in keys
+        ):
             return False
         quant = ("group_size", "bits", "mode")
         return all(getattr(layer, q, None) == getattr(first, q, None) for q in quant)
 
     if not all(same(layer) for layer in layers):
         return None
-    stacked = {k: mx.concatenate([layer[k] for layer in layers], axis=0) for k in keys}
+    stacked = {k: mx.concatenate([layer[k] for layer in layers], axis=axis) for k in keys}
     mx.eval(stacked)
-    rows = [layer["weight"].shape[0] for layer in layers]
+    rows = [layer["weight"].shape[axis] for layer in layers]
     starts = [sum(rows[:i]) for i in range(len(rows) + 1)]
-    views = tuple({k: a[starts[i] : starts[i + 1]] for k, a in stacked.items()} for i in range(len(layers)))
+    lead = (slice(None),) * axis
+    views = tuple(
+        {k: a[(*lead, slice(starts[i], starts[i + 1]))] for k, a in stacked.items()} for i in range(len(layers))
+    )
     mx.eval(views)
     for layer, arrays in zip(layers, views):
         for k, a in arrays.items():
             layer[k] = a  # the layer's old buffer goes once nothing else holds it
-    return _Stack(tuple(layers), views, stacked, starts[1:-1], tuple(len(layer) for layer in layers))
+    sizes = tuple(len(layer) for layer in layers)
+    return _Stack(tuple(layers), views, stacked, starts[1:-1], sizes, None if axis else MAX_STACKED_ROWS)
 
 
 def stack_projections(model: nn.Module) -> int:
@@ -145,7 +189,9 @@ def stack_projections(model: nn.Module) -> int:
     traced function holds the old arrays, or they stay alive beside the stacked ones."""
     built = 0
     for module in model.modules():
-        groups: Sequence[tuple[str, ...]] = getattr(type(module), "stacked_projections", ())
+        # Asked of the module, not its class: an expert block whose experts stream from disk
+        # names none (its store fills each projection's slots itself).
+        groups: Sequence[tuple[str, ...]] = getattr(module, "stacked_projections", ())
         for names in groups:
             if _current(module, names) is not None:
                 continue

@@ -225,3 +225,69 @@ def test_replaced_weights_unstack_until_restacked():
     assert stack_projections(stacked) == 1
     assert stacked_output(attn, QKV, x) is not None
     assert_same(decode(stacked), reference)
+
+
+# Expert blocks: gate and up experts as one [experts, 2 * inner, hidden] array. Plain
+# SiLU, gpt-oss's biases and clamped gate, Gemma 4's GELU block, DeepSeek's and LFM2's
+# routers; and the same quantized.
+MOE = ["qwen3_moe", "gpt_oss", "gemma4_text_moe", "deepseek_v3", "lfm2_moe"]
+
+
+def expert_blocks(model):
+    from engine.models.switch import SwitchGLU
+
+    return [m for m in model.modules() if isinstance(m, SwitchGLU)]
+
+
+def moe_twins(name: str, quantized: bool):
+    models = [load_golden(name)[0] for _ in range(2)]
+    if quantized:
+        for m in models:
+            # Layers whose input is not whole groups (some goldens' 16-wide experts) stay float.
+            nn.quantize(
+                m,
+                group_size=32,
+                bits=4,
+                class_predicate=lambda _, layer: hasattr(layer, "to_quantized") and layer.weight.shape[-1] % 32 == 0,
+            )
+            mx.eval(m.parameters())
+    return models
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("name", MOE)
+def test_expert_gate_and_up_stack_and_equal_separate_ones(name, quantized):
+    from engine.models.switch import GATE_UP, QuantizedSwitchLinear
+
+    stacked, plain = moe_twins(name, quantized)
+    stack_projections(stacked)
+    blocks = expert_blocks(stacked)
+    assert blocks
+    for block in blocks:
+        stack = block._stacks.by_names[GATE_UP]
+        assert stack.stacked["weight"].shape[1] == 2 * block.gate_proj.weight.shape[1]
+        assert isinstance(block.gate_proj, QuantizedSwitchLinear) == quantized
+        for key, whole in stack.stacked.items():  # the layers hold views of it: each expert's gate rows, then up
+            assert address(block.gate_proj[key]) == address(whole)
+            assert address(block.up_proj[key]) == address(whole) + whole.nbytes // (2 * whole.shape[0])
+    reference = decode(plain)
+    assert_same(decode(stacked), reference)
+    # A prompt long enough for the tokens to be sorted by expert takes the stack too.
+    long = mx.array([(7 * i + 5) % 89 + 3 for i in range(40)], dtype=mx.uint32)
+    a, b = (model(long[None], cache=make_prompt_cache(model))[0, -8:] for model in (stacked, plain))
+    assert mx.allclose(a, b, atol=1e-4)
+
+
+def test_experts_with_their_own_scales_or_streamed_from_disk_do_not_stack():
+    from engine.models.switch import GATE_UP, QuantizedSwitchLinear
+
+    model = load_golden("qwen3_moe")[0]
+    block = expert_blocks(model)[0]
+    block.gate_proj.global_scale = mx.ones((block.gate_proj.weight.shape[0],))
+    stack_projections(model)
+    assert GATE_UP not in block._stacks.by_names  # an nvfp4 layer's per-expert scale is its own
+    assert all(GATE_UP in b._stacks.by_names for b in expert_blocks(model)[1:])
+    other = expert_blocks(load_golden("qwen3_moe")[0])[0]
+    other.streamed = object()  # set by the expert store: it fills each projection's slots itself
+    assert other.stacked_projections == ()
+    assert QuantizedSwitchLinear.stacks_along == 1
