@@ -25,6 +25,7 @@ engine/decode/diffusion.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -83,6 +84,13 @@ def image_mask(cache: Any, n: int, window: int | None, blocks: list[tuple[int, i
     return allowed
 
 
+@partial(mx.compile, shapeless=True)
+def _float_soft_cap(logits: mx.array, cap: float) -> mx.array:
+    """``tanh(logits / cap) * cap`` in float32, in one pass over a canvas's [256, vocab] logits
+    (each denoising step makes them; four passes uncompiled)."""
+    return mx.tanh(logits.astype(mx.float32) / cap) * cap
+
+
 class SelfConditioning(nn.Module):
     """The previous step's soft prediction, through a gated MLP, added to the canvas embedding."""
 
@@ -134,9 +142,7 @@ class Model(nn.Module):
         return self.model.embed(inputs)
 
     def logits(self, h: mx.array) -> mx.array:
-        logits = self.model.embed_tokens.as_linear(h).astype(mx.float32)
-        cap = self.args.final_logit_softcapping
-        return mx.tanh(logits / cap) * cap
+        return _float_soft_cap(self.model.embed_tokens.as_linear(h), self.args.final_logit_softcapping)
 
     @property
     def bidirectional_media(self) -> bool:
