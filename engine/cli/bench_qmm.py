@@ -238,7 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'matrix':<26}{'timing':<9}" + "".join(f"{n:>9}" for n in rows) + f"{'floor':>9}")
     for name, (inputs, outputs) in projections(SHAPES[args.shape]).items():
         t = time_matrix(
-            inputs, outputs, rows, args.bits, args.group_size, args.mode, args.calls, args.repeat, args.ours, args.streams
+            inputs,
+            outputs,
+            rows,
+            args.bits,
+            args.group_size,
+            args.mode,
+            args.calls,
+            args.repeat,
+            args.ours,
+            args.streams,
         )
         t["floor_us"] = t["bytes"] / bandwidth * 1e6
         result["matrices"][name] = t

@@ -97,7 +97,11 @@ class SwitchLoRAHost(LoRAHost):
     slot_experts: mx.array | None = None
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        y = self.base(x, indices, sorted_indices)
+        return self.with_deltas(self.base(x, indices, sorted_indices), x, indices, sorted_indices)
+
+    def with_deltas(self, y: mx.array, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        """``y``, the base layer's output for ``x``, plus every active adapter's change (a
+        stack of expert layers computes its layers' base outputs together, then adds these)."""
         experts = indices if self.slot_experts is None else self.slot_experts[indices]
         out = y
         for d, mult in self._deltas.active:

@@ -50,12 +50,13 @@ WARPS = 4
 TARGET_WARPS = 4096
 # The most rows the kernel takes (its per-lane sums live in registers: 16 x 4 of them).
 MAX_ROWS = 16
-# Where the kernel is routed (measured on an H200, 4-bit g64, docs/qmv.md): from 2 to 6 rows
-# it beats or ties MLX's kernel on every projection (MLX runs 2-6 rows as that many one-row
-# products); from 8 rows MLX's tiled kernel wins. At one row it wins only on large matrices
+# Where the kernel is routed (measured on an H200, 4-bit g64, docs/qmv.md): from 2 to 7 rows
+# it beats or ties MLX's kernel on every projection (MLX runs up to 7 rows as that many
+# one-row products: qwen3-4b's gate+up at 7 rows 205 us against ours 65); from 8 rows MLX's
+# tiled kernel wins (30 against 64). At one row it wins only on large matrices
 # (llama3-8b's gate+up 49 us against 75, its down 37 against 41) and loses on small ones
 # (qwen3-4b's q, 2560x4096: 15.3 us against 13.1), so one row routes from 16M weights.
-ROUTED_ROWS = range(2, 7)
+ROUTED_ROWS = range(2, 8)
 ONE_ROW_MIN_WEIGHTS = 16 << 20
 # The most (token, expert) pairs a gathered product takes (``pays_gathered``).
 MAX_PAIRS = 64

@@ -99,8 +99,10 @@ def _stackable(layer: nn.Module) -> bool:
     return bool(_axis(layer)) and all(k in _ARRAYS for k in layer)
 
 
-def _current(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
-    """The module's stack for ``names`` if it still computes what the layers compute."""
+def _current(module: nn.Module, names: tuple[str, ...], adapted: bool = False) -> _Stack | None:
+    """The module's stack for ``names`` if it still computes what the layers compute (with
+    ``adapted``, what their bases compute, for layers whose adapters add their changes to a
+    stacked output: ``with_deltas``)."""
     stacks = module.__dict__.get("_stacks")
     stack = stacks.by_names.get(names) if stacks is not None else None
     if stack is None:
@@ -108,7 +110,9 @@ def _current(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
     for name, base, views, size in zip(names, stack.layers, stack.views, stack.sizes):
         layer = module.get(name)
         if layer is not base:
-            if not isinstance(layer, LoRAHost) or layer.base is not base or layer._deltas.active:
+            if not isinstance(layer, LoRAHost) or layer.base is not base:
+                return None
+            if layer._deltas.active and not (adapted and hasattr(layer, "with_deltas")):
                 return None
         # Runs before every stacked matmul, so kept to lookups: the layer holds exactly
         # what it held when stacked (each view, and as many entries: none added).
@@ -117,9 +121,16 @@ def _current(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:
     return stack
 
 
-def _usable(module: nn.Module, names: tuple[str, ...], x: mx.array) -> _Stack | None:
-    stack = _current(module, names)
+def _usable(module: nn.Module, names: tuple[str, ...], x: mx.array, adapted: bool = False) -> _Stack | None:
+    stack = _current(module, names, adapted)
     return stack if stack is not None and stack.takes(x) else None
+
+
+def _adapted(layer: nn.Module, y: mx.array, x: mx.array, *args) -> mx.array:
+    """``y`` plus the changes of the adapters active on ``layer``."""
+    if isinstance(layer, LoRAHost) and layer._deltas.active:
+        return layer.with_deltas(y, x, *args)  # type: ignore[attr-defined]
+    return y
 
 
 def stacked_output(module: nn.Module, names: tuple[str, ...], x: mx.array) -> mx.array | None:
@@ -132,11 +143,14 @@ def stacked_output(module: nn.Module, names: tuple[str, ...], x: mx.array) -> mx
 
 def project(module: nn.Module, names: tuple[str, ...], x: mx.array, *args) -> list[mx.array]:
     """Each named layer's output: split from one stacked matmul where possible (``args``:
-    what expert layers take after ``x``)."""
-    stack = _usable(module, names, x)
+    what expert layers take after ``x``). Expert layers with an adapter active keep their
+    stack and add the adapter's change to their part of it: alone, they would run on their
+    strided views of the stack, which MLX's CUDA expert products refuse."""
+    stack = _usable(module, names, x, adapted=True)
     if stack is None:
         return [getattr(module, n)(x, *args) for n in names]
-    return mx.split(stack(x, *args), stack.splits, axis=-1)
+    parts = mx.split(stack(x, *args), stack.splits, axis=-1)
+    return [_adapted(module.get(n), y, x, *args) for n, y in zip(names, parts)]
 
 
 def _build(module: nn.Module, names: tuple[str, ...]) -> _Stack | None:

@@ -44,12 +44,13 @@ def test_decode_verify_and_batch_shapes_of_affine_4_and_8_bits_go_to_the_kernel(
 
 
 def test_the_kernel_is_routed_only_where_it_was_measured_faster():
-    """2-6 rows always (verify passes, small batches); one row on large matrices only; from
-    7 rows MLX's tiled kernel, although the kernel could take up to 16."""
+    """2-7 rows always (verify passes, small batches); one row on large matrices only; from
+    8 rows MLX's tiled kernel, although the kernel could take up to 16."""
     assert qmv.pays(2, 896, 896) and qmv.pays(5, 2560, 4096) and qmv.pays(6, 14336, 4096)
     assert qmv.pays(1, 4096, 28672) and qmv.pays(1, 14336, 4096)  # llama3-8b gate+up, down
     assert not qmv.pays(1, 2560, 4096) and not qmv.pays(1, 896, 1152)  # qwen3-4b q, qwen2.5-0.5b q/k/v
-    assert not qmv.pays(7, 4096, 28672) and not qmv.pays(8, 4096, 28672) and not qmv.pays(16, 14336, 4096)
+    assert qmv.pays(7, 4096, 28672) and qmv.pays(7, 896, 896)
+    assert not qmv.pays(8, 4096, 28672) and not qmv.pays(16, 14336, 4096)
     assert _fits(rows=8) and _fits(rows=16)
 
 

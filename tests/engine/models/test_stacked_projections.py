@@ -291,3 +291,54 @@ def test_experts_with_their_own_scales_or_streamed_from_disk_do_not_stack():
     other.streamed = object()  # set by the expert store: it fills each projection's slots itself
     assert other.stacked_projections == ()
     assert QuantizedSwitchLinear.stacks_along == 1
+
+
+def test_an_adapter_on_stacked_experts_adds_its_change_to_the_stack(tmp_path):
+    """With an adapter active on the gate experts the stack still computes both bases (alone,
+    the layers would run on strided views of it, which CUDA's expert products refuse) and
+    the adapter's change is added to the gate part: the same as the unstacked twin."""
+    from safetensors.numpy import save_file
+
+    from engine.models.switch import GATE_UP
+
+    stacked, plain = moe_twins("qwen3_moe", quantized=False)
+    block = expert_blocks(stacked)[0]
+    experts, inner, hidden = block.gate_proj.weight.shape
+    folder = tmp_path / "experts"
+    folder.mkdir()
+    keys = ["mlp.switch_mlp.gate_proj"]
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4, "scale": 8.0, "keys": keys}}
+        )
+    )
+    rng = np.random.default_rng(7)
+    save_file(
+        {
+            "model.layers.0.mlp.switch_mlp.gate_proj.lora_a": (rng.standard_normal((experts, 4, hidden)) * 0.3).astype(
+                np.float32
+            ),
+            "model.layers.0.mlp.switch_mlp.gate_proj.lora_b": (rng.standard_normal((experts, inner, 4)) * 0.3).astype(
+                np.float32
+            ),
+        },
+        str(folder / "adapters.safetensors"),
+    )
+    base = decode(plain)
+    stack_projections(stacked)
+    for model in (stacked, plain):
+        mount(model, folder, name="e")
+        activate(model, {"e": 1.0})
+    adapted = decode(plain)
+    assert adapted[0] != base[0]
+    stack = block._stacks.by_names[GATE_UP]
+    seen = []
+    real_call = type(stack).__call__
+    type(stack).__call__ = lambda self, *a: seen.append(self) or real_call(self, *a)
+    try:
+        assert_same(decode(stacked), adapted)
+    finally:
+        type(stack).__call__ = real_call
+    assert any(s is stack for s in seen)  # the adapted block's stack served
+    deactivate(stacked)
+    assert_same(decode(stacked), base)
