@@ -18,7 +18,10 @@ in] each, ``engine/models/switch.py``) become one [experts, 2 * out, in] array, 
 token's chosen experts take one gathered product instead of two. Those kinds say so with
 ``stacks_along`` (the output axis of their arrays: 1) and compute a product of any arrays
 of their layout with ``product(arrays, x, *args)``. They stack for any number of rows:
-a prefill's sorted expert products then run one tiled product of twice the width.
+a prefill's sorted expert products then run one tiled product of twice the width. Their
+views are strided (each expert's gate rows, then its up rows), which MLX's CUDA expert
+products refuse, so an adapter active on them does not set the stack aside: it adds its
+change to its layer's part of the stacked output (``with_deltas``).
 """
 
 from __future__ import annotations
