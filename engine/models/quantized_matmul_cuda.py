@@ -22,8 +22,8 @@ Routing: ``quantized_matmul`` takes the kernel where ``fits`` and ``pays`` say s
 CUDA backend runs on the GPU, unless the environment variable ``MLX_DESK_QMV`` is ``0``
 (on by default since every test of it passed on an H200, docs/qmv.md); everything else
 (other modes and bit widths, more rows, the CPU) keeps ``mx.quantized_matmul``. On CUDA a
-batch's rows ([B, L, K]) reach MLX's kernel as one matrix: MLX runs the leading axis as
-that many separate products, each reading the whole weight.
+batch's rows ([B, L, K]) reach MLX's kernel as one matrix, with ours on or off: MLX runs
+the leading axis as that many separate products, each reading the whole weight.
 
 Expert products. ``gather_quantized_matmul`` is ``mx.gather_qmm`` for a decode step's
 (token, expert) pairs, each pair one row through the same body with its expert's weights;
@@ -422,9 +422,14 @@ def quantized_matmul(
     and pays; where MLX's kernel keeps the product, a batch's rows reach it as one matrix
     (``_as_one_matrix``)."""
     rows = x.size // max(x.shape[-1], 1) if x.ndim >= 1 else 0
-    if w.ndim == 2 and x.ndim >= 1 and enabled():
-        if pays(rows, x.shape[-1], w.shape[0]) and _takes(rows, x, w, scales, biases, group_size, bits, mode):
+    if w.ndim == 2 and x.ndim >= 1 and available():
+        if (
+            enabled()
+            and pays(rows, x.shape[-1], w.shape[0])
+            and _takes(rows, x, w, scales, biases, group_size, bits, mode)
+        ):
             return matmul(x, w, scales, biases, group_size, bits)
+        # MLX's own kernel, with or without ours turned off (``MLX_DESK_QMV=0``).
         if x.ndim > 2 and rows > x.shape[-2]:
             return _as_one_matrix(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
     return mx.quantized_matmul(
@@ -540,9 +545,9 @@ def gather_quantized_matmul(
 
 def linear(layer: nn.Module, x: mx.array) -> mx.array:
     """``layer(x)``, with an ``nn.QuantizedLinear``'s product routed through ``quantized_matmul``
-    while the kernel is enabled. Other layers (plain, adapter hosts, subclasses) and every
-    layer while it is off are called as they are (so wrappers of ``__call__`` still apply)."""
-    if type(layer) is not nn.QuantizedLinear or not enabled():
+    where MLX's CUDA backend runs. Other layers (plain, adapter hosts, subclasses) and every
+    layer elsewhere are called as they are (so wrappers of ``__call__`` still apply)."""
+    if type(layer) is not nn.QuantizedLinear or not available():
         return layer(x)
     y = quantized_matmul(
         x,
@@ -558,7 +563,7 @@ def linear(layer: nn.Module, x: mx.array) -> mx.array:
 
 def embedding_logits(embed: nn.Module, h: mx.array) -> mx.array:
     """``embed.as_linear(h)`` (tied output head), routed like ``linear`` for a quantized embedding."""
-    if type(embed) is not nn.QuantizedEmbedding or not enabled():
+    if type(embed) is not nn.QuantizedEmbedding or not available():
         return embed.as_linear(h)
     return quantized_matmul(
         h,

@@ -107,13 +107,17 @@ def test_the_routed_entry_points_equal_mlxs_where_the_kernel_does_not_run(monkey
     assert mx.array_equal(qmv.linear(plain, x), plain(x))
 
 
+@pytest.mark.parametrize("kernel", ["on", "off"])
 @pytest.mark.parametrize("lead", [(8, 1), (2, 5), (16, 1)])
-def test_a_batchs_rows_reach_mlxs_kernel_as_one_matrix(monkeypatch, lead):
+def test_a_batchs_rows_reach_mlxs_kernel_as_one_matrix(monkeypatch, lead, kernel):
     """Where MLX's kernel keeps a product on CUDA, a batch step's [B, L, K] rows go to it as
     one [B * L, K] matrix (MLX runs B separate products, each reading the weight), and the
-    result is MLX's product of those rows in the batch's shape."""
+    result is MLX's product of those rows in the batch's shape; with our kernel off too."""
     monkeypatch.setattr(qmv, "available", lambda: True)  # routing only: these row counts stay MLX's
-    monkeypatch.delenv(qmv.ENV, raising=False)
+    if kernel == "off":
+        monkeypatch.setenv(qmv.ENV, "0")
+    else:
+        monkeypatch.delenv(qmv.ENV, raising=False)
     w = mx.random.normal((48, 128), key=mx.random.key(2))
     wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
     x = mx.random.normal((*lead, 128), key=mx.random.key(3))
