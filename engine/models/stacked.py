@@ -104,8 +104,8 @@ def _stackable(layer: nn.Module) -> bool:
 
 def _current(module: nn.Module, names: tuple[str, ...], adapted: bool = False) -> _Stack | None:
     """The module's stack for ``names`` if it still computes what the layers compute (with
-    ``adapted``, what their bases compute, for layers whose adapters add their changes to a
-    stacked output: ``with_deltas``)."""
+    ``adapted``, what the bases of expert layers compute: their adapters add their changes
+    to the stacked output, ``with_deltas``)."""
     stacks = module.__dict__.get("_stacks")
     stack = stacks.by_names.get(names) if stacks is not None else None
     if stack is None:
@@ -115,7 +115,7 @@ def _current(module: nn.Module, names: tuple[str, ...], adapted: bool = False) -
         if layer is not base:
             if not isinstance(layer, LoRAHost) or layer.base is not base:
                 return None
-            if layer._deltas.active and not (adapted and hasattr(layer, "with_deltas")):
+            if layer._deltas.active and not (adapted and _axis(base)):
                 return None
         # Runs before every stacked matmul, so kept to lookups: the layer holds exactly
         # what it held when stacked (each view, and as many entries: none added).
