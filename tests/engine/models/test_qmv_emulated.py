@@ -127,16 +127,22 @@ def _raw(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
 
 
+def _program(driver: str, kernel: str, dtype, bits: int, group: int, splits: int, extra: str) -> str:
+    """The C++ program: the kernel's device code and ``kernel`` as the driver runs it, with
+    the kernel's template constants (``extra``: the variant's own) and activation type."""
+    constants = (
+        f"{extra} constexpr int BITS = {bits}; constexpr int GS = {group}; "
+        f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
+    )
+    source = _PRELUDE + qmv._HEADER + qmv._PRODUCT + f"using T = {_CPP_TYPE[dtype]};\n"
+    return source + driver.replace("CONSTANTS", constants).replace("SOURCE", kernel)
+
+
 def _run_on_cpu(tmp_path, x, wq, scales, biases, group: int, bits: int, shift: int) -> mx.array:
     rows, k = x.shape
     n = wq.shape[0]
     splits = qmv.k_splits(k, n, bits)
-    constants = (
-        f"constexpr int R = {rows}; constexpr int BITS = {bits}; constexpr int GS = {group}; "
-        f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
-    )
-    source = _PRELUDE + qmv._HEADER + qmv._PRODUCT + f"using T = {_CPP_TYPE[x.dtype]};\n"
-    source += _DRIVER.replace("CONSTANTS", constants).replace("SOURCE", qmv._SOURCE)
+    source = _program(_DRIVER, qmv._SOURCE, x.dtype, bits, group, splits, f"constexpr int R = {rows};")
     return _build_and_run(
         tmp_path, source, (x, wq, scales, biases), [rows, k, n, shift, qmv.WARPS, splits, qmv.COLUMNS]
     )
@@ -244,12 +250,7 @@ def test_the_gathered_kernels_source_computes_mlxs_gather_qmm(
     x = mx.random.normal(rows, key=keys[2]).astype(dtype)
     shares = qmv.gather_shares(x.shape[:-2], ids.shape)
     splits = qmv.k_splits(inputs, outputs, bits)
-    constants = (
-        f"constexpr int BITS = {bits}; constexpr int GS = {group}; constexpr int CPW = {qmv.COLUMNS}; "
-        f"constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits}; constexpr int XS = {shares};"
-    )
-    source = _PRELUDE + qmv._HEADER + qmv._PRODUCT + f"using T = {_CPP_TYPE[dtype]};\n"
-    source += _GATHER_DRIVER.replace("CONSTANTS", constants).replace("SOURCE", qmv._GATHER_SOURCE)
+    source = _program(_GATHER_DRIVER, qmv._GATHER_SOURCE, dtype, bits, group, splits, f"constexpr int XS = {shares};")
     args = [ids.size, inputs, outputs, experts, qmv.WARPS, splits, qmv.COLUMNS]
     got = _build_and_run(tmp_path, source, (x, wq, scales, biases), args, ids=ids.reshape(-1))
     f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
