@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.kv_cache import DEFAULT_STEP
+from engine.models.kv_cache import DEFAULT_STEP, buffer_tokens
 
 # Score elements (float32) one slice of a shared-prefix attention pass holds at most:
 # 256 MB, the size of a 512-token prefill chunk's scores over a 4k prefix with 32 heads.
@@ -229,8 +229,8 @@ class BatchKVCache:
         n = keys.shape[2]
         if self.keys is None or self.idx + n > self.keys.shape[2]:
             # Grow in steps (as KVCache does): the buffer is written in place between growths.
-            capacity = ((self.idx + n + self.step - 1) // self.step) * self.step
             b, h, _, dk = keys.shape
+            capacity = buffer_tokens(self.idx + n, self.step, b)
             new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
             new_v = mx.zeros((b, h, capacity, values.shape[3]), values.dtype)
             if self.keys is not None and self.idx:

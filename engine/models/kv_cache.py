@@ -28,6 +28,24 @@ from engine.errors import EngineError
 # Grow buffers this many tokens at a time: a decode step then only writes a slice.
 DEFAULT_STEP = 256
 
+# MLX's CUDA attention sends a one-query pass whose keys are a slice of a buffer a multiple
+# of 256 tokens long (mlx-lm's cache) to cuDNN, and any other to its own vector kernel. On
+# an H200 the vector kernel was the faster while rows x keys stayed small (a layer over one
+# row of 512 keys: 6 against 13 us; eight rows of 700: 27 against 41) and cuDNN beyond (one
+# row of 8,000: 25 against 33; eight rows of 1,000: 29 against 32, of 4,096: 44 against 127).
+# So a buffer of at most ``VECTOR_KERNEL_TOKENS`` tokens over all its rows holds
+# ``DECODE_KERNEL_PAD`` spare tokens past its whole steps, which sends its decode steps to
+# the vector kernel (docs/performance.md); ``MLX_DESK_CUDNN_DECODE=1`` keeps whole steps.
+DECODE_KERNEL_PAD = 0 if os.environ.get("MLX_DESK_CUDNN_DECODE") == "1" else 8
+VECTOR_KERNEL_TOKENS = 6144
+
+
+def buffer_tokens(needed: int, step: int = DEFAULT_STEP, rows: int = 1) -> int:
+    """A buffer's length for ``needed`` tokens of ``rows`` rows: whole steps, and the pad
+    that picks the decode kernel while the buffer is short."""
+    whole = ((needed + step - 1) // step) * step
+    return whole + (DECODE_KERNEL_PAD if rows * whole <= VECTOR_KERNEL_TOKENS else 0)
+
 
 class _Buffers:
     """What both caches share about their key and value buffers."""
@@ -70,7 +88,7 @@ class KVCache(_Buffers):
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         b, h, _, dk = keys.shape
         dv = values.shape[3]
-        capacity = ((needed + self.step - 1) // self.step) * self.step
+        capacity = buffer_tokens(needed, self.step, b)
         new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
         new_v = mx.zeros((b, h, capacity, dv), values.dtype)
         if self.keys is not None and self.offset > 0:

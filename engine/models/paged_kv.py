@@ -54,7 +54,7 @@ from engine.models.kv_blocks import (
     parts_of,
     release_all,
 )
-from engine.models.kv_cache import KVCache, _mask_for, register_cache_kind
+from engine.models.kv_cache import KVCache, _mask_for, buffer_tokens, register_cache_kind
 from engine.models.quantized_kv_cache import READS_CODES, QuantizedKVCache
 
 # A request's contiguous view grows this many tokens at a time (KVCache's step).
@@ -387,8 +387,9 @@ class PagedKVCache:
 
 
 def _room(end: int) -> int:
-    """A view's length for ``end`` tokens: the next multiple of ``VIEW_STEP``."""
-    return ((end + VIEW_STEP - 1) // VIEW_STEP) * VIEW_STEP
+    """A view's length for ``end`` tokens: whole ``VIEW_STEP``s and the pad that picks the
+    decode kernel (kv_cache.buffer_tokens)."""
+    return buffer_tokens(end, VIEW_STEP)
 
 
 def _grown(held: mx.array | list[mx.array], new: mx.array, length: int) -> mx.array:

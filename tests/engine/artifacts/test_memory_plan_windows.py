@@ -2,8 +2,8 @@
 
 Each tiny config runs through its real model with the caches ``make_prompt_cache`` gives
 it; the plan must predict what the key/value buffers hold after N tokens, N below and
-past the window. Full-attention caches grow in steps of ``DEFAULT_STEP`` tokens, so
-they may hold up to a step more than the N tokens the plan counts.
+past the window. Full-attention caches grow to ``buffer_tokens`` (whole steps and a few spare tokens), so
+they may hold up to a step and those spare tokens more than the N tokens the plan counts.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine import models
 from engine.api import UNLIMITED_CONTEXT, KVWindow, MemoryPlan
 from engine.artifacts.config import config_from_dict
 from engine.errors import OutOfMemoryBudget
-from engine.models.kv_cache import DEFAULT_STEP, KVCache, RotatingKVCache, make_prompt_cache
+from engine.models.kv_cache import KVCache, RotatingKVCache, buffer_tokens, make_prompt_cache
 from engine.runtime.memory import check_fits, plan_memory
 from engine.runtime.model_info import format_inspect, inspect_model
 
@@ -110,9 +110,8 @@ def test_plan_predicts_cache_bytes_after_prefill(name, n):
     assert rotating == windowed == sum(w.bytes_per_token * min(n, w.tokens) for w in plan.kv_windows)
     if n > WINDOW:
         assert rotating == plan.kv_window_bytes  # the windows are full and stop growing
-    steps = -(-n // DEFAULT_STEP)
-    assert full == plan.kv_bytes_per_token * steps * DEFAULT_STEP
-    assert plan.kv_bytes(n) <= full + rotating <= plan.kv_bytes(n + DEFAULT_STEP)
+    assert full == plan.kv_bytes_per_token * buffer_tokens(n)
+    assert plan.kv_bytes(n) <= full + rotating <= plan.kv_bytes(buffer_tokens(n))
 
 
 @pytest.mark.parametrize("name", ["gemma2", "mistral-window", "gemma3-pattern"])
@@ -125,7 +124,7 @@ def test_plan_bounds_cache_bytes_while_decoding_past_the_window(name):
         assert plan.kv_bytes(n) - plan.kv_bytes_per_token * n <= rotating <= plan.kv_window_bytes
         if n > WINDOW:
             assert rotating == plan.kv_window_bytes
-        assert plan.kv_bytes(n) <= full + rotating <= plan.kv_bytes(n + DEFAULT_STEP)
+        assert plan.kv_bytes(n) <= full + rotating <= plan.kv_bytes(buffer_tokens(n))
 
 
 # ---- the longest context that fits ----------------------------------------------------

@@ -19,7 +19,7 @@ from engine.decode import batch as batch_module
 from engine.decode.batch import Batch
 from engine.decode.batch_cache import MAX_PREFIXES, NO_PREFIX
 from engine.decode.loop import generate, stream_generate
-from engine.models.kv_cache import DEFAULT_STEP, make_prompt_cache
+from engine.models.kv_cache import buffer_tokens, make_prompt_cache
 from engine.models.paged_kv import pool_for
 from engine.runtime.prefix_cache import PrefixCache
 from tests.engine.batch_rounds import drive
@@ -147,7 +147,7 @@ def test_eight_streams_hold_a_shared_prefix_once():
     assert shared_ids == own_ids
     assert own > 7 * prefix_bytes  # each row its own copy: the measure sees them
     # Nothing beside the rows' own tokens: the prefix is the pool's blocks, read in place.
-    assert rows_bytes <= 8 * DEFAULT_STEP * per_token  # each row its question and reply, in one step of room
+    assert rows_bytes <= 8 * buffer_tokens(1) * per_token  # each row its question and reply, in one buffer's room
     assert shared < rows_bytes + prefix_bytes / 2
 
 
@@ -220,7 +220,7 @@ def test_rows_leaving_one_by_one_do_not_keep_the_batchs_old_buffers():
     vocab = model.args.vocab_size
     prompts = [_ids(vocab, 512, seed=70 + i) for i in range(8)]
     per_token = _kv_bytes_per_token(model)
-    rows_kv = per_token * 8 * (512 + DEFAULT_STEP)  # the rows' tokens and a step of room each
+    rows_kv = per_token * 8 * buffer_tokens(513)  # the rows' tokens and a buffer's room each
     batch = Batch(model)
     caches = [make_prompt_cache(model) for _ in prompts]
     held: list[int] = []

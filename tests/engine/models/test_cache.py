@@ -5,8 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from engine.decode.batch_cache import BatchKVCache
 from engine.errors import EngineError
-from engine.models.kv_cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+from engine.models import kv_cache
+from engine.models.kv_cache import KVCache, RotatingKVCache, buffer_tokens, load_prompt_cache, save_prompt_cache
 
 
 def tokens(start: int, stop: int) -> mx.array:
@@ -27,8 +29,13 @@ def test_plain_cache_grows_in_steps_and_trims():
     for i in range(5):
         k, _ = c.update_and_fetch(tokens(i, i + 1), tokens(i, i + 1))
     assert positions(k) == [0, 1, 2, 3, 4]
-    assert c.keys.shape[2] == 8  # two steps of 4, not one buffer per token
-    assert c.nbytes == 2 * 8 * 4
+    # A buffer of whole steps of 4 and the decode kernel's pad, grown again only when full,
+    # not one buffer per token.
+    length = buffer_tokens(1, step=4)
+    if length < 5:
+        length = buffer_tokens(5, step=4)
+    assert c.keys.shape[2] == length
+    assert c.nbytes == 2 * length * 4
     assert c.make_mask(1) is None and c.make_mask(3) == "causal"
     assert c.trim(2) == 2 and c.offset == 3
     k, _ = c.update_and_fetch(tokens(10, 12), tokens(10, 12))
@@ -109,3 +116,27 @@ def test_unreadable_cache_file_is_a_readable_error(tmp_path):
     mx.save_safetensors(str(other), {"x": mx.zeros((1,))})
     with pytest.raises(EngineError, match="not a prompt cache"):
         load_prompt_cache(other)
+
+
+def test_short_buffers_hold_the_pad_that_picks_the_decode_kernel(monkeypatch):
+    """MLX's CUDA attention picks cuDNN for keys sliced from a buffer of whole 256-token
+    steps and its vector kernel otherwise; the vector kernel is the faster while rows x
+    tokens stay small, so only such buffers are padded past their whole steps."""
+    monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 8)
+    assert buffer_tokens(1) == 256 + 8
+    assert buffer_tokens(700, rows=8) == 768 + 8  # 6,144 tokens over the rows
+    assert buffer_tokens(1000, rows=8) == 1024  # beyond: whole steps, cuDNN's
+    assert buffer_tokens(6000) == 6144 + 8 and buffer_tokens(6145) == 6400
+
+    one = KVCache()
+    eight = BatchKVCache()
+    for i in range(8):
+        eight.add(None, None)
+    one.update_and_fetch(tokens(0, 300), tokens(0, 300))
+    keys, _ = eight.update_and_fetch(mx.zeros((8, 1, 700, 1)), mx.zeros((8, 1, 700, 1)))
+    assert one.keys.shape[2] == 520 and eight.keys.shape[2] == 776 and keys.shape[2] == 700
+    k, _ = one.update_and_fetch(tokens(300, 301), tokens(300, 301))
+    assert positions(k) == list(range(301))  # the pad is room past the tokens, never read
+
+    monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 0)  # MLX_DESK_CUDNN_DECODE=1
+    assert buffer_tokens(1) == 256 and buffer_tokens(700, rows=8) == 768
