@@ -2,8 +2,8 @@
 
 Each tiny config runs through its real model with the caches ``make_prompt_cache`` gives
 it; the plan must predict what the key/value buffers hold after N tokens, N below and
-past the window. Full-attention caches grow to ``buffer_tokens`` (whole steps and a few spare tokens), so
-they may hold up to a step and those spare tokens more than the N tokens the plan counts.
+past the window. Full-attention caches grow to ``buffer_tokens`` (whole steps and a few
+spare tokens), so they may hold up to a step and those tokens more than the plan counts.
 """
 
 from __future__ import annotations

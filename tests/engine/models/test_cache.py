@@ -130,7 +130,7 @@ def test_short_buffers_hold_the_pad_that_picks_the_decode_kernel(monkeypatch):
 
     one = KVCache()
     eight = BatchKVCache()
-    for i in range(8):
+    for _ in range(8):
         eight.add(None, None)
     one.update_and_fetch(tokens(0, 300), tokens(0, 300))
     keys, _ = eight.update_and_fetch(mx.zeros((8, 1, 700, 1)), mx.zeros((8, 1, 700, 1)))
