@@ -43,7 +43,9 @@ def xdisplay():
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 20
-    while not Path(f"/tmp/.X11-unix/X{n}").exists():
+    # Ready when a client gets an answer, not when the socket file appears: a CI run once had
+    # the app fail to connect to a display whose socket was already there.
+    while not (Path(f"/tmp/.X11-unix/X{n}").exists() and _xdotool(display, "getdisplaygeometry", timeout=5)):
         if proc.poll() is not None or time.monotonic() > deadline:
             pytest.skip("Xvfb did not start")
         time.sleep(0.05)  # waiting for another process's socket
