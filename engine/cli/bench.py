@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.cli.bench_shapes import FIXED_QUANTIZATION, SHAPES
+from engine.cli.bench_shapes import FIXED_QUANTIZATION, SHAPES, attention_heads
 from engine.cli.experts import add_resident_experts
 from engine.cli.numbers import whole
 from engine.errors import EngineError
@@ -431,7 +431,7 @@ def run_bench(
     if args.vs == "mlx-lm":
         twin = mlx_lm_twin(model, config, quantized)
         if kv_bits is not None:
-            head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            head_dim = attention_heads(config)[2]
             if head_dim % args.kv_group_size:
                 raise EngineError(
                     f"mlx-lm's quantized KV cache needs heads ({head_dim}) divisible by "

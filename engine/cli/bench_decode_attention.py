@@ -14,17 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 from engine.cli.bench_qmm import _time, add_timing_arguments, parse_counts
-from engine.cli.bench_shapes import SHAPES
-from engine.models.kv_cache import DEFAULT_STEP, buffer_tokens
-
-
-def attention_heads(config: dict[str, Any]) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of a shape."""
-    heads = config["num_attention_heads"]
-    return heads, config.get("num_key_value_heads", heads), config.get("head_dim") or config["hidden_size"] // heads
+from engine.cli.bench_shapes import SHAPES, attention_heads
+from engine.models.kv_cache import SPARE_TOKENS, buffer_tokens, whole_steps
 
 
 def time_pass(heads: tuple[int, int, int], keys: int, rows: int, length: int, calls: int, repeat: int) -> float:
@@ -61,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in keys:
         for r in rows:
-            whole = -(-n // DEFAULT_STEP) * DEFAULT_STEP
-            padded = whole + 8
+            whole = whole_steps(n)
+            padded = whole + SPARE_TOKENS
             row = {
                 "keys": n,
                 "rows": r,

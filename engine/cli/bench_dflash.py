@@ -25,6 +25,8 @@ import json
 import sys
 from typing import Any
 
+from engine.cli.bench_shapes import attention_heads
+
 
 def target_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
     """Evenly spaced from layer 1 to the third from last, as z-lab chooses them (fewer on a
@@ -37,13 +39,13 @@ def target_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
 
 def drafter_config(config: dict[str, Any], layers: int, block: int) -> dict[str, Any]:
     """The published config.json of a DFlash drafter for the target ``config``."""
-    heads = int(config["num_attention_heads"])
+    heads, kv_heads, head_dim = attention_heads(config)
     return {
         "hidden_size": config["hidden_size"],
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": config.get("num_key_value_heads", heads),
-        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
         "intermediate_size": config["intermediate_size"],
         "vocab_size": config["vocab_size"],
         "rms_norm_eps": config.get("rms_norm_eps", 1e-6),

@@ -34,14 +34,13 @@ import sys
 import time
 from typing import Any
 
-from engine.cli.bench_shapes import SHAPES
+from engine.cli.bench_shapes import SHAPES, attention_heads
 
 
 def projections(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """name -> (inputs, outputs) of the shape's dense projections."""
     hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
+    heads, _, head_dim = attention_heads(config)
     inter = config.get("intermediate_size") or config.get("moe_intermediate_size")
     return {
         f"q {hidden}->{heads * head_dim}": (hidden, heads * head_dim),

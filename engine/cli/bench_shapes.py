@@ -336,3 +336,11 @@ FIXED_QUANTIZATION: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-oss-20b": (r"\.mlp\.experts\.(gate|up|down)_proj$", {"group_size": 32, "bits": 4, "mode": "mxfp4"}),
 }
 FIXED_QUANTIZATION["tiny-gpt-oss"] = FIXED_QUANTIZATION["gpt-oss-20b"]
+
+
+def attention_heads(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a shape: ``head_dim`` where the config gives it,
+    else the hidden size over the heads."""
+    heads = int(config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return heads, int(config.get("num_key_value_heads", heads)), int(head_dim)

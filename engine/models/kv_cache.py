@@ -34,16 +34,22 @@ DEFAULT_STEP = 256
 # row of 512 keys: 6 against 13 us; eight rows of 700: 27 against 41) and cuDNN beyond (one
 # row of 8,000: 25 against 33; eight rows of 1,000: 29 against 32, of 4,096: 44 against 127).
 # So a buffer of at most ``VECTOR_KERNEL_TOKENS`` tokens over all its rows holds
-# ``DECODE_KERNEL_PAD`` spare tokens past its whole steps, which sends its decode steps to
-# the vector kernel (docs/performance.md); ``MLX_DESK_CUDNN_DECODE=1`` keeps whole steps.
-DECODE_KERNEL_PAD = 0 if os.environ.get("MLX_DESK_CUDNN_DECODE") == "1" else 8
+# ``SPARE_TOKENS`` past its whole steps, which sends its decode steps to the vector kernel
+# (docs/performance.md); ``MLX_DESK_CUDNN_DECODE=1`` keeps whole steps (no pad).
+SPARE_TOKENS = 8
+DECODE_KERNEL_PAD = 0 if os.environ.get("MLX_DESK_CUDNN_DECODE") == "1" else SPARE_TOKENS
 VECTOR_KERNEL_TOKENS = 6144
+
+
+def whole_steps(needed: int, step: int = DEFAULT_STEP) -> int:
+    """``needed`` tokens rounded up to whole steps."""
+    return -(-needed // step) * step
 
 
 def buffer_tokens(needed: int, step: int = DEFAULT_STEP, rows: int = 1) -> int:
     """A buffer's length for ``needed`` tokens of ``rows`` rows: whole steps, and the pad
     that picks the decode kernel while the buffer is short."""
-    whole = ((needed + step - 1) // step) * step
+    whole = whole_steps(needed, step)
     return whole + (DECODE_KERNEL_PAD if rows * whole <= VECTOR_KERNEL_TOKENS else 0)
 
 
