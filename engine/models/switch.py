@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx import nn
 
 from engine.errors import ModelLoadError
+from engine.models.expert_blocks import ExpertBlocks, blocks_pay
 from engine.models.expert_linear import NVFP4_RANGE, QuantizedSwitchLinear, SwitchLinear
 from engine.models.stacked import project
 
@@ -66,8 +67,10 @@ class SwitchGLU(nn.Module):
         """The experts' outputs, ``indices`` naming rows of the stacked arrays."""
         k = indices.shape[-1]
         lead = indices.shape[:-1]
-        x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, dims]
         do_sort = indices.size >= SORT_THRESHOLD and indices.size // k > UNSORTED_TOKENS
+        if do_sort and blocks_pay():
+            return self.blocked(x, indices).reshape(*lead, k, -1)
+        x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, dims]
         idx = indices
         if do_sort:
             flat = indices.flatten()
@@ -81,6 +84,16 @@ class SwitchGLU(nn.Module):
         if do_sort:
             y = y[inverse].reshape(*lead, k, 1, -1)
         return y.squeeze(-2)
+
+    def blocked(self, x: mx.array, indices: mx.array, rows: int | None = None) -> mx.array:
+        """The experts' outputs [pairs, dims] for a long pass, its pairs in blocks of one
+        expert each (``engine/models/expert_blocks.py``: how MLX's CUDA product reads each
+        expert once a block)."""
+        layout = ExpertBlocks.of(indices, self.down_proj["weight"].shape[0], rows)
+        xb = layout.gather(x.reshape(-1, x.shape[-1]), indices.shape[-1])
+        gate, up = project(self, GATE_UP, xb, layout.experts, True)
+        y = self.down_proj(self.combine(gate, up), layout.experts, True)
+        return layout.scatter(y)
 
     def combine(self, gate: mx.array, up: mx.array) -> mx.array:
         """The gated hidden activations; families with another gating override this."""

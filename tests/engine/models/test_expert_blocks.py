@@ -1,0 +1,113 @@
+"""A long pass's (token, expert) pairs in blocks of one expert each (models.expert_blocks).
+
+The layout must put every pair in a block of its own expert, each slot holding at most one
+pair, within the block count it promises whatever the routing; and a MoE block that takes
+it must give what the pair-by-pair product gives (exactly, on the CPU build, where both run
+the same kernels). MLX's CUDA backend takes it by default; elsewhere it is forced here.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from model_goldens import load_golden
+
+from engine.models import expert_blocks
+from engine.models.expert_blocks import ExpertBlocks, rows_per_block
+from engine.models.kv_cache import make_prompt_cache
+from engine.models.switch import SwitchGLU
+
+
+def test_blocks_are_as_high_as_an_experts_average_share_within_the_tile_heights():
+    assert rows_per_block(256 * 8, 128) == 16  # DiffusionGemma's canvas: 16 pairs an expert
+    assert rows_per_block(512 * 8, 128) == 32
+    assert rows_per_block(600 * 8, 128) == 64  # 37.5 rounds up to 64
+    assert rows_per_block(8192 * 8, 128) == 64  # no taller than MLX's highest tile
+    assert rows_per_block(40 * 2, 64) == 16  # nor lower than its lowest
+
+
+def check_layout(ids: mx.array, experts: int, rows: int) -> ExpertBlocks:
+    layout = ExpertBlocks.of(ids, experts, rows)
+    pairs = ids.size
+    assert layout.rows == rows
+    assert layout.blocks == -(-pairs // rows) + experts  # the bound, whatever the routing
+    block_expert = layout.experts.tolist()
+    assert block_expert == sorted(block_expert) and 0 <= block_expert[0] and block_expert[-1] < experts
+    slots = layout.pair_slot.tolist()
+    assert len(set(slots)) == pairs  # one pair a slot
+    flat = ids.flatten().tolist()
+    slot_pair = layout.slot_pair.tolist()
+    for pair, slot in enumerate(slots):
+        assert block_expert[slot // rows] == flat[pair]  # in a block of its own expert
+        assert slot_pair[slot] == pair
+    return layout
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_every_pair_sits_in_a_block_of_its_own_expert(rows):
+    mx.random.seed(3)
+    ids = mx.argsort(mx.random.uniform(shape=(37, 12)), axis=-1)[:, :5]  # 37 tokens, 5 of 12 experts
+    check_layout(ids, 12, rows)
+
+
+def test_skewed_routing_fits_the_same_bound():
+    check_layout(mx.full((50, 1), 6, dtype=mx.int32), 7, 16)  # every token to the last expert
+    check_layout(mx.array([[0, 1]] * 30, dtype=mx.int32), 9, 4)  # two experts, seven idle
+    layout = check_layout(mx.array([[2]] * 3, dtype=mx.int32), 4, 16)
+    assert layout.experts.tolist() == [2, 3, 3, 3, 3]  # the filled block, then idle ones on the last expert
+
+
+def test_activations_go_to_their_slots_and_outputs_come_back_in_pair_order():
+    ids = mx.array([[3, 0], [0, 2], [3, 3]], dtype=mx.int32)  # 3 tokens x 2 pairs
+    layout = ExpertBlocks.of(ids, 4, 2)
+    x = mx.arange(3, dtype=mx.float32)[:, None] * mx.ones((1, 5))  # token t's row holds t
+    xb = layout.gather(x, 2)
+    assert xb.shape == (layout.blocks, 2, 5)
+    per_slot = xb[..., 0].flatten().tolist()
+    for pair, slot in enumerate(layout.pair_slot.tolist()):
+        assert per_slot[slot] == pair // 2
+    assert layout.scatter(xb)[:, 0].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_blocked_product_equals_the_pair_by_pair_one():
+    mx.random.seed(0)
+    block = SwitchGLU(64, 32, 8)
+    x = mx.random.normal((40, 64))
+    ids = mx.argsort(mx.random.uniform(shape=(40, 8)), axis=-1)[:, :3]
+    reference = block.routed(x, ids)  # 40 tokens: sorted, pair by pair
+    for rows in (2, 16):
+        assert mx.array_equal(block.blocked(x, ids, rows).reshape(reference.shape), reference)
+    nn.quantize(block, group_size=32, bits=4)
+    xh = x.astype(mx.bfloat16)
+    assert mx.array_equal(block.blocked(xh, ids).reshape(40, 3, 64), block.routed(xh, ids))
+
+
+# Plain SiLU, gpt-oss's biases and clamped gate, Gemma 4's GELU block, DeepSeek's router.
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gemma4_text_moe", "deepseek_v3"])
+def test_a_prompt_through_expert_blocks_gives_the_same_logits(monkeypatch, name, quantized):
+    model = load_golden(name)[0]
+    if quantized:
+        nn.quantize(
+            model,
+            group_size=32,
+            bits=4,
+            class_predicate=lambda _, layer: hasattr(layer, "to_quantized") and layer.weight.shape[-1] % 32 == 0,
+        )
+    prompt = mx.array([[(7 * i + 5) % 89 + 3 for i in range(40)]], dtype=mx.uint32)  # long enough to sort
+
+    def logits():
+        return model(prompt, cache=make_prompt_cache(model))
+
+    monkeypatch.setattr("engine.models.switch.blocks_pay", lambda: False)
+    reference = logits()
+    taken = []
+    monkeypatch.setattr("engine.models.switch.blocks_pay", lambda: taken.append(1) or True)
+    assert mx.array_equal(logits(), reference)
+    assert taken  # the blocks were used
+
+
+def test_the_environment_turns_the_blocks_off(monkeypatch):
+    monkeypatch.setenv(expert_blocks.ENV, "0")
+    assert not expert_blocks.blocks_pay()
