@@ -81,7 +81,8 @@ def add_concurrent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="with --concurrent: time each decode step's parts (launch, sample, settle) and each prefill pass",
+        help="with --concurrent: time each decode step's parts (launch, sample, settle) and each prefill pass; "
+        "with a DiffusionGemma shape: one denoising step's parts (attention, feed-forward, experts, head, sampler)",
     )
     p.add_argument(
         "--shared-prompt",

@@ -9,6 +9,8 @@ the worst case (a trained model stops a block early once its prediction holds st
 transformers' default is at most 48 steps). The end-of-sequence id is ignored, so the
 reply is ``-g`` rounded up to whole blocks.
 
+``--profile`` then takes one denoising step apart (engine/cli/bench_diffusion_parts.py).
+
 ``--vs mlx-vlm`` also times mlx-vlm's DiffusionGemma on the very same weights, in the same
 process, with the same canvas and step budget (its default sampler; its steps are
 reported beside ours, since its stopping rule is its own).
@@ -86,6 +88,18 @@ def _row(name: str, t: DiffusionTiming) -> str:
     )
 
 
+def _profile(model: Any, prompt: Any, repeat: int, seed: int) -> dict[str, float]:
+    """One denoising step's parts after the prompt (``bench_diffusion_parts``)."""
+    from engine.cli.bench_diffusion_parts import print_parts, step_parts
+    from engine.models.kv_cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model.encode(prompt[None], cache)
+    parts = step_parts(model, cache, max(3, repeat), seed)
+    print_parts(parts)
+    return parts
+
+
 def run_diffusion(args: Any, model: Any, config: dict[str, Any], quantized: set[str], prompt: Any) -> dict[str, Any]:
     """Warm up, then ``--repeat`` timed runs (interleaved with mlx-vlm's when asked); the
     figures are each run's best, every run kept under ``runs``."""
@@ -124,6 +138,8 @@ def run_diffusion(args: Any, model: Any, config: dict[str, Any], quantized: set[
         )
         print(_row(name, best), flush=True)
         out[name.replace("-", "_")] = {**asdict(best), "runs": [asdict(t) for t in each]}
+    if getattr(args, "profile", False):
+        out["engine"]["parts"] = _profile(model, prompt, args.repeat, args.seed)
     if len(loops) == 2:
         ours, theirs = out["engine"], out["mlx_vlm"]
         out["ratio"] = {

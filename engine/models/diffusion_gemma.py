@@ -204,20 +204,30 @@ class Model(nn.Module):
     def denoise(self, canvas: mx.array, cache: list, previous_logits: mx.array | None = None) -> mx.array:
         """Float32 logits [B, canvas, vocab] for ``canvas`` [B, canvas] after what ``cache``
         holds, self-conditioned on ``previous_logits`` (None at a block's first step)."""
-        h = self.model.embed(canvas)
-        soft = self.soft_embedding(previous_logits) if previous_logits is not None else None
-        h = self.self_conditioning(h, soft)
+        h = self.canvas_input(canvas, previous_logits)
         offset = cache[0].offset
         for layer, c in zip(self.layers, cache):
-            attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), offset)
-            if c.offset:
-                old_k, old_v = c.held()
-                if layer.window is not None:  # transformers' sliding cache keeps window - 1 tokens
-                    old_k, old_v = old_k[..., -(layer.window - 1) :, :], old_v[..., -(layer.window - 1) :, :]
-                k, v = mx.concatenate([old_k, k], axis=2), mx.concatenate([old_v, v], axis=2)
-            h = layer.after_attention(h, attn.out(sdpa(q, k, v, 1.0, None)), None)
+            h = layer.after_attention(h, self.canvas_attention(layer, c, h, offset), None)
         return self.logits(self.model.norm(h))
+
+    # The step's parts, apart so that ``bench --profile`` can time each.
+
+    def canvas_input(self, canvas: mx.array, previous_logits: mx.array | None) -> mx.array:
+        """The canvas's embeddings, self-conditioned on the previous step's logits."""
+        soft = self.soft_embedding(previous_logits) if previous_logits is not None else None
+        return self.self_conditioning(self.model.embed(canvas), soft)
+
+    def canvas_attention(self, layer: nn.Module, c: Any, h: mx.array, offset: int) -> mx.array:
+        """One layer's attention output for the canvas ``h``: both ways over the canvas and
+        over what ``c`` holds (its window's last ``window - 1`` tokens for a sliding layer)."""
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(h), offset)
+        if c.offset:
+            old_k, old_v = c.held()
+            if layer.window is not None:  # transformers' sliding cache keeps window - 1 tokens
+                old_k, old_v = old_k[..., -(layer.window - 1) :, :], old_v[..., -(layer.window - 1) :, :]
+            k, v = mx.concatenate([old_k, k], axis=2), mx.concatenate([old_v, v], axis=2)
+        return attn.out(sdpa(q, k, v, 1.0, None))
 
     # -- loading ----------------------------------------------------------------------
 

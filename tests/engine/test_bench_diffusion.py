@@ -70,3 +70,27 @@ def test_mlx_vlm_twin_holds_the_same_weights():
     twin.diffusion_prefill_cache(prompt.astype(mx.int32), cache=theirs)
     ours = model.denoise(canvas, cache)
     assert mx.abs(ours - twin.diffusion_decoder_logits(canvas, cache=theirs)).max().item() < 1e-4
+
+
+def test_profile_takes_one_denoising_step_apart(capsys):
+    """``--profile`` reports each part of a step; the tiny shape has MoE layers, so the
+    routed experts are timed too."""
+    code = main(
+        ["bench", "--shape", "diffusion-gemma-tiny", "--bits", "4", "-p", "9", "-g", "2"]
+        + ["--denoising-steps", "2", "--profile", "--json"]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    parts = json.loads(printed.strip().splitlines()[-1])["engine"]["parts"]
+    assert "one denoising step by part" in printed
+    assert set(parts) == {
+        "canvas input",
+        "attention",
+        "feed-forward",
+        "of which routed experts",
+        "head",
+        "sampler",
+        "one pass, unsplit",
+        "one step of the block loop",
+    }
+    assert all(parts[k] > 0 for k in parts if k != "sampler") and parts["sampler"] >= 0

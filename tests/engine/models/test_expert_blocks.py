@@ -8,12 +8,16 @@ the same kernels). MLX's CUDA backend takes it by default; elsewhere it is force
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from model_goldens import load_golden
 
+from engine.cli import bench_expert_blocks
 from engine.models import expert_blocks
+from engine.models import quantized_matmul_cuda as qmv
 from engine.models.expert_blocks import ExpertBlocks, rows_per_block
 from engine.models.kv_cache import make_prompt_cache
 from engine.models.switch import SwitchGLU
@@ -111,3 +115,34 @@ def test_a_prompt_through_expert_blocks_gives_the_same_logits(monkeypatch, name,
 def test_the_environment_turns_the_blocks_off(monkeypatch):
     monkeypatch.setenv(expert_blocks.ENV, "0")
     assert not expert_blocks.blocks_pay()
+
+
+def test_the_microbench_times_each_layout_and_checks_it_against_pair_by_pair(capsys):
+    argv = ["--shape", "tiny-qwen3.5-moe", "--tokens", "8,40", "--repeat", "1", "--copy-mb", "16", "--json"]
+    assert bench_expert_blocks.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (out["experts"], out["k"]) == (8, 2)
+    assert [t["tokens"] for t in out["passes"]] == [8, 40]
+    for t in out["passes"]:
+        assert set(t["us"]) == {"pair by pair", "blocks of 16", "blocks of 32", "blocks of 64"}
+        assert all(d == 0 for d in t["max_difference"].values())
+        assert 1 <= t["experts_hit"] <= 8 and t["floor_us"] > 0
+    assert bench_expert_blocks.main(["--tokens", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+@pytest.mark.skipif(not qmv.available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("tokens", [64, 512])
+def test_on_cuda_the_blocks_equal_mlxs_pair_by_pair_product(monkeypatch, tokens):
+    """Where the blocks are taken, a 4-bit bf16 block's prompt output is MLX's own, bit for bit."""
+    mx.random.seed(1)
+    block = SwitchGLU(512, 256, 32)
+    block.set_dtype(mx.bfloat16)
+    nn.quantize(block, group_size=64, bits=4)
+    x = mx.random.normal((tokens, 512)).astype(mx.bfloat16)
+    ids = mx.argsort(mx.random.uniform(shape=(tokens, 32)), axis=-1)[:, :4]
+    monkeypatch.setenv(expert_blocks.ENV, "0")
+    reference = block.routed(x, ids)
+    monkeypatch.setenv(expert_blocks.ENV, "1")
+    assert expert_blocks.blocks_pay()
+    assert mx.array_equal(block.routed(x, ids), reference)

@@ -1,0 +1,139 @@
+"""``python -m engine.cli.bench_expert_blocks --shape diffusion-gemma-26b-a4b --tokens 64,256,1024``:
+what one MoE block's expert products cost in a long pass (a prompt, a DiffusionGemma canvas),
+its pairs sorted by expert, taken pair by pair as MLX's expert product runs them against
+blocks of one expert (``models/expert_blocks.py``) of each height, against the floor of
+reading the chosen experts once.
+
+One quantized expert block of the shape (gate and up stacked, as the engine holds them, and
+down) gets ``tokens`` tokens routed at random to k distinct experts each. Each layout is timed
+as one evaluation of the block's output, the best of ``--repeat``; every layout's output is
+compared with the pair-by-pair one (the largest difference is printed). ``floor`` is the
+chosen experts' bytes at the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from engine.cli.bench_gather_qmm import expert_projections
+from engine.cli.bench_qmm import _max_difference, _time, parse_counts
+from engine.cli.bench_shapes import SHAPES
+
+HEIGHTS = (16, 32, 64)
+
+
+def _block(config: dict[str, Any], bits: int, group_size: int) -> tuple[Any, int, int]:
+    """A quantized expert block of ``config``'s dimensions (gate and up stacked), its experts and k."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engine.models.stacked import stack_projections
+    from engine.models.switch import SwitchGLU
+
+    experts, k, _ = expert_projections(config)
+    block = SwitchGLU(config["hidden_size"], config["moe_intermediate_size"], experts)
+    block.set_dtype(mx.bfloat16)
+    nn.quantize(block, group_size=group_size, bits=bits)
+    stack_projections(block)
+    mx.eval(block.parameters())
+    return block, experts, k
+
+
+def _expert_bytes(block: Any) -> int:
+    """One expert's bytes over the three projections (codes, scales, biases)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes // v.shape[0] for _, v in tree_flatten(block.parameters()) if v.ndim >= 2)
+
+
+def time_layouts(block: Any, experts: int, k: int, tokens: int, repeat: int) -> dict[str, Any]:
+    """Microseconds for one pass of ``tokens`` through ``block`` in each layout, with each
+    layout's largest difference from the pair-by-pair output."""
+    import mlx.core as mx
+
+    from engine.models.expert_blocks import rows_per_block
+    from engine.models.stacked import project
+    from engine.models.switch import GATE_UP
+
+    hidden = block.down_proj["weight"].shape[1]
+    key_x, key_ids = mx.random.split(mx.random.key(tokens))
+    x = mx.random.normal((tokens, hidden), key=key_x).astype(mx.bfloat16)
+    ids = mx.argsort(mx.random.uniform(shape=(tokens, experts), key=key_ids), axis=-1)[:, :k].astype(mx.int32)
+    mx.eval(x, ids)
+
+    flat = ids.flatten()
+    order = mx.argsort(flat)
+    inverse = mx.argsort(order)
+
+    def pair_by_pair() -> Any:  # MLX's expert product on the sorted pairs, as ``SwitchGLU.routed`` runs it off CUDA
+        xs, idx = x[order // k][:, None, :], flat[order]  # [pairs, 1, dims]
+        gate, up = project(block, GATE_UP, xs, idx, True)
+        return block.down_proj(block.combine(gate, up), idx, True).reshape(-1, hidden)[inverse]
+
+    reference = pair_by_pair()
+    mx.eval(reference)
+    layouts = {"pair by pair": pair_by_pair}
+    for rows in HEIGHTS:
+        layouts[f"blocks of {rows}"] = lambda rows=rows: block.blocked(x, ids, rows)
+    chosen = rows_per_block(tokens * k, experts)
+    hit = len(set(ids.flatten().tolist()))
+    out: dict[str, Any] = {"tokens": tokens, "experts_hit": hit, "chosen_rows": chosen, "us": {}, "max_difference": {}}
+    for name, fn in layouts.items():
+        out["us"][name] = 1e6 * _time(fn, repeat)
+        out["max_difference"][name] = _max_difference(fn(), reference)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    moe = sorted(name for name, config in SHAPES.items() if "moe_intermediate_size" in config)
+    p = argparse.ArgumentParser(prog="python -m engine.cli.bench_expert_blocks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=moe, default="diffusion-gemma-26b-a4b")
+    p.add_argument("--tokens", default="64,256,1024", help="tokens per pass, comma separated")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=5, help="timed evaluations; the best is kept")
+    p.add_argument("--copy-mb", type=int, help="buffer size for the bandwidth measurement (1 GiB on a GPU)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    args.calls = 1  # parse_counts checks the timing options every microbenchmark shares
+    tokens = parse_counts(args, "--tokens", args.tokens)
+    if tokens is None:
+        return 2
+
+    import mlx.core as mx
+
+    from engine.cli.roofline import copy_bandwidth
+
+    block, experts, k = _block(SHAPES[args.shape], args.bits, args.group_size)
+    bandwidth = copy_bandwidth(args.copy_mb)
+    per_expert = _expert_bytes(block)
+    print(
+        f"{args.shape}: {experts} experts, {k} a token, affine {args.bits}-bit g{args.group_size} on "
+        f"{mx.default_device()}: copy bandwidth {bandwidth / 1e9:.1f} GB/s; microseconds per block pass, "
+        f"best of {args.repeat}"
+    )
+    names = ["pair by pair"] + [f"blocks of {r}" for r in HEIGHTS]
+    print(f"{'tokens':>7}{'hit':>5}{'auto':>6}" + "".join(f"{n:>15}" for n in names) + f"{'floor':>10}")
+    result: dict[str, Any] = {"shape": args.shape, "experts": experts, "k": k, "passes": []}
+    result["bandwidth_bytes_per_s"] = bandwidth
+    for n in tokens:
+        t = time_layouts(block, experts, k, n, args.repeat)
+        t["floor_us"] = 1e6 * t["experts_hit"] * per_expert / bandwidth
+        result["passes"].append(t)
+        print(
+            f"{n:>7}{t['experts_hit']:>5}{t['chosen_rows']:>6}"
+            + "".join(f"{t['us'][name]:>15.1f}" for name in names)
+            + f"{t['floor_us']:>10.1f}"
+        )
+        worst = max(t["max_difference"].values())
+        print(f"{'':>18}largest difference from pair by pair: {worst:.3g}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
