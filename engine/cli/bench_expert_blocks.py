@@ -2,7 +2,8 @@
 what one MoE block's expert products cost in a long pass (a prompt, a DiffusionGemma canvas),
 its pairs sorted by expert, taken pair by pair as MLX's expert product runs them against
 blocks of one expert (``models/expert_blocks.py``) of each height, against the floor of
-reading the chosen experts once.
+reading the chosen experts once (``auto``: the height the engine takes on CUDA, or ``pair``
+where it keeps pair by pair).
 
 One quantized expert block of the shape (gate and up stacked, as the engine holds them, and
 down) gets ``tokens`` tokens routed at random to k distinct experts each. Each layout is timed
@@ -54,7 +55,7 @@ def time_layouts(block: Any, experts: int, k: int, tokens: int, repeat: int) -> 
     layout's largest difference from the pair-by-pair output."""
     import mlx.core as mx
 
-    from engine.models.expert_blocks import rows_per_block
+    from engine.models.expert_blocks import MIN_AVERAGE, rows_per_block
     from engine.models.stacked import project
     from engine.models.switch import GATE_UP
 
@@ -78,7 +79,8 @@ def time_layouts(block: Any, experts: int, k: int, tokens: int, repeat: int) -> 
     layouts = {"pair by pair": pair_by_pair}
     for rows in HEIGHTS:
         layouts[f"blocks of {rows}"] = lambda rows=rows: block.blocked(x, ids, rows)
-    chosen = rows_per_block(tokens * k, experts)
+    # The engine's choice on CUDA: blocks of this height, or 0 for pair by pair.
+    chosen = rows_per_block(tokens * k, experts) if tokens * k >= MIN_AVERAGE * experts else 0
     hit = len(set(ids.flatten().tolist()))
     out: dict[str, Any] = {"tokens": tokens, "experts_hit": hit, "chosen_rows": chosen, "us": {}, "max_difference": {}}
     for name, fn in layouts.items():
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         t["floor_us"] = 1e6 * t["experts_hit"] * per_expert / bandwidth
         result["passes"].append(t)
         print(
-            f"{n:>7}{t['experts_hit']:>5}{t['chosen_rows']:>6}"
+            f"{n:>7}{t['experts_hit']:>5}{t['chosen_rows'] or 'pair':>6}"
             + "".join(f"{t['us'][name]:>15.1f}" for name in names)
             + f"{t['floor_us']:>10.1f}"
         )

@@ -17,10 +17,15 @@ operations on the device without reading the counts back; blocks past the last f
 one take the last expert (its weights are then in cache) and their rows are ignored, as
 are the padding rows (they hold token 0's activations).
 
-Rows per block follow the pairs an expert gets on average, from 16 to 64 (MLX's CUDA tile
-heights: fewer rows than 16 cost a full tile anyway). The same rows of each block are
-computed whatever else the pass holds, and a pair's output is one row of a matrix product
-as before: only the tile it rides in changes, which may round its sums otherwise.
+When it pays, and how high a block is, were measured on an H200 (4-bit, bf16, one MoE block
+of DiffusionGemma 26B-A4B's, Qwen3.5-35B-A3B's and Moonlight's shapes, 64 to 4,096 tokens:
+``python -m engine.cli.bench_expert_blocks``). Blocks of 16 rows (MLX's lowest CUDA tile: a
+block of fewer rows costs a full tile anyway) were fastest until experts got 64 pairs each
+on average, blocks of 64 (its highest) from there; 32 never won. With under 4 pairs an
+expert on average most of each block is padding, and pair by pair was as fast or faster.
+The same rows of each block are computed whatever else the pass holds, and a pair's output
+is one row of a matrix product as before: only the tile it rides in changes, which may
+round its float32 sums otherwise (bf16 outputs measured bit-identical).
 """
 
 from __future__ import annotations
@@ -34,21 +39,22 @@ from engine.models import quantized_matmul_cuda as qmv
 
 MIN_ROWS = 16
 MAX_ROWS = 64
+MIN_AVERAGE = 4  # pairs an expert gets, on average, for the blocks to pay
 # ``0`` keeps MLX's one-pair-a-row product on CUDA too (to compare).
 ENV = "MLX_DESK_EXPERT_BLOCKS"
 
 
-def blocks_pay() -> bool:
-    """Whether a sorted pass takes the blocked layout: on MLX's CUDA backend (Metal's kernel
-    already reads a run of sorted pairs' expert once; the CPU's runs pair by pair either way)."""
-    return os.environ.get(ENV, "1") != "0" and qmv.available()
+def blocks_pay(pairs: int, experts: int) -> bool:
+    """Whether a sorted pass of ``pairs`` over ``experts`` takes the blocked layout: on MLX's
+    CUDA backend (Metal's kernel already reads a run of sorted pairs' expert once; the CPU's
+    runs pair by pair either way), once experts get ``MIN_AVERAGE`` pairs each on average."""
+    return pairs >= MIN_AVERAGE * experts and os.environ.get(ENV, "1") != "0" and qmv.available()
 
 
 def rows_per_block(pairs: int, experts: int) -> int:
-    """The block height for ``pairs`` spread over ``experts``: the average an expert gets,
-    rounded up to a power of two, within [MIN_ROWS, MAX_ROWS]."""
-    average = max(1, -(-pairs // experts))
-    return min(MAX_ROWS, max(MIN_ROWS, 1 << (average - 1).bit_length()))
+    """The block height for ``pairs`` spread over ``experts``: MLX's lowest CUDA tile until
+    experts get its highest on average, then its highest (measured: see above)."""
+    return MAX_ROWS if pairs >= MAX_ROWS * experts else MIN_ROWS
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class SwitchGLU(nn.Module):
         k = indices.shape[-1]
         lead = indices.shape[:-1]
         do_sort = indices.size >= SORT_THRESHOLD and indices.size // k > UNSORTED_TOKENS
-        if do_sort and blocks_pay():
+        if do_sort and blocks_pay(indices.size, self.down_proj["weight"].shape[0]):
             return self.blocked(x, indices).reshape(*lead, k, -1)
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, dims]
         idx = indices
