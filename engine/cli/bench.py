@@ -348,6 +348,10 @@ def run_bench(
         raise EngineError(
             "--vs mlx-vlm goes with --media image|video or the DiffusionGemma shapes, --vs mlx-lm with the others"
         )
+    if getattr(args, "profile", False) and not (diffusion or getattr(args, "concurrent", None)):
+        raise EngineError(
+            "--profile goes with --concurrent N,N,... or a DiffusionGemma shape (--shape diffusion-gemma-...)"
+        )
     if args.vs == "mlx-lm":
         import importlib.util
 

@@ -46,6 +46,8 @@ def test_bench_refuses_the_wrong_referee_in_one_line(capsys):
     assert main(["bench", "--shape", "diffusion-gemma-tiny", "--vs", "mlx-lm"]) != 0
     assert "--vs mlx-vlm goes with --media image|video or the DiffusionGemma shapes" in capsys.readouterr().err
     assert main(["bench", "--shape", "tiny", "--vs", "mlx-vlm"]) != 0
+    assert main(["bench", "--shape", "tiny", "--profile"]) != 0  # a one-stream text bench has no parts to show
+    assert "--profile goes with --concurrent N,N,... or a DiffusionGemma shape" in capsys.readouterr().err
     if not HAS_MLX_VLM:
         assert main(["bench", "--shape", "diffusion-gemma-tiny", "--vs", "mlx-vlm", "-g", "2"]) != 0
         assert "needs mlx-vlm" in capsys.readouterr().err
