@@ -55,7 +55,7 @@ def time_layouts(block: Any, experts: int, k: int, tokens: int, repeat: int) -> 
     layout's largest difference from the pair-by-pair output."""
     import mlx.core as mx
 
-    from engine.models.expert_blocks import MIN_AVERAGE, rows_per_block
+    from engine.models.expert_blocks import enough_pairs, rows_per_block
     from engine.models.stacked import project
     from engine.models.switch import GATE_UP
 
@@ -80,7 +80,7 @@ def time_layouts(block: Any, experts: int, k: int, tokens: int, repeat: int) -> 
     for rows in HEIGHTS:
         layouts[f"blocks of {rows}"] = lambda rows=rows: block.blocked(x, ids, rows)
     # The engine's choice on CUDA: blocks of this height, or 0 for pair by pair.
-    chosen = rows_per_block(tokens * k, experts) if tokens * k >= MIN_AVERAGE * experts else 0
+    chosen = rows_per_block(tokens * k, experts) if enough_pairs(tokens * k, experts) else 0
     hit = len(set(ids.flatten().tolist()))
     out: dict[str, Any] = {"tokens": tokens, "experts_hit": hit, "chosen_rows": chosen, "us": {}, "max_difference": {}}
     for name, fn in layouts.items():
@@ -119,8 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     names = ["pair by pair"] + [f"blocks of {r}" for r in HEIGHTS]
     print(f"{'tokens':>7}{'hit':>5}{'auto':>6}" + "".join(f"{n:>15}" for n in names) + f"{'floor':>10}")
-    result: dict[str, Any] = {"shape": args.shape, "experts": experts, "k": k, "passes": []}
-    result["bandwidth_bytes_per_s"] = bandwidth
+    result: dict[str, Any] = {
+        "shape": args.shape,
+        "experts": experts,
+        "k": k,
+        "bandwidth_bytes_per_s": bandwidth,
+        "passes": [],
+    }
     for n in tokens:
         t = time_layouts(block, experts, k, n, args.repeat)
         t["floor_us"] = 1e6 * t["experts_hit"] * per_expert / bandwidth

@@ -48,7 +48,12 @@ def blocks_pay(pairs: int, experts: int) -> bool:
     """Whether a sorted pass of ``pairs`` over ``experts`` takes the blocked layout: on MLX's
     CUDA backend (Metal's kernel already reads a run of sorted pairs' expert once; the CPU's
     runs pair by pair either way), once experts get ``MIN_AVERAGE`` pairs each on average."""
-    return pairs >= MIN_AVERAGE * experts and os.environ.get(ENV, "1") != "0" and qmv.available()
+    return enough_pairs(pairs, experts) and os.environ.get(ENV, "1") != "0" and qmv.available()
+
+
+def enough_pairs(pairs: int, experts: int) -> bool:
+    """Whether experts get ``MIN_AVERAGE`` pairs each on average, so blocks are not mostly padding."""
+    return pairs >= MIN_AVERAGE * experts
 
 
 def rows_per_block(pairs: int, experts: int) -> int:

@@ -3,7 +3,8 @@
 The layout must put every pair in a block of its own expert, each slot holding at most one
 pair, within the block count it promises whatever the routing; and a MoE block that takes
 it must give what the pair-by-pair product gives (exactly, on the CPU build, where both run
-the same kernels). MLX's CUDA backend takes it by default; elsewhere it is forced here.
+the same kernels). MLX's CUDA backend takes it by default where experts get enough pairs;
+elsewhere it is forced here.
 """
 
 from __future__ import annotations
