@@ -24,18 +24,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.cli.bench_qmm import _time
+
 
 def _best(fn: Callable[[], Any], repeat: int) -> float:
     """The fastest of ``repeat`` evaluated calls of ``fn``, in milliseconds (one untimed first)."""
-    import mlx.core as mx
-
-    mx.eval(fn())
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        mx.eval(fn())
-        best = min(best, time.perf_counter() - start)
-    return 1000 * best
+    return 1000 * _time(fn, repeat)
 
 
 def _layer_inputs(model: Any, cache: list, h: Any, offset: int) -> list[tuple[Any, Any]]:

@@ -14,12 +14,11 @@ chosen experts' bytes at the copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
-from engine.cli.bench_gather_qmm import expert_projections
+from engine.cli.bench_gather_qmm import expert_parser, expert_projections
 from engine.cli.bench_qmm import _max_difference, _time, parse_counts
 from engine.cli.bench_shapes import SHAPES
 
@@ -56,23 +55,15 @@ def time_layouts(block: Any, experts: int, k: int, tokens: int, repeat: int) -> 
     import mlx.core as mx
 
     from engine.models.expert_blocks import enough_pairs, rows_per_block
-    from engine.models.stacked import project
-    from engine.models.switch import GATE_UP
 
-    hidden = block.down_proj["weight"].shape[1]
+    dims = block.down_proj["weight"].shape[1]  # the block's input width (down's output)
     key_x, key_ids = mx.random.split(mx.random.key(tokens))
-    x = mx.random.normal((tokens, hidden), key=key_x).astype(mx.bfloat16)
+    x = mx.random.normal((tokens, dims), key=key_x).astype(mx.bfloat16)
     ids = mx.argsort(mx.random.uniform(shape=(tokens, experts), key=key_ids), axis=-1)[:, :k].astype(mx.int32)
     mx.eval(x, ids)
 
-    flat = ids.flatten()
-    order = mx.argsort(flat)
-    inverse = mx.argsort(order)
-
-    def pair_by_pair() -> Any:  # MLX's expert product on the sorted pairs, as ``SwitchGLU.routed`` runs it off CUDA
-        xs, idx = x[order // k][:, None, :], flat[order]  # [pairs, 1, dims]
-        gate, up = project(block, GATE_UP, xs, idx, True)
-        return block.down_proj(block.combine(gate, up), idx, True).reshape(-1, hidden)[inverse]
+    def pair_by_pair() -> Any:  # as ``SwitchGLU.routed`` runs a long pass off CUDA
+        return block.sorted_pairs(x, ids)
 
     reference = pair_by_pair()
     mx.eval(reference)
@@ -90,12 +81,7 @@ def time_layouts(block: Any, experts: int, k: int, tokens: int, repeat: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    moe = sorted(name for name, config in SHAPES.items() if "moe_intermediate_size" in config)
-    p = argparse.ArgumentParser(prog="python -m engine.cli.bench_expert_blocks", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=moe, default="diffusion-gemma-26b-a4b")
-    p.add_argument("--tokens", default="64,256,1024", help="tokens per pass, comma separated")
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=64)
+    p = expert_parser("engine.cli.bench_expert_blocks", __doc__, "diffusion-gemma-26b-a4b", "64,256,1024")
     p.add_argument("--repeat", type=int, default=5, help="timed evaluations; the best is kept")
     p.add_argument("--copy-mb", type=int, help="buffer size for the bandwidth measurement (1 GiB on a GPU)")
     p.add_argument("--json", action="store_true")

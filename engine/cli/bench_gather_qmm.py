@@ -109,13 +109,19 @@ def _print(name: str, t: dict[str, Any], tokens: list[int], bandwidth: float) ->
         print(f"{'':<12}{'max|ours-mlx|':<21}" + "".join(f"{t['ours_vs_mlx'][n]:9.2g}" for n in tokens))
 
 
-def main(argv: list[str] | None = None) -> int:
+def expert_parser(module: str, doc: str, shape: str, tokens: str) -> argparse.ArgumentParser:
+    """The options an expert microbenchmark starts from: a MoE shape, tokens a pass, the quantization."""
     moe = sorted(name for name, config in SHAPES.items() if "moe_intermediate_size" in config)
-    p = argparse.ArgumentParser(prog="python -m engine.cli.bench_gather_qmm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=moe, default="qwen3.5-35b-a3b")
-    p.add_argument("--tokens", default="1,2,4", help="tokens per pass, comma separated")
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    p.add_argument("--shape", choices=moe, default=shape)
+    p.add_argument("--tokens", default=tokens, help="tokens per pass, comma separated")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = expert_parser("engine.cli.bench_gather_qmm", __doc__, "qwen3.5-35b-a3b", "1,2,4")
     add_timing_arguments(p)
     args = p.parse_args(argv)
     tokens = parse_counts(args, "--tokens", args.tokens)

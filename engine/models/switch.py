@@ -67,29 +67,36 @@ class SwitchGLU(nn.Module):
         """The experts' outputs, ``indices`` naming rows of the stacked arrays."""
         k = indices.shape[-1]
         lead = indices.shape[:-1]
-        do_sort = indices.size >= SORT_THRESHOLD and indices.size // k > UNSORTED_TOKENS
-        if do_sort and blocks_pay(indices.size, self.down_proj["weight"].shape[0]):
-            return self.blocked(x, indices).reshape(*lead, k, -1)
+        if indices.size >= SORT_THRESHOLD and indices.size // k > UNSORTED_TOKENS:
+            pairs = self.blocked if blocks_pay(indices.size, self.stacked_rows) else self.sorted_pairs
+            return pairs(x, indices).reshape(*lead, k, -1)
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, dims]
-        idx = indices
-        if do_sort:
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            inverse = mx.argsort(order)
-            x = x.reshape(-1, 1, x.shape[-1])[order // k]  # [n*k, 1, dims]
-            idx = flat[order]
-        gate, up = project(self, GATE_UP, x, idx, do_sort)
-        h = self.combine(gate, up)
-        y = self.down_proj(h, idx, do_sort)
-        if do_sort:
-            y = y[inverse].reshape(*lead, k, 1, -1)
-        return y.squeeze(-2)
+        gate, up = project(self, GATE_UP, x, indices, False)
+        return self.down_proj(self.combine(gate, up), indices, False).squeeze(-2)
+
+    @property
+    def stacked_rows(self) -> int:
+        """The rows of the stacked arrays that ``indices`` name: the experts, or a streamed
+        layer's slots."""
+        return self.down_proj["weight"].shape[0]
+
+    def sorted_pairs(self, x: mx.array, indices: mx.array) -> mx.array:
+        """The experts' outputs [pairs, dims] for a long pass, its pairs sorted by expert so
+        that MLX's kernel can serve a run of them from one read of the expert (Metal does)."""
+        k = indices.shape[-1]
+        flat = indices.flatten()
+        order = mx.argsort(flat)
+        idx = flat[order]
+        xs = x.reshape(-1, 1, x.shape[-1])[order // k]  # [pairs, 1, dims]
+        gate, up = project(self, GATE_UP, xs, idx, True)
+        y = self.down_proj(self.combine(gate, up), idx, True)
+        return y.reshape(-1, y.shape[-1])[mx.argsort(order)]
 
     def blocked(self, x: mx.array, indices: mx.array, rows: int | None = None) -> mx.array:
         """The experts' outputs [pairs, dims] for a long pass, its pairs in blocks of one
         expert each (``engine/models/expert_blocks.py``: how MLX's CUDA product reads each
         expert once a block)."""
-        layout = ExpertBlocks.of(indices, self.down_proj["weight"].shape[0], rows)
+        layout = ExpertBlocks.of(indices, self.stacked_rows, rows)
         xb = layout.gather(x.reshape(-1, x.shape[-1]), indices.shape[-1])
         gate, up = project(self, GATE_UP, xb, layout.experts, True)
         y = self.down_proj(self.combine(gate, up), layout.experts, True)
