@@ -9,10 +9,12 @@ for one row, and 2-6 rows cost about as many one-row products (an H200, 4-bit g6
 Here each warp owns ``COLUMNS`` output columns (weight rows). Its lanes walk the input
 dimension in chunks of 16 bytes of codes (32 4-bit or 16 8-bit values, all within one
 quantization group since groups are 32, 64 or 128 values), so a warp's loads of a weight
-row are contiguous and coalesced. A lane dequantizes each code once (``scale * q + bias``
-in float32) and multiplies it into every row of ``x`` it holds an accumulator for: the
-weights are read once whatever the row count, and the activations (a few KB, in L1/L2) are
-read once per column set. The lanes' float32 sums meet in a warp-shuffle reduction.
+row are contiguous and coalesced. A chunk lies in one quantization group, so a lane turns
+each code into a float once (one logic op and one subtraction, ``word_codes``), multiplies it
+into every row of ``x`` it holds a sum for, and applies the column's scale and bias once a
+chunk (``scale * (x . codes) + bias * sum(x)``, as MLX's Metal kernel does): the weights are
+read once whatever the row count, and the activations (a few KB, in L1/L2) are read once per
+column set. The lanes' float32 sums meet in a warp-shuffle reduction.
 
 Every row is computed by the same float operations in the same order whatever the number
 of rows, so a row's output does not depend on the rows beside it (a verify pass computes
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from functools import cache
 
 import mlx.core as mx
@@ -68,10 +71,25 @@ ENV = "MLX_DESK_QMV"
 GATHER_ENV = "MLX_DESK_GATHER_QMV"
 
 _HEADER = """
-// A code as a float without an int-to-float conversion (those run at a fraction of the
-// FMA rate): 2^23 with the code in its low mantissa bits, less 2^23, is the code exactly.
-__device__ __forceinline__ float code_float(uint32_t code) {
-  return __int_as_float(0x4B000000u | code) - 8388608.0f;
+// The PW codes of one word of packed weights as floats, without a shift or an int-to-float
+// conversion per code (those, not the weight read, bounded the one-row product of a wide
+// matrix): a code at bit p is kept in place under the exponent of 2^(23 - p), which makes
+// the float 2^(23 - p) + code in one logic op, and subtracting 2^(23 - p) leaves the code
+// exactly. Codes whose bits would reach the exponent (from bit 20 of 4-bit words, bit 16 of
+// 8-bit ones) are taken from the word's high half, one shift for all of them.
+template <int BITS>
+__device__ __forceinline__ void word_codes(uint32_t word, float* out) {
+  constexpr int PW = 32 / BITS;
+  constexpr uint32_t CODE = (1u << BITS) - 1u;
+  const uint32_t high = word >> 16;
+#pragma unroll
+  for (int i = 0; i < PW; ++i) {
+    const int bit = i * BITS;
+    const bool low = bit + BITS <= 23;
+    const int p = low ? bit : bit - 16;
+    const uint32_t magic = (uint32_t)(150 - p) << 23;
+    out[i] = __int_as_float(((low ? word : high) & (CODE << p)) | magic) - (float)(1u << (23 - p));
+  }
 }
 
 // P consecutive values of T from p as floats: 16- or 8-byte loads when p is aligned for them
@@ -117,7 +135,6 @@ __device__ __forceinline__ void rows_product(
     const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N) {
   constexpr int PW = 32 / BITS;        // codes per 32-bit word
   constexpr int VPL = 4 * PW;          // values per lane chunk (one 16-byte load of codes)
-  constexpr uint32_t CODE = (1u << BITS) - 1u;
   constexpr int CG = NW / KS;          // column sets per block; KS warps share each one
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -164,26 +181,39 @@ __device__ __forceinline__ void rows_product(
       s[j] = static_cast<float>(scales[srow[j] + group]);
       b[j] = static_cast<float>(biases[srow[j] + group]);
     }
+    // The chunk lies in one quantization group, so its sum is scale * (x . codes) + bias *
+    // sum(x) per row and column: the codes are multiplied into the rows as they are, and each
+    // column's scale and bias are applied once a chunk.
+    float dot[R][CPW], xsum[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      xsum[r] = 0.f;
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) dot[r][j] = 0.f;
+    }
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      // This word's PW values of every column, dequantized once for all R rows.
-      float wf[CPW][PW];
+      float codes[CPW][PW];
 #pragma unroll
-      for (int j = 0; j < CPW; ++j) {
-#pragma unroll
-        for (int i = 0; i < PW; ++i) wf[j][i] = fmaf(s[j], code_float((q[j][t] >> (i * BITS)) & CODE), b[j]);
-      }
+      for (int j = 0; j < CPW; ++j) word_codes<BITS>(q[j][t], codes[j]);
       const int k = c * VPL + t * PW;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float xf[PW];
         load_floats<T, PW>(x + (long)r * K + k, xf, x_aligned);
 #pragma unroll
+        for (int i = 0; i < PW; ++i) xsum[r] += xf[i];
+#pragma unroll
         for (int j = 0; j < CPW; ++j) {
 #pragma unroll
-          for (int i = 0; i < PW; ++i) acc[r][j] = fmaf(xf[i], wf[j][i], acc[r][j]);
+          for (int i = 0; i < PW; ++i) dot[r][j] = fmaf(xf[i], codes[j][i], dot[r][j]);
         }
       }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) acc[r][j] += fmaf(s[j], dot[r][j], b[j] * xsum[r]);
     }
   }
 
@@ -252,14 +282,23 @@ _GATHER_SOURCE = """
 """
 
 
+def compact(source: str) -> str:
+    """CUDA source without its comments, indentation and blank lines. MLX hashes a custom
+    kernel's whole source on every launch to find its build: on an H200 a chain of launches
+    cost 4.4 us each with 8 KB of source against 3.2 us with a line (docs/qmv.md), and a
+    decode step launches this kernel several times a layer."""
+    lines = (re.sub(r"//.*", "", line).strip() for line in source.splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
+
+
 @cache
 def _kernel():
     return mx.fast.cuda_kernel(
         name="quantized_matmul_rows",
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
-        source=_SOURCE,
-        header=_HEADER + _PRODUCT,
+        source=compact(_SOURCE),
+        header=compact(_HEADER + _PRODUCT),
     )
 
 
@@ -269,8 +308,8 @@ def _gather_kernel():
         name="gathered_quantized_matmul_rows",
         input_names=["x", "w", "scales", "biases", "ids"],
         output_names=["out"],
-        source=_GATHER_SOURCE,
-        header=_HEADER + _PRODUCT,
+        source=compact(_GATHER_SOURCE),
+        header=compact(_HEADER + _PRODUCT),
     )
 
 
