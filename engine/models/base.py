@@ -17,6 +17,7 @@ import mlx.nn as nn
 from engine.artifacts.config_fields import from_known_keys
 from engine.artifacts.config_spellings import partial_rotary_factor, rope_settings, text_config  # noqa: F401  (families read them from here)
 from engine.errors import UnsupportedModelError
+from engine.models import head_norm_rope_cuda
 from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.quantized_matmul_cuda import embedding_logits, linear
 from engine.models.stacked import project, stacked_output
@@ -284,6 +285,10 @@ def rotated_qkv(attn: nn.Module, x: mx.array, offset) -> tuple[mx.array, mx.arra
         return attn.rope(q, offset), attn.rope(k, offset), v
     heads = y.reshape(b, n, nq + 2 * nkv, d)
     if attn.qk_norm:
+        if head_norm_rope_cuda.enabled() and head_norm_rope_cuda.fits(attn, heads, type(attn.rope) is RoPE):
+            # Both norms and both rotations in one CUDA kernel (four launches otherwise).
+            q, k = head_norm_rope_cuda.head_norm_rope(attn, heads, offset)
+            return q, k, heads[:, :, nq + nkv :].transpose(0, 2, 1, 3)
         q, k, v = mx.split(heads, [nq, nq + nkv], axis=2)
         q, k = attn.q_norm(q).transpose(0, 2, 1, 3), attn.k_norm(k).transpose(0, 2, 1, 3)
         return attn.rope(q, offset), attn.rope(k, offset), v.transpose(0, 2, 1, 3)

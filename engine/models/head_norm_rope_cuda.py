@@ -1,0 +1,176 @@
+"""The per-head query and key norms and their rotation (Qwen3's attention) in one CUDA kernel
+for decode steps, verify passes and batch steps.
+
+A Qwen3 layer's queries and keys each take ``rms_norm`` over every head and then RoPE: four
+launches a layer, each a few microseconds of host and device time around a few KB of work.
+On an H200 a decode step of qwen3-4b is bound by its host as much as by its device (583 ops
+a step; docs/qmv.md), so the four become one: a warp per (token, head) reads the head's
+features from the stacked q/k/v product, norms them, scales them by the norm's weight and
+rotates them, writing queries and keys in the [B, heads, L, head_dim] layout attention
+reads.
+
+The kernel computes what ``mx.fast.rms_norm`` then ``mx.fast.rope`` compute on CUDA, rounding
+where they round: the norm's output is ``weight * round(x * rsqrt(mean(x^2) + eps))`` in the
+activations' dtype (MLX multiplies in that dtype), and the rotation of pair (i, i + d/2) uses
+``theta = scale * position * 2^(-(i / (d/2)) * log2(base))`` in float32. Only the sum of
+squares is added in another order (a warp's shuffle, not MLX's block reduction).
+
+Taken (``fits``) only where MLX's CUDA backend runs on the GPU, for the plain rotate-half RoPE
+over the whole head (no frequency table, no output scale), the plain ``nn.RMSNorm`` with one
+eps for both norms, heads of 64, 128 or 256 features, a few rows (decode, verify, batch
+steps), and weights in the activations' dtype; ``MLX_DESK_QK_ROPE=0`` turns it off. Everything
+else keeps the two MLX calls.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.models.quantized_matmul_cuda import available, compact
+
+ENV = "MLX_DESK_QK_ROPE"
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# The most rows (tokens of all sequences) a pass may have to take the kernel: decode and
+# batch steps and verify passes; a prompt keeps MLX's calls.
+MAX_ROWS = 64
+# Warps per block: one (token, head) each.
+WARPS = 4
+
+_SOURCE = """
+// One warp per (token, head) of the queries and keys; lane l holds features l + 32 j.
+constexpr int PER = D / 32;
+constexpr int HALF = PER / 2;  // feature l + 32 j pairs with l + 32 (j + HALF)
+const int lane = threadIdx.x & 31;
+const int item = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+const int rows = B * L;
+if (item >= rows * (NQ + NKV)) return;
+const int row = item / (NQ + NKV);
+const int head = item % (NQ + NKV);
+const int b = row / L;
+const int t = row % L;
+const T* src = x + ((long)row * (NQ + 2 * NKV) + head) * D;
+
+float v[PER];
+float squares = 0.f;
+#pragma unroll
+for (int j = 0; j < PER; ++j) {
+  v[j] = static_cast<float>(src[lane + 32 * j]);
+  squares += v[j] * v[j];
+}
+#pragma unroll
+for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffff, squares, o);
+const float norm = rsqrt(squares / D + EPS);
+
+// The norm's output in the activations' dtype (weight times the rounded normed value, as
+// MLX's kernel multiplies them), then RoPE on it in float32 as MLX's kernel does.
+const T* weight = head < NQ ? q_weight : k_weight;
+float y[PER];
+#pragma unroll
+for (int j = 0; j < PER; ++j) {
+  y[j] = static_cast<float>(weight[lane + 32 * j] * static_cast<T>(v[j] * norm));
+}
+const int position = t + static_cast<int>(offset[OFFSETS > 1 ? b : 0]);
+const float angle = SCALE * static_cast<float>(position);
+T* dst = head < NQ ? q + (((long)b * NQ + head) * L + t) * D : k + (((long)b * NKV + head - NQ) * L + t) * D;
+#pragma unroll
+for (int j = 0; j < HALF; ++j) {
+  const int i = lane + 32 * j;
+  const float d = static_cast<float>(i) / static_cast<float>(D / 2);
+  const float theta = angle * exp2(-d * LOG2_BASE);
+  const float c = cos(theta);
+  const float s = sin(theta);
+  const float x1 = y[j];
+  const float x2 = y[j + HALF];
+  dst[i] = static_cast<T>(x1 * c - x2 * s);
+  dst[i + D / 2] = static_cast<T>(x1 * s + x2 * c);
+}
+"""
+
+
+@cache
+def _kernel(eps: float, scale: float, log2_base: float):
+    """The kernel for one model's constants, written into its source as float32 values (MLX
+    passes them to its own kernels as float32)."""
+    constants = "".join(
+        f"constexpr float {name} = static_cast<float>({value.hex()});\n"
+        for name, value in (("EPS", eps), ("SCALE", scale), ("LOG2_BASE", log2_base))
+    )
+    return mx.fast.cuda_kernel(
+        name="head_norm_rope",
+        input_names=["x", "q_weight", "k_weight", "offset"],
+        output_names=["q", "k"],
+        source=constants + compact(_SOURCE),
+    )
+
+
+def enabled() -> bool:
+    """Whether the kernel may run: not turned off (``MLX_DESK_QK_ROPE=0``) and MLX's CUDA
+    backend on the GPU."""
+    return os.environ.get(ENV, "1") != "0" and available()
+
+
+def fits(attn: Any, heads: mx.array, plain_rope: bool) -> bool:
+    """Whether ``attn``'s norms and rotation of the stacked heads ``heads`` [B, L, nq + 2 nkv,
+    d] are the kernel's (see the module docstring); ``plain_rope``: whether ``attn.rope`` is
+    the plain RoPE class (no subclass that picks its settings by position)."""
+    rope = attn.rope
+    norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+    b, n, _, d = heads.shape
+    return (
+        plain_rope
+        and attn.qk_norm
+        and all(type(norm) is nn.RMSNorm for norm in norms)
+        and norms[0].eps == norms[1].eps
+        and all(norm.weight.dtype == heads.dtype for norm in norms)
+        and rope._freqs is None
+        and rope.base is not None
+        and rope.out_scale == 1.0
+        and not rope.traditional
+        and rope.dims == d
+        and d in HEAD_DIMS
+        and heads.dtype in DTYPES
+        and b * n <= MAX_ROWS
+    )
+
+
+def head_norm_rope(attn: Any, heads: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
+    """Normed and rotated queries [B, nq, L, d] and keys [B, nkv, L, d] from the stacked heads
+    [B, L, nq + 2 nkv, d]; ``offset`` is the first token's position (an int, a scalar array,
+    or one per sequence, as ``mx.fast.rope`` takes it). The caller checks ``fits``."""
+    b, n, _, d = heads.shape
+    nq, nkv = attn.n_heads, attn.n_kv_heads
+    rope = attn.rope
+    positions = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
+    items = b * n * (nq + nkv)
+    kernel = _kernel(float(attn.q_norm.eps), float(rope.scale), _log2_float32(rope.base))
+    q, k = kernel(
+        inputs=[heads, attn.q_norm.weight, attn.k_norm.weight, positions],
+        template=[
+            ("T", heads.dtype),
+            ("B", b),
+            ("L", n),
+            ("NQ", nq),
+            ("NKV", nkv),
+            ("D", d),
+            ("OFFSETS", positions.size),
+        ],
+        grid=(-(-items // WARPS) * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(b, nq, n, d), (b, nkv, n, d)],
+        output_dtypes=[heads.dtype, heads.dtype],
+    )
+    return q, k
+
+
+def _log2_float32(base: float) -> float:
+    """log2 of the RoPE base as MLX's kernel gets it: the base held as a float32, its log2
+    (here in double, there in float32: within one float32 rounding)."""
+    return math.log2(struct.unpack("f", struct.pack("f", base))[0])
