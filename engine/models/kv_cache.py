@@ -86,10 +86,12 @@ class KVCache(_Buffers):
         n = keys.shape[2]
         if self.keys is None or prev + n > self.keys.shape[2]:
             self._grow(keys, values, prev + n)
-        self.offset = prev + n
-        self.keys[..., prev : self.offset, :] = keys
-        self.values[..., prev : self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        self.offset = end = prev + n
+        # Written with the token axis's position rather than an ellipsis: MLX parses these
+        # indices on every call, and each decode step does this once a layer.
+        self.keys[:, :, prev:end] = keys
+        self.values[:, :, prev:end] = values
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         b, h, _, dk = keys.shape
