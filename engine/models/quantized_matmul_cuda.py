@@ -72,8 +72,8 @@ GATHER_ENV = "MLX_DESK_GATHER_QMV"
 
 _HEADER = """
 // The PW codes of one word of packed weights as floats, without a shift or an int-to-float
-// conversion per code (those, not the weight read, bounded the one-row product of a wide
-// matrix): a code at bit p is kept in place under the exponent of 2^(23 - p), which makes
+// conversion per code (an H200 has about as few issue slots as bytes of bandwidth for a
+// one-row product of a wide matrix): a code at bit p is kept in place under the exponent of 2^(23 - p), which makes
 // the float 2^(23 - p) + code in one logic op, and subtracting 2^(23 - p) leaves the code
 // exactly. Codes whose bits would reach the exponent (from bit 20 of 4-bit words, bit 16 of
 // 8-bit ones) are taken from the word's high half, one shift for all of them.
@@ -285,8 +285,8 @@ _GATHER_SOURCE = """
 def compact(source: str) -> str:
     """CUDA source without its comments, indentation and blank lines. MLX hashes a custom
     kernel's whole source on every launch to find its build: on an H200 a chain of launches
-    cost 4.4 us each with 8 KB of source against 3.2 us with a line (docs/qmv.md), and a
-    decode step launches this kernel several times a layer."""
+    took 4.4 us of host time each with 8 KB of source against 3.2 us with one line
+    (docs/qmv.md), and a decode step launches this kernel several times a layer."""
     lines = (re.sub(r"//.*", "", line).strip() for line in source.splitlines())
     return "\n".join(line for line in lines if line) + "\n"
 
