@@ -12,7 +12,10 @@ its down) and each row count, the product is timed two ways on random inputs:
 - ``single``: one call per evaluation, so the figure includes one launch and one wait (what
   an uncompiled step pays per matrix);
 - ``batched``: ``--calls`` independent products in one evaluation, divided by that count
-  (the kernel's own time, launches overlapped).
+  (the kernel's own time, launches overlapped). They share one weight, which stays in a
+  GPU's last-level cache when it fits there (50 MB on an H200): ``--cold-mb M`` gives them
+  distinct weights in turn, at least M MB of them, so each product reads its weight from
+  memory as a decode step does.
 
 With ``--ours`` the same products also run through this project's kernel
 (``models.quantized_matmul_cuda``, CUDA only), timed the same two ways (``ours/s``,
@@ -85,6 +88,17 @@ def _check_ours(x: Any, q: tuple[Any, ...], group_size: int, bits: int, out: dic
     out["mlx_vs_f32"][n] = _max_difference(theirs[:1], exact)
 
 
+def _random_weight(inputs: int, outputs: int, group_size: int, bits: int, mode: str) -> tuple[Any, Any, Any]:
+    """A random [outputs, inputs] weight quantized as asked: (codes, scales, biases or None)."""
+    import mlx.core as mx
+
+    w = (mx.random.normal((outputs, inputs)) * inputs**-0.5).astype(mx.bfloat16)
+    q = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+    weight = (q[0], q[1], q[2] if len(q) > 2 else None)
+    mx.eval(*(a for a in weight if a is not None))
+    return weight
+
+
 def time_matrix(
     inputs: int,
     outputs: int,
@@ -96,17 +110,21 @@ def time_matrix(
     repeat: int,
     ours: bool = False,
     streams: bool = False,
+    cold_bytes: int = 0,
 ) -> dict[str, Any]:
+    """The matrix's timings (see the module docstring). With ``cold_bytes``, the batched
+    products take turns over enough distinct weights to hold that many bytes (at most one per
+    call), so each reads its weight from memory rather than from a cache that one weight fits."""
     import mlx.core as mx
 
     from engine.models import quantized_matmul_cuda as qmv
 
-    w = (mx.random.normal((outputs, inputs)) * inputs**-0.5).astype(mx.bfloat16)
-    q = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
-    wq, scales, biases = q[0], q[1], (q[2] if len(q) > 2 else None)
-    mx.eval(wq, scales, *(() if biases is None else (biases,)))
+    weights = [_random_weight(inputs, outputs, group_size, bits, mode)]
+    wq, scales, biases = weights[0]
     nbytes = wq.nbytes + scales.nbytes + (0 if biases is None else biases.nbytes)
-    out: dict[str, Any] = {"bytes": nbytes, "single_us": {}, "batched_us": {}}
+    copies = min(calls, max(1, -(-cold_bytes // nbytes)))
+    weights += [_random_weight(inputs, outputs, group_size, bits, mode) for _ in range(copies - 1)]
+    out: dict[str, Any] = {"bytes": nbytes, "weights": copies, "single_us": {}, "batched_us": {}}
     if streams:
         out["streams_batched_us"] = {}
     if ours:
@@ -114,16 +132,17 @@ def time_matrix(
     for n in rows:
         xs = [mx.random.normal((n, inputs)).astype(mx.bfloat16) for _ in range(calls)]
         mx.eval(xs)
+        turns = [(x, weights[i % copies]) for i, x in enumerate(xs)]
 
-        def product(x: Any) -> Any:
-            return mx.quantized_matmul(
-                x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
-            )
+        def product(x: Any, weight: tuple[Any, Any, Any]) -> Any:
+            return mx.quantized_matmul(x, *weight, transpose=True, group_size=group_size, bits=bits, mode=mode)
 
-        out["single_us"][n] = _time(lambda: product(xs[0]), repeat) * 1e6
-        out["batched_us"][n] = _time(lambda: [product(x) for x in xs], repeat) / calls * 1e6
+        out["single_us"][n] = _time(lambda: product(xs[0], weights[0]), repeat) * 1e6
+        out["batched_us"][n] = _time(lambda: [product(x, w) for x, w in turns], repeat) / calls * 1e6
         if streams:
-            out["streams_batched_us"][n] = _time(lambda: [product(x[:, None]) for x in xs], repeat) / calls * 1e6
+            out["streams_batched_us"][n] = (
+                _time(lambda: [product(x[:, None], w) for x, w in turns], repeat) / calls * 1e6
+            )
         if not ours or biases is None:
             continue
         if not qmv.fits(
@@ -139,12 +158,12 @@ def time_matrix(
         ):
             continue
 
-        def our_product(x: Any) -> Any:
-            return qmv.matmul(x, wq, scales, biases, group_size, bits)
+        def our_product(x: Any, weight: tuple[Any, Any, Any]) -> Any:
+            return qmv.matmul(x, *weight, group_size, bits)
 
-        out["ours_single_us"][n] = _time(lambda: our_product(xs[0]), repeat) * 1e6
-        out["ours_batched_us"][n] = _time(lambda: [our_product(x) for x in xs], repeat) / calls * 1e6
-        _check_ours(xs[0], (wq, scales, biases), group_size, bits, out, n)
+        out["ours_single_us"][n] = _time(lambda: our_product(xs[0], weights[0]), repeat) * 1e6
+        out["ours_batched_us"][n] = _time(lambda: [our_product(x, w) for x, w in turns], repeat) / calls * 1e6
+        _check_ours(xs[0], weights[0], group_size, bits, out, n)
     return out
 
 
@@ -201,10 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine")
     p.add_argument("--streams", action="store_true", help="also time the rows as [N, 1, K], as a batch step hands them")
+    p.add_argument(
+        "--cold-mb",
+        type=int,
+        default=0,
+        help="batched products take turns over distinct weights holding at least this many MB "
+        "(more than the GPU's last-level cache, 50 MB on an H200), so each reads from memory",
+    )
     add_timing_arguments(p)
     args = p.parse_args(argv)
     rows = parse_counts(args, "--rows", args.rows)
     if rows is None:
+        return 2
+    if args.cold_mb < 0:
+        print("error: --cold-mb must be 0 or more", file=sys.stderr)
         return 2
     if args.mode != "affine":
         from engine.artifacts.mlx_quant import MODES
@@ -247,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             args.repeat,
             args.ours,
             args.streams,
+            args.cold_mb << 20,
         )
         t["floor_us"] = t["bytes"] / bandwidth * 1e6
         result["matrices"][name] = t

@@ -46,3 +46,16 @@ def test_ours_is_refused_in_one_line_without_cuda_and_timed_beside_mlxs_with_it(
         # 17 rows are past the kernel's reach: MLX's figures only.
         assert set(t["ours_single_us"]) == set(t["ours_batched_us"]) == set(t["ours_vs_mlx"]) == {"1"}
         assert t["ours_vs_f32"]["1"] <= 0.05
+
+
+def test_cold_products_take_turns_over_enough_distinct_weights(capsys):
+    argv = ["--shape", "tiny", "--rows", "1", "--calls", "3", "--repeat", "1", "--copy-mb", "16", "--json"]
+    assert bench_qmm.main([*argv, "--cold-mb", "1"]) == 0
+    cold = json.loads(capsys.readouterr().out.splitlines()[-1])
+    # q 64->64 is 4,608 bytes: 1 MB would take 228 weights, so every one of the 3 calls has its own.
+    assert cold["matrices"]["q 64->64"]["weights"] == 3
+    assert bench_qmm.main(argv) == 0
+    warm = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert warm["matrices"]["q 64->64"]["weights"] == 1
+    assert bench_qmm.main([*argv, "--cold-mb", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --cold-mb must be 0 or more"
