@@ -237,10 +237,12 @@ class BatchKVCache:
                 new_k[..., : self.idx, :] = self.keys[..., : self.idx, :]
                 new_v[..., : self.idx, :] = self.values[..., : self.idx, :]
             self.keys, self.values = new_k, new_v
-        self.keys[..., self.idx : self.idx + n, :] = keys
-        self.values[..., self.idx : self.idx + n, :] = values
-        self.idx += n
-        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+        start, self.idx = self.idx, self.idx + n
+        # The token axis by position, not through an ellipsis (engine.models.kv_cache.KVCache:
+        # MLX parses these on every call, once a layer each step).
+        self.keys[:, :, start : self.idx] = keys
+        self.values[:, :, start : self.idx] = values
+        return self.keys[:, :, : self.idx], self.values[:, :, : self.idx]
 
     def attend_with_prefix(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
         """Append ``k``/``v`` and attend ``q`` ([rows, heads, L, dim]) over the prefix (rows
