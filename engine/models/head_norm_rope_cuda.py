@@ -16,6 +16,7 @@ activations' dtype (MLX multiplies in that dtype), and the rotation of pair (i, 
 sum of squares is added in another order (a warp's shuffle, not MLX's block reduction), and
 cos, sin and exp2 may differ in their last float32 bits; in bfloat16 and float16 at least
 99% of the outputs are MLX's bit for bit on the H200 and the rest one rounding apart.
+tests/engine/models/test_qmv_emulated.py runs this source on the CPU as well.
 
 Taken (``fits``) only where MLX's CUDA backend runs on the GPU, for the plain rotate-half RoPE
 over the whole head (no frequency table, no output scale), the plain ``nn.RMSNorm`` with one
@@ -71,13 +72,15 @@ for (int j = 0; j < PER; ++j) {
 for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffff, squares, o);
 const float norm = rsqrt(squares / D + EPS);
 
-// The norm's output in the activations' dtype (weight times the rounded normed value, as
-// MLX's kernel multiplies them), then RoPE on it in float32 as MLX's kernel does.
+// The norm's output in the activations' dtype: the weight times the normed value rounded to
+// that dtype, the product rounded once more (MLX's kernel multiplies the two in the dtype; a
+// product of two such values is exact in float32), then RoPE on it in float32 as MLX's does.
 const T* weight = head < NQ ? q_weight : k_weight;
 float y[PER];
 #pragma unroll
 for (int j = 0; j < PER; ++j) {
-  y[j] = static_cast<float>(weight[lane + 32 * j] * static_cast<T>(v[j] * norm));
+  const float normed = static_cast<float>(static_cast<T>(v[j] * norm));
+  y[j] = static_cast<float>(static_cast<T>(static_cast<float>(weight[lane + 32 * j]) * normed));
 }
 const int position = t + static_cast<int>(offset[OFFSETS > 1 ? b : 0]);
 const float angle = SCALE * static_cast<float>(position);
@@ -101,15 +104,19 @@ for (int j = 0; j < HALF; ++j) {
 def _kernel(eps: float, scale: float, log2_base: float):
     """The kernel for one model's constants, written into its source as float32 values (MLX
     passes them to its own kernels as float32)."""
-    constants = "".join(
-        f"constexpr float {name} = static_cast<float>({value.hex()});\n"
-        for name, value in (("EPS", eps), ("SCALE", scale), ("LOG2_BASE", log2_base))
-    )
     return mx.fast.cuda_kernel(
         name="head_norm_rope",
         input_names=["x", "q_weight", "k_weight", "offset"],
         output_names=["q", "k"],
-        source=constants + compact(_SOURCE),
+        source=constants(eps, scale, log2_base) + compact(_SOURCE),
+    )
+
+
+def constants(eps: float, scale: float, log2_base: float) -> str:
+    """The source lines that give the kernel its float constants."""
+    return "".join(
+        f"constexpr float {name} = static_cast<float>({value.hex()});\n"
+        for name, value in (("EPS", eps), ("SCALE", scale), ("LOG2_BASE", log2_base))
     )
 
 
@@ -152,7 +159,7 @@ def head_norm_rope(attn: Any, heads: mx.array, offset: Any) -> tuple[mx.array, m
     rope = attn.rope
     positions = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     items = b * n * (nq + nkv)
-    kernel = _kernel(float(attn.q_norm.eps), float(rope.scale), _log2_float32(rope.base))
+    kernel = _kernel(float(attn.q_norm.eps), float(rope.scale), log2_float32(rope.base))
     q, k = kernel(
         inputs=[heads, attn.q_norm.weight, attn.k_norm.weight, positions],
         template=[
@@ -172,7 +179,7 @@ def head_norm_rope(attn: Any, heads: mx.array, offset: Any) -> tuple[mx.array, m
     return q, k
 
 
-def _log2_float32(base: float) -> float:
+def log2_float32(base: float) -> float:
     """log2 of the RoPE base as MLX's kernel gets it: the base held as a float32, its log2
     (here in double, there in float32: within one float32 rounding)."""
     return math.log2(struct.unpack("f", struct.pack("f", base))[0])

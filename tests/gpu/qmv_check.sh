@@ -42,7 +42,7 @@ if [ "$PART" != "bench" ]; then
   pytest_step 300 "small-row kernel tests" tests/engine/models/test_qmv_cuda.py
   pytest_step 150 "gathered kernel tests" tests/engine/models/test_gather_qmv_cuda.py
   pytest_step 90 "head norm + RoPE kernel tests" tests/engine/models/test_head_norm_rope_cuda.py
-  pytest_step 50 "code unpacking and microbench tests" tests/engine/models/test_qmv_codes.py tests/engine/test_bench_qmm.py
+  pytest_step 90 "kernels emulated on the CPU, microbench tests" tests/engine/models/test_qmv_emulated.py tests/engine/test_bench_qmm.py
 fi
 
 if [ "$PART" != "tests" ]; then
