@@ -19,7 +19,7 @@ from engine.artifacts.config_spellings import partial_rotary_factor, rope_settin
 from engine.errors import UnsupportedModelError
 from engine.models import head_norm_rope_cuda
 from engine.models.kv_cache import KVCache, RotatingKVCache
-from engine.models.quantized_matmul_cuda import embedding_logits, linear
+from engine.models.quantized_matmul_cuda import embedding_logits, linear, linear_plus
 from engine.models.stacked import project, stacked_output
 
 # ---- configuration ------------------------------------------------------------------
@@ -401,6 +401,12 @@ class GatedMLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = project(self, GATE_UP, x)
         return linear(self.down_proj, self.activation(gate) * up)
+
+    def plus(self, residual: mx.array, x: mx.array) -> mx.array:
+        """``residual + self(x)``, the add in the down product's epilogue where the CUDA kernel
+        takes it (``linear_plus``): one launch fewer a layer in a decode step."""
+        gate, up = project(self, GATE_UP, x)
+        return linear_plus(self.down_proj, self.activation(gate) * up, residual)
 
 
 def activation(name: str | None):

@@ -118,6 +118,8 @@ class DecoderLayer(nn.Module):
     def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
         """Everything after attention: residual, feed-forward, residual."""
         h = x + attn_out
+        if type(self.mlp) is GatedMLP:  # the last add in the down product's epilogue on CUDA
+            return self.mlp.plus(h, self.post_attention_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

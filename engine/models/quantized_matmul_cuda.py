@@ -67,6 +67,8 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
+# The residual add in the product's epilogue: ``1`` turns it on (``residual_enabled``).
+RESIDUAL_ENV = "MLX_DESK_QMV_RESIDUAL"
 # Gathered (expert) products alone: ``1`` routes them (``gathered_enabled``).
 GATHER_ENV = "MLX_DESK_GATHER_QMV"
 
@@ -129,10 +131,13 @@ _PRODUCT = """
 // out[r, n] = sum_k x[r, k] * dequantize(w)[n, k] for R rows of x [R, K] and one [N, K]
 // weight packed as MLX packs it, for the column sets of this block (blockIdx.x).
 // T: activations, scales, biases and output; R: rows; BITS; GS: group size; CPW: columns
-// per warp; NW: warps per block; KS: warps splitting K for one column set.
-template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS>
+// per warp; NW: warps per block; KS: warps splitting K for one column set; RES: whether
+// residual [R, N] is added to the output (rounded to T first, then added in float32 and
+// rounded again: what the product and a separate add compute).
+template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS, bool RES = false>
 __device__ __forceinline__ void rows_product(
-    const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N) {
+    const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N,
+    const T* residual = nullptr) {
   constexpr int PW = 32 / BITS;        // codes per 32-bit word
   constexpr int VPL = 4 * PW;          // values per lane chunk (one 16-byte load of codes)
   constexpr int CG = NW / KS;          // column sets per block; KS warps share each one
@@ -253,7 +258,13 @@ __device__ __forceinline__ void rows_product(
     for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int j = 0; j < CPW; ++j) {
-        if (col0 + j < N) out[(long)r * N + col0 + j] = static_cast<T>(acc[r][j]);
+        if (col0 + j >= N) continue;
+        const long o = (long)r * N + col0 + j;
+        if constexpr (RES) {
+          out[o] = static_cast<T>(static_cast<float>(residual[o]) + static_cast<float>(static_cast<T>(acc[r][j])));
+        } else {
+          out[o] = static_cast<T>(acc[r][j]);
+        }
       }
     }
   }
@@ -263,6 +274,11 @@ __device__ __forceinline__ void rows_product(
 # Template constants as ``rows_product``'s. Runtime: K (x_shape[1]), N (w_shape[0]).
 _SOURCE = """
   rows_product<T, R, BITS, GS, CPW, NW, KS>(x, w, scales, biases, out, x_shape[1], w_shape[0]);
+"""
+
+# The same with a residual added to the output (``matmul``'s ``residual``).
+_RESIDUAL_SOURCE = """
+  rows_product<T, R, BITS, GS, CPW, NW, KS, true>(x, w, scales, biases, out, x_shape[1], w_shape[0], residual);
 """
 
 # One row per (token, expert) pair, the pair's expert's weights (``gather_qmm``'s ``rhs_indices``)
@@ -298,6 +314,17 @@ def _kernel():
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
         source=compact(_SOURCE),
+        header=compact(_HEADER + _PRODUCT),
+    )
+
+
+@cache
+def _residual_kernel():
+    return mx.fast.cuda_kernel(
+        name="quantized_matmul_rows_plus",
+        input_names=["x", "w", "scales", "biases", "residual"],
+        output_names=["out"],
+        source=compact(_RESIDUAL_SOURCE),
         header=compact(_HEADER + _PRODUCT),
     )
 
@@ -389,18 +416,30 @@ def k_splits(inputs: int, outputs: int, bits: int) -> int:
     return splits
 
 
-def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+def matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    residual: mx.array | None = None,
+) -> mx.array:
     """``x @ dequantize(w).T`` for ``x`` [..., K] and an [N, K] weight packed as MLX packs it
-    (``w`` uint32 [N, K * bits / 32], ``scales``/``biases`` [N, K / group_size]). The caller
-    checks ``fits``."""
+    (``w`` uint32 [N, K * bits / 32], ``scales``/``biases`` [N, K / group_size]), plus
+    ``residual`` ([..., N] in x's dtype) where given, as ``residual + product`` computes it.
+    The caller checks ``fits``."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
     splits = k_splits(k, n, bits)
     blocks = -(-n // (WARPS // splits * COLUMNS))
-    (out,) = _kernel()(
-        inputs=[flat, w, scales, biases],
+    kernel, inputs = (_kernel(), [flat, w, scales, biases])
+    if residual is not None:
+        kernel, inputs = (_residual_kernel(), [*inputs, residual.reshape(rows, n)])
+    (out,) = kernel(
+        inputs=inputs,
         template=[
             ("T", x.dtype),
             ("R", rows),
@@ -474,6 +513,40 @@ def quantized_matmul(
     return mx.quantized_matmul(
         x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode
     )
+
+
+def residual_enabled() -> bool:
+    """Whether a product's residual add may run in the kernel's epilogue
+    (``MLX_DESK_QMV_RESIDUAL=1``; off until its tests have run on a GPU, docs/qmv.md)."""
+    return os.environ.get(RESIDUAL_ENV, "0") == "1" and enabled()
+
+
+def quantized_matmul_plus(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    residual: mx.array,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
+    """``residual + quantized_matmul(x, w, ...)``: one launch where the kernel takes the product
+    and the residual is its output's shape and dtype (a decode step's residual stream), else
+    the product and the add as they are."""
+    rows = x.size // max(x.shape[-1], 1) if x.ndim >= 1 else 0
+    if (
+        w.ndim == 2
+        and x.ndim >= 1
+        and residual_enabled()
+        and residual.shape == (*x.shape[:-1], w.shape[0])
+        and residual.dtype == x.dtype
+        and pays(rows, x.shape[-1], w.shape[0])
+        and _takes(rows, x, w, scales, biases, group_size, bits, mode)
+    ):
+        return matmul(x, w, scales, biases, group_size, bits, residual=residual)
+    return residual + quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
 
 
 def _as_one_matrix(
@@ -598,6 +671,23 @@ def linear(layer: nn.Module, x: mx.array) -> mx.array:
         mode=getattr(layer, "mode", "affine"),
     )
     return y + layer["bias"] if "bias" in layer else y
+
+
+def linear_plus(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
+    """``residual + linear(layer, x)``, the add in the kernel's epilogue where an
+    ``nn.QuantizedLinear`` without a bias takes the kernel (``quantized_matmul_plus``)."""
+    if type(layer) is not nn.QuantizedLinear or "bias" in layer or not available():
+        return residual + linear(layer, x)
+    return quantized_matmul_plus(
+        x,
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        residual,
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=getattr(layer, "mode", "affine"),
+    )
 
 
 def embedding_logits(embed: nn.Module, h: mx.array) -> mx.array:

@@ -56,6 +56,13 @@ if [ "$PART" != "tests" ]; then
   done
   step 100 "decode qwen3-4b, head norm + RoPE kernel off" env MLX_DESK_QK_ROPE=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
+  # The down products' residual add in the kernel's epilogue (off by default until its tests
+  # in test_qmv_cuda.py have passed on a GPU).
+  for shape_limit in qwen3-4b:100 llama3-8b:110; do
+    shape="${shape_limit%%:*}"
+    step "${shape_limit##*:}" "decode $shape, residual epilogue on" env MLX_DESK_QMV_RESIDUAL=1 "$PY" -m engine \
+      bench --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
+  done
 fi
 echo
 echo "qmv_check: $failed step(s) failed"

@@ -259,3 +259,57 @@ def test_a_models_shared_layers_route_through_the_kernel_and_keep_its_logits(mon
     routed = model(tokens).astype(mx.float32)
     assert len(calls) == 2 * 4 + 1  # per layer: q/k/v, o, gate/up, down; then the head
     assert mx.abs(routed - plain).max().item() <= 5e-2 * mx.abs(plain).max().item()
+
+
+def test_the_mlp_plus_its_residual_is_the_add_wherever_the_epilogue_does_not_run(monkeypatch):
+    """``GatedMLP.plus`` (the last add of a Llama-style layer) is ``residual + mlp(x)`` bit for
+    bit where the kernel's epilogue does not run: off CUDA, or turned off."""
+    from engine.models.base import GatedMLP
+
+    monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
+    mlp = GatedMLP(128, 320)
+    nn.quantize(mlp, group_size=64, bits=4)
+    x = mx.random.normal((1, 3, 128), key=mx.random.key(5)).astype(mx.bfloat16)
+    h = mx.random.normal((1, 3, 128), key=mx.random.key(6)).astype(mx.bfloat16)
+    mlp.set_dtype(mx.bfloat16)
+    assert mx.array_equal(mlp.plus(h, x), h + mlp(x))
+    assert not qmv.residual_enabled()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_kernels_residual_epilogue_is_the_product_then_the_add(dtype, rows):
+    x, wq, scales, biases = _case(rows, 9728, 2560, 4, 64, dtype)
+    residual = (4 * mx.random.normal((rows, 2560), key=mx.random.key(rows))).astype(dtype)
+    fused = qmv.matmul(x, wq, scales, biases, 64, 4, residual=residual)
+    assert mx.array_equal(fused, residual + qmv.matmul(x, wq, scales, biases, 64, 4))
+
+
+@needs_cuda
+def test_a_models_logits_are_the_same_with_the_epilogue_on(monkeypatch):
+    """A 4-bit qwen2.5-0.5b-shaped model's two-token pass (a verify pass: 2 rows take the
+    kernel on any matrix) with the down products' residual adds in the kernel's epilogue gives
+    the logits of the separate adds, bit for bit."""
+    from engine.cli.bench import SHAPES as BENCH_SHAPES
+    from engine.models import get_family
+    from engine.models.stacked import stack_projections
+
+    config = dict(BENCH_SHAPES["qwen2.5-0.5b"], num_hidden_layers=2)
+    family = get_family(config["model_type"])
+    mx.random.seed(4)
+    model = family.Model(family.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    stack_projections(model)
+    mx.eval(model.parameters())
+    tokens = mx.array([[4242, 77]])
+    monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
+    apart = model(tokens)
+    calls = []
+    kernel = qmv.matmul
+    monkeypatch.setattr(qmv, "matmul", lambda *a, **k: calls.append("residual" in k) or kernel(*a, **k))
+    monkeypatch.setenv(qmv.RESIDUAL_ENV, "1")
+    together = model(tokens)
+    assert calls.count(True) == 2  # each layer's down product took its residual
+    assert mx.array_equal(together, apart)

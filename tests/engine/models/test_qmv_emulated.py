@@ -203,6 +203,40 @@ def test_the_kernels_source_computes_mlxs_product(tmp_path, rows, inputs, output
     assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
 
 
+# The same product with a residual added in its epilogue (``matmul``'s ``residual``).
+_RESIDUAL_DRIVER = (
+    _DRIVER.replace(
+        "const T* scales, const T* biases, T* out) {", "const T* scales, const T* biases, const T* residual, T* out) {"
+    )
+    .replace(
+        "(const T*)sb.data(), (const T*)bb.data(), out.data());",
+        "(const T*)sb.data(), (const T*)bb.data(), (const T*)rb.data(), out.data());",
+    )
+    .replace('auto xb = slurp("x.bin"),', 'auto rb = slurp("r.bin");\n  auto xb = slurp("x.bin"),')
+)
+
+
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, dtype", [(1, 640, 37, mx.bfloat16), (3, 2176, 19, mx.float16)], ids=str
+)
+def test_the_residual_epilogue_equals_the_product_then_the_add(tmp_path, rows, inputs, outputs, dtype):
+    """Bit for bit what the product rounded to the dtype and a separate add give."""
+    k1, k2, k3 = mx.random.split(mx.random.key(rows * 5 + inputs), 3)
+    w = (mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
+    residual = (4 * mx.random.normal((rows, outputs), key=k3)).astype(dtype)
+    _raw(residual).tofile(tmp_path / "r.bin")
+    splits = qmv.k_splits(inputs, outputs, 4)
+    source = _program(_RESIDUAL_DRIVER, qmv._RESIDUAL_SOURCE, dtype, 4, 64, splits, f"constexpr int R = {rows};")
+    got = _build_and_run(
+        tmp_path, source, (x, wq, scales, biases), [rows, inputs, outputs, 0, qmv.WARPS, splits, qmv.COLUMNS]
+    )
+    plain = _run_on_cpu(tmp_path, x, wq, scales, biases, 64, 4, 0)
+    assert mx.array_equal(got, residual + plain)
+    assert not mx.array_equal(got, plain)
+
+
 # The gathered variant (expert products): blocks run per (token, expert) pair, blockIdx.y.
 _GATHER_DRIVER = r"""
 static void kernel(const T* x, const Shape x_shape, const uint32_t* w, const Shape w_shape,
