@@ -69,9 +69,10 @@ def apply_mla_attention(args: argparse.Namespace) -> None:
         mla.COMPOSE = choice == "composed"
 
 
-def op_count(outputs: Any) -> dict[str, int]:
-    """The primitives in the graph that computes ``outputs`` (not yet evaluated), views
-    left out, by name."""
+def graph_nodes(outputs: Any) -> dict[str, int]:
+    """Every primitive in the graph that computes ``outputs`` (not yet evaluated), views
+    included, by name: what MLX builds again each time a traced function is called, so what a
+    step's build time follows."""
     import mlx.core as mx
 
     fd, path = tempfile.mkstemp(suffix=".dot")
@@ -82,7 +83,13 @@ def op_count(outputs: Any) -> dict[str, int]:
             labels = re.findall(r'\[label ?= ?"([^"]*)", shape=rectangle\]', f.read())
     finally:
         os.unlink(path)
-    return dict(collections.Counter(x for x in labels if x not in _VIEWS))
+    return dict(collections.Counter(labels))
+
+
+def without_views(nodes: dict[str, int]) -> dict[str, int]:
+    """``graph_nodes``' count without the views: the primitives that do work (close to the
+    kernels a GPU launches)."""
+    return {name: n for name, n in nodes.items() if name not in _VIEWS}
 
 
 class _Prompted:
@@ -288,7 +295,8 @@ def run_step(args: argparse.Namespace) -> int:
     ids: dict[str, list[int]] = {}  # each loop's greedy tokens: the loops must agree
     for name, (forward, prompted) in loops.items():
         graph = forward(first)
-        ops = op_count(graph)
+        nodes = graph_nodes(graph)
+        ops = without_views(nodes)
         mx.eval(graph)
         prompted.rewind()
         time_steps(forward, first, 2)  # warm-up (traces, kernels)
@@ -305,6 +313,7 @@ def run_step(args: argparse.Namespace) -> int:
             "build_ms": 1000 * best["build"],
             "launch_ms": 1000 * best["launch"],
             "ops": sum(ops.values()),
+            "nodes": sum(nodes.values()),
         }
         steps[name]["op_kinds"] = ops
         ids[name] = tokens
@@ -312,6 +321,12 @@ def run_step(args: argparse.Namespace) -> int:
         print(
             f"{name:<16} {s['ms']:8.3f} ms/step (median {s['median_ms']:8.3f}; host: build {s['build_ms']:.3f}, "
             f"launch {s['launch_ms']:.3f})   {s['ops']:5d} ops/step",
+            flush=True,
+        )
+    for name, s in steps.items():
+        most = sorted(s["op_kinds"].items(), key=lambda kv: -kv[1])[:6]
+        print(
+            f"  {name}: {s['nodes']} graph nodes with views; most ops: " + ", ".join(f"{kind} {n}" for kind, n in most),
             flush=True,
         )
 

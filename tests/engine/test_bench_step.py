@@ -18,6 +18,7 @@ def test_one_step_taken_apart_next_to_mlx_lm():
         assert s["ms"] > 0 and s["median_ms"] >= s["ms"]
         assert 0 < s["build_ms"] and 0 < s["launch_ms"]
         assert s["ops"] == sum(s["op_kinds"].values()) > 0
+        assert s["nodes"] > s["ops"]  # the views are counted among the nodes
         assert not {"Reshape", "Transpose", "Slice"} & set(s["op_kinds"])  # views are not work
     # Compiling fuses elementwise ops: fewer primitives than the plain pass, same tokens.
     assert steps["engine compiled"]["ops"] < steps["engine plain"]["ops"]
@@ -32,6 +33,7 @@ def test_one_step_taken_apart_next_to_mlx_lm():
     both = [name for name in parts if name != "final norm + head" and not name.startswith("latent attention")]
     assert all(parts[name]["engine"] > 0 and parts[name]["mlx-lm"] > 0 for name in both)
     assert "ms/step" in proc.stdout and "routed experts x1" in proc.stdout
+    assert "engine compiled: " in proc.stdout and "graph nodes with views; most ops: " in proc.stdout
 
 
 def test_step_needs_a_text_shape_and_two_steps():
