@@ -127,6 +127,8 @@ class CompiledDecoder:
 
         def end(i: int, h, attn):
             prev = layer(i)
+            if hasattr(prev, "finish_attention"):  # the residual add may join the output product
+                return prev.finish_attention(h, attn)
             return prev.finish(h, prev.self_attn.out(attn))
 
         def first(tokens, pos):

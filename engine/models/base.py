@@ -350,6 +350,14 @@ class AttentionSteps(nn.Module):
         b, _, n, _ = attn.shape
         return linear(self.o_proj, attn.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
+    def out_plus(self, attn: mx.array, residual: mx.array) -> mx.array:
+        """``residual + self.out(attn)``, the add in the output product's epilogue where the
+        CUDA kernel takes it (``linear_plus``)."""
+        if type(self).out is not AttentionSteps.out:  # a family's own output step
+            return residual + self.out(attn)
+        b, _, n, _ = attn.shape
+        return linear_plus(self.o_proj, attn.transpose(0, 2, 1, 3).reshape(b, n, -1), residual)
+
 
 class Attention(AttentionSteps):
     """Multi-head attention with grouped KV heads, as in Llama, Qwen2/3, Mistral and Gemma."""

@@ -117,10 +117,21 @@ class DecoderLayer(nn.Module):
 
     def finish(self, x: mx.array, attn_out: mx.array) -> mx.array:
         """Everything after attention: residual, feed-forward, residual."""
-        h = x + attn_out
+        return self.feed_forward(x + attn_out)
+
+    def feed_forward(self, h: mx.array) -> mx.array:
+        """``h`` plus the feed-forward of its norm."""
         if type(self.mlp) is GatedMLP:  # the last add in the down product's epilogue on CUDA
             return self.mlp.plus(h, self.post_attention_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def finish_attention(self, x: mx.array, attn: mx.array) -> mx.array:
+        """``finish(x, self.self_attn.out(attn))`` from the attention before its output
+        product, so that the first residual add can run in that product's epilogue on CUDA
+        (a compiled decode step calls this); layers with their own ``finish`` keep it."""
+        if type(self).finish is not DecoderLayer.finish:
+            return self.finish(x, self.self_attn.out(attn))
+        return self.feed_forward(self.self_attn.out_plus(attn, x))
 
 
 class LlamaModel(DecoderStack):

@@ -276,6 +276,23 @@ def test_the_mlp_plus_its_residual_is_the_add_wherever_the_epilogue_does_not_run
     assert not qmv.residual_enabled()
 
 
+def test_a_layer_finished_from_its_attention_is_finished_as_before(monkeypatch):
+    """``finish_attention`` (a compiled step's path, whose first add may join the output
+    product) is ``finish(x, out(attn))`` bit for bit where the epilogue does not run."""
+    from engine.cli.bench import SHAPES as BENCH_SHAPES
+    from engine.models import get_family
+
+    monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
+    config = dict(BENCH_SHAPES["qwen3-4b"], num_hidden_layers=1, hidden_size=128, intermediate_size=256)
+    config.update(num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=300)
+    family = get_family(config["model_type"])
+    layer = family.Model(family.ModelArgs.from_dict(config)).layers[0]
+    nn.quantize(layer, group_size=64, bits=4)
+    x = mx.random.normal((1, 2, 128), key=mx.random.key(7))
+    attn = mx.random.normal((1, 4, 2, 32), key=mx.random.key(8))
+    assert mx.array_equal(layer.finish_attention(x, attn), layer.finish(x, layer.self_attn.out(attn)))
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
 @pytest.mark.parametrize("rows", [1, 4])
@@ -313,3 +330,20 @@ def test_a_models_logits_are_the_same_with_the_epilogue_on(monkeypatch):
     together = model(tokens)
     assert calls.count(True) == 2  # each layer's down product took its residual
     assert mx.array_equal(together, apart)
+
+    # A compiled verify step: each layer's output and down products take their residuals.
+    from engine.decode.compiled_step import compiled_decoder
+    from engine.models.kv_cache import KVCache
+
+    logits = {}
+    for residual in ("0", "1"):
+        monkeypatch.setenv(qmv.RESIDUAL_ENV, residual)
+        cache = [KVCache() for _ in model.layers]
+        mx.eval(model(mx.array([[11, 523, 9001]]), cache=cache))
+        decoder = compiled_decoder(model)
+        decoder.prepare()
+        decoder._fns = decoder._build()  # traced again: the setting is read while tracing
+        calls.clear()
+        logits[residual] = decoder(mx.array([4242, 77]), cache)
+    assert calls.count(True) == 2 * 2
+    assert mx.array_equal(logits["1"], logits["0"])
