@@ -1,6 +1,6 @@
 """``python -m engine.cli.bench_gather_qmm --shape qwen3.5-35b-a3b --tokens 1,2,4``: what a
 mixture-of-experts layer's quantized expert products cost in a decode step, MLX's
-``gather_qmm`` beside this project's CUDA kernel (``models.quantized_matmul_cuda``), against
+``gather_qmm`` beside this project's CUDA kernel (``models.gathered_matmul_cuda``), against
 the floor of reading the chosen experts' weights once.
 
 A decode step routes each token to k experts; the gate and up products read the token's
@@ -54,7 +54,7 @@ def time_experts(
 ) -> dict[str, Any]:
     import mlx.core as mx
 
-    from engine.models import quantized_matmul_cuda as qmv
+    from engine.models import gathered_matmul_cuda as gathered
 
     w = (mx.random.normal((experts, outputs, inputs)) * inputs**-0.5).astype(mx.bfloat16)
     wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
@@ -83,10 +83,10 @@ def time_experts(
         out["batched_us"][n] = _time(lambda: [theirs(i) for i in range(calls)], repeat) / calls * 1e6
         if not ours:
             continue
-        shares = qmv.gather_shares(xs[0].shape[:-2], ids[0].shape)
+        shares = gathered.gather_shares(xs[0].shape[:-2], ids[0].shape)
 
         def mine(i: int) -> Any:
-            return qmv.gathered_matmul(xs[i], wq, scales, biases, ids[i], shares, group_size, bits)
+            return gathered.gathered_matmul(xs[i], wq, scales, biases, ids[i], shares, group_size, bits)
 
         out["ours_single_us"][n] = _time(lambda: mine(0), repeat) * 1e6
         out["ours_batched_us"][n] = _time(lambda: [mine(i) for i in range(calls)], repeat) / calls * 1e6

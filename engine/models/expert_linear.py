@@ -15,7 +15,7 @@ import math
 import mlx.core as mx
 from mlx import nn
 
-from engine.models import quantized_matmul_cuda as qmv
+from engine.models import gathered_matmul_cuda as gathered
 
 # nvfp4's per-tensor scale maps amax onto the largest value an e4m3 group scale (448) times
 # an e2m1 weight (6) can hold.
@@ -120,7 +120,7 @@ class QuantizedSwitchLinear(nn.Module):
         without a per-expert scale."""
         # A decode step's few rows may take our CUDA kernel (only when asked: measured no
         # faster than MLX's on MoE shapes, docs/qmv.md).
-        y = qmv.gather_quantized_matmul(
+        y = gathered.gather_quantized_matmul(
             x,
             a["weight"],
             a["scales"],

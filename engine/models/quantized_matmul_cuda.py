@@ -27,15 +27,11 @@ CUDA backend runs on the GPU, unless the environment variable ``MLX_DESK_QMV`` i
 batch's rows ([B, L, K]) reach MLX's kernel as one matrix, with ours on or off: MLX runs
 the leading axis as that many separate products, each reading the whole weight.
 
-Expert products. ``gather_quantized_matmul`` is ``mx.gather_qmm`` for a decode step's
-(token, expert) pairs, each pair one row through the same body with its expert's weights;
-measured no faster than MLX's on MoE shapes, it routes only when asked
-(``gathered_enabled``).
+Expert products of a decode step go through the same body: models.gathered_matmul_cuda.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from functools import cache
@@ -61,16 +57,12 @@ MAX_ROWS = 16
 # (qwen3-4b's q, 2560x4096: 15.3 us against 13.1), so one row routes from 16M weights.
 ROUTED_ROWS = range(2, 8)
 ONE_ROW_MIN_WEIGHTS = 16 << 20
-# The most (token, expert) pairs a gathered product takes (``pays_gathered``).
-MAX_PAIRS = 64
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
 # The residual add in the product's epilogue: ``1`` turns it on (``residual_enabled``).
 RESIDUAL_ENV = "MLX_DESK_QMV_RESIDUAL"
-# Gathered (expert) products alone: ``1`` routes them (``gathered_enabled``).
-GATHER_ENV = "MLX_DESK_GATHER_QMV"
 
 _HEADER = """
 // The PW codes of one word of packed weights as floats, without a shift or an int-to-float
@@ -126,7 +118,7 @@ __device__ __forceinline__ void load_floats(const T* p, float* out, bool aligned
 """
 
 # The kernels' shared body, a device function: the plain product calls it once per block,
-# the gathered one with each (token, expert) pair's pointers.
+# the gathered one (models.gathered_matmul_cuda) with each (token, expert) pair's pointers.
 _PRODUCT = """
 // out[r, n] = sum_k x[r, k] * dequantize(w)[n, k] for R rows of x [R, K] and one [N, K]
 // weight packed as MLX packs it, for the column sets of this block (blockIdx.x).
@@ -271,6 +263,9 @@ __device__ __forceinline__ void rows_product(
 }
 """
 
+# The device code every variant's kernel is built on (its header).
+DEVICE_FUNCTIONS = _HEADER + _PRODUCT
+
 # Template constants as ``rows_product``'s. Runtime: K (x_shape[1]), N (w_shape[0]).
 _SOURCE = """
   rows_product<T, R, BITS, GS, CPW, NW, KS>(x, w, scales, biases, out, x_shape[1], w_shape[0]);
@@ -279,22 +274,6 @@ _SOURCE = """
 # The same with a residual added to the output (``matmul``'s ``residual``).
 _RESIDUAL_SOURCE = """
   rows_product<T, R, BITS, GS, CPW, NW, KS, true>(x, w, scales, biases, out, x_shape[1], w_shape[0], residual);
-"""
-
-# One row per (token, expert) pair, the pair's expert's weights (``gather_qmm``'s ``rhs_indices``)
-# read from the stacked [E, N, K] arrays; pair p is blockIdx.y. Template constants as
-# ``rows_product``'s with R = 1, and XS: pairs sharing one activation row (k for the gate and
-# up projections, whose tokens' rows serve all k of their experts; 1 for the down projection).
-_GATHER_SOURCE = """
-  const int K = x_shape[1];
-  const int N = w_shape[1];
-  const int pair = blockIdx.y;
-  const long expert = min((int)ids[pair], w_shape[0] - 1);
-  const long words = (long)N * (K / (32 / BITS));
-  const long groups = (long)N * (K / GS);
-  rows_product<T, 1, BITS, GS, CPW, NW, KS>(
-      x + (long)(pair / XS) * K, w + expert * words, scales + expert * groups, biases + expert * groups,
-      out + (long)pair * N, K, N);
 """
 
 
@@ -314,7 +293,7 @@ def _kernel():
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
         source=compact(_SOURCE),
-        header=compact(_HEADER + _PRODUCT),
+        header=compact(DEVICE_FUNCTIONS),
     )
 
 
@@ -325,18 +304,7 @@ def _residual_kernel():
         input_names=["x", "w", "scales", "biases", "residual"],
         output_names=["out"],
         source=compact(_RESIDUAL_SOURCE),
-        header=compact(_HEADER + _PRODUCT),
-    )
-
-
-@cache
-def _gather_kernel():
-    return mx.fast.cuda_kernel(
-        name="gathered_quantized_matmul_rows",
-        input_names=["x", "w", "scales", "biases", "ids"],
-        output_names=["out"],
-        source=compact(_GATHER_SOURCE),
-        header=compact(_HEADER + _PRODUCT),
+        header=compact(DEVICE_FUNCTIONS),
     )
 
 
@@ -354,14 +322,6 @@ def available() -> bool:
 def enabled() -> bool:
     """Whether products are routed to the kernel: not turned off (``MLX_DESK_QMV=0``) and able to run."""
     return os.environ.get(ENV, "1") != "0" and available()
-
-
-def gathered_enabled() -> bool:
-    """Whether expert products (``gather_quantized_matmul``) are routed to the kernel: only
-    with ``MLX_DESK_GATHER_QMV=1`` (on an H200 a decode step's expert products cost launch
-    latency, not their weight read, and ours were no faster than MLX's: docs/qmv.md), and
-    never while the kernel is off."""
-    return os.environ.get(GATHER_ENV, "0") == "1" and enabled()
 
 
 def fits(
@@ -457,7 +417,7 @@ def matmul(
     return out.reshape(*lead, n)
 
 
-def _takes(
+def takes(
     rows: int,
     x: mx.array,
     w: mx.array,
@@ -504,7 +464,7 @@ def quantized_matmul(
         if (
             enabled()
             and pays(rows, x.shape[-1], w.shape[0])
-            and _takes(rows, x, w, scales, biases, group_size, bits, mode)
+            and takes(rows, x, w, scales, biases, group_size, bits, mode)
         ):
             return matmul(x, w, scales, biases, group_size, bits)
         # MLX's own kernel, with or without ours turned off (``MLX_DESK_QMV=0``).
@@ -543,7 +503,7 @@ def quantized_matmul_plus(
         and residual.shape == (*x.shape[:-1], w.shape[0])
         and residual.dtype == x.dtype
         and pays(rows, x.shape[-1], w.shape[0])
-        and _takes(rows, x, w, scales, biases, group_size, bits, mode)
+        and takes(rows, x, w, scales, biases, group_size, bits, mode)
     ):
         return matmul(x, w, scales, biases, group_size, bits, residual=residual)
     return residual + quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
@@ -561,98 +521,6 @@ def _as_one_matrix(
         x.reshape(-1, k), w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode
     )
     return y.reshape(*lead, y.shape[-1])
-
-
-def gather_shares(x_batch: tuple[int, ...], ids_shape: tuple[int, ...]) -> int | None:
-    """How many consecutive (token, expert) pairs share one activation row in a gathered
-    product of ``x`` [*x_batch, 1, K] by the experts ``ids`` [*ids_shape]: 1 where each pair
-    has its own row (a down projection's hidden rows), the experts per token where a token's
-    row serves all its experts (gate and up), every pair for one row; None for other
-    broadcasts (they keep MLX's kernel)."""
-    pairs = math.prod(ids_shape)
-    if tuple(x_batch) == tuple(ids_shape):
-        return 1
-    if math.prod(x_batch) == 1:
-        return pairs
-    if ids_shape and tuple(x_batch) == (*ids_shape[:-1], 1):
-        return ids_shape[-1]
-    return None
-
-
-def pays_gathered(pairs: int, inputs: int, outputs: int) -> bool:
-    """Whether a gathered product the kernel can take is faster through it than through
-    ``mx.gather_qmm``: a decode step's or a short verify pass's pairs (each pair reads its
-    expert's weights, where MLX's kernel reads an expert once for all the tokens routed to
-    it, so a prompt's many pairs stay with MLX's)."""
-    return pairs <= MAX_PAIRS
-
-
-def gathered_matmul(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, ids: mx.array, shares: int, group_size: int, bits: int
-) -> mx.array:
-    """``mx.gather_qmm(x, w, ..., rhs_indices=ids, transpose=True)`` for one row per pair:
-    ``x`` [..., 1, K], stacked experts ``w`` [E, N, K * bits / 32] (``scales``/``biases``
-    [E, N, K / group_size]), ``ids`` [...] -> [*ids.shape, 1, N]. ``shares`` is
-    ``gather_shares``'s answer; the caller checks ``fits``."""
-    k, n = x.shape[-1], w.shape[1]
-    pairs = ids.size
-    splits = k_splits(k, n, bits)
-    blocks = -(-n // (WARPS // splits * COLUMNS))
-    (out,) = _gather_kernel()(
-        inputs=[x.reshape(-1, k), w, scales, biases, ids.reshape(-1).astype(mx.uint32)],
-        template=[
-            ("T", x.dtype),
-            ("BITS", bits),
-            ("GS", group_size),
-            ("CPW", COLUMNS),
-            ("NW", WARPS),
-            ("KS", splits),
-            ("XS", shares),
-        ],
-        grid=(blocks * WARPS * 32, pairs, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(pairs, n)],
-        output_dtypes=[x.dtype],
-    )
-    return out.reshape(*ids.shape, 1, n)
-
-
-def gather_quantized_matmul(
-    x: mx.array,
-    w: mx.array,
-    scales: mx.array,
-    biases: mx.array | None,
-    ids: mx.array,
-    *,
-    group_size: int,
-    bits: int,
-    mode: str = "affine",
-    sorted_indices: bool = False,
-) -> mx.array:
-    """``mx.gather_qmm(..., rhs_indices=ids, transpose=True)``, through the kernel where it is
-    enabled, fits and pays (one activation row per token: decode steps and short passes)."""
-    # Asked first: every expert product of every MoE step passes here, off by default.
-    routed = gathered_enabled() and x.ndim >= 2 and x.shape[-2] == 1
-    shares = gather_shares(x.shape[:-2], ids.shape) if routed else None
-    if (
-        shares is not None
-        and w.ndim == 3
-        and pays_gathered(ids.size, x.shape[-1], w.shape[1])
-        and _takes(1, x, w, scales, biases, group_size, bits, mode)
-    ):
-        return gathered_matmul(x, w, scales, biases, ids, shares, group_size, bits)
-    return mx.gather_qmm(
-        x,
-        w,
-        scales,
-        biases,
-        rhs_indices=ids,
-        transpose=True,
-        group_size=group_size,
-        bits=bits,
-        mode=mode,
-        sorted_indices=sorted_indices,
-    )
 
 
 def linear(layer: nn.Module, x: mx.array) -> mx.array:

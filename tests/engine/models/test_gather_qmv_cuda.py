@@ -1,4 +1,4 @@
-"""Gathered quantized expert products of a decode step (models.quantized_matmul_cuda).
+"""Gathered quantized expert products of a decode step (models.gathered_matmul_cuda).
 
 Where MLX runs on CUDA, the kernel must equal ``mx.gather_qmm`` (rhs_indices, transpose=True)
 to float rounding: a token's one row shared by its k experts (gate and up) and a row per
@@ -17,6 +17,7 @@ import mlx.nn as nn
 import pytest
 
 from engine.cli import bench_gather_qmm
+from engine.models import gathered_matmul_cuda as gathered
 from engine.models import quantized_matmul_cuda as qmv
 from engine.models.switch import QuantizedSwitchLinear, SwitchGLU
 
@@ -24,28 +25,28 @@ needs_cuda = pytest.mark.skipif(not qmv.available(), reason="needs MLX's CUDA ba
 
 
 def test_which_broadcasts_of_rows_and_experts_the_kernel_takes():
-    assert qmv.gather_shares((1, 1, 1), (1, 1, 8)) == 8  # one token's row, its 8 experts
-    assert qmv.gather_shares((2, 3, 1), (2, 3, 6)) == 6  # every token's row, its 6 experts
-    assert qmv.gather_shares((2, 3, 6), (2, 3, 6)) == 1  # a hidden row per expert (down)
-    assert qmv.gather_shares((), (4,)) == 4
-    assert qmv.gather_shares((12,), (12,)) == 1  # the sorted prompt layout
-    assert qmv.gather_shares((2, 1), (2, 3, 6)) is None
-    assert qmv.gather_shares((3, 6), (2, 3, 6)) is None
+    assert gathered.gather_shares((1, 1, 1), (1, 1, 8)) == 8  # one token's row, its 8 experts
+    assert gathered.gather_shares((2, 3, 1), (2, 3, 6)) == 6  # every token's row, its 6 experts
+    assert gathered.gather_shares((2, 3, 6), (2, 3, 6)) == 1  # a hidden row per expert (down)
+    assert gathered.gather_shares((), (4,)) == 4
+    assert gathered.gather_shares((12,), (12,)) == 1  # the sorted prompt layout
+    assert gathered.gather_shares((2, 1), (2, 3, 6)) is None
+    assert gathered.gather_shares((3, 6), (2, 3, 6)) is None
 
 
 def test_expert_products_route_only_when_asked(monkeypatch):
-    monkeypatch.delenv(qmv.GATHER_ENV, raising=False)
+    monkeypatch.delenv(gathered.GATHER_ENV, raising=False)
     monkeypatch.delenv(qmv.ENV, raising=False)
-    assert not qmv.gathered_enabled()
-    monkeypatch.setenv(qmv.GATHER_ENV, "1")
-    assert qmv.gathered_enabled() == qmv.available()
+    assert not gathered.gathered_enabled()
+    monkeypatch.setenv(gathered.GATHER_ENV, "1")
+    assert gathered.gathered_enabled() == qmv.available()
     monkeypatch.setenv(qmv.ENV, "0")  # the kernel off turns its gathered use off too
-    assert not qmv.gathered_enabled()
+    assert not gathered.gathered_enabled()
 
 
 def test_decode_pairs_route_and_a_prompts_keep_mlxs_kernel():
-    assert qmv.pays_gathered(8, 2048, 512) and qmv.pays_gathered(5 * 8, 2048, 512)
-    assert not qmv.pays_gathered(qmv.MAX_PAIRS + 1, 2048, 512)
+    assert gathered.pays_gathered(8, 2048, 512) and gathered.pays_gathered(5 * 8, 2048, 512)
+    assert not gathered.pays_gathered(gathered.MAX_PAIRS + 1, 2048, 512)
 
 
 def _experts(experts, inputs, outputs, bits, group, dtype, seed):
@@ -116,9 +117,9 @@ def _referee(x, wq, scales, biases, ids, group, bits):
 @pytest.mark.parametrize("tokens, k, experts, inputs, outputs, shared_row, bits, group, dtype", CASES, ids=str)
 def test_the_kernel_equals_mlxs_gather_qmm(tokens, k, experts, inputs, outputs, shared_row, bits, group, dtype):
     x, wq, scales, biases, ids = _gathered_case(tokens, k, experts, inputs, outputs, shared_row, bits, group, dtype)
-    shares = qmv.gather_shares(x.shape[:-2], ids.shape)
+    shares = gathered.gather_shares(x.shape[:-2], ids.shape)
     assert shares == (k if shared_row else 1)
-    got = qmv.gathered_matmul(x, wq, scales, biases, ids, shares, group, bits)
+    got = gathered.gathered_matmul(x, wq, scales, biases, ids, shares, group, bits)
     mlx_own = mx.gather_qmm(x, wq, scales, biases, rhs_indices=ids, transpose=True, group_size=group, bits=bits)
     expected = _referee(x, wq, scales, biases, ids, group, bits)
     assert got.shape == mlx_own.shape and got.dtype == mlx_own.dtype == dtype
@@ -133,11 +134,11 @@ def test_the_kernel_equals_mlxs_gather_qmm(tokens, k, experts, inputs, outputs, 
 def test_repeated_and_last_experts_and_a_pairs_output_alone():
     x, wq, scales, biases, _ = _gathered_case(4, 3, 9, 512, 96, False, 4, 64, mx.bfloat16)
     ids = mx.array([[8, 8, 0], [1, 8, 1], [2, 3, 4], [8, 0, 8]], dtype=mx.uint32)
-    many = qmv.gathered_matmul(x, wq, scales, biases, ids, 1, 64, 4)
+    many = gathered.gathered_matmul(x, wq, scales, biases, ids, 1, 64, 4)
     expected = _referee(x, wq, scales, biases, ids, 64, 4)
     assert mx.abs(many.astype(mx.float32) - expected).max().item() <= 8e-3 * mx.abs(expected).max().item()
     for t in (0, 3):
-        one = qmv.gathered_matmul(x[t : t + 1], wq, scales, biases, ids[t : t + 1], 1, 64, 4)
+        one = gathered.gathered_matmul(x[t : t + 1], wq, scales, biases, ids[t : t + 1], 1, 64, 4)
         assert mx.array_equal(one[0], many[t])
 
 
@@ -150,8 +151,8 @@ def test_an_moe_blocks_decode_routes_through_the_kernel_and_keeps_its_output(mon
     block.set_dtype(mx.bfloat16)
     nn.quantize(block, group_size=64, bits=4)
     calls = []
-    kernel = qmv.gathered_matmul
-    monkeypatch.setattr(qmv, "gathered_matmul", lambda *a: calls.append(a[5]) or kernel(*a))
+    kernel = gathered.gathered_matmul
+    monkeypatch.setattr(gathered, "gathered_matmul", lambda *a: calls.append(a[5]) or kernel(*a))
     for tokens in (1, 3):
         x = mx.random.normal((1, tokens, 256)).astype(mx.bfloat16)
         ids = mx.argsort(mx.random.uniform(shape=(1, tokens, 16)), axis=-1)[..., :4].astype(mx.uint32)
@@ -159,12 +160,12 @@ def test_an_moe_blocks_decode_routes_through_the_kernel_and_keeps_its_output(mon
         plain = block(x, ids).astype(mx.float32)
         calls.clear()
         monkeypatch.setenv(qmv.ENV, "1")
-        monkeypatch.setenv(qmv.GATHER_ENV, "1")
+        monkeypatch.setenv(gathered.GATHER_ENV, "1")
         routed = block(x, ids).astype(mx.float32)
         assert calls == [4, 4, 1]  # gate and up share a token's row across its 4 experts
         assert mx.abs(routed - plain).max().item() <= 3e-2 * mx.abs(plain).max().item()
     calls.clear()
-    monkeypatch.setenv(qmv.GATHER_ENV, "0")  # expert products alone back to MLX's kernel
+    monkeypatch.setenv(gathered.GATHER_ENV, "0")  # expert products alone back to MLX's kernel
     assert mx.array_equal(block(x, ids), plain.astype(mx.bfloat16)) and not calls
 
 

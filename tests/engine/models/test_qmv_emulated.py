@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine.models import gathered_matmul_cuda as gathered
 from engine.models import quantized_matmul_cuda as qmv
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel for the CPU")
@@ -134,7 +135,7 @@ def _program(driver: str, kernel: str, dtype, bits: int, group: int, splits: int
         f"{extra} constexpr int BITS = {bits}; constexpr int GS = {group}; "
         f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
     )
-    source = _PRELUDE + qmv.compact(qmv._HEADER + qmv._PRODUCT) + f"using T = {_CPP_TYPE[dtype]};\n"
+    source = _PRELUDE + qmv.compact(qmv.DEVICE_FUNCTIONS) + f"using T = {_CPP_TYPE[dtype]};\n"
     return source + driver.replace("CONSTANTS", constants).replace("SOURCE", qmv.compact(kernel))
 
 
@@ -287,9 +288,11 @@ def test_the_gathered_kernels_source_computes_mlxs_gather_qmm(
     ids = ids.reshape(tokens, 1, k) if shared_row else ids
     rows = (tokens, 1, 1, 1, inputs) if shared_row else (tokens, k, 1, inputs)
     x = mx.random.normal(rows, key=keys[2]).astype(dtype)
-    shares = qmv.gather_shares(x.shape[:-2], ids.shape)
+    shares = gathered.gather_shares(x.shape[:-2], ids.shape)
     splits = qmv.k_splits(inputs, outputs, bits)
-    source = _program(_GATHER_DRIVER, qmv._GATHER_SOURCE, dtype, bits, group, splits, f"constexpr int XS = {shares};")
+    source = _program(
+        _GATHER_DRIVER, gathered._GATHER_SOURCE, dtype, bits, group, splits, f"constexpr int XS = {shares};"
+    )
     args = [ids.size, inputs, outputs, experts, qmv.WARPS, splits, qmv.COLUMNS]
     got = _build_and_run(tmp_path, source, (x, wq, scales, biases), args, ids=ids.reshape(-1))
     f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
@@ -328,7 +331,7 @@ int main() {
 
 
 def test_every_code_position_of_4_and_8_bit_words_unpacks_exactly(tmp_path):
-    _build(tmp_path, _PRELUDE + qmv.compact(qmv._HEADER + qmv._PRODUCT) + _CODES_CHECK)
+    _build(tmp_path, _PRELUDE + qmv.compact(qmv.DEVICE_FUNCTIONS) + _CODES_CHECK)
     run = subprocess.run(["./kernel"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     checked, wrong = map(int, run.stdout.split())
     assert checked > 500_000 and wrong == 0 and run.returncode == 0
@@ -337,9 +340,9 @@ def test_every_code_position_of_4_and_8_bit_words_unpacks_exactly(tmp_path):
 def test_the_source_mlx_receives_keeps_the_code_and_drops_the_comments():
     text = "  // why\n  int a = 1;  // trailing\n\n#pragma unroll\n  for (;;) {}\n"
     assert qmv.compact(text) == "int a = 1;\n#pragma unroll\nfor (;;) {}\n"
-    compacted = qmv.compact(qmv._HEADER + qmv._PRODUCT)
+    compacted = qmv.compact(qmv.DEVICE_FUNCTIONS)
     assert "//" not in compacted and "rows_product" in compacted and "word_codes" in compacted
-    assert len(compacted) < 0.75 * len(qmv._HEADER + qmv._PRODUCT)
+    assert len(compacted) < 0.75 * len(qmv.DEVICE_FUNCTIONS)
 
 
 # The head norm + RoPE kernel (models.head_norm_rope_cuda): a warp per (token, head).
