@@ -129,9 +129,10 @@ class DecoderLayer(nn.Module):
         """``finish(x, self.self_attn.out(attn))`` from the attention before its output
         product, so that the first residual add can run in that product's epilogue on CUDA
         (a compiled decode step calls this); layers with their own ``finish`` keep it."""
-        if type(self).finish is not DecoderLayer.finish:
+        out_plus = getattr(self.self_attn, "out_plus", None)  # attention built on AttentionSteps
+        if out_plus is None or type(self).finish is not DecoderLayer.finish:
             return self.finish(x, self.self_attn.out(attn))
-        return self.feed_forward(self.self_attn.out_plus(attn, x))
+        return self.feed_forward(out_plus(attn, x))
 
 
 class LlamaModel(DecoderStack):
