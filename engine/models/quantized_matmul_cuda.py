@@ -446,6 +446,17 @@ def takes(
     )
 
 
+def _routed(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
+) -> bool:
+    """Whether the kernel takes the product of ``x`` by the [N, K] weight ``w``: turned on and
+    able to run here, faster than MLX's at this size (``pays``) and one it computes (``takes``)."""
+    if w.ndim != 2 or x.ndim < 1 or not enabled():
+        return False
+    rows = x.size // max(x.shape[-1], 1)
+    return pays(rows, x.shape[-1], w.shape[0]) and takes(rows, x, w, scales, biases, group_size, bits, mode)
+
+
 def quantized_matmul(
     x: mx.array,
     w: mx.array,
@@ -459,17 +470,11 @@ def quantized_matmul(
     """``mx.quantized_matmul(..., transpose=True)``, through the kernel where it is enabled, fits
     and pays; where MLX's kernel keeps the product, a batch's rows reach it as one matrix
     (``_as_one_matrix``)."""
-    rows = x.size // max(x.shape[-1], 1) if x.ndim >= 1 else 0
-    if w.ndim == 2 and x.ndim >= 1 and available():
-        if (
-            enabled()
-            and pays(rows, x.shape[-1], w.shape[0])
-            and takes(rows, x, w, scales, biases, group_size, bits, mode)
-        ):
-            return matmul(x, w, scales, biases, group_size, bits)
-        # MLX's own kernel, with or without ours turned off (``MLX_DESK_QMV=0``).
-        if x.ndim > 2 and rows > x.shape[-2]:
-            return _as_one_matrix(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    if _routed(x, w, scales, biases, group_size, bits, mode):
+        return matmul(x, w, scales, biases, group_size, bits)
+    # MLX's own kernel, with or without ours turned off (``MLX_DESK_QMV=0``).
+    if w.ndim == 2 and x.ndim > 2 and x.size // max(x.shape[-1], 1) > x.shape[-2] and available():
+        return _as_one_matrix(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
     return mx.quantized_matmul(
         x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits, mode=mode
     )
@@ -495,15 +500,11 @@ def quantized_matmul_plus(
     """``residual + quantized_matmul(x, w, ...)``: one launch where the kernel takes the product
     and the residual is its output's shape and dtype (a decode step's residual stream), else
     the product and the add as they are."""
-    rows = x.size // max(x.shape[-1], 1) if x.ndim >= 1 else 0
     if (
-        w.ndim == 2
-        and x.ndim >= 1
-        and residual_enabled()
+        residual_enabled()
+        and _routed(x, w, scales, biases, group_size, bits, mode)
         and residual.shape == (*x.shape[:-1], w.shape[0])
         and residual.dtype == x.dtype
-        and pays(rows, x.shape[-1], w.shape[0])
-        and takes(rows, x, w, scales, biases, group_size, bits, mode)
     ):
         return matmul(x, w, scales, biases, group_size, bits, residual=residual)
     return residual + quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
@@ -529,15 +530,7 @@ def linear(layer: nn.Module, x: mx.array) -> mx.array:
     layer elsewhere are called as they are (so wrappers of ``__call__`` still apply)."""
     if type(layer) is not nn.QuantizedLinear or not available():
         return layer(x)
-    y = quantized_matmul(
-        x,
-        layer["weight"],
-        layer["scales"],
-        layer.get("biases"),
-        group_size=layer.group_size,
-        bits=layer.bits,
-        mode=getattr(layer, "mode", "affine"),
-    )
+    y = quantized_matmul(x, *_packed(layer), **_quantization(layer))
     return y + layer["bias"] if "bias" in layer else y
 
 
@@ -546,28 +539,21 @@ def linear_plus(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
     ``nn.QuantizedLinear`` without a bias takes the kernel (``quantized_matmul_plus``)."""
     if type(layer) is not nn.QuantizedLinear or "bias" in layer or not available():
         return residual + linear(layer, x)
-    return quantized_matmul_plus(
-        x,
-        layer["weight"],
-        layer["scales"],
-        layer.get("biases"),
-        residual,
-        group_size=layer.group_size,
-        bits=layer.bits,
-        mode=getattr(layer, "mode", "affine"),
-    )
+    return quantized_matmul_plus(x, *_packed(layer), residual, **_quantization(layer))
 
 
 def embedding_logits(embed: nn.Module, h: mx.array) -> mx.array:
     """``embed.as_linear(h)`` (tied output head), routed like ``linear`` for a quantized embedding."""
     if type(embed) is not nn.QuantizedEmbedding or not available():
         return embed.as_linear(h)
-    return quantized_matmul(
-        h,
-        embed["weight"],
-        embed["scales"],
-        embed.get("biases"),
-        group_size=embed.group_size,
-        bits=embed.bits,
-        mode=getattr(embed, "mode", "affine"),
-    )
+    return quantized_matmul(h, *_packed(embed), **_quantization(embed))
+
+
+def _packed(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array | None]:
+    """A quantized layer's codes, scales and biases (None in modes without them)."""
+    return layer["weight"], layer["scales"], layer.get("biases")
+
+
+def _quantization(layer: nn.Module) -> dict:
+    """A quantized layer's group size, bits and mode, as the products take them."""
+    return {"group_size": layer.group_size, "bits": layer.bits, "mode": getattr(layer, "mode", "affine")}

@@ -231,23 +231,30 @@ def test_leading_axes_strided_inputs_and_row_views_of_a_weight(monkeypatch):
         assert mx.abs(got.astype(mx.float32) - expected).max().item() <= 8e-3 * mx.abs(expected).max().item()
 
 
-@needs_cuda
-def test_a_models_shared_layers_route_through_the_kernel_and_keep_its_logits(monkeypatch):
-    """A 4-bit qwen2.5-0.5b-shaped model (stacked q/k/v and gate/up, o/down, the tied head):
-    with the kernel on, every projection of a 5-token pass runs it and the logits stay those
-    of MLX's kernel to bfloat16 rounding."""
+def _two_layer_qwen25(seed: int):
+    """qwen2.5-0.5b's shape cut to two layers, random bfloat16 weights at 4 bits, with its
+    projections stacked as a decode step takes them."""
     from engine.cli.bench import SHAPES as BENCH_SHAPES
     from engine.models import get_family
     from engine.models.stacked import stack_projections
 
     config = dict(BENCH_SHAPES["qwen2.5-0.5b"], num_hidden_layers=2)
     family = get_family(config["model_type"])
-    mx.random.seed(3)
+    mx.random.seed(seed)
     model = family.Model(family.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=64, bits=4)
     stack_projections(model)
     mx.eval(model.parameters())
+    return model
+
+
+@needs_cuda
+def test_a_models_shared_layers_route_through_the_kernel_and_keep_its_logits(monkeypatch):
+    """A 4-bit qwen2.5-0.5b-shaped model (stacked q/k/v and gate/up, o/down, the tied head):
+    with the kernel on, every projection of a 5-token pass runs it and the logits stay those
+    of MLX's kernel to bfloat16 rounding."""
+    model = _two_layer_qwen25(seed=3)
     tokens = mx.array([[11, 523, 9001, 77, 4242]])
 
     monkeypatch.setenv(qmv.ENV, "0")
@@ -308,18 +315,7 @@ def test_a_models_logits_are_the_same_with_the_epilogue_on(monkeypatch):
     """A 4-bit qwen2.5-0.5b-shaped model's two-token pass (a verify pass: 2 rows take the
     kernel on any matrix) with the down products' residual adds in the kernel's epilogue gives
     the logits of the separate adds, bit for bit."""
-    from engine.cli.bench import SHAPES as BENCH_SHAPES
-    from engine.models import get_family
-    from engine.models.stacked import stack_projections
-
-    config = dict(BENCH_SHAPES["qwen2.5-0.5b"], num_hidden_layers=2)
-    family = get_family(config["model_type"])
-    mx.random.seed(4)
-    model = family.Model(family.ModelArgs.from_dict(config))
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=64, bits=4)
-    stack_projections(model)
-    mx.eval(model.parameters())
+    model = _two_layer_qwen25(seed=4)
     tokens = mx.array([[4242, 77]])
     monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
     apart = model(tokens)
