@@ -481,9 +481,9 @@ def quantized_matmul(
 
 
 def residual_enabled() -> bool:
-    """Whether a product's residual add may run in the kernel's epilogue
-    (``MLX_DESK_QMV_RESIDUAL=1``; off until its tests have run on a GPU, docs/qmv.md)."""
-    return os.environ.get(RESIDUAL_ENV, "0") == "1" and enabled()
+    """Whether a product's residual add may run in the kernel's epilogue: wherever the
+    kernel runs, unless turned off (``MLX_DESK_QMV_RESIDUAL=0``; docs/qmv.md)."""
+    return os.environ.get(RESIDUAL_ENV, "1") != "0" and enabled()
 
 
 def quantized_matmul_plus(

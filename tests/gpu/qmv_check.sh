@@ -5,7 +5,8 @@
 #   bench: the microbenchmark beside MLX's kernel (qwen3-4b and llama3-8b projections, each
 #          product reading its own weight from memory), whole-model decode against mlx-lm
 #          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits), and
-#          qwen3-4b with the head norm + RoPE kernel off, for the A/B.
+#          qwen3-4b with the head norm + RoPE kernel off and both shapes with the residual
+#          epilogue off, for the A/Bs.
 # Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|bench]
 # (both parts when the second argument is left out). Each command has its own time limit; a
 # failing or timed-out step is reported and the script goes on to the next one. The exit
@@ -56,11 +57,10 @@ if [ "$PART" != "tests" ]; then
   done
   step 100 "decode qwen3-4b, head norm + RoPE kernel off" env MLX_DESK_QK_ROPE=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
-  # The down products' residual add in the kernel's epilogue (off by default until its tests
-  # in test_qmv_cuda.py have passed on a GPU).
+  # The residual adds in the products' epilogue, turned off for the A/B (on by default).
   for shape_limit in qwen3-4b:100 llama3-8b:110; do
     shape="${shape_limit%%:*}"
-    step "${shape_limit##*:}" "decode $shape, residual epilogue on" env MLX_DESK_QMV_RESIDUAL=1 "$PY" -m engine \
+    step "${shape_limit##*:}" "decode $shape, residual epilogue off" env MLX_DESK_QMV_RESIDUAL=0 "$PY" -m engine \
       bench --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
   done
 fi

@@ -92,6 +92,17 @@ def test_the_kernel_is_on_by_default_where_it_can_run_and_off_when_asked(monkeyp
     assert not qmv.enabled()
 
 
+def test_the_residual_epilogue_is_on_wherever_the_kernel_is_and_off_when_asked(monkeypatch):
+    monkeypatch.delenv(qmv.ENV, raising=False)
+    monkeypatch.delenv(qmv.RESIDUAL_ENV, raising=False)
+    assert qmv.residual_enabled() == qmv.available()
+    monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
+    assert not qmv.residual_enabled()
+    monkeypatch.setenv(qmv.RESIDUAL_ENV, "1")
+    monkeypatch.setenv(qmv.ENV, "0")
+    assert not qmv.residual_enabled()
+
+
 def test_the_routed_entry_points_equal_mlxs_where_the_kernel_does_not_run(monkeypatch):
     """On the CPU build (or with the kernel off) the hooks the shared layers call must give
     exactly what the layers themselves give."""
@@ -261,7 +272,7 @@ def test_a_models_shared_layers_route_through_the_kernel_and_keep_its_logits(mon
     plain = model(tokens).astype(mx.float32)
     calls = []
     kernel = qmv.matmul
-    monkeypatch.setattr(qmv, "matmul", lambda *a: calls.append(a[1].shape) or kernel(*a))
+    monkeypatch.setattr(qmv, "matmul", lambda *a, **k: calls.append(a[1].shape) or kernel(*a, **k))
     monkeypatch.setenv(qmv.ENV, "1")
     routed = model(tokens).astype(mx.float32)
     assert len(calls) == 2 * 4 + 1  # per layer: q/k/v, o, gate/up, down; then the head
