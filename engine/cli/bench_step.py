@@ -16,6 +16,12 @@ apart from what runs outside them (cache writes and attention).
 Then the parts of one layer (its attention, and for mixture-of-experts layers the
 router, the routed and the shared experts), each timed alone on both models, times how
 many layers have it: where the two steps differ, one of these rows says so.
+
+``--rows N`` takes the batch step apart the same way: N streams decoding together after the
+same prompt (the continuous batch's step, ``CompiledDecoder.rows``, over one batch cache per
+layer; mlx-lm's model over its own batch caches), each part fed N rows. A step reads the
+weights once whatever its rows, so an N-row step should cost little more than a one-row
+step; where it costs more, this says which part.
 """
 
 from __future__ import annotations
@@ -49,6 +55,13 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         "--step",
         action="store_true",
         help="take one decode step apart: ours (compiled and plain) next to mlx-lm's, part by part",
+    )
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --step: the batch step of N streams after the same prompt (continuous batching)",
     )
 
 
@@ -127,9 +140,53 @@ class _Prompted:
                 c.trim(c.offset - int(self.prompt.size))
 
 
-def time_steps(forward: Callable[[Any], Any], first: Any, n: int) -> tuple[dict[str, float], list[int]]:
-    """Seconds per step over ``n`` greedy steps fed back into ``forward`` (tokens [1] ->
-    logits [1, vocab]), queued one ahead as the decode loops do, and the tokens. Besides
+class _Rows:
+    """``rows`` copies of a prompted cache as one batch cache per layer (``batch`` makes it
+    from the layer caches and the row count): the same interface as ``_Prompted``, each
+    layer trimmed back to the prompt after use, so its buffer stays grown and a step writes
+    in place as a running batch's does."""
+
+    def __init__(self, single: _Prompted, rows: int, batch: Callable[[list[Any], int], list[Any]]):
+        import mlx.core as mx
+
+        self.cache = batch(single.cache, rows)
+        mx.eval([c.state for c in self.cache])
+        self.columns = [_columns(c) for c in self.cache]
+
+    def trim(self) -> None:
+        for c, columns in zip(self.cache, self.columns):
+            c.trim(_columns(c) - columns)
+
+    rewind = trim
+
+
+def _columns(cache: Any) -> int:
+    """Columns a batch cache holds: ours (``idx``) or mlx-lm's (``_idx``)."""
+    return int(cache.idx if hasattr(cache, "idx") else cache._idx)
+
+
+def _our_batch(caches: list[Any], rows: int) -> list[Any]:
+    """The engine's batch caches holding ``rows`` copies of each layer's prompt."""
+    from engine.decode.batch_cache import BatchKVCache
+
+    out = []
+    for c in caches:
+        batch = BatchKVCache()
+        keys, values = c.state
+        for _ in range(rows):
+            batch.add(keys, values)
+        out.append(batch)
+    return out
+
+
+def _their_batch(caches: list[Any], rows: int) -> list[Any]:
+    """mlx-lm's batch caches (its ``KVCache.merge``) holding ``rows`` copies of each prompt."""
+    return [c.merge([c] * rows) for c in caches]
+
+
+def time_steps(forward: Callable[[Any], Any], first: Any, n: int) -> tuple[dict[str, float], list[Any]]:
+    """Seconds per step over ``n`` greedy steps fed back into ``forward`` (tokens [rows] ->
+    logits [rows, vocab]), queued one ahead as the decode loops do, and the tokens. Besides
     the step (``step``), the host's share of it: building its graph (``build``) and
     handing it to the device (``launch``, what ``async_eval`` takes); when their sum is
     close to the step, the step waits on the host, not on the device."""
@@ -152,7 +209,7 @@ def time_steps(forward: Callable[[Any], Any], first: Any, n: int) -> tuple[dict[
     start = time.perf_counter()
     for i in range(n):
         nxt = step(y) if i + 1 < n else None
-        tokens.append(int(y.item()))
+        tokens.append(y.tolist())
         y = nxt
     total = time.perf_counter() - start
     return {"step": total / n, "build": build / max(n - 1, 1), "launch": launch / max(n - 1, 1)}, tokens
@@ -185,14 +242,18 @@ class _Split:
     def __init__(self, decoder: Any, layers: list[Any]):
         self.decoder, self.layers = decoder, layers
 
-    def __call__(self, tokens: Any, cache: list[Any]) -> tuple[float, float]:
+    def __call__(self, tokens: Any, cache: list[Any], rows: int = 1) -> tuple[float, float]:
         import mlx.core as mx
 
         fns = self.decoder._fns
-        pos = mx.array(cache[0].offset, dtype=mx.int32)
-        masks = self.decoder.masks(cache, int(tokens.shape[0]))
+        if rows > 1:  # a batch step: one position per row, one mask for all layers
+            pos, h, last = cache[0].offset, tokens[:, None], self.decoder._last_rows
+            masks = [cache[0].make_mask(1)] * len(cache)
+        else:
+            pos, h, last = mx.array(cache[0].offset, dtype=mx.int32), tokens[None], fns[-1]
+            masks = self.decoder.masks(cache, int(tokens.shape[0]))
         traced = outside = 0.0
-        h, attn = tokens[None], None
+        attn = None
         for i, (layer, c, mask) in enumerate(zip(self.layers, cache, masks or [None] * len(cache))):
             start = time.perf_counter()
             h, q, k, v = fns[0](h, pos) if i == 0 else fns[i](h, attn, pos)
@@ -203,7 +264,7 @@ class _Split:
             mx.eval(attn)
             traced, outside = traced + mid - start, outside + time.perf_counter() - mid
         start = time.perf_counter()
-        mx.eval(fns[-1](h, attn))
+        mx.eval(last(h, attn))
         return traced + time.perf_counter() - start, outside
 
 
@@ -255,7 +316,14 @@ def run_step(args: argparse.Namespace) -> int:
         from engine.artifacts.mlx_quant import MODES
 
         args.bits, args.group_size = MODES[args.mode].default
+    if args.rows < 1:
+        raise EngineError(f"--rows must be 1 or more, not {args.rows}")
     model, config, quantized = build_model(args.shape, args.bits, args.group_size, args.seed, args.mode)
+    if args.rows > 1:
+        from engine.decode.batch import batchable
+
+        if not batchable(model):
+            raise EngineError(f"--rows: {args.shape}'s streams decode one at a time; pick a Llama or Qwen shape")
     twin = mlx_lm_twin(model, config, quantized) if args.vs == "mlx-lm" else None
     # Layers that decode through the plain pass by default (``compiled_decode = False``,
     # latent attention) take the compiled step here anyway, so the two can be compared.
@@ -277,19 +345,16 @@ def run_step(args: argparse.Namespace) -> int:
     if decoder is not None and decoder.masks(ours.cache, 1) is None:
         print("(the compiled step does not take this model's caches: plain passes only)", flush=True)
         decoder = None
+    rows = args.rows
+    what = "one decode step" if rows == 1 else f"one batch step of {rows} rows"
     print(
         f"{args.shape} ({args.bits}-bit g{args.group_size}, random weights) on {mx.default_device()}: "
-        f"one decode step after a {p}-token prompt, {g} steps per run, {args.repeat} run(s)",
+        f"{what} after a {p}-token prompt, {g} steps per run, {args.repeat} run(s)",
         flush=True,
     )
 
-    first = prompt[-1:]
-    loops: dict[str, tuple[Callable[[Any], Any], _Prompted]] = {}
-    if decoder is not None:
-        loops["engine compiled"] = (lambda t: decoder(t, ours.cache), ours)
-    loops["engine plain"] = (lambda t: model(t[None], cache=ours.cache)[:, -1], ours)
-    if theirs is not None:
-        loops["mlx-lm"] = (lambda t: twin(t[None], cache=theirs.cache)[:, -1], theirs)
+    ours, theirs, first, loops = _step_loops(model, twin, decoder, ours, theirs, prompt[-1:], rows)
+    decoder = decoder if "engine compiled" in loops else None
 
     steps: dict[str, dict[str, Any]] = {}
     ids: dict[str, list[int]] = {}  # each loop's greedy tokens: the loops must agree
@@ -330,12 +395,12 @@ def run_step(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    out: dict[str, Any] = {"shape": args.shape, "prompt_tokens": p, "steps": steps}
+    out: dict[str, Any] = {"shape": args.shape, "prompt_tokens": p, "rows": rows, "steps": steps}
     if decoder is not None:
         split = _Split(decoder, list(model.layers))
         times = []
         for _ in range(3):
-            times.append(split(first, ours.cache))
+            times.append(split(first, ours.cache, rows))
             ours.rewind()
         traced, outside = zip(*times)
         out["compiled_split_ms"] = {"traced": 1000 * min(traced), "outside": 1000 * min(outside)}
@@ -345,7 +410,7 @@ def run_step(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    out["parts_ms"] = part_rows(model, twin, ours, theirs, max(8, g // 4))
+    out["parts_ms"] = part_rows(model, twin, ours, theirs, max(8, g // 4), rows)
     if "engine compiled" in ids:
         out["compiled_matches_plain"] = ids["engine compiled"] == ids["engine plain"]
     if "mlx-lm" in ids:
@@ -355,17 +420,46 @@ def run_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_loops(
+    model: Any, twin: Any | None, decoder: Any | None, ours: _Prompted, theirs: _Prompted | None, first: Any, rows: int
+) -> tuple[Any, Any, Any, dict[str, tuple[Callable[[Any], Any], Any]]]:
+    """The loops to time (name -> forward pass from tokens [rows] to logits [rows, vocab], and
+    the prompted caches it runs on), with the caches and first tokens for ``rows`` rows."""
+    import mlx.core as mx
+
+    loops: dict[str, tuple[Callable[[Any], Any], Any]] = {}
+    if rows > 1:
+        ours_rows, theirs_rows = _Rows(ours, rows, _our_batch), _Rows(theirs, rows, _their_batch) if theirs else None
+        first = mx.repeat(first, rows)
+        taken = decoder.rows(first[:, None], ours_rows.cache) if decoder is not None else None
+        if taken is not None:  # the compiled step takes these caches
+            mx.eval(taken, [c.state for c in ours_rows.cache])
+            loops["engine compiled"] = (lambda t: decoder.rows(t[:, None], ours_rows.cache), ours_rows)
+        ours_rows.trim()
+        loops["engine plain"] = (lambda t: model(t[:, None], cache=ours_rows.cache)[:, -1], ours_rows)
+        if theirs_rows is not None:
+            loops["mlx-lm"] = (lambda t: twin(t[:, None], cache=theirs_rows.cache)[:, -1], theirs_rows)
+        return ours_rows, theirs_rows, first, loops
+    if decoder is not None:
+        loops["engine compiled"] = (lambda t: decoder(t, ours.cache), ours)
+    loops["engine plain"] = (lambda t: model(t[None], cache=ours.cache)[:, -1], ours)
+    if theirs is not None:
+        loops["mlx-lm"] = (lambda t: twin(t[None], cache=theirs.cache)[:, -1], theirs)
+    return ours, theirs, first, loops
+
+
 def part_rows(
-    model: Any, twin: Any | None, ours: _Prompted, theirs: _Prompted | None, n: int
+    model: Any, twin: Any | None, ours: Any, theirs: Any | None, n: int, rows: int = 1
 ) -> dict[str, dict[str, Any]]:
-    """Each part of a layer timed alone on both models (ms per call), times the number of
-    layers that have it; the first layer of each kind stands for the rest."""
+    """Each part of a layer timed alone on both models (ms per call, ``rows`` rows of one
+    token each), times the number of layers that have it; the first layer of each kind
+    stands for the rest."""
     import mlx.core as mx
 
     layers = list(model.layers)
     their_layers = list(twin.layers) if twin is not None else [None] * len(layers)
     hidden = model.args.hidden_size
-    x = (mx.random.normal((1, 1, hidden), key=mx.random.key(1)) * 0.5).astype(mx.bfloat16)
+    x = (mx.random.normal((rows, 1, hidden), key=mx.random.key(1)) * 0.5).astype(mx.bfloat16)
     mx.eval(x)
     rows: dict[str, dict[str, Any]] = {}
 

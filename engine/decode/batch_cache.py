@@ -204,6 +204,16 @@ class BatchKVCache:
         self.keys, self.values = self.keys[keep, :, cols], self.values[keep, :, cols]
         self._rows, self._col0 = None, 0
 
+    def trim(self, n: int) -> int:
+        """Take back the last ``n`` columns of every row (no more than the columns every row
+        holds tokens in): what the last steps wrote; the buffer stays, so the next step
+        writes in place. Returns the columns taken back."""
+        self._materialize()
+        n = max(0, min(n, self.idx - max(self.left, default=0)))
+        self.idx -= n
+        self._refresh()
+        return n
+
     # -- what the attention layers call ---------------------------------------------
 
     def make_mask(self, n_queries: int, window: int | None = None) -> Any:

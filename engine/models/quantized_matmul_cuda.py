@@ -51,11 +51,15 @@ TARGET_WARPS = 4096
 MAX_ROWS = 16
 # Where the kernel is routed (measured on an H200, 4-bit g64, docs/qmv.md): from 2 to 7 rows
 # it beats or ties MLX's kernel on every projection (MLX runs up to 7 rows as that many
-# one-row products: qwen3-4b's gate+up at 7 rows 205 us against ours 65); from 8 rows MLX's
-# tiled kernel wins (30 against 64). At one row it wins only on large matrices
-# (llama3-8b's gate+up 49 us against 75, its down 37 against 41) and loses on small ones
-# (qwen3-4b's q, 2560x4096: 15.3 us against 13.1), so one row routes from 16M weights.
-ROUTED_ROWS = range(2, 8)
+# one-row products: qwen3-4b's gate+up at 7 rows 205 us against ours 65). From 8 rows MLX's
+# tiled kernel wins a microbenchmark of 32 independent products in flight (30 against 64 us),
+# but not a step, where each product waits for the one before: qwen3-4b's batch step of 8
+# rows took 7.4 ms through ours against 12.0 through MLX's, 12 streams decoded at 814 against
+# 783 tok/s, and 16 at 874 against 964, so up to 12 rows route here. At one row it wins only
+# on large matrices (llama3-8b's gate+up 49 us against 75, its down 37 against 41) and loses
+# on small ones (qwen3-4b's q, 2560x4096: 15.3 us against 13.1), so one row routes from 16M
+# weights.
+ROUTED_ROWS = range(2, 13)
 ONE_ROW_MIN_WEIGHTS = 16 << 20
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)

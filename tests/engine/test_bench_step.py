@@ -50,3 +50,31 @@ def test_mla_attention_form_is_chosen_from_the_command_line():
         assert last_json(proc.stdout)["ratio"]["generation"] > 0
     proc = run(*args, "--mla-attention", "other")
     assert proc.returncode != 0 and "--mla-attention" in proc.stderr
+
+
+def test_a_batch_step_taken_apart_next_to_mlx_lms():
+    """``--rows 3``: three streams after the same prompt, the compiled batch step (one graph
+    each step, every row the same tokens as the plain batch pass) next to mlx-lm's model over
+    its own batch caches, and each part fed three rows."""
+    pytest.importorskip("mlx_lm")
+    args = ["bench", "--shape", "tiny", "--bits", "4", "--group-size", "32", "-p", "16", "-g", "5"]
+    proc = run(*args, "--vs", "mlx-lm", "--step", "--rows", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = last_json(proc.stdout)
+    assert out["rows"] == 3 and "one batch step of 3 rows" in proc.stdout
+    steps = out["steps"]
+    assert set(steps) == {"engine compiled", "engine plain", "mlx-lm"}
+    # The batch caches were evaluated before the graphs were counted: one step's ops only,
+    # the same number of products in every loop that stacks its projections.
+    assert (
+        steps["engine compiled"]["op_kinds"]["QuantizedMatmul"] == steps["engine plain"]["op_kinds"]["QuantizedMatmul"]
+    )
+    assert steps["engine compiled"]["ops"] < steps["engine plain"]["ops"]
+    assert out["compiled_matches_plain"] is True
+    assert out["compiled_split_ms"]["traced"] > 0 and out["compiled_split_ms"]["outside"] > 0
+    assert {"attention", "dense mlp", "final norm + head"} <= set(out["parts_ms"])
+
+
+def test_a_batch_step_needs_a_shape_whose_streams_batch():
+    proc = run("bench", "--shape", "tiny-mla", "--bits", "16", "-p", "4", "-g", "2", "--step", "--rows", "2")
+    assert proc.returncode != 0 and "decode one at a time" in proc.stderr and proc.stderr.count("\n") == 1

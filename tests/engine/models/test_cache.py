@@ -140,3 +140,20 @@ def test_short_buffers_hold_the_pad_that_picks_the_decode_kernel(monkeypatch):
 
     monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 0)  # MLX_DESK_CUDNN_DECODE=1
     assert buffer_tokens(1) == 256 and buffer_tokens(700, rows=8) == 768
+
+
+def test_a_batch_cache_takes_back_what_its_last_steps_wrote_and_writes_there_again():
+    batch = BatchKVCache()
+    batch.add(tokens(0, 3), tokens(0, 3))
+    batch.add(tokens(10, 15), tokens(10, 15))  # the longer row: the first is padded by 2
+    assert batch.offset.tolist() == [3, 5]
+    for step in range(4):
+        batch.update_and_fetch(mx.full((2, 1, 1, 1), 100.0 + step), mx.zeros((2, 1, 1, 1)))
+    buffer = batch.keys
+    assert batch.trim(3) == 3 and batch.offset.tolist() == [4, 6]
+    keys, _ = batch.update_and_fetch(mx.full((2, 1, 1, 1), 7.0), mx.zeros((2, 1, 1, 1)))
+    assert batch.keys is buffer  # written in place, not grown
+    assert positions(keys[1]) == [10, 11, 12, 13, 14, 100, 7]
+    assert positions(keys[0])[2:] == [0, 1, 2, 100, 7]
+    # Never past a row's own tokens: the first row holds 5 columns after its padding.
+    assert batch.trim(100) == 5 and batch.offset.tolist() == [0, 2]
