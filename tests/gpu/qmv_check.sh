@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The CUDA decode kernels on a GPU machine, in two parts of under 10 minutes each:
+# The CUDA decode kernels on a GPU machine, in four parts of under 10 minutes each:
 #   tests: the small-row quantized matmul (plain and gathered) against MLX's kernels, its
 #          code unpacking on the host, and the head norm + RoPE kernel against MLX's calls;
 #   bench: the microbenchmark beside MLX's kernel (qwen3-4b and llama3-8b projections, each
 #          product reading its own weight from memory), whole-model decode against mlx-lm
-#          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits), and
-#          qwen3-4b with the head norm + RoPE kernel off and both shapes with the residual
-#          epilogue off, for the A/Bs.
-# Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|bench]
-# (both parts when the second argument is left out). Each command has its own time limit; a
+#          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits);
+#   ab:    qwen3-4b with the head norm + RoPE kernel off, and qwen3-4b and llama3-8b with the
+#          residual epilogue off (beside bench's runs with them on);
+#   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm.
+# Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|bench|ab|batch]
+# (every part when the second argument is left out). Each command has its own time limit; a
 # failing or timed-out step is reported and the script goes on to the next one. The exit
 # status is the number of failed steps.
 set -u
@@ -38,7 +39,7 @@ pytest_step() {
   step "$limit" "$name" "$PY" -m pytest "$@" -q --maxfail=3 --tb=short -p no:cacheprovider -rs
 }
 
-if [ "$PART" != "bench" ]; then
+if [ "$PART" = "all" ] || [ "$PART" = "tests" ]; then
   # Limits from the H200: 261 s, 117 s and 42 s (each case builds its kernel once).
   pytest_step 300 "small-row kernel tests" tests/engine/models/test_qmv_cuda.py
   pytest_step 150 "gathered kernel tests" tests/engine/models/test_gather_qmv_cuda.py
@@ -46,7 +47,7 @@ if [ "$PART" != "bench" ]; then
   pytest_step 90 "kernels emulated on the CPU, microbench tests" tests/engine/models/test_qmv_emulated.py tests/engine/test_bench_qmm.py
 fi
 
-if [ "$PART" != "tests" ]; then
+if [ "$PART" = "all" ] || [ "$PART" = "bench" ]; then
   step 80 "microbench qwen3-4b" "$PY" -m engine.cli.bench_qmm --shape qwen3-4b --rows 1,2,4,8 --ours --cold-mb 128
   step 100 "microbench llama3-8b" "$PY" -m engine.cli.bench_qmm --shape llama3-8b --rows 1,2,4,8 --ours --cold-mb 128
   # Figures of these commands so far: docs/qmv.md, "Fewer instructions a code".
@@ -55,6 +56,9 @@ if [ "$PART" != "tests" ]; then
     step "${shape_limit##*:}" "decode $shape" "$PY" -m engine bench --shape "$shape" \
       --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
   done
+fi
+
+if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
   step 100 "decode qwen3-4b, head norm + RoPE kernel off" env MLX_DESK_QK_ROPE=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
   # The residual adds in the products' epilogue, turned off for the A/B (on by default).
@@ -63,6 +67,15 @@ if [ "$PART" != "tests" ]; then
     step "${shape_limit##*:}" "decode $shape, residual epilogue off" env MLX_DESK_QMV_RESIDUAL=0 "$PY" -m engine \
       bench --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
   done
+fi
+
+if [ "$PART" = "all" ] || [ "$PART" = "batch" ]; then
+  # Batch steps: where an 8-row step's time goes, then streams against mlx-lm's BatchGenerator
+  # (the kernel takes 2-12 rows; docs/qmv.md, "Batch steps of 8-12 rows").
+  step 170 "batch step of 8 rows" "$PY" -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 32 --repeat 2 \
+    --vs mlx-lm --step --rows 8
+  step 300 "8, 12 and 16 streams" "$PY" -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 128 \
+    --concurrent 8,12,16 --vs mlx-lm
 fi
 echo
 echo "qmv_check: $failed step(s) failed"
