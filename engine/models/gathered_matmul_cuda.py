@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import math
 import os
-from functools import cache
 
 import mlx.core as mx
 
-from engine.models.quantized_matmul_cuda import COLUMNS, DEVICE_FUNCTIONS, WARPS, compact, enabled, k_splits, takes
+from engine.models.quantized_matmul_cuda import WARPS, enabled, layout, rows_kernel, takes
 
 # The most (token, expert) pairs a gathered product takes (``pays_gathered``).
 MAX_PAIRS = 64
@@ -37,17 +36,6 @@ _GATHER_SOURCE = """
       x + (long)(pair / XS) * K, w + expert * words, scales + expert * groups, biases + expert * groups,
       out + (long)pair * N, K, N);
 """
-
-
-@cache
-def _gather_kernel():
-    return mx.fast.cuda_kernel(
-        name="gathered_quantized_matmul_rows",
-        input_names=["x", "w", "scales", "biases", "ids"],
-        output_names=["out"],
-        source=compact(_GATHER_SOURCE),
-        header=compact(DEVICE_FUNCTIONS),
-    )
 
 
 def gathered_enabled() -> bool:
@@ -91,19 +79,11 @@ def gathered_matmul(
     ``gather_shares``'s answer; the caller checks ``fits``."""
     k, n = x.shape[-1], w.shape[1]
     pairs = ids.size
-    splits = k_splits(k, n, bits)
-    blocks = -(-n // (WARPS // splits * COLUMNS))
-    (out,) = _gather_kernel()(
+    warps, blocks = layout(k, n, bits)
+    kernel = rows_kernel("gathered_quantized_matmul_rows", ("x", "w", "scales", "biases", "ids"), _GATHER_SOURCE)
+    (out,) = kernel(
         inputs=[x.reshape(-1, k), w, scales, biases, ids.reshape(-1).astype(mx.uint32)],
-        template=[
-            ("T", x.dtype),
-            ("BITS", bits),
-            ("GS", group_size),
-            ("CPW", COLUMNS),
-            ("NW", WARPS),
-            ("KS", splits),
-            ("XS", shares),
-        ],
+        template=[("T", x.dtype), ("BITS", bits), ("GS", group_size), *warps, ("XS", shares)],
         grid=(blocks * WARPS * 32, pairs, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(pairs, n)],

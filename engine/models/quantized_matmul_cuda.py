@@ -291,25 +291,24 @@ def compact(source: str) -> str:
 
 
 @cache
-def _kernel():
+def rows_kernel(name: str, inputs: tuple[str, ...], source: str):
+    """A kernel over the shared device functions (``DEVICE_FUNCTIONS``) writing ``out``, built
+    once per name, inputs and source."""
     return mx.fast.cuda_kernel(
-        name="quantized_matmul_rows",
-        input_names=["x", "w", "scales", "biases"],
+        name=name,
+        input_names=list(inputs),
         output_names=["out"],
-        source=compact(_SOURCE),
+        source=compact(source),
         header=compact(DEVICE_FUNCTIONS),
     )
 
 
-@cache
-def _residual_kernel():
-    return mx.fast.cuda_kernel(
-        name="quantized_matmul_rows_plus",
-        input_names=["x", "w", "scales", "biases", "residual"],
-        output_names=["out"],
-        source=compact(_RESIDUAL_SOURCE),
-        header=compact(DEVICE_FUNCTIONS),
-    )
+def layout(k: int, n: int, bits: int) -> tuple[list[tuple[str, int]], int]:
+    """The column and warp layout of a product by an [N, K] matrix: the kernel's template
+    parameters for it (columns a warp owns, warps a block, warps that split K) and the blocks
+    across N."""
+    splits = k_splits(k, n, bits)
+    return [("CPW", COLUMNS), ("NW", WARPS), ("KS", splits)], -(-n // (WARPS // splits * COLUMNS))
 
 
 @cache
@@ -397,22 +396,15 @@ def matmul(
     n = w.shape[0]
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
-    splits = k_splits(k, n, bits)
-    blocks = -(-n // (WARPS // splits * COLUMNS))
-    kernel, inputs = (_kernel(), [flat, w, scales, biases])
+    warps, blocks = layout(k, n, bits)
+    names, inputs = ("x", "w", "scales", "biases"), [flat, w, scales, biases]
+    kernel = rows_kernel("quantized_matmul_rows", names, _SOURCE)
     if residual is not None:
-        kernel, inputs = (_residual_kernel(), [*inputs, residual.reshape(rows, n)])
+        kernel = rows_kernel("quantized_matmul_rows_plus", (*names, "residual"), _RESIDUAL_SOURCE)
+        inputs.append(residual.reshape(rows, n))
     (out,) = kernel(
         inputs=inputs,
-        template=[
-            ("T", x.dtype),
-            ("R", rows),
-            ("BITS", bits),
-            ("GS", group_size),
-            ("CPW", COLUMNS),
-            ("NW", WARPS),
-            ("KS", splits),
-        ],
+        template=[("T", x.dtype), ("R", rows), ("BITS", bits), ("GS", group_size), *warps],
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, n)],
