@@ -122,7 +122,11 @@ class CompiledDecoder:
 
         def start(i: int, h, pos):
             this = layer(i)
-            q, k, v = this.self_attn.qkv(this.input_layernorm(h), pos)
+            attn = this.self_attn
+            if hasattr(attn, "normed_qkv"):  # the norm may join the q/k/v product
+                q, k, v = attn.normed_qkv(h, this.input_layernorm, pos)
+            else:
+                q, k, v = attn.qkv(this.input_layernorm(h), pos)
             return h, q, k, v
 
         def end(i: int, h, attn):

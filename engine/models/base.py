@@ -20,7 +20,7 @@ from engine.errors import UnsupportedModelError
 from engine.models import head_norm_rope_cuda
 from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.quantized_matmul_cuda import embedding_logits, linear, linear_plus
-from engine.models.stacked import project, stacked_output
+from engine.models.stacked import project, stacked_output, stacked_silu_glu
 
 # ---- configuration ------------------------------------------------------------------
 
@@ -268,13 +268,20 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
-def rotated_qkv(attn: nn.Module, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+def rotated_qkv(
+    attn: nn.Module, x: mx.array, offset, norm: nn.Module | None = None
+) -> tuple[mx.array, mx.array, mx.array]:
     """Queries, keys (both rotated) and values [B, heads, L, head_dim] of an attention
     module with ``q_proj``/``k_proj``/``v_proj``, ``n_heads``, ``n_kv_heads``, ``head_dim``,
-    ``rope`` and, when ``qk_norm``, ``q_norm``/``k_norm``."""
+    ``rope`` and, when ``qk_norm``, ``q_norm``/``k_norm``; of ``norm(x)`` where a norm is
+    given (in the stacked product's prologue where the CUDA kernel takes it)."""
     b, n, _ = x.shape
     nq, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    y = stacked_output(attn, QKV, x)
+    y = stacked_output(attn, QKV, x, norm) if norm is not None else None
+    if y is None and norm is not None:
+        x = norm(x)
+    if y is None:
+        y = stacked_output(attn, QKV, x)
     if y is None:
         q = attn.q_proj(x).reshape(b, n, nq, d)
         k = attn.k_proj(x).reshape(b, n, nkv, d)
@@ -342,6 +349,11 @@ class AttentionSteps(nn.Module):
         ``offset`` (int or scalar array) is the position of the first token."""
         raise NotImplementedError
 
+    def normed_qkv(self, x: mx.array, norm: nn.Module, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """``self.qkv(norm(x), offset)``; the shared attention takes the norm into its stacked
+        product's prologue where the CUDA kernel can (one launch fewer a layer)."""
+        return self.qkv(norm(x), offset)
+
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         return sdpa(q, k, v, self.scale, mask)
 
@@ -393,6 +405,11 @@ class Attention(AttentionSteps):
     def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         return rotated_qkv(self, x, offset)
 
+    def normed_qkv(self, x: mx.array, norm: nn.Module, offset) -> tuple[mx.array, mx.array, mx.array]:
+        if type(self).qkv is not Attention.qkv:  # a family's own q/k/v step
+            return self.qkv(norm(x), offset)
+        return rotated_qkv(self, x, offset, norm)
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU for most families, GeGLU for Gemma."""
@@ -407,14 +424,31 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = project(self, GATE_UP, x)
-        return linear(self.down_proj, self.activation(gate) * up)
+        return linear(self.down_proj, self.gated(x))
 
-    def plus(self, residual: mx.array, x: mx.array) -> mx.array:
-        """``residual + self(x)``, the add in the down product's epilogue where the CUDA kernel
-        takes it (``linear_plus``): one launch fewer a layer in a decode step."""
+    def plus(self, residual: mx.array, x: mx.array, norm: nn.Module | None = None) -> mx.array:
+        """``residual + self(norm(x))`` (``self(x)`` without a norm), the add in the down
+        product's epilogue where the CUDA kernel takes it (``linear_plus``), the norm as
+        ``gated`` takes it: launches fewer a layer in a decode step."""
+        return linear_plus(self.down_proj, self.gated(x, norm), residual)
+
+    def gated(self, x: mx.array, norm: nn.Module | None = None) -> mx.array:
+        """``act(gate(n)) * up(n)`` of ``n = norm(x)`` (x without a norm): for SiLU, in the
+        stacked gate/up product's epilogue where the CUDA kernel takes it, and the norm in its
+        prologue where it takes that too (up to two launches fewer a layer in a decode step)."""
+        silu = self.activation is nn.silu
+        if silu and norm is not None:
+            fused = stacked_silu_glu(self, GATE_UP, x, norm)
+            if fused is not None:
+                return fused
+        if norm is not None:
+            x = norm(x)
+        if silu:
+            fused = stacked_silu_glu(self, GATE_UP, x)
+            if fused is not None:
+                return fused
         gate, up = project(self, GATE_UP, x)
-        return linear_plus(self.down_proj, self.activation(gate) * up, residual)
+        return self.activation(gate) * up
 
 
 def activation(name: str | None):

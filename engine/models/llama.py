@@ -121,8 +121,8 @@ class DecoderLayer(nn.Module):
 
     def feed_forward(self, h: mx.array) -> mx.array:
         """``h`` plus the feed-forward of its norm."""
-        if type(self.mlp) is GatedMLP:  # the last add in the down product's epilogue on CUDA
-            return self.mlp.plus(h, self.post_attention_layernorm(h))
+        if type(self.mlp) is GatedMLP:  # the norm and the last add inside the products on CUDA
+            return self.mlp.plus(h, h, self.post_attention_layernorm)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def finish_attention(self, x: mx.array, attn: mx.array) -> mx.array:

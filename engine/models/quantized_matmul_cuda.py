@@ -20,6 +20,12 @@ Every row is computed by the same float operations in the same order whatever th
 of rows, so a row's output does not depend on the rows beside it (a verify pass computes
 what the decode steps would).
 
+A decode step is bound by its launches as much as by its reads, so the kernel also takes the
+small ops around a product into it: the residual add in its epilogue (``residual``), a gated
+MLP's ``silu(gate) * up`` in the stacked gate/up product's epilogue (``glu``: a warp's columns
+are half gate rows, half the matching up rows), and the RMSNorm before a product in its
+prologue (``norm``: each block norms the rows into shared memory, then reads them there).
+
 Routing: ``quantized_matmul`` takes the kernel where ``fits`` and ``pays`` say so and MLX's
 CUDA backend runs on the GPU, unless the environment variable ``MLX_DESK_QMV`` is ``0``
 (on by default since every test of it passed on an H200, docs/qmv.md); everything else
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from functools import cache
 
 import mlx.core as mx
@@ -61,12 +68,27 @@ MAX_ROWS = 16
 # weights.
 ROUTED_ROWS = range(2, 13)
 ONE_ROW_MIN_WEIGHTS = 16 << 20
+# A one-row product that takes a small op into it (a residual add, an activation, a norm)
+# saves a launch besides, so it may pay on smaller matrices (qwen3-4b's output projection,
+# 4096 x 2560, and its q/k/v, 2560 x 6144): kept at ONE_ROW_MIN_WEIGHTS until measured.
+ONE_ROW_FUSED_MIN_WEIGHTS = ONE_ROW_MIN_WEIGHTS
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
-# The residual add in the product's epilogue: ``1`` turns it on (``residual_enabled``).
+# The small ops the kernel takes into a product (``fusion_enabled``; docs/qmv.md): the residual
+# add in the epilogue, a gated MLP's activation in its stacked gate/up product's epilogue (both
+# on wherever the kernel runs unless their variable is 0: their GPU tests passed bit for bit),
+# and the input's RMSNorm in the prologue (off unless its variable is 1: its GPU tests passed
+# in part and its speed is not yet measured).
 RESIDUAL_ENV = "MLX_DESK_QMV_RESIDUAL"
+GLU_ENV = "MLX_DESK_QMV_GLU"
+NORM_ENV = "MLX_DESK_QMV_NORM"
+FUSIONS = {"residual": RESIDUAL_ENV, "glu": GLU_ENV, "norm": NORM_ENV}
+FUSION_DEFAULTS = {"residual": "1", "glu": "1", "norm": "0"}
+# Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
+# 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).
+NORM_STAGE_BYTES = 32 << 10
 
 _HEADER = """
 // The PW codes of one word of packed weights as floats, without a shift or an int-to-float
@@ -129,30 +151,67 @@ _PRODUCT = """
 // T: activations, scales, biases and output; R: rows; BITS; GS: group size; CPW: columns
 // per warp; NW: warps per block; KS: warps splitting K for one column set; RES: whether
 // residual [R, N] is added to the output (rounded to T first, then added in float32 and
-// rounded again: what the product and a separate add compute).
-template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS, bool RES = false>
+// rounded again: what the product and a separate add compute). GLU: the weight stacks gate
+// rows over up rows ([2I, K]), a warp's first CPW / 2 columns are gate rows and the rest the
+// up rows of the same outputs, and out [R, I] is gate * SIG(gate) * up with every op in T,
+// as MLX's elementwise kernels compute silu(gate) * up from the rounded product (SIG: MLX's
+// own Sigmoid functor). KN > 0: x is first normed as MLX's rms_norm norms it (each row times
+// rsqrt(mean(x^2) + eps) rounded to T, then times the norm's weight in T), into shared memory
+// by the whole block, and the product reads that (KN = K).
+template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS, bool RES = false, bool GLU = false,
+          typename SIG = float, int KN = 0>
 __device__ __forceinline__ void rows_product(
     const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N,
-    const T* residual = nullptr) {
+    const T* residual = nullptr, const T* norm = nullptr, const float eps = 0.f) {
   constexpr int PW = 32 / BITS;        // codes per 32-bit word
   constexpr int VPL = 4 * PW;          // values per lane chunk (one 16-byte load of codes)
   constexpr int CG = NW / KS;          // column sets per block; KS warps share each one
+  constexpr int OPW = GLU ? CPW / 2 : CPW;  // output columns per warp
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int part = warp % KS;          // this warp's strips of K: chunks part*32 + 32*KS*i
-  const int col0 = (blockIdx.x * CG + warp / KS) * CPW;
+  const int col0 = (blockIdx.x * CG + warp / KS) * OPW;
+  const int outputs = GLU ? N / 2 : N;
   const int chunks = K / VPL;          // K is a multiple of the group size, so of VPL
   const int words_per_row = K / PW;
   const int groups_per_row = K / GS;
+  __shared__ __align__(16) T normed[KN > 0 ? R * KN : 1];
+  if constexpr (KN > 0) {
+    // Each thread sums a fixed strided set of a row's squares and the warps' sums are added in
+    // warp order, so every block norms a row to the same values.
+    __shared__ float warp_sums[NW];
+    for (int r = 0; r < R; ++r) {
+      const T* row = x + (long)r * KN;
+      float squares = 0.f;
+      for (int k = threadIdx.x; k < KN; k += NW * 32) {
+        const float v = static_cast<float>(row[k]);
+        squares += v * v;
+      }
+      for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffff, squares, o);
+      if (lane == 0) warp_sums[warp] = squares;
+      __syncthreads();
+      float total = 0.f;
+#pragma unroll
+      for (int i = 0; i < NW; ++i) total += warp_sums[i];
+      const float scale = rsqrt(total / KN + eps);
+      for (int k = threadIdx.x; k < KN; k += NW * 32) {
+        const T y = static_cast<T>(static_cast<float>(row[k]) * scale);
+        normed[r * KN + k] = static_cast<T>(static_cast<float>(norm[k]) * static_cast<float>(y));
+      }
+      __syncthreads();  // the sums are read before the next row's overwrite them
+    }
+    x = normed;
+  }
   const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15ull) == 0;
   const bool w_aligned = (reinterpret_cast<unsigned long long>(w) & 15ull) == 0;
 
-  // Columns past N repeat the last one (valid memory) and are never written: every warp
-  // runs to the end, since the block meets at a barrier when KS > 1.
+  // Columns past the outputs repeat the last one (valid memory) and are never written: every
+  // warp runs to the end, since the block meets at a barrier when KS > 1.
   long wrow[CPW], srow[CPW];
 #pragma unroll
   for (int j = 0; j < CPW; ++j) {
-    const int n = min(col0 + j, N - 1);
+    const bool up = GLU && j >= OPW;
+    const int n = min(col0 + (up ? j - OPW : j), outputs - 1) + (up ? outputs : 0);
     wrow[j] = (long)n * words_per_row;
     srow[j] = (long)n * groups_per_row;
   }
@@ -253,10 +312,13 @@ __device__ __forceinline__ void rows_product(
 #pragma unroll
     for (int r = 0; r < R; ++r) {
 #pragma unroll
-      for (int j = 0; j < CPW; ++j) {
-        if (col0 + j >= N) continue;
-        const long o = (long)r * N + col0 + j;
-        if constexpr (RES) {
+      for (int j = 0; j < OPW; ++j) {
+        if (col0 + j >= outputs) continue;
+        const long o = (long)r * outputs + col0 + j;
+        if constexpr (GLU) {
+          const T gate = static_cast<T>(acc[r][j]);
+          out[o] = (gate * SIG{}(gate)) * static_cast<T>(acc[r][j + OPW]);
+        } else if constexpr (RES) {
           out[o] = static_cast<T>(static_cast<float>(residual[o]) + static_cast<float>(static_cast<T>(acc[r][j])));
         } else {
           out[o] = static_cast<T>(acc[r][j]);
@@ -270,15 +332,25 @@ __device__ __forceinline__ void rows_product(
 # The device code every variant's kernel is built on (its header).
 DEVICE_FUNCTIONS = _HEADER + _PRODUCT
 
-# Template constants as ``rows_product``'s. Runtime: K (x_shape[1]), N (w_shape[0]).
-_SOURCE = """
-  rows_product<T, R, BITS, GS, CPW, NW, KS>(x, w, scales, biases, out, x_shape[1], w_shape[0]);
-"""
 
-# The same with a residual added to the output (``matmul``'s ``residual``).
-_RESIDUAL_SOURCE = """
-  rows_product<T, R, BITS, GS, CPW, NW, KS, true>(x, w, scales, biases, out, x_shape[1], w_shape[0], residual);
-"""
+def kernel_source(residual: bool = False, glu: bool = False, norm: bool = False) -> str:
+    """The kernel's body: ``rows_product`` with template constants as its own (runtime: K is
+    x_shape[1], N w_shape[0]), plus ``residual`` added to the output, ``glu`` (silu(gate) * up
+    from a stacked gate/up weight, with MLX's own Sigmoid, which ``GLU_HEADER`` includes) and
+    ``norm`` (x normed first by the weight ``norm`` and the epsilon whose float bits are EPS)."""
+    flags = f"{str(residual).lower()}, {str(glu).lower()}, {'Sigmoid' if glu else 'float'}, {'KN' if norm else 0}"
+    tail = ", residual" if residual else ", nullptr"
+    tail += ", norm, __int_as_float(EPS)" if norm else ""
+    return (
+        f"rows_product<T, R, BITS, GS, CPW, NW, KS, {flags}>"
+        f"(x, w, scales, biases, out, x_shape[1], w_shape[0]{tail});\n"
+    )
+
+
+_SOURCE = kernel_source()
+_RESIDUAL_SOURCE = kernel_source(residual=True)
+_GLU_SOURCE = kernel_source(glu=True)
+GLU_HEADER = '#include "mlx/backend/cuda/device/unary_ops.cuh"\n'
 
 
 def compact(source: str) -> str:
@@ -291,24 +363,37 @@ def compact(source: str) -> str:
 
 
 @cache
-def rows_kernel(name: str, inputs: tuple[str, ...], source: str):
-    """A kernel over the shared device functions (``DEVICE_FUNCTIONS``) writing ``out``, built
-    once per name, inputs and source."""
+def rows_kernel(name: str, inputs: tuple[str, ...], source: str, includes: str = ""):
+    """A kernel over the shared device functions (``DEVICE_FUNCTIONS``, after ``includes``)
+    writing ``out``, built once per name, inputs and source."""
     return mx.fast.cuda_kernel(
         name=name,
         input_names=list(inputs),
         output_names=["out"],
         source=compact(source),
-        header=compact(DEVICE_FUNCTIONS),
+        header=includes + compact(DEVICE_FUNCTIONS),
     )
 
 
-def layout(k: int, n: int, bits: int) -> tuple[list[tuple[str, int]], int]:
+def float_bits(value: float) -> int:
+    """A float32's bits as a signed int (a kernel's template constant; ``__int_as_float`` there)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def norm_fits(rows: int, inputs: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernel can norm ``rows`` rows of ``inputs`` values in its prologue: the
+    block keeps them in shared memory, at most ``NORM_STAGE_BYTES``."""
+    return rows * inputs * dtype.size <= NORM_STAGE_BYTES
+
+
+def layout(k: int, n: int, bits: int, glu: bool = False) -> tuple[list[tuple[str, int]], int]:
     """The column and warp layout of a product by an [N, K] matrix: the kernel's template
     parameters for it (columns a warp owns, warps a block, warps that split K) and the blocks
-    across N."""
+    across N (with ``glu``, across the N / 2 outputs, a warp's columns being half gate rows
+    and half up rows)."""
     splits = k_splits(k, n, bits)
-    return [("CPW", COLUMNS), ("NW", WARPS), ("KS", splits)], -(-n // (WARPS // splits * COLUMNS))
+    per_warp, outputs = (COLUMNS // 2, n // 2) if glu else (COLUMNS, n)
+    return [("CPW", COLUMNS), ("NW", WARPS), ("KS", splits)], -(-outputs // (WARPS // splits * per_warp))
 
 
 @cache
@@ -356,11 +441,12 @@ def fits(
     )
 
 
-def pays(rows: int, inputs: int, outputs: int) -> bool:
+def pays(rows: int, inputs: int, outputs: int, fused: bool = False) -> bool:
     """Whether a product the kernel can take (``fits``) is faster through it than through
-    MLX's own kernel, by the measurements above."""
+    MLX's own kernel, by the measurements above (``fused``: with a residual add in its epilogue
+    or a norm in its prologue, each a launch of its own beside MLX's kernel)."""
     if rows == 1:
-        return inputs * outputs >= ONE_ROW_MIN_WEIGHTS
+        return inputs * outputs >= (ONE_ROW_FUSED_MIN_WEIGHTS if fused else ONE_ROW_MIN_WEIGHTS)
     return rows in ROUTED_ROWS
 
 
@@ -387,30 +473,43 @@ def matmul(
     group_size: int,
     bits: int,
     residual: mx.array | None = None,
+    glu: bool = False,
+    norm: tuple[mx.array, float] | None = None,
 ) -> mx.array:
     """``x @ dequantize(w).T`` for ``x`` [..., K] and an [N, K] weight packed as MLX packs it
     (``w`` uint32 [N, K * bits / 32], ``scales``/``biases`` [N, K / group_size]), plus
     ``residual`` ([..., N] in x's dtype) where given, as ``residual + product`` computes it.
-    The caller checks ``fits``."""
+    With ``glu`` the weight stacks gate over up rows and the output is ``silu(gate) * up``
+    ([..., N / 2]), as MLX's ops compute it from the product. With ``norm`` (weight, eps), the
+    product of ``mx.fast.rms_norm(x, weight, eps)`` (``norm_fits`` says for which rows). The
+    caller checks ``fits``."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
+    outputs = n // 2 if glu else n
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
-    warps, blocks = layout(k, n, bits)
-    names, inputs = ("x", "w", "scales", "biases"), [flat, w, scales, biases]
-    kernel = rows_kernel("quantized_matmul_rows", names, _SOURCE)
+    warps, blocks = layout(k, n, bits, glu)
+    names, inputs = ["x", "w", "scales", "biases"], [flat, w, scales, biases]
     if residual is not None:
-        kernel = rows_kernel("quantized_matmul_rows_plus", (*names, "residual"), _RESIDUAL_SOURCE)
+        names.append("residual")
         inputs.append(residual.reshape(rows, n))
+    constants = []
+    if norm is not None:
+        names.append("norm")
+        inputs.append(norm[0])
+        constants = [("KN", k), ("EPS", float_bits(norm[1]))]
+    variant = "".join(part for part, on in (("_plus", residual is not None), ("_glu", glu), ("_norm", norm)) if on)
+    source = kernel_source(residual is not None, glu, norm is not None)
+    kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, GLU_HEADER if glu else "")
     (out,) = kernel(
         inputs=inputs,
-        template=[("T", x.dtype), ("R", rows), ("BITS", bits), ("GS", group_size), *warps],
+        template=[("T", x.dtype), ("R", rows), ("BITS", bits), ("GS", group_size), *warps, *constants],
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[(rows, outputs)],
         output_dtypes=[x.dtype],
     )
-    return out.reshape(*lead, n)
+    return out.reshape(*lead, outputs)
 
 
 def takes(
@@ -443,14 +542,21 @@ def takes(
 
 
 def _routed(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    mode: str,
+    fused: bool = False,
 ) -> bool:
     """Whether the kernel takes the product of ``x`` by the [N, K] weight ``w``: turned on and
     able to run here, faster than MLX's at this size (``pays``) and one it computes (``takes``)."""
     if w.ndim != 2 or x.ndim < 1 or not enabled():
         return False
     rows = x.size // max(x.shape[-1], 1)
-    return pays(rows, x.shape[-1], w.shape[0]) and takes(rows, x, w, scales, biases, group_size, bits, mode)
+    return pays(rows, x.shape[-1], w.shape[0], fused) and takes(rows, x, w, scales, biases, group_size, bits, mode)
 
 
 def quantized_matmul(
@@ -476,10 +582,48 @@ def quantized_matmul(
     )
 
 
-def residual_enabled() -> bool:
-    """Whether a product's residual add may run in the kernel's epilogue: wherever the
-    kernel runs, unless turned off (``MLX_DESK_QMV_RESIDUAL=0``; docs/qmv.md)."""
-    return os.environ.get(RESIDUAL_ENV, "1") != "0" and enabled()
+def fusion_enabled(kind: str) -> bool:
+    """Whether the kernel may take the small op ``kind`` (``FUSIONS``) into its products:
+    where it runs, as the op's variable says (``FUSION_DEFAULTS`` where unset)."""
+    return os.environ.get(FUSIONS[kind], FUSION_DEFAULTS[kind]) != "0" and enabled()
+
+
+def prologue_norm(norm: nn.Module, x: mx.array) -> tuple[mx.array, float] | None:
+    """(weight, eps) of ``norm`` where the kernel can apply it to ``x`` in its prologue: a plain
+    ``nn.RMSNorm`` over x's last axis, its weight in x's dtype, rows that fit the block's
+    shared memory (``norm_fits``); None otherwise."""
+    if type(norm) is not nn.RMSNorm or not fusion_enabled("norm") or x.ndim < 1:
+        return None
+    weight, k = norm.weight, x.shape[-1]
+    if weight.shape != (k,) or weight.dtype != x.dtype or not norm_fits(x.size // max(k, 1), k, x.dtype):
+        return None
+    return weight, norm.eps
+
+
+def quantized_fused(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+    norm: nn.Module | None = None,
+    glu: bool = False,
+) -> mx.array | None:
+    """The product of ``norm(x)`` (x without a norm; with ``glu``, ``silu(gate) * up`` of it, the
+    weight stacking gate rows over up rows) in one launch, the norm in the kernel's prologue
+    and the activation in its epilogue; None where the kernel does not take all of it (the
+    caller then runs those steps itself)."""
+    prologue = prologue_norm(norm, x) if norm is not None else None
+    if (norm is not None and prologue is None) or (norm is None and not glu):
+        return None
+    if glu and (not fusion_enabled("glu") or w.shape[0] % 2):
+        return None
+    if not _routed(x, w, scales, biases, group_size, bits, mode, fused=True):
+        return None
+    return matmul(x, w, scales, biases, group_size, bits, glu=glu, norm=prologue)
 
 
 def quantized_matmul_plus(
@@ -497,8 +641,8 @@ def quantized_matmul_plus(
     and the residual is its output's shape and dtype (a decode step's residual stream), else
     the product and the add as they are."""
     if (
-        residual_enabled()
-        and _routed(x, w, scales, biases, group_size, bits, mode)
+        fusion_enabled("residual")
+        and _routed(x, w, scales, biases, group_size, bits, mode, fused=True)
         and residual.shape == (*x.shape[:-1], w.shape[0])
         and residual.dtype == x.dtype
     ):

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models.lora import LoRAHost
-from engine.models.quantized_matmul_cuda import quantized_matmul
+from engine.models.quantized_matmul_cuda import quantized_fused, quantized_matmul
 
 _KINDS = (nn.Linear, nn.QuantizedLinear)
 # Stacking pays off per launch, so only for a few rows (decode steps, draft checks). For a
@@ -75,6 +75,18 @@ class _Stack:
         if "bias" in a:
             return mx.addmm(a["bias"], x, a["weight"].T)
         return x @ a["weight"].T
+
+    def fused(self, x: mx.array, norm: nn.Module | None = None, glu: bool = False) -> mx.array | None:
+        """The stacked product of ``norm(x)`` (x without a norm; with ``glu``, ``silu(first) *
+        second`` of it), quantized linear layers without biases, in one launch with the norm in
+        the CUDA kernel's prologue and the activation in its epilogue; None where the kernel
+        does not take it (the caller then runs the steps it did not)."""
+        a, first = self.stacked, self.layers[0]
+        if type(first) is not nn.QuantizedLinear or "bias" in a or (glu and len(self.layers) != 2):
+            return None
+        packed = (a["weight"], a["scales"], a.get("biases"))
+        quantization = {"group_size": first.group_size, "bits": first.bits, "mode": getattr(first, "mode", "affine")}
+        return quantized_fused(x, *packed, norm=norm, glu=glu, **quantization)
 
 
 class _Stacks:
@@ -136,12 +148,28 @@ def _adapted(layer: nn.Module, y: mx.array, x: mx.array, *args) -> mx.array:
     return y
 
 
-def stacked_output(module: nn.Module, names: tuple[str, ...], x: mx.array) -> mx.array | None:
+def stacked_output(
+    module: nn.Module, names: tuple[str, ...], x: mx.array, norm: nn.Module | None = None
+) -> mx.array | None:
     """The named layers' outputs concatenated on the last axis, in one matmul; None when
     the layers are not (or no longer) stacked, an adapter acts on one of them, or ``x``
-    has more rows than the stack takes (``MAX_STACKED_ROWS`` for linear layers)."""
+    has more rows than the stack takes (``MAX_STACKED_ROWS`` for linear layers). With
+    ``norm``, the outputs for ``norm(x)`` with the norm in the CUDA kernel's prologue, and
+    None where the kernel does not take it."""
     stack = _usable(module, names, x)
-    return stack(x) if stack is not None else None
+    if stack is None:
+        return None
+    return stack(x) if norm is None else stack.fused(x, norm)
+
+
+def stacked_silu_glu(
+    module: nn.Module, names: tuple[str, ...], x: mx.array, norm: nn.Module | None = None
+) -> mx.array | None:
+    """``silu(gate(n)) * up(n)`` of ``n = norm(x)`` (x without a norm) for the two named layers
+    (gate, up) in one launch where they are stacked, no adapter acts on them and the CUDA
+    kernel takes the product, the norm in its prologue; None otherwise."""
+    stack = _usable(module, names, x)
+    return stack.fused(x, norm, glu=True) if stack is not None else None
 
 
 def project(module: nn.Module, names: tuple[str, ...], x: mx.array, *args) -> list[mx.array]:

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The CUDA decode kernels on a GPU machine, in four parts of under 10 minutes each:
-#   tests: the small-row quantized matmul (plain and gathered) against MLX's kernels, its
-#          code unpacking on the host, and the head norm + RoPE kernel against MLX's calls;
+# The CUDA decode kernels on a GPU machine, in five parts of under 10 minutes each:
+#   tests: the small-row quantized matmul against MLX's kernels, with its residual, activation
+#          and norm variants;
+#   kernels: the gathered variant against MLX's, the code unpacking on the host, and the head
+#          norm + RoPE kernel against MLX's calls;
 #   bench: the microbenchmark beside MLX's kernel (qwen3-4b and llama3-8b projections, each
 #          product reading its own weight from memory), whole-model decode against mlx-lm
 #          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits);
-#   ab:    qwen3-4b with the head norm + RoPE kernel off, and qwen3-4b and llama3-8b with the
-#          residual epilogue off (beside bench's runs with them on);
+#   ab:    qwen3-4b with the head norm + RoPE kernel off, the activation epilogue off and the
+#          norm prologue on, and qwen3-4b and llama3-8b with the residual epilogue off (beside
+#          bench's runs with the defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm.
-# Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|bench|ab|batch]
+# Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch]
 # (every part when the second argument is left out). Each command has its own time limit; a
 # failing or timed-out step is reported and the script goes on to the next one. The exit
 # status is the number of failed steps.
@@ -40,8 +43,12 @@ pytest_step() {
 }
 
 if [ "$PART" = "all" ] || [ "$PART" = "tests" ]; then
-  # Limits from the H200: 261 s, 117 s and 42 s (each case builds its kernel once).
-  pytest_step 300 "small-row kernel tests" tests/engine/models/test_qmv_cuda.py
+  # Limits from the H200: 261 s (before the activation and norm cases), 117 s and 42 s (each
+  # case builds its kernel once).
+  pytest_step 540 "small-row kernel tests" tests/engine/models/test_qmv_cuda.py
+fi
+
+if [ "$PART" = "all" ] || [ "$PART" = "kernels" ]; then
   pytest_step 150 "gathered kernel tests" tests/engine/models/test_gather_qmv_cuda.py
   pytest_step 90 "head norm + RoPE kernel tests" tests/engine/models/test_head_norm_rope_cuda.py
   pytest_step 90 "kernels emulated on the CPU, microbench tests" tests/engine/models/test_qmv_emulated.py tests/engine/test_bench_qmm.py
@@ -60,6 +67,12 @@ fi
 
 if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
   step 100 "decode qwen3-4b, head norm + RoPE kernel off" env MLX_DESK_QK_ROPE=0 "$PY" -m engine bench \
+    --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
+  # The activation in the gate/up epilogue off (on by default), the norms in the products'
+  # prologues on (off by default until measured faster).
+  step 100 "decode qwen3-4b, activation epilogue off" env MLX_DESK_QMV_GLU=0 "$PY" -m engine bench \
+    --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
+  step 100 "decode qwen3-4b, norm prologue on" env MLX_DESK_QMV_NORM=1 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
   # The residual adds in the products' epilogue, turned off for the A/B (on by default).
   for shape_limit in qwen3-4b:100 llama3-8b:110; do

@@ -49,6 +49,7 @@ def test_the_kernel_is_routed_only_where_it_was_measured_faster():
     assert qmv.pays(2, 896, 896) and qmv.pays(5, 2560, 4096) and qmv.pays(6, 14336, 4096)
     assert qmv.pays(1, 4096, 28672) and qmv.pays(1, 14336, 4096)  # llama3-8b gate+up, down
     assert not qmv.pays(1, 2560, 4096) and not qmv.pays(1, 896, 1152)  # qwen3-4b q, qwen2.5-0.5b q/k/v
+    assert qmv.pays(1, 4096, 28672, fused=True) and not qmv.pays(1, 896, 896, fused=True)
     assert qmv.pays(7, 4096, 28672) and qmv.pays(7, 896, 896)
     assert qmv.pays(8, 2560, 19456) and qmv.pays(12, 9728, 2560)  # qwen3-4b's batch steps
     assert not qmv.pays(13, 4096, 28672) and not qmv.pays(16, 14336, 4096)
@@ -93,15 +94,50 @@ def test_the_kernel_is_on_by_default_where_it_can_run_and_off_when_asked(monkeyp
     assert not qmv.enabled()
 
 
-def test_the_residual_epilogue_is_on_wherever_the_kernel_is_and_off_when_asked(monkeypatch):
+@pytest.mark.parametrize("kind", ["residual", "glu", "norm"])
+def test_each_small_op_joins_the_products_wherever_the_kernel_is_and_not_when_asked(monkeypatch, kind):
     monkeypatch.delenv(qmv.ENV, raising=False)
-    monkeypatch.delenv(qmv.RESIDUAL_ENV, raising=False)
-    assert qmv.residual_enabled() == qmv.available()
-    monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
-    assert not qmv.residual_enabled()
-    monkeypatch.setenv(qmv.RESIDUAL_ENV, "1")
+    monkeypatch.delenv(qmv.FUSIONS[kind], raising=False)
+    assert qmv.fusion_enabled(kind) == (qmv.available() and kind != "norm")  # the norm: off until measured
+    monkeypatch.setenv(qmv.FUSIONS[kind], "1")
+    assert qmv.fusion_enabled(kind) == qmv.available()
+    monkeypatch.setenv(qmv.FUSIONS[kind], "0")
+    assert not qmv.fusion_enabled(kind)
+    monkeypatch.setenv(qmv.FUSIONS[kind], "1")
     monkeypatch.setenv(qmv.ENV, "0")
-    assert not qmv.residual_enabled()
+    assert not qmv.fusion_enabled(kind)
+
+
+def test_only_plain_rms_norms_of_rows_that_fit_the_blocks_memory_join_a_product(monkeypatch):
+    monkeypatch.setattr(qmv, "available", lambda: True)  # the routing only
+    monkeypatch.setenv(qmv.NORM_ENV, "1")
+    norm = nn.RMSNorm(2560, eps=1e-5)
+    norm.set_dtype(mx.bfloat16)
+    x = mx.zeros((1, 1, 2560), mx.bfloat16)
+    weight, eps = qmv.prologue_norm(norm, x)
+    assert weight is norm.weight and eps == 1e-5
+    assert qmv.prologue_norm(norm, mx.zeros((1, 6, 2560), mx.bfloat16)) is not None
+    assert qmv.prologue_norm(norm, mx.zeros((1, 7, 2560), mx.bfloat16)) is None  # 35 KB of rows
+    assert qmv.prologue_norm(norm, x.astype(mx.float16)) is None  # the weight's dtype differs
+    assert qmv.prologue_norm(nn.LayerNorm(2560), x) is None
+
+
+def test_the_gated_mlp_is_silu_of_gate_times_up_wherever_the_epilogue_does_not_run(monkeypatch):
+    """``GatedMLP.gated`` is ``silu(gate(x)) * up(x)`` of the stacked product bit for bit off
+    CUDA or turned off, and the kernel's activation epilogue is not asked for."""
+    from engine.models.base import GATE_UP, GatedMLP
+    from engine.models.stacked import project, stack_projections
+
+    monkeypatch.setenv(qmv.GLU_ENV, "0")
+    mlp = GatedMLP(128, 320)
+    nn.quantize(mlp, group_size=64, bits=4)
+    mlp.set_dtype(mx.bfloat16)
+    assert stack_projections(mlp) == 1
+    x = mx.random.normal((1, 3, 128), key=mx.random.key(9)).astype(mx.bfloat16)
+    kernel = qmv.matmul
+    monkeypatch.setattr(qmv, "matmul", lambda *a, **k: pytest.fail("fused") if k.get("glu") else kernel(*a, **k))
+    gate, up = project(mlp, GATE_UP, x)
+    assert mx.array_equal(mlp.gated(x), nn.silu(gate) * up)
 
 
 def test_the_routed_entry_points_equal_mlxs_where_the_kernel_does_not_run(monkeypatch):
@@ -243,14 +279,14 @@ def test_leading_axes_strided_inputs_and_row_views_of_a_weight(monkeypatch):
         assert mx.abs(got.astype(mx.float32) - expected).max().item() <= 8e-3 * mx.abs(expected).max().item()
 
 
-def _two_layer_qwen25(seed: int):
-    """qwen2.5-0.5b's shape cut to two layers, random bfloat16 weights at 4 bits, with its
-    projections stacked as a decode step takes them."""
+def _two_layer_qwen25(seed: int, shape: str = "qwen2.5-0.5b", **sizes):
+    """qwen2.5-0.5b's shape (or ``shape``'s, with ``sizes`` changed) cut to two layers, random
+    bfloat16 weights at 4 bits, with its projections stacked as a decode step takes them."""
     from engine.cli.bench import SHAPES as BENCH_SHAPES
     from engine.models import get_family
     from engine.models.stacked import stack_projections
 
-    config = dict(BENCH_SHAPES["qwen2.5-0.5b"], num_hidden_layers=2)
+    config = dict(BENCH_SHAPES[shape], num_hidden_layers=2, **sizes)
     family = get_family(config["model_type"])
     mx.random.seed(seed)
     model = family.Model(family.ModelArgs.from_dict(config))
@@ -259,6 +295,22 @@ def _two_layer_qwen25(seed: int):
     stack_projections(model)
     mx.eval(model.parameters())
     return model
+
+
+def _compiled_verify_logits(monkeypatch, model, env: str, value: str, calls: list) -> mx.array:
+    """The logits of a compiled two-token verify step after a three-token prompt, traced with
+    ``env`` set to ``value`` (the setting is read while tracing); ``calls`` emptied first."""
+    from engine.decode.compiled_step import compiled_decoder
+    from engine.models.kv_cache import KVCache
+
+    monkeypatch.setenv(env, value)
+    cache = [KVCache() for _ in model.layers]
+    mx.eval(model(mx.array([[11, 523, 9001]]), cache=cache))
+    decoder = compiled_decoder(model)
+    decoder.prepare()
+    decoder._fns = decoder._build()
+    calls.clear()
+    return decoder(mx.array([4242, 77]), cache)
 
 
 @needs_cuda
@@ -292,7 +344,7 @@ def test_the_mlp_plus_its_residual_is_the_add_wherever_the_epilogue_does_not_run
     h = mx.random.normal((1, 3, 128), key=mx.random.key(6)).astype(mx.bfloat16)
     mlp.set_dtype(mx.bfloat16)
     assert mx.array_equal(mlp.plus(h, x), h + mlp(x))
-    assert not qmv.residual_enabled()
+    assert not qmv.fusion_enabled("residual")
 
 
 def test_a_layer_finished_from_its_attention_is_finished_as_before(monkeypatch):
@@ -323,6 +375,79 @@ def test_the_kernels_residual_epilogue_is_the_product_then_the_add(dtype, rows):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 4, 12])
+def test_the_kernels_glu_epilogue_is_silu_of_the_gate_times_the_up_product(dtype, rows):
+    """Bit for bit what MLX's ops compute from the product (silu rounds as MLX's own
+    elementwise kernels do), for a K-split matrix (down-like, 2 x 1,280 outputs of 9,728) and a
+    wide one."""
+    for inputs, outputs in ((9728, 1280), (2560, 4864)):
+        x, wq, scales, biases = _case(rows, inputs, 2 * outputs, 4, 64, dtype)
+        fused = qmv.matmul(x, wq, scales, biases, 64, 4, glu=True)
+        gate, up = mx.split(qmv.matmul(x, wq, scales, biases, 64, 4), 2, axis=-1)
+        assert fused.shape == (rows, outputs)
+        assert mx.array_equal(fused, nn.silu(gate) * up)
+
+
+@needs_cuda
+def test_a_models_logits_are_the_same_with_the_glu_epilogue_on(monkeypatch):
+    """A 4-bit qwen2.5-0.5b-shaped model's two-token pass and a compiled verify step with each
+    layer's activation in its gate/up product's epilogue give the logits of the separate ops,
+    bit for bit."""
+
+    model = _two_layer_qwen25(seed=5)
+    tokens = mx.array([[4242, 77]])
+    monkeypatch.setenv(qmv.GLU_ENV, "0")
+    apart = model(tokens)
+    calls = []
+    kernel = qmv.matmul
+    monkeypatch.setattr(qmv, "matmul", lambda *a, **k: calls.append(k.get("glu", False)) or kernel(*a, **k))
+    monkeypatch.setenv(qmv.GLU_ENV, "1")
+    assert mx.array_equal(model(tokens), apart)
+    assert calls.count(True) == 2  # each layer's gate/up product took its activation
+
+    logits = {glu: _compiled_verify_logits(monkeypatch, model, qmv.GLU_ENV, glu, calls) for glu in ("0", "1")}
+    assert calls.count(True) == 2
+    assert mx.array_equal(logits["1"], logits["0"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
+@pytest.mark.parametrize("rows, glu", [(1, False), (4, False), (1, True), (6, True)])
+def test_the_kernels_norm_prologue_is_mlxs_rms_norm_then_the_product(dtype, rows, glu):
+    """The product of ``mx.fast.rms_norm(x)``: the kernel sums the squares in another order
+    than MLX's norm, so its scale may part by a float32 rounding, which in float16 and
+    bfloat16 almost never reaches a normed value."""
+    x, wq, scales, biases = _case(rows, 2560, 2 * 2432, 4, 64, dtype)
+    x = 3 * x + 0.5
+    weight = (1 + 0.3 * mx.random.normal((2560,), key=mx.random.key(rows))).astype(dtype)
+    fused = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu, norm=(weight, 1e-6))
+    apart = qmv.matmul(mx.fast.rms_norm(x, weight, 1e-6), wq, scales, biases, 64, 4, glu=glu)
+    assert fused.shape == apart.shape == (rows, 2432 if glu else 4864)
+    if dtype == mx.float32:
+        assert mx.allclose(fused, apart, rtol=1e-5, atol=1e-5)
+    else:
+        assert mx.mean(fused == apart).item() >= 0.99
+
+
+@needs_cuda
+def test_a_models_logits_stay_with_the_norm_prologue_on(monkeypatch):
+    """A 4-bit Qwen3-shaped model's compiled verify step with each layer's norms in its q/k/v
+    and gate/up products' prologues: every norm joins its product and the logits stay those
+    of the separate norms to bfloat16 rounding."""
+
+    model = _two_layer_qwen25(seed=6, shape="qwen3-4b", hidden_size=1024, intermediate_size=1536, vocab_size=10000)
+    calls = []
+    kernel = qmv.matmul
+    monkeypatch.setattr(qmv, "matmul", lambda *a, **k: calls.append(k.get("norm") is not None) or kernel(*a, **k))
+    logits = {n: _compiled_verify_logits(monkeypatch, model, qmv.NORM_ENV, n, calls) for n in ("0", "1")}
+    logits = {n: a.astype(mx.float32) for n, a in logits.items()}
+    assert calls.count(True) == 2 * 2  # each layer's q/k/v and gate/up
+    apart = mx.abs(logits["1"] - logits["0"]).max().item()
+    assert apart <= 2e-2 * mx.abs(logits["0"]).max().item()
+
+
+@needs_cuda
 def test_a_models_logits_are_the_same_with_the_epilogue_on(monkeypatch):
     """A 4-bit qwen2.5-0.5b-shaped model's two-token pass (a verify pass: 2 rows take the
     kernel on any matrix) with the down products' residual adds in the kernel's epilogue gives
@@ -340,18 +465,6 @@ def test_a_models_logits_are_the_same_with_the_epilogue_on(monkeypatch):
     assert mx.array_equal(together, apart)
 
     # A compiled verify step: each layer's output and down products take their residuals.
-    from engine.decode.compiled_step import compiled_decoder
-    from engine.models.kv_cache import KVCache
-
-    logits = {}
-    for residual in ("0", "1"):
-        monkeypatch.setenv(qmv.RESIDUAL_ENV, residual)
-        cache = [KVCache() for _ in model.layers]
-        mx.eval(model(mx.array([[11, 523, 9001]]), cache=cache))
-        decoder = compiled_decoder(model)
-        decoder.prepare()
-        decoder._fns = decoder._build()  # traced again: the setting is read while tracing
-        calls.clear()
-        logits[residual] = decoder(mx.array([4242, 77]), cache)
+    logits = {r: _compiled_verify_logits(monkeypatch, model, qmv.RESIDUAL_ENV, r, calls) for r in ("0", "1")}
     assert calls.count(True) == 2 * 2
     assert mx.array_equal(logits["1"], logits["0"])

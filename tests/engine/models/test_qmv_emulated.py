@@ -18,6 +18,7 @@ import shutil
 import subprocess
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -39,6 +40,8 @@ _PRELUDE = r"""
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
 using std::min;
 struct uint4 { uint32_t x, y, z, w; };
 struct uint2 { uint32_t x, y; };
@@ -162,9 +165,9 @@ def _build(tmp_path, source: str) -> None:
     assert built.returncode == 0, built.stderr[-3000:]
 
 
-def _build_and_run(tmp_path, source: str, arrays, args: list[int], ids=None) -> mx.array:
+def _build_and_run(tmp_path, source: str, arrays, args: list[int], ids=None, outputs=None) -> mx.array:
     """Build ``source``, run it on ``arrays`` (x, w, scales, biases; ``ids`` too where given)
-    with ``args``; its output, [outputs' rows, N], in x's dtype."""
+    with ``args``; its output, [outputs' rows, ``outputs`` (N when not given)], in x's dtype."""
     x, wq, scales, _ = arrays
     for name, a in zip("xwsb", arrays, strict=True):
         (np.array(a) if name == "w" else _raw(a)).tofile(tmp_path / f"{name}.bin")
@@ -173,7 +176,7 @@ def _build_and_run(tmp_path, source: str, arrays, args: list[int], ids=None) -> 
     _build(tmp_path, source)
     subprocess.run(["./kernel", *map(str, args)], cwd=tmp_path, check=True, timeout=60)
     raw = np.fromfile(tmp_path / "out.bin", dtype=np.uint16 if x.dtype == mx.bfloat16 else _raw(x).dtype)
-    out = mx.array(raw.reshape(-1, scales.shape[-2]))
+    out = mx.array(raw.reshape(-1, outputs or scales.shape[-2]))
     return out.view(mx.bfloat16) if x.dtype == mx.bfloat16 else out
 
 
@@ -236,6 +239,99 @@ def test_the_residual_epilogue_equals_the_product_then_the_add(tmp_path, rows, i
     plain = _run_on_cpu(tmp_path, x, wq, scales, biases, 64, 4, 0)
     assert mx.array_equal(got, residual + plain)
     assert not mx.array_equal(got, plain)
+
+
+# The gate/up product with the activation in its epilogue (``matmul``'s ``glu``): N = 2I weight
+# rows, I outputs, blocks across the outputs. MLX's Sigmoid stands in as the CPU computes it.
+_GLU_DRIVER = (
+    "struct Sigmoid {\n  template <typename U> U operator()(U x) {\n"
+    "    const float y = 1.0f / (1.0f + std::exp(std::fabs((float)x)));\n"
+    "    return U((float)x < 0 ? y : 1.0f - y);\n  }\n};\n"
+    + _DRIVER.replace("std::vector<T> out((size_t)rows * N);", "std::vector<T> out((size_t)rows * N / 2);").replace(
+        "blocks = (N + per_block - 1) / per_block;", "blocks = (N / 2 + per_block - 1) / per_block;"
+    )
+)
+
+
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, bits, group, dtype, splits",
+    [
+        (1, 640, 37, 4, 64, mx.float32, 1),
+        (3, 2176, 10, 8, 32, mx.bfloat16, 4),
+        (5, 3200, 8, 4, 128, mx.float16, 2),
+        (12, 640, 33, 4, 64, mx.bfloat16, 1),
+    ],
+    ids=str,
+)
+def test_the_glu_epilogue_computes_silu_gate_times_up(tmp_path, rows, inputs, outputs, bits, group, dtype, splits):
+    """Gate rows stacked over up rows: each output is silu(gate) * up of its own two rows,
+    over K-splits of 1, 2 and 4 warps and outputs not a multiple of a block's."""
+    assert qmv.k_splits(inputs, 2 * outputs, bits) == splits
+    k1, k2 = mx.random.split(mx.random.key(rows * 3 + inputs + outputs), 2)
+    w = (mx.random.normal((2 * outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
+    source = _program(_GLU_DRIVER, qmv._GLU_SOURCE, dtype, bits, group, splits, f"constexpr int R = {rows};")
+    args = [rows, inputs, 2 * outputs, 0, qmv.WARPS, splits, qmv.COLUMNS // 2]
+    got = _build_and_run(tmp_path, source, (x, wq, scales, biases), args, outputs=outputs)
+    f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
+    product = mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=group, bits=bits)
+    gate, up = mx.split(product, 2, axis=-1)
+    expected = nn.silu(gate) * up
+    assert got.dtype == dtype and got.shape == (rows, outputs)
+    error = mx.abs(got.astype(mx.float32) - expected).max().item()
+    assert error <= 2 * _TOLERANCE[dtype] * mx.abs(expected).max().item()
+
+
+# The product of the rows' RMSNorm (``matmul``'s ``norm``), with or without the activation.
+_NORM_DRIVER = (
+    _GLU_DRIVER.replace(
+        "const T* scales, const T* biases, T* out) {", "const T* scales, const T* biases, const T* norm, T* out) {"
+    )
+    .replace(
+        "(const T*)sb.data(), (const T*)bb.data(), out.data());",
+        "(const T*)sb.data(), (const T*)bb.data(), (const T*)nb.data(), out.data());",
+    )
+    .replace('auto xb = slurp("x.bin"),', 'auto nb = slurp("n.bin");\n  auto xb = slurp("x.bin"),')
+)
+
+
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, dtype, glu, splits",
+    [
+        (1, 640, 37, mx.float32, False, 1),
+        (1, 8448, 19, mx.bfloat16, False, 4),
+        (3, 2176, 13, mx.float16, False, 2),
+        (2, 640, 21, mx.float16, True, 1),
+        (6, 2560, 11, mx.bfloat16, True, 2),
+    ],
+    ids=str,
+)
+def test_the_norm_prologue_computes_the_product_of_the_rms_norm(tmp_path, rows, inputs, outputs, dtype, glu, splits):
+    """Each row normed by the block (its mean square, the epsilon, the norm's weight) before the
+    product, with and without the activation in the epilogue, over K-splits of 1, 2 and 4."""
+    n = 2 * outputs if glu else outputs
+    assert qmv.k_splits(inputs, n, 4) == splits and qmv.norm_fits(rows, inputs, dtype)
+    keys = mx.random.split(mx.random.key(rows * 11 + inputs + outputs), 3)
+    w = (mx.random.normal((n, inputs), key=keys[0]) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = (5 * mx.random.normal((rows, inputs), key=keys[1])).astype(dtype)
+    weight = (1 + 0.3 * mx.random.normal((inputs,), key=keys[2])).astype(dtype)
+    eps = 1e-6
+    _raw(weight).tofile(tmp_path / "n.bin")
+    constants = f"constexpr int R = {rows}; constexpr int KN = {inputs}; constexpr int EPS = {qmv.float_bits(eps)};"
+    driver = _NORM_DRIVER if glu else _NORM_DRIVER.replace("N / 2", "N")
+    source = _program(driver, qmv.kernel_source(glu=glu, norm=True), dtype, 4, 64, splits, constants)
+    args = [rows, inputs, n, 0, qmv.WARPS, splits, qmv.COLUMNS // 2 if glu else qmv.COLUMNS]
+    got = _build_and_run(tmp_path, source, (x, wq, scales, biases), args, outputs=outputs)
+    normed = mx.fast.rms_norm(x, weight, eps).astype(mx.float32)
+    f32 = [a.astype(mx.float32) for a in (scales, biases)]
+    expected = mx.quantized_matmul(normed, wq, *f32, transpose=True, group_size=64, bits=4)
+    if glu:
+        gate, up = mx.split(expected, 2, axis=-1)
+        expected = nn.silu(gate) * up
+    error = mx.abs(got.astype(mx.float32) - expected).max().item()
+    assert error <= 2 * _TOLERANCE[dtype] * mx.abs(expected).max().item()
 
 
 # The gathered variant (expert products): blocks run per (token, expert) pair, blockIdx.y.
@@ -348,7 +444,6 @@ def test_the_source_mlx_receives_keeps_the_code_and_drops_the_comments():
 # The head norm + RoPE kernel (models.head_norm_rope_cuda): a warp per (token, head).
 _HEAD_NORM_DRIVER = r"""
 static Index blockDim{WARPS * 32, 1};
-inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
 using std::cos;
 using std::exp2;
 using std::sin;
