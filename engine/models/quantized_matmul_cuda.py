@@ -69,23 +69,22 @@ MAX_ROWS = 16
 ROUTED_ROWS = range(2, 13)
 ONE_ROW_MIN_WEIGHTS = 16 << 20
 # A one-row product that takes a small op into it (a residual add, an activation, a norm)
-# saves a launch besides, so it may pay on smaller matrices (qwen3-4b's output projection,
-# 4096 x 2560, and its q/k/v, 2560 x 6144): kept at ONE_ROW_MIN_WEIGHTS until measured.
-ONE_ROW_FUSED_MIN_WEIGHTS = ONE_ROW_MIN_WEIGHTS
+# saves a launch besides, so it routes here from this size: qwen3-4b's q/k/v (2560 x 6144, with
+# its norm) and output product (4096 x 2560, with its add) then take the kernel at one row,
+# and its compiled step went from 403 ops and 3.99 ms to 295 and 3.05 (docs/qmv.md).
+ONE_ROW_FUSED_MIN_WEIGHTS = 8 << 20
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
-# The small ops the kernel takes into a product (``fusion_enabled``; docs/qmv.md): the residual
-# add in the epilogue, a gated MLP's activation in its stacked gate/up product's epilogue (both
-# on wherever the kernel runs unless their variable is 0: their GPU tests passed bit for bit),
-# and the input's RMSNorm in the prologue (off unless its variable is 1: its GPU tests passed
-# in part and its speed is not yet measured).
+# The small ops the kernel takes into a product (``fusion_enabled``; docs/qmv.md), each on
+# wherever the kernel runs unless its variable is 0: the residual add in the epilogue, a gated
+# MLP's activation in its stacked gate/up product's epilogue, the input's RMSNorm in the prologue.
 RESIDUAL_ENV = "MLX_DESK_QMV_RESIDUAL"
 GLU_ENV = "MLX_DESK_QMV_GLU"
 NORM_ENV = "MLX_DESK_QMV_NORM"
 FUSIONS = {"residual": RESIDUAL_ENV, "glu": GLU_ENV, "norm": NORM_ENV}
-FUSION_DEFAULTS = {"residual": "1", "glu": "1", "norm": "0"}
+FUSION_DEFAULTS = {"residual": "1", "glu": "1", "norm": "1"}
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).
 NORM_STAGE_BYTES = 32 << 10

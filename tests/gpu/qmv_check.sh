@@ -8,7 +8,7 @@
 #          product reading its own weight from memory), whole-model decode against mlx-lm
 #          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits);
 #   ab:    qwen3-4b with the head norm + RoPE kernel off, the activation epilogue off and the
-#          norm prologue on, and qwen3-4b and llama3-8b with the residual epilogue off (beside
+#          norm prologue off, and qwen3-4b and llama3-8b with the residual epilogue off (beside
 #          bench's runs with the defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm.
 # Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch]
@@ -68,11 +68,11 @@ fi
 if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
   step 100 "decode qwen3-4b, head norm + RoPE kernel off" env MLX_DESK_QK_ROPE=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
-  # The activation in the gate/up epilogue off (on by default), the norms in the products'
-  # prologues on (off by default until measured faster).
+  # The activation in the gate/up epilogue off, the norms in the products' prologues off (both
+  # on by default).
   step 100 "decode qwen3-4b, activation epilogue off" env MLX_DESK_QMV_GLU=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
-  step 100 "decode qwen3-4b, norm prologue on" env MLX_DESK_QMV_NORM=1 "$PY" -m engine bench \
+  step 100 "decode qwen3-4b, norm prologue off" env MLX_DESK_QMV_NORM=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
   # The residual adds in the products' epilogue, turned off for the A/B (on by default).
   for shape_limit in qwen3-4b:100 llama3-8b:110; do
