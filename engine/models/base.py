@@ -19,8 +19,8 @@ from engine.artifacts.config_spellings import partial_rotary_factor, rope_settin
 from engine.errors import UnsupportedModelError
 from engine.models import head_norm_rope_cuda
 from engine.models.kv_cache import KVCache, RotatingKVCache
-from engine.models.quantized_matmul_cuda import embedding_logits, linear, linear_plus
-from engine.models.stacked import project, stacked_output, stacked_silu_glu
+from engine.models.quantized_routing import embedding_logits, linear, linear_plus
+from engine.models.stacked import project, stacked_normed
 
 # ---- configuration ------------------------------------------------------------------
 
@@ -277,11 +277,7 @@ def rotated_qkv(
     given (in the stacked product's prologue where the CUDA kernel takes it)."""
     b, n, _ = x.shape
     nq, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    y = stacked_output(attn, QKV, x, norm) if norm is not None else None
-    if y is None and norm is not None:
-        x = norm(x)
-    if y is None:
-        y = stacked_output(attn, QKV, x)
+    y, x = stacked_normed(attn, QKV, x, norm)
     if y is None:
         q = attn.q_proj(x).reshape(b, n, nq, d)
         k = attn.k_proj(x).reshape(b, n, nkv, d)
@@ -436,17 +432,12 @@ class GatedMLP(nn.Module):
         """``act(gate(n)) * up(n)`` of ``n = norm(x)`` (x without a norm): for SiLU, in the
         stacked gate/up product's epilogue where the CUDA kernel takes it, and the norm in its
         prologue where it takes that too (up to two launches fewer a layer in a decode step)."""
-        silu = self.activation is nn.silu
-        if silu and norm is not None:
-            fused = stacked_silu_glu(self, GATE_UP, x, norm)
+        if self.activation is nn.silu:
+            fused, x = stacked_normed(self, GATE_UP, x, norm, glu=True)
             if fused is not None:
                 return fused
-        if norm is not None:
+        elif norm is not None:
             x = norm(x)
-        if silu:
-            fused = stacked_silu_glu(self, GATE_UP, x)
-            if fused is not None:
-                return fused
         gate, up = project(self, GATE_UP, x)
         return self.activation(gate) * up
 

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models.lora import LoRAHost
-from engine.models.quantized_matmul_cuda import quantized_fused, quantized_matmul
+from engine.models.quantized_routing import quantized_fused, quantized_matmul
 
 _KINDS = (nn.Linear, nn.QuantizedLinear)
 # Stacking pays off per launch, so only for a few rows (decode steps, draft checks). For a
@@ -148,28 +148,35 @@ def _adapted(layer: nn.Module, y: mx.array, x: mx.array, *args) -> mx.array:
     return y
 
 
-def stacked_output(
-    module: nn.Module, names: tuple[str, ...], x: mx.array, norm: nn.Module | None = None
-) -> mx.array | None:
+def stacked_output(module: nn.Module, names: tuple[str, ...], x: mx.array) -> mx.array | None:
     """The named layers' outputs concatenated on the last axis, in one matmul; None when
     the layers are not (or no longer) stacked, an adapter acts on one of them, or ``x``
-    has more rows than the stack takes (``MAX_STACKED_ROWS`` for linear layers). With
-    ``norm``, the outputs for ``norm(x)`` with the norm in the CUDA kernel's prologue, and
-    None where the kernel does not take it."""
+    has more rows than the stack takes (``MAX_STACKED_ROWS`` for linear layers)."""
     stack = _usable(module, names, x)
+    return stack(x) if stack is not None else None
+
+
+def stacked_normed(
+    module: nn.Module, names: tuple[str, ...], x: mx.array, norm: nn.Module | None = None, glu: bool = False
+) -> tuple[mx.array | None, mx.array]:
+    """The stacked output of ``n = norm(x)`` (``n = x`` without a norm) with as few launches
+    as the CUDA kernel allows, and the input a caller's own fallback takes.
+
+    First the norm in the kernel's prologue; where it does not take that, the norm on its own
+    and the stacked product of its output. With ``glu`` the two layers are (gate, up) and the
+    output is ``silu(gate(n)) * up(n)``, the activation in the kernel's epilogue (so None
+    where the kernel does not take the product). Returns (output or None, n): on None the
+    caller runs the layers one by one on n, which is already normed."""
+    stack = _usable(module, names, x)
+    if stack is not None and norm is not None:
+        y = stack.fused(x, norm, glu)
+        if y is not None:
+            return y, x
+    if norm is not None:
+        x = norm(x)
     if stack is None:
-        return None
-    return stack(x) if norm is None else stack.fused(x, norm)
-
-
-def stacked_silu_glu(
-    module: nn.Module, names: tuple[str, ...], x: mx.array, norm: nn.Module | None = None
-) -> mx.array | None:
-    """``silu(gate(n)) * up(n)`` of ``n = norm(x)`` (x without a norm) for the two named layers
-    (gate, up) in one launch where they are stacked, no adapter acts on them and the CUDA
-    kernel takes the product, the norm in its prologue; None otherwise."""
-    stack = _usable(module, names, x)
-    return stack.fused(x, norm, glu=True) if stack is not None else None
+        return None, x
+    return (stack.fused(x, glu=True) if glu else stack(x)), x
 
 
 def project(module: nn.Module, names: tuple[str, ...], x: mx.array, *args) -> list[mx.array]:

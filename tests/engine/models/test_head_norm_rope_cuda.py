@@ -116,7 +116,7 @@ def test_rotated_qkv_routes_through_the_kernel_and_keeps_its_values(monkeypatch)
     attn = _attention()
     heads = _heads(attn, 1, 1)
     y = heads.reshape(1, 1, -1)
-    monkeypatch.setattr("engine.models.base.stacked_output", lambda *a: y)
+    monkeypatch.setattr("engine.models.base.stacked_normed", lambda attn, names, x, norm: (y, x))
     calls = []
     kernel = fused.head_norm_rope
     monkeypatch.setattr(fused, "head_norm_rope", lambda *a: calls.append(1) or kernel(*a))

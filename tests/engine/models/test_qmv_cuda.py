@@ -15,6 +15,7 @@ import mlx.nn as nn
 import pytest
 
 from engine.models import quantized_matmul_cuda as qmv
+from engine.models import quantized_routing as routing
 
 needs_cuda = pytest.mark.skipif(not qmv.available(), reason="needs MLX's CUDA backend")
 
@@ -46,14 +47,14 @@ def test_decode_verify_and_batch_shapes_of_affine_4_and_8_bits_go_to_the_kernel(
 def test_the_kernel_is_routed_only_where_it_was_measured_faster():
     """2-12 rows always (verify passes, batches of up to 12 streams); one row on large
     matrices only; from 13 rows MLX's tiled kernel, although the kernel could take up to 16."""
-    assert qmv.pays(2, 896, 896) and qmv.pays(5, 2560, 4096) and qmv.pays(6, 14336, 4096)
-    assert qmv.pays(1, 4096, 28672) and qmv.pays(1, 14336, 4096)  # llama3-8b gate+up, down
-    assert not qmv.pays(1, 2560, 4096) and not qmv.pays(1, 896, 1152)  # qwen3-4b q, qwen2.5-0.5b q/k/v
-    assert qmv.pays(1, 4096, 2560, fused=True) and qmv.pays(1, 2560, 6144, fused=True)  # qwen3-4b o, q/k/v
-    assert not qmv.pays(1, 896, 896, fused=True)
-    assert qmv.pays(7, 4096, 28672) and qmv.pays(7, 896, 896)
-    assert qmv.pays(8, 2560, 19456) and qmv.pays(12, 9728, 2560)  # qwen3-4b's batch steps
-    assert not qmv.pays(13, 4096, 28672) and not qmv.pays(16, 14336, 4096)
+    assert routing.pays(2, 896, 896) and routing.pays(5, 2560, 4096) and routing.pays(6, 14336, 4096)
+    assert routing.pays(1, 4096, 28672) and routing.pays(1, 14336, 4096)  # llama3-8b gate+up, down
+    assert not routing.pays(1, 2560, 4096) and not routing.pays(1, 896, 1152)  # qwen3-4b q, qwen2.5-0.5b q/k/v
+    assert routing.pays(1, 4096, 2560, fused=True) and routing.pays(1, 2560, 6144, fused=True)  # qwen3-4b o, q/k/v
+    assert not routing.pays(1, 896, 896, fused=True)
+    assert routing.pays(7, 4096, 28672) and routing.pays(7, 896, 896)
+    assert routing.pays(8, 2560, 19456) and routing.pays(12, 9728, 2560)  # qwen3-4b's batch steps
+    assert not routing.pays(13, 4096, 28672) and not routing.pays(16, 14336, 4096)
     assert _fits(rows=8) and _fits(rows=16)
 
 
@@ -98,27 +99,27 @@ def test_the_kernel_is_on_by_default_where_it_can_run_and_off_when_asked(monkeyp
 @pytest.mark.parametrize("kind", ["residual", "glu", "norm"])
 def test_each_small_op_joins_the_products_wherever_the_kernel_is_and_not_when_asked(monkeypatch, kind):
     monkeypatch.delenv(qmv.ENV, raising=False)
-    monkeypatch.delenv(qmv.FUSIONS[kind], raising=False)
-    assert qmv.fusion_enabled(kind) == qmv.available()
-    monkeypatch.setenv(qmv.FUSIONS[kind], "0")
-    assert not qmv.fusion_enabled(kind)
-    monkeypatch.setenv(qmv.FUSIONS[kind], "1")
+    monkeypatch.delenv(routing.FUSIONS[kind], raising=False)
+    assert routing.fusion_enabled(kind) == qmv.available()
+    monkeypatch.setenv(routing.FUSIONS[kind], "0")
+    assert not routing.fusion_enabled(kind)
+    monkeypatch.setenv(routing.FUSIONS[kind], "1")
     monkeypatch.setenv(qmv.ENV, "0")
-    assert not qmv.fusion_enabled(kind)
+    assert not routing.fusion_enabled(kind)
 
 
 def test_only_plain_rms_norms_of_rows_that_fit_the_blocks_memory_join_a_product(monkeypatch):
     monkeypatch.setattr(qmv, "available", lambda: True)  # the routing only
-    monkeypatch.setenv(qmv.NORM_ENV, "1")
+    monkeypatch.setenv(routing.NORM_ENV, "1")
     norm = nn.RMSNorm(2560, eps=1e-5)
     norm.set_dtype(mx.bfloat16)
     x = mx.zeros((1, 1, 2560), mx.bfloat16)
-    weight, eps = qmv.prologue_norm(norm, x)
+    weight, eps = routing.prologue_norm(norm, x)
     assert weight is norm.weight and eps == 1e-5
-    assert qmv.prologue_norm(norm, mx.zeros((1, 6, 2560), mx.bfloat16)) is not None
-    assert qmv.prologue_norm(norm, mx.zeros((1, 7, 2560), mx.bfloat16)) is None  # 35 KB of rows
-    assert qmv.prologue_norm(norm, x.astype(mx.float16)) is None  # the weight's dtype differs
-    assert qmv.prologue_norm(nn.LayerNorm(2560), x) is None
+    assert routing.prologue_norm(norm, mx.zeros((1, 6, 2560), mx.bfloat16)) is not None
+    assert routing.prologue_norm(norm, mx.zeros((1, 7, 2560), mx.bfloat16)) is None  # 35 KB of rows
+    assert routing.prologue_norm(norm, x.astype(mx.float16)) is None  # the weight's dtype differs
+    assert routing.prologue_norm(nn.LayerNorm(2560), x) is None
 
 
 def test_the_gated_mlp_is_silu_of_gate_times_up_wherever_the_epilogue_does_not_run(monkeypatch):
@@ -127,7 +128,7 @@ def test_the_gated_mlp_is_silu_of_gate_times_up_wherever_the_epilogue_does_not_r
     from engine.models.base import GATE_UP, GatedMLP
     from engine.models.stacked import project, stack_projections
 
-    monkeypatch.setenv(qmv.GLU_ENV, "0")
+    monkeypatch.setenv(routing.GLU_ENV, "0")
     mlp = GatedMLP(128, 320)
     nn.quantize(mlp, group_size=64, bits=4)
     mlp.set_dtype(mx.bfloat16)
@@ -148,10 +149,10 @@ def test_the_routed_entry_points_equal_mlxs_where_the_kernel_does_not_run(monkey
     layer = nn.QuantizedLinear(128, 48, bias=True, group_size=64, bits=4)
     embed = nn.QuantizedEmbedding(40, 128, group_size=64, bits=8)
     x = mx.random.normal((2, 3, 128), key=mx.random.key(1))
-    assert mx.array_equal(qmv.linear(layer, x), layer(x))
-    assert mx.array_equal(qmv.embedding_logits(embed, x), embed.as_linear(x))
+    assert mx.array_equal(routing.linear(layer, x), layer(x))
+    assert mx.array_equal(routing.embedding_logits(embed, x), embed.as_linear(x))
     plain = nn.Linear(128, 8)
-    assert mx.array_equal(qmv.linear(plain, x), plain(x))
+    assert mx.array_equal(routing.linear(plain, x), plain(x))
 
 
 @pytest.mark.parametrize("kernel", ["on", "off"])
@@ -171,7 +172,7 @@ def test_a_batchs_rows_reach_mlxs_kernel_as_one_matrix(monkeypatch, lead, kernel
     seen = []
     real = mx.quantized_matmul
     monkeypatch.setattr(mx, "quantized_matmul", lambda a, *r, **kw: seen.append(a.shape) or real(a, *r, **kw))
-    y = qmv.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)
+    y = routing.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)
     assert seen == [(lead[0] * lead[1], 128)]
     assert y.shape == (*lead, 48)
     flat = real(x.reshape(-1, 128), wq, scales, biases, transpose=True, group_size=64, bits=4)
@@ -272,7 +273,7 @@ def test_leading_axes_strided_inputs_and_row_views_of_a_weight(monkeypatch):
     x3 = x.reshape(2, 3, 1024)
     strided = mx.random.normal((1024, 4), key=mx.random.key(3)).astype(mx.bfloat16).T
     for inputs in (x3, strided):
-        got = qmv.quantized_matmul(inputs, *view, group_size=64, bits=4)
+        got = routing.quantized_matmul(inputs, *view, group_size=64, bits=4)
         expected = _referee(inputs.reshape(-1, 1024), *view, 64, 4).reshape(*inputs.shape[:-1], 48)
         assert got.shape == expected.shape and got.dtype == mx.bfloat16
         assert mx.abs(got.astype(mx.float32) - expected).max().item() <= 8e-3 * mx.abs(expected).max().item()
@@ -336,14 +337,14 @@ def test_the_mlp_plus_its_residual_is_the_add_wherever_the_epilogue_does_not_run
     bit where the kernel's epilogue does not run: off CUDA, or turned off."""
     from engine.models.base import GatedMLP
 
-    monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
+    monkeypatch.setenv(routing.RESIDUAL_ENV, "0")
     mlp = GatedMLP(128, 320)
     nn.quantize(mlp, group_size=64, bits=4)
     x = mx.random.normal((1, 3, 128), key=mx.random.key(5)).astype(mx.bfloat16)
     h = mx.random.normal((1, 3, 128), key=mx.random.key(6)).astype(mx.bfloat16)
     mlp.set_dtype(mx.bfloat16)
     assert mx.array_equal(mlp.plus(h, x), h + mlp(x))
-    assert not qmv.fusion_enabled("residual")
+    assert not routing.fusion_enabled("residual")
 
 
 def test_a_layer_finished_from_its_attention_is_finished_as_before(monkeypatch):
@@ -352,7 +353,7 @@ def test_a_layer_finished_from_its_attention_is_finished_as_before(monkeypatch):
     from engine.cli.bench import SHAPES as BENCH_SHAPES
     from engine.models import get_family
 
-    monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
+    monkeypatch.setenv(routing.RESIDUAL_ENV, "0")
     config = dict(BENCH_SHAPES["qwen3-4b"], num_hidden_layers=1, hidden_size=128, intermediate_size=256)
     config.update(num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=300)
     family = get_family(config["model_type"])
@@ -396,16 +397,16 @@ def test_a_models_logits_are_the_same_with_the_glu_epilogue_on(monkeypatch):
 
     model = _two_layer_qwen25(seed=5)
     tokens = mx.array([[4242, 77]])
-    monkeypatch.setenv(qmv.GLU_ENV, "0")
+    monkeypatch.setenv(routing.GLU_ENV, "0")
     apart = model(tokens)
     calls = []
     kernel = qmv.matmul
     monkeypatch.setattr(qmv, "matmul", lambda *a, **k: calls.append(k.get("glu", False)) or kernel(*a, **k))
-    monkeypatch.setenv(qmv.GLU_ENV, "1")
+    monkeypatch.setenv(routing.GLU_ENV, "1")
     assert mx.array_equal(model(tokens), apart)
     assert calls.count(True) == 2  # each layer's gate/up product took its activation
 
-    logits = {glu: _compiled_verify_logits(monkeypatch, model, qmv.GLU_ENV, glu, calls) for glu in ("0", "1")}
+    logits = {glu: _compiled_verify_logits(monkeypatch, model, routing.GLU_ENV, glu, calls) for glu in ("0", "1")}
     assert calls.count(True) == 2
     assert mx.array_equal(logits["1"], logits["0"])
 
@@ -439,7 +440,7 @@ def test_a_models_logits_stay_with_the_norm_prologue_on(monkeypatch):
     calls = []
     kernel = qmv.matmul
     monkeypatch.setattr(qmv, "matmul", lambda *a, **k: calls.append(k.get("norm") is not None) or kernel(*a, **k))
-    logits = {n: _compiled_verify_logits(monkeypatch, model, qmv.NORM_ENV, n, calls) for n in ("0", "1")}
+    logits = {n: _compiled_verify_logits(monkeypatch, model, routing.NORM_ENV, n, calls) for n in ("0", "1")}
     logits = {n: a.astype(mx.float32) for n, a in logits.items()}
     assert calls.count(True) == 2 * 2  # each layer's q/k/v and gate/up
     apart = mx.abs(logits["1"] - logits["0"]).max().item()
@@ -453,17 +454,17 @@ def test_a_models_logits_are_the_same_with_the_epilogue_on(monkeypatch):
     the logits of the separate adds, bit for bit."""
     model = _two_layer_qwen25(seed=4)
     tokens = mx.array([[4242, 77]])
-    monkeypatch.setenv(qmv.RESIDUAL_ENV, "0")
+    monkeypatch.setenv(routing.RESIDUAL_ENV, "0")
     apart = model(tokens)
     calls = []
     kernel = qmv.matmul
     monkeypatch.setattr(qmv, "matmul", lambda *a, **k: calls.append("residual" in k) or kernel(*a, **k))
-    monkeypatch.setenv(qmv.RESIDUAL_ENV, "1")
+    monkeypatch.setenv(routing.RESIDUAL_ENV, "1")
     together = model(tokens)
     assert calls.count(True) == 2  # each layer's down product took its residual
     assert mx.array_equal(together, apart)
 
     # A compiled verify step: each layer's output and down products take their residuals.
-    logits = {r: _compiled_verify_logits(monkeypatch, model, qmv.RESIDUAL_ENV, r, calls) for r in ("0", "1")}
+    logits = {r: _compiled_verify_logits(monkeypatch, model, routing.RESIDUAL_ENV, r, calls) for r in ("0", "1")}
     assert calls.count(True) == 2 * 2
     assert mx.array_equal(logits["1"], logits["0"])
