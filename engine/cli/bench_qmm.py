@@ -21,7 +21,8 @@ With ``--ours`` the same products also run through this project's kernel
 (``models.quantized_matmul_cuda``, CUDA only), timed the same two ways (``ours/s``,
 ``ours/b``), with the largest difference of its output from MLX's (``max|ours-mlx|``) and
 in its first row from a float32 product on the CPU (``max|ours-f32|``, with MLX's own
-beside it). ``--streams`` adds MLX's product with the rows as a batch step of that many
+beside it); ``--mma`` the same for the tensor-core kernel (``models.quantized_mma_cuda``:
+``mma/s``, ``mma/b``, 4-bit only). ``--streams`` adds MLX's product with the rows as a batch step of that many
 streams hands them over, one row each ([N, 1, K]; ``streams/b``, batched timing).
 
 ``floor`` is the matrix's bytes (codes, scales and biases) at the copy bandwidth measured in
@@ -70,22 +71,29 @@ def _max_difference(a: Any, b: Any) -> float:
     return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
 
 
-def _check_ours(x: Any, q: tuple[Any, ...], group_size: int, bits: int, out: dict[str, Any], n: int) -> None:
-    """Our output against MLX's, and its first row against a float32 product on the CPU (the
-    referee; one row keeps the CPU's share of the run short)."""
+def _check_ours(kernel: Any, x: Any, q: tuple[Any, ...], group_size: int, bits: int, out: dict, prefix: str) -> None:
+    """Our kernel's output against MLX's, and its first row against a float32 product on the
+    CPU (the referee; one row keeps the CPU's share of the run short)."""
     import mlx.core as mx
 
-    from engine.models import quantized_matmul_cuda as qmv
-
+    n = x.shape[0]
     wq, scales, biases = q
-    ours = qmv.matmul(x, wq, scales, biases, group_size, bits)
+    ours = kernel.matmul(x, wq, scales, biases, group_size, bits)
     theirs = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
     with mx.stream(mx.cpu):
         f32 = [a.astype(mx.float32) for a in (x[:1], scales, biases)]
         exact = mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=group_size, bits=bits)
-    out["ours_vs_mlx"][n] = _max_difference(ours, theirs)
-    out["ours_vs_f32"][n] = _max_difference(ours[:1], exact)
+    out[f"{prefix}_vs_mlx"][n] = _max_difference(ours, theirs)
+    out[f"{prefix}_vs_f32"][n] = _max_difference(ours[:1], exact)
     out["mlx_vs_f32"][n] = _max_difference(theirs[:1], exact)
+
+
+def _our_kernels(ours: bool, tensor_cores: bool) -> list[tuple[str, Any]]:
+    """(output key prefix, module) of the kernels asked for: the small-row kernel (``--ours``)
+    and the tensor-core one (``--mma``)."""
+    from engine.models import quantized_matmul_cuda, quantized_mma_cuda
+
+    return [("ours", quantized_matmul_cuda)] * ours + [("mma", quantized_mma_cuda)] * tensor_cores
 
 
 def _random_weight(inputs: int, outputs: int, group_size: int, bits: int, mode: str) -> tuple[Any, Any, Any]:
@@ -111,14 +119,14 @@ def time_matrix(
     ours: bool = False,
     streams: bool = False,
     cold_bytes: int = 0,
+    tensor_cores: bool = False,
 ) -> dict[str, Any]:
     """The matrix's timings (see the module docstring). With ``cold_bytes``, the batched
     products take turns over enough distinct weights to hold that many bytes (at most one per
     call), so each reads its weight from memory rather than from a cache that one weight fits."""
     import mlx.core as mx
 
-    from engine.models import quantized_matmul_cuda as qmv
-
+    kernels = _our_kernels(ours, tensor_cores)
     weights = [_random_weight(inputs, outputs, group_size, bits, mode)]
     wq, scales, biases = weights[0]
     nbytes = wq.nbytes + scales.nbytes + (0 if biases is None else biases.nbytes)
@@ -127,8 +135,8 @@ def time_matrix(
     out: dict[str, Any] = {"bytes": nbytes, "weights": copies, "single_us": {}, "batched_us": {}}
     if streams:
         out["streams_batched_us"] = {}
-    if ours:
-        out.update({k: {} for k in ("ours_single_us", "ours_batched_us", "ours_vs_mlx", "ours_vs_f32", "mlx_vs_f32")})
+    for prefix, _ in kernels:
+        out.update({f"{prefix}_{k}": {} for k in ("single_us", "batched_us", "vs_mlx", "vs_f32")} | {"mlx_vs_f32": {}})
     for n in rows:
         xs = [mx.random.normal((n, inputs)).astype(mx.bfloat16) for _ in range(calls)]
         mx.eval(xs)
@@ -143,27 +151,27 @@ def time_matrix(
             out["streams_batched_us"][n] = (
                 _time(lambda: [product(x[:, None], w) for x, w in turns], repeat) / calls * 1e6
             )
-        if not ours or biases is None:
-            continue
-        if not qmv.fits(
-            n,
-            inputs,
-            outputs,
-            bits=bits,
-            group_size=group_size,
-            mode=mode,
-            dtype=mx.bfloat16,
-            scales_dtype=scales.dtype,
-            has_biases=True,
-        ):
-            continue
+        for prefix, kernel in kernels:
+            if biases is None or not kernel.fits(
+                n,
+                inputs,
+                outputs,
+                bits=bits,
+                group_size=group_size,
+                mode=mode,
+                dtype=mx.bfloat16,
+                scales_dtype=scales.dtype,
+                has_biases=True,
+            ):
+                continue
 
-        def our_product(x: Any, weight: tuple[Any, Any, Any]) -> Any:
-            return qmv.matmul(x, *weight, group_size, bits)
+            def our_product(x: Any, weight: tuple[Any, Any, Any], kernel: Any = kernel) -> Any:
+                return kernel.matmul(x, *weight, group_size, bits)
 
-        out["ours_single_us"][n] = _time(lambda: our_product(xs[0], weights[0]), repeat) * 1e6
-        out["ours_batched_us"][n] = _time(lambda: [our_product(x, w) for x, w in turns], repeat) / calls * 1e6
-        _check_ours(xs[0], weights[0], group_size, bits, out, n)
+            out[f"{prefix}_single_us"][n] = _time(lambda: our_product(xs[0], weights[0]), repeat) * 1e6
+            batched = _time(lambda: [our_product(x, w) for x, w in turns], repeat)
+            out[f"{prefix}_batched_us"][n] = batched / calls * 1e6
+            _check_ours(kernel, xs[0], weights[0], group_size, bits, out, prefix)
     return out
 
 
@@ -174,6 +182,8 @@ def _print_matrix(name: str, t: dict[str, Any], rows: list[int]) -> None:
         ("streams/b", "streams_batched_us"),
         ("ours/s", "ours_single_us"),
         ("ours/b", "ours_batched_us"),
+        ("mma/s", "mma_single_us"),
+        ("mma/b", "mma_batched_us"),
     ]
     for label, key in timings:
         if key in t:
@@ -182,6 +192,8 @@ def _print_matrix(name: str, t: dict[str, Any], rows: list[int]) -> None:
     for label, key in (
         ("max|ours-mlx|", "ours_vs_mlx"),
         ("max|ours-f32|", "ours_vs_f32"),
+        ("max|mma-mlx|", "mma_vs_mlx"),
+        ("max|mma-f32|", "mma_vs_f32"),
         ("max|mlx-f32|", "mlx_vs_f32"),
     ):
         if key in t:
@@ -219,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine")
+    p.add_argument("--mma", action="store_true", help="also time the tensor-core kernel (CUDA only; 4-bit)")
     p.add_argument("--streams", action="store_true", help="also time the rows as [N, 1, K], as a batch step hands them")
     p.add_argument(
         "--cold-mb",
@@ -245,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.cli.roofline import copy_bandwidth
     from engine.models import quantized_matmul_cuda as qmv
 
-    if args.ours and not qmv.available():
-        print("error: --ours needs MLX's CUDA backend on the GPU (the kernel is CUDA only)", file=sys.stderr)
+    if (args.ours or args.mma) and not qmv.available():
+        print("error: --ours and --mma need MLX's CUDA backend on the GPU (the kernels are CUDA only)", file=sys.stderr)
         return 2
 
     bandwidth = copy_bandwidth(args.copy_mb)
@@ -277,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             args.ours,
             args.streams,
             args.cold_mb << 20,
+            args.mma,
         )
         t["floor_us"] = t["bytes"] / bandwidth * 1e6
         result["matrices"][name] = t

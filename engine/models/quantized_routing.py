@@ -7,7 +7,8 @@ A product takes the kernel where MLX's CUDA backend runs on the GPU, the kernel 
 (``kernel.takes``) and is faster there than MLX's own (``pays``, by the measurements below),
 unless ``MLX_DESK_QMV`` is ``0``. Each small op the kernel can take into a product has its
 own switch (``FUSIONS``). Everything else (other modes and bit widths, more rows, the CPU)
-keeps ``mx.quantized_matmul``. On CUDA a batch's rows ([B, L, K]) reach MLX's kernel as one
+keeps ``mx.quantized_matmul``. Switched on (``MLX_DESK_QMV_MMA=1``), products of ``MMA_ROWS``
+rows go to the tensor-core kernel instead (models.quantized_mma_cuda). On CUDA a batch's rows ([B, L, K]) reach MLX's kernel as one
 matrix, with ours on or off: MLX runs the leading axis as that many separate products, each
 reading the whole weight.
 
@@ -23,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models import quantized_matmul_cuda as kernel
+from engine.models import quantized_mma_cuda as tensor_cores
 
 # Where the kernel is routed (measured on an H200, 4-bit g64, docs/qmv.md): from 2 to 7 rows
 # it beats or ties MLX's kernel on every projection (MLX runs up to 7 rows as that many
@@ -48,6 +50,9 @@ RESIDUAL_ENV = "MLX_DESK_QMV_RESIDUAL"
 GLU_ENV = "MLX_DESK_QMV_GLU"
 NORM_ENV = "MLX_DESK_QMV_NORM"
 FUSIONS = {"residual": RESIDUAL_ENV, "glu": GLU_ENV, "norm": NORM_ENV}
+# The rows the tensor-core kernel takes where it is switched on (``MLX_DESK_QMV_MMA=1``), ahead
+# of the row kernel and MLX's (which then keep the other rows, and the fused ops step aside).
+MMA_ROWS = range(8, 17)
 
 
 def pays(rows: int, inputs: int, outputs: int, fused: bool = False) -> bool:
@@ -70,12 +75,34 @@ def _routed(
     fused: bool = False,
 ) -> bool:
     """Whether the kernel takes the product of ``x`` by the [N, K] weight ``w``: turned on and
-    able to run here, faster than MLX's at this size (``pays``) and one it computes (``takes``)."""
-    if w.ndim != 2 or x.ndim < 1 or not kernel.enabled():
+    able to run here, faster than MLX's at this size (``pays``), one it computes (``takes``)
+    and not the tensor-core kernel's."""
+    if (
+        w.ndim != 2
+        or x.ndim < 1
+        or not kernel.enabled()
+        or _on_tensor_cores(x, w, scales, biases, group_size, bits, mode)
+    ):
         return False
     rows = x.size // max(x.shape[-1], 1)
     return pays(rows, x.shape[-1], w.shape[0], fused) and kernel.takes(
         rows, x, w, scales, biases, group_size, bits, mode
+    )
+
+
+def _on_tensor_cores(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
+) -> bool:
+    """Whether the tensor-core kernel takes the product: switched on, ``MMA_ROWS`` rows, a
+    packing of these bits and a product it computes."""
+    if w.ndim != 2 or x.ndim < 1 or not tensor_cores.switched_on():
+        return False
+    rows = x.size // max(x.shape[-1], 1)
+    return (
+        rows in MMA_ROWS
+        and bits == 4
+        and x.dtype in tensor_cores.DTYPES
+        and kernel.takes(rows, x, w, scales, biases, group_size, bits, mode)
     )
 
 
@@ -92,6 +119,8 @@ def quantized_matmul(
     """``mx.quantized_matmul(..., transpose=True)``, through the kernel where it is enabled, fits
     and pays; where MLX's kernel keeps the product, a batch's rows reach it as one matrix
     (``_as_one_matrix``)."""
+    if _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):
+        return tensor_cores.matmul(x, w, scales, biases, group_size, bits)
     if _routed(x, w, scales, biases, group_size, bits, mode):
         return kernel.matmul(x, w, scales, biases, group_size, bits)
     # MLX's own kernel, with or without ours turned off (``MLX_DESK_QMV=0``).

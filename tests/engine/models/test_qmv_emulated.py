@@ -24,111 +24,11 @@ import pytest
 
 from engine.models import gathered_matmul_cuda as gathered
 from engine.models import quantized_matmul_cuda as qmv
+from tests.engine.models.cuda_on_cpu import CPP_TYPE, PRELUDE, PRODUCT_DRIVER, build, raw_values
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel for the CPU")
 
-_PRELUDE = r"""
-#include <array>
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <thread>
-#include <vector>
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
-inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
-using std::min;
-struct uint4 { uint32_t x, y, z, w; };
-struct uint2 { uint32_t x, y; };
-struct bf16 {  // bfloat16: float's top half, rounded to nearest even
-  uint16_t v;
-  bf16() = default;
-  bf16(float f) { uint32_t u; memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); v = u >> 16; }
-  operator float() const { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
-};
-inline float __int_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-struct Index { int x, y; };
-thread_local Index threadIdx, blockIdx;
-std::barrier<>* warp_barriers[32];
-std::barrier<>* block_barrier;
-float slots[1024];
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-  const int t = threadIdx.x, w = t >> 5;
-  slots[t] = v;
-  warp_barriers[w]->arrive_and_wait();
-  const float r = slots[(w << 5) | ((t & 31) ^ o)];
-  warp_barriers[w]->arrive_and_wait();
-  return r;
-}
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
-using Shape = std::array<int32_t, 8>;
-static std::vector<char> slurp(const char* path) {
-  std::vector<char> bytes;
-  FILE* f = fopen(path, "rb");
-  char buf[65536];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) bytes.insert(bytes.end(), buf, buf + n);
-  fclose(f);
-  return bytes;
-}
-// One block (blockIdx x, y) of ``warps`` warps: a thread per lane, each running ``body``.
-template <typename F>
-static void run_block(int warps, int x, int y, F body) {
-  std::vector<std::barrier<>*> bars;
-  for (int i = 0; i < warps; ++i) warp_barriers[i] = bars.emplace_back(new std::barrier<>(32));
-  std::barrier<> block(warps * 32);
-  block_barrier = &block;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < warps * 32; ++t)
-    threads.emplace_back([&, t] {
-      threadIdx.x = t;
-      blockIdx.x = x;
-      blockIdx.y = y;
-      body();
-    });
-  for (auto& t : threads) t.join();
-  for (auto* bar : bars) delete bar;
-}
-"""
-
-_DRIVER = r"""
-static void kernel(const T* x, const Shape x_shape, const uint32_t* w, const Shape w_shape,
-                   const T* scales, const T* biases, T* out) {
-  CONSTANTS
-  SOURCE
-}
-int main(int argc, char** argv) {
-  const int rows = atoi(argv[1]), K = atoi(argv[2]), N = atoi(argv[3]), shift = atoi(argv[4]);
-  const int warps = atoi(argv[5]), splits = atoi(argv[6]), columns = atoi(argv[7]);
-  auto xb = slurp("x.bin"), wb = slurp("w.bin"), sb = slurp("s.bin"), bb = slurp("b.bin");
-  std::vector<T> xs((size_t)rows * K + 8);  // shifted by `shift` elements: unaligned loads
-  memcpy(xs.data() + shift, xb.data(), xb.size());
-  std::vector<uint32_t> ws(wb.size() / 4);
-  memcpy(ws.data(), wb.data(), wb.size());
-  std::vector<T> out((size_t)rows * N);
-  Shape xsh{}, wsh{};
-  xsh[0] = rows; xsh[1] = K; wsh[0] = N; wsh[1] = (int)(ws.size() / N);
-  const int per_block = warps / splits * columns, blocks = (N + per_block - 1) / per_block;
-  for (int b = 0; b < blocks; ++b)
-    run_block(warps, b, 0, [&] {
-      kernel(xs.data() + shift, xsh, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), out.data());
-    });
-  FILE* f = fopen("out.bin", "wb");
-  fwrite(out.data(), sizeof(T), out.size(), f);
-  fclose(f);
-}
-"""
-
-_CPP_TYPE = {mx.float32: "float", mx.float16: "_Float16", mx.bfloat16: "bf16"}
 _TOLERANCE = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
-
-
-def _raw(a: mx.array) -> np.ndarray:
-    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
 
 
 def _program(driver: str, kernel: str, dtype, bits: int, group: int, splits: int, extra: str) -> str:
@@ -138,7 +38,7 @@ def _program(driver: str, kernel: str, dtype, bits: int, group: int, splits: int
         f"{extra} constexpr int BITS = {bits}; constexpr int GS = {group}; "
         f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
     )
-    source = _PRELUDE + qmv.compact(qmv.DEVICE_FUNCTIONS) + f"using T = {_CPP_TYPE[dtype]};\n"
+    source = PRELUDE + qmv.compact(qmv.DEVICE_FUNCTIONS) + f"using T = {CPP_TYPE[dtype]};\n"
     return source + driver.replace("CONSTANTS", constants).replace("SOURCE", qmv.compact(kernel))
 
 
@@ -146,23 +46,10 @@ def _run_on_cpu(tmp_path, x, wq, scales, biases, group: int, bits: int, shift: i
     rows, k = x.shape
     n = wq.shape[0]
     splits = qmv.k_splits(k, n, bits)
-    source = _program(_DRIVER, qmv._SOURCE, x.dtype, bits, group, splits, f"constexpr int R = {rows};")
+    source = _program(PRODUCT_DRIVER, qmv._SOURCE, x.dtype, bits, group, splits, f"constexpr int R = {rows};")
     return _build_and_run(
         tmp_path, source, (x, wq, scales, biases), [rows, k, n, shift, qmv.WARPS, splits, qmv.COLUMNS]
     )
-
-
-def _build(tmp_path, source: str) -> None:
-    """``source`` built as ``tmp_path``/kernel."""
-    (tmp_path / "kernel.cpp").write_text(source)
-    built = subprocess.run(
-        ["g++", "-std=c++20", "-O1", "-pthread", "-w", "kernel.cpp", "-o", "kernel"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert built.returncode == 0, built.stderr[-3000:]
 
 
 def _build_and_run(tmp_path, source: str, arrays, args: list[int], ids=None, outputs=None) -> mx.array:
@@ -170,12 +57,12 @@ def _build_and_run(tmp_path, source: str, arrays, args: list[int], ids=None, out
     with ``args``; its output, [outputs' rows, ``outputs`` (N when not given)], in x's dtype."""
     x, wq, scales, _ = arrays
     for name, a in zip("xwsb", arrays, strict=True):
-        (np.array(a) if name == "w" else _raw(a)).tofile(tmp_path / f"{name}.bin")
+        (np.array(a) if name == "w" else raw_values(a)).tofile(tmp_path / f"{name}.bin")
     if ids is not None:
         np.array(ids).astype(np.uint32).tofile(tmp_path / "i.bin")
-    _build(tmp_path, source)
+    build(tmp_path, source)
     subprocess.run(["./kernel", *map(str, args)], cwd=tmp_path, check=True, timeout=60)
-    raw = np.fromfile(tmp_path / "out.bin", dtype=np.uint16 if x.dtype == mx.bfloat16 else _raw(x).dtype)
+    raw = np.fromfile(tmp_path / "out.bin", dtype=np.uint16 if x.dtype == mx.bfloat16 else raw_values(x).dtype)
     out = mx.array(raw.reshape(-1, outputs or scales.shape[-2]))
     return out.view(mx.bfloat16) if x.dtype == mx.bfloat16 else out
 
@@ -209,7 +96,7 @@ def test_the_kernels_source_computes_mlxs_product(tmp_path, rows, inputs, output
 
 # The same product with a residual added in its epilogue (``matmul``'s ``residual``).
 _RESIDUAL_DRIVER = (
-    _DRIVER.replace(
+    PRODUCT_DRIVER.replace(
         "const T* scales, const T* biases, T* out) {", "const T* scales, const T* biases, const T* residual, T* out) {"
     )
     .replace(
@@ -230,7 +117,7 @@ def test_the_residual_epilogue_equals_the_product_then_the_add(tmp_path, rows, i
     wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
     x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
     residual = (4 * mx.random.normal((rows, outputs), key=k3)).astype(dtype)
-    _raw(residual).tofile(tmp_path / "r.bin")
+    raw_values(residual).tofile(tmp_path / "r.bin")
     splits = qmv.k_splits(inputs, outputs, 4)
     source = _program(_RESIDUAL_DRIVER, qmv._RESIDUAL_SOURCE, dtype, 4, 64, splits, f"constexpr int R = {rows};")
     got = _build_and_run(
@@ -247,9 +134,9 @@ _GLU_DRIVER = (
     "struct Sigmoid {\n  template <typename U> U operator()(U x) {\n"
     "    const float y = 1.0f / (1.0f + std::exp(std::fabs((float)x)));\n"
     "    return U((float)x < 0 ? y : 1.0f - y);\n  }\n};\n"
-    + _DRIVER.replace("std::vector<T> out((size_t)rows * N);", "std::vector<T> out((size_t)rows * N / 2);").replace(
-        "blocks = (N + per_block - 1) / per_block;", "blocks = (N / 2 + per_block - 1) / per_block;"
-    )
+    + PRODUCT_DRIVER.replace(
+        "std::vector<T> out((size_t)rows * N);", "std::vector<T> out((size_t)rows * N / 2);"
+    ).replace("blocks = (N + per_block - 1) / per_block;", "blocks = (N / 2 + per_block - 1) / per_block;")
 )
 
 
@@ -318,7 +205,7 @@ def test_the_norm_prologue_computes_the_product_of_the_rms_norm(tmp_path, rows, 
     x = (5 * mx.random.normal((rows, inputs), key=keys[1])).astype(dtype)
     weight = (1 + 0.3 * mx.random.normal((inputs,), key=keys[2])).astype(dtype)
     eps = 1e-6
-    _raw(weight).tofile(tmp_path / "n.bin")
+    raw_values(weight).tofile(tmp_path / "n.bin")
     constants = f"constexpr int R = {rows}; constexpr int KN = {inputs}; constexpr int EPS = {qmv.float_bits(eps)};"
     driver = _NORM_DRIVER if glu else _NORM_DRIVER.replace("N / 2", "N")
     source = _program(driver, qmv.kernel_source(glu=glu, norm=True), dtype, 4, 64, splits, constants)
@@ -427,7 +314,7 @@ int main() {
 
 
 def test_every_code_position_of_4_and_8_bit_words_unpacks_exactly(tmp_path):
-    _build(tmp_path, _PRELUDE + qmv.compact(qmv.DEVICE_FUNCTIONS) + _CODES_CHECK)
+    build(tmp_path, PRELUDE + qmv.compact(qmv.DEVICE_FUNCTIONS) + _CODES_CHECK)
     run = subprocess.run(["./kernel"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     checked, wrong = map(int, run.stdout.split())
     assert checked > 500_000 and wrong == 0 and run.returncode == 0
@@ -485,15 +372,15 @@ def test_the_head_norm_rope_kernels_source_computes_mlxs_norm_then_rope(tmp_path
     x = (3 * mx.random.normal((b, n, nq + 2 * nkv, d), key=keys[0])).astype(dtype)
     q_weight, k_weight = ((1 + 0.3 * mx.random.normal((d,), key=key)).astype(dtype) for key in keys[1:])
     for name, a in (("x", x), ("qw", q_weight), ("kw", k_weight)):
-        _raw(a).tofile(tmp_path / f"{name}.bin")
+        raw_values(a).tofile(tmp_path / f"{name}.bin")
     np.array(offsets, np.int32).tofile(tmp_path / "off.bin")
     template = f"B = {b}; constexpr int L = {n}; constexpr int NQ = {nq}; constexpr int NKV = {nkv};"
     constants = (
-        f"using T = {_CPP_TYPE[dtype]};\nconstexpr int {template} constexpr int D = {d};\n"
+        f"using T = {CPP_TYPE[dtype]};\nconstexpr int {template} constexpr int D = {d};\n"
         f"constexpr int OFFSETS = {len(offsets)}; constexpr int WARPS = {fused.WARPS};\n"
         + fused.constants(eps, scale, fused.log2_float32(base))
     )
-    _build(tmp_path, _PRELUDE + constants + _HEAD_NORM_DRIVER.replace("SOURCE", fused.compact(fused._SOURCE)))
+    build(tmp_path, PRELUDE + constants + _HEAD_NORM_DRIVER.replace("SOURCE", fused.compact(fused._SOURCE)))
     subprocess.run(["./kernel"], cwd=tmp_path, check=True, timeout=60)
 
     offset = mx.array(offsets if len(offsets) > 1 else offsets[0], mx.int32)
@@ -501,7 +388,7 @@ def test_the_head_norm_rope_kernels_source_computes_mlxs_norm_then_rope(tmp_path
     for got_file, heads, weight, count in (("q.bin", q, q_weight, nq), ("k.bin", k, k_weight, nkv)):
         normed = mx.fast.rms_norm(heads, weight, eps).transpose(0, 2, 1, 3)
         expected = mx.fast.rope(normed, d, traditional=False, base=base, scale=scale, offset=offset)
-        raw = np.fromfile(tmp_path / got_file, dtype=_raw(expected).dtype)
+        raw = np.fromfile(tmp_path / got_file, dtype=raw_values(expected).dtype)
         got = mx.array(raw).view(dtype) if dtype == mx.bfloat16 else mx.array(raw)
         got = got.reshape(b, count, n, d)
         size = mx.abs(expected.astype(mx.float32)).max().item()

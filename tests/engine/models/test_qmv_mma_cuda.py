@@ -1,0 +1,107 @@
+"""The tensor-core quantized matmul kernel for CUDA (models.quantized_mma_cuda).
+
+Where MLX runs on CUDA, the kernel must equal ``mx.quantized_matmul`` (transpose=True) to
+float rounding for 4-bit weights in groups of 32/64/128, float16 and bfloat16, 1-16 rows,
+output counts that are not a multiple of its 16-column tile and K-splits of 1 to 8 warps;
+a row's output must not depend on the rows beside it. Its primitives' assembly (the MMA, the
+codes' conversion) is checked here; the body's arithmetic is checked on the CPU too
+(test_qmv_mma_emulated.py). Elsewhere only the routing is checked.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from engine.models import quantized_matmul_cuda as qmv
+from engine.models import quantized_mma_cuda as mma
+
+needs_cuda = pytest.mark.skipif(not qmv.available(), reason="needs MLX's CUDA backend")
+
+
+def _fits(rows=8, bits=4, group_size=64, dtype=mx.bfloat16, inputs=2560, outputs=4096):
+    return mma.fits(
+        rows,
+        inputs,
+        outputs,
+        bits=bits,
+        group_size=group_size,
+        mode="affine",
+        dtype=dtype,
+        scales_dtype=dtype,
+        has_biases=True,
+    )
+
+
+def test_the_kernel_takes_4_bit_half_precision_products_of_up_to_16_rows():
+    assert all(_fits(rows=r, group_size=g, dtype=d) for r in (1, 8, 16) for g in (32, 64, 128) for d in mma.DTYPES)
+    assert not _fits(bits=8) and not _fits(dtype=mx.float32) and not _fits(rows=17)
+    assert not _fits(inputs=100, group_size=64)
+
+
+def test_nothing_routes_to_it_unless_switched_on(monkeypatch):
+    monkeypatch.delenv(mma.ENV, raising=False)
+    assert not mma.switched_on()
+    monkeypatch.setenv(mma.ENV, "1")
+    assert mma.switched_on() == qmv.available()
+
+
+def _product(rows, inputs, outputs, group, dtype, seed=0):
+    k1, k2 = mx.random.split(mx.random.key(seed + rows + inputs + outputs), 2)
+    w = (mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=4)
+    x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
+    return x, wq, scales, biases
+
+
+def _referee(x, wq, scales, biases, group):
+    with mx.stream(mx.cpu):
+        f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
+        return mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=group, bits=4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
+@pytest.mark.parametrize("inputs, outputs", [(512, 37), (2560, 1000), (9728, 2560)])
+def test_the_kernel_computes_mlxs_product(rows, group, dtype, inputs, outputs):
+    """As close to a float32 product as MLX's own kernel is (both round to the dtype)."""
+    x, wq, scales, biases = _product(rows, inputs, outputs, group, dtype)
+    got = mma.matmul(x, wq, scales, biases, group)
+    theirs = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=4)
+    exact = _referee(x, wq, scales, biases, group)
+    assert got.shape == theirs.shape and got.dtype == dtype
+    ours_off = mx.abs(got.astype(mx.float32) - exact).max().item()
+    theirs_off = mx.abs(theirs.astype(mx.float32) - exact).max().item()
+    size = mx.abs(exact).max().item()
+    assert ours_off <= max(1.5 * theirs_off, 2**-8 * size), (ours_off, theirs_off, size)
+
+
+@needs_cuda
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
+    x, wq, scales, biases = _product(16, 2560, 4096, 64, mx.bfloat16, seed=9)
+    many = mma.matmul(x, wq, scales, biases, 64)
+    for rows in (1, 3, 8, 11):
+        assert mx.array_equal(mma.matmul(x[:rows], wq, scales, biases, 64), many[:rows]), rows
+
+
+@needs_cuda
+def test_switched_on_a_models_products_of_8_rows_run_it_and_keep_its_logits(monkeypatch):
+    """A 4-bit qwen2.5-0.5b-shaped model, an 8-token pass: with the kernel switched on every
+    projection (stacked q/k/v, o, gate/up, down, the tied head) runs it, and the logits stay
+    those of MLX's kernel to bfloat16 rounding."""
+    from tests.engine.models.test_qmv_cuda import _two_layer_qwen25
+
+    model = _two_layer_qwen25(seed=4)
+    tokens = mx.array([[11, 523, 9001, 77, 4242, 5, 6000, 123]])
+    monkeypatch.setenv(qmv.ENV, "0")
+    plain = model(tokens).astype(mx.float32)
+    calls = []
+    kernel = mma.matmul
+    monkeypatch.setattr(mma, "matmul", lambda *a, **k: calls.append(a[1].shape) or kernel(*a, **k))
+    monkeypatch.setenv(qmv.ENV, "1")
+    monkeypatch.setenv(mma.ENV, "1")
+    routed = model(tokens).astype(mx.float32)
+    assert len(calls) == 2 * 4 + 1
+    assert mx.abs(routed - plain).max().item() <= 5e-2 * mx.abs(plain).max().item()
