@@ -2,15 +2,16 @@
 # The CUDA decode kernels on a GPU machine, in five parts of under 10 minutes each:
 #   tests: the small-row quantized matmul against MLX's kernels, with its residual, activation
 #          and norm variants;
-#   kernels: the gathered variant against MLX's, the code unpacking on the host, and the head
-#          norm + RoPE kernel against MLX's calls;
+#   kernels: the gathered variant against MLX's, the code unpacking on the host, the head
+#          norm + RoPE kernel against MLX's calls, and the tensor-core kernel against MLX's;
 #   bench: the microbenchmark beside MLX's kernel (qwen3-4b and llama3-8b projections, each
 #          product reading its own weight from memory), whole-model decode against mlx-lm
 #          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits);
-#   ab:    qwen3-4b with the head norm + RoPE kernel off, the activation epilogue off and the
-#          norm prologue off, and qwen3-4b and llama3-8b with the residual epilogue off (beside
+#   ab:    qwen3-4b with the head norm + RoPE kernel off and the activation epilogue off, and
+#          qwen3-4b and llama3-8b with the norm prologue off and the residual epilogue off (beside
 #          bench's runs with the defaults);
-#   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm.
+#   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
+#          with the tensor-core kernel switched on.
 # Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch]
 # (every part when the second argument is left out). Each command has its own time limit; a
 # failing or timed-out step is reported and the script goes on to the next one. The exit
@@ -51,12 +52,13 @@ fi
 if [ "$PART" = "all" ] || [ "$PART" = "kernels" ]; then
   pytest_step 150 "gathered kernel tests" tests/engine/models/test_gather_qmv_cuda.py
   pytest_step 90 "head norm + RoPE kernel tests" tests/engine/models/test_head_norm_rope_cuda.py
+  pytest_step 240 "tensor-core kernel tests" tests/engine/models/test_qmv_mma_cuda.py
   pytest_step 90 "kernels emulated on the CPU, microbench tests" tests/engine/models/test_qmv_emulated.py tests/engine/test_bench_qmm.py
 fi
 
 if [ "$PART" = "all" ] || [ "$PART" = "bench" ]; then
-  step 80 "microbench qwen3-4b" "$PY" -m engine.cli.bench_qmm --shape qwen3-4b --rows 1,2,4,8 --ours --cold-mb 128
-  step 100 "microbench llama3-8b" "$PY" -m engine.cli.bench_qmm --shape llama3-8b --rows 1,2,4,8 --ours --cold-mb 128
+  step 80 "microbench qwen3-4b" "$PY" -m engine.cli.bench_qmm --shape qwen3-4b --rows 1,2,4,8,16 --ours --mma --cold-mb 128
+  step 100 "microbench llama3-8b" "$PY" -m engine.cli.bench_qmm --shape llama3-8b --rows 1,2,4,8,16 --ours --mma --cold-mb 128
   # Figures of these commands so far: docs/qmv.md, "Fewer instructions a code".
   for shape_limit in qwen3-4b:100 llama3-8b:110 qwen2.5-0.5b:70; do
     shape="${shape_limit%%:*}"
@@ -72,8 +74,11 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
   # on by default).
   step 100 "decode qwen3-4b, activation epilogue off" env MLX_DESK_QMV_GLU=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
-  step 100 "decode qwen3-4b, norm prologue off" env MLX_DESK_QMV_NORM=0 "$PY" -m engine bench \
-    --shape qwen3-4b --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
+  for shape_limit in qwen3-4b:100 llama3-8b:110; do
+    shape="${shape_limit%%:*}"
+    step "${shape_limit##*:}" "decode $shape, norm prologue off" env MLX_DESK_QMV_NORM=0 "$PY" -m engine bench \
+      --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
+  done
   # The residual adds in the products' epilogue, turned off for the A/B (on by default).
   for shape_limit in qwen3-4b:100 llama3-8b:110; do
     shape="${shape_limit%%:*}"
@@ -89,6 +94,8 @@ if [ "$PART" = "all" ] || [ "$PART" = "batch" ]; then
     --vs mlx-lm --step --rows 8
   step 300 "8, 12 and 16 streams" "$PY" -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 128 \
     --concurrent 8,12,16 --vs mlx-lm
+  step 200 "8, 12 and 16 streams, tensor-core kernel on" env MLX_DESK_QMV_MMA=1 "$PY" -m engine bench \
+    --shape qwen3-4b --bits 4 -p 512 -g 128 --concurrent 8,12,16
 fi
 echo
 echo "qmv_check: $failed step(s) failed"
