@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from engine.models.quantized_matmul_cuda import compact, enabled
 from engine.models.quantized_matmul_cuda import fits as row_kernel_fits
+from engine.models.quantized_matmul_cuda import takes as row_kernel_takes
 
 # Warps per block, and warps to aim for across the grid when splitting K (as the row kernel).
 WARPS = 8
@@ -270,6 +271,14 @@ def fits(rows: int, inputs: int, outputs: int, *, bits: int, dtype: mx.Dtype, **
     return bits == 4 and dtype in DTYPES and row_kernel_fits(rows, inputs, outputs, bits=bits, dtype=dtype, **rest)
 
 
+def takes(rows: int, x: mx.array, w: mx.array, *packed_and_quantization) -> bool:
+    """Whether the kernel takes ``rows`` rows of ``x`` by the packed weight ``w`` (the arguments
+    of ``quantized_matmul_cuda.takes``): one the row kernel takes, of 4-bit codes and half
+    precision activations (``fits``)."""
+    bits = packed_and_quantization[3]
+    return bits == 4 and x.dtype in DTYPES and row_kernel_takes(rows, x, w, *packed_and_quantization)
+
+
 def switched_on() -> bool:
     """Whether products of 8-16 rows are routed here: the small-row kernel is (``enabled``)
     and so is this one (``MLX_DESK_QMV_MMA=1``; off by default until a step measures it faster)."""
@@ -284,7 +293,8 @@ def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_s
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
     splits = k_splits(k, n, group_size)
-    blocks = -(-(-(-n // 16)) // (WARPS // splits))
+    tiles = -(-n // 16)  # of 16 columns, WARPS // splits of them a block
+    blocks = -(-tiles // (WARPS // splits))
     (out,) = _kernel()(
         inputs=[flat, w, scales, biases],
         template=[

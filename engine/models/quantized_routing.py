@@ -64,6 +64,11 @@ def pays(rows: int, inputs: int, outputs: int, fused: bool = False) -> bool:
     return rows in ROUTED_ROWS
 
 
+def _rows(x: mx.array, w: mx.array) -> int | None:
+    """The rows of a product of ``x`` by a 2-D weight; None for other shapes (no kernel's)."""
+    return x.size // max(x.shape[-1], 1) if w.ndim == 2 and x.ndim >= 1 else None
+
+
 def _routed(
     x: mx.array,
     w: mx.array,
@@ -77,14 +82,9 @@ def _routed(
     """Whether the kernel takes the product of ``x`` by the [N, K] weight ``w``: turned on and
     able to run here, faster than MLX's at this size (``pays``), one it computes (``takes``)
     and not the tensor-core kernel's."""
-    if (
-        w.ndim != 2
-        or x.ndim < 1
-        or not kernel.enabled()
-        or _on_tensor_cores(x, w, scales, biases, group_size, bits, mode)
-    ):
+    rows = _rows(x, w)
+    if rows is None or not kernel.enabled() or _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):
         return False
-    rows = x.size // max(x.shape[-1], 1)
     return pays(rows, x.shape[-1], w.shape[0], fused) and kernel.takes(
         rows, x, w, scales, biases, group_size, bits, mode
     )
@@ -93,16 +93,13 @@ def _routed(
 def _on_tensor_cores(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
 ) -> bool:
-    """Whether the tensor-core kernel takes the product: switched on, ``MMA_ROWS`` rows, a
-    packing of these bits and a product it computes."""
-    if w.ndim != 2 or x.ndim < 1 or not tensor_cores.switched_on():
-        return False
-    rows = x.size // max(x.shape[-1], 1)
+    """Whether the tensor-core kernel takes the product: switched on, ``MMA_ROWS`` rows and one
+    it computes (``tensor_cores.takes``)."""
+    rows = _rows(x, w)
     return (
         rows in MMA_ROWS
-        and bits == 4
-        and x.dtype in tensor_cores.DTYPES
-        and kernel.takes(rows, x, w, scales, biases, group_size, bits, mode)
+        and tensor_cores.switched_on()
+        and tensor_cores.takes(rows, x, w, scales, biases, group_size, bits, mode)
     )
 
 
