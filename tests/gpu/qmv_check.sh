@@ -11,7 +11,7 @@
 #          qwen3-4b and llama3-8b with the norm prologue off and the residual epilogue off (beside
 #          bench's runs with the defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
-#          with the tensor-core kernel switched on.
+#          with the tensor-core kernel turned off.
 # Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch]
 # (every part when the second argument is left out). Each command has its own time limit; a
 # failing or timed-out step is reported and the script goes on to the next one. The exit
@@ -89,12 +89,12 @@ fi
 
 if [ "$PART" = "all" ] || [ "$PART" = "batch" ]; then
   # Batch steps: where an 8-row step's time goes, then streams against mlx-lm's BatchGenerator
-  # (the kernel takes 2-12 rows; docs/qmv.md, "Batch steps of 8-12 rows").
+  # (the tensor-core kernel takes 8-16 rows, the row kernel 2-7; docs/qmv.md).
   step 170 "batch step of 8 rows" "$PY" -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 32 --repeat 2 \
     --vs mlx-lm --step --rows 8
   step 300 "8, 12 and 16 streams" "$PY" -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 128 \
     --concurrent 8,12,16 --vs mlx-lm
-  step 200 "8, 12 and 16 streams, tensor-core kernel on" env MLX_DESK_QMV_MMA=1 "$PY" -m engine bench \
+  step 200 "8, 12 and 16 streams, tensor-core kernel off" env MLX_DESK_QMV_MMA=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --concurrent 8,12,16
 fi
 echo

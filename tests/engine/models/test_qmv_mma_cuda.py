@@ -39,11 +39,11 @@ def test_the_kernel_takes_4_bit_half_precision_products_of_up_to_16_rows():
     assert not _fits(inputs=100, group_size=64)
 
 
-def test_nothing_routes_to_it_unless_switched_on(monkeypatch):
+def test_it_is_on_wherever_the_row_kernel_is_unless_turned_off(monkeypatch):
     monkeypatch.delenv(mma.ENV, raising=False)
-    assert not mma.switched_on()
-    monkeypatch.setenv(mma.ENV, "1")
     assert mma.switched_on() == qmv.available()
+    monkeypatch.setenv(mma.ENV, "0")
+    assert not mma.switched_on()
 
 
 def _product(rows, inputs, outputs, group, dtype, seed=0):
@@ -87,10 +87,10 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
 
 
 @needs_cuda
-def test_switched_on_a_models_products_of_8_rows_run_it_and_keep_its_logits(monkeypatch):
-    """A 4-bit qwen2.5-0.5b-shaped model, an 8-token pass: with the kernel switched on every
-    projection (stacked q/k/v, o, gate/up, down, the tied head) runs it, and the logits stay
-    those of MLX's kernel to bfloat16 rounding."""
+def test_a_models_products_of_8_rows_run_it_and_keep_its_logits(monkeypatch):
+    """A 4-bit qwen2.5-0.5b-shaped model, an 8-token pass: by default every projection (stacked
+    q/k/v, o, gate/up, down, the tied head) runs it, and the logits stay those of MLX's kernel
+    to bfloat16 rounding."""
     from tests.engine.models.test_qmv_cuda import _two_layer_qwen25
 
     model = _two_layer_qwen25(seed=4)
@@ -101,7 +101,7 @@ def test_switched_on_a_models_products_of_8_rows_run_it_and_keep_its_logits(monk
     kernel = mma.matmul
     monkeypatch.setattr(mma, "matmul", lambda *a, **k: calls.append(a[1].shape) or kernel(*a, **k))
     monkeypatch.setenv(qmv.ENV, "1")
-    monkeypatch.setenv(mma.ENV, "1")
+    monkeypatch.delenv(mma.ENV, raising=False)
     routed = model(tokens).astype(mx.float32)
     assert len(calls) == 2 * 4 + 1
     assert mx.abs(routed - plain).max().item() <= 5e-2 * mx.abs(plain).max().item()
