@@ -27,6 +27,10 @@ way with one byte permutation a register.
 Each iteration a lane loads 8 words of each of its two weight rows (256 codes of K a row
 across the quad) and their activations before any MMA, so a warp keeps 2 KB of weights in
 flight; ``KS`` warps of a block split K where the columns are few (down projections).
+
+As the row kernel, it takes a product's residual add (``residual``) or a gated MLP's
+``silu(gate) * up`` (``glu``: a tile's 16 A rows are 8 gate rows and their 8 up rows, so a
+lane holds both sums of an output) into its epilogue; it has no norm prologue.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from engine.models.quantized_matmul_cuda import compact, enabled
+from engine.models.quantized_matmul_cuda import GLU_HEADER, compact, enabled
 from engine.models.quantized_matmul_cuda import fits as row_kernel_fits
 from engine.models.quantized_matmul_cuda import takes as row_kernel_takes
 
@@ -85,10 +89,16 @@ __device__ __forceinline__ uint32_t codes_pair(uint32_t w) {
 _PRODUCT = r"""
 // out[r, n] = sum_k x[r, k] * dequantize(w)[n, k] for R <= 16 rows of x [R, K] (T: half or
 // bfloat16, BF says which) and one [N, K] weight of 4-bit codes packed as MLX packs them,
-// groups of GS; NW warps a block, KS of them splitting K for one tile of 16 columns.
-template <typename T, bool BF, int R, int GS, int NW, int KS>
+// groups of GS; NW warps a block, KS of them splitting K for one tile of 16 columns. RES:
+// residual [R, N] is added to the output (the product rounded to T, added in float32, rounded
+// again: what the product and a separate add compute). GLU: the weight stacks gate rows over
+// up rows ([2I, K]); a tile's first 8 columns are gate rows, its last 8 the up rows of the
+// same outputs, and out [R, I] is gate * SIG(gate) * up with every op in T, as MLX's
+// elementwise kernels compute silu(gate) * up (SIG: MLX's own Sigmoid functor).
+template <typename T, bool BF, int R, int GS, int NW, int KS, bool RES = false, bool GLU = false, typename SIG = float>
 __device__ __forceinline__ void mma_rows_product(
-    const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N) {
+    const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N,
+    const T* residual = nullptr) {
   constexpr int NT = (R + 7) / 8;  // tiles of 8 rows: the MMA's N
   constexpr int VEC = GS / 32;     // words a lane loads of a row's group
   constexpr int U = 256 / GS;      // groups an iteration: 8 words a row a lane
@@ -98,10 +108,12 @@ __device__ __forceinline__ void mma_rows_product(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;  // the MMA fragments' group and thread in group
   const int part = warp % KS;
-  const int col0 = (blockIdx.x * TILES + warp / KS) * 16;
+  const int tile = blockIdx.x * TILES + warp / KS;
   const int groups = K / GS;
-  // Columns past N repeat the last one (valid memory) and are never written.
-  const int col_a = min(col0 + g, N - 1), col_b = min(col0 + g + 8, N - 1);
+  // A tile's outputs: 16 columns, or 8 gate/up pairs. Columns past the outputs repeat the
+  // last one (valid memory) and are never written.
+  const int outputs = GLU ? N / 2 : N, col0 = tile * (GLU ? 8 : 16);
+  const int col_a = min(col0 + g, outputs - 1), col_b = GLU ? col_a + outputs : min(col0 + g + 8, N - 1);
   const uint32_t* wa = w + (long)col_a * (K / 8) + t * VEC;
   const uint32_t* wb = w + (long)col_b * (K / 8) + t * VEC;
   const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15ull) == 0;
@@ -195,9 +207,18 @@ __device__ __forceinline__ void mma_rows_product(
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < (GLU ? 2 : 4); ++i) {
       const int r = nt * 8 + 2 * t + (i & 1), n = col0 + g + (i >= 2 ? 8 : 0);
-      if (r < R && n < N) out[(long)r * N + n] = static_cast<T>(total[nt][i]);
+      if (r >= R || n >= outputs) continue;
+      const long o = (long)r * outputs + n;
+      if constexpr (GLU) {  // this lane holds the gate (i) and the up (i + 2) of output n
+        const T gate = static_cast<T>(total[nt][i]);
+        out[o] = (gate * SIG{}(gate)) * static_cast<T>(total[nt][i + 2]);
+      } else if constexpr (RES) {
+        out[o] = static_cast<T>(static_cast<float>(residual[o]) + static_cast<float>(static_cast<T>(total[nt][i])));
+      } else {
+        out[o] = static_cast<T>(total[nt][i]);
+      }
     }
   }
 }
@@ -239,17 +260,31 @@ __device__ __forceinline__ void load_halves(const T* p, bool in, bool aligned, u
 
 # The device code the kernel is built on, less the primitives (``PRIMITIVES``).
 DEVICE_FUNCTIONS = _LOADS + _PRODUCT
-SOURCE = "mma_rows_product<T, BF, R, GS, NW, KS>(x, w, scales, biases, out, x_shape[1], w_shape[0]);\n"
+
+
+def kernel_source(residual: bool = False, glu: bool = False) -> str:
+    """The kernel's body: ``mma_rows_product`` with its template constants, plus ``residual``
+    added to the output or ``glu`` (silu(gate) * up of a stacked gate/up weight, with MLX's own
+    Sigmoid, which ``GLU_HEADER`` includes)."""
+    flags = f"{str(residual).lower()}, {str(glu).lower()}, {'Sigmoid' if glu else 'float'}"
+    tail = ", residual" if residual else ""
+    return (
+        f"mma_rows_product<T, BF, R, GS, NW, KS, {flags}>(x, w, scales, biases, out, x_shape[1], w_shape[0]{tail});\n"
+    )
+
+
+SOURCE = kernel_source()
 
 
 @cache
-def _kernel():
+def _kernel(residual: bool = False, glu: bool = False):
+    variant = "".join(part for part, on in (("_plus", residual), ("_glu", glu)) if on)
     return mx.fast.cuda_kernel(
-        name="quantized_matmul_mma",
-        input_names=["x", "w", "scales", "biases"],
+        name=f"quantized_matmul_mma{variant}",
+        input_names=["x", "w", "scales", "biases", *(["residual"] if residual else [])],
         output_names=["out"],
-        source=compact(SOURCE),
-        header=compact(PRIMITIVES + DEVICE_FUNCTIONS),
+        source=compact(kernel_source(residual, glu)),
+        header=(GLU_HEADER if glu else "") + compact(PRIMITIVES + DEVICE_FUNCTIONS),
     )
 
 
@@ -286,18 +321,31 @@ def switched_on() -> bool:
     return os.environ.get(ENV, "1") != "0" and enabled()
 
 
-def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int = 4) -> mx.array:
+def matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int = 4,
+    residual: mx.array | None = None,
+    glu: bool = False,
+) -> mx.array:
     """``x @ dequantize(w).T`` for ``x`` [..., K] (``fits`` rows) and an [N, K] 4-bit weight
-    packed as MLX packs it (``bits`` 4, as ``fits`` checks), on the tensor cores."""
+    packed as MLX packs it (``bits`` 4, as ``fits`` checks), on the tensor cores; plus
+    ``residual`` ([..., N] in x's dtype) where given, or with ``glu`` (the weight stacking gate
+    rows over up rows) ``silu(gate) * up`` ([..., N / 2]), as the row kernel's ``matmul``."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
+    outputs = n // 2 if glu else n
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
     splits = k_splits(k, n, group_size)
-    tiles = -(-n // 16)  # of 16 columns, WARPS // splits of them a block
+    tiles = -(-outputs // (8 if glu else 16))  # WARPS // splits of them a block
     blocks = -(-tiles // (WARPS // splits))
-    (out,) = _kernel()(
-        inputs=[flat, w, scales, biases],
+    inputs = [flat, w, scales, biases, *([residual.reshape(rows, n)] if residual is not None else [])]
+    (out,) = _kernel(residual is not None, glu)(
+        inputs=inputs,
         template=[
             ("T", x.dtype),
             ("BF", x.dtype == mx.bfloat16),
@@ -308,7 +356,7 @@ def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_s
         ],
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[(rows, outputs)],
         output_dtypes=[x.dtype],
     )
-    return out.reshape(*lead, n)
+    return out.reshape(*lead, outputs)

@@ -51,7 +51,8 @@ GLU_ENV = "MLX_DESK_QMV_GLU"
 NORM_ENV = "MLX_DESK_QMV_NORM"
 FUSIONS = {"residual": RESIDUAL_ENV, "glu": GLU_ENV, "norm": NORM_ENV}
 # The rows the tensor-core kernel takes (unless ``MLX_DESK_QMV_MMA=0``), ahead of the row kernel
-# and MLX's, which keep the other rows; there the fused ops step aside. Measured in whole steps
+# and MLX's, which keep the other rows; it takes the residual add and the activation, and the
+# norm steps out of the product there. Measured in whole steps
 # (qwen3-4b, 4-bit g64, docs/qmv.md): 8 streams 1128.8 against 989.0 tok/s on an H100 and
 # 1259.7 against 975.8 on an H200, 16 streams 1375.4 against 988.2 and 1591.2 against 969.8.
 # A verify pass of 5 rows lost through it (n-gram drafting 226.8 against 265.6 tok/s, with
@@ -165,11 +166,14 @@ def quantized_fused(
     """The product of ``norm(x)`` (x without a norm; with ``glu``, ``silu(gate) * up`` of it, the
     weight stacking gate rows over up rows) in one launch, the norm in the kernel's prologue
     and the activation in its epilogue; None where the kernel does not take all of it (the
-    caller then runs those steps itself)."""
+    caller then runs those steps itself). Where the tensor-core kernel takes the product, only
+    the activation: it has no norm prologue."""
+    if glu and (not fusion_enabled("glu") or w.shape[0] % 2):
+        return None
+    if _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):  # the activation only
+        return tensor_cores.matmul(x, w, scales, biases, group_size, bits, glu=True) if glu and norm is None else None
     prologue = prologue_norm(norm, x) if norm is not None else None
     if (norm is not None and prologue is None) or (norm is None and not glu):
-        return None
-    if glu and (not fusion_enabled("glu") or w.shape[0] % 2):
         return None
     if not _routed(x, w, scales, biases, group_size, bits, mode, fused=True):
         return None
@@ -190,13 +194,11 @@ def quantized_matmul_plus(
     """``residual + quantized_matmul(x, w, ...)``: one launch where the kernel takes the product
     and the residual is its output's shape and dtype (a decode step's residual stream), else
     the product and the add as they are."""
-    if (
-        fusion_enabled("residual")
-        and _routed(x, w, scales, biases, group_size, bits, mode, fused=True)
-        and residual.shape == (*x.shape[:-1], w.shape[0])
-        and residual.dtype == x.dtype
-    ):
-        return kernel.matmul(x, w, scales, biases, group_size, bits, residual=residual)
+    if fusion_enabled("residual") and residual.shape == (*x.shape[:-1], w.shape[0]) and residual.dtype == x.dtype:
+        if _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):
+            return tensor_cores.matmul(x, w, scales, biases, group_size, bits, residual=residual)
+        if _routed(x, w, scales, biases, group_size, bits, mode, fused=True):
+            return kernel.matmul(x, w, scales, biases, group_size, bits, residual=residual)
     return residual + quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
 
 

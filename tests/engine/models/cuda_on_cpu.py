@@ -109,6 +109,31 @@ int main(int argc, char** argv) {
 }
 """
 
+# The same product with a residual added in its epilogue (the kernels' ``residual``; r.bin).
+RESIDUAL_DRIVER = (
+    PRODUCT_DRIVER.replace(
+        "const T* scales, const T* biases, T* out) {", "const T* scales, const T* biases, const T* residual, T* out) {"
+    )
+    .replace(
+        "(const T*)sb.data(), (const T*)bb.data(), out.data());",
+        "(const T*)sb.data(), (const T*)bb.data(), (const T*)rb.data(), out.data());",
+    )
+    .replace('auto xb = slurp("x.bin"),', 'auto rb = slurp("r.bin");\n  auto xb = slurp("x.bin"),')
+)
+
+
+# The gate/up product with the activation in its epilogue (the kernels' ``glu``): N = 2I weight
+# rows, I outputs, blocks across the outputs. MLX's Sigmoid stands in as the CPU computes it.
+GLU_DRIVER = (
+    "struct Sigmoid {\n  template <typename U> U operator()(U x) {\n"
+    "    const float y = 1.0f / (1.0f + std::exp(std::fabs((float)x)));\n"
+    "    return U((float)x < 0 ? y : 1.0f - y);\n  }\n};\n"
+    + PRODUCT_DRIVER.replace(
+        "std::vector<T> out((size_t)rows * N);", "std::vector<T> out((size_t)rows * N / 2);"
+    ).replace("blocks = (N + per_block - 1) / per_block;", "blocks = (N / 2 + per_block - 1) / per_block;")
+)
+
+
 CPP_TYPE = {mx.float32: "float", mx.float16: "_Float16", mx.bfloat16: "bf16"}
 
 

@@ -24,7 +24,15 @@ import pytest
 
 from engine.models import gathered_matmul_cuda as gathered
 from engine.models import quantized_matmul_cuda as qmv
-from tests.engine.models.cuda_on_cpu import CPP_TYPE, PRELUDE, PRODUCT_DRIVER, build, raw_values
+from tests.engine.models.cuda_on_cpu import (
+    CPP_TYPE,
+    GLU_DRIVER,
+    PRELUDE,
+    PRODUCT_DRIVER,
+    RESIDUAL_DRIVER,
+    build,
+    raw_values,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel for the CPU")
 
@@ -94,19 +102,6 @@ def test_the_kernels_source_computes_mlxs_product(tmp_path, rows, inputs, output
     assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
 
 
-# The same product with a residual added in its epilogue (``matmul``'s ``residual``).
-_RESIDUAL_DRIVER = (
-    PRODUCT_DRIVER.replace(
-        "const T* scales, const T* biases, T* out) {", "const T* scales, const T* biases, const T* residual, T* out) {"
-    )
-    .replace(
-        "(const T*)sb.data(), (const T*)bb.data(), out.data());",
-        "(const T*)sb.data(), (const T*)bb.data(), (const T*)rb.data(), out.data());",
-    )
-    .replace('auto xb = slurp("x.bin"),', 'auto rb = slurp("r.bin");\n  auto xb = slurp("x.bin"),')
-)
-
-
 @pytest.mark.parametrize(
     "rows, inputs, outputs, dtype", [(1, 640, 37, mx.bfloat16), (3, 2176, 19, mx.float16)], ids=str
 )
@@ -119,25 +114,13 @@ def test_the_residual_epilogue_equals_the_product_then_the_add(tmp_path, rows, i
     residual = (4 * mx.random.normal((rows, outputs), key=k3)).astype(dtype)
     raw_values(residual).tofile(tmp_path / "r.bin")
     splits = qmv.k_splits(inputs, outputs, 4)
-    source = _program(_RESIDUAL_DRIVER, qmv._RESIDUAL_SOURCE, dtype, 4, 64, splits, f"constexpr int R = {rows};")
+    source = _program(RESIDUAL_DRIVER, qmv._RESIDUAL_SOURCE, dtype, 4, 64, splits, f"constexpr int R = {rows};")
     got = _build_and_run(
         tmp_path, source, (x, wq, scales, biases), [rows, inputs, outputs, 0, qmv.WARPS, splits, qmv.COLUMNS]
     )
     plain = _run_on_cpu(tmp_path, x, wq, scales, biases, 64, 4, 0)
     assert mx.array_equal(got, residual + plain)
     assert not mx.array_equal(got, plain)
-
-
-# The gate/up product with the activation in its epilogue (``matmul``'s ``glu``): N = 2I weight
-# rows, I outputs, blocks across the outputs. MLX's Sigmoid stands in as the CPU computes it.
-_GLU_DRIVER = (
-    "struct Sigmoid {\n  template <typename U> U operator()(U x) {\n"
-    "    const float y = 1.0f / (1.0f + std::exp(std::fabs((float)x)));\n"
-    "    return U((float)x < 0 ? y : 1.0f - y);\n  }\n};\n"
-    + PRODUCT_DRIVER.replace(
-        "std::vector<T> out((size_t)rows * N);", "std::vector<T> out((size_t)rows * N / 2);"
-    ).replace("blocks = (N + per_block - 1) / per_block;", "blocks = (N / 2 + per_block - 1) / per_block;")
-)
 
 
 @pytest.mark.parametrize(
@@ -158,7 +141,7 @@ def test_the_glu_epilogue_computes_silu_gate_times_up(tmp_path, rows, inputs, ou
     w = (mx.random.normal((2 * outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
     wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
-    source = _program(_GLU_DRIVER, qmv._GLU_SOURCE, dtype, bits, group, splits, f"constexpr int R = {rows};")
+    source = _program(GLU_DRIVER, qmv._GLU_SOURCE, dtype, bits, group, splits, f"constexpr int R = {rows};")
     args = [rows, inputs, 2 * outputs, 0, qmv.WARPS, splits, qmv.COLUMNS // 2]
     got = _build_and_run(tmp_path, source, (x, wq, scales, biases), args, outputs=outputs)
     f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
@@ -172,7 +155,7 @@ def test_the_glu_epilogue_computes_silu_gate_times_up(tmp_path, rows, inputs, ou
 
 # The product of the rows' RMSNorm (``matmul``'s ``norm``), with or without the activation.
 _NORM_DRIVER = (
-    _GLU_DRIVER.replace(
+    GLU_DRIVER.replace(
         "const T* scales, const T* biases, T* out) {", "const T* scales, const T* biases, const T* norm, T* out) {"
     )
     .replace(

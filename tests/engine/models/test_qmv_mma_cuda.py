@@ -11,6 +11,7 @@ codes' conversion) is checked here; the body's arithmetic is checked on the CPU 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from engine.models import quantized_matmul_cuda as qmv
@@ -58,6 +59,24 @@ def _referee(x, wq, scales, biases, group):
     with mx.stream(mx.cpu):
         f32 = [a.astype(mx.float32) for a in (x, scales, biases)]
         return mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=group, bits=4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
+@pytest.mark.parametrize("rows", [8, 13, 16])
+def test_the_epilogues_are_the_separate_ops_bit_for_bit(dtype, rows):
+    """The residual add and silu(gate) * up in the kernel's epilogue equal the product
+    followed by MLX's ops, on a K-split matrix (down-like) and a wide one (first here: the
+    exactness cases below build a kernel each and take minutes)."""
+    for inputs, outputs in ((9728, 1280), (2560, 4864)):
+        x, wq, scales, biases = _product(rows, inputs, 2 * outputs, 64, dtype)
+        plain = mma.matmul(x, wq, scales, biases, 64)
+        residual = (4 * mx.random.normal(plain.shape, key=mx.random.key(rows))).astype(dtype)
+        assert mx.array_equal(mma.matmul(x, wq, scales, biases, 64, residual=residual), residual + plain)
+        gate, up = mx.split(plain, 2, axis=-1)
+        fused = mma.matmul(x, wq, scales, biases, 64, glu=True)
+        assert fused.shape == (rows, outputs)
+        assert mx.array_equal(fused, nn.silu(gate) * up)
 
 
 @needs_cuda

@@ -19,12 +19,21 @@ import shutil
 import subprocess
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from engine.models import quantized_mma_cuda as mma
 from engine.models.quantized_matmul_cuda import compact
-from tests.engine.models.cuda_on_cpu import CPP_TYPE, PRELUDE, PRODUCT_DRIVER, build, raw_values
+from tests.engine.models.cuda_on_cpu import (
+    CPP_TYPE,
+    GLU_DRIVER,
+    PRELUDE,
+    PRODUCT_DRIVER,
+    RESIDUAL_DRIVER,
+    build,
+    raw_values,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel for the CPU")
 
@@ -89,27 +98,38 @@ inline uint32_t codes_pair(uint32_t w) {
 _TOLERANCE = {mx.float16: 1e-3, mx.bfloat16: 8e-3}
 
 
-def _on_cpu(tmp_path, x, wq, scales, biases, group: int, splits: int, shift: int) -> mx.array:
+def _on_cpu(
+    tmp_path, x, wq, scales, biases, group: int, splits: int, shift: int, residual=None, glu: bool = False
+) -> mx.array:
+    """The kernel's output on the CPU: the plain product, with ``residual`` added in its
+    epilogue, or with ``glu`` the activation of a stacked gate/up weight's product."""
     rows, k = x.shape
     n = wq.shape[0]
+    outputs = n // 2 if glu else n
     constants = (
         f"constexpr bool BF = {str(x.dtype == mx.bfloat16).lower()}; constexpr int R = {rows}; "
         f"constexpr int GS = {group}; constexpr int NW = {mma.WARPS}; constexpr int KS = {splits};"
     )
+    driver = GLU_DRIVER if glu else RESIDUAL_DRIVER if residual is not None else PRODUCT_DRIVER
     source = (
         PRELUDE
         + _PRIMITIVES
         + compact(mma.DEVICE_FUNCTIONS)
         + f"using T = {CPP_TYPE[x.dtype]};\n"
-        + PRODUCT_DRIVER.replace("CONSTANTS", constants).replace("SOURCE", compact(mma.SOURCE))
+        + driver.replace("CONSTANTS", constants).replace(
+            "SOURCE", compact(mma.kernel_source(residual is not None, glu))
+        )
     )
     for name, a in zip("xwsb", (x, wq, scales, biases), strict=True):
         (np.array(a) if name == "w" else raw_values(a)).tofile(tmp_path / f"{name}.bin")
+    if residual is not None:
+        raw_values(residual).tofile(tmp_path / "r.bin")
     build(tmp_path, source)
+    columns = 8 if glu else 16
     subprocess.run(
-        ["./kernel", *map(str, [rows, k, n, shift, mma.WARPS, splits, 16])], cwd=tmp_path, check=True, timeout=120
+        ["./kernel", *map(str, [rows, k, n, shift, mma.WARPS, splits, columns])], cwd=tmp_path, check=True, timeout=120
     )
-    out = mx.array(np.fromfile(tmp_path / "out.bin", dtype=np.uint16).reshape(rows, n))
+    out = mx.array(np.fromfile(tmp_path / "out.bin", dtype=np.uint16).reshape(rows, outputs))
     return out.view(x.dtype)
 
 
@@ -157,3 +177,46 @@ def test_the_layout_splits_k_where_the_columns_are_few():
     assert mma.k_splits(9728, 2560, 64) == 8  # qwen3-4b down: 160 tiles of 16 columns
     assert mma.k_splits(4096, 57344, 64) == 2  # llama3-8b gate+up: 3,584 tiles
     assert mma.k_splits(256, 64, 64) == 1  # one iteration: nothing to split
+
+
+def _weights_and_rows(rows: int, inputs: int, outputs: int, dtype, seed: int):
+    k1, k2 = mx.random.split(mx.random.key(seed), 2)
+    w = (mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    return mx.random.normal((rows, inputs), key=k2).astype(dtype), wq, scales, biases
+
+
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, dtype", [(8, 640, 37, mx.bfloat16), (13, 2176, 19, mx.float16)], ids=str
+)
+def test_the_residual_epilogue_equals_the_product_then_the_add(tmp_path, rows, inputs, outputs, dtype):
+    """Bit for bit what the kernel's product rounded to the dtype and a separate add give."""
+    x, wq, scales, biases = _weights_and_rows(rows, inputs, outputs, dtype, rows + inputs)
+    residual = (4 * mx.random.normal((rows, outputs), key=mx.random.key(3))).astype(dtype)
+    splits = mma.k_splits(inputs, outputs, 64)
+    got = _on_cpu(tmp_path, x, wq, scales, biases, 64, splits, 0, residual=residual)
+    plain = _on_cpu(tmp_path, x, wq, scales, biases, 64, splits, 0)
+    assert mx.array_equal(got, residual + plain)
+    assert not mx.array_equal(got, plain)
+
+
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, dtype",
+    [(8, 640, 21, mx.bfloat16), (16, 1024, 8, mx.float16), (3, 2048, 12, mx.bfloat16)],
+    ids=str,
+)
+def test_the_glu_epilogue_computes_silu_gate_times_up(tmp_path, rows, inputs, outputs, dtype):
+    """Gate rows stacked over up rows: each output is silu(gate) * up of its own two rows, as
+    the plain product's halves give it, over K-splits and outputs that are not a
+    multiple of the 8 a tile holds."""
+    x, wq, scales, biases = _weights_and_rows(rows, inputs, 2 * outputs, dtype, rows * 3 + inputs)
+    splits = mma.k_splits(inputs, 2 * outputs, 64)
+    got = _on_cpu(tmp_path, x, wq, scales, biases, 64, splits, 0, glu=True)
+    gate, up = mx.split(_on_cpu(tmp_path, x, wq, scales, biases, 64, splits, 0), 2, axis=-1)
+    assert got.shape == (rows, outputs)
+    # Halves multiply in float here where CUDA rounds each op to the half type, so the CPU
+    # run is held to rounding, and tests/engine/models/test_qmv_mma_cuda.py to the bit.
+    f32 = [h.astype(mx.float32) for h in (gate, up)]
+    expected = nn.silu(f32[0]) * f32[1]
+    error = mx.abs(got.astype(mx.float32) - expected).max().item()
+    assert error <= 2 * _TOLERANCE[dtype] * mx.abs(expected).max().item(), error
