@@ -52,8 +52,8 @@ NORM_ENV = "MLX_DESK_QMV_NORM"
 FUSIONS = {"residual": RESIDUAL_ENV, "glu": GLU_ENV, "norm": NORM_ENV}
 # The rows the tensor-core kernel takes (unless ``MLX_DESK_QMV_MMA=0``), ahead of the row kernel
 # and MLX's, which keep the other rows; it takes the residual add and the activation, and the
-# norm steps out of the product there. Measured in whole steps
-# (qwen3-4b, 4-bit g64, docs/qmv.md): 8 streams 1128.8 against 989.0 tok/s on an H100 and
+# norm steps out of the product there. Measured in whole steps (qwen3-4b, 4-bit g64,
+# docs/qmv.md; before those epilogues): 8 streams 1128.8 against 989.0 tok/s on an H100 and
 # 1259.7 against 975.8 on an H200, 16 streams 1375.4 against 988.2 and 1591.2 against 969.8.
 # A verify pass of 5 rows lost through it (n-gram drafting 226.8 against 265.6 tok/s, with
 # 2-16 rows routed here), so 2-7 rows stay on the row kernel.
