@@ -381,6 +381,7 @@ def run_step(args: argparse.Namespace) -> int:
             "nodes": sum(nodes.values()),
         }
         steps[name]["op_kinds"] = ops
+        steps[name]["view_kinds"] = {kind: n for kind, n in nodes.items() if kind not in ops}
         ids[name] = tokens
     for name, s in steps.items():
         print(

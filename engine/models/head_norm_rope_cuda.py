@@ -1,13 +1,16 @@
-"""The per-head query and key norms and their rotation (Qwen3's attention) in one CUDA kernel
-for decode steps, verify passes and batch steps.
+"""The attention heads of a decode step from its stacked q/k/v product in one CUDA kernel:
+queries and keys normed per head (where the family norms them, as Qwen3 does) and rotated,
+and values, all three in the [B, heads, L, head_dim] layout attention reads. For decode
+steps, verify passes and batch steps.
 
 A Qwen3 layer's queries and keys each take ``rms_norm`` over every head and then RoPE: four
-launches a layer, each a few microseconds of host and device time around a few KB of work.
-On an H200 a decode step of qwen3-4b is bound by its host as much as by its device (583 ops
-a step; docs/qmv.md), so the four become one: a warp per (token, head) reads the head's
-features from the stacked q/k/v product, norms them, scales them by the norm's weight and
-rotates them, writing queries and keys in the [B, heads, L, head_dim] layout attention
-reads.
+launches a layer, each a few microseconds of host and device time around a few KB of work;
+a Llama layer's take one RoPE launch. Around them sit the views that split the product into
+heads and move them to attention's layout (a reshape, three slices, two transposes a layer):
+not kernels, but nodes the host builds and hands over every step like any op (cheap ones on
+the GPU machine, measured in docs/qmv.md). So all of it is one kernel: a warp per (token,
+head) reads the head's features from the product as it is, norms them, scales them by the
+norm's weight and rotates them (queries and keys), or moves them (values).
 
 The kernel computes what ``mx.fast.rms_norm`` then ``mx.fast.rope`` compute on CUDA, rounding
 where they round: the norm's output is ``weight * round(x * rsqrt(mean(x^2) + eps))`` in the
@@ -19,10 +22,10 @@ cos, sin and exp2 may differ in their last float32 bits; in bfloat16 and float16
 tests/engine/models/test_qmv_emulated.py runs this source on the CPU as well.
 
 Taken (``fits``) only where MLX's CUDA backend runs on the GPU, for the plain rotate-half RoPE
-over the whole head (no frequency table, no output scale), the plain ``nn.RMSNorm`` with one
-eps for both norms, heads of 64, 128 or 256 features, a few rows (decode, verify, batch
-steps), and weights in the activations' dtype; ``MLX_DESK_QK_ROPE=0`` turns it off. Everything
-else keeps the two MLX calls.
+over the whole head (no frequency table, no output scale), no norms or the plain
+``nn.RMSNorm`` with one eps for both, heads of 64, 128 or 256 features, a few rows (decode,
+verify, batch steps), and weights in the activations' dtype; ``MLX_DESK_QK_ROPE=0`` turns it off. Everything
+else keeps MLX's calls.
 """
 
 from __future__ import annotations
@@ -47,41 +50,51 @@ MAX_ROWS = 64
 # Warps per block: one (token, head) each.
 WARPS = 4
 
-_SOURCE = """
-// One warp per (token, head) of the queries and keys; lane l holds features l + 32 j.
+# The source in parts: ``_NORM`` only for families with per-head norms (Qwen3); without it the
+# features go to RoPE as they are (Llama and most others).
+_HEAD = """
+// One warp per (token, head) of the queries, keys and values; lane l holds features l + 32 j.
 constexpr int PER = D / 32;
 constexpr int HALF = PER / 2;  // feature l + 32 j pairs with l + 32 (j + HALF)
 const int lane = threadIdx.x & 31;
 const int item = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
 const int rows = B * L;
-if (item >= rows * (NQ + NKV)) return;
-const int row = item / (NQ + NKV);
-const int head = item % (NQ + NKV);
+if (item >= rows * (NQ + 2 * NKV)) return;
+const int row = item / (NQ + 2 * NKV);
+const int head = item % (NQ + 2 * NKV);
 const int b = row / L;
 const int t = row % L;
 const T* src = x + ((long)row * (NQ + 2 * NKV) + head) * D;
+if (head >= NQ + NKV) {  // a value head: moved to the attention layout as it is
+  T* dst = v + (((long)b * NKV + head - NQ - NKV) * L + t) * D;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) dst[lane + 32 * j] = src[lane + 32 * j];
+  return;
+}
+float y[PER];
+#pragma unroll
+for (int j = 0; j < PER; ++j) y[j] = static_cast<float>(src[lane + 32 * j]);
+"""
 
-float v[PER];
+_NORM = """
 float squares = 0.f;
 #pragma unroll
-for (int j = 0; j < PER; ++j) {
-  v[j] = static_cast<float>(src[lane + 32 * j]);
-  squares += v[j] * v[j];
-}
+for (int j = 0; j < PER; ++j) squares += y[j] * y[j];
 #pragma unroll
 for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffff, squares, o);
 const float norm = rsqrt(squares / D + EPS);
-
 // The norm's output in the activations' dtype: the weight times the normed value rounded to
 // that dtype, the product rounded once more (MLX's kernel multiplies the two in the dtype; a
 // product of two such values is exact in float32), then RoPE on it in float32 as MLX's does.
 const T* weight = head < NQ ? q_weight : k_weight;
-float y[PER];
 #pragma unroll
 for (int j = 0; j < PER; ++j) {
-  const float normed = static_cast<float>(static_cast<T>(v[j] * norm));
+  const float normed = static_cast<float>(static_cast<T>(y[j] * norm));
   y[j] = static_cast<float>(static_cast<T>(static_cast<float>(weight[lane + 32 * j]) * normed));
 }
+"""
+
+_ROPE = """
 const int position = t + static_cast<int>(offset[OFFSETS > 1 ? b : 0]);
 const float angle = SCALE * static_cast<float>(position);
 T* dst = head < NQ ? q + (((long)b * NQ + head) * L + t) * D : k + (((long)b * NKV + head - NQ) * L + t) * D;
@@ -100,15 +113,21 @@ for (int j = 0; j < HALF; ++j) {
 """
 
 
+def source(normed: bool) -> str:
+    """The kernel's body, with the per-head norms or without."""
+    return _HEAD + (_NORM if normed else "") + _ROPE
+
+
 @cache
-def _kernel(eps: float, scale: float, log2_base: float):
+def _kernel(normed: bool, eps: float, scale: float, log2_base: float):
     """The kernel for one model's constants, written into its source as float32 values (MLX
     passes them to its own kernels as float32)."""
+    weights = ["q_weight", "k_weight"] if normed else []
     return mx.fast.cuda_kernel(
-        name="head_norm_rope",
-        input_names=["x", "q_weight", "k_weight", "offset"],
-        output_names=["q", "k"],
-        source=constants(eps, scale, log2_base) + compact(_SOURCE),
+        name="head_norm_rope" if normed else "head_rope",
+        input_names=["x", *weights, "offset"],
+        output_names=["q", "k", "v"],
+        source=constants(eps, scale, log2_base) + compact(source(normed)),
     )
 
 
@@ -126,44 +145,50 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0" and available()
 
 
-def fits(attn: Any, heads: mx.array, plain_rope: bool) -> bool:
-    """Whether ``attn``'s norms and rotation of the stacked heads ``heads`` [B, L, nq + 2 nkv,
-    d] are the kernel's (see the module docstring); ``plain_rope``: whether ``attn.rope`` is
-    the plain RoPE class (no subclass that picks its settings by position)."""
+def fits(attn: Any, y: mx.array, plain_rope: bool) -> bool:
+    """Whether ``attn``'s norms (where it has them) and rotation of its stacked q/k/v product
+    ``y`` [B, L, (nq + 2 nkv) * d] are the kernel's (see the module docstring); ``plain_rope``:
+    whether ``attn.rope`` is the plain RoPE class (no subclass that picks its settings by
+    position)."""
     rope = attn.rope
-    norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
-    b, n, _, d = heads.shape
+    d = attn.head_dim
+    if y.ndim != 3 or y.shape[2] != (attn.n_heads + 2 * attn.n_kv_heads) * d:
+        return False
+    norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if attn.qk_norm else ()
     return (
         plain_rope
-        and attn.qk_norm
-        and all(type(norm) is nn.RMSNorm for norm in norms)
-        and norms[0].eps == norms[1].eps
-        and all(norm.weight.dtype == heads.dtype for norm in norms)
+        and all(type(norm) is nn.RMSNorm and norm.weight.dtype == y.dtype for norm in norms)
+        and (not norms or norms[0].eps == norms[1].eps)
         and rope._freqs is None
         and rope.base is not None
         and rope.out_scale == 1.0
         and not rope.traditional
         and rope.dims == d
         and d in HEAD_DIMS
-        and heads.dtype in DTYPES
-        and b * n <= MAX_ROWS
+        and y.dtype in DTYPES
+        and y.shape[0] * y.shape[1] <= MAX_ROWS
     )
 
 
-def head_norm_rope(attn: Any, heads: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
-    """Normed and rotated queries [B, nq, L, d] and keys [B, nkv, L, d] from the stacked heads
-    [B, L, nq + 2 nkv, d]; ``offset`` is the first token's position (an int, a scalar array,
-    or one per sequence, as ``mx.fast.rope`` takes it). The caller checks ``fits``."""
-    b, n, _, d = heads.shape
-    nq, nkv = attn.n_heads, attn.n_kv_heads
+def head_norm_rope(attn: Any, y: mx.array, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
+    """Queries [B, nq, L, d] and keys [B, nkv, L, d], normed where ``attn`` norms its heads and
+    rotated, and values [B, nkv, L, d], from the stacked q/k/v product ``y`` [B, L, (nq + 2 nkv)
+    * d], read as it is (no views before the launch); ``offset`` is the first token's position
+    (an int, a scalar array, or one per sequence, as ``mx.fast.rope`` takes it). The caller
+    checks ``fits``."""
+    b, n, _ = y.shape
+    nq, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
     rope = attn.rope
     positions = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
-    items = b * n * (nq + nkv)
-    kernel = _kernel(float(attn.q_norm.eps), float(rope.scale), log2_float32(rope.base))
-    q, k = kernel(
-        inputs=[heads, attn.q_norm.weight, attn.k_norm.weight, positions],
+    items = b * n * (nq + 2 * nkv)
+    normed = bool(attn.qk_norm)
+    eps = float(attn.q_norm.eps) if normed else 0.0
+    weights = [attn.q_norm.weight, attn.k_norm.weight] if normed else []
+    kernel = _kernel(normed, eps, float(rope.scale), log2_float32(rope.base))
+    q, k, v = kernel(
+        inputs=[y, *weights, positions],
         template=[
-            ("T", heads.dtype),
+            ("T", y.dtype),
             ("B", b),
             ("L", n),
             ("NQ", nq),
@@ -173,10 +198,10 @@ def head_norm_rope(attn: Any, heads: mx.array, offset: Any) -> tuple[mx.array, m
         ],
         grid=(-(-items // WARPS) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(b, nq, n, d), (b, nkv, n, d)],
-        output_dtypes=[heads.dtype, heads.dtype],
+        output_shapes=[(b, nq, n, d), (b, nkv, n, d), (b, nkv, n, d)],
+        output_dtypes=[y.dtype] * 3,
     )
-    return q, k
+    return q, k, v
 
 
 def log2_float32(base: float) -> float:

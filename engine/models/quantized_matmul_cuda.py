@@ -305,16 +305,17 @@ DEVICE_FUNCTIONS = _HEADER + _PRODUCT
 
 
 def kernel_source(residual: bool = False, glu: bool = False, norm: bool = False) -> str:
-    """The kernel's body: ``rows_product`` with template constants as its own (runtime: K is
-    x_shape[1], N w_shape[0]), plus ``residual`` added to the output, ``glu`` (silu(gate) * up
-    from a stacked gate/up weight, with MLX's own Sigmoid, which ``GLU_HEADER`` includes) and
+    """The kernel's body: ``rows_product`` with template constants as its own (runtime: K from
+    the packed weight's width, w_shape[1] words of 32 / BITS codes, so x's shape need not reach
+    the kernel whatever its leading axes; N is w_shape[0]), plus ``residual`` added to the
+    output, ``glu`` (silu(gate) * up from a stacked gate/up weight, with MLX's own Sigmoid, which ``GLU_HEADER`` includes) and
     ``norm`` (x normed first by the weight ``norm`` and the epsilon whose float bits are EPS)."""
     flags = f"{str(residual).lower()}, {str(glu).lower()}, {'Sigmoid' if glu else 'float'}, {'KN' if norm else 0}"
     tail = ", residual" if residual else ", nullptr"
     tail += ", norm, __int_as_float(EPS)" if norm else ""
     return (
         f"rows_product<T, R, BITS, GS, CPW, NW, KS, {flags}>"
-        f"(x, w, scales, biases, out, x_shape[1], w_shape[0]{tail});\n"
+        f"(x, w, scales, biases, out, w_shape[1] * 32 / BITS, w_shape[0]{tail});\n"
     )
 
 
@@ -448,13 +449,15 @@ def matmul(
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     outputs = n // 2 if glu else n
-    flat = x.reshape(-1, k)
-    rows = flat.shape[0]
+    # The kernel reads rows of K from a row-contiguous x whatever its leading axes, so x and
+    # the residual go in as they are and the output comes out in x's leading shape: no views
+    # around the launch (each is a node the host builds and hands over every step).
+    rows = x.size // max(k, 1)
     warps, blocks = layout(k, n, bits, glu)
-    names, inputs = ["x", "w", "scales", "biases"], [flat, w, scales, biases]
+    names, inputs = ["x", "w", "scales", "biases"], [x, w, scales, biases]
     if residual is not None:
         names.append("residual")
-        inputs.append(residual.reshape(rows, n))
+        inputs.append(residual)
     constants = []
     if norm is not None:
         names.append("norm")
@@ -468,10 +471,10 @@ def matmul(
         template=[("T", x.dtype), ("R", rows), ("BITS", bits), ("GS", group_size), *warps, *constants],
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, outputs)],
+        output_shapes=[(*lead, outputs)],
         output_dtypes=[x.dtype],
     )
-    return out.reshape(*lead, outputs)
+    return out
 
 
 def takes(

@@ -268,9 +268,7 @@ def kernel_source(residual: bool = False, glu: bool = False) -> str:
     Sigmoid, which ``GLU_HEADER`` includes)."""
     flags = f"{str(residual).lower()}, {str(glu).lower()}, {'Sigmoid' if glu else 'float'}"
     tail = ", residual" if residual else ""
-    return (
-        f"mma_rows_product<T, BF, R, GS, NW, KS, {flags}>(x, w, scales, biases, out, x_shape[1], w_shape[0]{tail});\n"
-    )
+    return f"mma_rows_product<T, BF, R, GS, NW, KS, {flags}>(x, w, scales, biases, out, w_shape[1] * 8, w_shape[0]{tail});\n"
 
 
 SOURCE = kernel_source()
@@ -338,12 +336,11 @@ def matmul(
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     outputs = n // 2 if glu else n
-    flat = x.reshape(-1, k)
-    rows = flat.shape[0]
+    rows = x.size // max(k, 1)  # x and the residual go in as they are (the row kernel's note)
     splits = k_splits(k, n, group_size)
     tiles = -(-outputs // (8 if glu else 16))  # WARPS // splits of them a block
     blocks = -(-tiles // (WARPS // splits))
-    inputs = [flat, w, scales, biases, *([residual.reshape(rows, n)] if residual is not None else [])]
+    inputs = [x, w, scales, biases, *([residual] if residual is not None else [])]
     (out,) = _kernel(residual is not None, glu)(
         inputs=inputs,
         template=[
@@ -356,7 +353,7 @@ def matmul(
         ],
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, outputs)],
+        output_shapes=[(*lead, outputs)],
         output_dtypes=[x.dtype],
     )
-    return out.reshape(*lead, outputs)
+    return out

@@ -82,8 +82,7 @@ static void run_block(int warps, int x, int y, F body) {
 # shifted by that many elements (unaligned loads), warps a block, warps splitting K, columns a
 # warp set owns (blocks = N over warps / splits * columns).
 PRODUCT_DRIVER = r"""
-static void kernel(const T* x, const Shape x_shape, const uint32_t* w, const Shape w_shape,
-                   const T* scales, const T* biases, T* out) {
+static void kernel(const T* x, const uint32_t* w, const Shape w_shape, const T* scales, const T* biases, T* out) {
   CONSTANTS
   SOURCE
 }
@@ -96,12 +95,12 @@ int main(int argc, char** argv) {
   std::vector<uint32_t> ws(wb.size() / 4);
   memcpy(ws.data(), wb.data(), wb.size());
   std::vector<T> out((size_t)rows * N);
-  Shape xsh{}, wsh{};
-  xsh[0] = rows; xsh[1] = K; wsh[0] = N; wsh[1] = (int)(ws.size() / N);
+  Shape wsh{};
+  wsh[0] = N; wsh[1] = (int)(ws.size() / N);
   const int per_block = warps / splits * columns, blocks = (N + per_block - 1) / per_block;
   for (int b = 0; b < blocks; ++b)
     run_block(warps, b, 0, [&] {
-      kernel(xs.data() + shift, xsh, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), out.data());
+      kernel(xs.data() + shift, ws.data(), wsh, (const T*)sb.data(), (const T*)bb.data(), out.data());
     });
   FILE* f = fopen("out.bin", "wb");
   fwrite(out.data(), sizeof(T), out.size(), f);

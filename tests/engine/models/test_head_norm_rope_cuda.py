@@ -1,8 +1,8 @@
-"""The per-head norms and RoPE of queries and keys in one CUDA kernel
-(models.head_norm_rope_cuda).
+"""The attention heads from the stacked q/k/v product in one CUDA kernel: per-head norms (where
+the family has them) and RoPE of queries and keys, values moved (models.head_norm_rope_cuda).
 
-Where MLX runs on CUDA, the kernel must give what ``mx.fast.rms_norm`` then ``mx.fast.rope``
-give, to the rounding of the activations' dtype, for heads of 64 and 128 features, float32,
+Where MLX runs on CUDA, the kernel must give what ``mx.fast.rms_norm`` (where it norms) then
+``mx.fast.rope`` give, to the rounding of the activations' dtype, and the values as they are, for heads of 64 and 128 features, float32,
 float16 and bfloat16, a decode step, a verify pass and a batch step with one position per
 sequence. Everywhere, the routing is checked: which attention modules it takes, and that
 nothing routes while it is off or off CUDA.
@@ -25,21 +25,25 @@ class ShiftedRoPE(RoPE):
 
 
 def _attention(head_dim=128, heads=(8, 2), dtype=mx.bfloat16, rope=None, norm_eps=1e-6):
+    """Qwen3's attention (per-head norms); Llama's with ``norm_eps=None``."""
     nq, nkv = heads
     rope = rope or RoPE(head_dim, base=1_000_000.0)
     attn = Attention(nq * head_dim // 2, nq, nkv, head_dim, rope, qk_norm_eps=norm_eps)
-    attn.q_norm.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=mx.random.key(1))).astype(dtype)
-    attn.k_norm.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=mx.random.key(2))).astype(dtype)
+    if norm_eps is not None:
+        attn.q_norm.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=mx.random.key(1))).astype(dtype)
+        attn.k_norm.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=mx.random.key(2))).astype(dtype)
     return attn
 
 
 def _heads(attn, b, n, dtype=mx.bfloat16, seed=0):
-    width = attn.n_heads + 2 * attn.n_kv_heads
-    return (3 * mx.random.normal((b, n, width, attn.head_dim), key=mx.random.key(seed))).astype(dtype)
+    """A stacked q/k/v product [b, n, (nq + 2 nkv) * head_dim], as the kernel reads it."""
+    width = (attn.n_heads + 2 * attn.n_kv_heads) * attn.head_dim
+    return (3 * mx.random.normal((b, n, width), key=mx.random.key(seed))).astype(dtype)
 
 
-def test_qwen3s_attention_at_decode_verify_and_batch_sizes_fits():
-    attn = _attention()
+@pytest.mark.parametrize("norm_eps", [1e-6, None], ids=["qwen3", "llama"])
+def test_attention_at_decode_verify_and_batch_sizes_fits(norm_eps):
+    attn = _attention(norm_eps=norm_eps)
     for b, n in [(1, 1), (1, 5), (8, 1), (16, 4)]:
         assert fused.fits(attn, _heads(attn, b, n), plain_rope=True)
 
@@ -70,15 +74,22 @@ def test_the_kernel_is_off_when_asked_and_off_cuda(monkeypatch):
     assert fused.enabled() == fused.available()
 
 
-def _unfused(attn, heads, offset):
+def _unfused(attn, y, offset):
+    """MLX's calls: the split into heads, the norms where attn has them, RoPE."""
     nq, nkv = attn.n_heads, attn.n_kv_heads
-    q, k, _ = mx.split(heads, [nq, nq + nkv], axis=2)
-    q = mx.fast.rms_norm(q, attn.q_norm.weight, attn.q_norm.eps).transpose(0, 2, 1, 3)
-    k = mx.fast.rms_norm(k, attn.k_norm.weight, attn.k_norm.eps).transpose(0, 2, 1, 3)
+    b, n, _ = y.shape
+    q, k, v = mx.split(y.reshape(b, n, nq + 2 * nkv, attn.head_dim), [nq, nq + nkv], axis=2)
+    if attn.qk_norm:
+        q, k = (
+            mx.fast.rms_norm(q, attn.q_norm.weight, attn.q_norm.eps),
+            mx.fast.rms_norm(k, attn.k_norm.weight, attn.k_norm.eps),
+        )
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
     rope = attn.rope
     return (
         mx.fast.rope(q, rope.dims, traditional=False, base=rope.base, scale=rope.scale, offset=offset),
         mx.fast.rope(k, rope.dims, traditional=False, base=rope.base, scale=rope.scale, offset=offset),
+        v,
     )
 
 
@@ -91,16 +102,18 @@ TOLERANCE = {mx.float32: 1e-5, mx.float16: 2**-10, mx.bfloat16: 2**-7}
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("b, n, offset", [(1, 1, 517), (1, 5, "array"), (8, 1, "rows"), (2, 3, 0)])
-def test_the_kernel_equals_mlxs_norm_then_rope(dtype, head_dim, b, n, offset):
-    attn = _attention(head_dim=head_dim, heads=(16, 4), dtype=dtype)
+@pytest.mark.parametrize("norm_eps", [1e-6, None], ids=["qwen3", "llama"])
+def test_the_kernel_equals_mlxs_norm_then_rope(dtype, head_dim, b, n, offset, norm_eps):
+    attn = _attention(head_dim=head_dim, heads=(16, 4), dtype=dtype, norm_eps=norm_eps)
     heads = _heads(attn, b, n, dtype, seed=b * 31 + n)
     if offset == "array":
         offset = mx.array(1_999, mx.int32)
     elif offset == "rows":
         offset = mx.array([3, 700, 0, 12, 4_095, 5, 6, 1_000], mx.int32)
     assert fused.fits(attn, heads, plain_rope=True)
-    q, k = fused.head_norm_rope(attn, heads, offset)
-    q_ref, k_ref = _unfused(attn, heads, offset)
+    q, k, v = fused.head_norm_rope(attn, heads, offset)
+    q_ref, k_ref, v_ref = _unfused(attn, heads, offset)
+    assert v.shape == v_ref.shape and mx.array_equal(v, v_ref)
     for got, ref in ((q, q_ref), (k, k_ref)):
         assert got.shape == ref.shape and got.dtype == ref.dtype == dtype
         size = mx.abs(ref.astype(mx.float32)).max().item()
@@ -112,10 +125,10 @@ def test_the_kernel_equals_mlxs_norm_then_rope(dtype, head_dim, b, n, offset):
 
 
 @needs_cuda
-def test_rotated_qkv_routes_through_the_kernel_and_keeps_its_values(monkeypatch):
-    attn = _attention()
-    heads = _heads(attn, 1, 1)
-    y = heads.reshape(1, 1, -1)
+@pytest.mark.parametrize("norm_eps", [1e-6, None], ids=["qwen3", "llama"])
+def test_rotated_qkv_routes_through_the_kernel_and_keeps_its_values(monkeypatch, norm_eps):
+    attn = _attention(norm_eps=norm_eps)
+    y = _heads(attn, 1, 1)
     monkeypatch.setattr("engine.models.base.stacked_normed", lambda attn, names, x, norm: (y, x))
     calls = []
     kernel = fused.head_norm_rope

@@ -311,43 +311,54 @@ def test_the_source_mlx_receives_keeps_the_code_and_drops_the_comments():
     assert len(compacted) < 0.75 * len(qmv.DEVICE_FUNCTIONS)
 
 
-# The head norm + RoPE kernel (models.head_norm_rope_cuda): a warp per (token, head).
+# The heads kernel (models.head_norm_rope_cuda): a warp per (token, head) of q, k and v.
 _HEAD_NORM_DRIVER = r"""
 static Index blockDim{WARPS * 32, 1};
 using std::cos;
 using std::exp2;
 using std::sin;
-static void kernel(const T* x, const T* q_weight, const T* k_weight, const int32_t* offset, T* q, T* k) {
+static void kernel(const T* x, WEIGHTS const int32_t* offset, T* q, T* k, T* v) {
   SOURCE
+}
+static void write(const char* name, const std::vector<T>& a) {
+  FILE* f = fopen(name, "wb");
+  fwrite(a.data(), sizeof(T), a.size(), f);
+  fclose(f);
 }
 int main() {
   auto xb = slurp("x.bin"), qb = slurp("qw.bin"), kb = slurp("kw.bin"), ob = slurp("off.bin");
-  std::vector<T> q((size_t)B * NQ * L * D), k((size_t)B * NKV * L * D);
-  const int items = B * L * (NQ + NKV), blocks = (items + WARPS - 1) / WARPS;
+  std::vector<T> q((size_t)B * NQ * L * D), k((size_t)B * NKV * L * D), v((size_t)B * NKV * L * D);
+  const int items = B * L * (NQ + 2 * NKV), blocks = (items + WARPS - 1) / WARPS;
   for (int b = 0; b < blocks; ++b)
     run_block(WARPS, b, 0, [&] {
-      kernel((const T*)xb.data(), (const T*)qb.data(), (const T*)kb.data(), (const int32_t*)ob.data(), q.data(), k.data());
+      kernel((const T*)xb.data(), ARGUMENTS (const int32_t*)ob.data(), q.data(), k.data(), v.data());
     });
-  FILE* f = fopen("q.bin", "wb");
-  fwrite(q.data(), sizeof(T), q.size(), f);
-  fclose(f);
-  f = fopen("k.bin", "wb");
-  fwrite(k.data(), sizeof(T), k.size(), f);
-  fclose(f);
+  write("q.bin", q);
+  write("k.bin", k);
+  write("v.bin", v);
 }
 """
 
 
+def _driver(normed: bool) -> str:
+    weights, arguments = ("const T* q_weight, const T* k_weight,", "(const T*)qb.data(), (const T*)kb.data(),")
+    return _HEAD_NORM_DRIVER.replace("WEIGHTS", weights if normed else "").replace(
+        "ARGUMENTS", arguments if normed else ""
+    )
+
+
 @pytest.mark.parametrize(
-    "b, n, nq, nkv, d, dtype, offsets",
+    "b, n, nq, nkv, d, dtype, offsets, normed",
     [
-        (1, 1, 4, 2, 64, mx.bfloat16, [517]),
-        (1, 3, 2, 1, 128, mx.float32, [1_999]),
-        (3, 1, 2, 2, 64, mx.float16, [3, 700, 0]),
+        (1, 1, 4, 2, 64, mx.bfloat16, [517], True),
+        (1, 3, 2, 1, 128, mx.float32, [1_999], True),
+        (3, 1, 2, 2, 64, mx.float16, [3, 700, 0], True),
+        (1, 1, 4, 2, 128, mx.bfloat16, [517], False),
+        (2, 2, 2, 1, 64, mx.float32, [40, 9], False),
     ],
     ids=str,
 )
-def test_the_head_norm_rope_kernels_source_computes_mlxs_norm_then_rope(tmp_path, b, n, nq, nkv, d, dtype, offsets):
+def test_the_heads_kernels_source_computes_mlxs_norm_then_rope(tmp_path, b, n, nq, nkv, d, dtype, offsets, normed):
     from engine.models import head_norm_rope_cuda as fused
 
     eps, base, scale = 1e-6, 1_000_000.0, 1.0
@@ -363,19 +374,24 @@ def test_the_head_norm_rope_kernels_source_computes_mlxs_norm_then_rope(tmp_path
         f"constexpr int OFFSETS = {len(offsets)}; constexpr int WARPS = {fused.WARPS};\n"
         + fused.constants(eps, scale, fused.log2_float32(base))
     )
-    build(tmp_path, PRELUDE + constants + _HEAD_NORM_DRIVER.replace("SOURCE", fused.compact(fused._SOURCE)))
+    build(tmp_path, PRELUDE + constants + _driver(normed).replace("SOURCE", fused.compact(fused.source(normed))))
     subprocess.run(["./kernel"], cwd=tmp_path, check=True, timeout=60)
 
+    def got(name: str, count: int) -> mx.array:
+        raw = np.fromfile(tmp_path / name, dtype=raw_values(x).dtype)
+        values = mx.array(raw).view(dtype) if dtype == mx.bfloat16 else mx.array(raw)
+        return values.reshape(b, count, n, d)
+
     offset = mx.array(offsets if len(offsets) > 1 else offsets[0], mx.int32)
-    q, k, _ = mx.split(x, [nq, nq + nkv], axis=2)
+    q, k, v = mx.split(x, [nq, nq + nkv], axis=2)
+    # Values move to attention's layout untouched.
+    assert mx.array_equal(got("v.bin", nkv), v.transpose(0, 2, 1, 3))
     for got_file, heads, weight, count in (("q.bin", q, q_weight, nq), ("k.bin", k, k_weight, nkv)):
-        normed = mx.fast.rms_norm(heads, weight, eps).transpose(0, 2, 1, 3)
-        expected = mx.fast.rope(normed, d, traditional=False, base=base, scale=scale, offset=offset)
-        raw = np.fromfile(tmp_path / got_file, dtype=raw_values(expected).dtype)
-        got = mx.array(raw).view(dtype) if dtype == mx.bfloat16 else mx.array(raw)
-        got = got.reshape(b, count, n, d)
+        normed_heads = mx.fast.rms_norm(heads, weight, eps) if normed else heads
+        rotated = normed_heads.transpose(0, 2, 1, 3)
+        expected = mx.fast.rope(rotated, d, traditional=False, base=base, scale=scale, offset=offset)
         size = mx.abs(expected.astype(mx.float32)).max().item()
-        apart = mx.abs(got.astype(mx.float32) - expected.astype(mx.float32)).max().item()
+        apart = mx.abs(got(got_file, count).astype(mx.float32) - expected.astype(mx.float32)).max().item()
         # One rounding of the dtype at the output's largest magnitude. In float32 the angle's
         # own rounding shows: MLX's CPU rope and the host's exp2 may part by an ulp of a
         # frequency, about 1e-4 radians at position 2,000.
