@@ -310,13 +310,24 @@ def kernel_source(residual: bool = False, glu: bool = False, norm: bool = False)
     the kernel whatever its leading axes; N is w_shape[0]), plus ``residual`` added to the
     output, ``glu`` (silu(gate) * up from a stacked gate/up weight, with MLX's own Sigmoid, which ``GLU_HEADER`` includes) and
     ``norm`` (x normed first by the weight ``norm`` and the epsilon whose float bits are EPS)."""
-    flags = f"{str(residual).lower()}, {str(glu).lower()}, {'Sigmoid' if glu else 'float'}, {'KN' if norm else 0}"
+    flags = f"{epilogue_flags(residual, glu)}, {'KN' if norm else 0}"
     tail = ", residual" if residual else ", nullptr"
     tail += ", norm, __int_as_float(EPS)" if norm else ""
     return (
         f"rows_product<T, R, BITS, GS, CPW, NW, KS, {flags}>"
         f"(x, w, scales, biases, out, w_shape[1] * 32 / BITS, w_shape[0]{tail});\n"
     )
+
+
+def epilogue_flags(residual: bool, glu: bool) -> str:
+    """The epilogue's template arguments, as both product kernels take them: whether a
+    residual is added, whether the output is ``silu(gate) * up``, and the sigmoid it uses."""
+    return f"{str(residual).lower()}, {str(glu).lower()}, {'Sigmoid' if glu else 'float'}"
+
+
+def variant_suffix(residual: bool, glu: bool, norm: bool = False) -> str:
+    """The kernel name's suffix for its fused ops: each variant is its own build."""
+    return "".join(part for part, on in (("_plus", residual), ("_glu", glu), ("_norm", norm)) if on)
 
 
 _SOURCE = kernel_source()
@@ -463,7 +474,7 @@ def matmul(
         names.append("norm")
         inputs.append(norm[0])
         constants = [("KN", k), ("EPS", float_bits(norm[1]))]
-    variant = "".join(part for part, on in (("_plus", residual is not None), ("_glu", glu), ("_norm", norm)) if on)
+    variant = variant_suffix(residual is not None, glu, norm is not None)
     source = kernel_source(residual is not None, glu, norm is not None)
     kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, GLU_HEADER if glu else "")
     (out,) = kernel(

@@ -40,7 +40,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from engine.models.quantized_matmul_cuda import GLU_HEADER, compact, enabled
+from engine.models.quantized_matmul_cuda import GLU_HEADER, compact, enabled, epilogue_flags, variant_suffix
 from engine.models.quantized_matmul_cuda import fits as row_kernel_fits
 from engine.models.quantized_matmul_cuda import takes as row_kernel_takes
 
@@ -266,7 +266,7 @@ def kernel_source(residual: bool = False, glu: bool = False) -> str:
     """The kernel's body: ``mma_rows_product`` with its template constants, plus ``residual``
     added to the output or ``glu`` (silu(gate) * up of a stacked gate/up weight, with MLX's own
     Sigmoid, which ``GLU_HEADER`` includes)."""
-    flags = f"{str(residual).lower()}, {str(glu).lower()}, {'Sigmoid' if glu else 'float'}"
+    flags = epilogue_flags(residual, glu)
     tail = ", residual" if residual else ""
     return f"mma_rows_product<T, BF, R, GS, NW, KS, {flags}>(x, w, scales, biases, out, w_shape[1] * 8, w_shape[0]{tail});\n"
 
@@ -276,9 +276,8 @@ SOURCE = kernel_source()
 
 @cache
 def _kernel(residual: bool = False, glu: bool = False):
-    variant = "".join(part for part, on in (("_plus", residual), ("_glu", glu)) if on)
     return mx.fast.cuda_kernel(
-        name=f"quantized_matmul_mma{variant}",
+        name=f"quantized_matmul_mma{variant_suffix(residual, glu)}",
         input_names=["x", "w", "scales", "biases", *(["residual"] if residual else [])],
         output_names=["out"],
         source=compact(kernel_source(residual, glu)),
