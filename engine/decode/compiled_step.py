@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.base import RoPE, cached_attention
+from engine.models.base import RoPE, cached_attention_kv
 from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.lora import active_signature
 from engine.models.paged_kv import PagedKVCache
@@ -123,11 +123,12 @@ class CompiledDecoder:
         def start(i: int, h, pos):
             this = layer(i)
             attn = this.self_attn
-            if hasattr(attn, "normed_qkv"):  # the norm may join the q/k/v product
-                q, k, v = attn.normed_qkv(h, this.input_layernorm, pos)
+            if hasattr(attn, "q_kv"):  # the norm may join the q/k/v product, keys and values a stack
+                q, kv = attn.q_kv(h, pos, this.input_layernorm)
             else:
                 q, k, v = attn.qkv(this.input_layernorm(h), pos)
-            return h, q, k, v
+                kv = (k, v)
+            return h, q, kv
 
         def end(i: int, h, attn):
             prev = layer(i)
@@ -200,14 +201,14 @@ class CompiledDecoder:
         taken = []
         for i, (layer, c, mask) in enumerate(zip(layers, cache, masks)):
             if i == 0:
-                h, q, k, v = self._fns[0](h, pos)
+                h, q, kv = self._fns[0](h, pos)
             else:
-                h, q, k, v = self._fns[i](h, attn, pos)  # h: layer i - 1's output
+                h, q, kv = self._fns[i](h, attn, pos)  # h: layer i - 1's output
                 if tap is not None and i - 1 in tap.layer_ids:
                     taken.append(h)
             # The cache write stays outside: a write at a traced position is a dynamic
             # update, which cannot always reuse the buffer in place.
-            attn = cached_attention(layer.self_attn, q, k, v, c, mask)
+            attn = cached_attention_kv(layer.self_attn, q, kv, c, mask)
         if tap is not None:
             tap(taken, start)
         return self._fns[-1](h, attn)
@@ -230,10 +231,10 @@ class CompiledDecoder:
         attn = None
         for i, (layer, c) in enumerate(zip(layers, cache)):
             if i == 0:
-                h, q, k, v = self._fns[0](h, pos)
+                h, q, kv = self._fns[0](h, pos)
             else:
-                h, q, k, v = self._fns[i](h, attn, pos)
-            attn = cached_attention(layer.self_attn, q, k, v, c, mask)
+                h, q, kv = self._fns[i](h, attn, pos)
+            attn = cached_attention_kv(layer.self_attn, q, kv, c, mask)
         return self._last_rows(h, attn)
 
 

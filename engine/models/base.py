@@ -18,7 +18,7 @@ from engine.artifacts.config_fields import from_known_keys
 from engine.artifacts.config_spellings import partial_rotary_factor, rope_settings, text_config  # noqa: F401  (families read them from here)
 from engine.errors import UnsupportedModelError
 from engine.models import head_norm_rope_cuda
-from engine.models.kv_cache import KVCache, RotatingKVCache
+from engine.models.kv_cache import KV, KVCache, RotatingKVCache, split_kv
 from engine.models.quantized_routing import embedding_logits, linear, linear_plus
 from engine.models.stacked import project, stacked_normed
 
@@ -275,6 +275,13 @@ def rotated_qkv(
     module with ``q_proj``/``k_proj``/``v_proj``, ``n_heads``, ``n_kv_heads``, ``head_dim``,
     ``rope`` and, when ``qk_norm``, ``q_norm``/``k_norm``; of ``norm(x)`` where a norm is
     given (in the stacked product's prologue where the CUDA kernel takes it)."""
+    q, kv = rotated_q_kv(attn, x, offset, norm)
+    return (q, *split_kv(kv))
+
+
+def rotated_q_kv(attn: nn.Module, x: mx.array, offset, norm: nn.Module | None = None) -> tuple[mx.array, KV]:
+    """``rotated_qkv`` with keys and values as the heads kernel gives them: stacked [2, B,
+    heads, L, head_dim], which a KV cache of one buffer writes with one update, or a pair."""
     b, n, _ = x.shape
     nq, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
     y, x = stacked_normed(attn, QKV, x, norm)
@@ -289,17 +296,17 @@ def rotated_qkv(
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        return attn.rope(q, offset), attn.rope(k, offset), v
+        return attn.rope(q, offset), (attn.rope(k, offset), v)
     heads = y.reshape(b, n, nq + 2 * nkv, d)
     if attn.qk_norm:
         q, k, v = mx.split(heads, [nq, nq + nkv], axis=2)
         q, k = attn.q_norm(q).transpose(0, 2, 1, 3), attn.k_norm(k).transpose(0, 2, 1, 3)
-        return attn.rope(q, offset), attn.rope(k, offset), v.transpose(0, 2, 1, 3)
+        return attn.rope(q, offset), (attn.rope(k, offset), v.transpose(0, 2, 1, 3))
     # Without per-head norms, queries and keys rotate together: one kernel, and each
     # head's rotation depends only on its own values and the positions.
     heads = heads.transpose(0, 2, 1, 3)
     qk = attn.rope(heads[:, : nq + nkv], offset)
-    return qk[:, :nq], qk[:, nq:], heads[:, nq + nkv :]
+    return qk[:, :nq], (qk[:, nq:], heads[:, nq + nkv :])
 
 
 # Up to this many queries (a decode step, a verify pass) attention reads a quantized KV
@@ -309,23 +316,32 @@ QUANTIZED_READ_QUERIES = 32
 
 
 def cached_attention(attn: AttentionSteps, q: mx.array, k: mx.array, v: mx.array, cache, mask) -> mx.array:
-    """Append ``k``/``v`` to ``cache`` and attend ``q`` over it with ``attn.attend``.
+    """Append ``k``/``v`` to ``cache`` and attend ``q`` over it with ``attn.attend``."""
+    return cached_attention_kv(attn, q, (k, v), cache, mask)
+
+
+def cached_attention_kv(attn: AttentionSteps, q: mx.array, kv: KV, cache, mask) -> mx.array:
+    """``cached_attention`` of keys and values stacked or as a pair (``KV``): a stack goes into
+    a cache of one buffer with one write.
 
     A quantized KV cache is read without dequantizing when the pass is short and the
     attention is the plain one (no sinks or soft caps, which only ``attend`` knows)."""
     if cache is None:
-        return attn.attend(q, k, v, mask)
+        return attn.attend(q, *split_kv(kv), mask)
     if getattr(cache, "attends_prefix", False):  # a batch's shared prefix (plain attention only)
-        return cache.attend_with_prefix(q, k, v, attn.scale, mask)
+        return cache.attend_with_prefix(q, *split_kv(kv), attn.scale, mask)
     if (
         getattr(cache, "reads_codes", False)  # first: other caches' queries may not be one array (MLA)
         and type(attn).attend is AttentionSteps.attend
         and q.shape[2] <= QUANTIZED_READ_QUERIES
-        and cache.attends_quantized(k, v)
+        and cache.attends_quantized(*split_kv(kv))
     ):
-        cache.store(k, v)
+        cache.store(*split_kv(kv))
         return cache.attend(q, attn.scale, mask)
-    k, v = cache.update_and_fetch(k, v)
+    if isinstance(kv, mx.array) and getattr(cache, "stacks_kv", False):
+        k, v = cache.update_and_fetch_stacked(kv)
+    else:
+        k, v = cache.update_and_fetch(*split_kv(kv))
     return attn.attend(q, k, v, mask)
 
 
@@ -337,8 +353,8 @@ class AttentionSteps(nn.Module):
     """
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        q, k, v = self.qkv(x, cache.offset if cache is not None else 0)
-        return self.out(cached_attention(self, q, k, v, cache, mask))
+        q, kv = self.q_kv(x, cache.offset if cache is not None else 0)
+        return self.out(cached_attention_kv(self, q, kv, cache, mask))
 
     def qkv(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys (both rotated) and values, shaped [B, heads, L, head_dim].
@@ -349,6 +365,12 @@ class AttentionSteps(nn.Module):
         """``self.qkv(norm(x), offset)``; the shared attention takes the norm into its stacked
         product's prologue where the CUDA kernel can (one launch fewer a layer)."""
         return self.qkv(norm(x), offset)
+
+    def q_kv(self, x: mx.array, offset, norm: nn.Module | None = None) -> tuple[mx.array, KV]:
+        """Queries and ``KV`` (keys and values stacked or as a pair) of ``norm(x)``, or of ``x``
+        without a norm: what ``cached_attention_kv`` takes."""
+        q, k, v = self.qkv(x, offset) if norm is None else self.normed_qkv(x, norm, offset)
+        return q, (k, v)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         return sdpa(q, k, v, self.scale, mask)
@@ -414,6 +436,11 @@ class Attention(AttentionSteps):
             return self.qkv(norm(x), offset)
         return rotated_qkv(self, x, offset, norm)
 
+    def q_kv(self, x: mx.array, offset, norm: nn.Module | None = None) -> tuple[mx.array, KV]:
+        if type(self).qkv is not Attention.qkv:  # a family's own q/k/v step
+            return super().q_kv(x, offset, norm)
+        return rotated_q_kv(self, x, offset, norm)
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU for most families, GeGLU for Gemma."""
@@ -473,68 +500,6 @@ def activation(name: str | None):
 def caches_for(windows: list[int | None]) -> list:
     """One cache per layer: a rotating one where the layer attends over a sliding window."""
     return [KVCache() if w is None else RotatingKVCache(max_size=w) for w in windows]
-
-
-def kv_bytes_per_token(args, dtype_bytes: int) -> int:
-    """KV bytes one more token costs, once every sliding window is full.
-
-    Assumption: a sliding-window layer holds at most its window, so past that it costs
-    nothing per token; its fixed cost is ``kv_window_bytes``. Full-attention layers
-    cost 2 (K and V) x kv heads x head dim x dtype bytes per token each, unless the
-    family's args say otherwise (``kv_bytes_per_token(dtype_bytes)``: latent caches).
-    """
-    own = getattr(args, "kv_bytes_per_token", None)
-    if callable(own):  # a family whose cache is not keys and values per head (MLA's latent)
-        return own(dtype_bytes)
-    return sum(b for w, b in _cache_layers(args, dtype_bytes) if w is None)
-
-
-def kv_window_bytes(args, dtype_bytes: int) -> int:
-    """The fixed KV bytes of the sliding-window layers when their windows are full."""
-    return sum(b * w for w, b in _cache_layers(args, dtype_bytes) if w is not None)
-
-
-def kv_window_groups(args, dtype_bytes: int) -> list[tuple[int, int, int]]:
-    """(window, layers, bytes per token of those layers) for each sliding window, smallest first."""
-    groups: dict[int, tuple[int, int]] = {}
-    for w, b in _cache_layers(args, dtype_bytes):
-        if w is not None:
-            n, total = groups.get(w, (0, 0))
-            groups[w] = (n + 1, total + b)
-    return [(w, n, total) for w, (n, total) in sorted(groups.items())]
-
-
-def _cache_layers(args, dtype_bytes: int) -> list[tuple[int | None, int]]:
-    """(window, KV bytes per token) of each layer that holds a cache. Families whose layers
-    differ in shape, or share caches, say so with ``args.kv_cache_layers()`` ->
-    [(window, kv heads, head dim)]; otherwise every layer has the config's one shape."""
-    custom = getattr(args, "kv_cache_layers", None)
-    if callable(custom):
-        return [(w, 2 * n_kv * head_dim * dtype_bytes) for w, n_kv, head_dim in custom()]
-    per_layer = _per_layer_token_bytes(args, dtype_bytes)
-    return [(w, per_layer) for w in layer_windows(args)]
-
-
-def recurrent_state_bytes(args, dtype_bytes: int) -> int:
-    """Fixed bytes of the recurrent layers' state (conv inputs, delta-rule matrices), the
-    same at any context length; 0 for a family without recurrent layers. Such a family's
-    ``layer_windows`` lists its attention layers only."""
-    fixed = getattr(args, "recurrent_state_bytes", None)
-    return int(fixed(dtype_bytes)) if callable(fixed) else 0
-
-
-def _per_layer_token_bytes(args, dtype_bytes: int) -> int:
-    n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    return 2 * n_kv * head_dim * dtype_bytes
-
-
-def layer_windows(args) -> list[int | None]:
-    """Each layer's sliding window (None = full attention), as the family defines it."""
-    windows = getattr(args, "layer_windows", None)
-    if callable(windows):
-        return windows()
-    return [None] * args.num_hidden_layers
 
 
 # ---- the decoder stack and the causal LM around it ----------------------------------------

@@ -1,7 +1,8 @@
 """The attention heads of a decode step from its stacked q/k/v product in one CUDA kernel:
 queries and keys normed per head (where the family norms them, as Qwen3 does) and rotated,
-and values, all three in the [B, heads, L, head_dim] layout attention reads. For decode
-steps, verify passes and batch steps.
+and values, in the [B, heads, L, head_dim] layout attention reads (keys and values stacked in
+one array, which a KV cache of one buffer writes with one update). For decode steps, verify
+passes and batch steps.
 
 A Qwen3 layer's queries and keys each take ``rms_norm`` over every head and then RoPE: four
 launches a layer, each a few microseconds of host and device time around a few KB of work;
@@ -65,8 +66,8 @@ const int head = item % (NQ + 2 * NKV);
 const int b = row / L;
 const int t = row % L;
 const T* src = x + ((long)row * (NQ + 2 * NKV) + head) * D;
-if (head >= NQ + NKV) {  // a value head: moved to the attention layout as it is
-  T* dst = v + (((long)b * NKV + head - NQ - NKV) * L + t) * D;
+if (head >= NQ + NKV) {  // a value head: moved to the attention layout as it is (kv[1])
+  T* dst = kv + (((long)(B + b) * NKV + head - NQ - NKV) * L + t) * D;
 #pragma unroll
   for (int j = 0; j < PER; ++j) dst[lane + 32 * j] = src[lane + 32 * j];
   return;
@@ -97,7 +98,7 @@ for (int j = 0; j < PER; ++j) {
 _ROPE = """
 const int position = t + static_cast<int>(offset[OFFSETS > 1 ? b : 0]);
 const float angle = SCALE * static_cast<float>(position);
-T* dst = head < NQ ? q + (((long)b * NQ + head) * L + t) * D : k + (((long)b * NKV + head - NQ) * L + t) * D;
+T* dst = head < NQ ? q + (((long)b * NQ + head) * L + t) * D : kv + (((long)b * NKV + head - NQ) * L + t) * D;
 #pragma unroll
 for (int j = 0; j < HALF; ++j) {
   const int i = lane + 32 * j;
@@ -126,7 +127,7 @@ def _kernel(normed: bool, eps: float, scale: float, log2_base: float):
     return mx.fast.cuda_kernel(
         name="head_norm_rope" if normed else "head_rope",
         input_names=["x", *weights, "offset"],
-        output_names=["q", "k", "v"],
+        output_names=["q", "kv"],
         source=constants(eps, scale, log2_base) + compact(source(normed)),
     )
 
@@ -170,12 +171,13 @@ def fits(attn: Any, y: mx.array, plain_rope: bool) -> bool:
     )
 
 
-def head_norm_rope(attn: Any, y: mx.array, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
-    """Queries [B, nq, L, d] and keys [B, nkv, L, d], normed where ``attn`` norms its heads and
-    rotated, and values [B, nkv, L, d], from the stacked q/k/v product ``y`` [B, L, (nq + 2 nkv)
-    * d], read as it is (no views before the launch); ``offset`` is the first token's position
-    (an int, a scalar array, or one per sequence, as ``mx.fast.rope`` takes it). The caller
-    checks ``fits``."""
+def head_norm_rope(attn: Any, y: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
+    """Queries [B, nq, L, d], normed where ``attn`` norms its heads and rotated, and keys and
+    values stacked [2, B, nkv, L, d] (keys rotated), from the stacked q/k/v product ``y`` [B,
+    L, (nq + 2 nkv) * d], read as it is (no views before the launch): the stack is what a KV
+    cache of one buffer writes with one update. ``offset`` is the first token's position (an
+    int, a scalar array, or one per sequence, as ``mx.fast.rope`` takes it). The caller checks
+    ``fits``."""
     b, n, _ = y.shape
     nq, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
     rope = attn.rope
@@ -185,7 +187,7 @@ def head_norm_rope(attn: Any, y: mx.array, offset: Any) -> tuple[mx.array, mx.ar
     eps = float(attn.q_norm.eps) if normed else 0.0
     weights = [attn.q_norm.weight, attn.k_norm.weight] if normed else []
     kernel = _kernel(normed, eps, float(rope.scale), log2_float32(rope.base))
-    q, k, v = kernel(
+    q, kv = kernel(
         inputs=[y, *weights, positions],
         template=[
             ("T", y.dtype),
@@ -198,10 +200,10 @@ def head_norm_rope(attn: Any, y: mx.array, offset: Any) -> tuple[mx.array, mx.ar
         ],
         grid=(-(-items // WARPS) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(b, nq, n, d), (b, nkv, n, d), (b, nkv, n, d)],
-        output_dtypes=[y.dtype] * 3,
+        output_shapes=[(b, nq, n, d), (2, b, nkv, n, d)],
+        output_dtypes=[y.dtype] * 2,
     )
-    return q, k, v
+    return q, kv
 
 
 def log2_float32(base: float) -> float:

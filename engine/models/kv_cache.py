@@ -71,38 +71,116 @@ class _Buffers:
         return self.keys.nbytes + self.values.nbytes
 
 
+# Keys and values as attention steps hand them on: stacked [2, B, heads, L, head_dim] (the CUDA
+# heads kernel's output, which ``KVCache`` writes with one update) or a (keys, values) pair.
+KV = Any
+
+
+def split_kv(kv: KV) -> tuple[mx.array, mx.array]:
+    """Keys and values of a ``KV``: a stack's two halves (views) or the pair as it is."""
+    if isinstance(kv, mx.array):
+        return kv[0], kv[1]
+    return kv
+
+
 class KVCache(_Buffers):
-    """A growing cache of keys and values, shaped [B, n_kv_heads, tokens, head_dim]."""
+    """A growing cache of keys and values, shaped [B, n_kv_heads, tokens, head_dim].
+
+    Keys and values of one shape and dtype (every family but latent attention's) share one
+    buffer [2, B, heads, capacity, head_dim]: a decode step whose keys and values come stacked
+    (``update_and_fetch_stacked``) writes them with one update where two buffers took two, one
+    op fewer a layer in a step whose time follows its op count (docs/qmv.md). ``keys`` and
+    ``values`` read its halves; arrays set from outside (a loaded state) stay two buffers until
+    the next growth copies them into one."""
+
+    stacks_kv = True
 
     def __init__(self, step: int = DEFAULT_STEP):
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.buffer: mx.array | None = None  # [2, B, heads, capacity, head_dim]
+        self._keys: mx.array | None = None  # keys and values that do not share a buffer
+        self._values: mx.array | None = None
         self.offset = 0
         self.step = step
 
+    @property
+    def keys(self) -> mx.array | None:
+        return self.buffer[0] if self.buffer is not None else self._keys
+
+    @keys.setter
+    def keys(self, value: mx.array | None) -> None:
+        self._unstack()
+        self._keys = value
+
+    @property
+    def values(self) -> mx.array | None:
+        return self.buffer[1] if self.buffer is not None else self._values
+
+    @values.setter
+    def values(self, value: mx.array | None) -> None:
+        self._unstack()
+        self._values = value
+
+    def _unstack(self) -> None:
+        """Hold the keys and values as two arrays, so one can be replaced on its own."""
+        if self.buffer is not None:
+            self._keys, self._values, self.buffer = self.buffer[0], self.buffer[1], None
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append keys/values for the new tokens; return all cached keys/values."""
-        prev = self.offset
-        n = keys.shape[2]
-        if self.keys is None or prev + n > self.keys.shape[2]:
-            self._grow(keys, values, prev + n)
-        self.offset = end = prev + n
+        prev, end = self._make_room(keys, values)
         # Written with the token axis's position rather than an ellipsis: MLX parses these
         # indices on every call, and each decode step does this once a layer.
-        self.keys[:, :, prev:end] = keys
-        self.values[:, :, prev:end] = values
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        if self.buffer is not None:
+            self.buffer[0, :, :, prev:end] = keys
+            self.buffer[1, :, :, prev:end] = values
+            return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
+        self._keys[:, :, prev:end] = keys
+        self._values[:, :, prev:end] = values
+        return self._keys[:, :, :end], self._values[:, :, :end]
+
+    def update_and_fetch_stacked(self, kv: mx.array) -> tuple[mx.array, mx.array]:
+        """``update_and_fetch`` of keys and values stacked [2, B, heads, L, head_dim]: one write."""
+        if self.buffer is None and self._keys is not None:  # two buffers, set from outside
+            return self.update_and_fetch(kv[0], kv[1])
+        prev = self.offset
+        end = prev + kv.shape[3]
+        if end > self._capacity():
+            self._grow(kv[0], kv[1], end)
+        self.offset = end
+        self.buffer[:, :, :, prev:end] = kv
+        return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
+
+    def _make_room(self, keys: mx.array, values: mx.array) -> tuple[int, int]:
+        """Grow where the new tokens do not fit; move the offset past them; (start, end)."""
+        prev = self.offset
+        end = prev + keys.shape[2]
+        if end > self._capacity():
+            self._grow(keys, values, end)
+        self.offset = end
+        return prev, end
+
+    def _capacity(self) -> int:
+        if self.buffer is not None:
+            return self.buffer.shape[3]
+        return 0 if self._keys is None else self._keys.shape[2]
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         b, h, _, dk = keys.shape
-        dv = values.shape[3]
         capacity = buffer_tokens(needed, self.step, b)
+        held = self.offset > 0 and self.keys is not None
+        if values.shape[1] == h and values.shape[3] == dk and values.dtype == keys.dtype:
+            buffer = mx.zeros((2, b, h, capacity, dk), keys.dtype)
+            if held:
+                buffer[0, :, :, : self.offset] = self.keys[:, :, : self.offset]
+                buffer[1, :, :, : self.offset] = self.values[:, :, : self.offset]
+            self.buffer, self._keys, self._values = buffer, None, None
+            return
         new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
-        new_v = mx.zeros((b, h, capacity, dv), values.dtype)
-        if self.keys is not None and self.offset > 0:
+        new_v = mx.zeros((b, values.shape[1], capacity, values.shape[3]), values.dtype)
+        if held:
             new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
             new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
-        self.keys, self.values = new_k, new_v
+        self.buffer, self._keys, self._values = None, new_k, new_v
 
     # -- size and trimming ---------------------------------------------------------
 

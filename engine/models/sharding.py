@@ -187,6 +187,9 @@ def _tie(cache: list, sent: mx.array) -> None:
     layer's cache is made to depend on it (keys of a KV cache, the first state array of a
     recurrent one)."""
     c = cache[-1]
+    if isinstance(getattr(c, "buffer", None), mx.array):  # keys and values in one buffer
+        c.buffer = mx.depends(c.buffer, sent)
+        return
     keys = getattr(c, "keys", None)
     if isinstance(keys, mx.array):
         c.keys = mx.depends(keys, sent)

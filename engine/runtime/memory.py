@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.api import KVWindow, MemoryPlan
 from engine.errors import OutOfMemoryBudget
+from engine.models import cache_sizes
 
 GB = 1e9
 
@@ -76,28 +77,23 @@ def _family_args(config: Any) -> Any:
 
 def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
     """KV cache bytes per token of a config's full-attention layers, by its family's formula."""
-    from engine.models import base
-
-    return int(base.kv_bytes_per_token(_family_args(config), dtype_bytes))
+    return int(cache_sizes.kv_bytes_per_token(_family_args(config), dtype_bytes))
 
 
 def kv_windows(config: Any, dtype_bytes: int) -> list[KVWindow]:
     """A config's sliding-window layers, grouped by window, with their KV bytes."""
-    from engine.models import base
-
     return [
         KVWindow(tokens=w, layers=n, bytes_per_token=b)
-        for w, n, b in base.kv_window_groups(_family_args(config), dtype_bytes)
+        for w, n, b in cache_sizes.kv_window_groups(_family_args(config), dtype_bytes)
     ]
 
 
 def state_bytes(config: Any, dtype_bytes: int) -> int:
     """A config's recurrent-layer state as fixed bytes: the live state plus the snapshots a
     chat session keeps for prefix reuse (engine/models/recurrent_cache.py bounds them)."""
-    from engine.models import base
     from engine.models.recurrent_cache import COPIES_KEPT
 
-    return int(base.recurrent_state_bytes(_family_args(config), dtype_bytes)) * COPIES_KEPT
+    return int(cache_sizes.recurrent_state_bytes(_family_args(config), dtype_bytes)) * COPIES_KEPT
 
 
 def plan_memory(
@@ -232,10 +228,9 @@ def with_kv_settings(info: Any, config: Any, settings: list | None) -> Any:
 
 
 def _windows(config: Any) -> list:
-    from engine.models import base
 
     try:
-        return list(base.layer_windows(_family_args(config)))
+        return list(cache_sizes.layer_windows(_family_args(config)))
     except Exception:  # noqa: BLE001 - a family without the helper: count nothing extra
         return []
 

@@ -43,6 +43,29 @@ def test_plain_cache_grows_in_steps_and_trims():
     assert c.trim(99) == 5 and c.offset == 0
 
 
+def test_keys_and_values_share_one_buffer_that_a_stack_fills_with_one_write():
+    c = KVCache(step=4)
+    c.update_and_fetch(tokens(0, 3), -tokens(0, 3))  # a prompt's keys and values, apart
+    assert c.buffer is not None and c.buffer.shape[0] == 2  # one buffer: [2, B, heads, tokens, dim]
+    for i in range(3, 9):  # decode steps, keys and values stacked as the heads kernel gives them
+        k, v = c.update_and_fetch_stacked(mx.stack([tokens(i, i + 1), -tokens(i, i + 1)]))
+    assert positions(k) == list(range(9)) and positions(v) == [-p for p in range(9)]
+    assert c.trim(2) == 2
+    k, v = c.update_and_fetch_stacked(mx.stack([tokens(20, 22), -tokens(20, 22)]))
+    assert positions(k) == [*range(7), 20, 21] and positions(v) == [0, -1, -2, -3, -4, -5, -6, -20, -21]
+    # A state set from outside stays two arrays, written one at a time, until the next growth.
+    loaded = KVCache(step=4)
+    loaded.state = c.state
+    assert loaded.buffer is None and loaded.offset == 9
+    k, v = loaded.update_and_fetch_stacked(mx.stack([tokens(30, 31), -tokens(30, 31)]))
+    assert positions(k)[-3:] == [20, 21, 30] and positions(v)[-1] == -30
+    assert loaded.buffer is not None  # grown: one buffer again
+    # Keys and values of different widths (latent attention's) keep two buffers.
+    latent = KVCache(step=4)
+    k, v = latent.update_and_fetch(tokens(0, 2), mx.zeros((1, 1, 2, 3)))
+    assert latent.buffer is None and positions(k) == [0, 1] and v.shape == (1, 1, 2, 3)
+
+
 def test_rotating_cache_keeps_exactly_the_window_when_decoding():
     c = RotatingKVCache(max_size=5)
     for i in range(12):

@@ -11,7 +11,8 @@ from model_goldens import GOLDEN, load_golden
 
 from engine.errors import UnsupportedModelError
 from engine.models import SUPPORTED, get_family
-from engine.models.base import kv_bytes_per_token, kv_window_bytes, rope_settings
+from engine.models.base import rope_settings
+from engine.models.cache_sizes import kv_bytes_per_token, kv_window_bytes
 from engine.models.switch import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
 PROMPT = [(5 * i + 11) % 120 + 3 for i in range(40)]

@@ -311,13 +311,14 @@ def test_the_source_mlx_receives_keeps_the_code_and_drops_the_comments():
     assert len(compacted) < 0.75 * len(qmv.DEVICE_FUNCTIONS)
 
 
-# The heads kernel (models.head_norm_rope_cuda): a warp per (token, head) of q, k and v.
+# The heads kernel (models.head_norm_rope_cuda): a warp per (token, head) of q, k and v; keys
+# and values stacked in one output [2, B, NKV, L, D].
 _HEAD_NORM_DRIVER = r"""
 static Index blockDim{WARPS * 32, 1};
 using std::cos;
 using std::exp2;
 using std::sin;
-static void kernel(const T* x, WEIGHTS const int32_t* offset, T* q, T* k, T* v) {
+static void kernel(const T* x, WEIGHTS const int32_t* offset, T* q, T* kv) {
   SOURCE
 }
 static void write(const char* name, const std::vector<T>& a) {
@@ -327,15 +328,14 @@ static void write(const char* name, const std::vector<T>& a) {
 }
 int main() {
   auto xb = slurp("x.bin"), qb = slurp("qw.bin"), kb = slurp("kw.bin"), ob = slurp("off.bin");
-  std::vector<T> q((size_t)B * NQ * L * D), k((size_t)B * NKV * L * D), v((size_t)B * NKV * L * D);
+  std::vector<T> q((size_t)B * NQ * L * D), kv((size_t)2 * B * NKV * L * D);
   const int items = B * L * (NQ + 2 * NKV), blocks = (items + WARPS - 1) / WARPS;
   for (int b = 0; b < blocks; ++b)
     run_block(WARPS, b, 0, [&] {
-      kernel((const T*)xb.data(), ARGUMENTS (const int32_t*)ob.data(), q.data(), k.data(), v.data());
+      kernel((const T*)xb.data(), ARGUMENTS (const int32_t*)ob.data(), q.data(), kv.data());
     });
   write("q.bin", q);
-  write("k.bin", k);
-  write("v.bin", v);
+  write("kv.bin", kv);
 }
 """
 
@@ -377,21 +377,22 @@ def test_the_heads_kernels_source_computes_mlxs_norm_then_rope(tmp_path, b, n, n
     build(tmp_path, PRELUDE + constants + _driver(normed).replace("SOURCE", fused.compact(fused.source(normed))))
     subprocess.run(["./kernel"], cwd=tmp_path, check=True, timeout=60)
 
-    def got(name: str, count: int) -> mx.array:
+    def read(name: str) -> mx.array:
         raw = np.fromfile(tmp_path / name, dtype=raw_values(x).dtype)
-        values = mx.array(raw).view(dtype) if dtype == mx.bfloat16 else mx.array(raw)
-        return values.reshape(b, count, n, d)
+        return mx.array(raw).view(dtype) if dtype == mx.bfloat16 else mx.array(raw)
 
+    outputs = {"q": read("q.bin").reshape(b, nq, n, d)}
+    outputs["k"], outputs["v"] = read("kv.bin").reshape(2, b, nkv, n, d)
     offset = mx.array(offsets if len(offsets) > 1 else offsets[0], mx.int32)
     q, k, v = mx.split(x, [nq, nq + nkv], axis=2)
-    # Values move to attention's layout untouched.
-    assert mx.array_equal(got("v.bin", nkv), v.transpose(0, 2, 1, 3))
-    for got_file, heads, weight, count in (("q.bin", q, q_weight, nq), ("k.bin", k, k_weight, nkv)):
+    # Values move to attention's layout untouched, behind the keys.
+    assert mx.array_equal(outputs["v"], v.transpose(0, 2, 1, 3))
+    for name, heads, weight in (("q", q, q_weight), ("k", k, k_weight)):
         normed_heads = mx.fast.rms_norm(heads, weight, eps) if normed else heads
         rotated = normed_heads.transpose(0, 2, 1, 3)
         expected = mx.fast.rope(rotated, d, traditional=False, base=base, scale=scale, offset=offset)
         size = mx.abs(expected.astype(mx.float32)).max().item()
-        apart = mx.abs(got(got_file, count).astype(mx.float32) - expected.astype(mx.float32)).max().item()
+        apart = mx.abs(outputs[name].astype(mx.float32) - expected.astype(mx.float32)).max().item()
         # One rounding of the dtype at the output's largest magnitude. In float32 the angle's
         # own rounding shows: MLX's CPU rope and the host's exp2 may part by an ulp of a
         # frequency, about 1e-4 radians at position 2,000.
