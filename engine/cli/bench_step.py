@@ -245,6 +245,8 @@ class _Split:
     def __call__(self, tokens: Any, cache: list[Any], rows: int = 1) -> tuple[float, float]:
         import mlx.core as mx
 
+        from engine.models.base import cached_attention_kv
+
         fns = self.decoder._fns
         if rows > 1:  # a batch step: one position per row, one mask for all layers
             pos, h, last = cache[0].offset, tokens[:, None], self.decoder._last_rows
@@ -256,11 +258,10 @@ class _Split:
         attn = None
         for i, (layer, c, mask) in enumerate(zip(self.layers, cache, masks or [None] * len(cache))):
             start = time.perf_counter()
-            h, q, k, v = fns[0](h, pos) if i == 0 else fns[i](h, attn, pos)
-            mx.eval(h, q, k, v)
+            h, q, kv = fns[0](h, pos) if i == 0 else fns[i](h, attn, pos)
+            mx.eval(h, q, kv)
             mid = time.perf_counter()
-            k, v = c.update_and_fetch(k, v)
-            attn = layer.self_attn.attend(q, k, v, mask)
+            attn = cached_attention_kv(layer.self_attn, q, kv, c, mask)
             mx.eval(attn)
             traced, outside = traced + mid - start, outside + time.perf_counter() - mid
         start = time.perf_counter()
