@@ -505,7 +505,7 @@ class Batch:
         wide = max(takes)
         ids = [r.prompt[r.done : r.done + n] + [0] * (wide - n) for r, n in zip(rows, takes, strict=True)]
         self.model(mx.array(ids, dtype=mx.uint32), cache=self.fill_layers)
-        self._fill_queued = [s for layer in self.fill_layers for s in layer.state]
+        self._fill_queued = [a for layer in self.fill_layers for a in layer.pending_arrays()]
         mx.async_eval(self._fill_queued)
         self.prefills += 1
         self.times.prefills += 1

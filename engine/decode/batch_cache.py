@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.kv_cache import DEFAULT_STEP, buffer_tokens
+from engine.models.kv_cache import DEFAULT_STEP, OneBuffer, buffer_tokens, split_kv
 
 # Score elements (float32) one slice of a shared-prefix attention pass holds at most:
 # 256 MB, the size of a 512-token prefill chunk's scores over a 4k prefix with 32 heads.
@@ -38,14 +38,14 @@ MAX_PREFIXES = 4
 NO_PREFIX = -1
 
 
-class BatchKVCache:
+class BatchKVCache(OneBuffer):
     """One layer's keys and values for all rows, shaped [rows, heads, tokens, dim] and
     left-padded: row i's tokens sit in columns ``left[i]`` to ``idx``; and the prefixes the
-    rows share, row i's tokens following ``prefixes[sees[i]]`` (see the module's docstring)."""
+    rows share, row i's tokens following ``prefixes[sees[i]]`` (see the module's docstring).
+    Keys and values share one buffer between growths (``OneBuffer``)."""
 
     def __init__(self, step: int = DEFAULT_STEP) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.buffer = self._keys = self._values = None
         self.left: list[int] = []
         self.idx = 0  # columns in use
         self.step = step
@@ -235,24 +235,24 @@ class BatchKVCache:
         return mx.where(visible, mx.array(0, dtype), mx.array(-math.inf, dtype))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start, end = self._make_room(keys, values, keys.shape[2])
+        return self._write(start, end, keys, values)
+
+    def update_and_fetch_stacked(self, kv: mx.array) -> tuple[mx.array, mx.array]:
+        """``update_and_fetch`` of keys and values stacked [2, rows, heads, L, dim]: one write."""
+        start, end = self._make_room(kv, None, kv.shape[3])
+        return self._write_stacked(start, end, kv)
+
+    def _make_room(self, keys: mx.array, values: mx.array | None, n: int) -> tuple[int, int]:
+        """Grow in steps (as KVCache does: the buffer is written in place between growths)
+        where ``n`` more columns do not fit (``values`` None: ``keys`` holds both, stacked);
+        the columns to write."""
         self._materialize()
-        n = keys.shape[2]
-        if self.keys is None or self.idx + n > self.keys.shape[2]:
-            # Grow in steps (as KVCache does): the buffer is written in place between growths.
-            b, h, _, dk = keys.shape
-            capacity = buffer_tokens(self.idx + n, self.step, b)
-            new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
-            new_v = mx.zeros((b, h, capacity, values.shape[3]), values.dtype)
-            if self.keys is not None and self.idx:
-                new_k[..., : self.idx, :] = self.keys[..., : self.idx, :]
-                new_v[..., : self.idx, :] = self.values[..., : self.idx, :]
-            self.keys, self.values = new_k, new_v
+        if self.idx + n > self._capacity():
+            k, v = split_kv(keys) if values is None else (keys, values)
+            self._regrow(k, v, buffer_tokens(self.idx + n, self.step, k.shape[0]), self.idx)
         start, self.idx = self.idx, self.idx + n
-        # The token axis by position, not through an ellipsis (engine.models.kv_cache.KVCache:
-        # MLX parses these on every call, once a layer each step).
-        self.keys[:, :, start : self.idx] = keys
-        self.values[:, :, start : self.idx] = values
-        return self.keys[:, :, : self.idx], self.values[:, :, : self.idx]
+        return start, self.idx
 
     def attend_with_prefix(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
         """Append ``k``/``v`` and attend ``q`` ([rows, heads, L, dim]) over the prefix (rows

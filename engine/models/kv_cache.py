@@ -79,32 +79,33 @@ KV = Any
 def split_kv(kv: KV) -> tuple[mx.array, mx.array]:
     """Keys and values of a ``KV``: a stack's two halves (views) or the pair as it is."""
     if isinstance(kv, mx.array):
-        return kv[0], kv[1]
+        return half(kv, 0), half(kv, 1)
     return kv
 
 
-class KVCache(_Buffers):
-    """A growing cache of keys and values, shaped [B, n_kv_heads, tokens, head_dim].
+def half(stack: mx.array, i: int) -> mx.array:
+    """``stack[i]`` as a view: MLX takes a lone integer index as a gather, which copies (half
+    a cache buffer every read), where an integer beside a slice is a view."""
+    return stack[i, :]
 
-    Keys and values of one shape and dtype (every family but latent attention's) share one
-    buffer [2, B, heads, capacity, head_dim]: a decode step whose keys and values come stacked
-    (``update_and_fetch_stacked``) writes them with one update where two buffers took two, one
-    op fewer a layer in a step whose time follows its op count (docs/qmv.md). ``keys`` and
-    ``values`` read its halves; arrays set from outside (a loaded state) stay two buffers until
-    the next growth copies them into one."""
+
+class OneBuffer:
+    """Keys and values of one shape and dtype (every family's but latent attention's) in one
+    buffer [2, B, heads, capacity, head_dim]: a step whose keys and values come stacked (the
+    CUDA heads kernel's output) writes them with one update where two buffers took two, one op
+    fewer a layer in a step whose time follows its op count (docs/qmv.md). ``keys`` and
+    ``values`` read its halves; arrays set from outside (a loaded state, a batch's joined rows)
+    stay two buffers until the next growth copies them into one. For ``KVCache`` and the
+    batch's cache."""
 
     stacks_kv = True
-
-    def __init__(self, step: int = DEFAULT_STEP):
-        self.buffer: mx.array | None = None  # [2, B, heads, capacity, head_dim]
-        self._keys: mx.array | None = None  # keys and values that do not share a buffer
-        self._values: mx.array | None = None
-        self.offset = 0
-        self.step = step
+    buffer: mx.array | None = None  # [2, B, heads, capacity, head_dim]
+    _keys: mx.array | None = None  # keys and values that do not share a buffer
+    _values: mx.array | None = None
 
     @property
     def keys(self) -> mx.array | None:
-        return self.buffer[0] if self.buffer is not None else self._keys
+        return half(self.buffer, 0) if self.buffer is not None else self._keys
 
     @keys.setter
     def keys(self, value: mx.array | None) -> None:
@@ -113,7 +114,7 @@ class KVCache(_Buffers):
 
     @property
     def values(self) -> mx.array | None:
-        return self.buffer[1] if self.buffer is not None else self._values
+        return half(self.buffer, 1) if self.buffer is not None else self._values
 
     @values.setter
     def values(self, value: mx.array | None) -> None:
@@ -123,64 +124,89 @@ class KVCache(_Buffers):
     def _unstack(self) -> None:
         """Hold the keys and values as two arrays, so one can be replaced on its own."""
         if self.buffer is not None:
-            self._keys, self._values, self.buffer = self.buffer[0], self.buffer[1], None
+            self._keys, self._values, self.buffer = half(self.buffer, 0), half(self.buffer, 1), None
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append keys/values for the new tokens; return all cached keys/values."""
-        prev, end = self._make_room(keys, values)
-        # Written with the token axis's position rather than an ellipsis: MLX parses these
-        # indices on every call, and each decode step does this once a layer.
-        if self.buffer is not None:
-            self.buffer[0, :, :, prev:end] = keys
-            self.buffer[1, :, :, prev:end] = values
-            return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
-        self._keys[:, :, prev:end] = keys
-        self._values[:, :, prev:end] = values
-        return self._keys[:, :, :end], self._values[:, :, :end]
-
-    def update_and_fetch_stacked(self, kv: mx.array) -> tuple[mx.array, mx.array]:
-        """``update_and_fetch`` of keys and values stacked [2, B, heads, L, head_dim]: one write."""
-        if self.buffer is None and self._keys is not None:  # two buffers, set from outside
-            return self.update_and_fetch(kv[0], kv[1])
-        prev = self.offset
-        end = prev + kv.shape[3]
-        if end > self._capacity():
-            self._grow(kv[0], kv[1], end)
-        self.offset = end
-        self.buffer[:, :, :, prev:end] = kv
-        return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
-
-    def _make_room(self, keys: mx.array, values: mx.array) -> tuple[int, int]:
-        """Grow where the new tokens do not fit; move the offset past them; (start, end)."""
-        prev = self.offset
-        end = prev + keys.shape[2]
-        if end > self._capacity():
-            self._grow(keys, values, end)
-        self.offset = end
-        return prev, end
+    def pending_arrays(self) -> list[mx.array]:
+        """The arrays a pass wrote into (the one buffer, or the two), which a caller evaluates
+        after a pass rather than ``state``: views held until the next pass would keep the
+        buffer as it was, so that pass's write could not reuse it in place (a copy each)."""
+        held = (self.buffer,) if self.buffer is not None else (self._keys, self._values)
+        return [a for a in held if a is not None]
 
     def _capacity(self) -> int:
+        """Tokens the buffers hold room for (read without building views)."""
         if self.buffer is not None:
             return self.buffer.shape[3]
         return 0 if self._keys is None else self._keys.shape[2]
 
-    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+    def _regrow(self, keys: mx.array, values: mx.array, capacity: int, held: int) -> None:
+        """Buffers of ``capacity`` tokens shaped for ``keys``/``values`` (rows, heads, dims),
+        one where they share a shape and dtype, the first ``held`` tokens copied over."""
         b, h, _, dk = keys.shape
-        capacity = buffer_tokens(needed, self.step, b)
-        held = self.offset > 0 and self.keys is not None
+        held_kv = (self.keys, self.values) if held and self._capacity() else None
         if values.shape[1] == h and values.shape[3] == dk and values.dtype == keys.dtype:
             buffer = mx.zeros((2, b, h, capacity, dk), keys.dtype)
-            if held:
-                buffer[0, :, :, : self.offset] = self.keys[:, :, : self.offset]
-                buffer[1, :, :, : self.offset] = self.values[:, :, : self.offset]
+            if held_kv is not None:
+                buffer[0, :, :, :held] = held_kv[0][:, :, :held]
+                buffer[1, :, :, :held] = held_kv[1][:, :, :held]
             self.buffer, self._keys, self._values = buffer, None, None
             return
         new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
         new_v = mx.zeros((b, values.shape[1], capacity, values.shape[3]), values.dtype)
-        if held:
-            new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
-            new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
+        if held_kv is not None:
+            new_k[:, :, :held] = held_kv[0][:, :, :held]
+            new_v[:, :, :held] = held_kv[1][:, :, :held]
         self.buffer, self._keys, self._values = None, new_k, new_v
+
+    def _write(self, start: int, end: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write tokens [start, end) (room made); all keys and values up to ``end``. Written
+        with the token axis's position rather than an ellipsis: MLX parses these indices on
+        every call, and each decode step does this once a layer."""
+        if self.buffer is not None:
+            self.buffer[0, :, :, start:end] = keys
+            self.buffer[1, :, :, start:end] = values
+            return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
+        self._keys[:, :, start:end] = keys
+        self._values[:, :, start:end] = values
+        return self._keys[:, :, :end], self._values[:, :, :end]
+
+    def _write_stacked(self, start: int, end: int, kv: mx.array) -> tuple[mx.array, mx.array]:
+        """``_write`` of keys and values stacked [2, B, heads, L, head_dim]: one update."""
+        if self.buffer is None:  # two buffers, set from outside
+            return self._write(start, end, *split_kv(kv))
+        self.buffer[:, :, :, start:end] = kv
+        return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
+
+
+class KVCache(OneBuffer, _Buffers):
+    """A growing cache of keys and values, shaped [B, n_kv_heads, tokens, head_dim], in one
+    buffer where they share a shape (``OneBuffer``)."""
+
+    def __init__(self, step: int = DEFAULT_STEP):
+        self.buffer = self._keys = self._values = None
+        self.offset = 0
+        self.step = step
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append keys/values for the new tokens; return all cached keys/values."""
+        prev, end = self._make_room(keys, values, keys.shape[2])
+        return self._write(prev, end, keys, values)
+
+    def update_and_fetch_stacked(self, kv: mx.array) -> tuple[mx.array, mx.array]:
+        """``update_and_fetch`` of keys and values stacked [2, B, heads, L, head_dim]."""
+        prev, end = self._make_room(kv, None, kv.shape[3])
+        return self._write_stacked(prev, end, kv)
+
+    def _make_room(self, keys: mx.array, values: mx.array | None, n: int) -> tuple[int, int]:
+        """Grow where ``n`` new tokens do not fit (``values`` None: ``keys`` holds both,
+        stacked); move the offset past them; (start, end)."""
+        prev = self.offset
+        end = prev + n
+        if end > self._capacity():
+            k, v = split_kv(keys) if values is None else (keys, values)
+            self._regrow(k, v, buffer_tokens(end, self.step, k.shape[0]), prev)
+        self.offset = end
+        return prev, end
 
     # -- size and trimming ---------------------------------------------------------
 

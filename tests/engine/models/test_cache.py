@@ -172,11 +172,24 @@ def test_a_batch_cache_takes_back_what_its_last_steps_wrote_and_writes_there_aga
     assert batch.offset.tolist() == [3, 5]
     for step in range(4):
         batch.update_and_fetch(mx.full((2, 1, 1, 1), 100.0 + step), mx.zeros((2, 1, 1, 1)))
-    buffer = batch.keys
+    buffer = batch.buffer
     assert batch.trim(3) == 3 and batch.offset.tolist() == [4, 6]
     keys, _ = batch.update_and_fetch(mx.full((2, 1, 1, 1), 7.0), mx.zeros((2, 1, 1, 1)))
-    assert batch.keys is buffer  # written in place, not grown
+    assert buffer is not None and batch.buffer is buffer  # written in place, not grown
     assert positions(keys[1]) == [10, 11, 12, 13, 14, 100, 7]
     assert positions(keys[0])[2:] == [0, 1, 2, 100, 7]
     # Never past a row's own tokens: the first row holds 5 columns after its padding.
     assert batch.trim(100) == 5 and batch.offset.tolist() == [0, 2]
+
+
+def test_a_batch_cache_takes_stacked_keys_and_values_in_one_buffer_across_rows_joining_and_leaving():
+    batch = BatchKVCache()
+    batch.add(tokens(0, 3), -tokens(0, 3))
+    batch.add(tokens(10, 12), -tokens(10, 12))  # the shorter row: padded by 1
+    keys, values = batch.update_and_fetch_stacked(mx.stack([mx.full((2, 1, 1, 1), 50.0), mx.full((2, 1, 1, 1), -50.0)]))
+    assert batch.buffer is not None  # the joined rows grew into one buffer
+    assert positions(keys[0]) == [0, 1, 2, 50] and positions(values[1])[1:] == [-10, -11, -50]
+    batch.add(tokens(20, 21), -tokens(20, 21))  # a row joins, one leaves: two arrays until the next growth
+    assert positions(batch.remove(0)[0]) == [0, 1, 2, 50]
+    keys, values = batch.update_and_fetch_stacked(mx.stack([mx.full((2, 1, 1, 1), 60.0), mx.full((2, 1, 1, 1), -60.0)]))
+    assert positions(keys[0]) == [10, 11, 50, 60] and positions(values[1])[-2:] == [-20, -60]
