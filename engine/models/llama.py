@@ -13,17 +13,22 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models import layer_tail_cuda
 from engine.models.base import (
+    GATE_UP,
     Attention,
+    AttentionSteps,
     BaseModelArgs,
     CausalLM,
     DecoderStack,
     GatedMLP,
     RoPE,
     activation,
+    heads_as_rows,
     layer_types,
     make_rope,
 )
+from engine.models.stacked import packed_stack
 
 
 @dataclass
@@ -132,7 +137,26 @@ class DecoderLayer(nn.Module):
         out_plus = getattr(self.self_attn, "out_plus", None)  # attention built on AttentionSteps
         if out_plus is None or type(self).finish is not DecoderLayer.finish:
             return self.finish(x, self.self_attn.out(attn))
+        tail = self.tail_in_one_launch(attn, x)
+        if tail is not None:
+            return tail
         return self.feed_forward(out_plus(attn, x))
+
+    def tail_in_one_launch(self, attn: mx.array, x: mx.array) -> mx.array | None:
+        """``feed_forward(x + out(attn))`` in one CUDA launch (models.layer_tail_cuda) where it
+        is turned on and takes this layer: the plain output step, a SiLU MLP whose gate and up
+        are stacked, quantized layers without adapters; None otherwise."""
+        if not layer_tail_cuda.enabled() or type(self.self_attn).out is not AttentionSteps.out:
+            return None
+        mlp = self.mlp
+        if type(mlp) is not GatedMLP or mlp.activation is not nn.silu:
+            return None
+        rows = heads_as_rows(attn)
+        gate_up = packed_stack(mlp, GATE_UP, x)
+        norm, o_proj = self.post_attention_layernorm, self.self_attn.o_proj
+        if gate_up is None or not layer_tail_cuda.takes(rows, x, o_proj, norm, gate_up, mlp.down_proj):
+            return None
+        return layer_tail_cuda.layer_tail(rows, x, o_proj, norm, gate_up, mlp.down_proj, self)
 
 
 class LlamaModel(DecoderStack):

@@ -117,8 +117,40 @@ __device__ __forceinline__ void load_floats(const T* p, float* out, bool aligned
 # The kernels' shared body, a device function: the plain product calls it once per block,
 # the gathered one (models.gathered_matmul_cuda) with each (token, expert) pair's pointers.
 _PRODUCT = """
+// R rows of x [R, KN] normed as MLX's rms_norm norms them (each row times rsqrt(mean(x^2) +
+// eps) rounded to T, then times the norm's weight in T) into ``normed`` (shared memory) by the
+// whole block of NW warps. Each thread sums a fixed strided set of a row's squares and the
+// warps' sums are added in warp order, so every block norms a row to the same values.
+template <typename T, int R, int KN, int NW>
+__device__ __forceinline__ void block_norm(const T* x, const T* norm, const float eps, T* normed) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  __shared__ float warp_sums[NW];
+  for (int r = 0; r < R; ++r) {
+    const T* row = x + (long)r * KN;
+    float squares = 0.f;
+    for (int k = threadIdx.x; k < KN; k += NW * 32) {
+      const float v = static_cast<float>(row[k]);
+      squares += v * v;
+    }
+    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffff, squares, o);
+    if (lane == 0) warp_sums[warp] = squares;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) total += warp_sums[i];
+    const float scale = rsqrt(total / KN + eps);
+    for (int k = threadIdx.x; k < KN; k += NW * 32) {
+      const T y = static_cast<T>(static_cast<float>(row[k]) * scale);
+      normed[r * KN + k] = static_cast<T>(static_cast<float>(norm[k]) * static_cast<float>(y));
+    }
+    __syncthreads();  // the sums are read before the next row's overwrite them
+  }
+}
+
 // out[r, n] = sum_k x[r, k] * dequantize(w)[n, k] for R rows of x [R, K] and one [N, K]
-// weight packed as MLX packs it, for the column sets of this block (blockIdx.x).
+// weight packed as MLX packs it, for the column sets of this block (blockIdx.x), or for the
+// one column set ``set`` where given (a warp working alone: NW = KS = 1, no norm).
 // T: activations, scales, biases and output; R: rows; BITS; GS: group size; CPW: columns
 // per warp; NW: warps per block; KS: warps splitting K for one column set; RES: whether
 // residual [R, N] is added to the output (rounded to T first, then added in float32 and
@@ -126,14 +158,13 @@ _PRODUCT = """
 // rows over up rows ([2I, K]), a warp's first CPW / 2 columns are gate rows and the rest the
 // up rows of the same outputs, and out [R, I] is gate * SIG(gate) * up with every op in T,
 // as MLX's elementwise kernels compute silu(gate) * up from the rounded product (SIG: MLX's
-// own Sigmoid functor). KN > 0: x is first normed as MLX's rms_norm norms it (each row times
-// rsqrt(mean(x^2) + eps) rounded to T, then times the norm's weight in T), into shared memory
-// by the whole block, and the product reads that (KN = K).
+// own Sigmoid functor). KN > 0: x is first normed (``block_norm``) into shared memory by the
+// whole block, and the product reads that (KN = K).
 template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS, bool RES = false, bool GLU = false,
           typename SIG = float, int KN = 0>
 __device__ __forceinline__ void rows_product(
     const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N,
-    const T* residual = nullptr, const T* norm = nullptr, const float eps = 0.f) {
+    const T* residual = nullptr, const T* norm = nullptr, const float eps = 0.f, const int set = -1) {
   constexpr int PW = 32 / BITS;        // codes per 32-bit word
   constexpr int VPL = 4 * PW;          // values per lane chunk (one 16-byte load of codes)
   constexpr int CG = NW / KS;          // column sets per block; KS warps share each one
@@ -141,36 +172,14 @@ __device__ __forceinline__ void rows_product(
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int part = warp % KS;          // this warp's strips of K: chunks part*32 + 32*KS*i
-  const int col0 = (blockIdx.x * CG + warp / KS) * OPW;
+  const int col0 = (set >= 0 ? set : blockIdx.x * CG + warp / KS) * OPW;
   const int outputs = GLU ? N / 2 : N;
   const int chunks = K / VPL;          // K is a multiple of the group size, so of VPL
   const int words_per_row = K / PW;
   const int groups_per_row = K / GS;
   __shared__ __align__(16) T normed[KN > 0 ? R * KN : 1];
   if constexpr (KN > 0) {
-    // Each thread sums a fixed strided set of a row's squares and the warps' sums are added in
-    // warp order, so every block norms a row to the same values.
-    __shared__ float warp_sums[NW];
-    for (int r = 0; r < R; ++r) {
-      const T* row = x + (long)r * KN;
-      float squares = 0.f;
-      for (int k = threadIdx.x; k < KN; k += NW * 32) {
-        const float v = static_cast<float>(row[k]);
-        squares += v * v;
-      }
-      for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffff, squares, o);
-      if (lane == 0) warp_sums[warp] = squares;
-      __syncthreads();
-      float total = 0.f;
-#pragma unroll
-      for (int i = 0; i < NW; ++i) total += warp_sums[i];
-      const float scale = rsqrt(total / KN + eps);
-      for (int k = threadIdx.x; k < KN; k += NW * 32) {
-        const T y = static_cast<T>(static_cast<float>(row[k]) * scale);
-        normed[r * KN + k] = static_cast<T>(static_cast<float>(norm[k]) * static_cast<float>(y));
-      }
-      __syncthreads();  // the sums are read before the next row's overwrite them
-    }
+    block_norm<T, R, KN, NW>(x, norm, eps, normed);
     x = normed;
   }
   const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15ull) == 0;

@@ -179,6 +179,19 @@ def stacked_normed(
     return (stack.fused(x, glu=True) if glu else stack(x)), x
 
 
+def packed_stack(module: nn.Module, names: tuple[str, ...], x: mx.array) -> tuple[mx.array, ...] | None:
+    """The stack's (weight, scales, biases) where the named layers are stacked affine quantized
+    linear layers without biases of their own and the stack takes ``x``: what a kernel that
+    runs the stacked product inside a larger launch reads (models.layer_tail_cuda)."""
+    stack = _usable(module, names, x)
+    if stack is None:
+        return None
+    a, first = stack.stacked, stack.layers[0]
+    if type(first) is not nn.QuantizedLinear or "bias" in a or getattr(first, "mode", "affine") != "affine":
+        return None
+    return (a["weight"], a["scales"], a["biases"]) if a.get("biases") is not None else None
+
+
 def project(module: nn.Module, names: tuple[str, ...], x: mx.array, *args) -> list[mx.array]:
     """Each named layer's output: split from one stacked matmul where possible (``args``:
     what expert layers take after ``x``). Expert layers with an adapter active keep their

@@ -1,0 +1,207 @@
+"""A decoder layer's tail in one CUDA launch: the attention's output product with the residual
+add, the MLP's norm, the gate/up product with its activation, and the down product with the
+second residual add. Three launches of the small-row kernel (models.quantized_matmul_cuda)
+become one.
+
+Why: a one-token decode step of qwen3-4b runs 7 ops a layer, and its time follows its custom
+kernels, not its reads (docs/qmv.md, "The step follows its op count" and "One cache write a
+layer"): each costs some microseconds of hand-over on the host and of launch and ramp on the
+device whatever it reads.
+
+How: the three products run as phases of one kernel, each warp taking column sets of the
+phase's output in turn (``rows_product`` with its ``set``: a warp working alone, K whole, so no
+block-wide reduction), and the grid meets at a barrier between phases, since each phase reads
+all of the one before. The barrier is a counter and a generation in a small buffer of the
+layer's own (``_Barrier``) that the kernel leaves as it found it (the last block to arrive
+resets the count, then moves the generation on), so it needs no clearing launch. A grid
+barrier holds only while every block of the grid is resident at once, so the grid is
+``BLOCKS`` blocks of ``WARPS`` warps, which every GPU this is turned on for holds (compute
+capability 9 and up: 114 or more multiprocessors, each holding two such blocks).
+
+Each phase computes what its own launch computes (the same device function, the residual
+rounded and added as there, the norm as ``block_norm`` computes it in the norm prologue), but
+K is summed by one warp where the separate launches split it across warps: results equal them
+to float rounding, not bit for bit.
+
+Off unless ``MLX_DESK_LAYER_TAIL=1`` (``enabled``): not yet measured faster on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.models import quantized_matmul_cuda as kernel
+
+ENV = "MLX_DESK_LAYER_TAIL"
+# The grid: blocks of WARPS warps, all resident at once on the GPUs it runs on (see above).
+BLOCKS = 132
+WARPS = 8
+# Output columns a warp takes at a time: 2 in the output and down products (their outputs
+# are few: 2,560 for qwen3-4b, so more warps share them), 4 weight rows (2 outputs) in gate/up.
+COLUMNS = 2
+GLU_COLUMNS = 4
+# Rows it takes (a decode step's one, a verify pass's few; batches of 8 and more take the
+# tensor-core kernel): their sums live in registers, and the normed rows in shared memory
+# (``norm_fits``: 6 of qwen3-4b's, 4 of llama3-8b's).
+MAX_ROWS = 6
+MIN_COMPUTE_CAPABILITY = 9
+
+BARRIER = """
+// Every block of the grid waits here until all have arrived, and sees what they wrote before.
+// sync[0] counts arrivals, sync[1] is the generation: the last to arrive resets the count and
+// moves the generation on, which the others wait for (so the buffer is left as found).
+__device__ __forceinline__ void grid_barrier(unsigned* sync) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned* generation = sync + 1;
+    const unsigned seen = *generation;
+    __threadfence();
+    if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+      atomicExch(sync, 0u);
+      __threadfence();
+      atomicAdd(sync + 1, 1u);
+    } else {
+      while (*generation == seen) __nanosleep(64);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+"""
+
+SOURCE = """
+unsigned* sync = const_cast<unsigned*>(barrier);
+const int warps = gridDim.x * NW;
+const int first = blockIdx.x * NW + (threadIdx.x >> 5);
+constexpr int SETS_H = (H + CPW - 1) / CPW;
+constexpr int SETS_I = (I + GCPW / 2 - 1) / (GCPW / 2);
+for (int s = first; s < SETS_H; s += warps)
+  rows_product<T, R, BITS, GS, CPW, 1, 1, true>(attn, wo, so, bo, h, KA, H, x, nullptr, 0.f, s);
+grid_barrier(sync);
+__shared__ __align__(16) T normed[R * H];
+block_norm<T, R, H, NW>(h, norm, __int_as_float(EPS), normed);
+for (int s = first; s < SETS_I; s += warps)
+  rows_product<T, R, BITS, GS, GCPW, 1, 1, false, true, Sigmoid>(normed, wgu, sgu, bgu, a, H, 2 * I, nullptr, nullptr, 0.f, s);
+grid_barrier(sync);
+for (int s = first; s < SETS_H; s += warps)
+  rows_product<T, R, BITS, GS, CPW, 1, 1, true>(a, wd, sd, bd, out, I, H, h, nullptr, 0.f, s);
+"""
+
+INPUTS = ("attn", "x", "wo", "so", "bo", "norm", "wgu", "sgu", "bgu", "wd", "sd", "bd", "barrier")
+
+
+class _Barrier:
+    """The grid barrier's counter of one layer (a plain holder: MLX's module tree would count an
+    array attribute as a parameter). Made from host data, so a traced step captures it as a
+    constant and every replay's launch reads and leaves the same buffer."""
+
+    def __init__(self) -> None:
+        self.counter = mx.array([0, 0], dtype=mx.uint32)
+
+
+def enabled() -> bool:
+    """``MLX_DESK_LAYER_TAIL=1`` where the small-row kernel runs on a GPU of compute capability
+    9 or more (``MIN_COMPUTE_CAPABILITY``: every such GPU holds the whole grid at once)."""
+    return os.environ.get(ENV, "0") == "1" and kernel.enabled() and _capability() >= MIN_COMPUTE_CAPABILITY
+
+
+def _capability() -> int:
+    try:
+        return int(mx.device_info().get("compute_capability_major", 0))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return 0
+
+
+@cache
+def _kernel():
+    """The kernel over the small-row kernel's device functions, built once."""
+    return mx.fast.cuda_kernel(
+        name="layer_tail",
+        input_names=list(INPUTS),
+        output_names=["out", "h", "a"],
+        source=kernel.compact(SOURCE),
+        header=kernel.GLU_HEADER + kernel.compact(kernel.DEVICE_FUNCTIONS + BARRIER),
+    )
+
+
+def _packed(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array] | None:
+    """An affine quantized linear layer's (weight, scales, biases) without a bias of its own."""
+    if type(layer) is not nn.QuantizedLinear or "bias" in layer or getattr(layer, "mode", "affine") != "affine":
+        return None
+    return layer["weight"], layer["scales"], layer["biases"]
+
+
+def takes(attn: mx.array, x: mx.array, o_proj: nn.Module, norm: nn.Module, gate_up: tuple, down: nn.Module) -> bool:
+    """Whether one launch computes this tail: attention rows ``attn`` [..., KA] and the residual
+    ``x`` [..., H] of at most ``MAX_ROWS`` rows, the output and down products affine quantized
+    layers of one bit width and group size, ``gate_up`` their stacked (weight, scales, biases)
+    of the same quantization, and ``norm`` an RMSNorm the kernel's prologue computes."""
+    hidden, rows = x.shape[-1], x.size // max(x.shape[-1], 1)
+    packed = (_packed(o_proj), _packed(down))
+    if None in packed or not (1 <= rows <= MAX_ROWS) or attn.size != rows * attn.shape[-1]:
+        return False
+    bits, group = o_proj.bits, o_proj.group_size
+    if (down.bits, down.group_size) != (bits, group) or type(norm) is not nn.RMSNorm:
+        return False
+    wgu, sgu, bgu = gate_up
+    intermediate = wgu.shape[0] // 2
+    return (
+        norm.weight.shape == (hidden,)
+        and norm.weight.dtype == x.dtype == attn.dtype
+        and kernel.norm_fits(rows, hidden, x.dtype)
+        and all(a.dtype == x.dtype for p in packed for a in p[1:])
+        and sgu.dtype == bgu.dtype == x.dtype
+        and o_proj["weight"].shape == (hidden, attn.shape[-1] * bits // 32)
+        and wgu.shape == (2 * intermediate, hidden * bits // 32)
+        and sgu.shape == (2 * intermediate, hidden // group)
+        and down["weight"].shape == (hidden, intermediate * bits // 32)
+        and hidden % group == 0
+        and bits in kernel.BITS
+        and group in kernel.GROUP_SIZES
+        and x.dtype in kernel.DTYPES
+        and attn.shape[-1] % group == 0
+        and intermediate % group == 0
+    )
+
+
+def layer_tail(
+    attn: mx.array, x: mx.array, o_proj: nn.Module, norm: nn.Module, gate_up: tuple, down: nn.Module, holder: Any
+) -> mx.array:
+    """``h + down(silu(gate(n)) * up(n))`` for ``h = x + o_proj(attn)`` and ``n = norm(h)``, in
+    one launch (the caller checks ``takes``). ``holder``: the object that keeps the layer's
+    barrier (its ``_layer_tail_barrier``)."""
+    barrier = holder.__dict__.get("_layer_tail_barrier")
+    if barrier is None:
+        barrier = _Barrier()
+        object.__setattr__(holder, "_layer_tail_barrier", barrier)
+    hidden, rows = x.shape[-1], x.size // x.shape[-1]
+    wgu, sgu, bgu = gate_up
+    intermediate = wgu.shape[0] // 2
+    inputs = [attn, x, *_packed(o_proj), norm.weight, wgu, sgu, bgu, *_packed(down), barrier.counter]
+    template = [
+        ("T", x.dtype),
+        ("R", rows),
+        ("BITS", o_proj.bits),
+        ("GS", o_proj.group_size),
+        ("NW", WARPS),
+        ("CPW", COLUMNS),
+        ("GCPW", GLU_COLUMNS),
+        ("KA", attn.shape[-1]),
+        ("H", hidden),
+        ("I", intermediate),
+        ("EPS", kernel.float_bits(norm.eps)),
+    ]
+    out, _, _ = _kernel()(
+        inputs=inputs,
+        template=template,
+        grid=(BLOCKS * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[x.shape, (rows, hidden), (rows, intermediate)],
+        output_dtypes=[x.dtype] * 3,
+    )
+    return out
