@@ -1,8 +1,8 @@
 """The layer-tail kernel's own source (models.layer_tail_cuda) run on the CPU: its three phases
 (output product with the residual, norm and gate/up with the activation, down with the second
 residual), their warps taking column sets in turn, and the grid barrier between them, against
-MLX's own ops. One block here (blocks run one after another on the CPU, so a barrier across
-several would never open); the GPU tests run the whole grid. Skipped without g++."""
+MLX's own ops. The blocks run at once here (each lane a thread, as ``cuda_on_cpu`` runs one
+block), so the barrier between phases is the kernel's own, across blocks. Skipped without g++."""
 
 from __future__ import annotations
 
@@ -22,9 +22,42 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ t
 
 _TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 
-# What CUDA gives the barrier, for one block; MLX's Sigmoid as the CPU computes it.
+# The prelude with a block's warp and block barriers and shuffle slots per thread, so blocks
+# can run at once (shared arrays stay one for all blocks: the only ones written, the norm's,
+# get the same values from every block); what CUDA gives the grid barrier; MLX's Sigmoid.
+_CONCURRENT = (
+    PRELUDE.replace("std::barrier<>* warp_barriers[32];", "thread_local std::barrier<>** warp_barriers;")
+    .replace("std::barrier<>* block_barrier;", "thread_local std::barrier<>* block_barrier;")
+    .replace("float slots[1024];", "thread_local float* slots;")
+)
 _GRID = r"""
-Index gridDim{1, 1};
+Index gridDim{BLOCKS, 1};
+// Every block of the grid at once: per block its warp barriers, block barrier and slots.
+template <typename F>
+static void run_grid(int warps, F body) {
+  std::vector<std::barrier<>*> bars;
+  std::vector<std::vector<std::barrier<>*>> warp_bars(BLOCKS);
+  std::vector<std::vector<float>> block_slots(BLOCKS, std::vector<float>(1024));
+  for (int b = 0; b < BLOCKS; ++b) {
+    for (int i = 0; i < warps; ++i) warp_bars[b].push_back(new std::barrier<>(32));
+    bars.push_back(new std::barrier<>(warps * 32));
+  }
+  std::vector<std::thread> threads;
+  for (int b = 0; b < BLOCKS; ++b)
+    for (int t = 0; t < warps * 32; ++t)
+      threads.emplace_back([&, b, t] {
+        threadIdx.x = t;
+        blockIdx.x = b;
+        blockIdx.y = 0;
+        warp_barriers = warp_bars[b].data();
+        block_barrier = bars[b];
+        slots = block_slots[b].data();
+        body();
+      });
+  for (auto& t : threads) t.join();
+  for (auto& w : warp_bars) for (auto* bar : w) delete bar;
+  for (auto* bar : bars) delete bar;
+}
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
@@ -58,7 +91,7 @@ int main() {
   std::vector<uint32_t> barrier{0, 0};
   std::vector<T> out(ROWS * HIDDEN), h(ROWS * HIDDEN), a(ROWS * INTER);
   for (int launch = 0; launch < 2; ++launch)  // twice: the barrier is left as found
-    run_block(WARPS, 0, 0, [&] {
+    run_grid(WARPS, [&] {
       kernel(attn.data(), x.data(), wo.data(), so.data(), bo.data(), norm.data(), wgu.data(), sgu.data(),
              bgu.data(), wd.data(), sd.data(), bd.data(), barrier.data(), out.data(), h.data(), a.data());
     });
@@ -76,17 +109,17 @@ def _quantized(key, n: int, k: int, dtype, bits: int, group: int):
 
 
 @pytest.mark.parametrize(
-    "rows, heads_width, hidden, intermediate, bits, group, dtype, warps",
+    "rows, heads_width, hidden, intermediate, bits, group, dtype, blocks, warps",
     [
-        (1, 256, 192, 320, 4, 64, mx.float32, 2),
-        (1, 128, 256, 384, 8, 32, mx.bfloat16, 3),
-        (3, 256, 128, 256, 4, 128, mx.float16, 2),
-        (6, 128, 128, 192, 4, 32, mx.bfloat16, 2),
+        (1, 256, 192, 320, 4, 64, mx.float32, 3, 2),
+        (1, 128, 256, 384, 8, 32, mx.bfloat16, 2, 3),
+        (3, 256, 128, 256, 4, 128, mx.float16, 1, 2),
+        (6, 128, 128, 192, 4, 32, mx.bfloat16, 2, 2),
     ],
     ids=str,
 )
 def test_the_layer_tail_equals_the_products_norm_and_activation_it_joins(
-    tmp_path, rows, heads_width, hidden, intermediate, bits, group, dtype, warps
+    tmp_path, rows, heads_width, hidden, intermediate, bits, group, dtype, blocks, warps
 ):
     keys = mx.random.split(mx.random.key(rows + hidden + bits), 6)
     wo, so, bo = _quantized(keys[0], hidden, heads_width, dtype, bits, group)
@@ -108,7 +141,8 @@ def test_the_layer_tail_equals_the_products_norm_and_activation_it_joins(
         f"constexpr int EPS = {qmv.float_bits(eps)};"
     )
     program = (
-        PRELUDE
+        _CONCURRENT
+        + f"constexpr int BLOCKS = {blocks};\n"
         + _GRID
         + qmv.compact(qmv.DEVICE_FUNCTIONS + tail.BARRIER)
         + f"using T = {CPP_TYPE[dtype]};\nconstexpr int ROWS = {rows}, HIDDEN = {hidden}, INTER = {intermediate}, WARPS = {warps};\n"
