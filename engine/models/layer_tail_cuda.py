@@ -12,8 +12,8 @@ How: the three products run as phases of one kernel, each warp taking column set
 phase's output in turn (``rows_product`` with its ``set``: a warp working alone, K whole, so no
 block-wide reduction), and the grid meets at a barrier between phases, since each phase reads
 all of the one before. The barrier is a counter and a generation in a small buffer of the
-layer's own (``_Barrier``) that the kernel leaves as it found it (the last block to arrive
-resets the count, then moves the generation on), so it needs no clearing launch. A grid
+layer's own (``_Barrier``) that the kernel leaves ready for its next launch (the last block
+to arrive resets the count, then moves the generation on), so it needs no clearing launch. A grid
 barrier holds only while every block of the grid is resident at once, so the grid is
 ``BLOCKS`` blocks of ``WARPS`` warps, which every GPU this is turned on for holds (compute
 capability 9 and up: 114 or more multiprocessors, each holding two such blocks).
@@ -54,7 +54,7 @@ MIN_COMPUTE_CAPABILITY = 9
 BARRIER = """
 // Every block of the grid waits here until all have arrived, and sees what they wrote before.
 // sync[0] counts arrivals, sync[1] is the generation: the last to arrive resets the count and
-// moves the generation on, which the others wait for (so the buffer is left as found).
+// moves the generation on, which the others wait for (so the count is back at 0 for the next launch).
 __device__ __forceinline__ void grid_barrier(unsigned* sync) {
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -4,7 +4,7 @@ its residual, the MLP's norm, gate/up with the activation, down with its residua
 Where MLX runs on a CUDA GPU it holds the grid of, the launch must give what the three
 separate kernel launches give, to float rounding (one warp sums each column's K where the
 separate launches split it), for 4 and 8 bits, groups of 32/64/128, the three dtypes, 1-6
-rows and qwen3-4b's and llama3-8b's widths; its barrier must be left as found launch after
+rows and qwen3-4b's and llama3-8b's widths; its barrier must be left ready launch after
 launch; and a model's compiled verify step must keep its logits. Everywhere, what it takes
 and that it stays off unless asked.
 """
@@ -106,7 +106,7 @@ def test_one_launch_gives_what_the_three_launches_give(rows, heads_width, hidden
 
 
 @needs_gpu
-def test_its_barrier_is_left_as_found_launch_after_launch():
+def test_its_barrier_is_left_ready_launch_after_launch():
     parts = _tail(rows=1, heads_width=4096, hidden=2560, intermediate=9728)
     holder = _Holder()
     x = parts[1]

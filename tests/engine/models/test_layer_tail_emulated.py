@@ -90,7 +90,7 @@ int main() {
   auto wo = load<uint32_t>("wo.bin"), wgu = load<uint32_t>("wgu.bin"), wd = load<uint32_t>("wd.bin");
   std::vector<uint32_t> barrier{0, 0};
   std::vector<T> out(ROWS * HIDDEN), h(ROWS * HIDDEN), a(ROWS * INTER);
-  for (int launch = 0; launch < 2; ++launch)  // twice: the barrier is left as found
+  for (int launch = 0; launch < 2; ++launch)  // twice: the barrier is left ready
     run_grid(WARPS, [&] {
       kernel(attn.data(), x.data(), wo.data(), so.data(), bo.data(), norm.data(), wgu.data(), sgu.data(),
              bgu.data(), wd.data(), sd.data(), bd.data(), barrier.data(), out.data(), h.data(), a.data());
