@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.kv_cache import DEFAULT_STEP, OneBuffer, buffer_tokens, split_kv
+from engine.models.kv_cache import DEFAULT_STEP, OneBuffer
 
 # Score elements (float32) one slice of a shared-prefix attention pass holds at most:
 # 256 MB, the size of a 512-token prefill chunk's scores over a 4k prefix with 32 heads.
@@ -234,25 +234,12 @@ class BatchKVCache(OneBuffer):
         dtype = self.keys.dtype if self.keys is not None else mx.float32
         return mx.where(visible, mx.array(0, dtype), mx.array(-math.inf, dtype))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        start, end = self._make_room(keys, values, keys.shape[2])
-        return self._write(start, end, keys, values)
+    def _columns_used(self) -> int:
+        self._materialize()  # rows joined since the last write become one buffer first
+        return self.idx
 
-    def update_and_fetch_stacked(self, kv: mx.array) -> tuple[mx.array, mx.array]:
-        """``update_and_fetch`` of keys and values stacked [2, rows, heads, L, dim]: one write."""
-        start, end = self._make_room(kv, None, kv.shape[3])
-        return self._write_stacked(start, end, kv)
-
-    def _make_room(self, keys: mx.array, values: mx.array | None, n: int) -> tuple[int, int]:
-        """Grow in steps (as KVCache does: the buffer is written in place between growths)
-        where ``n`` more columns do not fit (``values`` None: ``keys`` holds both, stacked);
-        the columns to write."""
-        self._materialize()
-        if self.idx + n > self._capacity():
-            k, v = split_kv(keys) if values is None else (keys, values)
-            self._regrow(k, v, buffer_tokens(self.idx + n, self.step, k.shape[0]), self.idx)
-        start, self.idx = self.idx, self.idx + n
-        return start, self.idx
+    def _use_columns(self, end: int) -> None:
+        self.idx = end
 
     def attend_with_prefix(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
         """Append ``k``/``v`` and attend ``q`` ([rows, heads, L, dim]) over the prefix (rows

@@ -126,6 +126,35 @@ class OneBuffer:
         if self.buffer is not None:
             self._keys, self._values, self.buffer = half(self.buffer, 0), half(self.buffer, 1), None
 
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append keys/values for the new tokens; return all cached keys/values."""
+        start, end = self._make_room(keys, values, keys.shape[2])
+        return self._write(start, end, keys, values)
+
+    def update_and_fetch_stacked(self, kv: mx.array) -> tuple[mx.array, mx.array]:
+        """``update_and_fetch`` of keys and values stacked [2, B, heads, L, head_dim]: one write."""
+        start, end = self._make_room(kv, None, kv.shape[3])
+        return self._write_stacked(start, end, kv)
+
+    def _make_room(self, keys: mx.array, values: mx.array | None, n: int) -> tuple[int, int]:
+        """Grow in steps where ``n`` more tokens do not fit (``values`` None: ``keys`` holds
+        both, stacked), the buffer written in place between growths; move the tokens in use
+        past them; the tokens to write, (start, end)."""
+        start = self._columns_used()
+        end = start + n
+        if end > self._capacity():
+            k, v = split_kv(keys) if values is None else (keys, values)
+            self._regrow(k, v, buffer_tokens(end, self.step, k.shape[0]), start)
+        self._use_columns(end)
+        return start, end
+
+    def _columns_used(self) -> int:
+        """Tokens (columns of the buffer) written so far: the owner's own count."""
+        raise NotImplementedError
+
+    def _use_columns(self, end: int) -> None:
+        raise NotImplementedError
+
     def pending_arrays(self) -> list[mx.array]:
         """The arrays a pass wrote into (the one buffer, or the two), which a caller evaluates
         after a pass rather than ``state``: views held until the next pass would keep the
@@ -187,26 +216,11 @@ class KVCache(OneBuffer, _Buffers):
         self.offset = 0
         self.step = step
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append keys/values for the new tokens; return all cached keys/values."""
-        prev, end = self._make_room(keys, values, keys.shape[2])
-        return self._write(prev, end, keys, values)
+    def _columns_used(self) -> int:
+        return self.offset
 
-    def update_and_fetch_stacked(self, kv: mx.array) -> tuple[mx.array, mx.array]:
-        """``update_and_fetch`` of keys and values stacked [2, B, heads, L, head_dim]."""
-        prev, end = self._make_room(kv, None, kv.shape[3])
-        return self._write_stacked(prev, end, kv)
-
-    def _make_room(self, keys: mx.array, values: mx.array | None, n: int) -> tuple[int, int]:
-        """Grow where ``n`` new tokens do not fit (``values`` None: ``keys`` holds both,
-        stacked); move the offset past them; (start, end)."""
-        prev = self.offset
-        end = prev + n
-        if end > self._capacity():
-            k, v = split_kv(keys) if values is None else (keys, values)
-            self._regrow(k, v, buffer_tokens(end, self.step, k.shape[0]), prev)
+    def _use_columns(self, end: int) -> None:
         self.offset = end
-        return prev, end
 
     # -- size and trimming ---------------------------------------------------------
 

@@ -110,7 +110,9 @@ def enabled() -> bool:
     return os.environ.get(ENV, "0") == "1" and kernel.enabled() and _capability() >= MIN_COMPUTE_CAPABILITY
 
 
+@cache
 def _capability() -> int:
+    """The GPU's compute capability (major), asked once: it does not change under a process."""
     try:
         return int(mx.device_info().get("compute_capability_major", 0))
     except (AttributeError, RuntimeError, TypeError, ValueError):
