@@ -14,9 +14,12 @@ block-wide reduction), and the grid meets at a barrier between phases, since eac
 all of the one before. The barrier is a counter and a generation in a small buffer of the
 layer's own (``_Barrier``) that the kernel leaves ready for its next launch (the last block
 to arrive resets the count, then moves the generation on), so it needs no clearing launch. A grid
-barrier holds only while every block of the grid is resident at once, so the grid is
-``BLOCKS`` blocks of ``WARPS`` warps, which every GPU this is turned on for holds (compute
-capability 9 and up: 114 or more multiprocessors, each holding two such blocks).
+barrier holds only while every block of the grid is resident at once, so the grid is one block
+of ``WARPS`` warps a multiprocessor (``BLOCKS_PER_MULTIPROCESSOR``): a block of 256 threads
+always fits a multiprocessor alone (at most 255 registers a thread, and static shared memory
+the compiler bounds), whatever the GPU. MLX does not tell the multiprocessor count, so a
+probe launch counts them once (``multiprocessors``): many small blocks, each writing the id
+of the multiprocessor it ran on.
 
 Each phase computes what its own launch computes (the same device function, the residual
 rounded and added as there, the norm as ``block_norm`` computes it in the norm prologue), but
@@ -38,8 +41,9 @@ import mlx.nn as nn
 from engine.models import quantized_matmul_cuda as kernel
 
 ENV = "MLX_DESK_LAYER_TAIL"
-# The grid: blocks of WARPS warps, all resident at once on the GPUs it runs on (see above).
-BLOCKS = 132
+# The grid: blocks of WARPS warps, BLOCKS_PER_MULTIPROCESSOR on each multiprocessor, all
+# resident at once (see above).
+BLOCKS_PER_MULTIPROCESSOR = 1
 WARPS = 8
 # Output columns a warp takes at a time: 2 in the output and down products (their outputs
 # are few: 2,560 for qwen3-4b, so more warps share them), 4 weight rows (2 outputs) in gate/up.
@@ -49,7 +53,17 @@ GLU_COLUMNS = 4
 # tensor-core kernel): their sums live in registers, and the normed rows in shared memory
 # (``norm_fits``: 6 of qwen3-4b's, 4 of llama3-8b's).
 MAX_ROWS = 6
+# Where it was measured (Hopper); the barrier's __nanosleep needs 7 and up.
 MIN_COMPUTE_CAPABILITY = 9
+# The probe's blocks: more than a GPU holds at once in one wave of 32-thread blocks, each
+# staying a few microseconds, so every multiprocessor takes some.
+PROBE_BLOCKS = 8192
+PROBE = """
+unsigned sm;
+asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+__nanosleep(2000);
+if (threadIdx.x == 0) ids[blockIdx.x] = sm;
+"""
 
 BARRIER = """
 // Every block of the grid waits here until all have arrived, and sees what they wrote before.
@@ -106,8 +120,13 @@ class _Barrier:
 
 def enabled() -> bool:
     """``MLX_DESK_LAYER_TAIL=1`` where the small-row kernel runs on a GPU of compute capability
-    9 or more (``MIN_COMPUTE_CAPABILITY``: every such GPU holds the whole grid at once)."""
-    return os.environ.get(ENV, "0") == "1" and kernel.enabled() and _capability() >= MIN_COMPUTE_CAPABILITY
+    9 or more (``MIN_COMPUTE_CAPABILITY``) whose multiprocessors the probe counted."""
+    return (
+        os.environ.get(ENV, "0") == "1"
+        and kernel.enabled()
+        and _capability() >= MIN_COMPUTE_CAPABILITY
+        and multiprocessors() > 0
+    )
 
 
 @cache
@@ -117,6 +136,35 @@ def _capability() -> int:
         return int(mx.device_info().get("compute_capability_major", 0))
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return 0
+
+
+def multiprocessors() -> int:
+    """The GPU's multiprocessor count, counted once: the distinct ids ``PROBE_BLOCKS`` small
+    blocks report. 0 where it cannot be probed, and not kept then: inside a traced function
+    (no evaluation allowed) the tail takes its separate launches and a later call probes."""
+    if _MULTIPROCESSORS:
+        return _MULTIPROCESSORS[0]
+    try:
+        probe = mx.fast.cuda_kernel(name="multiprocessors", input_names=["unused"], output_names=["ids"], source=PROBE)
+        (ids,) = probe(
+            inputs=[mx.zeros((1,), mx.uint32)],
+            grid=(PROBE_BLOCKS * 32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(PROBE_BLOCKS,)],
+            output_dtypes=[mx.uint32],
+        )
+        _MULTIPROCESSORS.append(len(set(ids.tolist())))
+    except (AttributeError, RuntimeError, ValueError):
+        return 0
+    return _MULTIPROCESSORS[0]
+
+
+_MULTIPROCESSORS: list[int] = []
+
+
+def blocks() -> int:
+    """The grid's blocks: ``BLOCKS_PER_MULTIPROCESSOR`` on each multiprocessor."""
+    return BLOCKS_PER_MULTIPROCESSOR * multiprocessors()
 
 
 @cache
@@ -201,7 +249,7 @@ def layer_tail(
     out, _, _ = _kernel()(
         inputs=inputs,
         template=template,
-        grid=(BLOCKS * WARPS * 32, 1, 1),
+        grid=(blocks() * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[x.shape, (rows, hidden), (rows, intermediate)],
         output_dtypes=[x.dtype] * 3,

@@ -51,7 +51,20 @@ def test_it_is_off_unless_asked_and_off_cpus(monkeypatch):
     monkeypatch.delenv(tail.ENV, raising=False)
     assert not tail.enabled()
     monkeypatch.setenv(tail.ENV, "1")
-    assert tail.enabled() == (qmv.enabled() and tail._capability() >= tail.MIN_COMPUTE_CAPABILITY)
+    assert tail.enabled() == (
+        qmv.enabled() and tail._capability() >= tail.MIN_COMPUTE_CAPABILITY and tail.multiprocessors() > 0
+    )
+
+
+def test_the_probe_counts_the_multiprocessors_the_same_each_time_and_none_off_cuda():
+    counted = tail.multiprocessors()
+    if not qmv.available():
+        assert counted == 0
+        return
+    assert 1 <= counted <= 1024
+    tail._MULTIPROCESSORS.clear()
+    assert tail.multiprocessors() == counted
+    assert tail.blocks() == tail.BLOCKS_PER_MULTIPROCESSOR * counted
 
 
 def test_it_takes_a_few_rows_of_quantized_layers_of_one_quantization_and_an_rms_norm():
