@@ -49,6 +49,8 @@ WARPS = 8
 # are few: 2,560 for qwen3-4b, so more warps share them), 4 weight rows (2 outputs) in gate/up.
 COLUMNS = 2
 GLU_COLUMNS = 4
+# The most warps that split one column set's K (their sums meet in shared memory).
+SPLIT = 4
 # Rows it takes (a decode step's one, a verify pass's few; batches of 8 and more take the
 # tensor-core kernel): their sums live in registers, and the normed rows in shared memory
 # (``norm_fits``: 6 of qwen3-4b's, 4 of llama3-8b's).
@@ -90,20 +92,19 @@ __device__ __forceinline__ void grid_barrier(unsigned* sync) {
 
 SOURCE = """
 unsigned* sync = const_cast<unsigned*>(barrier);
-const int warps = gridDim.x * NW;
-const int first = blockIdx.x * NW + (threadIdx.x >> 5);
+const int warp = threadIdx.x >> 5;
 constexpr int SETS_H = (H + CPW - 1) / CPW;
 constexpr int SETS_I = (I + GCPW / 2 - 1) / (GCPW / 2);
-for (int s = first; s < SETS_H; s += warps)
-  rows_product<T, R, BITS, GS, CPW, 1, 1, true>(attn, wo, so, bo, h, KA, H, x, nullptr, 0.f, s);
+for (int g = blockIdx.x; g * (NW / KSO) < SETS_H; g += gridDim.x)
+  rows_product<T, R, BITS, GS, CPW, NW, KSO, true>(attn, wo, so, bo, h, KA, H, x, nullptr, 0.f, g * (NW / KSO) + warp / KSO), __syncthreads();
 grid_barrier(sync);
 __shared__ __align__(16) T normed[R * H];
 block_norm<T, R, H, NW>(h, norm, __int_as_float(EPS), normed);
-for (int s = first; s < SETS_I; s += warps)
-  rows_product<T, R, BITS, GS, GCPW, 1, 1, false, true, Sigmoid>(normed, wgu, sgu, bgu, a, H, 2 * I, nullptr, nullptr, 0.f, s);
+for (int g = blockIdx.x; g * (NW / KSG) < SETS_I; g += gridDim.x)
+  rows_product<T, R, BITS, GS, GCPW, NW, KSG, false, true, Sigmoid>(normed, wgu, sgu, bgu, a, H, 2 * I, nullptr, nullptr, 0.f, g * (NW / KSG) + warp / KSG), __syncthreads();
 grid_barrier(sync);
-for (int s = first; s < SETS_H; s += warps)
-  rows_product<T, R, BITS, GS, CPW, 1, 1, true>(a, wd, sd, bd, out, I, H, h, nullptr, 0.f, s);
+for (int g = blockIdx.x; g * (NW / KSD) < SETS_H; g += gridDim.x)
+  rows_product<T, R, BITS, GS, CPW, NW, KSD, true>(a, wd, sd, bd, out, I, H, h, nullptr, 0.f, g * (NW / KSD) + warp / KSD), __syncthreads();
 """
 
 INPUTS = ("attn", "x", "wo", "so", "bo", "norm", "wgu", "sgu", "bgu", "wd", "sd", "bd", "barrier")
@@ -111,11 +112,27 @@ INPUTS = ("attn", "x", "wo", "so", "bo", "norm", "wgu", "sgu", "bgu", "wd", "sd"
 
 class _Barrier:
     """The grid barrier's counter of one layer (a plain holder: MLX's module tree would count an
-    array attribute as a parameter). Made from host data, so a traced step captures it as a
-    constant and every replay's launch reads and leaves the same buffer."""
+    array attribute as a parameter). Filled on the GPU and evaluated at once, so a traced step
+    captures it as a constant and every replay's launch reads and leaves the same buffer. Not
+    made from host data: such a buffer stays where the host wrote it, and the grid's atomics and
+    polling then cross the bus (measured on an H100: 1.4-1.7 ms a launch against 56 us)."""
 
     def __init__(self) -> None:
-        self.counter = mx.array([0, 0], dtype=mx.uint32)
+        self.counter = mx.zeros((2,), dtype=mx.uint32)
+        mx.eval(self.counter)
+
+
+def barrier_of(holder: Any) -> _Barrier | None:
+    """``holder``'s barrier (its ``_layer_tail_barrier``), made on first use; None inside a traced
+    function, where nothing may be evaluated (the first uncompiled pass, a prompt's, makes it)."""
+    barrier = holder.__dict__.get("_layer_tail_barrier")
+    if barrier is None:
+        try:
+            barrier = _Barrier()
+        except (RuntimeError, ValueError):
+            return None
+        object.__setattr__(holder, "_layer_tail_barrier", barrier)
+    return barrier
 
 
 def enabled() -> bool:
@@ -160,6 +177,16 @@ def multiprocessors() -> int:
 
 
 _MULTIPROCESSORS: list[int] = []
+
+
+def splits(inputs: int, outputs: int, bits: int, warps: int) -> int:
+    """Warps of a block that split one column set's K in a phase: as the product's own launch
+    splits it (``k_splits``), at most ``SPLIT`` (1: each warp sums its columns' whole K), and
+    a divisor of the block's ``warps``."""
+    split = min(SPLIT, kernel.k_splits(inputs, outputs, bits))
+    while warps % split:
+        split //= 2
+    return split
 
 
 def blocks() -> int:
@@ -219,33 +246,43 @@ def takes(attn: mx.array, x: mx.array, o_proj: nn.Module, norm: nn.Module, gate_
     )
 
 
+def template_of(
+    rows: int, heads_width: int, hidden: int, intermediate: int, bits: int, group: int, dtype: mx.Dtype, eps: float
+) -> list[tuple[str, Any]]:
+    """The kernel's template constants for a tail of these widths and quantization."""
+    return [
+        ("T", dtype),
+        ("R", rows),
+        ("BITS", bits),
+        ("GS", group),
+        ("NW", WARPS),
+        ("CPW", COLUMNS),
+        ("GCPW", GLU_COLUMNS),
+        ("KSO", splits(heads_width, hidden, bits, WARPS)),
+        ("KSG", splits(hidden, 2 * intermediate, bits, WARPS)),
+        ("KSD", splits(intermediate, hidden, bits, WARPS)),
+        ("KA", heads_width),
+        ("H", hidden),
+        ("I", intermediate),
+        ("EPS", kernel.float_bits(eps)),
+    ]
+
+
 def layer_tail(
     attn: mx.array, x: mx.array, o_proj: nn.Module, norm: nn.Module, gate_up: tuple, down: nn.Module, holder: Any
 ) -> mx.array:
     """``h + down(silu(gate(n)) * up(n))`` for ``h = x + o_proj(attn)`` and ``n = norm(h)``, in
-    one launch (the caller checks ``takes``). ``holder``: the object that keeps the layer's
-    barrier (its ``_layer_tail_barrier``)."""
-    barrier = holder.__dict__.get("_layer_tail_barrier")
-    if barrier is None:
-        barrier = _Barrier()
-        object.__setattr__(holder, "_layer_tail_barrier", barrier)
+    one launch (the caller checks ``takes`` and that ``barrier_of(holder)`` is made). ``holder``:
+    the object that keeps the layer's barrier."""
+    barrier = barrier_of(holder)
+    assert barrier is not None  # the caller asks barrier_of first
     hidden, rows = x.shape[-1], x.size // x.shape[-1]
     wgu, sgu, bgu = gate_up
     intermediate = wgu.shape[0] // 2
     inputs = [attn, x, *_packed(o_proj), norm.weight, wgu, sgu, bgu, *_packed(down), barrier.counter]
-    template = [
-        ("T", x.dtype),
-        ("R", rows),
-        ("BITS", o_proj.bits),
-        ("GS", o_proj.group_size),
-        ("NW", WARPS),
-        ("CPW", COLUMNS),
-        ("GCPW", GLU_COLUMNS),
-        ("KA", attn.shape[-1]),
-        ("H", hidden),
-        ("I", intermediate),
-        ("EPS", kernel.float_bits(norm.eps)),
-    ]
+    template = template_of(
+        rows, attn.shape[-1], hidden, intermediate, o_proj.bits, o_proj.group_size, x.dtype, norm.eps
+    )
     out, _, _ = _kernel()(
         inputs=inputs,
         template=template,

@@ -148,6 +148,8 @@ class DecoderLayer(nn.Module):
         are stacked, quantized layers without adapters; None otherwise."""
         if not layer_tail_cuda.enabled() or type(self.self_attn).out is not AttentionSteps.out:
             return None
+        if layer_tail_cuda.barrier_of(self) is None:  # first met inside a trace: the next prompt makes it
+            return None
         mlp = self.mlp
         if type(mlp) is not GatedMLP or mlp.activation is not nn.silu:
             return None

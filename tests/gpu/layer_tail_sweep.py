@@ -9,6 +9,7 @@ read's floor at the copy rate measured in the same run.
 Needs MLX's CUDA build on a GPU of compute capability 9 or more.
 """
 
+import os
 import statistics
 import sys
 import time
@@ -22,10 +23,22 @@ from engine.models import quantized_matmul_cuda as products
 
 WIDTHS = {"qwen3-4b": (4096, 2560, 9728), "llama3-8b": (4096, 4096, 14336)}
 # (blocks a multiprocessor, warps a block, columns a warp in the output and down products, in
-# gate/up); more than one 256-thread block a multiprocessor only where registers allow, so
-# those last (the run's timeout stops a grid that does not fit)
-GRIDS = [(1, 8, 2, 4), (1, 8, 4, 4), (1, 8, 1, 2), (1, 8, 2, 2), (1, 16, 2, 4), (2, 8, 2, 4)]
+# gate/up, the most warps splitting K); more than one block a multiprocessor only where
+# registers allow, so those last (the run's timeout stops a grid that does not fit)
+GRIDS = [
+    (1, 8, 2, 4, 4),
+    (1, 8, 2, 4, 1),
+    (1, 8, 4, 4, 4),
+    (1, 16, 4, 4, 4),
+    (1, 16, 2, 4, 4),
+    (1, 32, 4, 4, 4),
+    (1, 32, 4, 4, 2),
+    (2, 16, 4, 4, 4),
+]
 LAYERS = 36
+# SWEEP_EACH=1: each layer evaluated alone (no chain handed over at once); SWEEP_GRIDS=N: the first N grids
+EACH = os.environ.get("SWEEP_EACH") == "1"
+GRIDS = GRIDS[: int(os.environ.get("SWEEP_GRIDS", len(GRIDS)))]
 
 
 def quantized(inputs: int, outputs: int) -> nn.QuantizedLinear:
@@ -73,6 +86,8 @@ def main() -> None:
             x = x0
             for layer in layers:
                 x = step(x, layer)
+                if EACH:
+                    mx.eval(x)
             mx.eval(x)
             runs.append(time.perf_counter() - start)
         return statistics.median(runs[2:]) / LAYERS * 1e6
@@ -86,11 +101,12 @@ def main() -> None:
     )
     print(f"three launches            {timed(apart):7.1f} us a layer")
     print(f"{tail.multiprocessors()} multiprocessors")
-    for per, warps, columns, glu_columns in GRIDS:
+    for per, warps, columns, glu_columns, split in GRIDS:
         tail.BLOCKS_PER_MULTIPROCESSOR, tail.WARPS, tail.COLUMNS, tail.GLU_COLUMNS = per, warps, columns, glu_columns
+        tail.SPLIT = split
         tail._kernel.cache_clear()
         print(
-            f"one launch {tail.blocks():3d}x{warps:2d}, {columns}/{glu_columns} {timed(together):7.1f} us a layer",
+            f"one launch {tail.blocks():3d}x{warps:2d}, {columns}/{glu_columns}, K split {split} {timed(together):7.1f} us",
             flush=True,
         )
 

@@ -62,7 +62,7 @@ def main() -> None:
         name="one_line_copy",
         input_names=["x"],
         output_names=["out"],
-        source="uint i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_size) out[i] = x[i];\n",
+        source="unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < N) out[i] = x[i];\n",
     )
     timed(
         "custom kernel, one-line copy",
@@ -70,6 +70,7 @@ def main() -> None:
             x,
             lambda y, i: copy(
                 inputs=[y],
+                template=[("N", hidden)],
                 grid=(hidden, 1, 1),
                 threadgroup=(256, 1, 1),
                 output_shapes=[y.shape],

@@ -103,7 +103,7 @@ class _Holder:
         (6, 4096, 2560, 9728, 4, 64, mx.bfloat16),  # a verify pass of 5 drafts
         (2, 2048, 1024, 3072, 4, 32, mx.float16),
         (4, 896, 896, 4864, 4, 128, mx.float32),
-        (1, 640, 384, 704, 8, 128, mx.float16),
+        (1, 640, 384, 768, 8, 128, mx.float16),
     ],
     ids=str,
 )

@@ -2,7 +2,9 @@
 (output product with the residual, norm and gate/up with the activation, down with the second
 residual), their warps taking column sets in turn, and the grid barrier between them, against
 MLX's own ops. The blocks run at once here (each lane a thread, as ``cuda_on_cpu`` runs one
-block), so the barrier between phases is the kernel's own, across blocks. Skipped without g++."""
+block), so the barrier between phases is the kernel's own, across blocks. Each warp sums its
+columns' whole K here (the shared memory of warps splitting it would be one for all blocks);
+the GPU tests take the split. Skipped without g++."""
 
 from __future__ import annotations
 
@@ -137,6 +139,7 @@ def test_the_layer_tail_equals_the_products_norm_and_activation_it_joins(
     constants = (
         f"constexpr int R = {rows}; constexpr int BITS = {bits}; constexpr int GS = {group}; "
         f"constexpr int NW = {warps}; constexpr int CPW = {tail.COLUMNS}; constexpr int GCPW = {tail.GLU_COLUMNS}; "
+        "constexpr int KSO = 1; constexpr int KSG = 1; constexpr int KSD = 1; "
         f"constexpr int KA = {heads_width}; constexpr int H = {hidden}; constexpr int I = {intermediate}; "
         f"constexpr int EPS = {qmv.float_bits(eps)};"
     )
