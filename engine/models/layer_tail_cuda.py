@@ -8,10 +8,11 @@ kernels, not its reads (docs/qmv.md, "The step follows its op count" and "One ca
 layer"): each costs some microseconds of hand-over on the host and of launch and ramp on the
 device whatever it reads.
 
-How: the three products run as phases of one kernel, each warp taking column sets of the
-phase's output in turn (``rows_product`` with its ``set``: a warp working alone, K whole, so no
-block-wide reduction), and the grid meets at a barrier between phases, since each phase reads
-all of the one before. The barrier is a counter and a generation in a small buffer of the
+How: the three products run as phases of one kernel. In each, a block's warps take column
+sets of the output together, K split across ``splits`` warps as the product's own launch
+splits it (``rows_product`` with its ``set``; one warp a column set, K whole, left the phases
+latency-bound: 99 us for qwen3-4b's widths on an H100 against 56), and the grid meets at a
+barrier between phases, since each phase reads all of the one before. The barrier is a counter and a generation in a small buffer of the
 layer's own (``_Barrier``) that the kernel leaves ready for its next launch (the last block
 to arrive resets the count, then moves the generation on), so it needs no clearing launch. A grid
 barrier holds only while every block of the grid is resident at once, so the grid is one block
@@ -23,10 +24,12 @@ of the multiprocessor it ran on.
 
 Each phase computes what its own launch computes (the same device function, the residual
 rounded and added as there, the norm as ``block_norm`` computes it in the norm prologue), but
-K is summed by one warp where the separate launches split it across warps: results equal them
-to float rounding, not bit for bit.
+its K splits need not be the separate launch's (``SPLIT``, the block's warps): results equal
+them to float rounding, not bit for bit.
 
-Off unless ``MLX_DESK_LAYER_TAIL=1`` (``enabled``): not yet measured faster on a GPU.
+Off unless ``MLX_DESK_LAYER_TAIL=1`` (``enabled``): one launch runs in 56 us on an H100 at
+qwen3-4b's widths, against three launches that cost the host more than the device; not yet
+timed in a decode step (docs/qmv.md, "A layer's tail in one launch").
 """
 
 from __future__ import annotations
@@ -107,18 +110,25 @@ for (int g = blockIdx.x; g * (NW / KSD) < SETS_H; g += gridDim.x)
   rows_product<T, R, BITS, GS, CPW, NW, KSD, true>(a, wd, sd, bd, out, I, H, h, nullptr, 0.f, g * (NW / KSD) + warp / KSD), __syncthreads();
 """
 
+# The barrier's buffer, in words: past MLX's pool of buffers of 8 bytes or less (see _Barrier).
+COUNTER_WORDS = 64
+
 INPUTS = ("attn", "x", "wo", "so", "bo", "norm", "wgu", "sgu", "bgu", "wd", "sd", "bd", "barrier")
 
 
 class _Barrier:
     """The grid barrier's counter of one layer (a plain holder: MLX's module tree would count an
     array attribute as a parameter). Filled on the GPU and evaluated at once, so a traced step
-    captures it as a constant and every replay's launch reads and leaves the same buffer. Not
-    made from host data: such a buffer stays where the host wrote it, and the grid's atomics and
-    polling then cross the bus (measured on an H100: 1.4-1.7 ms a launch against 56 us)."""
+    captures it as a constant and every replay's launch reads and leaves the same buffer.
+
+    It is 64 words, not the two it uses (the count and generation): MLX's CUDA allocator gives
+    buffers of 8 bytes or less from a pool of managed memory advised read-mostly, where every
+    write (the barrier's atomics) collapses the page's copies and every poll faults one back.
+    On an H100 a chain of launches took 1.4-1.7 ms each with a two-word counter, where one
+    launch with a 64-word counter ran in 56 us and a barrier alone costs 1.7-2.4 us."""
 
     def __init__(self) -> None:
-        self.counter = mx.zeros((2,), dtype=mx.uint32)
+        self.counter = mx.zeros((COUNTER_WORDS,), dtype=mx.uint32)
         mx.eval(self.counter)
 
 
