@@ -15,24 +15,30 @@ import mlx.core as mx
 
 from engine.models import layer_tail_cuda as tail
 
-# The barrier as cooperative groups' grid sync does it: one word, every block adds 1 but block
-# 0, which adds 2^31 - (blocks - 1), so the word's top bit flips once all have arrived and its
-# low bits are back where they were: ready for the next barrier and launch.
-FLIP = """
+# The barrier before the one-word flip (tail.BARRIER): a count and a generation; the last to
+# arrive resets the count and moves the generation on, which the others wait for.
+COUNT = """
 __device__ __forceinline__ void grid_barrier(unsigned* sync) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    volatile unsigned* generation = sync + 1;
+    const unsigned seen = *generation;
     __threadfence();
-    const unsigned before = atomicAdd(sync, add);
-    while (((before ^ *(volatile unsigned*)sync) & 0x80000000u) == 0) {}
+    if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+      atomicExch(sync, 0u);
+      __threadfence();
+      atomicAdd(sync + 1, 1u);
+    } else {
+      while (*generation == seen) __nanosleep(64);
+    }
     __threadfence();
   }
   __syncthreads();
 }
 """
-SPIN = tail.BARRIER.replace("__nanosleep(64);", "{}")
-VARIANTS = {"count+generation, sleep 64": tail.BARRIER, "count+generation, spin": SPIN, "flip (cg-style)": FLIP}
+SPIN = COUNT.replace("__nanosleep(64);", "{}")
+FLIP = tail.BARRIER
+VARIANTS = {"count+generation, sleep 64": COUNT, "count+generation, spin": SPIN, "flip (cg-style)": FLIP}
 
 ONLY = """
 unsigned* sync = const_cast<unsigned*>(barrier);
