@@ -19,9 +19,9 @@ needs no clearing launch (1.7 us a crossing of 132 blocks on an H100, against 2.
 and a generation). A grid barrier holds only while every block of the grid is resident at
 once, so the grid is one block of ``WARPS`` warps a multiprocessor
 (``BLOCKS_PER_MULTIPROCESSOR``): a block of 256 threads always fits a multiprocessor alone (at
-most 255 registers a thread, and static shared memory the compiler bounds), whatever the GPU. MLX does not tell the multiprocessor count, so a
-probe launch counts them once (``multiprocessors``): many small blocks, each writing the id
-of the multiprocessor it ran on.
+most 255 registers a thread, and static shared memory the compiler bounds), whatever the GPU.
+MLX does not tell the multiprocessor count, so a probe launch counts them once
+(``multiprocessors``): many small blocks, each writing the id of the multiprocessor it ran on.
 
 Each phase computes what its own launch computes (the same device function, the residual
 rounded and added as there, the norm as ``block_norm`` computes it in the norm prologue), but
@@ -117,9 +117,9 @@ class _Barrier:
     array attribute as a parameter). Filled on the GPU and evaluated at once, so a traced step
     captures it as a constant and every replay's launch reads and leaves the same buffer.
 
-    It is 64 words, not the one it uses: MLX's CUDA allocator gives
-    buffers of 8 bytes or less from a pool of managed memory advised read-mostly, where every
-    write (the barrier's atomics) collapses the page's copies and every poll faults one back.
+    It is 64 words, not the one it uses: MLX's CUDA allocator gives buffers of 8 bytes or less
+    from a pool of managed memory advised read-mostly, where every write (the barrier's
+    atomics) collapses the page's copies and every poll faults one back.
     On an H100 a chain of launches took 1.4-1.7 ms each with a two-word counter, where one
     launch with a 64-word counter ran in 56 us and a barrier alone costs 1.7-2.4 us."""
 

@@ -148,10 +148,12 @@ class DecoderLayer(nn.Module):
         are stacked, quantized layers without adapters; None otherwise."""
         if not layer_tail_cuda.enabled() or type(self.self_attn).out is not AttentionSteps.out:
             return None
-        if layer_tail_cuda.barrier_of(self) is None:  # first met inside a trace: the next prompt makes it
-            return None
         mlp = self.mlp
         if type(mlp) is not GatedMLP or mlp.activation is not nn.silu:
+            return None
+        # Made here, before the rows are checked: a prompt's pass (untraced, too many rows to
+        # take) makes it; a trace cannot, and takes the separate launches until one has.
+        if layer_tail_cuda.barrier_of(self) is None:
             return None
         rows = heads_as_rows(attn)
         gate_up = packed_stack(mlp, GATE_UP, x)

@@ -149,7 +149,7 @@ __device__ __forceinline__ void block_norm(const T* x, const T* norm, const floa
 }
 
 // out[r, n] = sum_k x[r, k] * dequantize(w)[n, k] for R rows of x [R, K] and one [N, K]
-// weight packed as MLX packs it, for the column sets of this block (blockIdx.x), or for the
+// weight packed as MLX packs it, for the column sets of this block (blockIdx.x), or for
 // this warp's column set ``set`` where given (every warp of the block calling it alike when
 // KS > 1, and meeting at __syncthreads before the next call reuses the shared sums; no norm).
 // T: activations, scales, biases and output; R: rows; BITS; GS: group size; CPW: columns
