@@ -128,15 +128,13 @@ class _Barrier:
         mx.eval(self.counter)
 
 
-def barrier_of(holder: Any) -> _Barrier | None:
-    """``holder``'s barrier (its ``_layer_tail_barrier``), made on first use; None inside a traced
-    function, where nothing may be evaluated (the first uncompiled pass, a prompt's, makes it)."""
+def barrier_of(holder: Any) -> _Barrier:
+    """``holder``'s barrier (its ``_layer_tail_barrier``), made on first use. Inside a traced
+    step too: its fill depends on nothing traced, so it is evaluated there and the trace keeps
+    it as a constant."""
     barrier = holder.__dict__.get("_layer_tail_barrier")
     if barrier is None:
-        try:
-            barrier = _Barrier()
-        except (RuntimeError, ValueError):
-            return None
+        barrier = _Barrier()
         object.__setattr__(holder, "_layer_tail_barrier", barrier)
     return barrier
 
@@ -163,8 +161,8 @@ def _capability() -> int:
 
 def multiprocessors() -> int:
     """The GPU's multiprocessor count, counted once: the distinct ids ``PROBE_BLOCKS`` small
-    blocks report. 0 where it cannot be probed, and not kept then: inside a traced function
-    (no evaluation allowed) the tail takes its separate launches and a later call probes."""
+    blocks report (evaluated at once, inside a traced step too: the probe depends on nothing
+    traced). 0 where no CUDA kernel can run."""
     if _MULTIPROCESSORS:
         return _MULTIPROCESSORS[0]
     try:
@@ -278,10 +276,9 @@ def layer_tail(
     attn: mx.array, x: mx.array, o_proj: nn.Module, norm: nn.Module, gate_up: tuple, down: nn.Module, holder: Any
 ) -> mx.array:
     """``h + down(silu(gate(n)) * up(n))`` for ``h = x + o_proj(attn)`` and ``n = norm(h)``, in
-    one launch (the caller checks ``takes`` and that ``barrier_of(holder)`` is made). ``holder``:
-    the object that keeps the layer's barrier."""
+    one launch (the caller checks ``takes``). ``holder``: the object that keeps the layer's
+    barrier (``barrier_of``)."""
     barrier = barrier_of(holder)
-    assert barrier is not None  # the caller asks barrier_of first
     hidden, rows = x.shape[-1], x.size // x.shape[-1]
     wgu, sgu, bgu = gate_up
     intermediate = wgu.shape[0] // 2

@@ -151,10 +151,6 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp
         if type(mlp) is not GatedMLP or mlp.activation is not nn.silu:
             return None
-        # Made here, before the rows are checked: a prompt's pass (untraced, too many rows to
-        # take) makes it; a trace cannot, and takes the separate launches until one has.
-        if layer_tail_cuda.barrier_of(self) is None:
-            return None
         rows = heads_as_rows(attn)
         gate_up = packed_stack(mlp, GATE_UP, x)
         norm, o_proj = self.post_attention_layernorm, self.self_attn.o_proj

@@ -56,6 +56,29 @@ def test_it_is_off_unless_asked_and_off_cpus(monkeypatch):
     )
 
 
+def test_the_barrier_counter_is_made_once_outside_mlxs_pool_of_small_buffers():
+    """Buffers of 8 bytes or less come from MLX's CUDA pool of read-mostly managed memory, where
+    the barrier's atomics and polling fault pages across the bus (1.4 ms a launch)."""
+    holder = _Holder()
+    barrier = tail.barrier_of(holder)
+    assert barrier is not None and barrier.counter.nbytes > 8
+    assert np.array(barrier.counter).tolist() == [0] * tail.COUNTER_WORDS
+    assert tail.barrier_of(holder) is barrier
+
+
+def test_a_barrier_first_met_inside_a_trace_is_a_constant_of_it():
+    holder = _Holder()
+
+    def step(x):
+        return x + tail.barrier_of(holder).counter[:2].astype(mx.float32)
+
+    compiled = mx.compile(step)
+    assert compiled(mx.ones((2,))).tolist() == [1.0, 1.0]
+    made = holder._layer_tail_barrier
+    assert compiled(mx.full((2,), 2.0)).tolist() == [2.0, 2.0]  # a replay: the same buffer
+    assert holder._layer_tail_barrier is made
+
+
 def test_the_probe_counts_the_multiprocessors_the_same_each_time_and_none_off_cuda():
     counted = tail.multiprocessors()
     if not qmv.available():
