@@ -43,6 +43,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models import quantized_matmul_cuda as kernel
+from engine.models.quantized_routing import affine_packed
 
 ENV = "MLX_DESK_LAYER_TAIL"
 # The grid: blocks of WARPS warps, BLOCKS_PER_MULTIPROCESSOR on each multiprocessor, all
@@ -159,12 +160,11 @@ def _capability() -> int:
         return 0
 
 
+@cache
 def multiprocessors() -> int:
     """The GPU's multiprocessor count, counted once: the distinct ids ``PROBE_BLOCKS`` small
     blocks report (evaluated at once, inside a traced step too: the probe depends on nothing
     traced). 0 where no CUDA kernel can run."""
-    if _MULTIPROCESSORS:
-        return _MULTIPROCESSORS[0]
     try:
         probe = mx.fast.cuda_kernel(name="multiprocessors", input_names=["unused"], output_names=["ids"], source=PROBE)
         (ids,) = probe(
@@ -174,13 +174,9 @@ def multiprocessors() -> int:
             output_shapes=[(PROBE_BLOCKS,)],
             output_dtypes=[mx.uint32],
         )
-        _MULTIPROCESSORS.append(len(set(ids.tolist())))
+        return len(set(ids.tolist()))
     except (AttributeError, RuntimeError, ValueError):
         return 0
-    return _MULTIPROCESSORS[0]
-
-
-_MULTIPROCESSORS: list[int] = []
 
 
 def splits(inputs: int, outputs: int, bits: int, warps: int) -> int:
@@ -210,20 +206,13 @@ def _kernel():
     )
 
 
-def _packed(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array] | None:
-    """An affine quantized linear layer's (weight, scales, biases) without a bias of its own."""
-    if type(layer) is not nn.QuantizedLinear or "bias" in layer or getattr(layer, "mode", "affine") != "affine":
-        return None
-    return layer["weight"], layer["scales"], layer["biases"]
-
-
 def takes(attn: mx.array, x: mx.array, o_proj: nn.Module, norm: nn.Module, gate_up: tuple, down: nn.Module) -> bool:
     """Whether one launch computes this tail: attention rows ``attn`` [..., KA] and the residual
     ``x`` [..., H] of at most ``MAX_ROWS`` rows, the output and down products affine quantized
     layers of one bit width and group size, ``gate_up`` their stacked (weight, scales, biases)
     of the same quantization, and ``norm`` an RMSNorm the kernel's prologue computes."""
     hidden, rows = x.shape[-1], x.size // max(x.shape[-1], 1)
-    packed = (_packed(o_proj), _packed(down))
+    packed = (affine_packed(o_proj), affine_packed(down))
     if None in packed or not (1 <= rows <= MAX_ROWS) or attn.size != rows * attn.shape[-1]:
         return False
     bits, group = o_proj.bits, o_proj.group_size
@@ -282,7 +271,7 @@ def layer_tail(
     hidden, rows = x.shape[-1], x.size // x.shape[-1]
     wgu, sgu, bgu = gate_up
     intermediate = wgu.shape[0] // 2
-    inputs = [attn, x, *_packed(o_proj), norm.weight, wgu, sgu, bgu, *_packed(down), barrier.counter]
+    inputs = [attn, x, *affine_packed(o_proj), norm.weight, wgu, sgu, bgu, *affine_packed(down), barrier.counter]
     template = template_of(
         rows, attn.shape[-1], hidden, intermediate, o_proj.bits, o_proj.group_size, x.dtype, norm.eps
     )

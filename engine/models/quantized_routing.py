@@ -246,6 +246,14 @@ def _packed(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array | None]:
     return layer["weight"], layer["scales"], layer.get("biases")
 
 
+def affine_packed(layer: nn.Module) -> tuple[mx.array, mx.array, mx.array] | None:
+    """An affine quantized linear layer's (weight, scales, biases), where it has no bias of its
+    own: what a kernel fusing the product into a larger launch reads; None otherwise."""
+    if type(layer) is not nn.QuantizedLinear or "bias" in layer or getattr(layer, "mode", "affine") != "affine":
+        return None
+    return layer["weight"], layer["scales"], layer["biases"]
+
+
 def _quantization(layer: nn.Module) -> dict:
     """A quantized layer's group size, bits and mode, as the products take them."""
     return {"group_size": layer.group_size, "bits": layer.bits, "mode": getattr(layer, "mode", "affine")}

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models.lora import LoRAHost
-from engine.models.quantized_routing import quantized_fused, quantized_matmul
+from engine.models.quantized_routing import affine_packed, quantized_fused, quantized_matmul
 
 _KINDS = (nn.Linear, nn.QuantizedLinear)
 # Stacking pays off per launch, so only for a few rows (decode steps, draft checks). For a
@@ -186,10 +186,10 @@ def packed_stack(module: nn.Module, names: tuple[str, ...], x: mx.array) -> tupl
     stack = _usable(module, names, x)
     if stack is None:
         return None
-    a, first = stack.stacked, stack.layers[0]
-    if type(first) is not nn.QuantizedLinear or "bias" in a or getattr(first, "mode", "affine") != "affine":
+    a = stack.stacked
+    if affine_packed(stack.layers[0]) is None or "bias" in a or a.get("biases") is None:
         return None
-    return (a["weight"], a["scales"], a["biases"]) if a.get("biases") is not None else None
+    return a["weight"], a["scales"], a["biases"]
 
 
 def project(module: nn.Module, names: tuple[str, ...], x: mx.array, *args) -> list[mx.array]:

@@ -85,7 +85,7 @@ def test_the_probe_counts_the_multiprocessors_the_same_each_time_and_none_off_cu
         assert counted == 0
         return
     assert 1 <= counted <= 1024
-    tail._MULTIPROCESSORS.clear()
+    tail.multiprocessors.cache_clear()
     assert tail.multiprocessors() == counted
     assert tail.blocks() == tail.BLOCKS_PER_MULTIPROCESSOR * counted
 
