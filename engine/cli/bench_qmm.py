@@ -65,6 +65,18 @@ def _time(fn: Any, repeat: int) -> float:
     return best
 
 
+def _batched_and_compiled(product: Any, turns: list[tuple[Any, Any]], repeat: int) -> tuple[float, float]:
+    """Microseconds a product of ``turns`` (rows, weight) pairs in one evaluation: called one by
+    one, and as one compiled function of the rows (the weights its constants)."""
+    import mlx.core as mx
+
+    weights = [w for _, w in turns]
+    xs = [x for x, _ in turns]
+    compiled = mx.compile(lambda *rows: [product(x, w) for x, w in zip(rows, weights)])
+    batched = _time(lambda: [product(x, w) for x, w in turns], repeat)
+    return batched / len(turns) * 1e6, _time(lambda: compiled(*xs), repeat) / len(turns) * 1e6
+
+
 def _max_difference(a: Any, b: Any) -> float:
     import mlx.core as mx
 
@@ -132,11 +144,12 @@ def time_matrix(
     nbytes = wq.nbytes + scales.nbytes + (0 if biases is None else biases.nbytes)
     copies = min(calls, max(1, -(-cold_bytes // nbytes)))
     weights += [_random_weight(inputs, outputs, group_size, bits, mode) for _ in range(copies - 1)]
-    out: dict[str, Any] = {"bytes": nbytes, "weights": copies, "single_us": {}, "batched_us": {}}
+    out: dict[str, Any] = {"bytes": nbytes, "weights": copies, "single_us": {}, "batched_us": {}, "compiled_us": {}}
     if streams:
         out["streams_batched_us"] = {}
     for prefix, _ in kernels:
-        out.update({f"{prefix}_{k}": {} for k in ("single_us", "batched_us", "vs_mlx", "vs_f32")} | {"mlx_vs_f32": {}})
+        keys = ("single_us", "batched_us", "compiled_us", "vs_mlx", "vs_f32")
+        out.update({f"{prefix}_{k}": {} for k in keys} | {"mlx_vs_f32": {}})
     for n in rows:
         xs = [mx.random.normal((n, inputs)).astype(mx.bfloat16) for _ in range(calls)]
         mx.eval(xs)
@@ -146,7 +159,7 @@ def time_matrix(
             return mx.quantized_matmul(x, *weight, transpose=True, group_size=group_size, bits=bits, mode=mode)
 
         out["single_us"][n] = _time(lambda: product(xs[0], weights[0]), repeat) * 1e6
-        out["batched_us"][n] = _time(lambda: [product(x, w) for x, w in turns], repeat) / calls * 1e6
+        out["batched_us"][n], out["compiled_us"][n] = _batched_and_compiled(product, turns, repeat)
         if streams:
             out["streams_batched_us"][n] = (
                 _time(lambda: [product(x[:, None], w) for x, w in turns], repeat) / calls * 1e6
@@ -169,8 +182,8 @@ def time_matrix(
                 return kernel.matmul(x, *weight, group_size, bits)
 
             out[f"{prefix}_single_us"][n] = _time(lambda: our_product(xs[0], weights[0]), repeat) * 1e6
-            batched = _time(lambda: [our_product(x, w) for x, w in turns], repeat)
-            out[f"{prefix}_batched_us"][n] = batched / calls * 1e6
+            batched, compiled = _batched_and_compiled(our_product, turns, repeat)
+            out[f"{prefix}_batched_us"][n], out[f"{prefix}_compiled_us"][n] = batched, compiled
             _check_ours(kernel, xs[0], weights[0], group_size, bits, out, prefix)
     return out
 
@@ -179,11 +192,14 @@ def _print_matrix(name: str, t: dict[str, Any], rows: list[int]) -> None:
     timings = [
         ("single", "single_us"),
         ("batched", "batched_us"),
+        ("compiled", "compiled_us"),
         ("streams/b", "streams_batched_us"),
         ("ours/s", "ours_single_us"),
         ("ours/b", "ours_batched_us"),
+        ("ours/c", "ours_compiled_us"),
         ("mma/s", "mma_single_us"),
         ("mma/b", "mma_batched_us"),
+        ("mma/c", "mma_compiled_us"),
     ]
     for label, key in timings:
         if key in t:

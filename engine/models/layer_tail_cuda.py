@@ -28,9 +28,12 @@ rounded and added as there, the norm as ``block_norm`` computes it in the norm p
 its K splits need not be the separate launch's (``SPLIT``, the block's warps): results equal
 them to float rounding, not bit for bit.
 
-Off unless ``MLX_DESK_LAYER_TAIL=1`` (``enabled``): one launch runs in 56 us on an H100 at
-qwen3-4b's widths, against three launches that cost the host more than the device; not yet
-timed in a decode step (docs/qmv.md, "A layer's tail in one launch").
+Off unless ``MLX_DESK_LAYER_TAIL=1`` (``enabled``), since it was measured slower: on an H100
+one launch takes 90-100 us a layer in a chain of qwen3-4b's widths (56 alone, its weights
+then mostly in the L2 cache), level with the three launches it replaces, and qwen3-4b decoded
+at 273.8 tok/s with it against 332.0 without. One block a multiprocessor keeps too few loads
+in flight for the phases' reads, and asking L2 for the next phase's weights ahead did not
+help (docs/qmv.md, "A layer's tail in one launch").
 """
 
 from __future__ import annotations

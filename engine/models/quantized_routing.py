@@ -50,6 +50,12 @@ RESIDUAL_ENV = "MLX_DESK_QMV_RESIDUAL"
 GLU_ENV = "MLX_DESK_QMV_GLU"
 NORM_ENV = "MLX_DESK_QMV_NORM"
 FUSIONS = {"residual": RESIDUAL_ENV, "glu": GLU_ENV, "norm": NORM_ENV}
+# The widest rows whose RMSNorm joins a product's prologue: each block norms the rows itself
+# before its first weight load, which pays where the rows are short and the launches count, and
+# loses where they are long and the reads count. Measured (docs/qmv.md, "The activation and the
+# norms inside the products"): llama3-8b (4,096 wide) decoded faster with the norm on its own on
+# an H100 and an H200 (1.54x against 1.38x mlx-lm, 1.74x against 1.48x); qwen3-4b (2,560) a wash.
+NORM_PROLOGUE_MAX_WIDTH = 3072
 # The rows the tensor-core kernel takes (unless ``MLX_DESK_QMV_MMA=0``), ahead of the row kernel
 # and MLX's, which keep the other rows; it takes the residual add and the activation, and the
 # norm steps out of the product there. Measured in whole steps (qwen3-4b, 4-bit g64,
@@ -142,8 +148,11 @@ def fusion_enabled(kind: str) -> bool:
 def prologue_norm(norm: nn.Module, x: mx.array) -> tuple[mx.array, float] | None:
     """(weight, eps) of ``norm`` where the kernel can apply it to ``x`` in its prologue: a plain
     ``nn.RMSNorm`` over x's last axis, its weight in x's dtype, rows that fit the block's
-    shared memory (``kernel.norm_fits``); None otherwise."""
+    shared memory (``kernel.norm_fits``) and are at most ``NORM_PROLOGUE_MAX_WIDTH`` wide;
+    None otherwise."""
     if type(norm) is not nn.RMSNorm or not fusion_enabled("norm") or x.ndim < 1:
+        return None
+    if x.shape[-1] > NORM_PROLOGUE_MAX_WIDTH:
         return None
     weight, k = norm.weight, x.shape[-1]
     if weight.shape != (k,) or weight.dtype != x.dtype or not kernel.norm_fits(x.size // max(k, 1), k, x.dtype):

@@ -17,8 +17,8 @@ def test_every_projection_and_row_count_is_timed_against_its_floor(capsys):
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert set(out["matrices"]) == set(bench_qmm.projections(bench_qmm.SHAPES["tiny"]))
     for t in out["matrices"].values():
-        assert set(t["single_us"]) == set(t["batched_us"]) == {"1", "3"}
-        assert all(v > 0 for v in [*t["single_us"].values(), *t["batched_us"].values()])
+        assert set(t["single_us"]) == set(t["batched_us"]) == set(t["compiled_us"]) == {"1", "3"}
+        assert all(v > 0 for k in ("single_us", "batched_us", "compiled_us") for v in t[k].values())
         assert abs(t["floor_us"] - t["bytes"] / out["bandwidth_bytes_per_s"] * 1e6) < 1e-6 * t["floor_us"]
     # 4-bit codes of a 64 -> 64 matrix, one bf16 scale and bias per 64 inputs.
     assert out["matrices"]["q 64->64"]["bytes"] == 64 * 64 // 2 + 2 * 64 * 2
@@ -45,6 +45,7 @@ def test_ours_is_refused_in_one_line_without_cuda_and_timed_beside_mlxs_with_it(
     for t in out["matrices"].values():
         # 17 rows are past the kernel's reach: MLX's figures only.
         assert set(t["ours_single_us"]) == set(t["ours_batched_us"]) == set(t["ours_vs_mlx"]) == {"1"}
+        assert set(t["ours_compiled_us"]) == {"1"}
         assert t["ours_vs_f32"]["1"] <= 0.05
 
 

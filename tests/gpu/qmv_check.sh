@@ -57,8 +57,8 @@ if [ "$PART" = "all" ] || [ "$PART" = "kernels" ]; then
 fi
 
 if [ "$PART" = "all" ] || [ "$PART" = "bench" ]; then
-  step 80 "microbench qwen3-4b" "$PY" -m engine.cli.bench_qmm --shape qwen3-4b --rows 1,2,4,8,16 --ours --mma --cold-mb 128
-  step 100 "microbench llama3-8b" "$PY" -m engine.cli.bench_qmm --shape llama3-8b --rows 1,2,4,8,16 --ours --mma --cold-mb 128
+  step 120 "microbench qwen3-4b" "$PY" -m engine.cli.bench_qmm --shape qwen3-4b --rows 1,2,4,8,16 --ours --mma --cold-mb 128
+  step 150 "microbench llama3-8b" "$PY" -m engine.cli.bench_qmm --shape llama3-8b --rows 1,2,4,8,16 --ours --mma --cold-mb 128
   # Figures of these commands so far: docs/qmv.md, "Fewer instructions a code".
   for shape_limit in qwen3-4b:100 llama3-8b:110 qwen2.5-0.5b:70; do
     shape="${shape_limit%%:*}"

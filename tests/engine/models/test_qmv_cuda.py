@@ -120,6 +120,9 @@ def test_only_plain_rms_norms_of_rows_that_fit_the_blocks_memory_join_a_product(
     assert routing.prologue_norm(norm, mx.zeros((1, 7, 2560), mx.bfloat16)) is None  # 35 KB of rows
     assert routing.prologue_norm(norm, x.astype(mx.float16)) is None  # the weight's dtype differs
     assert routing.prologue_norm(nn.LayerNorm(2560), x) is None
+    wide = nn.RMSNorm(4096)  # llama3-8b's rows: the norm runs on its own there (measured faster)
+    wide.set_dtype(mx.bfloat16)
+    assert routing.prologue_norm(wide, mx.zeros((1, 1, 4096), mx.bfloat16)) is None
 
 
 def test_the_gated_mlp_is_silu_of_gate_times_up_wherever_the_epilogue_does_not_run(monkeypatch):
