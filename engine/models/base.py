@@ -17,7 +17,7 @@ import mlx.nn as nn
 from engine.artifacts.config_fields import from_known_keys
 from engine.artifacts.config_spellings import partial_rotary_factor, rope_settings, text_config  # noqa: F401  (families read them from here)
 from engine.errors import UnsupportedModelError
-from engine.models import head_norm_rope_cuda
+from engine.models import decode_attention_cuda, head_norm_rope_cuda
 from engine.models.kv_cache import KV, KVCache, RotatingKVCache, split_kv
 from engine.models.quantized_routing import embedding_logits, linear, linear_plus
 from engine.models.stacked import project, stacked_normed
@@ -243,6 +243,10 @@ def attention_mask(n_queries: int, cache, window: int | None = None):
 
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    # A decode step's or verify pass's few queries over a short cache split the keys across
+    # the GPU on CUDA, where MLX's kernel takes one block per head (models.decode_attention_cuda).
+    if decode_attention_cuda.takes(q, k, v, mask):
+        return decode_attention_cuda.attend(q, k, v, scale)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 

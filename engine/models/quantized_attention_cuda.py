@@ -51,6 +51,29 @@ ROWS_PER_BLOCK = 8
 
 _HEADER = """
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// Key j's scores s[r] (scaled for base 2) and values vf join each query row's running softmax
+// (maximum m, sum s_sum, weighted values acc); past the slice, or after a row's own position
+// (causal: query l of L sees keys up to its own), the key is left out.
+template <int RB, int DPL, int L>
+__device__ __forceinline__ void online_softmax(const float (&s)[RB], const float (&vf)[DPL], const int j,
+    const int stop, const int n_keys, const int row0, float (&m)[RB], float (&s_sum)[RB], float (&acc)[RB][DPL]) {
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    if (j >= stop || j > n_keys - L + ((row0 + r) % L)) continue;
+    if (s[r] > m[r]) {
+      const float fade = exp2f(m[r] - s[r]);
+      m[r] = s[r];
+      s_sum[r] *= fade;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) acc[r][d] *= fade;
+    }
+    const float p = exp2f(s[r] - m[r]);
+    s_sum[r] += p;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) acc[r][d] += p * vf[d];
+  }
+}
 """
 
 # Template constants: InT (the activations' dtype), D (head dim), BITS, GK/GV (key/value
@@ -58,11 +81,10 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 # block takes), NW (warps), LPK (lanes per key: a warp reads 32 / LPK keys at once), KPL
 # (keys each lane group loads before computing), NKV (KV heads; merge only). A model
 # compiles a few: one per L.
-_PARTIAL = """
+_SETUP = """
   constexpr int R = REP * L;  // query rows reading this KV head; this block takes RB of them
   constexpr int DPL = D / LPK;
   constexpr int G = 32 / LPK;
-  constexpr unsigned CODE = (1u << BITS) - 1u;
   const float NEG = neg_inf();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -72,9 +94,7 @@ _PARTIAL = """
   const int n_splits = gridDim.y;
   const int bh = blockIdx.z / (R / RB);
   const int row0 = (blockIdx.z % (R / RB)) * RB;
-  const int n_kv = kw_shape[1];
   const int b = bh / n_kv, h = bh % n_kv;
-  const int n_keys = kw_shape[2];
   const int chunk = (n_keys + n_splits - 1) / n_splits;
   const int first = split * chunk;
   const int stop = min(first + chunk, n_keys);
@@ -96,7 +116,11 @@ _PARTIAL = """
 #pragma unroll
     for (int d = 0; d < DPL; ++d) acc[r][d] = 0.f;
   }
+"""
 
+# The quantized cache's walk: each lane group loads KPL keys' codes, dequantizes at use.
+_WALK = """
+  constexpr unsigned CODE = (1u << BITS) - 1u;
   const long kbase = (long)b * kw_strides[0] + (long)h * kw_strides[1];
   const long ksbase = (long)b * ks_strides[0] + (long)h * ks_strides[1];
   const long vbase = (long)b * vw_strides[0] + (long)h * vw_strides[1];
@@ -170,25 +194,13 @@ _PARTIAL = """
         const int bit = WHOLE ? d * BITS : lead_shift + d * BITS;
         vf[d] = static_cast<float>((vc[u][WHOLE ? bit >> 5 : 0] >> (bit & 31)) & CODE) * v_scale[u] + v_bias[u];
       }
-#pragma unroll
-      for (int r = 0; r < RB; ++r) {
-        // Past the slice, or a key after this query (causal: query l sees keys up to its own).
-        if (j >= stop || j > n_keys - L + ((row0 + r) % L)) continue;
-        if (s[r] > m[r]) {
-          const float fade = exp2f(m[r] - s[r]);
-          m[r] = s[r];
-          s_sum[r] *= fade;
-#pragma unroll
-          for (int d = 0; d < DPL; ++d) acc[r][d] *= fade;
-        }
-        const float p = exp2f(s[r] - m[r]);
-        s_sum[r] += p;
-#pragma unroll
-        for (int d = 0; d < DPL; ++d) acc[r][d] += p * vf[d];
-      }
+      online_softmax<RB, DPL, L>(s, vf, j, stop, n_keys, row0, m, s_sum, acc);
     }
   }
+"""
 
+# The block's lane groups merge their partial softmaxes and write the slice's partial result.
+_BLOCK_MERGE = """
   // Merge the block's lane groups (NW * G partial softmaxes) through shared memory.
   __shared__ float sh_m[NW * G][RB];
   __shared__ float sh_sum[NW * G][RB];
@@ -254,7 +266,7 @@ def _kernels():
         name="quantized_kv_attention_partial",
         input_names=["q", "sc", "kw", "ks", "kb", "vw", "vs", "vb"],
         output_names=["part_acc", "part_max", "part_sum"],
-        source=_PARTIAL,
+        source="const int n_kv = kw_shape[1], n_keys = kw_shape[2];" + _SETUP + _WALK + _BLOCK_MERGE,
         header=_HEADER,
         ensure_row_contiguous=False,  # the cache's codes are read in place, strided by its capacity
     )
@@ -316,6 +328,32 @@ def fits(n_heads: int, n_kv: int, n_queries: int, head_dim: int, groups: tuple[i
     )
 
 
+def plan(
+    b: int, n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dtype: mx.Dtype, bits: int, groups: tuple[int, int]
+) -> tuple[list[tuple[str, object]], int, int]:
+    """The partial kernel's template constants, its slices of the keys (the grid's y) and its
+    blocks for each slice (KV heads times groups of query rows, the grid's z)."""
+    rows = (n_heads // n_kv) * n_q
+    block_rows = _rows_per_block(rows)
+    row_groups = rows // block_rows
+    splits = max(1, min(math.ceil(TARGET_BLOCKS / (b * n_kv * row_groups)), math.ceil(n_keys / MIN_SLICE)))
+    lanes = _lanes_per_key(block_rows, d)
+    template: list[tuple[str, object]] = [
+        ("InT", dtype),
+        ("D", d),
+        ("BITS", bits),
+        ("GK", groups[0]),
+        ("GV", groups[1]),
+        ("L", n_q),
+        ("REP", n_heads // n_kv),
+        ("RB", block_rows),
+        ("NW", WARPS),
+        ("LPK", lanes),
+        ("KPL", _keys_per_load(d // lanes, bits)),
+    ]
+    return template, splits, b * n_kv * row_groups
+
+
 def attend(
     queries: mx.array,
     scale: float,
@@ -328,32 +366,16 @@ def attend(
     ``keys``/``values`` are the (codes, scales, biases) triples of row-contiguous buffers
     sliced to T along axis 2 (the kernel reads them in place through their strides)."""
     b, n_heads, n_q, d = queries.shape
-    n_kv, n_keys = keys[0].shape[1], keys[0].shape[2]
+    n_kv = keys[0].shape[1]
     rep = n_heads // n_kv
     q = mx.contiguous(queries)
     rows = rep * n_q
-    block_rows = _rows_per_block(rows)
-    row_groups = rows // block_rows
-    splits = max(1, min(math.ceil(TARGET_BLOCKS / (b * n_kv * row_groups)), math.ceil(n_keys / MIN_SLICE)))
-    lanes = _lanes_per_key(block_rows, d)
-    template = [
-        ("InT", queries.dtype),
-        ("D", d),
-        ("BITS", bits),
-        ("GK", groups[0]),
-        ("GV", groups[1]),
-        ("L", n_q),
-        ("REP", rep),
-        ("RB", block_rows),
-        ("NW", WARPS),
-        ("LPK", lanes),
-        ("KPL", _keys_per_load(d // lanes, bits)),
-    ]
+    template, splits, blocks = plan(b, n_heads, n_kv, n_q, keys[0].shape[2], d, queries.dtype, bits, groups)
     partial, merge = _kernels()
     part_acc, part_max, part_sum = partial(
         inputs=[q, _scale_array(scale), *keys, *values],
         template=template,
-        grid=(WARPS * 32, splits, b * n_kv * row_groups),
+        grid=(WARPS * 32, splits, blocks),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(b * n_kv, splits, rows, d), (b * n_kv, splits, rows), (b * n_kv, splits, rows)],
         output_dtypes=[mx.float32] * 3,

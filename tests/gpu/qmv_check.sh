@@ -11,8 +11,12 @@
 #          qwen3-4b and llama3-8b with the norm prologue off and the residual epilogue off (beside
 #          bench's runs with the defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
-#          with the tensor-core kernel turned off.
-# Run from the repository root: bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch]
+#          with the tensor-core kernel turned off;
+#   attention: decode attention split over the keys (off by default) against MLX's, its tests,
+#          then decode with it on and off, interleaved, and one step's kernels under Nsight
+#          Compute with it on.
+# Run from the repository root:
+#   bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch|attention]
 # (every part when the second argument is left out). Each command has its own time limit; a
 # failing or timed-out step is reported and the script goes on to the next one. The exit
 # status is the number of failed steps.
@@ -96,6 +100,24 @@ if [ "$PART" = "all" ] || [ "$PART" = "batch" ]; then
     --concurrent 8,12,16 --vs mlx-lm
   step 200 "8, 12 and 16 streams, tensor-core kernel off" env MLX_DESK_QMV_MMA=0 "$PY" -m engine bench \
     --shape qwen3-4b --bits 4 -p 512 -g 128 --concurrent 8,12,16
+fi
+if [ "$PART" = "all" ] || [ "$PART" = "attention" ]; then
+  # docs/qmv.md, "MLX's CUDA graphs": MLX's one-pass kernel took 20 us a layer of a step.
+  pytest_step 150 "decode attention tests, and the quantized cache's (shared source)" \
+    tests/engine/models/test_decode_attention_cuda.py tests/engine/models/test_quantized_attention_cuda.py
+  for on in 1 0 1 0; do
+    for shape_limit in qwen3-4b:60 llama3-8b:70; do
+      shape="${shape_limit%%:*}"
+      step "${shape_limit##*:}" "decode $shape, split decode attention $on" env MLX_DESK_DECODE_ATTENTION=$on \
+        "$PY" -m engine bench --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3
+    done
+  done
+  if command -v ncu > /dev/null; then
+    step 250 "kernels of a step, split decode attention on" env MLX_DESK_DECODE_ATTENTION=1 bash -c \
+      "ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --page raw \
+      $PY -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 8 > /tmp/kernels.csv && \
+      $PY tests/gpu/kernel_times.py /tmp/kernels.csv"
+  fi
 fi
 echo
 echo "qmv_check: $failed step(s) failed"

@@ -35,7 +35,7 @@ struct bf16 {  // bfloat16: float's top half, rounded to nearest even
   operator float() const { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
 };
 inline float __int_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-struct Index { int x, y; };
+struct Index { int x, y, z; };
 thread_local Index threadIdx, blockIdx;
 std::barrier<>* warp_barriers[32];
 std::barrier<>* block_barrier;
@@ -58,9 +58,9 @@ static std::vector<char> slurp(const char* path) {
   fclose(f);
   return bytes;
 }
-// One block (blockIdx x, y) of ``warps`` warps: a thread per lane, each running ``body``.
+// One block (blockIdx x, y, z) of ``warps`` warps: a thread per lane, each running ``body``.
 template <typename F>
-static void run_block(int warps, int x, int y, F body) {
+static void run_block(int warps, int x, int y, int z, F body) {
   std::vector<std::barrier<>*> bars;
   for (int i = 0; i < warps; ++i) warp_barriers[i] = bars.emplace_back(new std::barrier<>(32));
   std::barrier<> block(warps * 32);
@@ -71,10 +71,15 @@ static void run_block(int warps, int x, int y, F body) {
       threadIdx.x = t;
       blockIdx.x = x;
       blockIdx.y = y;
+      blockIdx.z = z;
       body();
     });
   for (auto& t : threads) t.join();
   for (auto* bar : bars) delete bar;
+}
+template <typename F>
+static void run_block(int warps, int x, int y, F body) {
+  run_block(warps, x, y, 0, body);
 }
 """
 

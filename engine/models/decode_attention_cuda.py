@@ -1,0 +1,222 @@
+"""Decode attention over a full-precision KV cache on CUDA, split over the cached tokens
+("flash decoding"), for a step's few queries over a short cache.
+
+MLX's CUDA attention gives a one-query pass of up to 1,024 keys one block per query head
+(``sdpa_vector_1pass``): qwen3-4b's 32 heads run on 32 of an H200's 132 multiprocessors, and
+each block's warps walk their keys one after another. Measured inside a decode step (Nsight
+Compute, each kernel's own time), that pass took 20 us a layer over 520 keys, 0.73 of a
+3.1 ms step, to read 2 MB. MLX's two-pass kernel, which splits the keys, starts at 1,024
+keys. This one splits any cache into slices across blocks, as the quantized cache's kernels
+do (models.quantized_attention_cuda, whose setup, running softmax and merges it shares):
+a block takes one KV head, the query rows that read it and one slice of the keys, its lane
+groups walk the slice a few keys ahead, and a second kernel merges the slices.
+
+Only plain causal attention is taken (no mask for one query, or the "causal" string), for
+at most ``MAX_QUERIES`` queries and ``MAX_KEYS`` keys; the rest keeps MLX's kernel.
+
+Off until measured on a GPU (``MLX_DESK_DECODE_ATTENTION=1`` turns it on): its source is
+checked on the CPU against MLX's attention (tests/engine/models/test_decode_attention_emulated.py)
+and its CUDA tests wait for a GPU run (docs/qmv.md, "MLX's CUDA graphs").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import cache
+
+import mlx.core as mx
+
+from engine.models import quantized_attention_cuda as shared
+
+ENV = "MLX_DESK_DECODE_ATTENTION"
+# A verify pass's queries at most (their running sums live in registers, as for the
+# quantized cache).
+MAX_QUERIES = 8
+# Longer caches keep MLX's kernels (its two-pass kernel from 1,024 keys, cuDNN from whole
+# steps of 256 past ``kv_cache.buffer_tokens``'s limit), which were not measured against this.
+MAX_KEYS = 6144
+# Fewest keys per slice: a short cache still spreads over the multiprocessors (520 keys of
+# 8 KV heads: 17 slices, 136 blocks), its partial results a few KB.
+MIN_SLICE = 32
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+_HEADER = """
+// A lane's P consecutive values of a key or value row, loaded whole (16 or 8 bytes at a
+// time) where the row and its stride allow.
+template <typename T, int P>
+struct alignas(P * sizeof(T) % 16 == 0 ? 16 : (P * sizeof(T) == 8 ? 8 : alignof(T))) Lanes {
+  T v[P];
+};
+
+template <typename T, int P>
+__device__ __forceinline__ bool lanes_whole(const T* base, long stride, long step) {
+  constexpr int BYTES = P * (int)sizeof(T);
+  constexpr unsigned long long A = BYTES % 16 == 0 ? 16 : (BYTES == 8 ? 8 : 0);
+  if (A == 0 || step != 1) return false;
+  return ((reinterpret_cast<unsigned long long>(base) | (unsigned long long)(stride * (long)sizeof(T))) % A) == 0;
+}
+
+template <typename T, int P>
+__device__ __forceinline__ Lanes<T, P> load_lanes(const T* p, bool whole, long step) {
+  Lanes<T, P> out;
+  constexpr int BYTES = P * (int)sizeof(T);
+  if constexpr (BYTES % 16 == 0) {
+    if (whole) {
+#pragma unroll
+      for (int i = 0; i < BYTES / 16; ++i) reinterpret_cast<uint4*>(&out)[i] = reinterpret_cast<const uint4*>(p)[i];
+      return out;
+    }
+  } else if constexpr (BYTES == 8) {
+    if (whole) {
+      *reinterpret_cast<uint2*>(&out) = *reinterpret_cast<const uint2*>(p);
+      return out;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < P; ++i) out.v[i] = p[i * step];
+  return out;
+}
+"""
+
+# Each lane group loads KPL keys and their values as they are stored, converts at use.
+_WALK = """
+  const long kbase = (long)b * k_strides[0] + (long)h * k_strides[1] + (long)sub * DPL * k_strides[3];
+  const long vbase = (long)b * v_strides[0] + (long)h * v_strides[1] + (long)sub * DPL * v_strides[3];
+  const bool whole = lanes_whole<InT, DPL>(k + kbase, k_strides[2], k_strides[3])
+      && lanes_whole<InT, DPL>(v + vbase, v_strides[2], v_strides[3]);
+  for (int j0 = first + warp * G * KPL; j0 < stop; j0 += NW * G * KPL) {
+    Lanes<InT, DPL> kr[KPL], vr[KPL];
+#pragma unroll
+    for (int u = 0; u < KPL; ++u) {
+      const int j = min(j0 + u * G + grp, stop - 1);
+      kr[u] = load_lanes<InT, DPL>(k + kbase + (long)j * k_strides[2], whole, k_strides[3]);
+      vr[u] = load_lanes<InT, DPL>(v + vbase + (long)j * v_strides[2], whole, v_strides[3]);
+    }
+#pragma unroll
+    for (int u = 0; u < KPL; ++u) {
+      const int j = j0 + u * G + grp;
+      float s[RB];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        s[r] = 0.f;
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) s[r] += qv[r][d] * static_cast<float>(kr[u].v[d]);
+      }
+#pragma unroll
+      for (int o = LPK / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int r = 0; r < RB; ++r) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
+      }
+      float vf[DPL];
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) vf[d] = static_cast<float>(vr[u].v[d]);
+      online_softmax<RB, DPL, L>(s, vf, j, stop, n_keys, row0, m, s_sum, acc);
+    }
+  }
+"""
+
+
+@cache
+def _partial():
+    return mx.fast.cuda_kernel(
+        name="decode_attention_partial",
+        input_names=["q", "sc", "k", "v"],
+        output_names=["part_acc", "part_max", "part_sum"],
+        source="const int n_kv = k_shape[1], n_keys = k_shape[2];" + shared._SETUP + _WALK + shared._BLOCK_MERGE,
+        header=shared._HEADER + _HEADER,
+        ensure_row_contiguous=False,  # the cache is read in place, strided by its capacity
+    )
+
+
+@cache
+def _cuda() -> bool:
+    return mx.cuda.is_available()
+
+
+def enabled() -> bool:
+    """Whether passes take the kernels: turned on (``MLX_DESK_DECODE_ATTENTION=1``), with MLX's
+    CUDA backend on the GPU."""
+    return os.environ.get(ENV, "0") == "1" and _cuda() and mx.default_device() == mx.gpu
+
+
+def _keys_per_load(dims_per_lane: int, itemsize: int) -> int:
+    """Keys a lane group loads before computing: as many as the quantized kernel's load
+    registers hold (each key: its row and its value row, ``dims_per_lane`` values each)."""
+    words = -(-dims_per_lane * itemsize // 4)
+    return max(1, min(8, shared.LANE_LOAD_REGS // (2 * words)))
+
+
+def takes(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
+    """Whether attention of ``q`` [B, heads, L, D] over ``k``/``v`` [B, kv heads, T, D] with
+    ``mask`` goes through the kernels."""
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        return False
+    b, n_heads, n_q, d = q.shape
+    n_kv, n_keys = k.shape[1], k.shape[2]
+    return (
+        # causal as the kernels compute it: no mask is causal for one query only
+        ((mask is None and n_q == 1) or (isinstance(mask, str) and mask == "causal"))
+        and 1 <= n_q <= MAX_QUERIES
+        and n_q <= n_keys <= MAX_KEYS
+        and k.shape[0] == b
+        and k.shape[3] == d
+        and n_kv > 0
+        and n_heads % n_kv == 0
+        and d % 32 == 0
+        and d <= 256
+        and q.dtype in DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and enabled()
+    )
+
+
+def plan(
+    b: int, n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dtype: mx.Dtype
+) -> tuple[list[tuple[str, object]], int, int]:
+    """The partial kernel's template constants, its slices of the keys (the grid's y) and its
+    blocks for each slice (KV heads times groups of query rows, the grid's z)."""
+    rows = (n_heads // n_kv) * n_q
+    block_rows = shared._rows_per_block(rows)
+    row_groups = rows // block_rows
+    slices = max(1, min(math.ceil(shared.TARGET_BLOCKS / (b * n_kv * row_groups)), math.ceil(n_keys / MIN_SLICE)))
+    lanes = shared._lanes_per_key(block_rows, d)
+    template: list[tuple[str, object]] = [
+        ("InT", dtype),
+        ("D", d),
+        ("L", n_q),
+        ("REP", n_heads // n_kv),
+        ("RB", block_rows),
+        ("NW", shared.WARPS),
+        ("LPK", lanes),
+        ("KPL", _keys_per_load(d // lanes, dtype.size)),
+    ]
+    return template, slices, b * n_kv * row_groups
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Causal attention of ``queries`` [B, heads, L, D] over ``keys``/``values`` [B, kv heads,
+    T, D] (the last L keys are the queries' own positions), as
+    ``mx.fast.scaled_dot_product_attention`` computes it; ``takes`` says which passes."""
+    b, n_heads, n_q, d = queries.shape
+    n_kv = keys.shape[1]
+    rows = (n_heads // n_kv) * n_q
+    template, slices, blocks = plan(b, n_heads, n_kv, n_q, keys.shape[2], d, queries.dtype)
+    part_acc, part_max, part_sum = _partial()(
+        inputs=[mx.contiguous(queries), shared._scale_array(scale), keys, values],
+        template=template,
+        grid=(shared.WARPS * 32, slices, blocks),
+        threadgroup=(shared.WARPS * 32, 1, 1),
+        output_shapes=[(b * n_kv, slices, rows, d), (b * n_kv, slices, rows), (b * n_kv, slices, rows)],
+        output_dtypes=[mx.float32] * 3,
+    )
+    (out,) = shared._kernels()[1](
+        inputs=[part_acc, part_max, part_sum],
+        template=[("InT", queries.dtype), ("D", d), ("L", n_q), ("REP", n_heads // n_kv), ("NKV", n_kv)],
+        grid=(d, rows, b * n_kv),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(b, n_heads, n_q, d)],
+        output_dtypes=[queries.dtype],
+    )
+    return out
