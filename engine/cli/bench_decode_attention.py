@@ -8,21 +8,41 @@ kernel otherwise. For each number of keys and rows this times the pass both ways
 passes in one evaluation, divided; the best of ``--repeat``) with the shape's query and KV
 heads, and says which buffer length the engine picks for it. Elsewhere (Metal, the CPU) both
 columns take the same kernel.
+
+``--chain`` makes each pass's query the previous pass's output, as a step's layers follow
+one another: independent passes in one evaluation overlap on the GPU (MLX's one-query kernel
+uses 32 blocks of 132 multiprocessors), which a step never lets them do, so only chained
+figures say what a step pays. ``--ours`` (CUDA) adds the engine's attention split over the
+keys (models.decode_attention_cuda) over the engine's buffer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from engine.cli.bench_qmm import _time, add_timing_arguments, parse_counts
 from engine.cli.bench_shapes import SHAPES, attention_heads
 from engine.models.kv_cache import SPARE_TOKENS, buffer_tokens, whole_steps
 
 
-def time_pass(heads: tuple[int, int, int], keys: int, rows: int, length: int, calls: int, repeat: int) -> float:
-    """Microseconds of one decode attention pass over ``keys`` of a ``length``-token buffer."""
+def time_pass(
+    heads: tuple[int, int, int],
+    keys: int,
+    rows: int,
+    length: int,
+    calls: int,
+    repeat: int,
+    chain: bool = False,
+    split: bool = False,
+) -> float:
+    """Microseconds of one decode attention pass over ``keys`` of a ``length``-token buffer:
+    MLX's, or with ``split`` the engine's kernels split over the keys; with ``chain`` each
+    pass takes the previous one's output as its query."""
     import mlx.core as mx
+
+    from engine.models import decode_attention_cuda
 
     n_q, n_kv, dim = heads
     q = mx.random.normal((rows, n_q, 1, dim)).astype(mx.bfloat16)
@@ -30,7 +50,19 @@ def time_pass(heads: tuple[int, int, int], keys: int, rows: int, length: int, ca
     mx.eval(q, buffer)
     k = buffer[..., :keys, :]
     scale = dim**-0.5
-    best = _time(lambda: [mx.fast.scaled_dot_product_attention(q, k, k, scale=scale) for _ in range(calls)], repeat)
+
+    def attend(x: mx.array) -> mx.array:
+        if split:
+            return decode_attention_cuda.attend(x, k, k, scale)
+        return mx.fast.scaled_dot_product_attention(x, k, k, scale=scale)
+
+    def chained() -> list[mx.array]:
+        x = q
+        for _ in range(calls):
+            x = attend(x)
+        return [x]
+
+    best = _time(chained if chain else lambda: [attend(q) for _ in range(calls)], repeat)
     return 1e6 * best / calls
 
 
@@ -41,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
     p.add_argument("--keys", default="512,1000,4096,8000", help="cached tokens, comma separated")
     p.add_argument("--rows", default="1,2,4,8,16", help="rows (streams of a batch), comma separated")
+    p.add_argument("--chain", action="store_true", help="each pass's query is the previous pass's output")
     add_timing_arguments(p)
     args = p.parse_args(argv)
     keys = parse_counts(args, "--keys", args.keys)
@@ -50,24 +83,34 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     heads = attention_heads(SHAPES[args.shape])
-    print(f"{args.shape}: {heads[0]} query heads, {heads[1]} KV heads of {heads[2]}, bf16, on {mx.default_device()}")
+    split = args.ours and mx.cuda.is_available() and mx.default_device() == mx.gpu
+    if args.ours and not split:
+        print("--ours: the split kernels run on MLX's CUDA backend only; timing MLX's alone", file=sys.stderr)
+    print(
+        f"{args.shape}: {heads[0]} query heads, {heads[1]} KV heads of {heads[2]}, bf16, on {mx.default_device()}"
+        f"{', passes chained' if args.chain else ', passes independent'}"
+    )
     results = []
     for n in keys:
         for r in rows:
             whole = whole_steps(n)
             padded = whole + SPARE_TOKENS
+            timing = {"calls": args.calls, "repeat": args.repeat, "chain": args.chain}
             row = {
                 "keys": n,
                 "rows": r,
-                "whole_steps_us": time_pass(heads, n, r, whole, args.calls, args.repeat),
-                "padded_us": time_pass(heads, n, r, padded, args.calls, args.repeat),
+                "whole_steps_us": time_pass(heads, n, r, whole, **timing),
+                "padded_us": time_pass(heads, n, r, padded, **timing),
                 "engine_buffer": buffer_tokens(n, rows=r),
             }
+            if split:
+                row["split_us"] = time_pass(heads, n, r, row["engine_buffer"], **timing, split=True)
             results.append(row)
             picked = "padded" if row["engine_buffer"] != whole else "whole steps"
+            ours = f"   split over the keys {row['split_us']:8.1f} us" if split else ""
             print(
                 f"keys {n:6d}  rows {r:3d}  whole steps ({whole}) {row['whole_steps_us']:8.1f} us   "
-                f"padded ({padded}) {row['padded_us']:8.1f} us   engine: {picked}",
+                f"padded ({padded}) {row['padded_us']:8.1f} us{ours}   engine: {picked}",
                 flush=True,
             )
     if args.json:

@@ -12,9 +12,9 @@
 #          bench's runs with the defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
 #          with the tensor-core kernel turned off;
-#   attention: decode attention split over the keys (off by default) against MLX's, its tests,
-#          then decode with it on and off, interleaved, and one step's kernels under Nsight
-#          Compute with it on.
+#   attention: decode attention split over the keys (off by default) against MLX's: its tests,
+#          passes chained as a step chains them, decode with it on and off interleaved, and one
+#          step's kernels under Nsight Compute with it on.
 # Run from the repository root:
 #   bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch|attention]
 # (every part when the second argument is left out). Each command has its own time limit; a
@@ -105,6 +105,8 @@ if [ "$PART" = "all" ] || [ "$PART" = "attention" ]; then
   # docs/qmv.md, "MLX's CUDA graphs": MLX's one-pass kernel took 20 us a layer of a step.
   pytest_step 150 "decode attention tests, and the quantized cache's (shared source)" \
     tests/engine/models/test_decode_attention_cuda.py tests/engine/models/test_quantized_attention_cuda.py
+  step 120 "decode attention microbench, chained passes" "$PY" -m engine.cli.bench_decode_attention \
+    --shape qwen3-4b --keys 520,2000,6000 --rows 1,4 --chain --ours
   for on in 1 0 1 0; do
     for shape_limit in qwen3-4b:60 llama3-8b:70; do
       shape="${shape_limit%%:*}"
