@@ -52,8 +52,9 @@ struct alignas(P * sizeof(T) % 16 == 0 ? 16 : (P * sizeof(T) == 8 ? 8 : alignof(
 template <typename T, int P>
 __device__ __forceinline__ bool lanes_whole(const T* base, long stride, long step) {
   constexpr int BYTES = P * (int)sizeof(T);
-  constexpr unsigned long long A = BYTES % 16 == 0 ? 16 : (BYTES == 8 ? 8 : 0);
-  if (A == 0 || step != 1) return false;
+  if constexpr (BYTES % 16 != 0 && BYTES != 8) return false;  // loaded value by value
+  constexpr unsigned long long A = BYTES % 16 == 0 ? 16 : 8;
+  if (step != 1) return false;
   return ((reinterpret_cast<unsigned long long>(base) | (unsigned long long)(stride * (long)sizeof(T))) % A) == 0;
 }
 
