@@ -57,6 +57,12 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
+# Chunks of a lane's K loop the compiler is told to unroll (``MLX_DESK_QMV_UNROLL``, 2-8; left
+# to the compiler by default). Inside a step the products read at a quarter to a third of the
+# copy rate (docs/qmv.md, "MLX's CUDA graphs"): a lane's few chunks may each wait for their
+# loads in turn. Unrolling lets later chunks' loads issue before earlier ones are multiplied;
+# each lane's sums run in the same order either way, so outputs do not change. Not yet measured.
+UNROLL_ENV = "MLX_DESK_QMV_UNROLL"
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).
 NORM_STAGE_BYTES = 32 << 10
@@ -204,6 +210,9 @@ __device__ __forceinline__ void rows_product(
     for (int j = 0; j < CPW; ++j) acc[r][j] = 0.f;
   }
 
+#ifdef CHUNK_UNROLL
+#pragma unroll CHUNK_UNROLL
+#endif
   for (int c = part * 32 + lane; c < chunks; c += KS * 32) {
     // Load every column's codes, scale and bias for this chunk first (loads in flight together).
     uint32_t q[CPW][4];
@@ -400,6 +409,12 @@ def available() -> bool:
     return _cuda_build() and mx.default_device() == mx.gpu
 
 
+def chunk_unroll() -> str:
+    """The ``#define`` that unrolls the K loop (``MLX_DESK_QMV_UNROLL``), or nothing."""
+    value = os.environ.get(UNROLL_ENV, "")
+    return f"#define CHUNK_UNROLL {int(value)}\n" if value.isdigit() and 2 <= int(value) <= 8 else ""
+
+
 def enabled() -> bool:
     """Whether products are routed to the kernel: not turned off (``MLX_DESK_QMV=0``) and able to run."""
     return os.environ.get(ENV, "1") != "0" and available()
@@ -486,7 +501,8 @@ def matmul(
         constants = [("KN", k), ("EPS", float_bits(norm[1]))]
     variant = variant_suffix(residual is not None, glu, norm is not None)
     source = kernel_source(residual is not None, glu, norm is not None)
-    kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, GLU_HEADER if glu else "")
+    includes = chunk_unroll() + (GLU_HEADER if glu else "")
+    kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, includes)
     (out,) = kernel(
         inputs=inputs,
         template=[("T", x.dtype), ("R", rows), ("BITS", bits), ("GS", group_size), *warps, *constants],

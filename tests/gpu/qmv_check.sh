@@ -8,8 +8,8 @@
 #          product reading its own weight from memory), whole-model decode against mlx-lm
 #          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits);
 #   ab:    qwen3-4b with the head norm + RoPE kernel off and the activation epilogue off, and
-#          qwen3-4b and llama3-8b with the norm prologue off and the residual epilogue off (beside
-#          bench's runs with the defaults);
+#          qwen3-4b and llama3-8b with the norm prologue off, the K loop unrolled 2 and 4 times
+#          and the residual epilogue off (beside bench's runs with the defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
 #          with the tensor-core kernel turned off;
 #   attention: decode attention split over the keys (off by default) against MLX's: its tests,
@@ -82,6 +82,15 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
     shape="${shape_limit%%:*}"
     step "${shape_limit##*:}" "decode $shape, norm prologue off" env MLX_DESK_QMV_NORM=0 "$PY" -m engine bench \
       --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3 --vs mlx-lm --roofline
+  done
+  # The products' K loop unrolled (left to the compiler by default; docs/qmv.md, "MLX's CUDA
+  # graphs": a step's products read at a quarter to a third of the copy rate).
+  for unroll in 2 4; do
+    for shape_limit in qwen3-4b:100 llama3-8b:110; do
+      shape="${shape_limit%%:*}"
+      step "${shape_limit##*:}" "decode $shape, K loop unrolled $unroll" env MLX_DESK_QMV_UNROLL=$unroll "$PY" -m \
+        engine bench --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3 --roofline
+    done
   done
   # The residual adds in the products' epilogue, turned off for the A/B (on by default).
   for shape_limit in qwen3-4b:100 llama3-8b:110; do

@@ -471,3 +471,22 @@ def test_a_models_logits_are_the_same_with_the_epilogue_on(monkeypatch):
     logits = {r: _compiled_verify_logits(monkeypatch, model, routing.RESIDUAL_ENV, r, calls) for r in ("0", "1")}
     assert calls.count(True) == 2 * 2
     assert mx.array_equal(logits["1"], logits["0"])
+
+
+@pytest.mark.parametrize(
+    "value, define", [("", ""), ("1", ""), ("x", ""), ("9", ""), ("4", "#define CHUNK_UNROLL 4\n")]
+)
+def test_the_k_loop_is_unrolled_only_when_asked_with_a_count_of_2_to_8(monkeypatch, value, define):
+    monkeypatch.setenv(qmv.UNROLL_ENV, value)
+    assert qmv.chunk_unroll() == define
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows, glu", [(1, False), (1, True), (5, False)])
+def test_an_unrolled_k_loop_gives_the_same_bits(monkeypatch, rows, glu):
+    """Unrolling reorders no lane's sums, so the products are bit for bit the same."""
+    x, wq, scales, biases = _case(rows, 2560, 1030 * (2 if glu else 1), 4, 64, mx.bfloat16)
+    plain = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
+    monkeypatch.setenv(qmv.UNROLL_ENV, "4")
+    unrolled = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
+    assert mx.array_equal(plain, unrolled)
