@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import mlx.core as mx
 
+    from engine.models import decode_attention_cuda
+
     heads = attention_heads(SHAPES[args.shape])
-    split = args.ours and mx.cuda.is_available() and mx.default_device() == mx.gpu
+    split = args.ours and decode_attention_cuda.shared.available()
     if args.ours and not split:
         print("--ours: the split kernels run on MLX's CUDA backend only; timing MLX's alone", file=sys.stderr)
     print(

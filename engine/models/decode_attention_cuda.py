@@ -130,15 +130,10 @@ def _partial():
     )
 
 
-@cache
-def _cuda() -> bool:
-    return mx.cuda.is_available()
-
-
 def enabled() -> bool:
-    """Whether passes take the kernels: turned on (``MLX_DESK_DECODE_ATTENTION=1``), with MLX's
-    CUDA backend on the GPU."""
-    return os.environ.get(ENV, "0") == "1" and _cuda() and mx.default_device() == mx.gpu
+    """Whether passes take the kernels: turned on (``MLX_DESK_DECODE_ATTENTION=1``) where the
+    quantized cache's kernels can run (MLX's CUDA backend, on the GPU)."""
+    return os.environ.get(ENV, "0") == "1" and shared.available()
 
 
 def _keys_per_load(dims_per_lane: int, itemsize: int) -> int:
@@ -151,7 +146,8 @@ def _keys_per_load(dims_per_lane: int, itemsize: int) -> int:
 def takes(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
     """Whether attention of ``q`` [B, heads, L, D] over ``k``/``v`` [B, kv heads, T, D] with
     ``mask`` goes through the kernels."""
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+    # Off (everywhere by default) costs every attention pass of a step one check, not the shapes'.
+    if not enabled() or q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         return False
     b, n_heads, n_q, d = q.shape
     n_kv, n_keys = k.shape[1], k.shape[2]
@@ -169,7 +165,6 @@ def takes(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
         and q.dtype in DTYPES
         and k.dtype == q.dtype
         and v.dtype == q.dtype
-        and enabled()
     )
 
 

@@ -287,9 +287,15 @@ def _scale_array(scale: float) -> mx.array:
     return mx.array([scale], mx.float32)
 
 
+@cache
+def _cuda_build() -> bool:
+    return mx.cuda.is_available()
+
+
 def available() -> bool:
-    """Whether the kernels can run here: MLX's CUDA backend, on the GPU."""
-    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+    """Whether the kernels can run here: MLX's CUDA backend, on the GPU. (Asked before every
+    attention pass of a step, so the backend's answer is kept.)"""
+    return _cuda_build() and mx.default_device() == mx.gpu
 
 
 def _lanes_per_key(rows: int, head_dim: int) -> int:

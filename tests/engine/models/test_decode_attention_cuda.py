@@ -13,7 +13,7 @@ import pytest
 from engine.models import base
 from engine.models import decode_attention_cuda as decode
 
-needs_cuda = pytest.mark.skipif(not decode._cuda(), reason="needs MLX's CUDA backend")
+needs_cuda = pytest.mark.skipif(not decode.shared.available(), reason="needs MLX's CUDA backend")
 
 
 def _qkv(b, heads, kv_heads, n_q, n_keys, d, dtype, capacity=None, seed=0):
@@ -48,7 +48,7 @@ def test_nothing_is_routed_unless_turned_on_where_the_kernels_can_run(monkeypatc
     monkeypatch.delenv(decode.ENV, raising=False)
     assert not decode.takes(q, k, v, None)  # off by default until measured
     monkeypatch.setenv(decode.ENV, "1")
-    assert decode.takes(q, k, v, None) == (decode._cuda() and mx.default_device() == mx.gpu)
+    assert decode.takes(q, k, v, None) == (mx.cuda.is_available() and mx.default_device() == mx.gpu)
 
 
 @pytest.fixture
