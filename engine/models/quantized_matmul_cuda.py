@@ -57,12 +57,16 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
-# Chunks of a lane's K loop the compiler is told to unroll (``MLX_DESK_QMV_UNROLL``, 2-8; left
-# to the compiler by default). Inside a step the products read at a quarter to a third of the
-# copy rate (docs/qmv.md, "MLX's CUDA graphs"): a lane's few chunks may each wait for their
-# loads in turn. Unrolling lets later chunks' loads issue before earlier ones are multiplied;
-# each lane's sums run in the same order either way, so outputs do not change. Not yet measured.
+# How a lane walks its chunks of K, two ways asked for by name until measured (both left off;
+# each lane's sums run in the same order either way, so outputs do not change). Inside a step
+# the products read at a quarter to a third of the copy rate (docs/qmv.md, "MLX's CUDA
+# graphs"): a lane's few chunks each wait for their loads in turn. ``MLX_DESK_QMV_UNROLL=N``
+# (2-8) tells the compiler to unroll the loop N times, so later chunks' loads may issue before
+# earlier ones are multiplied; ``MLX_DESK_QMV_PREFETCH=1`` loads each chunk while the one
+# before it is multiplied (double buffering in registers: 96 against 56 a thread for one row,
+# so fewer warps a multiprocessor). The prefetch wins where both are asked for.
 UNROLL_ENV = "MLX_DESK_QMV_UNROLL"
+PREFETCH_ENV = "MLX_DESK_QMV_PREFETCH"
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).
 NORM_STAGE_BYTES = 32 << 10
@@ -154,6 +158,77 @@ __device__ __forceinline__ void block_norm(const T* x, const T* norm, const floa
   }
 }
 
+// One 16-byte chunk of codes of each of a warp's CPW columns, with the column's scale and bias
+// for the chunk's quantization group: what a lane loads before it multiplies.
+template <int CPW>
+struct Chunk {
+  uint32_t q[CPW][4];
+  float s[CPW], b[CPW];
+};
+
+// Chunk c of the columns whose packed rows start at words wrow and groups srow.
+template <typename T, int VPL, int GS, int CPW>
+__device__ __forceinline__ void load_chunk(Chunk<CPW>& chunk, const uint32_t* w, const T* scales, const T* biases,
+                                           const long (&wrow)[CPW], const long (&srow)[CPW], const int c,
+                                           const bool w_aligned) {
+  const int group = (c * VPL) / GS;
+#pragma unroll
+  for (int j = 0; j < CPW; ++j) {
+    const uint32_t* src = w + wrow[j] + (long)c * 4;
+    if (w_aligned) {
+      const uint4 u = *reinterpret_cast<const uint4*>(src);
+      chunk.q[j][0] = u.x; chunk.q[j][1] = u.y; chunk.q[j][2] = u.z; chunk.q[j][3] = u.w;
+    } else {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) chunk.q[j][t] = src[t];
+    }
+    chunk.s[j] = static_cast<float>(scales[srow[j] + group]);
+    chunk.b[j] = static_cast<float>(biases[srow[j] + group]);
+  }
+}
+
+// acc[r][j] += the chunk's share of row r of x [R, K] times column j. The chunk lies in one
+// quantization group, so its sum is scale * (x . codes) + bias * sum(x) per row and column:
+// the codes are multiplied into the rows as they are, and each column's scale and bias are
+// applied once a chunk.
+template <typename T, int R, int BITS, int CPW>
+__device__ __forceinline__ void add_chunk(const Chunk<CPW>& chunk, const T* x, const int K, const int c,
+                                          const bool x_aligned, float (&acc)[R][CPW]) {
+  constexpr int PW = 32 / BITS;
+  constexpr int VPL = 4 * PW;
+  float dot[R][CPW], xsum[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    xsum[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) dot[r][j] = 0.f;
+  }
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    float codes[CPW][PW];
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) word_codes<BITS>(chunk.q[j][t], codes[j]);
+    const int k = c * VPL + t * PW;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float xf[PW];
+      load_floats<T, PW>(x + (long)r * K + k, xf, x_aligned);
+#pragma unroll
+      for (int i = 0; i < PW; ++i) xsum[r] += xf[i];
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+#pragma unroll
+        for (int i = 0; i < PW; ++i) dot[r][j] = fmaf(xf[i], codes[j][i], dot[r][j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) acc[r][j] += fmaf(chunk.s[j], dot[r][j], chunk.b[j] * xsum[r]);
+  }
+}
+
 // out[r, n] = sum_k x[r, k] * dequantize(w)[n, k] for R rows of x [R, K] and one [N, K]
 // weight packed as MLX packs it, for the column sets of this block (blockIdx.x), or for
 // this warp's column set ``set`` where given (every warp of the block calling it alike when
@@ -210,62 +285,28 @@ __device__ __forceinline__ void rows_product(
     for (int j = 0; j < CPW; ++j) acc[r][j] = 0.f;
   }
 
-#ifdef CHUNK_UNROLL
-#pragma unroll CHUNK_UNROLL
-#endif
-  for (int c = part * 32 + lane; c < chunks; c += KS * 32) {
-    // Load every column's codes, scale and bias for this chunk first (loads in flight together).
-    uint32_t q[CPW][4];
-    float s[CPW], b[CPW];
-    const int group = (c * VPL) / GS;
-#pragma unroll
-    for (int j = 0; j < CPW; ++j) {
-      const uint32_t* src = w + wrow[j] + (long)c * 4;
-      if (w_aligned) {
-        const uint4 u = *reinterpret_cast<const uint4*>(src);
-        q[j][0] = u.x; q[j][1] = u.y; q[j][2] = u.z; q[j][3] = u.w;
-      } else {
-#pragma unroll
-        for (int t = 0; t < 4; ++t) q[j][t] = src[t];
-      }
-      s[j] = static_cast<float>(scales[srow[j] + group]);
-      b[j] = static_cast<float>(biases[srow[j] + group]);
-    }
-    // The chunk lies in one quantization group, so its sum is scale * (x . codes) + bias *
-    // sum(x) per row and column: the codes are multiplied into the rows as they are, and each
-    // column's scale and bias are applied once a chunk.
-    float dot[R][CPW], xsum[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      xsum[r] = 0.f;
-#pragma unroll
-      for (int j = 0; j < CPW; ++j) dot[r][j] = 0.f;
-    }
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      float codes[CPW][PW];
-#pragma unroll
-      for (int j = 0; j < CPW; ++j) word_codes<BITS>(q[j][t], codes[j]);
-      const int k = c * VPL + t * PW;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float xf[PW];
-        load_floats<T, PW>(x + (long)r * K + k, xf, x_aligned);
-#pragma unroll
-        for (int i = 0; i < PW; ++i) xsum[r] += xf[i];
-#pragma unroll
-        for (int j = 0; j < CPW; ++j) {
-#pragma unroll
-          for (int i = 0; i < PW; ++i) dot[r][j] = fmaf(xf[i], codes[j][i], dot[r][j]);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-      for (int j = 0; j < CPW; ++j) acc[r][j] += fmaf(s[j], dot[r][j], b[j] * xsum[r]);
-    }
+  int c = part * 32 + lane;
+  const int stride = KS * 32;
+#ifdef CHUNK_PREFETCH
+  // Each chunk's loads issue before the chunk ahead of it is multiplied, so a lane's memory
+  // round trips overlap its arithmetic instead of following it (the sums run as below).
+  Chunk<CPW> next;
+  if (c < chunks) load_chunk<T, VPL, GS>(next, w, scales, biases, wrow, srow, c, w_aligned);
+  for (; c < chunks; c += stride) {
+    const Chunk<CPW> chunk = next;
+    if (c + stride < chunks) load_chunk<T, VPL, GS>(next, w, scales, biases, wrow, srow, c + stride, w_aligned);
+    add_chunk<T, R, BITS>(chunk, x, K, c, x_aligned, acc);
   }
+#else
+#ifdef CHUNK_UNROLL
+#pragma unroll CHUNK_UNROLL_COUNT
+#endif
+  for (; c < chunks; c += stride) {
+    Chunk<CPW> chunk;
+    load_chunk<T, VPL, GS>(chunk, w, scales, biases, wrow, srow, c, w_aligned);
+    add_chunk<T, R, BITS>(chunk, x, K, c, x_aligned, acc);
+  }
+#endif
 
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -409,10 +450,17 @@ def available() -> bool:
     return _cuda_build() and mx.default_device() == mx.gpu
 
 
-def chunk_unroll() -> str:
-    """The ``#define`` that unrolls the K loop (``MLX_DESK_QMV_UNROLL``), or nothing."""
+def chunk_loop() -> str:
+    """The ``#define``s that choose how a lane walks its chunks: prefetched
+    (``MLX_DESK_QMV_PREFETCH=1``), unrolled N times (``MLX_DESK_QMV_UNROLL``), or neither."""
+    if os.environ.get(PREFETCH_ENV, "0") == "1":
+        return "#define CHUNK_PREFETCH\n"
     value = os.environ.get(UNROLL_ENV, "")
-    return f"#define CHUNK_UNROLL {int(value)}\n" if value.isdigit() and 2 <= int(value) <= 8 else ""
+    if not (value.isdigit() and 2 <= int(value) <= 8):
+        return ""
+    # A constant, not a macro: ``#pragma unroll`` takes a constant expression and does not
+    # expand macros in it.
+    return f"#define CHUNK_UNROLL\nconstexpr int CHUNK_UNROLL_COUNT = {int(value)};\n"
 
 
 def enabled() -> bool:
@@ -501,7 +549,7 @@ def matmul(
         constants = [("KN", k), ("EPS", float_bits(norm[1]))]
     variant = variant_suffix(residual is not None, glu, norm is not None)
     source = kernel_source(residual is not None, glu, norm is not None)
-    includes = chunk_unroll() + (GLU_HEADER if glu else "")
+    includes = chunk_loop() + (GLU_HEADER if glu else "")
     kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, includes)
     (out,) = kernel(
         inputs=inputs,

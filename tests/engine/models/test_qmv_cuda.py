@@ -473,20 +473,35 @@ def test_a_models_logits_are_the_same_with_the_epilogue_on(monkeypatch):
     assert mx.array_equal(logits["1"], logits["0"])
 
 
+UNROLL_4 = "#define CHUNK_UNROLL\nconstexpr int CHUNK_UNROLL_COUNT = 4;\n"
+
+
 @pytest.mark.parametrize(
-    "value, define", [("", ""), ("1", ""), ("x", ""), ("9", ""), ("4", "#define CHUNK_UNROLL 4\n")]
+    "unroll, prefetch, define",
+    [
+        ("", "", ""),
+        ("1", "0", ""),
+        ("x", "", ""),
+        ("9", "", ""),
+        ("4", "", UNROLL_4),
+        ("4", "1", "#define CHUNK_PREFETCH\n"),
+        ("", "1", "#define CHUNK_PREFETCH\n"),
+        ("", "yes", ""),
+    ],
 )
-def test_the_k_loop_is_unrolled_only_when_asked_with_a_count_of_2_to_8(monkeypatch, value, define):
-    monkeypatch.setenv(qmv.UNROLL_ENV, value)
-    assert qmv.chunk_unroll() == define
+def test_the_k_loop_is_unrolled_or_prefetched_only_when_asked(monkeypatch, unroll, prefetch, define):
+    monkeypatch.setenv(qmv.UNROLL_ENV, unroll)
+    monkeypatch.setenv(qmv.PREFETCH_ENV, prefetch)
+    assert qmv.chunk_loop() == define
 
 
 @needs_cuda
 @pytest.mark.parametrize("rows, glu", [(1, False), (1, True), (5, False)])
-def test_an_unrolled_k_loop_gives_the_same_bits(monkeypatch, rows, glu):
-    """Unrolling reorders no lane's sums, so the products are bit for bit the same."""
+@pytest.mark.parametrize("env, value", [(qmv.UNROLL_ENV, "4"), (qmv.PREFETCH_ENV, "1")])
+def test_an_unrolled_or_prefetched_k_loop_gives_the_same_bits(monkeypatch, rows, glu, env, value):
+    """Neither reorders a lane's sums, so the products are bit for bit the same."""
     x, wq, scales, biases = _case(rows, 2560, 1030 * (2 if glu else 1), 4, 64, mx.bfloat16)
     plain = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
-    monkeypatch.setenv(qmv.UNROLL_ENV, "4")
-    unrolled = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
-    assert mx.array_equal(plain, unrolled)
+    monkeypatch.setenv(env, value)
+    walked = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
+    assert mx.array_equal(plain, walked)

@@ -39,22 +39,23 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ t
 _TOLERANCE = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
 
 
-def _program(driver: str, kernel: str, dtype, bits: int, group: int, splits: int, extra: str) -> str:
+def _program(driver: str, kernel: str, dtype, bits: int, group: int, splits: int, extra: str, loop: str = "") -> str:
     """The C++ program: the kernel's device code and ``kernel`` as the driver runs it, with
-    the kernel's template constants (``extra``: the variant's own) and activation type."""
+    the kernel's template constants (``extra``: the variant's own) and activation type, after
+    ``loop`` (``qmv.chunk_loop``'s defines)."""
     constants = (
         f"{extra} constexpr int BITS = {bits}; constexpr int GS = {group}; "
         f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
     )
-    source = PRELUDE + qmv.compact(qmv.DEVICE_FUNCTIONS) + f"using T = {CPP_TYPE[dtype]};\n"
+    source = PRELUDE + loop + qmv.compact(qmv.DEVICE_FUNCTIONS) + f"using T = {CPP_TYPE[dtype]};\n"
     return source + driver.replace("CONSTANTS", constants).replace("SOURCE", qmv.compact(kernel))
 
 
-def _run_on_cpu(tmp_path, x, wq, scales, biases, group: int, bits: int, shift: int) -> mx.array:
+def _run_on_cpu(tmp_path, x, wq, scales, biases, group: int, bits: int, shift: int, loop: str = "") -> mx.array:
     rows, k = x.shape
     n = wq.shape[0]
     splits = qmv.k_splits(k, n, bits)
-    source = _program(PRODUCT_DRIVER, qmv._SOURCE, x.dtype, bits, group, splits, f"constexpr int R = {rows};")
+    source = _program(PRODUCT_DRIVER, qmv._SOURCE, x.dtype, bits, group, splits, f"constexpr int R = {rows};", loop)
     return _build_and_run(
         tmp_path, source, (x, wq, scales, biases), [rows, k, n, shift, qmv.WARPS, splits, qmv.COLUMNS]
     )
@@ -100,6 +101,26 @@ def test_the_kernels_source_computes_mlxs_product(tmp_path, rows, inputs, output
     assert got.dtype == dtype
     error = mx.abs(got.astype(mx.float32) - expected).max().item()
     assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
+
+
+@pytest.mark.parametrize("env, value", [(qmv.PREFETCH_ENV, "1"), (qmv.UNROLL_ENV, "3")])
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, splits", [(1, 3200, 37, 2), (3, 8320, 19, 4), (1, 24640, 9, 4), (2, 64, 9, 1)], ids=str
+)
+def test_a_prefetched_or_unrolled_walk_gives_the_same_bits(
+    monkeypatch, tmp_path, rows, inputs, outputs, splits, env, value
+):
+    """Lanes of 1-2, 2-3 and 6-7 chunks, and lanes with none (64 inputs are two chunks): the
+    prefetch's first, middle and last chunks, and a walk the unrolled loop does not divide."""
+    assert qmv.k_splits(inputs, outputs, 4) == splits
+    k1, k2 = mx.random.split(mx.random.key(rows + inputs), 2)
+    wq, scales, biases = mx.quantize(mx.random.normal((outputs, inputs), key=k1).astype(mx.bfloat16), bits=4)
+    x = mx.random.normal((rows, inputs), key=k2).astype(mx.bfloat16)
+    plain = _run_on_cpu(tmp_path, x, wq, scales, biases, 64, 4, 1)
+    monkeypatch.setenv(env, value)
+    loop = qmv.chunk_loop()
+    assert loop
+    assert mx.array_equal(_run_on_cpu(tmp_path, x, wq, scales, biases, 64, 4, 1, loop), plain)
 
 
 @pytest.mark.parametrize(
