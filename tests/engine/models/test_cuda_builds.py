@@ -1,10 +1,12 @@
-"""The small-row product kernels' source built by NVIDIA's compiler for a Hopper GPU, where one
-is installed: what MLX's runtime compiler would refuse is caught off the GPU, and so are
-register spills, which would turn a step's weight read into local-memory traffic.
+"""The decode kernels' source (the small-row products, and attention over a full-precision or a
+quantized cache) built by NVIDIA's compiler for a Hopper GPU, where one is installed: what
+MLX's runtime compiler would refuse is caught off the GPU, and so are register spills, which
+would turn a step's weight read into local-memory traffic.
 
-The body is wrapped the way ``mx.fast.cuda_kernel`` wraps it (each input a pointer, the
-packed weight's shape beside it, the template constants as the launch gives them), with
-stand-ins for the one MLX header the activation epilogue includes. Skipped without nvcc.
+Each body is wrapped the way ``mx.fast.cuda_kernel`` wraps it (each input a pointer with its
+shape, strides and dimensions beside it, each output a pointer, the template constants as the
+launch gives them), with a stand-in for the one MLX header the activation epilogue includes.
+Skipped without nvcc.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import re
 import shutil
 import subprocess
 
+import mlx.core as mx
 import pytest
 
+from engine.models import decode_attention_cuda as dense_attention
+from engine.models import quantized_attention_cuda as quantized_attention
 from engine.models import quantized_matmul_cuda as qmv
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build for the GPU")
@@ -27,24 +32,36 @@ struct Sigmoid {
 """
 
 
-def _kernel(rows: int, splits: int, residual: bool, glu: bool, norm: bool, loop: str) -> str:
-    names = ["x", "w", "scales", "biases"] + ["residual"] * residual + ["norm"] * norm
-    types = {"w": "uint32_t"}
-    params = ", ".join(f"const {types.get(n, 'T')}* {n}" for n in names)
-    constants = (
-        f"using T = __nv_bfloat16; constexpr int R = {rows}; constexpr int BITS = 4; constexpr int GS = 64; "
-        f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits}; "
-        "constexpr int KN = 2560; constexpr int EPS = 897988541;"
-    )
+_C_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.uint32: "uint32_t"}
+
+
+def _wrapped(inputs: dict[str, str], outputs: dict[str, str], constants, header: str, body: str) -> str:
+    """A kernel as MLX's runtime compiler receives it: ``inputs`` and ``outputs`` name -> C
+    type, ``constants`` (name, dtype or int) as the launch's template gives them."""
+    params = [
+        f"const {t}* {n}, const int32_t* {n}_shape, const int64_t* {n}_strides, int {n}_ndim" for n, t in inputs.items()
+    ] + [f"{t}* {n}" for n, t in outputs.items()]
+    lines = [
+        f"using {n} = {_C_TYPES[v]};" if isinstance(v, mx.Dtype) else f"constexpr int {n} = {v};" for n, v in constants
+    ]
     return (
-        "#include <cuda_bf16.h>\n#include <cstdint>\n"
-        + loop
-        + _SIGMOID
-        + qmv.compact(qmv.DEVICE_FUNCTIONS)
-        + constants
-        + f'\nextern "C" __global__ void product({params}, const int32_t* w_shape, T* out) {{\n'
-        + qmv.compact(qmv.kernel_source(residual, glu, norm))
-        + "}\n"
+        "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
+        + header
+        + "\n".join(lines)
+        + f'\nextern "C" __global__ void kernel({", ".join(params)}) {{\n{body}}}\n'
+    )
+
+
+def _product(rows: int, splits: int, residual: bool, glu: bool, norm: bool, loop: str) -> str:
+    names = ["x", "w", "scales", "biases"] + ["residual"] * residual + ["norm"] * norm
+    constants = [("T", mx.bfloat16), ("R", rows), ("BITS", 4), ("GS", 64), ("CPW", qmv.COLUMNS), ("NW", qmv.WARPS)]
+    constants += [("KS", splits), ("KN", 2560), ("EPS", qmv.float_bits(1e-6))]
+    return _wrapped(
+        {n: "uint32_t" if n == "w" else "T" for n in names},
+        {"out": "T"},
+        constants,
+        loop + _SIGMOID + qmv.compact(qmv.DEVICE_FUNCTIONS),
+        qmv.compact(qmv.kernel_source(residual, glu, norm)),
     )
 
 
@@ -84,7 +101,7 @@ def test_every_walk_of_the_product_builds_without_spilling(
     monkeypatch.delenv(qmv.PREFETCH_ENV, raising=False)
     for name, value in LOOPS[loop].items():
         monkeypatch.setenv(name, value)
-    registers, spilled = _build(tmp_path, _kernel(rows, splits, residual, glu, norm, qmv.chunk_loop()))
+    registers, spilled = _build(tmp_path, _product(rows, splits, residual, glu, norm, qmv.chunk_loop()))
     assert spilled == 0
     assert registers <= 255
 
@@ -94,4 +111,51 @@ def test_a_macro_in_an_unroll_pragma_is_refused_as_the_runtime_compiler_refuses_
     does not build (the unrolled walk's count is a constant for that reason)."""
     loop = "#define CHUNK_UNROLL\n#define CHUNK_UNROLL_COUNT 2\n"
     with pytest.raises(AssertionError, match="CHUNK_UNROLL_COUNT"):
-        _build(tmp_path, _kernel(1, 1, False, False, False, loop))
+        _build(tmp_path, _product(1, 1, False, False, False, loop))
+
+
+_PARTS = {"part_acc": "float", "part_max": "float", "part_sum": "float"}
+
+
+# qwen3-4b's step (32 heads over 8, 128 dimensions), a verify pass of 5 over 8 heads of 64, and
+# llama3-8b's pass of 4 queries.
+PASSES = [(32, 8, 1, 520, 128), (8, 8, 5, 2000, 64), (32, 8, 4, 6000, 128)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, queries, keys, dims", PASSES, ids=str)
+def test_attention_over_a_full_precision_cache_builds_without_spilling(tmp_path, heads, kv_heads, queries, keys, dims):
+    template, _, _ = dense_attention.plan(1, heads, kv_heads, queries, keys, dims, mx.bfloat16)
+    source = _wrapped(
+        {"q": "InT", "sc": "float", "k": "InT", "v": "InT"},
+        _PARTS,
+        template,
+        quantized_attention._HEADER + dense_attention._HEADER,
+        "const int n_kv = k_shape[1], n_keys = k_shape[2];"
+        + quantized_attention._SETUP
+        + dense_attention._WALK
+        + quantized_attention._BLOCK_MERGE,
+    )
+    assert _build(tmp_path, source)[1] == 0
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("heads, kv_heads, queries, keys, dims", PASSES, ids=str)
+def test_attention_over_a_quantized_cache_and_its_merge_build_without_spilling(
+    tmp_path, heads, kv_heads, queries, keys, dims, bits
+):
+    template, _, _ = quantized_attention.plan(1, heads, kv_heads, queries, keys, dims, mx.bfloat16, bits, (64, 64))
+    codes = {f"{kv}{part}": "uint32_t" if part == "w" else "InT" for kv in "kv" for part in "wsb"}
+    partial = _wrapped(
+        {"q": "InT", "sc": "float", **codes},
+        _PARTS,
+        template,
+        quantized_attention._HEADER,
+        "const int n_kv = kw_shape[1], n_keys = kw_shape[2];"
+        + quantized_attention._SETUP
+        + quantized_attention._WALK
+        + quantized_attention._BLOCK_MERGE,
+    )
+    assert _build(tmp_path, partial)[1] == 0
+    constants = [("InT", mx.bfloat16), ("D", dims), ("L", queries), ("REP", heads // kv_heads), ("NKV", kv_heads)]
+    merge = _wrapped(_PARTS, {"out": "InT"}, constants, quantized_attention._HEADER, quantized_attention._MERGE)
+    assert _build(tmp_path, merge)[1] == 0
