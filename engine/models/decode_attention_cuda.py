@@ -28,6 +28,7 @@ from functools import cache
 import mlx.core as mx
 
 from engine.models import quantized_attention_cuda as shared
+from engine.models.cuda_build import cuda_kernel
 
 ENV = "MLX_DESK_DECODE_ATTENTION"
 # A verify pass's queries at most (their running sums live in registers, as for the
@@ -120,7 +121,7 @@ _WALK = """
 
 @cache
 def _partial():
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="decode_attention_partial",
         input_names=["q", "sc", "k", "v"],
         output_names=["part_acc", "part_max", "part_sum"],

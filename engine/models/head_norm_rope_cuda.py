@@ -40,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models.cuda_build import cuda_kernel
 from engine.models.quantized_matmul_cuda import available, compact
 
 ENV = "MLX_DESK_QK_ROPE"
@@ -124,7 +125,7 @@ def _kernel(normed: bool, eps: float, scale: float, log2_base: float):
     """The kernel for one model's constants, written into its source as float32 values (MLX
     passes them to its own kernels as float32)."""
     weights = ["q_weight", "k_weight"] if normed else []
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="head_norm_rope" if normed else "head_rope",
         input_names=["x", *weights, "offset"],
         output_names=["q", "kv"],

@@ -46,6 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models import quantized_matmul_cuda as kernel
+from engine.models.cuda_build import cuda_kernel
 from engine.models.quantized_routing import affine_packed
 
 ENV = "MLX_DESK_LAYER_TAIL"
@@ -169,7 +170,7 @@ def multiprocessors() -> int:
     blocks report (evaluated at once, inside a traced step too: the probe depends on nothing
     traced). 0 where no CUDA kernel can run."""
     try:
-        probe = mx.fast.cuda_kernel(name="multiprocessors", input_names=["unused"], output_names=["ids"], source=PROBE)
+        probe = cuda_kernel(name="multiprocessors", input_names=["unused"], output_names=["ids"], source=PROBE)
         (ids,) = probe(
             inputs=[mx.zeros((1,), mx.uint32)],
             grid=(PROBE_BLOCKS * 32, 1, 1),
@@ -200,7 +201,7 @@ def blocks() -> int:
 @cache
 def _kernel():
     """The kernel over the small-row kernel's device functions, built once."""
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="layer_tail",
         input_names=list(INPUTS),
         output_names=["out", "h", "a"],

@@ -29,6 +29,8 @@ from functools import cache
 
 import mlx.core as mx
 
+from engine.models.cuda_build import cuda_kernel
+
 # Warps per block. Each warp splits into lane groups of LPK lanes (``_lanes_per_key``), each
 # group on its own key: fewer lanes per key means fewer shuffles to sum a dot product (the
 # first kernel, a whole warp per key, spent its time there: 5.2 ms a token over 36 layers at
@@ -262,7 +264,7 @@ _MERGE = """
 
 @cache
 def _kernels():
-    partial = mx.fast.cuda_kernel(
+    partial = cuda_kernel(
         name="quantized_kv_attention_partial",
         input_names=["q", "sc", "kw", "ks", "kb", "vw", "vs", "vb"],
         output_names=["part_acc", "part_max", "part_sum"],
@@ -270,7 +272,7 @@ def _kernels():
         header=_HEADER,
         ensure_row_contiguous=False,  # the cache's codes are read in place, strided by its capacity
     )
-    merge = mx.fast.cuda_kernel(
+    merge = cuda_kernel(
         name="quantized_kv_attention_merge",
         input_names=["part_acc", "part_max", "part_sum"],
         output_names=["out"],

@@ -43,6 +43,8 @@ from functools import cache
 
 import mlx.core as mx
 
+from engine.models.cuda_build import cuda_kernel, launch_bounds
+
 # Output columns per warp: each lane holds ROWS x COLUMNS float32 sums, and the activations
 # a lane reads serve COLUMNS weight rows. Warps per block: blocks of 128 threads.
 COLUMNS = 4
@@ -67,6 +69,11 @@ ENV = "MLX_DESK_QMV"
 # so fewer warps a multiprocessor). The prefetch wins where both are asked for.
 UNROLL_ENV = "MLX_DESK_QMV_UNROLL"
 PREFETCH_ENV = "MLX_DESK_QMV_PREFETCH"
+# Launch bounds for the product's build (``MLX_DESK_QMV_BOUNDS``: 0 for one block of WARPS warps,
+# N for that and N blocks a multiprocessor; none by default, as MLX builds a kernel). Without
+# them the compiler gave the one-row product 120 registers a thread against 56 with them
+# (models.cuda_build): 16 warps a multiprocessor against 36. Not yet measured.
+BOUNDS_ENV = "MLX_DESK_QMV_BOUNDS"
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).
 NORM_STAGE_BYTES = 32 << 10
@@ -409,7 +416,7 @@ def compact(source: str) -> str:
 def rows_kernel(name: str, inputs: tuple[str, ...], source: str, includes: str = ""):
     """A kernel over the shared device functions (``DEVICE_FUNCTIONS``, after ``includes``)
     writing ``out``, built once per name, inputs and source."""
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=name,
         input_names=list(inputs),
         output_names=["out"],
@@ -461,6 +468,14 @@ def chunk_loop() -> str:
     # A constant, not a macro: ``#pragma unroll`` takes a constant expression and does not
     # expand macros in it.
     return f"#define CHUNK_UNROLL\nconstexpr int CHUNK_UNROLL_COUNT = {int(value)};\n"
+
+
+def bounds() -> str:
+    """The launch bounds' header line (``MLX_DESK_QMV_BOUNDS``), or nothing."""
+    value = os.environ.get(BOUNDS_ENV, "")
+    if not (value.isdigit() and int(value) <= 32):
+        return ""
+    return launch_bounds(WARPS * 32, int(value))
 
 
 def enabled() -> bool:
@@ -549,7 +564,7 @@ def matmul(
         constants = [("KN", k), ("EPS", float_bits(norm[1]))]
     variant = variant_suffix(residual is not None, glu, norm is not None)
     source = kernel_source(residual is not None, glu, norm is not None)
-    includes = chunk_loop() + (GLU_HEADER if glu else "")
+    includes = chunk_loop() + bounds() + (GLU_HEADER if glu else "")
     kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, includes)
     (out,) = kernel(
         inputs=inputs,

@@ -40,6 +40,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from engine.models.cuda_build import cuda_kernel
 from engine.models.quantized_matmul_cuda import GLU_HEADER, compact, enabled, epilogue_flags, variant_suffix
 from engine.models.quantized_matmul_cuda import fits as row_kernel_fits
 from engine.models.quantized_matmul_cuda import takes as row_kernel_takes
@@ -276,7 +277,7 @@ SOURCE = kernel_source()
 
 @cache
 def _kernel(residual: bool = False, glu: bool = False):
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"quantized_matmul_mma{variant_suffix(residual, glu)}",
         input_names=["x", "w", "scales", "biases", *(["residual"] if residual else [])],
         output_names=["out"],

@@ -34,7 +34,8 @@ def step_length(names: list[str], steps: int) -> int:
 
 
 def short(name: str) -> str:
-    custom = re.search(r"custom_kernel_([a-z_]+?)_(bfloat16|float16|float32|float)", name)
+    # Our kernels' names: custom_kernel_<name>_<digest of the source>_<template constants>.
+    custom = re.search(r"custom_kernel_([a-z_]+?)(?:_[0-9a-f]{8})?_(bfloat16|float16|float32|float)", name)
     return custom.group(1) if custom else re.sub(r"^void ", "", name).split("<")[0].split("(")[0][-48:]
 
 

@@ -114,6 +114,19 @@ def test_a_macro_in_an_unroll_pragma_is_refused_as_the_runtime_compiler_refuses_
         _build(tmp_path, _product(1, 1, False, False, False, loop))
 
 
+@pytest.mark.parametrize("blocks", [8, 10])
+def test_launch_bounds_reach_the_kernel_through_its_header(monkeypatch, tmp_path, blocks):
+    """MLX writes the kernel's ``__global__`` line itself: bounds of N 128-thread blocks a
+    multiprocessor must hold the one-row product to 65,536 / (N x 128) registers a thread,
+    which without them it exceeds."""
+    monkeypatch.setenv(qmv.BOUNDS_ENV, str(blocks))
+    registers, _ = _build(tmp_path, _product(1, 1, False, False, False, qmv.bounds()))
+    assert registers <= 65536 // (blocks * 128)
+    monkeypatch.delenv(qmv.BOUNDS_ENV)
+    assert qmv.bounds() == ""
+    assert _build(tmp_path, _product(1, 1, False, False, False, qmv.bounds()))[0] > 65536 // (blocks * 128)
+
+
 _PARTS = {"part_acc": "float", "part_max": "float", "part_sum": "float"}
 
 

@@ -495,11 +495,21 @@ def test_the_k_loop_is_unrolled_or_prefetched_only_when_asked(monkeypatch, unrol
     assert qmv.chunk_loop() == define
 
 
+@pytest.mark.parametrize(
+    "value, line",
+    [("", ""), ("x", ""), ("-1", ""), ("33", ""), ("0", "__launch_bounds__(128)"), ("8", "__launch_bounds__(128, 8)")],
+)
+def test_launch_bounds_only_when_asked(monkeypatch, value, line):
+    monkeypatch.setenv(qmv.BOUNDS_ENV, value)
+    assert qmv.bounds().endswith(f"{line}\n" if line else "")
+    assert (line in qmv.bounds()) and bool(qmv.bounds()) == bool(line)
+
+
 @needs_cuda
 @pytest.mark.parametrize("rows, glu", [(1, False), (1, True), (5, False)])
-@pytest.mark.parametrize("env, value", [(qmv.UNROLL_ENV, "4"), (qmv.PREFETCH_ENV, "1")])
-def test_an_unrolled_or_prefetched_k_loop_gives_the_same_bits(monkeypatch, rows, glu, env, value):
-    """Neither reorders a lane's sums, so the products are bit for bit the same."""
+@pytest.mark.parametrize("env, value", [(qmv.UNROLL_ENV, "4"), (qmv.PREFETCH_ENV, "1"), (qmv.BOUNDS_ENV, "8")])
+def test_an_unrolled_prefetched_or_bounded_build_gives_the_same_bits(monkeypatch, rows, glu, env, value):
+    """None of them reorders a lane's sums, so the products are bit for bit the same."""
     x, wq, scales, biases = _case(rows, 2560, 1030 * (2 if glu else 1), 4, 64, mx.bfloat16)
     plain = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
     monkeypatch.setenv(env, value)
