@@ -1,0 +1,83 @@
+"""Registers a thread of a decode step's CUDA kernels as NVIDIA's compiler builds them for sm_90
+(no GPU needed, nvcc on PATH): qwen3-4b's products at one row, as MLX builds them (no launch
+bounds) and with each build switch, and the split decode attention. The occupancy column is
+the warps a multiprocessor holds at that count (65,536 registers, 128-thread blocks, 64 warps
+at most).
+
+    python tests/gpu/kernel_registers.py
+
+Figures of it: docs/qmv.md, "Registers".
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import mlx.core as mx  # noqa: E402
+
+from engine.models import decode_attention_cuda as dense  # noqa: E402
+from engine.models import quantized_attention_cuda as quantized  # noqa: E402
+from engine.models import quantized_matmul_cuda as qmv  # noqa: E402
+from tests.engine.models import test_cuda_builds as builds  # noqa: E402
+
+# qwen3-4b at 4 bits: (inputs, outputs, residual, glu, norm) of each product of a layer, and the head.
+PRODUCTS = {
+    "norm + q/k/v 2560->6144": (2560, 6144, False, False, True),
+    "output 4096->2560 + residual": (4096, 2560, True, False, False),
+    "norm + gate/up 2560->19456 + activation": (2560, 19456, False, True, True),
+    "down 9728->2560 + residual": (9728, 2560, True, False, False),
+    "head 2560->151936": (2560, 151936, False, False, False),
+}
+SWITCHES = {
+    "as MLX builds it": {},
+    "MLX_DESK_QMV_BOUNDS=0": {qmv.BOUNDS_ENV: "0"},
+    "MLX_DESK_QMV_BOUNDS=8": {qmv.BOUNDS_ENV: "8"},
+    "MLX_DESK_QMV_PREFETCH=1": {qmv.PREFETCH_ENV: "1"},
+    "MLX_DESK_QMV_UNROLL=2": {qmv.UNROLL_ENV: "2"},
+}
+
+
+def warps(registers: int) -> int:
+    blocks = min(65536 // (registers * 128), 16)
+    return blocks * 4
+
+
+def build(source: str) -> tuple[int, int]:
+    return builds._build(Path(tempfile.mkdtemp()), source)
+
+
+def main() -> None:
+    print("| product | build | registers | warps a multiprocessor | spilled bytes |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for name, (k, n, residual, glu, norm) in PRODUCTS.items():
+        for switch, env in SWITCHES.items():
+            for key in (qmv.BOUNDS_ENV, qmv.PREFETCH_ENV, qmv.UNROLL_ENV):
+                os.environ.pop(key, None)
+            os.environ.update(env)
+            splits = qmv.k_splits(k, n, 4)
+            registers, spilled = build(builds._product(1, splits, residual, glu, norm, qmv.chunk_loop() + qmv.bounds()))
+            print(f"| {name} | {switch} | {registers} | {warps(registers)} | {spilled} |")
+    for heads, kv_heads, queries, keys, dims in builds.PASSES:
+        template, slices, blocks = dense.plan(1, heads, kv_heads, queries, keys, dims, mx.bfloat16)
+        source = builds._wrapped(
+            {"q": "InT", "sc": "float", "k": "InT", "v": "InT"},
+            builds._PARTS,
+            template,
+            quantized._HEADER + dense._HEADER,
+            "const int n_kv = k_shape[1], n_keys = k_shape[2];"
+            + quantized._SETUP
+            + dense._WALK
+            + quantized._BLOCK_MERGE,
+        )
+        registers, spilled = build(source)
+        print(
+            f"| split attention, {heads} heads over {kv_heads}, {queries} queries, {keys} keys "
+            f"({slices * blocks} blocks) | as MLX builds it | {registers} | {warps(registers)} | {spilled} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
