@@ -14,9 +14,12 @@ groups walk the slice a few keys ahead, and a second kernel merges the slices.
 Only plain causal attention is taken (no mask for one query, or the "causal" string), for
 at most ``MAX_QUERIES`` queries and ``MAX_KEYS`` keys; the rest keeps MLX's kernel.
 
-Off until measured on a GPU (``MLX_DESK_DECODE_ATTENTION=1`` turns it on): its source is
-checked on the CPU against MLX's attention (tests/engine/models/test_decode_attention_emulated.py)
-and its CUDA tests wait for a GPU run (docs/qmv.md, "MLX's CUDA graphs").
+Off (``MLX_DESK_DECODE_ATTENTION=1`` turns it on): on an H100 qwen3-4b decoded at 297.1 tok/s
+with it against 327.2 without (docs/qmv.md, "Registers"). Its source is checked on the CPU
+against MLX's attention (tests/engine/models/test_decode_attention_emulated.py) and built
+with NVIDIA's compiler where installed (253 registers a thread at qwen3-4b's step); its CUDA
+tests and the chained microbenchmark, which would say whether its kernel or its second launch
+a layer costs the step, have not run on a GPU.
 """
 
 from __future__ import annotations

@@ -66,13 +66,15 @@ ENV = "MLX_DESK_QMV"
 # (2-8) tells the compiler to unroll the loop N times, so later chunks' loads may issue before
 # earlier ones are multiplied; ``MLX_DESK_QMV_PREFETCH=1`` loads each chunk while the one
 # before it is multiplied (double buffering in registers: 96 against 56 a thread for one row,
-# so fewer warps a multiprocessor). The prefetch wins where both are asked for.
+# so fewer warps a multiprocessor). The prefetch wins where both are asked for. Measured on an
+# H100 (docs/qmv.md, "Registers"): the prefetch cost qwen3-4b's decode 7%.
 UNROLL_ENV = "MLX_DESK_QMV_UNROLL"
 PREFETCH_ENV = "MLX_DESK_QMV_PREFETCH"
 # Launch bounds for the product's build (``MLX_DESK_QMV_BOUNDS``: 0 for one block of WARPS warps,
 # N for that and N blocks a multiprocessor; none by default, as MLX builds a kernel). Without
 # them the compiler gave the one-row product 120 registers a thread against 56 with them
-# (models.cuda_build): 16 warps a multiprocessor against 36. Not yet measured.
+# (models.cuda_build): 16 warps a multiprocessor against 36. Measured on an H100 (docs/qmv.md,
+# "Registers"): decode within the noise, the products being bound by their instructions.
 BOUNDS_ENV = "MLX_DESK_QMV_BOUNDS"
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).

@@ -64,6 +64,19 @@ NORM_PROLOGUE_MAX_WIDTH = 3072
 # A verify pass of 5 rows lost through it (n-gram drafting 226.8 against 265.6 tok/s, with
 # 2-16 rows routed here), so 2-7 rows stay on the row kernel.
 MMA_ROWS = range(8, 17)
+# Other rows for an A/B (``MLX_DESK_QMV_MMA_ROWS=LO-HI``, 1 <= LO <= HI <= 16). At one row the
+# row kernel's SASS spends about 4.6 instructions a code and column, and Nsight Compute showed
+# its products issuing 44-63% of cycles (docs/qmv.md, "Registers"); the tensor-core kernel
+# spends about one a code whatever the rows, at the price of 7 unused columns of each MMA.
+MMA_ROWS_ENV = "MLX_DESK_QMV_MMA_ROWS"
+
+
+def mma_rows() -> range:
+    """The rows the tensor-core kernel takes: ``MMA_ROWS``, or ``MLX_DESK_QMV_MMA_ROWS``'s."""
+    low, _, high = os.environ.get(MMA_ROWS_ENV, "").partition("-")
+    if low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= 16:
+        return range(int(low), int(high) + 1)
+    return MMA_ROWS
 
 
 def pays(rows: int, inputs: int, outputs: int, fused: bool = False) -> bool:
@@ -104,11 +117,11 @@ def _routed(
 def _on_tensor_cores(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
 ) -> bool:
-    """Whether the tensor-core kernel takes the product: not turned off, ``MMA_ROWS`` rows and one
+    """Whether the tensor-core kernel takes the product: not turned off, ``mma_rows`` rows and one
     it computes (``tensor_cores.takes``)."""
     rows = _rows(x, w)
     return (
-        rows in MMA_ROWS
+        rows in mma_rows()
         and tensor_cores.switched_on()
         and tensor_cores.takes(rows, x, w, scales, biases, group_size, bits, mode)
     )

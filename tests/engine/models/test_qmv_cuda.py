@@ -515,3 +515,30 @@ def test_an_unrolled_prefetched_or_bounded_build_gives_the_same_bits(monkeypatch
     monkeypatch.setenv(env, value)
     walked = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
     assert mx.array_equal(plain, walked)
+
+
+@pytest.mark.parametrize(
+    "value, rows",
+    [
+        ("", range(8, 17)),
+        ("1-16", range(1, 17)),
+        ("1-7", range(1, 8)),
+        ("0-4", range(8, 17)),
+        ("9-3", range(8, 17)),
+        ("1-17", range(8, 17)),
+        ("x", range(8, 17)),
+    ],
+)
+def test_the_tensor_core_kernels_rows_change_only_when_asked_with_1_to_16(monkeypatch, value, rows):
+    monkeypatch.setenv(routing.MMA_ROWS_ENV, value)
+    assert routing.mma_rows() == rows
+
+
+@needs_cuda
+def test_one_row_asked_onto_the_tensor_core_kernel_goes_there(monkeypatch):
+    from engine.models import quantized_mma_cuda as tensor_cores
+
+    x, wq, scales, biases = _case(1, 2560, 1030, 4, 64, mx.bfloat16)
+    monkeypatch.setenv(routing.MMA_ROWS_ENV, "1-16")
+    routed = routing.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)
+    assert mx.array_equal(routed, tensor_cores.matmul(x, wq, scales, biases, 64, 4))
