@@ -10,7 +10,7 @@ Here each warp owns ``COLUMNS`` output columns (weight rows). Its lanes walk the
 dimension in chunks of 16 bytes of codes (32 4-bit or 16 8-bit values, all within one
 quantization group since groups are 32, 64 or 128 values), so a warp's loads of a weight
 row are contiguous and coalesced. A chunk lies in one quantization group, so a lane turns
-each code into a float once (one logic op and one subtraction, ``word_codes``), multiplies it
+each code into a float once (a logic op and a subtraction, ``word_codes``), multiplies it
 into every row of ``x`` it holds a sum for, and applies the column's scale and bias once a
 chunk (``scale * (x . codes) + bias * sum(x)``, as MLX's Metal kernel does): the weights are
 read once whatever the row count, and the activations (a few KB, in L1/L2) are read once per
@@ -76,6 +76,12 @@ PREFETCH_ENV = "MLX_DESK_QMV_PREFETCH"
 # (models.cuda_build): 16 warps a multiprocessor against 36. Measured on an H100 (docs/qmv.md,
 # "Registers"): decode within the noise, the products being bound by their instructions.
 BOUNDS_ENV = "MLX_DESK_QMV_BOUNDS"
+# One logic op a code (``MLX_DESK_QMV_ONE_OP_CODES=1``; off until timed): the compiler spends two
+# on ``(word & mask) | magic`` (its LOP3 takes one immediate and both are constants), about 128
+# of the 676 instructions of a chunk of the gate/up variant's loop (NVIDIA's compiler, sm_90);
+# the inline ``lop3`` takes them as registers, 551. The products were measured issuing on 44-63%
+# of cycles (docs/qmv.md, "Registers"). The same bits either way.
+ONE_OP_ENV = "MLX_DESK_QMV_ONE_OP_CODES"
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).
 NORM_STAGE_BYTES = 32 << 10
@@ -98,7 +104,15 @@ __device__ __forceinline__ void word_codes(uint32_t word, float* out) {
     const bool low = bit + BITS <= 23;
     const int p = low ? bit : bit - 16;
     const uint32_t magic = (uint32_t)(150 - p) << 23;
+#if defined(__CUDA_ARCH__) && defined(ONE_OP_CODES)
+    // (word & mask) | magic as one LOP3: written in C++, the compiler keeps both constants as
+    // immediates, and a LOP3 takes one, so it spends two logic ops a code.
+    uint32_t bits;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(low ? word : high), "r"(CODE << p), "r"(magic));
+    out[i] = __int_as_float(bits) - (float)(1u << (23 - p));
+#else
     out[i] = __int_as_float(((low ? word : high) & (CODE << p)) | magic) - (float)(1u << (23 - p));
+#endif
   }
 }
 
@@ -480,6 +494,17 @@ def bounds() -> str:
     return launch_bounds(WARPS * 32, int(value))
 
 
+def one_op_codes() -> str:
+    """The ``#define`` that unpacks each code with one logic op (``MLX_DESK_QMV_ONE_OP_CODES=1``), or nothing."""
+    return "#define ONE_OP_CODES\n" if os.environ.get(ONE_OP_ENV, "0") == "1" else ""
+
+
+def build_switches() -> str:
+    """The product's build switches as its header's first lines: how a lane walks its chunks,
+    launch bounds, how a code is unpacked."""
+    return chunk_loop() + bounds() + one_op_codes()
+
+
 def enabled() -> bool:
     """Whether products are routed to the kernel: not turned off (``MLX_DESK_QMV=0``) and able to run."""
     return os.environ.get(ENV, "1") != "0" and available()
@@ -566,7 +591,7 @@ def matmul(
         constants = [("KN", k), ("EPS", float_bits(norm[1]))]
     variant = variant_suffix(residual is not None, glu, norm is not None)
     source = kernel_source(residual is not None, glu, norm is not None)
-    includes = chunk_loop() + bounds() + (GLU_HEADER if glu else "")
+    includes = build_switches() + (GLU_HEADER if glu else "")
     kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, includes)
     (out,) = kernel(
         inputs=inputs,

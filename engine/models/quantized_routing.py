@@ -65,9 +65,10 @@ NORM_PROLOGUE_MAX_WIDTH = 3072
 # 2-16 rows routed here), so 2-7 rows stay on the row kernel.
 MMA_ROWS = range(8, 17)
 # Other rows for an A/B (``MLX_DESK_QMV_MMA_ROWS=LO-HI``, 1 <= LO <= HI <= 16). At one row the
-# row kernel's SASS spends about 4.6 instructions a code and column, and Nsight Compute showed
-# its products issuing 44-63% of cycles (docs/qmv.md, "Registers"); the tensor-core kernel
-# spends about one a code whatever the rows, at the price of 7 unused columns of each MMA.
+# row kernel's K loop runs about 5.3 instructions a code (NVIDIA's compiler, sm_90) and Nsight
+# Compute showed its products issuing on 44-63% of cycles (docs/qmv.md, "Registers"); the
+# tensor-core kernel's runs about 3.5 whatever the rows, at the price of 7 unused columns of
+# each MMA.
 MMA_ROWS_ENV = "MLX_DESK_QMV_MMA_ROWS"
 
 

@@ -2,14 +2,20 @@
 (no GPU needed, nvcc on PATH): qwen3-4b's products at one row, as MLX builds them (no launch
 bounds) and with each build switch, and the split decode attention. The occupancy column is
 the warps a multiprocessor holds at that count (65,536 registers, 128-thread blocks, 64 warps
-at most).
+at most). Where cuobjdump is on PATH too, the instructions of the product's K loop, with its
+inputs taken as 16-byte aligned (the path a step runs; the other is compiled beside it):
+a lane's chunk of 32 codes of 4 columns an iteration.
 
     python tests/gpu/kernel_registers.py
 
 Figures of it: docs/qmv.md, "Registers".
 """
 
+import collections
 import os
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +43,7 @@ SWITCHES = {
     "MLX_DESK_QMV_BOUNDS=8": {qmv.BOUNDS_ENV: "8"},
     "MLX_DESK_QMV_PREFETCH=1": {qmv.PREFETCH_ENV: "1"},
     "MLX_DESK_QMV_UNROLL=2": {qmv.UNROLL_ENV: "2"},
+    "MLX_DESK_QMV_ONE_OP_CODES=1": {qmv.ONE_OP_ENV: "1"},
 }
 
 
@@ -49,17 +56,39 @@ def build(source: str) -> tuple[int, int]:
     return builds._build(Path(tempfile.mkdtemp()), source)
 
 
+def loop_instructions(source: str) -> str:
+    """The K loop's instructions (the longest backward branch's body) and its commonest
+    opcodes, with the inputs' alignment checks taken as true; '' without cuobjdump."""
+    if shutil.which("cuobjdump") is None:
+        return ""
+    folder = Path(tempfile.mkdtemp())
+    builds._build(folder, re.sub(r"const bool (\w+_aligned) = [^;]*;", r"const bool \1 = true;", source))
+    sass = subprocess.run(["cuobjdump", "-sass", str(folder / "k.cubin")], capture_output=True, text=True).stdout
+    found = re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    code = [(int(m.group(1), 16), m.group(2).split(".")[0], m.group(3)) for m in found]
+    loop: list[str] = []
+    for address, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < address:
+            body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= address]
+            loop = body if len(body) > len(loop) else loop
+    common = ", ".join(f"{op} {n}" for op, n in collections.Counter(loop).most_common(4))
+    return f" {len(loop)} ({common}) |"
+
+
 def main() -> None:
-    print("| product | build | registers | warps a multiprocessor | spilled bytes |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    sass = shutil.which("cuobjdump") is not None
+    print("| product | build | registers | warps a multiprocessor | spilled bytes |" + (" K loop |" if sass else ""))
+    print("| --- | --- | ---: | ---: | ---: |" + (" ---: |" if sass else ""))
     for name, (k, n, residual, glu, norm) in PRODUCTS.items():
         for switch, env in SWITCHES.items():
-            for key in (qmv.BOUNDS_ENV, qmv.PREFETCH_ENV, qmv.UNROLL_ENV):
+            for key in (qmv.BOUNDS_ENV, qmv.PREFETCH_ENV, qmv.UNROLL_ENV, qmv.ONE_OP_ENV):
                 os.environ.pop(key, None)
             os.environ.update(env)
             splits = qmv.k_splits(k, n, 4)
-            registers, spilled = build(builds._product(1, splits, residual, glu, norm, qmv.chunk_loop() + qmv.bounds()))
-            print(f"| {name} | {switch} | {registers} | {warps(registers)} | {spilled} |")
+            source = builds._product(1, splits, residual, glu, norm, qmv.build_switches())
+            registers, spilled = build(source)
+            print(f"| {name} | {switch} | {registers} | {warps(registers)} | {spilled} |{loop_instructions(source)}")
     for heads, kv_heads, queries, keys, dims in builds.PASSES:
         template, slices, blocks = dense.plan(1, heads, kv_heads, queries, keys, dims, mx.bfloat16)
         source = builds._wrapped(

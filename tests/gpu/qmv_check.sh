@@ -9,8 +9,9 @@
 #          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits);
 #   ab:    qwen3-4b with the head norm + RoPE kernel off and the activation epilogue off, and
 #          qwen3-4b and llama3-8b with the norm prologue off, the K loop unrolled 2 and 4 times,
-#          launch bounds, the K loop prefetched, one-row products on the tensor-core kernel
-#          and the residual epilogue off (beside bench's runs with the defaults);
+#          one logic op a code, one-row products on the tensor-core kernel, launch bounds, the
+#          K loop prefetched and the residual epilogue off (beside bench's runs with the
+#          defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
 #          with the tensor-core kernel turned off;
 #   attention: decode attention split over the keys (off by default) against MLX's: its tests,
@@ -94,9 +95,10 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
     done
   done
   # Build switches of the row kernel (off by default; docs/qmv.md, "Registers": one H100 run
-  # found launch bounds even and the prefetch 7% slower), and one-row products on the
-  # tensor-core kernel (about one instruction a code against the row kernel's 4.6).
-  for variant in MLX_DESK_QMV_BOUNDS=8 MLX_DESK_QMV_PREFETCH=1 MLX_DESK_QMV_MMA_ROWS=1-16; do
+  # found launch bounds even and the prefetch 7% slower), one logic op a code (18% fewer
+  # instructions in the K loop), and one-row products on the tensor-core kernel (3.5
+  # instructions a code against the row kernel's 5.3).
+  for variant in MLX_DESK_QMV_ONE_OP_CODES=1 MLX_DESK_QMV_MMA_ROWS=1-16 MLX_DESK_QMV_BOUNDS=8 MLX_DESK_QMV_PREFETCH=1; do
     for shape_limit in qwen3-4b:100 llama3-8b:110; do
       shape="${shape_limit%%:*}"
       step "${shape_limit##*:}" "decode $shape, $variant" env $variant "$PY" -m engine bench --shape "$shape" \

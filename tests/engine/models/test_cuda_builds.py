@@ -85,6 +85,7 @@ LOOPS = {
     "plain": {},
     "unrolled": {qmv.UNROLL_ENV: "2"},
     "prefetched": {qmv.PREFETCH_ENV: "1"},
+    "one op a code": {qmv.ONE_OP_ENV: "1"},
 }
 
 
@@ -99,9 +100,10 @@ def test_every_walk_of_the_product_builds_without_spilling(
 ):
     monkeypatch.delenv(qmv.UNROLL_ENV, raising=False)
     monkeypatch.delenv(qmv.PREFETCH_ENV, raising=False)
+    monkeypatch.delenv(qmv.ONE_OP_ENV, raising=False)
     for name, value in LOOPS[loop].items():
         monkeypatch.setenv(name, value)
-    registers, spilled = _build(tmp_path, _product(rows, splits, residual, glu, norm, qmv.chunk_loop()))
+    registers, spilled = _build(tmp_path, _product(rows, splits, residual, glu, norm, qmv.build_switches()))
     assert spilled == 0
     assert registers <= 255
 

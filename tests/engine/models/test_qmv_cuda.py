@@ -495,6 +495,13 @@ def test_the_k_loop_is_unrolled_or_prefetched_only_when_asked(monkeypatch, unrol
     assert qmv.chunk_loop() == define
 
 
+@pytest.mark.parametrize("value, define", [("", ""), ("0", ""), ("yes", ""), ("1", "#define ONE_OP_CODES\n")])
+def test_codes_are_unpacked_with_one_logic_op_only_when_asked(monkeypatch, value, define):
+    monkeypatch.setenv(qmv.ONE_OP_ENV, value)
+    assert qmv.one_op_codes() == define
+    assert qmv.build_switches().endswith(define)
+
+
 @pytest.mark.parametrize(
     "value, line",
     [("", ""), ("x", ""), ("-1", ""), ("33", ""), ("0", "__launch_bounds__(128)"), ("8", "__launch_bounds__(128, 8)")],
@@ -507,9 +514,12 @@ def test_launch_bounds_only_when_asked(monkeypatch, value, line):
 
 @needs_cuda
 @pytest.mark.parametrize("rows, glu", [(1, False), (1, True), (5, False)])
-@pytest.mark.parametrize("env, value", [(qmv.UNROLL_ENV, "4"), (qmv.PREFETCH_ENV, "1"), (qmv.BOUNDS_ENV, "8")])
-def test_an_unrolled_prefetched_or_bounded_build_gives_the_same_bits(monkeypatch, rows, glu, env, value):
-    """None of them reorders a lane's sums, so the products are bit for bit the same."""
+@pytest.mark.parametrize(
+    "env, value", [(qmv.UNROLL_ENV, "4"), (qmv.PREFETCH_ENV, "1"), (qmv.BOUNDS_ENV, "8"), (qmv.ONE_OP_ENV, "1")]
+)
+def test_each_build_switch_gives_the_same_bits(monkeypatch, rows, glu, env, value):
+    """None of them changes an operation or reorders a lane's sums, so the products are bit for
+    bit the same."""
     x, wq, scales, biases = _case(rows, 2560, 1030 * (2 if glu else 1), 4, 64, mx.bfloat16)
     plain = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
     monkeypatch.setenv(env, value)
