@@ -79,8 +79,9 @@ BOUNDS_ENV = "MLX_DESK_QMV_BOUNDS"
 # One logic op a code (``MLX_DESK_QMV_ONE_OP_CODES=1``; off until timed): the compiler spends two
 # on ``(word & mask) | magic`` (its LOP3 takes one immediate and both are constants), about 128
 # of the 676 instructions of a chunk of the gate/up variant's loop (NVIDIA's compiler, sm_90);
-# the inline ``lop3`` takes them as registers, 551. The products were measured issuing on 44-63%
-# of cycles (docs/qmv.md, "Registers"). The same bits either way.
+# the inline ``lop3`` takes them as registers, 551 (the tensor-core kernel's loop, which takes the
+# switch too: 450 to 386 at one row). The products were measured issuing on 44-63% of cycles
+# (docs/qmv.md, "Registers"). The same bits either way.
 ONE_OP_ENV = "MLX_DESK_QMV_ONE_OP_CODES"
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).

@@ -7,8 +7,9 @@ float instruction, so its cost grows with the rows (an H200: qwen3-4b's gate+up 
 row, 67 at eight; docs/qmv.md). Here a warp owns 16 output columns (weight rows) and feeds
 their codes to ``mma.sync.m16n8k16`` as the MMA's A operand, the activations' rows (8 per
 tile, two tiles for 9-16 rows) as its B operand: one instruction does 16 x 8 x 16
-multiply-adds, so a code costs its conversion to a half float (``codes_pair``: one logic op
-and one fused multiply-add for two codes, exact), whatever the rows.
+multiply-adds, so a code costs its conversion to a half float (``codes_pair``: a logic op and
+one fused multiply-add for two codes, exact; the compiler makes the logic op two unless
+``MLX_DESK_QMV_ONE_OP_CODES=1``), whatever the rows.
 
 Groups stay exact: MLX's product is ``scale * (x . q) + bias * sum(x)`` per quantization
 group, in float32. Each MMA k-step takes its 16 codes from one group (a lane quad's four
@@ -41,7 +42,14 @@ from functools import cache
 import mlx.core as mx
 
 from engine.models.cuda_build import cuda_kernel
-from engine.models.quantized_matmul_cuda import GLU_HEADER, compact, enabled, epilogue_flags, variant_suffix
+from engine.models.quantized_matmul_cuda import (
+    GLU_HEADER,
+    compact,
+    enabled,
+    epilogue_flags,
+    one_op_codes,
+    variant_suffix,
+)
 from engine.models.quantized_matmul_cuda import fits as row_kernel_fits
 from engine.models.quantized_matmul_cuda import takes as row_kernel_takes
 
@@ -76,7 +84,13 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 // exponent of 128 (bf16) or 1024 (f16), then that number taken away by one fused multiply-add.
 template <bool BF>
 __device__ __forceinline__ uint32_t codes_pair(uint32_t w) {
+#ifdef ONE_OP_CODES
+  // One LOP3 with both constants as registers (in C++ the compiler spends two: models.quantized_matmul_cuda).
+  uint32_t h;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(w), "r"(0x000F000Fu), "r"(BF ? 0x43004300u : 0x64006400u));
+#else
   const uint32_t h = (w & 0x000F000Fu) | (BF ? 0x43004300u : 0x64006400u);
+#endif
   uint32_t r;
   if constexpr (BF) {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(h), "r"(0x3F803F80u), "r"(0xC300C300u));
@@ -276,13 +290,14 @@ SOURCE = kernel_source()
 
 
 @cache
-def _kernel(residual: bool = False, glu: bool = False):
+def _kernel(residual: bool = False, glu: bool = False, switches: str = ""):
+    """The kernel's build for its epilogue and ``switches`` (``#define`` lines; a build each)."""
     return cuda_kernel(
         name=f"quantized_matmul_mma{variant_suffix(residual, glu)}",
         input_names=["x", "w", "scales", "biases", *(["residual"] if residual else [])],
         output_names=["out"],
         source=compact(kernel_source(residual, glu)),
-        header=(GLU_HEADER if glu else "") + compact(PRIMITIVES + DEVICE_FUNCTIONS),
+        header=switches + (GLU_HEADER if glu else "") + compact(PRIMITIVES + DEVICE_FUNCTIONS),
     )
 
 
@@ -341,7 +356,7 @@ def matmul(
     tiles = -(-outputs // (8 if glu else 16))  # WARPS // splits of them a block
     blocks = -(-tiles // (WARPS // splits))
     inputs = [x, w, scales, biases, *([residual] if residual is not None else [])]
-    (out,) = _kernel(residual is not None, glu)(
+    (out,) = _kernel(residual is not None, glu, one_op_codes())(
         inputs=inputs,
         template=[
             ("T", x.dtype),

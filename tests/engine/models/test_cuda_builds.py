@@ -21,6 +21,7 @@ import pytest
 from engine.models import decode_attention_cuda as dense_attention
 from engine.models import quantized_attention_cuda as quantized_attention
 from engine.models import quantized_matmul_cuda as qmv
+from engine.models import quantized_mma_cuda as tensor_cores
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build for the GPU")
 
@@ -35,15 +36,22 @@ struct Sigmoid {
 _C_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.uint32: "uint32_t"}
 
 
+def _constant(name: str, value) -> str:
+    """A template constant as MLX's wrapper declares it: a dtype, a bool or an int."""
+    if isinstance(value, mx.Dtype):
+        return f"using {name} = {_C_TYPES[value]};"
+    if isinstance(value, bool):
+        return f"constexpr bool {name} = {str(value).lower()};"
+    return f"constexpr int {name} = {value};"
+
+
 def _wrapped(inputs: dict[str, str], outputs: dict[str, str], constants, header: str, body: str) -> str:
     """A kernel as MLX's runtime compiler receives it: ``inputs`` and ``outputs`` name -> C
     type, ``constants`` (name, dtype or int) as the launch's template gives them."""
     params = [
         f"const {t}* {n}, const int32_t* {n}_shape, const int64_t* {n}_strides, int {n}_ndim" for n, t in inputs.items()
     ] + [f"{t}* {n}" for n, t in outputs.items()]
-    lines = [
-        f"using {n} = {_C_TYPES[v]};" if isinstance(v, mx.Dtype) else f"constexpr int {n} = {v};" for n, v in constants
-    ]
+    lines = [_constant(n, v) for n, v in constants]
     return (
         "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
         + header
@@ -174,3 +182,18 @@ def test_attention_over_a_quantized_cache_and_its_merge_build_without_spilling(
     constants = [("InT", mx.bfloat16), ("D", dims), ("L", queries), ("REP", heads // kv_heads), ("NKV", kv_heads)]
     merge = _wrapped(_PARTS, {"out": "InT"}, constants, quantized_attention._HEADER, quantized_attention._MERGE)
     assert _build(tmp_path, merge)[1] == 0
+
+
+@pytest.mark.parametrize("switches", ["", "#define ONE_OP_CODES\n"], ids=["plain", "one op a code"])
+@pytest.mark.parametrize("rows, residual, glu", [(1, False, True), (8, True, False), (16, False, False)], ids=str)
+def test_the_tensor_core_kernel_builds_without_spilling(tmp_path, switches, rows, residual, glu):
+    names = ["x", "w", "scales", "biases"] + ["residual"] * residual
+    constants = [("T", mx.bfloat16), ("BF", True), ("R", rows), ("GS", 64), ("NW", tensor_cores.WARPS), ("KS", 2)]
+    source = _wrapped(
+        {n: "uint32_t" if n == "w" else "T" for n in names},
+        {"out": "T"},
+        constants,
+        switches + _SIGMOID + qmv.compact(tensor_cores.PRIMITIVES + tensor_cores.DEVICE_FUNCTIONS),
+        qmv.compact(tensor_cores.kernel_source(residual, glu)),
+    )
+    assert _build(tmp_path, source)[1] == 0

@@ -124,3 +124,13 @@ def test_a_models_products_of_8_rows_run_it_and_keep_its_logits(monkeypatch):
     routed = model(tokens).astype(mx.float32)
     assert len(calls) == 2 * 4 + 1
     assert mx.abs(routed - plain).max().item() <= 5e-2 * mx.abs(plain).max().item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_codes_unpacked_with_one_logic_op_give_the_same_bits(monkeypatch, dtype, rows):
+    x, wq, scales, biases = _product(rows, 2560, 1030, 64, dtype)
+    plain = mma.matmul(x, wq, scales, biases, 64, 4)
+    monkeypatch.setenv(qmv.ONE_OP_ENV, "1")
+    assert mx.array_equal(mma.matmul(x, wq, scales, biases, 64, 4), plain)
