@@ -1,5 +1,5 @@
-"""The decode kernels' source (the small-row products, and attention over a full-precision or a
-quantized cache) built by NVIDIA's compiler for a Hopper GPU, where one is installed: what
+"""The decode kernels' source (the small-row products, plain, gathered and on tensor cores, the
+heads' norm and RoPE, and attention over a full-precision or a quantized cache) built by NVIDIA's compiler for a Hopper GPU, where one is installed: what
 MLX's runtime compiler would refuse is caught off the GPU, and so are register spills, which
 would turn a step's weight read into local-memory traffic.
 
@@ -19,6 +19,8 @@ import mlx.core as mx
 import pytest
 
 from engine.models import decode_attention_cuda as dense_attention
+from engine.models import gathered_matmul_cuda as gathered
+from engine.models import head_norm_rope_cuda as heads
 from engine.models import quantized_attention_cuda as quantized_attention
 from engine.models import quantized_matmul_cuda as qmv
 from engine.models import quantized_mma_cuda as tensor_cores
@@ -196,4 +198,29 @@ def test_the_tensor_core_kernel_builds_without_spilling(tmp_path, switches, rows
         switches + _SIGMOID + qmv.compact(tensor_cores.PRIMITIVES + tensor_cores.DEVICE_FUNCTIONS),
         qmv.compact(tensor_cores.kernel_source(residual, glu)),
     )
+    assert _build(tmp_path, source)[1] == 0
+
+
+@pytest.mark.parametrize("switches", ["", "#define ONE_OP_CODES\n"], ids=["plain", "one op a code"])
+def test_the_gathered_expert_product_builds_without_spilling(tmp_path, switches):
+    """qwen3.5-35b-a3b's gate/up experts (2048 -> 512), a token's row shared by its 8 experts."""
+    constants = [("T", mx.bfloat16), ("BITS", 4), ("GS", 64), ("CPW", qmv.COLUMNS), ("NW", qmv.WARPS)]
+    constants += [("KS", qmv.k_splits(2048, 512, 4)), ("XS", 8)]
+    source = _wrapped(
+        {"x": "T", "w": "uint32_t", "scales": "T", "biases": "T", "ids": "uint32_t"},
+        {"out": "T"},
+        constants,
+        switches + qmv.compact(qmv.DEVICE_FUNCTIONS),
+        qmv.compact(gathered._GATHER_SOURCE),
+    )
+    assert _build(tmp_path, source)[1] == 0
+
+
+@pytest.mark.parametrize("normed", [True, False])
+def test_the_head_norm_and_rope_kernel_builds_without_spilling(tmp_path, normed):
+    """qwen3-4b's step (32 query and 8 KV heads of 128), a position for each of 2 rows."""
+    weights = {"q_weight": "T", "k_weight": "T"} if normed else {}
+    constants = [("T", mx.bfloat16), ("B", 2), ("L", 1), ("NQ", 32), ("NKV", 8), ("D", 128), ("OFFSETS", 2)]
+    body = heads.constants(1e-6, 1.0, heads.log2_float32(1e6)) + qmv.compact(heads.source(normed))
+    source = _wrapped({"x": "T", **weights, "offset": "int32_t"}, {"q": "T", "kv": "T"}, constants, "", body)
     assert _build(tmp_path, source)[1] == 0
