@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA decode kernels on a GPU machine, in five parts of under 10 minutes each:
+# The CUDA decode kernels on a GPU machine, in parts of under 10 minutes each:
 #   tests: the small-row quantized matmul against MLX's kernels, with its residual, activation
 #          and norm variants;
 #   kernels: the gathered variant against MLX's, the code unpacking on the host, the head
@@ -16,9 +16,10 @@
 #          with the tensor-core kernel turned off;
 #   attention: decode attention split over the keys (off by default) against MLX's: its tests,
 #          passes chained as a step chains them, decode with it on and off interleaved, and one
-#          step's kernels under Nsight Compute with it on.
+#          step's kernels under Nsight Compute with it on;
+#   profile: the one-row products' stall reasons under Nsight Compute.
 # Run from the repository root:
-#   bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch|attention]
+#   bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch|attention|profile]
 # (every part when the second argument is left out). Each command has its own time limit; a
 # failing or timed-out step is reported and the script goes on to the next one. The exit
 # status is the number of failed steps.
@@ -141,6 +142,19 @@ if [ "$PART" = "all" ] || [ "$PART" = "attention" ]; then
       "ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --page raw \
       $PY -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 8 > /tmp/kernels.csv && \
       $PY tests/gpu/kernel_times.py /tmp/kernels.csv"
+  fi
+fi
+if [ "$PART" = "all" ] || [ "$PART" = "profile" ]; then
+  # Why a one-row product waits (docs/qmv.md, "Registers": issuing on 44-63% of cycles at
+  # 22-35% of DRAM peak): its warps' stall reasons and the schedulers' state, for gate/up,
+  # the output product and the head of qwen3-4b's decode, default build and one op a code.
+  if command -v ncu > /dev/null; then
+    for variant in MLX_DESK_QMV=1 MLX_DESK_QMV_ONE_OP_CODES=1; do
+      step 200 "stall reasons of qwen3-4b's products, $variant" env $variant ncu --clock-control none \
+        --cache-control none --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --kernel-name regex:quantized_matmul_rows --launch-skip 300 --launch-count 3 \
+        "$PY" -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 4
+    done
   fi
 fi
 echo
