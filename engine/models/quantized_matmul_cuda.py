@@ -148,9 +148,8 @@ __device__ __forceinline__ void load_floats(const T* p, float* out, bool aligned
 }
 """
 
-# The kernels' shared body, a device function: the plain product calls it once per block,
-# the gathered one (models.gathered_matmul_cuda) with each (token, expert) pair's pointers.
-_PRODUCT = """
+# The RMSNorm a product's prologue runs (``norm``): the row kernel's and the tensor-core kernel's.
+NORM_FUNCTIONS = """
 // R rows of x [R, KN] normed as MLX's rms_norm norms them (each row times rsqrt(mean(x^2) +
 // eps) rounded to T, then times the norm's weight in T) into ``normed`` (shared memory) by the
 // whole block of NW warps. Each thread sums a fixed strided set of a row's squares and the
@@ -182,6 +181,11 @@ __device__ __forceinline__ void block_norm(const T* x, const T* norm, const floa
   }
 }
 
+"""
+
+# The kernels' shared body, a device function: the plain product calls it once per block,
+# the gathered one (models.gathered_matmul_cuda) with each (token, expert) pair's pointers.
+_PRODUCT = """
 // One 16-byte chunk of codes of each of a warp's CPW columns, with the column's scale and bias
 // for the chunk's quantization group: what a lane loads before it multiplies.
 template <int CPW>
@@ -385,7 +389,7 @@ __device__ __forceinline__ void rows_product(
 """
 
 # The device code every variant's kernel is built on (its header).
-DEVICE_FUNCTIONS = _HEADER + _PRODUCT
+DEVICE_FUNCTIONS = _HEADER + NORM_FUNCTIONS + _PRODUCT
 
 
 def kernel_source(residual: bool = False, glu: bool = False, norm: bool = False) -> str:

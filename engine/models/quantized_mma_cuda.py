@@ -31,7 +31,9 @@ flight; ``KS`` warps of a block split K where the columns are few (down projecti
 
 As the row kernel, it takes a product's residual add (``residual``) or a gated MLP's
 ``silu(gate) * up`` (``glu``: a tile's 16 A rows are 8 gate rows and their 8 up rows, so a
-lane holds both sums of an output) into its epilogue; it has no norm prologue.
+lane holds both sums of an output) into its epilogue, and the RMSNorm before the product into
+its prologue (``norm``, the row kernel's ``block_norm``: each block norms the rows into shared
+memory). The norm joins it only for rows outside its own 8-16 (models.quantized_routing).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ import mlx.core as mx
 from engine.models.cuda_build import cuda_kernel
 from engine.models.quantized_matmul_cuda import (
     GLU_HEADER,
+    NORM_FUNCTIONS,
     compact,
     enabled,
     epilogue_flags,
+    float_bits,
     one_op_codes,
     variant_suffix,
 )
@@ -109,11 +113,19 @@ _PRODUCT = r"""
 // again: what the product and a separate add compute). GLU: the weight stacks gate rows over
 // up rows ([2I, K]); a tile's first 8 columns are gate rows, its last 8 the up rows of the
 // same outputs, and out [R, I] is gate * SIG(gate) * up with every op in T, as MLX's
-// elementwise kernels compute silu(gate) * up (SIG: MLX's own Sigmoid functor).
-template <typename T, bool BF, int R, int GS, int NW, int KS, bool RES = false, bool GLU = false, typename SIG = float>
+// elementwise kernels compute silu(gate) * up (SIG: MLX's own Sigmoid functor). KN > 0: x is
+// first normed by the whole block into shared memory (``block_norm``, the row kernel's), and
+// the product reads that (KN = K).
+template <typename T, bool BF, int R, int GS, int NW, int KS, bool RES = false, bool GLU = false, typename SIG = float,
+          int KN = 0>
 __device__ __forceinline__ void mma_rows_product(
     const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N,
-    const T* residual = nullptr) {
+    const T* residual = nullptr, const T* norm = nullptr, const float eps = 0.f) {
+  __shared__ __align__(16) T normed[KN > 0 ? R * KN : 1];
+  if constexpr (KN > 0) {
+    block_norm<T, R, KN, NW>(x, norm, eps, normed);
+    x = normed;
+  }
   constexpr int NT = (R + 7) / 8;  // tiles of 8 rows: the MMA's N
   constexpr int VEC = GS / 32;     // words a lane loads of a row's group
   constexpr int U = 256 / GS;      // groups an iteration: 8 words a row a lane
@@ -274,15 +286,17 @@ __device__ __forceinline__ void load_halves(const T* p, bool in, bool aligned, u
 """
 
 # The device code the kernel is built on, less the primitives (``PRIMITIVES``).
-DEVICE_FUNCTIONS = _LOADS + _PRODUCT
+DEVICE_FUNCTIONS = _LOADS + NORM_FUNCTIONS + _PRODUCT
 
 
-def kernel_source(residual: bool = False, glu: bool = False) -> str:
+def kernel_source(residual: bool = False, glu: bool = False, norm: bool = False) -> str:
     """The kernel's body: ``mma_rows_product`` with its template constants, plus ``residual``
     added to the output or ``glu`` (silu(gate) * up of a stacked gate/up weight, with MLX's own
-    Sigmoid, which ``GLU_HEADER`` includes)."""
-    flags = epilogue_flags(residual, glu)
-    tail = ", residual" if residual else ""
+    Sigmoid, which ``GLU_HEADER`` includes), and ``norm`` (x normed first by the weight ``norm``
+    and the epsilon whose float bits are EPS)."""
+    flags = f"{epilogue_flags(residual, glu)}, {'KN' if norm else 0}"
+    tail = ", residual" if residual else ", nullptr"
+    tail += ", norm, __int_as_float(EPS)" if norm else ""
     return f"mma_rows_product<T, BF, R, GS, NW, KS, {flags}>(x, w, scales, biases, out, w_shape[1] * 8, w_shape[0]{tail});\n"
 
 
@@ -290,13 +304,14 @@ SOURCE = kernel_source()
 
 
 @cache
-def _kernel(residual: bool = False, glu: bool = False, switches: str = ""):
-    """The kernel's build for its epilogue and ``switches`` (``#define`` lines; a build each)."""
+def _kernel(residual: bool = False, glu: bool = False, switches: str = "", norm: bool = False):
+    """The kernel's build for its prologue, its epilogue and ``switches`` (``#define`` lines; a
+    build each)."""
     return cuda_kernel(
-        name=f"quantized_matmul_mma{variant_suffix(residual, glu)}",
-        input_names=["x", "w", "scales", "biases", *(["residual"] if residual else [])],
+        name=f"quantized_matmul_mma{variant_suffix(residual, glu, norm)}",
+        input_names=["x", "w", "scales", "biases", *(["residual"] if residual else []), *(["norm"] if norm else [])],
         output_names=["out"],
-        source=compact(kernel_source(residual, glu)),
+        source=compact(kernel_source(residual, glu, norm)),
         header=switches + (GLU_HEADER if glu else "") + compact(PRIMITIVES + DEVICE_FUNCTIONS),
     )
 
@@ -343,11 +358,14 @@ def matmul(
     bits: int = 4,
     residual: mx.array | None = None,
     glu: bool = False,
+    norm: tuple[mx.array, float] | None = None,
 ) -> mx.array:
     """``x @ dequantize(w).T`` for ``x`` [..., K] (``fits`` rows) and an [N, K] 4-bit weight
     packed as MLX packs it (``bits`` 4, as ``fits`` checks), on the tensor cores; plus
     ``residual`` ([..., N] in x's dtype) where given, or with ``glu`` (the weight stacking gate
-    rows over up rows) ``silu(gate) * up`` ([..., N / 2]), as the row kernel's ``matmul``."""
+    rows over up rows) ``silu(gate) * up`` ([..., N / 2]), and with ``norm`` (weight, eps) the
+    product of ``mx.fast.rms_norm(x, weight, eps)``, as the row kernel's ``matmul`` (its
+    ``norm_fits`` says for which rows)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     outputs = n // 2 if glu else n
@@ -356,7 +374,11 @@ def matmul(
     tiles = -(-outputs // (8 if glu else 16))  # WARPS // splits of them a block
     blocks = -(-tiles // (WARPS // splits))
     inputs = [x, w, scales, biases, *([residual] if residual is not None else [])]
-    (out,) = _kernel(residual is not None, glu, one_op_codes())(
+    constants = []
+    if norm is not None:
+        inputs.append(norm[0])
+        constants = [("KN", k), ("EPS", float_bits(norm[1]))]
+    (out,) = _kernel(residual is not None, glu, one_op_codes(), norm is not None)(
         inputs=inputs,
         template=[
             ("T", x.dtype),
@@ -365,6 +387,7 @@ def matmul(
             ("GS", group_size),
             ("NW", WARPS),
             ("KS", splits),
+            *constants,
         ],
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),

@@ -189,12 +189,16 @@ def quantized_fused(
     """The product of ``norm(x)`` (x without a norm; with ``glu``, ``silu(gate) * up`` of it, the
     weight stacking gate rows over up rows) in one launch, the norm in the kernel's prologue
     and the activation in its epilogue; None where the kernel does not take all of it (the
-    caller then runs those steps itself). Where the tensor-core kernel takes the product, only
-    the activation: it has no norm prologue."""
+    caller then runs those steps itself). Where the tensor-core kernel takes the product, the
+    norm joins it only for rows the row kernel would have taken with it (``MLX_DESK_QMV_MMA_ROWS``'s
+    A/B then compares like with like; at its own 8-16 rows the norm stays on its own, as it was timed)."""
     if glu and (not fusion_enabled("glu") or w.shape[0] % 2):
         return None
-    if _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):  # the activation only
-        return tensor_cores.matmul(x, w, scales, biases, group_size, bits, glu=True) if glu and norm is None else None
+    if _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):
+        prologue = prologue_norm(norm, x) if norm is not None and _rows(x, w) not in MMA_ROWS else None
+        if (norm is not None and prologue is None) or (norm is None and not glu):
+            return None
+        return tensor_cores.matmul(x, w, scales, biases, group_size, bits, glu=glu, norm=prologue)
     prologue = prologue_norm(norm, x) if norm is not None else None
     if (norm is not None and prologue is None) or (norm is None and not glu):
         return None

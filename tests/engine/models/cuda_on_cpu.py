@@ -138,6 +138,20 @@ GLU_DRIVER = (
 )
 
 
+# The gate/up product with the RMSNorm in its prologue and the activation in its epilogue (the
+# kernels' ``norm``; n.bin: the norm's weight). For the plain product replace "N / 2" by "N".
+NORM_DRIVER = (
+    GLU_DRIVER.replace(
+        "const T* scales, const T* biases, T* out) {", "const T* scales, const T* biases, const T* norm, T* out) {"
+    )
+    .replace(
+        "(const T*)sb.data(), (const T*)bb.data(), out.data());",
+        "(const T*)sb.data(), (const T*)bb.data(), (const T*)nb.data(), out.data());",
+    )
+    .replace('auto xb = slurp("x.bin"),', 'auto nb = slurp("n.bin");\n  auto xb = slurp("x.bin"),')
+)
+
+
 CPP_TYPE = {mx.float32: "float", mx.float16: "_Float16", mx.bfloat16: "bf16"}
 
 

@@ -187,16 +187,19 @@ def test_attention_over_a_quantized_cache_and_its_merge_build_without_spilling(
 
 
 @pytest.mark.parametrize("switches", ["", "#define ONE_OP_CODES\n"], ids=["plain", "one op a code"])
-@pytest.mark.parametrize("rows, residual, glu", [(1, False, True), (8, True, False), (16, False, False)], ids=str)
-def test_the_tensor_core_kernel_builds_without_spilling(tmp_path, switches, rows, residual, glu):
-    names = ["x", "w", "scales", "biases"] + ["residual"] * residual
+@pytest.mark.parametrize(
+    "rows, residual, glu, norm", [(1, False, True, True), (8, True, False, False), (16, False, False, False)], ids=str
+)
+def test_the_tensor_core_kernel_builds_without_spilling(tmp_path, switches, rows, residual, glu, norm):
+    names = ["x", "w", "scales", "biases"] + ["residual"] * residual + ["norm"] * norm
     constants = [("T", mx.bfloat16), ("BF", True), ("R", rows), ("GS", 64), ("NW", tensor_cores.WARPS), ("KS", 2)]
+    constants += [("KN", 2560), ("EPS", qmv.float_bits(1e-6))]
     source = _wrapped(
         {n: "uint32_t" if n == "w" else "T" for n in names},
         {"out": "T"},
         constants,
         switches + _SIGMOID + qmv.compact(tensor_cores.PRIMITIVES + tensor_cores.DEVICE_FUNCTIONS),
-        qmv.compact(tensor_cores.kernel_source(residual, glu)),
+        qmv.compact(tensor_cores.kernel_source(residual, glu, norm)),
     )
     assert _build(tmp_path, source)[1] == 0
 

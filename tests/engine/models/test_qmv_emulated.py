@@ -27,6 +27,7 @@ from engine.models import quantized_matmul_cuda as qmv
 from tests.engine.models.cuda_on_cpu import (
     CPP_TYPE,
     GLU_DRIVER,
+    NORM_DRIVER,
     PRELUDE,
     PRODUCT_DRIVER,
     RESIDUAL_DRIVER,
@@ -175,18 +176,6 @@ def test_the_glu_epilogue_computes_silu_gate_times_up(tmp_path, rows, inputs, ou
 
 
 # The product of the rows' RMSNorm (``matmul``'s ``norm``), with or without the activation.
-_NORM_DRIVER = (
-    GLU_DRIVER.replace(
-        "const T* scales, const T* biases, T* out) {", "const T* scales, const T* biases, const T* norm, T* out) {"
-    )
-    .replace(
-        "(const T*)sb.data(), (const T*)bb.data(), out.data());",
-        "(const T*)sb.data(), (const T*)bb.data(), (const T*)nb.data(), out.data());",
-    )
-    .replace('auto xb = slurp("x.bin"),', 'auto nb = slurp("n.bin");\n  auto xb = slurp("x.bin"),')
-)
-
-
 @pytest.mark.parametrize(
     "rows, inputs, outputs, dtype, glu, splits",
     [
@@ -211,7 +200,7 @@ def test_the_norm_prologue_computes_the_product_of_the_rms_norm(tmp_path, rows, 
     eps = 1e-6
     raw_values(weight).tofile(tmp_path / "n.bin")
     constants = f"constexpr int R = {rows}; constexpr int KN = {inputs}; constexpr int EPS = {qmv.float_bits(eps)};"
-    driver = _NORM_DRIVER if glu else _NORM_DRIVER.replace("N / 2", "N")
+    driver = NORM_DRIVER if glu else NORM_DRIVER.replace("N / 2", "N")
     source = _program(driver, qmv.kernel_source(glu=glu, norm=True), dtype, 4, 64, splits, constants)
     args = [rows, inputs, n, 0, qmv.WARPS, splits, qmv.COLUMNS // 2 if glu else qmv.COLUMNS]
     got = _build_and_run(tmp_path, source, (x, wq, scales, biases), args, outputs=outputs)

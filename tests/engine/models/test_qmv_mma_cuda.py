@@ -134,3 +134,28 @@ def test_codes_unpacked_with_one_logic_op_give_the_same_bits(monkeypatch, dtype,
     plain = mma.matmul(x, wq, scales, biases, 64, 4)
     monkeypatch.setenv(qmv.ONE_OP_ENV, "1")
     assert mx.array_equal(mma.matmul(x, wq, scales, biases, 64, 4), plain)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows, glu", [(1, True), (1, False), (4, True)])
+def test_the_norm_prologue_is_mlxs_rms_norm_then_the_product(rows, glu):
+    """As the row kernel's prologue: its squares are summed in another order than MLX's norm,
+    so a normed value may part by a rounding, almost never."""
+    x, wq, scales, biases = _product(rows, 2560, 2060 if glu else 1030, 64, mx.bfloat16)
+    weight = (1 + 0.3 * mx.random.normal((2560,), key=mx.random.key(5))).astype(mx.bfloat16)
+    got = mma.matmul(x, wq, scales, biases, 64, 4, glu=glu, norm=(weight, 1e-6))
+    expected = mma.matmul(mx.fast.rms_norm(x, weight, 1e-6), wq, scales, biases, 64, 4, glu=glu)
+    assert mx.mean(got == expected).item() >= 0.99
+
+
+@needs_cuda
+def test_a_one_row_norm_and_product_asked_onto_the_tensor_cores_is_one_launch_there(monkeypatch):
+    from engine.models import quantized_routing as routing
+
+    x, wq, scales, biases = _product(1, 2560, 2060, 64, mx.bfloat16)
+    norm = nn.RMSNorm(2560)
+    norm.weight = norm.weight.astype(mx.bfloat16)
+    monkeypatch.setenv(routing.MMA_ROWS_ENV, "1-16")
+    fused = routing.quantized_fused(x, wq, scales, biases, group_size=64, bits=4, norm=norm, glu=True)
+    assert fused is not None
+    assert mx.mean(fused == mma.matmul(norm(x), wq, scales, biases, 64, 4, glu=True)).item() >= 0.99

@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 
 from engine.models import quantized_mma_cuda as mma
-from engine.models.quantized_matmul_cuda import compact
+from engine.models.quantized_matmul_cuda import compact, float_bits
 from tests.engine.models.cuda_on_cpu import (
     CPP_TYPE,
     GLU_DRIVER,
+    NORM_DRIVER,
     PRELUDE,
     PRODUCT_DRIVER,
     RESIDUAL_DRIVER,
@@ -99,10 +100,21 @@ _TOLERANCE = {mx.float16: 1e-3, mx.bfloat16: 8e-3}
 
 
 def _on_cpu(
-    tmp_path, x, wq, scales, biases, group: int, splits: int, shift: int, residual=None, glu: bool = False
+    tmp_path,
+    x,
+    wq,
+    scales,
+    biases,
+    group: int,
+    splits: int,
+    shift: int,
+    residual=None,
+    glu: bool = False,
+    norm: tuple | None = None,
 ) -> mx.array:
     """The kernel's output on the CPU: the plain product, with ``residual`` added in its
-    epilogue, or with ``glu`` the activation of a stacked gate/up weight's product."""
+    epilogue, or with ``glu`` the activation of a stacked gate/up weight's product; with
+    ``norm`` (weight, eps), of the rows normed in its prologue."""
     rows, k = x.shape
     n = wq.shape[0]
     outputs = n // 2 if glu else n
@@ -111,13 +123,17 @@ def _on_cpu(
         f"constexpr int GS = {group}; constexpr int NW = {mma.WARPS}; constexpr int KS = {splits};"
     )
     driver = GLU_DRIVER if glu else RESIDUAL_DRIVER if residual is not None else PRODUCT_DRIVER
+    if norm is not None:
+        driver = NORM_DRIVER if glu else NORM_DRIVER.replace("N / 2", "N")
+        constants += f" constexpr int KN = {k}; constexpr int EPS = {float_bits(norm[1])};"
+        raw_values(norm[0]).tofile(tmp_path / "n.bin")
     source = (
         PRELUDE
         + _PRIMITIVES
         + compact(mma.DEVICE_FUNCTIONS)
         + f"using T = {CPP_TYPE[x.dtype]};\n"
         + driver.replace("CONSTANTS", constants).replace(
-            "SOURCE", compact(mma.kernel_source(residual is not None, glu))
+            "SOURCE", compact(mma.kernel_source(residual is not None, glu, norm is not None))
         )
     )
     for name, a in zip("xwsb", (x, wq, scales, biases), strict=True):
@@ -220,3 +236,34 @@ def test_the_glu_epilogue_computes_silu_gate_times_up(tmp_path, rows, inputs, ou
     expected = nn.silu(f32[0]) * f32[1]
     error = mx.abs(got.astype(mx.float32) - expected).max().item()
     assert error <= 2 * _TOLERANCE[dtype] * mx.abs(expected).max().item(), error
+
+
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, dtype, glu, splits",
+    [(1, 2560, 37, mx.bfloat16, True, 8), (3, 1024, 20, mx.float16, False, 4), (6, 512, 17, mx.bfloat16, False, 2)],
+    ids=str,
+)
+def test_the_norm_prologue_computes_the_product_of_the_rms_norm(tmp_path, rows, inputs, outputs, dtype, glu, splits):
+    """Each row normed by the block (the row kernel's ``block_norm``) before the product, with
+    and without the activation in the epilogue, over K-splits of 2, 4 and 8."""
+    n = 2 * outputs if glu else outputs
+    assert mma.k_splits(inputs, n, 64) == splits
+    keys = mx.random.split(mx.random.key(rows * 7 + inputs + outputs), 3)
+    w = (mx.random.normal((n, inputs), key=keys[0]) * inputs**-0.5).astype(dtype)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = (5 * mx.random.normal((rows, inputs), key=keys[1])).astype(dtype)
+    weight = (1 + 0.3 * mx.random.normal((inputs,), key=keys[2])).astype(dtype)
+    got = _on_cpu(tmp_path, x, wq, scales, biases, 64, splits, 0, glu=glu, norm=(weight, 1e-6))
+    normed = mx.fast.rms_norm(x, weight, 1e-6).astype(mx.float32)
+    f32 = [a.astype(mx.float32) for a in (scales, biases)]
+    expected = mx.quantized_matmul(normed, wq, *f32, transpose=True, group_size=64, bits=4)
+    if glu:
+        gate, up = mx.split(expected, 2, axis=-1)
+        expected = nn.silu(gate) * up
+    error = mx.abs(got.astype(mx.float32) - expected).max().item()
+    assert error <= 2 * _TOLERANCE[dtype] * mx.abs(expected).max().item()
+    unnormed = mx.quantized_matmul(x.astype(mx.float32), wq, *f32, transpose=True, group_size=64, bits=4)
+    if glu:
+        gate, up = mx.split(unnormed, 2, axis=-1)
+        unnormed = nn.silu(gate) * up
+    assert mx.abs(got.astype(mx.float32) - unnormed).max().item() > 10 * error  # the norm ran
