@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 PRELUDE = r"""
@@ -170,3 +171,16 @@ def build(tmp_path, source: str) -> None:
         timeout=120,
     )
     assert built.returncode == 0, built.stderr[-3000:]
+
+
+def normed_product(x, weight, eps, wq, scales, biases, glu: bool) -> mx.array:
+    """The norm prologues' referee: MLX's product of ``mx.fast.rms_norm(x, weight, eps)`` (of x
+    itself where ``weight`` is None) by a 4-bit g64 weight in float32; with ``glu`` the weight
+    stacks gate over up rows and this is ``silu(gate) * up``."""
+    rows = x if weight is None else mx.fast.rms_norm(x, weight, eps)
+    f32 = [a.astype(mx.float32) for a in (rows, scales, biases)]
+    y = mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=64, bits=4)
+    if glu:
+        gate, up = mx.split(y, 2, axis=-1)
+        y = nn.silu(gate) * up
+    return y

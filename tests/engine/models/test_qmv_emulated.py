@@ -32,6 +32,7 @@ from tests.engine.models.cuda_on_cpu import (
     PRODUCT_DRIVER,
     RESIDUAL_DRIVER,
     build,
+    normed_product,
     raw_values,
 )
 
@@ -204,12 +205,7 @@ def test_the_norm_prologue_computes_the_product_of_the_rms_norm(tmp_path, rows, 
     source = _program(driver, qmv.kernel_source(glu=glu, norm=True), dtype, 4, 64, splits, constants)
     args = [rows, inputs, n, 0, qmv.WARPS, splits, qmv.COLUMNS // 2 if glu else qmv.COLUMNS]
     got = _build_and_run(tmp_path, source, (x, wq, scales, biases), args, outputs=outputs)
-    normed = mx.fast.rms_norm(x, weight, eps).astype(mx.float32)
-    f32 = [a.astype(mx.float32) for a in (scales, biases)]
-    expected = mx.quantized_matmul(normed, wq, *f32, transpose=True, group_size=64, bits=4)
-    if glu:
-        gate, up = mx.split(expected, 2, axis=-1)
-        expected = nn.silu(gate) * up
+    expected = normed_product(x, weight, eps, wq, scales, biases, glu)
     error = mx.abs(got.astype(mx.float32) - expected).max().item()
     assert error <= 2 * _TOLERANCE[dtype] * mx.abs(expected).max().item()
 

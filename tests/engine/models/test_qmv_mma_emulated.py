@@ -33,6 +33,7 @@ from tests.engine.models.cuda_on_cpu import (
     PRODUCT_DRIVER,
     RESIDUAL_DRIVER,
     build,
+    normed_product,
     raw_values,
 )
 
@@ -254,16 +255,8 @@ def test_the_norm_prologue_computes_the_product_of_the_rms_norm(tmp_path, rows, 
     x = (5 * mx.random.normal((rows, inputs), key=keys[1])).astype(dtype)
     weight = (1 + 0.3 * mx.random.normal((inputs,), key=keys[2])).astype(dtype)
     got = _on_cpu(tmp_path, x, wq, scales, biases, 64, splits, 0, glu=glu, norm=(weight, 1e-6))
-    normed = mx.fast.rms_norm(x, weight, 1e-6).astype(mx.float32)
-    f32 = [a.astype(mx.float32) for a in (scales, biases)]
-    expected = mx.quantized_matmul(normed, wq, *f32, transpose=True, group_size=64, bits=4)
-    if glu:
-        gate, up = mx.split(expected, 2, axis=-1)
-        expected = nn.silu(gate) * up
+    expected = normed_product(x, weight, 1e-6, wq, scales, biases, glu)
     error = mx.abs(got.astype(mx.float32) - expected).max().item()
     assert error <= 2 * _TOLERANCE[dtype] * mx.abs(expected).max().item()
-    unnormed = mx.quantized_matmul(x.astype(mx.float32), wq, *f32, transpose=True, group_size=64, bits=4)
-    if glu:
-        gate, up = mx.split(unnormed, 2, axis=-1)
-        unnormed = nn.silu(gate) * up
+    unnormed = normed_product(x, None, 0, wq, scales, biases, glu)
     assert mx.abs(got.astype(mx.float32) - unnormed).max().item() > 10 * error  # the norm ran
