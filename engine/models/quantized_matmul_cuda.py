@@ -65,8 +65,8 @@ ENV = "MLX_DESK_QMV"
 # graphs"): a lane's few chunks each wait for their loads in turn. ``MLX_DESK_QMV_UNROLL=N``
 # (2-8) tells the compiler to unroll the loop N times, so later chunks' loads may issue before
 # earlier ones are multiplied; ``MLX_DESK_QMV_PREFETCH=1`` loads each chunk while the one
-# before it is multiplied (double buffering in registers: 96 against 56 a thread for one row,
-# so fewer warps a multiprocessor). The prefetch wins where both are asked for. Measured on an
+# before it is multiplied (double buffering in registers: 110-128 a thread against 78-120 for
+# one row, so fewer warps a multiprocessor). The prefetch wins where both are asked for. Measured on an
 # H100 (docs/qmv.md, "Registers"): the prefetch cost qwen3-4b's decode 7%.
 UNROLL_ENV = "MLX_DESK_QMV_UNROLL"
 PREFETCH_ENV = "MLX_DESK_QMV_PREFETCH"
