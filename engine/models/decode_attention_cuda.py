@@ -122,14 +122,20 @@ _WALK = """
 """
 
 
+# The partial kernel as it is built: its body and its header (the quantized cache's setup,
+# running softmax and merges around this walk).
+PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + shared._SETUP + _WALK + shared._BLOCK_MERGE
+PARTIAL_HEADER = shared._HEADER + _HEADER
+
+
 @cache
 def _partial():
     return cuda_kernel(
         name="decode_attention_partial",
         input_names=["q", "sc", "k", "v"],
         output_names=["part_acc", "part_max", "part_sum"],
-        source="const int n_kv = k_shape[1], n_keys = k_shape[2];" + shared._SETUP + _WALK + shared._BLOCK_MERGE,
-        header=shared._HEADER + _HEADER,
+        source=PARTIAL_SOURCE,
+        header=PARTIAL_HEADER,
         ensure_row_contiguous=False,  # the cache is read in place, strided by its capacity
     )
 

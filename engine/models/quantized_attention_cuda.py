@@ -262,13 +262,17 @@ _MERGE = """
 """
 
 
+# The partial kernel's body as it is built (header: ``_HEADER``).
+PARTIAL_SOURCE = "const int n_kv = kw_shape[1], n_keys = kw_shape[2];" + _SETUP + _WALK + _BLOCK_MERGE
+
+
 @cache
 def _kernels():
     partial = cuda_kernel(
         name="quantized_kv_attention_partial",
         input_names=["q", "sc", "kw", "ks", "kb", "vw", "vs", "vb"],
         output_names=["part_acc", "part_max", "part_sum"],
-        source="const int n_kv = kw_shape[1], n_keys = kw_shape[2];" + _SETUP + _WALK + _BLOCK_MERGE,
+        source=PARTIAL_SOURCE,
         header=_HEADER,
         ensure_row_contiguous=False,  # the cache's codes are read in place, strided by its capacity
     )

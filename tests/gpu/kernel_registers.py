@@ -25,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import mlx.core as mx  # noqa: E402
 
 from engine.models import decode_attention_cuda as dense  # noqa: E402
-from engine.models import quantized_attention_cuda as quantized  # noqa: E402
 from engine.models import quantized_matmul_cuda as qmv  # noqa: E402
-from tests.engine.models import test_cuda_builds as builds  # noqa: E402
+from tests.engine.models import nvcc_build  # noqa: E402
 
 # qwen3-4b at 4 bits: (inputs, outputs, residual, glu, norm) of each product of a layer, and the head.
 PRODUCTS = {
@@ -53,7 +52,7 @@ def warps(registers: int) -> int:
 
 
 def build(source: str) -> tuple[int, int]:
-    return builds._build(Path(tempfile.mkdtemp()), source)
+    return nvcc_build.build(Path(tempfile.mkdtemp()), source)
 
 
 def loop_instructions(source: str) -> str:
@@ -62,7 +61,7 @@ def loop_instructions(source: str) -> str:
     if shutil.which("cuobjdump") is None:
         return ""
     folder = Path(tempfile.mkdtemp())
-    builds._build(folder, re.sub(r"const bool (\w+_aligned) = [^;]*;", r"const bool \1 = true;", source))
+    nvcc_build.build(folder, re.sub(r"const bool (\w+_aligned) = [^;]*;", r"const bool \1 = true;", source))
     sass = subprocess.run(["cuobjdump", "-sass", str(folder / "k.cubin")], capture_output=True, text=True).stdout
     found = re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
     code = [(int(m.group(1), 16), m.group(2).split(".")[0], m.group(3)) for m in found]
@@ -86,21 +85,12 @@ def main() -> None:
                 os.environ.pop(key, None)
             os.environ.update(env)
             splits = qmv.k_splits(k, n, 4)
-            source = builds._product(1, splits, residual, glu, norm, qmv.build_switches())
+            source = nvcc_build.product(1, splits, residual, glu, norm, qmv.build_switches())
             registers, spilled = build(source)
             print(f"| {name} | {switch} | {registers} | {warps(registers)} | {spilled} |{loop_instructions(source)}")
-    for heads, kv_heads, queries, keys, dims in builds.PASSES:
-        template, slices, blocks = dense.plan(1, heads, kv_heads, queries, keys, dims, mx.bfloat16)
-        source = builds._wrapped(
-            {"q": "InT", "sc": "float", "k": "InT", "v": "InT"},
-            builds._PARTS,
-            template,
-            quantized._HEADER + dense._HEADER,
-            "const int n_kv = k_shape[1], n_keys = k_shape[2];"
-            + quantized._SETUP
-            + dense._WALK
-            + quantized._BLOCK_MERGE,
-        )
+    for heads, kv_heads, queries, keys, dims in nvcc_build.PASSES:
+        _, slices, blocks = dense.plan(1, heads, kv_heads, queries, keys, dims, mx.bfloat16)
+        source = nvcc_build.dense_partial(heads, kv_heads, queries, keys, dims)
         registers, spilled = build(source)
         print(
             f"| split attention, {heads} heads over {kv_heads}, {queries} queries, {keys} keys "

@@ -3,93 +3,34 @@ heads' norm and RoPE, and attention over a full-precision or a quantized cache) 
 MLX's runtime compiler would refuse is caught off the GPU, and so are register spills, which
 would turn a step's weight read into local-memory traffic.
 
-Each body is wrapped the way ``mx.fast.cuda_kernel`` wraps it (each input a pointer with its
-shape, strides and dimensions beside it, each output a pointer, the template constants as the
-launch gives them), with a stand-in for the one MLX header the activation epilogue includes.
+Each body is wrapped the way ``mx.fast.cuda_kernel`` wraps it (tests.engine.models.nvcc_build).
 Skipped without nvcc.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
 
-from engine.models import decode_attention_cuda as dense_attention
 from engine.models import gathered_matmul_cuda as gathered
 from engine.models import head_norm_rope_cuda as heads
 from engine.models import quantized_attention_cuda as quantized_attention
 from engine.models import quantized_matmul_cuda as qmv
 from engine.models import quantized_mma_cuda as tensor_cores
+from tests.engine.models.nvcc_build import (
+    PARTS,
+    PASSES,
+    SIGMOID,
+    build,
+    dense_partial,
+    product,
+    quantized_partial,
+    wrapped,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build for the GPU")
-
-# What MLX's unary_ops.cuh gives the activation epilogue: a sigmoid in the activations' type.
-_SIGMOID = """
-struct Sigmoid {
-  template <typename T> __device__ T operator()(T x) { return T(1.f / (1.f + expf(-static_cast<float>(x)))); }
-};
-"""
-
-
-_C_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.uint32: "uint32_t"}
-
-
-def _constant(name: str, value) -> str:
-    """A template constant as MLX's wrapper declares it: a dtype, a bool or an int."""
-    if isinstance(value, mx.Dtype):
-        return f"using {name} = {_C_TYPES[value]};"
-    if isinstance(value, bool):
-        return f"constexpr bool {name} = {str(value).lower()};"
-    return f"constexpr int {name} = {value};"
-
-
-def _wrapped(inputs: dict[str, str], outputs: dict[str, str], constants, header: str, body: str) -> str:
-    """A kernel as MLX's runtime compiler receives it: ``inputs`` and ``outputs`` name -> C
-    type, ``constants`` (name, dtype or int) as the launch's template gives them."""
-    params = [
-        f"const {t}* {n}, const int32_t* {n}_shape, const int64_t* {n}_strides, int {n}_ndim" for n, t in inputs.items()
-    ] + [f"{t}* {n}" for n, t in outputs.items()]
-    lines = [_constant(n, v) for n, v in constants]
-    return (
-        "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
-        + header
-        + "\n".join(lines)
-        + f'\nextern "C" __global__ void kernel({", ".join(params)}) {{\n{body}}}\n'
-    )
-
-
-def _product(rows: int, splits: int, residual: bool, glu: bool, norm: bool, loop: str) -> str:
-    names = ["x", "w", "scales", "biases"] + ["residual"] * residual + ["norm"] * norm
-    constants = [("T", mx.bfloat16), ("R", rows), ("BITS", 4), ("GS", 64), ("CPW", qmv.COLUMNS), ("NW", qmv.WARPS)]
-    constants += [("KS", splits), ("KN", 2560), ("EPS", qmv.float_bits(1e-6))]
-    return _wrapped(
-        {n: "uint32_t" if n == "w" else "T" for n in names},
-        {"out": "T"},
-        constants,
-        loop + _SIGMOID + qmv.compact(qmv.DEVICE_FUNCTIONS),
-        qmv.compact(qmv.kernel_source(residual, glu, norm)),
-    )
-
-
-def _build(tmp_path, source: str) -> tuple[int, int]:
-    """Registers a thread and bytes spilled, as the assembler reports them for sm_90."""
-    (tmp_path / "k.cu").write_text(source)
-    done = subprocess.run(
-        ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", "k.cubin", "k.cu"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
-    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr))
-    return registers, spilled
-
 
 LOOPS = {
     "plain": {},
@@ -113,7 +54,7 @@ def test_every_walk_of_the_product_builds_without_spilling(
     monkeypatch.delenv(qmv.ONE_OP_ENV, raising=False)
     for name, value in LOOPS[loop].items():
         monkeypatch.setenv(name, value)
-    registers, spilled = _build(tmp_path, _product(rows, splits, residual, glu, norm, qmv.build_switches()))
+    registers, spilled = build(tmp_path, product(rows, splits, residual, glu, norm, qmv.build_switches()))
     assert spilled == 0
     assert registers <= 255
 
@@ -123,7 +64,7 @@ def test_a_macro_in_an_unroll_pragma_is_refused_as_the_runtime_compiler_refuses_
     does not build (the unrolled walk's count is a constant for that reason)."""
     loop = "#define CHUNK_UNROLL\n#define CHUNK_UNROLL_COUNT 2\n"
     with pytest.raises(AssertionError, match="CHUNK_UNROLL_COUNT"):
-        _build(tmp_path, _product(1, 1, False, False, False, loop))
+        build(tmp_path, product(1, 1, False, False, False, loop))
 
 
 @pytest.mark.parametrize("blocks", [8, 10])
@@ -132,35 +73,16 @@ def test_launch_bounds_reach_the_kernel_through_its_header(monkeypatch, tmp_path
     multiprocessor must hold the one-row product to 65,536 / (N x 128) registers a thread,
     which without them it exceeds."""
     monkeypatch.setenv(qmv.BOUNDS_ENV, str(blocks))
-    registers, _ = _build(tmp_path, _product(1, 1, False, False, False, qmv.bounds()))
+    registers, _ = build(tmp_path, product(1, 1, False, False, False, qmv.bounds()))
     assert registers <= 65536 // (blocks * 128)
     monkeypatch.delenv(qmv.BOUNDS_ENV)
     assert qmv.bounds() == ""
-    assert _build(tmp_path, _product(1, 1, False, False, False, qmv.bounds()))[0] > 65536 // (blocks * 128)
-
-
-_PARTS = {"part_acc": "float", "part_max": "float", "part_sum": "float"}
-
-
-# qwen3-4b's step (32 heads over 8, 128 dimensions), a verify pass of 5 over 8 heads of 64, and
-# llama3-8b's pass of 4 queries.
-PASSES = [(32, 8, 1, 520, 128), (8, 8, 5, 2000, 64), (32, 8, 4, 6000, 128)]
+    assert build(tmp_path, product(1, 1, False, False, False, qmv.bounds()))[0] > 65536 // (blocks * 128)
 
 
 @pytest.mark.parametrize("heads, kv_heads, queries, keys, dims", PASSES, ids=str)
 def test_attention_over_a_full_precision_cache_builds_without_spilling(tmp_path, heads, kv_heads, queries, keys, dims):
-    template, _, _ = dense_attention.plan(1, heads, kv_heads, queries, keys, dims, mx.bfloat16)
-    source = _wrapped(
-        {"q": "InT", "sc": "float", "k": "InT", "v": "InT"},
-        _PARTS,
-        template,
-        quantized_attention._HEADER + dense_attention._HEADER,
-        "const int n_kv = k_shape[1], n_keys = k_shape[2];"
-        + quantized_attention._SETUP
-        + dense_attention._WALK
-        + quantized_attention._BLOCK_MERGE,
-    )
-    assert _build(tmp_path, source)[1] == 0
+    assert build(tmp_path, dense_partial(heads, kv_heads, queries, keys, dims))[1] == 0
 
 
 @pytest.mark.parametrize(
@@ -169,22 +91,10 @@ def test_attention_over_a_full_precision_cache_builds_without_spilling(tmp_path,
 def test_attention_over_a_quantized_cache_and_its_merge_build_without_spilling(
     tmp_path, heads, kv_heads, queries, keys, dims, bits
 ):
-    template, _, _ = quantized_attention.plan(1, heads, kv_heads, queries, keys, dims, mx.bfloat16, bits, (64, 64))
-    codes = {f"{kv}{part}": "uint32_t" if part == "w" else "InT" for kv in "kv" for part in "wsb"}
-    partial = _wrapped(
-        {"q": "InT", "sc": "float", **codes},
-        _PARTS,
-        template,
-        quantized_attention._HEADER,
-        "const int n_kv = kw_shape[1], n_keys = kw_shape[2];"
-        + quantized_attention._SETUP
-        + quantized_attention._WALK
-        + quantized_attention._BLOCK_MERGE,
-    )
-    assert _build(tmp_path, partial)[1] == 0
+    assert build(tmp_path, quantized_partial(heads, kv_heads, queries, keys, dims, bits))[1] == 0
     constants = [("InT", mx.bfloat16), ("D", dims), ("L", queries), ("REP", heads // kv_heads), ("NKV", kv_heads)]
-    merge = _wrapped(_PARTS, {"out": "InT"}, constants, quantized_attention._HEADER, quantized_attention._MERGE)
-    assert _build(tmp_path, merge)[1] == 0
+    merge = wrapped(PARTS, {"out": "InT"}, constants, quantized_attention._HEADER, quantized_attention._MERGE)
+    assert build(tmp_path, merge)[1] == 0
 
 
 @pytest.mark.parametrize("switches", ["", "#define ONE_OP_CODES\n"], ids=["plain", "one op a code"])
@@ -195,14 +105,14 @@ def test_the_tensor_core_kernel_builds_without_spilling(tmp_path, switches, rows
     names = ["x", "w", "scales", "biases"] + ["residual"] * residual + ["norm"] * norm
     constants = [("T", mx.bfloat16), ("BF", True), ("R", rows), ("GS", 64), ("NW", tensor_cores.WARPS), ("KS", 2)]
     constants += [("KN", 2560), ("EPS", qmv.float_bits(1e-6))]
-    source = _wrapped(
+    source = wrapped(
         {n: "uint32_t" if n == "w" else "T" for n in names},
         {"out": "T"},
         constants,
-        switches + _SIGMOID + qmv.compact(tensor_cores.PRIMITIVES + tensor_cores.DEVICE_FUNCTIONS),
+        switches + SIGMOID + qmv.compact(tensor_cores.PRIMITIVES + tensor_cores.DEVICE_FUNCTIONS),
         qmv.compact(tensor_cores.kernel_source(residual, glu, norm)),
     )
-    assert _build(tmp_path, source)[1] == 0
+    assert build(tmp_path, source)[1] == 0
 
 
 @pytest.mark.parametrize("switches", ["", "#define ONE_OP_CODES\n"], ids=["plain", "one op a code"])
@@ -210,14 +120,14 @@ def test_the_gathered_expert_product_builds_without_spilling(tmp_path, switches)
     """qwen3.5-35b-a3b's gate/up experts (2048 -> 512), a token's row shared by its 8 experts."""
     constants = [("T", mx.bfloat16), ("BITS", 4), ("GS", 64), ("CPW", qmv.COLUMNS), ("NW", qmv.WARPS)]
     constants += [("KS", qmv.k_splits(2048, 512, 4)), ("XS", 8)]
-    source = _wrapped(
+    source = wrapped(
         {"x": "T", "w": "uint32_t", "scales": "T", "biases": "T", "ids": "uint32_t"},
         {"out": "T"},
         constants,
         switches + qmv.compact(qmv.DEVICE_FUNCTIONS),
         qmv.compact(gathered._GATHER_SOURCE),
     )
-    assert _build(tmp_path, source)[1] == 0
+    assert build(tmp_path, source)[1] == 0
 
 
 @pytest.mark.parametrize("normed", [True, False])
@@ -226,5 +136,5 @@ def test_the_head_norm_and_rope_kernel_builds_without_spilling(tmp_path, normed)
     weights = {"q_weight": "T", "k_weight": "T"} if normed else {}
     constants = [("T", mx.bfloat16), ("B", 2), ("L", 1), ("NQ", 32), ("NKV", 8), ("D", 128), ("OFFSETS", 2)]
     body = heads.constants(1e-6, 1.0, heads.log2_float32(1e6)) + qmv.compact(heads.source(normed))
-    source = _wrapped({"x": "T", **weights, "offset": "int32_t"}, {"q": "T", "kv": "T"}, constants, "", body)
-    assert _build(tmp_path, source)[1] == 0
+    source = wrapped({"x": "T", **weights, "offset": "int32_t"}, {"q": "T", "kv": "T"}, constants, "", body)
+    assert build(tmp_path, source)[1] == 0

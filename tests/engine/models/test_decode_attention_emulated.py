@@ -73,7 +73,7 @@ DENSE = (
     "const T* q, const float* sc, const T* k, const Shape k_shape, const Strides k_strides, const T* v, "
     "const Strides v_strides",
     "(const T*)qb.data(), &scale, (const T*)kb.data(), ks, st, (const T*)vb.data(), st",
-    "const int n_kv = k_shape[1], n_keys = k_shape[2];" + shared._SETUP + decode._WALK + shared._BLOCK_MERGE,
+    decode.PARTIAL_SOURCE,
 )
 QUANTIZED = (
     "const T* q, const float* sc, const uint32_t* kw, const Shape kw_shape, const Strides kw_strides, const T* ks, "
@@ -81,7 +81,7 @@ QUANTIZED = (
     "const Strides vs_strides, const T* vb",
     "(const T*)qb.data(), &scale, (const uint32_t*)kb.data(), ks, st, (const T*)ksb.data(), sst, (const T*)kbb.data(), "
     "(const uint32_t*)vb.data(), st, (const T*)vsb.data(), sst, (const T*)vbb.data()",
-    "const int n_kv = kw_shape[1], n_keys = kw_shape[2];" + shared._SETUP + shared._WALK + shared._BLOCK_MERGE,
+    shared.PARTIAL_SOURCE,
 )
 
 
@@ -99,7 +99,7 @@ def _source(template, rows: int, n_kv: int, d: int, kernel=DENSE, row: int = 0, 
     )
     driver = DRIVER
     for placeholder, text in (
-        ("HEADERS", shared._HEADER + decode._HEADER),
+        ("HEADERS", decode.PARTIAL_HEADER),
         ("CONSTANTS", lines),
         ("PARTIAL_PARAMETERS", kernel[0]),
         ("PARTIAL_ARGUMENTS", kernel[1]),
