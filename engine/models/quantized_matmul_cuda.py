@@ -83,6 +83,13 @@ BOUNDS_ENV = "MLX_DESK_QMV_BOUNDS"
 # switch too: 450 to 386 at one row). The products were measured issuing on 44-63% of cycles
 # (docs/qmv.md, "Registers"). The same bits either way.
 ONE_OP_ENV = "MLX_DESK_QMV_ONE_OP_CODES"
+# Wider warps for products of at most ``WIDE_ROWS`` rows (``MLX_DESK_QMV_COLUMNS=8``; off until
+# timed): a lane's activations serve 8 weight rows instead of 4, so the loop spends fewer
+# instructions a code on them (3.94 a code and column with one-op codes against 4.30, NVIDIA's
+# compiler, sm_90) at 166-168 registers. Only the grid changes: K is split as at 4 columns
+# (``k_splits``), so every column's sum runs in the same order and the bits do not change.
+COLUMNS_ENV = "MLX_DESK_QMV_COLUMNS"
+WIDE_ROWS = 2
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).
 NORM_STAGE_BYTES = 32 << 10
@@ -457,14 +464,14 @@ def norm_fits(rows: int, inputs: int, dtype: mx.Dtype) -> bool:
     return rows * inputs * dtype.size <= NORM_STAGE_BYTES
 
 
-def layout(k: int, n: int, bits: int, glu: bool = False) -> tuple[list[tuple[str, int]], int]:
+def layout(k: int, n: int, bits: int, glu: bool = False, columns: int = COLUMNS) -> tuple[list[tuple[str, int]], int]:
     """The column and warp layout of a product by an [N, K] matrix: the kernel's template
-    parameters for it (columns a warp owns, warps a block, warps that split K) and the blocks
-    across N (with ``glu``, across the N / 2 outputs, a warp's columns being half gate rows
-    and half up rows)."""
+    parameters for it (``columns`` a warp owns, warps a block, warps that split K) and the
+    blocks across N (with ``glu``, across the N / 2 outputs, a warp's columns being half gate
+    rows and half up rows)."""
     splits = k_splits(k, n, bits)
-    per_warp, outputs = (COLUMNS // 2, n // 2) if glu else (COLUMNS, n)
-    return [("CPW", COLUMNS), ("NW", WARPS), ("KS", splits)], -(-outputs // (WARPS // splits * per_warp))
+    per_warp, outputs = (columns // 2, n // 2) if glu else (columns, n)
+    return [("CPW", columns), ("NW", WARPS), ("KS", splits)], -(-outputs // (WARPS // splits * per_warp))
 
 
 @cache
@@ -502,6 +509,13 @@ def bounds() -> str:
 def one_op_codes() -> str:
     """The ``#define`` that unpacks each code with one logic op (``MLX_DESK_QMV_ONE_OP_CODES=1``), or nothing."""
     return "#define ONE_OP_CODES\n" if os.environ.get(ONE_OP_ENV, "0") == "1" else ""
+
+
+def columns(rows: int) -> int:
+    """Columns a warp owns for a product of ``rows`` rows: 8 up to ``WIDE_ROWS`` rows where
+    ``MLX_DESK_QMV_COLUMNS=8`` asks for it, else ``COLUMNS``."""
+    wide = os.environ.get(COLUMNS_ENV, "") == "8" and rows <= WIDE_ROWS
+    return 2 * COLUMNS if wide else COLUMNS
 
 
 def build_switches() -> str:
@@ -584,7 +598,7 @@ def matmul(
     # the residual go in as they are and the output comes out in x's leading shape: no views
     # around the launch (each is a node the host builds and hands over every step).
     rows = x.size // max(k, 1)
-    warps, blocks = layout(k, n, bits, glu)
+    warps, blocks = layout(k, n, bits, glu, columns(rows))
     names, inputs = ["x", "w", "scales", "biases"], [x, w, scales, biases]
     if residual is not None:
         names.append("residual")

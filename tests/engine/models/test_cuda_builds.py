@@ -59,6 +59,19 @@ def test_every_walk_of_the_product_builds_without_spilling(
     assert registers <= 255
 
 
+@pytest.mark.parametrize("loop", ["plain", "one op a code"])
+def test_wider_warps_build_without_spilling_up_to_their_rows(monkeypatch, tmp_path, loop):
+    """8 columns a warp (``MLX_DESK_QMV_COLUMNS``) at the most rows they take, the gate/up
+    product with its norm (the variant with the most sums and inputs)."""
+    monkeypatch.delenv(qmv.ONE_OP_ENV, raising=False)
+    for name, value in LOOPS[loop].items():
+        monkeypatch.setenv(name, value)
+    source = product(qmv.WIDE_ROWS, 1, False, True, True, qmv.build_switches(), columns=8)
+    registers, spilled = build(tmp_path, source)
+    assert spilled == 0
+    assert registers <= 255
+
+
 def test_a_macro_in_an_unroll_pragma_is_refused_as_the_runtime_compiler_refuses_it(tmp_path):
     """The check can fail: ``#pragma unroll`` does not expand macros, so a count given as one
     does not build (the unrolled walk's count is a constant for that reason)."""

@@ -41,26 +41,37 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ t
 _TOLERANCE = {mx.float32: 2e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}
 
 
-def _program(driver: str, kernel: str, dtype, bits: int, group: int, splits: int, extra: str, loop: str = "") -> str:
+def _program(
+    driver: str,
+    kernel: str,
+    dtype,
+    bits: int,
+    group: int,
+    splits: int,
+    extra: str,
+    loop: str = "",
+    columns: int = qmv.COLUMNS,
+) -> str:
     """The C++ program: the kernel's device code and ``kernel`` as the driver runs it, with
-    the kernel's template constants (``extra``: the variant's own) and activation type, after
-    ``loop`` (``qmv.chunk_loop``'s defines)."""
+    the kernel's template constants (``extra``: the variant's own; ``columns`` a warp) and
+    activation type, after ``loop`` (``qmv.chunk_loop``'s defines)."""
     constants = (
         f"{extra} constexpr int BITS = {bits}; constexpr int GS = {group}; "
-        f"constexpr int CPW = {qmv.COLUMNS}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
+        f"constexpr int CPW = {columns}; constexpr int NW = {qmv.WARPS}; constexpr int KS = {splits};"
     )
     source = PRELUDE + loop + qmv.compact(qmv.DEVICE_FUNCTIONS) + f"using T = {CPP_TYPE[dtype]};\n"
     return source + driver.replace("CONSTANTS", constants).replace("SOURCE", qmv.compact(kernel))
 
 
-def _run_on_cpu(tmp_path, x, wq, scales, biases, group: int, bits: int, shift: int, loop: str = "") -> mx.array:
+def _run_on_cpu(
+    tmp_path, x, wq, scales, biases, group: int, bits: int, shift: int, loop: str = "", columns: int = qmv.COLUMNS
+) -> mx.array:
     rows, k = x.shape
     n = wq.shape[0]
     splits = qmv.k_splits(k, n, bits)
-    source = _program(PRODUCT_DRIVER, qmv._SOURCE, x.dtype, bits, group, splits, f"constexpr int R = {rows};", loop)
-    return _build_and_run(
-        tmp_path, source, (x, wq, scales, biases), [rows, k, n, shift, qmv.WARPS, splits, qmv.COLUMNS]
-    )
+    row_constant = f"constexpr int R = {rows};"
+    source = _program(PRODUCT_DRIVER, qmv._SOURCE, x.dtype, bits, group, splits, row_constant, loop, columns)
+    return _build_and_run(tmp_path, source, (x, wq, scales, biases), [rows, k, n, shift, qmv.WARPS, splits, columns])
 
 
 def _build_and_run(tmp_path, source: str, arrays, args: list[int], ids=None, outputs=None) -> mx.array:
@@ -106,9 +117,13 @@ def test_the_kernels_source_computes_mlxs_product(tmp_path, rows, inputs, output
 
 
 @pytest.mark.parametrize("rows, inputs, outputs, splits", [(3, 8320, 19, 4), (1, 24640, 9, 4), (2, 64, 9, 1)], ids=str)
-def test_a_prefetched_or_unrolled_walk_gives_the_same_bits(monkeypatch, tmp_path, rows, inputs, outputs, splits):
+def test_a_prefetched_or_unrolled_walk_or_wider_warps_give_the_same_bits(
+    monkeypatch, tmp_path, rows, inputs, outputs, splits
+):
     """Lanes of 2-3 and 6-7 chunks, and lanes with none (64 inputs are two chunks): the
-    prefetch's first, middle and last chunks, and a walk the unrolled loop does not divide."""
+    prefetch's first, middle and last chunks, and a walk the unrolled loop does not divide.
+    Warps of 8 columns split K as warps of 4 do, so they sum in the same order too (a last
+    warp with columns past the outputs: 19 and 9 are not multiples of 8)."""
     assert qmv.k_splits(inputs, outputs, 4) == splits
     k1, k2 = mx.random.split(mx.random.key(rows + inputs), 2)
     wq, scales, biases = mx.quantize(mx.random.normal((outputs, inputs), key=k1).astype(mx.bfloat16), bits=4)
@@ -120,6 +135,10 @@ def test_a_prefetched_or_unrolled_walk_gives_the_same_bits(monkeypatch, tmp_path
         assert loop
         assert mx.array_equal(_run_on_cpu(tmp_path, x, wq, scales, biases, 64, 4, 1, loop), plain), env
         monkeypatch.delenv(env)
+    monkeypatch.setenv(qmv.COLUMNS_ENV, "8")
+    assert qmv.columns(1) == 8 and qmv.columns(qmv.WIDE_ROWS + 1) == qmv.COLUMNS
+    wide = _run_on_cpu(tmp_path, x, wq, scales, biases, 64, 4, 1, columns=8)
+    assert mx.array_equal(wide, plain)
 
 
 @pytest.mark.parametrize(
