@@ -10,7 +10,7 @@ EXTRAS := dev$(if $(MLX_BACKEND),$(comma)$(MLX_BACKEND))
 STAMP  := $(VENV)/.installed-$(or $(MLX_BACKEND),metal)
 ENTRY  := $(VENV)/bin/mlx-desk
 
-.PHONY: run test lint bench bundle clean
+.PHONY: run test test-long lint bench bundle clean
 
 # The venv is (re)built when missing, when pyproject.toml changed, or for another backend.
 $(STAMP): pyproject.toml
@@ -30,8 +30,13 @@ $(ENTRY): $(STAMP)
 run: $(ENTRY)
 	$(ENTRY) $(ARGS)
 
+# The suite in two parts, so that the everyday one stays under a quarter of an hour: the
+# long tests (soaks, the bundle build, sampling-distribution checks; marked `long`) run apart.
 test: $(ENTRY)
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest $(PYTEST_ARGS)
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -m "not long" $(PYTEST_ARGS)
+
+test-long: $(ENTRY)
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -m long $(PYTEST_ARGS)
 
 # The house rules a machine can check: ruff (lint + format), the import-linter contracts
 # in .importlinter (layers, walls, no cycles), and types (mypy --strict, set in pyproject.toml)

@@ -22,6 +22,7 @@ from tests.soak import HAS_RSS, block_medians, rss_bytes, slope
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.long,
     pytest.mark.qt_log_ignore("propagateSizeHints"),  # offscreen plugin noise
     pytest.mark.skipif(not HAS_RSS, reason="reads RSS from /proc"),
 ]

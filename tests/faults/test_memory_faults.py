@@ -75,6 +75,7 @@ def test_the_recently_used_chat_is_kept_over_an_older_one(model):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(not HAS_RSS, reason="reads RSS from /proc")
 def test_soak_500_turns_across_chats_keeps_memory_flat(model):
     """500 turns over 25 chats under a budget with room for a few caches: the KV bytes stay

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.long,
     pytest.mark.timeout(1500),  # the first test pays for the build
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the bundle test builds the Linux bundle"),
 ]

@@ -112,6 +112,7 @@ def test_greedy_replies_match_the_unpaged_cache(name):
         assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)
 
 
+@pytest.mark.long
 def test_sessions_sharing_a_prefix_hold_it_once():
     """Eight chats with the same 4k-token system prompt: the paged pool holds it once,
     unpaged chats eight times (MLX's active memory)."""

@@ -60,6 +60,7 @@ def _params(constraint, seed):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_200_sampled_completions_all_validate(host):
     prompt = host.encode_prompt("hello there")
     for seed in range(200):

@@ -44,6 +44,7 @@ def tiny(model_type: str, seed: int, sharpen: float, **extra):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("k", [2, 4])
 def test_hybrid_draft_model_sampling_keeps_target_distribution(k):
     layout = dict(

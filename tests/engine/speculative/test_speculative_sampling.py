@@ -121,6 +121,7 @@ def test_ngram_sampling_with_filters_keeps_target_distribution():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("k", [2, 4])
 def test_draft_model_sampling_with_several_drafts_a_round_keeps_target_distribution(k):
     """k drafts a round: the second token comes from an accepted second draft, from the

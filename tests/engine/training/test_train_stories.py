@@ -17,6 +17,7 @@ def stories(shared_data, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_training_lowers_validation_loss(stories, tmp_path):
     from engine.runtime.host import ModelHost
     from engine.training.adapters import AdapterSpec
