@@ -97,9 +97,9 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
   done
   # Build switches of the row kernel (off by default; docs/qmv.md, "Registers": one H100 run
   # found launch bounds even and the prefetch 7% slower), one logic op a code (18% fewer
-  # instructions in the K loop), and one-row products on the tensor-core kernel (3.5
-  # instructions a code against the row kernel's 5.3).
-  for variant in MLX_DESK_QMV_ONE_OP_CODES=1 MLX_DESK_QMV_MMA_ROWS=1-16 MLX_DESK_QMV_BOUNDS=8 MLX_DESK_QMV_PREFETCH=1; do
+  # instructions in the K loop), one-row products on the tensor-core kernel (3.5
+  # instructions a code against the row kernel's 5.3), and 8 columns a warp for 1-2 rows.
+  for variant in MLX_DESK_QMV_ONE_OP_CODES=1 MLX_DESK_QMV_MMA_ROWS=1-16 MLX_DESK_QMV_COLUMNS=8 MLX_DESK_QMV_BOUNDS=8 MLX_DESK_QMV_PREFETCH=1; do
     for shape_limit in qwen3-4b:100 llama3-8b:110; do
       shape="${shape_limit%%:*}"
       step "${shape_limit##*:}" "decode $shape, $variant" env $variant "$PY" -m engine bench --shape "$shape" \
