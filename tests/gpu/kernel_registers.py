@@ -4,7 +4,7 @@ bounds) and with each build switch, and the split decode attention. The occupanc
 the warps a multiprocessor holds at that count (65,536 registers, 128-thread blocks, 64 warps
 at most). Where cuobjdump is on PATH too, the instructions of the product's K loop, with its
 inputs taken as 16-byte aligned (the path a step runs; the other is compiled beside it):
-a lane's chunk of 32 codes of 4 columns an iteration.
+a lane's chunk of 32 codes of its warp's 4 columns (8 with MLX_DESK_QMV_COLUMNS=8) an iteration.
 
     python tests/gpu/kernel_registers.py
 
@@ -43,6 +43,8 @@ SWITCHES = {
     "MLX_DESK_QMV_PREFETCH=1": {qmv.PREFETCH_ENV: "1"},
     "MLX_DESK_QMV_UNROLL=2": {qmv.UNROLL_ENV: "2"},
     "MLX_DESK_QMV_ONE_OP_CODES=1": {qmv.ONE_OP_ENV: "1"},
+    "MLX_DESK_QMV_COLUMNS=8": {qmv.COLUMNS_ENV: "8"},
+    "MLX_DESK_QMV_COLUMNS=8, ONE_OP_CODES=1": {qmv.COLUMNS_ENV: "8", qmv.ONE_OP_ENV: "1"},
 }
 
 
@@ -81,11 +83,11 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: |" + (" ---: |" if sass else ""))
     for name, (k, n, residual, glu, norm) in PRODUCTS.items():
         for switch, env in SWITCHES.items():
-            for key in (qmv.BOUNDS_ENV, qmv.PREFETCH_ENV, qmv.UNROLL_ENV, qmv.ONE_OP_ENV):
+            for key in (qmv.BOUNDS_ENV, qmv.PREFETCH_ENV, qmv.UNROLL_ENV, qmv.ONE_OP_ENV, qmv.COLUMNS_ENV):
                 os.environ.pop(key, None)
             os.environ.update(env)
             splits = qmv.k_splits(k, n, 4)
-            source = nvcc_build.product(1, splits, residual, glu, norm, qmv.build_switches())
+            source = nvcc_build.product(1, splits, residual, glu, norm, qmv.build_switches(), qmv.columns(1))
             registers, spilled = build(source)
             print(f"| {name} | {switch} | {registers} | {warps(registers)} | {spilled} |{loop_instructions(source)}")
     for heads, kv_heads, queries, keys, dims in nvcc_build.PASSES:
