@@ -85,7 +85,7 @@ BOUNDS_ENV = "MLX_DESK_QMV_BOUNDS"
 ONE_OP_ENV = "MLX_DESK_QMV_ONE_OP_CODES"
 # Wider warps for products of at most ``WIDE_ROWS`` rows (``MLX_DESK_QMV_COLUMNS=8``; off until
 # timed): a lane's activations serve 8 weight rows instead of 4, so the loop spends fewer
-# instructions a code on them (3.94 a code and column with one-op codes against 4.30, NVIDIA's
+# instructions a code on them (3.94 a code and column with one-op codes against 4.32, NVIDIA's
 # compiler, sm_90) at 166-168 registers. Only the grid changes: K is split as at 4 columns
 # (``k_splits``), so every column's sum runs in the same order and the bits do not change.
 COLUMNS_ENV = "MLX_DESK_QMV_COLUMNS"
