@@ -56,6 +56,13 @@ TARGET_WARPS = 4096
 # The most rows the kernel takes (its per-lane sums live in registers: 16 x 4 of them).
 MAX_ROWS = 16
 BITS = (4, 8)
+# Widths the kernel computes but routes only when asked (``MLX_DESK_QMV_TWO_BITS=1``) until a
+# GPU has timed them against MLX's: 2-bit words hold 16 codes, so a lane's 16 bytes are 64
+# values and lie in one group only for groups of 64 or 128. A lane holds a word's 16 codes for
+# each column as floats, so 2-bit products stop at 8 rows (246 registers a thread; 16 rows spill).
+UNTIMED_BITS = (2,)
+TWO_BIT_ROWS = 8
+TWO_BITS_ENV = "MLX_DESK_QMV_TWO_BITS"
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
@@ -547,15 +554,22 @@ def fits(
     return (
         mode == "affine"
         and has_biases
-        and bits in BITS
+        and bits in routed_bits()
         and group_size in GROUP_SIZES
-        and 1 <= rows <= MAX_ROWS
+        and group_size % (128 // bits) == 0  # a lane's 16 bytes of codes lie in one group
+        and 1 <= rows <= (TWO_BIT_ROWS if bits == 2 else MAX_ROWS)
         and outputs >= 1
         and inputs >= group_size
         and inputs % group_size == 0
         and dtype in DTYPES
         and scales_dtype == dtype
     )
+
+
+def routed_bits() -> tuple[int, ...]:
+    """The code widths products are routed to the kernel for: ``BITS``, and 2 with
+    ``MLX_DESK_QMV_TWO_BITS=1``."""
+    return BITS + (UNTIMED_BITS if os.environ.get(TWO_BITS_ENV, "0") == "1" else ())
 
 
 def k_splits(inputs: int, outputs: int, bits: int) -> int:

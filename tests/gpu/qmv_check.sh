@@ -106,6 +106,9 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
         --bits 4 -p 512 -g 128 --repeat 3 --roofline
     done
   done
+  # 2-bit products (routed only with MLX_DESK_QMV_TWO_BITS=1 until timed): ours beside MLX's.
+  step 120 "microbench qwen3-4b, 2-bit" env MLX_DESK_QMV_TWO_BITS=1 "$PY" -m engine.cli.bench_qmm --shape qwen3-4b \
+    --bits 2 --group-size 64 --rows 1,2,4,8 --ours --cold-mb 128
   # The residual adds in the products' epilogue, turned off for the A/B (on by default).
   for shape_limit in qwen3-4b:100 llama3-8b:110; do
     shape="${shape_limit%%:*}"

@@ -52,10 +52,17 @@ def wrapped(inputs: dict[str, str], outputs: dict[str, str], constants, header: 
 
 
 def product(
-    rows: int, splits: int, residual: bool, glu: bool, norm: bool, loop: str, columns: int = qmv.COLUMNS
+    rows: int,
+    splits: int,
+    residual: bool,
+    glu: bool,
+    norm: bool,
+    loop: str,
+    columns: int = qmv.COLUMNS,
+    bits: int = 4,
 ) -> str:
     names = ["x", "w", "scales", "biases"] + ["residual"] * residual + ["norm"] * norm
-    constants = [("T", mx.bfloat16), ("R", rows), ("BITS", 4), ("GS", 64), ("CPW", columns), ("NW", qmv.WARPS)]
+    constants = [("T", mx.bfloat16), ("R", rows), ("BITS", bits), ("GS", 64), ("CPW", columns), ("NW", qmv.WARPS)]
     constants += [("KS", splits), ("KN", 2560), ("EPS", qmv.float_bits(1e-6))]
     return wrapped(
         {n: "uint32_t" if n == "w" else "T" for n in names},

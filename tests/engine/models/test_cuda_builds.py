@@ -72,6 +72,15 @@ def test_wider_warps_build_without_spilling_up_to_their_rows(monkeypatch, tmp_pa
     assert registers <= 255
 
 
+@pytest.mark.parametrize("rows", [1, qmv.TWO_BIT_ROWS])
+def test_2_bit_codes_build_without_spilling(tmp_path, rows):
+    """16 codes a word: the gate/up product (with its norm at one row), at one row and at the
+    most rows 2-bit products take."""
+    registers, spilled = build(tmp_path, product(rows, 1, False, True, rows == 1, "", bits=2))
+    assert spilled == 0
+    assert registers <= 255
+
+
 def test_a_macro_in_an_unroll_pragma_is_refused_as_the_runtime_compiler_refuses_it(tmp_path):
     """The check can fail: ``#pragma unroll`` does not expand macros, so a count given as one
     does not build (the unrolled walk's count is a constant for that reason)."""

@@ -58,10 +58,20 @@ def test_the_kernel_is_routed_only_where_it_was_measured_faster():
     assert _fits(rows=8) and _fits(rows=16)
 
 
+def test_2_bit_codes_go_to_the_kernel_only_when_asked_and_in_groups_of_64_or_128(monkeypatch):
+    monkeypatch.setenv(qmv.TWO_BITS_ENV, "1")
+    assert _fits(bits=2, group_size=64) and _fits(bits=2, group_size=128) and _fits(bits=4, group_size=32)
+    assert not _fits(bits=2, group_size=32)  # a lane's 16 bytes would span two groups
+    assert _fits(bits=2, rows=qmv.TWO_BIT_ROWS) and not _fits(bits=2, rows=qmv.TWO_BIT_ROWS + 1)
+    monkeypatch.setenv(qmv.TWO_BITS_ENV, "0")
+    assert not _fits(bits=2, group_size=64) and _fits(bits=4)
+
+
 def test_other_modes_widths_row_counts_and_mixed_dtypes_keep_mlxs_kernel():
     assert not _fits(rows=17)  # a prefill chunk: MLX's tiled kernel
     assert not _fits(rows=0)
     assert not _fits(bits=3) and not _fits(bits=2) and not _fits(bits=6)
+    assert not _fits(bits=2, group_size=64) and not _fits(bits=2, group_size=128)
     assert not _fits(group_size=16)
     assert not _fits(mode="mxfp4", group_size=32) and not _fits(mode="nvfp4", group_size=16)
     assert not _fits(has_biases=False)
@@ -254,6 +264,22 @@ def test_the_kernel_equals_mlxs_quantized_matmul(rows, inputs, outputs, bits, gr
     assert ours <= TOLERANCE[dtype] * size, (ours, theirs, size)
     apart = mx.abs(got.astype(mx.float32) - mlx_own.astype(mx.float32)).max().item()
     assert apart <= APART[dtype] * size, (apart, ours, theirs, size)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, group, dtype",
+    [(1, 2560, 4096, 64, mx.bfloat16), (5, 9728, 2560, 128, mx.float16), (8, 640, 37, 64, mx.float32)],
+    ids=str,
+)
+def test_2_bit_products_equal_mlxs_quantized_matmul(monkeypatch, rows, inputs, outputs, group, dtype):
+    monkeypatch.setenv(qmv.TWO_BITS_ENV, "1")
+    x, wq, scales, biases = _case(rows, inputs, outputs, 2, group, dtype)
+    assert _fits(rows, inputs, outputs, bits=2, group_size=group, dtype=dtype)
+    got = qmv.matmul(x, wq, scales, biases, group, 2)
+    expected = _referee(x, wq, scales, biases, group, 2)
+    size = mx.abs(expected).max().item()
+    assert mx.abs(got.astype(mx.float32) - expected).max().item() <= TOLERANCE[dtype] * size
 
 
 @needs_cuda
