@@ -30,7 +30,7 @@ _GATHER_SOURCE = """
   const int N = w_shape[1];
   const int pair = blockIdx.y;
   const long expert = min((int)ids[pair], w_shape[0] - 1);
-  const long words = (long)N * (K / (32 / BITS));
+  const long words = (long)N * (K / 32 * BITS);
   const long groups = (long)N * (K / GS);
   rows_product<T, 1, BITS, GS, CPW, NW, KS>(
       x + (long)(pair / XS) * K, w + expert * words, scales + expert * groups, biases + expert * groups,

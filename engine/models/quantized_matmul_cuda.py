@@ -56,13 +56,16 @@ TARGET_WARPS = 4096
 # The most rows the kernel takes (its per-lane sums live in registers: 16 x 4 of them).
 MAX_ROWS = 16
 BITS = (4, 8)
-# Widths the kernel computes but routes only when asked (``MLX_DESK_QMV_TWO_BITS=1``) until a
-# GPU has timed them against MLX's: 2-bit words hold 16 codes, so a lane's 16 bytes are 64
-# values and lie in one group only for groups of 64 or 128. A lane holds a word's 16 codes for
-# each column as floats, so 2-bit products stop at 8 rows (246 registers a thread; 16 rows spill).
-UNTIMED_BITS = (2,)
-TWO_BIT_ROWS = 8
-TWO_BITS_ENV = "MLX_DESK_QMV_TWO_BITS"
+# Widths the kernel computes but routes only when asked (``MLX_DESK_QMV_OTHER_BITS=1``) until a
+# GPU has timed them against MLX's. 2-bit words hold 16 codes, so a lane's 16 bytes are 64
+# values and lie in one group only for groups of 64 or 128. 3, 5 and 6 bits run end to end
+# across words as MLX packs them: a lane's chunk is 32 codes in 3, 5 or 6 words
+# (``ChunkShape``). Where a lane's codes and sums outgrow its registers the rows stop short of
+# ``MAX_ROWS`` (``ROW_LIMITS``: NVIDIA's compiler spills 2-bit products at 16 rows, a word's 16
+# codes a column held as floats, and 5-bit ones, five words a column, at 16).
+UNTIMED_BITS = (2, 3, 5, 6)
+ROW_LIMITS = {2: 8, 5: 12}
+OTHER_BITS_ENV = "MLX_DESK_QMV_OTHER_BITS"
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ENV = "MLX_DESK_QMV"
@@ -128,6 +131,25 @@ __device__ __forceinline__ void word_codes(uint32_t word, float* out) {
 #else
     out[i] = __int_as_float(((low ? word : high) & (CODE << p)) | magic) - (float)(1u << (23 - p));
 #endif
+  }
+}
+
+// Codes FIRST..FIRST + N - 1 of a chunk of WORDS words holding its codes end to end, as MLX
+// packs 3, 5 and 6 bits (a code may cross into the next word), as floats by the same trick. A
+// code whose bits would reach the exponent is taken from its word's high half joined to the next
+// word's low half (one funnel shift), which also holds the codes that cross.
+template <int BITS, int WORDS, int N>
+__device__ __forceinline__ void span_codes(const uint32_t (&q)[WORDS], const int first, float* out) {
+  constexpr uint32_t CODE = (1u << BITS) - 1u;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int bit = (first + i) * BITS;
+    const int j = bit / 32, o = bit % 32;
+    const bool low = o + BITS <= 23;
+    const uint32_t next = j + 1 < WORDS ? q[j + 1] : 0u;
+    const uint32_t word = low ? q[j] : (q[j] >> 16) | (next << 16);
+    const int p = low ? o : o - 16;
+    out[i] = __int_as_float((word & (CODE << p)) | ((uint32_t)(150 - p) << 23)) - (float)(1u << (23 - p));
   }
 }
 
@@ -200,24 +222,38 @@ __device__ __forceinline__ void block_norm(const T* x, const T* norm, const floa
 # The kernels' shared body, a device function: the plain product calls it once per block,
 # the gathered one (models.gathered_matmul_cuda) with each (token, expert) pair's pointers.
 _PRODUCT = """
-// One 16-byte chunk of codes of each of a warp's CPW columns, with the column's scale and bias
-// for the chunk's quantization group: what a lane loads before it multiplies.
-template <int CPW>
+// A lane's chunk of a column's codes: one 16-byte load of four words where the width divides
+// 32 (4 * 32 / BITS codes), else BITS words of 32 codes end to end (3, 5 and 6 bits: 12, 20 or
+// 24 bytes, loaded a word at a time). SEG: codes turned into floats at a time.
+template <int BITS>
+struct ChunkShape {
+  static constexpr bool WHOLE = 32 % BITS == 0;
+  static constexpr int WORDS = WHOLE ? 4 : BITS;
+  static constexpr int VALUES = WORDS * 32 / BITS;
+  static constexpr int SEG = WHOLE ? 32 / BITS : 8;
+};
+
+// One chunk of codes of each of a warp's CPW columns, with the column's scale and bias for the
+// chunk's quantization group: what a lane loads before it multiplies.
+template <int CPW, int WORDS = 4>
 struct Chunk {
-  uint32_t q[CPW][4];
+  uint32_t q[CPW][WORDS];
   float s[CPW], b[CPW];
 };
 
 // Chunk c of the columns whose packed rows start at words wrow and groups srow.
-template <typename T, int VPL, int GS, int CPW>
-__device__ __forceinline__ void load_chunk(Chunk<CPW>& chunk, const uint32_t* w, const T* scales, const T* biases,
-                                           const long (&wrow)[CPW], const long (&srow)[CPW], const int c,
-                                           const bool w_aligned) {
-  const int group = (c * VPL) / GS;
+template <typename T, int BITS, int GS, int CPW, int WORDS>
+__device__ __forceinline__ void load_chunk(Chunk<CPW, WORDS>& chunk, const uint32_t* w, const T* scales,
+                                           const T* biases, const long (&wrow)[CPW], const long (&srow)[CPW],
+                                           const int c, const bool w_aligned) {
+  const int group = (c * ChunkShape<BITS>::VALUES) / GS;
 #pragma unroll
   for (int j = 0; j < CPW; ++j) {
-    const uint32_t* src = w + wrow[j] + (long)c * 4;
-    if (w_aligned) {
+    const uint32_t* src = w + wrow[j] + (long)c * WORDS;
+    if constexpr (!ChunkShape<BITS>::WHOLE) {
+#pragma unroll
+      for (int t = 0; t < WORDS; ++t) chunk.q[j][t] = src[t];
+    } else if (w_aligned) {
       const uint4 u = *reinterpret_cast<const uint4*>(src);
       chunk.q[j][0] = u.x; chunk.q[j][1] = u.y; chunk.q[j][2] = u.z; chunk.q[j][3] = u.w;
     } else {
@@ -233,11 +269,11 @@ __device__ __forceinline__ void load_chunk(Chunk<CPW>& chunk, const uint32_t* w,
 // quantization group, so its sum is scale * (x . codes) + bias * sum(x) per row and column:
 // the codes are multiplied into the rows as they are, and each column's scale and bias are
 // applied once a chunk.
-template <typename T, int R, int BITS, int CPW>
-__device__ __forceinline__ void add_chunk(const Chunk<CPW>& chunk, const T* x, const int K, const int c,
+template <typename T, int R, int BITS, int CPW, int WORDS>
+__device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const T* x, const int K, const int c,
                                           const bool x_aligned, float (&acc)[R][CPW]) {
-  constexpr int PW = 32 / BITS;
-  constexpr int VPL = 4 * PW;
+  constexpr int PW = ChunkShape<BITS>::SEG;  // codes a step: a word's where the width divides 32
+  constexpr int VPL = ChunkShape<BITS>::VALUES;
   float dot[R][CPW], xsum[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -246,10 +282,16 @@ __device__ __forceinline__ void add_chunk(const Chunk<CPW>& chunk, const T* x, c
     for (int j = 0; j < CPW; ++j) dot[r][j] = 0.f;
   }
 #pragma unroll
-  for (int t = 0; t < 4; ++t) {
+  for (int t = 0; t < VPL / PW; ++t) {
     float codes[CPW][PW];
 #pragma unroll
-    for (int j = 0; j < CPW; ++j) word_codes<BITS>(chunk.q[j][t], codes[j]);
+    for (int j = 0; j < CPW; ++j) {
+      if constexpr (ChunkShape<BITS>::WHOLE) {
+        word_codes<BITS>(chunk.q[j][t], codes[j]);
+      } else {
+        span_codes<BITS, WORDS, PW>(chunk.q[j], t * PW, codes[j]);
+      }
+    }
     const int k = c * VPL + t * PW;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -289,8 +331,8 @@ template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS, bool RES
 __device__ __forceinline__ void rows_product(
     const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N,
     const T* residual = nullptr, const T* norm = nullptr, const float eps = 0.f, const int set = -1) {
-  constexpr int PW = 32 / BITS;        // codes per 32-bit word
-  constexpr int VPL = 4 * PW;          // values per lane chunk (one 16-byte load of codes)
+  constexpr int WORDS = ChunkShape<BITS>::WORDS;   // words a lane's chunk of a column
+  constexpr int VPL = ChunkShape<BITS>::VALUES;   // values a lane's chunk
   constexpr int CG = NW / KS;          // column sets per block; KS warps share each one
   constexpr int OPW = GLU ? CPW / 2 : CPW;  // output columns per warp
   const int lane = threadIdx.x & 31;
@@ -299,7 +341,7 @@ __device__ __forceinline__ void rows_product(
   const int col0 = (set >= 0 ? set : blockIdx.x * CG + warp / KS) * OPW;
   const int outputs = GLU ? N / 2 : N;
   const int chunks = K / VPL;          // K is a multiple of the group size, so of VPL
-  const int words_per_row = K / PW;
+  const int words_per_row = K / VPL * WORDS;
   const int groups_per_row = K / GS;
   __shared__ __align__(16) T normed[KN > 0 ? R * KN : 1];
   if constexpr (KN > 0) {
@@ -332,11 +374,11 @@ __device__ __forceinline__ void rows_product(
 #ifdef CHUNK_PREFETCH
   // Each chunk's loads issue before the chunk ahead of it is multiplied, so a lane's memory
   // round trips overlap its arithmetic instead of following it (the sums run as below).
-  Chunk<CPW> next;
-  if (c < chunks) load_chunk<T, VPL, GS>(next, w, scales, biases, wrow, srow, c, w_aligned);
+  Chunk<CPW, WORDS> next;
+  if (c < chunks) load_chunk<T, BITS, GS>(next, w, scales, biases, wrow, srow, c, w_aligned);
   for (; c < chunks; c += stride) {
-    const Chunk<CPW> chunk = next;
-    if (c + stride < chunks) load_chunk<T, VPL, GS>(next, w, scales, biases, wrow, srow, c + stride, w_aligned);
+    const Chunk<CPW, WORDS> chunk = next;
+    if (c + stride < chunks) load_chunk<T, BITS, GS>(next, w, scales, biases, wrow, srow, c + stride, w_aligned);
     add_chunk<T, R, BITS>(chunk, x, K, c, x_aligned, acc);
   }
 #else
@@ -344,8 +386,8 @@ __device__ __forceinline__ void rows_product(
 #pragma unroll CHUNK_UNROLL_COUNT
 #endif
   for (; c < chunks; c += stride) {
-    Chunk<CPW> chunk;
-    load_chunk<T, VPL, GS>(chunk, w, scales, biases, wrow, srow, c, w_aligned);
+    Chunk<CPW, WORDS> chunk;
+    load_chunk<T, BITS, GS>(chunk, w, scales, biases, wrow, srow, c, w_aligned);
     add_chunk<T, R, BITS>(chunk, x, K, c, x_aligned, acc);
   }
 #endif
@@ -556,8 +598,8 @@ def fits(
         and has_biases
         and bits in routed_bits()
         and group_size in GROUP_SIZES
-        and group_size % (128 // bits) == 0  # a lane's 16 bytes of codes lie in one group
-        and 1 <= rows <= (TWO_BIT_ROWS if bits == 2 else MAX_ROWS)
+        and group_size % chunk_values(bits) == 0  # a lane's chunk of codes lies in one group
+        and 1 <= rows <= ROW_LIMITS.get(bits, MAX_ROWS)
         and outputs >= 1
         and inputs >= group_size
         and inputs % group_size == 0
@@ -567,9 +609,15 @@ def fits(
 
 
 def routed_bits() -> tuple[int, ...]:
-    """The code widths products are routed to the kernel for: ``BITS``, and 2 with
-    ``MLX_DESK_QMV_TWO_BITS=1``."""
-    return BITS + (UNTIMED_BITS if os.environ.get(TWO_BITS_ENV, "0") == "1" else ())
+    """The code widths products are routed to the kernel for: ``BITS``, and 2, 3, 5 and 6 with
+    ``MLX_DESK_QMV_OTHER_BITS=1``."""
+    return BITS + (UNTIMED_BITS if os.environ.get(OTHER_BITS_ENV, "0") == "1" else ())
+
+
+def chunk_values(bits: int) -> int:
+    """Values in a lane's chunk of a column (the kernel's ``ChunkShape``): 16 bytes of codes
+    where the width divides 32, else 32 codes end to end."""
+    return 128 // bits if 32 % bits == 0 else 32
 
 
 def k_splits(inputs: int, outputs: int, bits: int) -> int:
@@ -579,7 +627,7 @@ def k_splits(inputs: int, outputs: int, bits: int) -> int:
     its length (down projections: 2,560 x 9,728); it stops while every lane of a warp still
     has a chunk of 16 bytes and once the grid holds ``TARGET_WARPS``. It depends on the
     matrix only, never on the rows, so a row's sums run in the same order at any row count."""
-    chunks = inputs * bits // 128
+    chunks = inputs // chunk_values(bits)
     column_sets = -(-outputs // COLUMNS)
     splits = 1
     while splits < WARPS and chunks >= 2 * splits * 32 and column_sets * splits < TARGET_WARPS:

@@ -106,9 +106,13 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
         --bits 4 -p 512 -g 128 --repeat 3 --roofline
     done
   done
-  # 2-bit products (routed only with MLX_DESK_QMV_TWO_BITS=1 until timed): ours beside MLX's.
-  step 120 "microbench qwen3-4b, 2-bit" env MLX_DESK_QMV_TWO_BITS=1 "$PY" -m engine.cli.bench_qmm --shape qwen3-4b \
-    --bits 2 --group-size 64 --rows 1,2,4,8 --ours --cold-mb 128
+  # 2, 3, 5 and 6-bit products (routed only with MLX_DESK_QMV_OTHER_BITS=1 until timed): ours
+  # beside MLX's, and their tests.
+  pytest_step 120 "other widths on the GPU" tests/engine/models/test_qmv_cuda.py -k other_widths
+  for bits in 2 3 5 6; do
+    step 120 "microbench qwen3-4b, $bits-bit" env MLX_DESK_QMV_OTHER_BITS=1 "$PY" -m engine.cli.bench_qmm \
+      --shape qwen3-4b --bits "$bits" --group-size 64 --rows 1,2,4,8 --ours --cold-mb 128
+  done
   # The residual adds in the products' epilogue, turned off for the A/B (on by default).
   for shape_limit in qwen3-4b:100 llama3-8b:110; do
     shape="${shape_limit%%:*}"

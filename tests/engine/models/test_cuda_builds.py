@@ -72,11 +72,13 @@ def test_wider_warps_build_without_spilling_up_to_their_rows(monkeypatch, tmp_pa
     assert registers <= 255
 
 
-@pytest.mark.parametrize("rows", [1, qmv.TWO_BIT_ROWS])
-def test_2_bit_codes_build_without_spilling(tmp_path, rows):
-    """16 codes a word: the gate/up product (with its norm at one row), at one row and at the
-    most rows 2-bit products take."""
-    registers, spilled = build(tmp_path, product(rows, 1, False, True, rows == 1, "", bits=2))
+@pytest.mark.parametrize(
+    "bits, rows", [(2, 1), (2, qmv.ROW_LIMITS[2]), (3, 1), (3, qmv.MAX_ROWS), (5, qmv.ROW_LIMITS[5]), (6, qmv.MAX_ROWS)]
+)
+def test_other_widths_build_without_spilling(tmp_path, bits, rows):
+    """2 bits (16 codes a word) and 3, 5, 6 (codes across words): the gate/up product (with its
+    norm at one row), at one row and at the most rows each takes."""
+    registers, spilled = build(tmp_path, product(rows, 1, False, True, rows == 1, "", bits=bits))
     assert spilled == 0
     assert registers <= 255
 

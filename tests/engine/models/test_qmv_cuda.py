@@ -58,13 +58,17 @@ def test_the_kernel_is_routed_only_where_it_was_measured_faster():
     assert _fits(rows=8) and _fits(rows=16)
 
 
-def test_2_bit_codes_go_to_the_kernel_only_when_asked_and_in_groups_of_64_or_128(monkeypatch):
-    monkeypatch.setenv(qmv.TWO_BITS_ENV, "1")
+def test_2_3_5_and_6_bit_codes_go_to_the_kernel_only_when_asked(monkeypatch):
+    monkeypatch.setenv(qmv.OTHER_BITS_ENV, "1")
     assert _fits(bits=2, group_size=64) and _fits(bits=2, group_size=128) and _fits(bits=4, group_size=32)
     assert not _fits(bits=2, group_size=32)  # a lane's 16 bytes would span two groups
-    assert _fits(bits=2, rows=qmv.TWO_BIT_ROWS) and not _fits(bits=2, rows=qmv.TWO_BIT_ROWS + 1)
-    monkeypatch.setenv(qmv.TWO_BITS_ENV, "0")
-    assert not _fits(bits=2, group_size=64) and _fits(bits=4)
+    for bits, rows in qmv.ROW_LIMITS.items():
+        assert _fits(bits=bits, group_size=64, rows=rows) and not _fits(bits=bits, group_size=64, rows=rows + 1)
+    assert all(_fits(bits=b, group_size=g, rows=16) for b in (3, 6) for g in (32, 64, 128))
+    assert all(_fits(bits=5, group_size=g) for g in (32, 64, 128))
+    assert not _fits(bits=7) and not _fits(bits=1)
+    monkeypatch.setenv(qmv.OTHER_BITS_ENV, "0")
+    assert not any(_fits(bits=b, group_size=64) for b in (2, 3, 5, 6)) and _fits(bits=4)
 
 
 def test_other_modes_widths_row_counts_and_mixed_dtypes_keep_mlxs_kernel():
@@ -268,16 +272,25 @@ def test_the_kernel_equals_mlxs_quantized_matmul(rows, inputs, outputs, bits, gr
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "rows, inputs, outputs, group, dtype",
-    [(1, 2560, 4096, 64, mx.bfloat16), (5, 9728, 2560, 128, mx.float16), (8, 640, 37, 64, mx.float32)],
+    "rows, inputs, outputs, bits, group, dtype",
+    [
+        (1, 2560, 4096, 2, 64, mx.bfloat16),
+        (5, 9728, 2560, 2, 128, mx.float16),
+        (8, 640, 37, 2, 64, mx.float32),
+        (1, 2560, 4096, 3, 64, mx.bfloat16),
+        (16, 1280, 333, 3, 32, mx.float16),
+        (3, 9728, 2560, 5, 64, mx.bfloat16),
+        (1, 2560, 19456, 6, 64, mx.bfloat16),
+        (11, 2176, 1000, 6, 128, mx.float32),
+    ],
     ids=str,
 )
-def test_2_bit_products_equal_mlxs_quantized_matmul(monkeypatch, rows, inputs, outputs, group, dtype):
-    monkeypatch.setenv(qmv.TWO_BITS_ENV, "1")
-    x, wq, scales, biases = _case(rows, inputs, outputs, 2, group, dtype)
-    assert _fits(rows, inputs, outputs, bits=2, group_size=group, dtype=dtype)
-    got = qmv.matmul(x, wq, scales, biases, group, 2)
-    expected = _referee(x, wq, scales, biases, group, 2)
+def test_other_widths_equal_mlxs_quantized_matmul(monkeypatch, rows, inputs, outputs, bits, group, dtype):
+    monkeypatch.setenv(qmv.OTHER_BITS_ENV, "1")
+    x, wq, scales, biases = _case(rows, inputs, outputs, bits, group, dtype)
+    assert _fits(rows, inputs, outputs, bits=bits, group_size=group, dtype=dtype)
+    got = qmv.matmul(x, wq, scales, biases, group, bits)
+    expected = _referee(x, wq, scales, biases, group, bits)
     size = mx.abs(expected).max().item()
     assert mx.abs(got.astype(mx.float32) - expected).max().item() <= TOLERANCE[dtype] * size
 

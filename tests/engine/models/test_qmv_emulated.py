@@ -101,6 +101,11 @@ CASES = [
     (1, 640, 37, 2, 64, mx.float32, 0, 1),  # 2-bit words: 64 codes a lane's chunk
     (3, 8192, 19, 2, 128, mx.bfloat16, 1, 4),
     (8, 1280, 33, 2, 64, mx.float16, 2, 1),
+    (1, 640, 37, 3, 64, mx.float32, 0, 1),  # 3, 5, 6 bits: 32 codes end to end in 3, 5, 6 words
+    (16, 1280, 9, 3, 32, mx.bfloat16, 1, 1),
+    (2, 2560, 19, 5, 128, mx.float16, 3, 2),
+    (4, 4096, 21, 6, 32, mx.bfloat16, 0, 4),
+    (7, 192, 12, 6, 64, mx.float32, 2, 1),
 ]
 
 
@@ -266,6 +271,7 @@ int main(int argc, char** argv) {
     [
         (1, 3, 5, 640, 37, True, 4, 64, mx.float32),  # a token's row for its 3 experts (gate, up)
         (2, 2, 4, 256, 19, False, 8, 32, mx.bfloat16),  # a row per pair (down)
+        (1, 2, 3, 384, 11, True, 3, 64, mx.float16),  # an expert's words at 3 bits: K / 32 * 3
     ],
     ids=str,
 )
