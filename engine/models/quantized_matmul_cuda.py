@@ -1,5 +1,6 @@
 """Quantized matrix products of a few rows (decode steps, verify passes, small batches) in one
-CUDA kernel that reads each weight once, for affine 4- and 8-bit weights.
+CUDA kernel that reads each weight once, for affine 4- and 8-bit weights (2, 3, 5 and 6 bits
+computed too, routed when asked: ``UNTIMED_BITS``).
 
 A decode step multiplies one to a few rows of activations by every weight matrix of the
 model, so its cost is reading the weights. MLX's own kernel on CUDA took 2-7x that floor
@@ -8,7 +9,8 @@ for one row, and 2-6 rows cost about as many one-row products (an H200, 4-bit g6
 
 Here each warp owns ``COLUMNS`` output columns (weight rows). Its lanes walk the input
 dimension in chunks of 16 bytes of codes (32 4-bit or 16 8-bit values, all within one
-quantization group since groups are 32, 64 or 128 values), so a warp's loads of a weight
+quantization group since groups are 32, 64 or 128 values; 32 codes in 3, 5 or 6 words at
+those widths), so a warp's loads of a weight
 row are contiguous and coalesced. A chunk lies in one quantization group, so a lane turns
 each code into a float once (a logic op and a subtraction, ``word_codes``), multiplies it
 into every row of ``x`` it holds a sum for, and applies the column's scale and bias once a
@@ -134,7 +136,7 @@ __device__ __forceinline__ void word_codes(uint32_t word, float* out) {
   }
 }
 
-// Codes FIRST..FIRST + N - 1 of a chunk of WORDS words holding its codes end to end, as MLX
+// Codes first..first + N - 1 of a chunk of WORDS words holding its codes end to end, as MLX
 // packs 3, 5 and 6 bits (a code may cross into the next word), as floats by the same trick. A
 // code whose bits would reach the exponent is taken from its word's high half joined to the next
 // word's low half (one funnel shift), which also holds the codes that cross.
@@ -625,7 +627,7 @@ def k_splits(inputs: int, outputs: int, bits: int) -> int:
 
     Splitting puts more warps, so more loads, in flight where a matrix has few columns for
     its length (down projections: 2,560 x 9,728); it stops while every lane of a warp still
-    has a chunk of 16 bytes and once the grid holds ``TARGET_WARPS``. It depends on the
+    has a chunk of codes and once the grid holds ``TARGET_WARPS``. It depends on the
     matrix only, never on the rows, so a row's sums run in the same order at any row count."""
     chunks = inputs // chunk_values(bits)
     column_sets = -(-outputs // COLUMNS)
