@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from engine.cli.bench_media import MEDIA_SHAPES, add_media_arguments
 
     p.add_argument("--shape", choices=sorted(set(SHAPES) | set(MEDIA_SHAPES)), default="qwen3-4b")
-    p.add_argument("--bits", type=int, default=4, help="4 or 8 (quantized), 16 for bf16")
+    p.add_argument("--bits", type=int, default=4, help="2-8 (affine quantized), 16 for bf16")
     p.add_argument("--group-size", type=int, choices=[16, 32, 64, 128], default=64)
     p.add_argument(
         "--mode",

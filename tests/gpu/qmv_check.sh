@@ -113,6 +113,12 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
     step 120 "microbench qwen3-4b, $bits-bit" env MLX_DESK_QMV_OTHER_BITS=1 "$PY" -m engine.cli.bench_qmm \
       --shape qwen3-4b --bits "$bits" --group-size 64 --rows 1,2,4,8 --ours --cold-mb 128
   done
+  for bits in 3 6; do
+    for variant in MLX_DESK_QMV_OTHER_BITS=0 MLX_DESK_QMV_OTHER_BITS=1; do
+      step 100 "decode qwen3-4b at $bits bits, $variant" env $variant "$PY" -m engine bench --shape qwen3-4b \
+        --bits "$bits" -p 512 -g 128 --repeat 3 --roofline
+    done
+  done
   # The residual adds in the products' epilogue, turned off for the A/B (on by default).
   for shape_limit in qwen3-4b:100 llama3-8b:110; do
     shape="${shape_limit%%:*}"
