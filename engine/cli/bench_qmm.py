@@ -83,21 +83,30 @@ def _max_difference(a: Any, b: Any) -> float:
     return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
 
 
-def _check_ours(kernel: Any, x: Any, q: tuple[Any, ...], group_size: int, bits: int, out: dict, prefix: str) -> None:
+def _check_ours(
+    kernel: Any, x: Any, q: tuple[Any, ...], group_size: int, bits: int, out: dict, prefix: str, mode: str = "affine"
+) -> None:
     """Our kernel's output against MLX's, and its first row against a float32 product on the
     CPU (the referee; one row keeps the CPU's share of the run short)."""
     import mlx.core as mx
 
     n = x.shape[0]
     wq, scales, biases = q
-    ours = kernel.matmul(x, wq, scales, biases, group_size, bits)
-    theirs = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    quantization = {"group_size": group_size, "bits": bits, "mode": mode}
+    ours = kernel.matmul(x, wq, scales, biases, group_size, bits, **_mode_argument(mode))
+    theirs = mx.quantized_matmul(x, wq, scales, biases, transpose=True, **quantization)
     with mx.stream(mx.cpu):
-        f32 = [a.astype(mx.float32) for a in (x[:1], scales, biases)]
-        exact = mx.quantized_matmul(f32[0], wq, f32[1], f32[2], transpose=True, group_size=group_size, bits=bits)
+        # A float mode's E8M0 scales stay bytes; affine scales and biases go to float32.
+        f32 = [a.astype(mx.float32) if mode == "affine" and a is not None else a for a in (scales, biases)]
+        exact = mx.quantized_matmul(x[:1].astype(mx.float32), wq, *f32, transpose=True, **quantization)
     out[f"{prefix}_vs_mlx"][n] = _max_difference(ours, theirs)
     out[f"{prefix}_vs_f32"][n] = _max_difference(ours[:1], exact)
     out["mlx_vs_f32"][n] = _max_difference(theirs[:1], exact)
+
+
+def _mode_argument(mode: str) -> dict:
+    """The float mode for the row kernel's ``matmul`` (the tensor-core kernel takes affine only)."""
+    return {} if mode == "affine" else {"mode": mode}
 
 
 def _our_kernels(ours: bool, tensor_cores: bool) -> list[tuple[str, Any]]:
@@ -165,7 +174,7 @@ def time_matrix(
                 _time(lambda: [product(x[:, None], w) for x, w in turns], repeat) / calls * 1e6
             )
         for prefix, kernel in kernels:
-            if biases is None or not kernel.fits(
+            if not kernel.fits(
                 n,
                 inputs,
                 outputs,
@@ -174,17 +183,17 @@ def time_matrix(
                 mode=mode,
                 dtype=mx.bfloat16,
                 scales_dtype=scales.dtype,
-                has_biases=True,
+                has_biases=biases is not None,
             ):
                 continue
 
             def our_product(x: Any, weight: tuple[Any, Any, Any], kernel: Any = kernel) -> Any:
-                return kernel.matmul(x, *weight, group_size, bits)
+                return kernel.matmul(x, *weight, group_size, bits, **_mode_argument(mode))
 
             out[f"{prefix}_single_us"][n] = _time(lambda: our_product(xs[0], weights[0]), repeat) * 1e6
             batched, compiled = _batched_and_compiled(our_product, turns, repeat)
             out[f"{prefix}_batched_us"][n], out[f"{prefix}_compiled_us"][n] = batched, compiled
-            _check_ours(kernel, xs[0], weights[0], group_size, bits, out, prefix)
+            _check_ours(kernel, xs[0], weights[0], group_size, bits, out, prefix, mode)
     return out
 
 

@@ -112,6 +112,7 @@ def gather_quantized_matmul(
     if (
         shares is not None
         and w.ndim == 3
+        and mode == "affine"  # the gathered kernel reads biases and scales in x's dtype
         and pays_gathered(ids.size, x.shape[-1], w.shape[1])
         and takes(1, x, w, scales, biases, group_size, bits, mode)
     ):

@@ -66,6 +66,12 @@ BITS = (4, 8)
 # ``MAX_ROWS`` (``ROW_LIMITS``: NVIDIA's compiler spills 2-bit products at 16 rows, a word's 16
 # codes a column held as floats, and 5-bit ones, five words a column, at 16).
 UNTIMED_BITS = (2, 3, 5, 6)
+# Float modes the kernel computes (bits, group size), routed only when asked
+# (``MLX_DESK_QMV_FLOAT_MODES=1``) until timed: E2M1 or E4M3 codes, one E8M0 scale a group of
+# 32, no biases. NVFP4's groups of 16 would split a lane's chunk of 32 codes; it keeps MLX's.
+FLOAT_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32)}
+MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
+FLOAT_MODES_ENV = "MLX_DESK_QMV_FLOAT_MODES"
 ROW_LIMITS = {2: 8, 5: 12}
 OTHER_BITS_ENV = "MLX_DESK_QMV_OTHER_BITS"
 GROUP_SIZES = (32, 64, 128)
@@ -134,6 +140,30 @@ __device__ __forceinline__ void word_codes(uint32_t word, float* out) {
     out[i] = __int_as_float(((low ? word : high) & (CODE << p)) | magic) - (float)(1u << (23 - p));
 #endif
   }
+}
+
+// The codes of one word of a float mode's weights as floats (MODE 1: MXFP4's 8 E2M1 codes;
+// MODE 2: MXFP8's 4 E4M3 codes). A code's exponent and mantissa bits go to the bottom of a
+// float's exponent and the top of its mantissa, which makes it the code's value times 2^-126
+// (E2M1) or 2^-120 (E4M3), subnormal codes included; one multiply scales it back exactly.
+template <int MODE>
+__device__ __forceinline__ void float_codes(uint32_t word, float* out) {
+  constexpr int CB = MODE == 1 ? 4 : 8;  // a code's bits
+  constexpr int PW = 32 / CB;
+  constexpr uint32_t MAG = (1u << (CB - 1)) - 1u;  // exponent and mantissa bits
+  constexpr int AT = MODE == 1 ? 22 : 20;           // where they go in the float
+  constexpr float BACK = MODE == 1 ? 0x1p126f : 0x1p120f;
+#pragma unroll
+  for (int i = 0; i < PW; ++i) {
+    const uint32_t code = word >> (i * CB);
+    const uint32_t bits = ((code & MAG) << AT) | ((code << (32 - CB)) & 0x80000000u);
+    out[i] = __int_as_float(bits) * BACK;
+  }
+}
+
+// An E8M0 scale (MX modes): 2^(e - 127), 2^-127 for e = 0.
+__device__ __forceinline__ float e8m0(uint8_t e) {
+  return e ? __int_as_float((uint32_t)e << 23) : __int_as_float(0x00400000);
 }
 
 // Codes first..first + N - 1 of a chunk of WORDS words holding its codes end to end, as MLX
@@ -243,9 +273,10 @@ struct Chunk {
   float s[CPW], b[CPW];
 };
 
-// Chunk c of the columns whose packed rows start at words wrow and groups srow.
-template <typename T, int BITS, int GS, int CPW, int WORDS>
-__device__ __forceinline__ void load_chunk(Chunk<CPW, WORDS>& chunk, const uint32_t* w, const T* scales,
+// Chunk c of the columns whose packed rows start at words wrow and groups srow (MODE > 0: a
+// float mode's, E8M0 scales and no biases).
+template <typename T, int BITS, int GS, int MODE, typename SC, int CPW, int WORDS>
+__device__ __forceinline__ void load_chunk(Chunk<CPW, WORDS>& chunk, const uint32_t* w, const SC* scales,
                                            const T* biases, const long (&wrow)[CPW], const long (&srow)[CPW],
                                            const int c, const bool w_aligned) {
   const int group = (c * ChunkShape<BITS>::VALUES) / GS;
@@ -262,8 +293,13 @@ __device__ __forceinline__ void load_chunk(Chunk<CPW, WORDS>& chunk, const uint3
 #pragma unroll
       for (int t = 0; t < 4; ++t) chunk.q[j][t] = src[t];
     }
-    chunk.s[j] = static_cast<float>(scales[srow[j] + group]);
-    chunk.b[j] = static_cast<float>(biases[srow[j] + group]);
+    if constexpr (MODE == 0) {
+      chunk.s[j] = static_cast<float>(scales[srow[j] + group]);
+      chunk.b[j] = static_cast<float>(biases[srow[j] + group]);
+    } else {
+      chunk.s[j] = e8m0(scales[srow[j] + group]);
+      chunk.b[j] = 0.f;
+    }
   }
 }
 
@@ -271,7 +307,7 @@ __device__ __forceinline__ void load_chunk(Chunk<CPW, WORDS>& chunk, const uint3
 // quantization group, so its sum is scale * (x . codes) + bias * sum(x) per row and column:
 // the codes are multiplied into the rows as they are, and each column's scale and bias are
 // applied once a chunk.
-template <typename T, int R, int BITS, int CPW, int WORDS>
+template <typename T, int R, int BITS, int MODE, int CPW, int WORDS>
 __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const T* x, const int K, const int c,
                                           const bool x_aligned, float (&acc)[R][CPW]) {
   constexpr int PW = ChunkShape<BITS>::SEG;  // codes a step: a word's where the width divides 32
@@ -288,7 +324,9 @@ __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const 
     float codes[CPW][PW];
 #pragma unroll
     for (int j = 0; j < CPW; ++j) {
-      if constexpr (ChunkShape<BITS>::WHOLE) {
+      if constexpr (MODE > 0) {
+        float_codes<MODE>(chunk.q[j][t], codes[j]);
+      } else if constexpr (ChunkShape<BITS>::WHOLE) {
         word_codes<BITS>(chunk.q[j][t], codes[j]);
       } else {
         span_codes<BITS, WORDS, PW>(chunk.q[j], t * PW, codes[j]);
@@ -299,8 +337,10 @@ __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const 
     for (int r = 0; r < R; ++r) {
       float xf[PW];
       load_floats<T, PW>(x + (long)r * K + k, xf, x_aligned);
+      if constexpr (MODE == 0) {  // the float modes have no biases
 #pragma unroll
-      for (int i = 0; i < PW; ++i) xsum[r] += xf[i];
+        for (int i = 0; i < PW; ++i) xsum[r] += xf[i];
+      }
 #pragma unroll
       for (int j = 0; j < CPW; ++j) {
 #pragma unroll
@@ -311,7 +351,13 @@ __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const 
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
-    for (int j = 0; j < CPW; ++j) acc[r][j] += fmaf(chunk.s[j], dot[r][j], chunk.b[j] * xsum[r]);
+    for (int j = 0; j < CPW; ++j) {
+      if constexpr (MODE == 0) {
+        acc[r][j] += fmaf(chunk.s[j], dot[r][j], chunk.b[j] * xsum[r]);
+      } else {
+        acc[r][j] += chunk.s[j] * dot[r][j];
+      }
+    }
   }
 }
 
@@ -327,11 +373,12 @@ __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const 
 // up rows of the same outputs, and out [R, I] is gate * SIG(gate) * up with every op in T,
 // as MLX's elementwise kernels compute silu(gate) * up from the rounded product (SIG: MLX's
 // own Sigmoid functor). KN > 0: x is first normed (``block_norm``) into shared memory by the
-// whole block, and the product reads that (KN = K).
+// whole block, and the product reads that (KN = K). MODE: 0 affine; 1 MXFP4 and 2 MXFP8, whose
+// scales SC are E8M0 bytes and which have no biases (``biases`` unread).
 template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS, bool RES = false, bool GLU = false,
-          typename SIG = float, int KN = 0>
+          typename SIG = float, int KN = 0, int MODE = 0, typename SC = T>
 __device__ __forceinline__ void rows_product(
-    const T* x, const uint32_t* w, const T* scales, const T* biases, T* out, const int K, const int N,
+    const T* x, const uint32_t* w, const SC* scales, const T* biases, T* out, const int K, const int N,
     const T* residual = nullptr, const T* norm = nullptr, const float eps = 0.f, const int set = -1) {
   constexpr int WORDS = ChunkShape<BITS>::WORDS;   // words a lane's chunk of a column
   constexpr int VPL = ChunkShape<BITS>::VALUES;   // values a lane's chunk
@@ -377,11 +424,11 @@ __device__ __forceinline__ void rows_product(
   // Each chunk's loads issue before the chunk ahead of it is multiplied, so a lane's memory
   // round trips overlap its arithmetic instead of following it (the sums run as below).
   Chunk<CPW, WORDS> next;
-  if (c < chunks) load_chunk<T, BITS, GS>(next, w, scales, biases, wrow, srow, c, w_aligned);
+  if (c < chunks) load_chunk<T, BITS, GS, MODE>(next, w, scales, biases, wrow, srow, c, w_aligned);
   for (; c < chunks; c += stride) {
     const Chunk<CPW, WORDS> chunk = next;
-    if (c + stride < chunks) load_chunk<T, BITS, GS>(next, w, scales, biases, wrow, srow, c + stride, w_aligned);
-    add_chunk<T, R, BITS>(chunk, x, K, c, x_aligned, acc);
+    if (c + stride < chunks) load_chunk<T, BITS, GS, MODE>(next, w, scales, biases, wrow, srow, c + stride, w_aligned);
+    add_chunk<T, R, BITS, MODE>(chunk, x, K, c, x_aligned, acc);
   }
 #else
 #ifdef CHUNK_UNROLL
@@ -389,8 +436,8 @@ __device__ __forceinline__ void rows_product(
 #endif
   for (; c < chunks; c += stride) {
     Chunk<CPW, WORDS> chunk;
-    load_chunk<T, BITS, GS>(chunk, w, scales, biases, wrow, srow, c, w_aligned);
-    add_chunk<T, R, BITS>(chunk, x, K, c, x_aligned, acc);
+    load_chunk<T, BITS, GS, MODE>(chunk, w, scales, biases, wrow, srow, c, w_aligned);
+    add_chunk<T, R, BITS, MODE>(chunk, x, K, c, x_aligned, acc);
   }
 #endif
 
@@ -450,18 +497,23 @@ __device__ __forceinline__ void rows_product(
 DEVICE_FUNCTIONS = _HEADER + NORM_FUNCTIONS + _PRODUCT
 
 
-def kernel_source(residual: bool = False, glu: bool = False, norm: bool = False) -> str:
+def kernel_source(residual: bool = False, glu: bool = False, norm: bool = False, mode: str = "affine") -> str:
     """The kernel's body: ``rows_product`` with template constants as its own (runtime: K from
     the packed weight's width, w_shape[1] words of 32 / BITS codes, so x's shape need not reach
     the kernel whatever its leading axes; N is w_shape[0]), plus ``residual`` added to the
     output, ``glu`` (silu(gate) * up from a stacked gate/up weight, with MLX's own Sigmoid, which ``GLU_HEADER`` includes) and
-    ``norm`` (x normed first by the weight ``norm`` and the epsilon whose float bits are EPS)."""
+    ``norm`` (x normed first by the weight ``norm`` and the epsilon whose float bits are EPS).
+    A float ``mode`` (``FLOAT_MODES``) reads E8M0 scales and no biases."""
     flags = f"{epilogue_flags(residual, glu)}, {'KN' if norm else 0}"
     tail = ", residual" if residual else ", nullptr"
     tail += ", norm, __int_as_float(EPS)" if norm else ""
+    biases = "biases"
+    if mode != "affine":
+        flags += f", {MODE_IDS[mode]}, uint8_t"
+        biases = "(const T*)nullptr"
     return (
         f"rows_product<T, R, BITS, GS, CPW, NW, KS, {flags}>"
-        f"(x, w, scales, biases, out, w_shape[1] * 32 / BITS, w_shape[0]{tail});\n"
+        f"(x, w, scales, {biases}, out, w_shape[1] * 32 / BITS, w_shape[0]{tail});\n"
     )
 
 
@@ -593,21 +645,32 @@ def fits(
     has_biases: bool,
 ) -> bool:
     """Whether the kernel takes a product of ``rows`` rows by an [outputs, inputs] weight
-    (else ``mx.quantized_matmul`` does). Activations, scales and biases share one float
-    dtype, so the output's dtype is theirs as MLX's would be."""
+    (else ``mx.quantized_matmul`` does). Affine activations, scales and biases share one float
+    dtype, so the output's dtype is theirs as MLX's would be; a float mode's scales are E8M0
+    bytes and it has no biases."""
+    if mode == "affine":
+        packed = has_biases and bits in routed_bits() and group_size in GROUP_SIZES and scales_dtype == dtype
+    else:
+        packed = (
+            float_modes_on()
+            and FLOAT_MODES.get(mode) == (bits, group_size)
+            and not has_biases
+            and scales_dtype == mx.uint8
+        )
     return (
-        mode == "affine"
-        and has_biases
-        and bits in routed_bits()
-        and group_size in GROUP_SIZES
+        packed
         and group_size % chunk_values(bits) == 0  # a lane's chunk of codes lies in one group
         and 1 <= rows <= ROW_LIMITS.get(bits, MAX_ROWS)
         and outputs >= 1
         and inputs >= group_size
         and inputs % group_size == 0
         and dtype in DTYPES
-        and scales_dtype == dtype
     )
+
+
+def float_modes_on() -> bool:
+    """Whether float-mode products are routed to the kernel (``MLX_DESK_QMV_FLOAT_MODES=1``)."""
+    return os.environ.get(FLOAT_MODES_ENV, "0") == "1"
 
 
 def routed_bits() -> tuple[int, ...]:
@@ -641,20 +704,21 @@ def matmul(
     x: mx.array,
     w: mx.array,
     scales: mx.array,
-    biases: mx.array,
+    biases: mx.array | None,
     group_size: int,
     bits: int,
     residual: mx.array | None = None,
     glu: bool = False,
     norm: tuple[mx.array, float] | None = None,
+    mode: str = "affine",
 ) -> mx.array:
     """``x @ dequantize(w).T`` for ``x`` [..., K] and an [N, K] weight packed as MLX packs it
     (``w`` uint32 [N, K * bits / 32], ``scales``/``biases`` [N, K / group_size]), plus
     ``residual`` ([..., N] in x's dtype) where given, as ``residual + product`` computes it.
     With ``glu`` the weight stacks gate over up rows and the output is ``silu(gate) * up``
     ([..., N / 2]), as MLX's ops compute it from the product. With ``norm`` (weight, eps), the
-    product of ``mx.fast.rms_norm(x, weight, eps)`` (``norm_fits`` says for which rows). The
-    caller checks ``fits``."""
+    product of ``mx.fast.rms_norm(x, weight, eps)`` (``norm_fits`` says for which rows). A
+    float ``mode`` takes its E8M0 scales and no biases. The caller checks ``fits``."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     outputs = n // 2 if glu else n
@@ -663,7 +727,10 @@ def matmul(
     # around the launch (each is a node the host builds and hands over every step).
     rows = x.size // max(k, 1)
     warps, blocks = layout(k, n, bits, glu, columns(rows))
-    names, inputs = ["x", "w", "scales", "biases"], [x, w, scales, biases]
+    names, inputs = ["x", "w", "scales"], [x, w, scales]
+    if mode == "affine":
+        names.append("biases")
+        inputs.append(biases)
     if residual is not None:
         names.append("residual")
         inputs.append(residual)
@@ -672,8 +739,8 @@ def matmul(
         names.append("norm")
         inputs.append(norm[0])
         constants = [("KN", k), ("EPS", float_bits(norm[1]))]
-    variant = variant_suffix(residual is not None, glu, norm is not None)
-    source = kernel_source(residual is not None, glu, norm is not None)
+    variant = variant_suffix(residual is not None, glu, norm is not None) + ("" if mode == "affine" else f"_{mode}")
+    source = kernel_source(residual is not None, glu, norm is not None, mode)
     includes = build_switches() + (GLU_HEADER if glu else "")
     kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, includes)
     (out,) = kernel(

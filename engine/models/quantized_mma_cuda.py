@@ -330,17 +330,24 @@ def k_splits(inputs: int, outputs: int, group_size: int) -> int:
 
 def fits(rows: int, inputs: int, outputs: int, *, bits: int, dtype: mx.Dtype, **rest) -> bool:
     """Whether the kernel takes a product of ``rows`` rows by an [outputs, inputs] weight: one
-    the row kernel takes (``quantized_matmul_cuda.fits``, the same arguments), of 4-bit codes
-    and half-precision activations."""
-    return bits == 4 and dtype in DTYPES and row_kernel_fits(rows, inputs, outputs, bits=bits, dtype=dtype, **rest)
+    the row kernel takes (``quantized_matmul_cuda.fits``, the same arguments), of affine 4-bit
+    codes and half-precision activations."""
+    return (
+        bits == 4
+        and rest.get("mode") == "affine"
+        and dtype in DTYPES
+        and row_kernel_fits(rows, inputs, outputs, bits=bits, dtype=dtype, **rest)
+    )
 
 
 def takes(rows: int, x: mx.array, w: mx.array, *packed_and_quantization) -> bool:
     """Whether the kernel takes ``rows`` rows of ``x`` by the packed weight ``w`` (the arguments
     of ``quantized_matmul_cuda.takes``): one the row kernel takes, of 4-bit codes and half
     precision activations (``fits``)."""
-    bits = packed_and_quantization[3]
-    return bits == 4 and x.dtype in DTYPES and row_kernel_takes(rows, x, w, *packed_and_quantization)
+    bits, mode = packed_and_quantization[3:5]
+    return (
+        bits == 4 and mode == "affine" and x.dtype in DTYPES and row_kernel_takes(rows, x, w, *packed_and_quantization)
+    )
 
 
 def switched_on() -> bool:

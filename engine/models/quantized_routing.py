@@ -144,7 +144,7 @@ def quantized_matmul(
     if _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):
         return tensor_cores.matmul(x, w, scales, biases, group_size, bits)
     if _routed(x, w, scales, biases, group_size, bits, mode):
-        return kernel.matmul(x, w, scales, biases, group_size, bits)
+        return kernel.matmul(x, w, scales, biases, group_size, bits, mode=mode)
     # MLX's own kernel, with or without ours turned off (``MLX_DESK_QMV=0``).
     if w.ndim == 2 and x.ndim > 2 and x.size // max(x.shape[-1], 1) > x.shape[-2] and kernel.available():
         return _as_one_matrix(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
@@ -204,7 +204,7 @@ def quantized_fused(
         return None
     if not _routed(x, w, scales, biases, group_size, bits, mode, fused=True):
         return None
-    return kernel.matmul(x, w, scales, biases, group_size, bits, glu=glu, norm=prologue)
+    return kernel.matmul(x, w, scales, biases, group_size, bits, glu=glu, norm=prologue, mode=mode)
 
 
 def quantized_matmul_plus(
@@ -225,7 +225,7 @@ def quantized_matmul_plus(
         if _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):
             return tensor_cores.matmul(x, w, scales, biases, group_size, bits, residual=residual)
         if _routed(x, w, scales, biases, group_size, bits, mode, fused=True):
-            return kernel.matmul(x, w, scales, biases, group_size, bits, residual=residual)
+            return kernel.matmul(x, w, scales, biases, group_size, bits, residual=residual, mode=mode)
     return residual + quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
 
 

@@ -108,10 +108,15 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
   done
   # 2, 3, 5 and 6-bit products (routed only with MLX_DESK_QMV_OTHER_BITS=1 until timed): ours
   # beside MLX's, and their tests.
-  pytest_step 120 "other widths on the GPU" tests/engine/models/test_qmv_cuda.py -k other_widths
+  pytest_step 120 "other widths and float modes on the GPU" tests/engine/models/test_qmv_cuda.py \
+    -k "other_widths or float_modes"
   for bits in 2 3 5 6; do
     step 120 "microbench qwen3-4b, $bits-bit" env MLX_DESK_QMV_OTHER_BITS=1 "$PY" -m engine.cli.bench_qmm \
       --shape qwen3-4b --bits "$bits" --group-size 64 --rows 1,2,4,8 --ours --cold-mb 128
+  done
+  for mode in mxfp4 mxfp8; do
+    step 120 "microbench qwen3-4b, $mode" env MLX_DESK_QMV_FLOAT_MODES=1 "$PY" -m engine.cli.bench_qmm \
+      --shape qwen3-4b --mode "$mode" --rows 1,2,4,8,16 --ours --cold-mb 128
   done
   for bits in 3 6; do
     for variant in MLX_DESK_QMV_OTHER_BITS=0 MLX_DESK_QMV_OTHER_BITS=1; do

@@ -15,6 +15,7 @@ import mlx.nn as nn
 import pytest
 
 from engine.models import quantized_matmul_cuda as qmv
+from engine.models import quantized_mma_cuda as tensor_cores
 from engine.models import quantized_routing as routing
 
 needs_cuda = pytest.mark.skipif(not qmv.available(), reason="needs MLX's CUDA backend")
@@ -69,6 +70,17 @@ def test_2_3_5_and_6_bit_codes_go_to_the_kernel_only_when_asked(monkeypatch):
     assert not _fits(bits=7) and not _fits(bits=1)
     monkeypatch.setenv(qmv.OTHER_BITS_ENV, "0")
     assert not any(_fits(bits=b, group_size=64) for b in (2, 3, 5, 6)) and _fits(bits=4)
+
+
+def test_mxfp4_and_mxfp8_go_to_the_kernel_only_when_asked(monkeypatch):
+    floats = {"scales_dtype": mx.uint8, "has_biases": False, "group_size": 32}
+    monkeypatch.setenv(qmv.FLOAT_MODES_ENV, "1")
+    assert _fits(bits=4, mode="mxfp4", **floats) and _fits(bits=8, mode="mxfp8", rows=16, **floats)
+    assert not _fits(bits=4, mode="nvfp4", scales_dtype=mx.uint8, has_biases=False, group_size=16)
+    assert not _fits(bits=8, mode="mxfp4", **floats) and not _fits(bits=4, mode="mxfp4", scales_dtype=mx.bfloat16)
+    assert not tensor_cores.fits(8, 2560, 4096, bits=4, mode="mxfp4", dtype=mx.bfloat16, **floats)
+    monkeypatch.setenv(qmv.FLOAT_MODES_ENV, "0")
+    assert not _fits(bits=4, mode="mxfp4", **floats) and not _fits(bits=8, mode="mxfp8", **floats)
 
 
 def test_other_modes_widths_row_counts_and_mixed_dtypes_keep_mlxs_kernel():
@@ -291,6 +303,35 @@ def test_other_widths_equal_mlxs_quantized_matmul(monkeypatch, rows, inputs, out
     assert _fits(rows, inputs, outputs, bits=bits, group_size=group, dtype=dtype)
     got = qmv.matmul(x, wq, scales, biases, group, bits)
     expected = _referee(x, wq, scales, biases, group, bits)
+    size = mx.abs(expected).max().item()
+    assert mx.abs(got.astype(mx.float32) - expected).max().item() <= TOLERANCE[dtype] * size
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, mode, dtype",
+    [
+        (1, 2560, 4096, "mxfp4", mx.bfloat16),
+        (5, 9728, 2560, "mxfp4", mx.float16),
+        (16, 640, 37, "mxfp4", mx.float32),
+        (1, 2560, 19456, "mxfp8", mx.bfloat16),
+        (8, 2176, 1000, "mxfp8", mx.float16),
+    ],
+    ids=str,
+)
+def test_float_modes_equal_mlxs_quantized_matmul(monkeypatch, rows, inputs, outputs, mode, dtype):
+    monkeypatch.setenv(qmv.FLOAT_MODES_ENV, "1")
+    bits, group = qmv.FLOAT_MODES[mode]
+    k1, k2 = mx.random.split(mx.random.key(rows + inputs + outputs), 2)
+    w = (mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    wq, scales = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+    x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
+    assert qmv.takes(rows, x, wq, scales, None, group, bits, mode)
+    got = qmv.matmul(x, wq, scales, None, group, bits, mode=mode)
+    with mx.stream(mx.cpu):
+        expected = mx.quantized_matmul(
+            x.astype(mx.float32), wq, scales, None, transpose=True, group_size=group, bits=bits, mode=mode
+        )
     size = mx.abs(expected).max().item()
     assert mx.abs(got.astype(mx.float32) - expected).max().item() <= TOLERANCE[dtype] * size
 
@@ -592,7 +633,6 @@ def test_the_tensor_core_kernels_rows_change_only_when_asked_with_1_to_16(monkey
 
 @needs_cuda
 def test_one_row_asked_onto_the_tensor_core_kernel_goes_there(monkeypatch):
-    from engine.models import quantized_mma_cuda as tensor_cores
 
     x, wq, scales, biases = _case(1, 2560, 1030, 4, 64, mx.bfloat16)
     monkeypatch.setenv(routing.MMA_ROWS_ENV, "1-16")

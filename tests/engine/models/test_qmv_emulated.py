@@ -124,6 +124,44 @@ def test_the_kernels_source_computes_mlxs_product(tmp_path, rows, inputs, output
     assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
 
 
+# The product's driver for a float mode: E8M0 scale bytes, no biases.
+FLOAT_DRIVER = PRODUCT_DRIVER.replace(
+    "const T* scales, const T* biases, T* out) {", "const uint8_t* scales, const T* biases, T* out) {"
+).replace("(const T*)sb.data(), (const T*)bb.data(), out.data());", "(const uint8_t*)sb.data(), nullptr, out.data());")
+
+
+@pytest.mark.parametrize(
+    "rows, inputs, outputs, mode, dtype, shift",
+    [
+        (1, 640, 37, "mxfp4", mx.float32, 0),
+        (5, 8192, 19, "mxfp4", mx.bfloat16, 1),
+        (16, 1280, 9, "mxfp4", mx.float16, 0),
+        (3, 2560, 21, "mxfp8", mx.bfloat16, 0),
+        (8, 192, 12, "mxfp8", mx.float32, 2),
+    ],
+    ids=str,
+)
+def test_the_float_modes_compute_mlxs_product(tmp_path, rows, inputs, outputs, mode, dtype, shift):
+    """E2M1 and E4M3 codes (subnormal ones and signed zeros included, which random normal
+    weights give at 32-value groups) with E8M0 scales, against MLX's product in float32."""
+    bits, group = qmv.FLOAT_MODES[mode]
+    k1, k2 = mx.random.split(mx.random.key(rows + inputs + bits), 2)
+    w = (mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    wq, scales = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+    x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
+    splits = qmv.k_splits(inputs, outputs, bits)
+    row_constant = f"constexpr int R = {rows};"
+    source = _program(FLOAT_DRIVER, qmv.kernel_source(mode=mode), dtype, bits, group, splits, row_constant)
+    args = [rows, inputs, outputs, shift, qmv.WARPS, splits, qmv.COLUMNS]
+    got = _build_and_run(tmp_path, source, (x, wq, scales, scales), args)
+    expected = mx.quantized_matmul(
+        x.astype(mx.float32), wq, scales, None, transpose=True, group_size=group, bits=bits, mode=mode
+    )
+    assert got.dtype == dtype
+    error = mx.abs(got.astype(mx.float32) - expected).max().item()
+    assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
+
+
 @pytest.mark.parametrize("rows, inputs, outputs, splits", [(3, 8320, 19, 4), (1, 24640, 9, 4), (2, 64, 9, 1)], ids=str)
 def test_a_prefetched_or_unrolled_walk_or_wider_warps_give_the_same_bits(
     monkeypatch, tmp_path, rows, inputs, outputs, splits
