@@ -46,7 +46,6 @@ import mlx.core as mx
 from engine.models.cuda_build import cuda_kernel
 from engine.models.quantized_matmul_cuda import (
     GLU_HEADER,
-    NORM_FUNCTIONS,
     compact,
     enabled,
     epilogue_flags,
@@ -56,6 +55,7 @@ from engine.models.quantized_matmul_cuda import (
 )
 from engine.models.quantized_matmul_cuda import fits as row_kernel_fits
 from engine.models.quantized_matmul_cuda import takes as row_kernel_takes
+from engine.models.quantized_matmul_device import NORM_FUNCTIONS
 
 # Warps per block, and warps to aim for across the grid when splitting K (as the row kernel).
 WARPS = 8
