@@ -194,14 +194,13 @@ def quantized_fused(
     A/B then compares like with like; at its own 8-16 rows the norm stays on its own, as it was timed)."""
     if glu and (not fusion_enabled("glu") or w.shape[0] % 2):
         return None
-    if _on_tensor_cores(x, w, scales, biases, group_size, bits, mode):
-        prologue = prologue_norm(norm, x) if norm is not None and _rows(x, w) not in MMA_ROWS else None
-        if (norm is not None and prologue is None) or (norm is None and not glu):
-            return None
-        return tensor_cores.matmul(x, w, scales, biases, group_size, bits, glu=glu, norm=prologue)
-    prologue = prologue_norm(norm, x) if norm is not None else None
+    on_tensor_cores = _on_tensor_cores(x, w, scales, biases, group_size, bits, mode)
+    takes_norm = norm is not None and not (on_tensor_cores and _rows(x, w) in MMA_ROWS)
+    prologue = prologue_norm(norm, x) if takes_norm else None
     if (norm is not None and prologue is None) or (norm is None and not glu):
         return None
+    if on_tensor_cores:
+        return tensor_cores.matmul(x, w, scales, biases, group_size, bits, glu=glu, norm=prologue)
     if not _routed(x, w, scales, biases, group_size, bits, mode, fused=True):
         return None
     return kernel.matmul(x, w, scales, biases, group_size, bits, glu=glu, norm=prologue, mode=mode)

@@ -160,17 +160,20 @@ def raw_values(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
 
 
+def compile_source(folder, name: str, source: str, command: list[str]) -> str:
+    """``source`` written to ``folder``/``name`` and built there by ``command``; the compiler's
+    stderr (what the assembler reports, for nvcc). Fails the test where it does not build."""
+    (folder / name).write_text(source)
+    built = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-3000:]
+    return built.stderr
+
+
 def build(tmp_path, source: str) -> None:
     """``source`` built as ``tmp_path``/kernel."""
-    (tmp_path / "kernel.cpp").write_text(source)
-    built = subprocess.run(
-        ["g++", "-std=c++20", "-O1", "-pthread", "-w", "kernel.cpp", "-o", "kernel"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    compile_source(
+        tmp_path, "kernel.cpp", source, ["g++", "-std=c++20", "-O1", "-pthread", "-w", "kernel.cpp", "-o", "kernel"]
     )
-    assert built.returncode == 0, built.stderr[-3000:]
 
 
 def normed_product(x, weight, eps, wq, scales, biases, glu: bool) -> mx.array:

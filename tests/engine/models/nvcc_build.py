@@ -8,13 +8,13 @@ tests/gpu/kernel_registers.py."""
 from __future__ import annotations
 
 import re
-import subprocess
 
 import mlx.core as mx
 
 from engine.models import decode_attention_cuda as dense_attention
 from engine.models import quantized_attention_cuda as quantized_attention
 from engine.models import quantized_matmul_cuda as qmv
+from tests.engine.models.cuda_on_cpu import compile_source
 
 # What MLX's unary_ops.cuh gives the activation epilogue: a sigmoid in the activations' type.
 SIGMOID = """
@@ -60,32 +60,31 @@ def product(
     loop: str,
     columns: int = qmv.COLUMNS,
     bits: int = 4,
+    mode: str = "affine",
 ) -> str:
-    names = ["x", "w", "scales", "biases"] + ["residual"] * residual + ["norm"] * norm
-    constants = [("T", mx.bfloat16), ("R", rows), ("BITS", bits), ("GS", 64), ("CPW", columns), ("NW", qmv.WARPS)]
+    """The product kernel as MLX builds it for bfloat16 rows (a float ``mode``: its bits and
+    group, E8M0 scale bytes and no biases; else affine ``bits`` in groups of 64)."""
+    bits, group = qmv.FLOAT_MODES.get(mode, (bits, 64))
+    names = ["x", "w", "scales"] + ["biases"] * (mode == "affine") + ["residual"] * residual + ["norm"] * norm
+    types = {"w": "uint32_t", "scales": "T" if mode == "affine" else "uint8_t"}
+    constants = [("T", mx.bfloat16), ("R", rows), ("BITS", bits), ("GS", group), ("CPW", columns), ("NW", qmv.WARPS)]
     constants += [("KS", splits), ("KN", 2560), ("EPS", qmv.float_bits(1e-6))]
     return wrapped(
-        {n: "uint32_t" if n == "w" else "T" for n in names},
+        {n: types.get(n, "T") for n in names},
         {"out": "T"},
         constants,
         loop + SIGMOID + qmv.compact(qmv.DEVICE_FUNCTIONS),
-        qmv.compact(qmv.kernel_source(residual, glu, norm)),
+        qmv.compact(qmv.kernel_source(residual, glu, norm, mode)),
     )
 
 
 def build(tmp_path, source: str) -> tuple[int, int]:
     """Registers a thread and bytes spilled, as the assembler reports them for sm_90."""
-    (tmp_path / "k.cu").write_text(source)
-    done = subprocess.run(
-        ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", "k.cubin", "k.cu"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    report = compile_source(
+        tmp_path, "k.cu", source, ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", "k.cubin", "k.cu"]
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
-    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr))
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
     return registers, spilled
 
 

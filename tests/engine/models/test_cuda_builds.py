@@ -86,12 +86,7 @@ def test_other_widths_build_without_spilling(tmp_path, bits, rows):
 @pytest.mark.parametrize("mode, rows", [("mxfp4", 1), ("mxfp4", qmv.MAX_ROWS), ("mxfp8", 1), ("mxfp8", qmv.MAX_ROWS)])
 def test_the_float_modes_build_without_spilling(tmp_path, mode, rows):
     """E8M0 scale bytes and no biases: the plain product at one row and at the most rows."""
-    bits, group = qmv.FLOAT_MODES[mode]
-    constants = [("T", mx.bfloat16), ("R", rows), ("BITS", bits), ("GS", group), ("CPW", qmv.COLUMNS)]
-    constants += [("NW", qmv.WARPS), ("KS", 1)]
-    inputs = {"x": "T", "w": "uint32_t", "scales": "uint8_t"}
-    header = qmv.compact(qmv.DEVICE_FUNCTIONS)
-    registers, spilled = build(tmp_path, wrapped(inputs, {"out": "T"}, constants, header, qmv.kernel_source(mode=mode)))
+    registers, spilled = build(tmp_path, product(rows, 1, False, False, False, "", mode=mode))
     assert spilled == 0
     assert registers <= 255
 
