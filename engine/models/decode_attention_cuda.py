@@ -25,13 +25,13 @@ a layer costs the step, have not run on a GPU.
 from __future__ import annotations
 
 import math
-import os
 from functools import cache
 
 import mlx.core as mx
 
 from engine.models import quantized_attention_cuda as shared
 from engine.models.cuda_build import cuda_kernel
+from engine.models.kernel_switches import switch
 
 ENV = "MLX_DESK_DECODE_ATTENTION"
 # A verify pass's queries at most (their running sums live in registers, as for the
@@ -143,7 +143,7 @@ def _partial():
 def enabled() -> bool:
     """Whether passes take the kernels: turned on (``MLX_DESK_DECODE_ATTENTION=1``) where the
     quantized cache's kernels can run (MLX's CUDA backend, on the GPU)."""
-    return os.environ.get(ENV, "0") == "1" and shared.available()
+    return switch(ENV, "0") == "1" and shared.available()
 
 
 def _keys_per_load(dims_per_lane: int, itemsize: int) -> int:

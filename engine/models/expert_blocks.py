@@ -30,12 +30,12 @@ round its float32 sums otherwise (bf16 outputs measured bit-identical).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from engine.models import quantized_matmul_cuda as qmv
+from engine.models.kernel_switches import switch
 
 MIN_ROWS = 16
 MAX_ROWS = 64
@@ -48,7 +48,7 @@ def blocks_pay(pairs: int, experts: int) -> bool:
     """Whether a sorted pass of ``pairs`` over ``experts`` takes the blocked layout: on MLX's
     CUDA backend (Metal's kernel already reads a run of sorted pairs' expert once; the CPU's
     runs pair by pair either way), once experts get ``MIN_AVERAGE`` pairs each on average."""
-    return enough_pairs(pairs, experts) and os.environ.get(ENV, "1") != "0" and qmv.available()
+    return enough_pairs(pairs, experts) and switch(ENV, "1") != "0" and qmv.available()
 
 
 def enough_pairs(pairs: int, experts: int) -> bool:

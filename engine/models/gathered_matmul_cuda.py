@@ -9,10 +9,10 @@ MLX's on MoE shapes, it routes only when asked (``gathered_enabled``, docs/qmv.m
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 
+from engine.models.kernel_switches import switch
 from engine.models.quantized_matmul_cuda import WARPS, enabled, layout, rows_kernel, takes
 
 # The most (token, expert) pairs a gathered product takes (``pays_gathered``).
@@ -43,7 +43,7 @@ def gathered_enabled() -> bool:
     with ``MLX_DESK_GATHER_QMV=1`` (on an H200 a decode step's expert products cost launch
     latency, not their weight read, and ours were no faster than MLX's: docs/qmv.md), and
     never while the kernel is off."""
-    return os.environ.get(GATHER_ENV, "0") == "1" and enabled()
+    return switch(GATHER_ENV, "0") == "1" and enabled()
 
 
 def gather_shares(x_batch: tuple[int, ...], ids_shape: tuple[int, ...]) -> int | None:

@@ -32,7 +32,6 @@ else keeps MLX's calls.
 from __future__ import annotations
 
 import math
-import os
 import struct
 from functools import cache
 from typing import Any
@@ -41,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models.cuda_build import cuda_kernel
+from engine.models.kernel_switches import switch
 from engine.models.quantized_matmul_cuda import available, compact
 
 ENV = "MLX_DESK_QK_ROPE"
@@ -144,7 +144,7 @@ def constants(eps: float, scale: float, log2_base: float) -> str:
 def enabled() -> bool:
     """Whether the kernel may run: not turned off (``MLX_DESK_QK_ROPE=0``) and MLX's CUDA
     backend on the GPU."""
-    return os.environ.get(ENV, "1") != "0" and available()
+    return switch(ENV, "1") != "0" and available()
 
 
 def fits(attn: Any, y: mx.array, plain_rope: bool) -> bool:

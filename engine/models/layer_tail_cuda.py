@@ -38,7 +38,6 @@ help (docs/qmv.md, "A layer's tail in one launch").
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from typing import Any
 
@@ -47,6 +46,7 @@ import mlx.nn as nn
 
 from engine.models import quantized_matmul_cuda as kernel
 from engine.models.cuda_build import cuda_kernel
+from engine.models.kernel_switches import switch
 from engine.models.quantized_routing import affine_packed
 
 ENV = "MLX_DESK_LAYER_TAIL"
@@ -148,7 +148,7 @@ def enabled() -> bool:
     """``MLX_DESK_LAYER_TAIL=1`` where the small-row kernel runs on a GPU of compute capability
     9 or more (``MIN_COMPUTE_CAPABILITY``) whose multiprocessors the probe counted."""
     return (
-        os.environ.get(ENV, "0") == "1"
+        switch(ENV, "0") == "1"
         and kernel.enabled()
         and _capability() >= MIN_COMPUTE_CAPABILITY
         and multiprocessors() > 0

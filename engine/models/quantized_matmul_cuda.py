@@ -39,7 +39,6 @@ body and the device functions it calls are C++ text in models.quantized_matmul_d
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 from functools import cache
@@ -47,6 +46,7 @@ from functools import cache
 import mlx.core as mx
 
 from engine.models.cuda_build import cuda_kernel, launch_bounds
+from engine.models.kernel_switches import switch
 from engine.models.quantized_matmul_device import DEVICE_FUNCTIONS
 
 # Output columns per warp: each lane holds ROWS x COLUMNS float32 sums, and the activations
@@ -209,9 +209,9 @@ def available() -> bool:
 def chunk_loop() -> str:
     """The ``#define``s that choose how a lane walks its chunks: prefetched
     (``MLX_DESK_QMV_PREFETCH=1``), unrolled N times (``MLX_DESK_QMV_UNROLL``), or neither."""
-    if os.environ.get(PREFETCH_ENV, "0") == "1":
+    if switch(PREFETCH_ENV, "0") == "1":
         return "#define CHUNK_PREFETCH\n"
-    value = os.environ.get(UNROLL_ENV, "")
+    value = switch(UNROLL_ENV, "")
     if not (value.isdigit() and 2 <= int(value) <= 8):
         return ""
     # A constant, not a macro: ``#pragma unroll`` takes a constant expression and does not
@@ -221,7 +221,7 @@ def chunk_loop() -> str:
 
 def bounds() -> str:
     """The launch bounds' header line (``MLX_DESK_QMV_BOUNDS``), or nothing."""
-    value = os.environ.get(BOUNDS_ENV, "")
+    value = switch(BOUNDS_ENV, "")
     if not (value.isdigit() and int(value) <= 32):
         return ""
     return launch_bounds(WARPS * 32, int(value))
@@ -229,13 +229,13 @@ def bounds() -> str:
 
 def one_op_codes() -> str:
     """The ``#define`` that unpacks each code with one logic op (``MLX_DESK_QMV_ONE_OP_CODES=1``), or nothing."""
-    return "#define ONE_OP_CODES\n" if os.environ.get(ONE_OP_ENV, "0") == "1" else ""
+    return "#define ONE_OP_CODES\n" if switch(ONE_OP_ENV, "0") == "1" else ""
 
 
 def columns(rows: int) -> int:
     """Columns a warp owns for a product of ``rows`` rows: 8 up to ``WIDE_ROWS`` rows where
     ``MLX_DESK_QMV_COLUMNS=8`` asks for it, else ``COLUMNS``."""
-    wide = os.environ.get(COLUMNS_ENV, "") == "8" and rows <= WIDE_ROWS
+    wide = switch(COLUMNS_ENV, "") == "8" and rows <= WIDE_ROWS
     return 2 * COLUMNS if wide else COLUMNS
 
 
@@ -247,7 +247,7 @@ def build_switches() -> str:
 
 def enabled() -> bool:
     """Whether products are routed to the kernel: not turned off (``MLX_DESK_QMV=0``) and able to run."""
-    return os.environ.get(ENV, "1") != "0" and available()
+    return switch(ENV, "1") != "0" and available()
 
 
 def fits(
@@ -288,13 +288,13 @@ def fits(
 
 def float_modes_on() -> bool:
     """Whether float-mode products are routed to the kernel (``MLX_DESK_QMV_FLOAT_MODES=1``)."""
-    return os.environ.get(FLOAT_MODES_ENV, "0") == "1"
+    return switch(FLOAT_MODES_ENV, "0") == "1"
 
 
 def routed_bits() -> tuple[int, ...]:
     """The code widths products are routed to the kernel for: ``BITS``, and 2, 3, 5 and 6 with
     ``MLX_DESK_QMV_OTHER_BITS=1``."""
-    return BITS + (UNTIMED_BITS if os.environ.get(OTHER_BITS_ENV, "0") == "1" else ())
+    return BITS + (UNTIMED_BITS if switch(OTHER_BITS_ENV, "0") == "1" else ())
 
 
 def chunk_values(bits: int) -> int:

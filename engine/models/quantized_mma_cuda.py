@@ -38,12 +38,12 @@ memory). The norm joins it only for rows outside its own 8-16 (models.quantized_
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import mlx.core as mx
 
 from engine.models.cuda_build import cuda_kernel
+from engine.models.kernel_switches import switch
 from engine.models.quantized_matmul_cuda import (
     GLU_HEADER,
     compact,
@@ -353,7 +353,7 @@ def takes(rows: int, x: mx.array, w: mx.array, *packed_and_quantization) -> bool
 def switched_on() -> bool:
     """Whether products of 8-16 rows are routed here: the small-row kernel is (``enabled``)
     and this one is not turned off (``MLX_DESK_QMV_MMA=0``)."""
-    return os.environ.get(ENV, "1") != "0" and enabled()
+    return switch(ENV, "1") != "0" and enabled()
 
 
 def matmul(

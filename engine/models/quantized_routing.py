@@ -18,13 +18,12 @@ counts the kernel's launches sees these calls too.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models import quantized_matmul_cuda as kernel
 from engine.models import quantized_mma_cuda as tensor_cores
+from engine.models.kernel_switches import switch
 
 # Where the kernel is routed (measured on an H200, 4-bit g64, docs/qmv.md): from 2 to 7 rows
 # it beats or ties MLX's kernel on every projection (MLX runs up to 7 rows as that many
@@ -74,7 +73,7 @@ MMA_ROWS_ENV = "MLX_DESK_QMV_MMA_ROWS"
 
 def mma_rows() -> range:
     """The rows the tensor-core kernel takes: ``MMA_ROWS``, or ``MLX_DESK_QMV_MMA_ROWS``'s."""
-    low, _, high = os.environ.get(MMA_ROWS_ENV, "").partition("-")
+    low, _, high = switch(MMA_ROWS_ENV, "").partition("-")
     if low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= 16:
         return range(int(low), int(high) + 1)
     return MMA_ROWS
@@ -156,7 +155,7 @@ def quantized_matmul(
 def fusion_enabled(kind: str) -> bool:
     """Whether the kernel may take the small op ``kind`` (``FUSIONS``) into its products:
     on wherever the kernel runs unless the op's variable is 0."""
-    return os.environ.get(FUSIONS[kind], "1") != "0" and kernel.enabled()
+    return switch(FUSIONS[kind], "1") != "0" and kernel.enabled()
 
 
 def prologue_norm(norm: nn.Module, x: mx.array) -> tuple[mx.array, float] | None:
