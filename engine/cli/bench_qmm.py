@@ -96,7 +96,7 @@ def _check_ours(
     ours = kernel.matmul(x, wq, scales, biases, group_size, bits, **_mode_argument(mode))
     theirs = mx.quantized_matmul(x, wq, scales, biases, transpose=True, **quantization)
     with mx.stream(mx.cpu):
-        # A float mode's E8M0 scales stay bytes; affine scales and biases go to float32.
+        # A float mode's scale bytes stay bytes; affine scales and biases go to float32.
         f32 = [a.astype(mx.float32) if mode == "affine" and a is not None else a for a in (scales, biases)]
         exact = mx.quantized_matmul(x[:1].astype(mx.float32), wq, *f32, transpose=True, **quantization)
     out[f"{prefix}_vs_mlx"][n] = _max_difference(ours, theirs)

@@ -69,10 +69,11 @@ BITS = (4, 8)
 # codes a column held as floats, and 5-bit ones, five words a column, at 16).
 UNTIMED_BITS = (2, 3, 5, 6)
 # Float modes the kernel computes (bits, group size), routed only when asked
-# (``MLX_DESK_QMV_FLOAT_MODES=1``) until timed: E2M1 or E4M3 codes, one E8M0 scale a group of
-# 32, no biases. NVFP4's groups of 16 would split a lane's chunk of 32 codes; it keeps MLX's.
-FLOAT_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32)}
-MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
+# (``MLX_DESK_QMV_FLOAT_MODES=1``) until timed: E2M1 or E4M3 codes, no biases; one E8M0 scale a
+# group of 32 (MX), or one E4M3 scale a group of 16 (NVFP4: two groups a lane's chunk of 32
+# codes, so its K must be a multiple of 32).
+FLOAT_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
+MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2, "nvfp4": 3}
 FLOAT_MODES_ENV = "MLX_DESK_QMV_FLOAT_MODES"
 ROW_LIMITS = {2: 8, 5: 12}
 OTHER_BITS_ENV = "MLX_DESK_QMV_OTHER_BITS"
@@ -121,7 +122,7 @@ def kernel_source(residual: bool = False, glu: bool = False, norm: bool = False,
     the kernel whatever its leading axes; N is w_shape[0]), plus ``residual`` added to the
     output, ``glu`` (silu(gate) * up from a stacked gate/up weight, with MLX's own Sigmoid, which ``GLU_HEADER`` includes) and
     ``norm`` (x normed first by the weight ``norm`` and the epsilon whose float bits are EPS).
-    A float ``mode`` (``FLOAT_MODES``) reads E8M0 scales and no biases."""
+    A float ``mode`` (``FLOAT_MODES``) reads scale bytes (E8M0, NVFP4's E4M3) and no biases."""
     flags = f"{epilogue_flags(residual, glu)}, {'KN' if norm else 0}"
     tail = ", residual" if residual else ", nullptr"
     tail += ", norm, __int_as_float(EPS)" if norm else ""
@@ -264,7 +265,7 @@ def fits(
 ) -> bool:
     """Whether the kernel takes a product of ``rows`` rows by an [outputs, inputs] weight
     (else ``mx.quantized_matmul`` does). Affine activations, scales and biases share one float
-    dtype, so the output's dtype is theirs as MLX's would be; a float mode's scales are E8M0
+    dtype, so the output's dtype is theirs as MLX's would be; a float mode's scales are
     bytes and it has no biases."""
     if mode == "affine":
         packed = has_biases and bits in routed_bits() and group_size in GROUP_SIZES and scales_dtype == dtype
@@ -277,7 +278,9 @@ def fits(
         )
     return (
         packed
-        and group_size % chunk_values(bits) == 0  # a lane's chunk of codes lies in one group
+        # A lane's chunk of codes lies in one group (NVFP4's: in two, its scales kept apart).
+        and (group_size % chunk_values(bits) == 0 or mode == "nvfp4")
+        and inputs % chunk_values(bits) == 0
         and 1 <= rows <= ROW_LIMITS.get(bits, MAX_ROWS)
         and outputs >= 1
         and inputs >= group_size
@@ -336,7 +339,7 @@ def matmul(
     With ``glu`` the weight stacks gate over up rows and the output is ``silu(gate) * up``
     ([..., N / 2]), as MLX's ops compute it from the product. With ``norm`` (weight, eps), the
     product of ``mx.fast.rms_norm(x, weight, eps)`` (``norm_fits`` says for which rows). A
-    float ``mode`` takes its E8M0 scales and no biases. The caller checks ``fits``."""
+    float ``mode`` takes its scale bytes and no biases. The caller checks ``fits``."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     outputs = n // 2 if glu else n

@@ -35,23 +35,28 @@ __device__ __forceinline__ void word_codes(uint32_t word, float* out) {
   }
 }
 
-// The codes of one word of a float mode's weights as floats (MODE 1: MXFP4's 8 E2M1 codes;
-// MODE 2: MXFP8's 4 E4M3 codes). A code's exponent and mantissa bits go to the bottom of a
-// float's exponent and the top of its mantissa, which makes it the code's value times 2^-126
-// (E2M1) or 2^-120 (E4M3), subnormal codes included; one multiply scales it back exactly.
+// The codes of one word of a float mode's weights as floats (MODE 1 and 3: MXFP4's and
+// NVFP4's 8 E2M1 codes; MODE 2: MXFP8's 4 E4M3 codes). A code's exponent and mantissa bits go
+// to the bottom of a float's exponent and the top of its mantissa, which makes it the code's
+// value times 2^-126 (E2M1) or 2^-120 (E4M3), subnormal codes included; one multiply scales it
+// back exactly.
 template <int MODE>
 __device__ __forceinline__ void float_codes(uint32_t word, float* out) {
-  constexpr int CB = MODE == 1 ? 4 : 8;  // a code's bits
+  constexpr int CB = MODE == 2 ? 8 : 4;  // a code's bits
   constexpr int PW = 32 / CB;
   constexpr uint32_t MAG = (1u << (CB - 1)) - 1u;  // exponent and mantissa bits
-  constexpr int AT = MODE == 1 ? 22 : 20;           // where they go in the float
-  constexpr float BACK = MODE == 1 ? 0x1p126f : 0x1p120f;
+  constexpr int AT = MODE == 2 ? 20 : 22;           // where they go in the float
 #pragma unroll
   for (int i = 0; i < PW; ++i) {
     const uint32_t code = word >> (i * CB);
     const uint32_t bits = ((code & MAG) << AT) | ((code << (32 - CB)) & 0x80000000u);
-    out[i] = __int_as_float(bits) * BACK;
+    out[i] = __int_as_float(bits) * (MODE == 2 ? 0x1p120f : 0x1p126f);
   }
+}
+
+// An E4M3 scale byte's value (NVFP4), by float_codes's trick.
+__device__ __forceinline__ float e4m3(uint8_t e) {
+  return __int_as_float(((uint32_t)(e & 0x7Fu) << 20) | ((uint32_t)(e & 0x80u) << 24)) * 0x1p120f;
 }
 
 // An E8M0 scale (MX modes): 2^(e - 127), 2^-127 for e = 0.
@@ -189,6 +194,9 @@ __device__ __forceinline__ void load_chunk(Chunk<CPW, WORDS>& chunk, const uint3
     if constexpr (MODE == 0) {
       chunk.s[j] = static_cast<float>(scales[srow[j] + group]);
       chunk.b[j] = static_cast<float>(biases[srow[j] + group]);
+    } else if constexpr (MODE == 3) {  // NVFP4: a chunk is two groups, s the first's, b the second's
+      chunk.s[j] = e4m3(scales[srow[j] + group]);
+      chunk.b[j] = e4m3(scales[srow[j] + group + 1]);
     } else {
       chunk.s[j] = e8m0(scales[srow[j] + group]);
       chunk.b[j] = 0.f;
@@ -199,7 +207,7 @@ __device__ __forceinline__ void load_chunk(Chunk<CPW, WORDS>& chunk, const uint3
 // acc[r][j] += the chunk's share of row r of x [R, K] times column j. The chunk lies in one
 // quantization group, so its sum is scale * (x . codes) + bias * sum(x) per row and column:
 // the codes are multiplied into the rows as they are, and each column's scale and bias are
-// applied once a chunk.
+// applied once a chunk (NVFP4's chunk is two groups: each half's scale once a half).
 template <typename T, int R, int BITS, int MODE, int CPW, int WORDS>
 __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const T* x, const int K, const int c,
                                           const bool x_aligned, float (&acc)[R][CPW]) {
@@ -240,6 +248,18 @@ __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const 
         for (int i = 0; i < PW; ++i) dot[r][j] = fmaf(xf[i], codes[j][i], dot[r][j]);
       }
     }
+    if constexpr (MODE == 3) {
+      if (t == VPL / PW / 2 - 1) {  // NVFP4: the chunk's first group is summed; its scale is s
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+          for (int j = 0; j < CPW; ++j) {
+            acc[r][j] += chunk.s[j] * dot[r][j];
+            dot[r][j] = 0.f;
+          }
+        }
+      }
+    }
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -247,6 +267,8 @@ __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const 
     for (int j = 0; j < CPW; ++j) {
       if constexpr (MODE == 0) {
         acc[r][j] += fmaf(chunk.s[j], dot[r][j], chunk.b[j] * xsum[r]);
+      } else if constexpr (MODE == 3) {  // the second group's
+        acc[r][j] += chunk.b[j] * dot[r][j];
       } else {
         acc[r][j] += chunk.s[j] * dot[r][j];
       }
@@ -267,7 +289,8 @@ __device__ __forceinline__ void add_chunk(const Chunk<CPW, WORDS>& chunk, const 
 // as MLX's elementwise kernels compute silu(gate) * up from the rounded product (SIG: MLX's
 // own Sigmoid functor). KN > 0: x is first normed (``block_norm``) into shared memory by the
 // whole block, and the product reads that (KN = K). MODE: 0 affine; 1 MXFP4 and 2 MXFP8, whose
-// scales SC are E8M0 bytes and which have no biases (``biases`` unread).
+// scales SC are E8M0 bytes, and 3 NVFP4, whose are E4M3 bytes, a group of 16 codes each; the
+// float modes have no biases (``biases`` unread).
 template <typename T, int R, int BITS, int GS, int CPW, int NW, int KS, bool RES = false, bool GLU = false,
           typename SIG = float, int KN = 0, int MODE = 0, typename SC = T>
 __device__ __forceinline__ void rows_product(

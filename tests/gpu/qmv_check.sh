@@ -114,7 +114,7 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
     step 120 "microbench qwen3-4b, $bits-bit" env MLX_DESK_QMV_OTHER_BITS=1 "$PY" -m engine.cli.bench_qmm \
       --shape qwen3-4b --bits "$bits" --group-size 64 --rows 1,2,4,8 --ours --cold-mb 128
   done
-  for mode in mxfp4 mxfp8; do
+  for mode in mxfp4 mxfp8 nvfp4; do
     step 120 "microbench qwen3-4b, $mode" env MLX_DESK_QMV_FLOAT_MODES=1 "$PY" -m engine.cli.bench_qmm \
       --shape qwen3-4b --mode "$mode" --rows 1,2,4,8,16 --ours --cold-mb 128
   done

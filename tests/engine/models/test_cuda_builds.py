@@ -83,9 +83,10 @@ def test_other_widths_build_without_spilling(tmp_path, bits, rows):
     assert registers <= 255
 
 
-@pytest.mark.parametrize("mode, rows", [("mxfp4", 1), ("mxfp4", qmv.MAX_ROWS), ("mxfp8", 1), ("mxfp8", qmv.MAX_ROWS)])
+@pytest.mark.parametrize("mode", list(qmv.FLOAT_MODES))
+@pytest.mark.parametrize("rows", [1, qmv.MAX_ROWS])
 def test_the_float_modes_build_without_spilling(tmp_path, mode, rows):
-    """E8M0 scale bytes and no biases: the plain product at one row and at the most rows."""
+    """Scale bytes and no biases: the plain product at one row and at the most rows."""
     registers, spilled = build(tmp_path, product(rows, 1, False, False, False, "", mode=mode))
     assert spilled == 0
     assert registers <= 255

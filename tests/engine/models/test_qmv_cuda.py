@@ -72,15 +72,17 @@ def test_2_3_5_and_6_bit_codes_go_to_the_kernel_only_when_asked(monkeypatch):
     assert not any(_fits(bits=b, group_size=64) for b in (2, 3, 5, 6)) and _fits(bits=4)
 
 
-def test_mxfp4_and_mxfp8_go_to_the_kernel_only_when_asked(monkeypatch):
+def test_the_float_modes_go_to_the_kernel_only_when_asked(monkeypatch):
     floats = {"scales_dtype": mx.uint8, "has_biases": False, "group_size": 32}
+    nvfp4 = {**floats, "group_size": 16, "bits": 4, "mode": "nvfp4"}
     monkeypatch.setenv(qmv.FLOAT_MODES_ENV, "1")
     assert _fits(bits=4, mode="mxfp4", **floats) and _fits(bits=8, mode="mxfp8", rows=16, **floats)
-    assert not _fits(bits=4, mode="nvfp4", scales_dtype=mx.uint8, has_biases=False, group_size=16)
+    assert _fits(**nvfp4) and not _fits(inputs=2560 + 16, **nvfp4)  # two groups a lane's chunk
     assert not _fits(bits=8, mode="mxfp4", **floats) and not _fits(bits=4, mode="mxfp4", scales_dtype=mx.bfloat16)
     assert not tensor_cores.fits(8, 2560, 4096, bits=4, mode="mxfp4", dtype=mx.bfloat16, **floats)
     monkeypatch.setenv(qmv.FLOAT_MODES_ENV, "0")
     assert not _fits(bits=4, mode="mxfp4", **floats) and not _fits(bits=8, mode="mxfp8", **floats)
+    assert not _fits(**nvfp4)
 
 
 def test_other_modes_widths_row_counts_and_mixed_dtypes_keep_mlxs_kernel():
@@ -316,6 +318,9 @@ def test_other_widths_equal_mlxs_quantized_matmul(monkeypatch, rows, inputs, out
         (16, 640, 37, "mxfp4", mx.float32),
         (1, 2560, 19456, "mxfp8", mx.bfloat16),
         (8, 2176, 1000, "mxfp8", mx.float16),
+        (1, 2560, 4096, "nvfp4", mx.bfloat16),
+        (6, 9728, 2560, "nvfp4", mx.float16),
+        (16, 640, 37, "nvfp4", mx.float32),
     ],
     ids=str,
 )

@@ -138,15 +138,24 @@ FLOAT_DRIVER = PRODUCT_DRIVER.replace(
         (16, 1280, 9, "mxfp4", mx.float16, 0),
         (3, 2560, 21, "mxfp8", mx.bfloat16, 0),
         (8, 192, 12, "mxfp8", mx.float32, 2),
+        (1, 640, 37, "nvfp4", mx.float32, 0),
+        (5, 8192, 19, "nvfp4", mx.bfloat16, 1),
+        (16, 1280, 9, "nvfp4", mx.float16, 3),
+        (2, 96, 11, "nvfp4", mx.bfloat16, 0),  # three chunks: a lane past the last
     ],
     ids=str,
 )
 def test_the_float_modes_compute_mlxs_product(tmp_path, rows, inputs, outputs, mode, dtype, shift):
     """E2M1 and E4M3 codes (subnormal ones and signed zeros included, which random normal
-    weights give at 32-value groups) with E8M0 scales, against MLX's product in float32."""
+    weights give at 32-value groups) with E8M0 scales, or NVFP4's E4M3 scales a group of 16,
+    against MLX's product in float32. Rows of weights at scales from 2^-8 to 2^8 put NVFP4's
+    scales across their range, subnormal ones and the largest included."""
     bits, group = qmv.FLOAT_MODES[mode]
     k1, k2 = mx.random.split(mx.random.key(rows + inputs + bits), 2)
-    w = (mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5).astype(dtype)
+    w = mx.random.normal((outputs, inputs), key=k1) * inputs**-0.5
+    if mode == "nvfp4":
+        w = w * 2.0 ** mx.linspace(-8, 8, outputs)[:, None] * (1 + 99 * (mx.arange(inputs) % 48 < 16))
+    w = w.astype(dtype)
     wq, scales = mx.quantize(w, group_size=group, bits=bits, mode=mode)
     x = mx.random.normal((rows, inputs), key=k2).astype(dtype)
     splits = qmv.k_splits(inputs, outputs, bits)
