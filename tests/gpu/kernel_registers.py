@@ -26,6 +26,7 @@ import mlx.core as mx  # noqa: E402
 
 from engine.models import decode_attention_cuda as dense  # noqa: E402
 from engine.models import quantized_matmul_cuda as qmv  # noqa: E402
+from engine.models.kernel_switches import reread  # noqa: E402
 from tests.engine.models import nvcc_build  # noqa: E402
 
 # qwen3-4b at 4 bits: (inputs, outputs, residual, glu, norm) of each product of a layer, and the head.
@@ -86,6 +87,7 @@ def main() -> None:
             for key in (qmv.BOUNDS_ENV, qmv.PREFETCH_ENV, qmv.UNROLL_ENV, qmv.ONE_OP_ENV, qmv.COLUMNS_ENV):
                 os.environ.pop(key, None)
             os.environ.update(env)
+            reread()  # the kernels keep their first reads
             splits = qmv.k_splits(k, n, 4)
             source = nvcc_build.product(1, splits, residual, glu, norm, qmv.build_switches(), qmv.columns(1))
             registers, spilled = build(source)
