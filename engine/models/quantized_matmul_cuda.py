@@ -97,17 +97,19 @@ PREFETCH_ENV = "MLX_DESK_QMV_PREFETCH"
 # (models.cuda_build): 16 warps a multiprocessor against 36. Measured on an H100 (docs/qmv.md,
 # "Registers"): decode within the noise, the products being bound by their instructions.
 BOUNDS_ENV = "MLX_DESK_QMV_BOUNDS"
-# One logic op a code (``MLX_DESK_QMV_ONE_OP_CODES=1``; off until timed): the compiler spends two
+# One logic op a code (``MLX_DESK_QMV_ONE_OP_CODES=1``; off: alone it measured 3% slower on
+# qwen3-4b's decode, H100, docs/qmv.md "Registers"): the compiler spends two
 # on ``(word & mask) | magic`` (its LOP3 takes one immediate and both are constants), about 128
 # of the 676 instructions of a chunk of the gate/up variant's loop (NVIDIA's compiler, sm_90);
 # the inline ``lop3`` takes them as registers, 551 (the tensor-core kernel's loop, which takes the
 # switch too: 450 to 386 at one row). The products were measured issuing on 44-63% of cycles
 # (docs/qmv.md, "Registers"). The same bits either way.
 ONE_OP_ENV = "MLX_DESK_QMV_ONE_OP_CODES"
-# Wider warps for products of at most ``WIDE_ROWS`` rows (``MLX_DESK_QMV_COLUMNS=8``; off until
-# timed): a lane's activations serve 8 weight rows instead of 4, so the loop spends fewer
-# instructions a code on them (3.94 a code and column with one-op codes against 4.32, NVIDIA's
-# compiler, sm_90) at 166-168 registers. Only the grid changes: K is split as at 4 columns
+# Wider warps for products of at most ``WIDE_ROWS`` rows (``MLX_DESK_QMV_COLUMNS=8``; off: with
+# one-op codes, +3.4% on qwen3-4b's decode and -1.2% on llama3-8b's, H100, until a
+# per-product measurement says which shapes it pays for): a lane's activations serve 8 weight
+# rows instead of 4, so the loop spends fewer instructions a code on them (3.94 a code and
+# column with one-op codes against 4.32, NVIDIA's compiler, sm_90) at 166-168 registers. Only the grid changes: K is split as at 4 columns
 # (``k_splits``), so every column's sum runs in the same order and the bits do not change.
 COLUMNS_ENV = "MLX_DESK_QMV_COLUMNS"
 WIDE_ROWS = 2
