@@ -106,6 +106,16 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
         --bits 4 -p 512 -g 128 --repeat 3 --roofline
     done
   done
+  # Which products the eight columns pay for (docs/qmv.md, "Registers": with one-op codes they
+  # took qwen3-4b's decode up 3.4% and llama3-8b's down 1.2% on an H100): each product of both
+  # shapes at 1 and 2 rows, compiled as a step runs it, with each switch set.
+  for variant in X=0 MLX_DESK_QMV_COLUMNS=8 MLX_DESK_QMV_ONE_OP_CODES=1 \
+      "MLX_DESK_QMV_COLUMNS=8 MLX_DESK_QMV_ONE_OP_CODES=1"; do
+    for shape in qwen3-4b llama3-8b; do
+      step 120 "products of $shape at 1-2 rows, $variant" env $variant "$PY" -m engine.cli.bench_qmm \
+        --shape "$shape" --rows 1,2 --ours --cold-mb 128
+    done
+  done
   # 2, 3, 5 and 6-bit products (routed only with MLX_DESK_QMV_OTHER_BITS=1 until timed): ours
   # beside MLX's, and their tests.
   pytest_step 120 "other widths and float modes on the GPU" tests/engine/models/test_qmv_cuda.py \
