@@ -109,8 +109,9 @@ ONE_OP_ENV = "MLX_DESK_QMV_ONE_OP_CODES"
 # one-op codes, +3.4% on qwen3-4b's decode and -1.2% on llama3-8b's, H100, until a
 # per-product measurement says which shapes it pays for): a lane's activations serve 8 weight
 # rows instead of 4, so the loop spends fewer instructions a code on them (3.94 a code and
-# column with one-op codes against 4.32, NVIDIA's compiler, sm_90) at 166-168 registers. Only the grid changes: K is split as at 4 columns
-# (``k_splits``), so every column's sum runs in the same order and the bits do not change.
+# column with one-op codes against 4.32, NVIDIA's compiler, sm_90) at 166-168 registers. Only
+# the grid changes: K is split as at 4 columns (``k_splits``), so every column's sum runs in the
+# same order and the bits do not change.
 COLUMNS_ENV = "MLX_DESK_QMV_COLUMNS"
 WIDE_ROWS = 2
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
