@@ -73,6 +73,9 @@ UNTIMED_BITS = (2, 3, 5, 6)
 # group of 32 (MX), or one E4M3 scale a group of 16 (NVFP4: two groups a lane's chunk of 32
 # codes, so its K must be a multiple of 32).
 FLOAT_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
+# Quantization groups a lane's chunk of codes spans: one, except NVFP4's two (the kernel scales
+# each half of the chunk by its own group's scale).
+CHUNK_GROUPS = {"nvfp4": 2}
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2, "nvfp4": 3}
 FLOAT_MODES_ENV = "MLX_DESK_QMV_FLOAT_MODES"
 ROW_LIMITS = {2: 8, 5: 12}
@@ -281,8 +284,7 @@ def fits(
         )
     return (
         packed
-        # A lane's chunk of codes lies in one group (NVFP4's: in two, its scales kept apart).
-        and (group_size % chunk_values(bits) == 0 or mode == "nvfp4")
+        and group_size * CHUNK_GROUPS.get(mode, 1) % chunk_values(bits) == 0  # a chunk within its groups
         and inputs % chunk_values(bits) == 0
         and 1 <= rows <= ROW_LIMITS.get(bits, MAX_ROWS)
         and outputs >= 1

@@ -63,7 +63,7 @@ def product(
     mode: str = "affine",
 ) -> str:
     """The product kernel as MLX builds it for bfloat16 rows (a float ``mode``: its bits and
-    group, E8M0 scale bytes and no biases; else affine ``bits`` in groups of 64)."""
+    group, its scale bytes and no biases; else affine ``bits`` in groups of 64)."""
     bits, group = qmv.FLOAT_MODES.get(mode, (bits, 64))
     names = ["x", "w", "scales"] + ["biases"] * (mode == "affine") + ["residual"] * residual + ["norm"] * norm
     types = {"w": "uint32_t", "scales": "T" if mode == "affine" else "uint8_t"}
