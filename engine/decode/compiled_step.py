@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.models import l2_ahead_cuda
 from engine.models.base import RoPE, cached_attention_kv
 from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.lora import active_signature
@@ -128,6 +129,10 @@ class CompiledDecoder:
             else:
                 q, k, v = attn.qkv(this.input_layernorm(h), pos)
                 kv = (k, v)
+            if l2_ahead_cuda.enabled():  # the products after attention read from L2
+                arrays = l2_ahead_cuda.layer_arrays(this, h)
+                if arrays:
+                    q = l2_ahead_cuda.ahead(q, arrays)
             return h, q, kv
 
         def end(i: int, h, attn):

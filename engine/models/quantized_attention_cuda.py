@@ -287,9 +287,10 @@ def _kernels():
 
 
 @cache
+@cache
 def _scale_array(scale: float) -> mx.array:
     """The softmax scale as an input (kernels take no scalar arguments): one array per model
-    scale, not one per layer and token."""
+    scale, not one per layer and token (an array made anew is a host-to-device copy each pass)."""
     return mx.array([scale], mx.float32)
 
 

@@ -116,6 +116,12 @@ ONE_OP_ENV = "MLX_DESK_QMV_ONE_OP_CODES"
 # the grid changes: K is split as at 4 columns (``k_splits``), so every column's sum runs in the
 # same order and the bits do not change.
 COLUMNS_ENV = "MLX_DESK_QMV_COLUMNS"
+# The first chunk's loads ahead of the norm prologue (``MLX_DESK_QMV_EARLY_LOAD=1``; off until
+# timed): a normed product of qwen3-4b's K (2,560: one or two chunks a lane) runs as one wave
+# whose warps all norm, then all load, then all multiply, so the norm's time and the weights'
+# round trip add up; loaded first, the round trip runs under the norm. The same chunks in the
+# same order, so the same bits. Ignored with the prefetch, which orders its own loads.
+EARLY_ENV = "MLX_DESK_QMV_EARLY_LOAD"
 WIDE_ROWS = 2
 # Rows x inputs a block norms into its shared memory (``norm_fits``): 6 rows of qwen3-4b's
 # 2,560 values in bfloat16, 4 of llama3-8b's 4,096 (static shared memory stops at 48 KB).
@@ -239,6 +245,12 @@ def one_op_codes() -> str:
     return "#define ONE_OP_CODES\n" if switch(ONE_OP_ENV, "0") == "1" else ""
 
 
+def early_load() -> str:
+    """The ``#define`` that loads a lane's first chunk before the norm prologue
+    (``MLX_DESK_QMV_EARLY_LOAD=1``), or nothing."""
+    return "#define EARLY_LOAD\n" if switch(EARLY_ENV, "0") == "1" else ""
+
+
 def columns(rows: int) -> int:
     """Columns a warp owns for a product of ``rows`` rows: 8 up to ``WIDE_ROWS`` rows where
     ``MLX_DESK_QMV_COLUMNS=8`` asks for it, else ``COLUMNS``."""
@@ -248,8 +260,8 @@ def columns(rows: int) -> int:
 
 def build_switches() -> str:
     """The product's build switches as its header's first lines: how a lane walks its chunks,
-    launch bounds, how a code is unpacked."""
-    return chunk_loop() + bounds() + one_op_codes()
+    launch bounds, how a code is unpacked, whether the first chunk is loaded before the norm."""
+    return chunk_loop() + bounds() + one_op_codes() + early_load()
 
 
 def enabled() -> bool:

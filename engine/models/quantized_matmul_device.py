@@ -308,12 +308,6 @@ __device__ __forceinline__ void rows_product(
   const int chunks = K / VPL;          // K is a multiple of the group size, so of VPL
   const int words_per_row = K / VPL * WORDS;
   const int groups_per_row = K / GS;
-  __shared__ __align__(16) T normed[KN > 0 ? R * KN : 1];
-  if constexpr (KN > 0) {
-    block_norm<T, R, KN, NW>(x, norm, eps, normed);
-    x = normed;
-  }
-  const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15ull) == 0;
   const bool w_aligned = (reinterpret_cast<unsigned long long>(w) & 15ull) == 0;
 
   // Columns past the outputs repeat the last one (valid memory) and are never written: every
@@ -327,15 +321,34 @@ __device__ __forceinline__ void rows_product(
     srow[j] = (long)n * groups_per_row;
   }
 
+  int c = part * 32 + lane;
+  const int stride = KS * 32;
+#if defined(EARLY_LOAD) && !defined(CHUNK_PREFETCH)
+  // A lane's first chunk is asked of memory before the block norms its rows, so the weights'
+  // round trip runs under the norm's instead of after it (a product of a short K is one or
+  // two chunks a lane: its grid is one wave, every warp norming, then loading, in step).
+  Chunk<CPW, WORDS> first;
+  if (KN > 0 && c < chunks) load_chunk<T, BITS, GS, MODE>(first, w, scales, biases, wrow, srow, c, w_aligned);
+#endif
+  __shared__ __align__(16) T normed[KN > 0 ? R * KN : 1];
+  if constexpr (KN > 0) {
+    block_norm<T, R, KN, NW>(x, norm, eps, normed);
+    x = normed;
+  }
+  const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15ull) == 0;
+
   float acc[R][CPW];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int j = 0; j < CPW; ++j) acc[r][j] = 0.f;
   }
-
-  int c = part * 32 + lane;
-  const int stride = KS * 32;
+#if defined(EARLY_LOAD) && !defined(CHUNK_PREFETCH)
+  if (KN > 0 && c < chunks) {  // the same chunks in the same order: the same sums
+    add_chunk<T, R, BITS, MODE>(first, x, K, c, x_aligned, acc);
+    c += stride;
+  }
+#endif
 #ifdef CHUNK_PREFETCH
   // Each chunk's loads issue before the chunk ahead of it is multiplied, so a lane's memory
   // round trips overlap its arithmetic instead of following it (the sums run as below).

@@ -16,6 +16,7 @@ import pytest
 
 from engine.models import gathered_matmul_cuda as gathered
 from engine.models import head_norm_rope_cuda as heads
+from engine.models import l2_ahead_cuda as l2_ahead
 from engine.models import quantized_attention_cuda as quantized_attention
 from engine.models import quantized_matmul_cuda as qmv
 from engine.models import quantized_mma_cuda as tensor_cores
@@ -37,6 +38,7 @@ LOOPS = {
     "unrolled": {qmv.UNROLL_ENV: "2"},
     "prefetched": {qmv.PREFETCH_ENV: "1"},
     "one op a code": {qmv.ONE_OP_ENV: "1"},
+    "first chunk before the norm": {qmv.EARLY_ENV: "1"},
 }
 
 
@@ -52,6 +54,7 @@ def test_every_walk_of_the_product_builds_without_spilling(
     monkeypatch.delenv(qmv.UNROLL_ENV, raising=False)
     monkeypatch.delenv(qmv.PREFETCH_ENV, raising=False)
     monkeypatch.delenv(qmv.ONE_OP_ENV, raising=False)
+    monkeypatch.delenv(qmv.EARLY_ENV, raising=False)
     for name, value in LOOPS[loop].items():
         monkeypatch.setenv(name, value)
     registers, spilled = build(tmp_path, product(rows, splits, residual, glu, norm, qmv.build_switches()))
@@ -171,3 +174,12 @@ def test_the_head_norm_and_rope_kernel_builds_without_spilling(tmp_path, normed)
     body = heads.constants(1e-6, 1.0, heads.log2_float32(1e6)) + qmv.compact(heads.source(normed))
     source = wrapped({"x": "T", **weights, "offset": "int32_t"}, {"q": "T", "kv": "T"}, constants, "", body)
     assert build(tmp_path, source)[1] == 0
+
+
+@pytest.mark.parametrize("count", [1, 6, l2_ahead.MAX_ARRAYS])
+def test_the_l2_prefetch_kernel_builds(tmp_path, count):
+    """Hopper's bulk prefetch to L2 as the kernel writes it (sm_90), for one to nine arrays."""
+    inputs = {"q": "T", **{f"a{i}": "uint32_t" for i in range(count)}}
+    sizes = [(f"S{i}", 5_000_000 + 16 * i if i < count else 0) for i in range(l2_ahead.MAX_ARRAYS)]
+    constants = [("T", mx.bfloat16), ("PIECE", l2_ahead.PIECE), ("QN", 4096), *sizes]
+    assert build(tmp_path, wrapped(inputs, {"out": "T"}, constants, "", l2_ahead.source(count)))[1] == 0

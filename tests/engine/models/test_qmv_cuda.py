@@ -619,6 +619,19 @@ def test_each_build_switch_gives_the_same_bits(monkeypatch, rows, glu, env, valu
     assert mx.array_equal(plain, walked)
 
 
+@needs_cuda
+@pytest.mark.parametrize("rows, inputs, glu", [(1, 2560, True), (1, 2560, False), (2, 4096, True), (5, 2560, False)])
+def test_the_first_chunk_loaded_before_the_norm_gives_the_same_bits(monkeypatch, rows, inputs, glu):
+    """``MLX_DESK_QMV_EARLY_LOAD`` moves a load, not a sum: the normed products' bits do not
+    change (qwen3-4b's K of 2,560 is one or two chunks a lane; llama3-8b's 4,096 more)."""
+    x, wq, scales, biases = _case(rows, inputs, 1030 * (2 if glu else 1), 4, 64, mx.bfloat16)
+    weight = (1 + 0.3 * mx.random.normal((inputs,), key=mx.random.key(rows))).astype(mx.bfloat16)
+    plain = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu, norm=(weight, 1e-6))
+    monkeypatch.setenv(qmv.EARLY_ENV, "1")
+    early = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu, norm=(weight, 1e-6))
+    assert mx.array_equal(plain, early)
+
+
 @pytest.mark.parametrize(
     "value, rows",
     [

@@ -259,9 +259,12 @@ def test_the_glu_epilogue_computes_silu_gate_times_up(tmp_path, rows, inputs, ou
     ],
     ids=str,
 )
-def test_the_norm_prologue_computes_the_product_of_the_rms_norm(tmp_path, rows, inputs, outputs, dtype, glu, splits):
+def test_the_norm_prologue_computes_the_product_of_the_rms_norm(
+    monkeypatch, tmp_path, rows, inputs, outputs, dtype, glu, splits
+):
     """Each row normed by the block (its mean square, the epsilon, the norm's weight) before the
-    product, with and without the activation in the epilogue, over K-splits of 1, 2 and 4."""
+    product, with and without the activation in the epilogue, over K-splits of 1, 2 and 4; the
+    same bits with each lane's first chunk loaded before the norm (``MLX_DESK_QMV_EARLY_LOAD``)."""
     n = 2 * outputs if glu else outputs
     assert qmv.k_splits(inputs, n, 4) == splits and qmv.norm_fits(rows, inputs, dtype)
     keys = mx.random.split(mx.random.key(rows * 11 + inputs + outputs), 3)
@@ -279,6 +282,9 @@ def test_the_norm_prologue_computes_the_product_of_the_rms_norm(tmp_path, rows, 
     expected = normed_product(x, weight, eps, wq, scales, biases, glu)
     error = mx.abs(got.astype(mx.float32) - expected).max().item()
     assert error <= 2 * _TOLERANCE[dtype] * mx.abs(expected).max().item()
+    monkeypatch.setenv(qmv.EARLY_ENV, "1")
+    early = _program(driver, qmv.kernel_source(glu=glu, norm=True), dtype, 4, 64, splits, constants, qmv.early_load())
+    assert mx.array_equal(_build_and_run(tmp_path, early, (x, wq, scales, biases), args, outputs=outputs), got)
 
 
 # The gathered variant (expert products): blocks run per (token, expert) pair, blockIdx.y.
