@@ -124,15 +124,22 @@ class CompiledDecoder:
         def start(i: int, h, pos):
             this = layer(i)
             attn = this.self_attn
-            if hasattr(attn, "q_kv"):  # the norm may join the q/k/v product, keys and values a stack
-                q, kv = attn.q_kv(h, pos, this.input_layernorm)
-            else:
-                q, k, v = attn.qkv(this.input_layernorm(h), pos)
-                kv = (k, v)
-            if l2_ahead_cuda.enabled():  # the products after attention read from L2
-                arrays = l2_ahead_cuda.layer_arrays(this, h)
-                if arrays:
-                    q = l2_ahead_cuda.ahead(q, arrays)
+            # The weights the products after attention read, asked into L2 while it runs:
+            # by the heads kernel where one runs, else by a kernel of their own.
+            ahead = (
+                this.weights_after_attention(h)
+                if l2_ahead_cuda.enabled() and hasattr(this, "weights_after_attention")
+                else []
+            )
+            with l2_ahead_cuda.asking(ahead):
+                if hasattr(attn, "q_kv"):  # the norm may join the q/k/v product, keys and values a stack
+                    q, kv = attn.q_kv(h, pos, this.input_layernorm)
+                else:
+                    q, k, v = attn.qkv(this.input_layernorm(h), pos)
+                    kv = (k, v)
+                left = l2_ahead_cuda.left()
+            if left:
+                q = l2_ahead_cuda.ahead(q, left)
             return h, q, kv
 
         def end(i: int, h, attn):

@@ -39,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models import l2_ahead_cuda
 from engine.models.cuda_build import cuda_kernel
 from engine.models.kernel_switches import switch
 from engine.models.quantized_matmul_cuda import available, compact
@@ -121,15 +122,17 @@ def source(normed: bool) -> str:
 
 
 @cache
-def _kernel(normed: bool, eps: float, scale: float, log2_base: float):
+def _kernel(normed: bool, eps: float, scale: float, log2_base: float, ahead: int = 0):
     """The kernel for one model's constants, written into its source as float32 values (MLX
-    passes them to its own kernels as float32)."""
+    passes them to its own kernels as float32); with ``ahead`` arrays asked into L2 first
+    (models.l2_ahead_cuda: the products after attention read them)."""
     weights = ["q_weight", "k_weight"] if normed else []
+    prefetch = compact(l2_ahead_cuda.prefetch_source(ahead)) if ahead else ""
     return cuda_kernel(
         name="head_norm_rope" if normed else "head_rope",
-        input_names=["x", *weights, "offset"],
+        input_names=["x", *weights, "offset", *(f"a{i}" for i in range(ahead))],
         output_names=["q", "kv"],
-        source=constants(eps, scale, log2_base) + compact(source(normed)),
+        source=constants(eps, scale, log2_base) + prefetch + compact(source(normed)),
     )
 
 
@@ -187,9 +190,10 @@ def head_norm_rope(attn: Any, y: mx.array, offset: Any) -> tuple[mx.array, mx.ar
     normed = bool(attn.qk_norm)
     eps = float(attn.q_norm.eps) if normed else 0.0
     weights = [attn.q_norm.weight, attn.k_norm.weight] if normed else []
-    kernel = _kernel(normed, eps, float(rope.scale), log2_float32(rope.base))
+    ahead = l2_ahead_cuda.take()
+    kernel = _kernel(normed, eps, float(rope.scale), log2_float32(rope.base), len(ahead))
     q, kv = kernel(
-        inputs=[y, *weights, positions],
+        inputs=[y, *weights, positions, *ahead],
         template=[
             ("T", y.dtype),
             ("B", b),
@@ -198,6 +202,7 @@ def head_norm_rope(attn: Any, y: mx.array, offset: Any) -> tuple[mx.array, mx.ar
             ("NKV", nkv),
             ("D", d),
             ("OFFSETS", positions.size),
+            *(l2_ahead_cuda.constants(ahead) if ahead else ()),
         ],
         grid=(-(-items // WARPS) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),

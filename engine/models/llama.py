@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models import layer_tail_cuda
+from engine.models import l2_ahead_cuda, layer_tail_cuda
 from engine.models.base import (
     GATE_UP,
     Attention,
@@ -91,6 +91,10 @@ class ModelArgs(BaseModelArgs):
         return [self.sliding_window if k == "sliding_attention" else None for k in kinds]
 
 
+def _affine_quantized(module) -> bool:
+    return type(module) is nn.QuantizedLinear and getattr(module, "mode", "affine") == "affine" and "biases" in module
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, window: int | None):
         super().__init__()
@@ -129,6 +133,24 @@ class DecoderLayer(nn.Module):
         if type(self.mlp) is GatedMLP:  # the norm and the last add inside the products on CUDA
             return self.mlp.plus(h, h, self.post_attention_layernorm)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def weights_after_attention(self, x: mx.array) -> list[mx.array]:
+        """The weights, scales and biases this layer's products read after attention, in their
+        order: the output product's and the stacked gate/up product's, and the down product's
+        where ``MLX_DESK_L2_AHEAD=2`` asks (models.l2_ahead_cuda asks L2 for them while
+        attention runs); none unless each is a plain affine quantized layer and gate and up
+        are stacked."""
+        o_proj, mlp = getattr(self.self_attn, "o_proj", None), self.mlp
+        down = getattr(mlp, "down_proj", None)
+        if type(mlp) is not GatedMLP or not all(_affine_quantized(m) for m in (o_proj, down)):
+            return []
+        gate_up = packed_stack(mlp, GATE_UP, x)
+        if gate_up is None:
+            return []
+        arrays = [o_proj.weight, o_proj.scales, o_proj.biases, *gate_up]
+        if l2_ahead_cuda.level() > 1:
+            arrays += [down.weight, down.scales, down.biases]
+        return arrays
 
     def finish_attention(self, x: mx.array, attn: mx.array) -> mx.array:
         """``finish(x, self.self_attn.out(attn))`` from the attention before its output

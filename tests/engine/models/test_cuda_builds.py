@@ -166,13 +166,19 @@ def test_the_gathered_expert_product_builds_without_spilling(tmp_path, switches)
     assert build(tmp_path, source)[1] == 0
 
 
+@pytest.mark.parametrize("ahead", [0, 6])
 @pytest.mark.parametrize("normed", [True, False])
-def test_the_head_norm_and_rope_kernel_builds_without_spilling(tmp_path, normed):
-    """qwen3-4b's step (32 query and 8 KV heads of 128), a position for each of 2 rows."""
+def test_the_head_norm_and_rope_kernel_builds_without_spilling(tmp_path, normed, ahead):
+    """qwen3-4b's step (32 query and 8 KV heads of 128), a position for each of 2 rows; with
+    the next products' weights asked into L2 in its launch (``ahead`` arrays) or without."""
     weights = {"q_weight": "T", "k_weight": "T"} if normed else {}
+    arrays = [mx.zeros((1 << 20,), mx.uint32)] * ahead
     constants = [("T", mx.bfloat16), ("B", 2), ("L", 1), ("NQ", 32), ("NKV", 8), ("D", 128), ("OFFSETS", 2)]
-    body = heads.constants(1e-6, 1.0, heads.log2_float32(1e6)) + qmv.compact(heads.source(normed))
-    source = wrapped({"x": "T", **weights, "offset": "int32_t"}, {"q": "T", "kv": "T"}, constants, "", body)
+    constants += l2_ahead.constants(arrays) if ahead else []
+    body = heads.constants(1e-6, 1.0, heads.log2_float32(1e6))
+    body += (qmv.compact(l2_ahead.prefetch_source(ahead)) if ahead else "") + qmv.compact(heads.source(normed))
+    inputs = {"x": "T", **weights, "offset": "int32_t", **{f"a{i}": "uint32_t" for i in range(ahead)}}
+    source = wrapped(inputs, {"q": "T", "kv": "T"}, constants, "", body)
     assert build(tmp_path, source)[1] == 0
 
 
