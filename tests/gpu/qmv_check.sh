@@ -10,8 +10,9 @@
 #   ab:    qwen3-4b with the head norm + RoPE kernel off and the activation epilogue off, and
 #          qwen3-4b and llama3-8b with the norm prologue off, the K loop unrolled 2 and 4 times,
 #          one logic op a code, one-row products on the tensor-core kernel, launch bounds, the
-#          K loop prefetched and the residual epilogue off (beside bench's runs with the
-#          defaults);
+#          K loop prefetched, the first chunk loaded ahead of the norm, the next weights asked
+#          into L2 during attention, and the residual epilogue off (beside bench's runs with
+#          the defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
 #          with the tensor-core kernel turned off;
 #   attention: decode attention split over the keys (off by default) against MLX's: its tests,
@@ -99,7 +100,12 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
   # found launch bounds even and the prefetch 7% slower), one logic op a code (18% fewer
   # instructions in the K loop), one-row products on the tensor-core kernel (3.5
   # instructions a code against the row kernel's 5.3), and 8 columns a warp for 1-2 rows.
-  for variant in MLX_DESK_QMV_ONE_OP_CODES=1 MLX_DESK_QMV_MMA_ROWS=1-16 MLX_DESK_QMV_COLUMNS=8 MLX_DESK_QMV_BOUNDS=8 MLX_DESK_QMV_PREFETCH=1; do
+  # The memory waits around the products (docs/qmv.md, "Memory waits"): the first chunk loaded
+  # ahead of the norm prologue, and the next products' weights asked into L2 during attention
+  # (in the heads kernel, then in a kernel of its own; level 2 adds down's weights).
+  for variant in MLX_DESK_QMV_ONE_OP_CODES=1 MLX_DESK_QMV_MMA_ROWS=1-16 MLX_DESK_QMV_COLUMNS=8 MLX_DESK_QMV_BOUNDS=8 MLX_DESK_QMV_PREFETCH=1 \
+      MLX_DESK_QMV_EARLY_LOAD=1 MLX_DESK_L2_AHEAD=1 MLX_DESK_L2_AHEAD=2 \
+      "MLX_DESK_L2_AHEAD=1 MLX_DESK_L2_AHEAD_IN_HEADS=0" "MLX_DESK_L2_AHEAD=1 MLX_DESK_QMV_EARLY_LOAD=1"; do
     for shape_limit in qwen3-4b:100 llama3-8b:110; do
       shape="${shape_limit%%:*}"
       step "${shape_limit##*:}" "decode $shape, $variant" env $variant "$PY" -m engine bench --shape "$shape" \
