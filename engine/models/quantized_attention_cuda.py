@@ -287,7 +287,6 @@ def _kernels():
 
 
 @cache
-@cache
 def _scale_array(scale: float) -> mx.array:
     """The softmax scale as an input (kernels take no scalar arguments): one array per model
     scale, not one per layer and token (an array made anew is a host-to-device copy each pass)."""
