@@ -42,7 +42,9 @@ LOOPS = {
 }
 
 
-@pytest.mark.parametrize("loop", LOOPS)
+# The default walk builds with every test run; the switches' walks (off by default) with the
+# long tests.
+@pytest.mark.parametrize("loop", [pytest.param(k, marks=() if k == "plain" else pytest.mark.long) for k in LOOPS])
 @pytest.mark.parametrize(
     "rows, splits, residual, glu, norm",
     [(1, 1, False, True, True), (1, 4, True, False, False), (8, 1, False, True, False)],

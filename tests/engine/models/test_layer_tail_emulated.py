@@ -20,7 +20,11 @@ from engine.models import layer_tail_cuda as tail
 from engine.models import quantized_matmul_cuda as qmv
 from tests.engine.models.cuda_on_cpu import CPP_TYPE, PRELUDE, build, raw_values
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel for the CPU")
+# The layer tail is off by default (measured slower), so its sweep runs with the long tests.
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel for the CPU"),
+    pytest.mark.long,
+]
 
 _TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 

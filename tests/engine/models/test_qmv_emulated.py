@@ -171,6 +171,7 @@ def test_the_float_modes_compute_mlxs_product(tmp_path, rows, inputs, outputs, m
     assert error <= _TOLERANCE[dtype] * mx.abs(expected).max().item()
 
 
+@pytest.mark.long  # build switches that are off by default: the long tests sweep them
 @pytest.mark.parametrize("rows, inputs, outputs, splits", [(3, 8320, 19, 4), (1, 24640, 9, 4), (2, 64, 9, 1)], ids=str)
 def test_a_prefetched_or_unrolled_walk_or_wider_warps_give_the_same_bits(
     monkeypatch, tmp_path, rows, inputs, outputs, splits

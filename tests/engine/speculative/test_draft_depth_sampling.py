@@ -20,7 +20,7 @@ from engine.models.kv_cache import make_prompt_cache, trim_prompt_cache
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [[2, 0, 1], [0, 2]])
+@pytest.mark.parametrize("script", [pytest.param([2, 0, 1], marks=pytest.mark.long), [0, 2]])
 def test_sampling_with_a_changing_depth_keeps_target_distribution(script):
     target = make_llama(10, vocab=VOCAB, layers=1, sharpen=6.0)
     draft = make_llama(11, vocab=VOCAB, layers=1, sharpen=6.0)

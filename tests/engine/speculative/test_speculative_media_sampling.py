@@ -34,6 +34,7 @@ PARAMS = SamplingParams(temperature=1.0, top_k=6)
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_image_prompt_sampling_keeps_target_distribution(tmp_path, shared_data):
     folder = tmp_path / "gemma3"
     shutil.copytree(GOLDEN / "vision" / "gemma3", folder)
