@@ -121,18 +121,22 @@ def source(normed: bool) -> str:
     return _HEAD + (_NORM if normed else "") + _ROPE
 
 
+def kernel_source(normed: bool, eps: float, scale: float, log2_base: float, ahead: int = 0) -> str:
+    """The whole body MLX builds for one model's constants (written into it as float32 values,
+    as MLX passes them to its own kernels); with ``ahead`` arrays (inputs a0, a1, ...) asked
+    into L2 first (models.l2_ahead_cuda: the products after attention read them)."""
+    prefetch = compact(l2_ahead_cuda.prefetch_source(ahead)) if ahead else ""
+    return constants(eps, scale, log2_base) + prefetch + compact(source(normed))
+
+
 @cache
 def _kernel(normed: bool, eps: float, scale: float, log2_base: float, ahead: int = 0):
-    """The kernel for one model's constants, written into its source as float32 values (MLX
-    passes them to its own kernels as float32); with ``ahead`` arrays asked into L2 first
-    (models.l2_ahead_cuda: the products after attention read them)."""
     weights = ["q_weight", "k_weight"] if normed else []
-    prefetch = compact(l2_ahead_cuda.prefetch_source(ahead)) if ahead else ""
     return cuda_kernel(
         name="head_norm_rope" if normed else "head_rope",
         input_names=["x", *weights, "offset", *(f"a{i}" for i in range(ahead))],
         output_names=["q", "kv"],
-        source=constants(eps, scale, log2_base) + prefetch + compact(source(normed)),
+        source=kernel_source(normed, eps, scale, log2_base, ahead),
     )
 
 

@@ -119,7 +119,7 @@ def asking(arrays: list[mx.array]):
 def take() -> list[mx.array]:
     """The arrays offered and not yet taken (none after this), unless ``MLX_DESK_L2_AHEAD_IN_HEADS=0``
     keeps them for the standalone kernel."""
-    if switch(IN_HEADS_ENV, "1") == "0":
+    if not _asked or switch(IN_HEADS_ENV, "1") == "0":  # nothing asked: the usual case
         return []
     arrays = list(_asked)
     _asked.clear()

@@ -177,8 +177,7 @@ def test_the_head_norm_and_rope_kernel_builds_without_spilling(tmp_path, normed,
     arrays = [mx.zeros((1 << 20,), mx.uint32)] * ahead
     constants = [("T", mx.bfloat16), ("B", 2), ("L", 1), ("NQ", 32), ("NKV", 8), ("D", 128), ("OFFSETS", 2)]
     constants += l2_ahead.constants(arrays) if ahead else []
-    body = heads.constants(1e-6, 1.0, heads.log2_float32(1e6))
-    body += (qmv.compact(l2_ahead.prefetch_source(ahead)) if ahead else "") + qmv.compact(heads.source(normed))
+    body = heads.kernel_source(normed, 1e-6, 1.0, heads.log2_float32(1e6), ahead)
     inputs = {"x": "T", **weights, "offset": "int32_t", **{f"a{i}": "uint32_t" for i in range(ahead)}}
     source = wrapped(inputs, {"q": "T", "kv": "T"}, constants, "", body)
     assert build(tmp_path, source)[1] == 0
