@@ -100,24 +100,29 @@ PREFETCH_ENV = "MLX_DESK_QMV_PREFETCH"
 # (models.cuda_build): 16 warps a multiprocessor against 36. Measured on an H100 (docs/qmv.md,
 # "Registers"): decode within the noise, the products being bound by their instructions.
 BOUNDS_ENV = "MLX_DESK_QMV_BOUNDS"
-# One logic op a code (``MLX_DESK_QMV_ONE_OP_CODES=1``; off: alone it measured 3% slower on
-# qwen3-4b's decode, H100, docs/qmv.md "Registers"): the compiler spends two
+# One logic op a code (on; ``MLX_DESK_QMV_ONE_OP_CODES=0`` turns it off): the compiler spends two
 # on ``(word & mask) | magic`` (its LOP3 takes one immediate and both are constants), about 128
 # of the 676 instructions of a chunk of the gate/up variant's loop (NVIDIA's compiler, sm_90);
-# the inline ``lop3`` takes them as registers, 551 (the tensor-core kernel's loop, which takes the
-# switch too: 450 to 386 at one row). The products were measured issuing on 44-63% of cycles
-# (docs/qmv.md, "Registers"). The same bits either way.
+# the inline ``lop3`` takes them as registers, 551 (the tensor-core kernel's loop: 450 to 386 at
+# one row). The products were measured issuing on 44-63% of cycles (docs/qmv.md, "Registers").
+# The same bits either way. On where the warps are wide (below): the pair that was timed, the
+# build of the one-row step; elsewhere (3-16 rows, the tensor-core kernel) it was not timed, and
+# those builds keep two ops unless the switch is set to 1.
 ONE_OP_ENV = "MLX_DESK_QMV_ONE_OP_CODES"
-# Wider warps for products of at most ``WIDE_ROWS`` rows (``MLX_DESK_QMV_COLUMNS=8``; off: with
-# one-op codes, +3.4% on qwen3-4b's decode and -1.2% on llama3-8b's, H100, until a
-# per-product measurement says which shapes it pays for): a lane's activations serve 8 weight
-# rows instead of 4, so the loop spends fewer instructions a code on them (3.94 a code and
-# column with one-op codes against 4.32, NVIDIA's compiler, sm_90) at 166-168 registers. Only
-# the grid changes: K is split as at 4 columns (``k_splits``), so every column's sum runs in the
-# same order and the bits do not change.
+# Wider warps for products of at most ``WIDE_ROWS`` rows (on; ``MLX_DESK_QMV_COLUMNS=4`` turns
+# it off): a lane's activations serve 8 weight rows instead of 4, so the loop spends fewer
+# instructions a code on them (3.94 a code and column with one-op codes against 4.32, NVIDIA's
+# compiler, sm_90) at 166-168 registers. Measured with one-op codes on an H100 (docs/qmv.md,
+# "Eight columns and one-op codes on by default"): llama3-8b's products 9-22% faster at 1-2
+# rows, qwen3-4b's gate/up and down faster at one row and its q level; qwen3-4b's decode faster
+# in each of four rounds against the old build, llama3-8b's within the machine's spread. Only
+# the grid changes: K is split as at 4 columns (``k_splits``), so every column's sum runs in
+# the same order and the bits do not change.
 COLUMNS_ENV = "MLX_DESK_QMV_COLUMNS"
-# The first chunk's loads ahead of the norm prologue (``MLX_DESK_QMV_EARLY_LOAD=1``; off until
-# timed): a normed product of qwen3-4b's K (2,560: one or two chunks a lane) runs as one wave
+# The first chunk's loads ahead of the norm prologue (``MLX_DESK_QMV_EARLY_LOAD=1``; off: on an
+# H100 it moved decode within the machine's spread, medians 276 against 239 tok/s on qwen3-4b
+# and 247 against 255 on llama3-8b, and not at all with eight columns; docs/qmv.md, "Memory
+# waits"): a normed product of qwen3-4b's K (2,560: one or two chunks a lane) runs as one wave
 # whose warps all norm, then all load, then all multiply, so the norm's time and the weights'
 # round trip add up; loaded first, the round trip runs under the norm. The same chunks in the
 # same order, so the same bits. Ignored with the prefetch, which orders its own loads.
@@ -240,9 +245,10 @@ def bounds() -> str:
     return launch_bounds(WARPS * 32, int(value))
 
 
-def one_op_codes() -> str:
-    """The ``#define`` that unpacks each code with one logic op (``MLX_DESK_QMV_ONE_OP_CODES=1``), or nothing."""
-    return "#define ONE_OP_CODES\n" if switch(ONE_OP_ENV, "0") == "1" else ""
+def one_op_codes(default: str) -> str:
+    """The ``#define`` that unpacks each code with one logic op, or nothing: as
+    ``MLX_DESK_QMV_ONE_OP_CODES`` says (1 or 0), else as ``default`` (the kernel's timed build)."""
+    return "#define ONE_OP_CODES\n" if switch(ONE_OP_ENV, default) == "1" else ""
 
 
 def early_load() -> str:
@@ -252,16 +258,18 @@ def early_load() -> str:
 
 
 def columns(rows: int) -> int:
-    """Columns a warp owns for a product of ``rows`` rows: 8 up to ``WIDE_ROWS`` rows where
-    ``MLX_DESK_QMV_COLUMNS=8`` asks for it, else ``COLUMNS``."""
-    wide = switch(COLUMNS_ENV, "") == "8" and rows <= WIDE_ROWS
+    """Columns a warp owns for a product of ``rows`` rows: 8 up to ``WIDE_ROWS`` rows unless
+    ``MLX_DESK_QMV_COLUMNS`` says otherwise (4), else ``COLUMNS``."""
+    wide = switch(COLUMNS_ENV, str(2 * COLUMNS)) == str(2 * COLUMNS) and rows <= WIDE_ROWS
     return 2 * COLUMNS if wide else COLUMNS
 
 
-def build_switches() -> str:
-    """The product's build switches as its header's first lines: how a lane walks its chunks,
-    launch bounds, how a code is unpacked, whether the first chunk is loaded before the norm."""
-    return chunk_loop() + bounds() + one_op_codes() + early_load()
+def build_switches(rows: int = 1) -> str:
+    """The product's build switches for ``rows`` rows as its header's first lines: how a lane
+    walks its chunks, launch bounds, how a code is unpacked (one op by default where the warps
+    are wide, the pair that was timed), whether the first chunk is loaded before the norm."""
+    one_op = one_op_codes(default="1" if columns(rows) > COLUMNS else "0")
+    return chunk_loop() + bounds() + one_op + early_load()
 
 
 def enabled() -> bool:
@@ -379,7 +387,7 @@ def matmul(
         constants = [("KN", k), ("EPS", float_bits(norm[1]))]
     variant = variant_suffix(residual is not None, glu, norm is not None) + ("" if mode == "affine" else f"_{mode}")
     source = kernel_source(residual is not None, glu, norm is not None, mode)
-    includes = build_switches() + (GLU_HEADER if glu else "")
+    includes = build_switches(rows) + (GLU_HEADER if glu else "")
     kernel = rows_kernel(f"quantized_matmul_rows{variant}", tuple(names), source, includes)
     (out,) = kernel(
         inputs=inputs,

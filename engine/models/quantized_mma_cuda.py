@@ -385,7 +385,8 @@ def matmul(
     if norm is not None:
         inputs.append(norm[0])
         constants = [("KN", k), ("EPS", float_bits(norm[1]))]
-    (out,) = _kernel(residual is not None, glu, one_op_codes(), norm is not None)(
+    # Two ops a code unless asked: its 8-16 rows were timed that way (docs/qmv.md).
+    (out,) = _kernel(residual is not None, glu, one_op_codes(default="0"), norm is not None)(
         inputs=inputs,
         template=[
             ("T", x.dtype),

@@ -4,7 +4,7 @@ bounds) and with each build switch, and the split decode attention. The occupanc
 the warps a multiprocessor holds at that count (65,536 registers, 128-thread blocks, 64 warps
 at most). Where cuobjdump is on PATH too, the instructions of the product's K loop, with its
 inputs taken as 16-byte aligned (the path a step runs; the other is compiled beside it):
-a lane's chunk of 32 codes of its warp's 4 columns (8 with MLX_DESK_QMV_COLUMNS=8) an iteration.
+a lane's chunk of 32 codes of its warp's 8 columns (4 with MLX_DESK_QMV_COLUMNS=4) an iteration.
 
     python tests/gpu/kernel_registers.py
 
@@ -38,14 +38,14 @@ PRODUCTS = {
     "head 2560->151936": (2560, 151936, False, False, False),
 }
 SWITCHES = {
-    "as MLX builds it": {},
+    "default (8 columns, one op a code)": {},
     "MLX_DESK_QMV_BOUNDS=0": {qmv.BOUNDS_ENV: "0"},
     "MLX_DESK_QMV_BOUNDS=8": {qmv.BOUNDS_ENV: "8"},
     "MLX_DESK_QMV_PREFETCH=1": {qmv.PREFETCH_ENV: "1"},
     "MLX_DESK_QMV_UNROLL=2": {qmv.UNROLL_ENV: "2"},
-    "MLX_DESK_QMV_ONE_OP_CODES=1": {qmv.ONE_OP_ENV: "1"},
-    "MLX_DESK_QMV_COLUMNS=8": {qmv.COLUMNS_ENV: "8"},
-    "MLX_DESK_QMV_COLUMNS=8, ONE_OP_CODES=1": {qmv.COLUMNS_ENV: "8", qmv.ONE_OP_ENV: "1"},
+    "MLX_DESK_QMV_ONE_OP_CODES=0": {qmv.ONE_OP_ENV: "0"},
+    "MLX_DESK_QMV_COLUMNS=4 (two ops a code)": {qmv.COLUMNS_ENV: "4"},
+    "MLX_DESK_QMV_COLUMNS=4, ONE_OP_CODES=1": {qmv.COLUMNS_ENV: "4", qmv.ONE_OP_ENV: "1"},
 }
 
 

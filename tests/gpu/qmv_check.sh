@@ -96,27 +96,26 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
         engine bench --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3 --roofline
     done
   done
-  # Build switches of the row kernel (off by default; docs/qmv.md, "Registers": one H100 run
-  # found launch bounds even and the prefetch 7% slower), one logic op a code (18% fewer
-  # instructions in the K loop), one-row products on the tensor-core kernel (3.5
-  # instructions a code against the row kernel's 5.3), and 8 columns a warp for 1-2 rows.
-  # The memory waits around the products (docs/qmv.md, "Memory waits"): the first chunk loaded
-  # ahead of the norm prologue, and the next products' weights asked into L2 during attention
-  # (in the heads kernel, then in a kernel of its own; level 2 adds down's weights).
-  for variant in MLX_DESK_QMV_ONE_OP_CODES=1 MLX_DESK_QMV_MMA_ROWS=1-16 MLX_DESK_QMV_COLUMNS=8 MLX_DESK_QMV_BOUNDS=8 MLX_DESK_QMV_PREFETCH=1 \
-      MLX_DESK_QMV_EARLY_LOAD=1 MLX_DESK_L2_AHEAD=1 MLX_DESK_L2_AHEAD=2 \
-      "MLX_DESK_L2_AHEAD=1 MLX_DESK_L2_AHEAD_IN_HEADS=0" "MLX_DESK_L2_AHEAD=1 MLX_DESK_QMV_EARLY_LOAD=1"; do
+  # Build switches of the row kernel (docs/qmv.md, "Registers": one H100 run found launch
+  # bounds even and the prefetch 7% slower), one-row products on the tensor-core kernel (3.5
+  # instructions a code against the row kernel's 5.3), and the old default of 4 columns a warp
+  # with two logic ops a code (8 columns and one op are the default for 1-2 rows, "Eight
+  # columns and one-op codes on by default"). The memory waits around the products ("Memory
+  # waits", measured slower or within the spread on an H100): the first chunk loaded ahead of
+  # the norm prologue, and the next products' weights asked into L2 during attention.
+  for variant in MLX_DESK_QMV_COLUMNS=4 MLX_DESK_QMV_ONE_OP_CODES=0 MLX_DESK_QMV_MMA_ROWS=1-16 MLX_DESK_QMV_BOUNDS=8 \
+      MLX_DESK_QMV_PREFETCH=1 MLX_DESK_QMV_EARLY_LOAD=1 MLX_DESK_L2_AHEAD=1 \
+      "MLX_DESK_L2_AHEAD=1 MLX_DESK_L2_AHEAD_IN_HEADS=0"; do
     for shape_limit in qwen3-4b:100 llama3-8b:110; do
       shape="${shape_limit%%:*}"
       step "${shape_limit##*:}" "decode $shape, $variant" env $variant "$PY" -m engine bench --shape "$shape" \
         --bits 4 -p 512 -g 128 --repeat 3 --roofline
     done
   done
-  # Which products the eight columns pay for (docs/qmv.md, "Registers": with one-op codes they
-  # took qwen3-4b's decode up 3.4% and llama3-8b's down 1.2% on an H100): each product of both
-  # shapes at 1 and 2 rows, compiled as a step runs it, with each switch set.
-  for variant in X=0 MLX_DESK_QMV_COLUMNS=8 MLX_DESK_QMV_ONE_OP_CODES=1 \
-      "MLX_DESK_QMV_COLUMNS=8 MLX_DESK_QMV_ONE_OP_CODES=1"; do
+  # Each product of both shapes at 1 and 2 rows, compiled as a step runs it, with the default
+  # build and the old one (docs/qmv.md, "Eight columns and one-op codes on by default").
+  for variant in X=0 MLX_DESK_QMV_COLUMNS=4 "MLX_DESK_QMV_COLUMNS=4 MLX_DESK_QMV_ONE_OP_CODES=0" \
+      MLX_DESK_QMV_EARLY_LOAD=1; do
     for shape in qwen3-4b llama3-8b; do
       step 120 "products of $shape at 1-2 rows, $variant" env $variant "$PY" -m engine.cli.bench_qmm \
         --shape "$shape" --rows 1,2 --ours --cold-mb 128

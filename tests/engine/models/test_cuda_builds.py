@@ -34,17 +34,18 @@ from tests.engine.models.nvcc_build import (
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build for the GPU")
 
 LOOPS = {
-    "plain": {},
+    "default": {},
     "unrolled": {qmv.UNROLL_ENV: "2"},
     "prefetched": {qmv.PREFETCH_ENV: "1"},
     "one op a code": {qmv.ONE_OP_ENV: "1"},
+    "two ops a code": {qmv.ONE_OP_ENV: "0"},
     "first chunk before the norm": {qmv.EARLY_ENV: "1"},
 }
 
 
-# The default walk builds with every test run; the switches' walks (off by default) with the
-# long tests.
-@pytest.mark.parametrize("loop", [pytest.param(k, marks=() if k == "plain" else pytest.mark.long) for k in LOOPS])
+# The default build (its columns and switches for the rows) with every test run; the switches'
+# walks with the long tests.
+@pytest.mark.parametrize("loop", [pytest.param(k, marks=() if k == "default" else pytest.mark.long) for k in LOOPS])
 @pytest.mark.parametrize(
     "rows, splits, residual, glu, norm",
     [(1, 1, False, True, True), (1, 4, True, False, False), (8, 1, False, True, False)],
@@ -57,21 +58,23 @@ def test_every_walk_of_the_product_builds_without_spilling(
     monkeypatch.delenv(qmv.PREFETCH_ENV, raising=False)
     monkeypatch.delenv(qmv.ONE_OP_ENV, raising=False)
     monkeypatch.delenv(qmv.EARLY_ENV, raising=False)
+    monkeypatch.delenv(qmv.COLUMNS_ENV, raising=False)
     for name, value in LOOPS[loop].items():
         monkeypatch.setenv(name, value)
-    registers, spilled = build(tmp_path, product(rows, splits, residual, glu, norm, qmv.build_switches()))
+    source = product(rows, splits, residual, glu, norm, qmv.build_switches(rows), qmv.columns(rows))
+    registers, spilled = build(tmp_path, source)
     assert spilled == 0
     assert registers <= 255
 
 
-@pytest.mark.parametrize("loop", ["plain", "one op a code"])
+@pytest.mark.parametrize("loop", ["default", "two ops a code"])
 def test_wider_warps_build_without_spilling_up_to_their_rows(monkeypatch, tmp_path, loop):
     """8 columns a warp (``MLX_DESK_QMV_COLUMNS``) at the most rows they take, the gate/up
     product with its norm (the variant with the most sums and inputs)."""
     monkeypatch.delenv(qmv.ONE_OP_ENV, raising=False)
     for name, value in LOOPS[loop].items():
         monkeypatch.setenv(name, value)
-    source = product(qmv.WIDE_ROWS, 1, False, True, True, qmv.build_switches(), columns=8)
+    source = product(qmv.WIDE_ROWS, 1, False, True, True, qmv.build_switches(qmv.WIDE_ROWS), columns=8)
     registers, spilled = build(tmp_path, source)
     assert spilled == 0
     assert registers <= 255

@@ -25,8 +25,8 @@ def test_a_switch_keeps_its_first_read_until_reread():
 
 
 def test_monkeypatch_makes_the_kernels_read_again(monkeypatch):
-    assert kernel.columns(1) == kernel.COLUMNS
-    monkeypatch.setenv(kernel.COLUMNS_ENV, "8")
     assert kernel.columns(1) == 2 * kernel.COLUMNS
-    monkeypatch.delenv(kernel.COLUMNS_ENV)
+    monkeypatch.setenv(kernel.COLUMNS_ENV, "4")
     assert kernel.columns(1) == kernel.COLUMNS
+    monkeypatch.delenv(kernel.COLUMNS_ENV)
+    assert kernel.columns(1) == 2 * kernel.COLUMNS

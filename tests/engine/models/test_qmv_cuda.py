@@ -580,11 +580,29 @@ def test_the_k_loop_is_unrolled_or_prefetched_only_when_asked(monkeypatch, unrol
     assert qmv.chunk_loop() == define
 
 
-@pytest.mark.parametrize("value, define", [("", ""), ("0", ""), ("yes", ""), ("1", "#define ONE_OP_CODES\n")])
-def test_codes_are_unpacked_with_one_logic_op_only_when_asked(monkeypatch, value, define):
+ONE_OP = "#define ONE_OP_CODES\n"
+
+
+@pytest.mark.parametrize(
+    "value, wide, narrow",
+    [("", ONE_OP, ""), ("0", "", ""), ("yes", "", ""), ("1", ONE_OP, ONE_OP)],
+)
+def test_codes_take_one_logic_op_where_the_warps_are_wide_unless_told(monkeypatch, value, wide, narrow):
+    """By default the 1-2-row build (8 columns a warp) unpacks with one op, the pair that was
+    timed; 3-16 rows keep two; the switch sets it for every build, 0 or 1."""
     monkeypatch.setenv(qmv.ONE_OP_ENV, value)
-    assert qmv.one_op_codes() == define
-    assert qmv.build_switches().endswith(define)
+    if not value:
+        monkeypatch.delenv(qmv.ONE_OP_ENV)
+    assert qmv.build_switches(1).endswith(wide) and qmv.build_switches(qmv.WIDE_ROWS).endswith(wide)
+    assert qmv.build_switches(qmv.WIDE_ROWS + 1).endswith(narrow)
+    assert (ONE_OP in qmv.build_switches(1)) == bool(wide)
+    assert (ONE_OP in qmv.build_switches(qmv.WIDE_ROWS + 1)) == bool(narrow)
+
+
+def test_narrow_warps_take_two_ops_a_code(monkeypatch):
+    monkeypatch.setenv(qmv.COLUMNS_ENV, "4")
+    assert qmv.columns(1) == qmv.COLUMNS
+    assert ONE_OP not in qmv.build_switches(1)
 
 
 @pytest.mark.parametrize(
@@ -606,12 +624,13 @@ def test_launch_bounds_only_when_asked(monkeypatch, value, line):
         (qmv.PREFETCH_ENV, "1"),
         (qmv.BOUNDS_ENV, "8"),
         (qmv.ONE_OP_ENV, "1"),
-        (qmv.COLUMNS_ENV, "8"),
+        (qmv.ONE_OP_ENV, "0"),
+        (qmv.COLUMNS_ENV, "4"),
     ],
 )
 def test_each_build_switch_gives_the_same_bits(monkeypatch, rows, glu, env, value):
     """None of them changes an operation or reorders a lane's sums, so the products are bit for
-    bit the same (8 columns a warp for 1-2 rows: 1,030 outputs leave the last warp 6)."""
+    bit the same (8 columns a warp, the default for 1-2 rows: 1,030 outputs leave the last warp 6)."""
     x, wq, scales, biases = _case(rows, 2560, 1030 * (2 if glu else 1), 4, 64, mx.bfloat16)
     plain = qmv.matmul(x, wq, scales, biases, 64, 4, glu=glu)
     monkeypatch.setenv(env, value)
