@@ -9,10 +9,10 @@
 #          with the roofline share (qwen3-4b, llama3-8b, qwen2.5-0.5b at 4 bits);
 #   ab:    qwen3-4b with the head norm + RoPE kernel off and the activation epilogue off, and
 #          qwen3-4b and llama3-8b with the norm prologue off, the K loop unrolled 2 and 4 times,
-#          one logic op a code, one-row products on the tensor-core kernel, launch bounds, the
-#          K loop prefetched, the first chunk loaded ahead of the norm, the next weights asked
-#          into L2 during attention, and the residual epilogue off (beside bench's runs with
-#          the defaults);
+#          then the undecided switches in interleaved rounds against the default (4 columns a
+#          warp, two ops a code, the first chunk ahead of the norm, one-row products on the
+#          tensor-core kernel), each product at 1-2 rows with the default and the old build,
+#          and the residual epilogue off (beside bench's runs with the defaults);
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
 #          with the tensor-core kernel turned off;
 #   attention: decode attention split over the keys (off by default) against MLX's: its tests,
@@ -96,21 +96,17 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
         engine bench --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3 --roofline
     done
   done
-  # Build switches of the row kernel (docs/qmv.md, "Registers": one H100 run found launch
-  # bounds even and the prefetch 7% slower), one-row products on the tensor-core kernel (3.5
-  # instructions a code against the row kernel's 5.3), and the old default of 4 columns a warp
-  # with two logic ops a code (8 columns and one op are the default for 1-2 rows, "Eight
-  # columns and one-op codes on by default"). The memory waits around the products ("Memory
-  # waits", measured slower or within the spread on an H100): the first chunk loaded ahead of
-  # the norm prologue, and the next products' weights asked into L2 during attention.
-  for variant in MLX_DESK_QMV_COLUMNS=4 MLX_DESK_QMV_ONE_OP_CODES=0 MLX_DESK_QMV_MMA_ROWS=1-16 MLX_DESK_QMV_BOUNDS=8 \
-      MLX_DESK_QMV_PREFETCH=1 MLX_DESK_QMV_EARLY_LOAD=1 MLX_DESK_L2_AHEAD=1 \
-      "MLX_DESK_L2_AHEAD=1 MLX_DESK_L2_AHEAD_IN_HEADS=0"; do
-    for shape_limit in qwen3-4b:100 llama3-8b:110; do
-      shape="${shape_limit%%:*}"
-      step "${shape_limit##*:}" "decode $shape, $variant" env $variant "$PY" -m engine bench --shape "$shape" \
-        --bits 4 -p 512 -g 128 --repeat 3 --roofline
-    done
+  # The switches still undecided, in interleaved rounds (engine.cli.bench_switches: each
+  # variant its own process, paired with the default run of the same round, since one
+  # process's decode can differ from the next's by half on a shared machine): the old default
+  # of 4 columns a warp with two logic ops a code, the first chunk loaded ahead of the norm on
+  # top of the 8 columns, 8 columns with two ops, and one-row products on the tensor-core
+  # kernel. Measured slower and left off (docs/qmv.md, "Registers" and "Memory waits"): the
+  # prefetched K loop and the L2 prefetch during attention; launch bounds within the spread.
+  for shape in qwen3-4b llama3-8b; do
+    step 570 "decode $shape, switches in rounds" "$PY" -m engine.cli.bench_switches --shape "$shape" --rounds 4 \
+      --timeout 100 --variant MLX_DESK_QMV_COLUMNS=4 --variant MLX_DESK_QMV_EARLY_LOAD=1 \
+      --variant MLX_DESK_QMV_ONE_OP_CODES=0 --variant MLX_DESK_QMV_MMA_ROWS=1-16
   done
   # Each product of both shapes at 1 and 2 rows, compiled as a step runs it, with the default
   # build and the old one (docs/qmv.md, "Eight columns and one-op codes on by default").
