@@ -72,6 +72,7 @@ def test_wider_warps_build_without_spilling_up_to_their_rows(monkeypatch, tmp_pa
     """8 columns a warp (``MLX_DESK_QMV_COLUMNS``) at the most rows they take, the gate/up
     product with its norm (the variant with the most sums and inputs)."""
     monkeypatch.delenv(qmv.ONE_OP_ENV, raising=False)
+    monkeypatch.delenv(qmv.COLUMNS_ENV, raising=False)
     for name, value in LOOPS[loop].items():
         monkeypatch.setenv(name, value)
     source = product(qmv.WIDE_ROWS, 1, False, True, True, qmv.build_switches(qmv.WIDE_ROWS), columns=8)
