@@ -1,11 +1,10 @@
 """The next products' weights asked into the GPU's L2 cache while a decode step's attention
 runs (CUDA; off: ``MLX_DESK_L2_AHEAD=1`` turns it on).
 
-Measured slower on an H100 (docs/qmv.md, "Memory waits"): qwen3-4b decoded at 213.8 tok/s
+Measured no faster on an H100 (docs/qmv.md, "Memory waits"): qwen3-4b decoded at 213.8 tok/s
 at level 1, 179.8 at level 2 and 210.4 with the prefetch in its own kernel, against 227.2
 and 214.6 without, in one run; llama3-8b at 157.7 against 273.3, its level 1 asking for
-75 MB, more than L2 holds. Its requests compete with attention's reads and with the products
-they were meant to feed.
+75 MB, more than L2 holds.
 
 A decode step's layer reads its weights in four products, and between the first (q/k/v) and
 the second (the output product) sit the heads kernel, the cache write and attention: about
