@@ -550,11 +550,18 @@ class MainWindow(WindowMenus, QMainWindow):
         reply = self.chat.reply_id
         if reply is None or reply == self._shot_for:
             if final and self._shot_for is None:  # a reply too short to catch mid-stream
-                self.grab().save(self.screenshot_path)
+                self._save_screenshot()
             return
         if streaming is not None and len(streaming.content) >= self.screenshot_chars:
-            self.grab().save(self.screenshot_path)
+            self._save_screenshot()
             self._shot_for = reply
+
+    def _save_screenshot(self) -> None:
+        # Written whole under another name, then renamed: whoever waits for the file (a test,
+        # a script) never reads it half written.
+        partial = self.screenshot_path + ".partial.png"
+        if self.grab().save(partial):
+            os.replace(partial, self.screenshot_path)
 
     def closeEvent(self, event) -> None:  # noqa: N802 - Qt override
         self.tool_approval.withdraw()
