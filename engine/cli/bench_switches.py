@@ -7,7 +7,8 @@ one process's decode can differ from the next's by half within the hour (docs/qm
 waits": the same default gave 214.6 and 322.6 tok/s), far more than most switches move it, so
 variants timed one after another decide nothing. Here every round runs every variant once,
 each as ``python -m engine bench ... --json``, in an order that turns by one each round (no
-variant always runs first, or right after another), and the verdict is paired: in how many
+variant always runs first, into a machine idle since the last round), and the verdict is
+paired: in how many
 rounds a variant beat the default run in the same round, and the median of its ratios to it.
 
 The default is the environment as given, less every variable a variant sets (so it is the

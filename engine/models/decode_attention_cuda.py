@@ -17,8 +17,8 @@ at most ``MAX_QUERIES`` queries and ``MAX_KEYS`` keys; the rest keeps MLX's kern
 Off (``MLX_DESK_DECODE_ATTENTION=1`` turns it on): on an H100 qwen3-4b decoded at 297.1 tok/s
 with it against 327.2 without (docs/qmv.md, "Registers"), and again, its scale array now made
 once, at 162.2 against 227.2 and 214.6, llama3-8b at 195.0 against 273.3 ("Memory waits"; its
-two calls a layer run outside the compiled step, as host work each layer). Its source is checked on the CPU
-against MLX's attention (tests/engine/models/test_decode_attention_emulated.py) and built
+two calls a layer run outside the compiled step, as host work each layer). Its source is
+checked on the CPU against MLX's attention (tests/engine/models/test_decode_attention_emulated.py) and built
 with NVIDIA's compiler where installed (253 registers a thread at qwen3-4b's step); its CUDA
 tests and the chained microbenchmark, which would say whether its kernel or its second launch
 a layer costs the step, have not run on a GPU.
