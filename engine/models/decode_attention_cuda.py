@@ -203,28 +203,39 @@ def plan(
     return template, slices, b * n_kv * row_groups
 
 
-def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-    """Causal attention of ``queries`` [B, heads, L, D] over ``keys``/``values`` [B, kv heads,
-    T, D] (the last L keys are the queries' own positions), as
-    ``mx.fast.scaled_dot_product_attention`` computes it; ``takes`` says which passes."""
-    b, n_heads, n_q, d = queries.shape
-    n_kv = keys.shape[1]
+@cache
+def _launches(b: int, n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dtype: mx.Dtype) -> tuple[dict, dict]:
+    """The two kernels' launch arguments for a pass of these sizes, made once: the pass runs
+    outside the compiled step, once a layer and token, so what it builds in Python is host
+    time in every layer (``plan`` alone took 6.5 us a call on a CPU, about two thirds of what
+    MLX's attention call costs the host whole)."""
     rows = (n_heads // n_kv) * n_q
-    template, slices, blocks = plan(b, n_heads, n_kv, n_q, keys.shape[2], d, queries.dtype)
-    part_acc, part_max, part_sum = _partial()(
-        inputs=[mx.contiguous(queries), shared._scale_array(scale), keys, values],
+    template, slices, blocks = plan(b, n_heads, n_kv, n_q, n_keys, d, dtype)
+    partial = dict(
         template=template,
         grid=(shared.WARPS * 32, slices, blocks),
         threadgroup=(shared.WARPS * 32, 1, 1),
         output_shapes=[(b * n_kv, slices, rows, d), (b * n_kv, slices, rows), (b * n_kv, slices, rows)],
         output_dtypes=[mx.float32] * 3,
     )
-    (out,) = shared._kernels()[1](
-        inputs=[part_acc, part_max, part_sum],
-        template=[("InT", queries.dtype), ("D", d), ("L", n_q), ("REP", n_heads // n_kv), ("NKV", n_kv)],
+    merge = dict(
+        template=[("InT", dtype), ("D", d), ("L", n_q), ("REP", n_heads // n_kv), ("NKV", n_kv)],
         grid=(d, rows, b * n_kv),
         threadgroup=(d, 1, 1),
         output_shapes=[(b, n_heads, n_q, d)],
-        output_dtypes=[queries.dtype],
+        output_dtypes=[dtype],
     )
+    return partial, merge
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Causal attention of ``queries`` [B, heads, L, D] over ``keys``/``values`` [B, kv heads,
+    T, D] (the last L keys are the queries' own positions), as
+    ``mx.fast.scaled_dot_product_attention`` computes it; ``takes`` says which passes."""
+    b, n_heads, n_q, d = queries.shape
+    partial, merge = _launches(b, n_heads, keys.shape[1], n_q, keys.shape[2], d, queries.dtype)
+    part_acc, part_max, part_sum = _partial()(
+        inputs=[mx.contiguous(queries), shared._scale_array(scale), keys, values], **partial
+    )
+    (out,) = shared._kernels()[1](inputs=[part_acc, part_max, part_sum], **merge)
     return out
