@@ -9,7 +9,11 @@ it made ~20, and elementwise ops fuse.
 
 Only the cache write and the attention run outside, on the cache's exact prefix: its key count
 grows every token, and the fast attention kernel takes no length argument (a padded
-buffer would need an array mask, which sends the GPU to a slower path).
+buffer would need an array mask, which sends the GPU to a slower path). With the split
+attention kernel turned on (``MLX_DESK_DECODE_ATTENTION=1``, CUDA), which takes the key count
+as an input, the attention moves inside: each layer's function starts with the previous
+layer's attention over its whole cache buffer, traced once a buffer capacity (a growth step,
+256 tokens), and only the cache write stays outside.
 
 Results equal the plain forward pass: the same ops run in the same order on the same
 values; only elementwise ops are fused (same dtypes, no reassociation).
@@ -28,8 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models import l2_ahead_cuda
-from engine.models.base import RoPE, cached_attention_kv
+from engine.models import decode_attention_cuda, l2_ahead_cuda
+from engine.models.base import AttentionSteps, RoPE, cached_attention_kv
 from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.lora import active_signature
 from engine.models.paged_kv import PagedKVCache
@@ -80,10 +84,12 @@ class CompiledDecoder:
         self._links: list[tuple[Any, Any, Any]] = []  # what the traces were built from
         self._signature = ""
         self._fns: list[Any] = []
+        self._inside: list[Any] = []  # boundaries with the previous layer's attention inside
         self._last_rows: Any = None
-        # Sizes of passes run since the last trace, and how many sizes were ever traced: a new
-        # size is traced (and, on a GPU, its kernels built) on first use, so its pass is slow.
-        self._sizes: set[int] = set()
+        # Sizes of passes run since the last trace (new tokens, and the cache buffers' capacity
+        # where attention runs inside), and how many were ever traced: a new size is traced
+        # (and, on a GPU, its kernels built) on first use, so its pass is slow.
+        self._sizes: set[tuple[int, int | None]] = set()
         self.traces = 0
 
     # -- building -------------------------------------------------------------------
@@ -101,7 +107,7 @@ class CompiledDecoder:
         signature = active_signature(model)
         if signature != self._signature or not _links_hold(model, self._links):
             # Drop the old traces first: they hold the arrays that stacking replaces.
-            self._fns, self._links, self._sizes = [], [], set()
+            self._fns, self._inside, self._links, self._sizes = [], [], [], set()
             stack_projections(model)
             self._links, self._signature = _links(model), signature
             self._fns = self._build()
@@ -163,8 +169,23 @@ class CompiledDecoder:
         def last_rows(h, attn):
             return ref().head(end(n_layers - 1, h, attn))[:, -1]
 
+        # The same boundaries with the previous layer's attention inside: over its whole cache
+        # buffer, the key count an input (``_inside_count``).
+        def attend(i: int, q, buffer, n_keys):
+            return decode_attention_cuda.attend_counted(q, buffer, n_keys, layer(i).self_attn.scale)
+
+        def boundary_inside(i: int):
+            def fn(h, q, buffer, n_keys, pos):
+                return start(i, end(i - 1, h, attend(i - 1, q, buffer, n_keys)), pos)
+
+            return fn
+
+        def last_inside(h, q, buffer, n_keys):
+            return last(h, attend(n_layers - 1, q, buffer, n_keys))
+
         # Traced functions capture no model object, only (through the trace) its arrays.
         self._last_rows = mx.compile(last_rows)
+        self._inside = [mx.compile(boundary_inside(i)) for i in range(1, n_layers)] + [mx.compile(last_inside)]
         return [mx.compile(first)] + [mx.compile(boundary(i)) for i in range(1, n_layers)] + [mx.compile(last)]
 
     # -- one step -------------------------------------------------------------------
@@ -203,27 +224,67 @@ class CompiledDecoder:
         tap = getattr(getattr(self._model(), "model", None), "layer_tap", None)
         if tap is not None and len(layers) - 1 in tap.layer_ids:
             return None
-        if n not in self._sizes:
-            self._sizes.add(n)
+        n_keys = self._inside_count(layers, cache, masks, n)
+        size = (n, None if n_keys is None else cache[0].capacity_after(n))
+        if size not in self._sizes:
+            self._sizes.add(size)
             self.traces += 1
         start = cache[0].offset
         pos = mx.array(start + shift, dtype=mx.int32)
         h: mx.array = tokens[None]
-        attn = None
+        attn: Any = None  # the previous layer's attention, or (queries, cache buffer) for it
         taken = []
         for i, (layer, c, mask) in enumerate(zip(layers, cache, masks)):
             if i == 0:
                 h, q, kv = self._fns[0](h, pos)
             else:
-                h, q, kv = self._fns[i](h, attn, pos)  # h: layer i - 1's output
+                # h: layer i - 1's output
+                h, q, kv = self._fns[i](h, attn, pos) if n_keys is None else self._inside[i - 1](h, *attn, n_keys, pos)
                 if tap is not None and i - 1 in tap.layer_ids:
                     taken.append(h)
             # The cache write stays outside: a write at a traced position is a dynamic
             # update, which cannot always reuse the buffer in place.
-            attn = cached_attention_kv(layer.self_attn, q, kv, c, mask)
+            if n_keys is None:
+                attn = cached_attention_kv(layer.self_attn, q, kv, c, mask)
+            else:
+                attn = (q, c.write(kv))
         if tap is not None:
             tap(taken, start)
-        return self._fns[-1](h, attn)
+        return self._fns[-1](h, attn) if n_keys is None else self._inside[-1](h, *attn, n_keys)
+
+    def _inside_count(self, layers: Sequence[Any], cache: Sequence[Any], masks: list[Any], n: int) -> mx.array | None:
+        """The key count after this step (int32 [1]) where every layer's attention can run
+        inside the traces: the split kernel over each layer's whole cache buffer
+        (``decode_attention_cuda.attend_counted``, on with ``MLX_DESK_DECODE_ATTENTION=1``),
+        so that a step builds no attention op in Python, where outside the traces its two
+        kernel calls a layer cost more host time than MLX's one. Else None (checked before any
+        write: every layer plain attention over one buffer of the same shape)."""
+        if not self._inside or not decode_attention_cuda.enabled():
+            return None
+        first, c0 = layers[0].self_attn, cache[0]
+        shape = getattr(first, "n_heads", None), getattr(first, "n_kv_heads", None), getattr(first, "head_dim", None)
+        buffer = getattr(c0, "buffer", None)
+        if None in shape or buffer is None:
+            return None
+        for layer, c, mask in zip(layers, cache, masks):
+            attn = layer.self_attn
+            if (
+                type(c) is not KVCache
+                or c.buffer is None
+                or c.buffer.shape != buffer.shape
+                or c.buffer.dtype != buffer.dtype
+                or mask != masks[0]
+                or type(attn).attend is not AttentionSteps.attend  # the plain attention only
+                or (attn.n_heads, attn.n_kv_heads, attn.head_dim) != shape
+            ):
+                return None
+        n_heads, n_kv, d = shape
+        kv_heads, head_dim = buffer.shape[2], buffer.shape[4]
+        if (kv_heads, head_dim) != (n_kv, d) or not decode_attention_cuda.fits(
+            n_heads, n_kv, n, c0.capacity_after(n), d, buffer.dtype, masks[0]
+        ):
+            return None
+        return mx.array([c0.offset + n], dtype=mx.int32)
 
     def rows(self, tokens: mx.array, cache: Sequence[Any]) -> mx.array | None:
         """Logits [rows, vocab] for one new token per row (``tokens`` [rows, 1]) through a

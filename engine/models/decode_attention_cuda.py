@@ -126,17 +126,22 @@ _WALK = """
 
 # The partial kernel as it is built: its body and its header (the quantized cache's setup,
 # running softmax and merges around this walk).
-PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + shared._SETUP + _WALK + shared._BLOCK_MERGE
+_BODY = shared._SETUP + _WALK + shared._BLOCK_MERGE
+PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + _BODY
+# The same kernel over a whole cache buffer, its key count an input (``nk``, int32 [1]) rather
+# than the keys' shape: its shapes then stay the same from token to token, so it can run
+# inside the compiled step (``attend_counted``). Slices past the count are empty.
+COUNTED_SOURCE = "const int n_kv = k_shape[1], n_keys = nk[0];" + _BODY
 PARTIAL_HEADER = shared._HEADER + _HEADER
 
 
 @cache
-def _partial():
+def _partial(counted: bool = False):
     return cuda_kernel(
-        name="decode_attention_partial",
-        input_names=["q", "sc", "k", "v"],
+        name="decode_attention_counted" if counted else "decode_attention_partial",
+        input_names=["q", "sc", "nk", "k", "v"] if counted else ["q", "sc", "k", "v"],
         output_names=["part_acc", "part_max", "part_sum"],
-        source=PARTIAL_SOURCE,
+        source=COUNTED_SOURCE if counted else PARTIAL_SOURCE,
         header=PARTIAL_HEADER,
         ensure_row_contiguous=False,  # the cache is read in place, strided by its capacity
     )
@@ -159,24 +164,31 @@ def takes(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
     """Whether attention of ``q`` [B, heads, L, D] over ``k``/``v`` [B, kv heads, T, D] with
     ``mask`` goes through the kernels."""
     # Off (everywhere by default) costs every attention pass of a step one check, not the shapes'.
-    if not enabled() or q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+    if not enabled() or q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or v.dtype != k.dtype:
         return False
     b, n_heads, n_q, d = q.shape
-    n_kv, n_keys = k.shape[1], k.shape[2]
     return (
-        # causal as the kernels compute it: no mask is causal for one query only
-        ((mask is None and n_q == 1) or (isinstance(mask, str) and mask == "causal"))
-        and 1 <= n_q <= MAX_QUERIES
-        and n_q <= n_keys <= MAX_KEYS
+        n_q <= k.shape[2]
         and k.shape[0] == b
         and k.shape[3] == d
+        and k.dtype == q.dtype
+        and fits(n_heads, k.shape[1], n_q, k.shape[2], d, q.dtype, mask)
+    )
+
+
+def fits(n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dtype: mx.Dtype, mask) -> bool:
+    """Whether the kernels take causal attention (no mask is causal for one query only) of
+    ``n_q`` queries over ``n_keys`` keys (or a buffer of that capacity), their shapes and
+    dtype as given."""
+    return (
+        ((mask is None and n_q == 1) or (isinstance(mask, str) and mask == "causal"))
+        and 1 <= n_q <= MAX_QUERIES
+        and n_keys <= MAX_KEYS
         and n_kv > 0
         and n_heads % n_kv == 0
         and d % 32 == 0
         and d <= 256
-        and q.dtype in DTYPES
-        and k.dtype == q.dtype
-        and v.dtype == q.dtype
+        and dtype in DTYPES
     )
 
 
@@ -236,6 +248,23 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
     partial, merge = _launches(b, n_heads, keys.shape[1], n_q, keys.shape[2], d, queries.dtype)
     part_acc, part_max, part_sum = _partial()(
         inputs=[mx.contiguous(queries), shared._scale_array(scale), keys, values], **partial
+    )
+    (out,) = shared._kernels()[1](inputs=[part_acc, part_max, part_sum], **merge)
+    return out
+
+
+def attend_counted(queries: mx.array, buffer: mx.array, n_keys: mx.array, scale: float) -> mx.array:
+    """``attend`` over the first ``n_keys`` (int32 [1], at least the queries' count) keys and
+    values of a cache buffer [2, B, kv heads, capacity, D], read in place. Its shapes follow
+    the buffer's capacity, not the count, so a compiled step traces it once a capacity;
+    ``fits`` says which passes (the buffer's capacity as the keys). The slices are planned for the whole capacity (a
+    buffer is at most a growth step longer than its keys)."""
+    b, n_heads, n_q, d = queries.shape
+    _, _, n_kv, capacity, _ = buffer.shape
+    partial, merge = _launches(b, n_heads, n_kv, n_q, capacity, d, queries.dtype)
+    # ``buffer[i, :]``: a view (a lone integer index would be a gather that copies).
+    part_acc, part_max, part_sum = _partial(counted=True)(
+        inputs=[mx.contiguous(queries), shared._scale_array(scale), n_keys, buffer[0, :], buffer[1, :]], **partial
     )
     (out,) = shared._kernels()[1](inputs=[part_acc, part_max, part_sum], **merge)
     return out

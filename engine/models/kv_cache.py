@@ -136,6 +136,28 @@ class OneBuffer:
         start, end = self._make_room(kv, None, kv.shape[3])
         return self._write_stacked(start, end, kv)
 
+    def write(self, kv: KV) -> mx.array:
+        """Append keys and values (``KV``: stacked or a pair) and return the whole buffer [2, B,
+        heads, capacity, head_dim], not views of what is written: a compiled step reads it
+        with the key count as an input (``decode_attention_cuda.attend_counted``). For a cache
+        that holds one buffer (``buffer`` set)."""
+        if isinstance(kv, mx.array):
+            start, end = self._make_room(kv, None, kv.shape[3])
+            self.buffer[:, :, :, start:end] = kv
+        else:
+            keys, values = kv
+            start, end = self._make_room(keys, values, keys.shape[2])
+            self.buffer[0, :, :, start:end] = keys
+            self.buffer[1, :, :, start:end] = values
+        return self.buffer
+
+    def capacity_after(self, n: int) -> int:
+        """The buffer's capacity once ``n`` more tokens are written."""
+        end = self._columns_used() + n
+        if end <= self._capacity():
+            return self._capacity()
+        return buffer_tokens(end, self.step, self.buffer.shape[1] if self.buffer is not None else 1)
+
     def _make_room(self, keys: mx.array, values: mx.array | None, n: int) -> tuple[int, int]:
         """Grow in steps where ``n`` more tokens do not fit (``values`` None: ``keys`` holds
         both, stacked), the buffer written in place between growths; move the tokens in use

@@ -92,3 +92,54 @@ def test_a_model_step_routes_through_the_kernels_on_request(monkeypatch):
     monkeypatch.setenv(decode.ENV, "0")
     plain = base.sdpa(q, k, v, 128**-0.5, None)
     assert mx.allclose(routed.astype(mx.float32), plain.astype(mx.float32), atol=2e-2).item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize(
+    "b, heads, kv_heads, n_q, n_keys, d, capacity",
+    [
+        (1, 32, 8, 1, 520, 128, 776),  # qwen3-4b's step: slices planned for the capacity
+        (1, 32, 8, 5, 37, 128, 264),  # a verify pass, most slices past the count
+        (2, 16, 16, 1, 300, 64, 320),
+        (1, 8, 2, 1, 1, 128, 264),  # the first token
+    ],
+)
+def test_the_counted_kernel_reads_only_the_counted_keys_of_a_whole_buffer(
+    dtype, b, heads, kv_heads, n_q, n_keys, d, capacity
+):
+    """What a compiled step runs (``attend_counted``): the buffer's random keys past the
+    count must not reach the result."""
+    mx.random.seed(1)
+    q = mx.random.normal((b, heads, n_q, d)).astype(dtype)
+    buffer = mx.random.normal((2, b, kv_heads, capacity, d)).astype(dtype)
+    mask = None if n_q == 1 else "causal"
+    assert decode.fits(heads, kv_heads, n_q, capacity, d, dtype, mask)
+    ours = decode.attend_counted(q, buffer, mx.array([n_keys], mx.int32), d**-0.5)
+    keys, values = buffer[0, :, :, :n_keys], buffer[1, :, :, :n_keys]
+    theirs = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mask)
+    tol = {mx.bfloat16: 2e-2, mx.float32: 2e-5}[dtype]
+    assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=tol, rtol=tol).item()
+
+
+@needs_cuda
+def test_a_compiled_step_with_attention_inside_keeps_its_logits(monkeypatch):
+    """qwen3-4b's layer shapes cut to two layers: one-token steps and a verify pass, with the
+    split kernel inside the traced functions and with MLX's attention outside them."""
+    from engine.decode.compiled_step import CompiledDecoder
+    from engine.models.kv_cache import KVCache
+    from tests.engine.models.test_qmv_cuda import _two_layer_qwen25
+
+    model = _two_layer_qwen25(seed=11, shape="qwen3-4b")
+    logits = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(decode.ENV, on)
+        cache = [KVCache() for _ in model.layers]
+        mx.eval(model(mx.array([[11, 523, 9001]]), cache=cache))
+        decoder = CompiledDecoder(model)
+        assert decoder.prepare()
+        logits[on] = [decoder(mx.array(t), cache) for t in ([4242], [77], [5, 6, 7])]
+        assert decoder.traces == 2
+        assert all((size[1] is not None) == (on == "1") for size in decoder._sizes)
+    for ours, theirs in zip(logits["1"], logits["0"], strict=True):
+        assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=0.1, rtol=0.05).item()

@@ -45,6 +45,8 @@ int main(int argc, char** argv) {
   auto ksb = slurp("ks.bin"), kbb = slurp("kb.bin"), vsb = slurp("vs.bin"), vbb = slurp("vb.bin");
   Shape ks{};
   ks[0] = b; ks[1] = n_kv; ks[2] = n_keys; ks[3] = D_DIM;
+  Shape whole = ks;  // the whole buffer's shape, for the kernel that takes the count as an input
+  whole[2] = capacity;
   // Row strides of the buffers (values, or code words, and scales), read in place.
   auto strides = [&](int64_t row) { Strides st{}; st[0] = n_kv * capacity * row; st[1] = capacity * row; st[2] = row; st[3] = 1; return st; };
   const Strides st = strides(VALUE_STRIDE), sst = strides(SCALE_STRIDE);
@@ -74,6 +76,14 @@ DENSE = (
     "const Strides v_strides",
     "(const T*)qb.data(), &scale, (const T*)kb.data(), ks, st, (const T*)vb.data(), st",
     decode.PARTIAL_SOURCE,
+)
+# The kernel over a whole buffer, its key count an input (``nk``) and its keys' shape the
+# capacity's.
+COUNTED = (
+    "const T* q, const float* sc, const int* nk, const T* k, const Shape k_shape, const Strides k_strides, const T* v, "
+    "const Strides v_strides",
+    "(const T*)qb.data(), &scale, &n_keys, (const T*)kb.data(), whole, st, (const T*)vb.data(), st",
+    decode.COUNTED_SOURCE,
 )
 QUANTIZED = (
     "const T* q, const float* sc, const uint32_t* kw, const Shape kw_shape, const Strides kw_strides, const T* ks, "
@@ -115,25 +125,46 @@ def _source(template, rows: int, n_kv: int, d: int, kernel=DENSE, row: int = 0, 
     return prelude + f"using T = {CPP_TYPE[dtype]};\n" + driver
 
 
+CASES = [
+    (1, 8, 2, 1, 70, 80, 64, mx.bfloat16),  # a decode step, keys read from a larger buffer
+    (1, 4, 1, 3, 45, 45, 128, mx.float32),  # a causal verify pass over grouped heads
+    (2, 2, 2, 1, 5, 9, 32, mx.float32),  # two rows, a cache shorter than a slice
+]
+
+
+@pytest.mark.parametrize("b, heads, kv_heads, n_q, n_keys, capacity, d, dtype", CASES)
+def test_the_kernels_source_equals_mlxs_attention(tmp_path, b, heads, kv_heads, n_q, n_keys, capacity, d, dtype):
+    _check(tmp_path, (b, heads, kv_heads, n_q, n_keys, capacity, d, dtype), counted=False)
+
+
 @pytest.mark.parametrize(
     "b, heads, kv_heads, n_q, n_keys, capacity, d, dtype",
     [
-        (1, 8, 2, 1, 70, 80, 64, mx.bfloat16),  # a decode step, keys read from a larger buffer
-        (1, 4, 1, 3, 45, 45, 128, mx.float32),  # a causal verify pass over grouped heads
-        (2, 2, 2, 1, 5, 9, 32, mx.float32),  # two rows, a cache shorter than a slice
+        (1, 8, 2, 1, 70, 400, 64, mx.bfloat16),  # slices planned for the capacity, most of them empty
+        (1, 4, 1, 3, 45, 64, 128, mx.float32),  # a causal verify pass: the count sets the diagonal
+        (2, 2, 2, 1, 5, 9, 32, mx.float32),
     ],
 )
-def test_the_kernels_source_equals_mlxs_attention(tmp_path, b, heads, kv_heads, n_q, n_keys, capacity, d, dtype):
+def test_the_counted_kernels_source_reads_only_the_counted_keys(
+    tmp_path, b, heads, kv_heads, n_q, n_keys, capacity, d, dtype
+):
+    """The kernel a compiled step runs over the whole buffer, its shapes the capacity's: the
+    keys past the count (random, not zeros) must not reach the result."""
+    _check(tmp_path, (b, heads, kv_heads, n_q, n_keys, capacity, d, dtype), counted=True)
+
+
+def _check(tmp_path, shape, counted: bool) -> None:
+    b, heads, kv_heads, n_q, n_keys, capacity, d, dtype = shape
     mx.random.seed(3)
     q = mx.random.normal((b, heads, n_q, d)).astype(dtype)
     k = mx.random.normal((b, kv_heads, capacity, d)).astype(dtype)
     v = mx.random.normal((b, kv_heads, capacity, d)).astype(dtype)
-    template, slices, blocks = decode.plan(b, heads, kv_heads, n_q, n_keys, d, dtype)
+    template, slices, blocks = decode.plan(b, heads, kv_heads, n_q, capacity if counted else n_keys, d, dtype)
     rows = heads // kv_heads * n_q
     for name, a in (("q", q), ("k", k), ("v", v)):
         (tmp_path / f"{name}.bin").write_bytes(raw_values(a).tobytes())
-    build(tmp_path, _source(template, rows, kv_heads, d))
-    ours = _run(tmp_path, (b, heads, kv_heads, n_q, n_keys, capacity, d, dtype), slices, blocks)
+    build(tmp_path, _source(template, rows, kv_heads, d, COUNTED if counted else DENSE))
+    ours = _run(tmp_path, shape, slices, blocks)
     mask = None if n_q == 1 else "causal"
     scale = d**-0.5
     theirs = mx.fast.scaled_dot_product_attention(
