@@ -16,12 +16,14 @@ at most ``MAX_QUERIES`` queries and ``MAX_KEYS`` keys; the rest keeps MLX's kern
 
 Off (``MLX_DESK_DECODE_ATTENTION=1`` turns it on): on an H100 qwen3-4b decoded at 297.1 tok/s
 with it against 327.2 without (docs/qmv.md, "Registers"), and again, its scale array now made
-once, at 162.2 against 227.2 and 214.6, llama3-8b at 195.0 against 273.3 ("Memory waits"; its
-two calls a layer run outside the compiled step, as host work each layer). Its source is
-checked on the CPU against MLX's attention (tests/engine/models/test_decode_attention_emulated.py) and built
-with NVIDIA's compiler where installed (253 registers a thread at qwen3-4b's step); its CUDA
-tests and the chained microbenchmark, which would say whether its kernel or its second launch
-a layer costs the step, have not run on a GPU.
+once, at 162.2 against 227.2 and 214.6, llama3-8b at 195.0 against 273.3 ("Memory waits").
+Those runs called it outside the compiled step, two kernel calls a layer built in Python each
+token where MLX's attention is one, on hosts that already spent most of a step's time
+handing it over. A compiled step now runs it inside its traced functions
+(``attend_counted``: the key count an input, the whole cache buffer read), so a step builds
+none of it in Python; that is to be timed. Its source is checked on the CPU against MLX's
+attention (tests/engine/models/test_decode_attention_emulated.py) and built with NVIDIA's
+compiler where installed (253 registers a thread at qwen3-4b's step).
 """
 
 from __future__ import annotations
