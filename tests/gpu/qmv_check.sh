@@ -16,8 +16,8 @@
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
 #          with the tensor-core kernel turned off;
 #   attention: decode attention split over the keys (off by default) against MLX's: its tests,
-#          passes chained as a step chains them, decode with it on and off interleaved, and one
-#          step's kernels under Nsight Compute with it on;
+#          passes chained as a step chains them, a step's host share and decode with it on and
+#          off in interleaved rounds, and one step's kernels under Nsight Compute with it on;
 #   profile: the one-row products' stall reasons under Nsight Compute.
 # Run from the repository root:
 #   bash tests/gpu/qmv_check.sh [python] [tests|kernels|bench|ab|batch|attention|profile]
@@ -159,12 +159,16 @@ if [ "$PART" = "all" ] || [ "$PART" = "attention" ]; then
     tests/engine/models/test_decode_attention_cuda.py tests/engine/models/test_quantized_attention_cuda.py
   step 120 "decode attention microbench, chained passes" "$PY" -m engine.cli.bench_decode_attention \
     --shape qwen3-4b --keys 520,2000,6000 --rows 1,4 --chain --ours
-  for on in 1 0 1 0; do
-    for shape_limit in qwen3-4b:60 llama3-8b:70; do
-      shape="${shape_limit%%:*}"
-      step "${shape_limit##*:}" "decode $shape, split decode attention $on" env MLX_DESK_DECODE_ATTENTION=$on \
-        "$PY" -m engine bench --shape "$shape" --bits 4 -p 512 -g 128 --repeat 3
-    done
+  # A step's host share with it on and off (it runs inside the compiled step: docs/qmv.md,
+  # "Attention inside the compiled step"), then whole decode in interleaved rounds.
+  for on in 0 1; do
+    step 70 "one step of qwen3-4b, split decode attention $on" env MLX_DESK_DECODE_ATTENTION=$on \
+      "$PY" -m engine bench --shape qwen3-4b --bits 4 -p 512 -g 32 --step
+  done
+  for shape_limit in qwen3-4b:330 llama3-8b:380; do
+    shape="${shape_limit%%:*}"
+    step "${shape_limit##*:}" "decode $shape, split decode attention in rounds" "$PY" -m engine.cli.bench_switches \
+      --shape "$shape" --rounds 4 --timeout 80 --variant MLX_DESK_DECODE_ATTENTION=1
   done
   if command -v ncu > /dev/null; then
     step 250 "kernels of a step, split decode attention on" env MLX_DESK_DECODE_ATTENTION=1 bash -c \
