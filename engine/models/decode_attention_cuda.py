@@ -219,10 +219,10 @@ def plan(
 
 @cache
 def _launches(b: int, n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dtype: mx.Dtype) -> tuple[dict, dict]:
-    """The two kernels' launch arguments for a pass of these sizes, made once: the pass runs
-    outside the compiled step, once a layer and token, so what it builds in Python is host
-    time in every layer (``plan`` alone took 6.5 us a call on a CPU, about two thirds of what
-    MLX's attention call costs the host whole)."""
+    """The two kernels' launch arguments for a pass of these sizes, made once: a pass outside
+    the compiled step runs once a layer and token, so what it builds in Python is host time in
+    every layer (``plan`` alone took 6.5 us a call on a CPU, about two thirds of what MLX's
+    attention call costs the host whole)."""
     rows = (n_heads // n_kv) * n_q
     template, slices, blocks = plan(b, n_heads, n_kv, n_q, n_keys, d, dtype)
     partial = dict(
@@ -259,8 +259,8 @@ def attend_counted(queries: mx.array, buffer: mx.array, n_keys: mx.array, scale:
     """``attend`` over the first ``n_keys`` (int32 [1], at least the queries' count) keys and
     values of a cache buffer [2, B, kv heads, capacity, D], read in place. Its shapes follow
     the buffer's capacity, not the count, so a compiled step traces it once a capacity;
-    ``fits`` says which passes (the buffer's capacity as the keys). The slices are planned for the whole capacity (a
-    buffer is at most a growth step longer than its keys)."""
+    ``fits`` says which passes (the capacity as the key count). The slices are planned for
+    the whole capacity (a buffer is at most a growth step longer than its keys)."""
     b, n_heads, n_q, d = queries.shape
     _, _, n_kv, capacity, _ = buffer.shape
     partial, merge = _launches(b, n_heads, n_kv, n_q, capacity, d, queries.dtype)
