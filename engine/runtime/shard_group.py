@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
+from engine.runtime.shard_rank import LAUNCHER_ENV
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SILENT_S = 4.0  # a rank silent this long (no heartbeat) has stopped answering
@@ -85,16 +86,6 @@ def _ip(host: str) -> str:
         return socket.gethostbyname(host)
     except OSError:
         raise EngineError(f"cannot resolve host {host!r}: give its IP address or fix its name") from None
-
-
-def _die_with_parent() -> None:
-    """A local rank ends when the launcher does, whatever ends the launcher (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class RankGroup:
@@ -166,7 +157,10 @@ class RankGroup:
 
     def _spawn(self, rank: int, host: str, env: dict[str, str], files: dict[str, str], command: list[str]):
         if self.local:
-            full = dict(os.environ, **env, MLX_RANK=str(rank))
+            # The rank asks to end with this process itself (shard_rank.die_with_launcher):
+            # asked here, between the fork and the exec (a ``preexec_fn``), Python code in the
+            # child could wait forever on a lock another thread of this one held at the fork.
+            full = dict(os.environ, **env, MLX_RANK=str(rank), **{LAUNCHER_ENV: str(os.getpid())})
             if self.backend == "nccl":
                 full["CUDA_VISIBLE_DEVICES"] = str(rank)
             for name, content in files.items():
@@ -182,7 +176,6 @@ class RankGroup:
                 stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
         return subprocess.Popen(
             ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=QUIET", host, remote_script(rank, env, files, command)],

@@ -36,6 +36,8 @@ from typing import Any
 
 HEARTBEAT_S = 0.5
 PROTOCOL_VERSION = 1
+# The launcher's process id, given to the ranks it starts on this machine (shard_group.py).
+LAUNCHER_ENV = "MLX_DESK_LAUNCHER_PID"
 
 
 class Channel:
@@ -142,6 +144,26 @@ class _Node:
     spec: Any = None
 
 
+def die_with_launcher() -> None:
+    """A rank started on the launcher's machine ends when the launcher does, whatever ends it
+    (Linux's parent-death signal), and at once where the launcher is already gone. Asked by
+    the rank at its start: asked between the fork and the exec in the launcher, Python code in
+    the child (loading libc) once waited forever on a lock another of the launcher's threads
+    held at the fork, and the rank never started."""
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # it ended before the signal was asked for
+        os._exit(3)
+
+
 def _heartbeat(channel: Channel, parent: int) -> None:
     while True:
         channel.send({"hb": time.time()})
@@ -185,6 +207,7 @@ def _decide(opts: NodeOptions, rooms: list[int]) -> dict[str, Any]:
 def run_node(opts: NodeOptions, leader: Callable[[Channel, Any, NodeOptions], int] | None = None) -> int:
     """The whole life of a rank; returns its exit status. With ``leader``, rank 0 hands
     itself over to it once the group is formed (``serve --hosts``: shard_leader.py)."""
+    die_with_launcher()
     channel = Channel()
     threading.Thread(target=_heartbeat, args=(channel, os.getppid()), daemon=True).start()
     import mlx.core as mx
