@@ -143,12 +143,9 @@ class OneBuffer:
         that holds one buffer (``buffer`` set)."""
         if isinstance(kv, mx.array):
             start, end = self._make_room(kv, None, kv.shape[3])
-            self.buffer[:, :, :, start:end] = kv
         else:
-            keys, values = kv
-            start, end = self._make_room(keys, values, keys.shape[2])
-            self.buffer[0, :, :, start:end] = keys
-            self.buffer[1, :, :, start:end] = values
+            start, end = self._make_room(kv[0], kv[1], kv[0].shape[2])
+        self._store(start, end, kv)
         return self.buffer
 
     def capacity_after(self, n: int) -> int:
@@ -210,23 +207,35 @@ class OneBuffer:
         self.buffer, self._keys, self._values = None, new_k, new_v
 
     def _write(self, start: int, end: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write tokens [start, end) (room made); all keys and values up to ``end``. Written
-        with the token axis's position rather than an ellipsis: MLX parses these indices on
-        every call, and each decode step does this once a layer."""
-        if self.buffer is not None:
-            self.buffer[0, :, :, start:end] = keys
-            self.buffer[1, :, :, start:end] = values
-            return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
-        self._keys[:, :, start:end] = keys
-        self._values[:, :, start:end] = values
-        return self._keys[:, :, :end], self._values[:, :, :end]
+        """Write tokens [start, end) (room made); all keys and values up to ``end``."""
+        self._store(start, end, (keys, values))
+        return self._fetch(end)
 
     def _write_stacked(self, start: int, end: int, kv: mx.array) -> tuple[mx.array, mx.array]:
         """``_write`` of keys and values stacked [2, B, heads, L, head_dim]: one update."""
+        self._store(start, end, kv)
+        return self._fetch(end)
+
+    def _store(self, start: int, end: int, kv: KV) -> None:
+        """Write tokens [start, end) (room made) of ``KV``, stacked (one update where one
+        buffer holds both) or a pair. Written with the token axis's position rather than an
+        ellipsis: MLX parses these indices on every call, and each decode step does this once
+        a layer."""
         if self.buffer is None:  # two buffers, set from outside
-            return self._write(start, end, *split_kv(kv))
-        self.buffer[:, :, :, start:end] = kv
-        return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
+            keys, values = split_kv(kv)
+            self._keys[:, :, start:end] = keys
+            self._values[:, :, start:end] = values
+        elif isinstance(kv, mx.array):
+            self.buffer[:, :, :, start:end] = kv
+        else:
+            self.buffer[0, :, :, start:end] = kv[0]
+            self.buffer[1, :, :, start:end] = kv[1]
+
+    def _fetch(self, end: int) -> tuple[mx.array, mx.array]:
+        """Views of the keys and values of tokens [0, end)."""
+        if self.buffer is not None:
+            return self.buffer[0, :, :, :end], self.buffer[1, :, :, :end]
+        return self._keys[:, :, :end], self._values[:, :, :end]
 
 
 class KVCache(OneBuffer, _Buffers):
