@@ -132,7 +132,7 @@ _BODY = shared._SETUP + _WALK + shared._BLOCK_MERGE
 PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + _BODY
 # The same kernel over a whole cache buffer, its key count an input (``nk``, int32 [1]) rather
 # than the keys' shape: its shapes then stay the same from token to token, so it can run
-# inside the compiled step (``attend_counted``). Slices past the count are empty.
+# inside the compiled step (``attend_counted``). The slices divide the count, not the buffer.
 COUNTED_SOURCE = "const int n_kv = k_shape[1], n_keys = nk[0];" + _BODY
 PARTIAL_HEADER = shared._HEADER + _HEADER
 
@@ -259,8 +259,9 @@ def attend_counted(queries: mx.array, buffer: mx.array, n_keys: mx.array, scale:
     """``attend`` over the first ``n_keys`` (int32 [1], at least the queries' count) keys and
     values of a cache buffer [2, B, kv heads, capacity, D], read in place. Its shapes follow
     the buffer's capacity, not the count, so a compiled step traces it once a capacity;
-    ``fits`` says which passes (the capacity as the key count). The slices are planned for
-    the whole capacity (a buffer is at most a growth step longer than its keys)."""
+    ``fits`` says which passes (the count as the key count). The number of slices is
+    planned for the capacity and their length from the count (``_SETUP``'s ``chunk``), so
+    every slice has keys however far the buffer reaches past them."""
     b, n_heads, n_q, d = queries.shape
     _, _, n_kv, capacity, _ = buffer.shape
     partial, merge = _launches(b, n_heads, n_kv, n_q, capacity, d, queries.dtype)

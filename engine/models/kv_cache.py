@@ -136,34 +136,48 @@ class OneBuffer:
         start, end = self._make_room(kv, None, kv.shape[3])
         return self._write_stacked(start, end, kv)
 
-    def write(self, kv: KV) -> mx.array:
+    def write(self, kv: KV, step: int | None = None) -> mx.array:
         """Append keys and values (``KV``: stacked or a pair) and return the whole buffer [2, B,
         heads, capacity, head_dim], not views of what is written: a compiled step reads it
         with the key count as an input (``decode_attention_cuda.attend_counted``). For a cache
-        that holds one buffer (``buffer`` set)."""
+        that holds one buffer (``buffer`` set). ``step``, where given, is the growth step in
+        place of the cache's own, and a buffer shorter than one such step grows to it at once
+        (``capacity_after``)."""
         if isinstance(kv, mx.array):
-            start, end = self._make_room(kv, None, kv.shape[3])
+            start, end = self._make_room(kv, None, kv.shape[3], step)
         else:
-            start, end = self._make_room(kv[0], kv[1], kv[0].shape[2])
+            start, end = self._make_room(kv[0], kv[1], kv[0].shape[2], step)
         self._store(start, end, kv)
         return self.buffer
 
-    def capacity_after(self, n: int) -> int:
-        """The buffer's capacity once ``n`` more tokens are written."""
-        end = self._columns_used() + n
-        if end <= self._capacity():
-            return self._capacity()
-        return buffer_tokens(end, self.step, self.buffer.shape[1] if self.buffer is not None else 1)
+    def capacity_after(self, n: int, step: int | None = None) -> int:
+        """The buffer's capacity once ``n`` more tokens are written (``write``'s ``step``)."""
+        rows = self.buffer.shape[1] if self.buffer is not None else 1
+        grown = self._grown(self._columns_used() + n, step, rows)
+        return self._capacity() if grown is None else grown
 
-    def _make_room(self, keys: mx.array, values: mx.array | None, n: int) -> tuple[int, int]:
-        """Grow in steps where ``n`` more tokens do not fit (``values`` None: ``keys`` holds
-        both, stacked), the buffer written in place between growths; move the tokens in use
-        past them; the tokens to write, (start, end)."""
+    def _grown(self, end: int, step: int | None, rows: int) -> int | None:
+        """The capacity to grow to before tokens up to ``end`` are written, or None where the
+        buffer holds them. With a ``step`` of its own (a compiled step that traces once a
+        capacity: ``write``) a shorter buffer grows to one step even where they fit, so a
+        cache filled by a prompt is not traced again a few tokens later."""
+        if step is None:
+            return buffer_tokens(end, self.step, rows) if end > self._capacity() else None
+        if end > self._capacity() or self._capacity() < buffer_tokens(1, step, rows):
+            return buffer_tokens(end, step, rows)
+        return None
+
+    def _make_room(self, keys: mx.array, values: mx.array | None, n: int, step: int | None = None) -> tuple[int, int]:
+        """Grow (``_grown``) where ``n`` more tokens do not fit (``values`` None: ``keys``
+        holds both, stacked), the buffer written in place between growths; move the tokens in
+        use past them; the tokens to write, (start, end)."""
         start = self._columns_used()
         end = start + n
-        if end > self._capacity():
+        rows = keys.shape[1] if values is None else keys.shape[0]
+        capacity = self._grown(end, step, rows)
+        if capacity is not None:
             k, v = split_kv(keys) if values is None else (keys, values)
-            self._regrow(k, v, buffer_tokens(end, self.step, k.shape[0]), start)
+            self._regrow(k, v, capacity, start)
         self._use_columns(end)
         return start, end
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engine.decode import compiled_step
 from engine.decode.compiled_step import CompiledDecoder
 from engine.models import decode_attention_cuda, kv_cache
 from engine.models.kv_cache import KVCache
@@ -31,8 +32,10 @@ def _counted_attention(queries, buffer, n_keys, scale):
 
 def _steps(model, inside: bool, monkeypatch) -> tuple[list[mx.array], CompiledDecoder, list[int]]:
     """Logits of four one-token steps and a three-token verify pass after ``PROMPT``, through
-    caches that grow every 4 tokens (no spare tokens past them); the buffers' capacities seen."""
+    caches that grow every 4 tokens outside and every 10 inside (no spare tokens past them);
+    the buffers' capacities seen."""
     monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 0)
+    monkeypatch.setattr(compiled_step, "INSIDE_STEP", 10)
     if inside:
         monkeypatch.setattr(decode_attention_cuda, "enabled", lambda: True)
         monkeypatch.setattr(decode_attention_cuda, "takes", lambda *a: False)  # the pass outside: MLX's
@@ -56,7 +59,9 @@ def test_attention_inside_the_traces_keeps_the_logits_of_attention_outside(monke
     model, _ = load_golden("qwen3")
     outside, _, _ = _steps(model, False, monkeypatch)
     inside, decoder, capacities = _steps(model, True, monkeypatch)
-    assert len(set(capacities)) > 1  # the buffers grew along the way
+    # The prompt's buffer (8 tokens) grew to one inside step at the first inside write, then
+    # by that step for the verify pass: two traces where the cache's own step made three.
+    assert capacities == [10, 10, 10, 10, 20]
     # Each (tokens, capacity) is traced once: the inside path ran, one trace per size.
     assert decoder.traces == len({(1, c) for c in capacities[:4]} | {(3, capacities[4])})
     for ours, ref in zip(inside, outside, strict=True):
@@ -64,8 +69,8 @@ def test_attention_inside_the_traces_keeps_the_logits_of_attention_outside(monke
 
 
 def test_a_step_attends_outside_where_a_layer_cannot_take_it_inside(monkeypatch):
-    """The check runs before any write: a cache of another kind, or a cache too long for the
-    kernel, leaves the whole step outside."""
+    """The check runs before any write: a cache of another kind, or more keys than the
+    kernel takes, leaves the whole step outside."""
     model, _ = load_golden("qwen3")
     decoder = CompiledDecoder(model)
     assert decoder.prepare()
@@ -76,7 +81,7 @@ def test_a_step_attends_outside_where_a_layer_cannot_take_it_inside(monkeypatch)
     count = decoder._inside_count(layers, cache, masks, 1)
     assert count is not None and count.item() == len(PROMPT) + 1
     assert decoder._inside_count(layers, cache, ["causal"] + [None] * (len(layers) - 1), 1) is None
-    monkeypatch.setattr(decode_attention_cuda, "MAX_KEYS", cache[0].buffer.shape[3] - 1)
+    monkeypatch.setattr(decode_attention_cuda, "MAX_KEYS", len(PROMPT))  # the count is the limit
     assert decoder._inside_count(layers, cache, masks, 1) is None
     monkeypatch.undo()
     monkeypatch.setattr(decode_attention_cuda, "enabled", lambda: True)

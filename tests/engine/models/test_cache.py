@@ -66,6 +66,25 @@ def test_keys_and_values_share_one_buffer_that_a_stack_fills_with_one_write():
     assert latent.buffer is None and positions(k) == [0, 1] and v.shape == (1, 1, 2, 3)
 
 
+def test_a_write_with_its_own_step_grows_a_short_buffer_at_once_and_then_by_that_step(monkeypatch):
+    """``write`` (a compiled step's, attention inside): the whole buffer back, a buffer that
+    holds less than one of its steps grown at once, and ``capacity_after`` saying so first."""
+    monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 0)
+    c = KVCache(step=4)
+    c.update_and_fetch(tokens(0, 5), -tokens(0, 5))  # a prompt: 8 tokens of room
+    assert c.capacity_after(1) == 8 and c.capacity_after(1, step=10) == 10
+    buffer = c.write(mx.stack([tokens(5, 6), -tokens(5, 6)]), step=10)
+    assert buffer is c.buffer and buffer.shape[3] == 10 and c.offset == 6
+    assert positions(buffer[0, :, :, :6]) == list(range(6)) and positions(buffer[1, :, :, :6]) == [-p for p in range(6)]
+    for i in range(6, 10):  # fits: the same buffer, written in place
+        assert c.capacity_after(1, step=10) == 10
+        assert c.write((tokens(i, i + 1), -tokens(i, i + 1)), step=10).shape[3] == 10
+    assert c.capacity_after(3, step=10) == 20
+    buffer = c.write(mx.stack([tokens(10, 13), -tokens(10, 13)]), step=10)
+    assert buffer.shape[3] == 20 and positions(buffer[0, :, :, :13]) == list(range(13))
+    assert c.capacity_after(1) == 20  # the cache's own step grows nothing that fits
+
+
 def test_rotating_cache_keeps_exactly_the_window_when_decoding():
     c = RotatingKVCache(max_size=5)
     for i in range(12):
