@@ -80,7 +80,20 @@ def test_a_step_attends_outside_where_a_layer_cannot_take_it_inside(monkeypatch)
     layers, masks = model.layers, [None] * len(model.layers)
     count = decoder._inside_count(layers, cache, masks, 1)
     assert count is not None and count.item() == len(PROMPT) + 1
-    assert decoder._inside_count(layers, cache, ["causal"] + [None] * (len(layers) - 1), 1) is None
+    # The layers are checked once, when traced: a window on one of them (its own mask) or
+    # heads of another size leave every step outside.
+    assert compiled_step._inside_heads(layers) == (
+        layers[0].self_attn.n_heads,
+        layers[0].self_attn.n_kv_heads,
+        layers[0].self_attn.head_dim,
+    )
+    monkeypatch.setattr(layers[1], "window", 4, raising=False)
+    assert compiled_step._inside_heads(layers) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(layers[1].self_attn, "n_kv_heads", layers[1].self_attn.n_kv_heads * 2)
+    assert compiled_step._inside_heads(layers) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(decode_attention_cuda, "enabled", lambda: True)
     monkeypatch.setattr(decode_attention_cuda, "MAX_KEYS", len(PROMPT))  # the count is the limit
     assert decoder._inside_count(layers, cache, masks, 1) is None
     monkeypatch.undo()
