@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import shlex
 import signal
 import socket
@@ -73,10 +74,32 @@ def parse_hosts(text: str) -> tuple[list[str], dict[str, Any] | None]:
     return hosts, None  # one host: a one-rank group (a backend checked against one process)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports for local ranks: below the ephemeral range (Linux's starts at 32768, macOS's at
+# 49152). A port the system hands out for bind(0) is one its outgoing connections draw from
+# too, so in the second between choosing it and a rank binding it, any connection made on the
+# machine could take it and the rank would fail to start.
+LOCAL_PORTS = range(20000, 32000)
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` different ports on 127.0.0.1 that nothing listens on now, from ``LOCAL_PORTS``:
+    each is bound while the others are chosen, so two ranks never get the same one."""
+    held: list[socket.socket] = []
+    try:
+        for port in random.sample(LOCAL_PORTS, len(LOCAL_PORTS)):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+            if len(held) == n:
+                return [h.getsockname()[1] for h in held]
+        raise EngineError(f"no {n} free local ports between {LOCAL_PORTS.start} and {LOCAL_PORTS.stop - 1}")
+    finally:
+        for h in held:
+            h.close()
 
 
 def _ip(host: str) -> str:
@@ -123,10 +146,10 @@ class RankGroup:
         env: dict[str, str] = {"PYTHONUNBUFFERED": "1", **self.extra_env}
         files: dict[str, str] = {}
         if self.backend in ("ring", "any") and len(ips) > 1:  # one rank: a group of one, no ring
-            ports = [_free_port() for _ in ips] if self.local else [RING_PORT + r for r in range(len(ips))]
+            ports = _free_ports(len(ips)) if self.local else [RING_PORT + r for r in range(len(ips))]
             files["MLX_HOSTFILE"] = json.dumps([[f"{ip}:{port}"] for ip, port in zip(ips, ports)])
         if self.backend == "nccl":
-            env.update(NCCL_HOST_IP=ips[0], NCCL_PORT=str(_free_port() if self.local else 12345))
+            env.update(NCCL_HOST_IP=ips[0], NCCL_PORT=str(_free_ports(1)[0] if self.local else 12345))
             env["MLX_WORLD_SIZE"] = str(len(ips))
             env.update(NCCL_ENV)
         if self.backend == "jaccl":

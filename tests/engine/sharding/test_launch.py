@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import shlex
+import socket
 
 import pytest
 
 from engine.errors import EngineError
+from engine.runtime import shard_group
 from engine.runtime.shard_group import RING_PORT, RankGroup, parse_hosts, remote_script
 
 
@@ -30,6 +32,25 @@ def test_local_ring_ranks_get_distinct_loopback_ports():
     ring = json.loads(files["MLX_HOSTFILE"])
     assert [entry[0].split(":")[0] for entry in ring] == ["127.0.0.1"] * 3
     assert len({entry[0] for entry in ring}) == 3
+
+
+def test_local_ports_come_from_below_the_ephemeral_range_and_skip_one_in_use(monkeypatch):
+    """A port handed out for bind(0) is one outgoing connections draw from too; ours are
+    chosen below that range, none that something listens on, none twice."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        monkeypatch.setattr(shard_group, "LOCAL_PORTS", range(taken, taken + 1))
+        with pytest.raises(EngineError, match="no 1 free local ports"):
+            shard_group._free_ports(1)
+    monkeypatch.undo()
+    ports = shard_group._free_ports(4)
+    assert len(set(ports)) == 4 and all(p in shard_group.LOCAL_PORTS for p in ports)
+    assert max(shard_group.LOCAL_PORTS) < 32768  # Linux's first ephemeral port
+    for port in ports:  # each free for a rank to bind
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_remote_ranks_use_their_addresses_and_mlx_launch_ports():
