@@ -173,11 +173,12 @@ class OneBuffer:
         use past them; the tokens to write, (start, end)."""
         start = self._columns_used()
         end = start + n
-        rows = keys.shape[1] if values is None else keys.shape[0]
-        capacity = self._grown(end, step, rows)
-        if capacity is not None:
-            k, v = split_kv(keys) if values is None else (keys, values)
-            self._regrow(k, v, capacity, start)
+        # The plain step's test first, inline: every layer makes room every token.
+        if end > self._capacity() or step is not None:
+            capacity = self._grown(end, step, keys.shape[1] if values is None else keys.shape[0])
+            if capacity is not None:
+                k, v = split_kv(keys) if values is None else (keys, values)
+                self._regrow(k, v, capacity, start)
         self._use_columns(end)
         return start, end
 
