@@ -1,6 +1,6 @@
 """``python -m engine.cli.bench_decode_attention --shape qwen3-4b --keys 512,4096 --rows 1,8``:
 one layer's decode attention over a KV cache's buffer, as whole 256-token steps leave it and
-as the engine's buffers hold it (``kv_cache.buffer_tokens``).
+as the engine's buffers hold it (``cache_buffers.buffer_tokens``).
 
 MLX's CUDA attention picks its kernel for a one-query pass by the buffer the keys are sliced
 from: cuDNN when that buffer is a multiple of 256 tokens long (mlx-lm's cache), its vector
@@ -24,7 +24,7 @@ import sys
 
 from engine.cli.bench_qmm import _time, add_timing_arguments, parse_counts
 from engine.cli.bench_shapes import SHAPES, attention_heads
-from engine.models.kv_cache import SPARE_TOKENS, buffer_tokens, whole_steps
+from engine.models.cache_buffers import SPARE_TOKENS, buffer_tokens, whole_steps
 
 
 def time_pass(

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.models.kv_cache import DEFAULT_STEP, OneBuffer
+from engine.models.cache_buffers import DEFAULT_STEP, OneBuffer
 
 # Score elements (float32) one slice of a shared-prefix attention pass holds at most:
 # 256 MB, the size of a 512-token prefill chunk's scores over a 4k prefix with 32 heads.

@@ -18,7 +18,8 @@ from engine.artifacts.config_fields import from_known_keys
 from engine.artifacts.config_spellings import partial_rotary_factor, rope_settings, text_config  # noqa: F401  (families read them from here)
 from engine.errors import UnsupportedModelError
 from engine.models import decode_attention_cuda, head_norm_rope_cuda
-from engine.models.kv_cache import KV, KVCache, RotatingKVCache, split_kv
+from engine.models.cache_buffers import KV, split_kv
+from engine.models.kv_cache import KVCache, RotatingKVCache
 from engine.models.quantized_routing import embedding_logits, linear, linear_plus
 from engine.models.stacked import project, stacked_normed
 

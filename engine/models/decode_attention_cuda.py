@@ -42,7 +42,7 @@ ENV = "MLX_DESK_DECODE_ATTENTION"
 # quantized cache).
 MAX_QUERIES = 8
 # Longer caches keep MLX's kernels (its two-pass kernel from 1,024 keys, cuDNN from whole
-# steps of 256 past ``kv_cache.buffer_tokens``'s limit), which were not measured against this.
+# steps of 256 past ``cache_buffers.buffer_tokens``'s limit), which were not measured against this.
 MAX_KEYS = 6144
 # Fewest keys per slice: a short cache still spreads over the multiprocessors (520 keys of
 # 8 KV heads: 17 slices, 136 blocks), its partial results a few KB.

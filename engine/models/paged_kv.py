@@ -40,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.errors import EngineError
+from engine.models.cache_buffers import buffer_tokens
 from engine.models.kv_blocks import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_POOL_BYTES,
@@ -54,7 +55,7 @@ from engine.models.kv_blocks import (
     parts_of,
     release_all,
 )
-from engine.models.kv_cache import KVCache, _mask_for, buffer_tokens, register_cache_kind
+from engine.models.kv_cache import KVCache, _mask_for, register_cache_kind
 from engine.models.quantized_kv_cache import READS_CODES, QuantizedKVCache
 
 # A request's contiguous view grows this many tokens at a time (KVCache's step).
@@ -388,7 +389,7 @@ class PagedKVCache:
 
 def _room(end: int) -> int:
     """A view's length for ``end`` tokens: whole ``VIEW_STEP``s and the pad that picks the
-    decode kernel (kv_cache.buffer_tokens)."""
+    decode kernel (cache_buffers.buffer_tokens)."""
     return buffer_tokens(end, VIEW_STEP)
 
 

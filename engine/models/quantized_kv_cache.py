@@ -31,7 +31,8 @@ import mlx.core as mx
 from engine.errors import EngineError
 from engine.files import SETTINGS_LIMIT, read_text_bounded
 from engine.models import quantized_attention_cuda as fused_cuda
-from engine.models.kv_cache import DEFAULT_STEP, KVCache, _mask_for, register_cache_kind
+from engine.models.cache_buffers import DEFAULT_STEP
+from engine.models.kv_cache import KVCache, _mask_for, register_cache_kind
 
 BITS = (4, 8)
 # Whether short passes attend over the stored codes (``QuantizedKVCache.attend``): on Metal

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from engine.cli import bench_decode_attention
-from engine.models.kv_cache import buffer_tokens
+from engine.models.cache_buffers import buffer_tokens
 
 
 def test_times_both_layouts_and_says_which_the_engine_picks(capsys):

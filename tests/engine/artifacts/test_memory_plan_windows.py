@@ -21,7 +21,8 @@ from engine import models
 from engine.api import UNLIMITED_CONTEXT, KVWindow, MemoryPlan
 from engine.artifacts.config import config_from_dict
 from engine.errors import OutOfMemoryBudget
-from engine.models.kv_cache import KVCache, RotatingKVCache, buffer_tokens, make_prompt_cache
+from engine.models.cache_buffers import buffer_tokens
+from engine.models.kv_cache import KVCache, RotatingKVCache, make_prompt_cache
 from engine.runtime.memory import check_fits, plan_memory
 from engine.runtime.model_info import format_inspect, inspect_model
 

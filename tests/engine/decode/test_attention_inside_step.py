@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from engine.decode import compiled_step
 from engine.decode.compiled_step import CompiledDecoder
-from engine.models import decode_attention_cuda, kv_cache
+from engine.models import cache_buffers, decode_attention_cuda
 from engine.models.kv_cache import KVCache
 from tests.engine.models.model_goldens import load_golden
 
@@ -34,7 +34,7 @@ def _steps(model, inside: bool, monkeypatch) -> tuple[list[mx.array], CompiledDe
     """Logits of four one-token steps and a three-token verify pass after ``PROMPT``, through
     caches that grow every 4 tokens outside and every 10 inside (no spare tokens past them);
     the buffers' capacities seen."""
-    monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 0)
+    monkeypatch.setattr(cache_buffers, "DECODE_KERNEL_PAD", 0)
     monkeypatch.setattr(compiled_step, "INSIDE_STEP", 10)
     if inside:
         monkeypatch.setattr(decode_attention_cuda, "enabled", lambda: True)

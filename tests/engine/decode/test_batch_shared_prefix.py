@@ -19,7 +19,8 @@ from engine.decode import batch as batch_module
 from engine.decode.batch import Batch
 from engine.decode.batch_cache import MAX_PREFIXES, NO_PREFIX
 from engine.decode.loop import generate, stream_generate
-from engine.models.kv_cache import buffer_tokens, make_prompt_cache
+from engine.models.cache_buffers import buffer_tokens
+from engine.models.kv_cache import make_prompt_cache
 from engine.models.paged_kv import pool_for
 from engine.runtime.prefix_cache import PrefixCache
 from tests.engine.batch_rounds import drive

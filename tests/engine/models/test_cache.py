@@ -7,8 +7,9 @@ import pytest
 
 from engine.decode.batch_cache import BatchKVCache
 from engine.errors import EngineError
-from engine.models import kv_cache
-from engine.models.kv_cache import KVCache, RotatingKVCache, buffer_tokens, load_prompt_cache, save_prompt_cache
+from engine.models import cache_buffers
+from engine.models.cache_buffers import buffer_tokens
+from engine.models.kv_cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 
 def tokens(start: int, stop: int) -> mx.array:
@@ -69,7 +70,7 @@ def test_keys_and_values_share_one_buffer_that_a_stack_fills_with_one_write():
 def test_a_write_with_its_own_step_grows_a_short_buffer_at_once_and_then_by_that_step(monkeypatch):
     """``write`` (a compiled step's, attention inside): the whole buffer back, a buffer that
     holds less than one of its steps grown at once, and ``capacity_after`` saying so first."""
-    monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 0)
+    monkeypatch.setattr(cache_buffers, "DECODE_KERNEL_PAD", 0)
     c = KVCache(step=4)
     c.update_and_fetch(tokens(0, 5), -tokens(0, 5))  # a prompt: 8 tokens of room
     assert c.capacity_after(1) == 8 and c.capacity_after(1, step=10) == 10
@@ -164,7 +165,7 @@ def test_short_buffers_hold_the_pad_that_picks_the_decode_kernel(monkeypatch):
     """MLX's CUDA attention picks cuDNN for keys sliced from a buffer of whole 256-token
     steps and its vector kernel otherwise; the vector kernel is the faster while rows x
     tokens stay small, so only such buffers are padded past their whole steps."""
-    monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 8)
+    monkeypatch.setattr(cache_buffers, "DECODE_KERNEL_PAD", 8)
     assert buffer_tokens(1) == 256 + 8
     assert buffer_tokens(700, rows=8) == 768 + 8  # 6,144 tokens over the rows
     assert buffer_tokens(1000, rows=8) == 1024  # beyond: whole steps, cuDNN's
@@ -180,7 +181,7 @@ def test_short_buffers_hold_the_pad_that_picks_the_decode_kernel(monkeypatch):
     k, _ = one.update_and_fetch(tokens(300, 301), tokens(300, 301))
     assert positions(k) == list(range(301))  # the pad is room past the tokens, never read
 
-    monkeypatch.setattr(kv_cache, "DECODE_KERNEL_PAD", 0)  # MLX_DESK_CUDNN_DECODE=1
+    monkeypatch.setattr(cache_buffers, "DECODE_KERNEL_PAD", 0)  # MLX_DESK_CUDNN_DECODE=1
     assert buffer_tokens(1) == 256 and buffer_tokens(700, rows=8) == 768
 
 
