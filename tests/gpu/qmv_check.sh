@@ -102,7 +102,9 @@ if [ "$PART" = "all" ] || [ "$PART" = "ab" ]; then
   # of 4 columns a warp with two logic ops a code, the first chunk loaded ahead of the norm on
   # top of the 8 columns, 8 columns with two ops, and one-row products on the tensor-core
   # kernel. Measured slower and left off (docs/qmv.md, "Registers" and "Memory waits"): the
-  # prefetched K loop and the L2 prefetch during attention; launch bounds within the spread.
+  # prefetched K loop and the L2 prefetch during attention; launch bounds within the spread;
+  # on an H100 in two rounds, the early load (0.86x) and one-row products on the tensor-core
+  # kernel (0.82x), kept here for the H200.
   for shape in qwen3-4b llama3-8b; do
     step 570 "decode $shape, switches in rounds" "$PY" -m engine.cli.bench_switches --shape "$shape" --rounds 4 \
       --timeout 100 --variant MLX_DESK_QMV_COLUMNS=4 --variant MLX_DESK_QMV_EARLY_LOAD=1 \

@@ -78,9 +78,12 @@ def test_the_kernels_equal_mlxs_attention(dtype, b, heads, kv_heads, n_q, n_keys
     scale = d**-0.5
     assert decode.takes(q, k, v, mask)
     ours = decode.attend(q, k, v, scale)
-    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    # float32 against MLX's CPU attention: its CUDA one is the less exact of the two there (on
+    # an H100, 4e-5 to 1e-4 off the CPU's over 1,000-6,000 keys, where this kernel was 3e-7).
+    where = mx.cpu if dtype == mx.float32 else None
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, stream=where)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
-    tol = {mx.bfloat16: 2e-2, mx.float16: 2e-3, mx.float32: 2e-5}[dtype]
+    tol = {mx.bfloat16: 2e-2, mx.float16: 2e-3, mx.float32: 2e-6}[dtype]
     assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=tol, rtol=tol).item()
 
 
@@ -115,11 +118,12 @@ def test_the_counted_kernel_reads_only_the_counted_keys_of_a_whole_buffer(
     q = mx.random.normal((b, heads, n_q, d)).astype(dtype)
     buffer = mx.random.normal((2, b, kv_heads, capacity, d)).astype(dtype)
     mask = None if n_q == 1 else "causal"
-    assert decode.fits(heads, kv_heads, n_q, capacity, d, dtype, mask)
+    assert decode.fits(heads, kv_heads, n_q, n_keys, d, dtype, mask)
     ours = decode.attend_counted(q, buffer, mx.array([n_keys], mx.int32), d**-0.5)
     keys, values = buffer[0, :, :, :n_keys], buffer[1, :, :, :n_keys]
-    theirs = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mask)
-    tol = {mx.bfloat16: 2e-2, mx.float32: 2e-5}[dtype]
+    where = mx.cpu if dtype == mx.float32 else None  # as above: the CPU's is the exact one
+    theirs = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mask, stream=where)
+    tol = {mx.bfloat16: 2e-2, mx.float32: 2e-6}[dtype]
     assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=tol, rtol=tol).item()
 
 
