@@ -239,7 +239,7 @@ class CompiledDecoder:
         tap = getattr(getattr(self._model(), "model", None), "layer_tap", None)
         if tap is not None and len(layers) - 1 in tap.layer_ids:
             return None
-        n_keys = self._inside_count(layers, cache, masks, n)
+        n_keys = self._inside_count(cache, masks[0], n)
         size = (n, None if n_keys is None else cache[0].capacity_after(n, INSIDE_STEP))
         if size not in self._sizes:
             self._sizes.add(size)
@@ -267,7 +267,7 @@ class CompiledDecoder:
             tap(taken, start)
         return self._fns[-1](h, attn) if n_keys is None else self._inside[-1](h, *attn, n_keys)
 
-    def _inside_count(self, layers: Sequence[Any], cache: Sequence[Any], masks: list[Any], n: int) -> mx.array | None:
+    def _inside_count(self, cache: Sequence[Any], mask: Any, n: int) -> mx.array | None:
         """The key count after this step (int32 [1]) where every layer's attention can run
         inside the traces: the split kernel over each layer's whole cache buffer
         (``decode_attention_cuda.attend_counted``, on with ``MLX_DESK_DECODE_ATTENTION=1``),
@@ -275,7 +275,8 @@ class CompiledDecoder:
         kernel calls a layer cost more host time than MLX's one. Else None, checked before
         any write: the layers once, when traced (``_inside_heads``); here, every step, that
         each cache holds one buffer of the same shape and dtype (0.6 us a layer on a small
-        CPU, where checking the layers too took 4.3)."""
+        CPU, where checking the layers too took 4.3). ``mask``: the layers' mask, one for all
+        (no layer has a window)."""
         if self._heads is None or not decode_attention_cuda.enabled():
             return None
         n_heads, n_kv, d = self._heads
@@ -285,7 +286,7 @@ class CompiledDecoder:
             return None
         shape, dtype = buffer.shape, buffer.dtype
         if (shape[2], shape[4]) != (n_kv, d) or not decode_attention_cuda.fits(
-            n_heads, n_kv, n, c0.offset + n, d, dtype, masks[0]
+            n_heads, n_kv, n, c0.offset + n, d, dtype, mask
         ):
             return None
         for c in cache:

@@ -149,7 +149,7 @@ class OneBuffer:
         cache filled by a prompt is not traced again a few tokens later."""
         if step is None:
             return buffer_tokens(end, self.step, rows) if end > self._capacity() else None
-        if end > self._capacity() or self._capacity() < buffer_tokens(1, step, rows):
+        if end > self._capacity() or self._capacity() < step:
             return buffer_tokens(end, step, rows)
         return None
 

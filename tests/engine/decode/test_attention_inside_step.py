@@ -77,8 +77,8 @@ def test_a_step_attends_outside_where_a_layer_cannot_take_it_inside(monkeypatch)
     cache = [KVCache() for _ in model.layers]
     mx.eval(model(mx.array([PROMPT]), cache=cache))
     monkeypatch.setattr(decode_attention_cuda, "enabled", lambda: True)
-    layers, masks = model.layers, [None] * len(model.layers)
-    count = decoder._inside_count(layers, cache, masks, 1)
+    layers = model.layers
+    count = decoder._inside_count(cache, None, 1)
     assert count is not None and count.item() == len(PROMPT) + 1
     # The layers are checked once, when traced: a window on one of them (its own mask) or
     # heads of another size leave every step outside.
@@ -95,9 +95,9 @@ def test_a_step_attends_outside_where_a_layer_cannot_take_it_inside(monkeypatch)
     monkeypatch.undo()
     monkeypatch.setattr(decode_attention_cuda, "enabled", lambda: True)
     monkeypatch.setattr(decode_attention_cuda, "MAX_KEYS", len(PROMPT))  # the count is the limit
-    assert decoder._inside_count(layers, cache, masks, 1) is None
+    assert decoder._inside_count(cache, None, 1) is None
     monkeypatch.undo()
     monkeypatch.setattr(decode_attention_cuda, "enabled", lambda: True)
-    assert decoder._inside_count(layers, [cache[0], object(), *cache[2:]], masks, 1) is None
+    assert decoder._inside_count([cache[0], object(), *cache[2:]], None, 1) is None
     monkeypatch.undo()
-    assert decoder._inside_count(layers, cache, masks, 1) is None  # off unless turned on
+    assert decoder._inside_count(cache, None, 1) is None  # off unless turned on
