@@ -13,7 +13,8 @@ columns take the same kernel.
 one another: independent passes in one evaluation overlap on the GPU (MLX's one-query kernel
 uses 32 blocks of 132 multiprocessors), which a step never lets them do, so only chained
 figures say what a step pays. ``--ours`` (CUDA) adds the engine's attention split over the
-keys (models.decode_attention_cuda) over the engine's buffer.
+keys (models.decode_attention_cuda) over the engine's buffer; ``--keys-per-warp 16,32,64``
+times it once for each length of a warp's slice (``KEYS_PER_WARP``), to choose it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ def time_pass(
     return 1e6 * best / calls
 
 
+def _time_ours(heads, keys: int, rows: int, length: int, timing: dict, keys_per_warp: int | None) -> float:
+    """``time_pass`` of the engine's split kernels, a warp's slice ``keys_per_warp`` long
+    where given (the planned launches are made again for it)."""
+    from engine.models import decode_attention_cuda as ours
+
+    kept = ours.KEYS_PER_WARP
+    ours.KEYS_PER_WARP = keys_per_warp or kept
+    ours._launches.cache_clear()
+    try:
+        return time_pass(heads, keys, rows, length, **timing, split=True)
+    finally:
+        ours.KEYS_PER_WARP = kept
+        ours._launches.cache_clear()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m engine.cli.bench_decode_attention", description=__doc__.split("\n\n")[0]
@@ -74,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", default="512,1000,4096,8000", help="cached tokens, comma separated")
     p.add_argument("--rows", default="1,2,4,8,16", help="rows (streams of a batch), comma separated")
     p.add_argument("--chain", action="store_true", help="each pass's query is the previous pass's output")
+    p.add_argument("--keys-per-warp", help="with --ours: lengths of a warp's slice to time ours at, comma separated")
     add_timing_arguments(p)
     args = p.parse_args(argv)
     keys = parse_counts(args, "--keys", args.keys)
     rows = parse_counts(args, "--rows", args.rows)
-    if keys is None or rows is None:
+    per_warp = parse_counts(args, "--keys-per-warp", args.keys_per_warp) if args.keys_per_warp else [None]
+    if keys is None or rows is None or per_warp is None:
         return 2
     import mlx.core as mx
 
@@ -105,11 +123,13 @@ def main(argv: list[str] | None = None) -> int:
                 "padded_us": time_pass(heads, n, r, padded, **timing),
                 "engine_buffer": buffer_tokens(n, rows=r),
             }
-            if split:
-                row["split_us"] = time_pass(heads, n, r, row["engine_buffer"], **timing, split=True)
+            ours = ""
+            for slice_keys in per_warp if split else []:
+                label = "split_us" if slice_keys is None else f"split_{slice_keys}_us"
+                row[label] = _time_ours(heads, n, r, row["engine_buffer"], timing, slice_keys)
+                ours += f"   split{'' if slice_keys is None else f' ({slice_keys} a warp)'} {row[label]:8.1f} us"
             results.append(row)
             picked = "padded" if row["engine_buffer"] != whole else "whole steps"
-            ours = f"   split over the keys {row['split_us']:8.1f} us" if split else ""
             print(
                 f"keys {n:6d}  rows {r:3d}  whole steps ({whole}) {row['whole_steps_us']:8.1f} us   "
                 f"padded ({padded}) {row['padded_us']:8.1f} us{ours}   engine: {picked}",

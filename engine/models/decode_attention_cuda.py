@@ -6,26 +6,27 @@ MLX's CUDA attention gives a one-query pass of up to 1,024 keys one block per qu
 each block's warps walk their keys one after another. Measured inside a decode step (Nsight
 Compute, each kernel's own time), that pass took 20 us a layer over 520 keys, 0.73 of a
 3.1 ms step, to read 2 MB. MLX's two-pass kernel, which splits the keys, starts at 1,024
-keys. This one splits any cache into slices across blocks, as the quantized cache's kernels
-do (models.quantized_attention_cuda, whose setup, running softmax and merges it shares):
-a block takes one KV head, the query rows that read it and one slice of the keys, its lane
-groups walk the slice a few keys ahead, and a second kernel merges the slices.
+keys. This one splits any cache into slices of a few dozen keys, a warp each: a warp loads
+its slice's rows at once (its lane groups a key each, the lanes across the head dimension),
+keeps an online softmax for every query row that reads its KV head (grouped heads times the
+pass's queries), merges its lane groups by shuffles and writes one partial result; a second
+kernel merges the slices (the quantized cache's, models.quantized_attention_cuda). No warp
+waits on another: the first build of this kernel gave a block's 16 lane groups one slice of
+31 keys and merged them through shared memory, and on an H100 that setup and merge were most
+of its 24-37 us a pass over 520 keys, against cuDNN's 13-14 (one warp a scheduler,
+latency-bound: docs/qmv.md, "Attention inside the compiled step").
 
 Only plain causal attention is taken (no mask for one query, or the "causal" string), for
 at most ``MAX_QUERIES`` queries and ``MAX_KEYS`` keys; the rest keeps MLX's kernel.
 
-Off (``MLX_DESK_DECODE_ATTENTION=1`` turns it on): on an H100 qwen3-4b decoded at 297.1 tok/s
-with it against 327.2 without (docs/qmv.md, "Registers"), and again, its scale array now made
-once, at 162.2 against 227.2 and 214.6, llama3-8b at 195.0 against 273.3 ("Memory waits").
-Those runs called it outside the compiled step, two kernel calls a layer built in Python each
-token where MLX's attention is one, on hosts that already spent most of a step's time
-handing it over. A compiled step now runs it inside its traced functions
-(``attend_counted``: the key count an input, the whole cache buffer read), so a step builds
-none of it in Python; on an H100 that decoded at 0.98x of the default, the kernel itself
-being the slower one (24-37 us a pass over 520 keys against cuDNN's 13-14, latency-bound at
-one warp a scheduler: docs/qmv.md, "Attention inside the compiled step"). Its source is checked on the CPU against MLX's
-attention (tests/engine/models/test_decode_attention_emulated.py) and built with NVIDIA's
-compiler where installed (253 registers a thread at qwen3-4b's step).
+Off (``MLX_DESK_DECODE_ATTENTION=1`` turns it on) until measured faster. Called outside the
+compiled step, the first build lost 9-29% of whole decode on H100s (two kernel calls a layer
+built in Python each token where MLX's attention is one); a compiled step now runs it inside
+its traced functions (``attend_counted``: the key count an input, the whole cache buffer
+read), where the first build decoded at 0.98x, its kernel the slower one. Its source is
+checked on the CPU against MLX's attention (tests/engine/models/test_decode_attention_emulated.py)
+and built with NVIDIA's compiler where installed (225 registers a thread at qwen3-4b's step,
+no spills).
 """
 
 from __future__ import annotations
@@ -46,9 +47,19 @@ MAX_QUERIES = 8
 # Longer caches keep MLX's kernels (its two-pass kernel from 1,024 keys, cuDNN from whole
 # steps of 256 past ``cache_buffers.buffer_tokens``'s limit), which were not measured against this.
 MAX_KEYS = 6144
-# Fewest keys per slice: a short cache still spreads over the multiprocessors (520 keys of
-# 8 KV heads: 17 slices, 136 blocks), its partial results a few KB.
-MIN_SLICE = 32
+# Warps a block: independent (each its own slice), grouped only so a launch has fewer blocks.
+WARPS = 4
+# Keys a warp walks in a short cache: 520 keys of qwen3-4b's 8 KV heads make 20 slices (17
+# rounded up to whole blocks), 160 warps, each one or two passes of its loop. Longer caches
+# give each warp more keys past ``TARGET_WARPS``.
+KEYS_PER_WARP = 32
+# Warps to aim for across the KV heads: eight a multiprocessor of an H200 (132), enough in
+# flight to cover the memory's latency, few enough that the partial results stay small.
+TARGET_WARPS = 1056
+# Floats a lane holds per query row set (its query share, and again its running sums), and
+# registers for the keys and values it loads ahead with their scores.
+LANE_ROW_FLOATS = 32
+LANE_LOAD_REGS = 96
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 _HEADER = """
@@ -90,52 +101,137 @@ __device__ __forceinline__ Lanes<T, P> load_lanes(const T* p, bool whole, long s
 }
 """
 
-# Each lane group loads KPL keys and their values as they are stored, converts at use.
-_WALK = """
+# Each warp walks its own slice of the keys: no block merge, no barrier. A warp's G lane
+# groups (LPK lanes a key, DPL dimensions a lane) load KPL keys each at once, so a pass of
+# the loop holds G * KPL keys' rows in flight; their scores join the running softmax as one
+# chunk (one maximum, one rescale of the sums a pass, not one a key); the groups then merge
+# by shuffles and the warp's first group writes the slice's partial result.
+_WARP_SLICE = """
+  constexpr int R = REP * L;  // query rows reading this KV head; this warp takes RB of them
+  constexpr int DPL = D / LPK;
+  constexpr int G = 32 / LPK;
+  const float NEG = neg_inf();
+  const int lane = threadIdx.x & 31;
+  const int grp = lane / LPK, sub = lane % LPK;
+  const int n_splits = gridDim.y * NW;
+  const int split = blockIdx.y * NW + (threadIdx.x >> 5);
+  const int bh = blockIdx.z / (R / RB);
+  const int row0 = (blockIdx.z % (R / RB)) * RB;
+  const int b = bh / n_kv, h = bh % n_kv;
+  const int chunk = (n_keys + n_splits - 1) / n_splits;
+  const int first = split * chunk;
+  const int stop = min(first + chunk, n_keys);
+  const float scale = sc[0] * 1.44269504088896340736f;  // log2(e): exp2 below
+
+  float qv[RB][DPL], m[RB], s_sum[RB], acc[RB][DPL];
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    const int head = h * REP + (row0 + r) / L, l = (row0 + r) % L;
+    const InT* row = q + (((long)b * (n_kv * REP) + head) * L + l) * D + sub * DPL;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) {
+      qv[r][d] = static_cast<float>(row[d]) * scale;
+      acc[r][d] = 0.f;
+    }
+    m[r] = NEG;
+    s_sum[r] = 0.f;
+  }
   const long kbase = (long)b * k_strides[0] + (long)h * k_strides[1] + (long)sub * DPL * k_strides[3];
   const long vbase = (long)b * v_strides[0] + (long)h * v_strides[1] + (long)sub * DPL * v_strides[3];
   const bool whole = lanes_whole<InT, DPL>(k + kbase, k_strides[2], k_strides[3])
       && lanes_whole<InT, DPL>(v + vbase, v_strides[2], v_strides[3]);
-  for (int j0 = first + warp * G * KPL; j0 < stop; j0 += NW * G * KPL) {
+  for (int j0 = first; j0 < stop; j0 += G * KPL) {
     Lanes<InT, DPL> kr[KPL], vr[KPL];
 #pragma unroll
     for (int u = 0; u < KPL; ++u) {
-      const int j = min(j0 + u * G + grp, stop - 1);
+      const int j = min(j0 + u * G + grp, stop - 1);  // past the slice: a repeated key, left out
       kr[u] = load_lanes<InT, DPL>(k + kbase + (long)j * k_strides[2], whole, k_strides[3]);
       vr[u] = load_lanes<InT, DPL>(v + vbase + (long)j * v_strides[2], whole, v_strides[3]);
     }
+    float s[KPL][RB];
 #pragma unroll
     for (int u = 0; u < KPL; ++u) {
-      const int j = j0 + u * G + grp;
-      float s[RB];
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
-        s[r] = 0.f;
+        s[u][r] = 0.f;
 #pragma unroll
-        for (int d = 0; d < DPL; ++d) s[r] += qv[r][d] * static_cast<float>(kr[u].v[d]);
+        for (int d = 0; d < DPL; ++d) s[u][r] += qv[r][d] * static_cast<float>(kr[u].v[d]);
       }
+    }
+    // Every key's and row's sums interleave: each shuffle round serves all of them at once.
 #pragma unroll
-      for (int o = LPK / 2; o > 0; o >>= 1) {
+    for (int o = LPK / 2; o > 0; o >>= 1) {
 #pragma unroll
-        for (int r = 0; r < RB; ++r) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
+      for (int u = 0; u < KPL; ++u) {
+#pragma unroll
+        for (int r = 0; r < RB; ++r) s[u][r] += __shfl_xor_sync(0xffffffff, s[u][r], o);
       }
-      float vf[DPL];
+    }
 #pragma unroll
-      for (int d = 0; d < DPL; ++d) vf[d] = static_cast<float>(vr[u].v[d]);
-      online_softmax<RB, DPL, L>(s, vf, j, stop, n_keys, row0, m, s_sum, acc);
+    for (int r = 0; r < RB; ++r) {
+      // Past the slice, or after the row's own position (causal: query l of L sees keys up
+      // to its own), a key is left out.
+      const int last = n_keys - L + ((row0 + r) % L);
+      float top = m[r];
+#pragma unroll
+      for (int u = 0; u < KPL; ++u) {
+        const int j = j0 + u * G + grp;
+        if (j >= stop || j > last) s[u][r] = NEG;
+        top = fmaxf(top, s[u][r]);
+      }
+      if (top == NEG) continue;  // no key of this row yet
+      const float fade = exp2f(m[r] - top);
+      m[r] = top;
+      s_sum[r] *= fade;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) acc[r][d] *= fade;
+#pragma unroll
+      for (int u = 0; u < KPL; ++u) {
+        const float p = exp2f(s[u][r] - top);
+        s_sum[r] += p;
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) acc[r][d] += p * static_cast<float>(vr[u].v[d]);
+      }
+    }
+  }
+  // The warp's lane groups merge: lanes LPK apart hold the same dimensions of other keys.
+#pragma unroll
+  for (int o = LPK; o < 32; o <<= 1) {
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      const float om = __shfl_xor_sync(0xffffffff, m[r], o);
+      const float osum = __shfl_xor_sync(0xffffffff, s_sum[r], o);
+      const float top = fmaxf(m[r], om);
+      const float f = top == NEG ? 0.f : exp2f(m[r] - top);
+      const float of = top == NEG ? 0.f : exp2f(om - top);
+      s_sum[r] = s_sum[r] * f + osum * of;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) acc[r][d] = acc[r][d] * f + __shfl_xor_sync(0xffffffff, acc[r][d], o) * of;
+      m[r] = top;
+    }
+  }
+  if (grp == 0) {
+    const long out_row = ((long)bh * n_splits + split) * R + row0;
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) part_acc[(out_row + r) * D + sub * DPL + d] = acc[r][d];
+      if (sub == 0) {
+        part_max[out_row + r] = m[r];
+        part_sum[out_row + r] = s_sum[r];
+      }
     }
   }
 """
 
 
-# The partial kernel as it is built: its body and its header (the quantized cache's setup,
-# running softmax and merges around this walk).
-_BODY = shared._SETUP + _WALK + shared._BLOCK_MERGE
-PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + _BODY
+# The partial kernel as it is built: its body and its header (the quantized cache's running
+# softmax helpers and merge kernel around this walk).
+PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + _WARP_SLICE
 # The same kernel over a whole cache buffer, its key count an input (``nk``, int32 [1]) rather
 # than the keys' shape: its shapes then stay the same from token to token, so it can run
 # inside the compiled step (``attend_counted``). The slices divide the count, not the buffer.
-COUNTED_SOURCE = "const int n_kv = k_shape[1], n_keys = nk[0];" + _BODY
+COUNTED_SOURCE = "const int n_kv = k_shape[1], n_keys = nk[0];" + _WARP_SLICE
 PARTIAL_HEADER = shared._HEADER + _HEADER
 
 
@@ -157,11 +253,17 @@ def enabled() -> bool:
     return switch(ENV, "0") == "1" and shared.available()
 
 
-def _keys_per_load(dims_per_lane: int, itemsize: int) -> int:
-    """Keys a lane group loads before computing: as many as the quantized kernel's load
-    registers hold (each key: its row and its value row, ``dims_per_lane`` values each)."""
+def _lanes_per_key(rows: int, head_dim: int) -> int:
+    """The fewest lanes per key (8, 16 or 32) whose share of the dimensions leaves each lane
+    at most LANE_ROW_FLOATS floats per query row set."""
+    return next((n for n in (8, 16) if rows * (head_dim // n) <= LANE_ROW_FLOATS), 32)
+
+
+def _keys_per_load(dims_per_lane: int, itemsize: int, rows: int) -> int:
+    """Keys a lane group loads before computing: as many as LANE_LOAD_REGS registers hold
+    (each key: its row and its value row, ``dims_per_lane`` values each, and a score a row)."""
     words = -(-dims_per_lane * itemsize // 4)
-    return max(1, min(8, shared.LANE_LOAD_REGS // (2 * words)))
+    return max(1, min(8, LANE_LOAD_REGS // (2 * words + rows)))
 
 
 def takes(q: mx.array, k: mx.array, v: mx.array, mask) -> bool:
@@ -199,22 +301,24 @@ def fits(n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dtype: mx.Dtype
 def plan(
     b: int, n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dtype: mx.Dtype
 ) -> tuple[list[tuple[str, object]], int, int]:
-    """The partial kernel's template constants, its slices of the keys (the grid's y) and its
-    blocks for each slice (KV heads times groups of query rows, the grid's z)."""
+    """The partial kernel's template constants, its slices of the keys (a warp each, WARPS a
+    block along the grid's y) and its blocks for each slice group (KV heads times groups of
+    query rows, the grid's z)."""
     rows = (n_heads // n_kv) * n_q
     block_rows = shared._rows_per_block(rows)
     row_groups = rows // block_rows
-    slices = max(1, min(math.ceil(shared.TARGET_BLOCKS / (b * n_kv * row_groups)), math.ceil(n_keys / MIN_SLICE)))
-    lanes = shared._lanes_per_key(block_rows, d)
+    slices = min(math.ceil(n_keys / KEYS_PER_WARP), math.ceil(TARGET_WARPS / (b * n_kv * row_groups)))
+    slices = WARPS * max(1, math.ceil(slices / WARPS))
+    lanes = _lanes_per_key(block_rows, d)
     template: list[tuple[str, object]] = [
         ("InT", dtype),
         ("D", d),
         ("L", n_q),
         ("REP", n_heads // n_kv),
         ("RB", block_rows),
-        ("NW", shared.WARPS),
+        ("NW", WARPS),
         ("LPK", lanes),
-        ("KPL", _keys_per_load(d // lanes, dtype.size)),
+        ("KPL", _keys_per_load(d // lanes, dtype.size, block_rows)),
     ]
     return template, slices, b * n_kv * row_groups
 
@@ -229,8 +333,8 @@ def _launches(b: int, n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dt
     template, slices, blocks = plan(b, n_heads, n_kv, n_q, n_keys, d, dtype)
     partial = dict(
         template=template,
-        grid=(shared.WARPS * 32, slices, blocks),
-        threadgroup=(shared.WARPS * 32, 1, 1),
+        grid=(WARPS * 32, slices // WARPS, blocks),
+        threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(b * n_kv, slices, rows, d), (b * n_kv, slices, rows), (b * n_kv, slices, rows)],
         output_dtypes=[mx.float32] * 3,
     )

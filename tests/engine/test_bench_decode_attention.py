@@ -45,3 +45,22 @@ def test_chained_passes_each_take_the_previous_output(capsys, monkeypatch):
     assert second is not first and third is not second and second.shape == first.shape
     if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
         assert "CUDA backend only" in out.err
+
+
+def test_each_warp_slice_length_is_timed_with_its_own_launches_then_put_back(monkeypatch):
+    from engine.models import decode_attention_cuda as ours
+
+    seen = []
+
+    def fake_pass(*args, **kwargs):
+        seen.append((ours.KEYS_PER_WARP, ours.plan(1, 32, 8, 1, 520, 128, ours.mx.bfloat16)[1]))
+        return 1.0
+
+    monkeypatch.setattr(bench_decode_attention, "time_pass", fake_pass)
+    kept = ours.KEYS_PER_WARP
+    for length in (16, None):
+        assert bench_decode_attention._time_ours((32, 8, 128), 520, 1, 528, {}, length) == 1.0
+    assert ours.KEYS_PER_WARP == kept
+    # 520 keys over slices of 16: 33, rounded up to whole blocks of warps
+    assert seen == [(16, 36), (kept, ours.plan(1, 32, 8, 1, 520, 128, ours.mx.bfloat16)[1])]
+    assert bench_decode_attention.main(["--keys-per-warp", "16,x"]) == 2

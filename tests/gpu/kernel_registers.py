@@ -98,7 +98,7 @@ def main() -> None:
         registers, spilled = build(source)
         print(
             f"| split attention, {heads} heads over {kv_heads}, {queries} queries, {keys} keys "
-            f"({slices * blocks} blocks) | as MLX builds it | {registers} | {warps(registers)} | {spilled} |"
+            f"({slices * blocks} warps, a slice each) | as MLX builds it | {registers} | {warps(registers)} | {spilled} |"
         )
 
 

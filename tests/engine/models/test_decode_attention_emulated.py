@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   const int b = atoi(argv[1]), n_kv = atoi(argv[2]), n_keys = atoi(argv[3]), capacity = atoi(argv[4]);
   const int slices = atoi(argv[5]), blocks = atoi(argv[6]), rows = R_ROWS;
   const float scale = atof(argv[7]);
+  const int grid_y = atoi(argv[8]);  // slices, or slices over the warps where each warp has its own
   auto qb = slurp("q.bin"), kb = slurp("k.bin"), vb = slurp("v.bin");
   auto ksb = slurp("ks.bin"), kbb = slurp("kb.bin"), vsb = slurp("vs.bin"), vbb = slurp("vb.bin");
   Shape ks{};
@@ -52,9 +53,9 @@ int main(int argc, char** argv) {
   const Strides st = strides(VALUE_STRIDE), sst = strides(SCALE_STRIDE);
   std::vector<float> acc((size_t)b * n_kv * slices * rows * D_DIM), mx_((size_t)b * n_kv * slices * rows),
       sm((size_t)b * n_kv * slices * rows);
-  gridDim.y = slices;
+  gridDim.y = grid_y;
   for (int z = 0; z < blocks; ++z)
-    for (int y = 0; y < slices; ++y)
+    for (int y = 0; y < grid_y; ++y)
       run_block(NW_WARPS, 0, y, z, [&] {
         partial(PARTIAL_ARGUMENTS, acc.data(), mx_.data(), sm.data());
       });
@@ -76,6 +77,7 @@ DENSE = (
     "const Strides v_strides",
     "(const T*)qb.data(), &scale, (const T*)kb.data(), ks, st, (const T*)vb.data(), st",
     decode.PARTIAL_SOURCE,
+    decode.WARPS,
 )
 # The kernel over a whole buffer, its key count an input (``nk``) and its keys' shape the
 # capacity's.
@@ -84,6 +86,7 @@ COUNTED = (
     "const Strides v_strides",
     "(const T*)qb.data(), &scale, &n_keys, (const T*)kb.data(), whole, st, (const T*)vb.data(), st",
     decode.COUNTED_SOURCE,
+    decode.WARPS,
 )
 QUANTIZED = (
     "const T* q, const float* sc, const uint32_t* kw, const Shape kw_shape, const Strides kw_strides, const T* ks, "
@@ -92,6 +95,7 @@ QUANTIZED = (
     "(const T*)qb.data(), &scale, (const uint32_t*)kb.data(), ks, st, (const T*)ksb.data(), sst, (const T*)kbb.data(), "
     "(const uint32_t*)vb.data(), st, (const T*)vsb.data(), sst, (const T*)vbb.data()",
     shared.PARTIAL_SOURCE,
+    1,  # a slice a block: its warps share it
 )
 
 
@@ -117,7 +121,7 @@ def _source(template, rows: int, n_kv: int, d: int, kernel=DENSE, row: int = 0, 
         ("MERGE_BODY", shared._MERGE),
         ("R_ROWS", str(rows)),
         ("D_DIM", str(d)),
-        ("NW_WARPS", str(shared.WARPS)),
+        ("NW_WARPS", str(dict(template)["NW"])),
         ("SCALE_STRIDE", str(scale_row)),
         ("VALUE_STRIDE", str(row or d)),
     ):
@@ -143,6 +147,7 @@ def test_the_kernels_source_equals_mlxs_attention(tmp_path, b, heads, kv_heads, 
         (1, 8, 2, 1, 70, 400, 64, mx.bfloat16),  # slices planned for the capacity, cut from the count
         (1, 8, 2, 1, 9, 1032, 64, mx.bfloat16),  # fewer keys than slices: some slices empty
         (1, 4, 1, 3, 45, 64, 128, mx.float32),  # a causal verify pass: the count sets the diagonal
+        (1, 4, 1, 3, 45, 736, 128, mx.float32),  # slices of two keys: the last ones past some rows
         (2, 2, 2, 1, 5, 9, 32, mx.float32),
     ],
 )
@@ -152,6 +157,16 @@ def test_the_counted_kernels_source_reads_only_the_counted_keys(
     """The kernel a compiled step runs over the whole buffer, its shapes the capacity's: the
     keys past the count (random, not zeros) must not reach the result."""
     _check(tmp_path, (b, heads, kv_heads, n_q, n_keys, capacity, d, dtype), counted=True)
+
+
+def test_a_warp_walks_a_long_slice_in_several_passes(tmp_path, monkeypatch):
+    """Slices longer than one pass of a warp's loop (its lane groups' loads): the running
+    softmax carries across passes, and the groups merge after."""
+    monkeypatch.setattr(decode, "KEYS_PER_WARP", 128)
+    template, _, _ = decode.plan(1, 8, 2, 1, 300, 64, mx.bfloat16)
+    per_pass = 32 // dict(template)["LPK"] * dict(template)["KPL"]
+    assert per_pass > 1 and 300 / decode.WARPS > 2 * per_pass
+    _check(tmp_path, (1, 8, 2, 1, 300, 310, 64, mx.bfloat16), counted=False)
 
 
 def _check(tmp_path, shape, counted: bool) -> None:
@@ -164,8 +179,9 @@ def _check(tmp_path, shape, counted: bool) -> None:
     rows = heads // kv_heads * n_q
     for name, a in (("q", q), ("k", k), ("v", v)):
         (tmp_path / f"{name}.bin").write_bytes(raw_values(a).tobytes())
-    build(tmp_path, _source(template, rows, kv_heads, d, COUNTED if counted else DENSE))
-    ours = _run(tmp_path, shape, slices, blocks)
+    kernel = COUNTED if counted else DENSE
+    build(tmp_path, _source(template, rows, kv_heads, d, kernel))
+    ours = _run(tmp_path, shape, slices, blocks, slices // kernel[3])
     mask = None if n_q == 1 else "causal"
     scale = d**-0.5
     theirs = mx.fast.scaled_dot_product_attention(
@@ -179,14 +195,15 @@ def _check(tmp_path, shape, counted: bool) -> None:
     assert mx.allclose(ours, theirs, atol=tol, rtol=tol).item(), mx.abs(ours - theirs).max().item()
 
 
-def _run(tmp_path, shape, slices: int, blocks: int) -> mx.array:
-    """The built kernels' output for ``shape`` (b, heads, kv heads, queries, keys, capacity, d, dtype)."""
+def _run(tmp_path, shape, slices: int, blocks: int, grid_y: int) -> mx.array:
+    """The built kernels' output for ``shape`` (b, heads, kv heads, queries, keys, capacity, d,
+    dtype), ``grid_y`` blocks along the slices."""
     b, heads, kv_heads, n_q, n_keys, capacity, d, dtype = shape
     for name in ("ks", "kb", "vs", "vb"):  # the quantized cache's scales and biases, or nothing
         if not (tmp_path / f"{name}.bin").exists():
             (tmp_path / f"{name}.bin").write_bytes(b"")
     run = subprocess.run(
-        ["./kernel", *map(str, (b, kv_heads, n_keys, capacity, slices, blocks, repr(d**-0.5)))],
+        ["./kernel", *map(str, (b, kv_heads, n_keys, capacity, slices, blocks, repr(d**-0.5), grid_y))],
         cwd=tmp_path,
         capture_output=True,
         timeout=120,
@@ -217,7 +234,7 @@ def test_the_quantized_caches_source_equals_attention_over_the_dequantized_cache
         (tmp_path / f"{name}b.bin").write_bytes(raw_values(biases).tobytes())
     source = _source(template, heads // kv_heads * n_q, kv_heads, d, QUANTIZED, d * bits // 32, d // group)
     build(tmp_path, source)
-    ours = _run(tmp_path, (b, heads, kv_heads, n_q, n_keys, capacity, d, dtype), slices, blocks)
+    ours = _run(tmp_path, (b, heads, kv_heads, n_q, n_keys, capacity, d, dtype), slices, blocks, slices)
     k, v = (mx.dequantize(*codes[n], group_size=group, bits=bits)[:, :, :n_keys].astype(mx.float32) for n in "kv")
     mask = None if n_q == 1 else "causal"
     theirs = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k, v, scale=d**-0.5, mask=mask)
