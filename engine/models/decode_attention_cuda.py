@@ -310,6 +310,9 @@ def plan(
     slices = min(math.ceil(n_keys / KEYS_PER_WARP), math.ceil(TARGET_WARPS / (b * n_kv * row_groups)))
     slices = WARPS * max(1, math.ceil(slices / WARPS))
     lanes = _lanes_per_key(block_rows, d)
+    # No more keys a lane group loads than its share of a slice: short slices take one pass
+    # of the loop without loading repeated keys.
+    group_share = math.ceil(math.ceil(n_keys / slices) / (32 // lanes))
     template: list[tuple[str, object]] = [
         ("InT", dtype),
         ("D", d),
@@ -318,7 +321,7 @@ def plan(
         ("RB", block_rows),
         ("NW", WARPS),
         ("LPK", lanes),
-        ("KPL", _keys_per_load(d // lanes, dtype.size, block_rows)),
+        ("KPL", min(group_share, _keys_per_load(d // lanes, dtype.size, block_rows))),
     ]
     return template, slices, b * n_kv * row_groups
 
