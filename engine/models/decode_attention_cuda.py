@@ -225,6 +225,71 @@ _WARP_SLICE = """
 """
 
 
+# One block per (KV head, query row): merge the warps' partial results. With slices of a few
+# dozen keys there are tens of them a row, so the block spreads them over its threads: every
+# thread weighs a share of the slices (their maxima against the row's), and each warp sums a
+# share of the slices' values, a lane a few dimensions; the warps' sums then add up.
+_MERGE = """
+  constexpr int R = REP * L;
+  constexpr int DPT = D / 32;  // dimensions a lane sums
+  constexpr int MW = MERGE_THREADS / 32;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r = blockIdx.y, bh = blockIdx.z;
+  const int n_splits = part_max_shape[1];
+  const int b = bh / NKV, h = bh % NKV;
+  const long row0 = (long)bh * n_splits * R + r;
+  const float NEG = neg_inf();
+  __shared__ float weight[MAX_SLICES];
+  __shared__ float warp_top[MW], warp_den[MW];
+  __shared__ float warp_acc[MW][D];
+
+  float top = NEG;
+  for (int s = tid; s < n_splits; s += MERGE_THREADS) top = fmaxf(top, part_max[row0 + (long)s * R]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+  if (lane == 0) warp_top[warp] = top;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < MW; ++w) top = fmaxf(top, warp_top[w]);
+  float den = 0.f;
+  for (int s = tid; s < n_splits; s += MERGE_THREADS) {
+    const float m_s = part_max[row0 + (long)s * R];
+    const float f = m_s == NEG ? 0.f : exp2f(m_s - top);  // a slice with none of this row's keys
+    weight[s] = f;
+    den += f * part_sum[row0 + (long)s * R];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffff, den, o);
+  if (lane == 0) warp_den[warp] = den;
+  __syncthreads();
+  float a[DPT];
+#pragma unroll
+  for (int i = 0; i < DPT; ++i) a[i] = 0.f;
+  for (int s = warp; s < n_splits; s += MW) {
+    const float f = weight[s];
+    const float* row = part_acc + (row0 + (long)s * R) * D + lane * DPT;
+#pragma unroll
+    for (int i = 0; i < DPT; ++i) a[i] += f * row[i];
+  }
+#pragma unroll
+  for (int i = 0; i < DPT; ++i) warp_acc[warp][lane * DPT + i] = a[i];
+  __syncthreads();
+  den = 0.f;
+#pragma unroll
+  for (int w = 0; w < MW; ++w) den += warp_den[w];
+  const int head = h * REP + r / L, l = r % L;
+  for (int d = tid; d < D; d += MERGE_THREADS) {
+    float num = 0.f;
+#pragma unroll
+    for (int w = 0; w < MW; ++w) num += warp_acc[w][d];
+    out[(((long)b * (NKV * REP) + head) * L + l) * D + d] = static_cast<InT>(num / den);
+  }
+"""
+# Threads of a merge block, and the most slices a row may have (TARGET_WARPS for one KV head).
+MERGE_THREADS = 128
+MAX_SLICES = TARGET_WARPS
+
+
 # The partial kernel as it is built: its body and its header (the quantized cache's running
 # softmax helpers and merge kernel around this walk).
 PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + _WARP_SLICE
@@ -233,6 +298,18 @@ PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + _WARP_SLI
 # inside the compiled step (``attend_counted``). The slices divide the count, not the buffer.
 COUNTED_SOURCE = "const int n_kv = k_shape[1], n_keys = nk[0];" + _WARP_SLICE
 PARTIAL_HEADER = shared._HEADER + _HEADER
+MERGE_HEADER = shared._HEADER + f"constexpr int MERGE_THREADS = {MERGE_THREADS}, MAX_SLICES = {MAX_SLICES};\n"
+
+
+@cache
+def _merge():
+    return cuda_kernel(
+        name="decode_attention_merge",
+        input_names=["part_acc", "part_max", "part_sum"],
+        output_names=["out"],
+        source=_MERGE,
+        header=MERGE_HEADER,
+    )
 
 
 @cache
@@ -343,8 +420,8 @@ def _launches(b: int, n_heads: int, n_kv: int, n_q: int, n_keys: int, d: int, dt
     )
     merge = dict(
         template=[("InT", dtype), ("D", d), ("L", n_q), ("REP", n_heads // n_kv), ("NKV", n_kv)],
-        grid=(d, rows, b * n_kv),
-        threadgroup=(d, 1, 1),
+        grid=(MERGE_THREADS, rows, b * n_kv),
+        threadgroup=(MERGE_THREADS, 1, 1),
         output_shapes=[(b, n_heads, n_q, d)],
         output_dtypes=[dtype],
     )
@@ -360,7 +437,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float) ->
     part_acc, part_max, part_sum = _partial()(
         inputs=[mx.contiguous(queries), shared._scale_array(scale), keys, values], **partial
     )
-    (out,) = shared._kernels()[1](inputs=[part_acc, part_max, part_sum], **merge)
+    (out,) = _merge()(inputs=[part_acc, part_max, part_sum], **merge)
     return out
 
 
@@ -378,5 +455,5 @@ def attend_counted(queries: mx.array, buffer: mx.array, n_keys: mx.array, scale:
     part_acc, part_max, part_sum = _partial(counted=True)(
         inputs=[mx.contiguous(queries), shared._scale_array(scale), n_keys, buffer[0, :], buffer[1, :]], **partial
     )
-    (out,) = shared._kernels()[1](inputs=[part_acc, part_max, part_sum], **merge)
+    (out,) = _merge()(inputs=[part_acc, part_max, part_sum], **merge)
     return out

@@ -14,6 +14,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
+from engine.models import decode_attention_cuda as dense_attention
 from engine.models import gathered_matmul_cuda as gathered
 from engine.models import head_norm_rope_cuda as heads
 from engine.models import l2_ahead_cuda as l2_ahead
@@ -125,6 +126,9 @@ def test_launch_bounds_reach_the_kernel_through_its_header(monkeypatch, tmp_path
 @pytest.mark.parametrize("heads, kv_heads, queries, keys, dims", PASSES, ids=str)
 def test_attention_over_a_full_precision_cache_builds_without_spilling(tmp_path, heads, kv_heads, queries, keys, dims):
     assert build(tmp_path, dense_partial(heads, kv_heads, queries, keys, dims))[1] == 0
+    constants = [("InT", mx.bfloat16), ("D", dims), ("L", queries), ("REP", heads // kv_heads), ("NKV", kv_heads)]
+    merge = wrapped(PARTS, {"out": "InT"}, constants, dense_attention.MERGE_HEADER, dense_attention._MERGE)
+    assert build(tmp_path, merge)[1] == 0
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ The GPU tests check the same on CUDA."""
 from __future__ import annotations
 
 import subprocess
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -64,7 +65,7 @@ int main(int argc, char** argv) {
   std::vector<T> out((size_t)b * n_kv * rows * D_DIM);
   for (int z = 0; z < b * n_kv; ++z)
     for (int r = 0; r < rows; ++r)
-      run_block(D_DIM / 32, 0, r, z, [&] { merge(acc.data(), ps, mx_.data(), sm.data(), out.data()); });
+      run_block(MERGE_WARPS, 0, r, z, [&] { merge(acc.data(), ps, mx_.data(), sm.data(), out.data()); });
   FILE* f = fopen("out.bin", "wb");
   fwrite(out.data(), sizeof(T), out.size(), f);
   fclose(f);
@@ -72,30 +73,46 @@ int main(int argc, char** argv) {
 """
 
 
-DENSE = (
+class Kernel(NamedTuple):
+    """A partial kernel as the driver calls it, and the merge that follows it."""
+
+    parameters: str
+    arguments: str
+    body: str
+    slices_a_block: int  # along the grid's y: a warp each, or the whole block on one
+    merge: str
+    merge_warps: int  # 0: a warp per 32 dimensions
+
+
+_DENSE_MERGE = (decode._MERGE, decode.MERGE_THREADS // 32)
+DENSE = Kernel(
     "const T* q, const float* sc, const T* k, const Shape k_shape, const Strides k_strides, const T* v, "
     "const Strides v_strides",
     "(const T*)qb.data(), &scale, (const T*)kb.data(), ks, st, (const T*)vb.data(), st",
     decode.PARTIAL_SOURCE,
     decode.WARPS,
+    *_DENSE_MERGE,
 )
 # The kernel over a whole buffer, its key count an input (``nk``) and its keys' shape the
 # capacity's.
-COUNTED = (
+COUNTED = Kernel(
     "const T* q, const float* sc, const int* nk, const T* k, const Shape k_shape, const Strides k_strides, const T* v, "
     "const Strides v_strides",
     "(const T*)qb.data(), &scale, &n_keys, (const T*)kb.data(), whole, st, (const T*)vb.data(), st",
     decode.COUNTED_SOURCE,
     decode.WARPS,
+    *_DENSE_MERGE,
 )
-QUANTIZED = (
+QUANTIZED = Kernel(
     "const T* q, const float* sc, const uint32_t* kw, const Shape kw_shape, const Strides kw_strides, const T* ks, "
     "const Strides ks_strides, const T* kb, const uint32_t* vw, const Strides vw_strides, const T* vs, "
     "const Strides vs_strides, const T* vb",
     "(const T*)qb.data(), &scale, (const uint32_t*)kb.data(), ks, st, (const T*)ksb.data(), sst, (const T*)kbb.data(), "
     "(const uint32_t*)vb.data(), st, (const T*)vsb.data(), sst, (const T*)vbb.data()",
     shared.PARTIAL_SOURCE,
-    1,  # a slice a block: its warps share it
+    1,
+    shared._MERGE,
+    0,
 )
 
 
@@ -104,7 +121,7 @@ def _source(template, rows: int, n_kv: int, d: int, kernel=DENSE, row: int = 0, 
     the template constants; ``row`` and ``scale_row``: the buffers' row lengths in elements
     (values or code words, and scales), d values by default."""
     constants = {name: value for name, value in template if name != "InT"}
-    constants["NKV"] = n_kv
+    constants.update(NKV=n_kv, MERGE_THREADS=decode.MERGE_THREADS, MAX_SLICES=decode.MAX_SLICES)
     lines = " ".join(f"constexpr int {name} = {value};" for name, value in constants.items())
     dtype = dict(template)["InT"]
     prelude = PRELUDE.replace(
@@ -115,10 +132,11 @@ def _source(template, rows: int, n_kv: int, d: int, kernel=DENSE, row: int = 0, 
     for placeholder, text in (
         ("HEADERS", decode.PARTIAL_HEADER),
         ("CONSTANTS", lines),
-        ("PARTIAL_PARAMETERS", kernel[0]),
-        ("PARTIAL_ARGUMENTS", kernel[1]),
-        ("PARTIAL_BODY", kernel[2]),
-        ("MERGE_BODY", shared._MERGE),
+        ("PARTIAL_PARAMETERS", kernel.parameters),
+        ("PARTIAL_ARGUMENTS", kernel.arguments),
+        ("PARTIAL_BODY", kernel.body),
+        ("MERGE_BODY", kernel.merge),
+        ("MERGE_WARPS", str(kernel.merge_warps or d // 32)),
         ("R_ROWS", str(rows)),
         ("D_DIM", str(d)),
         ("NW_WARPS", str(dict(template)["NW"])),
@@ -181,7 +199,7 @@ def _check(tmp_path, shape, counted: bool) -> None:
         (tmp_path / f"{name}.bin").write_bytes(raw_values(a).tobytes())
     kernel = COUNTED if counted else DENSE
     build(tmp_path, _source(template, rows, kv_heads, d, kernel))
-    ours = _run(tmp_path, shape, slices, blocks, slices // kernel[3])
+    ours = _run(tmp_path, shape, slices, blocks, slices // kernel.slices_a_block)
     mask = None if n_q == 1 else "causal"
     scale = d**-0.5
     theirs = mx.fast.scaled_dot_product_attention(
