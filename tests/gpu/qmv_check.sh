@@ -16,7 +16,7 @@
 #   batch: the batch step of 8 rows taken apart, and 8, 12 and 16 streams against mlx-lm, then
 #          with the tensor-core kernel turned off;
 #   attention: decode attention split over the keys (off by default) against MLX's: its tests,
-#          passes chained as a step chains them, a step's host share and decode with it on and
+#          passes chained as a step chains them (for each length of a warp's slice), a step's host share and decode with it on and
 #          off in interleaved rounds, and one step's kernels under Nsight Compute with it on;
 #   profile: the one-row products' stall reasons under Nsight Compute.
 # Run from the repository root:
@@ -160,7 +160,7 @@ if [ "$PART" = "all" ] || [ "$PART" = "attention" ]; then
   pytest_step 150 "decode attention tests, and the quantized cache's (shared source)" \
     tests/engine/models/test_decode_attention_cuda.py tests/engine/models/test_quantized_attention_cuda.py
   step 120 "decode attention microbench, chained passes" "$PY" -m engine.cli.bench_decode_attention \
-    --shape qwen3-4b --keys 520,2000,6000 --rows 1,4 --chain --ours
+    --shape qwen3-4b --keys 520,2000,6000 --rows 1,4 --chain --ours --keys-per-warp 8,16,32,64
   # A step's host share with it on and off (it runs inside the compiled step: docs/qmv.md,
   # "Attention inside the compiled step"), then whole decode in interleaved rounds.
   for on in 0 1; do
