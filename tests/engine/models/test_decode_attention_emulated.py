@@ -1,9 +1,10 @@
-"""The split decode attention's CUDA source (models.decode_attention_cuda), and the quantized
-cache's whose parts it shares (models.quantized_attention_cuda), built for the CPU with g++
-(``cuda_on_cpu``: a thread per lane, blocks one after another) and run over a cache read in
-place from a larger buffer, must equal MLX's own attention (over the dequantized cache for
-the quantized one): one query, a causal verify pass, grouped heads, float32 and bfloat16.
-The GPU tests check the same on CUDA."""
+"""The split decode attention's CUDA source (models.decode_attention_cuda: a warp a slice,
+then its own merge), and the quantized cache's whose header it shares
+(models.quantized_attention_cuda), built for the CPU with g++ (``cuda_on_cpu``: a thread per
+lane, blocks one after another) and run over a cache read in place from a larger buffer,
+must equal MLX's own attention (over the dequantized cache for the quantized one): one
+query, a causal verify pass, grouped heads, float32 and bfloat16, slices walked in one pass
+or several, empty or past some rows' positions. The GPU tests check the same on CUDA."""
 
 from __future__ import annotations
 
