@@ -123,16 +123,17 @@ _WARP_SLICE = """
   const int stop = min(first + chunk, n_keys);
   const float scale = sc[0] * 1.44269504088896340736f;  // log2(e): exp2 below
 
-  float qv[RB][DPL], m[RB], s_sum[RB], acc[RB][DPL];
+  // The query rows are loaded whole (16 or 8 bytes a lane) and converted in each pass after
+  // its keys' loads are issued, so their round trip overlaps the keys' instead of preceding it.
+  Lanes<InT, DPL> qraw[RB];
+  float m[RB], s_sum[RB], acc[RB][DPL];
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
     const int head = h * REP + (row0 + r) / L, l = (row0 + r) % L;
     const InT* row = q + (((long)b * (n_kv * REP) + head) * L + l) * D + sub * DPL;
+    qraw[r] = load_lanes<InT, DPL>(row, lanes_whole<InT, DPL>(row, D, 1), 1);
 #pragma unroll
-    for (int d = 0; d < DPL; ++d) {
-      qv[r][d] = static_cast<float>(row[d]) * scale;
-      acc[r][d] = 0.f;
-    }
+    for (int d = 0; d < DPL; ++d) acc[r][d] = 0.f;
     m[r] = NEG;
     s_sum[r] = 0.f;
   }
@@ -155,7 +156,7 @@ _WARP_SLICE = """
       for (int r = 0; r < RB; ++r) {
         s[u][r] = 0.f;
 #pragma unroll
-        for (int d = 0; d < DPL; ++d) s[u][r] += qv[r][d] * static_cast<float>(kr[u].v[d]);
+        for (int d = 0; d < DPL; ++d) s[u][r] += static_cast<float>(qraw[r].v[d]) * static_cast<float>(kr[u].v[d]);
       }
     }
     // Every key's and row's sums interleave: each shuffle round serves all of them at once.
@@ -166,6 +167,11 @@ _WARP_SLICE = """
 #pragma unroll
         for (int r = 0; r < RB; ++r) s[u][r] += __shfl_xor_sync(0xffffffff, s[u][r], o);
       }
+    }
+#pragma unroll
+    for (int u = 0; u < KPL; ++u) {
+#pragma unroll
+      for (int r = 0; r < RB; ++r) s[u][r] *= scale;
     }
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
@@ -214,8 +220,14 @@ _WARP_SLICE = """
     const long out_row = ((long)bh * n_splits + split) * R + row0;
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
+      float* out = part_acc + (out_row + r) * D + sub * DPL;
+      if constexpr (DPL % 4 == 0) {  // 16-byte stores: D is a multiple of 32, DPL of 4
 #pragma unroll
-      for (int d = 0; d < DPL; ++d) part_acc[(out_row + r) * D + sub * DPL + d] = acc[r][d];
+        for (int d = 0; d < DPL; d += 4) *reinterpret_cast<float4*>(out + d) = make_float4(acc[r][d], acc[r][d + 1], acc[r][d + 2], acc[r][d + 3]);
+      } else {
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) out[d] = acc[r][d];
+      }
       if (sub == 0) {
         part_max[out_row + r] = m[r];
         part_sum[out_row + r] = s_sum[r];

@@ -29,6 +29,8 @@ inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
 using std::min;
 struct uint4 { uint32_t x, y, z, w; };
 struct uint2 { uint32_t x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 struct bf16 {  // bfloat16: float's top half, rounded to nearest even
   uint16_t v;
   bf16() = default;
