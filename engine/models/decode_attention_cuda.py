@@ -10,11 +10,14 @@ keys. This one splits any cache into slices of a few dozen keys, a warp each: a 
 its slice's rows at once (its lane groups a key each, the lanes across the head dimension),
 keeps an online softmax for every query row that reads its KV head (grouped heads times the
 pass's queries), merges its lane groups by shuffles and writes one partial result; a second
-kernel merges the slices (the quantized cache's, models.quantized_attention_cuda). No warp
-waits on another: the first build of this kernel gave a block's 16 lane groups one slice of
-31 keys and merged them through shared memory, and on an H100 that setup and merge were most
-of its 24-37 us a pass over 520 keys, against cuDNN's 13-14 (one warp a scheduler,
-latency-bound: docs/qmv.md, "Attention inside the compiled step").
+kernel merges the slices, a block a row. No warp waits on another: the first build of this
+kernel gave a block's 16 lane groups one slice of 31 keys and merged them through shared
+memory, and on an H100 that setup and merge were most of its 24-37 us a pass over 520 keys,
+against cuDNN's 13-14 (one warp a scheduler, latency-bound: docs/qmv.md, "Attention inside
+the compiled step"). The warp a slice halved a warp's instructions but not the time (44.8 us
+chained over 520 keys against MLX's 18.7; docs/qmv.md, "A warp a slice"): 70% of its stalls
+waited on the query, then loaded two bytes at a time before any key, which its rows now load
+whole, their round trip overlapping the keys'.
 
 Only plain causal attention is taken (no mask for one query, or the "causal" string), for
 at most ``MAX_QUERIES`` queries and ``MAX_KEYS`` keys; the rest keeps MLX's kernel.
@@ -23,10 +26,10 @@ Off (``MLX_DESK_DECODE_ATTENTION=1`` turns it on) until measured faster. Called 
 compiled step, the first build lost 9-29% of whole decode on H100s (two kernel calls a layer
 built in Python each token where MLX's attention is one); a compiled step now runs it inside
 its traced functions (``attend_counted``: the key count an input, the whole cache buffer
-read), where the first build decoded at 0.98x, its kernel the slower one. Its source is
-checked on the CPU against MLX's attention (tests/engine/models/test_decode_attention_emulated.py)
-and built with NVIDIA's compiler where installed (225 registers a thread at qwen3-4b's step,
-no spills).
+read), where the first build decoded at 0.98x and the warp a slice at 0.955x, its kernels
+the slower ones. Its source is checked on the CPU against MLX's attention
+(tests/engine/models/test_decode_attention_emulated.py) and built with NVIDIA's compiler
+where installed (233 registers a thread at qwen3-4b's step, no spills).
 """
 
 from __future__ import annotations
@@ -302,8 +305,8 @@ MERGE_THREADS = 128
 MAX_SLICES = TARGET_WARPS
 
 
-# The partial kernel as it is built: its body and its header (the quantized cache's running
-# softmax helpers and merge kernel around this walk).
+# The partial kernel as it is built: its body, and its header (the quantized cache's helpers
+# and the whole-lane loads above).
 PARTIAL_SOURCE = "const int n_kv = k_shape[1], n_keys = k_shape[2];" + _WARP_SLICE
 # The same kernel over a whole cache buffer, its key count an input (``nk``, int32 [1]) rather
 # than the keys' shape: its shapes then stay the same from token to token, so it can run
