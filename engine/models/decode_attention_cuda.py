@@ -109,23 +109,14 @@ __device__ __forceinline__ Lanes<T, P> load_lanes(const T* p, bool whole, long s
 # the loop holds G * KPL keys' rows in flight; their scores join the running softmax as one
 # chunk (one maximum, one rescale of the sums a pass, not one a key); the groups then merge
 # by shuffles and the warp's first group writes the slice's partial result.
-_WARP_SLICE = """
-  constexpr int R = REP * L;  // query rows reading this KV head; this warp takes RB of them
-  constexpr int DPL = D / LPK;
-  constexpr int G = 32 / LPK;
-  const float NEG = neg_inf();
-  const int lane = threadIdx.x & 31;
-  const int grp = lane / LPK, sub = lane % LPK;
+_WARP_SLICE = (
+    shared.LANES
+    + """
   const int n_splits = gridDim.y * NW;
   const int split = blockIdx.y * NW + (threadIdx.x >> 5);
-  const int bh = blockIdx.z / (R / RB);
-  const int row0 = (blockIdx.z % (R / RB)) * RB;
-  const int b = bh / n_kv, h = bh % n_kv;
-  const int chunk = (n_keys + n_splits - 1) / n_splits;
-  const int first = split * chunk;
-  const int stop = min(first + chunk, n_keys);
-  const float scale = sc[0] * 1.44269504088896340736f;  // log2(e): exp2 below
-
+"""
+    + shared.SLICE
+    + """
   // The query rows are loaded whole (16 or 8 bytes a lane) and converted in each pass after
   // its keys' loads are issued, so their round trip overlaps the keys' instead of preceding it.
   Lanes<InT, DPL> qraw[RB];
@@ -238,6 +229,7 @@ _WARP_SLICE = """
     }
   }
 """
+)
 
 
 # One block per (KV head, query row): merge the warps' partial results. With slices of a few

@@ -83,17 +83,17 @@ __device__ __forceinline__ void online_softmax(const float (&s)[RB], const float
 # block takes), NW (warps), LPK (lanes per key: a warp reads 32 / LPK keys at once), KPL
 # (keys each lane group loads before computing), NKV (KV heads; merge only). A model
 # compiles a few: one per L.
-_SETUP = """
-  constexpr int R = REP * L;  // query rows reading this KV head; this block takes RB of them
+# A lane's place: its lane group (a key) and its share of the head's dimensions.
+LANES = """
+  constexpr int R = REP * L;  // query rows reading this KV head; a block (or warp) takes RB of them
   constexpr int DPL = D / LPK;
   constexpr int G = 32 / LPK;
   const float NEG = neg_inf();
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
   const int grp = lane / LPK, sub = lane % LPK;
-  const int walker = warp * G + grp;  // this lane group's share of the slice
-  const int split = blockIdx.y;
-  const int n_splits = gridDim.y;
+"""
+# Given ``split`` of ``n_splits``: the KV head, the query rows and the keys [first, stop).
+SLICE = """
   const int bh = blockIdx.z / (R / RB);
   const int row0 = (blockIdx.z % (R / RB)) * RB;
   const int b = bh / n_kv, h = bh % n_kv;
@@ -101,7 +101,17 @@ _SETUP = """
   const int first = split * chunk;
   const int stop = min(first + chunk, n_keys);
   const float scale = sc[0] * 1.44269504088896340736f;  // log2(e): exp2 below
-
+"""
+_SETUP = (
+    LANES
+    + """
+  const int warp = threadIdx.x >> 5;
+  const int walker = warp * G + grp;  // this lane group's share of the slice
+  const int split = blockIdx.y;
+  const int n_splits = gridDim.y;
+"""
+    + SLICE
+    + """
   float qv[RB][DPL];
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
@@ -119,6 +129,7 @@ _SETUP = """
     for (int d = 0; d < DPL; ++d) acc[r][d] = 0.f;
   }
 """
+)
 
 # The quantized cache's walk: each lane group loads KPL keys' codes, dequantizes at use.
 _WALK = """
